@@ -1,0 +1,47 @@
+# recpipe: every set-up step lives here. A fresh machine needs only python3.11.
+#   make venv   create .venv, install the pinned stack, build + install recpipe
+#   make test   venv + pytest (CI: .ci/run)
+#   make bench  venv + every scripts/bench_*.py
+#   make run    venv + the default recipe through torchx (2 local CPU processes)
+#   make dev    build the extension in place and lay out build/dev for PYTHONPATH
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.stack-installed
+SRCS   := $(shell find csrc pipeline planner recipes -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.yaml' \) 2>/dev/null) setup.py
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+
+.PHONY: venv test bench run dev clean
+
+$(STAMP): requirements.txt requirements-nodeps.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip>=24"
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	touch $@
+
+$(VENV)/.recpipe-installed: $(STAMP) $(SRCS)
+	$(PIP) install -q --no-build-isolation --no-deps .
+	touch $@
+
+venv: $(VENV)/.recpipe-installed
+
+test: venv
+	cd tests && ../$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: venv
+	@for b in scripts/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+run: venv
+	$(PY) -m recpipe.recipes.launch
+
+# Development overlay: `PYTHONPATH=build/dev` imports the source folders live
+# (symlinked) with a CPU-only extension. Tests in CI use the installed package.
+dev: $(STAMP)
+	RECPIPE_CUDA=$${RECPIPE_CUDA:-0} $(PY) setup.py -q build_ext -b build/dev
+	mkdir -p build/dev/recpipe
+	for d in pipeline planner recipes; do ln -sfn ../../../$$d build/dev/recpipe/$$d; done
+
+clean:
+	rm -rf build dist *.egg-info $(VENV)/.recpipe-installed

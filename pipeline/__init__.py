@@ -1,0 +1,1 @@
+"""recpipe.pipeline: TrainPipelineFusedSparseDist, sharders, tiered storage and op wrappers."""

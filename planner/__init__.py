@@ -1,0 +1,1 @@
+"""recpipe.planner: the embedded placement planner (HYBRID / CACHING per table)."""

@@ -1,0 +1,1 @@
+"""recpipe.recipes: DLRM training entry points, data, torchx components."""
