@@ -1,0 +1,330 @@
+"""Typed wrappers, fake kernels and KJT helpers for ``torch.ops.recpipe.*``.
+
+The kernels live in ``recpipe._C`` (``csrc/bucketize.cpp`` for the schemas and
+CPU, ``csrc/bucketize_cuda.cu`` for CUDA); the routing math they share is
+``csrc/bucketize_math.h``. Importing this module loads the extension and
+registers the fake (meta) kernels used by ``torch.compile`` and FakeTensor.
+
+Distribution types (per feature):
+
+* ``continuous`` (0): fbgemm's block split. ``owner = id // block``,
+  ``local = id % block`` for ``id < block * W``; other ids (raw, unhashed) go to
+  ``id % W`` with local ``id // W``. Bit-identical to
+  ``torch.ops.fbgemm.block_bucketize_sparse_features``.
+* ``roundrobin`` (1): ``owner = id % W``, ``local = id // W``.
+* ``hash_roundrobin`` (2): roundrobin over a seeded bijection ``H`` of the
+  table's id space ``[0, N)``: ``owner = H(id) % W``, ``local = H(id) // W``.
+  Local ids on every rank stay dense (rank ``r`` owns ``ceil((N - r) / W)``
+  rows) while aliased id patterns (``k * W + r``, ``k * 2**j``) spread evenly.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+import recpipe._C  # noqa: F401  (registers torch.ops.recpipe.*)
+
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = [
+    "DIST_TYPES",
+    "BucketizeResult",
+    "block_bucketize_sparse_features",
+    "bucketize_kjt",
+    "dist_type_code",
+    "hash_roundrobin_global_ids",
+    "route_ids",
+]
+
+#: Name -> code of the ``dist_types`` tensor (csrc/bucketize_math.h ``DistType``).
+DIST_TYPES: dict[str, int] = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}
+
+
+def dist_type_code(name: str) -> int:
+    """Code of a distribution type name.
+
+    Args:
+        name: one of ``continuous``, ``roundrobin``, ``hash_roundrobin``.
+
+    Returns:
+        0, 1 or 2.
+    """
+    try:
+        return DIST_TYPES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown dist_type {name!r}; choose one of {sorted(DIST_TYPES)}"
+        ) from None
+
+
+class BucketizeResult(NamedTuple):
+    """Outputs of :func:`block_bucketize_sparse_features` (fbgemm's layout).
+
+    Attributes:
+        new_lengths: ``[W * F * B]`` lengths ordered (rank, feature, sample).
+        new_indices: local ids in the same order; order inside a bag preserved.
+        new_weights: weights following their ids, or None.
+        new_pos: position of each id in its original bag, or None.
+        unbucketize_permute: output position of each input id (``sequence``), or None.
+    """
+
+    new_lengths: torch.Tensor
+    new_indices: torch.Tensor
+    new_weights: Optional[torch.Tensor]
+    new_pos: Optional[torch.Tensor]
+    unbucketize_permute: Optional[torch.Tensor]
+
+
+@torch.library.register_fake("recpipe::block_bucketize_sparse_features")
+def _block_bucketize_fake(
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    block_sizes: torch.Tensor,
+    dist_types: torch.Tensor,
+    my_size: int,
+    sequence: bool = False,
+    bucketize_pos: bool = False,
+    weights: Optional[torch.Tensor] = None,
+    table_sizes: Optional[torch.Tensor] = None,
+    seed: int = 0,
+    keep_orig_idx: bool = False,
+) -> tuple[
+    torch.Tensor,
+    torch.Tensor,
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+    Optional[torch.Tensor],
+]:
+    torch._check(my_size > 0, lambda: f"`my_size` must be >= 1, got {my_size}")
+    for name, t in (("indices", indices), ("weights", weights)):
+        if t is not None and t.device != lengths.device:
+            raise RuntimeError(
+                f"recpipe: `{name}` is on {t.device} but `lengths` is on {lengths.device}; "
+                "move all tensor arguments to one device."
+            )
+    torch._check(
+        block_sizes.numel() == dist_types.numel(),
+        lambda: "`block_sizes` and `dist_types` need one entry per feature",
+    )
+    new_lengths = lengths.new_empty((my_size * lengths.numel(),))
+    new_indices = torch.empty_like(indices)
+    new_weights = torch.empty_like(weights) if weights is not None else None
+    new_pos = torch.empty_like(indices) if bucketize_pos else None
+    permute = torch.empty_like(indices) if sequence else None
+    return new_lengths, new_indices, new_weights, new_pos, permute
+
+
+@torch.library.register_fake("recpipe::hash_roundrobin_global_ids")
+def _global_ids_fake(
+    ranks: torch.Tensor,
+    local_ids: torch.Tensor,
+    table_size: int,
+    world_size: int,
+    seed: int = 0,
+) -> torch.Tensor:
+    torch._check(
+        ranks.numel() == local_ids.numel(),
+        lambda: "`ranks` and `local_ids` need the same number of entries",
+    )
+    return torch.empty_like(local_ids)
+
+
+def block_bucketize_sparse_features(
+    lengths: torch.Tensor,
+    indices: torch.Tensor,
+    block_sizes: torch.Tensor,
+    dist_types: torch.Tensor,
+    my_size: int,
+    *,
+    sequence: bool = False,
+    bucketize_pos: bool = False,
+    weights: Optional[torch.Tensor] = None,
+    table_sizes: Optional[torch.Tensor] = None,
+    seed: int = 0,
+    keep_orig_idx: bool = False,
+) -> BucketizeResult:
+    """Splits every bag of a flat KJT by owner rank.
+
+    Args:
+        lengths: ``[F * B]`` bag lengths (int32/int64), feature-major.
+        indices: ids (int32/int64), ``lengths.sum()`` of them.
+        block_sizes: ``[F]`` rows per rank, used by continuous features.
+        dist_types: ``[F]`` codes, see :data:`DIST_TYPES`.
+        my_size: world size ``W``.
+        sequence: also return ``unbucketize_permute``.
+        bucketize_pos: also return each id's position in its bag.
+        weights: per-id weights (fp16/bf16/fp32/fp64) that follow their ids.
+        table_sizes: ``[F]`` row counts; required by hash_roundrobin features.
+        seed: seed of the hash_roundrobin bijection.
+        keep_orig_idx: return raw ids instead of local ids (key-value backends).
+
+    Returns:
+        :class:`BucketizeResult`.
+
+    Example::
+
+        out = block_bucketize_sparse_features(
+            lengths, indices, torch.tensor([250]), torch.tensor([2]), 4,
+            table_sizes=torch.tensor([1000]),
+        )
+    """
+    return BucketizeResult(
+        *torch.ops.recpipe.block_bucketize_sparse_features(
+            lengths,
+            indices,
+            block_sizes,
+            dist_types,
+            my_size,
+            sequence,
+            bucketize_pos,
+            weights,
+            table_sizes,
+            seed,
+            keep_orig_idx,
+        )
+    )
+
+
+def hash_roundrobin_global_ids(
+    ranks: torch.Tensor,
+    local_ids: torch.Tensor,
+    table_size: int,
+    world_size: int,
+    seed: int = 0,
+) -> torch.Tensor:
+    """Inverse of hash_roundrobin routing: (owner rank, local id) -> global id.
+
+    ``global = H^-1(local * W + rank)``; checkpoints use it to export global row
+    ids whatever the routing.
+
+    Args:
+        ranks: owner rank of each row.
+        local_ids: local row id on that rank.
+        table_size: rows ``N`` of the table.
+        world_size: ``W`` the rows were routed with.
+        seed: the routing seed.
+
+    Returns:
+        Global ids, dtype of ``local_ids``.
+    """
+    return torch.ops.recpipe.hash_roundrobin_global_ids(
+        ranks, local_ids, table_size, world_size, seed
+    )
+
+
+def route_ids(
+    ids: torch.Tensor,
+    table_size: int,
+    world_size: int,
+    dist_type: str = "hash_roundrobin",
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Owner rank and local id of each id of one table, through the routing op.
+
+    Args:
+        ids: 1-D ids of the table, in ``[0, table_size)``.
+        table_size: rows ``N`` of the table.
+        world_size: ``W``.
+        dist_type: ``continuous`` (block ``ceil(N / W)``), ``roundrobin`` or
+            ``hash_roundrobin``.
+        seed: the routing seed.
+
+    Returns:
+        ``(owner, local)``, both shaped like ``ids`` (owner int64).
+    """
+    code = dist_type_code(dist_type)
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    block = max(1, -(-table_size // world_size))
+    out = block_bucketize_sparse_features(
+        torch.ones(n, dtype=torch.int64, device=ids.device),
+        flat,
+        torch.tensor([block], dtype=torch.int64),
+        torch.tensor([code], dtype=torch.int64),
+        world_size,
+        sequence=True,
+        table_sizes=torch.tensor([table_size], dtype=torch.int64),
+        seed=seed,
+    )
+    # Each bag holds one id: its owner is the rank whose length is 1.
+    owner = out.new_lengths.view(world_size, n).argmax(dim=0)
+    assert out.unbucketize_permute is not None
+    local = out.new_indices[out.unbucketize_permute]
+    return owner.view_as(ids), local.view_as(ids)
+
+
+def bucketize_kjt(
+    kjt: KeyedJaggedTensor,
+    world_size: int,
+    dist_types: dict[str, str],
+    table_sizes: dict[str, int],
+    *,
+    seed: int = 0,
+    sequence: bool = False,
+    bucketize_pos: bool = False,
+    keep_orig_idx: bool = False,
+) -> tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
+    """Bucketizes a KJT by owner rank, feature by feature.
+
+    The result mirrors torchrec's ``bucketize_kjt_before_all2all``: a KJT whose
+    keys are ``kjt.keys()`` repeated ``world_size`` times (rank-major) and whose
+    lengths are ``[W * F * B]``, ready for the KJT all-to-all.
+
+    Args:
+        kjt: the input features.
+        world_size: ``W``.
+        dist_types: feature name -> ``continuous`` / ``roundrobin`` /
+            ``hash_roundrobin``; every key of ``kjt`` needs an entry.
+        table_sizes: feature name -> rows of the table the feature looks up;
+            every key needs one (continuous uses ``ceil(rows / W)`` per rank).
+        seed: seed of the hash_roundrobin bijection.
+        sequence: also return the unbucketize permutation.
+        bucketize_pos: put each id's bag position in the result's weights
+            (torchrec's convention for position-weighted features).
+        keep_orig_idx: keep raw ids instead of local ids.
+
+    Returns:
+        ``(bucketized_kjt, unbucketize_permute or None)``.
+    """
+    keys = kjt.keys()
+    missing = [k for k in keys if k not in dist_types]
+    if missing:
+        raise ValueError(
+            f"bucketize_kjt: `dist_types` has no entry for features {missing}; "
+            f"map each to one of {sorted(DIST_TYPES)}"
+        )
+    missing = [k for k in keys if k not in table_sizes]
+    if missing:
+        raise ValueError(
+            f"bucketize_kjt: `table_sizes` has no entry for features {missing}; "
+            "pass the row count of the table each feature looks up"
+        )
+    if world_size <= 0:
+        raise ValueError(f"bucketize_kjt: `world_size` must be >= 1, got {world_size}")
+    codes = torch.tensor([dist_type_code(dist_types[k]) for k in keys], dtype=torch.int64)
+    sizes = torch.tensor([int(table_sizes[k]) for k in keys], dtype=torch.int64)
+    blocks = torch.clamp((sizes + world_size - 1) // world_size, min=1)
+    out = block_bucketize_sparse_features(
+        kjt.lengths().view(-1),
+        kjt.values(),
+        blocks,
+        codes,
+        world_size,
+        sequence=sequence,
+        bucketize_pos=bucketize_pos,
+        weights=kjt.weights_or_none(),
+        table_sizes=sizes,
+        seed=seed,
+        keep_orig_idx=keep_orig_idx,
+    )
+    weights = out.new_pos.to(torch.float32) if bucketize_pos and out.new_pos is not None else out.new_weights
+    result = KeyedJaggedTensor(
+        keys=list(keys) * world_size,
+        values=out.new_indices,
+        weights=weights,
+        lengths=out.new_lengths.view(-1),
+        stride=kjt.stride(),
+    )
+    return result, out.unbucketize_permute

@@ -1,0 +1,116 @@
+"""Benchmark: torch.ops.recpipe.block_bucketize_sparse_features vs fbgemm's CPU op.
+
+1M keys over F=8 features (bag lengths uniform in [0, 64], ids uniform over
+10M-row tables, int64), for W in {2, 8, 64}, sequence off/on, 1 thread and all
+threads. Columns (Mkeys/s = 1e6 keys per second, median of repeats):
+
+* fbgemm: ``torch.ops.fbgemm.block_bucketize_sparse_features`` (continuous;
+  fbgemm-gpu-cpu runs it on one thread whatever torch's thread count).
+* cont / rr / hash: recpipe continuous, roundrobin, hash_roundrobin.
+* x fbgemm: cont time ratio (fbgemm time / ours). Target >= 2.
+* hash/cont: hash_roundrobin time over continuous time. Target <= 1.3.
+* bound: a memcpy moving the op's minimum traffic (read indices + lengths,
+  write new_indices + new_lengths [+ unbucketize_permute]) as Mkeys/s, and
+  "% bound" = our continuous throughput over it. Target >= 50%.
+
+Usage: python scripts/bench_bucketize.py [--keys 1000000] [--repeat 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchutil import hardware_line, print_table, time_it  # noqa: E402
+
+import fbgemm_gpu  # noqa: E402,F401
+from recpipe.pipeline import ops  # noqa: E402
+
+F = 8
+TABLE_ROWS = 10_000_000  # rows per feature table
+
+
+def make_inputs(keys: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    B = max(1, keys // (F * 32))
+    lengths = torch.randint(0, 65, (F * B,), generator=g, dtype=torch.int64)
+    # trim/pad the last bags so the total is exactly `keys`
+    diff = keys - int(lengths.sum())
+    i = lengths.numel() - 1
+    while diff != 0:
+        step = max(-int(lengths[i]), min(64 - int(lengths[i]), diff))
+        lengths[i] += step
+        diff -= step
+        i -= 1
+    indices = torch.randint(0, TABLE_ROWS, (keys,), generator=g, dtype=torch.int64)
+    return lengths, indices
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keys", type=int, default=1_000_000)
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 8, 64])
+    args = ap.parse_args()
+
+    all_threads = os.cpu_count() or 1
+    lengths, indices = make_inputs(args.keys)
+    print(hardware_line())
+    print(f"fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}; {args.keys} keys, F={F}, "
+          f"B={lengths.numel() // F}, int64 ids over {TABLE_ROWS} rows/table")
+    rows = []
+    for threads in sorted({1, all_threads}):
+        torch.set_num_threads(threads)
+        for W in args.worlds:
+            block = torch.full((F,), -(-TABLE_ROWS // W), dtype=torch.int64)
+            sizes = torch.full((F,), TABLE_ROWS, dtype=torch.int64)
+            for seq in (False, True):
+                def ours(code: int) -> float:
+                    dt = torch.full((F,), code, dtype=torch.int64)
+                    return time_it(
+                        lambda: ops.block_bucketize_sparse_features(
+                            lengths, indices, block, dt, W, sequence=seq, table_sizes=sizes, seed=1
+                        ),
+                        repeat=args.repeat,
+                    )
+
+                t_fb = time_it(
+                    lambda: torch.ops.fbgemm.block_bucketize_sparse_features(
+                        lengths, indices, False, seq, block, W, None
+                    ),
+                    repeat=args.repeat,
+                )
+                t_cont, t_rr, t_hash = ours(0), ours(1), ours(2)
+                # minimum traffic of the op, moved by one memcpy (reads + writes)
+                traffic = (
+                    indices.numel() * 8 + lengths.numel() * 8            # read
+                    + indices.numel() * 8 + W * lengths.numel() * 8      # write
+                    + (indices.numel() * 8 if seq else 0)                # unbucketize_permute
+                )
+                src = torch.empty(traffic // 2, dtype=torch.uint8)
+                dst = torch.empty_like(src)
+                t_mem = time_it(lambda: dst.copy_(src), repeat=args.repeat)
+                mk = args.keys / 1e6
+                rows.append([
+                    threads, W, "on" if seq else "off",
+                    mk / t_fb, mk / t_cont, t_fb / t_cont, mk / t_rr, mk / t_hash,
+                    t_hash / t_cont, mk / t_mem, f"{100 * t_mem / t_cont:.0f}%",
+                ])
+    print_table(
+        ["threads", "W", "seq", "fbgemm Mk/s", "cont Mk/s", "x fbgemm", "rr Mk/s", "hash Mk/s",
+         "hash/cont", "bound Mk/s", "% bound"],
+        rows,
+    )
+    worst = min(r[5] for r in rows)
+    worst_hash = max(r[8] for r in rows)
+    worst_bound = min(float(r[10].rstrip("%")) for r in rows)
+    print(f"targets: x fbgemm >= 2 (worst {worst:.2f}); hash/cont <= 1.3 (worst {worst_hash:.2f}); "
+          f">= 50% of memcpy bound (worst {worst_bound:.0f}%)")
+
+
+if __name__ == "__main__":
+    main()

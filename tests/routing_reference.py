@@ -1,0 +1,174 @@
+"""Pure-Python reference of recpipe's routing (the spec the kernels must meet).
+
+Written from the documented math, not from the C++: plain Python integers,
+one id at a time, no tensors on the hot path. Used by the op tests and by the
+tiered-storage tests as the independent oracle.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+M64 = (1 << 64) - 1
+ROUTING_SALT = 0x7265637069706531  # "recpipe1", csrc/bucketize_math.h kRoutingSalt
+ROUNDS = 2
+
+
+def _splitmix64(state: int) -> tuple[int, int]:
+    state = (state + 0x9E3779B97F4A7C15) & M64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return state, z ^ (z >> 31)
+
+
+class RefPermutation:
+    """Seeded bijection of [0, n): b-bit xorshift-multiply rounds + cycle-walking."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n = max(1, n)
+        b = max(1, (self.n - 1).bit_length())
+        self.mask = (1 << b) - 1
+        self.s = max(1, (b + 1) // 2)
+        state = (seed & M64) ^ ROUTING_SALT
+        self.add: list[int] = []
+        self.mul: list[int] = []
+        for _ in range(ROUNDS):
+            state, a = _splitmix64(state)
+            state, m = _splitmix64(state)
+            self.add.append(a & self.mask)
+            self.mul.append(m | 1)
+
+    def _p(self, x: int) -> int:
+        for r in range(ROUNDS):
+            x = (x + self.add[r]) & self.mask
+            x ^= x >> self.s
+            x = (x * self.mul[r]) & self.mask
+            x ^= x >> self.s
+        return x
+
+    def _p_inv(self, y: int) -> int:
+        for r in reversed(range(ROUNDS)):
+            y = self._unshift(y)
+            y = (y * pow(self.mul[r], -1, 1 << 64)) & self.mask
+            y = self._unshift(y)
+            y = (y - self.add[r]) & self.mask
+        return y
+
+    def _unshift(self, y: int) -> int:
+        # invert y = x ^ (x >> s) bit by bit from the top
+        x = 0
+        for bit in reversed(range(self.mask.bit_length())):
+            above = (x >> (bit + self.s)) & 1 if bit + self.s < self.mask.bit_length() else 0
+            x |= (((y >> bit) & 1) ^ above) << bit
+        return x
+
+    def forward(self, x: int) -> int:
+        assert 0 <= x < self.n
+        x = self._p(x)
+        while x >= self.n:
+            x = self._p(x)
+        return x
+
+    def inverse(self, y: int) -> int:
+        assert 0 <= y < self.n
+        y = self._p_inv(y)
+        while y >= self.n:
+            y = self._p_inv(y)
+        return y
+
+
+def route_one(
+    raw_id: int,
+    dist_type: int,
+    world: int,
+    block: int,
+    table_size: int,
+    seed: int,
+    index_bits: int,
+) -> tuple[int, int]:
+    """(owner, local) of one id; ``index_bits`` is 32 or 64 (the ids' dtype)."""
+    umask = (1 << index_bits) - 1
+    uid = raw_id & umask  # fbgemm's unsigned reinterpretation of raw ids
+    if dist_type == 0:
+        ub = (block * world) & umask
+        if uid < ub:
+            return uid // block, uid % block
+        return uid % world, uid // world
+    if dist_type == 1:
+        return uid % world, uid // world
+    if dist_type == 2:
+        if raw_id < 0 or raw_id >= table_size:
+            raise ValueError(f"id {raw_id} outside [0, {table_size})")
+        h = RefPermutation(table_size, seed).forward(raw_id)
+        return h % world, h // world
+    raise ValueError(f"dist_type {dist_type}")
+
+
+def ref_bucketize(
+    lengths: Sequence[int],
+    indices: Sequence[int],
+    block_sizes: Sequence[int],
+    dist_types: Sequence[int],
+    world: int,
+    *,
+    sequence: bool = False,
+    bucketize_pos: bool = False,
+    weights: Optional[Sequence[float]] = None,
+    table_sizes: Optional[Sequence[int]] = None,
+    seed: int = 0,
+    keep_orig_idx: bool = False,
+    index_bits: int = 64,
+) -> dict[str, Optional[list]]:
+    """Reference outputs as Python lists, fbgemm's layout (rank, feature, sample)."""
+    F = len(dist_types)
+    FB = len(lengths)
+    B = FB // F if F else 0
+    perms: dict[int, RefPermutation] = {}
+    # buckets[rank][bag] = list of (local, weight, pos, input_index)
+    buckets: list[list[list[tuple[int, Optional[float], int, int]]]] = [
+        [[] for _ in range(FB)] for _ in range(world)
+    ]
+    i = 0
+    for bt in range(FB):
+        f = bt // B
+        for j in range(lengths[bt]):
+            raw = indices[i]
+            ts = table_sizes[f] if table_sizes is not None else 0
+            if dist_types[f] == 2:
+                perm = perms.setdefault(f, RefPermutation(ts, seed))
+                if raw < 0 or raw >= ts:
+                    raise ValueError(f"id {raw} outside [0, {ts})")
+                h = perm.forward(raw)
+                owner, local = h % world, h // world
+            else:
+                owner, local = route_one(raw, dist_types[f], world, block_sizes[f], ts, seed, index_bits)
+            if keep_orig_idx:
+                local = raw
+            else:
+                # back to the signed index dtype, as the kernel stores it
+                if local >= 1 << (index_bits - 1):
+                    local -= 1 << index_bits
+            w = weights[i] if weights is not None else None
+            buckets[owner][bt].append((local, w, j, i))
+            i += 1
+    new_lengths: list[int] = []
+    new_indices: list[int] = []
+    new_weights: list[float] = []
+    new_pos: list[int] = []
+    permute = [0] * len(indices)
+    for r in range(world):
+        for bt in range(FB):
+            new_lengths.append(len(buckets[r][bt]))
+            for local, w, j, src in buckets[r][bt]:
+                permute[src] = len(new_indices)
+                new_indices.append(local)
+                new_weights.append(w)  # type: ignore[arg-type]
+                new_pos.append(j)
+    return {
+        "new_lengths": new_lengths,
+        "new_indices": new_indices,
+        "new_weights": new_weights if weights is not None else None,
+        "new_pos": new_pos if bucketize_pos else None,
+        "unbucketize_permute": permute if sequence else None,
+    }

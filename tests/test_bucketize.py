@@ -1,0 +1,454 @@
+"""torch.ops.recpipe.block_bucketize_sparse_features: parity, opcheck, fake shapes, errors."""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
+from recpipe.pipeline import ops
+from routing_reference import RefPermutation, ref_bucketize
+
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+OP = torch.ops.recpipe.block_bucketize_sparse_features
+CUDA = torch.cuda.is_available()
+
+
+def _random_case(
+    rng: random.Random,
+    F: int,
+    B: int,
+    W: int,
+    *,
+    dist: Optional[list[int]] = None,
+    max_len: int = 5,
+    index_dtype: torch.dtype = torch.int64,
+    length_dtype: torch.dtype = torch.int64,
+    raw_ids: bool = False,
+) -> dict:
+    dist_types = dist if dist is not None else [rng.randrange(3) for _ in range(F)]
+    table_sizes = [rng.choice([1, 2, 3, 7, 64, 1000, 50_000]) for _ in range(F)]
+    block_sizes = [max(1, -(-n // W)) for n in table_sizes]
+    lengths = [rng.randrange(max_len + 1) for _ in range(F * B)]
+    indices: list[int] = []
+    for bt, ln in enumerate(lengths):
+        f = bt // B
+        n = table_sizes[f]
+        for _ in range(ln):
+            if dist_types[f] != 2 and raw_ids and rng.random() < 0.3:
+                # raw ids beyond block * W, and negative raw ids (fbgemm's unsigned path)
+                hi = 2**31 - 1 if index_dtype == torch.int32 else 2**40
+                indices.append(rng.randrange(-hi, hi))
+            else:
+                indices.append(rng.randrange(n))
+    return dict(
+        lengths=torch.tensor(lengths, dtype=length_dtype),
+        indices=torch.tensor(indices, dtype=index_dtype),
+        block_sizes=torch.tensor(block_sizes, dtype=torch.int64),
+        dist_types=torch.tensor(dist_types, dtype=torch.int64),
+        table_sizes=torch.tensor(table_sizes, dtype=torch.int64),
+        W=W,
+    )
+
+
+def _check_against_reference(case: dict, *, sequence: bool, pos: bool, weights_dtype, seed: int, keep: bool) -> None:
+    n = case["indices"].numel()
+    weights = None
+    if weights_dtype is not None:
+        weights = torch.randn(n, dtype=torch.float64).to(weights_dtype)
+    got = ops.block_bucketize_sparse_features(
+        case["lengths"],
+        case["indices"],
+        case["block_sizes"],
+        case["dist_types"],
+        case["W"],
+        sequence=sequence,
+        bucketize_pos=pos,
+        weights=weights,
+        table_sizes=case["table_sizes"],
+        seed=seed,
+        keep_orig_idx=keep,
+    )
+    want = ref_bucketize(
+        case["lengths"].tolist(),
+        case["indices"].tolist(),
+        case["block_sizes"].tolist(),
+        case["dist_types"].tolist(),
+        case["W"],
+        sequence=sequence,
+        bucketize_pos=pos,
+        weights=weights.tolist() if weights is not None else None,
+        table_sizes=case["table_sizes"].tolist(),
+        seed=seed,
+        keep_orig_idx=keep,
+        index_bits=32 if case["indices"].dtype == torch.int32 else 64,
+    )
+    assert got.new_lengths.dtype == case["lengths"].dtype
+    assert got.new_indices.dtype == case["indices"].dtype
+    assert got.new_lengths.tolist() == want["new_lengths"]
+    assert got.new_indices.tolist() == want["new_indices"]
+    if weights is None:
+        assert got.new_weights is None
+    else:
+        assert got.new_weights is not None and got.new_weights.dtype == weights.dtype
+        assert got.new_weights.tolist() == want["new_weights"]
+    if pos:
+        assert got.new_pos is not None and got.new_pos.tolist() == want["new_pos"]
+    else:
+        assert got.new_pos is None
+    if sequence:
+        assert got.unbucketize_permute is not None
+        assert got.unbucketize_permute.tolist() == want["unbucketize_permute"]
+    else:
+        assert got.unbucketize_permute is None
+
+
+# ---------------------------------------------------------------------------
+# Parity with the pure-Python reference (all modes)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    F=st.integers(1, 6),
+    B=st.integers(0, 12),
+    W=st.integers(1, 64),
+    seed=st.integers(0, 2**63 - 1),
+    sequence=st.booleans(),
+    pos=st.booleans(),
+    keep=st.booleans(),
+    weights_dtype=st.sampled_from([None, torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    length_dtype=st.sampled_from([torch.int32, torch.int64]),
+    case_seed=st.integers(0, 2**32),
+)
+def test_matches_python_reference(F, B, W, seed, sequence, pos, keep, weights_dtype, index_dtype, length_dtype, case_seed) -> None:
+    case = _random_case(
+        random.Random(case_seed), F, B, W, index_dtype=index_dtype, length_dtype=length_dtype, raw_ids=True
+    )
+    _check_against_reference(case, sequence=sequence, pos=pos, weights_dtype=weights_dtype, seed=seed, keep=keep)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_input_multithreaded_matches_reference(threads: int) -> None:
+    """Above the threading threshold (64k ids per chunk) the chunked kernel must agree too."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rng = random.Random(7)
+        case = _random_case(rng, 3, 6000, 5, dist=[0, 1, 2], max_len=30)
+        _check_against_reference(case, sequence=True, pos=True, weights_dtype=torch.float32, seed=11, keep=False)
+    finally:
+        torch.set_num_threads(old)
+
+
+# ---------------------------------------------------------------------------
+# Parity with fbgemm (continuous)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    F=st.integers(1, 5),
+    B=st.integers(0, 10),
+    W=st.integers(1, 64),
+    sequence=st.booleans(),
+    pos=st.booleans(),
+    weighted=st.booleans(),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    case_seed=st.integers(0, 2**32),
+)
+def test_continuous_bit_identical_to_fbgemm(F, B, W, sequence, pos, weighted, index_dtype, case_seed) -> None:
+    case = _random_case(random.Random(case_seed), F, B, W, dist=[0] * F, index_dtype=index_dtype, raw_ids=True)
+    # fbgemm requires lengths, indices and block_sizes to share the index dtype
+    lengths = case["lengths"].to(index_dtype)
+    block_sizes = case["block_sizes"].to(index_dtype)
+    weights = torch.randn(case["indices"].numel()) if weighted else None
+    want = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, case["indices"], pos, sequence, block_sizes, W, weights
+    )
+    got = ops.block_bucketize_sparse_features(
+        lengths, case["indices"], block_sizes, case["dist_types"], W,
+        sequence=sequence, bucketize_pos=pos, weights=weights,
+    )
+    for name, g, w in zip(got._fields, got, want):
+        if w is None:
+            assert g is None, name
+        else:
+            assert g is not None, name
+            assert g.dtype == w.dtype, name
+            assert torch.equal(g, w), name
+
+
+# ---------------------------------------------------------------------------
+# torch.library checks
+
+
+def _opcheck_cases() -> list[tuple]:
+    rng = random.Random(3)
+    out = []
+    for dist, seq, pos, w in [([0, 1], False, False, False), ([2, 0], True, True, True), ([1, 2, 2], True, False, True)]:
+        c = _random_case(rng, len(dist), 4, 3, dist=dist)
+        weights = torch.rand(c["indices"].numel()) if w else None
+        out.append(
+            (c["lengths"], c["indices"], c["block_sizes"], c["dist_types"], c["W"], seq, pos, weights, c["table_sizes"], 5, False)
+        )
+    return out
+
+
+@pytest.mark.parametrize("args", _opcheck_cases())
+def test_opcheck(args: tuple) -> None:
+    torch.library.opcheck(OP, args)
+
+
+def test_opcheck_global_ids() -> None:
+    ranks = torch.tensor([0, 1, 2, 0, 1])
+    local = torch.tensor([0, 0, 0, 1, 3])
+    torch.library.opcheck(torch.ops.recpipe.hash_roundrobin_global_ids, (ranks, local, 100, 3, 9))
+
+
+def test_fake_tensor_shapes() -> None:
+    c = _random_case(random.Random(1), 3, 5, 4, dist=[0, 1, 2])
+    w = torch.rand(c["indices"].numel(), dtype=torch.float16)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(c[k]) for k in ("lengths", "indices", "block_sizes", "dist_types")]
+        out = OP(*args, 4, True, True, mode.from_tensor(w), mode.from_tensor(c["table_sizes"]), 0, False)
+        assert out[0].shape == (4 * c["lengths"].numel(),)
+        assert out[0].dtype == c["lengths"].dtype
+        assert out[1].shape == c["indices"].shape
+        assert out[2].shape == w.shape and out[2].dtype == torch.float16
+        assert out[3].shape == c["indices"].shape
+        assert out[4].shape == c["indices"].shape
+        out2 = OP(*args, 4, False, False, None, mode.from_tensor(c["table_sizes"]), 0, False)
+        assert out2[2] is None and out2[3] is None and out2[4] is None
+
+
+def test_torch_compile_fullgraph() -> None:
+    c = _random_case(random.Random(2), 2, 6, 3, dist=[2, 1])
+
+    def f(lengths, indices, bs, dt, ts):
+        out = OP(lengths, indices, bs, dt, 3, False, False, None, ts, 1, False)
+        return out[0] * 2, out[1] + 1
+
+    eager = f(c["lengths"], c["indices"], c["block_sizes"], c["dist_types"], c["table_sizes"])
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(
+        c["lengths"], c["indices"], c["block_sizes"], c["dist_types"], c["table_sizes"]
+    )
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+# ---------------------------------------------------------------------------
+# The hash bijection and its inverse
+
+
+def _hash_forward(ids: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    """H(ids) through the op: with W = 1 the local id is H(id)."""
+    out = ops.block_bucketize_sparse_features(
+        torch.ones(ids.numel(), dtype=torch.int64), ids,
+        torch.tensor([1]), torch.tensor([2]), 1,
+        sequence=True, table_sizes=torch.tensor([n]), seed=seed,
+    )
+    assert out.unbucketize_permute is not None
+    return out.new_indices[out.unbucketize_permute]
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 2**20 + 3, 2**40 + 1])
+@pytest.mark.parametrize("seed", [0, 12345])
+def test_hash_is_a_bijection_with_inverse(n: int, seed: int) -> None:
+    if n <= 2**20 + 3:
+        ids = torch.arange(n, dtype=torch.int64)
+    else:
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.cat([torch.tensor([0, 1, n - 2, n - 1]), torch.randint(0, n, (200_000,), generator=g)]).unique()
+    h = _hash_forward(ids, n, seed)
+    assert int(h.min()) >= 0 and int(h.max()) < n
+    assert h.unique().numel() == ids.numel()  # injective on the tested ids
+    if ids.numel() == n:
+        assert torch.equal(torch.sort(h).values, ids)  # a permutation of [0, n)
+    # pure-Python reference on a sample
+    ref = RefPermutation(n, seed)
+    for x in ids[:: max(1, ids.numel() // 300)].tolist():
+        assert ref.forward(x) == int(h[ids == x])
+    # inverse round trip for several world sizes
+    for W in (1, 3, 8):
+        back = ops.hash_roundrobin_global_ids(h % W, h // W, n, W, seed)
+        assert torch.equal(back, ids)
+
+
+def test_route_ids_and_global_ids_round_trip() -> None:
+    n, W, seed = 10_007, 6, 99
+    ids = torch.arange(n)
+    owner, local = ops.route_ids(ids, n, W, "hash_roundrobin", seed)
+    counts = torch.bincount(owner, minlength=W)
+    # rank r owns exactly ceil((n - r) / W) dense local ids
+    for r in range(W):
+        want = (n - r + W - 1) // W
+        assert int(counts[r]) == want
+        assert torch.equal(torch.sort(local[owner == r]).values, torch.arange(want))
+    assert torch.equal(ops.hash_roundrobin_global_ids(owner, local, n, W, seed), ids)
+
+
+def test_seed_changes_the_permutation() -> None:
+    ids = torch.arange(1000)
+    assert not torch.equal(_hash_forward(ids, 1000, 1), _hash_forward(ids, 1000, 2))
+
+
+# ---------------------------------------------------------------------------
+# Balance on aliased ids
+
+
+def _max_over_mean(owner: torch.Tensor, W: int) -> float:
+    c = torch.bincount(owner, minlength=W).double()
+    return float(c.max() / c.mean())
+
+
+@pytest.mark.parametrize("W", [8, 64])
+@pytest.mark.parametrize("pattern", ["k*W+r", "k*2^j", "fixed_low_bits"])
+def test_hash_roundrobin_balances_aliased_ids(W: int, pattern: str) -> None:
+    # A uniform random owner gives max/mean ~ 1 + 2.4 * sqrt(W / ids) (64 ranks), so
+    # 1.05 needs ~10k ids per rank to be a statement about the hash, not about luck.
+    n = 2**32
+    k = torch.arange(12_500 * W, dtype=torch.int64)
+    if pattern == "k*W+r":
+        ids = k * W + 3
+    elif pattern == "k*2^j":
+        ids = k * 2**9
+    else:
+        ids = (k << 10) | 0x155  # the low 10 bits fixed
+    assert ids.unique().numel() >= 50_000 and int(ids.max()) < n
+    rr_owner, _ = ops.route_ids(ids, n, W, "roundrobin")
+    hash_owner, _ = ops.route_ids(ids, n, W, "hash_roundrobin", seed=0)
+    assert _max_over_mean(rr_owner, W) == pytest.approx(W)  # everything on one rank
+    assert _max_over_mean(hash_owner, W) <= 1.05
+
+
+# ---------------------------------------------------------------------------
+# KJT helper
+
+
+def test_bucketize_kjt_matches_op_and_keys() -> None:
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["a", "b"],
+        values=torch.tensor([1, 5, 9, 2, 40, 41, 7]),
+        lengths=torch.tensor([2, 1, 0, 3, 1, 0]),
+        weights=torch.rand(7),
+    )
+    out, perm = ops.bucketize_kjt(
+        kjt, 2, {"a": "hash_roundrobin", "b": "continuous"}, {"a": 10, "b": 100}, seed=3, sequence=True
+    )
+    assert out.keys() == ["a", "b", "a", "b"]
+    want = ref_bucketize(
+        kjt.lengths().tolist(), kjt.values().tolist(), [5, 50], [2, 0], 2,
+        sequence=True, weights=kjt.weights().tolist(), table_sizes=[10, 100], seed=3,
+    )
+    assert out.lengths().tolist() == want["new_lengths"]
+    assert out.values().tolist() == want["new_indices"]
+    assert out.weights().tolist() == want["new_weights"]
+    assert perm is not None and perm.tolist() == want["unbucketize_permute"]
+
+
+def test_bucketize_kjt_names_missing_feature() -> None:
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a"], values=torch.tensor([1]), lengths=torch.tensor([1]))
+    with pytest.raises(ValueError, match=r"`dist_types` has no entry for features \['a'\]"):
+        ops.bucketize_kjt(kjt, 2, {}, {"a": 4})
+    with pytest.raises(ValueError, match=r"`table_sizes` has no entry"):
+        ops.bucketize_kjt(kjt, 2, {"a": "roundrobin"}, {})
+    with pytest.raises(ValueError, match="unknown dist_type 'hashed'"):
+        ops.bucketize_kjt(kjt, 2, {"a": "hashed"}, {"a": 4})
+
+
+# ---------------------------------------------------------------------------
+# Bad input: each message names the argument
+
+
+def _args(**over):
+    base = dict(
+        lengths=torch.tensor([1, 2, 0, 1]),
+        indices=torch.tensor([0, 3, 2, 5]),
+        block_sizes=torch.tensor([4, 4]),
+        dist_types=torch.tensor([0, 2]),
+        my_size=2,
+        sequence=False,
+        bucketize_pos=False,
+        weights=None,
+        table_sizes=torch.tensor([8, 8]),
+        seed=0,
+        keep_orig_idx=False,
+    )
+    base.update(over)
+    return list(base.values())
+
+
+@pytest.mark.parametrize(
+    "over, pattern",
+    [
+        (dict(indices=torch.tensor([0, 3, 2])), r"`lengths` sums to 4 but `indices` has 3"),
+        (dict(lengths=torch.tensor([1, 2, -1, 2])), r"`lengths\[2\]` is -1"),
+        (dict(indices=torch.tensor([0.0, 3.0, 2.0, 5.0])), r"`indices` must be int32 or int64"),
+        (dict(lengths=torch.tensor([1.0, 2.0, 0.0, 1.0])), r"`lengths` must be int32 or int64"),
+        (dict(dist_types=torch.tensor([0, 3])), r"`dist_types\[1\]` is 3"),
+        (dict(dist_types=torch.tensor([0, 2, 1])), r"`block_sizes` has 2 entries but `dist_types` has 3"),
+        (dict(dist_types=torch.tensor([0.0, 1.0])), r"`dist_types` must be int32 or int64"),
+        (dict(my_size=0), r"`my_size` \(the world size W\) must be >= 1, got 0"),
+        (dict(my_size=-3), r"`my_size` \(the world size W\) must be >= 1, got -3"),
+        (dict(block_sizes=torch.tensor([0, 4])), r"`block_sizes\[0\]` is 0"),
+        (dict(table_sizes=None), r"needs `table_sizes`"),
+        (dict(table_sizes=torch.tensor([8, 0])), r"`table_sizes\[1\]` is 0"),
+        (dict(table_sizes=torch.tensor([8])), r"`table_sizes` has 1 entries"),
+        (dict(indices=torch.tensor([0, 3, 2, 8])), r"`indices\[3\]` = 8 \(feature 1, hash_roundrobin\) is outside \[0, table_sizes\[1\] = 8\)"),
+        (dict(indices=torch.tensor([0, 3, 2, -1])), r"`indices\[3\]` = -1"),
+        (dict(weights=torch.rand(3)), r"`weights` has 3 entries but `indices` has 4"),
+        (dict(weights=torch.ones(4, dtype=torch.int64)), r"`weights` must be float16, bfloat16, float32 or float64"),
+        (dict(lengths=torch.tensor([1, 2, 0])), r"`lengths` has 3 entries, not a multiple of the 2 features"),
+        (dict(indices=torch.tensor([[0, 3], [2, 5]])), r"`indices` must be 1-D"),
+        (dict(indices=torch.tensor([0, 3, 2, 5], device="meta")), r"`indices` is on meta but `lengths` is on cpu"),
+    ],
+)
+def test_bad_input_names_the_argument(over: dict, pattern: str) -> None:
+    with pytest.raises(RuntimeError, match=pattern):
+        OP(*_args(**over))
+
+
+def test_global_ids_bad_input() -> None:
+    gid = torch.ops.recpipe.hash_roundrobin_global_ids
+    with pytest.raises(RuntimeError, match=r"`ranks` has 2 entries but `local_ids` has 1"):
+        gid(torch.tensor([0, 1]), torch.tensor([0]), 10, 2)
+    with pytest.raises(RuntimeError, match=r"`world_size` must be >= 1"):
+        gid(torch.tensor([0]), torch.tensor([0]), 10, 0)
+    with pytest.raises(RuntimeError, match=r"`table_size` must be >= 1"):
+        gid(torch.tensor([0]), torch.tensor([0]), 0, 2)
+    with pytest.raises(RuntimeError, match=r"is not a slot of a table of 10 rows over 2 ranks"):
+        gid(torch.tensor([1]), torch.tensor([5]), 10, 2)  # 5 * 2 + 1 = 11 >= 10
+
+
+# ---------------------------------------------------------------------------
+# CUDA parity (compiled in CI; runs only where a GPU exists)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")
+@pytest.mark.parametrize("dist", [[0, 0], [1, 2], [2, 2, 0]])
+@pytest.mark.parametrize("sequence", [False, True])
+def test_cuda_matches_cpu(dist: list[int], sequence: bool) -> None:
+    rng = random.Random(5)
+    c = _random_case(rng, len(dist), 300, 7, dist=dist, max_len=20)
+    w = torch.rand(c["indices"].numel())
+    args = (c["lengths"], c["indices"], c["block_sizes"], c["dist_types"], 7)
+    kw = dict(sequence=sequence, bucketize_pos=True, weights=w, table_sizes=c["table_sizes"], seed=4)
+    cpu = ops.block_bucketize_sparse_features(*args, **kw)
+    kw_cuda = dict(kw, weights=w.cuda())
+    gpu = ops.block_bucketize_sparse_features(c["lengths"].cuda(), c["indices"].cuda(), c["block_sizes"], c["dist_types"], 7, **kw_cuda)
+    for a, b in zip(cpu, gpu):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a, b.cpu())
+    h = torch.arange(1000, device="cuda")
+    assert torch.equal(
+        ops.hash_roundrobin_global_ids(h % 3, h // 3, 1000, 3, 2).cpu(),
+        ops.hash_roundrobin_global_ids(h.cpu() % 3, h.cpu() // 3, 1000, 3, 2),
+    )
