@@ -16,7 +16,6 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 $(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade "pip>=24"
 	$(PIP) install -q -r requirements.txt
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	touch $@
