@@ -112,6 +112,56 @@ std::vector<int64_t> chunk_bags(
   return bounds;
 }
 
+// h[i] = H(ids[i]) for i in [s, e) of one hash_roundrobin feature.
+// The permutation runs on blocks of ids unconditionally (branch-free,
+// independent iterations the CPU overlaps); only the ids that left [0, n) are
+// cycle-walked again, compacted into a pending list: a per-id do/while would
+// mispredict on ~(2^b - n) / 2^b of the ids. Out-of-range ids are recorded in
+// `bad` (first one) and hashed as 0; the call fails after the pass.
+template <typename index_t, typename uindex_t>
+void hash_ids(
+    const HashPermutation& perm,
+    uint64_t n,
+    const index_t* ids,
+    int64_t s,
+    int64_t e,
+    int64_t feature,
+    uindex_t* out,
+    BadId& bad) {
+  constexpr int64_t kBlock = 512;
+  uint64_t h[kBlock];
+  int32_t pending[kBlock];
+  for (int64_t b0 = s; b0 < e; b0 += kBlock) {
+    const int64_t m = std::min<int64_t>(kBlock, e - b0);
+    for (int64_t j = 0; j < m; ++j) {
+      const index_t raw = ids[b0 + j];
+      const bool ok = raw >= 0 && static_cast<uint64_t>(raw) < n;
+      if (!ok && bad.position < 0) {
+        bad = BadId{b0 + j, feature, static_cast<int64_t>(raw)};
+      }
+      h[j] = perm.round_fwd(ok ? static_cast<uint64_t>(raw) : 0);
+    }
+    int32_t np = 0;
+    for (int32_t j = 0; j < m; ++j) {
+      pending[np] = j;
+      np += h[j] >= n;
+    }
+    while (np > 0) {
+      int32_t next = 0;
+      for (int32_t k = 0; k < np; ++k) {
+        const int32_t j = pending[k];
+        h[j] = perm.round_fwd(h[j]);
+        pending[next] = j;
+        next += h[j] >= n;
+      }
+      np = next;
+    }
+    for (int64_t j = 0; j < m; ++j) {
+      out[b0 + j] = static_cast<uindex_t>(h[j]);
+    }
+  }
+}
+
 template <typename index_t, typename offset_t, typename owner_t, typename wbits_t>
 void bucketize_cpu_impl(
     const Tensor& lengths,
@@ -168,81 +218,77 @@ void bucketize_cpu_impl(
   const uint64_t uW = static_cast<uint64_t>(W);
 
   // ---- pass 1: owners and counts --------------------------------------
+  // Counts go to a small [W x kBags] block in L1 first and are then written
+  // to new_lengths row by row (contiguous runs of kBags entries): incrementing
+  // new_lengths[p * FB + bag] directly strides W rows FB entries apart and
+  // missed cache on almost every id at W = 64.
+  const int64_t kBags = std::max<int64_t>(1, std::min<int64_t>(64, 4096 / W));
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<int32_t> block_counts(W * kBags);
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* cnt = chunk_count.data() + c * W;
-      for (int64_t bt = bounds[c]; bt < bounds[c + 1]; ++bt) {
-        const int64_t f = bt / B;
-        const FeatureRoute& r = routes[f];
-        const int64_t s = offsets[bt];
-        const int64_t e = offsets[bt + 1];
-        offset_t* nl_bt = nl + bt;
-        if (r.dist == kContinuous) {
-          for (int64_t i = s; i < e; ++i) {
-            uint64_t p;
-            uindex_t loc;
-            route_continuous<uindex_t>(
-                static_cast<uindex_t>(idx[i]), r.block, uW, r.div_block, div_world, &p, &loc);
-            owner[i] = static_cast<owner_t>(p);
-            nl_bt[p * FB]++;
-            cnt[p]++;
+      for (int64_t g0 = bounds[c]; g0 < bounds[c + 1]; g0 += kBags) {
+        const int64_t g1 = std::min<int64_t>(g0 + kBags, bounds[c + 1]);
+        std::fill(block_counts.begin(), block_counts.end(), 0);
+        if (any_hash) {
+          // hash_roundrobin ids of this bag block, per run of one feature:
+          // h = H(id) into hashed_local (split into rank / local id below).
+          for (int64_t r0 = g0; r0 < g1;) {
+            const int64_t f = r0 / B;
+            const int64_t r1 = std::min<int64_t>(g1, (f + 1) * B);
+            if (routes[f].dist == kHashRoundRobin) {
+              hash_ids<index_t, uindex_t>(
+                  routes[f].perm, routes[f].table_size, idx, offsets[r0], offsets[r1], f,
+                  hashed_local.get(), bad[c]);
+            }
+            r0 = r1;
           }
-        } else if (r.dist == kRoundRobin) {
-          for (int64_t i = s; i < e; ++i) {
-            uint64_t p;
-            uindex_t loc;
-            route_roundrobin<uindex_t>(static_cast<uindex_t>(idx[i]), uW, div_world, &p, &loc);
-            owner[i] = static_cast<owner_t>(p);
-            nl_bt[p * FB]++;
-            cnt[p]++;
-          }
-        } else {
-          // hash_roundrobin: apply the permutation to a block of ids at a time,
-          // unconditionally (branch-free, independent iterations the CPU can
-          // overlap), then cycle-walk only the ids that left [0, n) by
-          // compacting them into a pending list; per-id do/while loops would
-          // mispredict on ~(2^b - n) / 2^b of the ids.
-          const uint64_t n = r.table_size;
-          constexpr int64_t kBlock = 256;
-          uint64_t h[kBlock];
-          int32_t pending[kBlock];
-          for (int64_t b0 = s; b0 < e; b0 += kBlock) {
-            const int64_t m = std::min<int64_t>(kBlock, e - b0);
-            for (int64_t j = 0; j < m; ++j) {
-              const index_t raw = idx[b0 + j];
-              if (raw < 0 || static_cast<uint64_t>(raw) >= n) {
-                if (bad[c].position < 0) {
-                  bad[c] = BadId{b0 + j, f, static_cast<int64_t>(raw)};
-                }
-                h[j] = 0;  // routed to rank 0; the call fails below
-                continue;
-              }
-              h[j] = r.perm.round_fwd(static_cast<uint64_t>(raw));
+        }
+        for (int64_t bt = g0; bt < g1; ++bt) {
+          int32_t* lc = block_counts.data() + (bt - g0);  // lc[p * kBags]
+          const int64_t f = bt / B;
+          const FeatureRoute& r = routes[f];
+          const int64_t s = offsets[bt];
+          const int64_t e = offsets[bt + 1];
+          if (r.dist == kContinuous) {
+            for (int64_t i = s; i < e; ++i) {
+              uint64_t p;
+              uindex_t loc;
+              route_continuous<uindex_t>(
+                  static_cast<uindex_t>(idx[i]), r.block, uW, r.div_block, div_world, &p, &loc);
+              owner[i] = static_cast<owner_t>(p);
+              lc[p * kBags]++;
             }
-            int32_t np = 0;
-            for (int32_t j = 0; j < m; ++j) {
-              pending[np] = j;
-              np += h[j] >= n;
+          } else if (r.dist == kRoundRobin) {
+            for (int64_t i = s; i < e; ++i) {
+              uint64_t p;
+              uindex_t loc;
+              route_roundrobin<uindex_t>(static_cast<uindex_t>(idx[i]), uW, div_world, &p, &loc);
+              owner[i] = static_cast<owner_t>(p);
+              lc[p * kBags]++;
             }
-            while (np > 0) {
-              int32_t next = 0;
-              for (int32_t k = 0; k < np; ++k) {
-                const int32_t j = pending[k];
-                h[j] = r.perm.round_fwd(h[j]);
-                pending[next] = j;
-                next += h[j] >= n;
-              }
-              np = next;
-            }
-            for (int64_t j = 0; j < m; ++j) {
-              const uint64_t q = div_world.div(h[j]);
-              const uint64_t p = h[j] - q * uW;
-              owner[b0 + j] = static_cast<owner_t>(p);
-              hashed_local[b0 + j] = static_cast<uindex_t>(q);
-              nl_bt[p * FB]++;
-              cnt[p]++;
+          } else {
+            // ids were permuted for the whole bag block above: split h.
+            for (int64_t i = s; i < e; ++i) {
+              const uint64_t h = static_cast<uint64_t>(hashed_local[i]);
+              const uint64_t q = div_world.div(h);
+              const uint64_t p = h - q * uW;
+              owner[i] = static_cast<owner_t>(p);
+              hashed_local[i] = static_cast<uindex_t>(q);
+              lc[p * kBags]++;
             }
           }
+        }
+        const int64_t nb = g1 - g0;
+        for (int64_t p = 0; p < W; ++p) {
+          const int32_t* row = block_counts.data() + p * kBags;
+          offset_t* dst = nl + p * FB + g0;
+          int64_t sum = 0;
+          for (int64_t j = 0; j < nb; ++j) {
+            dst[j] = static_cast<offset_t>(row[j]);
+            sum += row[j];
+          }
+          cnt[p] += sum;
         }
       }
     }
@@ -358,7 +404,8 @@ block_bucketize_sparse_features_cpu(
       offsets[FB] == N, "recpipe: `lengths` sums to ", offsets[FB], " but `indices` has ", N,
       " entries; lengths and indices must describe the same KJT.");
 
-  Tensor new_lengths = at::zeros({W * FB}, lengths.options());
+  // Every entry is written by pass 1 (or zeroed below for an empty input).
+  Tensor new_lengths = at::empty({W * FB}, lengths.options());
   Tensor new_indices = at::empty({N}, indices.options());
   std::optional<Tensor> new_weights;
   std::optional<Tensor> new_pos;
@@ -373,6 +420,7 @@ block_bucketize_sparse_features_cpu(
     unbucketize_permute = at::empty({N}, indices.options());
   }
   if (N == 0) {
+    new_lengths.zero_();
     return {new_lengths, new_indices, new_weights, new_pos, unbucketize_permute};
   }
 
