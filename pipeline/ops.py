@@ -319,7 +319,8 @@ def bucketize_kjt(
         seed=seed,
         keep_orig_idx=keep_orig_idx,
     )
-    weights = out.new_pos.to(torch.float32) if bucketize_pos and out.new_pos is not None else out.new_weights
+    # torchrec's convention (bucketize_kjt_before_all2all): positions ride in the weights.
+    weights = out.new_pos if bucketize_pos else out.new_weights
     result = KeyedJaggedTensor(
         keys=list(keys) * world_size,
         values=out.new_indices,

@@ -1,1 +1,80 @@
-"""recpipe.planner: the embedded placement planner (HYBRID / CACHING per table)."""
+"""recpipe.planner: the embedded placement planner (HYBRID / CACHING per table).
+
+``PlacementPlanner(topology).plan(ebc) -> PlacementPlan``; ``plan.report()`` and
+``plan.to_sharding_plan()`` (torchrec ``ShardingPlan``, ROW_WISE +
+CUSTOMIZED_KERNEL). Byte formulas shared with the tiered-storage runtime live in
+``recpipe.planner.storage``.
+"""
+
+from recpipe.planner.cost_models import (
+    AnalyticCostModel,
+    CostModel,
+    EmpiricalCostModel,
+    fast_tier_hit_rate,
+)
+from recpipe.planner.enumerators import GridPlacementEnumerator
+from recpipe.planner.planners import PlacementPlanner, tables_from_module
+from recpipe.planner.proposers import BruteForceProposer, DynamicProgrammingProposer, Proposer
+from recpipe.planner.sharding import (
+    PlacementParameterSharding,
+    placements_from_sharding_plan,
+    to_sharding_plan,
+)
+from recpipe.planner.storage import (
+    CACHE_ROW_MAP_BYTES,
+    CACHE_SLOT_BYTES,
+    ShardStorage,
+    local_rows,
+    machine_storage,
+    max_local_rows,
+    optimizer_state_bytes_per_row,
+    row_bytes,
+    shard_storage,
+    tier_rows,
+)
+from recpipe.planner.types import (
+    DEFAULT_LOAD_FACTORS,
+    Mode,
+    PlacementConstraints,
+    PlacementOption,
+    PlacementPlan,
+    PlannerError,
+    PlannerErrorType,
+    TablePlacement,
+    TableSpec,
+)
+
+__all__ = [
+    "AnalyticCostModel",
+    "BruteForceProposer",
+    "CACHE_ROW_MAP_BYTES",
+    "CACHE_SLOT_BYTES",
+    "CostModel",
+    "DEFAULT_LOAD_FACTORS",
+    "DynamicProgrammingProposer",
+    "EmpiricalCostModel",
+    "GridPlacementEnumerator",
+    "Mode",
+    "PlacementConstraints",
+    "PlacementOption",
+    "PlacementParameterSharding",
+    "PlacementPlan",
+    "PlacementPlanner",
+    "PlannerError",
+    "PlannerErrorType",
+    "Proposer",
+    "ShardStorage",
+    "TablePlacement",
+    "TableSpec",
+    "fast_tier_hit_rate",
+    "local_rows",
+    "machine_storage",
+    "max_local_rows",
+    "optimizer_state_bytes_per_row",
+    "placements_from_sharding_plan",
+    "row_bytes",
+    "shard_storage",
+    "tables_from_module",
+    "tier_rows",
+    "to_sharding_plan",
+]

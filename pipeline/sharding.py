@@ -1,0 +1,524 @@
+"""Row-wise sharding with recpipe routing, on CPU and CUDA.
+
+torchrec's row-wise sharding splits each table into contiguous blocks of
+``ceil(N / W)`` rows and routes ids with fbgemm's block bucketization; its
+sharders offer ROW_WISE only for CUDA. recpipe subclasses the public extension
+points to
+
+* allow ROW_WISE on CPU as well (gloo carries ``all_to_all_single`` and
+  ``reduce_scatter``, torch >= 2.13),
+* route the input distribution through
+  ``torch.ops.recpipe.block_bucketize_sparse_features`` with a per-table
+  ``dist_type``: tables whose :class:`~recpipe.planner.sharding.PlacementParameterSharding`
+  says so (``recpipe_dist_type`` in ``get_additional_fused_params()``) use it;
+  every other table keeps ``continuous``, bit-identical to torchrec.
+
+Classes (each a subclass of the torchrec class of the same role):
+
+* :class:`RecpipeRwSparseFeaturesDist` (``RwSparseFeaturesDist``)
+* :class:`RecpipeRwPooledEmbeddingSharding` (``RwPooledEmbeddingSharding``)
+* :class:`RecpipeRwSequenceEmbeddingSharding` (``RwSequenceEmbeddingSharding``)
+* :class:`RecpipeShardedEmbeddingBagCollection` / :class:`RecpipeShardedEmbeddingCollection`
+* :class:`RecpipeEmbeddingBagCollectionSharder` / :class:`RecpipeEmbeddingCollectionSharder`
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torchrec.distributed.embedding import (
+    EmbeddingCollectionSharder,
+    ShardedEmbeddingCollection,
+)
+from torchrec.distributed.embedding_sharding import (
+    EmbeddingSharding,
+    EmbeddingShardingInfo,
+)
+from torchrec.distributed.embedding_types import (
+    BaseEmbeddingSharder,
+    GroupedEmbeddingConfig,
+)
+from torchrec.distributed.embeddingbag import (
+    EmbeddingBagCollectionSharder,
+    ShardedEmbeddingBagCollection,
+)
+from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
+from torchrec.distributed.sharding.rw_sharding import (
+    RwPooledEmbeddingSharding,
+    RwSparseFeaturesDist,
+)
+from torchrec.distributed.types import (
+    Awaitable,
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recpipe.pipeline import ops
+
+__all__ = [
+    "DIST_TYPE_KEY",
+    "SEED_KEY",
+    "RecpipeEmbeddingBagCollectionSharder",
+    "RecpipeEmbeddingCollectionSharder",
+    "RecpipeRwPooledEmbeddingSharding",
+    "RecpipeRwSequenceEmbeddingSharding",
+    "RecpipeRwSparseFeaturesDist",
+    "RecpipeShardedEmbeddingBagCollection",
+    "RecpipeShardedEmbeddingCollection",
+    "RoutingOverrides",
+    "feature_routing",
+    "recpipe_sharders",
+]
+
+#: fused_params key carrying a table's routing (set by PlacementParameterSharding).
+DIST_TYPE_KEY = "recpipe_dist_type"
+#: fused_params key carrying the routing seed.
+SEED_KEY = "recpipe_seed"
+
+
+@dataclass(frozen=True)
+class RoutingOverrides:
+    """Routing chosen at the sharder for tables that do not carry their own.
+
+    Attributes:
+        table_dist_types: table name -> ``continuous`` / ``roundrobin`` /
+            ``hash_roundrobin`` (tables not listed stay ``continuous`` unless their
+            ParameterSharding says otherwise).
+        seed: seed of the hash_roundrobin bijection for those tables.
+    """
+
+    table_dist_types: Mapping[str, str] = field(default_factory=dict)
+    seed: int = 0
+
+
+def feature_routing(
+    grouped_configs: List[GroupedEmbeddingConfig],
+    world_size: int,
+    overrides: Optional[RoutingOverrides] = None,
+) -> tuple[List[str], List[int], int]:
+    """Per-feature dist types and table sizes, in the order torchrec flattens features.
+
+    The order is that of ``GroupedEmbeddingConfig.feature_hash_sizes()``: groups,
+    then tables, then each table's features.
+
+    Args:
+        grouped_configs: the sharding's grouped configs.
+        world_size: ranks the rows are spread over.
+        overrides: routing set at the sharder; a table's own
+            ``recpipe_dist_type`` fused param (from its PlacementParameterSharding)
+            wins over it.
+
+    Returns:
+        ``(dist_types, table_sizes, seed)``.
+
+    Raises:
+        ValueError: a non-continuous table whose shards are not the
+            ``ceil((N - r) / W)`` rows that routing gives rank ``r``, or two hashed
+            tables of one sharding with different seeds.
+    """
+    dist_types: List[str] = []
+    sizes: List[int] = []
+    seeds: dict[int, str] = {}
+    for group in grouped_configs:
+        for table in group.embedding_tables:
+            params: Dict[str, Any] = dict(table.fused_params or {})
+            if overrides is not None and table.name in overrides.table_dist_types:
+                params.setdefault(DIST_TYPE_KEY, overrides.table_dist_types[table.name])
+                params.setdefault(SEED_KEY, overrides.seed)
+            dt = str(params.get(DIST_TYPE_KEY, "continuous"))
+            ops.dist_type_code(dt)  # validates the name
+            n = int(table.num_embeddings)
+            if dt != "continuous":
+                _check_routed_layout(table, n, world_size, dt)
+                if dt == "hash_roundrobin":
+                    seeds.setdefault(int(params.get(SEED_KEY, 0)), table.name)
+            dist_types.extend([dt] * table.num_features())
+            sizes.extend([n] * table.num_features())
+    if len(seeds) > 1:
+        raise ValueError(
+            "recpipe: hash_roundrobin tables of one sharding must share one seed, got "
+            f"{ {t: s for s, t in seeds.items()} }; give them the same `recpipe_seed`."
+        )
+    seed = next(iter(seeds), 0)
+    return dist_types, sizes, seed
+
+
+def _check_routed_layout(table: Any, n: int, world_size: int, dist_type: str) -> None:
+    """roundrobin/hash routing puts ``ceil((N - r) / W)`` rows on rank ``r``."""
+    spec = getattr(table, "global_metadata", None)
+    if spec is None:
+        return
+    shards = sorted(spec.shards_metadata, key=lambda s: s.shard_offsets[0])
+    got = [int(s.shard_sizes[0]) for s in shards]
+    want = [(n - r + world_size - 1) // world_size for r in range(world_size)]
+    if got != want:
+        raise ValueError(
+            f"recpipe: table {table.name!r} is routed with {dist_type!r}, which puts "
+            f"{want} rows on ranks 0..{world_size - 1}, but its sharding plan has shards of "
+            f"{got} rows (torchrec's contiguous blocks). Possible solutions:\n"
+            "  1) build the plan with recpipe.planner (PlacementPlan.to_sharding_plan()), or\n"
+            "  2) route this table with dist_type 'continuous'."
+        )
+
+
+class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
+    """Row-wise input distribution routed by ``torch.ops.recpipe.block_bucketize_sparse_features``.
+
+    Same contract as torchrec's ``RwSparseFeaturesDist`` (bucketize, then
+    ``KJTAllToAll``); per feature, ``dist_types`` picks continuous (torchrec's
+    blocks, bit-identical), roundrobin or hash_roundrobin.
+
+    Args:
+        pg: process group of the all-to-all.
+        num_features: features of the sharding.
+        feature_hash_sizes: rows of each feature's table.
+        dist_types: routing of each feature.
+        seed: seed of the hash_roundrobin bijection.
+        device: device of the routing buffers.
+        is_sequence: sequence (EmbeddingCollection) sharding: keep the unbucketize permutation.
+        has_feature_processor: positions are needed by a feature processor.
+        need_pos: positions are needed by weighted features.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        num_features: int,
+        feature_hash_sizes: List[int],
+        dist_types: List[str],
+        seed: int = 0,
+        device: Optional[torch.device] = None,
+        is_sequence: bool = False,
+        has_feature_processor: bool = False,
+        need_pos: bool = False,
+    ) -> None:
+        super().__init__(
+            pg=pg,
+            num_features=num_features,
+            feature_hash_sizes=feature_hash_sizes,
+            device=device,
+            is_sequence=is_sequence,
+            has_feature_processor=has_feature_processor,
+            need_pos=need_pos,
+        )
+        if len(dist_types) != num_features:
+            raise ValueError(
+                f"recpipe: `dist_types` has {len(dist_types)} entries for {num_features} features"
+            )
+        self._seed = int(seed)
+        self.register_buffer(
+            "_recpipe_dist_types",
+            torch.tensor([ops.dist_type_code(d) for d in dist_types], dtype=torch.int64),
+            persistent=False,
+        )
+        self.register_buffer(
+            "_recpipe_table_sizes",
+            torch.tensor(feature_hash_sizes, dtype=torch.int64),
+            persistent=False,
+        )
+
+    def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
+        """Bucketizes ``sparse_features`` by owner rank, then starts the KJT all-to-all.
+
+        Args:
+            sparse_features: the local batch's features.
+
+        Returns:
+            Awaitable of awaitable of the features this rank owns.
+        """
+        if sparse_features.variable_stride_per_key():
+            raise ValueError(
+                "recpipe: variable batch size per feature (VBE) is not supported by recpipe's "
+                "row-wise routing; pass a KJT with one stride for all features."
+            )
+        weights = sparse_features.weights_or_none()
+        bucketize_pos = self._has_feature_processor if weights is None else self._need_pos
+        out = ops.block_bucketize_sparse_features(
+            sparse_features.lengths().view(-1),
+            sparse_features.values(),
+            self._feature_block_sizes_tensor,
+            self._recpipe_dist_types,
+            self._world_size,
+            sequence=self._is_sequence,
+            bucketize_pos=bucketize_pos,
+            weights=weights,
+            table_sizes=self._recpipe_table_sizes,
+            seed=self._seed,
+        )
+        self.unbucketize_permute_tensor = out.unbucketize_permute
+        bucketized = KeyedJaggedTensor(
+            keys=list(sparse_features.keys()) * self._world_size,
+            values=out.new_indices,
+            weights=out.new_pos if bucketize_pos else out.new_weights,
+            lengths=out.new_lengths.view(-1),
+            stride=sparse_features.stride(),
+        )
+        return self._dist(bucketized)
+
+
+class RecpipeRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+    """torchrec's pooled row-wise sharding with recpipe's input routing.
+
+    Args: as ``RwPooledEmbeddingSharding``, plus ``routing``
+        (:class:`RoutingOverrides` chosen at the sharder).
+    """
+
+    def __init__(self, *args: Any, routing: Optional[RoutingOverrides] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._routing = routing
+
+    def create_input_dist(self, device: Optional[torch.device] = None) -> RecpipeRwSparseFeaturesDist:
+        dist_types, sizes, seed = feature_routing(
+            self._grouped_embedding_configs, self._world_size, self._routing
+        )
+        return RecpipeRwSparseFeaturesDist(
+            pg=self._pg,  # type: ignore[arg-type]
+            num_features=self._get_num_features(),
+            feature_hash_sizes=sizes,
+            dist_types=dist_types,
+            seed=seed,
+            device=device if device is not None else self._device,
+            is_sequence=False,
+            has_feature_processor=self._has_feature_processor,
+            need_pos=self._need_pos,
+        )
+
+
+class RecpipeRwSequenceEmbeddingSharding(RwSequenceEmbeddingSharding):
+    """torchrec's sequence row-wise sharding with recpipe's input routing.
+
+    Args: as ``RwSequenceEmbeddingSharding``, plus ``routing``
+        (:class:`RoutingOverrides` chosen at the sharder).
+    """
+
+    def __init__(self, *args: Any, routing: Optional[RoutingOverrides] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._routing = routing
+
+    def create_input_dist(self, device: Optional[torch.device] = None) -> RecpipeRwSparseFeaturesDist:
+        dist_types, sizes, seed = feature_routing(
+            self._grouped_embedding_configs, self._world_size, self._routing
+        )
+        return RecpipeRwSparseFeaturesDist(
+            pg=self._pg,  # type: ignore[arg-type]
+            num_features=self._get_num_features(),
+            feature_hash_sizes=sizes,
+            dist_types=dist_types,
+            seed=seed,
+            device=device if device is not None else self._device,
+            is_sequence=True,
+            has_feature_processor=self._has_feature_processor,
+            need_pos=False,
+        )
+
+
+class RecpipeShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
+    """ShardedEmbeddingBagCollection whose ROW_WISE shardings route with recpipe's op.
+
+    torchrec builds shardings through the classmethod
+    ``create_embedding_bag_sharding``; the sharder's routing reaches it as a class
+    attribute of a per-sharder subclass (:meth:`with_routing`).
+    """
+
+    _routing: ClassVar[Optional[RoutingOverrides]] = None
+
+    @classmethod
+    def with_routing(cls, routing: Optional[RoutingOverrides]) -> type:
+        """A subclass whose shardings use ``routing``."""
+        return type(cls.__name__, (cls,), {"_routing": routing})
+
+    @classmethod
+    def create_embedding_bag_sharding(
+        cls,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> EmbeddingSharding:
+        if sharding_infos[0].param_sharding.sharding_type == ShardingType.ROW_WISE.value:
+            return RecpipeRwPooledEmbeddingSharding(
+                sharding_infos,
+                env,
+                device,
+                qcomm_codecs_registry=qcomm_codecs_registry,
+                routing=cls._routing,
+            )
+        return super().create_embedding_bag_sharding(
+            sharding_infos,
+            env,
+            device,
+            permute_embeddings=permute_embeddings,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+
+class RecpipeShardedEmbeddingCollection(ShardedEmbeddingCollection):
+    """ShardedEmbeddingCollection whose ROW_WISE shardings route with recpipe's op."""
+
+    _routing: ClassVar[Optional[RoutingOverrides]] = None
+
+    @classmethod
+    def with_routing(cls, routing: Optional[RoutingOverrides]) -> type:
+        """A subclass whose shardings use ``routing``."""
+        return type(cls.__name__, (cls,), {"_routing": routing})
+
+    @classmethod
+    def create_embedding_sharding(
+        cls,
+        sharding_type: str,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> EmbeddingSharding:
+        if sharding_type == ShardingType.ROW_WISE.value:
+            return RecpipeRwSequenceEmbeddingSharding(
+                sharding_infos=sharding_infos,
+                env=env,
+                device=device,
+                qcomm_codecs_registry=qcomm_codecs_registry,
+                routing=cls._routing,
+            )
+        return super().create_embedding_sharding(
+            sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
+        )
+
+
+def _make_routing(table_dist_types: Optional[Mapping[str, str]], seed: int) -> Optional[RoutingOverrides]:
+    if not table_dist_types:
+        return None
+    for table, dt in table_dist_types.items():
+        try:
+            ops.dist_type_code(dt)
+        except ValueError as e:
+            raise ValueError(f"recpipe: `table_dist_types[{table!r}]`: {e}") from None
+    return RoutingOverrides(table_dist_types=dict(table_dist_types), seed=int(seed))
+
+
+def _with_row_wise(types: List[str]) -> List[str]:
+    if ShardingType.ROW_WISE.value not in types:
+        types = types + [ShardingType.ROW_WISE.value]
+    return types
+
+
+class RecpipeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """EmbeddingBagCollectionSharder offering ROW_WISE on CPU, routed by recpipe.
+
+    Args:
+        *args: as torchrec's ``EmbeddingBagCollectionSharder`` (``fused_params``, ...).
+        table_dist_types: table name -> dist type for row-wise tables that do not
+            carry their own (tables planned by recpipe.planner do).
+        seed: seed of the hash_roundrobin bijection for those tables.
+        **kwargs: as torchrec's ``EmbeddingBagCollectionSharder``.
+
+    Example::
+
+        model = DistributedModelParallel(
+            module, env=env, device=torch.device("cpu"), plan=plan,
+            sharders=[RecpipeEmbeddingBagCollectionSharder(fused_params=...)],
+        )
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        table_dist_types: Optional[Mapping[str, str]] = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._routing = _make_routing(table_dist_types, seed)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return _with_row_wise(super().sharding_types(compute_device_type))
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> RecpipeShardedEmbeddingBagCollection:
+        return RecpipeShardedEmbeddingBagCollection.with_routing(self._routing)(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
+
+
+class RecpipeEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+    """EmbeddingCollectionSharder offering ROW_WISE on CPU, routed by recpipe.
+
+    Args: as :class:`RecpipeEmbeddingBagCollectionSharder`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        table_dist_types: Optional[Mapping[str, str]] = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self._routing = _make_routing(table_dist_types, seed)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        return _with_row_wise(super().sharding_types(compute_device_type))
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> RecpipeShardedEmbeddingCollection:
+        return RecpipeShardedEmbeddingCollection.with_routing(self._routing)(
+            module,
+            params,
+            env,
+            self.fused_params,
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup,
+            module_fqn=module_fqn,
+        )
+
+
+def recpipe_sharders(
+    fused_params: Optional[Dict[str, Any]] = None,
+    table_dist_types: Optional[Mapping[str, str]] = None,
+    seed: int = 0,
+) -> List[BaseEmbeddingSharder]:
+    """The recpipe sharders for EBC and EC modules, sharing their arguments.
+
+    Args:
+        fused_params: fused optimizer / kernel parameters passed to both sharders.
+        table_dist_types: see :class:`RecpipeEmbeddingBagCollectionSharder`.
+        seed: see :class:`RecpipeEmbeddingBagCollectionSharder`.
+
+    Returns:
+        ``[RecpipeEmbeddingBagCollectionSharder, RecpipeEmbeddingCollectionSharder]``.
+    """
+    return [
+        RecpipeEmbeddingBagCollectionSharder(
+            fused_params=fused_params, table_dist_types=table_dist_types, seed=seed
+        ),
+        RecpipeEmbeddingCollectionSharder(
+            fused_params=fused_params, table_dist_types=table_dist_types, seed=seed
+        ),
+    ]

@@ -1,0 +1,422 @@
+"""TrainPipelineFusedSparseDist: torchrec's sparse-dist pipeline with the next
+batch's embedding lookup issued as soon as the current batch's fused-TBE backward
+has updated the tables, so the lookup and its output all-to-all overlap the
+dense optimizer step. Exact (bit-identical to ``TrainPipelineSparseDist``) on CUDA
+and CPU; a one-line drop-in::
+
+    pipeline = TrainPipelineSparseDist(model, optimizer, device)
+    pipeline = TrainPipelineFusedSparseDist(model, optimizer, device)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type
+
+import torch
+from torch.profiler import record_function
+from torchrec.distributed.model_parallel import ShardedModule
+from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
+from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline.types import PipelineState
+
+from recpipe.pipeline._pipeline_forward import FusedLookupPipelineContext, FusedLookupPipelinedForward
+from recpipe.pipeline._pipeline_stats import (
+    STAGE_LOOKUP,
+    STAGE_OPTIMIZER,
+    PipelineStageStats,
+    StageTimer,
+)
+from recpipe.pipeline._pipeline_validation import (
+    FusedLookupExactnessChecker,
+    FusedLookupExactnessError,
+)
+
+__all__ = [
+    "FusedLookupExactnessError",
+    "FusedLookupPipelineContext",
+    "PipelineStageStats",
+    "TrainPipelineFusedSparseDist",
+]
+
+_STREAM_DEVICE_TYPES = ("cuda", "mtia")
+
+
+class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
+    """Sparse-dist train pipeline whose next-batch embedding lookup overlaps the optimizer.
+
+    Same schedule as torchrec's ``TrainPipelineSparseDist`` except where batch
+    i+1's embedding lookup and output all-to-all (``compute_and_output_dist``) are
+    issued: not inside batch i+1's forward, but right after batch i's backward,
+    when the fused TBE backward has already written the tables. Stages of one
+    ``progress()`` call (batch i), with the stream (CUDA) / thread (CPU) each uses:
+
+    1. ``## zero_grad ##`` - default stream / main thread.
+    2. ``## wait_for_batch i ##`` - default stream waits for the data-dist stream.
+    3. ``## start_sparse_data_dist i+1 ##`` - input-dist splits all-to-all of
+       batch i+1 - data-dist stream / main thread (gloo runs it in the background).
+    4. ``## copy_batch_to_gpu i+2 ##`` - memcpy stream / main thread.
+    5. ``## forward i ##`` - default stream / main thread. The pipelined modules
+       return the output all-to-all issued one step earlier; the model's first use
+       blocks in ``## output_dist_wait <module> i ##`` (timed in ``stats``).
+    6. ``## wait_sparse_data_dist i+1 ##`` - input-dist tensors all-to-all of
+       batch i+1 - data-dist stream / main thread.
+    7. ``## backward i ##`` - default stream / main thread; fused tables are
+       updated here.
+    8. ``## start_embedding_lookup i+1 ##`` - lookup + output all-to-all of
+       batch i+1 - lookup stream (``use_emb_lookup_stream=True``) or the data-dist
+       stream, after an event wait on the default stream (recorded after backward,
+       or after the optimizer for modules holding dense-updated tables) and on
+       the data-dist stream / main thread, gloo carries the all-to-all in the
+       background. Issued before or after stage 9 (``embedding_lookup_after_opt``).
+    9. ``## optimizer i ##`` - dense optimizer step - default stream / main thread.
+
+    The first batch (and a batch whose lookup was not issued, e.g. after
+    ``reset()``) is looked up at the start of its own step. In eval mode (no
+    backward) the lookup of batch i+1 is issued after stage 6.
+
+    CUDA: the lookup stream waits on an event recorded on the default stream
+    after backward, so it runs concurrently with the optimizer kernels; the
+    forward waits on an event recorded on the lookup stream; the input KJT and
+    module context are recorded on every consuming stream and the embeddings on
+    the default stream. CPU: no stream exists and no CUDA or stream call is made;
+    there is no lookup thread (with 2 ranks on 2 cores no core is idle, and on
+    1 rank 2 intra-op threads beat a lookup thread, both measured), so the flags
+    set the order in which the lookup and its output all-to-all are *issued*
+    relative to the optimizer, and gloo's worker thread carries the all-to-all
+    while the main thread runs the optimizer (``embedding_lookup_after_opt=False``)
+    or the next step's input dist, batch copy and dense forward (True). Measured
+    on 2 CPU ranks (scripts/bench_pipeline.py), False hides more of the wait
+    (forward wait cut ~77% vs ~40-68% for True); CUDA keeps the default True.
+
+    Exactness: a lookup issued before the optimizer is exact only if the
+    optimizer writes nothing the lookup reads. When the model is attached (the
+    first ``progress()`` or ``attach()``), every pipelined module is checked: a
+    feature processor inside a pipelined module, or a table updated by the dense
+    optimizer (compute kernel ``dense`` or sharding ``data_parallel``) raises
+    ``FusedLookupExactnessError`` naming the module and table, unless
+    ``allow_dense_tables=True`` - then the lookup of the modules holding such
+    tables is issued after the optimizer step (and, on CUDA, waits on an event
+    recorded after it), which keeps them exact but removes their overlap.
+
+    Args:
+        model (torch.nn.Module): model to pipeline (usually a
+            ``DistributedModelParallel``).
+        optimizer (torch.optim.Optimizer): the dense optimizer.
+        device (torch.device): device of the forward/backward.
+        execute_all_batches (bool): run the batches left in the pipeline after
+            the dataloader is exhausted.
+        apply_jit (bool): ``torch.jit.script`` the non-pipelined modules.
+        context_type (Type[TrainPipelineContext]): per-batch context; must
+            subclass ``FusedLookupPipelineContext``.
+        pipeline_postproc (bool): pipeline postproc modules (torchrec).
+        custom_model_fwd (Optional[Callable]): replaces ``model(batch)``.
+        dmp_collection_sync_interval_batches (Optional[int]): 2D-sharding sync
+            interval (torchrec).
+        enqueue_batch_after_forward (bool): copy batch i+2 after the forward.
+        enable_inplace_copy_batch (bool): torchrec's in-place batch copy.
+        free_features_storage_early (bool): torchrec's early KJT storage release.
+        clear_data_dist_inputs (bool): torchrec's early input-dist release.
+        async_inplace_copy (bool): torchrec's background in-place copy.
+        use_emb_lookup_stream (bool): keyword-only. True: a dedicated lookup
+            stream (its own caching-allocator pool: more memory). False: reuse the
+            data-dist stream. No effect on CPU.
+        embedding_lookup_after_opt (bool): keyword-only. True: issue the next
+            lookup after the optimizer step is enqueued (on CUDA it fills the gap
+            before the next forward; on CPU the all-to-all overlaps the next step's
+            input dist and dense forward). False: right after backward, before the
+            optimizer (on CPU the all-to-all overlaps the optimizer).
+        allow_dense_tables (bool): keyword-only. Accept tables updated by the
+            dense optimizer; their modules' lookups are ordered after it.
+
+    Example::
+
+        pipeline = TrainPipelineFusedSparseDist(
+            dmp_model, dense_optimizer, torch.device("cpu"), embedding_lookup_after_opt=False
+        )
+        it = iter(dataloader)
+        while True:
+            try:
+                output = pipeline.progress(it)
+            except StopIteration:
+                break
+        print(pipeline.stats.per_step_ms())
+    """
+
+    _pipelined_forward_type = FusedLookupPipelinedForward
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        execute_all_batches: bool = True,
+        apply_jit: bool = False,
+        context_type: Type[TrainPipelineContext] = FusedLookupPipelineContext,
+        pipeline_postproc: bool = False,
+        custom_model_fwd: Optional[Callable[[Optional[Any]], Tuple[torch.Tensor, Any]]] = None,
+        dmp_collection_sync_interval_batches: Optional[int] = 1,
+        enqueue_batch_after_forward: bool = False,
+        enable_inplace_copy_batch: bool = False,
+        free_features_storage_early: bool = False,
+        clear_data_dist_inputs: bool = False,
+        async_inplace_copy: bool = False,
+        *,
+        use_emb_lookup_stream: bool = False,
+        embedding_lookup_after_opt: bool = True,
+        allow_dense_tables: bool = False,
+    ) -> None:
+        if not isinstance(device, torch.device):
+            raise TypeError(
+                f"TrainPipelineFusedSparseDist: device must be a torch.device, got "
+                f"{type(device).__name__} {device!r}; pass torch.device({str(device)!r})."
+            )
+        if not (isinstance(context_type, type) and issubclass(context_type, FusedLookupPipelineContext)):
+            raise TypeError(
+                f"TrainPipelineFusedSparseDist: context_type must subclass "
+                f"FusedLookupPipelineContext, got {context_type!r}; derive your context from "
+                "recpipe.pipeline.train_pipeline.FusedLookupPipelineContext."
+            )
+        for arg, value in (
+            ("use_emb_lookup_stream", use_emb_lookup_stream),
+            ("embedding_lookup_after_opt", embedding_lookup_after_opt),
+            ("allow_dense_tables", allow_dense_tables),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"TrainPipelineFusedSparseDist: {arg} must be a bool, got "
+                    f"{type(value).__name__} {value!r}."
+                )
+        super().__init__(
+            model=model,
+            optimizer=optimizer,
+            device=device,
+            execute_all_batches=execute_all_batches,
+            apply_jit=apply_jit,
+            context_type=context_type,
+            pipeline_postproc=pipeline_postproc,
+            custom_model_fwd=custom_model_fwd,
+            dmp_collection_sync_interval_batches=dmp_collection_sync_interval_batches,
+            enqueue_batch_after_forward=enqueue_batch_after_forward,
+            enable_inplace_copy_batch=enable_inplace_copy_batch,
+            free_features_storage_early=free_features_storage_early,
+            clear_data_dist_inputs=clear_data_dist_inputs,
+            async_inplace_copy=async_inplace_copy,
+        )
+        self._use_emb_lookup_stream = use_emb_lookup_stream
+        self._embedding_lookup_after_opt = embedding_lookup_after_opt
+        self._checker = FusedLookupExactnessChecker(allow_dense_tables=allow_dense_tables)
+        self._after_opt_modules: Set[str] = set()
+        self.stats = PipelineStageStats()
+        """Per-stage host seconds (lookup issue, output-dist wait, optimizer)."""
+
+        self._lookup_stream: Optional[torch.Stream] = None
+        if device.type in _STREAM_DEVICE_TYPES:
+            self._lookup_stream = (
+                torch.get_device_module(device).Stream(priority=-1)
+                if use_emb_lookup_stream
+                else self._data_dist_stream
+            )
+
+    # ------------------------------------------------------------------ attach
+
+    def _pipeline_model(
+        self,
+        batch: Optional[Any],
+        context: TrainPipelineContext,
+        pipelined_forward: Type[PipelinedForward] = PipelinedForward,
+    ) -> None:
+        """Rewrites the model (torchrec), then validates and binds the pipelined modules.
+
+        Raises:
+            FusedLookupExactnessError: see the class docstring; the model is
+                detached (original forwards restored) before raising.
+        """
+        super()._pipeline_model(batch, context, pipelined_forward)
+        modules = self._modules_by_name()
+        try:
+            after_opt = self._checker.check(modules)
+        except FusedLookupExactnessError:
+            self.detach()
+            raise
+        self._after_opt_modules = set(after_opt)
+        for module in self._pipelined_modules:
+            forward = module.forward
+            if isinstance(forward, FusedLookupPipelinedForward):
+                forward.bind(self.stats, self._device)
+
+    def _modules_by_name(self) -> Dict[str, ShardedModule]:
+        return {m.forward.name: m for m in self._pipelined_modules}  # pyre-ignore[16]
+
+    @property
+    def after_optimizer_modules(self) -> Sequence[str]:
+        """Pipelined modules whose lookup is ordered after the optimizer step.
+
+        Non-empty only with ``allow_dense_tables=True`` and dense-updated tables.
+        """
+        return sorted(self._after_opt_modules)
+
+    # ------------------------------------------------------------------ lookup
+
+    def _main_stream_event(self) -> Optional[torch.Event]:
+        if self._lookup_stream is None:
+            return None
+        return torch.get_device_module(self._device).current_stream().record_event()
+
+    def _issue_module_lookup(
+        self,
+        module: ShardedModule,
+        context: FusedLookupPipelineContext,
+        tables_ready: Optional[torch.Event],
+    ) -> None:
+        name: str = module.forward.name  # pyre-ignore[16]
+        if name not in context.input_dist_tensors_requests:
+            raise RuntimeError(
+                f"TrainPipelineFusedSparseDist: the input dist of module {name!r} for batch "
+                f"{context.index} was not waited before its lookup (available: "
+                f"{sorted(context.input_dist_tensors_requests)})."
+            )
+        module_ctx = context.module_contexts[name]
+        request = context.input_dist_tensors_requests.pop(name)
+        if self._lookup_stream is None:
+            # CPU: no streams; the all-to-all runs on gloo's worker thread.
+            kjt = request.wait()
+            context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
+            return
+        dev = torch.get_device_module(self._device)
+        main = dev.current_stream()
+        dist_stream = self._data_dist_stream
+        assert dist_stream is not None
+        with dev.stream(dist_stream):
+            kjt = request.wait()
+            input_ready = dist_stream.record_event()
+        lookup = self._lookup_stream
+        with dev.stream(lookup):
+            lookup.wait_event(input_ready)
+            if tables_ready is not None:
+                lookup.wait_event(tables_ready)
+            # The KJT and module context were allocated on the data-dist stream;
+            # register every other stream that reads them.
+            for consumer in (lookup, main):
+                if consumer != dist_stream:
+                    kjt.record_stream(consumer)
+                    module_ctx.record_stream(consumer)
+            context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
+            context.lookup_events[name] = lookup.record_event()
+
+    def start_embedding_lookup(
+        self,
+        context: FusedLookupPipelineContext,
+        modules: Sequence[ShardedModule],
+    ) -> None:
+        """Issues the lookup and output all-to-all of ``modules`` for ``context``'s batch.
+
+        On CUDA the lookup stream first waits on an event recorded now on the
+        default stream (so everything enqueued there so far - backward, and the
+        optimizer if already issued - precedes the lookup).
+
+        Args:
+            context (FusedLookupPipelineContext): the batch's context; its input
+                dist must have been waited (``wait_sparse_data_dist``).
+            modules (Sequence[ShardedModule]): pipelined modules to look up.
+        """
+        if not modules:
+            return
+        with StageTimer(self.stats, STAGE_LOOKUP, f"## start_embedding_lookup {context.index} ##"):
+            tables_ready = self._main_stream_event()
+            for module in modules:
+                self._issue_module_lookup(module, context, tables_ready)
+
+    def _split_modules(self) -> Tuple[List[ShardedModule], List[ShardedModule]]:
+        """(modules looked up after backward, modules looked up after the optimizer)."""
+        early: List[ShardedModule] = []
+        late: List[ShardedModule] = []
+        for m in self._pipelined_modules:
+            if self._embedding_lookup_after_opt or m.forward.name in self._after_opt_modules:  # pyre-ignore[16]
+                late.append(m)
+            else:
+                early.append(m)
+        return early, late
+
+    def _optimizer_step(self) -> None:
+        with StageTimer(self.stats, STAGE_OPTIMIZER, f"## optimizer {self.contexts[0].index} ##"):
+            self._optimizer.step()
+
+    # ------------------------------------------------------------------ step
+
+    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
+        """Runs one training step (forward, backward, optimizer of batch i).
+
+        Args:
+            dataloader_iter (Iterator[Pipelineable]): the batches.
+
+        Returns:
+            Any: the model's output for batch i.
+
+        Raises:
+            StopIteration: when every batch has been processed.
+            FusedLookupExactnessError: on attach, see the class docstring.
+        """
+        self._state = PipelineState.IDLE
+        if not self._model_attached:
+            self.attach(self._model)
+        self.fill_pipeline(dataloader_iter)
+        if not self.batches:
+            raise StopIteration
+
+        self._set_module_context(self.contexts[0])
+        current = self.contexts[0]
+        assert isinstance(current, FusedLookupPipelineContext)
+        if not current.lookup_started:
+            # First batch (nothing earlier to overlap with) or after reset/attach.
+            self.start_embedding_lookup(current, self._pipelined_modules)
+            current.lookup_started = True
+
+        if self._model.training:
+            with record_function("## zero_grad ##"):
+                self._optimizer.zero_grad()
+
+        self._wait_for_batch()
+
+        if self._clear_data_dist_inputs:
+            self.clear_sparse_data_dist_inputs(current)
+
+        if len(self.batches) >= 2:
+            self.start_sparse_data_dist(self.batches[1], self.contexts[1])
+
+        if not self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)
+
+        with record_function(f"## forward {current.index} ##"):
+            self._state = PipelineState.CALL_FWD
+            losses, output = self._model_fwd(self.batches[0])
+
+        if self._enqueue_batch_after_forward:
+            self.enqueue_batch(dataloader_iter)
+
+        nxt: Optional[FusedLookupPipelineContext] = None
+        if len(self.batches) >= 2:
+            self.wait_sparse_data_dist(self.contexts[1])
+            nxt = self.contexts[1]
+            assert isinstance(nxt, FusedLookupPipelineContext)
+
+        if self._model.training:
+            self._state = PipelineState.CALL_BWD
+            self._backward(losses)
+            self.sync_embeddings(
+                self._model, self._dmp_collection_sync_interval_batches, current
+            )
+            early, late = self._split_modules()
+            if nxt is not None:
+                self.start_embedding_lookup(nxt, early)
+            self._optimizer_step()
+            if nxt is not None:
+                self.start_embedding_lookup(nxt, late)
+                nxt.lookup_started = True
+        elif nxt is not None:
+            self.start_embedding_lookup(nxt, self._pipelined_modules)
+            nxt.lookup_started = True
+
+        self.stats.steps += 1
+        self.dequeue_batch()
+        return output

@@ -1,0 +1,141 @@
+"""Dry-run CLI: ``python -m recpipe.planner --tables tables.yaml --world-size 16
+--local-world-size 8 --hbm 80GiB --ddr 1TiB`` prints the placement plan.
+
+``tables.yaml`` is a YAML list of tables::
+
+    - {name: user_id, rows: 100000000, dim: 128, dtype: float32, optimizer: adam,
+       lookups_per_step: 65536, zipf_alpha: 1.1}
+
+``--hbm`` is per device, ``--ddr`` is host memory per machine (shared by the
+``--local-world-size`` ranks). No GPU is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import yaml
+from torchrec.distributed.planner.types import Topology
+
+from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
+from recpipe.planner.types import DEFAULT_ZIPF_ALPHA, PlannerError, TableSpec
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_TABLE_KEYS = {"name", "rows", "dim", "dtype", "optimizer", "lookups_per_step", "zipf_alpha"}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as ``80GiB``, ``1TiB``, ``512MB`` or ``1024``.
+
+    Args:
+        text (str): the size.
+
+    Returns:
+        int: bytes.
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"bad size {text!r}: use a number with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB."
+        )
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
+    """Read the YAML table list.
+
+    Args:
+        path (Path): YAML file holding a list of table mappings.
+        default_optimizer (str): optimizer for tables without one.
+
+    Returns:
+        List[TableSpec]: the tables.
+    """
+    data = yaml.safe_load(Path(path).read_text())
+    if data is None:
+        return []
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a YAML list of tables, got {type(data).__name__}.")
+    specs = []
+    for k, item in enumerate(data):
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}: table #{k} must be a mapping with keys {sorted(_TABLE_KEYS)}.")
+        extra = set(item) - _TABLE_KEYS
+        if extra:
+            raise ValueError(f"{path}: table #{k} has unknown keys {sorted(extra)}; allowed: {sorted(_TABLE_KEYS)}.")
+        specs.append(
+            TableSpec(
+                name=str(item["name"]),
+                rows=int(item["rows"]),
+                dim=int(item["dim"]),
+                dtype=str(item.get("dtype", "float32")),
+                optimizer=str(item.get("optimizer", default_optimizer)),
+                lookups_per_step=float(item.get("lookups_per_step", 512)),
+                zipf_alpha=float(item.get("zipf_alpha", DEFAULT_ZIPF_ALPHA)),
+            )
+        )
+    return specs
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI entry point.
+
+    Args:
+        argv (Optional[Sequence[str]]): arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        int: exit code (0 ok, 2 planner error).
+    """
+    ap = argparse.ArgumentParser(prog="python -m recpipe.planner", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tables", type=Path, required=True, help="YAML list of tables")
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--local-world-size", type=int, default=None, help="ranks per machine (default world size)")
+    ap.add_argument("--hbm", type=parse_size, required=True, help="HBM per device, e.g. 80GiB")
+    ap.add_argument("--ddr", type=parse_size, required=True, help="host DDR per machine, e.g. 1TiB")
+    ap.add_argument("--cost-model", choices=("analytic", "empirical"), default="analytic")
+    ap.add_argument("--optimizer", default="adam", help="optimizer of tables that do not name one")
+    ap.add_argument("--hbm-reservation", type=float, default=DEFAULT_HBM_RESERVATION)
+    ap.add_argument("--ddr-reservation", type=float, default=DEFAULT_DDR_RESERVATION)
+    ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"))
+    ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+    args = ap.parse_args(argv)
+    lws = args.local_world_size or args.world_size
+    if args.world_size < 1 or not 1 <= lws <= args.world_size or args.world_size % lws:
+        ap.error(f"--local-world-size ({lws}) must divide --world-size ({args.world_size}).")
+    topology = Topology(
+        world_size=args.world_size,
+        local_world_size=lws,
+        compute_device="cuda",
+        hbm_cap=args.hbm,
+        ddr_cap=args.ddr // lws,  # torchrec Topology.ddr_cap is per rank
+    )
+    planner = PlacementPlanner(
+        topology,
+        cost_model=args.cost_model,
+        bins=tuple(args.bins) if args.bins else None,
+        hbm_reservation=args.hbm_reservation,
+        ddr_reservation=args.ddr_reservation,
+        optimizer=args.optimizer,
+    )
+    try:
+        plan = planner.plan(load_tables(args.tables, args.optimizer))
+    except PlannerError as e:
+        print(f"PlannerError[{e.planner_error_type.value}]: {e}", file=sys.stderr)
+        return 2
+    print(plan.report())
+    if args.json:
+        plan.save(args.json)
+        print(f"plan written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Step-cost models: the modelled time a table's lookups take under a placement.
+
+Two implementations behind one ``CostModel`` protocol:
+
+* ``AnalyticCostModel`` (default): ``lookups x row_bytes / bw_eff`` with
+  ``bw_eff = hit * HBM_BW + (1 - hit) * HBM_TO_DDR_BW`` (torchrec constants, 897
+  and 32 GB/s) and the expected fast-tier hit rate: HYBRID ``hit = x`` (a hash
+  split ignores frequency), CACHING ``hit`` = access mass of the ``x * N`` most
+  frequent rows (an LFU cache) under the table's access distribution.
+* ``EmpiricalCostModel``: the same bandwidth mix with the effective hit rates
+  fitted by TorchEasyRec PR #508 from an A10 sweep.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Protocol, Sequence, Tuple, runtime_checkable
+
+import numpy as np
+from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
+
+from recpipe.planner.storage import _floor_fraction, row_bytes
+from recpipe.planner.types import Mode, TableSpec
+
+# Terms summed exactly before switching to the Euler-Maclaurin tail in
+# ``generalized_harmonic``. Dimensionless; the tail error is below 1e-12 here.
+_HARMONIC_EXACT_TERMS: int = 4096
+
+# Effective fast-tier hit rates fitted by TorchEasyRec PR #508 (A10 GPU sweep,
+# 4M rows, dim 128, Adam, Zipf alpha 1.05: HBM-only 0.80 ms, CACHING@x<1 2.63 ms,
+# HYBRID@x<1 5.44 ms; inverting the torchrec bandwidth mix gives these x_eff).
+EMPIRICAL_CACHING_X_EFF: float = 0.28
+EMPIRICAL_HYBRID_X_EFF: float = 0.11
+# Tie-break slope of the fit: x_eff grows by 0.01 per unit x so that, at equal
+# mode, a larger cache is preferred when it fits. Dimensionless (PR #508).
+EMPIRICAL_X_SLOPE: float = 0.01
+
+
+@functools.lru_cache(maxsize=64)
+def _harmonic_prefix(alpha: float) -> np.ndarray:
+    m = _HARMONIC_EXACT_TERMS
+    out = np.concatenate([[0.0], np.cumsum(np.arange(1, m + 1, dtype=np.float64) ** -alpha)])
+    out.setflags(write=False)
+    return out
+
+
+def generalized_harmonic(n: np.ndarray, alpha: float) -> np.ndarray:
+    """``H(n, alpha) = sum_{i=1..n} i^-alpha`` for an array of ``n``.
+
+    Exact for ``n <= 4096``, Euler-Maclaurin tail (to the f''' term) above.
+
+    Args:
+        n (np.ndarray): non-negative integers.
+        alpha (float): exponent ``>= 0``.
+
+    Returns:
+        np.ndarray: float64 values, ``H(0) = 0``.
+    """
+    n = np.asarray(n, dtype=np.float64)
+    m = _HARMONIC_EXACT_TERMS
+    prefix = _harmonic_prefix(float(alpha))
+    out = np.empty_like(n)
+    small = n <= m
+    out[small] = prefix[n[small].astype(np.int64)]
+    big = n[~small]
+    if big.size:
+        if abs(alpha - 1.0) < 1e-12:
+            integral = np.log(big / m)
+        else:
+            integral = (big ** (1.0 - alpha) - m ** (1.0 - alpha)) / (1.0 - alpha)
+
+        def f(t: np.ndarray | float) -> np.ndarray | float:
+            return t ** -alpha
+
+        def f1(t: np.ndarray | float) -> np.ndarray | float:
+            return -alpha * t ** (-alpha - 1.0)
+
+        tail = integral + (f(big) - f(float(m))) / 2.0 + (f1(big) - f1(float(m))) / 12.0
+        out[~small] = prefix[m] + tail
+    return out
+
+
+def fast_tier_hit_rate(table: TableSpec, mode: Mode, x: float) -> float:
+    """Expected fraction of lookups served by the fast tier.
+
+    Args:
+        table (TableSpec): the table (its access model: ``cache_stats``, else
+            ``access_counts``, else Zipf(``zipf_alpha``)).
+        mode (Mode): placement mode.
+        x (float): cache load factor in (0, 1].
+
+    Returns:
+        float: 1.0 at ``x == 1``; ``x`` for HYBRID; the top-``x * N`` access mass
+        for CACHING (an LFU cache).
+
+    Example::
+
+        fast_tier_hit_rate(TableSpec(name="t", rows=100, dim=8, zipf_alpha=0.0),
+                           Mode.CACHING, 0.3)  # 0.3 (uniform access)
+    """
+    if x >= 1.0:
+        return 1.0
+    if mode is Mode.HYBRID:
+        return float(x)
+    if table.cache_stats is not None:
+        return float(min(1.0, max(0.0, 1.0 - table.cache_stats.expected_miss_rate(x))))
+    if table.access_counts is not None:
+        counts = np.sort(np.asarray(table.access_counts, dtype=np.float64))[::-1]
+        total = counts.sum()
+        if total <= 0:
+            return float(x)
+        k = _floor_fraction(x, counts.size)
+        return float(counts[:k].sum() / total)
+    k = _floor_fraction(x, table.rows)
+    h = generalized_harmonic(np.array([k, table.rows]), table.zipf_alpha)
+    return float(h[0] / h[1])
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    """Prices placement options of one table in modelled milliseconds per step."""
+
+    name: str
+
+    def costs(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
+        """Modelled step cost of each ``(mode, x)`` option of ``table``.
+
+        Args:
+            table (TableSpec): the table.
+            options (Sequence[Tuple[Mode, float]]): candidate placements.
+
+        Returns:
+            np.ndarray: float64 costs in ms, one per option.
+        """
+        ...
+
+
+class _BandwidthMixCostModel:
+    """Shared ``lookups x row_bytes / (hit * hbm_bw + (1 - hit) * h2d_bw)``."""
+
+    name: str = "bandwidth_mix"
+
+    def __init__(
+        self,
+        hbm_mem_bw: float = HBM_MEM_BW,
+        hbm_to_ddr_mem_bw: float = HBM_TO_DDR_MEM_BW,
+    ) -> None:
+        if not (hbm_mem_bw > 0 and hbm_to_ddr_mem_bw > 0):
+            raise ValueError(
+                f"hbm_mem_bw ({hbm_mem_bw}) and hbm_to_ddr_mem_bw ({hbm_to_ddr_mem_bw}) "
+                "must be positive bytes/ms (torchrec Topology units)."
+            )
+        self.hbm_mem_bw = float(hbm_mem_bw)
+        self.hbm_to_ddr_mem_bw = float(hbm_to_ddr_mem_bw)
+
+    def effective_hit(self, table: TableSpec, mode: Mode, x: float) -> float:
+        raise NotImplementedError
+
+    def costs(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
+        """See ``CostModel.costs``."""
+        nbytes = table.lookups_per_step * row_bytes(table.dim, table.dtype, table.optimizer)
+        out = np.empty(len(options), dtype=np.float64)
+        for i, (mode, x) in enumerate(options):
+            hit = self.effective_hit(table, mode, x)
+            bw = hit * self.hbm_mem_bw + (1.0 - hit) * self.hbm_to_ddr_mem_bw
+            out[i] = nbytes / bw
+        return out
+
+
+class AnalyticCostModel(_BandwidthMixCostModel):
+    """Bandwidth mix priced with the modelled fast-tier hit rate.
+
+    Args:
+        hbm_mem_bw (float): HBM bandwidth in bytes/ms (torchrec ``HBM_MEM_BW``, 897 GB/s).
+        hbm_to_ddr_mem_bw (float): host->device bandwidth in bytes/ms (torchrec
+            ``HBM_TO_DDR_MEM_BW``, 32 GB/s).
+
+    Example::
+
+        AnalyticCostModel().costs(table, [(Mode.CACHING, 0.2), (Mode.HYBRID, 1.0)])
+    """
+
+    name: str = "analytic"
+
+    def effective_hit(self, table: TableSpec, mode: Mode, x: float) -> float:
+        """The hit rate of ``fast_tier_hit_rate``."""
+        return fast_tier_hit_rate(table, mode, x)
+
+
+class EmpiricalCostModel(_BandwidthMixCostModel):
+    """Bandwidth mix priced with PR #508's fitted effective hit rates.
+
+    ``x_eff = 1`` at ``x = 1``; else ``0.28 + 0.01 x`` (CACHING) or
+    ``0.11 + 0.01 x`` (HYBRID), independent of the access distribution.
+
+    Args:
+        hbm_mem_bw (float): HBM bandwidth in bytes/ms.
+        hbm_to_ddr_mem_bw (float): host->device bandwidth in bytes/ms.
+    """
+
+    name: str = "empirical"
+
+    def effective_hit(self, table: TableSpec, mode: Mode, x: float) -> float:
+        """The fitted ``x_eff``."""
+        if x >= 1.0:
+            return 1.0
+        base = EMPIRICAL_CACHING_X_EFF if mode is Mode.CACHING else EMPIRICAL_HYBRID_X_EFF
+        return base + EMPIRICAL_X_SLOPE * float(x)
+
+
+def make_cost_model(name_or_model: "str | CostModel", hbm_mem_bw: float, hbm_to_ddr_mem_bw: float) -> CostModel:
+    """Resolve ``"analytic"`` / ``"empirical"`` or pass a ``CostModel`` through.
+
+    Args:
+        name_or_model (str | CostModel): model or its name.
+        hbm_mem_bw (float): HBM bandwidth in bytes/ms.
+        hbm_to_ddr_mem_bw (float): host->device bandwidth in bytes/ms.
+
+    Returns:
+        CostModel: the model.
+    """
+    if isinstance(name_or_model, str):
+        key = name_or_model.lower()
+        if key == "analytic":
+            return AnalyticCostModel(hbm_mem_bw, hbm_to_ddr_mem_bw)
+        if key == "empirical":
+            return EmpiricalCostModel(hbm_mem_bw, hbm_to_ddr_mem_bw)
+        raise ValueError(f"cost_model must be 'analytic', 'empirical' or a CostModel, got {name_or_model!r}.")
+    if not isinstance(name_or_model, CostModel):
+        raise ValueError(
+            f"cost_model {name_or_model!r} does not implement CostModel (name, costs(table, options))."
+        )
+    return name_or_model
+
+
+__all__ = [
+    "AnalyticCostModel",
+    "CostModel",
+    "EMPIRICAL_CACHING_X_EFF",
+    "EMPIRICAL_HYBRID_X_EFF",
+    "EMPIRICAL_X_SLOPE",
+    "EmpiricalCostModel",
+    "fast_tier_hit_rate",
+    "generalized_harmonic",
+    "make_cost_model",
+]
+

@@ -1,0 +1,360 @@
+"""PlacementPlanner: topology budgets -> options -> proposer -> PlacementPlan."""
+
+from __future__ import annotations
+
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+from torch import nn
+from torchrec.distributed.planner.constants import BATCH_SIZE, POOLING_FACTOR
+from torchrec.distributed.planner.types import Topology
+from torchrec.modules.embedding_configs import data_type_to_dtype
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+from recpipe.planner.cost_models import CostModel, make_cost_model
+from recpipe.planner.enumerators import GridPlacementEnumerator, options_to_arrays
+from recpipe.planner.proposers import DynamicProgrammingProposer, Proposer
+from recpipe.planner.types import (
+    DEFAULT_LOAD_FACTORS,
+    PlacementConstraints,
+    PlacementOption,
+    PlacementPlan,
+    PlannerError,
+    PlannerErrorType,
+    TablePlacement,
+    TableSpec,
+    format_bytes,
+)
+
+# Fraction of each device's HBM kept for dense parameters, activations and
+# input buffers: TorchEasyRec PR #508 / tzrec default ``storage_reserve_percent``
+# (used with torchrec's HeuristicalStorageReservation). Dimensionless.
+DEFAULT_HBM_RESERVATION: float = 0.15
+# Fraction of host DDR reserved: torchrec's percentage reservations touch HBM
+# only, so the seed reserves no DDR. Dimensionless.
+DEFAULT_DDR_RESERVATION: float = 0.0
+
+
+def tables_from_module(
+    module: nn.Module,
+    *,
+    optimizer: str = "adam",
+    batch_size: int = BATCH_SIZE,
+    pooling_factor: float = POOLING_FACTOR,
+) -> List[TableSpec]:
+    """Table specs of every EmbeddingBagCollection / EmbeddingCollection in ``module``.
+
+    Works on meta-device modules (only configs are read).
+
+    Args:
+        module (nn.Module): a model, or an EBC / EC itself.
+        optimizer (str): fused optimizer of every table.
+        batch_size (int): per-rank batch size (torchrec ``BATCH_SIZE`` = 512 default).
+        pooling_factor (float): ids per feature per sample (torchrec ``POOLING_FACTOR`` = 1).
+
+    Returns:
+        List[TableSpec]: one per table, ``lookups_per_step = batch_size x
+        pooling_factor x features of the table``.
+    """
+    specs: List[TableSpec] = []
+    for path, sub in module.named_modules():
+        if isinstance(sub, EmbeddingBagCollection):
+            configs = sub.embedding_bag_configs()
+        elif isinstance(sub, EmbeddingCollection):
+            configs = sub.embedding_configs()
+        else:
+            continue
+        for cfg in configs:
+            specs.append(
+                TableSpec(
+                    name=cfg.name,
+                    rows=int(cfg.num_embeddings),
+                    dim=int(cfg.embedding_dim),
+                    dtype=data_type_to_dtype(cfg.data_type),
+                    optimizer=optimizer,
+                    lookups_per_step=float(batch_size * pooling_factor * max(len(cfg.feature_names), 1)),
+                    module_path=path,
+                    feature_names=tuple(cfg.feature_names),
+                )
+            )
+    return specs
+
+
+class PlacementPlanner:
+    """Chooses HYBRID / CACHING and a cache load factor for every table.
+
+    Budgets: per device HBM = ``min(device hbm) x (1 - hbm_reservation)``; per
+    machine DDR = ``min over machines of the sum of its ranks' ddr`` (torchrec
+    ``Topology.ddr_cap`` is per rank) ``x (1 - ddr_reservation)``. Tables are
+    sharded row-wise over all ranks; rank 0 / machine 0 carry the largest shards
+    and are the ones checked.
+
+    Args:
+        topology (Topology): torchrec topology (``compute_device="cuda"``; dry runs
+            on a CPU machine are fine).
+        cost_model (str | CostModel): ``"analytic"`` (default), ``"empirical"`` or
+            an object implementing ``CostModel``.
+        load_factors (Sequence[float]): x grid (default 0.1 ... 1.0).
+        bins (Optional[Tuple[int, int]]): DP grid (HBM bins, DDR bins); None sizes it.
+        constraints (Optional[Mapping[str, PlacementConstraints]]): pins per table
+            name or FQN.
+        proposer (Optional[Proposer]): defaults to ``DynamicProgrammingProposer(bins)``.
+        optimizer (str): fused optimizer for tables read from a module.
+        batch_size (int): per-rank batch size for tables read from a module.
+        hbm_reservation (float): fraction of HBM kept for everything else (0.15).
+        ddr_reservation (float): fraction of host DDR kept (0.0).
+        dist_type (str): id routing carried to the sharders (``hash_roundrobin``).
+        seed (int): hash seed carried to the sharders.
+
+    Example::
+
+        topo = Topology(world_size=16, local_world_size=8, compute_device="cuda",
+                        hbm_cap=80 * 1024**3, ddr_cap=128 * 1024**3)
+        plan = PlacementPlanner(topo).plan(ebc)
+        print(plan.report()); sharding_plan = plan.to_sharding_plan()
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        *,
+        cost_model: Union[str, CostModel] = "analytic",
+        load_factors: Sequence[float] = DEFAULT_LOAD_FACTORS,
+        bins: Optional[Tuple[int, int]] = None,
+        constraints: Optional[Mapping[str, PlacementConstraints]] = None,
+        proposer: Optional[Proposer] = None,
+        optimizer: str = "adam",
+        batch_size: int = BATCH_SIZE,
+        hbm_reservation: float = DEFAULT_HBM_RESERVATION,
+        ddr_reservation: float = DEFAULT_DDR_RESERVATION,
+        dist_type: str = "hash_roundrobin",
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(topology, Topology):
+            raise ValueError(f"topology must be a torchrec Topology, got {type(topology).__name__}.")
+        for name, frac in (("hbm_reservation", hbm_reservation), ("ddr_reservation", ddr_reservation)):
+            if not 0.0 <= frac < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {frac}.")
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}.")
+        if dist_type not in ("hash_roundrobin", "roundrobin"):
+            raise ValueError(
+                f"dist_type must be 'hash_roundrobin' or 'roundrobin' (the routings whose shard sizes "
+                f"storage.local_rows describes), got {dist_type!r}."
+            )
+        self.topology = topology
+        self.cost_model: CostModel = make_cost_model(cost_model, topology.hbm_mem_bw, topology.hbm_to_ddr_mem_bw)
+        self.load_factors = tuple(load_factors)
+        self.constraints = dict(constraints or {})
+        self.proposer: Proposer = proposer if proposer is not None else DynamicProgrammingProposer(bins)
+        self.optimizer = optimizer
+        self.batch_size = batch_size
+        self.hbm_reservation = hbm_reservation
+        self.ddr_reservation = ddr_reservation
+        self.dist_type = dist_type
+        self.seed = seed
+        self.enumerator = GridPlacementEnumerator(
+            topology.world_size,
+            topology.local_world_size,
+            self.cost_model,
+            self.load_factors,
+            self.constraints,
+        )
+
+    # ---- budgets --------------------------------------------------------------
+    @property
+    def hbm_budget(self) -> int:
+        """Usable HBM bytes per device."""
+        cap = min(d.storage.hbm for d in self.topology.devices)
+        return int(cap * (1.0 - self.hbm_reservation))
+
+    @property
+    def ddr_budget(self) -> int:
+        """Usable host DDR bytes per machine."""
+        devs = self.topology.devices
+        L = self.topology.local_world_size
+        per_machine = [sum(d.storage.ddr for d in devs[s : s + L]) for s in range(0, len(devs), L)]
+        return int(min(per_machine) * (1.0 - self.ddr_reservation))
+
+    # ---- planning -------------------------------------------------------------
+    def _tables(self, tables: Union[nn.Module, Sequence[TableSpec]]) -> List[TableSpec]:
+        if isinstance(tables, nn.Module):
+            return tables_from_module(tables, optimizer=self.optimizer, batch_size=self.batch_size)
+        specs = list(tables)
+        for t in specs:
+            if not isinstance(t, TableSpec):
+                raise ValueError(
+                    f"tables must be an EmbeddingBagCollection / EmbeddingCollection (or a model holding "
+                    f"them) or a list of TableSpec, got an element of type {type(t).__name__}."
+                )
+        seen = set()
+        for t in specs:
+            if t.fqn in seen:
+                raise ValueError(f"table {t.fqn!r} appears twice: table names must be unique per module.")
+            seen.add(t.fqn)
+        return specs
+
+    def plan(self, tables: Union[nn.Module, Sequence[TableSpec]]) -> PlacementPlan:
+        """Plan every table.
+
+        Args:
+            tables (nn.Module | Sequence[TableSpec]): an EBC / EC (meta device is
+                fine), a model holding them, or table specs.
+
+        Returns:
+            PlacementPlan: the cheapest plan found within both budgets.
+
+        Raises:
+            PlannerError: no plan fits; the message lists numbered solutions.
+        """
+        specs = self._tables(tables)
+        H, D = self.hbm_budget, self.ddr_budget
+        if specs and H <= 0:
+            raise PlannerError(
+                f"The topology has no HBM budget (compute_device={self.topology.compute_device!r}, "
+                f"HBM per device {format_bytes(H)}): every placement keeps at least part of a table in HBM.\n"
+                "Possible solutions:\n"
+                "  1) build the Topology with compute_device='cuda' and hbm_cap = the fast-tier size per rank "
+                "(on CPU the fast tier is a host buffer of that size).\n"
+                f"  2) lower hbm_reservation (now {self.hbm_reservation}).",
+                PlannerErrorType.INPUT_VALIDATION,
+            )
+        options = self.enumerator.enumerate(specs)
+        hbm, ddr, cost = options_to_arrays(options)
+        choice = self.proposer.solve(hbm, ddr, cost, H, D)
+        if choice is None:
+            raise self._infeasible(specs, options, hbm, ddr, cost, H, D)
+        placements = []
+        for t, opts, j in zip(specs, options, choice):
+            o: PlacementOption = opts[int(j)]
+            placements.append(
+                TablePlacement(
+                    table=t.name,
+                    module_path=t.module_path,
+                    rows=t.rows,
+                    dim=t.dim,
+                    mode=o.mode,
+                    cache_load_factor=o.cache_load_factor,
+                    hbm_bytes_per_rank=o.hbm_bytes_per_rank,
+                    ddr_bytes_per_rank=o.ddr_bytes_per_rank,
+                    hbm_bytes_per_machine=o.hbm_bytes_per_machine,
+                    ddr_bytes_per_machine=o.ddr_bytes_per_machine,
+                    cost=o.cost,
+                )
+            )
+        plan = PlacementPlan(
+            placements=placements,
+            world_size=self.topology.world_size,
+            local_world_size=self.topology.local_world_size,
+            compute_device=self.topology.compute_device,
+            hbm_budget_per_rank=H,
+            ddr_budget_per_machine=D,
+            cost_model=getattr(self.cost_model, "name", type(self.cost_model).__name__),
+            dist_type=self.dist_type,
+            seed=self.seed,
+        )
+        # A proposer bug must never hand out a plan that breaks a budget.
+        if plan.hbm_bytes_per_rank > H or plan.ddr_bytes_per_machine > D:
+            raise AssertionError(
+                f"proposer returned a plan over budget: HBM {plan.hbm_bytes_per_rank} > {H} or "
+                f"DDR {plan.ddr_bytes_per_machine} > {D}"
+            )
+        return plan
+
+    def _infeasible(
+        self,
+        specs: Sequence[TableSpec],
+        options: Sequence[Sequence[PlacementOption]],
+        hbm: np.ndarray,
+        ddr: np.ndarray,
+        cost: np.ndarray,
+        H: int,
+        D: int,
+    ) -> PlannerError:
+        valid = np.isfinite(cost)
+        hb = np.where(valid, hbm, np.iinfo(np.int64).max)
+        db = np.where(valid, ddr, np.iinfo(np.int64).max)
+        min_h_table = hb.min(axis=1)
+        min_d_table = db.min(axis=1)
+        min_h, min_d = int(min_h_table.sum()), int(min_d_table.sum())
+        W, L = self.topology.world_size, self.topology.local_world_size
+        budgets = (
+            f"Budgets: HBM {format_bytes(H)} ({H} B) per device = hbm_cap x (1 - {self.hbm_reservation}); "
+            f"DDR {format_bytes(D)} ({D} B) per machine = ddr_cap x local_world_size {L} x "
+            f"(1 - {self.ddr_reservation}); world_size {W}."
+        )
+        fits_alone = valid & (hbm <= H) & (ddr <= D)
+        lonely = [i for i in range(len(specs)) if not fits_alone[i].any()]
+        if lonely:
+            i = lonely[0]
+            t = specs[i]
+            pinned = t.fqn in self.constraints or t.name in self.constraints
+            kind = PlannerErrorType.STRICT_CONSTRAINTS if pinned else PlannerErrorType.TABLE_DOES_NOT_FIT
+            jh = int(np.argmin(hb[i]))
+            sols = [
+                f"raise the HBM per device to at least {format_bytes(hbm[i, jh] / (1 - self.hbm_reservation))} "
+                f"(hbm_cap) and the DDR per machine to at least {format_bytes(ddr[i, jh])}: the table's "
+                f"smallest-HBM option ({options[i][jh].mode.name} x={options[i][jh].cache_load_factor}) needs "
+                f"{format_bytes(hbm[i, jh])} ({int(hbm[i, jh])} B) of HBM per rank and {format_bytes(ddr[i, jh])} "
+                f"({int(ddr[i, jh])} B) of DDR per machine",
+                f"shard over more ranks (world_size now {W}): per-rank bytes shrink as 1/world_size",
+            ]
+            if pinned:
+                sols.insert(0, f"relax the constraints pinned on table {t.fqn!r} ({self.constraints.get(t.fqn) or self.constraints.get(t.name)})")
+            else:
+                sols.append(f"add smaller load factors than {min(self.load_factors)} to load_factors")
+            return PlannerError(
+                f"Table {t.fqn!r} ({t.rows} rows x {t.dim}, {t.optimizer}) does not fit anywhere: no "
+                f"option fits HBM {format_bytes(H)} per device and DDR {format_bytes(D)} per machine even alone "
+                f"({len(lonely)} table(s) like this: {[specs[k].fqn for k in lonely][:10]}).\n{budgets}\n"
+                "Possible solutions:\n" + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
+                kind,
+            )
+        need_h, need_d = min_h > H, min_d > D
+        if need_h or need_d:
+            kind = PlannerErrorType.INSUFFICIENT_HBM if need_h else PlannerErrorType.INSUFFICIENT_DDR
+            sols = []
+            if need_h:
+                sols.append(
+                    f"raise HBM per device (hbm_cap) to at least {format_bytes(min_h / (1 - self.hbm_reservation))}: "
+                    f"the model needs at least {format_bytes(min_h)} ({min_h} B) of HBM per rank at the smallest "
+                    f"load factors, the budget is {format_bytes(H)}"
+                )
+                sols.append(f"lower hbm_reservation (now {self.hbm_reservation}) or add smaller load_factors")
+            if need_d:
+                sols.append(
+                    f"raise host DDR per machine to at least {format_bytes(min_d / (1 - self.ddr_reservation))}: "
+                    f"the model needs at least {format_bytes(min_d)} ({min_d} B) of DDR per machine, "
+                    f"the budget is {format_bytes(D)}"
+                )
+            sols.append(f"use more ranks (world_size now {W}) or fewer ranks per machine (local_world_size now {L})")
+            return PlannerError(
+                f"Insufficient {'HBM' if need_h else 'DDR'}{' and DDR' if need_h and need_d else ''} for "
+                f"{len(specs)} tables.\n{budgets}\nPossible solutions:\n"
+                + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
+                kind,
+            )
+        # Each budget alone can be met, but not both at once.
+        j_h = np.argmin(hb, axis=1)
+        j_d = np.argmin(db, axis=1)
+        r = np.arange(len(specs))
+        lh_h, lh_d = int(hbm[r, j_h].sum()), int(ddr[r, j_h].sum())
+        ld_h, ld_d = int(hbm[r, j_d].sum()), int(ddr[r, j_d].sum())
+        sols = [
+            f"raise DDR per machine to {format_bytes(lh_d)}: the lowest-HBM plan needs HBM {format_bytes(lh_h)} "
+            f"and DDR {format_bytes(lh_d)}",
+            f"raise HBM per device to {format_bytes(ld_h / (1 - self.hbm_reservation))}: the lowest-DDR plan "
+            f"needs HBM {format_bytes(ld_h)} and DDR {format_bytes(ld_d)}",
+            f"use a finer DP grid (bins now {getattr(self.proposer, 'last_bins', None)}) in case the "
+            "combination is within one bin of the budgets",
+        ]
+        return PlannerError(
+            f"No combination of placements meets both budgets at once (HBM alone needs >= {format_bytes(min_h)}, "
+            f"DDR alone needs >= {format_bytes(min_d)}).\n{budgets}\nPossible solutions:\n"
+            + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
+            PlannerErrorType.INSUFFICIENT_STORAGE,
+        )
+
+
+__all__ = ["DEFAULT_DDR_RESERVATION", "DEFAULT_HBM_RESERVATION", "PlacementPlanner", "tables_from_module"]
+

@@ -1,0 +1,425 @@
+"""Data types of the placement planner: modes, table specs, options, plans, errors."""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torchrec.distributed.planner.types import PlannerError as _TorchrecPlannerError
+from torchrec.distributed.types import CacheStatistics
+
+from recpipe.planner.storage import _check_load_factor, _itemsize, optimizer_state_bytes_per_row
+
+# torchrec's default Zipf-like skew used by the seed's sweep (TorchEasyRec PR #508:
+# "pow-law alpha=1.05"). Dimensionless.
+DEFAULT_ZIPF_ALPHA: float = 1.05
+# Default cache load factor grid of the seed enumerator (PR #508): 0.1, 0.2, ..., 1.0.
+DEFAULT_LOAD_FACTORS: Tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 11))
+
+
+class Mode(enum.Enum):
+    """Placement mode of a tiered table.
+
+    HYBRID: a static hashed split, ``floor(x * rows)`` rows in HBM and the rest in
+    host DDR. CACHING: an LFU cache of ``floor(x * rows)`` slots in HBM in front of
+    a full backing store in host DDR.
+    """
+
+    HYBRID = "HYBRID"
+    CACHING = "CACHING"
+
+    @classmethod
+    def parse(cls, value: Union["Mode", str]) -> "Mode":
+        """Read a mode from a ``Mode`` or its (case-insensitive) name.
+
+        Args:
+            value (Mode | str): the mode.
+
+        Returns:
+            Mode: the parsed mode.
+        """
+        if isinstance(value, Mode):
+            return value
+        try:
+            return cls[str(value).upper()]
+        except KeyError:
+            raise ValueError(f"mode must be one of {[m.name for m in cls]}, got {value!r}.") from None
+
+
+class PlannerErrorType(enum.Enum):
+    """Why the planner failed (torchrec style)."""
+
+    INSUFFICIENT_HBM = "insufficient_hbm"
+    INSUFFICIENT_DDR = "insufficient_ddr"
+    INSUFFICIENT_STORAGE = "insufficient_storage"
+    TABLE_DOES_NOT_FIT = "table_does_not_fit"
+    STRICT_CONSTRAINTS = "strict_constraints"
+    INPUT_VALIDATION = "input_validation"
+
+
+class PlannerError(_TorchrecPlannerError):
+    """Planner failure with a typed reason; a subclass of torchrec's ``PlannerError``.
+
+    Args:
+        message (str): the explanation, including numbered "Possible solutions".
+        error_type (PlannerErrorType): the reason.
+    """
+
+    def __init__(self, message: str, error_type: PlannerErrorType) -> None:
+        super().__init__(message)
+        # torchrec stores its own enum here; ours is richer, keep both readable.
+        self.error_type = error_type  # type: ignore[assignment]
+        self.planner_error_type: PlannerErrorType = error_type
+
+
+def format_bytes(num: float) -> str:
+    """Human readable bytes in binary units, e.g. ``1.50 GiB``.
+
+    Args:
+        num (float): bytes.
+
+    Returns:
+        str: formatted size.
+    """
+    units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
+    value = float(num)
+    for unit in units:
+        if abs(value) < 1024.0 or unit == units[-1]:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024.0
+    return f"{value:.2f} PiB"  # pragma: no cover
+
+
+@dataclass(kw_only=True)
+class TableSpec:
+    """One embedding table to place.
+
+    Example::
+
+        TableSpec(name="t0", rows=4_000_000, dim=128, optimizer="adam",
+                  lookups_per_step=65536)
+    """
+
+    name: str
+    """Table name (unique within a module)."""
+    rows: int
+    """Rows of the whole table (``num_embeddings``)."""
+    dim: int
+    """Embedding dimension."""
+    dtype: Union[torch.dtype, str] = torch.float32
+    """Dtype of the embedding values."""
+    optimizer: str = "adam"
+    """Fused optimizer: sgd, rowwise_adagrad, adagrad or adam (sets state bytes)."""
+    lookups_per_step: float = 512.0
+    """Expected rows looked up per rank per training step (batch x pooling factor)."""
+    zipf_alpha: float = DEFAULT_ZIPF_ALPHA
+    """Skew of the access distribution (Zipf exponent) when no measurement is given."""
+    access_counts: Optional[Sequence[float]] = None
+    """Measured per-row access counts; overrides ``zipf_alpha`` when given."""
+    cache_stats: Optional[CacheStatistics] = None
+    """torchrec ``CacheStatistics``; overrides the other access models when given."""
+    module_path: str = ""
+    """FQN of the embedding module holding the table ("" for a bare EBC/EC)."""
+    feature_names: Tuple[str, ...] = ()
+    """Features looking the table up (informational)."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("TableSpec.name must be a non-empty string.")
+        if not isinstance(self.rows, int) or self.rows <= 0:
+            raise ValueError(f"TableSpec({self.name}).rows must be a positive int, got {self.rows!r}.")
+        if not isinstance(self.dim, int) or self.dim <= 0:
+            raise ValueError(f"TableSpec({self.name}).dim must be a positive int, got {self.dim!r}.")
+        _itemsize(self.dtype)  # raises a ValueError naming dtype
+        optimizer_state_bytes_per_row(self.optimizer, self.dim)  # raises naming the choices
+        if not (self.lookups_per_step >= 0 and math.isfinite(self.lookups_per_step)):
+            raise ValueError(
+                f"TableSpec({self.name}).lookups_per_step must be a finite number >= 0, "
+                f"got {self.lookups_per_step!r}."
+            )
+        if not self.zipf_alpha >= 0:
+            raise ValueError(f"TableSpec({self.name}).zipf_alpha must be >= 0, got {self.zipf_alpha!r}.")
+        if self.access_counts is not None and len(self.access_counts) == 0:
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts is empty: pass per-row counts or None."
+            )
+        self.feature_names = tuple(self.feature_names)
+
+    @property
+    def fqn(self) -> str:
+        """``module_path.name`` (or ``name`` for a bare module)."""
+        return f"{self.module_path}.{self.name}" if self.module_path else self.name
+
+
+@dataclass(kw_only=True)
+class PlacementConstraints:
+    """User pins for one table; unset fields are chosen by the planner.
+
+    Example::
+
+        PlacementPlanner(topo, constraints={"t0": PlacementConstraints(mode=Mode.CACHING)})
+    """
+
+    mode: Optional[Union[Mode, str]] = None
+    """Pin the placement mode (x = 1.0 stays allowed: it is mode-independent)."""
+    cache_load_factor: Optional[float] = None
+    """Pin the cache load factor x in (0, 1]."""
+    load_factors: Optional[Sequence[float]] = None
+    """Restrict this table's x grid (instead of the planner-wide grid)."""
+
+    def __post_init__(self) -> None:
+        if self.mode is not None:
+            self.mode = Mode.parse(self.mode)
+        if self.cache_load_factor is not None:
+            _check_load_factor(self.cache_load_factor)
+        if self.load_factors is not None:
+            if len(self.load_factors) == 0:
+                raise ValueError("PlacementConstraints.load_factors is empty: give at least one x.")
+            for x in self.load_factors:
+                _check_load_factor(x)
+
+
+@dataclass(frozen=True)
+class PlacementOption:
+    """One (mode, x) candidate for a table, with its bytes and modelled cost.
+
+    Args:
+        mode (Mode): placement mode (``x == 1`` is reported as HYBRID).
+        cache_load_factor (float): x in (0, 1].
+        hbm_bytes_per_rank (int): fast-tier bytes on the most loaded rank.
+        ddr_bytes_per_rank (int): slow-tier bytes on the most loaded rank.
+        hbm_bytes_per_machine (int): fast-tier bytes summed over the most loaded machine.
+        ddr_bytes_per_machine (int): slow-tier bytes summed over the most loaded machine.
+        cost (float): modelled step cost in ms (per rank).
+    """
+
+    mode: Mode
+    cache_load_factor: float
+    hbm_bytes_per_rank: int
+    ddr_bytes_per_rank: int
+    hbm_bytes_per_machine: int
+    ddr_bytes_per_machine: int
+    cost: float = 0.0
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """The chosen placement of one table.
+
+    Args:
+        table (str): table name.
+        module_path (str): FQN of its embedding module.
+        rows (int): rows of the whole table.
+        dim (int): embedding dimension.
+        mode (Mode): chosen mode.
+        cache_load_factor (float): chosen x.
+        hbm_bytes_per_rank (int): fast-tier bytes, most loaded rank.
+        ddr_bytes_per_rank (int): slow-tier bytes, most loaded rank.
+        hbm_bytes_per_machine (int): fast-tier bytes, most loaded machine.
+        ddr_bytes_per_machine (int): slow-tier bytes, most loaded machine.
+        cost (float): modelled step cost in ms.
+    """
+
+    table: str
+    module_path: str
+    rows: int
+    dim: int
+    mode: Mode
+    cache_load_factor: float
+    hbm_bytes_per_rank: int
+    ddr_bytes_per_rank: int
+    hbm_bytes_per_machine: int
+    ddr_bytes_per_machine: int
+    cost: float
+
+    @property
+    def fqn(self) -> str:
+        """``module_path.table``."""
+        return f"{self.module_path}.{self.table}" if self.module_path else self.table
+
+
+@dataclass
+class PlacementPlan:
+    """A placement for every table plus the budgets it was planned against.
+
+    Args:
+        placements (List[TablePlacement]): one per table, in input order.
+        world_size (int): ranks ``W``.
+        local_world_size (int): ranks per machine ``L``.
+        compute_device (str): torchrec compute device of the topology.
+        hbm_budget_per_rank (int): usable HBM per device (after reservation).
+        ddr_budget_per_machine (int): usable host DDR per machine (after reservation).
+        cost_model (str): name of the cost model used.
+        dist_type (str): routing of ids to ranks carried to the sharders.
+        seed (int): hash seed carried to the sharders.
+    """
+
+    placements: List[TablePlacement]
+    world_size: int
+    local_world_size: int
+    compute_device: str
+    hbm_budget_per_rank: int
+    ddr_budget_per_machine: int
+    cost_model: str = "analytic"
+    dist_type: str = "hash_roundrobin"
+    seed: int = 0
+
+    # ---- totals -------------------------------------------------------------
+    @property
+    def hbm_bytes_per_rank(self) -> int:
+        """Total fast-tier bytes on the most loaded rank."""
+        return sum(p.hbm_bytes_per_rank for p in self.placements)
+
+    @property
+    def ddr_bytes_per_machine(self) -> int:
+        """Total slow-tier bytes on the most loaded machine."""
+        return sum(p.ddr_bytes_per_machine for p in self.placements)
+
+    @property
+    def total_cost(self) -> float:
+        """Modelled step cost (ms) summed over tables."""
+        return float(sum(p.cost for p in self.placements))
+
+    def placement(self, table: str, module_path: Optional[str] = None) -> TablePlacement:
+        """The placement of ``table`` (optionally in ``module_path``).
+
+        Args:
+            table (str): table name.
+            module_path (Optional[str]): module FQN to disambiguate.
+
+        Returns:
+            TablePlacement: the placement.
+        """
+        for p in self.placements:
+            if p.table == table and (module_path is None or p.module_path == module_path):
+                return p
+        raise KeyError(f"table {table!r} is not in this plan: {[p.fqn for p in self.placements]}")
+
+    # ---- reporting ----------------------------------------------------------
+    def report(self) -> str:
+        """A text table: one row per table, then totals against budgets.
+
+        Returns:
+            str: the report.
+        """
+        head = ("table", "mode", "x", "HBM/rank", "DDR/rank", "DDR/machine", "cost ms")
+        rows = [
+            (
+                p.fqn,
+                p.mode.name if p.cache_load_factor < 1.0 else "HBM",
+                f"{p.cache_load_factor:.2f}",
+                format_bytes(p.hbm_bytes_per_rank),
+                format_bytes(p.ddr_bytes_per_rank),
+                format_bytes(p.ddr_bytes_per_machine),
+                f"{p.cost:.4f}",
+            )
+            for p in self.placements
+        ]
+        widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+        fmt = " | ".join("{:<%d}" % w for w in widths)
+        lines = [
+            f"recpipe placement plan: world_size={self.world_size} "
+            f"local_world_size={self.local_world_size} device={self.compute_device} "
+            f"cost_model={self.cost_model}",
+            fmt.format(*head),
+            "-+-".join("-" * w for w in widths),
+        ]
+        lines += [fmt.format(*r) for r in rows]
+        hbm_pct = 100.0 * self.hbm_bytes_per_rank / max(self.hbm_budget_per_rank, 1)
+        ddr_pct = 100.0 * self.ddr_bytes_per_machine / max(self.ddr_budget_per_machine, 1)
+        lines += [
+            "",
+            f"HBM per rank:    {format_bytes(self.hbm_bytes_per_rank)} ({self.hbm_bytes_per_rank} B)"
+            f" of {format_bytes(self.hbm_budget_per_rank)} ({hbm_pct:.1f}%)",
+            f"DDR per machine: {format_bytes(self.ddr_bytes_per_machine)} ({self.ddr_bytes_per_machine} B)"
+            f" of {format_bytes(self.ddr_budget_per_machine)} ({ddr_pct:.1f}%)",
+            f"modelled cost:   {self.total_cost:.4f} ms/step; "
+            f"modes: {sum(p.mode is Mode.HYBRID and p.cache_load_factor < 1 for p in self.placements)} HYBRID, "
+            f"{sum(p.mode is Mode.CACHING and p.cache_load_factor < 1 for p in self.placements)} CACHING, "
+            f"{sum(p.cache_load_factor >= 1 for p in self.placements)} all-HBM",
+        ]
+        return "\n".join(lines)
+
+    # ---- torchrec ------------------------------------------------------------
+    def to_sharding_plan(self, compute_device: Optional[str] = None) -> Any:
+        """Convert to a torchrec ``ShardingPlan`` (ROW_WISE, CUSTOMIZED_KERNEL).
+
+        Args:
+            compute_device (Optional[str]): device written in shard placements;
+                defaults to the topology's compute device.
+
+        Returns:
+            ShardingPlan: one ``PlacementParameterSharding`` per table.
+        """
+        from recpipe.planner.sharding import to_sharding_plan
+
+        return to_sharding_plan(self, compute_device=compute_device)
+
+    # ---- JSON ----------------------------------------------------------------
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-serialisable dict of the plan.
+
+        Returns:
+            Dict[str, Any]: the plan.
+        """
+        d = asdict(self)
+        for p in d["placements"]:
+            p["mode"] = p["mode"].name
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "PlacementPlan":
+        """Inverse of ``to_dict``.
+
+        Args:
+            data (Dict[str, Any]): a dict from ``to_dict``.
+
+        Returns:
+            PlacementPlan: the plan.
+        """
+        data = dict(data)
+        placements = [
+            TablePlacement(**{**p, "mode": Mode.parse(p["mode"])}) for p in data.pop("placements")
+        ]
+        return cls(placements=placements, **data)
+
+    def save(self, path: Union[str, Path]) -> None:
+        """Write the plan as JSON.
+
+        Args:
+            path (str | Path): output file.
+        """
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "PlacementPlan":
+        """Read a plan written by ``save``.
+
+        Args:
+            path (str | Path): input file.
+
+        Returns:
+            PlacementPlan: the plan.
+        """
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+__all__ = [
+    "DEFAULT_LOAD_FACTORS",
+    "DEFAULT_ZIPF_ALPHA",
+    "Mode",
+    "PlacementConstraints",
+    "PlacementOption",
+    "PlacementPlan",
+    "PlannerError",
+    "PlannerErrorType",
+    "TablePlacement",
+    "TableSpec",
+    "format_bytes",
+]
+

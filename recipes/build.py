@@ -1,0 +1,167 @@
+"""Assembly of one run: sharding, optimizers and the train pipeline, each in ONE place.
+
+* :func:`shard_model` is where placements are decided. Today it shards the EBC
+  TABLE_WISE with torchrec's own ``EmbeddingBagCollectionSharder`` (greedy by bytes,
+  which works on CPU/gloo). The recpipe planner + sharders replace it here and only
+  here (see the function's docstring).
+* :func:`make_pipeline` selects ``fused`` (recpipe) or ``sparse`` (torchrec).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+from torchrec.optim.optimizers import in_backward_optimizer_filter
+from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+from recpipe.recipes.config import TrainConfig
+from recpipe.recipes.models import EBC_PATH
+
+# fp32 tables: 4 bytes per value.
+BYTES_PER_FLOAT32: int = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardedModel:
+    """The sharded model and a description of where its tables live."""
+
+    model: DistributedModelParallel
+    """The DMP-wrapped model (dense part data-parallel)."""
+    plan: ShardingPlan
+    """torchrec plan used to shard it."""
+    plan_text: str
+    """Human-readable placement table (logged to TensorBoard as text)."""
+    table_ranks: dict[str, int]
+    """Owner rank of each table."""
+
+
+def greedy_table_wise(tables: list[tuple[str, int]], world_size: int) -> dict[str, int]:
+    """Assigns whole tables to ranks, largest first, each to the least-loaded rank.
+
+    Args:
+        tables: ``(name, bytes)`` per table.
+        world_size: number of ranks.
+
+    Returns:
+        Owner rank per table name (ties go to the lower rank; deterministic).
+    """
+    load = [0] * world_size
+    owner: dict[str, int] = {}
+    for name, size in sorted(tables, key=lambda t: (-t[1], t[0])):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owner[name] = rank
+        load[rank] += size
+    return owner
+
+
+def shard_model(
+    config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device
+) -> ShardedModel:
+    """Shards ``model``'s EBC over ``env`` and wraps the dense part in DDP.
+
+    THE PLACEMENT SWITCH: to move to recpipe's planner and sharders, replace the
+    ``per_param`` / ``construct_module_sharding_plan`` block below with
+    ``PlacementPlanner(topology).plan(ebc)`` -> ``.to_sharding_plan()`` (its
+    ``.report()`` becomes ``plan_text``) and pass ``recpipe.pipeline.sharders``'
+    sharders instead of ``EmbeddingBagCollectionSharder()``. Nothing else changes.
+
+    Args:
+        config: the run's config (the fused embedding optimizer's learning rate).
+        model: unsharded ``DLRMTrain`` with meta tables.
+        env: sharding environment (world size, rank, process group).
+        device: compute device.
+
+    Returns:
+        The :class:`ShardedModel`.
+    """
+    ebc = model.get_submodule(EBC_PATH)
+    # The tables' optimizer runs inside their backward (fused); DMP moves it into the shards.
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.embedding_lr})
+    sizes = [
+        (t.name, t.num_embeddings * t.embedding_dim * BYTES_PER_FLOAT32)
+        for t in ebc.embedding_bag_configs()
+    ]
+    owner = greedy_table_wise(sizes, env.world_size)
+    sharder = EmbeddingBagCollectionSharder()
+    module_plan = construct_module_sharding_plan(
+        ebc,
+        per_param_sharding={name: table_wise(rank=rank) for name, rank in owner.items()},
+        sharder=sharder,
+        local_size=env.world_size,
+        world_size=env.world_size,
+        device_type=device.type,
+    )
+    plan = ShardingPlan({EBC_PATH: module_plan})
+    dmp = DistributedModelParallel(
+        module=model, env=env, device=device, plan=plan, sharders=[sharder]
+    )
+    lines = [f"{'table':<14} {'rows':>10} {'dim':>5} {'MB':>9} {'sharding':>11} {'rank':>5}"]
+    for t in ebc.embedding_bag_configs():
+        mb = t.num_embeddings * t.embedding_dim * BYTES_PER_FLOAT32 / 2**20
+        lines.append(
+            f"{t.name:<14} {t.num_embeddings:>10} {t.embedding_dim:>5} {mb:>9.1f} "
+            f"{'table_wise':>11} {owner[t.name]:>5}"
+        )
+    return ShardedModel(model=dmp, plan=plan, plan_text="\n".join(lines), table_ranks=owner)
+
+
+def make_optimizer(config: TrainConfig, model: DistributedModelParallel) -> CombinedOptimizer:
+    """Dense Adagrad combined with the tables' fused optimizer.
+
+    Adagrad creates its state eagerly, so a checkpoint can be restored in place
+    before the first step (exact resume).
+
+    Args:
+        config: ``dense_lr``.
+        model: the DMP model.
+
+    Returns:
+        ``CombinedOptimizer([fused, dense])``; ``step()`` only moves the dense part.
+    """
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())),
+        lambda params: torch.optim.Adagrad(params, lr=config.dense_lr),
+    )
+    return CombinedOptimizer([model.fused_optimizer, dense])
+
+
+def make_pipeline(
+    config: TrainConfig,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    device: torch.device,
+) -> TrainPipelineSparseDist:
+    """The train pipeline named by ``config.pipeline``.
+
+    Args:
+        config: ``pipeline`` is ``"fused"`` (recpipe) or ``"sparse"`` (torchrec).
+        model: the DMP model.
+        optimizer: the combined optimizer.
+        device: compute device.
+
+    Returns:
+        A ``TrainPipelineSparseDist`` (or recpipe's subclass); ``progress(it)`` runs one step.
+
+    Raises:
+        ImportError: ``fused`` was asked for but recpipe.pipeline does not provide it.
+    """
+    if config.pipeline == "sparse":
+        return TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
+    try:
+        from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    except ImportError as e:
+        raise ImportError(
+            "pipeline='fused' needs recpipe.pipeline.train_pipeline.TrainPipelineFusedSparseDist, "
+            f"which failed to import ({e}). Fix: pass --pipeline sparse, or install a recpipe "
+            "that includes the fused pipeline"
+        ) from e
+    return TrainPipelineFusedSparseDist(model, optimizer, device)

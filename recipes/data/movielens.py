@@ -1,0 +1,170 @@
+"""MovieLens-100k read from the ``recbole==1.2.1`` wheel (never copied into the repo).
+
+943 users, 1682 items, 100,000 ratings; label = rating >= 4. Sparse features are
+``user_id`` and ``item_id``; the five dense features come from the timestamp
+(hour-of-day and weekday on the unit circle, and position in the collection span).
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import math
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torchrec.datasets.utils import Batch
+
+from recpipe.recipes.config import TrainConfig
+from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform
+from recpipe.recipes.data.hashing import mix_seed
+
+# Facts of the MovieLens-100k release (GroupLens README): 943 users, 1682 items, 100k ratings.
+ML100K_USERS: int = 943
+ML100K_ITEMS: int = 1682
+ML100K_RATINGS: int = 100_000
+# Ratings are 1..5 stars; >= 4 is a positive (the usual implicit-feedback threshold).
+POSITIVE_RATING: float = 4.0
+FEATURES: tuple[str, ...] = ("user_id", "item_id")
+DENSE_FEATURES: int = 5
+
+
+def movielens100k_path() -> Path:
+    """Locates ``ml-100k.inter`` inside the installed recbole wheel.
+
+    Returns:
+        Path of the tab-separated file.
+
+    Raises:
+        FileNotFoundError: recbole is missing; the message says how to install it.
+    """
+    try:
+        root = importlib.resources.files("recbole")
+    except ModuleNotFoundError as e:
+        raise FileNotFoundError(
+            "MovieLens-100k comes from the recbole wheel, which is not installed. "
+            "Fix: pip install --no-deps recbole==1.2.1 (make venv does)"
+        ) from e
+    path = Path(str(root / "dataset_example" / "ml-100k" / "ml-100k.inter"))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the recbole wheel; reinstall recbole==1.2.1")
+    return path
+
+
+@lru_cache(maxsize=1)
+def load_movielens100k() -> dict[str, torch.Tensor]:
+    """Reads all ratings once per process.
+
+    Returns:
+        ``user``, ``item`` (int64 ids, 1-based as in the file), ``rating`` (float32),
+        ``timestamp`` (int64 seconds).
+    """
+    path = movielens100k_path()
+    with path.open() as f:
+        header = f.readline().rstrip("\n").split("\t")
+        expected = ["user_id:token", "item_id:token", "rating:float", "timestamp:float"]
+        if header != expected:
+            raise ValueError(f"{path}: header {header} differs from {expected}")
+        table = np.loadtxt(f, delimiter="\t", dtype=np.float64)
+    return {
+        "user": torch.from_numpy(table[:, 0].astype(np.int64)),
+        "item": torch.from_numpy(table[:, 1].astype(np.int64)),
+        "rating": torch.from_numpy(table[:, 2].astype(np.float32)),
+        "timestamp": torch.from_numpy(table[:, 3].astype(np.int64)),
+    }
+
+
+def _dense_from_timestamp(ts: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
+    """Five dense features per timestamp: hour and weekday on the unit circle, span position."""
+    seconds_per_day = 86_400
+    day_frac = (ts % seconds_per_day).double() / seconds_per_day
+    week_frac = ((ts // seconds_per_day) % 7).double() / 7.0
+    span = (ts - t0).double() / max(1, t1 - t0)
+    two_pi = 2.0 * math.pi
+    cols = [
+        torch.sin(two_pi * day_frac),
+        torch.cos(two_pi * day_frac),
+        torch.sin(two_pi * week_frac),
+        torch.cos(two_pi * week_frac),
+        span,
+    ]
+    return torch.stack(cols, dim=1).float()
+
+
+class MovieLens100kSource(BatchSource):
+    """MovieLens-100k batches; a seeded split holds out ``eval_fraction`` of the ratings.
+
+    Each epoch reshuffles the training ratings with ``mix_seed(seed, epoch)``; global
+    step ``s`` takes ``batch_size * world_size`` ratings and rank ``r`` its slice.
+    """
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
+        super().__init__(config, rank, world_size)
+        data = load_movielens100k()
+        n = data["user"].numel()
+        gen = torch.Generator().manual_seed(mix_seed(config.seed, 0x3141))
+        perm = torch.randperm(n, generator=gen)
+        n_eval = int(round(n * config.eval_fraction))
+        self._eval_idx = perm[:n_eval]
+        self._train_idx = perm[n_eval:]
+        ts = data["timestamp"]
+        self._dense = _dense_from_timestamp(ts, int(ts.min()), int(ts.max()))
+        self._ids = torch.stack([data["user"], data["item"]])  # (2, n)
+        self._labels = (data["rating"] >= POSITIVE_RATING).float()
+        self._spec = DatasetSpec(
+            name="movielens100k",
+            dense_in_features=DENSE_FEATURES,
+            feature_names=FEATURES,
+            cardinalities=(ML100K_USERS + 1, ML100K_ITEMS + 1),
+        )
+        self._transform = IdTransform(config, self._spec)
+        self._global_batch = config.batch_size * world_size
+        spe = self._train_idx.numel() // self._global_batch
+        if spe == 0:
+            raise ValueError(
+                f"batch_size={config.batch_size} x world_size={world_size} exceeds the "
+                f"{self._train_idx.numel()} training ratings. Fix: lower --batch-size"
+            )
+        self._spe = spe
+        self._perm_cache: tuple[int, torch.Tensor] | None = None
+
+    @property
+    def spec(self) -> DatasetSpec:
+        return self._spec
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return self._spe
+
+    def _epoch_perm(self, epoch: int) -> torch.Tensor:
+        if self._perm_cache is None or self._perm_cache[0] != epoch:
+            gen = torch.Generator().manual_seed(mix_seed(self.config.seed, 0x2718, epoch))
+            order = torch.randperm(self._train_idx.numel(), generator=gen)
+            self._perm_cache = (epoch, self._train_idx[order])
+        return self._perm_cache[1]
+
+    def _batch(self, rows: torch.Tensor) -> Batch:
+        return Batch(
+            dense_features=self._dense[rows],
+            sparse_features=self._transform.to_kjt(FEATURES, self._ids[:, rows]),
+            labels=self._labels[rows],
+        )
+
+    def _rank_slice(self, rows: torch.Tensor) -> torch.Tensor:
+        b = self.config.batch_size
+        return rows[self.rank * b : (self.rank + 1) * b]
+
+    def train_batches(self, start: int, stop: int) -> Iterator[Batch]:
+        for step in range(start, stop):
+            epoch, i = divmod(step, self._spe)
+            perm = self._epoch_perm(epoch)
+            rows = perm[i * self._global_batch : (i + 1) * self._global_batch]
+            yield self._batch(self._rank_slice(rows))
+
+    def eval_batches(self) -> Iterator[Batch]:
+        n = min(self.config.eval_batches, self._eval_idx.numel() // self._global_batch)
+        for i in range(n):
+            rows = self._eval_idx[i * self._global_batch : (i + 1) * self._global_batch]
+            yield self._batch(self._rank_slice(rows))

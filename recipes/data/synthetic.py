@@ -1,0 +1,135 @@
+"""A deterministic synthetic Criteo-like stream, generated on the fly.
+
+13 dense and 26 sparse features. Feature ``f`` draws ids from a bounded Zipf law over
+its own id space (sizes halve from ``synthetic_id_space`` down to a floor, exponents
+steepen with ``f``); ranks are scattered over the space by a bijection so hot ids are
+not small integers. Labels come from a hidden logistic model: a fixed dense weight
+vector plus a hashed per-id weight for every sparse feature, so a model that learns
+hot ids' embeddings lowers the loss. Nothing is materialised beyond one batch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+from torchrec.datasets.utils import Batch
+
+from recpipe.recipes.config import TrainConfig
+from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform
+from recpipe.recipes.data.hashing import hash_ids, mix_seed
+
+# Criteo layout (torchrec.datasets.criteo INT_FEATURE_COUNT / CAT_FEATURE_COUNT).
+NUM_DENSE: int = 13
+NUM_SPARSE: int = 26
+FEATURES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(NUM_SPARSE))
+# Smallest per-feature id space (ids), so later features keep a long tail.
+MIN_ID_SPACE: int = 1_000
+# Prime below 2**31 scattering Zipf ranks over the id space: rank * P mod n is a
+# bijection when gcd(P, n) = 1 and stays below 2**62 (no int64 overflow).
+SCATTER_PRIME: int = 2_147_483_629
+# Hidden model scales: per-id weights in [-w, w] for each sparse feature and
+# N(0, 1/13) dense weights keep the logit's std near 2 (learnable, not separable).
+SPARSE_WEIGHT: float = 0.6
+SPLIT_TRAIN: int = 0
+SPLIT_EVAL: int = 1
+
+
+def id_spaces(max_space: int) -> tuple[int, ...]:
+    """Per-feature id spaces: ``max_space / 2**(f mod 10)``, at least MIN_ID_SPACE."""
+    return tuple(max(min(MIN_ID_SPACE, max_space), max_space >> (f % 10)) for f in range(NUM_SPARSE))
+
+
+def zipf_exponents(alpha: float) -> tuple[float, ...]:
+    """Per-feature Zipf exponents ``alpha + 0.02 f`` (capped at 3)."""
+    return tuple(min(3.0, alpha + 0.02 * f) for f in range(NUM_SPARSE))
+
+
+def sample_zipf(n: int, alpha: float, size: int, gen: torch.Generator) -> torch.Tensor:
+    """Zipf-like ranks in ``[0, n)`` by inverting the bounded power-law CDF.
+
+    Args:
+        n: number of distinct ranks.
+        alpha: exponent (> 0); rank ``r`` has probability about ``(r + 1) ** -alpha``.
+        size: samples.
+        gen: random generator.
+
+    Returns:
+        int64 ranks, 0 the most frequent.
+    """
+    u = torch.rand(size, generator=gen, dtype=torch.float64)
+    if abs(alpha - 1.0) < 1e-9:
+        x = torch.exp(u * math.log(n + 1))
+    else:
+        one_m = 1.0 - alpha
+        top = (n + 1) ** one_m
+        x = ((top - 1.0) * u + 1.0) ** (1.0 / one_m)
+    return (x.floor().long() - 1).clamp_(0, n - 1)
+
+
+class SyntheticCriteoSource(BatchSource):
+    """Endless Criteo-like batches; rank ``r``'s batch at step ``s`` is seeded by (seed, s, r)."""
+
+    def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
+        super().__init__(config, rank, world_size)
+        self._spaces = id_spaces(config.synthetic_id_space)
+        self._alphas = zipf_exponents(config.zipf_alpha)
+        self._spec = DatasetSpec(
+            name="synthetic",
+            dense_in_features=NUM_DENSE,
+            feature_names=FEATURES,
+            cardinalities=self._spaces,
+        )
+        self._transform = IdTransform(config, self._spec)
+        gen = torch.Generator().manual_seed(mix_seed(config.seed, 0xD15E))
+        self._dense_w = torch.randn(NUM_DENSE, generator=gen, dtype=torch.float64) / math.sqrt(NUM_DENSE)
+        self._bias = -0.5
+        self._id_seeds = [mix_seed(config.seed, 0x1D, f) for f in range(NUM_SPARSE)]
+
+    @property
+    def spec(self) -> DatasetSpec:
+        return self._spec
+
+    @property
+    def steps_per_epoch(self) -> int | None:
+        return None
+
+    def hidden_logits(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden model's logits for dense ``(B, 13)`` and raw ids ``(26, B)``."""
+        logit = dense.double() @ self._dense_w + self._bias
+        for f in range(NUM_SPARSE):
+            u = hash_ids(ids[f], self._id_seeds[f]).double() / 2.0**32  # [0, 1)
+            logit = logit + SPARSE_WEIGHT * (2.0 * u - 1.0)
+        return logit
+
+    def raw_batch(self, split: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Dense ``(B, 13)``, raw ids ``(26, B)`` and labels ``(B,)`` of this rank at ``step``."""
+        b = self.config.batch_size
+        gen = torch.Generator().manual_seed(mix_seed(self.config.seed, split, step, self.rank))
+        dense = torch.randn(b, NUM_DENSE, generator=gen)
+        ids = torch.stack(
+            [
+                (sample_zipf(n, a, b, gen) * SCATTER_PRIME) % n
+                for n, a in zip(self._spaces, self._alphas)
+            ]
+        )
+        p = torch.sigmoid(self.hidden_logits(dense, ids))
+        labels = (torch.rand(b, generator=gen, dtype=torch.float64) < p).float()
+        return dense, ids, labels
+
+    def _batch(self, split: int, step: int) -> Batch:
+        dense, ids, labels = self.raw_batch(split, step)
+        return Batch(
+            dense_features=dense,
+            sparse_features=self._transform.to_kjt(FEATURES, ids),
+            labels=labels,
+        )
+
+    def train_batches(self, start: int, stop: int) -> Iterator[Batch]:
+        for step in range(start, stop):
+            yield self._batch(SPLIT_TRAIN, step)
+
+    def eval_batches(self) -> Iterator[Batch]:
+        for i in range(self.config.eval_batches):
+            yield self._batch(SPLIT_EVAL, i)

@@ -1,0 +1,134 @@
+"""TensorBoard logging on rank 0, including per-table tier statistics.
+
+Tags written by a training run:
+
+* ``train/loss``, ``train/samples_per_s`` (global samples / s), ``train/step_ms``
+* ``eval/auroc``
+* ``tier/<table>/<stat>`` for every table whose sharded module exposes
+  :class:`TierStatsProvider` (e.g. ``tier/t_user_id/hit_rate``,
+  ``tier/t_user_id/fast_bytes``); nothing is written while no module provides them
+* ``placement/plan`` (text): the placement table
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Protocol, runtime_checkable
+
+import torch.distributed as dist
+from torch import nn
+from torch.utils.tensorboard import SummaryWriter
+
+TierStats = dict[str, dict[str, float]]
+
+
+@runtime_checkable
+class TierStatsProvider(Protocol):
+    """Any (sharded) table module that reports per-table tier statistics.
+
+    ``tier_stats()`` returns ``{table_name: {stat_name: value}}``. Stats whose name
+    ends in ``rate`` (e.g. ``hit_rate``) are ratios and are averaged when several
+    providers or ranks report the same table; all others (bytes, row counts) are summed.
+    """
+
+    def tier_stats(self) -> TierStats:
+        """Per-table statistics since the last call (or since start)."""
+        ...
+
+
+def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> TierStats:
+    """Merges several providers' or ranks' stats: ``*rate`` averaged, the rest summed.
+
+    Args:
+        parts: stats dicts.
+
+    Returns:
+        One merged ``{table: {stat: value}}``.
+    """
+    sums: dict[str, dict[str, float]] = {}
+    counts: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for table, stats in part.items():
+            for name, value in stats.items():
+                sums.setdefault(table, {}).setdefault(name, 0.0)
+                counts.setdefault(table, {}).setdefault(name, 0)
+                sums[table][name] += float(value)
+                counts[table][name] += 1
+    return {
+        table: {
+            name: (v / counts[table][name] if name.endswith("rate") else v)
+            for name, v in stats.items()
+        }
+        for table, stats in sums.items()
+    }
+
+
+def collect_tier_stats(model: nn.Module) -> TierStats:
+    """Stats of every :class:`TierStatsProvider` module in ``model`` on this rank."""
+    return merge_tier_stats(
+        m.tier_stats() for m in model.modules() if isinstance(m, TierStatsProvider)
+    )
+
+
+def gather_tier_stats(model: nn.Module) -> TierStats:
+    """:func:`collect_tier_stats` merged over all ranks (a collective when distributed).
+
+    Every rank must call it at the same step.
+    """
+    local = collect_tier_stats(model)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return local
+    parts: list[TierStats | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return merge_tier_stats(p for p in parts if p)
+
+
+class RunLogger:
+    """Writes a run's scalars and text to TensorBoard (a no-op when ``log_dir`` is None).
+
+    Args:
+        log_dir: event file directory, or None to log nothing.
+
+    Example::
+
+        log = RunLogger("runs/x")
+        log.scalars(10, {"train/loss": 0.6})
+        log.close()
+    """
+
+    def __init__(self, log_dir: str | None) -> None:
+        self.log_dir = log_dir
+        self._writer = SummaryWriter(log_dir=log_dir) if log_dir else None
+
+    def scalars(self, step: int, values: Mapping[str, float]) -> None:
+        """Writes scalar ``values`` at ``step``; non-finite values raise (they hide bugs)."""
+        if self._writer is None:
+            return
+        for tag, value in values.items():
+            if not math.isfinite(value):
+                raise FloatingPointError(f"{tag} is {value} at step {step}")
+            self._writer.add_scalar(tag, value, global_step=step)
+
+    def tier_stats(self, step: int, stats: TierStats) -> None:
+        """Writes ``tier/<table>/<stat>`` scalars."""
+        self.scalars(
+            step,
+            {f"tier/{table}/{name}": v for table, s in sorted(stats.items()) for name, v in s.items()},
+        )
+
+    def text(self, tag: str, text: str, step: int = 0) -> None:
+        """Writes a text entry (rendered as markdown; indented as a code block)."""
+        if self._writer is not None:
+            block = "\n".join("    " + line for line in text.splitlines())
+            self._writer.add_text(tag, block, global_step=step)
+
+    def flush(self) -> None:
+        """Flushes pending events to disk."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flushes and closes the event file."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,189 @@
+"""TrainPipelineFusedSparseDist: exactness against a non-pipelined loop and torchrec.
+
+Every gloo run trains several identically initialised copies of a small sharded
+model (an EBC and an EC: two pipelined modules) on the same batches and returns
+the per-step losses and predictions; the parent compares them bit for bit with
+the non-pipelined reference (forward, backward, optimizer per batch). The same
+bodies run on CUDA (NCCL for torchrec, 2 GPUs) when present.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_harness import run_gloo
+from test_pipeline_common import (
+    N_BATCHES,
+    SHARDING_TYPES,
+    build_dmp,
+    copy_state,
+    make_batches,
+    run_pipeline,
+    run_reference,
+)
+
+FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
+"""(use_emb_lookup_stream, embedding_lookup_after_opt): all four combinations."""
+
+Trace = Tuple[List[torch.Tensor], List[torch.Tensor]]
+
+
+def _device(rank: int, use_cuda: bool) -> Tuple[torch.device, Optional[dist.ProcessGroup]]:
+    if not use_cuda:
+        return torch.device("cpu"), None
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank), dist.new_group(backend="nccl")
+
+
+def _on_cpu(trace: Tuple[List[torch.Tensor], ...]) -> Tuple[List[torch.Tensor], ...]:
+    # Tensors cross the result queue by value (numpy): torch's shared-memory
+    # tensor passing fails once the rank process has exited.
+    return tuple([t.detach().cpu().numpy() for t in part] for part in trace)
+
+
+def _tensors(trace: Tuple[List[Any], ...]) -> Tuple[List[torch.Tensor], ...]:
+    return tuple([torch.from_numpy(a) for a in part] for part in trace)
+
+
+def _parity_body(rank: int, world_size: int, sharding: str, use_cuda: bool) -> Dict[str, Any]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+    device, pg = _device(rank, use_cuda)
+    batches = make_batches(rank)
+    ref, ref_opt = build_dmp(sharding, device, pg=pg)
+    out: Dict[str, Any] = {"reference": _on_cpu(run_reference(ref, ref_opt, [b.to(device) for b in batches]))}
+
+    def fresh() -> Tuple[Any, Any]:
+        model, opt = build_dmp(sharding, device, pg=pg)
+        src, _ = build_dmp(sharding, device, pg=pg)
+        copy_state(model, src)
+        return model, opt
+
+    model, opt = fresh()
+    losses, preds, again = run_pipeline(TrainPipelineSparseDist(model, opt, device), batches)
+    out["torchrec"] = _on_cpu((losses, preds))
+    out["torchrec_stops_again"] = again
+    for stream, after_opt in FLAG_COMBOS:
+        model, opt = fresh()
+        pipe = TrainPipelineFusedSparseDist(
+            model, opt, device, use_emb_lookup_stream=stream, embedding_lookup_after_opt=after_opt
+        )
+        losses, preds, again = run_pipeline(pipe, batches)
+        key = f"recpipe stream={stream} after_opt={after_opt}"
+        out[key] = _on_cpu((losses, preds))
+        out[key + " stops_again"] = again
+        out[key + " pipelined"] = sorted(m.forward.name for m in pipe._pipelined_modules)
+        out[key + " steps"] = pipe.stats.steps
+        out[key + " wait_s"] = pipe.stats.seconds["output_dist_wait"]
+    # On CPU the pipeline must make no CUDA call at all (torch would initialise CUDA).
+    out["cuda_initialized"] = torch.cuda.is_initialized()
+    out["use_cuda"] = use_cuda
+    return out
+
+
+def _assert_same(name: str, got: Tuple[List[Any], ...], want: Tuple[List[Any], ...]) -> None:
+    g_losses, g_preds = _tensors(got)
+    w_losses, w_preds = _tensors(want)
+    assert len(g_losses) == len(w_losses), f"{name}: {len(g_losses)} steps, reference {len(w_losses)}"
+    for step, (a, b) in enumerate(zip(g_losses, w_losses)):
+        assert torch.equal(a, b), f"{name}: loss differs at step {step}: {a.item()!r} vs {b.item()!r}"
+    for step, (a, b) in enumerate(zip(g_preds, w_preds)):
+        assert torch.equal(a, b), (
+            f"{name}: predictions differ at step {step}, max |diff| {(a - b).abs().max().item()}"
+        )
+
+
+def _check_parity(results: Sequence[Dict[str, Any]]) -> None:
+    for rank, res in enumerate(results):
+        ref = res["reference"]
+        if not res["use_cuda"]:
+            assert not res["cuda_initialized"], f"rank {rank}: a CPU run initialised CUDA"
+        assert len(ref[0]) == N_BATCHES
+        # The reference must not be trivially constant (the comparison has teeth).
+        assert len({float(x) for x in ref[0]}) > 1
+        _assert_same(f"rank {rank} torchrec SparseDist", res["torchrec"], ref)
+        assert res["torchrec_stops_again"]
+        for stream, after_opt in FLAG_COMBOS:
+            key = f"recpipe stream={stream} after_opt={after_opt}"
+            _assert_same(f"rank {rank} {key}", res[key], ref)
+            # bit-identical to torchrec's own pipeline too
+            _assert_same(f"rank {rank} {key} vs torchrec", res[key], res["torchrec"])
+            assert res[key + " stops_again"], f"{key}: progress after the end did not raise StopIteration"
+            assert res[key + " pipelined"] == ["ebc", "ec"], res[key + " pipelined"]
+            assert res[key + " steps"] == N_BATCHES
+            assert res[key + " wait_s"] > 0.0
+
+
+@pytest.mark.parametrize("sharding", SHARDING_TYPES)
+def test_fused_pipeline_matches_non_pipelined_and_torchrec(sharding: str) -> None:
+    """EBC + EC, all four flag combinations, 10 batches, StopIteration at the end."""
+    _check_parity(run_gloo(2, _parity_body, sharding, False, timeout_s=300))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+@pytest.mark.parametrize("sharding", SHARDING_TYPES)
+def test_fused_pipeline_parity_cuda(sharding: str) -> None:
+    """The same parity on CUDA: streams, events and record_stream are exercised."""
+    _check_parity(run_gloo(2, _parity_body, sharding, True, timeout_s=300))
+
+
+def _edge_body(rank: int, world_size: int) -> Dict[str, Any]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+    device = torch.device("cpu")
+    out: Dict[str, Any] = {}
+    all_batches = make_batches(rank, seed=1)
+    for n in (0, 1, 2, 4):
+        batches = all_batches[:n]
+        ref, ref_opt = build_dmp("table_wise", device)
+        out[f"reference n={n}"] = _on_cpu(run_reference(ref, ref_opt, batches))
+        for execute_all in (True, False):
+            for name, cls, kwargs in (
+                ("torchrec", TrainPipelineSparseDist, {}),
+                ("recpipe", TrainPipelineFusedSparseDist, {"embedding_lookup_after_opt": False}),
+            ):
+                model, opt = build_dmp("table_wise", device)
+                pipe = cls(model, opt, device, execute_all_batches=execute_all, **kwargs)
+                losses, preds, again = run_pipeline(pipe, batches)
+                out[f"{name} n={n} all={execute_all}"] = _on_cpu((losses, preds)) + (again,)
+    # eval mode: no backward; lookups of batch i+1 issued after the forward of batch i.
+    ref, _ = build_dmp("table_wise", device)
+    ref.eval()
+    with torch.no_grad():
+        out["reference eval"] = [ref(b)[1][1].numpy() for b in all_batches[:4]]
+    model, opt = build_dmp("table_wise", device)
+    model.eval()
+    pipe = TrainPipelineFusedSparseDist(model, opt, device)
+    with torch.no_grad():
+        out["recpipe eval"] = [p.numpy() for p in run_pipeline(pipe, all_batches[:4])[1]]
+    return out
+
+
+def test_short_dataloaders_execute_all_batches_and_eval() -> None:
+    """0, 1, 2 and 4 batches (shorter than / equal to the pipeline depth), with and
+    without execute_all_batches: same steps and values as torchrec's pipeline and
+    the reference; eval mode matches a plain forward."""
+    for rank, res in enumerate(run_gloo(2, _edge_body, timeout_s=300)):
+        for n in (0, 1, 2, 4):
+            ref = res[f"reference n={n}"]
+            for execute_all in (True, False):
+                t_losses, t_preds, t_again = res[f"torchrec n={n} all={execute_all}"]
+                r_losses, r_preds, r_again = res[f"recpipe n={n} all={execute_all}"]
+                label = f"rank {rank} n={n} execute_all_batches={execute_all}"
+                assert len(r_losses) == len(t_losses), f"{label}: {len(r_losses)} vs torchrec {len(t_losses)}"
+                if execute_all:
+                    assert len(r_losses) == n, label
+                assert r_again and t_again, label
+                _assert_same(label, (r_losses, r_preds), (ref[0][: len(r_losses)], ref[1][: len(r_losses)]))
+        assert len(res["recpipe eval"]) == 4
+        for step, (a, b) in enumerate(zip(res["recpipe eval"], res["reference eval"])):
+            assert (a == b).all(), f"rank {rank}: eval predictions differ at step {step}"

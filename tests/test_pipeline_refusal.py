@@ -1,0 +1,158 @@
+"""TrainPipelineFusedSparseDist refuses models it cannot pipeline exactly.
+
+A table stepped by the dense optimizer (compute kernel ``dense`` or sharding
+``data_parallel``) or a feature processor inside a pipelined module makes a
+lookup issued before the optimizer read stale weights. The pipeline refuses
+them when the model is attached; ``allow_dense_tables=True`` orders those
+lookups after the optimizer and stays exact.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Sequence
+
+import numpy as np
+import pytest
+import torch
+from gloo_harness import run_gloo
+from test_pipeline_common import build_dmp, make_batches, run_pipeline, run_reference
+
+from recpipe.pipeline._pipeline_stats import (
+    STAGE_OUTPUT_DIST_WAIT,
+    PipelineStageStats,
+    TimedLazyAwaitable,
+)
+from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+DENSE_T1 = {"t1": ("table_wise", "dense")}  # table t1 of module "ebc": dense kernel
+DP_T1 = {"t1": ("data_parallel", None)}  # table t1 of module "ebc": replicated
+
+
+def _np(xs: Sequence[torch.Tensor]) -> List[np.ndarray]:
+    return [x.detach().cpu().numpy() for x in xs]
+
+
+def _refusal_body(rank: int, world_size: int) -> Dict[str, Any]:
+    from recpipe.pipeline.train_pipeline import FusedLookupExactnessError
+
+    device = torch.device("cpu")
+    batches = make_batches(rank, seed=2)
+    out: Dict[str, Any] = {}
+
+    for label, kwargs in (
+        ("dense", {"overrides": DENSE_T1}),
+        ("dp", {"overrides": DP_T1}),
+        ("fp", {"position_weighted": True}),
+    ):
+        model, opt = build_dmp("table_wise", device, **kwargs)
+        pipe = TrainPipelineFusedSparseDist(model, opt, device)
+        try:
+            pipe.progress(iter(batches))
+            out[label] = None
+        except FusedLookupExactnessError as e:
+            out[label] = str(e)
+            # refused before any step; the model's original forwards are restored
+            out[label + " restored"] = not any(
+                type(m.forward).__name__ == "FusedLookupPipelinedForward"
+                for m in model.modules()
+                if hasattr(m, "forward") and not isinstance(m.forward, type(model.forward))
+            )
+
+    for label, overrides in (("dense", DENSE_T1), ("dp", DP_T1)):
+        ref, ref_opt = build_dmp("table_wise", device, overrides=overrides)
+        out[f"{label} reference"] = _np(run_reference(ref, ref_opt, batches)[0])
+        for after_opt in (False, True):
+            model, opt = build_dmp("table_wise", device, overrides=overrides)
+            pipe = TrainPipelineFusedSparseDist(
+                model, opt, device, embedding_lookup_after_opt=after_opt, allow_dense_tables=True
+            )
+            out[f"{label} allowed after_opt={after_opt}"] = _np(run_pipeline(pipe, batches)[0])
+            out[f"{label} allowed after_opt={after_opt} late"] = list(pipe.after_optimizer_modules)
+    return out
+
+
+@pytest.fixture(scope="module")
+def refusal_results() -> List[Dict[str, Any]]:
+    return run_gloo(2, _refusal_body, timeout_s=300)
+
+
+def test_dense_kernel_table_is_refused_naming_module_and_table(refusal_results: List[Dict[str, Any]]) -> None:
+    for res in refusal_results:
+        msg = res["dense"]
+        assert msg is not None, "a dense-kernel table was accepted"
+        assert "module 'ebc' table 't1' (compute_kernel='dense')" in msg
+        assert "1 table(s) in 1 pipelined module(s)" in msg
+        assert "Possible solutions" in msg and "allow_dense_tables=True" in msg
+        assert "'t0'" not in msg  # the fused table is not blamed
+        assert res["dense restored"]
+
+
+def test_data_parallel_table_is_refused(refusal_results: List[Dict[str, Any]]) -> None:
+    for res in refusal_results:
+        msg = res["dp"]
+        assert msg is not None, "a data_parallel table was accepted"
+        assert "module 'ebc' table 't1'" in msg and "sharding_type='data_parallel'" in msg
+
+
+def test_feature_processor_is_refused(refusal_results: List[Dict[str, Any]]) -> None:
+    for res in refusal_results:
+        msg = res["fp"]
+        assert msg is not None, "a feature-processed module was accepted"
+        assert "['ebc']" in msg and "feature processor" in msg and "Possible solutions" in msg
+
+
+@pytest.mark.parametrize("label", ["dense", "dp"])
+def test_allow_dense_tables_stays_exact(refusal_results: List[Dict[str, Any]], label: str) -> None:
+    for rank, res in enumerate(refusal_results):
+        ref = res[f"{label} reference"]
+        assert len(ref) == 10
+        for after_opt in (False, True):
+            got = res[f"{label} allowed after_opt={after_opt}"]
+            assert res[f"{label} allowed after_opt={after_opt} late"] == ["ebc"]
+            assert len(got) == len(ref)
+            for step, (a, b) in enumerate(zip(got, ref)):
+                assert np.array_equal(a, b), f"rank {rank} {label} after_opt={after_opt}: step {step} {a} vs {b}"
+
+
+def test_bad_arguments_name_the_argument() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="device must be a torch.device.*torch.device\\('cpu'\\)"):
+        TrainPipelineFusedSparseDist(model, opt, "cpu")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="embedding_lookup_after_opt must be a bool"):
+        TrainPipelineFusedSparseDist(model, opt, torch.device("cpu"), embedding_lookup_after_opt=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="context_type must subclass FusedLookupPipelineContext"):
+        from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+
+        TrainPipelineFusedSparseDist(model, opt, torch.device("cpu"), context_type=TrainPipelineContext)
+    with pytest.raises(TypeError):
+        # the new options are keyword-only
+        TrainPipelineFusedSparseDist(model, opt, torch.device("cpu"), True, False, *([None] * 9), True)  # type: ignore[misc]
+
+
+
+
+def test_timed_lazy_awaitable_is_lazy_and_times_the_wait() -> None:
+    from torchrec.distributed.types import Awaitable
+
+    calls: List[float] = []
+
+    class Slow(Awaitable[torch.Tensor]):
+        def _wait_impl(self) -> torch.Tensor:
+            calls.append(time.perf_counter())
+            time.sleep(0.05)
+            return torch.arange(3.0)
+
+    stats = PipelineStageStats()
+    lazy = TimedLazyAwaitable(Slow(), stats, "## test wait ##")
+    assert calls == []  # wrapping does not wait
+    total = torch.sum(lazy)  # first use waits (via __torch_function__)
+    assert len(calls) == 1 and float(total) == 3.0
+    assert 0.05 <= stats.seconds[STAGE_OUTPUT_DIST_WAIT] < 1.0
+    stats.steps = 2
+    assert stats.per_step_ms()[STAGE_OUTPUT_DIST_WAIT] == pytest.approx(
+        1e3 * stats.seconds[STAGE_OUTPUT_DIST_WAIT] / 2
+    )
+    with pytest.raises(KeyError, match="unknown pipeline stage"):
+        stats.add("nope", 1.0)

@@ -1,0 +1,381 @@
+"""Tests of recpipe.planner: storage formulas, cost models, DP vs brute force, plans."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import subprocess
+import sys
+from fractions import Fraction
+from pathlib import Path
+from typing import List
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torchrec.distributed.planner.types import Topology
+from torchrec.distributed.types import ShardingType
+from torchrec.distributed.utils import add_params_from_parameter_sharding
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from recpipe.planner import (
+    CACHE_ROW_MAP_BYTES,
+    CACHE_SLOT_BYTES,
+    AnalyticCostModel,
+    BruteForceProposer,
+    DynamicProgrammingProposer,
+    EmpiricalCostModel,
+    GridPlacementEnumerator,
+    Mode,
+    PlacementConstraints,
+    PlacementParameterSharding,
+    PlacementPlan,
+    PlacementPlanner,
+    PlannerError,
+    PlannerErrorType,
+    TableSpec,
+    fast_tier_hit_rate,
+    local_rows,
+    machine_storage,
+    max_local_rows,
+    optimizer_state_bytes_per_row,
+    placements_from_sharding_plan,
+    row_bytes,
+    shard_storage,
+    tier_rows,
+)
+from recpipe.planner.__main__ import main as cli_main
+from recpipe.planner.cost_models import generalized_harmonic
+from recpipe.planner.enumerators import options_to_arrays
+
+GiB = 1024**3
+
+
+def topo(world: int = 8, local: int = 8, hbm: int = 80 * GiB, ddr_per_rank: int = 128 * GiB) -> Topology:
+    return Topology(world_size=world, local_world_size=local, compute_device="cuda", hbm_cap=hbm, ddr_cap=ddr_per_rank)
+
+
+# ---------------------------------------------------------------- storage ----
+def test_local_rows_sum_and_values() -> None:
+    assert [local_rows(10, 4, r) for r in range(4)] == [3, 3, 2, 2]
+    for n, w in [(1, 8), (7, 8), (8, 8), (1000003, 64), (5, 1)]:
+        rows = [local_rows(n, w, r) for r in range(w)]
+        assert sum(rows) == n
+        # rank r owns exactly the ids h with h % w == r
+        assert rows == [len(range(r, n, w)) for r in range(w)]
+        assert max_local_rows(n, w) == max(rows) == -(-n // w)
+
+
+def test_optimizer_and_row_bytes() -> None:
+    assert [optimizer_state_bytes_per_row(o, 16) for o in ("sgd", "rowwise_adagrad", "adagrad", "adam")] == [0, 4, 64, 128]
+    assert row_bytes(128, torch.float32, "adam") == 512 + 1024
+    assert row_bytes(64, torch.float16, "rowwise_adagrad") == 128 + 4
+    assert row_bytes(8, "bfloat16", "sgd") == 16
+    with pytest.raises(ValueError, match="sgd.*rowwise_adagrad.*adagrad.*adam"):
+        optimizer_state_bytes_per_row("lamb", 8)
+
+
+def test_tier_rows_and_float_robust_floor() -> None:
+    assert tier_rows(10, Mode.HYBRID, 0.3) == (3, 7, 0)  # int(0.3 * 10) would be 2
+    assert tier_rows(10, "CACHING", 0.3) == (0, 10, 3)
+    assert tier_rows(10, Mode.CACHING, 1.0) == tier_rows(10, Mode.HYBRID, 1.0) == (10, 0, 0)
+    for x in [0.1 * i for i in range(1, 10)] + [0.7, 0.35]:
+        for n in (1, 7, 10, 100, 12345, 10**9 + 7):
+            exact = math.floor(Fraction(repr(x)) * n)
+            assert tier_rows(n, Mode.HYBRID, x)[0] == exact
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="cache_load_factor"):
+            tier_rows(10, Mode.HYBRID, bad)
+
+
+def test_shard_storage_hand_computed() -> None:
+    rb = 4 * 4  # dim 4 fp32, sgd
+    s = shard_storage(10, 4, torch.float32, "sgd", Mode.CACHING, 0.3)
+    assert (s.fast_bytes, s.slow_bytes) == (3 * rb + 10 * 8 + 3 * 16, 10 * rb) == (176, 160)
+    assert CACHE_ROW_MAP_BYTES == 8 and CACHE_SLOT_BYTES == 16
+    s = shard_storage(10, 4, torch.float32, "sgd", Mode.HYBRID, 0.3)
+    assert (s.fast_bytes, s.slow_bytes) == (3 * rb, 7 * rb)
+    for mode in Mode:
+        s = shard_storage(10, 4, torch.float32, "adam", mode, 1.0)
+        assert (s.fast_bytes, s.slow_bytes) == (10 * (16 + 32), 0)
+    # machine bytes = explicit sum of the shards of ranks 0..L-1 (N % W != 0)
+    n, w, lws = 1003, 16, 8
+    for mode, x in [(Mode.CACHING, 0.25), (Mode.HYBRID, 0.7)]:
+        m = machine_storage(n, w, lws, 8, torch.float32, "adagrad", mode, x)
+        per = [shard_storage(local_rows(n, w, r), 8, torch.float32, "adagrad", mode, x) for r in range(lws)]
+        assert m.fast_bytes == sum(p.fast_bytes for p in per)
+        assert m.slow_bytes == sum(p.slow_bytes for p in per)
+
+
+# ------------------------------------------------------------ cost models ----
+def test_generalized_harmonic_and_zipf_hit() -> None:
+    for alpha in (0.0, 0.5, 1.0, 1.05, 2.0):
+        n = np.array([0, 1, 17, 4096, 4097, 30000])
+        ref = [sum(i**-alpha for i in range(1, k + 1)) for k in n]
+        np.testing.assert_allclose(generalized_harmonic(n, alpha), ref, rtol=1e-10)
+    t = TableSpec(name="t", rows=20000, dim=8, zipf_alpha=1.05)
+    ref = sum(i**-1.05 for i in range(1, 6001)) / sum(i**-1.05 for i in range(1, 20001))
+    assert fast_tier_hit_rate(t, Mode.CACHING, 0.3) == pytest.approx(ref, rel=1e-9)
+    assert fast_tier_hit_rate(t, Mode.HYBRID, 0.3) == 0.3
+    assert fast_tier_hit_rate(t, Mode.CACHING, 1.0) == 1.0
+    counts = [1, 50, 3, 0, 46]
+    tc = TableSpec(name="c", rows=5, dim=8, access_counts=counts)
+    assert fast_tier_hit_rate(tc, Mode.CACHING, 0.4) == pytest.approx((50 + 46) / 100)
+
+
+def test_empirical_model_reproduces_seed_sweep_ratios() -> None:
+    # PR #508 A10 sweep: HBM-only 0.80 ms, CACHING@<1 2.63 ms, HYBRID@<1 5.44 ms.
+    t = TableSpec(name="t", rows=4_000_000, dim=128, optimizer="adam")
+    c_hbm, c_cache, c_hyb = EmpiricalCostModel().costs(t, [(Mode.HYBRID, 1.0), (Mode.CACHING, 0.0001), (Mode.HYBRID, 0.0001)])
+    assert c_cache / c_hbm == pytest.approx(2.63 / 0.80, rel=0.05)
+    assert c_hyb / c_hbm == pytest.approx(5.44 / 0.80, rel=0.05)
+    # tie-break: larger x cheaper within a mode
+    a, b = EmpiricalCostModel().costs(t, [(Mode.CACHING, 0.2), (Mode.CACHING, 0.8)])
+    assert b < a
+
+
+# -------------------------------------------------------------- proposers ----
+@st.composite
+def knapsacks(draw: st.DrawFn):
+    m = draw(st.integers(1, 5))
+    k = draw(st.integers(1, 4))
+    ints = st.integers(0, 25)
+    hbm = np.array(draw(st.lists(ints, min_size=m * k, max_size=m * k))).reshape(m, k)
+    ddr = np.array(draw(st.lists(ints, min_size=m * k, max_size=m * k))).reshape(m, k)
+    cost = np.array(draw(st.lists(st.floats(0, 10), min_size=m * k, max_size=m * k))).reshape(m, k)
+    holes = np.array(draw(st.lists(st.booleans(), min_size=m * k, max_size=m * k))).reshape(m, k)
+    cost[holes & (np.arange(k)[None, :] > 0)] = np.inf  # option 0 always exists
+    return hbm, ddr, cost, draw(st.integers(0, 70)), draw(st.integers(0, 70))
+
+
+def exhaustive(hbm, ddr, cost, H, D):
+    m, k = cost.shape
+    best = math.inf
+    for combo in itertools.product(range(k), repeat=m):
+        r = np.arange(m)
+        idx = np.array(combo)
+        if hbm[r, idx].sum() <= H and ddr[r, idx].sum() <= D:
+            best = min(best, cost[r, idx].sum())
+    return best
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(knapsacks())
+def test_dp_equals_brute_force_random(inst) -> None:
+    hbm, ddr, cost, H, D = inst
+    ref = exhaustive(hbm, ddr, cost, H, D)
+    dp = DynamicProgrammingProposer(bins=(max(H, 1), max(D, 1))).solve(hbm, ddr, cost, H, D)  # 1 byte per bin
+    bf = BruteForceProposer().solve(hbm, ddr, cost, H, D)
+    r = np.arange(cost.shape[0])
+    for sol in (dp, bf):
+        if math.isinf(ref):
+            assert sol is None
+        else:
+            assert sol is not None
+            assert hbm[r, sol].sum() <= H and ddr[r, sol].sum() <= D
+            assert cost[r, sol].sum() == pytest.approx(ref, rel=1e-12, abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31), st.integers(2, 12), st.floats(0.15, 0.9), st.floats(0.15, 0.9))
+def test_planner_never_exceeds_budgets_coarse_bins(seed: int, m: int, hf: float, df: float) -> None:
+    rng = np.random.default_rng(seed)
+    tables = [
+        TableSpec(name=f"t{i}", rows=int(rng.integers(10**5, 10**8)), dim=int(rng.choice([16, 64, 128])),
+                  optimizer=str(rng.choice(["sgd", "adam", "rowwise_adagrad"])),
+                  lookups_per_step=float(rng.integers(100, 10**5)), zipf_alpha=float(rng.uniform(0.5, 1.5)))
+        for i in range(m)
+    ]
+    full = sum(shard_storage(max_local_rows(t.rows, 8), t.dim, t.dtype, t.optimizer, Mode.HYBRID, 1.0).fast_bytes for t in tables)
+    mach = sum(machine_storage(t.rows, 8, 8, t.dim, t.dtype, t.optimizer, Mode.CACHING, 0.5).slow_bytes for t in tables)
+    planner = PlacementPlanner(topo(hbm=int(full * hf / 0.85) + 1, ddr_per_rank=int(mach * df) // 8 + 1), bins=(20, 10))
+    try:
+        plan = planner.plan(tables)
+    except PlannerError:
+        return
+    assert plan.hbm_bytes_per_rank <= planner.hbm_budget
+    assert plan.ddr_bytes_per_machine <= planner.ddr_budget
+    # exact bytes reported are the storage formulas' bytes
+    for p, t in zip(plan.placements, tables):
+        s = shard_storage(max_local_rows(t.rows, 8), t.dim, t.dtype, t.optimizer, p.mode, p.cache_load_factor)
+        assert (p.hbm_bytes_per_rank, p.ddr_bytes_per_rank) == (s.fast_bytes, s.slow_bytes)
+
+
+def test_dp_default_bins_close_to_brute_force() -> None:
+    rng = np.random.default_rng(7)
+    model = AnalyticCostModel()
+    gaps = []
+    for _ in range(5):
+        tables = [TableSpec(name=f"t{i}", rows=int(rng.integers(10**6, 10**8)), dim=64,
+                            lookups_per_step=float(rng.integers(1000, 10**5))) for i in range(4)]
+        opts = GridPlacementEnumerator(8, 8, model, (0.25, 0.5, 0.75, 1.0)).enumerate(tables)
+        hbm, ddr, cost = options_to_arrays(opts)
+        H, D = int(hbm.max(axis=1).sum() * 0.5), int(ddr.max(axis=1).sum() * 0.6)
+        bf = BruteForceProposer().solve(hbm, ddr, cost, H, D)
+        dp = DynamicProgrammingProposer().solve(hbm, ddr, cost, H, D)
+        r = np.arange(4)
+        if bf is None:
+            continue
+        assert dp is not None and hbm[r, dp].sum() <= H and ddr[r, dp].sum() <= D
+        gaps.append(cost[r, dp].sum() / cost[r, bf].sum() - 1)
+    assert gaps and max(gaps) <= 0.01
+
+
+# ------------------------------------------------------- planner behaviour ----
+def _one_table(rows: int = 8_000_000, dim: int = 64, **kw) -> TableSpec:
+    return TableSpec(name="t", rows=rows, dim=dim, optimizer="sgd", lookups_per_step=10_000, zipf_alpha=1.05, **kw)
+
+
+def test_caching_when_ddr_generous_hybrid_when_tight() -> None:
+    t = _one_table()
+    full_rank = shard_storage(max_local_rows(t.rows, 8), 64, torch.float32, "sgd", Mode.HYBRID, 1.0).fast_bytes
+    hbm = int(full_rank * 0.45 / 0.85)  # x=1 cannot fit
+    generous = PlacementPlanner(topo(hbm=hbm, ddr_per_rank=full_rank * 4)).plan([t])
+    assert generous.placements[0].mode is Mode.CACHING and generous.placements[0].cache_load_factor < 1
+    # DDR below one full backing store per machine: only HYBRID fits
+    tight_ddr = int(full_rank * 8 * 0.9) // 8
+    tight = PlacementPlanner(topo(hbm=hbm, ddr_per_rank=tight_ddr)).plan([t])
+    assert tight.placements[0].mode is Mode.HYBRID and tight.placements[0].cache_load_factor < 1
+    assert tight.ddr_bytes_per_machine <= tight_ddr * 8
+
+
+def test_shared_ddr_forces_different_modes() -> None:
+    a, b = _one_table(), TableSpec(**{**_one_table().__dict__, "name": "u"})
+    full = shard_storage(max_local_rows(a.rows, 8), 64, torch.float32, "sgd", Mode.HYBRID, 1.0).fast_bytes
+    # HBM for ~0.45 of each table; DDR for one full backing store plus one HYBRID remainder.
+    planner = PlacementPlanner(topo(hbm=int(full * 0.95 / 0.85), ddr_per_rank=int(full * 1.6)))
+    plan = planner.plan([a, b])
+    assert {p.mode for p in plan.placements} == {Mode.CACHING, Mode.HYBRID}
+    # both CACHING would need 2 full backing stores per machine, more than the budget
+    assert 2 * 8 * full > planner.ddr_budget
+    # and the DP plan costs what the exact solver finds
+    hbm, ddr, cost = options_to_arrays(planner.enumerator.enumerate([a, b]))
+    bf = BruteForceProposer().solve(hbm, ddr, cost, planner.hbm_budget, planner.ddr_budget)
+    assert plan.total_cost == pytest.approx(cost[[0, 1], bf].sum(), rel=0.01)
+
+
+def test_pinned_constraints_respected() -> None:
+    tables = [_one_table(), TableSpec(**{**_one_table().__dict__, "name": "u"})]
+    full = shard_storage(max_local_rows(tables[0].rows, 8), 64, torch.float32, "sgd", Mode.HYBRID, 1.0).fast_bytes
+    cons = {"t": PlacementConstraints(mode="HYBRID"), "u": PlacementConstraints(cache_load_factor=0.3)}
+    plan = PlacementPlanner(topo(hbm=full * 3, ddr_per_rank=full * 4), constraints=cons).plan(tables)
+    t, u = plan.placement("t"), plan.placement("u")
+    assert t.mode is Mode.HYBRID  # x may be 1.0 (mode-independent "all in HBM")
+    assert u.cache_load_factor == 0.3
+    with pytest.raises(PlannerError) as e:
+        PlacementPlanner(topo(), constraints={"nope": PlacementConstraints(mode="CACHING")}).plan(tables)
+    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+
+
+def test_x_one_handling_and_empty_model() -> None:
+    t = _one_table()
+    enum = GridPlacementEnumerator(8, 8, AnalyticCostModel())
+    cands = enum.candidates(t)
+    assert sum(x == 1.0 for _, x in cands) == 1 and len(cands) == 19
+    plan = PlacementPlanner(topo()).plan([t])  # 80 GiB HBM: everything fits
+    p = plan.placements[0]
+    assert p.cache_load_factor == 1.0 and p.ddr_bytes_per_rank == 0 and p.ddr_bytes_per_machine == 0
+    empty = PlacementPlanner(topo()).plan([])
+    assert empty.placements == [] and empty.total_cost == 0.0
+    assert empty.to_sharding_plan().plan == {}
+
+
+def test_infeasible_raises_typed_error_with_numbers() -> None:
+    t = _one_table(rows=400_000_000, dim=128)
+    with pytest.raises(PlannerError) as e:
+        PlacementPlanner(topo(hbm=1 * GiB, ddr_per_rank=1 * GiB)).plan([t])
+    assert e.value.planner_error_type is PlannerErrorType.TABLE_DOES_NOT_FIT
+    msg = str(e.value)
+    assert "'t'" in msg and "Possible solutions" in msg and "1)" in msg and "2)" in msg
+    small = [_one_table(rows=10**7) for _ in range(1)] + [TableSpec(**{**_one_table(rows=10**7).__dict__, "name": f"x{i}"}) for i in range(30)]
+    with pytest.raises(PlannerError) as e:
+        PlacementPlanner(topo(hbm=GiB, ddr_per_rank=64 * GiB)).plan(small)
+    assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_HBM
+    min_h = sum(shard_storage(max_local_rows(10**7, 8), 64, torch.float32, "sgd", Mode.HYBRID, 0.1).fast_bytes for _ in small)
+    assert f"({min_h} B)" in str(e.value)
+
+
+def test_module_input_sharding_plan_round_trip_and_json(tmp_path: Path) -> None:
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(name="a", embedding_dim=32, num_embeddings=1_000_003, feature_names=["fa", "fb"]),
+            EmbeddingBagConfig(name="b", embedding_dim=16, num_embeddings=999, feature_names=["fc"]),
+        ],
+        device=torch.device("meta"),
+    )
+    model = torch.nn.Module()
+    model.sparse = ebc
+    t = topo(world=4, local=2, hbm=64 * 1024**2, ddr_per_rank=GiB)
+    plan = PlacementPlanner(t, batch_size=256, seed=5).plan(model)
+    assert [p.fqn for p in plan.placements] == ["sparse.a", "sparse.b"]
+    sp = plan.to_sharding_plan()
+    mp = sp.plan["sparse"]
+    for p in plan.placements:
+        ps = mp[p.table]
+        assert isinstance(ps, PlacementParameterSharding)
+        assert ps.sharding_type == ShardingType.ROW_WISE.value and ps.compute_kernel == "customized_kernel"
+        assert ps.ranks == [0, 1, 2, 3]
+        shards = ps.sharding_spec.shards
+        assert [s.shard_sizes[0] for s in shards] == [local_rows(p.rows, 4, r) for r in range(4)]
+        assert sum(s.shard_sizes[0] for s in shards) == p.rows
+        assert [s.shard_offsets[0] for s in shards] == list(np.cumsum([0] + [s.shard_sizes[0] for s in shards[:-1]]))
+        assert shards[3].placement.device().index == 1  # rank 3 on a 2-GPU machine
+        fused = add_params_from_parameter_sharding({}, ps)  # torchrec's own hook
+        assert fused["recpipe_mode"] == p.mode.value
+        assert fused["recpipe_cache_load_factor"] == p.cache_load_factor
+        assert fused["recpipe_dist_type"] == "hash_roundrobin" and fused["recpipe_seed"] == 5
+    back = placements_from_sharding_plan(sp)
+    assert back == {(p.module_path, p.table): (p.mode, p.cache_load_factor) for p in plan.placements}
+    plan.save(tmp_path / "plan.json")
+    assert PlacementPlan.load(tmp_path / "plan.json") == plan
+    assert json.loads((tmp_path / "plan.json").read_text())["placements"][0]["table"] == "a"
+    assert "sparse.a" in plan.report() and "HBM per rank" in plan.report()
+
+
+# -------------------------------------------------------------------- CLI ----
+def _write_tables(path: Path) -> None:
+    path.write_text(
+        "- {name: users, rows: 200000000, dim: 128, dtype: float32, optimizer: adam, lookups_per_step: 65536, zipf_alpha: 1.1}\n"
+        "- {name: items, rows: 20000000, dim: 64, optimizer: rowwise_adagrad, lookups_per_step: 65536}\n"
+    )
+
+
+def test_cli_prints_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    y = tmp_path / "tables.yaml"
+    _write_tables(y)
+    rc = cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "80GiB",
+                   "--ddr", "1TiB", "--json", str(tmp_path / "p.json")])
+    out = capsys.readouterr().out
+    assert rc == 0 and "users" in out and "items" in out and "DDR per machine" in out
+    plan = PlacementPlan.load(tmp_path / "p.json")
+    assert plan.world_size == 16 and plan.ddr_budget_per_machine == 2**40
+    rc = cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "1GiB", "--ddr", "1GiB"])
+    assert rc == 2 and "Possible solutions" in capsys.readouterr().err
+
+
+def test_cli_module_entry_point(tmp_path: Path) -> None:
+    y = tmp_path / "tables.yaml"
+    _write_tables(y)
+    res = subprocess.run(
+        [sys.executable, "-m", "recpipe.planner", "--tables", str(y), "--world-size", "16",
+         "--local-world-size", "8", "--hbm", "80GiB", "--ddr", "1TiB"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    assert "recpipe placement plan: world_size=16 local_world_size=8" in res.stdout
+
+
+def test_bad_input_errors_name_the_argument() -> None:
+    # TableSpec validation names the argument and the fix.
+    with pytest.raises(ValueError, match="rows must be a positive int"):
+        TableSpec(name="x", rows=0, dim=4)
+    with pytest.raises(ValueError, match="optimizer"):
+        TableSpec(name="x", rows=4, dim=4, optimizer="lion")
+    with pytest.raises(ValueError, match="bins"):
+        DynamicProgrammingProposer(bins=(0, 3))
+    tables: List[TableSpec] = []
+    assert PlacementPlanner(topo()).plan(tables).placements == []

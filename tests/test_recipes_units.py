@@ -1,0 +1,272 @@
+"""Unit tests of recpipe.recipes: config, hashing, data sources, placement, logging, components."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
+
+from recpipe.recipes import components
+from recpipe.recipes.build import greedy_table_wise
+from recpipe.recipes.config import ConfigError, TrainConfig, parse_config
+from recpipe.recipes.data.base import make_data_source
+from recpipe.recipes.data.criteo import CriteoFormatError, parse_criteo_row
+from recpipe.recipes.data.hashing import fmix32, fmix32_int, hash_ids, mix_seed
+from recpipe.recipes.data.movielens import movielens100k_path
+from recpipe.recipes.data.synthetic import sample_zipf
+from recpipe.recipes.tb_logging import (
+    RunLogger,
+    TierStatsProvider,
+    collect_tier_stats,
+    merge_tier_stats,
+)
+
+
+# ---------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"batch_size": 0}, "batch_size"),
+        ({"pipeline": "fast"}, "pipeline"),
+        ({"model": "dlrm2"}, "model"),
+        ({"dense_arch": (64, 32)}, "dense_arch"),
+        ({"over_arch": (64, 2)}, "over_arch"),
+        ({"dataset": "synthetic"}, "max_steps"),
+        ({"dataset": "criteo_tsv"}, "data_path"),
+        ({"resume": True}, "checkpoint_dir"),
+        ({"eval_fraction": 1.0}, "eval_fraction"),
+    ],
+)
+def test_bad_config_names_field_and_fix(kwargs: dict, field: str) -> None:
+    with pytest.raises(ConfigError, match=field) as e:
+        TrainConfig(**kwargs)
+    assert "Fix:" in str(e.value)
+
+
+def test_cli_overrides_yaml(tmp_path: Path) -> None:
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("batch_size: 64\nmodel: dlrm\ndense_arch: [32, 16]\nembedding_dim: 16\n")
+    cfg = parse_config(["--config", str(cfg_file), "--batch-size", "32", "--no-progress-bar"])
+    assert (cfg.batch_size, cfg.model, cfg.dense_arch, cfg.progress_bar) == (32, "dlrm", (32, 16), False)
+    packaged = parse_config(["--config", "default"])
+    assert (packaged.model, packaged.dataset, packaged.pipeline) == ("micro_dlrm_dram", "movielens100k", "fused")
+    (tmp_path / "bad.yaml").write_text("batch_sise: 3\n")
+    with pytest.raises(ConfigError, match="batch_sise"):
+        parse_config(["--config", str(tmp_path / "bad.yaml")])
+
+
+# ---------------------------------------------------------------- hashing
+def test_fmix32_matches_python_reference() -> None:
+    rng = random.Random(0)
+    xs = [0, 1, 2**32 - 1] + [rng.randrange(2**32) for _ in range(2000)]
+    got = fmix32(torch.tensor(xs, dtype=torch.int64)).tolist()
+    # Independent reference: MurmurHash3 fmix32 written out with Python big ints.
+    def ref(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) % 2**32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) % 2**32
+        return h ^ (h >> 16)
+
+    assert got == [ref(x) for x in xs] == [fmix32_int(x) for x in xs]
+    big = torch.tensor([2**40 + 5, 2**62 + 7], dtype=torch.int64)
+    h = hash_ids(big, mix_seed(1, 2))
+    assert bool(((h >= 0) & (h < 2**32)).all())
+    assert h[0] != hash_ids(torch.tensor([5]), mix_seed(1, 2))[0]  # high bits matter
+
+
+def test_zipf_sampler_matches_pmf() -> None:
+    n, alpha, size = 1000, 1.2, 200_000
+    ranks = sample_zipf(n, alpha, size, torch.Generator().manual_seed(0))
+    assert int(ranks.min()) >= 0 and int(ranks.max()) < n
+    counts = torch.bincount(ranks, minlength=n).double() / size
+    # The sampler inverts the continuous bounded power law on [1, n + 1]: its mass
+    # on [r + 1, r + 2) in closed form is the reference.
+    def cdf(x: float) -> float:
+        return (x ** (1 - alpha) - 1) / ((n + 1) ** (1 - alpha) - 1)
+
+    for r in (0, 1, 5, 50):
+        expected = cdf(r + 2) - cdf(r + 1)
+        assert abs(counts[r].item() - expected) < 4 * math.sqrt(expected / size) + 1e-4
+
+
+# ---------------------------------------------------------------- data
+def test_movielens_counts_and_labels_against_file() -> None:
+    path = movielens100k_path()
+    assert Path(path).parts[-4:-2] == ("recbole", "dataset_example")  # read from the installed wheel
+    with open(path) as f:
+        rows = list(csv.reader(f, delimiter="\t"))[1:]
+    users = {r[0] for r in rows}
+    items = {r[1] for r in rows}
+    positives = sum(float(r[2]) >= 4 for r in rows)
+    assert (len(rows), len(users), len(items)) == (100_000, 943, 1682)
+    cfg = TrainConfig(model="dlrm", batch_size=1000, eval_fraction=0.1)
+    src = make_data_source(cfg, rank=0, world_size=1)
+    assert src.spec.cardinalities == (944, 1683)
+    assert src.steps_per_epoch == 90
+    seen_pos = 0
+    seen_rows = 0
+    for b in src.train_batches(0, 90):
+        seen_pos += int(b.labels.sum())
+        seen_rows += b.labels.numel()
+    for b in src.eval_batches():
+        pass
+    held_out = 100_000 - seen_rows
+    # all training rows seen exactly once per epoch; positives split between train and eval
+    assert seen_rows == 90_000 and held_out == 10_000
+    assert 0 < positives - seen_pos <= 10_000
+    assert abs(seen_pos / seen_rows - positives / 100_000) < 0.02
+
+
+def test_movielens_ranks_partition_the_global_batch() -> None:
+    cfg = TrainConfig(model="dlrm", batch_size=64)
+    single = make_data_source(TrainConfig(model="dlrm", batch_size=128), 0, 1)
+    r0, r1 = (make_data_source(cfg, r, 2) for r in (0, 1))
+    for step in (0, 7, 700):  # 700 is in the second epoch
+        whole = next(single.train_batches(step, step + 1))
+        a, b = next(r0.train_batches(step, step + 1)), next(r1.train_batches(step, step + 1))
+        torch.testing.assert_close(torch.cat([a.dense_features, b.dense_features]), whole.dense_features)
+        torch.testing.assert_close(torch.cat([a.labels, b.labels]), whole.labels)
+        ua = a.sparse_features["user_id"].values()
+        ub = b.sparse_features["user_id"].values()
+        torch.testing.assert_close(torch.cat([ua, ub]), whole.sparse_features["user_id"].values())
+
+
+def test_micro_dlrm_dram_projection_is_k_hashed_rows() -> None:
+    cfg = TrainConfig(batch_size=32, virtual_rows=1 << 16, hash_k=3)
+    src = make_data_source(cfg, 0, 1)
+    kjt = next(src.train_batches(0, 1)).sparse_features
+    item = kjt["item_id"]
+    assert item.lengths().tolist() == [3] * 32
+    assert int(item.values().max()) < (1 << 16)
+    dlrm = make_data_source(TrainConfig(model="dlrm", batch_size=32), 0, 1)
+    raw = next(dlrm.train_batches(0, 1)).sparse_features["item_id"].values()
+    expected = torch.stack(
+        [hash_ids(raw, mix_seed(cfg.seed, 1, j)) % (1 << 16) for j in range(3)], dim=1
+    ).reshape(-1)
+    assert torch.equal(item.values(), expected)
+
+
+def test_synthetic_stream_is_deterministic_and_learnable() -> None:
+    cfg = TrainConfig(dataset="synthetic", model="dlrm", max_steps=5, batch_size=4096, num_embeddings=1000)
+    a, b = make_data_source(cfg, 0, 2), make_data_source(cfg, 0, 2)
+    other_rank = make_data_source(cfg, 1, 2)
+    ba, bb = next(a.train_batches(3, 4)), next(b.train_batches(3, 4))
+    assert torch.equal(ba.dense_features, bb.dense_features)
+    assert torch.equal(ba.sparse_features.values(), bb.sparse_features.values())
+    assert not torch.equal(ba.dense_features, next(other_rank.train_batches(3, 4)).dense_features)
+    dense, ids, labels = a.raw_batch(0, 3)
+    assert dense.shape == (4096, 13) and ids.shape == (26, 4096)
+    # labels follow the hidden logistic model: its logits separate them well
+    logits = a.hidden_logits(dense, ids)
+    pos, neg = logits[labels == 1], logits[labels == 0]
+    auc = (pos[:, None] > neg[None, :]).double().mean().item()
+    assert auc > 0.75
+    # Zipf: the hottest id of feature 0 is far more frequent than uniform
+    top = torch.bincount(ids[0]).max().item()
+    assert top > 50 * 4096 / cfg.synthetic_id_space
+
+
+def _write_criteo(path: Path, rows: int, seed: int) -> list[list[str]]:
+    rng = random.Random(seed)
+    data = []
+    for _ in range(rows):
+        row = [str(rng.randint(0, 1))]
+        row += [str(rng.randint(-2, 1000)) if rng.random() > 0.1 else "" for _ in range(13)]
+        row += [("%08x" % rng.randrange(2**32)) if rng.random() > 0.1 else "" for _ in range(26)]
+        data.append(row)
+    with open(path, "w", newline="") as f:
+        csv.writer(f, delimiter="\t").writerows(data)
+    return data
+
+
+def test_criteo_tsv_source_against_independent_parse(tmp_path: Path) -> None:
+    path = tmp_path / "day_0.tsv"
+    rows = _write_criteo(path, 100, seed=1)
+    cfg = TrainConfig(dataset="criteo_tsv", data_path=str(path), model="dlrm", batch_size=10, num_embeddings=997)
+    src = make_data_source(cfg, 1, 2)  # rank 1 of 2: second half of each 20-row global batch
+    assert src.steps_per_epoch == 5
+    batches = list(src.train_batches(0, 7))  # wraps into the second epoch
+    assert len(batches) == 7
+    for step, batch in enumerate(batches):
+        g = step % 5
+        mine = rows[g * 20 + 10 : g * 20 + 20]
+        assert batch.labels.tolist() == [float(r[0]) for r in mine]
+        dense = [[math.log1p(max(int(v), 0)) if v else 0.0 for v in r[1:14]] for r in mine]
+        torch.testing.assert_close(batch.dense_features, torch.tensor(dense))
+        cat5 = [(int(r[14 + 5], 16) if r[14 + 5] else 0) % 997 for r in mine]
+        assert batch.sparse_features["cat_5"].values().tolist() == cat5
+
+
+def test_criteo_malformed_rows_raise() -> None:
+    with pytest.raises(CriteoFormatError, match="39 columns"):
+        parse_criteo_row(["1"] * 39)
+    with pytest.raises(CriteoFormatError, match="malformed"):
+        parse_criteo_row(["1"] + ["3"] * 13 + ["zz"] * 26)
+    with pytest.raises(CriteoFormatError, match="label"):
+        parse_criteo_row(["7"] + ["3"] * 13 + ["a"] * 26)
+
+
+# ---------------------------------------------------------------- placement
+def test_greedy_table_wise_balances_bytes() -> None:
+    tables = [("a", 100), ("b", 60), ("c", 50), ("d", 10)]
+    owner = greedy_table_wise(tables, 2)
+    load = [sum(s for n, s in tables if owner[n] == r) for r in range(2)]
+    assert owner["a"] != owner["b"] and sorted(load) == [110, 110]
+    assert greedy_table_wise(tables, 2) == owner  # deterministic
+
+
+# ---------------------------------------------------------------- TensorBoard
+class _FakeTieredTable(nn.Module):
+    def __init__(self, stats: dict[str, dict[str, float]]) -> None:
+        super().__init__()
+        self._stats = stats
+
+    def tier_stats(self) -> dict[str, dict[str, float]]:
+        return self._stats
+
+
+def test_tier_stats_hook_logs_fake_provider(tmp_path: Path) -> None:
+    model = nn.Sequential(
+        nn.Linear(2, 2),
+        _FakeTieredTable({"t_a": {"hit_rate": 0.8, "slow_bytes": 100.0}}),
+        _FakeTieredTable({"t_a": {"hit_rate": 0.6, "slow_bytes": 50.0}, "t_b": {"hit_rate": 1.0}}),
+    )
+    assert isinstance(model[1], TierStatsProvider) and not isinstance(model[0], TierStatsProvider)
+    stats = collect_tier_stats(model)
+    assert stats == {"t_a": {"hit_rate": pytest.approx(0.7), "slow_bytes": 150.0}, "t_b": {"hit_rate": 1.0}}
+    assert merge_tier_stats([]) == {}
+    log = RunLogger(str(tmp_path))
+    log.tier_stats(5, stats)
+    log.text("placement/plan", "t_a  rank 0")
+    log.close()
+    acc = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert tags == {"tier/t_a/hit_rate", "tier/t_a/slow_bytes", "tier/t_b/hit_rate"}
+    ev = acc.Scalars("tier/t_a/slow_bytes")
+    assert [(e.step, e.value) for e in ev] == [(5, 150.0)]
+    with pytest.raises(FloatingPointError, match="train/loss"):
+        RunLogger(str(tmp_path / "x")).scalars(1, {"train/loss": float("nan")})
+
+
+# ---------------------------------------------------------------- torchx components
+def test_components_validate_before_returning_appdef() -> None:
+    app = components.train("--dataset", "synthetic", "--max-steps", "5", j="1x2")
+    role = app.roles[0]
+    assert role.entrypoint == "bash" or "torchrun" in " ".join([role.entrypoint, *role.args])
+    joined = " ".join(role.args)
+    assert "-m recpipe.recipes.train" in joined and "--nproc_per_node 2" in joined.replace("=", " ")
+    assert role.env["OMP_NUM_THREADS"] == "1"
+    with pytest.raises(ConfigError, match="batch_size"):
+        components.train("--batch-size", "-4")
+    default = components.default_recipe(tb_dir="/tmp/tbx")
+    assert "--config default" in " ".join(default.roles[0].args)
+    assert os.path.isabs("/tmp/tbx")

@@ -1,0 +1,217 @@
+"""Row-wise sharding on CPU with recpipe routing: 2-rank gloo vs an unsharded reference.
+
+For each dist_type, an EmbeddingBagCollection (and an EmbeddingCollection) is
+sharded ROW_WISE by recpipe's sharders with torchrec's FUSED kernel (exact SGD).
+Each rank feeds its own batch; outputs must equal the unsharded module's on
+that batch, and after every step each rank's shard rows must equal the
+reference weights updated with the gradient of both ranks' losses.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_harness import run_gloo
+from routing_reference import route_one
+
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.types import (
+    EnumerableShardingSpec,
+    ParameterSharding,
+    ShardingEnv,
+    ShardingPlan,
+    ShardingType,
+    ShardMetadata,
+    EmbeddingModuleShardingPlan,
+)
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+TABLES = [("t0", 37, 8, ["f0"]), ("t1", 20, 4, ["f1", "f2"])]
+LR = 0.1
+SEED = 17
+
+
+def _row_wise_plan(world: int, routed: bool, ec_dim: int = 0) -> dict[str, ParameterSharding]:
+    out = {}
+    for name, n, dim, _ in TABLES:
+        dim = ec_dim or dim
+        if routed:  # roundrobin / hash: rank r owns ceil((n - r) / W) rows
+            sizes = [(n - r + world - 1) // world for r in range(world)]
+        else:  # torchrec's contiguous blocks
+            block = -(-n // world)
+            sizes = [max(0, min(block, n - r * block)) for r in range(world)]
+        offs = [sum(sizes[:r]) for r in range(world)]
+        shards = [
+            ShardMetadata(shard_offsets=[offs[r], 0], shard_sizes=[sizes[r], dim], placement=f"rank:{r}/cpu")
+            for r in range(world)
+        ]
+        out[name] = ParameterSharding(
+            sharding_type=ShardingType.ROW_WISE.value,
+            compute_kernel=EmbeddingComputeKernel.FUSED.value,
+            ranks=list(range(world)),
+            sharding_spec=EnumerableShardingSpec(shards),
+        )
+    return out
+
+
+def _owner_rows(n: int, world: int, rank: int, dist_type: str) -> torch.Tensor:
+    """Global ids stored on `rank`, in local-id order (pure-Python reference routing)."""
+    code = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}[dist_type]
+    block = -(-n // world)
+    pairs = [route_one(g, code, world, block, n, SEED, 64) for g in range(n)]
+    mine = sorted((local, g) for g, (owner, local) in enumerate(pairs) if owner == rank)
+    assert [l for l, _ in mine] == list(range(len(mine)))  # dense local ids
+    return torch.tensor([g for _, g in mine], dtype=torch.int64)
+
+
+def _batch(rank: int, step: int, features: list[str], n_of: dict[str, int], B: int = 6) -> KeyedJaggedTensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    lengths, values = [], []
+    for f in features:
+        ln = torch.randint(0, 4, (B,), generator=g)
+        lengths.append(ln)
+        values.append(torch.randint(0, n_of[f], (int(ln.sum()),), generator=g))
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=features, values=torch.cat(values), lengths=torch.cat(lengths)
+    )
+
+
+def _body(rank: int, world: int, kind: str, dist_type: str) -> dict[str, Any]:
+    from recpipe.pipeline.sharding import recpipe_sharders
+
+    torch.manual_seed(0)
+    features = [f for *_, fs in TABLES for f in fs]
+    n_of = {f: n for _, n, _, fs in TABLES for f in fs}
+    if kind == "ebc":
+        configs = [EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs) for t, n, d, fs in TABLES]
+        ref = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
+        module = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+        prefix = "embedding_bags"
+    else:
+        configs = [EmbeddingConfig(name=t, num_embeddings=n, embedding_dim=4, feature_names=fs) for t, n, _, fs in TABLES]
+        ref = EmbeddingCollection(tables=configs, device=torch.device("cpu"))
+        module = EmbeddingCollection(tables=configs, device=torch.device("meta"))
+        prefix = "embeddings"
+    routed = dist_type != "continuous"
+    table_dist = {t: dist_type for t, *_ in TABLES}
+    sharders = recpipe_sharders(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR},
+        table_dist_types=table_dist if routed else None,
+        seed=SEED,
+    )
+    plan = ShardingPlan(
+        {"": EmbeddingModuleShardingPlan(_row_wise_plan(world, routed, 4 if kind == "ec" else 0))}
+    )
+    model = DistributedModelParallel(
+        module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+        plan=plan, sharders=sharders, init_data_parallel=False,
+    )
+    # Put the reference weights into the shards, row by row where routing says.
+    ref_w = {t: getattr(ref, prefix)[t].weight.detach().clone() for t, *_ in TABLES}
+    rows = {t: _owner_rows(n, world, rank, dist_type) for t, n, *_ in TABLES}
+    sd = model.state_dict()
+    for t, *_ in TABLES:
+        key = next(k for k in sd if k.endswith(f"{prefix}.{t}.weight"))
+        sd[key].local_shards()[0].tensor.copy_(ref_w[t][rows[t]])
+    max_out_err = 0.0
+    max_w_err = 0.0
+    for step in range(4):
+        batches = [_batch(r, step, features, n_of) for r in range(world)]
+        out = model(batches[rank])
+        # reference forward on this rank's batch, and the global gradient
+        ref_params = {t: ref_w[t].clone().requires_grad_(True) for t in ref_w}
+        for t in ref_params:
+            getattr(ref, prefix)[t].weight = torch.nn.Parameter(ref_params[t])
+        total = 0.0
+        for r in range(world):
+            ref_out = ref(batches[r])
+            if kind == "ebc":
+                vals = ref_out.values()
+                probe = torch.linspace(-1, 1, vals.numel()).view_as(vals)
+                total = total + (vals * probe).sum()
+                if r == rank:
+                    max_out_err = max(max_out_err, float((out.values().detach() - vals).abs().max()))
+                    my_probe = probe
+            else:
+                loss_r = 0.0
+                for f in features:
+                    v = ref_out[f].values()
+                    probe = torch.linspace(-1, 1, v.numel()).view_as(v) if v.numel() else v
+                    loss_r = loss_r + (v * probe).sum()
+                    if r == rank and v.numel():
+                        max_out_err = max(max_out_err, float((out[f].values().detach() - v.detach()).abs().max()))
+                total = total + loss_r
+        total.backward()
+        with torch.no_grad():
+            # torchrec divides sharded-embedding gradients by the world size
+            # (comm_ops gradient division, on by default) to match DDP averaging.
+            for t in ref_w:
+                ref_w[t] = ref_w[t] - LR * getattr(ref, prefix)[t].weight.grad / world
+        # sharded backward with the same loss on this rank's batch
+        if kind == "ebc":
+            (out.values() * my_probe).sum().backward()
+        else:
+            loss = 0.0
+            for f in features:
+                v = out[f].values()
+                if v.numel():
+                    loss = loss + (v * torch.linspace(-1, 1, v.numel()).view_as(v)).sum()
+            loss.backward()
+        sd = model.state_dict()
+        for t, *_ in TABLES:
+            key = next(k for k in sd if k.endswith(f"{prefix}.{t}.weight"))
+            local = sd[key].local_shards()[0].tensor
+            max_w_err = max(max_w_err, float((local - ref_w[t][rows[t]]).abs().max()))
+    return {"out_err": max_out_err, "w_err": max_w_err}
+
+
+@pytest.mark.parametrize("dist_type", ["continuous", "roundrobin", "hash_roundrobin"])
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_row_wise_on_cpu_matches_unsharded_reference(kind: str, dist_type: str) -> None:
+    results = run_gloo(2, _body, kind, dist_type, timeout_s=300)
+    for r in results:
+        assert r["out_err"] < 1e-5, results
+        assert r["w_err"] < 1e-5, results
+
+
+def test_routed_table_with_torchrec_block_layout_is_refused() -> None:
+    """hash routing on torchrec's contiguous shards would index past the last rank's shard."""
+    from recpipe.pipeline.sharding import _check_routed_layout
+
+    class _Spec:
+        shards_metadata = [
+            ShardMetadata(shard_offsets=[0, 0], shard_sizes=[4, 2], placement="rank:0/cpu"),
+            ShardMetadata(shard_offsets=[4, 0], shard_sizes=[3, 2], placement="rank:1/cpu"),
+        ]
+
+    class _Table:
+        name = "t"
+        global_metadata = _Spec()
+
+    _check_routed_layout(_Table(), 7, 2, "hash_roundrobin")  # 4 + 3 is the routed layout
+    _Spec.shards_metadata[0].shard_sizes = [5, 2]
+    _Spec.shards_metadata[1].shard_sizes = [2, 2]
+    with pytest.raises(ValueError, match=r"puts \[4, 3\] rows .* shards of \[5, 2\] rows"):
+        _check_routed_layout(_Table(), 7, 2, "hash_roundrobin")
+
+
+def test_sharder_rejects_unknown_dist_type() -> None:
+    from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder
+
+    with pytest.raises(ValueError, match=r"`table_dist_types\['t0'\]`: unknown dist_type 'hash'"):
+        RecpipeEmbeddingBagCollectionSharder(table_dist_types={"t0": "hash"})
+
+
+def test_row_wise_offered_on_cpu() -> None:
+    from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder, RecpipeEmbeddingCollectionSharder
+
+    for s in (RecpipeEmbeddingBagCollectionSharder(), RecpipeEmbeddingCollectionSharder()):
+        assert ShardingType.ROW_WISE.value in s.sharding_types("cpu")
