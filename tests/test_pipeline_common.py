@@ -20,6 +20,7 @@ from torchrec.distributed.sharding_plan import (
     column_wise,
     construct_module_sharding_plan,
     data_parallel,
+    row_wise,
     table_wise,
 )
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
@@ -35,9 +36,9 @@ from torchrec.streamable import Pipelineable
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 
 # Sharding types exercised by the parity tests: the one place to extend.
-# ROW_WISE joins when the tiered-storage issue provides a CPU row-wise sharder
-# (torchrec 1.9.2's EBC sharder offers row_wise only for compute device cuda).
-SHARDING_TYPES: Tuple[str, ...] = ("table_wise", "column_wise")
+# torchrec 1.9.2's sharders offer row_wise only for compute device cuda; row_wise
+# runs through recpipe's sharders (recpipe.pipeline.sharding), on CPU too.
+SHARDING_TYPES: Tuple[str, ...] = ("table_wise", "column_wise", "row_wise")
 
 EMB_DIM = 8  # embedding dim of every table (divisible by 2 ranks for column_wise)
 DENSE_IN = 6  # dense features per sample
@@ -157,6 +158,8 @@ def _generator(kind: str, idx: int, world_size: int, kernel: Optional[str]) -> A
         return table_wise(rank=idx % world_size, compute_kernel=kernel)
     if kind == "column_wise":
         return column_wise(ranks=list(range(world_size)), compute_kernel=kernel)
+    if kind == "row_wise":
+        return row_wise(compute_kernel=kernel)
     if kind == "data_parallel":
         return data_parallel()
     raise ValueError(f"unknown sharding type {kind!r}")
@@ -188,7 +191,15 @@ def build_dmp(
         if position_weighted
         else EmbeddingBagCollectionSharder()
     )
-    ec_sharder = EmbeddingCollectionSharder()
+    ec_sharder: ModuleSharder[nn.Module] = EmbeddingCollectionSharder()
+    if sharding == "row_wise" and not position_weighted:
+        from recpipe.pipeline.sharding import (
+            RecpipeEmbeddingBagCollectionSharder,
+            RecpipeEmbeddingCollectionSharder,
+        )
+
+        ebc_sharder = RecpipeEmbeddingBagCollectionSharder()
+        ec_sharder = RecpipeEmbeddingCollectionSharder()
     modules = (("ebc", ebc_sharder), ("ec", ec_sharder))
 
     def tables(mod_name: str) -> Dict[str, nn.Module]:
