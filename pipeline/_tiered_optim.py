@@ -1,0 +1,155 @@
+"""Fused (in-backward) row optimizers of the tiered embedding shard.
+
+The math follows fbgemm_gpu's TBE optimizers (``EmbOptimType`` / ``OptimType``),
+applied to the rows of one batch after their gradients were summed per unique
+row ("exact" optimizers in fbgemm's naming):
+
+* ``sgd`` (fbgemm ``EXACT_SGD``): ``w -= lr * g``.
+* ``rowwise_adagrad`` (fbgemm ``EXACT_ROWWISE_ADAGRAD``, weight decay NONE):
+  ``m += mean(g * g)``; ``w -= lr / (sqrt(m) + eps) * g``. One fp32 state per row.
+* ``adam`` (fbgemm ``ADAM``): with the step counter ``t`` (1 on the first step),
+  ``m1 = b1 * m1 + (1 - b1) * g``; ``m2 = b2 * m2 + (1 - b2) * g * g``;
+  ``w -= lr * (m1 / (1 - b1**t) / (sqrt(m2 / (1 - b2**t)) + eps) + wd * w)``.
+  Two fp32 states per element (``exp_avg`` then ``exp_avg_sq``). Only rows looked
+  up in the step are updated (fbgemm semantics, not dense ``torch.optim.Adam``).
+
+The optimizer state of a row is stored in a ``[rows, state_cols]`` fp32 tensor
+next to the row's values, in the same tier, and moves with the row.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+__all__ = ["FusedOptimizer", "TieredOptimizerConfig"]
+
+
+class FusedOptimizer(enum.Enum):
+    """Fused optimizers of a tiered table; values match ``recpipe.planner.storage`` names."""
+
+    SGD = "sgd"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    ADAM = "adam"
+
+    @classmethod
+    def parse(cls, value: Union["FusedOptimizer", str]) -> "FusedOptimizer":
+        """Reads an optimizer from a ``FusedOptimizer`` or its (case-insensitive) name.
+
+        Args:
+            value (FusedOptimizer | str): the optimizer.
+
+        Returns:
+            FusedOptimizer: the parsed optimizer.
+        """
+        if isinstance(value, FusedOptimizer):
+            return value
+        name = str(value).lower()
+        aliases = {"exact_sgd": "sgd", "exact_row_wise_adagrad": "rowwise_adagrad",
+                   "row_wise_adagrad": "rowwise_adagrad", "exact_rowwise_adagrad": "rowwise_adagrad"}
+        name = aliases.get(name, name)
+        for member in cls:
+            if member.value == name:
+                return member
+        raise ValueError(
+            f"optimizer must be one of {[m.value for m in cls]}, got {value!r}: "
+            "tiered tables fuse SGD, row-wise Adagrad or Adam into the backward."
+        )
+
+
+@dataclass(kw_only=True)
+class TieredOptimizerConfig:
+    """Fused optimizer of a tiered table (torchrec ``fused_params`` style).
+
+    Example::
+
+        TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=0.05)
+    """
+
+    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.SGD
+    """``sgd``, ``rowwise_adagrad`` or ``adam``."""
+    learning_rate: float = 0.01
+    """Learning rate (fbgemm default 0.01)."""
+    eps: float = 1.0e-8
+    """Denominator epsilon of Adagrad / Adam (fbgemm default 1e-8)."""
+    beta1: float = 0.9
+    """Adam first-moment decay (fbgemm default 0.9)."""
+    beta2: float = 0.999
+    """Adam second-moment decay (fbgemm default 0.999)."""
+    weight_decay: float = 0.0
+    """Adam decoupled-in-update weight decay (fbgemm ``ADAM`` ``weight_decay``); must be 0 otherwise."""
+
+    def __post_init__(self) -> None:
+        self.optimizer = FusedOptimizer.parse(self.optimizer)
+        for name in ("learning_rate", "eps", "weight_decay"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"TieredOptimizerConfig.{name} must be a finite number >= 0, got {value!r}."
+                )
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
+                raise ValueError(f"TieredOptimizerConfig.{name} must be in [0, 1), got {value!r}.")
+        if self.weight_decay and self.optimizer is not FusedOptimizer.ADAM:
+            raise ValueError(
+                f"TieredOptimizerConfig.weight_decay={self.weight_decay} is only supported by adam; "
+                f"set weight_decay=0.0 for {self.optimizer.value}."
+            )
+
+    @property
+    def name(self) -> str:
+        """Optimizer name as ``recpipe.planner.storage`` spells it."""
+        assert isinstance(self.optimizer, FusedOptimizer)
+        return self.optimizer.value
+
+    def state_cols(self, dim: int) -> int:
+        """fp32 state columns per row: sgd 0, rowwise_adagrad 1, adam ``2 * dim``.
+
+        Args:
+            dim (int): embedding dimension.
+
+        Returns:
+            int: columns of the ``[rows, cols]`` fp32 state tensor.
+        """
+        if self.optimizer is FusedOptimizer.SGD:
+            return 0
+        if self.optimizer is FusedOptimizer.ROWWISE_ADAGRAD:
+            return 1
+        return 2 * dim
+
+    def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, step: int) -> None:
+        """Applies one update in place to gathered rows.
+
+        Args:
+            weights (torch.Tensor): ``[n, dim]`` fp32 rows (updated in place).
+            state (torch.Tensor): ``[n, state_cols]`` fp32 optimizer state (in place).
+            grad (torch.Tensor): ``[n, dim]`` gradient summed per unique row.
+            step (int): 1-based step counter (Adam bias correction).
+        """
+        opt = self.optimizer
+        lr = float(self.learning_rate)
+        if opt is FusedOptimizer.SGD:
+            weights.sub_(grad, alpha=lr)
+            return
+        if opt is FusedOptimizer.ROWWISE_ADAGRAD:
+            mom = state[:, 0]
+            mom.add_(grad.square().mean(dim=1))
+            multiplier = lr / (mom.sqrt() + self.eps)
+            weights.sub_(grad * multiplier.unsqueeze(1))
+            return
+        dim = weights.shape[1]
+        m1 = state[:, :dim]
+        m2 = state[:, dim:]
+        m1.mul_(self.beta1).add_(grad, alpha=1.0 - self.beta1)
+        m2.mul_(self.beta2).addcmul_(grad, grad, value=1.0 - self.beta2)
+        bc1 = 1.0 - self.beta1**step
+        bc2 = 1.0 - self.beta2**step
+        upd = (m1 / bc1) / ((m2 / bc2).sqrt() + self.eps)
+        if self.weight_decay:
+            upd.add_(weights, alpha=self.weight_decay)
+        weights.sub_(upd, alpha=lr)

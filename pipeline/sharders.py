@@ -1,0 +1,452 @@
+"""torchrec sharders that run recpipe tiered tables behind row-wise sharding.
+
+Built on ``recpipe.pipeline.sharding`` (recpipe's routed row-wise sharders: ROW_WISE
+on CPU and CUDA, input dist through ``torch.ops.recpipe.block_bucketize_sparse_features``
+with a per-table dist_type), extending torchrec's public extension points further:
+
+* :class:`TieredEmbeddingBagCollectionSharder` (a ``RecpipeEmbeddingBagCollectionSharder``)
+  also offers the ``CUSTOMIZED_KERNEL`` compute kernel for ROW_WISE tables.
+* :class:`TieredShardedEmbeddingBagCollection` overrides the
+  ``create_embedding_bag_sharding`` classmethod for ROW_WISE.
+* :class:`TieredRwPooledEmbeddingSharding` resolves each tiered table's routing
+  (default ``hash_roundrobin``; plain torchrec tables keep ``continuous``) and
+  builds a lookup whose CUSTOMIZED_KERNEL groups run :class:`TieredBatchedEmbeddingBag`
+  (one :class:`~recpipe.pipeline.tiered.TieredEmbeddingShard` per table); other
+  groups keep torchrec's kernels.
+
+Placement reaches the kernel through the table's fused params, written by
+``recpipe.planner.sharding.PlacementParameterSharding.get_additional_fused_params``
+(``recpipe_mode``, ``recpipe_cache_load_factor``, ``recpipe_dist_type``,
+``recpipe_seed``). The fused optimizer comes from torchrec's usual fused params
+(``optimizer`` as an ``EmbOptimType``, ``learning_rate``, ``eps``, ``beta1``,
+``beta2``, ``weight_decay``), e.g. set by ``apply_optimizer_in_backward``.
+
+Limits: pooled EmbeddingBagCollection only (no tiered ``EmbeddingCollection``
+yet), no variable batch (VBE); torchrec's sharded ``state_dict`` skips
+CUSTOMIZED_KERNEL tables (torchrec's rule; an empty ``weight`` placeholder stays,
+as for tables without a local shard): checkpoint them with
+:meth:`TieredShardedEmbeddingBagCollection.tiered_state` /
+:meth:`~TieredShardedEmbeddingBagCollection.load_tiered_state`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torch import nn
+from torchrec.distributed.embedding_kernel import BaseEmbedding
+from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_sharding import (
+    EmbeddingSharding,
+    EmbeddingShardingContext,
+    EmbeddingShardingInfo,
+)
+from torchrec.distributed.embedding_types import (
+    BaseEmbeddingLookup,
+    BaseGroupedFeatureProcessor,
+    EmbeddingComputeKernel,
+    GroupedEmbeddingConfig,
+    ShardedEmbeddingTable,
+)
+from torchrec.distributed.types import (
+    ParameterSharding,
+    QuantizedCommCodecs,
+    ShardingEnv,
+    ShardingType,
+)
+from torchrec.modules.embedding_configs import PoolingType
+from torchrec.optim.fused import EmptyFusedOptimizer
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recpipe.pipeline.sharding import (
+    DIST_TYPE_KEY,
+    SEED_KEY,
+    RecpipeEmbeddingBagCollectionSharder,
+    RecpipeRwPooledEmbeddingSharding,
+    RecpipeShardedEmbeddingBagCollection,
+    RoutingOverrides,
+)
+from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig, TieredShardState
+
+__all__ = [
+    "TieredBatchedEmbeddingBag",
+    "TieredEmbeddingBagCollectionSharder",
+    "TieredRwPooledEmbeddingSharding",
+    "TieredShardedEmbeddingBagCollection",
+    "tiered_optimizer_from_fused_params",
+]
+
+# Fused-param keys written by recpipe.planner.sharding.PlacementParameterSharding
+# (duplicated as strings: pipeline/ reads them, planner/ owns them).
+_MODE = "recpipe_mode"
+_LOAD_FACTOR = "recpipe_cache_load_factor"
+_POLICY = "recpipe_cache_policy"
+
+_OPTIM_NAMES: Dict[EmbOptimType, str] = {
+    EmbOptimType.SGD: "sgd",
+    EmbOptimType.EXACT_SGD: "sgd",
+    EmbOptimType.ROWWISE_ADAGRAD: "rowwise_adagrad",
+    EmbOptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad",
+    EmbOptimType.ADAM: "adam",
+}
+
+
+def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> TieredOptimizerConfig:
+    """The tiered optimizer config for torchrec fused params.
+
+    Args:
+        fused_params (Dict[str, Any] | None): a table's fused params (``optimizer``
+            is an ``EmbOptimType``; fbgemm's defaults apply to missing keys).
+
+    Returns:
+        TieredOptimizerConfig: SGD / row-wise Adagrad / Adam with the same hyper-parameters.
+    """
+    fp = dict(fused_params or {})
+    opt = fp.get("optimizer", EmbOptimType.EXACT_SGD)
+    if not isinstance(opt, EmbOptimType):
+        opt = EmbOptimType(str(opt))
+    if opt not in _OPTIM_NAMES:
+        raise ValueError(
+            f"fused optimizer {opt} is not supported by tiered tables: use one of "
+            f"{sorted({o.value for o in _OPTIM_NAMES})} (apply_optimizer_in_backward with SGD, "
+            "RowWiseAdagrad or Adam)."
+        )
+    return TieredOptimizerConfig(
+        optimizer=_OPTIM_NAMES[opt],
+        learning_rate=float(fp.get("learning_rate", 0.01)),
+        eps=float(fp.get("eps", 1.0e-8)),
+        beta1=float(fp.get("beta1", 0.9)),
+        beta2=float(fp.get("beta2", 0.999)),
+        weight_decay=float(fp.get("weight_decay", 0.0)) if _OPTIM_NAMES[opt] == "adam" else 0.0,
+    )
+
+
+def _table_dist_type(table: ShardedEmbeddingTable) -> str:
+    # TieredRwPooledEmbeddingSharding resolved it into the fused params
+    return str((table.fused_params or {}).get(DIST_TYPE_KEY, "hash_roundrobin"))
+
+
+class TieredBatchedEmbeddingBag(BaseEmbedding):
+    """CUSTOMIZED_KERNEL group: one :class:`TieredEmbeddingShard` per table.
+
+    Args:
+        config (GroupedEmbeddingConfig): the group's tables (all CUSTOMIZED_KERNEL).
+        pg (dist.ProcessGroup | None): the sharding process group (rank, world size).
+        device (torch.device | None): fast-tier device.
+    """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        super().__init__()
+        self._config = config
+        rank = dist.get_rank(pg) if pg is not None else 0
+        world = dist.get_world_size(pg) if pg is not None else 1
+        self.tables: nn.ModuleDict = nn.ModuleDict()
+        self._feature_table: List[str] = []
+        for table in config.embedding_tables:
+            fp = dict(table.fused_params or {})
+            if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                raise ValueError(f"table {table.name}: pooling {table.pooling} is not supported; use SUM or MEAN.")
+            shard = TieredEmbeddingShard(
+                num_embeddings=table.num_embeddings,
+                embedding_dim=table.local_cols,
+                mode=fp.get(_MODE, "HYBRID"),
+                cache_load_factor=float(fp.get(_LOAD_FACTOR, 1.0)),
+                optimizer=tiered_optimizer_from_fused_params(fp),
+                pooling="sum" if table.pooling == PoolingType.SUM else "mean",
+                cache_policy=fp.get(_POLICY, "lfu"),
+                rank=rank,
+                world_size=world,
+                dist_type=_table_dist_type(table),
+                routing_seed=int(fp.get(SEED_KEY, 0)),
+                split_seed=rank,
+                device=device,
+                table_name=table.name,
+            )
+            self.tables[table.name] = shard
+            self._feature_table += [table.name] * table.num_features()
+
+    @property
+    def config(self) -> GroupedEmbeddingConfig:
+        """The group's config (torchrec ``BaseEmbedding`` interface)."""
+        return self._config
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """Pooled lookups of the group's features, concatenated in feature order.
+
+        Args:
+            features (KeyedJaggedTensor): local ids of this group's features (one key
+                per feature, every rank's bags, ``stride`` bags per key).
+
+        Returns:
+            torch.Tensor: ``[stride, sum of dims]``.
+        """
+        if features.variable_stride_per_key():
+            raise ValueError("tiered tables do not support variable batch size per feature (VBE) yet.")
+        B = features.stride()
+        lengths = features.lengths().view(-1, B)
+        values = features.values()
+        weights = features.weights_or_none()
+        offsets = features.offsets()
+        outs: List[torch.Tensor] = []
+        f = 0
+        n_features = len(self._feature_table)
+        while f < n_features:
+            name = self._feature_table[f]
+            g = f
+            while g < n_features and self._feature_table[g] == name:
+                g += 1
+            lo, hi = int(offsets[f * B]), int(offsets[g * B])
+            ids = values[lo:hi]
+            offs = torch.cat([torch.zeros(1, dtype=torch.int64, device=ids.device),
+                              lengths[f:g].reshape(-1).to(torch.int64).cumsum(0)])
+            psw = weights[lo:hi] if weights is not None else None
+            pooled = self.tables[name](ids, offs, psw)  # [(g - f) * B, D]
+            outs += list(pooled.view(g - f, B, -1).unbind(0))
+            f = g
+        return torch.cat(outs, dim=1)
+
+    def state_dict(  # type: ignore[override]
+        self,
+        destination: Optional[Dict[str, Any]] = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> Dict[str, Any]:
+        """Adds nothing: torchrec skips CUSTOMIZED_KERNEL tables in its sharded
+        ``state_dict`` (it maps every key to a ``<table>.weight``), so tiered tables
+        are checkpointed through ``TieredShardedEmbeddingBagCollection.tiered_state()``.
+
+        Returns:
+            Dict[str, Any]: ``destination`` unchanged (a new dict when None).
+        """
+        self.flush()
+        return destination if destination is not None else {}
+
+    def named_parameters_by_table(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """Yields nothing: tiered rows are not ``nn.Parameter`` slices (the optimizer is
+        fused into the backward and rows move between tiers).
+
+        Returns:
+            Iterator[Tuple[str, torch.Tensor]]: empty.
+        """
+        return iter(())
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing to load from a torchrec state dict (see :meth:`state_dict`)."""
+
+    def flush(self) -> None:
+        """Writes back every dirty cached row (torchrec calls it before ``state_dict``)."""
+        for shard in self.tables.values():
+            shard.flush()
+
+    def purge(self) -> None:
+        """No cached state to drop beyond a flush (torchrec interface)."""
+        self.flush()
+
+    def tier_stats(self) -> Dict[str, Dict[str, float]]:
+        """Per-table statistics of the last step.
+
+        Returns:
+            Dict[str, Dict[str, float]]: table name -> ``TieredEmbeddingShard.tier_stats()``.
+        """
+        return {name: shard.tier_stats() for name, shard in self.tables.items()}
+
+
+class _TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
+    """torchrec's grouped lookup; CUSTOMIZED_KERNEL groups get the tiered kernel."""
+
+    def _create_embedding_kernel(  # type: ignore[override]
+        self,
+        config: GroupedEmbeddingConfig,
+        device: Optional[torch.device],
+        pg: Optional[dist.ProcessGroup],
+        sharding_type: Optional[ShardingType],
+        env: Optional[ShardingEnv],
+    ) -> BaseEmbedding:
+        if config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
+            return TieredBatchedEmbeddingBag(config=config, pg=pg, device=device)
+        return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+
+
+class TieredRwPooledEmbeddingSharding(RecpipeRwPooledEmbeddingSharding):
+    """recpipe's routed row-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered.
+
+    The routing of a tiered table is resolved once, here, and written into its
+    fused params so the input dist (``recpipe.pipeline.sharding.feature_routing``)
+    and the tiered kernel agree: the table's own ``recpipe_dist_type`` /
+    ``recpipe_seed``, else the sharder's ``RoutingOverrides``, else
+    ``hash_roundrobin`` with seed 0 (recpipe's default for its tables).
+
+    Args: as ``RecpipeRwPooledEmbeddingSharding``.
+    """
+
+    def __init__(
+        self,
+        sharding_infos: List[EmbeddingShardingInfo],
+        *args: Any,
+        routing: Optional[RoutingOverrides] = None,
+        **kwargs: Any,
+    ) -> None:
+        for info in sharding_infos:
+            if info.param_sharding.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value:
+                continue
+            fp = dict(info.fused_params or {})
+            name = info.embedding_config.name
+            if DIST_TYPE_KEY not in fp:
+                if routing is not None and name in routing.table_dist_types:
+                    fp[DIST_TYPE_KEY] = routing.table_dist_types[name]
+                    fp.setdefault(SEED_KEY, routing.seed)
+                else:
+                    fp[DIST_TYPE_KEY] = "hash_roundrobin"
+            fp.setdefault(SEED_KEY, 0)
+            info.fused_params = fp
+        super().__init__(sharding_infos, *args, routing=routing, **kwargs)
+
+    def create_lookup(
+        self,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
+    ) -> BaseEmbeddingLookup:
+        return _TieredGroupedPooledEmbeddingsLookup(
+            grouped_configs=self._grouped_embedding_configs,
+            pg=self._pg,
+            device=device if device is not None else self._device,
+            feature_processor=feature_processor,
+            sharding_type=ShardingType.ROW_WISE,
+            env=self._env,
+        )
+
+
+class TieredShardedEmbeddingBagCollection(RecpipeShardedEmbeddingBagCollection):
+    """recpipe's routed ``ShardedEmbeddingBagCollection`` with tiered CUSTOMIZED_KERNEL tables."""
+
+    @classmethod
+    def create_embedding_bag_sharding(  # type: ignore[override]
+        cls,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> EmbeddingSharding[EmbeddingShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor]:
+        if sharding_infos[0].param_sharding.sharding_type == ShardingType.ROW_WISE.value:
+            return TieredRwPooledEmbeddingSharding(
+                sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, routing=cls._routing
+            )
+        return super().create_embedding_bag_sharding(
+            sharding_infos, env, device, permute_embeddings=permute_embeddings,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
+
+    def reset_parameters(self) -> None:
+        """torchrec's init for its own tables; tiered tables initialize themselves.
+
+        Like torchrec does for tables without a shard on this rank, a tiered table
+        gets an empty ``weight`` placeholder with an ``EmptyFusedOptimizer``.
+        """
+        for config in self._embedding_bag_configs:
+            if self.module_sharding_plan[config.name].compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value:
+                continue
+            holder = self.embedding_bags[config.name]
+            if not hasattr(holder, "weight"):
+                placeholder = nn.Parameter(torch.empty(0))
+                placeholder._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+                holder.register_parameter("weight", placeholder)
+        super().reset_parameters()
+
+    def tiered_tables(self) -> Dict[str, TieredEmbeddingShard]:
+        """This rank's tiered shards by table name (for stats, init and checkpoints).
+
+        Returns:
+            Dict[str, TieredEmbeddingShard]: table name -> shard.
+        """
+        out: Dict[str, TieredEmbeddingShard] = {}
+        for lookup in self._lookups:
+            while hasattr(lookup, "module") and not isinstance(lookup, GroupedPooledEmbeddingsLookup):
+                lookup = lookup.module
+            for module in lookup.modules():
+                if isinstance(module, TieredBatchedEmbeddingBag):
+                    out.update({name: shard for name, shard in module.tables.items()})  # type: ignore[misc]
+        return out
+
+
+    def tiered_state(self) -> Dict[str, TieredShardState]:
+        """Exports every tiered table of this rank (global ids, values, optimizer state).
+
+        Returns:
+            Dict[str, TieredShardState]: table name -> export; gather them over ranks
+            and pass each table's list to :meth:`load_tiered_state` of any world size.
+        """
+        return {name: shard.export_state() for name, shard in self.tiered_tables().items()}
+
+    def load_tiered_state(self, states: Dict[str, Sequence[TieredShardState]]) -> None:
+        """Loads (and reshards) tiered tables from the exports of every saving rank.
+
+        Args:
+            states (Dict[str, Sequence[TieredShardState]]): table name -> exports.
+        """
+        tables = self.tiered_tables()
+        missing = sorted(set(tables) - set(states))
+        if missing:
+            raise ValueError(f"load_tiered_state: no exports for tiered tables {missing}; pass every table.")
+        for name, shard in tables.items():
+            shard.load_states(states[name])
+
+
+class TieredEmbeddingBagCollectionSharder(RecpipeEmbeddingBagCollectionSharder):
+    """recpipe's EBC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
+    CUSTOMIZED_KERNEL row-wise tables run the tiered kernel.
+
+    Args: as ``recpipe.pipeline.sharding.RecpipeEmbeddingBagCollectionSharder``.
+
+    Example::
+
+        plan = recpipe.planner.sharding.to_sharding_plan(placement_plan)
+        model = DistributedModelParallel(model, plan=plan,
+                                         sharders=[TieredEmbeddingBagCollectionSharder()])
+    """
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels = super().compute_kernels(sharding_type, compute_device_type)
+        if sharding_type == ShardingType.ROW_WISE.value:
+            kernels.append(EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value)
+        return kernels
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> TieredShardedEmbeddingBagCollection:
+        for name, ps in params.items():
+            if (ps.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+                    and ps.sharding_type != ShardingType.ROW_WISE.value):
+                raise ValueError(
+                    f"table {name}: CUSTOMIZED_KERNEL (tiered) needs sharding_type row_wise, got "
+                    f"{ps.sharding_type}; use recpipe.planner.sharding.to_sharding_plan."
+                )
+        return TieredShardedEmbeddingBagCollection.with_routing(self._routing)(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
+
+    @property
+    def sharded_module_type(self) -> type:  # type: ignore[override]
+        return TieredShardedEmbeddingBagCollection

@@ -1,0 +1,890 @@
+"""Tiered embedding storage: one row-wise shard split between a fast and a slow tier.
+
+A :class:`TieredEmbeddingShard` owns the ``R`` local rows a rank holds of one
+table under row-wise sharding (roundrobin / hash_roundrobin / continuous routing,
+see :mod:`recpipe.pipeline.ops`). Its rows live in two tiers:
+
+* **fast tier**: HBM on CUDA (``device``); on CPU a separate host buffer.
+* **slow tier**: host DDR (pinned when ``device`` is CUDA).
+
+Placement (``recpipe.planner.types.Mode``) with cache load factor ``x``:
+
+* ``HYBRID(x)``: a seeded bijective hash ``H`` of ``[0, R)`` (the recpipe
+  hash_roundrobin bijection with ``W = 1``) puts local row ``r`` in the fast tier
+  at ``H(r)`` when ``H(r) < floor(x * R)``, else in the slow tier at
+  ``H(r) - floor(x * R)``. No per-row metadata.
+* ``CACHING(x)``: every row lives in the slow tier; ``floor(x * R)`` fast slots
+  cache rows, with a row -> slot map and slot -> row / score maps in the fast
+  tier. Misses are loaded into the cache before the lookup (LFU: when their access
+  count beats the least frequently used slot; LRU: always, evicting the least
+  recently used slot); rows a batch needs that do not get a slot are read from and
+  updated in the slow tier directly (fbgemm's UVM-cache behaviour). Evicted dirty
+  rows are written back; :meth:`~TieredEmbeddingShard.flush` and ``state_dict()``
+  write back every dirty slot.
+* ``x == 1.0``: every row in the fast tier.
+
+Every tier buffer is sized with ``recpipe.planner.storage.tier_rows`` so the
+bytes allocated per tier equal ``recpipe.planner.storage.shard_storage`` (see
+:meth:`~TieredEmbeddingShard.tier_bytes`).
+
+The optimizer is fused into the backward like fbgemm's TBE: the lookup is a custom
+``autograd.Function`` whose backward sums the gradient per unique row, applies
+SGD / row-wise Adagrad / Adam in place in whichever tier each row lives and
+returns no weight gradient. The optimizer state of a row lives and moves with it.
+
+Metadata encodings (they keep the metadata inside the planner's byte budget of
+``CACHE_ROW_MAP_BYTES`` per row and ``CACHE_SLOT_BYTES`` per slot):
+
+* ``row_map[r] >= 0``: slot of cached row ``r``; ``row_map[r] = -(c + 1)``: row
+  not cached, accessed ``c`` times so far (LFU keeps full access history, so a hot
+  row that was evicted or never admitted is re-admitted as soon as it is hotter
+  than the coldest slot). LRU uses ``-1`` for every uncached row.
+* ``slot_score[s] = (key << 1) | dirty`` with ``key`` the access count (LFU) or
+  the last step the slot was used (LRU); ``slot_row[s] = -1`` for a free slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
+from recpipe.pipeline.ops import DIST_TYPES, hash_roundrobin_global_ids, route_ids
+from recpipe.planner.storage import ShardStorage, local_rows, row_bytes, tier_rows
+from recpipe.planner.types import Mode
+
+__all__ = [
+    "CachePolicy",
+    "FusedOptimizer",
+    "TieredEmbeddingShard",
+    "TieredOptimizerConfig",
+    "TieredShardState",
+    "TieredCheckpointError",
+    "global_row_ids",
+    "shard_num_rows",
+]
+
+#: Version of the export format written in ``TieredShardState.metadata``.
+CHECKPOINT_VERSION: int = 1
+
+
+class CachePolicy(enum.Enum):
+    """Eviction policy of a CACHING table. LFU is the default (closest to the
+    frequency oracle on skewed ids); LRU is offered for drifting traffic."""
+
+    LFU = "lfu"
+    LRU = "lru"
+
+    @classmethod
+    def parse(cls, value: Union["CachePolicy", str]) -> "CachePolicy":
+        """Reads a policy from a ``CachePolicy`` or its (case-insensitive) name.
+
+        Args:
+            value (CachePolicy | str): the policy.
+
+        Returns:
+            CachePolicy: the parsed policy.
+        """
+        if isinstance(value, CachePolicy):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            raise ValueError(
+                f"cache_policy must be one of {[p.value for p in cls]}, got {value!r}."
+            ) from None
+
+
+class TieredCheckpointError(ValueError):
+    """A tiered-table export cannot be loaded into this shard (metadata mismatch,
+    missing or duplicated rows). The message lists numbered possible solutions."""
+
+
+def _check_dist_type(dist_type: str) -> str:
+    if dist_type not in DIST_TYPES:
+        raise ValueError(f"dist_type must be one of {sorted(DIST_TYPES)}, got {dist_type!r}.")
+    return dist_type
+
+
+def shard_num_rows(num_embeddings: int, world_size: int, rank: int, dist_type: str) -> int:
+    """Local rows rank ``rank`` owns of a table of ``num_embeddings`` rows.
+
+    Args:
+        num_embeddings (int): rows ``N`` of the whole table.
+        world_size (int): ranks ``W`` the table is sharded over.
+        rank (int): the rank.
+        dist_type (str): ``continuous`` (blocks of ``ceil(N / W)``), ``roundrobin``
+            or ``hash_roundrobin`` (``recpipe.planner.storage.local_rows``).
+
+    Returns:
+        int: the shard's row count.
+
+    Example::
+
+        shard_num_rows(10, 4, 3, "continuous")  # 1
+    """
+    _check_dist_type(dist_type)
+    if dist_type == "continuous":
+        local_rows(num_embeddings, world_size, rank)  # validates the arguments
+        block = max(1, -(-num_embeddings // world_size))
+        return max(0, min(block, num_embeddings - rank * block))
+    return local_rows(num_embeddings, world_size, rank)
+
+
+def global_row_ids(
+    local_ids: torch.Tensor,
+    num_embeddings: int,
+    world_size: int,
+    rank: int,
+    dist_type: str,
+    seed: int,
+) -> torch.Tensor:
+    """Global ids of local rows of shard ``rank`` (inverse of the routing).
+
+    Args:
+        local_ids (torch.Tensor): int64 local row ids.
+        num_embeddings (int): rows of the whole table.
+        world_size (int): ranks the table is sharded over.
+        rank (int): owner rank.
+        dist_type (str): routing of the table.
+        seed (int): hash_roundrobin seed.
+
+    Returns:
+        torch.Tensor: int64 global ids, shaped like ``local_ids``.
+    """
+    _check_dist_type(dist_type)
+    local_ids = local_ids.to(torch.int64)
+    if dist_type == "roundrobin":
+        return local_ids * world_size + rank
+    if dist_type == "continuous":
+        return local_ids + rank * max(1, -(-num_embeddings // world_size))
+    if local_ids.numel() == 0:
+        return local_ids.clone()
+    ranks = torch.full_like(local_ids, rank)
+    return hash_roundrobin_global_ids(ranks, local_ids, num_embeddings, world_size, seed)
+
+
+@dataclass
+class TieredShardState:
+    """Export of one shard: global row ids, values and optimizer state.
+
+    Args:
+        global_ids (torch.Tensor): ``[n]`` int64 global row ids (local id order).
+        weights (torch.Tensor): ``[n, dim]`` row values.
+        optimizer_state (torch.Tensor): ``[n, state_cols]`` fp32 optimizer state.
+        step (int): optimizer step counter (Adam bias correction).
+        metadata (Dict[str, Any]): table, routing (``dist_type``, ``routing_seed``,
+            ``world_size``, ``rank``) and ``placement`` of the exporting shard.
+    """
+
+    global_ids: torch.Tensor
+    weights: torch.Tensor
+    optimizer_state: torch.Tensor
+    step: int
+    metadata: Dict[str, Any] = field(default_factory=dict)
+
+
+class _TieredLookup(torch.autograd.Function):
+    """Pooled lookup whose backward applies the fused optimizer to the tiers."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        anchor: torch.Tensor,
+        shard: "TieredEmbeddingShard",
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        out, uniq, inverse = shard._lookup(ids, offsets, per_sample_weights)
+        ctx.shard = shard
+        ctx.save_for_backward(uniq, inverse, offsets, per_sample_weights)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        uniq, inverse, offsets, psw = ctx.saved_tensors
+        shard: TieredEmbeddingShard = ctx.shard
+        shard._backward_update(grad_out, uniq, inverse, offsets, psw)
+        return None, None, None, None, None
+
+
+class TieredEmbeddingShard(nn.Module):
+    """One row-wise shard of an embedding-bag table stored in a fast and a slow tier.
+
+    Args:
+        num_embeddings (int): rows ``N`` of the whole (global) table.
+        embedding_dim (int): embedding dimension.
+        mode (Mode | str): ``HYBRID`` or ``CACHING``.
+        cache_load_factor (float): ``x`` in ``(0, 1]``: fast rows (HYBRID) or cache
+            slots (CACHING) are ``floor(x * R)``; ``1.0`` puts every row in the fast tier.
+        optimizer (TieredOptimizerConfig | None): fused optimizer (default SGD lr 0.01).
+        pooling (str): ``sum`` or ``mean``.
+        cache_policy (CachePolicy | str): ``lfu`` (default) or ``lru``; CACHING only.
+        rank (int): rank owning this shard.
+        world_size (int): ranks the table is sharded over.
+        dist_type (str): routing of the table: ``hash_roundrobin`` (recpipe default),
+            ``roundrobin`` or ``continuous``.
+        routing_seed (int): seed of the hash_roundrobin routing.
+        split_seed (int): seed of the HYBRID fast/slow split hash.
+        dtype (torch.dtype): row dtype (only ``torch.float32`` is supported).
+        device (torch.device | str | None): fast-tier device (default CPU).
+        table_name (str): name recorded in exports and errors.
+
+    Example::
+
+        shard = TieredEmbeddingShard(num_embeddings=1000, embedding_dim=16,
+                                     mode=Mode.CACHING, cache_load_factor=0.2)
+        out = shard(ids, offsets)            # [B, 16]; ids are LOCAL row ids
+        out.sum().backward()                 # updates the rows in place
+        shard.tier_stats()["hit_rate"]
+    """
+
+    def __init__(
+        self,
+        *,
+        num_embeddings: int,
+        embedding_dim: int,
+        mode: Union[Mode, str],
+        cache_load_factor: float,
+        optimizer: Optional[TieredOptimizerConfig] = None,
+        pooling: str = "sum",
+        cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
+        rank: int = 0,
+        world_size: int = 1,
+        dist_type: str = "hash_roundrobin",
+        routing_seed: int = 0,
+        split_seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[Union[torch.device, str]] = None,
+        table_name: str = "table",
+    ) -> None:
+        super().__init__()
+        self.mode: Mode = Mode.parse(mode)
+        x = cache_load_factor
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 < float(x) <= 1.0:
+            raise ValueError(
+                f"cache_load_factor must be in (0, 1], got {x!r}: use e.g. 0.1 ... 1.0 "
+                "(1.0 = every row in the fast tier)."
+            )
+        if not isinstance(embedding_dim, int) or embedding_dim <= 0:
+            raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}.")
+        if not isinstance(num_embeddings, int) or num_embeddings <= 0:
+            raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}.")
+        if pooling not in ("sum", "mean"):
+            raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}.")
+        if dtype != torch.float32:
+            raise ValueError(
+                f"dtype {dtype} is not supported by the tiered kernel yet: use torch.float32."
+            )
+        self.cache_load_factor: float = float(x)
+        self.optimizer: TieredOptimizerConfig = optimizer or TieredOptimizerConfig()
+        self.pooling: str = pooling
+        self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy)
+        self.dist_type: str = _check_dist_type(dist_type)
+        self.num_embeddings: int = num_embeddings
+        self.embedding_dim: int = embedding_dim
+        self.rank: int = rank
+        self.world_size: int = world_size
+        self.routing_seed: int = int(routing_seed)
+        self.split_seed: int = int(split_seed)
+        self.dtype: torch.dtype = dtype
+        self.table_name: str = table_name
+        self.device: torch.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.num_rows: int = shard_num_rows(num_embeddings, world_size, rank, dist_type)
+
+        R = self.num_rows
+        self.fast_rows, self.slow_rows, self.cache_slots = tier_rows(R, self.mode, self.cache_load_factor)
+        self.all_fast: bool = self.slow_rows == 0 and self.cache_slots == 0
+        self.caching: bool = self.mode is Mode.CACHING and self.cache_load_factor < 1.0
+        self.row_bytes: int = row_bytes(embedding_dim, dtype, self.optimizer.name)
+        cols = self.optimizer.state_cols(embedding_dim)
+        slow_device = torch.device("cpu")
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+
+        def slow(shape: Tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dt, device=slow_device, pin_memory=pin)
+
+        n_fast = self.fast_rows + self.cache_slots
+        self.fast_weights: torch.Tensor = torch.zeros((n_fast, embedding_dim), dtype=dtype, device=self.device)
+        self.fast_state: torch.Tensor = torch.zeros((n_fast, cols), dtype=torch.float32, device=self.device)
+        self.slow_weights: torch.Tensor = slow((self.slow_rows, embedding_dim), dtype)
+        self.slow_state: torch.Tensor = slow((self.slow_rows, cols), torch.float32)
+        if self.caching:
+            self.row_map: Optional[torch.Tensor] = torch.full((R,), -1, dtype=torch.int64, device=self.device)
+            self.slot_row: Optional[torch.Tensor] = torch.full(
+                (self.cache_slots,), -1, dtype=torch.int64, device=self.device
+            )
+            self.slot_score: Optional[torch.Tensor] = torch.zeros(
+                (self.cache_slots,), dtype=torch.int64, device=self.device
+            )
+        else:
+            self.row_map = self.slot_row = self.slot_score = None
+        self.step: int = 0
+        self._clock: int = 0  # lookups so far; the LRU recency key
+        self._lookups_seen: int = 0
+        self._hits_seen: int = 0
+        self._last: Dict[str, float] = {}
+        self._reset_step_stats()
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ sizing
+    def tier_tensors(self) -> Dict[str, List[Tuple[str, torch.Tensor]]]:
+        """Every buffer the shard allocated, by tier.
+
+        Returns:
+            Dict[str, List[Tuple[str, torch.Tensor]]]: ``{"fast": [...], "slow": [...]}``.
+        """
+        fast = [("fast_weights", self.fast_weights), ("fast_state", self.fast_state)]
+        if self.caching:
+            assert self.row_map is not None and self.slot_row is not None and self.slot_score is not None
+            fast += [("row_map", self.row_map), ("slot_row", self.slot_row), ("slot_score", self.slot_score)]
+        return {"fast": fast, "slow": [("slow_weights", self.slow_weights), ("slow_state", self.slow_state)]}
+
+    def tier_bytes(self) -> ShardStorage:
+        """Bytes allocated per tier, read from the tensors' storages.
+
+        Returns:
+            ShardStorage: equals ``recpipe.planner.storage.shard_storage(num_rows,
+            embedding_dim, dtype, optimizer, mode, cache_load_factor)``.
+        """
+        tiers = self.tier_tensors()
+        return ShardStorage(
+            fast_bytes=sum(t.untyped_storage().nbytes() for _, t in tiers["fast"]),
+            slow_bytes=sum(t.untyped_storage().nbytes() for _, t in tiers["slow"]),
+        )
+
+    # ------------------------------------------------------------- placement
+    def _split_hash(self, rows: torch.Tensor) -> torch.Tensor:
+        """Seeded bijection of ``[0, R)`` (recpipe hash_roundrobin with ``W = 1``)."""
+        n = rows.numel()
+        if n == 0:
+            return rows.clone()
+        out = torch.ops.recpipe.block_bucketize_sparse_features(
+            torch.ones(n, dtype=torch.int64, device=rows.device),
+            rows,
+            torch.tensor([self.num_rows], dtype=torch.int64),
+            torch.tensor([DIST_TYPES["hash_roundrobin"]], dtype=torch.int64),
+            1,
+            False,
+            False,
+            None,
+            torch.tensor([self.num_rows], dtype=torch.int64),
+            self.split_seed,
+            False,
+        )
+        return out[1]
+
+    def _locate(self, rows: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
+        """Tier and index of local rows: ``(in_fast mask or None if all fast, index)``."""
+        if self.all_fast:
+            return None, rows
+        if self.caching:
+            assert self.row_map is not None
+            slot = self.row_map.index_select(0, rows)
+            in_fast = slot >= 0
+            return in_fast, torch.where(in_fast, slot, rows)
+        h = self._split_hash(rows)
+        in_fast = h < self.fast_rows
+        return in_fast, torch.where(in_fast, h, h - self.fast_rows)
+
+    def _read(self, in_fast: Optional[torch.Tensor], idx: torch.Tensor, state: bool) -> torch.Tensor:
+        fast = self.fast_state if state else self.fast_weights
+        slow = self.slow_state if state else self.slow_weights
+        if in_fast is None:
+            return fast.index_select(0, idx)
+        out = torch.empty((idx.numel(), fast.shape[1]), dtype=fast.dtype, device=self.device)
+        f_pos = in_fast.nonzero().squeeze(1)
+        s_pos = (~in_fast).nonzero().squeeze(1)
+        out.index_copy_(0, f_pos, fast.index_select(0, idx.index_select(0, f_pos)))
+        if s_pos.numel():
+            s_idx = idx.index_select(0, s_pos).to(slow.device)
+            out.index_copy_(0, s_pos, slow.index_select(0, s_idx).to(self.device, non_blocking=True))
+        return out
+
+    def _write(self, in_fast: Optional[torch.Tensor], idx: torch.Tensor, values: torch.Tensor, state: bool) -> None:
+        fast = self.fast_state if state else self.fast_weights
+        slow = self.slow_state if state else self.slow_weights
+        if in_fast is None:
+            fast.index_copy_(0, idx, values)
+            return
+        f_pos = in_fast.nonzero().squeeze(1)
+        s_pos = (~in_fast).nonzero().squeeze(1)
+        fast.index_copy_(0, idx.index_select(0, f_pos), values.index_select(0, f_pos))
+        if s_pos.numel():
+            s_idx = idx.index_select(0, s_pos).to(slow.device)
+            slow.index_copy_(0, s_idx, values.index_select(0, s_pos).to(slow.device))
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Initializes rows like torchrec (uniform ``+-sqrt(1 / N)``) and zeroes state.
+
+        Each row is drawn in local-id order with the global RNG, then placed.
+        """
+        bound = math.sqrt(1.0 / self.num_embeddings)
+        w = torch.empty((self.num_rows, self.embedding_dim), dtype=self.dtype).uniform_(-bound, bound)
+        self._load_local_rows(w.to(self.device), None, reset_cache=True)
+
+    @torch.no_grad()
+    def load_global_weights(self, weights: torch.Tensor) -> None:
+        """Sets this shard's rows from a full ``[num_embeddings, dim]`` table; zeroes state.
+
+        Args:
+            weights (torch.Tensor): the global table.
+        """
+        if tuple(weights.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"weights must have shape [num_embeddings={self.num_embeddings}, "
+                f"embedding_dim={self.embedding_dim}], got {list(weights.shape)}."
+            )
+        gids = self.global_ids()
+        self._load_local_rows(weights.index_select(0, gids.to(weights.device)).to(self.device, self.dtype), None,
+                              reset_cache=True)
+        self.step = 0
+
+    def global_ids(self) -> torch.Tensor:
+        """Global id of every local row, in local-id order.
+
+        Returns:
+            torch.Tensor: ``[num_rows]`` int64.
+        """
+        return global_row_ids(
+            torch.arange(self.num_rows, dtype=torch.int64), self.num_embeddings, self.world_size,
+            self.rank, self.dist_type, self.routing_seed,
+        )
+
+    def _reset_cache(self) -> None:
+        if self.caching:
+            assert self.row_map is not None and self.slot_row is not None and self.slot_score is not None
+            self.row_map.fill_(-1)
+            self.slot_row.fill_(-1)
+            self.slot_score.zero_()
+
+    def _load_local_rows(self, weights: torch.Tensor, state: Optional[torch.Tensor], reset_cache: bool) -> None:
+        if reset_cache:
+            self._reset_cache()
+        rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
+        in_fast, idx = self._locate(rows)
+        self._write(in_fast, idx, weights, state=False)
+        if state is None:
+            state = torch.zeros((self.num_rows, self.fast_state.shape[1]), dtype=torch.float32, device=self.device)
+        self._write(in_fast, idx, state, state=True)
+
+    # ----------------------------------------------------------------- cache
+    def _prefetch(self, uniq: torch.Tensor, counts: torch.Tensor) -> None:
+        """Loads the batch's missing rows into the cache (CACHING only), evicting
+        slots the batch does not use; updates access counts / recency."""
+        assert self.row_map is not None and self.slot_row is not None and self.slot_score is not None
+        lfu = self.cache_policy is CachePolicy.LFU
+        rm = self.row_map.index_select(0, uniq)
+        cached = rm >= 0
+        hit_slots = rm[cached]
+        if lfu:
+            self.slot_score.index_add_(0, hit_slots, counts[cached] << 1)
+        else:
+            dirty = self.slot_score.index_select(0, hit_slots) & 1
+            self.slot_score.index_copy_(0, hit_slots, (self._clock << 1) | dirty)
+        miss_mask = ~cached
+        misses = uniq[miss_mask]
+        self._last["hits"] = float(counts[cached].sum().item())
+        if misses.numel() == 0:
+            return
+        miss_key = (-rm[miss_mask] - 1) + counts[miss_mask] if lfu else torch.full_like(misses, self._clock)
+        if self.cache_slots == 0:
+            if lfu:
+                self.row_map.index_copy_(0, misses, -(miss_key + 1))
+            return
+        # victims: free slots first, then slots unused by this batch, coldest first
+        usable = torch.ones(self.cache_slots, dtype=torch.bool, device=self.device)
+        usable[hit_slots] = False
+        v_slots = usable.nonzero().squeeze(1)
+        v_rows = self.slot_row.index_select(0, v_slots)
+        v_key = torch.where(v_rows >= 0, self.slot_score.index_select(0, v_slots) >> 1, -1)
+        v_order = torch.argsort(v_key, stable=True)
+        m_order = torch.argsort(miss_key, descending=True, stable=True)
+        n = min(v_slots.numel(), misses.numel())
+        v_sel = v_order[:n]
+        m_sel = m_order[:n]
+        if lfu:
+            admit = miss_key.index_select(0, m_sel) > v_key.index_select(0, v_sel)
+            n = int(admit.sum().item())  # a prefix: miss keys descend, victim keys ascend
+            v_sel, m_sel = v_sel[:n], m_sel[:n]
+            # misses that stay in the slow tier keep their access count
+            self.row_map.index_copy_(0, misses, -(miss_key + 1))
+        if n == 0:
+            return
+        slots = v_slots.index_select(0, v_sel)
+        old_rows = v_rows.index_select(0, v_sel)
+        old_score = self.slot_score.index_select(0, slots)
+        occupied = old_rows >= 0
+        # write back dirty victims (rows and their optimizer state move together)
+        wb = occupied & ((old_score & 1) == 1)
+        wb_slots, wb_rows = slots[wb], old_rows[wb].to(self.slow_weights.device)
+        if wb_rows.numel():
+            self.slow_weights.index_copy_(0, wb_rows, self.fast_weights.index_select(0, wb_slots).to(
+                self.slow_weights.device))
+            self.slow_state.index_copy_(0, wb_rows, self.fast_state.index_select(0, wb_slots).to(
+                self.slow_state.device))
+        ev_rows = old_rows[occupied]
+        if ev_rows.numel():
+            self.row_map.index_copy_(0, ev_rows, -((old_score[occupied] >> 1) + 1) if lfu
+                                     else torch.full_like(ev_rows, -1))
+        new_rows = misses.index_select(0, m_sel)
+        src = new_rows.to(self.slow_weights.device)
+        self.fast_weights.index_copy_(0, slots, self.slow_weights.index_select(0, src).to(self.device))
+        self.fast_state.index_copy_(0, slots, self.slow_state.index_select(0, src).to(self.device))
+        self.row_map.index_copy_(0, new_rows, slots)
+        self.slot_row.index_copy_(0, slots, new_rows)
+        self.slot_score.index_copy_(0, slots, miss_key.index_select(0, m_sel) << 1)
+        self._last["rows_loaded"] = float(n)
+        self._last["rows_evicted"] = float(ev_rows.numel())
+        self._last["rows_written_back"] = float(wb_rows.numel())
+
+    @torch.no_grad()
+    def flush(self) -> int:
+        """Writes every dirty cached row (and its optimizer state) back to the slow tier.
+
+        Returns:
+            int: rows written back.
+        """
+        if not self.caching:
+            return 0
+        assert self.slot_row is not None and self.slot_score is not None
+        dirty = (self.slot_row >= 0) & ((self.slot_score & 1) == 1)
+        slots = dirty.nonzero().squeeze(1)
+        if slots.numel():
+            rows = self.slot_row.index_select(0, slots).to(self.slow_weights.device)
+            self.slow_weights.index_copy_(0, rows, self.fast_weights.index_select(0, slots).to(rows.device))
+            self.slow_state.index_copy_(0, rows, self.fast_state.index_select(0, slots).to(rows.device))
+            self.slot_score.index_copy_(0, slots, self.slot_score.index_select(0, slots) & ~1)
+        self._flushed_rows += int(slots.numel())
+        return int(slots.numel())
+
+    # ---------------------------------------------------------------- lookup
+    def _check_inputs(self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> None:
+        if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"ids must be a 1-D int32/int64 tensor of local row ids, got {ids.dtype} "
+                             f"with shape {list(ids.shape)}.")
+        if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.numel() < 1:
+            raise ValueError("offsets must be a 1-D int32/int64 tensor of B + 1 bag offsets "
+                             f"(include_last_offset), got shape {list(offsets.shape)}.")
+        if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError(f"offsets must start at 0, be non-decreasing and end at len(ids)={ids.numel()}; "
+                             f"got first {int(offsets[0])}, last {int(offsets[-1])}.")
+        if ids.numel():
+            lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= self.num_rows:
+                raise IndexError(
+                    f"ids out of range for table {self.table_name!r} shard {self.rank}: got ids in "
+                    f"[{lo}, {hi}] but the shard has {self.num_rows} local rows. Possible solutions:\n"
+                    f"  1. route global ids with recpipe.pipeline.ops.route_ids / bucketize_kjt "
+                    f"(dist_type={self.dist_type!r}, world_size={self.world_size}) before the lookup.\n"
+                    f"  2. check num_embeddings={self.num_embeddings} matches the feature's id space."
+                )
+        if psw is not None:
+            if self.pooling != "sum":
+                raise ValueError("per_sample_weights need pooling='sum' (as in torch.nn.EmbeddingBag).")
+            if psw.shape != ids.shape:
+                raise ValueError(f"per_sample_weights must have the shape of ids {list(ids.shape)}, "
+                                 f"got {list(psw.shape)}.")
+
+    def _reset_step_stats(self) -> None:
+        self._last = {"lookups": 0.0, "unique_rows": 0.0, "hits": 0.0, "fast_lookups": 0.0,
+                      "rows_loaded": 0.0, "rows_evicted": 0.0, "rows_written_back": 0.0}
+        self._flushed_rows = 0
+
+    def _lookup(
+        self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self._check_inputs(ids, offsets, psw)
+        self._reset_step_stats()
+        self._clock += 1
+        ids = ids.to(torch.int64)
+        offsets = offsets.to(torch.int64)
+        n = ids.numel()
+        self._last["lookups"] = float(n)
+        mode = self.pooling
+        if self.all_fast:
+            out = F.embedding_bag(ids, self.fast_weights, offsets, mode=mode,
+                                  per_sample_weights=psw, include_last_offset=True)
+            uniq, inverse = torch.unique(ids, return_inverse=True)
+            self._last.update(unique_rows=float(uniq.numel()), hits=float(n), fast_lookups=float(n))
+        else:
+            uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+            self._last["unique_rows"] = float(uniq.numel())
+            if self.caching:
+                self._prefetch(uniq, counts)
+            in_fast, idx = self._locate(uniq)
+            assert in_fast is not None
+            fast_lookups = float(counts[in_fast].sum().item())
+            self._last["fast_lookups"] = fast_lookups
+            if not self.caching:
+                self._last["hits"] = fast_lookups
+            rows = self._read(in_fast, idx, state=False)
+            out = F.embedding_bag(inverse, rows, offsets, mode=mode,
+                                  per_sample_weights=psw, include_last_offset=True)
+        self._lookups_seen += n
+        self._hits_seen += int(self._last["hits"])
+        return out, uniq, inverse
+
+    @torch.no_grad()
+    def _backward_update(
+        self,
+        grad_out: torch.Tensor,
+        uniq: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        psw: Optional[torch.Tensor],
+    ) -> None:
+        lengths = offsets[1:] - offsets[:-1]
+        bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad_out.device), lengths)
+        g = grad_out.index_select(0, bags)
+        if psw is not None:
+            g = g * psw.unsqueeze(1)
+        elif self.pooling == "mean":
+            g = g / lengths.clamp(min=1).to(g.dtype).index_select(0, bags).unsqueeze(1)
+        grad_u = torch.zeros((uniq.numel(), self.embedding_dim), dtype=g.dtype, device=g.device)
+        grad_u.index_add_(0, inverse, g)
+        self.step += 1
+        # re-resolve: a later forward may have moved rows since this batch's lookup
+        in_fast, idx = self._locate(uniq)
+        w = self._read(in_fast, idx, state=False)
+        s = self._read(in_fast, idx, state=True)
+        self.optimizer.update(w, s, grad_u, self.step)
+        self._write(in_fast, idx, w, state=False)
+        self._write(in_fast, idx, s, state=True)
+        if self.caching and in_fast is not None:
+            assert self.slot_score is not None
+            slots = idx[in_fast]
+            self.slot_score.index_copy_(0, slots, self.slot_score.index_select(0, slots) | 1)
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        per_sample_weights: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Pooled lookup of local ids.
+
+        Args:
+            ids (torch.Tensor): 1-D local row ids in ``[0, num_rows)``.
+            offsets (torch.Tensor): ``B + 1`` bag offsets (``include_last_offset``).
+            per_sample_weights (torch.Tensor | None): weights of the ids (sum pooling).
+
+        Returns:
+            torch.Tensor: ``[B, embedding_dim]`` pooled embeddings. Its backward
+            applies the fused optimizer to the rows in place.
+        """
+        anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())
+        return _TieredLookup.apply(anchor, self, ids, offsets, per_sample_weights)
+
+    # ----------------------------------------------------------------- stats
+    def tier_stats(self) -> Dict[str, float]:
+        """Statistics of the last lookup (and cumulative hit rate).
+
+        Returns:
+            Dict[str, float]: ``hit_rate`` (ids whose row was in the fast tier
+            before the step's cache loads), ``fast_fraction`` (ids served from the
+            fast tier), ``cumulative_hit_rate``, ``lookups``, ``unique_rows``,
+            ``rows_loaded`` / ``rows_written_back`` / ``rows_evicted`` between the
+            tiers, ``bytes_moved`` (``(loaded + written back) * row_bytes``, values
+            plus optimizer state) and ``flushed_rows``.
+        """
+        last = dict(self._last)
+        lookups = max(last["lookups"], 1.0)
+        moved = last["rows_loaded"] + last["rows_written_back"]
+        return {
+            "hit_rate": last["hits"] / lookups,
+            "fast_fraction": last["fast_lookups"] / lookups,
+            "cumulative_hit_rate": self._hits_seen / max(self._lookups_seen, 1),
+            "lookups": last["lookups"],
+            "unique_rows": last["unique_rows"],
+            "rows_loaded": last["rows_loaded"],
+            "rows_evicted": last["rows_evicted"],
+            "rows_written_back": last["rows_written_back"],
+            "bytes_loaded": last["rows_loaded"] * self.row_bytes,
+            "bytes_written_back": last["rows_written_back"] * self.row_bytes,
+            "bytes_moved": moved * self.row_bytes,
+            "flushed_rows": float(self._flushed_rows),
+        }
+
+    # ------------------------------------------------------------ checkpoint
+    def metadata(self) -> Dict[str, Any]:
+        """Routing and placement of this shard, as recorded in exports.
+
+        Returns:
+            Dict[str, Any]: plain Python values (JSON-serializable).
+        """
+        return {
+            "version": CHECKPOINT_VERSION,
+            "table": self.table_name,
+            "num_embeddings": self.num_embeddings,
+            "embedding_dim": self.embedding_dim,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "optimizer": self.optimizer.name,
+            "dist_type": self.dist_type,
+            "routing_seed": self.routing_seed,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "num_rows": self.num_rows,
+            "placement": {
+                "mode": self.mode.name,
+                "cache_load_factor": self.cache_load_factor,
+                "cache_policy": self.cache_policy.value,
+                "split_seed": self.split_seed,
+            },
+        }
+
+    @torch.no_grad()
+    def export_state(self) -> TieredShardState:
+        """Flushes the cache and exports (global id, value, optimizer state) of every row.
+
+        Returns:
+            TieredShardState: rows in local-id order, on CPU.
+        """
+        self.flush()
+        rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
+        in_fast, idx = self._locate(rows)
+        return TieredShardState(
+            global_ids=self.global_ids(),
+            weights=self._read(in_fast, idx, state=False).cpu(),
+            optimizer_state=self._read(in_fast, idx, state=True).cpu(),
+            step=self.step,
+            metadata=self.metadata(),
+        )
+
+    def _ckpt_error(self, what: str, solutions: Sequence[str]) -> TieredCheckpointError:
+        lines = [f"cannot load table {self.table_name!r} into shard rank {self.rank}/{self.world_size} "
+                 f"({self.mode.name} {self.cache_load_factor}, {self.dist_type}): {what}. Possible solutions:"]
+        lines += [f"  {i}. {s}" for i, s in enumerate(solutions, 1)]
+        return TieredCheckpointError("\n".join(lines))
+
+    def _validate_state(self, st: TieredShardState) -> None:
+        md = st.metadata
+        required = ("version", "num_embeddings", "embedding_dim", "dtype", "optimizer", "dist_type",
+                    "routing_seed", "world_size", "rank", "num_rows", "placement")
+        missing = [k for k in required if k not in md]
+        if missing:
+            raise self._ckpt_error(f"export metadata lacks {missing}",
+                                   ["export with TieredEmbeddingShard.export_state() / state_dict()"])
+        mine = self.metadata()
+        for key in ("num_embeddings", "embedding_dim", "dtype", "optimizer"):
+            if md[key] != mine[key]:
+                raise self._ckpt_error(
+                    f"export has {key}={md[key]!r} but this shard has {key}={mine[key]!r}",
+                    [f"build the shard with {key}={md[key]!r}", "load the export of the matching table"])
+        n = int(st.global_ids.numel())
+        rows = shard_num_rows(md["num_embeddings"], md["world_size"], md["rank"], md["dist_type"])
+        if n != rows or md["num_rows"] != rows or st.weights.shape[0] != n or st.optimizer_state.shape[0] != n:
+            raise self._ckpt_error(
+                f"export of rank {md['rank']}/{md['world_size']} ({md['dist_type']}) holds {n} rows, "
+                f"its metadata implies {rows}",
+                ["the export is truncated or its metadata was edited: re-export the shard"])
+        expect = global_row_ids(torch.arange(n, dtype=torch.int64), md["num_embeddings"], md["world_size"],
+                                md["rank"], md["dist_type"], md["routing_seed"])
+        if not torch.equal(expect, st.global_ids.to(torch.int64).cpu()):
+            raise self._ckpt_error(
+                f"export global ids disagree with its metadata (dist_type={md['dist_type']!r}, "
+                f"routing_seed={md['routing_seed']}, world_size={md['world_size']}, rank={md['rank']})",
+                ["the metadata does not describe how these rows were routed: re-export the shard",
+                 "do not mix exports written with different routing seeds or world sizes"])
+        cols = self.fast_state.shape[1]
+        if tuple(st.weights.shape[1:]) != (self.embedding_dim,) or tuple(st.optimizer_state.shape[1:]) != (cols,):
+            raise self._ckpt_error(
+                f"export has value/state widths {list(st.weights.shape[1:])}/{list(st.optimizer_state.shape[1:])}, "
+                f"expected [{self.embedding_dim}]/[{cols}]", ["load the export of the matching table"])
+
+    @torch.no_grad()
+    def load_states(self, states: Sequence[TieredShardState]) -> None:
+        """Loads this shard's rows from exports of any routing, world size and placement.
+
+        Every export is validated against its metadata; the rows this shard owns
+        under its own routing are picked by global id. Rows this shard owns that are
+        absent (or present twice) raise :class:`TieredCheckpointError`, never a
+        silent drop. The cache is emptied and every row written to its tier.
+
+        Args:
+            states (Sequence[TieredShardState]): exports, e.g. of every rank of the
+                saving job.
+        """
+        if len(states) == 0:
+            raise self._ckpt_error("no export given", ["pass the exports of every saving rank"])
+        for st in states:
+            self._validate_state(st)
+        steps = {int(st.step) for st in states}
+        if len(steps) != 1:
+            raise self._ckpt_error(f"exports disagree on the optimizer step {sorted(steps)}",
+                                   ["load exports written at the same training step"])
+        gids = torch.cat([st.global_ids.to(torch.int64).cpu() for st in states])
+        weights = torch.cat([st.weights.cpu() for st in states])
+        opt = torch.cat([st.optimizer_state.cpu() for st in states])
+        R = self.num_rows
+        if gids.numel():
+            owner, local = route_ids(gids, self.num_embeddings, self.world_size, self.dist_type, self.routing_seed)
+            sel = (owner == self.rank).nonzero().squeeze(1)
+        else:
+            local = gids
+            sel = gids
+        mine = local.index_select(0, sel)
+        count = torch.bincount(mine, minlength=R) if R else torch.zeros(0, dtype=torch.int64)
+        if bool((count > 1).any()):
+            dup = self.global_ids().index_select(0, (count > 1).nonzero().squeeze(1)[:5])
+            raise self._ckpt_error(f"{int((count > 1).sum())} rows appear more than once (global ids {dup.tolist()})",
+                                   ["pass each saving rank's export exactly once"])
+        if bool((count == 0).any()):
+            gone = self.global_ids().index_select(0, (count == 0).nonzero().squeeze(1)[:5])
+            src = sorted({(st.metadata["rank"], st.metadata["world_size"]) for st in states})
+            raise self._ckpt_error(
+                f"{int((count == 0).sum())} of its {R} rows are missing from the exports "
+                f"(e.g. global ids {gone.tolist()}; got exports of (rank, world_size) {src})",
+                ["pass the exports of ALL ranks of the saving job (rows are resharded by global id)",
+                 "check that the saving job used the same num_embeddings"])
+        order = torch.empty(R, dtype=torch.int64)
+        order[mine] = sel
+        self._load_local_rows(weights.index_select(0, order).to(self.device, self.dtype),
+                              opt.index_select(0, order).to(self.device), reset_cache=True)
+        self.step = steps.pop()
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        st = self.export_state()
+        destination[prefix + "global_ids"] = st.global_ids
+        destination[prefix + "weights"] = st.weights
+        destination[prefix + "optimizer_state"] = st.optimizer_state
+        destination[prefix + "step"] = torch.tensor(st.step, dtype=torch.int64)
+        destination[prefix + "_extra_state"] = st.metadata
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Dict[str, Any],
+        prefix: str,
+        local_metadata: Dict[str, Any],
+        strict: bool,
+        missing_keys: List[str],
+        unexpected_keys: List[str],
+        error_msgs: List[str],
+    ) -> None:
+        keys = ("global_ids", "weights", "optimizer_state", "step", "_extra_state")
+        absent = [prefix + k for k in keys if prefix + k not in state_dict]
+        if absent:
+            missing_keys.extend(absent)
+            return
+        st = TieredShardState(
+            global_ids=state_dict[prefix + "global_ids"],
+            weights=state_dict[prefix + "weights"],
+            optimizer_state=state_dict[prefix + "optimizer_state"],
+            step=int(state_dict[prefix + "step"]),
+            metadata=dict(state_dict[prefix + "_extra_state"]),
+        )
+        self.load_states([st])
+
+    def extra_repr(self) -> str:
+        return (f"table={self.table_name!r}, rows={self.num_rows}/{self.num_embeddings}, dim={self.embedding_dim}, "
+                f"mode={self.mode.name}, x={self.cache_load_factor}, optimizer={self.optimizer.name}, "
+                f"rank={self.rank}/{self.world_size}, dist_type={self.dist_type}")

@@ -1,0 +1,213 @@
+"""TieredEmbeddingBagCollectionSharder on 2 gloo CPU ranks under DistributedModelParallel.
+
+Table t0 is a recpipe tiered table (ROW_WISE, CUSTOMIZED_KERNEL, hash_roundrobin,
+HYBRID 0.3, looked up by two features); t1 a plain torchrec table (ROW_WISE FUSED,
+continuous routing through recpipe's op), both on CPU where torchrec's own sharder
+offers no ROW_WISE. Reference: the same EBC sharded TABLE_WISE with torchrec's own
+sharder and FUSED kernels, same initial weights and fused row-wise Adagrad; the
+pooled outputs must agree step by step (they depend on every earlier update).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import torch
+
+from gloo_harness import run_gloo
+
+B, STEPS, LR = 4, 4, 0.05
+TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 50, 4, ["f2"])]
+FEATURES = ["f0", "f1", "f2"]
+
+
+def _ebc() -> Any:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    torch.manual_seed(0)
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f)
+                for n, r, d, f in TABLES],
+        device=torch.device("cpu"),
+    )
+
+
+def _kjt(step: int, rank: int) -> Any:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    sizes = {"f0": 97, "f1": 97, "f2": 50}
+    lengths = torch.randint(0, 5, (len(FEATURES) * B,), generator=gen)
+    values = torch.cat([
+        torch.randint(0, sizes[f], (int(lengths[i * B:(i + 1) * B].sum()),), generator=gen)
+        for i, f in enumerate(FEATURES)
+    ])
+    return KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths), torch.randn(B, 20, generator=gen)
+
+
+def _copy_state_dict(local: Dict[str, Any], global_weights: Dict[str, torch.Tensor]) -> None:
+    """Copies global tables into this rank's ShardedTensor shards (views of the FUSED weights)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    for name, t in local.items():
+        if name == "embedding_bags.t0.weight" and not isinstance(t, ShardedTensor):
+            assert t.numel() == 0  # tiered table: torchrec-style empty placeholder
+            continue
+        assert isinstance(t, ShardedTensor), name
+        for shard in t.local_shards():
+            r0, c0 = shard.metadata.shard_offsets
+            rows, cols = shard.tensor.shape
+            with torch.no_grad():
+                shard.tensor.copy_(global_weights[name][r0:r0 + rows, c0:c0 + cols])
+
+
+def _body(rank: int, world: int) -> Dict[str, List[Any]]:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+
+    global_weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone()
+                      for n, *_ in TABLES}
+    device = torch.device("cpu")
+    results: Dict[str, List[Any]] = {"tiered": [], "ref": [], "stats": []}
+    for kind in ("tiered", "ref"):
+        ebc = _ebc()
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
+        if kind == "tiered":
+            sharder = TieredEmbeddingBagCollectionSharder()
+            plan = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,  # type: ignore[arg-type]
+                                                  local_size=world, world_size=world, device_type="cpu")
+            plan["t0"] = PlacementParameterSharding(
+                sharding_type=ShardingType.ROW_WISE.value,
+                compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+                ranks=list(range(world)),
+                sharding_spec=row_wise_sharding_spec(97, 8, world, world, "cpu"),
+                mode="HYBRID", cache_load_factor=0.3, dist_type="hash_roundrobin", seed=3,
+            )
+        else:
+            sharder = EmbeddingBagCollectionSharder()
+            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
+                                                  sharder=sharder, local_size=world, world_size=world,
+                                                  device_type="cpu")
+        model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                         device=device)
+        _copy_state_dict(model.module.state_dict(), global_weights)
+        if kind == "tiered":
+            tiered = model.module.tiered_tables()
+            assert set(tiered) == {"t0"}
+            tiered["t0"].load_global_weights(global_weights["embedding_bags.t0.weight"])
+            assert tiered["t0"].dist_type == "hash_roundrobin" and tiered["t0"].fast_rows == int(0.3 * 49)
+        for step in range(STEPS):
+            kjt, grad = _kjt(step, rank)
+            out = model(kjt).values()
+            results[kind].append(out.detach().numpy().copy())
+            out.backward(grad)
+        if kind == "tiered":
+            results["stats"].append(model.module.tiered_tables()["t0"].tier_stats())
+    return results
+
+
+def test_dmp_row_wise_tiered_equals_torchrec_table_wise_fused() -> None:
+    results = run_gloo(2, _body)
+    for rank, res in enumerate(results):
+        for step in range(STEPS):
+            torch.testing.assert_close(
+                torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
+                atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}",
+            )
+        assert res["stats"][0]["lookups"] > 0
+
+
+class _Model(torch.nn.Module):
+    """EBC + a linear head; returns (loss, output) as torchrec pipelines expect (output
+    = (loss, prediction): ``TrainPipelineSparseDist.progress`` returns the output only)."""
+
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+        torch.manual_seed(1)
+        self.head = torch.nn.Linear(20, 1)
+
+    def forward(self, batch: Any) -> Any:
+        pred = self.head(self.ebc(batch.sparse_features).values()).squeeze(1)
+        loss = ((pred - batch.labels) ** 2).sum()
+        return loss, (loss.detach(), pred.detach())
+
+
+def _pipeline_body(rank: int, world: int) -> Dict[str, List[float]]:
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+
+    batches = []
+    for step in range(STEPS + 1):
+        kjt, _ = _kjt(step, rank)
+        labels = torch.randn(B, generator=torch.Generator().manual_seed(7 * step + rank))
+        batches.append(Batch(dense_features=torch.zeros(B, 1), sparse_features=kjt, labels=labels))
+    out: Dict[str, List[float]] = {}
+    for kind in ("plain", "pipelined"):
+        ebc = _ebc()
+        apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": LR})
+        sharder = TieredEmbeddingBagCollectionSharder()
+        plan = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,  # type: ignore[arg-type]
+                                              local_size=world, world_size=world, device_type="cpu")
+        for name, rows, dim, _ in TABLES:  # both tiered: CACHING LRU on t0, HYBRID on t1
+            plan[name] = PlacementParameterSharding(
+                sharding_type=ShardingType.ROW_WISE.value,
+                compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+                ranks=list(range(world)),
+                sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
+                mode="CACHING" if name == "t0" else "HYBRID", cache_load_factor=0.2 if name == "t0" else 0.5,
+                dist_type="hash_roundrobin", seed=11,
+            )
+        model = DistributedModelParallel(_Model(ebc), plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                         device=torch.device("cpu"))
+        tiered = model.module.ebc.tiered_tables()
+        for name, *_ in TABLES:
+            tiered[name].load_global_weights(_ebc().embedding_bags[name].weight.detach())
+        dense = [p for n, p in model.named_parameters() if "head" in n]
+        opt = torch.optim.SGD(dense, lr=0.01)
+        losses: List[float] = []
+        if kind == "plain":
+            for b in batches:
+                opt.zero_grad()
+                loss, _ = model(b)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+        else:
+            pipeline = TrainPipelineSparseDist(model, opt, torch.device("cpu"), execute_all_batches=True)
+            it = iter(batches)
+            while True:
+                try:
+                    loss, _ = pipeline.progress(it)  # type: ignore[misc]
+                except StopIteration:
+                    break
+                losses.append(float(loss))
+        out[kind] = losses
+        out[kind + "_adam_step"] = [float(tiered["t0"].step)]
+    return out
+
+
+def test_train_pipeline_sparse_dist_with_tiered_tables_matches_plain_loop() -> None:
+    results = run_gloo(2, _pipeline_body)
+    for rank, res in enumerate(results):
+        assert len(res["plain"]) == len(res["pipelined"]) == STEPS + 1
+        torch.testing.assert_close(torch.tensor(res["pipelined"]), torch.tensor(res["plain"]),
+                                   atol=1e-5, rtol=1e-5, msg=f"rank {rank}")
+        assert res["pipelined_adam_step"] == [float(STEPS + 1)]
