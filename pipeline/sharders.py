@@ -379,6 +379,15 @@ class TieredShardedEmbeddingBagCollection(RecpipeShardedEmbeddingBagCollection):
         return out
 
 
+    def tier_stats(self) -> Dict[str, Dict[str, float]]:
+        """Per-table statistics of this rank's tiered shards (last step).
+
+        Returns:
+            Dict[str, Dict[str, float]]: table name -> ``TieredEmbeddingShard.tier_stats()``
+            (recipes log them as ``tier/<table>/<stat>``).
+        """
+        return {name: shard.tier_stats() for name, shard in self.tiered_tables().items()}
+
     def tiered_state(self) -> Dict[str, TieredShardState]:
         """Exports every tiered table of this rank (global ids, values, optimizer state).
 

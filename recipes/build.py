@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,8 +41,9 @@ class ShardedModel:
     """torchrec plan used to shard it."""
     plan_text: str
     """Human-readable placement table (logged to TensorBoard as text)."""
-    table_ranks: dict[str, int]
-    """Owner rank of each table."""
+    table_ranks: dict[str, Any]
+    """Where each table lives: its owner rank (table_wise) or its planned placement
+    (mode, cache load factor, routing); checkpoints check it on resume."""
 
 
 def greedy_table_wise(tables: list[tuple[str, int]], world_size: int) -> dict[str, int]:
@@ -68,14 +70,15 @@ def shard_model(
 ) -> ShardedModel:
     """Shards ``model``'s EBC over ``env`` and wraps the dense part in DDP.
 
-    THE PLACEMENT SWITCH: to move to recpipe's planner and sharders, replace the
-    ``per_param`` / ``construct_module_sharding_plan`` block below with
-    ``PlacementPlanner(topology).plan(ebc)`` -> ``.to_sharding_plan()`` (its
-    ``.report()`` becomes ``plan_text``) and pass ``recpipe.pipeline.sharders``'
-    sharders instead of ``EmbeddingBagCollectionSharder()``. Nothing else changes.
+    ``config.placement == "planned"`` (default): :class:`recpipe.planner.PlacementPlanner`
+    chooses HYBRID / CACHING and a cache load factor per table under the fast-tier
+    (``fast_tier_mb`` per device) and slow-tier (``slow_tier_mb`` per machine)
+    budgets; the plan shards every table ROW_WISE with hash routing into tiered
+    storage (:class:`recpipe.pipeline.sharders.TieredEmbeddingBagCollectionSharder`).
+    ``"table_wise"``: torchrec's own sharder places whole tables greedily.
 
     Args:
-        config: the run's config (the fused embedding optimizer's learning rate).
+        config: the run's config (placement, budgets, embedding learning rate).
         model: unsharded ``DLRMTrain`` with meta tables.
         env: sharding environment (world size, rank, process group).
         device: compute device.
@@ -86,6 +89,8 @@ def shard_model(
     ebc = model.get_submodule(EBC_PATH)
     # The tables' optimizer runs inside their backward (fused); DMP moves it into the shards.
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.embedding_lr})
+    if config.placement == "planned":
+        return _shard_planned(config, model, env, device)
     sizes = [
         (t.name, t.num_embeddings * t.embedding_dim * BYTES_PER_FLOAT32)
         for t in ebc.embedding_bag_configs()
@@ -111,7 +116,59 @@ def shard_model(
             f"{t.name:<14} {t.num_embeddings:>10} {t.embedding_dim:>5} {mb:>9.1f} "
             f"{'table_wise':>11} {owner[t.name]:>5}"
         )
-    return ShardedModel(model=dmp, plan=plan, plan_text="\n".join(lines), table_ranks=owner)
+    return ShardedModel(model=dmp, plan=plan, plan_text="\n".join(lines), table_ranks=dict(owner))
+
+
+def _shard_planned(
+    config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device
+) -> ShardedModel:
+    """Planner -> ShardingPlan -> DMP with recpipe's tiered row-wise sharder."""
+    from torchrec.distributed.planner.types import Topology
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.planner import PlacementPlanner
+    from recpipe.planner.storage import max_local_rows, row_bytes
+
+    ebc = model.get_submodule(EBC_PATH)
+    world = env.world_size
+    fast = int(config.fast_tier_mb * 2**20)
+    if fast == 0:
+        per_rank = sum(
+            max_local_rows(t.num_embeddings, world) * row_bytes(t.embedding_dim, torch.float32, "rowwise_adagrad")
+            for t in ebc.embedding_bag_configs()
+        )
+        fast = max(1, per_rank // 2)
+    slow_per_rank = int(config.slow_tier_mb * 2**20) // world
+    # The planner models a GPU host: "cuda" topology, HBM = the fast tier. On CPU
+    # the fast tier is a separate host buffer of that size.
+    topology = Topology(
+        world_size=world,
+        compute_device="cuda",
+        local_world_size=world,
+        hbm_cap=fast,
+        ddr_cap=slow_per_rank,
+    )
+    planner = PlacementPlanner(
+        topology,
+        optimizer="rowwise_adagrad",
+        batch_size=config.batch_size,
+        hbm_reservation=0.0,
+        seed=config.seed,
+    )
+    placement = planner.plan(model)
+    plan = placement.to_sharding_plan(compute_device=device.type)
+    dmp = DistributedModelParallel(
+        module=model,
+        env=env,
+        device=device,
+        plan=plan,
+        sharders=[TieredEmbeddingBagCollectionSharder()],
+    )
+    where = {
+        p.table: {"mode": p.mode.name, "cache_load_factor": p.cache_load_factor, "dist_type": "hash_roundrobin"}
+        for p in placement.placements
+    }
+    return ShardedModel(model=dmp, plan=plan, plan_text=placement.report(), table_ranks=where)
 
 
 def make_optimizer(config: TrainConfig, model: DistributedModelParallel) -> CombinedOptimizer:

@@ -118,7 +118,7 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     config: TrainConfig,
-    table_ranks: dict[str, int],
+    table_ranks: dict[str, Any],
 ) -> Path:
     """Saves this rank's state at ``step`` (a collective: every rank must call it).
 
@@ -128,7 +128,8 @@ def save_checkpoint(
         model: the DMP model.
         optimizer: the combined optimizer.
         config: the run's config (its fingerprint is stored).
-        table_ranks: owner rank per table (stored and checked on load).
+        table_ranks: where each table lives (owner rank, or its planned placement);
+            stored and checked on load.
 
     Returns:
         The step directory.
@@ -146,6 +147,11 @@ def save_checkpoint(
         },
         "model": _to_saved(model.state_dict()),
         "optimizer": _to_saved(optimizer.state_dict()),
+        # torchrec's sharded state_dict skips CUSTOMIZED_KERNEL (tiered) tables:
+        # they export (global id, value, optimizer state) themselves.
+        "tiered": {
+            fqn: m.tiered_state() for fqn, m in model.named_modules() if hasattr(m, "tiered_state")
+        },
     }
     tmp = step_dir / f"rank{rank}.pt.tmp"
     torch.save(payload, tmp)
@@ -172,7 +178,7 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     config: TrainConfig,
-    table_ranks: dict[str, int],
+    table_ranks: dict[str, Any],
 ) -> int:
     """Restores this rank's state in place from the newest checkpoint.
 
@@ -181,7 +187,7 @@ def load_checkpoint(
         model: freshly built DMP model (same config, world size and placement).
         optimizer: its combined optimizer, before any step.
         config: the run's config.
-        table_ranks: this run's owner rank per table.
+        table_ranks: this run's placement per table.
 
     Returns:
         The step to continue from.
@@ -218,4 +224,30 @@ def load_checkpoint(
     with torch.no_grad():
         _restore(model.state_dict(), payload["model"], "model")
         _restore(optimizer.state_dict(), payload["optimizer"], "optimizer")
+        _restore_tiered(model, Path(directory) / f"step_{step:08d}", world)
     return int(meta["step"])
+
+
+def _restore_tiered(model: torch.nn.Module, step_dir: Path, world: int) -> None:
+    """Loads tiered tables from the exports of every saving rank (global row ids).
+
+    Each rank reads all ranks' exports and keeps the rows it owns, so no row is
+    lost whatever the routing; the tables validate dist_type, seed, world size and
+    shapes of the exports themselves.
+    """
+    modules = {fqn: m for fqn, m in model.named_modules() if hasattr(m, "load_tiered_state")}
+    if not modules:
+        return
+    exports = [torch.load(step_dir / f"rank{r}.pt", weights_only=False).get("tiered", {}) for r in range(world)]
+    for fqn, module in modules.items():
+        per_table: dict[str, list[Any]] = {}
+        for export in exports:
+            if fqn not in export:
+                raise CheckpointMismatchError(
+                    f"checkpoint {step_dir} has no tiered tables for module {fqn!r}. Possible solutions:\n"
+                    "  1. resume with the placement the checkpoint was saved with (--placement)\n"
+                    "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+                )
+            for table, state in export[fqn].items():
+                per_table.setdefault(table, []).append(state)
+        module.load_tiered_state(per_table)

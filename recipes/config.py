@@ -23,6 +23,7 @@ import yaml
 MODELS: tuple[str, ...] = ("dlrm", "micro_dlrm_dram")
 DATASETS: tuple[str, ...] = ("movielens100k", "synthetic", "criteo_tsv")
 PIPELINES: tuple[str, ...] = ("fused", "sparse")
+PLACEMENTS: tuple[str, ...] = ("planned", "table_wise")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 # Largest id space the synthetic stream and hashing accept: ids stay below 2**31 so
 # the 32-bit hash arithmetic never overflows int64 (see recipes/data/hashing.py).
@@ -112,6 +113,19 @@ class TrainConfig:
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (cuda when available); gloo on CPU, nccl on CUDA."""
 
+    placement: str = "planned"
+    """``planned``: recpipe.planner picks HYBRID / CACHING and a cache load factor per
+    table, tables are sharded row-wise with hash routing into tiered storage
+    (recpipe's sharders); ``table_wise``: torchrec's own sharder, whole tables
+    placed greedily (for comparison)."""
+
+    fast_tier_mb: float = 0.0
+    """Fast-tier budget per device in MiB (HBM on CUDA, a host buffer on CPU) given
+    to the planner; 0 = half the tables' per-rank bytes, so placements are tiered."""
+
+    slow_tier_mb: float = 16384.0
+    """Slow-tier (host DDR) budget per machine in MiB given to the planner."""
+
     num_threads: int = 1
     """``torch.set_num_threads`` per rank (keep ranks x threads <= cores)."""
 
@@ -150,6 +164,7 @@ class TrainConfig:
             ("dataset", DATASETS),
             ("pipeline", PIPELINES),
             ("device", DEVICES),
+            ("placement", PLACEMENTS),
         ):
             if getattr(self, name) not in choices:
                 raise bad(name, "unknown choice", f"use one of {', '.join(choices)}")
@@ -168,6 +183,10 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise bad(name, "must be a positive integer", f"pass e.g. --{_flag(name)} 1")
+        for name in ("fast_tier_mb", "slow_tier_mb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise bad(name, "must be a number of MiB >= 0", f"pass e.g. --{_flag(name)} 512")
         for name in ("eval_every", "checkpoint_every", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -64,10 +64,21 @@ def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> Tier
 
 
 def collect_tier_stats(model: nn.Module) -> TierStats:
-    """Stats of every :class:`TierStatsProvider` module in ``model`` on this rank."""
-    return merge_tier_stats(
-        m.tier_stats() for m in model.modules() if isinstance(m, TierStatsProvider)
-    )
+    """Stats of the outermost :class:`TierStatsProvider` modules in ``model`` on this rank.
+
+    A provider nested inside another provider (e.g. a per-table kernel inside the
+    sharded collection that already reports it) is skipped, so nothing is counted twice.
+    """
+    providers: list[tuple[str, TierStatsProvider]] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, TierStatsProvider):
+            continue
+        if any(name.startswith(outer + ".") for outer, _ in providers if outer):
+            continue
+        providers.append((name, m))
+        if name == "":
+            break  # the model itself reports everything
+    return merge_tier_stats(m.tier_stats() for _, m in providers)
 
 
 def gather_tier_stats(model: nn.Module) -> TierStats:

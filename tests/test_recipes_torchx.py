@@ -51,6 +51,16 @@ def test_torchx_run_writes_tensorboard_and_loss_falls(synthetic_run) -> None:
         values = [e.value for e in acc.Scalars(tag)]
         assert values and all(math.isfinite(v) for v in values), tag
     assert [e.step for e in acc.Scalars("eval/auroc")] == [20, 40]
+    # planned placements put the tables in tiered storage: per-table cache hit
+    # rate and tier traffic are logged
+    tier = {t for t in acc.Tags()["scalars"] if t.startswith("tier/")}
+    tables = {t.split("/")[1] for t in tier}
+    assert tables, acc.Tags()["scalars"]
+    for table in tables:
+        for stat in ("hit_rate", "bytes_moved", "rows_loaded"):
+            values = [e.value for e in acc.Scalars(f"tier/{table}/{stat}")]
+            assert values and all(math.isfinite(v) for v in values), (table, stat)
+        assert all(0.0 <= e.value <= 1.0 for e in acc.Scalars(f"tier/{table}/hit_rate"))
     losses = [e.value for e in acc.Scalars("train/loss")]
     assert len(losses) == 8
     # the hidden logistic model is learnable: loss falls clearly over 40 steps
