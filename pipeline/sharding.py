@@ -263,60 +263,53 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
         return self._dist(bucketized)
 
 
-class RecpipeRwPooledEmbeddingSharding(RwPooledEmbeddingSharding):
+class _RoutedInputDistMixin:
+    """Gives a torchrec row-wise sharding recpipe's routed input distribution.
+
+    Mixed into subclasses of ``BaseRwEmbeddingSharding`` (pooled and sequence);
+    ``routing`` is the :class:`RoutingOverrides` chosen at the sharder.
+    """
+
+    _IS_SEQUENCE: ClassVar[bool] = False
+
+    def __init__(self, *args: Any, routing: Optional[RoutingOverrides] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._routing = routing
+
+    def create_input_dist(self, device: Optional[torch.device] = None) -> RecpipeRwSparseFeaturesDist:
+        base: Any = self
+        dist_types, sizes, seed = feature_routing(
+            base._grouped_embedding_configs, base._world_size, self._routing
+        )
+        return RecpipeRwSparseFeaturesDist(
+            pg=base._pg,
+            num_features=base._get_num_features(),
+            feature_hash_sizes=sizes,
+            dist_types=dist_types,
+            seed=seed,
+            device=device if device is not None else base._device,
+            is_sequence=self._IS_SEQUENCE,
+            has_feature_processor=base._has_feature_processor,
+            need_pos=False if self._IS_SEQUENCE else base._need_pos,
+        )
+
+
+class RecpipeRwPooledEmbeddingSharding(_RoutedInputDistMixin, RwPooledEmbeddingSharding):
     """torchrec's pooled row-wise sharding with recpipe's input routing.
 
     Args: as ``RwPooledEmbeddingSharding``, plus ``routing``
         (:class:`RoutingOverrides` chosen at the sharder).
     """
 
-    def __init__(self, *args: Any, routing: Optional[RoutingOverrides] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._routing = routing
 
-    def create_input_dist(self, device: Optional[torch.device] = None) -> RecpipeRwSparseFeaturesDist:
-        dist_types, sizes, seed = feature_routing(
-            self._grouped_embedding_configs, self._world_size, self._routing
-        )
-        return RecpipeRwSparseFeaturesDist(
-            pg=self._pg,  # type: ignore[arg-type]
-            num_features=self._get_num_features(),
-            feature_hash_sizes=sizes,
-            dist_types=dist_types,
-            seed=seed,
-            device=device if device is not None else self._device,
-            is_sequence=False,
-            has_feature_processor=self._has_feature_processor,
-            need_pos=self._need_pos,
-        )
-
-
-class RecpipeRwSequenceEmbeddingSharding(RwSequenceEmbeddingSharding):
+class RecpipeRwSequenceEmbeddingSharding(_RoutedInputDistMixin, RwSequenceEmbeddingSharding):
     """torchrec's sequence row-wise sharding with recpipe's input routing.
 
     Args: as ``RwSequenceEmbeddingSharding``, plus ``routing``
         (:class:`RoutingOverrides` chosen at the sharder).
     """
 
-    def __init__(self, *args: Any, routing: Optional[RoutingOverrides] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._routing = routing
-
-    def create_input_dist(self, device: Optional[torch.device] = None) -> RecpipeRwSparseFeaturesDist:
-        dist_types, sizes, seed = feature_routing(
-            self._grouped_embedding_configs, self._world_size, self._routing
-        )
-        return RecpipeRwSparseFeaturesDist(
-            pg=self._pg,  # type: ignore[arg-type]
-            num_features=self._get_num_features(),
-            feature_hash_sizes=sizes,
-            dist_types=dist_types,
-            seed=seed,
-            device=device if device is not None else self._device,
-            is_sequence=True,
-            has_feature_processor=self._has_feature_processor,
-            need_pos=False,
-        )
+    _IS_SEQUENCE: ClassVar[bool] = True
 
 
 class RecpipeShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
