@@ -5,14 +5,22 @@ on CPU and CUDA, input dist through ``torch.ops.recpipe.block_bucketize_sparse_f
 with a per-table dist_type), extending torchrec's public extension points further:
 
 * :class:`TieredEmbeddingBagCollectionSharder` (a ``RecpipeEmbeddingBagCollectionSharder``)
-  also offers the ``CUSTOMIZED_KERNEL`` compute kernel for ROW_WISE tables.
+  and :class:`TieredEmbeddingCollectionSharder` (a ``RecpipeEmbeddingCollectionSharder``)
+  also offer the ``CUSTOMIZED_KERNEL`` compute kernel for ROW_WISE tables.
 * :class:`TieredShardedEmbeddingBagCollection` overrides the
-  ``create_embedding_bag_sharding`` classmethod for ROW_WISE.
-* :class:`TieredRwPooledEmbeddingSharding` resolves each tiered table's routing
-  (default ``hash_roundrobin``; plain torchrec tables keep ``continuous``) and
-  builds a lookup whose CUSTOMIZED_KERNEL groups run :class:`TieredBatchedEmbeddingBag`
-  (one :class:`~recpipe.pipeline.tiered.TieredEmbeddingShard` per table); other
-  groups keep torchrec's kernels.
+  ``create_embedding_bag_sharding`` classmethod for ROW_WISE;
+  :class:`TieredShardedEmbeddingCollection` overrides ``create_embedding_sharding``.
+* :class:`TieredRwPooledEmbeddingSharding` / :class:`TieredRwSequenceEmbeddingSharding`
+  resolve each tiered table's routing (default ``hash_roundrobin``; plain torchrec
+  tables keep ``continuous``) and build a lookup whose CUSTOMIZED_KERNEL groups run
+  :class:`TieredBatchedEmbeddingBag` (pooled) or :class:`TieredBatchedEmbedding`
+  (sequence), one :class:`~recpipe.pipeline.tiered.TieredEmbeddingShard` per table;
+  other groups keep torchrec's kernels.
+
+The sequence kernel reuses the pooled shard with one id per bag (offsets
+``0, 1, ..., n``, sum pooling): each output row is the stored row itself (a sum of
+one term is exact) and the backward gives each id the gradient of its own output
+row, summed per unique row before the fused update, as fbgemm's sequence TBE does.
 
 Placement reaches the kernel through the table's fused params, written by
 ``recpipe.planner.sharding.PlacementParameterSharding.get_additional_fused_params``
@@ -21,12 +29,16 @@ Placement reaches the kernel through the table's fused params, written by
 (``optimizer`` as an ``EmbOptimType``, ``learning_rate``, ``eps``, ``beta1``,
 ``beta2``, ``weight_decay``), e.g. set by ``apply_optimizer_in_backward``.
 
-Limits: pooled EmbeddingBagCollection only (no tiered ``EmbeddingCollection``
-yet), no variable batch (VBE); torchrec's sharded ``state_dict`` skips
-CUSTOMIZED_KERNEL tables (torchrec's rule; an empty ``weight`` placeholder stays,
-as for tables without a local shard): checkpoint them with
-:meth:`TieredShardedEmbeddingBagCollection.tiered_state` /
-:meth:`~TieredShardedEmbeddingBagCollection.load_tiered_state`.
+Limits: ROW_WISE only (the tiered kernel is refused for other sharding types);
+no variable batch (VBE); sequence tables ignore KJT weights (as torchrec's FUSED
+sequence kernel does); EC index dedup (``use_index_dedup``) is untested with them.
+torchrec's sharded ``state_dict`` skips CUSTOMIZED_KERNEL tables (torchrec's rule;
+an empty ``weight`` placeholder stays, as for tables without a local shard):
+checkpoint them with ``tiered_state()`` / ``load_tiered_state()`` of
+:class:`TieredShardedEmbeddingBagCollection` or
+:class:`TieredShardedEmbeddingCollection`. Loading an unsharded EmbeddingCollection
+``state_dict`` (full ``[num_embeddings, dim]`` weights, as torchrec does when it
+shards a module) initializes the EC's tiered tables from it.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding
-from torchrec.distributed.embedding_lookup import GroupedPooledEmbeddingsLookup
+from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
 from torchrec.distributed.embedding_sharding import (
     EmbeddingSharding,
     EmbeddingShardingContext,
@@ -59,24 +71,33 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline.sharding import (
     DIST_TYPE_KEY,
     SEED_KEY,
     RecpipeEmbeddingBagCollectionSharder,
+    RecpipeEmbeddingCollectionSharder,
     RecpipeRwPooledEmbeddingSharding,
+    RecpipeRwSequenceEmbeddingSharding,
     RecpipeShardedEmbeddingBagCollection,
+    RecpipeShardedEmbeddingCollection,
     RoutingOverrides,
 )
 from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig, TieredShardState
 
 __all__ = [
+    "TieredBatchedEmbedding",
     "TieredBatchedEmbeddingBag",
     "TieredEmbeddingBagCollectionSharder",
+    "TieredEmbeddingCollectionSharder",
     "TieredRwPooledEmbeddingSharding",
+    "TieredRwSequenceEmbeddingSharding",
     "TieredShardedEmbeddingBagCollection",
+    "TieredShardedEmbeddingCollection",
     "tiered_optimizer_from_fused_params",
 ]
 
@@ -130,8 +151,11 @@ def _table_dist_type(table: ShardedEmbeddingTable) -> str:
     return str((table.fused_params or {}).get(DIST_TYPE_KEY, "hash_roundrobin"))
 
 
-class TieredBatchedEmbeddingBag(BaseEmbedding):
-    """CUSTOMIZED_KERNEL group: one :class:`TieredEmbeddingShard` per table.
+class _TieredKernelBase(BaseEmbedding):
+    """A CUSTOMIZED_KERNEL group: one :class:`TieredEmbeddingShard` per table.
+
+    Shared by the pooled (:class:`TieredBatchedEmbeddingBag`) and the sequence
+    (:class:`TieredBatchedEmbedding`) kernels, which differ only in ``forward``.
 
     Args:
         config (GroupedEmbeddingConfig): the group's tables (all CUSTOMIZED_KERNEL).
@@ -153,15 +177,13 @@ class TieredBatchedEmbeddingBag(BaseEmbedding):
         self._feature_table: List[str] = []
         for table in config.embedding_tables:
             fp = dict(table.fused_params or {})
-            if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
-                raise ValueError(f"table {table.name}: pooling {table.pooling} is not supported; use SUM or MEAN.")
             shard = TieredEmbeddingShard(
                 num_embeddings=table.num_embeddings,
                 embedding_dim=table.local_cols,
                 mode=fp.get(_MODE, "HYBRID"),
                 cache_load_factor=float(fp.get(_LOAD_FACTOR, 1.0)),
                 optimizer=tiered_optimizer_from_fused_params(fp),
-                pooling="sum" if table.pooling == PoolingType.SUM else "mean",
+                pooling=self._shard_pooling(table),
                 cache_policy=fp.get(_POLICY, "lfu"),
                 rank=rank,
                 world_size=world,
@@ -174,29 +196,12 @@ class TieredBatchedEmbeddingBag(BaseEmbedding):
             self.tables[table.name] = shard
             self._feature_table += [table.name] * table.num_features()
 
-    @property
-    def config(self) -> GroupedEmbeddingConfig:
-        """The group's config (torchrec ``BaseEmbedding`` interface)."""
-        return self._config
+    def _shard_pooling(self, table: ShardedEmbeddingTable) -> str:
+        """Pooling of the table's shard (``sum`` or ``mean``)."""
+        raise NotImplementedError
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """Pooled lookups of the group's features, concatenated in feature order.
-
-        Args:
-            features (KeyedJaggedTensor): local ids of this group's features (one key
-                per feature, every rank's bags, ``stride`` bags per key).
-
-        Returns:
-            torch.Tensor: ``[stride, sum of dims]``.
-        """
-        if features.variable_stride_per_key():
-            raise ValueError("tiered tables do not support variable batch size per feature (VBE) yet.")
-        B = features.stride()
-        lengths = features.lengths().view(-1, B)
-        values = features.values()
-        weights = features.weights_or_none()
-        offsets = features.offsets()
-        outs: List[torch.Tensor] = []
+    def _table_runs(self) -> Iterator[Tuple[str, int, int]]:
+        """Yields ``(table, first feature, end feature)`` for each table's run of features."""
         f = 0
         n_features = len(self._feature_table)
         while f < n_features:
@@ -204,15 +209,13 @@ class TieredBatchedEmbeddingBag(BaseEmbedding):
             g = f
             while g < n_features and self._feature_table[g] == name:
                 g += 1
-            lo, hi = int(offsets[f * B]), int(offsets[g * B])
-            ids = values[lo:hi]
-            offs = torch.cat([torch.zeros(1, dtype=torch.int64, device=ids.device),
-                              lengths[f:g].reshape(-1).to(torch.int64).cumsum(0)])
-            psw = weights[lo:hi] if weights is not None else None
-            pooled = self.tables[name](ids, offs, psw)  # [(g - f) * B, D]
-            outs += list(pooled.view(g - f, B, -1).unbind(0))
+            yield name, f, g
             f = g
-        return torch.cat(outs, dim=1)
+
+    @property
+    def config(self) -> GroupedEmbeddingConfig:
+        """The group's config (torchrec ``BaseEmbedding`` interface)."""
+        return self._config
 
     def state_dict(  # type: ignore[override]
         self,
@@ -222,7 +225,7 @@ class TieredBatchedEmbeddingBag(BaseEmbedding):
     ) -> Dict[str, Any]:
         """Adds nothing: torchrec skips CUSTOMIZED_KERNEL tables in its sharded
         ``state_dict`` (it maps every key to a ``<table>.weight``), so tiered tables
-        are checkpointed through ``TieredShardedEmbeddingBagCollection.tiered_state()``.
+        are checkpointed through ``tiered_state()`` of the sharded module.
 
         Returns:
             Dict[str, Any]: ``destination`` unchanged (a new dict when None).
@@ -260,6 +263,126 @@ class TieredBatchedEmbeddingBag(BaseEmbedding):
         return {name: shard.tier_stats() for name, shard in self.tables.items()}
 
 
+class TieredBatchedEmbeddingBag(_TieredKernelBase):
+    """Pooled CUSTOMIZED_KERNEL group: one :class:`TieredEmbeddingShard` per table.
+
+    Args:
+        config (GroupedEmbeddingConfig): the group's tables (all CUSTOMIZED_KERNEL,
+            pooling SUM or MEAN).
+        pg (dist.ProcessGroup | None): the sharding process group (rank, world size).
+        device (torch.device | None): fast-tier device.
+    """
+
+    def _shard_pooling(self, table: ShardedEmbeddingTable) -> str:
+        if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+            raise ValueError(f"table {table.name}: pooling {table.pooling} is not supported; use SUM or MEAN.")
+        return "sum" if table.pooling == PoolingType.SUM else "mean"
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """Pooled lookups of the group's features, concatenated in feature order.
+
+        Args:
+            features (KeyedJaggedTensor): local ids of this group's features (one key
+                per feature, every rank's bags, ``stride`` bags per key).
+
+        Returns:
+            torch.Tensor: ``[stride, sum of dims]``.
+        """
+        if features.variable_stride_per_key():
+            raise ValueError("tiered tables do not support variable batch size per feature (VBE) yet.")
+        B = features.stride()
+        lengths = features.lengths().view(-1, B)
+        values = features.values()
+        weights = features.weights_or_none()
+        offsets = features.offsets()
+        outs: List[torch.Tensor] = []
+        f = 0
+        n_features = len(self._feature_table)
+        while f < n_features:
+            name = self._feature_table[f]
+            g = f
+            while g < n_features and self._feature_table[g] == name:
+                g += 1
+            lo, hi = int(offsets[f * B]), int(offsets[g * B])
+            ids = values[lo:hi]
+            offs = torch.cat([torch.zeros(1, dtype=torch.int64, device=ids.device),
+                              lengths[f:g].reshape(-1).to(torch.int64).cumsum(0)])
+            psw = weights[lo:hi] if weights is not None else None
+            pooled = self.tables[name](ids, offs, psw)  # [(g - f) * B, D]
+            outs += list(pooled.view(g - f, B, -1).unbind(0))
+            f = g
+        return torch.cat(outs, dim=1)
+
+
+class TieredBatchedEmbedding(_TieredKernelBase):
+    """Sequence (unpooled) CUSTOMIZED_KERNEL group: one :class:`TieredEmbeddingShard` per table.
+
+    Each id is a bag of its own (offsets ``0, 1, ..., n``, sum pooling), so the
+    output row of an id is its stored row, bit for bit, and the fused backward
+    sums the gradients of an id's occurrences per unique row. KJT weights are
+    ignored, as by torchrec's FUSED sequence kernel.
+
+    Args:
+        config (GroupedEmbeddingConfig): the group's tables (all CUSTOMIZED_KERNEL,
+            one embedding dim for the whole group, as torchrec's sequence sharding requires).
+        pg (dist.ProcessGroup | None): the sharding process group (rank, world size).
+        device (torch.device | None): fast-tier device.
+
+    Example::
+
+        kernel = TieredBatchedEmbedding(grouped_config, pg=pg)
+        rows = kernel(local_kjt)   # [len(local_kjt.values()), dim]
+    """
+
+    def _shard_pooling(self, table: ShardedEmbeddingTable) -> str:
+        return "sum"  # one id per bag: the sum is the row itself
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        """One embedding row per id of the group's features, in ``values()`` order.
+
+        Args:
+            features (KeyedJaggedTensor): local ids of this group's features.
+
+        Returns:
+            torch.Tensor: ``[len(features.values()), dim]``.
+        """
+        if features.variable_stride_per_key():
+            raise ValueError("tiered tables do not support variable batch size per feature (VBE) yet.")
+        B = features.stride()
+        values = features.values()
+        offsets = features.offsets()
+        outs: List[torch.Tensor] = []
+        for name, f, g in self._table_runs():
+            lo, hi = int(offsets[f * B]), int(offsets[g * B])
+            ids = values[lo:hi]
+            per_id = torch.arange(hi - lo + 1, dtype=torch.int64, device=ids.device)
+            outs.append(self.tables[name](ids, per_id, None))  # [hi - lo, D]
+        if not outs:
+            return values.new_zeros((0, 0), dtype=torch.float32)
+        return torch.cat(outs, dim=0)
+
+
+def _resolve_tiered_routing(sharding_infos: List[EmbeddingShardingInfo], routing: Optional[RoutingOverrides]) -> None:
+    """Writes each tiered table's routing into its fused params (in place).
+
+    The table's own ``recpipe_dist_type`` / ``recpipe_seed``, else the sharder's
+    ``RoutingOverrides``, else ``hash_roundrobin`` with seed 0.
+    """
+    for info in sharding_infos:
+        if info.param_sharding.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value:
+            continue
+        fp = dict(info.fused_params or {})
+        name = info.embedding_config.name
+        if DIST_TYPE_KEY not in fp:
+            if routing is not None and name in routing.table_dist_types:
+                fp[DIST_TYPE_KEY] = routing.table_dist_types[name]
+                fp.setdefault(SEED_KEY, routing.seed)
+            else:
+                fp[DIST_TYPE_KEY] = "hash_roundrobin"
+        fp.setdefault(SEED_KEY, 0)
+        info.fused_params = fp
+
+
 class _TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     """torchrec's grouped lookup; CUSTOMIZED_KERNEL groups get the tiered kernel."""
 
@@ -274,6 +397,21 @@ class _TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         if config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
             return TieredBatchedEmbeddingBag(config=config, pg=pg, device=device)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
+
+
+class _TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
+    """torchrec's grouped sequence lookup; CUSTOMIZED_KERNEL groups get the tiered kernel."""
+
+    def _create_embedding_kernel(  # type: ignore[override]
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: Optional[dist.ProcessGroup],
+        device: Optional[torch.device],
+        env: Optional[ShardingEnv] = None,
+    ) -> BaseEmbedding:
+        if config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
+            return TieredBatchedEmbedding(config=config, pg=pg, device=device)
+        return super()._create_embedding_kernel(config, pg, device, env)
 
 
 class TieredRwPooledEmbeddingSharding(RecpipeRwPooledEmbeddingSharding):
@@ -295,19 +433,7 @@ class TieredRwPooledEmbeddingSharding(RecpipeRwPooledEmbeddingSharding):
         routing: Optional[RoutingOverrides] = None,
         **kwargs: Any,
     ) -> None:
-        for info in sharding_infos:
-            if info.param_sharding.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value:
-                continue
-            fp = dict(info.fused_params or {})
-            name = info.embedding_config.name
-            if DIST_TYPE_KEY not in fp:
-                if routing is not None and name in routing.table_dist_types:
-                    fp[DIST_TYPE_KEY] = routing.table_dist_types[name]
-                    fp.setdefault(SEED_KEY, routing.seed)
-                else:
-                    fp[DIST_TYPE_KEY] = "hash_roundrobin"
-            fp.setdefault(SEED_KEY, 0)
-            info.fused_params = fp
+        _resolve_tiered_routing(sharding_infos, routing)
         super().__init__(sharding_infos, *args, routing=routing, **kwargs)
 
     def create_lookup(
@@ -326,7 +452,91 @@ class TieredRwPooledEmbeddingSharding(RecpipeRwPooledEmbeddingSharding):
         )
 
 
-class TieredShardedEmbeddingBagCollection(RecpipeShardedEmbeddingBagCollection):
+class TieredRwSequenceEmbeddingSharding(RecpipeRwSequenceEmbeddingSharding):
+    """recpipe's routed row-wise sequence sharding whose CUSTOMIZED_KERNEL tables are tiered.
+
+    Routing of tiered tables is resolved as in :class:`TieredRwPooledEmbeddingSharding`.
+
+    Args: as ``RecpipeRwSequenceEmbeddingSharding``.
+    """
+
+    def __init__(
+        self,
+        sharding_infos: List[EmbeddingShardingInfo],
+        *args: Any,
+        routing: Optional[RoutingOverrides] = None,
+        **kwargs: Any,
+    ) -> None:
+        _resolve_tiered_routing(sharding_infos, routing)
+        super().__init__(sharding_infos, *args, routing=routing, **kwargs)
+
+    def create_lookup(
+        self,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
+    ) -> BaseEmbeddingLookup:
+        return _TieredGroupedEmbeddingsLookup(
+            grouped_configs=self._grouped_embedding_configs,
+            pg=self._pg,
+            device=device if device is not None else self._device,
+            env=self._env,
+        )
+
+
+class _TieredTablesMixin:
+    """Access to the tiered shards of a sharded module's lookups (EBC and EC)."""
+
+    _lookups: List[nn.Module]
+
+    def tiered_tables(self) -> Dict[str, TieredEmbeddingShard]:
+        """This rank's tiered shards by table name (for stats, init and checkpoints).
+
+        Returns:
+            Dict[str, TieredEmbeddingShard]: table name -> shard.
+        """
+        out: Dict[str, TieredEmbeddingShard] = {}
+        for lookup in self._lookups:
+            while hasattr(lookup, "module") and not isinstance(lookup, BaseEmbeddingLookup):
+                lookup = lookup.module
+            for module in lookup.modules():
+                if isinstance(module, _TieredKernelBase):
+                    out.update({name: shard for name, shard in module.tables.items()})  # type: ignore[misc]
+        return out
+
+    def tier_stats(self) -> Dict[str, Dict[str, float]]:
+        """Per-table statistics of this rank's tiered shards (last step).
+
+        Returns:
+            Dict[str, Dict[str, float]]: table name -> ``TieredEmbeddingShard.tier_stats()``
+            (recipes log them as ``tier/<table>/<stat>``).
+        """
+        return {name: shard.tier_stats() for name, shard in self.tiered_tables().items()}
+
+    def tiered_state(self) -> Dict[str, TieredShardState]:
+        """Exports every tiered table of this rank (global ids, values, optimizer state).
+
+        Returns:
+            Dict[str, TieredShardState]: table name -> export; gather them over ranks
+            and pass each table's list to :meth:`load_tiered_state` of any world size.
+        """
+        return {name: shard.export_state() for name, shard in self.tiered_tables().items()}
+
+    def load_tiered_state(self, states: Dict[str, Sequence[TieredShardState]]) -> None:
+        """Loads (and reshards) tiered tables from the exports of every saving rank.
+
+        Args:
+            states (Dict[str, Sequence[TieredShardState]]): table name -> exports.
+        """
+        tables = self.tiered_tables()
+        missing = sorted(set(tables) - set(states))
+        if missing:
+            raise ValueError(f"load_tiered_state: no exports for tiered tables {missing}; pass every table.")
+        for name, shard in tables.items():
+            shard.load_states(states[name])
+
+
+class TieredShardedEmbeddingBagCollection(_TieredTablesMixin, RecpipeShardedEmbeddingBagCollection):
     """recpipe's routed ``ShardedEmbeddingBagCollection`` with tiered CUSTOMIZED_KERNEL tables."""
 
     @classmethod
@@ -363,53 +573,6 @@ class TieredShardedEmbeddingBagCollection(RecpipeShardedEmbeddingBagCollection):
                 holder.register_parameter("weight", placeholder)
         super().reset_parameters()
 
-    def tiered_tables(self) -> Dict[str, TieredEmbeddingShard]:
-        """This rank's tiered shards by table name (for stats, init and checkpoints).
-
-        Returns:
-            Dict[str, TieredEmbeddingShard]: table name -> shard.
-        """
-        out: Dict[str, TieredEmbeddingShard] = {}
-        for lookup in self._lookups:
-            while hasattr(lookup, "module") and not isinstance(lookup, GroupedPooledEmbeddingsLookup):
-                lookup = lookup.module
-            for module in lookup.modules():
-                if isinstance(module, TieredBatchedEmbeddingBag):
-                    out.update({name: shard for name, shard in module.tables.items()})  # type: ignore[misc]
-        return out
-
-
-    def tier_stats(self) -> Dict[str, Dict[str, float]]:
-        """Per-table statistics of this rank's tiered shards (last step).
-
-        Returns:
-            Dict[str, Dict[str, float]]: table name -> ``TieredEmbeddingShard.tier_stats()``
-            (recipes log them as ``tier/<table>/<stat>``).
-        """
-        return {name: shard.tier_stats() for name, shard in self.tiered_tables().items()}
-
-    def tiered_state(self) -> Dict[str, TieredShardState]:
-        """Exports every tiered table of this rank (global ids, values, optimizer state).
-
-        Returns:
-            Dict[str, TieredShardState]: table name -> export; gather them over ranks
-            and pass each table's list to :meth:`load_tiered_state` of any world size.
-        """
-        return {name: shard.export_state() for name, shard in self.tiered_tables().items()}
-
-    def load_tiered_state(self, states: Dict[str, Sequence[TieredShardState]]) -> None:
-        """Loads (and reshards) tiered tables from the exports of every saving rank.
-
-        Args:
-            states (Dict[str, Sequence[TieredShardState]]): table name -> exports.
-        """
-        tables = self.tiered_tables()
-        missing = sorted(set(tables) - set(states))
-        if missing:
-            raise ValueError(f"load_tiered_state: no exports for tiered tables {missing}; pass every table.")
-        for name, shard in tables.items():
-            shard.load_states(states[name])
-
 
 class TieredEmbeddingBagCollectionSharder(RecpipeEmbeddingBagCollectionSharder):
     """recpipe's EBC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
@@ -438,13 +601,7 @@ class TieredEmbeddingBagCollectionSharder(RecpipeEmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> TieredShardedEmbeddingBagCollection:
-        for name, ps in params.items():
-            if (ps.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
-                    and ps.sharding_type != ShardingType.ROW_WISE.value):
-                raise ValueError(
-                    f"table {name}: CUSTOMIZED_KERNEL (tiered) needs sharding_type row_wise, got "
-                    f"{ps.sharding_type}; use recpipe.planner.sharding.to_sharding_plan."
-                )
+        _check_tiered_params(params)
         return TieredShardedEmbeddingBagCollection.with_routing(self._routing)(
             module=module,
             table_name_to_parameter_sharding=params,
@@ -459,3 +616,141 @@ class TieredEmbeddingBagCollectionSharder(RecpipeEmbeddingBagCollectionSharder):
     @property
     def sharded_module_type(self) -> type:  # type: ignore[override]
         return TieredShardedEmbeddingBagCollection
+
+
+def _check_tiered_params(params: Dict[str, ParameterSharding]) -> None:
+    for name, ps in params.items():
+        if (ps.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+                and ps.sharding_type != ShardingType.ROW_WISE.value):
+            raise ValueError(
+                f"table {name}: CUSTOMIZED_KERNEL (tiered) needs sharding_type row_wise, got "
+                f"{ps.sharding_type}; use recpipe.planner.sharding.to_sharding_plan."
+            )
+
+
+class TieredShardedEmbeddingCollection(_TieredTablesMixin, RecpipeShardedEmbeddingCollection):
+    """recpipe's routed ``ShardedEmbeddingCollection`` with tiered CUSTOMIZED_KERNEL tables.
+
+    Tiered tables get an empty ``weight`` placeholder (torchrec skips
+    CUSTOMIZED_KERNEL tables in its sharded ``state_dict``); loading a state dict
+    that holds a table's full ``[num_embeddings, dim]`` weight (the unsharded
+    module's, as torchrec does when sharding) sets the tiered rows from it and
+    zeroes their optimizer state. Checkpoint tiered tables with
+    :meth:`tiered_state` / :meth:`load_tiered_state`.
+    """
+
+    @classmethod
+    def create_embedding_sharding(  # type: ignore[override]
+        cls,
+        sharding_type: str,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> EmbeddingSharding:
+        if sharding_type == ShardingType.ROW_WISE.value:
+            return TieredRwSequenceEmbeddingSharding(
+                sharding_infos=sharding_infos,
+                env=env,
+                device=device,
+                qcomm_codecs_registry=qcomm_codecs_registry,
+                routing=cls._routing,
+            )
+        return super().create_embedding_sharding(
+            sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
+        )
+
+    def _tiered_names(self) -> List[str]:
+        return [name for name, ps in self.module_sharding_plan.items()
+                if ps.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
+
+    def reset_parameters(self) -> None:
+        """torchrec's init for its own tables; tiered tables initialize themselves.
+
+        Like torchrec does for tables without a shard on this rank, a tiered table
+        gets an empty ``weight`` placeholder with an ``EmptyFusedOptimizer``.
+        """
+        for name in self._tiered_names():
+            holder = self.embeddings[name]
+            if not hasattr(holder, "weight"):
+                placeholder = nn.Parameter(torch.empty(0))
+                placeholder._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+                holder.register_parameter("weight", placeholder)
+        super().reset_parameters()
+
+    @staticmethod
+    def _pre_load_state_dict_hook(
+        self: "TieredShardedEmbeddingCollection",
+        state_dict: Dict[str, Any],
+        prefix: str,
+        *args: Any,
+    ) -> None:
+        """Sets tiered tables from full weights in ``state_dict``, then runs torchrec's hook.
+
+        A tiered table's ``<prefix>embeddings.<table>.weight`` that is a full
+        ``[num_embeddings, dim]`` tensor is loaded into the tiered shard (rows picked
+        by global id) and replaced by the empty placeholder; an empty tensor (the
+        sharded ``state_dict`` of a tiered table) is left alone.
+        """
+        tiered = self.tiered_tables()
+        for name in self._tiered_names():
+            key = f"{prefix}embeddings.{name}.weight"
+            if key not in state_dict or name not in tiered:
+                continue
+            value = state_dict[key]
+            if isinstance(value, (ShardedTensor, DTensor)):
+                raise ValueError(
+                    f"{key}: tiered table {name!r} cannot load a {type(value).__name__}; load "
+                    "its rows with load_tiered_state() (exports of tiered_state()) or pass the "
+                    "full [num_embeddings, dim] tensor."
+                )
+            if value.numel() == 0:
+                continue
+            tiered[name].load_global_weights(value.detach())
+            state_dict[key] = torch.empty(0)
+        RecpipeShardedEmbeddingCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
+
+
+class TieredEmbeddingCollectionSharder(RecpipeEmbeddingCollectionSharder):
+    """recpipe's EC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
+    CUSTOMIZED_KERNEL row-wise tables run the tiered sequence kernel.
+
+    Args: as ``recpipe.pipeline.sharding.RecpipeEmbeddingCollectionSharder``.
+
+    Example::
+
+        plan = PlacementPlanner(topology).plan(ec).to_sharding_plan(compute_device="cpu")
+        model = DistributedModelParallel(ec, plan=plan, device=torch.device("cpu"),
+                                         sharders=[TieredEmbeddingCollectionSharder()])
+        model.module.tier_stats()
+    """
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels = super().compute_kernels(sharding_type, compute_device_type)
+        if sharding_type == ShardingType.ROW_WISE.value:
+            kernels.append(EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value)
+        return kernels
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> TieredShardedEmbeddingCollection:
+        _check_tiered_params(params)
+        return TieredShardedEmbeddingCollection.with_routing(self._routing)(
+            module,
+            params,
+            env,
+            self.fused_params,
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup,
+            module_fqn=module_fqn,
+        )
+
+    @property
+    def sharded_module_type(self) -> type:  # type: ignore[override]
+        return TieredShardedEmbeddingCollection

@@ -125,7 +125,10 @@ def _shard_planned(
     """Planner -> ShardingPlan -> DMP with recpipe's tiered row-wise sharder."""
     from torchrec.distributed.planner.types import Topology
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.sharders import (
+        TieredEmbeddingBagCollectionSharder,
+        TieredEmbeddingCollectionSharder,
+    )
     from recpipe.planner import PlacementPlanner
     from recpipe.planner.storage import max_local_rows, row_bytes
 
@@ -162,7 +165,7 @@ def _shard_planned(
         env=env,
         device=device,
         plan=plan,
-        sharders=[TieredEmbeddingBagCollectionSharder()],
+        sharders=[TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()],
     )
     where = {
         p.table: {"mode": p.mode.name, "cache_load_factor": p.cache_load_factor, "dist_type": "hash_roundrobin"}

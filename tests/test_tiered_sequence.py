@@ -1,0 +1,183 @@
+"""TieredEmbeddingCollectionSharder: tiered sequence (EmbeddingCollection) tables on 2 gloo CPU ranks.
+
+An EmbeddingCollection with two tables, both recpipe tiered tables sharded ROW_WISE
+with the CUSTOMIZED_KERNEL and hash_roundrobin routing: ``s0`` (two features) in
+CACHING 0.3 and ``s1`` in HYBRID 0.5. The plan comes from recpipe's planner
+(``PlacementPlanner(topology).plan(ec).to_sharding_plan(compute_device="cpu")``,
+modes pinned by constraints). Reference: the unsharded table computed in the test
+from the same initial weights, stepping plain SGD over both ranks' batches with
+the gradient averaged over ranks (torchrec's default gradient division).
+
+Exactness: upstream gradients are multiples of 1/16 in [-1/2, 1/2) and the learning
+rate is 1/8, so every gradient sum, the division by the 2 ranks and ``lr * g`` are
+exact in float32 whatever the summation order: outputs and updated weights must be bit-identical (torch.equal)
+to the reference at every step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+import torch
+
+from gloo_harness import run_gloo
+
+B, STEPS, LR, DIM = 4, 5, 0.125, 8  # samples per rank, steps, SGD lr (a power of two), embedding dim
+TABLES = [("s0", 97, ["f0", "f1"]), ("s1", 61, ["f2"])]  # (table, rows, features)
+FEATURES = ["f0", "f1", "f2"]
+FEATURE_TABLE = {f: t for t, _, fs in TABLES for f in fs}
+ROWS = {t: r for t, r, _ in TABLES}
+PLACEMENT = {"s0": ("CACHING", 0.3), "s1": ("HYBRID", 0.5)}
+
+
+def _ec() -> Any:
+    from torchrec.modules.embedding_configs import EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+
+    torch.manual_seed(0)
+    return EmbeddingCollection(
+        tables=[EmbeddingConfig(name=t, num_embeddings=r, embedding_dim=DIM, feature_names=fs) for t, r, fs in TABLES],
+        device=torch.device("cpu"),
+    )
+
+
+def _batch(step: int, rank: int) -> Tuple[Any, Dict[str, torch.Tensor]]:
+    """The KJT of ``rank`` at ``step`` and the upstream gradient of each feature's rows."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(100 * step + rank)
+    lengths = torch.randint(0, 5, (len(FEATURES) * B,), generator=gen)
+    counts = [int(lengths[i * B:(i + 1) * B].sum()) for i in range(len(FEATURES))]
+    # a few hot ids per table so rows repeat within and across ranks (cache hits, summed grads)
+    values = torch.cat([
+        torch.where(torch.rand(n, generator=gen) < 0.4, torch.randint(0, 6, (n,), generator=gen),
+                    torch.randint(0, ROWS[FEATURE_TABLE[f]], (n,), generator=gen))
+        for f, n in zip(FEATURES, counts)
+    ])
+    grads = {f: torch.randint(-8, 8, (n, DIM), generator=gen).float() / 16.0 for f, n in zip(FEATURES, counts)}
+    kjt = KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths)
+    return kjt, grads
+
+
+def _plan(ec: Any, world: int) -> Any:
+    from torchrec.distributed.planner.types import Topology
+
+    from recpipe.planner import PlacementPlanner
+    from recpipe.planner.types import PlacementConstraints
+
+    topo = Topology(world_size=world, local_world_size=world, compute_device="cuda",
+                    hbm_cap=1 << 30, ddr_cap=1 << 32)
+    constraints = {t: PlacementConstraints(mode=m, cache_load_factor=x) for t, (m, x) in PLACEMENT.items()}
+    placement = PlacementPlanner(topo, constraints=constraints, optimizer="sgd").plan(ec)
+    return placement.to_sharding_plan(compute_device="cpu")
+
+
+def _body(rank: int, world: int) -> Dict[str, Any]:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from recpipe.pipeline.sharders import (
+        TieredBatchedEmbedding,
+        TieredEmbeddingCollectionSharder,
+        TieredShardedEmbeddingCollection,
+    )
+
+    ec = _ec()
+    reference = {t: ec.embeddings[t].weight.detach().clone() for t, _, _ in TABLES}
+    apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": LR})
+    sharder = TieredEmbeddingCollectionSharder()
+    plan = _plan(ec, world)
+    ps = plan.plan[""]
+    out: Dict[str, Any] = {
+        "plan": {t: (p.sharding_type, p.compute_kernel, p.mode, p.cache_load_factor, p.dist_type)
+                 for t, p in ps.items()},
+        "kernels_cpu": sharder.compute_kernels("row_wise", "cpu"),
+    }
+    model = DistributedModelParallel(ec, plan=plan, sharders=[sharder], device=torch.device("cpu"))  # type: ignore[list-item]
+    sharded = model.module
+    assert isinstance(sharded, TieredShardedEmbeddingCollection), type(sharded)
+    tiered = sharded.tiered_tables()
+    out["tiered"] = {n: (s.mode.name, s.cache_load_factor, s.dist_type, s.num_rows, s.cache_slots, s.fast_rows)
+                     for n, s in sorted(tiered.items())}
+    out["kernel_types"] = sorted({type(m).__name__ for lookup in sharded._lookups for m in lookup.modules()
+                                  if isinstance(m, TieredBatchedEmbedding)})
+    out["plan_kernel"] = sharded.module_sharding_plan["s0"].compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+
+    out_equal: List[bool] = []
+    max_diff: List[float] = []
+    loaded = 0.0
+    hits: List[float] = []
+    for step in range(STEPS):
+        kjt, grads = _batch(step, rank)
+        emb = model(kjt)
+        loss = torch.zeros(())
+        for f in FEATURES:
+            got = emb[f].values()
+            plain = got.detach()
+            ids = kjt[f].values()
+            want = reference[FEATURE_TABLE[f]].index_select(0, ids)
+            out_equal.append(bool(torch.equal(plain, want)))
+            max_diff.append(float((plain - want).abs().max()) if plain.numel() else 0.0)
+            loss = loss + (got * grads[f]).sum()
+        loss.backward()
+        stats = sharded.tier_stats()
+        loaded += stats["s0"]["rows_loaded"]
+        hits.append(stats["s0"]["hit_rate"])
+        # reference SGD step over every rank's batch of this step (same formula as the kernel)
+        full = {t: torch.zeros_like(w) for t, w in reference.items()}
+        for r in range(world):
+            r_kjt, r_grads = _batch(step, r)
+            for f in FEATURES:
+                full[FEATURE_TABLE[f]].index_add_(0, r_kjt[f].values(), r_grads[f])
+        for t in reference:
+            # torchrec divides embedding gradients by the world size in its all-to-all
+            # backward (torchrec.distributed.comm_ops gradient division, on by default)
+            reference[t].sub_(full[t] / world, alpha=LR)
+    out["out_equal"] = out_equal
+    out["max_diff"] = max_diff
+    out["rows_loaded"] = loaded
+    out["hit_rate"] = hits
+    # updated weights: every rank exports its rows (global ids, values) after a flush
+    out["export"] = {n: (st.global_ids.numpy(), st.weights.numpy(), st.metadata["placement"]["mode"])
+                     for n, st in sharded.tiered_state().items()}
+    out["reference"] = {t: w.numpy() for t, w in reference.items()}
+    # torchrec's own state_dict keeps an empty placeholder for tiered tables
+    out["state_dict_weight"] = list(model.state_dict()["embeddings.s0.weight"].shape)
+    return out
+
+
+def test_dmp_row_wise_tiered_ec_equals_unsharded_sgd() -> None:
+    results = run_gloo(2, _body)
+    for rank, res in enumerate(results):
+        assert "customized_kernel" in res["kernels_cpu"], res["kernels_cpu"]
+        for t, (mode, x) in PLACEMENT.items():
+            assert res["plan"][t] == ("row_wise", "customized_kernel", mode, x, "hash_roundrobin"), res["plan"][t]
+            assert res["tiered"][t][:3] == (mode, x, "hash_roundrobin")
+        rows0 = res["tiered"]["s0"][3]
+        assert res["tiered"]["s0"][4] == int(0.3 * rows0) > 0  # CACHING slots
+        assert res["tiered"]["s1"][5] == int(0.5 * res["tiered"]["s1"][3])  # HYBRID fast rows
+        assert res["kernel_types"] == ["TieredBatchedEmbedding"] and res["plan_kernel"]
+        assert all(res["out_equal"]), f"rank {rank}: outputs differ, max |diff| per lookup {res['max_diff']}"
+        assert res["rows_loaded"] > 0  # the cache really moved rows between the tiers
+        assert res["state_dict_weight"] == [0]
+    # gather both ranks' exports into full tables and compare with the reference SGD
+    for t, rows, _ in TABLES:
+        got = np.full((rows, DIM), np.nan, dtype=np.float32)
+        seen = np.zeros(rows, dtype=np.int64)
+        for res in results:
+            gids, w, mode = res["export"][t]
+            assert mode == PLACEMENT[t][0]
+            got[gids] = w
+            seen[gids] += 1
+        assert (seen == 1).all(), f"{t}: rows exported {seen.min()}..{seen.max()} times"
+        want = results[0]["reference"][t]
+        np.testing.assert_array_equal(results[1]["reference"][t], want)
+        moved = int((want != _initial(t)).any(axis=1).sum())
+        assert moved > 10, f"{t}: only {moved} rows were updated; the comparison has no teeth"
+        np.testing.assert_array_equal(got, want, err_msg=f"table {t}: updated weights differ")
+
+
+def _initial(table: str) -> np.ndarray:
+    return _ec().embeddings[table].weight.detach().numpy()
