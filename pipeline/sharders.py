@@ -573,6 +573,56 @@ class TieredShardedEmbeddingBagCollection(_TieredTablesMixin, RecpipeShardedEmbe
                 holder.register_parameter("weight", placeholder)
         super().reset_parameters()
 
+    @staticmethod
+    def _pre_load_state_dict_hook(
+        self: "TieredShardedEmbeddingBagCollection",
+        state_dict: Dict[str, Any],
+        prefix: str,
+        *args: Any,
+    ) -> None:
+        """Sets tiered tables from full weights in ``state_dict``, then runs torchrec's hook.
+
+        See :func:`_load_full_tiered_weights`.
+        """
+        names = [
+            c.name
+            for c in self._embedding_bag_configs
+            if self.module_sharding_plan[c.name].compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+        ]
+        _load_full_tiered_weights(self, state_dict, f"{prefix}embedding_bags.", names)
+        RecpipeShardedEmbeddingBagCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
+
+
+def _load_full_tiered_weights(
+    module: Any, state_dict: Dict[str, Any], key_prefix: str, tiered_names: List[str]
+) -> None:
+    """Loads full ``[num_embeddings, dim]`` weights of tiered tables from ``state_dict``.
+
+    A tiered table's ``<key_prefix><table>.weight`` that is a full tensor (an
+    unsharded module's state, e.g. pretrained weights) is loaded into the tiered
+    shard (rows picked by global id, whatever the routing) and replaced by the
+    empty placeholder, so torchrec's own hook and the strict key check see what
+    they expect; an empty tensor (the sharded ``state_dict`` of a tiered table) is
+    left alone. Sharded inputs are refused: tiered rows travel through
+    ``tiered_state()`` / ``load_tiered_state()``.
+    """
+    tiered = module.tiered_tables()
+    for name in tiered_names:
+        key = f"{key_prefix}{name}.weight"
+        if key not in state_dict or name not in tiered:
+            continue
+        value = state_dict[key]
+        if isinstance(value, (ShardedTensor, DTensor)):
+            raise ValueError(
+                f"{key}: tiered table {name!r} cannot load a {type(value).__name__}; load "
+                "its rows with load_tiered_state() (exports of tiered_state()) or pass the "
+                "full [num_embeddings, dim] tensor."
+            )
+        if value.numel() == 0:
+            continue
+        tiered[name].load_global_weights(value.detach())
+        state_dict[key] = torch.empty(0)
+
 
 class TieredEmbeddingBagCollectionSharder(RecpipeEmbeddingBagCollectionSharder):
     """recpipe's EBC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
@@ -687,27 +737,9 @@ class TieredShardedEmbeddingCollection(_TieredTablesMixin, RecpipeShardedEmbeddi
     ) -> None:
         """Sets tiered tables from full weights in ``state_dict``, then runs torchrec's hook.
 
-        A tiered table's ``<prefix>embeddings.<table>.weight`` that is a full
-        ``[num_embeddings, dim]`` tensor is loaded into the tiered shard (rows picked
-        by global id) and replaced by the empty placeholder; an empty tensor (the
-        sharded ``state_dict`` of a tiered table) is left alone.
+        See :func:`_load_full_tiered_weights`.
         """
-        tiered = self.tiered_tables()
-        for name in self._tiered_names():
-            key = f"{prefix}embeddings.{name}.weight"
-            if key not in state_dict or name not in tiered:
-                continue
-            value = state_dict[key]
-            if isinstance(value, (ShardedTensor, DTensor)):
-                raise ValueError(
-                    f"{key}: tiered table {name!r} cannot load a {type(value).__name__}; load "
-                    "its rows with load_tiered_state() (exports of tiered_state()) or pass the "
-                    "full [num_embeddings, dim] tensor."
-                )
-            if value.numel() == 0:
-                continue
-            tiered[name].load_global_weights(value.detach())
-            state_dict[key] = torch.empty(0)
+        _load_full_tiered_weights(self, state_dict, f"{prefix}embeddings.", self._tiered_names())
         RecpipeShardedEmbeddingCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
 
 

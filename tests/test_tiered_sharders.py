@@ -103,7 +103,11 @@ def _body(rank: int, world: int) -> Dict[str, List[Any]]:
         if kind == "tiered":
             tiered = model.module.tiered_tables()
             assert set(tiered) == {"t0"}
-            tiered["t0"].load_global_weights(global_weights["embedding_bags.t0.weight"])
+            # an unsharded module's full weight loads into the tiered rows (by global id)
+            # through the sharded module's load_state_dict pre-hook
+            model.module.load_state_dict(
+                {"embedding_bags.t0.weight": global_weights["embedding_bags.t0.weight"].clone()}, strict=False
+            )
             assert tiered["t0"].dist_type == "hash_roundrobin" and tiered["t0"].fast_rows == int(0.3 * 49)
         for step in range(STEPS):
             kjt, grad = _kjt(step, rank)
