@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 from recpipe.planner.cost_models import CostModel
-from recpipe.planner.storage import _check_load_factor, machine_storage, max_local_rows, shard_storage
+from recpipe.planner.storage import (
+    CACHE_ROW_MAP_BYTES,
+    CACHE_SLOT_BYTES,
+    _check_load_factor,
+    _decimal_ratio,
+    machine_storage,
+    max_local_rows,
+    row_bytes,
+    shard_storage,
+)
 from recpipe.planner.types import (
     DEFAULT_LOAD_FACTORS,
     Mode,
@@ -90,6 +100,69 @@ class GridPlacementEnumerator:
                 out.extend((m, x) for m in modes)
         return out
 
+    def _check_constraints(self, tables: Sequence[TableSpec]) -> None:
+        unknown = set(self.constraints) - {t.name for t in tables} - {t.fqn for t in tables}
+        if unknown:
+            raise PlannerError(
+                f"constraints name tables that are not in the model: {sorted(unknown)}.\n"
+                f"Possible solutions:\n  1) key constraints by one of {[t.fqn for t in tables][:20]}.",
+                PlannerErrorType.INPUT_VALIDATION,
+            )
+
+    def enumerate_arrays(self, tables: Sequence[TableSpec]) -> "OptionArrays":
+        """Options of every table as ``(tables, options)`` arrays, computed in bulk.
+
+        Bytes are the ``recpipe.planner.storage`` formulas evaluated with NumPy
+        over all tables sharing a candidate list at once (exact integers, equal
+        to ``shard_storage`` / ``machine_storage``); costs come from the cost model.
+
+        Args:
+            tables (Sequence[TableSpec]): the tables.
+
+        Returns:
+            OptionArrays: the packed options (``cost = inf`` pads short rows).
+
+        Example::
+
+            arrays = GridPlacementEnumerator(8, 8, AnalyticCostModel()).enumerate_arrays(tables)
+            hbm, ddr, cost = arrays.hbm_bytes_per_rank, arrays.ddr_bytes_per_machine, arrays.cost
+        """
+        self._check_constraints(tables)
+        W, L = self.world_size, self.local_world_size
+        M = len(tables)
+        cands = [self.candidates(t) for t in tables]
+        K = max((len(c) for c in cands), default=0)
+        out = OptionArrays.empty(M, K)
+        groups: Dict[Tuple[Tuple[Mode, float], ...], List[int]] = {}
+        for i, c in enumerate(cands):
+            groups.setdefault(tuple(c), []).append(i)
+        for cand, idx in groups.items():
+            k = len(cand)
+            ii = np.asarray(idx, dtype=np.int64)
+            out.modes[ii, :k] = [_MODE_CODE[m] for m, _ in cand]
+            out.load_factors[ii, :k] = [x for _, x in cand]
+            bytes_ = _bulk_storage([tables[i] for i in idx], cand, W, L)
+            if bytes_ is None:  # exact products would overflow int64: scalar formulas
+                for i in idx:
+                    t = tables[i]
+                    rows = max_local_rows(t.rows, W)
+                    for j, (mode, x) in enumerate(cand):
+                        rank = shard_storage(rows, t.dim, t.dtype, t.optimizer, mode, x)
+                        mach = machine_storage(t.rows, W, L, t.dim, t.dtype, t.optimizer, mode, x)
+                        out.hbm_bytes_per_rank[i, j] = rank.fast_bytes
+                        out.ddr_bytes_per_rank[i, j] = rank.slow_bytes
+                        out.hbm_bytes_per_machine[i, j] = mach.fast_bytes
+                        out.ddr_bytes_per_machine[i, j] = mach.slow_bytes
+            else:
+                for dst, src in zip(
+                    (out.hbm_bytes_per_rank, out.ddr_bytes_per_rank, out.hbm_bytes_per_machine, out.ddr_bytes_per_machine),
+                    bytes_,
+                ):
+                    dst[ii, :k] = src
+            for i in idx:
+                out.cost[i, :k] = self.cost_model.costs(tables[i], cand)
+        return out
+
     def enumerate(self, tables: Sequence[TableSpec]) -> List[List[PlacementOption]]:
         """Options of every table with per-rank / per-machine bytes and cost.
 
@@ -99,36 +172,125 @@ class GridPlacementEnumerator:
         Returns:
             List[List[PlacementOption]]: options per table, in input order.
         """
-        unknown = set(self.constraints) - {t.name for t in tables} - {t.fqn for t in tables}
-        if unknown:
-            raise PlannerError(
-                f"constraints name tables that are not in the model: {sorted(unknown)}.\n"
-                f"Possible solutions:\n  1) key constraints by one of {[t.fqn for t in tables][:20]}.",
-                PlannerErrorType.INPUT_VALIDATION,
-            )
-        result: List[List[PlacementOption]] = []
-        W, L = self.world_size, self.local_world_size
-        for table in tables:
-            cands = self.candidates(table)
-            costs = self.cost_model.costs(table, cands)
-            rows = max_local_rows(table.rows, W)
-            opts: List[PlacementOption] = []
-            for (mode, x), cost in zip(cands, costs):
-                rank = shard_storage(rows, table.dim, table.dtype, table.optimizer, mode, x)
-                mach = machine_storage(table.rows, W, L, table.dim, table.dtype, table.optimizer, mode, x)
-                opts.append(
-                    PlacementOption(
-                        mode=mode,
-                        cache_load_factor=x,
-                        hbm_bytes_per_rank=rank.fast_bytes,
-                        ddr_bytes_per_rank=rank.slow_bytes,
-                        hbm_bytes_per_machine=mach.fast_bytes,
-                        ddr_bytes_per_machine=mach.slow_bytes,
-                        cost=float(cost),
-                    )
-                )
-            result.append(opts)
-        return result
+        return self.enumerate_arrays(tables).to_options()
+
+
+# Mode <-> int8 code in ``OptionArrays.modes`` (-1 = no option).
+_MODE_CODE: Dict[Mode, int] = {Mode.HYBRID: 0, Mode.CACHING: 1}
+_CODE_MODE: Tuple[Mode, Mode] = (Mode.HYBRID, Mode.CACHING)
+# Largest exact intermediate product of the bulk byte formulas: numerator x rows
+# and rows x bytes per row must stay below it to be exact in int64. Bytes.
+_INT64_SAFE: int = 2**62
+
+
+def _bulk_storage(
+    tables: Sequence[TableSpec], cand: Sequence[Tuple[Mode, float]], W: int, L: int
+) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """``shard_storage`` / ``machine_storage`` for many tables x one candidate list.
+
+    Mirrors ``recpipe.planner.storage`` term by term: rank 0 owns ``big =
+    ceil(N / W)`` rows; machine 0 has ``n_big`` ranks of ``big`` rows and
+    ``L - n_big`` of ``big - 1``; ``k = floor(num * rows / den)`` with ``x = num /
+    den`` its shortest decimal. Returns None when a product could overflow int64.
+    """
+    N = np.array([t.rows for t in tables], dtype=np.int64)
+    rb = np.array([row_bytes(t.dim, t.dtype, t.optimizer) for t in tables], dtype=np.int64)[:, None]
+    ratios = [_decimal_ratio(x) for _, x in cand]
+    num = np.array([r[0] for r in ratios], dtype=np.int64)[None, :]
+    den = np.array([r[1] for r in ratios], dtype=np.int64)[None, :]
+    big = (N + W - 1) // W
+    if int(big.max()) * max(int(num.max()), int(rb.max()) + CACHE_ROW_MAP_BYTES + CACHE_SLOT_BYTES) * max(L, 1) >= _INT64_SAFE:
+        return None
+    caching = np.array([m is Mode.CACHING for m, _ in cand])[None, :]
+    full = np.array([float(x) == 1.0 for _, x in cand])[None, :]
+    meta = caching & ~full
+
+    def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        r = rows[:, None]
+        k = np.where(full, r, (num * r) // den)
+        fast_rows = np.where(meta, 0, k)
+        slots = np.where(meta, k, 0)
+        slow_rows = np.where(full, 0, np.where(caching, r, r - k))
+        fast = (fast_rows + slots) * rb + np.where(meta, r * CACHE_ROW_MAP_BYTES + slots * CACHE_SLOT_BYTES, 0)
+        return fast, slow_rows * rb
+
+    fb, sb = shard(big)
+    rem = N % W
+    n_big = np.where(rem == 0, L, np.minimum(rem, L))[:, None]
+    n_small = L - n_big
+    fs, ss = shard(np.maximum(big - 1, 0))
+    return fb, sb, n_big * fb + n_small * fs, n_big * sb + n_small * ss
+
+
+@dataclass
+class OptionArrays:
+    """Every table's options packed as ``(tables, options)`` arrays.
+
+    Args:
+        modes (np.ndarray): int8 mode codes (0 HYBRID, 1 CACHING, -1 no option).
+        load_factors (np.ndarray): float64 x.
+        hbm_bytes_per_rank (np.ndarray): int64 fast-tier bytes, most loaded rank.
+        ddr_bytes_per_rank (np.ndarray): int64 slow-tier bytes, most loaded rank.
+        hbm_bytes_per_machine (np.ndarray): int64 fast-tier bytes, most loaded machine.
+        ddr_bytes_per_machine (np.ndarray): int64 slow-tier bytes, most loaded machine.
+        cost (np.ndarray): float64 modelled ms, ``inf`` where a table has fewer options.
+    """
+
+    modes: np.ndarray
+    load_factors: np.ndarray
+    hbm_bytes_per_rank: np.ndarray
+    ddr_bytes_per_rank: np.ndarray
+    hbm_bytes_per_machine: np.ndarray
+    ddr_bytes_per_machine: np.ndarray
+    cost: np.ndarray
+
+    @classmethod
+    def empty(cls, num_tables: int, num_options: int) -> "OptionArrays":
+        """All-padding arrays of shape ``(num_tables, num_options)``.
+
+        Args:
+            num_tables (int): rows.
+            num_options (int): columns.
+
+        Returns:
+            OptionArrays: modes -1, bytes 0, cost inf.
+        """
+        shape = (num_tables, num_options)
+        z = lambda: np.zeros(shape, dtype=np.int64)  # noqa: E731
+        return cls(np.full(shape, -1, dtype=np.int8), np.zeros(shape), z(), z(), z(), z(), np.full(shape, np.inf))
+
+    def option(self, table: int, index: int) -> PlacementOption:
+        """The ``PlacementOption`` at ``(table, index)``.
+
+        Args:
+            table (int): table position.
+            index (int): option position.
+
+        Returns:
+            PlacementOption: the option.
+        """
+        code = int(self.modes[table, index])
+        if code < 0:
+            raise IndexError(f"table {table} has no option {index}.")
+        return PlacementOption(
+            mode=_CODE_MODE[code],
+            cache_load_factor=float(self.load_factors[table, index]),
+            hbm_bytes_per_rank=int(self.hbm_bytes_per_rank[table, index]),
+            ddr_bytes_per_rank=int(self.ddr_bytes_per_rank[table, index]),
+            hbm_bytes_per_machine=int(self.hbm_bytes_per_machine[table, index]),
+            ddr_bytes_per_machine=int(self.ddr_bytes_per_machine[table, index]),
+            cost=float(self.cost[table, index]),
+        )
+
+    def to_options(self) -> List[List[PlacementOption]]:
+        """Options per table as ``PlacementOption`` lists (padding dropped).
+
+        Returns:
+            List[List[PlacementOption]]: options per table, in input order.
+        """
+        return [
+            [self.option(i, j) for j in np.flatnonzero(self.modes[i] >= 0)] for i in range(self.modes.shape[0])
+        ]
 
 
 def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -155,5 +317,5 @@ def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.
     return hbm, ddr, cost
 
 
-__all__ = ["GridPlacementEnumerator", "options_to_arrays"]
+__all__ = ["GridPlacementEnumerator", "OptionArrays", "options_to_arrays"]
 

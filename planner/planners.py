@@ -12,7 +12,7 @@ from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recpipe.planner.cost_models import CostModel, make_cost_model
-from recpipe.planner.enumerators import GridPlacementEnumerator, options_to_arrays
+from recpipe.planner.enumerators import GridPlacementEnumerator, OptionArrays
 from recpipe.planner.proposers import DynamicProgrammingProposer, Proposer
 from recpipe.planner.types import (
     DEFAULT_LOAD_FACTORS,
@@ -219,14 +219,14 @@ class PlacementPlanner:
                 f"  2) lower hbm_reservation (now {self.hbm_reservation}).",
                 PlannerErrorType.INPUT_VALIDATION,
             )
-        options = self.enumerator.enumerate(specs)
-        hbm, ddr, cost = options_to_arrays(options)
+        options = self.enumerator.enumerate_arrays(specs)
+        hbm, ddr, cost = options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, options.cost
         choice = self.proposer.solve(hbm, ddr, cost, H, D)
         if choice is None:
             raise self._infeasible(specs, options, hbm, ddr, cost, H, D)
         placements = []
-        for t, opts, j in zip(specs, options, choice):
-            o: PlacementOption = opts[int(j)]
+        for i, (t, j) in enumerate(zip(specs, choice)):
+            o: PlacementOption = options.option(i, int(j))
             placements.append(
                 TablePlacement(
                     table=t.name,
@@ -264,7 +264,7 @@ class PlacementPlanner:
     def _infeasible(
         self,
         specs: Sequence[TableSpec],
-        options: Sequence[Sequence[PlacementOption]],
+        options: OptionArrays,
         hbm: np.ndarray,
         ddr: np.ndarray,
         cost: np.ndarray,
@@ -291,10 +291,11 @@ class PlacementPlanner:
             pinned = t.fqn in self.constraints or t.name in self.constraints
             kind = PlannerErrorType.STRICT_CONSTRAINTS if pinned else PlannerErrorType.TABLE_DOES_NOT_FIT
             jh = int(np.argmin(hb[i]))
+            oh = options.option(i, jh)
             sols = [
                 f"raise the HBM per device to at least {format_bytes(hbm[i, jh] / (1 - self.hbm_reservation))} "
                 f"(hbm_cap) and the DDR per machine to at least {format_bytes(ddr[i, jh])}: the table's "
-                f"smallest-HBM option ({options[i][jh].mode.name} x={options[i][jh].cache_load_factor}) needs "
+                f"smallest-HBM option ({oh.mode.name} x={oh.cache_load_factor}) needs "
                 f"{format_bytes(hbm[i, jh])} ({int(hbm[i, jh])} B) of HBM per rank and {format_bytes(ddr[i, jh])} "
                 f"({int(ddr[i, jh])} B) of DDR per machine",
                 f"shard over more ranks (world_size now {W}): per-rank bytes shrink as 1/world_size",

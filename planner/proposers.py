@@ -8,12 +8,14 @@ Both proposers solve the same problem, given as arrays of shape ``(M, K)``
                sum_i ddr[i, j_i] <= ddr_budget   (bytes per machine)
 
 ``DynamicProgrammingProposer`` is the 2-D knapsack DP over (HBM bins, DDR bins)
-written as array operations; ``BruteForceProposer`` enumerates every
-combination (<= 8 tables) and is exact.
+written as array operations over the reachable cells only, followed by an
+exact-bytes local search; ``BruteForceProposer`` enumerates every combination
+(<= 8 tables) and is exact.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import List, Optional, Protocol, Tuple, runtime_checkable
 
@@ -22,13 +24,24 @@ import numpy as np
 # Per-axis bin cap of the 2-D DP grid, as in TorchEasyRec PR #508
 # (``_DP_AXIS_BIN_CAP``). Bins.
 DP_AXIS_BIN_CAP: int = 1024
-# Default DP work when ``bins`` is not given: tables x options x cells stays
-# near this many cell updates (~0.5 s for 1000 tables with NumPy on one core here).
+# Default DP work when ``bins`` is not given: the grid is sized so that the
+# bound sum_i options_i x min(cells, reachable combinations before table i) on
+# (cell, option) updates stays near this count (6 tables get ~1024 x 700 bins,
+# 1000 tables ~46 x 23). Updates.
 DP_WORK_TARGET: float = 2.0e7
 # Smallest default grid per binding axis (HBM, DDR). Bins.
 DP_MIN_BINS: Tuple[int, int] = (16, 8)
-# Sentinel "usage" of an unreachable DP cell (bytes); far above any budget.
-_UNREACHABLE: int = np.iinfo(np.int64).max // 4
+# Largest tables x options for which the exact repair also tries every pair of
+# single-table changes ((M K)^2 candidates per step, ~65k here). Count.
+REPAIR_PAIR_LIMIT: int = 256
+# Largest C(tables, 3) x options^3 for which the repair also tries every change
+# of three tables at once (6 tables x 19 options: 137k). Count.
+REPAIR_TRIPLE_LIMIT: int = 400_000
+# Most improving moves the repair applies (each step costs ~0.1 ms at 1000
+# tables x 19 options, so the step stays bounded on big instances). Moves.
+REPAIR_MAX_STEPS: int = 200
+# Most (tables x options x options) booleans ``prune_dominated`` builds at once. Count.
+_PRUNE_CHUNK: int = 4_000_000
 # Tables above which the brute-force proposer refuses (19^8 ~ 1.7e10 combos).
 BRUTE_FORCE_MAX_TABLES: int = 8
 
@@ -101,61 +114,194 @@ def budget_prices(
     scale = max(spread, 1e-12)
     lh = ld = 0.0
     best = (-np.inf, 0.0, 0.0)
-    rows = np.arange(cost.shape[0])
+    base = np.arange(cost.shape[0]) * cost.shape[1]
+    af, bf = a.ravel(), b.ravel()
+    z = np.empty_like(c)
     for k in range(iters):
-        j = np.argmin(c + lh * a + ld * b, axis=1)
-        ga, gb = a[rows, j].sum() - 1.0, b[rows, j].sum() - 1.0
-        g = float((c[rows, j] + lh * a[rows, j] + ld * b[rows, j]).sum() - lh - ld)
+        np.multiply(a, lh, out=z)
+        z += c
+        z += ld * b
+        flat = base + np.argmin(z, axis=1)
+        ga = float(af.take(flat).sum()) - 1.0
+        gb = float(bf.take(flat).sum()) - 1.0
+        g = float(z.ravel().take(flat).sum()) - lh - ld
         if g > best[0]:
             best = (g, lh, ld)
+        if k == 0 and ga <= 0.0 and gb <= 0.0:
+            break  # the cheapest option of every table fits: no budget is priced
         step = scale / (k + 1)
         lh, ld = max(0.0, lh + step * ga), max(0.0, ld + step * gb)
     return best[1], best[2]
 
 
+def prune_dominated(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """Drop options another option of the same table beats on HBM, DDR and cost.
+
+    An option is dropped when another usable option of its table needs no more
+    HBM, no more DDR and costs no more, and is strictly better on one of the
+    three or equal on all three with a lower index (so one of a set of identical
+    options survives). Swapping a dropped option for its dominator never breaks
+    a budget and never raises the cost, so the optimum is unchanged.
+
+    Args:
+        hbm (np.ndarray): ``(M, K)`` HBM bytes.
+        ddr (np.ndarray): ``(M, K)`` DDR bytes.
+        cost (np.ndarray): ``(M, K)`` costs.
+        usable (np.ndarray): ``(M, K)`` bool, options allowed at all.
+
+    Returns:
+        np.ndarray: ``(M, K)`` bool, the usable options no other option dominates.
+    """
+    M, K = cost.shape
+    step = max(1, _PRUNE_CHUNK // max(K * K, 1))
+    if M > step:
+        return np.concatenate(
+            [prune_dominated(hbm[s : s + step], ddr[s : s + step], cost[s : s + step], usable[s : s + step])
+             for s in range(0, M, step)]
+        )
+    h1, h2 = hbm[:, :, None], hbm[:, None, :]
+    d1, d2 = ddr[:, :, None], ddr[:, None, :]
+    c1 = np.where(usable, cost, np.inf)[:, :, None]
+    c2 = np.where(usable, cost, np.inf)[:, None, :]
+    # dom[i, j, l]: option l of table i dominates option j.
+    le = (h2 <= h1) & (d2 <= d1) & (c2 <= c1) & usable[:, None, :]
+    strict = (h2 < h1) | (d2 < d1) | (c2 < c1)
+    lower_index = np.arange(K)[None, None, :] < np.arange(K)[None, :, None]
+    dom = le & (strict | lower_index)
+    return usable & ~dom.any(axis=2)
+
+
+def _repair(
+    hbm: np.ndarray,
+    ddr: np.ndarray,
+    cost: np.ndarray,
+    usable: np.ndarray,
+    choice: np.ndarray,
+    H: int,
+    D: int,
+    pair_limit: int,
+    triple_limit: int,
+) -> np.ndarray:
+    """Exact-bytes local search on a feasible plan: best improving 1-, 2- and 3-table changes.
+
+    Every accepted move keeps both budgets on exact bytes and strictly lowers the
+    total cost, so the loop ends and never breaks a budget. Two-table moves are
+    tried when ``tables x options <= pair_limit``, three-table moves when
+    ``C(tables, 3) x options^3 <= triple_limit``.
+    """
+    M, K = cost.shape
+    rows = np.arange(M)
+    c = np.where(usable, cost, np.inf)
+    for _ in range(REPAIR_MAX_STEPS):
+        cur_h, cur_d, cur_c = hbm[rows, choice], ddr[rows, choice], c[rows, choice]
+        slack_h = H - int(cur_h.sum())
+        slack_d = D - int(cur_d.sum())
+        dh = hbm - cur_h[:, None]  # (M, K) change of usage / cost when table i takes option j
+        dd = ddr - cur_d[:, None]
+        dc = c - cur_c[:, None]
+        single = np.where((dh <= slack_h) & (dd <= slack_d), dc, np.inf)
+        k = int(np.argmin(single))
+        best_gain, move = float(single.flat[k]), ((k // K, k % K),)
+        if M * K <= pair_limit and M > 1:
+            fh, fd, fc = dh.ravel(), dd.ravel(), dc.ravel()
+            tot = fc[:, None] + fc[None, :]
+            ok = (fh[:, None] + fh[None, :] <= slack_h) & (fd[:, None] + fd[None, :] <= slack_d)
+            owner = np.repeat(rows, K)
+            ok &= owner[:, None] < owner[None, :]  # two different tables, each pair once
+            tot = np.where(ok, tot, np.inf)
+            q = int(np.argmin(tot))
+            if tot.flat[q] < best_gain:
+                a, b = divmod(q, M * K)
+                best_gain, move = float(tot.flat[q]), ((a // K, a % K), (b // K, b % K))
+        if M >= 3 and math.comb(M, 3) * K**3 <= triple_limit:
+            for t in itertools.combinations(range(M), 3):
+                x, y, z = t
+                th = dh[x][:, None, None] + dh[y][None, :, None] + dh[z][None, None, :]
+                td = dd[x][:, None, None] + dd[y][None, :, None] + dd[z][None, None, :]
+                tc = dc[x][:, None, None] + dc[y][None, :, None] + dc[z][None, None, :]
+                tc = np.where((th <= slack_h) & (td <= slack_d), tc, np.inf)
+                q = int(np.argmin(tc))
+                if tc.flat[q] < best_gain:
+                    jx, rem = divmod(q, K * K)
+                    jy, jz = divmod(rem, K)
+                    best_gain, move = float(tc.flat[q]), ((x, jx), (y, jy), (z, jz))
+        # Relative threshold: float noise must not loop forever.
+        if not best_gain < -1e-12 * max(1.0, float(cur_c.sum())):
+            return choice
+        for i, j in move:
+            choice[i] = j
+    return choice
+
+
 class DynamicProgrammingProposer:
-    """2-D knapsack DP over (HBM bins, DDR bins), one min-plus array update per table.
+    """2-D knapsack DP over (HBM bins, DDR bins) with back-pointers, then exact repair.
 
     State: for every grid cell ``(a, b)`` the cheapest partial plan whose exact
     cumulative usage ``(U, V)`` rounds *up* to that cell, i.e.
     ``a = ceil(U * nh / hbm_budget)`` and ``b = ceil(V * nd / ddr_budget)``. Each
     cell carries its plan's exact bytes, so budgets are checked on exact bytes
     (a plan never breaks a budget) and rounding never accumulates over tables.
-    Adding table ``i`` with option ``(h, d, c)`` moves a plan by
-    ``floor(h * nh / H)`` (+0 or +1) cells: the update is a shifted-slice min-plus
-    per option over the whole grid, followed by a re-bucketing of each plan to
-    its exact rounded-up cell (four masked shifts). Back-pointers (option, source
-    cell) per table give the plan. With one bin per byte the DP is exact; with
-    coarser bins two partial plans in one cell keep only the cheaper.
+    Only reachable cells are stored (a sparse list of occupied cells rather than
+    the full ``(nh + 1) x (nd + 1)`` array), so the work per table is
+    ``occupied cells x options``, the same cells a pure-Python loop that skips
+    unreachable cells visits. Adding table ``i`` pushes every occupied cell
+    through every option of the table in one array operation, computes each
+    candidate's exact rounded-up target cell and keeps the cheapest per target
+    (a scatter-min); back-pointers (option, source cell) per table give the plan.
+    With one bin per byte the DP is exact; with coarser bins two partial plans
+    in one cell keep only the cheaper (compared on cost plus Lagrange budget
+    prices, see ``budget_prices``).
 
-    An axis whose budget cannot bind (the heaviest option of every table fits
-    together) is collapsed to one bin, so all resolution goes where it matters.
+    Options dominated within their table are dropped first (exact), an axis whose
+    budget cannot bind is collapsed to one bin, and tables are added largest
+    first so the last, small tables fill the slack the bins cannot resolve. If
+    the priced pass finds no plan (a cheaper plan evicted the only lean one from
+    a shared cell), a second pass ranks plans in a cell by bytes first. The DP's
+    plan is finally improved by an exact-bytes local search (best 1-table
+    changes; 2- and 3-table changes on small instances), which never breaks a
+    budget and never raises the cost.
 
     Args:
         bins (Optional[Tuple[int, int]]): (HBM bins, DDR bins) per device /
             machine budget. None picks them from the problem size (about
             ``DP_WORK_TARGET`` cell updates, at most ``DP_AXIS_BIN_CAP`` per axis,
-            HBM:DDR = 2:1 like the seed's 100:50).
+            HBM:DDR = 2:1 like the seed's 100:50), so few tables get near-exact bins.
+        repair (bool): run the exact local search on the DP's plan (default True).
 
     Example::
 
         choice = DynamicProgrammingProposer(bins=(100, 50)).solve(hbm, ddr, cost, H, D)
     """
 
-    def __init__(self, bins: Optional[Tuple[int, int]] = None) -> None:
+    def __init__(self, bins: Optional[Tuple[int, int]] = None, repair: bool = True) -> None:
         if bins is not None:
             if len(bins) != 2 or any((not isinstance(b, (int, np.integer))) or b < 1 for b in bins):
                 raise ValueError(f"bins must be a pair of positive ints (hbm_bins, ddr_bins), got {bins!r}.")
             bins = (int(bins[0]), int(bins[1]))
         self._bins = bins
+        self.repair = bool(repair)
         self.last_bins: Tuple[int, int] = (0, 0)
         self.last_prices: Tuple[float, float] = (0.0, 0.0)
+        self.last_dp_cost: float = float("nan")
 
-    def _grid(self, num_tables: int, num_options: int, hbm_binds: bool, ddr_binds: bool) -> Tuple[int, int]:
+    def _grid(self, options_per_table: np.ndarray, hbm_binds: bool, ddr_binds: bool) -> Tuple[int, int]:
         if self._bins is not None:
             nh, nd = self._bins
         else:
-            cells = DP_WORK_TARGET / max(num_tables * num_options, 1)
+            # Occupied cells after table i are at most min(cells, prod of the
+            # earlier tables' option counts), so the work for a grid of C cells is
+            # sum_i k_i * min(C, prod_{l<i} k_l): few tables afford fine bins.
+            k = options_per_table.astype(np.float64)
+            reach = np.exp(np.minimum(np.cumsum(np.log(np.concatenate([[1.0], k[:-1]]))), math.log(1e18)))
+
+            def work(cells: float) -> float:
+                return float(np.sum(k * np.minimum(cells, reach)))
+
+            lo, hi = 1.0, float(DP_AXIS_BIN_CAP + 1) ** 2
+            for _ in range(60):  # bisection on the cell count C
+                mid = math.sqrt(lo * hi)
+                lo, hi = (mid, hi) if work(mid) <= DP_WORK_TARGET else (lo, mid)
+            cells = lo
             if hbm_binds and ddr_binds:
                 nh = int(math.sqrt(2.0 * cells))
                 nh, nd = max(nh, DP_MIN_BINS[0]), max(nh // 2, DP_MIN_BINS[1])
@@ -163,6 +309,81 @@ class DynamicProgrammingProposer:
                 nh = nd = max(int(cells), DP_MIN_BINS[0])
             nh, nd = min(nh, DP_AXIS_BIN_CAP), min(nd, DP_AXIS_BIN_CAP)
         return (nh if hbm_binds else 0), (nd if ddr_binds else 0)
+
+    @staticmethod
+    def _dp(
+        hbm: np.ndarray,
+        ddr: np.ndarray,
+        cost: np.ndarray,
+        priced: np.ndarray,
+        keep: np.ndarray,
+        H: int,
+        D: int,
+        nh: int,
+        nd: int,
+    ) -> Optional[Tuple[np.ndarray, float]]:
+        """One DP pass; plans sharing a cell are ranked by ``priced``. Returns (choice, cost) or None."""
+        M = cost.shape[0]
+        stride = nd + 1
+        ncell = (nh + 1) * stride
+        # Bins per byte. Float cell indices are exact when a bin is one byte (the
+        # factor is 1.0); otherwise a plan within float error of a bin edge may be
+        # filed one cell off, which is harmless: feasibility is checked on exact bytes.
+        fh = nh / H if nh else 0.0
+        fd = nd / D if nd else 0.0
+        # Sparse DP state: one entry per occupied cell.
+        P = np.zeros(1)  # priced cost
+        T = np.zeros(1)  # true cost
+        U = np.zeros(1, dtype=np.int64)  # exact HBM bytes
+        V = np.zeros(1, dtype=np.int64)  # exact DDR bytes
+        back_opt: List[np.ndarray] = []
+        back_src: List[np.ndarray] = []
+        best = np.empty(ncell)
+        winner = np.empty(ncell, dtype=np.int64)
+        for i in range(M):
+            opts = np.flatnonzero(keep[i])
+            k = opts.size
+            U2 = U[:, None] + hbm[i, opts]
+            V2 = V[:, None] + ddr[i, opts]
+            fits = (U2 <= H) & (V2 <= D)
+            a = np.minimum(np.ceil(U2 * fh), nh)
+            b = np.minimum(np.ceil(V2 * fd), nd)
+            cell = (a * stride + b).astype(np.int64).ravel()
+            P2 = (P[:, None] + priced[i, opts]).ravel()
+            if fits.all():
+                sel = None
+                cs, ps = cell, P2
+            else:
+                sel = np.flatnonzero(fits.ravel())
+                if sel.size == 0:
+                    return None
+                cs, ps = cell[sel], P2[sel]
+            # Scatter-min: cheapest priced candidate per target cell.
+            best.fill(np.inf)
+            np.minimum.at(best, cs, ps)
+            won = ps == best[cs]
+            win_cells = cs[won]
+            winner[win_cells] = np.flatnonzero(won) if sel is None else sel[won]
+            if ncell <= 4 * win_cells.size:
+                occupied = np.flatnonzero(best < np.inf)
+            else:
+                occupied = np.unique(win_cells)
+            w = winner[occupied]  # flat (state, option) index of each cell's winner
+            src, jj = np.divmod(w, k)
+            P = best[occupied]
+            T = T[src] + cost[i, opts[jj]]
+            U = U2.ravel()[w]
+            V = V2.ravel()[w]
+            back_opt.append(opts[jj])
+            back_src.append(src)
+
+        pos = int(np.argmin(T))
+        total = float(T[pos])
+        choice = np.empty(M, dtype=np.int64)
+        for i in range(M - 1, -1, -1):
+            choice[i] = back_opt[i][pos]
+            pos = int(back_src[i][pos])
+        return choice, total
 
     def solve(
         self,
@@ -179,6 +400,7 @@ class DynamicProgrammingProposer:
         _validate(hbm, ddr, cost, hbm_budget, ddr_budget)
         H, D = int(hbm_budget), int(ddr_budget)
         M, K = cost.shape
+        self.last_dp_cost = float("nan")
         if M == 0:
             return np.zeros(0, dtype=np.int64)
         usable = np.isfinite(cost) & (hbm <= H) & (ddr <= D)
@@ -186,104 +408,40 @@ class DynamicProgrammingProposer:
             return None
         max_h = np.where(usable, hbm, 0).max(axis=1).sum()
         max_d = np.where(usable, ddr, 0).max(axis=1).sum()
-        nh, nd = self._grid(M, K, bool(max_h > H), bool(max_d > D))
+        keep = prune_dominated(hbm, ddr, cost, usable)
+        nh, nd = self._grid(keep.sum(axis=1), bool(max_h > H), bool(max_d > D))
         self.last_bins = (nh, nd)
-        shape = (nh + 1, nd + 1)
-        ncell = shape[0] * shape[1]
-        flat = np.arange(ncell, dtype=np.int32).reshape(shape)
-        rows_a = np.arange(nh + 1, dtype=np.int64)[:, None]
-        cols_b = np.arange(nd + 1, dtype=np.int64)[None, :]
 
         # Plans sharing a cell are compared on cost + budget prices x bytes (the
         # true cost is carried alongside): with one bin per byte this changes
         # nothing, with coarse bins it stops cheap-but-greedy plans from
-        # evicting lean ones cell after cell (which would drift towards
-        # per-table rounding and lose feasible plans).
+        # evicting lean ones cell after cell.
         lh, ld = budget_prices(hbm, ddr, cost, H, D) if (nh or nd) else (0.0, 0.0)
         ph = lh / H if nh else 0.0
         pd = ld / D if nd else 0.0
         self.last_prices = (lh, ld)
-        C = np.full(shape, np.inf)
-        T = np.full(shape, np.inf)
-        U = np.full(shape, _UNREACHABLE, dtype=np.int64)
-        V = np.full(shape, _UNREACHABLE, dtype=np.int64)
-        C[0, 0], T[0, 0], U[0, 0], V[0, 0] = 0.0, 0.0, 0, 0
-        opt_dtype = np.int8 if K < 127 else np.int32
-        back_opt: List[np.ndarray] = []
-        back_src: List[np.ndarray] = []
-
-        for i in range(M):
-            Cn = np.full(shape, np.inf)
-            Tn = np.full(shape, np.inf)
-            Un = np.full(shape, _UNREACHABLE, dtype=np.int64)
-            Vn = np.full(shape, _UNREACHABLE, dtype=np.int64)
-            On = np.full(shape, -1, dtype=opt_dtype)
-            Sn = np.full(shape, -1, dtype=np.int32)
-            for j in np.flatnonzero(usable[i]):
-                h, d, c = int(hbm[i, j]), int(ddr[i, j]), float(cost[i, j])
-                sa = (h * nh) // H if nh else 0
-                sb = (d * nd) // D if nd else 0
-                if sa > nh or sb > nd:
-                    continue
-                ea, eb = nh + 1 - sa, nd + 1 - sb
-                Us, Vs = U[:ea, :eb], V[:ea, :eb]
-                cand = C[:ea, :eb] + (c + ph * h + pd * d)
-                dst_c = Cn[sa:, sb:]
-                better = cand < dst_c
-                better &= Us <= H - h
-                better &= Vs <= D - d
-                np.copyto(dst_c, cand, where=better)
-                np.copyto(Tn[sa:, sb:], T[:ea, :eb] + c, where=better)
-                np.copyto(Un[sa:, sb:], Us + h, where=better)
-                np.copyto(Vn[sa:, sb:], Vs + d, where=better)
-                np.copyto(On[sa:, sb:], j, where=better, casting="unsafe")
-                np.copyto(Sn[sa:, sb:], flat[:ea, :eb], where=better)
-            # Re-bucket every plan to the cell its exact bytes round up to:
-            # the floor shift above is short by 0 or 1 cell per axis.
-            reach = Un < _UNREACHABLE
-            if not reach.any():
-                return None
-            da = np.zeros(shape, dtype=np.int64)
-            db = np.zeros(shape, dtype=np.int64)
-            if nh:
-                np.subtract((np.where(reach, Un, 0) * nh + H - 1) // H, rows_a, out=da, where=reach)
-            if nd:
-                np.subtract((np.where(reach, Vn, 0) * nd + D - 1) // D, cols_b, out=db, where=reach)
-            if da.any() or db.any():
-                C2 = np.full(shape, np.inf)
-                T2 = np.full(shape, np.inf)
-                U2 = np.full(shape, _UNREACHABLE, dtype=np.int64)
-                V2 = np.full(shape, _UNREACHABLE, dtype=np.int64)
-                O2 = np.full(shape, -1, dtype=opt_dtype)
-                S2 = np.full(shape, -1, dtype=np.int32)
-                for ta in (0, 1):
-                    for tb in (0, 1):
-                        m = reach & (da == ta) & (db == tb)
-                        if not m.any():
-                            continue
-                        ea, eb = nh + 1 - ta, nd + 1 - tb
-                        src_c = Cn[:ea, :eb]
-                        dst_c = C2[ta:, tb:]
-                        better = m[:ea, :eb] & (src_c < dst_c)
-                        np.copyto(dst_c, src_c, where=better)
-                        np.copyto(T2[ta:, tb:], Tn[:ea, :eb], where=better)
-                        np.copyto(U2[ta:, tb:], Un[:ea, :eb], where=better)
-                        np.copyto(V2[ta:, tb:], Vn[:ea, :eb], where=better)
-                        np.copyto(O2[ta:, tb:], On[:ea, :eb], where=better)
-                        np.copyto(S2[ta:, tb:], Sn[:ea, :eb], where=better)
-                Cn, Tn, Un, Vn, On, Sn = C2, T2, U2, V2, O2, S2
-            C, T, U, V = Cn, Tn, Un, Vn
-            back_opt.append(On)
-            back_src.append(Sn)
-
-        if not np.isfinite(T).any():
+        priced = cost + ph * hbm + pd * ddr
+        # Big tables first, small ones last: the last tables then fill the slack
+        # the bins cannot see with fine-grained bytes.
+        size = np.where(usable, hbm / max(H, 1) + ddr / max(D, 1), 0.0).max(axis=1)
+        order = np.argsort(-size, kind="stable")
+        hbm, ddr, cost, priced, keep = hbm[order], ddr[order], cost[order], priced[order], keep[order]
+        found = self._dp(hbm, ddr, cost, priced, keep, H, D, nh, nd)
+        if found is None and (nh or nd):
+            # Feasible plans can be lost when a cheaper plan evicts a leaner one
+            # from a shared cell on a sliver-thin budget: retry ranking plans in a
+            # cell by bytes (share of each binding budget), cost only breaking ties.
+            lean = (hbm / H if nh else 0.0) + (ddr / D if nd else 0.0)
+            scale = float(np.abs(np.where(np.isfinite(cost), cost, 0.0)).sum()) + 1.0
+            found = self._dp(hbm, ddr, cost, cost + 1e6 * scale * lean, keep, H, D, nh, nd)
+        if found is None:
             return None
-        cell = int(np.argmin(T))
-        choice = np.empty(M, dtype=np.int64)
-        for i in range(M - 1, -1, -1):
-            choice[i] = int(back_opt[i].flat[cell])
-            cell = int(back_src[i].flat[cell])
-        return choice
+        choice, self.last_dp_cost = found
+        if self.repair:
+            choice = _repair(hbm, ddr, cost, keep, choice, H, D, REPAIR_PAIR_LIMIT, REPAIR_TRIPLE_LIMIT)
+        out = np.empty(M, dtype=np.int64)
+        out[order] = choice
+        return out
 
 
 class BruteForceProposer:
@@ -379,4 +537,9 @@ __all__ = [
     "DP_WORK_TARGET",
     "DynamicProgrammingProposer",
     "Proposer",
+    "REPAIR_MAX_STEPS",
+    "REPAIR_PAIR_LIMIT",
+    "REPAIR_TRIPLE_LIMIT",
+    "budget_prices",
+    "prune_dominated",
 ]

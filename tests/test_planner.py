@@ -169,9 +169,11 @@ def test_dp_equals_brute_force_random(inst) -> None:
     hbm, ddr, cost, H, D = inst
     ref = exhaustive(hbm, ddr, cost, H, D)
     dp = DynamicProgrammingProposer(bins=(max(H, 1), max(D, 1))).solve(hbm, ddr, cost, H, D)  # 1 byte per bin
+    # the DP alone (no repair step) must be exact with one bin per byte too
+    dp_only = DynamicProgrammingProposer(bins=(max(H, 1), max(D, 1)), repair=False).solve(hbm, ddr, cost, H, D)
     bf = BruteForceProposer().solve(hbm, ddr, cost, H, D)
     r = np.arange(cost.shape[0])
-    for sol in (dp, bf):
+    for sol in (dp, dp_only, bf):
         if math.isinf(ref):
             assert sol is None
         else:
@@ -223,6 +225,135 @@ def test_dp_default_bins_close_to_brute_force() -> None:
         assert dp is not None and hbm[r, dp].sum() <= H and ddr[r, dp].sum() <= D
         gaps.append(cost[r, dp].sum() / cost[r, bf].sum() - 1)
     assert gaps and max(gaps) <= 0.01
+
+
+def _random_tables(rng: np.random.Generator, m: int) -> List[TableSpec]:
+    return [
+        TableSpec(name=f"t{i}", rows=int(rng.integers(10**5, 2 * 10**8)), dim=int(rng.choice([32, 64, 128, 256])),
+                  optimizer=str(rng.choice(["adam", "rowwise_adagrad", "sgd"])),
+                  lookups_per_step=float(rng.integers(10**3, 10**6)), zipf_alpha=float(rng.uniform(0.6, 1.4)))
+        for i in range(m)
+    ]
+
+
+def test_dp_default_bins_gap_random_six_tables() -> None:
+    # The gap target (<= 1% vs the exact solver) on random 6-table instances,
+    # for the DP alone (repair=False) and for the full proposer; never over budget.
+    rng = np.random.default_rng(2024)
+    model = AnalyticCostModel()
+    gaps: List[float] = []
+    dp_only_gaps: List[float] = []
+    for _ in range(24):
+        tabs = _random_tables(rng, 6)
+        hbm, ddr, cost = options_to_arrays(GridPlacementEnumerator(8, 8, model).enumerate(tabs))
+        H = int(hbm.max(axis=1).sum() * rng.uniform(0.3, 0.8))
+        D = int(ddr.max(axis=1).sum() * rng.uniform(0.3, 0.8))
+        bf = BruteForceProposer().solve(hbm, ddr, cost, H, D)
+        full = DynamicProgrammingProposer().solve(hbm, ddr, cost, H, D)
+        bare = DynamicProgrammingProposer(repair=False).solve(hbm, ddr, cost, H, D)
+        r = np.arange(6)
+        for sol in (full, bare):
+            if sol is not None:
+                assert hbm[r, sol].sum() <= H and ddr[r, sol].sum() <= D
+        if bf is None:
+            assert full is None and bare is None
+            continue
+        assert full is not None and bare is not None
+        ref = cost[r, bf].sum()
+        gaps.append(cost[r, full].sum() / ref - 1)
+        dp_only_gaps.append(cost[r, bare].sum() / ref - 1)
+        assert gaps[-1] <= dp_only_gaps[-1] + 1e-12  # the repair never makes a plan worse
+    assert len(gaps) >= 10
+    assert max(dp_only_gaps) <= 0.01 and max(gaps) <= 0.01
+
+
+def test_bulk_enumeration_equals_storage_formulas() -> None:
+    # Independent reference: the scalar storage functions and fast_tier_hit_rate.
+    rng = np.random.default_rng(3)
+    tables = _random_tables(rng, 12) + [
+        TableSpec(name="tiny", rows=5, dim=8, optimizer="adagrad"),  # N < W: ranks with 0 rows
+        TableSpec(name="even", rows=64 * 1000, dim=16, dtype="float16", optimizer="sgd"),  # W divides N
+        TableSpec(name="counts", rows=6, dim=4, access_counts=[5, 1, 0, 9, 2, 2]),
+    ]
+    xs = (0.1, 0.25, 0.3, 0.7, 0.3333333333333333, 1.0)  # 1/3: int64 products overflow -> scalar path
+    for world, local in [(8, 8), (64, 8), (12, 4)]:
+        cons = {"t1": PlacementConstraints(mode="CACHING"), "t2": PlacementConstraints(load_factors=[0.5, 1.0])}
+        enum = GridPlacementEnumerator(world, local, AnalyticCostModel(), xs, cons)
+        arrays = enum.enumerate_arrays(tables)
+        for i, t in enumerate(tables):
+            cands = enum.candidates(t)
+            assert int((arrays.modes[i] >= 0).sum()) == len(cands)
+            for j, (mode, x) in enumerate(cands):
+                o = arrays.option(i, j)
+                rank = shard_storage(max_local_rows(t.rows, world), t.dim, t.dtype, t.optimizer, mode, x)
+                mach = machine_storage(t.rows, world, local, t.dim, t.dtype, t.optimizer, mode, x)
+                assert (o.mode, o.cache_load_factor) == (mode, x)
+                assert (o.hbm_bytes_per_rank, o.ddr_bytes_per_rank) == (rank.fast_bytes, rank.slow_bytes)
+                assert (o.hbm_bytes_per_machine, o.ddr_bytes_per_machine) == (mach.fast_bytes, mach.slow_bytes)
+                hit = fast_tier_hit_rate(t, mode, x)
+                nbytes = t.lookups_per_step * row_bytes(t.dim, t.dtype, t.optimizer)
+                ref = nbytes / (hit * enum.cost_model.hbm_mem_bw + (1 - hit) * enum.cost_model.hbm_to_ddr_mem_bw)
+                assert o.cost == pytest.approx(ref, rel=1e-12)
+        assert arrays.to_options() == enum.enumerate(tables)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(knapsacks())
+def test_prune_dominated_keeps_the_optimum(inst) -> None:
+    from recpipe.planner.proposers import prune_dominated
+
+    hbm, ddr, cost, H, D = inst
+    usable = np.isfinite(cost)
+    keep = prune_dominated(hbm, ddr, cost, usable)
+    assert (keep <= usable).all() and (keep.any(axis=1) == usable.any(axis=1)).all()
+    for i, j in zip(*np.nonzero(usable & ~keep)):  # every dropped option has a kept dominator
+        ok = keep[i] & (hbm[i] <= hbm[i, j]) & (ddr[i] <= ddr[i, j]) & (cost[i] <= cost[i, j])
+        assert ok.any()
+    assert exhaustive(hbm, ddr, np.where(keep, cost, np.inf), H, D) == exhaustive(hbm, ddr, cost, H, D)
+
+
+def test_repair_only_improves_and_keeps_budgets() -> None:
+    from recpipe.planner.proposers import _repair
+
+    rng = np.random.default_rng(11)
+    for _ in range(30):
+        m, k = int(rng.integers(2, 9)), int(rng.integers(2, 6))
+        hbm = rng.integers(0, 50, (m, k))
+        ddr = rng.integers(0, 50, (m, k))
+        cost = rng.uniform(0, 10, (m, k))
+        start = rng.integers(0, k, m)
+        r = np.arange(m)
+        H, D = int(hbm[r, start].sum()) + int(rng.integers(0, 20)), int(ddr[r, start].sum()) + int(rng.integers(0, 20))
+        out = _repair(hbm, ddr, cost, np.ones((m, k), bool), start.copy(), H, D, 256, 400_000)
+        assert hbm[r, out].sum() <= H and ddr[r, out].sum() <= D
+        assert cost[r, out].sum() <= cost[r, start].sum() + 1e-12
+        # no single-table change improves the result any more (1-opt local optimum)
+        for i in range(m):
+            for j in range(k):
+                alt = out.copy()
+                alt[i] = j
+                if hbm[r, alt].sum() <= H and ddr[r, alt].sum() <= D:
+                    assert cost[r, alt].sum() >= cost[r, out].sum() - 1e-9
+
+
+def test_large_instance_plans_within_budgets() -> None:
+    # 300 tables x 64 ranks with both budgets binding: a plan exists (all HYBRID at
+    # x = 0.5 fits by construction) and the DP must find one within budgets.
+    rng = np.random.default_rng(5)
+    tables = _random_tables(rng, 300)
+    enum = GridPlacementEnumerator(64, 8, AnalyticCostModel())
+    hbm, ddr, _ = options_to_arrays(enum.enumerate(tables))
+    t = Topology(world_size=64, local_world_size=8, compute_device="cuda",
+                 hbm_cap=int(hbm.max(axis=1).sum() * 0.6 / 0.85), ddr_cap=int(ddr.max(axis=1).sum() * 0.75) // 8)
+    planner = PlacementPlanner(t)
+    plan = planner.plan(tables)
+    assert plan.hbm_bytes_per_rank <= planner.hbm_budget and plan.ddr_bytes_per_machine <= planner.ddr_budget
+    assert plan.hbm_bytes_per_rank > 0.9 * planner.hbm_budget  # the tight HBM budget is used, not wasted
+    # an independent feasible plan (every table HYBRID at x = 0.5) is never cheaper
+    half = [next(o for o in opts if o.mode is Mode.HYBRID and o.cache_load_factor == 0.5) for opts in enum.enumerate(tables)]
+    assert sum(o.hbm_bytes_per_rank for o in half) <= planner.hbm_budget
+    assert sum(o.ddr_bytes_per_machine for o in half) <= planner.ddr_budget
+    assert plan.total_cost < sum(o.cost for o in half)
 
 
 # ------------------------------------------------------- planner behaviour ----
