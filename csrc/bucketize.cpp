@@ -129,35 +129,33 @@ void hash_ids(
     uindex_t* out,
     BadId& bad) {
   constexpr int64_t kBlock = 512;
-  uint64_t h[kBlock];
   int32_t pending[kBlock];
   for (int64_t b0 = s; b0 < e; b0 += kBlock) {
     const int64_t m = std::min<int64_t>(kBlock, e - b0);
+    uindex_t* h = out + b0;  // hashed in place: no staging copy
     for (int64_t j = 0; j < m; ++j) {
       const index_t raw = ids[b0 + j];
       const bool ok = raw >= 0 && static_cast<uint64_t>(raw) < n;
       if (!ok && bad.position < 0) {
         bad = BadId{b0 + j, feature, static_cast<int64_t>(raw)};
       }
-      h[j] = perm.round_fwd(ok ? static_cast<uint64_t>(raw) : 0);
+      h[j] = static_cast<uindex_t>(perm.round_fwd(ok ? static_cast<uint64_t>(raw) : 0));
     }
     int32_t np = 0;
     for (int32_t j = 0; j < m; ++j) {
       pending[np] = j;
-      np += h[j] >= n;
+      np += static_cast<uint64_t>(h[j]) >= n;
     }
     while (np > 0) {
       int32_t next = 0;
       for (int32_t k = 0; k < np; ++k) {
         const int32_t j = pending[k];
-        h[j] = perm.round_fwd(h[j]);
+        const uint64_t y = perm.round_fwd(static_cast<uint64_t>(h[j]));
+        h[j] = static_cast<uindex_t>(y);
         pending[next] = j;
-        next += h[j] >= n;
+        next += y >= n;
       }
       np = next;
-    }
-    for (int64_t j = 0; j < m; ++j) {
-      out[b0 + j] = static_cast<uindex_t>(h[j]);
     }
   }
 }
