@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
     print(hardware_line())
     print(
-        f"default recipe (MovieLens-100k, micro-DLRM-DRAM, table-wise placements), "
+        f"default recipe (MovieLens-100k, micro-DLRM-DRAM, planned tiered placements + hash routing), "
         f"{args.nproc} ranks x 1 thread, {args.steps} steps per run, {args.repeats} runs per pipeline"
     )
     sps: dict[str, list[float]] = {"sparse": [], "fused": []}
