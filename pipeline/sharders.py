@@ -484,10 +484,66 @@ class TieredRwSequenceEmbeddingSharding(RecpipeRwSequenceEmbeddingSharding):
         )
 
 
+#: state_dict key infix of a tiered table's rows: ``<collection>.<table>.tiered.<field>``.
+TIERED_STATE_KEY = "tiered"
+_TIERED_FIELDS = ("global_ids", "weights", "optimizer_state", "step", "_extra_state")
+
+
 class _TieredTablesMixin:
-    """Access to the tiered shards of a sharded module's lookups (EBC and EC)."""
+    """Access to the tiered shards of a sharded module's lookups (EBC and EC).
+
+    Also makes ``state_dict()`` carry every tiered table's rows, so a plain
+    ``model.state_dict()`` checkpoint never loses them (torchrec's sharded
+    state_dict skips CUSTOMIZED_KERNEL tables): for each table this rank's export
+    (global row ids, values, optimizer state, step, routing/placement metadata)
+    appears under ``<collection>.<table>.tiered.<field>``; ``load_state_dict``
+    consumes those keys and loads the rows, validating the metadata (another
+    world size needs every rank's export: :meth:`load_tiered_state`).
+    """
 
     _lookups: List[nn.Module]
+    _TIERED_COLLECTION: str = "embedding_bags"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._register_state_dict_hook(_TieredTablesMixin._tiered_post_state_dict_hook)  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _tiered_post_state_dict_hook(
+        module: "_TieredTablesMixin", destination: Dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        for name, shard in module.tiered_tables().items():
+            st = shard.export_state()
+            base = f"{prefix}{module._TIERED_COLLECTION}.{name}.{TIERED_STATE_KEY}."
+            destination[base + "global_ids"] = st.global_ids
+            destination[base + "weights"] = st.weights
+            destination[base + "optimizer_state"] = st.optimizer_state
+            destination[base + "step"] = torch.tensor(st.step, dtype=torch.int64)
+            destination[base + "_extra_state"] = st.metadata
+
+    def _load_tiered_entries(self, state_dict: Dict[str, Any], prefix: str) -> None:
+        """Loads and removes the ``...tiered.*`` entries written by the state_dict hook."""
+        tables = self.tiered_tables()
+        for name, shard in tables.items():
+            base = f"{prefix}{self._TIERED_COLLECTION}.{name}.{TIERED_STATE_KEY}."
+            present = [f for f in _TIERED_FIELDS if base + f in state_dict]
+            if not present:
+                continue
+            if len(present) != len(_TIERED_FIELDS):
+                absent = [base + f for f in _TIERED_FIELDS if f not in present]
+                raise ValueError(
+                    f"tiered table {name!r}: state_dict has {sorted(base + f for f in present)} but not "
+                    f"{absent}; pass the complete export written by state_dict()."
+                )
+            shard.load_states([
+                TieredShardState(
+                    global_ids=state_dict.pop(base + "global_ids"),
+                    weights=state_dict.pop(base + "weights"),
+                    optimizer_state=state_dict.pop(base + "optimizer_state"),
+                    step=int(state_dict.pop(base + "step")),
+                    metadata=dict(state_dict.pop(base + "_extra_state")),
+                )
+            ])
 
     def tiered_tables(self) -> Dict[str, TieredEmbeddingShard]:
         """This rank's tiered shards by table name (for stats, init and checkpoints).
@@ -589,6 +645,7 @@ class TieredShardedEmbeddingBagCollection(_TieredTablesMixin, RecpipeShardedEmbe
             for c in self._embedding_bag_configs
             if self.module_sharding_plan[c.name].compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
         ]
+        self._load_tiered_entries(state_dict, prefix)
         _load_full_tiered_weights(self, state_dict, f"{prefix}embedding_bags.", names)
         RecpipeShardedEmbeddingBagCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
 
@@ -689,6 +746,8 @@ class TieredShardedEmbeddingCollection(_TieredTablesMixin, RecpipeShardedEmbeddi
     :meth:`tiered_state` / :meth:`load_tiered_state`.
     """
 
+    _TIERED_COLLECTION = "embeddings"
+
     @classmethod
     def create_embedding_sharding(  # type: ignore[override]
         cls,
@@ -739,6 +798,7 @@ class TieredShardedEmbeddingCollection(_TieredTablesMixin, RecpipeShardedEmbeddi
 
         See :func:`_load_full_tiered_weights`.
         """
+        self._load_tiered_entries(state_dict, prefix)
         _load_full_tiered_weights(self, state_dict, f"{prefix}embeddings.", self._tiered_names())
         RecpipeShardedEmbeddingCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
 
