@@ -17,8 +17,11 @@ same round) and its inter-quartile range, RSS, loss equality with the baseline, 
 blocking wait for the output all-to-all (timed inside the awaitable's wait, the
 same wrapper for every row) and the dense optimizer step.
 
-CUDA: peak allocated/reserved memory per combination would be reported there; this
-script runs the CPU/gloo configuration only (no GPU on the machines it was written on).
+``--device cuda`` runs the same comparison on 2 GPUs (nccl) and adds each
+combination's peak allocated / reserved CUDA memory (``torch.cuda.max_memory_*``
+over that combination's blocks of steps, reset before each block); steps are timed
+with a device synchronize at block edges. No GPU exists on the machines this was
+written on: that mode has not run, and the CPU run says so.
 
 Usage::
 
@@ -197,8 +200,8 @@ def _measured_sparse_dist(model: torch.nn.Module, opt: torch.optim.Optimizer, de
 def _body(rank: int, args: argparse.Namespace) -> Dict[str, Any]:
     from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
 
-    device = torch.device("cpu")
-    batches = _make_batches(args, rank)
+    device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
+    batches = _make_batches(args, rank)  # host batches: the pipelines copy them to the device
 
     def stream_of_batches() -> Iterator[Any]:
         for k in itertools.count():
@@ -234,6 +237,8 @@ def _body(rank: int, args: argparse.Namespace) -> Dict[str, Any]:
     losses: Dict[str, List[float]] = {n: [] for n in names}
     times: Dict[str, List[List[float]]] = {n: [] for n in names}
     rss: Dict[str, float] = {n: 0.0 for n in names}
+    cuda_peak: Dict[str, List[float]] = {n: [0.0, 0.0] for n in names}  # MB allocated, reserved
+    on_cuda = device.type == "cuda"
 
     def run(name: str, steps: int, record: bool) -> None:
         pipe, it = variants[name], iters[name]
@@ -241,11 +246,22 @@ def _body(rank: int, args: argparse.Namespace) -> Dict[str, Any]:
         # One barrier per block of steps (not per step: a per-step barrier would
         # hand the in-flight output all-to-all free time no real loop has).
         dist.barrier()
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        step_losses = []
         for _ in range(steps):
             t0 = time.perf_counter()
-            loss = pipe.progress(it)[0]
+            step_losses.append(pipe.progress(it)[0].detach())
             ts.append(time.perf_counter() - t0)
-            losses[name].append(loss.item())
+        if on_cuda:
+            # GPU work is asynchronous: charge what is still queued to the last step.
+            t0 = time.perf_counter()
+            torch.cuda.synchronize(device)
+            ts[-1] += time.perf_counter() - t0
+            cuda_peak[name][0] = max(cuda_peak[name][0], torch.cuda.max_memory_allocated(device) / 2**20)
+            cuda_peak[name][1] = max(cuda_peak[name][1], torch.cuda.max_memory_reserved(device) / 2**20)
+        losses[name].extend(float(x) for x in step_losses)
         if record:
             times[name].append(ts)
             rss[name] = max(rss[name], _rss_mb())
@@ -261,6 +277,7 @@ def _body(rank: int, args: argparse.Namespace) -> Dict[str, Any]:
     result["losses"] = losses
     result["rss"] = rss
     result["peak_rss"] = _peak_rss_mb()
+    result["cuda_peak"] = cuda_peak if on_cuda else None
     result["stats"] = {n: variants[n].stats.per_step_ms() for n in names}
     return result
 
@@ -269,7 +286,9 @@ def _worker(rank: int, ws: int, port: int, args: argparse.Namespace, q: Any) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=ws)
+        if args.device == "cuda":
+            torch.cuda.set_device(rank)
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=ws)
         out = _body(rank, args)
         dist.barrier()
         dist.destroy_process_group()
@@ -297,7 +316,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds (default 20)")
     ap.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: 2 ranks, 2 cores)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cpu (gloo, default) or cuda (nccl, 2 GPUs; adds peak CUDA memory)")
     args = ap.parse_args()
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        raise SystemExit(
+            f"--device cuda needs 2 CUDA devices, found {torch.cuda.device_count()}; run with --device cpu."
+        )
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -328,7 +353,8 @@ def main() -> None:
 
     print(
         f"\nbench_pipeline: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"torchrec {torchrec.__version__}, 2 ranks x {args.threads} thread(s), gloo, CPU"
+        f"torchrec {torchrec.__version__}, 2 ranks x {args.threads} thread(s), "
+        f"{'nccl, CUDA ' + torch.cuda.get_device_name(0) if args.device == 'cuda' else 'gloo, CPU'}"
     )
     print(
         f"model: DLRM, {args.tables} tables x {args.rows} rows x {args.dim} (fused SGD), over-arch "
@@ -354,16 +380,21 @@ def main() -> None:
             f"{r0['rss'][n]:7.0f} {str(same):>10} {st['output_dist_wait']:9.2f} {st['optimizer']:7.2f} "
             f"{st['embedding_lookup']:7.2f}"
         )
+        if r0["cuda_peak"] is not None:
+            alloc, reserved = r0["cuda_peak"][n]
+            print(f"{'':<30} CUDA peak allocated {alloc:.0f} MB, reserved {reserved:.0f} MB (rank 0)")
         if n == base:
             err = r0["torchrec_fused_error"]
-            print(f"{'torchrec FusedSparseDist':<30} {'FAILS on CPU: ' + str(err) if err else 'ran'}")
+            where = "CUDA" if args.device == "cuda" else "CPU"
+            print(f"{'torchrec FusedSparseDist':<30} {f'FAILS on {where}: ' + str(err) if err else 'ran'}")
     print(
         "ratio: median over rounds of (variant block time / baseline block time, same round), interleaved. a2a wait: ms/step "
         "the forward blocks on the output all-to-all;\nopt ms: dense optimizer ms/step; lookup: ms/step "
         "issuing lookup + output all-to-all outside the forward (recpipe only; torchrec does it inside "
         "the forward).\nRSS MB: rank-0 resident set after that variant's steps (all variants' models "
-        f"live in one process; peak {r0['peak_rss']:.0f} MB). CUDA peak allocated/reserved memory: not "
-        "measured (no GPU here)."
+        f"live in one process; peak {r0['peak_rss']:.0f} MB). "
+        + ("CUDA peak memory: per row above." if args.device == "cuda" else
+           "CUDA peak allocated/reserved memory: not measured on CPU (--device cuda needs 2 GPUs; none here).")
     )
     base_wait = r0["stats"][base]["output_dist_wait"]
     for n in names[1:]:
