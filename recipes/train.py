@@ -176,7 +176,8 @@ def run(config: TrainConfig) -> TrainResult:
         )
         tb.text("placement/plan", sharded.plan_text)
         if rank == 0:
-            print(f"[recpipe] placement plan ({world} ranks):\n{sharded.plan_text}", flush=True)
+            plan_lines = "\n".join(f"[recpipe]   {line}" for line in sharded.plan_text.splitlines())
+            print(f"[recpipe] placement plan ({world} ranks):\n{plan_lines}", flush=True)
         global_batch = config.batch_size * world
         bar = tqdm(
             total=total,
