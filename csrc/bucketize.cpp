@@ -112,12 +112,88 @@ std::vector<int64_t> chunk_bags(
   return bounds;
 }
 
+// The permutation rounds in 32-bit lanes: bit-identical to
+// HashPermutation::round_fwd whenever mask < 2^32 (b <= 32: tables up to 4G
+// rows), since the low b bits of sums and products depend only on the low b
+// bits of their operands. Written branch-free over a block so the compiler
+// vectorizes it (8 lanes with AVX2: vpmulld).
+struct Perm32 {
+  uint32_t mask;
+  uint32_t s;
+  uint32_t add[HashPermutation::kRounds];
+  uint32_t mul[HashPermutation::kRounds];
+
+  explicit Perm32(const HashPermutation& p)
+      : mask(static_cast<uint32_t>(p.mask)), s(static_cast<uint32_t>(p.s)) {
+    for (int r = 0; r < HashPermutation::kRounds; ++r) {
+      add[r] = static_cast<uint32_t>(p.add[r]);
+      mul[r] = static_cast<uint32_t>(p.mul[r]);
+    }
+  }
+};
+
+// out[j] = y1 = P(in[j]) if y1 < n else P(y1): the first two cycle-walking
+// steps, branch-free (the ternary becomes a blend), for n <= 2^32 (last = n - 1).
+#define RECPIPE_PERM32_WALK2_BODY                                    \
+  for (int64_t j = 0; j < m; ++j) {                                  \
+    uint32_t x = in[j];                                              \
+    for (int r = 0; r < HashPermutation::kRounds; ++r) {             \
+      x = (x + p.add[r]) & p.mask;                                   \
+      x ^= x >> p.s;                                                 \
+      x = (x * p.mul[r]) & p.mask;                                   \
+      x ^= x >> p.s;                                                 \
+    }                                                                \
+    uint32_t y = x;                                                  \
+    for (int r = 0; r < HashPermutation::kRounds; ++r) {             \
+      y = (y + p.add[r]) & p.mask;                                   \
+      y ^= y >> p.s;                                                 \
+      y = (y * p.mul[r]) & p.mask;                                   \
+      y ^= y >> p.s;                                                 \
+    }                                                                \
+    out[j] = static_cast<uindex_t>(x > last ? y : x);                \
+  }
+
+template <typename uindex_t>
+void perm32_walk2_generic(const Perm32& p, uint32_t last, const uint32_t* in, uindex_t* out, int64_t m) {
+  RECPIPE_PERM32_WALK2_BODY
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+template <typename uindex_t>
+__attribute__((target("avx2"))) void perm32_walk2_avx2(
+    const Perm32& p,
+    uint32_t last,
+    const uint32_t* in,
+    uindex_t* out,
+    int64_t m) {
+  RECPIPE_PERM32_WALK2_BODY
+}
+
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+#undef RECPIPE_PERM32_WALK2_BODY
+
+template <typename uindex_t>
+inline void perm32_walk2(const Perm32& p, uint32_t last, const uint32_t* in, uindex_t* out, int64_t m) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (cpu_has_avx2()) {
+    perm32_walk2_avx2<uindex_t>(p, last, in, out, m);
+    return;
+  }
+#endif
+  perm32_walk2_generic<uindex_t>(p, last, in, out, m);
+}
+
 // h[i] = H(ids[i]) for i in [s, e) of one hash_roundrobin feature.
 // The permutation runs on blocks of ids unconditionally (branch-free,
-// independent iterations the CPU overlaps); only the ids that left [0, n) are
-// cycle-walked again, compacted into a pending list: a per-id do/while would
-// mispredict on ~(2^b - n) / 2^b of the ids. Out-of-range ids are recorded in
-// `bad` (first one) and hashed as 0; the call fails after the pass.
+// independent iterations the CPU overlaps; for tables below 2^32 rows two
+// applications run vectorized in 32-bit lanes); only the ids still outside
+// [0, n) are cycle-walked further, compacted into a pending list: a per-id
+// do/while would mispredict on ~(2^b - n) / 2^b of the ids. Out-of-range ids
+// are recorded in `bad` (first one) and hashed as 0; the call fails after the pass.
 template <typename index_t, typename uindex_t>
 void hash_ids(
     const HashPermutation& perm,
@@ -130,18 +206,41 @@ void hash_ids(
     BadId& bad) {
   constexpr int64_t kBlock = 512;
   int32_t pending[kBlock];
+  const bool narrow = perm.mask <= 0xFFFFFFFFULL;
+  const Perm32 p32(perm);
+  uint32_t a32[kBlock];
+  const uint32_t last = narrow ? static_cast<uint32_t>(n - 1) : 0u;
   for (int64_t b0 = s; b0 < e; b0 += kBlock) {
     const int64_t m = std::min<int64_t>(kBlock, e - b0);
     uindex_t* h = out + b0;  // hashed in place: no staging copy
+    // Range check as a reduction (vectorizes); the first bad id is located only
+    // when there is one.
+    uint32_t any_bad = 0;
     for (int64_t j = 0; j < m; ++j) {
-      const index_t raw = ids[b0 + j];
-      const bool ok = raw >= 0 && static_cast<uint64_t>(raw) < n;
-      if (!ok && bad.position < 0) {
-        bad = BadId{b0 + j, feature, static_cast<int64_t>(raw)};
+      const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[b0 + j]));
+      const uint32_t out_of_range = u >= n;  // negative ids are huge as unsigned
+      any_bad |= out_of_range;
+      a32[j] = out_of_range ? 0u : static_cast<uint32_t>(u);
+    }
+    if (any_bad && bad.position < 0) {
+      for (int64_t j = 0; j < m; ++j) {
+        const index_t raw = ids[b0 + j];
+        if (raw < 0 || static_cast<uint64_t>(raw) >= n) {
+          bad = BadId{b0 + j, feature, static_cast<int64_t>(raw)};
+          break;
+        }
       }
-      h[j] = static_cast<uindex_t>(perm.round_fwd(ok ? static_cast<uint64_t>(raw) : 0));
     }
     int32_t np = 0;
+    if (narrow) {
+      perm32_walk2<uindex_t>(p32, last, a32, h, m);  // P(x), or P(P(x)) where P(x) >= n
+    } else {
+      for (int64_t j = 0; j < m; ++j) {
+        const index_t raw = ids[b0 + j];
+        const bool ok = raw >= 0 && static_cast<uint64_t>(raw) < n;
+        h[j] = static_cast<uindex_t>(perm.round_fwd(ok ? static_cast<uint64_t>(raw) : 0));
+      }
+    }
     for (int32_t j = 0; j < m; ++j) {
       pending[np] = j;
       np += static_cast<uint64_t>(h[j]) >= n;
