@@ -194,7 +194,7 @@ inline void perm32_walk2(const Perm32& p, uint32_t last, const uint32_t* in, uin
 // [0, n) are cycle-walked further, compacted into a pending list: a per-id
 // do/while would mispredict on ~(2^b - n) / 2^b of the ids. Out-of-range ids
 // are recorded in `bad` (first one) and hashed as 0; the call fails after the pass.
-template <typename index_t, typename uindex_t>
+template <typename index_t, typename uindex_t, typename owner_t>
 void hash_ids(
     const HashPermutation& perm,
     uint64_t n,
@@ -202,7 +202,10 @@ void hash_ids(
     int64_t s,
     int64_t e,
     int64_t feature,
+    const FastDivU64& div_world,
+    uint64_t world,
     uindex_t* out,
+    owner_t* owner,
     BadId& bad) {
   constexpr int64_t kBlock = 512;
   int32_t pending[kBlock];
@@ -241,17 +244,29 @@ void hash_ids(
         h[j] = static_cast<uindex_t>(perm.round_fwd(ok ? static_cast<uint64_t>(raw) : 0));
       }
     }
+    // Split each h into owner rank and local id while the block is in cache;
+    // ids whose h is still outside [0, n) are queued (with h) for more walking
+    // and split again when they land. Writes are unconditional (branch-free).
+    uint64_t pending_h[kBlock];
     for (int32_t j = 0; j < m; ++j) {
+      const uint64_t hv = static_cast<uint64_t>(h[j]);
+      const uint64_t q = div_world.div(hv);
+      owner[b0 + j] = static_cast<owner_t>(hv - q * world);
+      h[j] = static_cast<uindex_t>(q);
       pending[np] = j;
-      np += static_cast<uint64_t>(h[j]) >= n;
+      pending_h[np] = hv;
+      np += hv >= n;
     }
     while (np > 0) {
       int32_t next = 0;
       for (int32_t k = 0; k < np; ++k) {
         const int32_t j = pending[k];
-        const uint64_t y = perm.round_fwd(static_cast<uint64_t>(h[j]));
-        h[j] = static_cast<uindex_t>(y);
+        const uint64_t y = perm.round_fwd(pending_h[k]);
+        const uint64_t q = div_world.div(y);
+        owner[b0 + j] = static_cast<owner_t>(y - q * world);
+        h[j] = static_cast<uindex_t>(q);
         pending[next] = j;
+        pending_h[next] = y;
         next += y >= n;
       }
       np = next;
@@ -334,9 +349,9 @@ void bucketize_cpu_impl(
             const int64_t f = r0 / B;
             const int64_t r1 = std::min<int64_t>(g1, (f + 1) * B);
             if (routes[f].dist == kHashRoundRobin) {
-              hash_ids<index_t, uindex_t>(
+              hash_ids<index_t, uindex_t, owner_t>(
                   routes[f].perm, routes[f].table_size, idx, offsets[r0], offsets[r1], f,
-                  hashed_local.get(), bad[c]);
+                  div_world, uW, hashed_local.get(), owner.get(), bad[c]);
             }
             r0 = r1;
           }
@@ -365,14 +380,9 @@ void bucketize_cpu_impl(
               lc[p * kBags]++;
             }
           } else {
-            // ids were permuted for the whole bag block above: split h.
+            // owners and local ids were computed for the whole bag block above.
             for (int64_t i = s; i < e; ++i) {
-              const uint64_t h = static_cast<uint64_t>(hashed_local[i]);
-              const uint64_t q = div_world.div(h);
-              const uint64_t p = h - q * uW;
-              owner[i] = static_cast<owner_t>(p);
-              hashed_local[i] = static_cast<uindex_t>(q);
-              lc[p * kBags]++;
+              lc[static_cast<uint64_t>(owner[i]) * kBags]++;
             }
           }
         }
