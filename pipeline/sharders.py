@@ -51,11 +51,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
-from torchrec.distributed.embedding_sharding import (
-    EmbeddingSharding,
-    EmbeddingShardingContext,
-    EmbeddingShardingInfo,
-)
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import (
     BaseEmbeddingLookup,
     BaseGroupedFeatureProcessor,
@@ -63,15 +59,9 @@ from torchrec.distributed.embedding_types import (
     GroupedEmbeddingConfig,
     ShardedEmbeddingTable,
 )
-from torchrec.distributed.types import (
-    ParameterSharding,
-    QuantizedCommCodecs,
-    ShardingEnv,
-    ShardingType,
-)
+from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.optim.fused import EmptyFusedOptimizer
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
@@ -414,16 +404,14 @@ class _TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
         return super()._create_embedding_kernel(config, pg, device, env)
 
 
-class TieredRwPooledEmbeddingSharding(RecpipeRwPooledEmbeddingSharding):
-    """recpipe's routed row-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered.
+class _TieredRoutingMixin:
+    """Resolves the routing of tiered tables before the row-wise sharding is built.
 
     The routing of a tiered table is resolved once, here, and written into its
     fused params so the input dist (``recpipe.pipeline.sharding.feature_routing``)
     and the tiered kernel agree: the table's own ``recpipe_dist_type`` /
     ``recpipe_seed``, else the sharder's ``RoutingOverrides``, else
     ``hash_roundrobin`` with seed 0 (recpipe's default for its tables).
-
-    Args: as ``RecpipeRwPooledEmbeddingSharding``.
     """
 
     def __init__(
@@ -434,7 +422,14 @@ class TieredRwPooledEmbeddingSharding(RecpipeRwPooledEmbeddingSharding):
         **kwargs: Any,
     ) -> None:
         _resolve_tiered_routing(sharding_infos, routing)
-        super().__init__(sharding_infos, *args, routing=routing, **kwargs)
+        super().__init__(sharding_infos, *args, routing=routing, **kwargs)  # type: ignore[call-arg]
+
+
+class TieredRwPooledEmbeddingSharding(_TieredRoutingMixin, RecpipeRwPooledEmbeddingSharding):
+    """recpipe's routed row-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered.
+
+    Args: as ``RecpipeRwPooledEmbeddingSharding``; routing as :class:`_TieredRoutingMixin`.
+    """
 
     def create_lookup(
         self,
@@ -452,23 +447,11 @@ class TieredRwPooledEmbeddingSharding(RecpipeRwPooledEmbeddingSharding):
         )
 
 
-class TieredRwSequenceEmbeddingSharding(RecpipeRwSequenceEmbeddingSharding):
+class TieredRwSequenceEmbeddingSharding(_TieredRoutingMixin, RecpipeRwSequenceEmbeddingSharding):
     """recpipe's routed row-wise sequence sharding whose CUSTOMIZED_KERNEL tables are tiered.
 
-    Routing of tiered tables is resolved as in :class:`TieredRwPooledEmbeddingSharding`.
-
-    Args: as ``RecpipeRwSequenceEmbeddingSharding``.
+    Args: as ``RecpipeRwSequenceEmbeddingSharding``; routing as :class:`_TieredRoutingMixin`.
     """
-
-    def __init__(
-        self,
-        sharding_infos: List[EmbeddingShardingInfo],
-        *args: Any,
-        routing: Optional[RoutingOverrides] = None,
-        **kwargs: Any,
-    ) -> None:
-        _resolve_tiered_routing(sharding_infos, routing)
-        super().__init__(sharding_infos, *args, routing=routing, **kwargs)
 
     def create_lookup(
         self,
@@ -520,6 +503,48 @@ class _TieredTablesMixin:
             destination[base + "optimizer_state"] = st.optimizer_state
             destination[base + "step"] = torch.tensor(st.step, dtype=torch.int64)
             destination[base + "_extra_state"] = st.metadata
+
+    def _tiered_names(self) -> List[str]:
+        """Tables of this module planned with the tiered (CUSTOMIZED_KERNEL) kernel."""
+        plan = self.module_sharding_plan  # type: ignore[attr-defined]
+        return [name for name, ps in plan.items()
+                if ps.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
+
+    def reset_parameters(self) -> None:
+        """torchrec's init for its own tables; tiered tables initialize themselves.
+
+        Like torchrec does for tables without a shard on this rank, a tiered table
+        gets an empty ``weight`` placeholder with an ``EmptyFusedOptimizer``.
+        """
+        collection = getattr(self, self._TIERED_COLLECTION)
+        for name in self._tiered_names():
+            holder = collection[name]
+            if not hasattr(holder, "weight"):
+                placeholder = nn.Parameter(torch.empty(0))
+                placeholder._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+                holder.register_parameter("weight", placeholder)
+        super().reset_parameters()  # type: ignore[misc]
+
+    @staticmethod
+    def _pre_load_state_dict_hook(
+        self: "_TieredTablesMixin",
+        state_dict: Dict[str, Any],
+        prefix: str,
+        *args: Any,
+    ) -> None:
+        """Loads tiered rows from ``state_dict``, then runs torchrec's hook.
+
+        Consumes the ``...tiered.*`` export entries (:meth:`_load_tiered_entries`)
+        and full ``[num_embeddings, dim]`` weights (:func:`_load_full_tiered_weights`).
+        """
+        self._load_tiered_entries(state_dict, prefix)
+        _load_full_tiered_weights(
+            self, state_dict, f"{prefix}{self._TIERED_COLLECTION}.", self._tiered_names()
+        )
+        # the next class's hook in the MRO (torchrec's ShardedEmbedding[Bag]Collection)
+        super(_TieredTablesMixin, type(self))._pre_load_state_dict_hook(  # type: ignore[misc]
+            self, state_dict, prefix, *args
+        )
 
     def _load_tiered_entries(self, state_dict: Dict[str, Any], prefix: str) -> None:
         """Loads and removes the ``...tiered.*`` entries written by the state_dict hook."""
@@ -595,59 +620,7 @@ class _TieredTablesMixin:
 class TieredShardedEmbeddingBagCollection(_TieredTablesMixin, RecpipeShardedEmbeddingBagCollection):
     """recpipe's routed ``ShardedEmbeddingBagCollection`` with tiered CUSTOMIZED_KERNEL tables."""
 
-    @classmethod
-    def create_embedding_bag_sharding(  # type: ignore[override]
-        cls,
-        sharding_infos: List[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        permute_embeddings: bool = False,
-        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-    ) -> EmbeddingSharding[EmbeddingShardingContext, KeyedJaggedTensor, torch.Tensor, torch.Tensor]:
-        if sharding_infos[0].param_sharding.sharding_type == ShardingType.ROW_WISE.value:
-            return TieredRwPooledEmbeddingSharding(
-                sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, routing=cls._routing
-            )
-        return super().create_embedding_bag_sharding(
-            sharding_infos, env, device, permute_embeddings=permute_embeddings,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-        )
-
-    def reset_parameters(self) -> None:
-        """torchrec's init for its own tables; tiered tables initialize themselves.
-
-        Like torchrec does for tables without a shard on this rank, a tiered table
-        gets an empty ``weight`` placeholder with an ``EmptyFusedOptimizer``.
-        """
-        for config in self._embedding_bag_configs:
-            if self.module_sharding_plan[config.name].compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value:
-                continue
-            holder = self.embedding_bags[config.name]
-            if not hasattr(holder, "weight"):
-                placeholder = nn.Parameter(torch.empty(0))
-                placeholder._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-                holder.register_parameter("weight", placeholder)
-        super().reset_parameters()
-
-    @staticmethod
-    def _pre_load_state_dict_hook(
-        self: "TieredShardedEmbeddingBagCollection",
-        state_dict: Dict[str, Any],
-        prefix: str,
-        *args: Any,
-    ) -> None:
-        """Sets tiered tables from full weights in ``state_dict``, then runs torchrec's hook.
-
-        See :func:`_load_full_tiered_weights`.
-        """
-        names = [
-            c.name
-            for c in self._embedding_bag_configs
-            if self.module_sharding_plan[c.name].compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
-        ]
-        self._load_tiered_entries(state_dict, prefix)
-        _load_full_tiered_weights(self, state_dict, f"{prefix}embedding_bags.", names)
-        RecpipeShardedEmbeddingBagCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
+    _ROW_WISE_SHARDING = TieredRwPooledEmbeddingSharding
 
 
 def _load_full_tiered_weights(
@@ -681,7 +654,34 @@ def _load_full_tiered_weights(
         state_dict[key] = torch.empty(0)
 
 
-class TieredEmbeddingBagCollectionSharder(RecpipeEmbeddingBagCollectionSharder):
+class _TieredSharderMixin:
+    """Offers the tiered CUSTOMIZED_KERNEL for ROW_WISE tables and refuses it elsewhere."""
+
+    _SHARDED_MODULE: Any
+
+    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
+        kernels: List[str] = super().compute_kernels(sharding_type, compute_device_type)  # type: ignore[misc]
+        if sharding_type == ShardingType.ROW_WISE.value:
+            kernels.append(EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value)
+        return kernels
+
+    def shard(
+        self,
+        module: nn.Module,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> Any:
+        _check_tiered_params(params)
+        return super().shard(module, params, env, device, module_fqn)  # type: ignore[misc]
+
+    @property
+    def sharded_module_type(self) -> type:
+        return self._SHARDED_MODULE
+
+
+class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingBagCollectionSharder):
     """recpipe's EBC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
     CUSTOMIZED_KERNEL row-wise tables run the tiered kernel.
 
@@ -694,35 +694,7 @@ class TieredEmbeddingBagCollectionSharder(RecpipeEmbeddingBagCollectionSharder):
                                          sharders=[TieredEmbeddingBagCollectionSharder()])
     """
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        kernels = super().compute_kernels(sharding_type, compute_device_type)
-        if sharding_type == ShardingType.ROW_WISE.value:
-            kernels.append(EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value)
-        return kernels
-
-    def shard(
-        self,
-        module: EmbeddingBagCollection,
-        params: Dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        module_fqn: Optional[str] = None,
-    ) -> TieredShardedEmbeddingBagCollection:
-        _check_tiered_params(params)
-        return TieredShardedEmbeddingBagCollection.with_routing(self._routing)(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            fused_params=self.fused_params,
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
-        )
-
-    @property
-    def sharded_module_type(self) -> type:  # type: ignore[override]
-        return TieredShardedEmbeddingBagCollection
+    _SHARDED_MODULE = TieredShardedEmbeddingBagCollection
 
 
 def _check_tiered_params(params: Dict[str, ParameterSharding]) -> None:
@@ -747,63 +719,10 @@ class TieredShardedEmbeddingCollection(_TieredTablesMixin, RecpipeShardedEmbeddi
     """
 
     _TIERED_COLLECTION = "embeddings"
-
-    @classmethod
-    def create_embedding_sharding(  # type: ignore[override]
-        cls,
-        sharding_type: str,
-        sharding_infos: List[EmbeddingShardingInfo],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-    ) -> EmbeddingSharding:
-        if sharding_type == ShardingType.ROW_WISE.value:
-            return TieredRwSequenceEmbeddingSharding(
-                sharding_infos=sharding_infos,
-                env=env,
-                device=device,
-                qcomm_codecs_registry=qcomm_codecs_registry,
-                routing=cls._routing,
-            )
-        return super().create_embedding_sharding(
-            sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
-        )
-
-    def _tiered_names(self) -> List[str]:
-        return [name for name, ps in self.module_sharding_plan.items()
-                if ps.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value]
-
-    def reset_parameters(self) -> None:
-        """torchrec's init for its own tables; tiered tables initialize themselves.
-
-        Like torchrec does for tables without a shard on this rank, a tiered table
-        gets an empty ``weight`` placeholder with an ``EmptyFusedOptimizer``.
-        """
-        for name in self._tiered_names():
-            holder = self.embeddings[name]
-            if not hasattr(holder, "weight"):
-                placeholder = nn.Parameter(torch.empty(0))
-                placeholder._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
-                holder.register_parameter("weight", placeholder)
-        super().reset_parameters()
-
-    @staticmethod
-    def _pre_load_state_dict_hook(
-        self: "TieredShardedEmbeddingCollection",
-        state_dict: Dict[str, Any],
-        prefix: str,
-        *args: Any,
-    ) -> None:
-        """Sets tiered tables from full weights in ``state_dict``, then runs torchrec's hook.
-
-        See :func:`_load_full_tiered_weights`.
-        """
-        self._load_tiered_entries(state_dict, prefix)
-        _load_full_tiered_weights(self, state_dict, f"{prefix}embeddings.", self._tiered_names())
-        RecpipeShardedEmbeddingCollection._pre_load_state_dict_hook(self, state_dict, prefix, *args)
+    _ROW_WISE_SHARDING = TieredRwSequenceEmbeddingSharding
 
 
-class TieredEmbeddingCollectionSharder(RecpipeEmbeddingCollectionSharder):
+class TieredEmbeddingCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingCollectionSharder):
     """recpipe's EC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
     CUSTOMIZED_KERNEL row-wise tables run the tiered sequence kernel.
 
@@ -817,32 +736,4 @@ class TieredEmbeddingCollectionSharder(RecpipeEmbeddingCollectionSharder):
         model.module.tier_stats()
     """
 
-    def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        kernels = super().compute_kernels(sharding_type, compute_device_type)
-        if sharding_type == ShardingType.ROW_WISE.value:
-            kernels.append(EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value)
-        return kernels
-
-    def shard(
-        self,
-        module: EmbeddingCollection,
-        params: Dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        module_fqn: Optional[str] = None,
-    ) -> TieredShardedEmbeddingCollection:
-        _check_tiered_params(params)
-        return TieredShardedEmbeddingCollection.with_routing(self._routing)(
-            module,
-            params,
-            env,
-            self.fused_params,
-            device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            use_index_dedup=self._use_index_dedup,
-            module_fqn=module_fqn,
-        )
-
-    @property
-    def sharded_module_type(self) -> type:  # type: ignore[override]
-        return TieredShardedEmbeddingCollection
+    _SHARDED_MODULE = TieredShardedEmbeddingCollection

@@ -312,20 +312,28 @@ class RecpipeRwSequenceEmbeddingSharding(_RoutedInputDistMixin, RwSequenceEmbedd
     _IS_SEQUENCE: ClassVar[bool] = True
 
 
-class RecpipeShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
-    """ShardedEmbeddingBagCollection whose ROW_WISE shardings route with recpipe's op.
+class _RoutedShardedMixin:
+    """Routing and the ROW_WISE sharding class of a recpipe sharded collection.
 
-    torchrec builds shardings through the classmethod
-    ``create_embedding_bag_sharding``; the sharder's routing reaches it as a class
-    attribute of a per-sharder subclass (:meth:`with_routing`).
+    torchrec builds shardings through a classmethod; the sharder's routing reaches
+    it as a class attribute of a per-sharder subclass (:meth:`with_routing`).
+    ``_ROW_WISE_SHARDING`` is the sharding class built for ROW_WISE tables
+    (subclasses swap it, e.g. for tiered tables).
     """
 
     _routing: ClassVar[Optional[RoutingOverrides]] = None
+    _ROW_WISE_SHARDING: ClassVar[type]
 
     @classmethod
     def with_routing(cls, routing: Optional[RoutingOverrides]) -> type:
         """A subclass whose shardings use ``routing``."""
         return type(cls.__name__, (cls,), {"_routing": routing})
+
+
+class RecpipeShardedEmbeddingBagCollection(_RoutedShardedMixin, ShardedEmbeddingBagCollection):
+    """ShardedEmbeddingBagCollection whose ROW_WISE shardings route with recpipe's op."""
+
+    _ROW_WISE_SHARDING: ClassVar[type] = RecpipeRwPooledEmbeddingSharding
 
     @classmethod
     def create_embedding_bag_sharding(
@@ -337,7 +345,7 @@ class RecpipeShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> EmbeddingSharding:
         if sharding_infos[0].param_sharding.sharding_type == ShardingType.ROW_WISE.value:
-            return RecpipeRwPooledEmbeddingSharding(
+            return cls._ROW_WISE_SHARDING(
                 sharding_infos,
                 env,
                 device,
@@ -353,15 +361,10 @@ class RecpipeShardedEmbeddingBagCollection(ShardedEmbeddingBagCollection):
         )
 
 
-class RecpipeShardedEmbeddingCollection(ShardedEmbeddingCollection):
+class RecpipeShardedEmbeddingCollection(_RoutedShardedMixin, ShardedEmbeddingCollection):
     """ShardedEmbeddingCollection whose ROW_WISE shardings route with recpipe's op."""
 
-    _routing: ClassVar[Optional[RoutingOverrides]] = None
-
-    @classmethod
-    def with_routing(cls, routing: Optional[RoutingOverrides]) -> type:
-        """A subclass whose shardings use ``routing``."""
-        return type(cls.__name__, (cls,), {"_routing": routing})
+    _ROW_WISE_SHARDING: ClassVar[type] = RecpipeRwSequenceEmbeddingSharding
 
     @classmethod
     def create_embedding_sharding(
@@ -373,7 +376,7 @@ class RecpipeShardedEmbeddingCollection(ShardedEmbeddingCollection):
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> EmbeddingSharding:
         if sharding_type == ShardingType.ROW_WISE.value:
-            return RecpipeRwSequenceEmbeddingSharding(
+            return cls._ROW_WISE_SHARDING(
                 sharding_infos=sharding_infos,
                 env=env,
                 device=device,
@@ -396,21 +399,44 @@ def _make_routing(table_dist_types: Optional[Mapping[str, str]], seed: int) -> O
     return RoutingOverrides(table_dist_types=dict(table_dist_types), seed=int(seed))
 
 
-def _with_row_wise(types: List[str]) -> List[str]:
-    if ShardingType.ROW_WISE.value not in types:
-        types = types + [ShardingType.ROW_WISE.value]
-    return types
+class _RoutedSharderMixin:
+    """ROW_WISE on every compute device, and the sharder-level routing.
 
-
-class RecpipeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """EmbeddingBagCollectionSharder offering ROW_WISE on CPU, routed by recpipe.
+    ``_SHARDED_MODULE`` is the sharded collection class ``shard()`` builds
+    (subclasses swap it, e.g. for tiered tables).
 
     Args:
-        *args: as torchrec's ``EmbeddingBagCollectionSharder`` (``fused_params``, ...).
+        *args: as the torchrec sharder (``fused_params``, ...).
         table_dist_types: table name -> dist type for row-wise tables that do not
             carry their own (tables planned by recpipe.planner do).
         seed: seed of the hash_roundrobin bijection for those tables.
-        **kwargs: as torchrec's ``EmbeddingBagCollectionSharder``.
+        **kwargs: as the torchrec sharder.
+    """
+
+    _SHARDED_MODULE: ClassVar[Any]
+
+    def __init__(
+        self,
+        *args: Any,
+        table_dist_types: Optional[Mapping[str, str]] = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._routing = _make_routing(table_dist_types, seed)
+
+    def sharding_types(self, compute_device_type: str) -> List[str]:
+        types: List[str] = super().sharding_types(compute_device_type)  # type: ignore[misc]
+        if ShardingType.ROW_WISE.value not in types:
+            types = types + [ShardingType.ROW_WISE.value]
+        return types
+
+
+class RecpipeEmbeddingBagCollectionSharder(_RoutedSharderMixin, EmbeddingBagCollectionSharder):
+    """EmbeddingBagCollectionSharder offering ROW_WISE on CPU, routed by recpipe.
+
+    Args: see :class:`_RoutedSharderMixin` (``table_dist_types``, ``seed``) and
+        torchrec's ``EmbeddingBagCollectionSharder``.
 
     Example::
 
@@ -420,18 +446,7 @@ class RecpipeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        table_dist_types: Optional[Mapping[str, str]] = None,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._routing = _make_routing(table_dist_types, seed)
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return _with_row_wise(super().sharding_types(compute_device_type))
+    _SHARDED_MODULE: ClassVar[Any] = RecpipeShardedEmbeddingBagCollection
 
     def shard(
         self,
@@ -441,7 +456,7 @@ class RecpipeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> RecpipeShardedEmbeddingBagCollection:
-        return RecpipeShardedEmbeddingBagCollection.with_routing(self._routing)(
+        return self._SHARDED_MODULE.with_routing(self._routing)(
             module=module,
             table_name_to_parameter_sharding=params,
             env=env,
@@ -453,24 +468,13 @@ class RecpipeEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
 
 
-class RecpipeEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+class RecpipeEmbeddingCollectionSharder(_RoutedSharderMixin, EmbeddingCollectionSharder):
     """EmbeddingCollectionSharder offering ROW_WISE on CPU, routed by recpipe.
 
     Args: as :class:`RecpipeEmbeddingBagCollectionSharder`.
     """
 
-    def __init__(
-        self,
-        *args: Any,
-        table_dist_types: Optional[Mapping[str, str]] = None,
-        seed: int = 0,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self._routing = _make_routing(table_dist_types, seed)
-
-    def sharding_types(self, compute_device_type: str) -> List[str]:
-        return _with_row_wise(super().sharding_types(compute_device_type))
+    _SHARDED_MODULE: ClassVar[Any] = RecpipeShardedEmbeddingCollection
 
     def shard(
         self,
@@ -480,7 +484,7 @@ class RecpipeEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> RecpipeShardedEmbeddingCollection:
-        return RecpipeShardedEmbeddingCollection.with_routing(self._routing)(
+        return self._SHARDED_MODULE.with_routing(self._routing)(
             module,
             params,
             env,
