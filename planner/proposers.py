@@ -74,13 +74,20 @@ class Proposer(Protocol):
         ...
 
 
-def _validate(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int) -> None:
+def _validated(
+    hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The proposer inputs as int64 / int64 / float64 arrays, after checking shapes and budgets."""
+    hbm = np.asarray(hbm, dtype=np.int64)
+    ddr = np.asarray(ddr, dtype=np.int64)
+    cost = np.asarray(cost, dtype=np.float64)
     if not (hbm.shape == ddr.shape == cost.shape and cost.ndim == 2):
         raise ValueError(
             f"hbm {hbm.shape}, ddr {ddr.shape} and cost {cost.shape} must share one (tables, options) shape."
         )
     if hbm_budget < 0 or ddr_budget < 0:
         raise ValueError(f"budgets must be >= 0 bytes, got hbm_budget={hbm_budget}, ddr_budget={ddr_budget}.")
+    return hbm, ddr, cost
 
 
 def budget_prices(
@@ -394,10 +401,7 @@ class DynamicProgrammingProposer:
         ddr_budget: int,
     ) -> Optional[np.ndarray]:
         """See ``Proposer.solve``."""
-        hbm = np.asarray(hbm, dtype=np.int64)
-        ddr = np.asarray(ddr, dtype=np.int64)
-        cost = np.asarray(cost, dtype=np.float64)
-        _validate(hbm, ddr, cost, hbm_budget, ddr_budget)
+        hbm, ddr, cost = _validated(hbm, ddr, cost, hbm_budget, ddr_budget)
         H, D = int(hbm_budget), int(ddr_budget)
         M, K = cost.shape
         self.last_dp_cost = float("nan")
@@ -485,10 +489,7 @@ class BruteForceProposer:
         ddr_budget: int,
     ) -> Optional[np.ndarray]:
         """See ``Proposer.solve``."""
-        hbm = np.asarray(hbm, dtype=np.int64)
-        ddr = np.asarray(ddr, dtype=np.int64)
-        cost = np.asarray(cost, dtype=np.float64)
-        _validate(hbm, ddr, cost, hbm_budget, ddr_budget)
+        hbm, ddr, cost = _validated(hbm, ddr, cost, hbm_budget, ddr_budget)
         M = cost.shape[0]
         if M > self.max_tables:
             raise ValueError(
