@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from recpipe.pipeline.sharders import TIERED_STATE_KEY
 from recpipe.recipes.config import TrainConfig
 
 # Config fields that change the state's shapes or the data order: a resumed run must match.
@@ -106,6 +107,16 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
     return {k: d[k] for k in FINGERPRINT_FIELDS}
 
 
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """``model.state_dict()`` without the tiered tables' row exports.
+
+    Those rows are saved once, under ``"tiered"``, where every rank's export can be
+    read back whatever the routing (:func:`_restore_tiered`).
+    """
+    infix = f".{TIERED_STATE_KEY}."
+    return {k: v for k, v in model.state_dict().items() if infix not in k}
+
+
 def _rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -145,7 +156,7 @@ def save_checkpoint(
             "table_ranks": dict(table_ranks),
             "fingerprint": fingerprint(config),
         },
-        "model": _to_saved(model.state_dict()),
+        "model": _to_saved(_model_state(model)),
         "optimizer": _to_saved(optimizer.state_dict()),
         # torchrec's sharded state_dict skips CUSTOMIZED_KERNEL (tiered) tables:
         # they export (global id, value, optimizer state) themselves.
@@ -222,7 +233,7 @@ def load_checkpoint(
             "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
         )
     with torch.no_grad():
-        _restore(model.state_dict(), payload["model"], "model")
+        _restore(_model_state(model), payload["model"], "model")
         _restore(optimizer.state_dict(), payload["optimizer"], "optimizer")
         _restore_tiered(model, Path(directory) / f"step_{step:08d}", world)
     return int(meta["step"])
