@@ -1,4 +1,4 @@
-// recpipe: operator schemas (the one TORCH_LIBRARY block) and CPU kernels.
+// recpipe: CPU kernels of the routing ops (schemas: library.cpp).
 //
 // block_bucketize_sparse_features splits every bag of a KJT's flat
 // lengths/indices by owner rank. Output layout is fbgemm's: new_lengths is
@@ -586,29 +586,9 @@ Tensor hash_roundrobin_global_ids_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY(recpipe, m) {
-  m.def(
-      "block_bucketize_sparse_features(Tensor lengths, Tensor indices, Tensor block_sizes, "
-      "Tensor dist_types, SymInt my_size, bool sequence=False, bool bucketize_pos=False, "
-      "Tensor? weights=None, Tensor? table_sizes=None, int seed=0, bool keep_orig_idx=False) "
-      "-> (Tensor, Tensor, Tensor?, Tensor?, Tensor?)");
-  m.def(
-      "hash_roundrobin_global_ids(Tensor ranks, Tensor local_ids, int table_size, "
-      "SymInt world_size, int seed=0) -> Tensor");
-}
-
 TORCH_LIBRARY_IMPL(recpipe, CPU, m) {
   m.impl("block_bucketize_sparse_features", &block_bucketize_sparse_features_cpu);
   m.impl("hash_roundrobin_global_ids", &hash_roundrobin_global_ids_cpu);
 }
 
 }  // namespace recpipe
-
-// Importing recpipe._C registers the ops; the module itself holds nothing.
-#include <Python.h>
-
-static struct PyModuleDef recpipe_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-
-PyMODINIT_FUNC PyInit__C(void) {
-  return PyModule_Create(&recpipe_c_module);
-}

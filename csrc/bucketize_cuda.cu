@@ -1,4 +1,4 @@
-// recpipe: CUDA kernels for torch.ops.recpipe.* (schemas live in bucketize.cpp).
+// recpipe: CUDA kernels for torch.ops.recpipe.* (schemas live in library.cpp).
 //
 // block_bucketize_sparse_features in three steps, as fbgemm does:
 //   1. count  : one thread per bag computes every id's owner and local id

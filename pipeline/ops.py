@@ -1,6 +1,6 @@
 """Typed wrappers, fake kernels and KJT helpers for ``torch.ops.recpipe.*``.
 
-The kernels live in ``recpipe._C`` (``csrc/bucketize.cpp`` for the schemas and
+The kernels live in ``recpipe._C`` (``csrc/library.cpp`` for the schemas, ``csrc/bucketize.cpp`` for the
 CPU, ``csrc/bucketize_cuda.cu`` for CUDA); the routing math they share is
 ``csrc/bucketize_math.h``. Importing this module loads the extension and
 registers the fake (meta) kernels used by ``torch.compile`` and FakeTensor.

@@ -1,0 +1,38 @@
+// recpipe: every operator schema (the one TORCH_LIBRARY block) and the Python
+// module init of recpipe._C. Kernels register per backend beside their code:
+//   bucketize.cpp        CPU   block_bucketize_sparse_features, hash_roundrobin_global_ids
+//   bucketize_cuda.cu    CUDA  the same two routing ops
+//   placement_dp.cpp     CPU   placement_dp, placement_budget_prices (planner)
+#include <torch/library.h>
+
+TORCH_LIBRARY(recpipe, m) {
+  // Routing: split a KJT's flat lengths/indices by owner rank (fbgemm's layout).
+  m.def(
+      "block_bucketize_sparse_features(Tensor lengths, Tensor indices, Tensor block_sizes, "
+      "Tensor dist_types, SymInt my_size, bool sequence=False, bool bucketize_pos=False, "
+      "Tensor? weights=None, Tensor? table_sizes=None, int seed=0, bool keep_orig_idx=False) "
+      "-> (Tensor, Tensor, Tensor?, Tensor?, Tensor?)");
+  // Inverse of hash_roundrobin routing: (owner rank, local row) -> global id.
+  m.def(
+      "hash_roundrobin_global_ids(Tensor ranks, Tensor local_ids, int table_size, "
+      "SymInt world_size, int seed=0) -> Tensor");
+  // Planner: one pass of the 2-D (HBM bins x DDR bins) placement DP; returns
+  // (choice [M] int64, or [0] when no plan fits; total cost, 0-dim float64).
+  m.def(
+      "placement_dp(Tensor hbm, Tensor ddr, Tensor cost, Tensor priced, Tensor keep, "
+      "int hbm_budget, int ddr_budget, int hbm_bins, int ddr_bins) -> (Tensor, Tensor)");
+  // Planner: Lagrange prices of the two budgets by projected subgradient ascent;
+  // returns a [2] float64 tensor (l_hbm, l_ddr) in cost units per whole budget.
+  m.def(
+      "placement_budget_prices(Tensor hbm, Tensor ddr, Tensor cost, int hbm_budget, "
+      "int ddr_budget, int iters=200) -> Tensor");
+}
+
+// Importing recpipe._C registers the ops; the module itself holds nothing.
+#include <Python.h>
+
+static struct PyModuleDef recpipe_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  return PyModule_Create(&recpipe_c_module);
+}
