@@ -16,11 +16,14 @@ TORCH_LIBRARY(recpipe, m) {
   m.def(
       "hash_roundrobin_global_ids(Tensor ranks, Tensor local_ids, int table_size, "
       "SymInt world_size, int seed=0) -> Tensor");
-  // Planner: one pass of the 2-D (HBM bins x DDR bins) placement DP; returns
-  // (choice [M] int64, or [0] when no plan fits; total cost, 0-dim float64).
+  // Planner: one pass of the 2-D (HBM bins x DDR bins) placement DP, pruning
+  // partial plans whose Lagrangian bound (prices per byte) exceeds `incumbent`;
+  // returns (choice [M] int64, or [0] when no plan fits or beats the
+  // incumbent; total cost, 0-dim float64).
   m.def(
       "placement_dp(Tensor hbm, Tensor ddr, Tensor cost, Tensor priced, Tensor keep, "
-      "int hbm_budget, int ddr_budget, int hbm_bins, int ddr_bins) -> (Tensor, Tensor)");
+      "int hbm_budget, int ddr_budget, int hbm_bins, int ddr_bins, float incumbent, "
+      "float price_hbm, float price_ddr) -> (Tensor, Tensor)");
   // Planner: Lagrange prices of the two budgets by projected subgradient ascent;
   // returns a [2] float64 tensor (l_hbm, l_ddr) in cost units per whole budget.
   m.def(

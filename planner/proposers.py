@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import List, Optional, Protocol, Tuple, runtime_checkable
+from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
@@ -42,8 +42,60 @@ REPAIR_TRIPLE_LIMIT: int = 400_000
 REPAIR_MAX_STEPS: int = 200
 # Most (tables x options x options) booleans ``prune_dominated`` builds at once. Count.
 _PRUNE_CHUNK: int = 4_000_000
+# Subgradient steps of the budget prices the DP uses: the prices only rank plans
+# sharing a cell and tighten the incumbent bound (any prices >= 0 keep it valid);
+# on the bench's 100-table instance 50 steps already agree with 200 to 1e-4. Steps.
+PRICE_ITERS: int = 60
+# Relative slack of the incumbent bound in the DP (kBoundSlack in
+# csrc/placement_dp.cpp): float error in a bound never drops a tying plan. Fraction.
+BOUND_SLACK: float = 1e-9
+# Coarsest grid of the DP's warm-start ladder: grids are halved while they keep
+# at least this many cells, at most LADDER_LEVELS - 1 times. Cells / count.
+LADDER_MIN_CELLS: int = 128
+LADDER_LEVELS: int = 3
 # Tables above which the brute-force proposer refuses (19^8 ~ 1.7e10 combos).
 BRUTE_FORCE_MAX_TABLES: int = 8
+
+
+_CPP_OPS: Optional[Tuple[Any, Any]] = None
+_CPP_TRIED = False
+
+
+def _cpp_ops() -> Optional[Tuple[Any, Any]]:
+    """``(torch, torch.ops.recpipe)`` when the compiled planner kernels load, else None (NumPy is used)."""
+    global _CPP_OPS, _CPP_TRIED
+    if not _CPP_TRIED:
+        _CPP_TRIED = True
+        try:
+            import torch
+
+            import recpipe._C  # noqa: F401  (registers torch.ops.recpipe.*)
+
+            if hasattr(torch.ops.recpipe, "placement_dp"):
+                _register_fakes(torch)
+                _CPP_OPS = (torch, torch.ops.recpipe)
+        except ImportError:
+            _CPP_OPS = None
+    return _CPP_OPS
+
+
+def _register_fakes(torch: Any) -> None:
+    """Fake (meta) kernels of the planner ops, for FakeTensor / ``torch.library.opcheck``."""
+
+    @torch.library.register_fake("recpipe::placement_dp")
+    def _placement_dp_fake(
+        hbm: Any, ddr: Any, cost: Any, priced: Any, keep: Any, hbm_budget: int, ddr_budget: int,
+        hbm_bins: int, ddr_bins: int, incumbent: float, price_hbm: float, price_ddr: float,
+    ) -> Tuple[Any, Any]:
+        # The plan has one entry per table, or none when no plan fits: data-dependent.
+        n = torch.library.get_ctx().new_dynamic_size()
+        return hbm.new_empty((n,)), cost.new_empty(())
+
+    @torch.library.register_fake("recpipe::placement_budget_prices")
+    def _placement_budget_prices_fake(
+        hbm: Any, ddr: Any, cost: Any, hbm_budget: int, ddr_budget: int, iters: int = 200
+    ) -> Any:
+        return cost.new_empty((2,))
 
 
 @runtime_checkable
@@ -139,6 +191,24 @@ def budget_prices(
         step = scale / (k + 1)
         lh, ld = max(0.0, lh + step * ga), max(0.0, ld + step * gb)
     return best[1], best[2]
+
+
+def _budget_prices_cpp(
+    hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int, iters: int = 200
+) -> Tuple[float, float]:
+    """``budget_prices`` through ``torch.ops.recpipe.placement_budget_prices`` (same steps, C++ loop)."""
+    ops = _cpp_ops()
+    assert ops is not None
+    torch = ops[0]
+    out = ops[1].placement_budget_prices(
+        torch.from_numpy(np.ascontiguousarray(hbm)),
+        torch.from_numpy(np.ascontiguousarray(ddr)),
+        torch.from_numpy(np.ascontiguousarray(cost)),
+        int(hbm_budget),
+        int(ddr_budget),
+        int(iters),
+    )
+    return float(out[0]), float(out[1])
 
 
 def prune_dominated(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable: np.ndarray) -> np.ndarray:
@@ -274,13 +344,25 @@ class DynamicProgrammingProposer:
             ``DP_WORK_TARGET`` cell updates, at most ``DP_AXIS_BIN_CAP`` per axis,
             HBM:DDR = 2:1 like the seed's 100:50), so few tables get near-exact bins.
         repair (bool): run the exact local search on the DP's plan (default True).
+        backend (str): ``"cpp"`` runs the relaxation loop and the budget prices in
+            ``recpipe._C`` (``torch.ops.recpipe.placement_dp`` /
+            ``placement_budget_prices``), ``"numpy"`` runs their NumPy twins (same
+            plan), ``"auto"`` (default) uses the compiled kernels when they load.
 
     Example::
 
         choice = DynamicProgrammingProposer(bins=(100, 50)).solve(hbm, ddr, cost, H, D)
     """
 
-    def __init__(self, bins: Optional[Tuple[int, int]] = None, repair: bool = True) -> None:
+    def __init__(self, bins: Optional[Tuple[int, int]] = None, repair: bool = True, backend: str = "auto") -> None:
+        if backend not in ("auto", "cpp", "numpy"):
+            raise ValueError(f"backend must be 'auto', 'cpp' or 'numpy', got {backend!r}.")
+        if backend == "cpp" and _cpp_ops() is None:
+            raise RuntimeError(
+                "backend='cpp' needs the compiled kernels torch.ops.recpipe.placement_dp (recpipe._C), which did not "
+                "load; build/install recpipe (`make venv`) or pass backend='numpy'."
+            )
+        self.backend = "cpp" if backend == "cpp" or (backend == "auto" and _cpp_ops() is not None) else "numpy"
         if bins is not None:
             if len(bins) != 2 or any((not isinstance(b, (int, np.integer))) or b < 1 for b in bins):
                 raise ValueError(f"bins must be a pair of positive ints (hbm_bins, ddr_bins), got {bins!r}.")
@@ -318,7 +400,7 @@ class DynamicProgrammingProposer:
         return (nh if hbm_binds else 0), (nd if ddr_binds else 0)
 
     @staticmethod
-    def _dp(
+    def _dp_numpy(
         hbm: np.ndarray,
         ddr: np.ndarray,
         cost: np.ndarray,
@@ -328,16 +410,36 @@ class DynamicProgrammingProposer:
         D: int,
         nh: int,
         nd: int,
+        incumbent: float = math.inf,
+        ph: float = 0.0,
+        pd: float = 0.0,
     ) -> Optional[Tuple[np.ndarray, float]]:
-        """One DP pass; plans sharing a cell are ranked by ``priced``. Returns (choice, cost) or None."""
+        """One DP pass in NumPy (the reference twin of ``torch.ops.recpipe.placement_dp``).
+
+        Plans sharing a cell are ranked by ``priced``. A partial plan whose
+        Lagrangian lower bound (prices ``ph``, ``pd`` per byte) exceeds
+        ``incumbent`` is dropped: it cannot lead to a plan cheaper than the
+        incumbent (with one bin per byte the pass stays exact). Returns
+        (choice, cost), or None when no plan fits or beats the incumbent.
+        """
         M = cost.shape[0]
         stride = nd + 1
         ncell = (nh + 1) * stride
         # Bins per byte. Float cell indices are exact when a bin is one byte (the
         # factor is 1.0); otherwise a plan within float error of a bin edge may be
         # filed one cell off, which is harmless: feasibility is checked on exact bytes.
-        fh = nh / H if nh else 0.0
-        fd = nd / D if nd else 0.0
+        fh = nh / H if (nh and H) else 0.0  # a zero budget holds only zero-byte plans: one bin
+        fd = nd / D if (nd and D) else 0.0
+        # Room every later table needs at least (its leanest kept option).
+        big = np.iinfo(np.int64).max
+        min_h = np.where(keep, hbm, big).min(axis=1)
+        min_d = np.where(keep, ddr, big).min(axis=1)
+        rest_h = np.concatenate([np.cumsum(min_h[::-1])[::-1][1:], [0]])
+        rest_d = np.concatenate([np.cumsum(min_d[::-1])[::-1][1:], [0]])
+        # Lagrangian bound of the later tables, sum_{l > i} min_j (c + ph h + pd d).
+        lag = np.where(keep, (cost + ph * hbm) + pd * ddr, np.inf).min(axis=1)
+        rest_l = np.concatenate([np.cumsum(lag[::-1])[::-1][1:], [0.0]])
+        bound = incumbent + BOUND_SLACK * max(1.0, abs(incumbent))
         # Sparse DP state: one entry per occupied cell.
         P = np.zeros(1)  # priced cost
         T = np.zeros(1)  # true cost
@@ -347,12 +449,15 @@ class DynamicProgrammingProposer:
         back_src: List[np.ndarray] = []
         best = np.empty(ncell)
         winner = np.empty(ncell, dtype=np.int64)
+        grid = np.empty((nh + 1, nd + 1))
         for i in range(M):
             opts = np.flatnonzero(keep[i])
             k = opts.size
             U2 = U[:, None] + hbm[i, opts]
             V2 = V[:, None] + ddr[i, opts]
-            fits = (U2 <= H) & (V2 <= D)
+            T2 = T[:, None] + cost[i, opts]
+            lb = ((T2 + rest_l[i]) - ph * (H - U2)) - pd * (D - V2)
+            fits = (U2 <= H - rest_h[i]) & (V2 <= D - rest_d[i]) & (lb <= bound)
             a = np.minimum(np.ceil(U2 * fh), nh)
             b = np.minimum(np.ceil(V2 * fd), nd)
             cell = (a * stride + b).astype(np.int64).ravel()
@@ -365,7 +470,7 @@ class DynamicProgrammingProposer:
                 if sel.size == 0:
                     return None
                 cs, ps = cell[sel], P2[sel]
-            # Scatter-min: cheapest priced candidate per target cell.
+            # Scatter-min: cheapest priced candidate per target cell (the last of equals).
             best.fill(np.inf)
             np.minimum.at(best, cs, ps)
             won = ps == best[cs]
@@ -378,19 +483,66 @@ class DynamicProgrammingProposer:
             w = winner[occupied]  # flat (state, option) index of each cell's winner
             src, jj = np.divmod(w, k)
             P = best[occupied]
-            T = T[src] + cost[i, opts[jj]]
+            T = T2.ravel()[w]
             U = U2.ravel()[w]
             V = V2.ravel()[w]
-            back_opt.append(opts[jj])
-            back_src.append(src)
+            bo, bs = opts[jj], src
+            if nh > 0 and nd > 0 and occupied.size > 1:
+                # Dominance: a state in a cell strictly lower on both axes uses
+                # strictly fewer bytes of both budgets; if it costs no more, drop.
+                grid.fill(np.inf)
+                grid.ravel()[occupied] = T
+                low = np.minimum.accumulate(np.minimum.accumulate(grid, axis=0), axis=1)
+                ra, rb = np.divmod(occupied, stride)
+                lower = np.full(occupied.size, np.inf)
+                inner = (ra > 0) & (rb > 0)
+                lower[inner] = low[ra[inner] - 1, rb[inner] - 1]
+                alive = lower > T
+                if not alive.all():
+                    P, T, U, V, bo, bs = P[alive], T[alive], U[alive], V[alive], bo[alive], bs[alive]
+            back_opt.append(bo)
+            back_src.append(bs)
 
         pos = int(np.argmin(T))
         total = float(T[pos])
+        if total > bound:
+            return None  # the bound is a lower bound: the cheapest final plan can still lose to the incumbent
         choice = np.empty(M, dtype=np.int64)
         for i in range(M - 1, -1, -1):
             choice[i] = back_opt[i][pos]
             pos = int(back_src[i][pos])
         return choice, total
+
+    @staticmethod
+    def _dp_cpp(
+        hbm: np.ndarray,
+        ddr: np.ndarray,
+        cost: np.ndarray,
+        priced: np.ndarray,
+        keep: np.ndarray,
+        H: int,
+        D: int,
+        nh: int,
+        nd: int,
+        incumbent: float = math.inf,
+        ph: float = 0.0,
+        pd: float = 0.0,
+    ) -> Optional[Tuple[np.ndarray, float]]:
+        """One DP pass through ``torch.ops.recpipe.placement_dp`` (same result as ``_dp_numpy``)."""
+        ops = _cpp_ops()
+        assert ops is not None
+        torch = ops[0]
+        choice, total = ops[1].placement_dp(
+            torch.from_numpy(np.ascontiguousarray(hbm)),
+            torch.from_numpy(np.ascontiguousarray(ddr)),
+            torch.from_numpy(np.ascontiguousarray(cost)),
+            torch.from_numpy(np.ascontiguousarray(priced)),
+            torch.from_numpy(np.ascontiguousarray(keep)),
+            H, D, nh, nd, float(incumbent), float(ph), float(pd),
+        )
+        if choice.numel() != cost.shape[0]:
+            return None
+        return choice.numpy(), float(total)
 
     def solve(
         self,
@@ -420,7 +572,10 @@ class DynamicProgrammingProposer:
         # true cost is carried alongside): with one bin per byte this changes
         # nothing, with coarse bins it stops cheap-but-greedy plans from
         # evicting lean ones cell after cell.
-        lh, ld = budget_prices(hbm, ddr, cost, H, D) if (nh or nd) else (0.0, 0.0)
+        lh, ld = (0.0, 0.0)
+        if nh or nd:
+            prices = budget_prices if self.backend == "numpy" else _budget_prices_cpp
+            lh, ld = prices(hbm, ddr, cost, H, D, PRICE_ITERS)
         ph = lh / H if nh else 0.0
         pd = ld / D if nd else 0.0
         self.last_prices = (lh, ld)
@@ -430,19 +585,42 @@ class DynamicProgrammingProposer:
         size = np.where(usable, hbm / max(H, 1) + ddr / max(D, 1), 0.0).max(axis=1)
         order = np.argsort(-size, kind="stable")
         hbm, ddr, cost, priced, keep = hbm[order], ddr[order], cost[order], priced[order], keep[order]
-        found = self._dp(hbm, ddr, cost, priced, keep, H, D, nh, nd)
-        if found is None and (nh or nd):
-            # Feasible plans can be lost when a cheaper plan evicts a leaner one
-            # from a shared cell on a sliver-thin budget: retry ranking plans in a
-            # cell by bytes (share of each binding budget), cost only breaking ties.
-            lean = (hbm / H if nh else 0.0) + (ddr / D if nd else 0.0)
-            scale = float(np.abs(np.where(np.isfinite(cost), cost, 0.0)).sum()) + 1.0
-            found = self._dp(hbm, ddr, cost, cost + 1e6 * scale * lean, keep, H, D, nh, nd)
-        if found is None:
+        dp = self._dp_cpp if self.backend == "cpp" else self._dp_numpy
+        rows = np.arange(M)
+        # Warm-start ladder: solve coarser grids first; the best plan so far is
+        # the incumbent of the next pass, whose partial plans are pruned when
+        # their Lagrangian bound cannot beat it. The answer is the cheapest plan
+        # of all passes, so it is never worse than the coarser passes' plans.
+        levels = [(nh, nd)]
+        while len(levels) < LADDER_LEVELS:
+            a, b = levels[0]
+            coarser = (a // 2, b // 2)
+            if (coarser[0] + 1) * (coarser[1] + 1) < LADDER_MIN_CELLS:
+                break
+            levels.insert(0, coarser)
+        inc_choice: Optional[np.ndarray] = None
+        inc_cost = math.inf
+        for a, b in levels:
+            found = dp(hbm, ddr, cost, priced, keep, H, D, a, b, inc_cost, ph, pd)
+            if found is None and inc_choice is None and (a or b):
+                # Feasible plans can be lost when a cheaper plan evicts a leaner one
+                # from a shared cell on a sliver-thin budget: retry ranking plans in a
+                # cell by bytes (share of each binding budget), cost only breaking ties.
+                lean = (hbm / H if a else 0.0) + (ddr / D if b else 0.0)
+                scale = float(np.abs(np.where(np.isfinite(cost), cost, 0.0)).sum()) + 1.0
+                found = dp(hbm, ddr, cost, cost + 1e6 * scale * lean, keep, H, D, a, b)
+            if found is None:
+                continue  # nothing beats the incumbent at this grid
+            choice, dp_cost = found
+            self.last_dp_cost = min(dp_cost, inc_cost) if math.isnan(self.last_dp_cost) else min(dp_cost, self.last_dp_cost)
+            if self.repair:
+                choice = _repair(hbm, ddr, cost, keep, choice, H, D, REPAIR_PAIR_LIMIT, REPAIR_TRIPLE_LIMIT)
+            total = float(cost[rows, choice].sum())
+            if total < inc_cost:
+                inc_choice, inc_cost = choice, total
+        if inc_choice is None:
             return None
-        choice, self.last_dp_cost = found
-        if self.repair:
-            choice = _repair(hbm, ddr, cost, keep, choice, H, D, REPAIR_PAIR_LIMIT, REPAIR_TRIPLE_LIMIT)
+        choice = inc_choice
         out = np.empty(M, dtype=np.int64)
         out[order] = choice
         return out
