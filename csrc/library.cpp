@@ -2,7 +2,7 @@
 // module init of recpipe._C. Kernels register per backend beside their code:
 //   bucketize.cpp        CPU   block_bucketize_sparse_features, hash_roundrobin_global_ids
 //   bucketize_cuda.cu    CUDA  the same two routing ops
-//   placement_dp.cpp     CPU   placement_dp, placement_budget_prices (planner)
+//   placement_dp.cpp     CPU   placement_dp, placement_budget_prices, placement_prune_dominated (planner)
 #include <torch/library.h>
 
 TORCH_LIBRARY(recpipe, m) {
@@ -29,6 +29,10 @@ TORCH_LIBRARY(recpipe, m) {
   m.def(
       "placement_budget_prices(Tensor hbm, Tensor ddr, Tensor cost, int hbm_budget, "
       "int ddr_budget, int iters=200) -> Tensor");
+  // Planner: mask of the usable options no other usable option of the same
+  // table beats on HBM, DDR and cost ([M, K] bool).
+  m.def(
+      "placement_prune_dominated(Tensor hbm, Tensor ddr, Tensor cost, Tensor usable) -> Tensor");
 }
 
 // Importing recpipe._C registers the ops; the module itself holds nothing.

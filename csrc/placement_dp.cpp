@@ -27,6 +27,9 @@
 //
 // placement_budget_prices: Lagrange prices of both budgets by projected
 //   subgradient ascent on g(l) = sum_i min_j (c_ij + l_h h_ij / H + l_d d_ij / D) - l_h - l_d.
+//
+// placement_prune_dominated: the usable options no other usable option of the
+//   same table beats on HBM, DDR and cost (twin: proposers.prune_dominated).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -616,11 +619,54 @@ at::Tensor placement_budget_prices_cpu(
   return out;
 }
 
+at::Tensor placement_prune_dominated_cpu(
+    const at::Tensor& hbm_in,
+    const at::Tensor& ddr_in,
+    const at::Tensor& cost_in,
+    const at::Tensor& usable_in) {
+  check_planner_inputs(hbm_in, ddr_in, cost_in, "placement_prune_dominated");
+  TORCH_CHECK(
+      usable_in.sizes() == hbm_in.sizes() && usable_in.scalar_type() == at::kBool && usable_in.device().is_cpu(),
+      "recpipe.placement_prune_dominated: `usable` must be a CPU bool tensor shaped like `cost` ", cost_in.sizes(),
+      ", got ", usable_in.scalar_type(), " ", usable_in.sizes(), " on ", usable_in.device(), ".");
+  const at::Tensor hbm = hbm_in.contiguous(), ddr = ddr_in.contiguous(), cost = cost_in.contiguous();
+  const at::Tensor usable = usable_in.contiguous();
+  const int64_t M = hbm.size(0), K = hbm.size(1);
+  const int64_t* hp = hbm.const_data_ptr<int64_t>();
+  const int64_t* dp = ddr.const_data_ptr<int64_t>();
+  const double* cp = cost.const_data_ptr<double>();
+  const bool* up = usable.const_data_ptr<bool>();
+  at::Tensor keep = at::empty({M, K}, at::kBool);
+  bool* kp = keep.mutable_data_ptr<bool>();
+  for (int64_t i = 0; i < M; ++i) {
+    const int64_t o = i * K;
+    for (int64_t j = 0; j < K; ++j) {
+      bool dominated = false;
+      if (up[o + j]) {
+        const int64_t hj = hp[o + j], dj = dp[o + j];
+        const double cj = cp[o + j];
+        for (int64_t l = 0; l < K && !dominated; ++l) {
+          if (l == j || !up[o + l]) {
+            continue;
+          }
+          const int64_t hl = hp[o + l], dl = dp[o + l];
+          const double cl = cp[o + l];
+          // l dominates j: no worse on all three, and better on one or equal with a lower index.
+          dominated = hl <= hj && dl <= dj && cl <= cj && (hl < hj || dl < dj || cl < cj || l < j);
+        }
+      }
+      kp[o + j] = up[o + j] && !dominated;
+    }
+  }
+  return keep;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(recpipe, CPU, m) {
   m.impl("placement_dp", &placement_dp_cpu);
   m.impl("placement_budget_prices", &placement_budget_prices_cpu);
+  m.impl("placement_prune_dominated", &placement_prune_dominated_cpu);
 }
 
 }  // namespace recpipe

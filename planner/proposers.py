@@ -91,6 +91,10 @@ def _register_fakes(torch: Any) -> None:
         n = torch.library.get_ctx().new_dynamic_size()
         return hbm.new_empty((n,)), cost.new_empty(())
 
+    @torch.library.register_fake("recpipe::placement_prune_dominated")
+    def _placement_prune_dominated_fake(hbm: Any, ddr: Any, cost: Any, usable: Any) -> Any:
+        return usable.new_empty(usable.shape)
+
     @torch.library.register_fake("recpipe::placement_budget_prices")
     def _placement_budget_prices_fake(
         hbm: Any, ddr: Any, cost: Any, hbm_budget: int, ddr_budget: int, iters: int = 200
@@ -209,6 +213,19 @@ def _budget_prices_cpp(
         int(iters),
     )
     return float(out[0]), float(out[1])
+
+
+def _prune_dominated_cpp(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """``prune_dominated`` through ``torch.ops.recpipe.placement_prune_dominated`` (same mask)."""
+    ops = _cpp_ops()
+    assert ops is not None
+    torch = ops[0]
+    return ops[1].placement_prune_dominated(
+        torch.from_numpy(np.ascontiguousarray(hbm)),
+        torch.from_numpy(np.ascontiguousarray(ddr)),
+        torch.from_numpy(np.ascontiguousarray(cost)),
+        torch.from_numpy(np.ascontiguousarray(usable)),
+    ).numpy()
 
 
 def prune_dominated(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable: np.ndarray) -> np.ndarray:
@@ -344,10 +361,11 @@ class DynamicProgrammingProposer:
             ``DP_WORK_TARGET`` cell updates, at most ``DP_AXIS_BIN_CAP`` per axis,
             HBM:DDR = 2:1 like the seed's 100:50), so few tables get near-exact bins.
         repair (bool): run the exact local search on the DP's plan (default True).
-        backend (str): ``"cpp"`` runs the relaxation loop and the budget prices in
-            ``recpipe._C`` (``torch.ops.recpipe.placement_dp`` /
-            ``placement_budget_prices``), ``"numpy"`` runs their NumPy twins (same
-            plan), ``"auto"`` (default) uses the compiled kernels when they load.
+        backend (str): ``"cpp"`` runs the relaxation loop, the budget prices and
+            the option pruning in ``recpipe._C`` (``torch.ops.recpipe.placement_dp``,
+            ``placement_budget_prices``, ``placement_prune_dominated``), ``"numpy"``
+            runs their NumPy twins (same plan), ``"auto"`` (default) uses the
+            compiled kernels when they load.
 
     Example::
 
@@ -564,7 +582,7 @@ class DynamicProgrammingProposer:
             return None
         max_h = np.where(usable, hbm, 0).max(axis=1).sum()
         max_d = np.where(usable, ddr, 0).max(axis=1).sum()
-        keep = prune_dominated(hbm, ddr, cost, usable)
+        keep = (prune_dominated if self.backend == "numpy" else _prune_dominated_cpp)(hbm, ddr, cost, usable)
         nh, nd = self._grid(keep.sum(axis=1), bool(max_h > H), bool(max_d > D))
         self.last_bins = (nh, nd)
 

@@ -50,8 +50,11 @@ def prepared(hbm, ddr, cost, H, D):
 GRIDS = [(64, 32), (16, 8), (0, 24), (24, 0), (0, 0), (1, 1), (200, 3)]
 
 
+@pytest.mark.parametrize("simd", ["auto", "scalar"])
 @pytest.mark.parametrize("seed", range(12))
-def test_dp_kernel_equals_numpy_twin(seed: int) -> None:
+def test_dp_kernel_equals_numpy_twin(seed: int, simd: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if simd == "scalar":
+        monkeypatch.setenv("RECPIPE_PLANNER_SIMD", "scalar")  # the kernel's scalar loop instead of AVX2 lanes
     rng = np.random.default_rng(seed)
     m, k = int(rng.integers(1, 40)), int(rng.integers(1, 12))
     hbm, ddr, cost, H, D = random_instance(rng, m, k, tight=float(rng.uniform(0.3, 0.9)))
@@ -132,6 +135,19 @@ def test_budget_prices_kernel_equals_numpy_twin(seed: int) -> None:
     assert big == (0.0, 0.0)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_prune_kernel_equals_numpy_twin(seed: int) -> None:
+    rng = np.random.default_rng(300 + seed)
+    m, k = int(rng.integers(1, 50)), int(rng.integers(1, 15))
+    hbm, ddr, cost, H, D = random_instance(rng, m, k, 0.5)
+    # ties and duplicates, so the lower-index rule matters
+    hbm[:, k // 2] = hbm[:, 0]
+    ddr[:, k // 2] = ddr[:, 0]
+    cost[:, k // 2] = cost[:, 0]
+    usable = np.isfinite(cost) & (hbm <= H) & (ddr <= D)
+    np.testing.assert_array_equal(P._prune_dominated_cpp(hbm, ddr, cost, usable), P.prune_dominated(hbm, ddr, cost, usable))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_solve_backends_agree_and_keep_budgets(seed: int) -> None:
     rng = np.random.default_rng(200 + seed)
@@ -164,12 +180,16 @@ def test_opcheck_and_fake_shapes() -> None:
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     torch.library.opcheck(torch.ops.recpipe.placement_dp, (*t, H, D, 16, 8, math.inf, ph, pd), test_utils=utils)
     torch.library.opcheck(torch.ops.recpipe.placement_budget_prices, (t[0], t[1], t[2], H, D, 50), test_utils=utils)
+    usable = torch.isfinite(t[2])
+    torch.library.opcheck(torch.ops.recpipe.placement_prune_dominated, (t[0], t[1], t[2], usable), test_utils=utils)
     with FakeTensorMode(shape_env=ShapeEnv()) as mode:
         ft = [mode.from_tensor(x) for x in t]
         choice, total = torch.ops.recpipe.placement_dp(*ft, H, D, 16, 8, math.inf, ph, pd)
         prices = torch.ops.recpipe.placement_budget_prices(ft[0], ft[1], ft[2], H, D, 50)
+        kept = torch.ops.recpipe.placement_prune_dominated(ft[0], ft[1], ft[2], mode.from_tensor(t[4]))
     assert choice.dtype == torch.int64 and choice.dim() == 1 and total.shape == () and total.dtype == torch.float64
     assert prices.shape == (2,) and prices.dtype == torch.float64
+    assert kept.shape == t[4].shape and kept.dtype == torch.bool
     real_choice, _ = torch.ops.recpipe.placement_dp(*t, H, D, 16, 8, math.inf, ph, pd)
     assert real_choice.shape == (5,)
 
@@ -199,6 +219,8 @@ def test_bad_input_errors_name_the_argument() -> None:
         with pytest.raises(RuntimeError) as e:
             op(*args)
         assert msg in str(e.value), (msg, str(e.value))
+    with pytest.raises(RuntimeError, match="`usable` must be a CPU bool tensor"):
+        torch.ops.recpipe.placement_prune_dominated(hbm, ddr, cost, keep.long())
     with pytest.raises(RuntimeError, match="`iters` must be >= 1"):
         torch.ops.recpipe.placement_budget_prices(hbm, ddr, cost, H, D, 0)
     with pytest.raises(ValueError, match="backend must be"):
