@@ -8,9 +8,11 @@ Both proposers solve the same problem, given as arrays of shape ``(M, K)``
                sum_i ddr[i, j_i] <= ddr_budget   (bytes per machine)
 
 ``DynamicProgrammingProposer`` is the 2-D knapsack DP over (HBM bins, DDR bins)
-written as array operations over the reachable cells only, followed by an
-exact-bytes local search; ``BruteForceProposer`` enumerates every combination
-(<= 8 tables) and is exact.
+over the reachable cells only, followed by an exact-bytes local search; its
+relaxation loop, budget prices and option pruning run as C++ kernels
+(``torch.ops.recpipe.placement_*``, csrc/placement_dp.cpp) or as their NumPy
+twins (array operations, the same plan). ``BruteForceProposer`` enumerates
+every combination (<= 8 tables) and is exact.
 """
 
 from __future__ import annotations
@@ -339,9 +341,16 @@ class DynamicProgrammingProposer:
     the full ``(nh + 1) x (nd + 1)`` array), so the work per table is
     ``occupied cells x options``, the same cells a pure-Python loop that skips
     unreachable cells visits. Adding table ``i`` pushes every occupied cell
-    through every option of the table in one array operation, computes each
-    candidate's exact rounded-up target cell and keeps the cheapest per target
-    (a scatter-min); back-pointers (option, source cell) per table give the plan.
+    through every option of the table, computes each candidate's exact
+    rounded-up target cell and keeps the cheapest per target (a scatter-min);
+    back-pointers (option, source cell) per table give the plan. Recurrence::
+
+        dp_i(cell(U + hbm[i, j], V + ddr[i, j])) = min_{(U, V) in dp_{i-1}, j} dp_{i-1}(U, V) + cost[i, j]
+
+    A candidate is dropped when the later tables' leanest options no longer
+    fit, when its Lagrangian lower bound cannot beat the best plan found so far
+    (the incumbent), or when a plan in a cell strictly below it on both axes
+    costs no more; all three are exact with one bin per byte.
     With one bin per byte the DP is exact; with coarser bins two partial plans
     in one cell keep only the cheaper (compared on cost plus Lagrange budget
     prices, see ``budget_prices``).
@@ -353,7 +362,10 @@ class DynamicProgrammingProposer:
     a shared cell), a second pass ranks plans in a cell by bytes first. The DP's
     plan is finally improved by an exact-bytes local search (best 1-table
     changes; 2- and 3-table changes on small instances), which never breaks a
-    budget and never raises the cost.
+    budget and never raises the cost. The grid is solved as a ladder: up to
+    ``LADDER_LEVELS`` grids, each half the bins of the next, the repaired plan of
+    each pass being the incumbent of the next, so the finest pass only explores
+    partial plans that can still win.
 
     Args:
         bins (Optional[Tuple[int, int]]): (HBM bins, DDR bins) per device /
