@@ -36,8 +36,16 @@ def test_tests_import_the_installed_package_not_the_sources() -> None:
 
 def test_ops_are_registered_with_cpu_and_fake_kernels() -> None:
     import recpipe.pipeline.ops  # noqa: F401  (registers the fake kernels)
+    from recpipe.planner import proposers
 
-    for name in ("block_bucketize_sparse_features", "hash_roundrobin_global_ids"):
+    assert proposers._cpp_ops() is not None  # loads the planner kernels, registers their fakes
+    for name in (
+        "block_bucketize_sparse_features",
+        "hash_roundrobin_global_ids",
+        "placement_dp",
+        "placement_budget_prices",
+        "placement_prune_dominated",
+    ):
         qual = f"recpipe::{name}"
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CPU")
         assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, "Meta")
