@@ -6,20 +6,43 @@
 // order inside a bag is preserved.
 //
 // CPU algorithm (two passes over the ids, no [W*F*B] offsets array):
-//   1. owners: per chunk of bags (one chunk per thread), compute each id's
-//      owner rank (stored as uint8/uint16/uint32 by W), count new_lengths and
-//      per-(chunk, rank) totals; hash_roundrobin keeps its local ids in a
-//      scratch buffer so the hash runs once.
+//   1. owners: per chunk of bags (one chunk per thread), per block of bags and
+//      per run of one feature, compute each id's owner rank (stored as
+//      uint8/uint16/uint32 by W) in a tight loop (AVX-512 for continuous /
+//      roundrobin ids below 2^32; hash_roundrobin always vectorized, see
+//      below), then count new_lengths and per-(chunk, rank) totals from the
+//      owners. hash_roundrobin keeps its local ids in a scratch buffer (uint32
+//      when every hashed table has <= 2^32 rows) so the hash runs once.
 //   2. scatter: rank-major output means an id's position is
 //      base[rank] + (ids of that rank in earlier bags) + (earlier ids of that
 //      rank in its bag); walking the ids in order with one cursor per rank,
 //      started at base[rank] + totals of earlier chunks, yields it directly.
+//
+// hash_roundrobin (H = HashPermutation, bucketize_math.h) runs in 32-bit
+// lanes for tables of <= 2^32 rows: ids are range-checked, P is applied twice
+// to every lane unconditionally (the second result kept where the first left
+// [0, n)), the ~16% of lanes still outside are compacted and walked on, then
+// owner = h % W / local = h / W (shift or FastDivU32). Outputs are
+// bit-identical on every path.
+//
+// SIMD paths and RECPIPE_SIMD: the hot loops exist as `scalar` (baseline
+// x86-64, any CPU), `avx2` (target("avx2") build of the same loops) and
+// `avx512` (AVX-512F/BW/DQ/VL intrinsics: vpcompressd for the cycle-walking
+// stragglers, 4 independent vectors per step to hide vpmulld latency). The
+// best one the CPU supports (__builtin_cpu_supports) is used; setting the
+// environment variable RECPIPE_SIMD=scalar|avx2|avx512 (read on every call;
+// `auto` or unset = best) forces one, e.g. for tests. Forcing a path the CPU
+// lacks raises an error naming the best supported one. No global -m flags:
+// the extension runs on any x86-64 (and non-x86 builds use `scalar`).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -27,6 +50,10 @@
 
 #include "bucketize_math.h"
 #include "checks.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 
 namespace recpipe {
 namespace {
@@ -94,6 +121,25 @@ struct BadId {
   int64_t value = 0;
 };
 
+// Runs fn(c) for every chunk c in [0, chunks) on `workers` threads that take
+// chunks dynamically (one atomic counter), any order. Chunks write disjoint
+// outputs, so the order does not change results.
+template <typename Fn>
+void for_each_chunk(int64_t workers, int64_t chunks, Fn&& fn) {
+  if (workers <= 1 || chunks <= 1) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      fn(c);
+    }
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      fn(c);
+    }
+  });
+}
+
 // Splits [0, FB) into `chunks` contiguous ranges of bags with about equal id
 // counts; returns chunks + 1 boundaries.
 std::vector<int64_t> chunk_bags(
@@ -112,166 +158,644 @@ std::vector<int64_t> chunk_bags(
   return bounds;
 }
 
-// The permutation rounds in 32-bit lanes: bit-identical to
-// HashPermutation::round_fwd whenever mask < 2^32 (b <= 32: tables up to 4G
-// rows), since the low b bits of sums and products depend only on the low b
-// bits of their operands. Written branch-free over a block so the compiler
-// vectorizes it (8 lanes with AVX2: vpmulld).
-struct Perm32 {
+// ---------------------------------------------------------------------------
+// SIMD dispatch. The hash_roundrobin hot path has three builds of one
+// algorithm: `scalar` (baseline x86-64 / any CPU; the compiler may still use
+// SSE2), `avx2` (target("avx2") clone of the same code, auto-vectorized) and
+// `avx512` (hand-written AVX-512F/BW/DQ/VL intrinsics, vpcompressd for the
+// cycle-walking stragglers). The best one the CPU supports is used; the
+// environment variable RECPIPE_SIMD=scalar|avx2|avx512 (read on every call)
+// forces one, so tests can check each path against the reference. Forcing a
+// path the CPU lacks is an error, never a silent fallback.
+enum class Simd : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define RECPIPE_X86_SIMD 1
+#define RECPIPE_TARGET_AVX2 __attribute__((target("avx2")))
+#define RECPIPE_TARGET_AVX512 \
+  __attribute__((target("avx2,avx512f,avx512bw,avx512dq,avx512vl")))
+#else
+#define RECPIPE_X86_SIMD 0
+#endif
+
+Simd best_simd() {
+#if RECPIPE_X86_SIMD
+  static const Simd best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl")) {
+      return Simd::kAvx512;
+    }
+    return __builtin_cpu_supports("avx2") ? Simd::kAvx2 : Simd::kScalar;
+  }();
+  return best;
+#else
+  return Simd::kScalar;
+#endif
+}
+
+// The path this call uses: RECPIPE_SIMD if set (checked against the CPU), else
+// the best supported one.
+Simd simd_for_call() {
+  const Simd best = best_simd();
+  const char* env = std::getenv("RECPIPE_SIMD");
+  if (env == nullptr || env[0] == '\0' || std::strcmp(env, "auto") == 0) {
+    return best;
+  }
+  Simd want;
+  if (std::strcmp(env, "scalar") == 0) {
+    want = Simd::kScalar;
+  } else if (std::strcmp(env, "avx2") == 0) {
+    want = Simd::kAvx2;
+  } else if (std::strcmp(env, "avx512") == 0) {
+    want = Simd::kAvx512;
+  } else {
+    TORCH_CHECK(
+        false, "recpipe: environment variable RECPIPE_SIMD is '", env,
+        "'; it must be one of auto, scalar, avx2, avx512 (or unset).");
+  }
+  static const char* kNames[] = {"scalar", "avx2", "avx512"};
+  TORCH_CHECK(
+      static_cast<int>(want) <= static_cast<int>(best), "recpipe: RECPIPE_SIMD=", env,
+      " but this CPU lacks it (best supported: ", kNames[static_cast<int>(best)],
+      "); unset RECPIPE_SIMD or choose a supported path.");
+  return want;
+}
+
+// hash_roundrobin of one feature in 32-bit lanes, usable when the table has
+// n <= 2^32 rows (mask < 2^32) and W < 2^32: the permutation rounds are then
+// bit-identical to HashPermutation::round_fwd (the low b bits of sums and
+// products depend only on the low b bits of their operands), h = H(id) < 2^32
+// and h / W is a FastDivU32.
+struct Hash32 {
+  uint64_t n;     // table rows
+  uint32_t last;  // n - 1
   uint32_t mask;
   uint32_t s;
+  uint32_t world;
   uint32_t add[HashPermutation::kRounds];
   uint32_t mul[HashPermutation::kRounds];
+  FastDivU32 div;  // / W
 
-  explicit Perm32(const HashPermutation& p)
-      : mask(static_cast<uint32_t>(p.mask)), s(static_cast<uint32_t>(p.s)) {
+  static bool fits(const HashPermutation& p, uint64_t world) {
+    return p.mask <= 0xFFFFFFFFULL && world <= 0xFFFFFFFFULL;
+  }
+
+  Hash32(const HashPermutation& p, uint64_t table_size, uint64_t w)
+      : n(table_size),
+        last(static_cast<uint32_t>(table_size - 1)),
+        mask(static_cast<uint32_t>(p.mask)),
+        s(static_cast<uint32_t>(p.s)),
+        world(static_cast<uint32_t>(w)),
+        div(static_cast<uint32_t>(w)) {
     for (int r = 0; r < HashPermutation::kRounds; ++r) {
       add[r] = static_cast<uint32_t>(p.add[r]);
       mul[r] = static_cast<uint32_t>(p.mul[r]);
     }
   }
+
+  // One application of the permutation P (all rounds).
+  inline uint32_t apply(uint32_t x) const {
+    for (int r = 0; r < HashPermutation::kRounds; ++r) {
+      x = (x + add[r]) & mask;
+      x ^= x >> s;
+      x = (x * mul[r]) & mask;
+      x ^= x >> s;
+    }
+    return x;
+  }
 };
 
-// out[j] = y1 = P(in[j]) if y1 < n else P(y1): the first two cycle-walking
-// steps, branch-free (the ternary becomes a blend), for n <= 2^32 (last = n - 1).
-#define RECPIPE_PERM32_WALK2_BODY                                    \
-  for (int64_t j = 0; j < m; ++j) {                                  \
-    uint32_t x = in[j];                                              \
-    for (int r = 0; r < HashPermutation::kRounds; ++r) {             \
-      x = (x + p.add[r]) & p.mask;                                   \
-      x ^= x >> p.s;                                                 \
-      x = (x * p.mul[r]) & p.mask;                                   \
-      x ^= x >> p.s;                                                 \
-    }                                                                \
-    uint32_t y = x;                                                  \
-    for (int r = 0; r < HashPermutation::kRounds; ++r) {             \
-      y = (y + p.add[r]) & p.mask;                                   \
-      y ^= y >> p.s;                                                 \
-      y = (y * p.mul[r]) & p.mask;                                   \
-      y ^= y >> p.s;                                                 \
-    }                                                                \
-    out[j] = static_cast<uindex_t>(x > last ? y : x);                \
-  }
+// Ids per hash block: the block's staging arrays (3 x 2 KiB) stay in L1.
+constexpr int64_t kHashBlock = 512;
+// Extra slots so full-vector stores past the block's end stay in bounds.
+constexpr int64_t kHashPad = 16;
 
-template <typename uindex_t>
-void perm32_walk2_generic(const Perm32& p, uint32_t last, const uint32_t* in, uindex_t* out, int64_t m) {
-  RECPIPE_PERM32_WALK2_BODY
-}
+// Ids the AVX-512 hash loop prefetches ahead of the one it hashes (4 KiB of
+// int64 ids: far enough to cover DRAM latency at ~1 id/ns, near enough to stay in L1).
+constexpr int64_t kPrefetchAhead = 512;
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-template <typename uindex_t>
-__attribute__((target("avx2"))) void perm32_walk2_avx2(
-    const Perm32& p,
-    uint32_t last,
-    const uint32_t* in,
-    uindex_t* out,
-    int64_t m) {
-  RECPIPE_PERM32_WALK2_BODY
-}
+struct HashScratch {
+  alignas(64) uint32_t a32[kHashBlock + kHashPad];
+  alignas(64) uint32_t pend_idx[kHashBlock + kHashPad];
+  alignas(64) uint32_t pend_val[kHashBlock + kHashPad];
+};
 
-bool cpu_has_avx2() {
-  static const bool has = __builtin_cpu_supports("avx2");
-  return has;
-}
-#endif
-#undef RECPIPE_PERM32_WALK2_BODY
+// One block of m <= kHashBlock ids: range check (out-of-range ids hash as 0;
+// returns whether there was one), h = H(id) by two unconditional applications
+// of P (branch-free: the second is kept only where the first left [0, n)), the
+// remaining cycle-walkers compacted into a pending list, then the split
+// owner = h % W, local = h / W. Compiled twice (baseline and target("avx2")):
+// every loop but the pending one is a plain map the compiler vectorizes.
+#define RECPIPE_HASH_BLOCK_BODY                                                  \
+  uint32_t* a32 = scratch.a32;                                                   \
+  uint32_t* pend = scratch.pend_idx;                                             \
+  uint32_t any_bad = 0;                                                          \
+  for (int64_t j = 0; j < m; ++j) {                                              \
+    const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[j]));      \
+    const uint32_t oob = u >= c.n; /* negative ids are huge as unsigned */       \
+    any_bad |= oob;                                                              \
+    a32[j] = oob ? 0u : static_cast<uint32_t>(u);                                \
+  }                                                                              \
+  for (int64_t j = 0; j < m; ++j) {                                              \
+    const uint32_t x = c.apply(a32[j]);                                          \
+    const uint32_t y = c.apply(x);                                               \
+    a32[j] = x > c.last ? y : x;                                                 \
+  }                                                                              \
+  int32_t np = 0;                                                                \
+  for (int32_t j = 0; j < m; ++j) {                                              \
+    pend[np] = static_cast<uint32_t>(j);                                         \
+    np += a32[j] > c.last;                                                       \
+  }                                                                              \
+  while (np > 0) {                                                               \
+    int32_t next = 0;                                                            \
+    for (int32_t k = 0; k < np; ++k) {                                           \
+      const uint32_t j = pend[k];                                                \
+      const uint32_t x = c.apply(a32[j]);                                        \
+      a32[j] = x;                                                                \
+      pend[next] = j;                                                            \
+      next += x > c.last;                                                        \
+    }                                                                            \
+    np = next;                                                                   \
+  }                                                                              \
+  if (c.div.pow2) {                                                              \
+    const uint32_t sh = static_cast<uint32_t>(c.div.shift);                      \
+    const uint32_t wm = c.world - 1;                                             \
+    for (int64_t j = 0; j < m; ++j) {                                            \
+      const uint32_t h = a32[j];                                                 \
+      owner[j] = static_cast<owner_t>(h & wm);                                   \
+      local[j] = static_cast<uindex_t>(h >> sh);                                 \
+    }                                                                            \
+  } else {                                                                       \
+    const uint32_t magic = c.div.magic;                                          \
+    const uint32_t sh = static_cast<uint32_t>(c.div.shift);                      \
+    for (int64_t j = 0; j < m; ++j) {                                            \
+      const uint32_t h = a32[j];                                                 \
+      const uint32_t t = static_cast<uint32_t>((static_cast<uint64_t>(magic) * h) >> 32); \
+      const uint32_t q = (t + ((h - t) >> 1)) >> sh;                             \
+      owner[j] = static_cast<owner_t>(h - q * c.world);                          \
+      local[j] = static_cast<uindex_t>(q);                                       \
+    }                                                                            \
+  }                                                                              \
+  return any_bad != 0;
 
-template <typename uindex_t>
-inline void perm32_walk2(const Perm32& p, uint32_t last, const uint32_t* in, uindex_t* out, int64_t m) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (cpu_has_avx2()) {
-    perm32_walk2_avx2<uindex_t>(p, last, in, out, m);
-    return;
-  }
-#endif
-  perm32_walk2_generic<uindex_t>(p, last, in, out, m);
-}
-
-// h[i] = H(ids[i]) for i in [s, e) of one hash_roundrobin feature.
-// The permutation runs on blocks of ids unconditionally (branch-free,
-// independent iterations the CPU overlaps; for tables below 2^32 rows two
-// applications run vectorized in 32-bit lanes); only the ids still outside
-// [0, n) are cycle-walked further, compacted into a pending list: a per-id
-// do/while would mispredict on ~(2^b - n) / 2^b of the ids. Out-of-range ids
-// are recorded in `bad` (first one) and hashed as 0; the call fails after the pass.
 template <typename index_t, typename uindex_t, typename owner_t>
+bool hash_block_scalar(
+    const Hash32& c, const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local,
+    owner_t* owner) {
+  RECPIPE_HASH_BLOCK_BODY
+}
+
+#if RECPIPE_X86_SIMD
+template <typename index_t, typename uindex_t, typename owner_t>
+RECPIPE_TARGET_AVX2 bool hash_block_avx2(
+    const Hash32& c, const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local,
+    owner_t* owner) {
+  RECPIPE_HASH_BLOCK_BODY
+}
+
+// ---- AVX-512: 16 ids per vector -------------------------------------------
+// GCC 12's intrinsic headers trip -Wmaybe-uninitialized on their own
+// _mm512_undefined_* placeholders (a known false positive); silence it here only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+struct Hash32Vec {
+  __m512i mask, last, world, add[HashPermutation::kRounds], mul[HashPermutation::kRounds];
+  __m128i s;
+};
+
+RECPIPE_TARGET_AVX512 inline __m512i perm_apply_avx512(const Hash32Vec& v, __m512i x) {
+  for (int r = 0; r < HashPermutation::kRounds; ++r) {
+    x = _mm512_and_si512(_mm512_add_epi32(x, v.add[r]), v.mask);
+    x = _mm512_xor_si512(x, _mm512_srl_epi32(x, v.s));
+    x = _mm512_and_si512(_mm512_mullo_epi32(x, v.mul[r]), v.mask);
+    x = _mm512_xor_si512(x, _mm512_srl_epi32(x, v.s));
+  }
+  return x;
+}
+
+RECPIPE_TARGET_AVX512 inline __mmask16 tail16(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                    : left <= 0 ? static_cast<__mmask16>(0)
+                                : static_cast<__mmask16>((1u << left) - 1u);
+}
+
+// P on kLanes independent vectors, round by round: one vector's rounds form a
+// ~40-cycle dependency chain (vpmulld is 3 cycles), so hashing one vector at a
+// time is latency-bound; interleaving kLanes chains keeps the vector pipes busy.
+template <int kLanes>
+RECPIPE_TARGET_AVX512 inline void perm_apply_n_avx512(const Hash32Vec& v, __m512i* x) {
+  for (int r = 0; r < HashPermutation::kRounds; ++r) {
+    for (int l = 0; l < kLanes; ++l) {
+      x[l] = _mm512_and_si512(_mm512_add_epi32(x[l], v.add[r]), v.mask);
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      x[l] = _mm512_xor_si512(x[l], _mm512_srl_epi32(x[l], v.s));
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      x[l] = _mm512_and_si512(_mm512_mullo_epi32(x[l], v.mul[r]), v.mask);
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      x[l] = _mm512_xor_si512(x[l], _mm512_srl_epi32(x[l], v.s));
+    }
+  }
+}
+
+template <typename index_t, typename uindex_t, typename owner_t>
+RECPIPE_TARGET_AVX512 bool hash_block_avx512(
+    const Hash32& c, const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local,
+    owner_t* owner) {
+  uint32_t* a32 = scratch.a32;
+  Hash32Vec v;
+  v.mask = _mm512_set1_epi32(static_cast<int>(c.mask));
+  v.last = _mm512_set1_epi32(static_cast<int>(c.last));
+  v.world = _mm512_set1_epi32(static_cast<int>(c.world));
+  for (int r = 0; r < HashPermutation::kRounds; ++r) {
+    v.add[r] = _mm512_set1_epi32(static_cast<int>(c.add[r]));
+    v.mul[r] = _mm512_set1_epi32(static_cast<int>(c.mul[r]));
+  }
+  v.s = _mm_cvtsi32_si128(static_cast<int>(c.s));
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+  // 1+2. per 16 ids: range check (out-of-range lanes hash as 0), two
+  //      applications of P, lanes still >= n compacted (index, value). One
+  //      loop, so the loads of the ids overlap the arithmetic.
+  uint32_t* pidx = scratch.pend_idx;
+  uint32_t* pval = scratch.pend_val;
+  int64_t np = 0;
+  uint32_t bad = 0;
+  const __m512i vn = _mm512_set1_epi64(static_cast<long long>(c.n));
+  // int32 ids: in range iff (uint32)id < min(n, 2^31) (negative ids are >= 2^31).
+  const __m512i vl32 = _mm512_set1_epi32(
+      static_cast<int>(static_cast<uint32_t>(std::min<uint64_t>(c.n, 0x80000000ULL))));
+  constexpr int kVecs = 4;  // independent vectors hashed together (64 ids)
+  static_assert(kHashBlock % (16 * kVecs) == 0, "a32 must hold whole groups");
+  for (int64_t j0 = 0; j0 < m; j0 += 16 * kVecs) {
+    // The ids stream from L3/DRAM: ask for the ones a block ahead now (a
+    // prefetch past the end of `indices` is harmless, prefetches never fault).
+    for (int64_t off = 0; off < 16 * kVecs; off += 64 / static_cast<int64_t>(sizeof(index_t))) {
+      _mm_prefetch(reinterpret_cast<const char*>(ids + j0 + kPrefetchAhead + off), _MM_HINT_T0);
+    }
+    __m512i x[kVecs];
+    __mmask16 tms[kVecs];
+    for (int l = 0; l < kVecs; ++l) {
+      const int64_t j = j0 + 16 * l;
+      const __mmask16 tm = tail16(m - j);
+      tms[l] = tm;
+      if constexpr (sizeof(index_t) == 8) {
+        const __mmask8 t0 = static_cast<__mmask8>(tm & 0xFF);
+        const __mmask8 t1 = static_cast<__mmask8>(tm >> 8);
+        const __m512i u0 = _mm512_maskz_loadu_epi64(t0, ids + j);
+        const __m512i u1 = _mm512_maskz_loadu_epi64(t1, ids + j + 8);
+        const __mmask8 ok0 = _mm512_mask_cmplt_epu64_mask(t0, u0, vn);
+        const __mmask8 ok1 = _mm512_mask_cmplt_epu64_mask(t1, u1, vn);
+        bad |= static_cast<uint32_t>((t0 & ~ok0) | (t1 & ~ok1));
+        x[l] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm512_maskz_cvtepi64_epi32(ok0, u0)),
+            _mm512_maskz_cvtepi64_epi32(ok1, u1), 1);
+      } else {
+        const __m512i u = _mm512_maskz_loadu_epi32(tm, ids + j);
+        const __mmask16 ok = _mm512_mask_cmplt_epu32_mask(tm, u, vl32);
+        bad |= static_cast<uint32_t>(tm & ~ok);
+        x[l] = _mm512_maskz_mov_epi32(ok, u);
+      }
+    }
+    __m512i y[kVecs];
+    perm_apply_n_avx512<kVecs>(v, x);  // x = P(id)
+    for (int l = 0; l < kVecs; ++l) {
+      y[l] = x[l];
+    }
+    perm_apply_n_avx512<kVecs>(v, y);  // y = P(P(id))
+    for (int l = 0; l < kVecs; ++l) {
+      const int64_t j = j0 + 16 * l;
+      const __m512i h = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(x[l], v.last), x[l], y[l]);
+      _mm512_storeu_si512(a32 + j, h);
+      const __mmask16 pm = tms[l] & _mm512_cmpgt_epu32_mask(h, v.last);
+      if (pm != 0) {
+        const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), iota);
+        _mm512_storeu_si512(pidx + np, _mm512_maskz_compress_epi32(pm, jv));
+        _mm512_storeu_si512(pval + np, _mm512_maskz_compress_epi32(pm, h));
+        np += __builtin_popcount(pm);
+      }
+    }
+  }
+  // 3. walk the pending lanes (compacted, 16 per vector, kVecs vectors at a
+  //    time for the same latency reason) until all land in [0, n): P is applied
+  //    to whole vectors, landed lanes keep their value (masked move), then one
+  //    scatter per vector writes them back. Re-compacting per step or a
+  //    per-lane loop would cost a mispredicted exit per step instead.
+  for (int64_t k0 = 0; k0 < np; k0 += 16 * kVecs) {
+    __m512i h[kVecs];
+    __m512i jv[kVecs];
+    __mmask16 tms[kVecs];
+    __mmask16 pm[kVecs];
+    for (int l = 0; l < kVecs; ++l) {
+      const int64_t k = k0 + 16 * l;
+      tms[l] = tail16(np - k);
+      pm[l] = tms[l];
+      jv[l] = _mm512_maskz_loadu_epi32(tms[l], pidx + k);
+      h[l] = _mm512_maskz_loadu_epi32(tms[l], pval + k);
+    }
+    uint32_t any;
+    do {
+      __m512i y[kVecs];
+      for (int l = 0; l < kVecs; ++l) {
+        y[l] = h[l];
+      }
+      perm_apply_n_avx512<kVecs>(v, y);
+      any = 0;
+      for (int l = 0; l < kVecs; ++l) {
+        h[l] = _mm512_mask_mov_epi32(h[l], pm[l], y[l]);
+        pm[l] = pm[l] & _mm512_cmpgt_epu32_mask(h[l], v.last);
+        any |= pm[l];
+      }
+    } while (any != 0);
+    for (int l = 0; l < kVecs; ++l) {
+      if (tms[l] != 0) {
+        _mm512_mask_i32scatter_epi32(a32, tms[l], jv[l], h[l], 4);
+      }
+    }
+  }
+
+  // 4. owner = h % W, local = h / W (FastDivU32: mulhi32 from two pmuludq).
+  const bool pow2 = c.div.pow2;
+  const __m128i sh = _mm_cvtsi32_si128(c.div.shift);
+  const __m512i magic = _mm512_set1_epi32(static_cast<int>(c.div.magic));
+  for (int64_t j = 0; j < m; j += 16) {
+    const __mmask16 tm = tail16(m - j);
+    const __m512i h = _mm512_loadu_si512(a32 + j);
+    __m512i q;
+    if (pow2) {
+      q = _mm512_srl_epi32(h, sh);
+    } else {
+      const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(h, magic), 32);
+      const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(h, 32), magic);
+      const __m512i t = _mm512_mask_blend_epi32(static_cast<__mmask16>(0xAAAA), even, odd);
+      q = _mm512_srl_epi32(_mm512_add_epi32(t, _mm512_srli_epi32(_mm512_sub_epi32(h, t), 1)), sh);
+    }
+    const __m512i o = _mm512_sub_epi32(h, _mm512_mullo_epi32(q, v.world));
+    if constexpr (sizeof(owner_t) == 1) {
+      _mm_mask_storeu_epi8(owner + j, tm, _mm512_cvtepi32_epi8(o));
+    } else if constexpr (sizeof(owner_t) == 2) {
+      _mm256_mask_storeu_epi16(owner + j, tm, _mm512_cvtepi32_epi16(o));
+    } else {
+      _mm512_mask_storeu_epi32(owner + j, tm, o);
+    }
+    if constexpr (sizeof(uindex_t) == 8) {
+      _mm512_mask_storeu_epi64(
+          local + j, static_cast<__mmask8>(tm & 0xFF),
+          _mm512_cvtepu32_epi64(_mm512_castsi512_si256(q)));
+      _mm512_mask_storeu_epi64(
+          local + j + 8, static_cast<__mmask8>(tm >> 8),
+          _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(q, 1)));
+    } else {
+      _mm512_mask_storeu_epi32(local + j, tm, q);
+    }
+  }
+  return bad != 0;
+}
+#pragma GCC diagnostic pop
+#endif  // RECPIPE_X86_SIMD
+#undef RECPIPE_HASH_BLOCK_BODY
+
+// Tables of more than 2^32 rows (or W >= 2^32): 64-bit rounds, one id at a
+// time through the first application, then the same pending compaction.
+template <typename index_t, typename uindex_t, typename owner_t>
+bool hash_block_wide(
+    const HashPermutation& perm, uint64_t n, const FastDivU64& div_world, uint64_t world,
+    const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local, owner_t* owner) {
+  uint64_t h64[kHashBlock];
+  uint32_t* pend = scratch.pend_idx;
+  uint32_t any_bad = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[j]));
+    const bool oob = u >= n;
+    any_bad |= oob;
+    h64[j] = perm.round_fwd(oob ? 0 : u);
+  }
+  int32_t np = 0;
+  for (int32_t j = 0; j < m; ++j) {
+    pend[np] = static_cast<uint32_t>(j);
+    np += h64[j] >= n;
+  }
+  while (np > 0) {
+    int32_t next = 0;
+    for (int32_t k = 0; k < np; ++k) {
+      const uint32_t j = pend[k];
+      const uint64_t y = perm.round_fwd(h64[j]);
+      h64[j] = y;
+      pend[next] = j;
+      next += y >= n;
+    }
+    np = next;
+  }
+  for (int64_t j = 0; j < m; ++j) {
+    const uint64_t q = div_world.div(h64[j]);
+    owner[j] = static_cast<owner_t>(h64[j] - q * world);
+    local[j] = static_cast<uindex_t>(q);
+  }
+  return any_bad != 0;
+}
+
+// owner[i], local[i] for i in [s, e) of one hash_roundrobin feature: h = H(id),
+// owner = h % W, local = h / W, by blocks of kHashBlock ids. The first
+// out-of-range id is recorded in `bad` (its lanes hash as 0); the call fails
+// after the pass.
+template <typename index_t, typename local_t, typename owner_t>
 void hash_ids(
-    const HashPermutation& perm,
-    uint64_t n,
+    const FeatureRoute& route,
+    const Hash32* c32,  // nullptr: wide table, 64-bit path
+    Simd simd,
+    const FastDivU64& div_world,
+    uint64_t world,
     const index_t* ids,
     int64_t s,
     int64_t e,
     int64_t feature,
-    const FastDivU64& div_world,
-    uint64_t world,
-    uindex_t* out,
+    local_t* local,  // uint32 when every hash feature takes the 32-bit path
     owner_t* owner,
     BadId& bad) {
-  constexpr int64_t kBlock = 512;
-  int32_t pending[kBlock];
-  const bool narrow = perm.mask <= 0xFFFFFFFFULL;
-  const Perm32 p32(perm);
-  uint32_t a32[kBlock];
-  const uint32_t last = narrow ? static_cast<uint32_t>(n - 1) : 0u;
-  for (int64_t b0 = s; b0 < e; b0 += kBlock) {
-    const int64_t m = std::min<int64_t>(kBlock, e - b0);
-    uindex_t* h = out + b0;  // hashed in place: no staging copy
-    // Range check as a reduction (vectorizes); the first bad id is located only
-    // when there is one.
-    uint32_t any_bad = 0;
-    for (int64_t j = 0; j < m; ++j) {
-      const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[b0 + j]));
-      const uint32_t out_of_range = u >= n;  // negative ids are huge as unsigned
-      any_bad |= out_of_range;
-      a32[j] = out_of_range ? 0u : static_cast<uint32_t>(u);
+  // 64-bit tables need local ids of the index width.
+  TORCH_INTERNAL_ASSERT(c32 != nullptr || sizeof(local_t) >= sizeof(index_t));
+  HashScratch scratch;
+  for (int64_t b0 = s; b0 < e; b0 += kHashBlock) {
+    const int64_t m = std::min<int64_t>(kHashBlock, e - b0);
+    bool any_bad;
+    if (c32 == nullptr) {
+      any_bad = hash_block_wide<index_t, local_t, owner_t>(
+          route.perm, route.table_size, div_world, world, ids + b0, m, scratch, local + b0,
+          owner + b0);
+    }
+#if RECPIPE_X86_SIMD
+    else if (simd == Simd::kAvx512) {
+      any_bad = hash_block_avx512<index_t, local_t, owner_t>(
+          *c32, ids + b0, m, scratch, local + b0, owner + b0);
+    } else if (simd == Simd::kAvx2) {
+      any_bad = hash_block_avx2<index_t, local_t, owner_t>(
+          *c32, ids + b0, m, scratch, local + b0, owner + b0);
+    }
+#endif
+    else {
+      any_bad = hash_block_scalar<index_t, local_t, owner_t>(
+          *c32, ids + b0, m, scratch, local + b0, owner + b0);
     }
     if (any_bad && bad.position < 0) {
       for (int64_t j = 0; j < m; ++j) {
         const index_t raw = ids[b0 + j];
-        if (raw < 0 || static_cast<uint64_t>(raw) >= n) {
+        if (raw < 0 || static_cast<uint64_t>(raw) >= route.table_size) {
           bad = BadId{b0 + j, feature, static_cast<int64_t>(raw)};
           break;
         }
       }
     }
-    int32_t np = 0;
-    if (narrow) {
-      perm32_walk2<uindex_t>(p32, last, a32, h, m);  // P(x), or P(P(x)) where P(x) >= n
-    } else {
-      for (int64_t j = 0; j < m; ++j) {
-        const index_t raw = ids[b0 + j];
-        const bool ok = raw >= 0 && static_cast<uint64_t>(raw) < n;
-        h[j] = static_cast<uindex_t>(perm.round_fwd(ok ? static_cast<uint64_t>(raw) : 0));
+  }
+}
+// ---------------------------------------------------------------------------
+// Owners of a run of continuous / roundrobin ids (one feature): owner[i] for
+// i in [s, e). Local ids are recomputed in the scatter pass (cheaper than
+// storing them). continuous: u < ub ? u / block : u % W; roundrobin: u % W
+// (ub = 0), u the id as unsigned of the index width.
+struct PlainRoute {
+  uint64_t ub;  // block * W in the index width (0 for roundrobin)
+  FastDivU64 div_block;
+  FastDivU64 div_world;
+  uint64_t world;
+  // 32-bit forms for the SIMD path (valid when block, W < 2^32).
+  bool fits32;
+  FastDivU32 div_block32;
+  FastDivU32 div_world32;
+};
+
+template <typename uindex_t>
+PlainRoute make_plain_route(const FeatureRoute& r, uint64_t world) {
+  PlainRoute pr;
+  pr.ub = r.dist == kContinuous ? static_cast<uint64_t>(static_cast<uindex_t>(r.block * world)) : 0;
+  pr.div_block = r.div_block;
+  pr.div_world = FastDivU64(world);
+  pr.world = world;
+  pr.fits32 = r.block <= 0xFFFFFFFFULL && world <= 0xFFFFFFFFULL;
+  if (pr.fits32) {
+    pr.div_block32 = FastDivU32(static_cast<uint32_t>(r.block));
+    pr.div_world32 = FastDivU32(static_cast<uint32_t>(world));
+  }
+  return pr;
+}
+
+template <typename index_t, typename owner_t>
+inline void plain_owners_scalar(const PlainRoute& pr, const index_t* idx, int64_t s, int64_t e, owner_t* owner) {
+  using uindex_t = std::make_unsigned_t<index_t>;
+  const FastDivU64 db = pr.div_block;
+  const FastDivU64 dw = pr.div_world;
+  const uint64_t ub = pr.ub;
+  const uint64_t world = pr.world;
+  for (int64_t i = s; i < e; ++i) {
+    const uint64_t u = static_cast<uint64_t>(static_cast<uindex_t>(idx[i]));
+    owner[i] = static_cast<owner_t>(u < ub ? db.div(u) : u - dw.div(u) * world);
+  }
+}
+
+#if RECPIPE_X86_SIMD
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+// n / d for n < 2^32 held in 64-bit lanes (FastDivU32: one pmuludq).
+RECPIPE_TARGET_AVX512 inline __m512i div32_in_u64_avx512(__m512i n, const FastDivU32& d) {
+  if (d.pow2) {
+    return _mm512_srli_epi64(n, static_cast<unsigned>(d.shift));
+  }
+  const __m512i t = _mm512_srli_epi64(_mm512_mul_epu32(n, _mm512_set1_epi64(d.magic)), 32);
+  return _mm512_srli_epi64(
+      _mm512_add_epi64(t, _mm512_srli_epi64(_mm512_sub_epi64(n, t), 1)),
+      static_cast<unsigned>(d.shift));
+}
+
+// n / d for 16 u32 lanes (FastDivU32: mulhi32 from two pmuludq).
+RECPIPE_TARGET_AVX512 inline __m512i div32_avx512(__m512i n, const FastDivU32& d) {
+  if (d.pow2) {
+    return _mm512_srli_epi32(n, static_cast<unsigned>(d.shift));
+  }
+  const __m512i magic = _mm512_set1_epi32(static_cast<int>(d.magic));
+  const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(n, magic), 32);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(n, 32), magic);
+  const __m512i t = _mm512_mask_blend_epi32(static_cast<__mmask16>(0xAAAA), even, odd);
+  return _mm512_srli_epi32(
+      _mm512_add_epi32(t, _mm512_srli_epi32(_mm512_sub_epi32(n, t), 1)),
+      static_cast<unsigned>(d.shift));
+}
+
+template <typename owner_t>
+RECPIPE_TARGET_AVX512 inline void store_owner8_avx512(owner_t* dst, __m512i o64) {
+  if constexpr (sizeof(owner_t) == 1) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi64_epi8(o64));
+  } else if constexpr (sizeof(owner_t) == 2) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi64_epi16(o64));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi64_epi32(o64));
+  }
+}
+
+template <typename owner_t>
+RECPIPE_TARGET_AVX512 inline void store_owner16_avx512(owner_t* dst, __m512i o32) {
+  if constexpr (sizeof(owner_t) == 1) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(o32));
+  } else if constexpr (sizeof(owner_t) == 2) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(o32));
+  } else {
+    _mm512_storeu_si512(dst, o32);
+  }
+}
+
+// AVX-512 owners: vectors whose ids are all below 2^32 take the 32-bit
+// divisions; any other vector (raw ids >= 2^32, negative raw ids) and the tail
+// go through the scalar code. Requires pr.fits32.
+template <typename index_t, typename owner_t>
+RECPIPE_TARGET_AVX512 void plain_owners_avx512(
+    const PlainRoute& pr, const index_t* idx, int64_t s, int64_t e, owner_t* owner) {
+  int64_t i = s;
+  if constexpr (sizeof(index_t) == 8) {
+    const __m512i lim = _mm512_set1_epi64(0xFFFFFFFFLL);
+    const __m512i ub = _mm512_set1_epi64(static_cast<long long>(pr.ub));
+    const __m512i w = _mm512_set1_epi64(static_cast<long long>(pr.world));
+    for (; i + 8 <= e; i += 8) {
+      const __m512i u = _mm512_loadu_si512(idx + i);
+      if (_mm512_cmpgt_epu64_mask(u, lim) != 0) {
+        plain_owners_scalar<index_t, owner_t>(pr, idx, i, i + 8, owner);
+        continue;
       }
+      const __m512i qw = div32_in_u64_avx512(u, pr.div_world32);
+      const __m512i rr = _mm512_sub_epi64(u, _mm512_mul_epu32(qw, w));
+      const __mmask8 lo = _mm512_cmplt_epu64_mask(u, ub);
+      const __m512i o = lo == 0 ? rr : _mm512_mask_blend_epi64(lo, rr, div32_in_u64_avx512(u, pr.div_block32));
+      store_owner8_avx512<owner_t>(owner + i, o);
     }
-    // Split each h into owner rank and local id while the block is in cache;
-    // ids whose h is still outside [0, n) are queued (with h) for more walking
-    // and split again when they land. Writes are unconditional (branch-free).
-    uint64_t pending_h[kBlock];
-    for (int32_t j = 0; j < m; ++j) {
-      const uint64_t hv = static_cast<uint64_t>(h[j]);
-      const uint64_t q = div_world.div(hv);
-      owner[b0 + j] = static_cast<owner_t>(hv - q * world);
-      h[j] = static_cast<uindex_t>(q);
-      pending[np] = j;
-      pending_h[np] = hv;
-      np += hv >= n;
-    }
-    while (np > 0) {
-      int32_t next = 0;
-      for (int32_t k = 0; k < np; ++k) {
-        const int32_t j = pending[k];
-        const uint64_t y = perm.round_fwd(pending_h[k]);
-        const uint64_t q = div_world.div(y);
-        owner[b0 + j] = static_cast<owner_t>(y - q * world);
-        h[j] = static_cast<uindex_t>(q);
-        pending[next] = j;
-        pending_h[next] = y;
-        next += y >= n;
-      }
-      np = next;
+  } else {
+    const __m512i ub = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(pr.ub)));
+    const __m512i w = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(pr.world)));
+    for (; i + 16 <= e; i += 16) {
+      const __m512i u = _mm512_loadu_si512(idx + i);
+      const __m512i qw = div32_avx512(u, pr.div_world32);
+      const __m512i rr = _mm512_sub_epi32(u, _mm512_mullo_epi32(qw, w));
+      const __mmask16 lo = _mm512_cmplt_epu32_mask(u, ub);
+      const __m512i o = lo == 0 ? rr : _mm512_mask_blend_epi32(lo, rr, div32_avx512(u, pr.div_block32));
+      store_owner16_avx512<owner_t>(owner + i, o);
     }
   }
+  plain_owners_scalar<index_t, owner_t>(pr, idx, i, e, owner);
+}
+#pragma GCC diagnostic pop
+#endif  // RECPIPE_X86_SIMD
+
+template <typename index_t, typename owner_t>
+void plain_owners(
+    const PlainRoute& pr, Simd simd, const index_t* idx, int64_t s, int64_t e, owner_t* owner) {
+#if RECPIPE_X86_SIMD
+  if (simd == Simd::kAvx512 && pr.fits32) {
+    plain_owners_avx512<index_t, owner_t>(pr, idx, s, e, owner);
+    return;
+  }
+#endif
+  (void)simd;
+  plain_owners_scalar<index_t, owner_t>(pr, idx, s, e, owner);
 }
 
 template <typename index_t, typename offset_t, typename owner_t, typename wbits_t>
@@ -284,6 +808,7 @@ void bucketize_cpu_impl(
     bool bucketize_pos,
     const std::optional<Tensor>& weights,
     bool keep_orig_idx,
+    Simd simd,
     const std::vector<int64_t>& offsets,
     Tensor& new_lengths,
     Tensor& new_indices,
@@ -315,14 +840,46 @@ void bucketize_cpu_impl(
   for (const auto& r : routes) {
     any_hash |= (r.dist == kHashRoundRobin);
   }
+  // hash_roundrobin local ids, computed once in pass 1: uint32 when every hash
+  // feature takes the 32-bit path (half the scratch traffic), else the index width.
   std::unique_ptr<uindex_t[]> hashed_local;
+  std::unique_ptr<uint32_t[]> hashed_local32;
+  std::vector<std::unique_ptr<Hash32>> hash32(F);
+  std::vector<PlainRoute> plain(F);
+  for (int64_t f = 0; f < F; ++f) {
+    if (routes[f].dist != kHashRoundRobin) {
+      plain[f] = make_plain_route<uindex_t>(routes[f], static_cast<uint64_t>(W));
+    }
+  }
   if (any_hash) {
-    hashed_local.reset(new uindex_t[std::max<int64_t>(N, 1)]);
+    bool all32 = true;
+    for (int64_t f = 0; f < F; ++f) {
+      const FeatureRoute& r = routes[f];
+      if (r.dist == kHashRoundRobin) {
+        if (Hash32::fits(r.perm, static_cast<uint64_t>(W))) {
+          hash32[f] = std::make_unique<Hash32>(r.perm, r.table_size, static_cast<uint64_t>(W));
+        } else {
+          all32 = false;
+        }
+      }
+    }
+    if (all32) {
+      hashed_local32.reset(new uint32_t[std::max<int64_t>(N, 1)]);
+    } else {
+      hashed_local.reset(new uindex_t[std::max<int64_t>(N, 1)]);
+    }
   }
 
-  const int64_t max_chunks = std::max<int64_t>(1, at::get_num_threads());
-  // Below ~64k ids a second thread costs more than it saves.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(max_chunks, N / 65536));
+  // Below ~64k ids a second thread costs more than it saves. With several
+  // threads the bags are cut into kChunksPerWorker chunks per thread, taken
+  // dynamically (for_each_chunk), so a thread that shares its core with
+  // another job leaves its chunks to the others instead of stalling the pass.
+  constexpr int64_t kChunksPerWorker = 8;
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), N / 65536));
+  const int64_t chunks = workers == 1
+      ? 1
+      : std::min<int64_t>(kChunksPerWorker * workers, std::max<int64_t>(workers, N / 16384));
   const std::vector<int64_t> bounds = chunk_bags(offsets, FB, chunks);
   std::vector<int64_t> chunk_count(chunks * W, 0);
   std::vector<BadId> bad(chunks);
@@ -335,55 +892,39 @@ void bucketize_cpu_impl(
   // new_lengths[p * FB + bag] directly strides W rows FB entries apart and
   // missed cache on almost every id at W = 64.
   const int64_t kBags = std::max<int64_t>(1, std::min<int64_t>(64, 4096 / W));
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+  for_each_chunk(workers, chunks, [&](int64_t c) {
     std::vector<int32_t> block_counts(W * kBags);
-    for (int64_t c = c0; c < c1; ++c) {
+    {
       int64_t* cnt = chunk_count.data() + c * W;
       for (int64_t g0 = bounds[c]; g0 < bounds[c + 1]; g0 += kBags) {
         const int64_t g1 = std::min<int64_t>(g0 + kBags, bounds[c + 1]);
         std::fill(block_counts.begin(), block_counts.end(), 0);
-        if (any_hash) {
-          // hash_roundrobin ids of this bag block, per run of one feature:
-          // h = H(id) into hashed_local (split into rank / local id below).
-          for (int64_t r0 = g0; r0 < g1;) {
-            const int64_t f = r0 / B;
-            const int64_t r1 = std::min<int64_t>(g1, (f + 1) * B);
-            if (routes[f].dist == kHashRoundRobin) {
+        // Owners of the bag block, per run of one feature (hash_roundrobin also
+        // writes its local ids to hashed_local), then the counts from them.
+        for (int64_t r0 = g0; r0 < g1;) {
+          const int64_t f = r0 / B;
+          const int64_t r1 = std::min<int64_t>(g1, (f + 1) * B);
+          if (routes[f].dist == kHashRoundRobin) {
+            if (hashed_local32) {
+              hash_ids<index_t, uint32_t, owner_t>(
+                  routes[f], hash32[f].get(), simd, div_world, uW, idx, offsets[r0],
+                  offsets[r1], f, hashed_local32.get(), owner.get(), bad[c]);
+            } else {
               hash_ids<index_t, uindex_t, owner_t>(
-                  routes[f].perm, routes[f].table_size, idx, offsets[r0], offsets[r1], f,
-                  div_world, uW, hashed_local.get(), owner.get(), bad[c]);
-            }
-            r0 = r1;
-          }
-        }
-        for (int64_t bt = g0; bt < g1; ++bt) {
-          int32_t* lc = block_counts.data() + (bt - g0);  // lc[p * kBags]
-          const int64_t f = bt / B;
-          const FeatureRoute& r = routes[f];
-          const int64_t s = offsets[bt];
-          const int64_t e = offsets[bt + 1];
-          if (r.dist == kContinuous) {
-            for (int64_t i = s; i < e; ++i) {
-              uint64_t p;
-              uindex_t loc;
-              route_continuous<uindex_t>(
-                  static_cast<uindex_t>(idx[i]), r.block, uW, r.div_block, div_world, &p, &loc);
-              owner[i] = static_cast<owner_t>(p);
-              lc[p * kBags]++;
-            }
-          } else if (r.dist == kRoundRobin) {
-            for (int64_t i = s; i < e; ++i) {
-              uint64_t p;
-              uindex_t loc;
-              route_roundrobin<uindex_t>(static_cast<uindex_t>(idx[i]), uW, div_world, &p, &loc);
-              owner[i] = static_cast<owner_t>(p);
-              lc[p * kBags]++;
+                  routes[f], hash32[f].get(), simd, div_world, uW, idx, offsets[r0],
+                  offsets[r1], f, hashed_local.get(), owner.get(), bad[c]);
             }
           } else {
-            // owners and local ids were computed for the whole bag block above.
-            for (int64_t i = s; i < e; ++i) {
-              lc[static_cast<uint64_t>(owner[i]) * kBags]++;
-            }
+            plain_owners<index_t, owner_t>(plain[f], simd, idx, offsets[r0], offsets[r1], owner.get());
+          }
+          r0 = r1;
+        }
+        const owner_t* own = owner.get();
+        for (int64_t bt = g0; bt < g1; ++bt) {
+          int32_t* lc = block_counts.data() + (bt - g0);  // lc[p * kBags]
+          const int64_t e = offsets[bt + 1];
+          for (int64_t i = offsets[bt]; i < e; ++i) {
+            lc[static_cast<uint64_t>(own[i]) * kBags]++;
           }
         }
         const int64_t nb = g1 - g0;
@@ -424,41 +965,80 @@ void bucketize_cpu_impl(
   }
 
   // ---- pass 2: scatter ------------------------------------------------------
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      int64_t* cur = cursor.data() + c * W;
-      for (int64_t bt = bounds[c]; bt < bounds[c + 1]; ++bt) {
-        const int64_t f = bt / B;
-        const FeatureRoute& r = routes[f];
+  // One tight loop per (dist type, optional outputs): the per-feature constants
+  // are hoisted into locals (the output stores could otherwise alias them and
+  // force a reload per id) and the optional outputs are compile-time flags.
+  auto scatter = [&](auto has_pos, auto has_perm, int64_t* cur, int64_t s, int64_t e,
+                     auto local_of) {
+    for (int64_t i = s; i < e; ++i) {
+      const uint64_t p = owner[i];
+      const int64_t pos = cur[p]++;
+      out_idx[pos] = static_cast<index_t>(local_of(i, p));
+      if constexpr (!std::is_same_v<wbits_t, void>) {
+        w_out[pos] = w_in[i];
+      }
+      if constexpr (decltype(has_pos)::value) {
+        pos_out[pos] = static_cast<index_t>(i - s);
+      }
+      if constexpr (decltype(has_perm)::value) {
+        perm_out[i] = static_cast<index_t>(pos);
+      }
+    }
+  };
+  auto scatter_chunk = [&](auto has_pos, auto has_perm, int64_t c) {
+    int64_t* cur = cursor.data() + c * W;
+    const uindex_t* hl = hashed_local.get();
+    const uint32_t* hl32 = hashed_local32.get();
+    for (int64_t bt = bounds[c]; bt < bounds[c + 1];) {
+      // a run of bags of one feature
+      const int64_t f = bt / B;
+      const int64_t run_end = std::min<int64_t>(bounds[c + 1], (f + 1) * B);
+      const FeatureRoute& r = routes[f];
+      const int64_t dist = keep_orig_idx ? -1 : r.dist;
+      const uint64_t block = r.block;
+      const uindex_t ub = static_cast<uindex_t>(r.block * uW);
+      const FastDivU64 dw = div_world;
+      for (; bt < run_end; ++bt) {
         const int64_t s = offsets[bt];
         const int64_t e = offsets[bt + 1];
-        for (int64_t i = s; i < e; ++i) {
-          const uint64_t p = owner[i];
-          const int64_t pos = cur[p]++;
-          const uindex_t uid = static_cast<uindex_t>(idx[i]);
-          uindex_t loc;
-          if (keep_orig_idx) {
-            loc = uid;
-          } else if (r.dist == kContinuous) {
-            const uindex_t ub = static_cast<uindex_t>(r.block * uW);
-            loc = uid < ub ? static_cast<uindex_t>(static_cast<uint64_t>(uid) - p * r.block)
-                           : static_cast<uindex_t>(div_world.div(static_cast<uint64_t>(uid)));
-          } else if (r.dist == kRoundRobin) {
-            loc = static_cast<uindex_t>(div_world.div(static_cast<uint64_t>(uid)));
+        if (dist == kContinuous) {
+          scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t p) {
+            const uindex_t uid = static_cast<uindex_t>(idx[i]);
+            return uid < ub ? static_cast<uindex_t>(static_cast<uint64_t>(uid) - p * block)
+                            : static_cast<uindex_t>(dw.div(static_cast<uint64_t>(uid)));
+          });
+        } else if (dist == kRoundRobin) {
+          scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t) {
+            return static_cast<uindex_t>(dw.div(static_cast<uint64_t>(static_cast<uindex_t>(idx[i]))));
+          });
+        } else if (dist == kHashRoundRobin) {
+          if (hl32 != nullptr) {
+            scatter(has_pos, has_perm, cur, s, e,
+                    [&](int64_t i, uint64_t) { return static_cast<uindex_t>(hl32[i]); });
           } else {
-            loc = hashed_local[i];
+            scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t) { return hl[i]; });
           }
-          out_idx[pos] = static_cast<index_t>(loc);
-          if constexpr (!std::is_same_v<wbits_t, void>) {
-            w_out[pos] = w_in[i];
-          }
-          if (pos_out != nullptr) {
-            pos_out[pos] = static_cast<index_t>(i - s);
-          }
-          if (perm_out != nullptr) {
-            perm_out[i] = static_cast<index_t>(pos);
-          }
+        } else {  // keep_orig_idx
+          scatter(has_pos, has_perm, cur, s, e,
+                  [&](int64_t i, uint64_t) { return static_cast<uindex_t>(idx[i]); });
         }
+      }
+    }
+  };
+  for_each_chunk(workers, chunks, [&](int64_t c) {
+    {
+      using T = std::true_type;
+      using Fl = std::false_type;
+      if (pos_out != nullptr) {
+        if (perm_out != nullptr) {
+          scatter_chunk(T{}, T{}, c);
+        } else {
+          scatter_chunk(T{}, Fl{}, c);
+        }
+      } else if (perm_out != nullptr) {
+        scatter_chunk(Fl{}, T{}, c);
+      } else {
+        scatter_chunk(Fl{}, Fl{}, c);
       }
     }
   });
@@ -483,6 +1063,7 @@ block_bucketize_sparse_features_cpu(
       lengths_in.is_cpu(), "recpipe: `lengths` is on ", lengths_in.device(),
       " but the CPU kernel was dispatched; move all tensor arguments to one device.");
   const auto routes = build_feature_routes(block_sizes, dist_types, table_sizes, seed);
+  const Simd simd = simd_for_call();
   const Tensor lengths = lengths_in.contiguous();
   const Tensor indices = indices_in.contiguous();
   std::optional<Tensor> weights;
@@ -537,7 +1118,7 @@ block_bucketize_sparse_features_cpu(
     using owner_t = typename decltype(owner_tag)::type;
     using wbits_t = typename decltype(wbits_tag)::type;
     bucketize_cpu_impl<index_t, offset_t, owner_t, wbits_t>(
-        lengths, indices, routes, W, sequence, bucketize_pos, weights, keep_orig_idx, offsets,
+        lengths, indices, routes, W, sequence, bucketize_pos, weights, keep_orig_idx, simd, offsets,
         new_lengths, new_indices, new_weights, new_pos, unbucketize_permute);
   };
   template_dispatch(run, indices.scalar_type(), lengths.scalar_type(), W, weights);

@@ -9,6 +9,8 @@
 //                         (Granlund-Montgomery / Hacker's Delight 10-8 "round
 //                         up" method with a 65-bit magic), used for id / block
 //                         and h / W on the hot path.
+//   * FastDivU32        : the same method for 32-bit dividends (33-bit magic),
+//                         the form SIMD lanes use for h / W when h < 2^32.
 //   * HashPermutation   : a seeded bijection of [0, N) built from b-bit
 //                         xorshift-multiply rounds (b = ceil(log2 N)) with
 //                         cycle-walking, and its inverse.
@@ -83,6 +85,44 @@ struct FastDivU64 {
       return n;
     }
     const uint64_t t = mulhi_u64(magic, n);
+    return (t + ((n - t) >> 1)) >> shift;
+  }
+};
+
+// Unsigned division n / d of 32-bit n by a 32-bit divisor d >= 1 fixed at
+// construction: the same Hacker's Delight 10-8 method as FastDivU64 with a
+// 33-bit magic, so every step stays within 32 bits (t = mulhi32(magic, n)) and
+// maps onto SIMD 32x32->64 multiplies (x86 pmuludq, CUDA __umulhi). Exact for
+// every 32-bit n. Powers of two (d == 1 included) are a shift.
+struct FastDivU32 {
+  uint32_t d;
+  uint32_t magic;  // 0 for powers of two
+  int shift;       // log2(d) for powers of two, else ceil(log2 d) - 1
+  bool pow2;
+
+  RECPIPE_HD FastDivU32() : d(1), magic(0), shift(0), pow2(true) {}
+
+  RECPIPE_HD explicit FastDivU32(uint32_t divisor) : d(divisor), magic(0), shift(0), pow2(true) {
+    if (divisor <= 1) {
+      d = 1;
+      return;
+    }
+    const int l = bit_width_u64(divisor - 1);  // ceil(log2 d), 1..32
+    if ((divisor & (divisor - 1)) == 0) {
+      shift = l;
+      return;
+    }
+    pow2 = false;
+    // (2^l - d) < d <= 2^32, so the numerator fits in 64 bits.
+    magic = static_cast<uint32_t>(((((1ULL << l) - divisor)) << 32) / divisor + 1);
+    shift = l - 1;
+  }
+
+  RECPIPE_HD uint32_t div(uint32_t n) const {
+    if (pow2) {
+      return n >> shift;
+    }
+    const uint32_t t = static_cast<uint32_t>((static_cast<uint64_t>(magic) * n) >> 32);
     return (t + ((n - t) >> 1)) >> shift;
   }
 };

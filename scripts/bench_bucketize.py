@@ -2,7 +2,7 @@
 
 1M keys over F=8 features (bag lengths uniform in [0, 64], ids uniform over
 10M-row tables, int64), for W in {2, 8, 64}, sequence off/on, 1 thread and all
-threads. Columns (Mkeys/s = 1e6 keys per second, median of repeats):
+threads. Columns (Mkeys/s = 1e6 keys per second, best of interleaved repeats):
 
 * fbgemm: ``torch.ops.fbgemm.block_bucketize_sparse_features`` (continuous;
   fbgemm-gpu-cpu runs it on one thread whatever torch's thread count).
@@ -13,7 +13,14 @@ threads. Columns (Mkeys/s = 1e6 keys per second, median of repeats):
   write new_indices + new_lengths [+ unbucketize_permute]) as Mkeys/s, and
   "% bound" = our continuous throughput over it. Target >= 50%.
 
-Usage: python scripts/bench_bucketize.py [--keys 1000000] [--repeat 7]
+Timing: every variant of a cell (fbgemm, cont, rr, hash, memcpy) is warmed
+twice, then the variants run interleaved, ``--repeat`` rounds, and each keeps
+its BEST round. The machine is shared (other jobs compile and test on the same
+2 cores): a median mixes their load into whichever variant it hit, the best of
+interleaved rounds compares every variant (the memcpy bound included) at its
+least disturbed. ``--simd`` forces recpipe's SIMD path (RECPIPE_SIMD).
+
+Usage: python scripts/bench_bucketize.py [--keys 1000000] [--repeat 15] [--simd auto]
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from typing import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import hardware_line, print_table, time_it  # noqa: E402
+from benchutil import hardware_line, print_table  # noqa: E402
 
 import fbgemm_gpu  # noqa: E402,F401
 from recpipe.pipeline import ops  # noqa: E402
@@ -50,16 +59,49 @@ def make_inputs(keys: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return lengths, indices
 
 
+def best_times(fns: dict[str, Callable[[], object]], *, repeat: int, warmup: int = 2) -> dict[str, float]:
+    """Best wall seconds of each callable over ``repeat`` interleaved rounds.
+
+    Args:
+        fns: name -> zero-argument callable (one variant of the cell).
+        repeat: timed rounds; each round runs every variant once, in order.
+        warmup: untimed runs of each variant first (allocator, caches, page faults).
+
+    Returns:
+        name -> best (minimum) seconds over the rounds.
+
+    Example::
+
+        best_times({"a": lambda: x.clone(), "b": lambda: y.clone()}, repeat=5)
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    best = {name: float("inf") for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=1_000_000)
-    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--repeat", type=int, default=15)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 8, 64])
+    ap.add_argument("--simd", choices=["auto", "scalar", "avx2", "avx512"], default="auto",
+                    help="recpipe SIMD path (sets RECPIPE_SIMD)")
     args = ap.parse_args()
+    os.environ["RECPIPE_SIMD"] = args.simd
 
     all_threads = os.cpu_count() or 1
     lengths, indices = make_inputs(args.keys)
     print(hardware_line())
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"recpipe SIMD path: {args.simd}; 1-min load average before the run: {load:.2f} "
+          f"(other jobs on the {all_threads} cores make the {all_threads}-thread rows noisy)")
     print(f"fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}; {args.keys} keys, F={F}, "
           f"B={lengths.numel() // F}, int64 ids over {TABLE_ROWS} rows/table")
     rows = []
@@ -69,22 +111,12 @@ def main() -> None:
             block = torch.full((F,), -(-TABLE_ROWS // W), dtype=torch.int64)
             sizes = torch.full((F,), TABLE_ROWS, dtype=torch.int64)
             for seq in (False, True):
-                def ours(code: int) -> float:
+                def ours(code: int) -> Callable[[], object]:
                     dt = torch.full((F,), code, dtype=torch.int64)
-                    return time_it(
-                        lambda: ops.block_bucketize_sparse_features(
-                            lengths, indices, block, dt, W, sequence=seq, table_sizes=sizes, seed=1
-                        ),
-                        repeat=args.repeat,
+                    return lambda: ops.block_bucketize_sparse_features(
+                        lengths, indices, block, dt, W, sequence=seq, table_sizes=sizes, seed=1
                     )
 
-                t_fb = time_it(
-                    lambda: torch.ops.fbgemm.block_bucketize_sparse_features(
-                        lengths, indices, False, seq, block, W, None
-                    ),
-                    repeat=args.repeat,
-                )
-                t_cont, t_rr, t_hash = ours(0), ours(1), ours(2)
                 # minimum traffic of the op, moved by one memcpy (reads + writes)
                 traffic = (
                     indices.numel() * 8 + lengths.numel() * 8            # read
@@ -93,7 +125,19 @@ def main() -> None:
                 )
                 src = torch.empty(traffic // 2, dtype=torch.uint8)
                 dst = torch.empty_like(src)
-                t_mem = time_it(lambda: dst.copy_(src), repeat=args.repeat)
+                t = best_times(
+                    {
+                        "fbgemm": lambda: torch.ops.fbgemm.block_bucketize_sparse_features(
+                            lengths, indices, False, seq, block, W, None
+                        ),
+                        "cont": ours(0),
+                        "rr": ours(1),
+                        "hash": ours(2),
+                        "mem": lambda: dst.copy_(src),
+                    },
+                    repeat=args.repeat,
+                )
+                t_fb, t_cont, t_rr, t_hash, t_mem = t["fbgemm"], t["cont"], t["rr"], t["hash"], t["mem"]
                 mk = args.keys / 1e6
                 rows.append([
                     threads, W, "on" if seq else "off",

@@ -149,6 +149,165 @@ def test_large_input_multithreaded_matches_reference(threads: int) -> None:
 
 
 # ---------------------------------------------------------------------------
+# Every SIMD path of the CPU kernel (RECPIPE_SIMD=scalar|avx2|avx512) against the
+# reference: hash_roundrobin has a baseline, an AVX2 and an AVX-512 build, plus
+# the 64-bit path for tables above 2^32 rows.
+
+SIMD_PATHS = ["scalar", "avx2", "avx512"]
+
+
+def _force_simd(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Sets RECPIPE_SIMD for this test; skips if this CPU lacks the path."""
+    monkeypatch.setenv("RECPIPE_SIMD", path)
+    probe = _random_case(random.Random(0), 1, 2, 2, dist=[2])
+    try:
+        OP(*_args(lengths=probe["lengths"], indices=probe["indices"], block_sizes=probe["block_sizes"],
+                  dist_types=probe["dist_types"], table_sizes=probe["table_sizes"], my_size=2))
+    except RuntimeError as e:
+        if "lacks it" in str(e):
+            pytest.skip(f"this CPU has no {path} path: {e}")
+        raise
+
+
+def _hash_case(rng: random.Random, W: int, index_dtype: torch.dtype, table_sizes: list[int], B: int, max_len: int) -> dict:
+    F = len(table_sizes)
+    lengths = [rng.randrange(max_len + 1) for _ in range(F * B)]
+    hi = 2**31 - 1 if index_dtype == torch.int32 else 2**63 - 1
+    indices = [rng.randrange(min(table_sizes[bt // B], hi)) for bt, ln in enumerate(lengths) for _ in range(ln)]
+    return dict(
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+        indices=torch.tensor(indices, dtype=index_dtype),
+        block_sizes=torch.tensor([max(1, -(-n // W)) for n in table_sizes], dtype=torch.int64),
+        dist_types=torch.tensor([2] * F, dtype=torch.int64),
+        table_sizes=torch.tensor(table_sizes, dtype=torch.int64),
+        W=W,
+    )
+
+
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+# W: 1, powers of two (shift split), others (FastDivU32 split), and uint16/uint32 owner widths
+@pytest.mark.parametrize("W", [1, 2, 7, 64, 100, 300, 70_000])
+def test_simd_paths_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, index_dtype: torch.dtype, W: int) -> None:
+    _force_simd(monkeypatch, path)
+    rng = random.Random(W * 31 + (index_dtype == torch.int32))
+    # 1..2^32 rows use the 32-bit lanes (b = 1..32 bits, n just above / below powers
+    # of two => long cycle walks); 2^32 + 1 and 2^40 rows the 64-bit path. Bags up to
+    # 1100 ids cross the 512-id hash blocks and leave vector tails.
+    sizes = [1, 2, 3, 1000, 2**20 + 1, 2**31 - 1, 2**32]
+    if index_dtype == torch.int64:
+        sizes += [2**32 + 1, 2**40]
+    B = 3
+    if W > 65536:  # uint32 owners: new_lengths is W * F * B long, keep the reference quick
+        sizes, B = sizes[4:], 1
+    case = _hash_case(rng, W, index_dtype, sizes, B=B, max_len=1100)
+    _check_against_reference(case, sequence=True, pos=True, weights_dtype=torch.float32, seed=rng.randrange(2**63), keep=False)
+
+
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_simd_paths_mixed_features_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, index_dtype: torch.dtype) -> None:
+    """continuous/roundrobin owners (AVX-512: 32-bit lanes, scalar fallback for raw
+    ids >= 2^32 or negative) next to hash features, against the reference."""
+    _force_simd(monkeypatch, path)
+    rng = random.Random(17)
+    for W in (3, 8):
+        case = _random_case(rng, 4, 200, W, dist=[2, 0, 2, 1], max_len=40, raw_ids=True, index_dtype=index_dtype)
+        _check_against_reference(case, sequence=True, pos=False, weights_dtype=None, seed=5, keep=False)
+
+
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("W", [2, 5, 64])
+def test_simd_paths_continuous_bit_identical_to_fbgemm(monkeypatch: pytest.MonkeyPatch, path: str, index_dtype: torch.dtype, W: int) -> None:
+    _force_simd(monkeypatch, path)
+    case = _random_case(random.Random(W), 3, 150, W, dist=[0, 0, 0], max_len=40, index_dtype=index_dtype, raw_ids=True)
+    lengths = case["lengths"].to(index_dtype)
+    block_sizes = case["block_sizes"].to(index_dtype)
+    want = torch.ops.fbgemm.block_bucketize_sparse_features(lengths, case["indices"], True, True, block_sizes, W, None)
+    got = ops.block_bucketize_sparse_features(
+        lengths, case["indices"], block_sizes, case["dist_types"], W, sequence=True, bucketize_pos=True
+    )
+    for name, g, w in zip(got._fields, got, want):
+        assert (g is None) == (w is None), name
+        if w is not None:
+            assert torch.equal(g, w), name
+
+
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("where", [0, 7, 15, 16, 511, 512, 700])
+@pytest.mark.parametrize("value", [-1, 1000, -(2**31)])
+def test_simd_paths_report_first_bad_id(monkeypatch: pytest.MonkeyPatch, path: str, index_dtype: torch.dtype, where: int, value: int) -> None:
+    """Each path finds the first out-of-range id wherever it sits in a vector/block."""
+    _force_simd(monkeypatch, path)
+    ids = torch.arange(800, dtype=index_dtype) % 1000
+    ids[where] = value
+    ids[where + 50] = 5000  # a later bad id must not be the one reported
+    args = _args(
+        lengths=torch.tensor([800]), indices=ids, block_sizes=torch.tensor([500]),
+        dist_types=torch.tensor([2]), table_sizes=torch.tensor([1000]), my_size=2,
+    )
+    with pytest.raises(RuntimeError, match=rf"`indices\[{where}\]` = {value} \(feature 0, hash_roundrobin\)"):
+        OP(*args)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_first_bad_id_reported_across_chunks(threads: int) -> None:
+    """With several threads the bags are cut into chunks taken in any order; the
+    error still names the first out-of-range id of the input."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = 300_000  # > 64k ids per thread: chunked
+        ids = torch.arange(n, dtype=torch.int64) % 1000
+        ids[150_001] = 1000
+        ids[290_000] = -5
+        args = _args(
+            lengths=torch.full((3000,), n // 3000), indices=ids, block_sizes=torch.tensor([500]),
+            dist_types=torch.tensor([2]), table_sizes=torch.tensor([1000]), my_size=2,
+        )
+        with pytest.raises(RuntimeError, match=r"`indices\[150001\]` = 1000 \(feature 0"):
+            OP(*args)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_simd_env_rejects_unknown_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECPIPE_SIMD", "sse9")
+    with pytest.raises(RuntimeError, match=r"RECPIPE_SIMD is 'sse9'; it must be one of auto, scalar, avx2, avx512"):
+        OP(*_args())
+
+
+def test_simd_paths_agree_on_large_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    """200k ids over a 10M-row table (the bench's shape): all paths give identical outputs."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 65, (2 * 3000,), generator=g)
+    indices = torch.randint(0, 10_000_000, (int(lengths.sum()),), generator=g)
+    args = (lengths, indices, torch.tensor([1_250_000] * 2), torch.tensor([2, 2]), 8)
+    kw = dict(sequence=True, table_sizes=torch.tensor([10_000_000] * 2), seed=9)
+    outs = {}
+    for path in SIMD_PATHS:
+        monkeypatch.setenv("RECPIPE_SIMD", path)
+        try:
+            outs[path] = ops.block_bucketize_sparse_features(*args, **kw)
+        except RuntimeError as e:
+            if "lacks it" not in str(e):
+                raise
+    assert "scalar" in outs
+    ref = RefPermutation(10_000_000, 9)
+    sample = torch.arange(0, indices.numel(), 997)
+    h = torch.tensor([ref.forward(int(x)) for x in indices[sample]])
+    got = outs["scalar"]
+    assert torch.equal(got.new_indices[got.unbucketize_permute[sample]], h // 8)
+    for path, out in outs.items():
+        for name, a, b in zip(out._fields, out, got):
+            assert (a is None) == (b is None), (path, name)
+            if a is not None:
+                assert torch.equal(a, b), (path, name)
+
+
+# ---------------------------------------------------------------------------
 # Parity with fbgemm (continuous)
 
 
