@@ -107,6 +107,20 @@ constexpr double kRoundMagic = 4503599627370496.0;  // 2^52
 // far below it). Fraction.
 constexpr double kBoundSlack = 1e-9;
 
+// What step 1 needs besides the states: one option (bytes, priced and true
+// cost), the room left for this table, the bound, and the grid's scale.
+struct OptionStep {
+  double hj, dj, pj, cj;  // option bytes (HBM, DDR), priced cost, true cost
+  double Hl, Dl;          // HBM / DDR bytes a state may reach after this table
+  double Hd, Dd;          // the budgets
+  double ph, pd;          // prices per byte of the Lagrangian bound
+  double rest_lag;        // Lagrangian bound of the later tables
+  double bound;           // incumbent cost plus slack
+  double fh, fd;          // bins per byte
+  double nhf, ndf, sf;    // last bin of each axis, cells per HBM bin
+  int32_t dump;           // spare cell of the candidates over budget / bound
+};
+
 // Step 1 of the relaxation for one option: target cell and priced cost of every
 // state, written to scratch arrays (a loop the compiler vectorizes). A state
 // over budget, or whose lower bound exceeds `bound`, gets the spare cell `dump`
@@ -117,44 +131,27 @@ inline void candidates_scalar(
     const double* __restrict V,
     const double* __restrict P,
     const double* __restrict T,
-    double hj,
-    double dj,
-    double pj,
-    double cj,
-    double Hl,
-    double Dl,
-    double Hd,
-    double Dd,
-    double ph,
-    double pd,
-    double rest_lag,
-    double bound,
-    double fh,
-    double fd,
-    double nhf,
-    double ndf,
-    double sf,
-    int32_t dump,
+    const OptionStep& o,
     double* __restrict cell_out,
     double* __restrict p_out) {
-  const double dumpd = static_cast<double>(dump);
+  const double dumpd = static_cast<double>(o.dump);
   for (int64_t s = 0; s < S; ++s) {
-    const double u = U[s] + hj, v = V[s] + dj;
-    // Lagrangian lower bound of the cheapest completion; above `bound` the
+    const double u = U[s] + o.hj, v = V[s] + o.dj;
+    // Lagrangian lower bound of the cheapest completion; above `o.bound` the
     // candidate cannot beat the incumbent plan.
-    const double lb = (((T[s] + cj) + rest_lag) - ph * (Hd - u)) - pd * (Dd - v);
-    const double xa = u * fh, xb = v * fd;
+    const double lb = (((T[s] + o.cj) + o.rest_lag) - o.ph * (o.Hd - u)) - o.pd * (o.Dd - v);
+    const double xa = u * o.fh, xb = v * o.fd;
     // ceil for 0 <= x < 2^52 (larger x only occurs over budget): round to
     // nearest by adding 2^52, then step up if that fell below x.
     double ra = (xa + kRoundMagic) - kRoundMagic;
     double rb = (xb + kRoundMagic) - kRoundMagic;
     ra += ra < xa ? 1.0 : 0.0;
     rb += rb < xb ? 1.0 : 0.0;
-    const double a = ra < nhf ? ra : nhf;
-    const double b = rb < ndf ? rb : ndf;
-    const bool ok = (u <= Hl) & (v <= Dl) & (lb <= bound);
-    cell_out[s] = ok ? a * sf + b : dumpd;
-    p_out[s] = ok ? P[s] + pj : kInf;
+    const double a = ra < o.nhf ? ra : o.nhf;
+    const double b = rb < o.ndf ? rb : o.ndf;
+    const bool ok = (u <= o.Hl) & (v <= o.Dl) & (lb <= o.bound);
+    cell_out[s] = ok ? a * o.sf + b : dumpd;
+    p_out[s] = ok ? P[s] + o.pj : kInf;
   }
 }
 
@@ -167,33 +164,16 @@ __attribute__((target("avx2"))) void candidates_avx2(
     const double* __restrict V,
     const double* __restrict P,
     const double* __restrict T,
-    double hj,
-    double dj,
-    double pj,
-    double cj,
-    double Hl,
-    double Dl,
-    double Hd,
-    double Dd,
-    double ph,
-    double pd,
-    double rest_lag,
-    double bound,
-    double fh,
-    double fd,
-    double nhf,
-    double ndf,
-    double sf,
-    int32_t dump,
+    const OptionStep& o,
     double* __restrict cell_out,
     double* __restrict p_out) {
-  const __m256d vhj = _mm256_set1_pd(hj), vdj = _mm256_set1_pd(dj), vpj = _mm256_set1_pd(pj);
-  const __m256d vcj = _mm256_set1_pd(cj), vHl = _mm256_set1_pd(Hl), vDl = _mm256_set1_pd(Dl);
-  const __m256d vHd = _mm256_set1_pd(Hd), vDd = _mm256_set1_pd(Dd), vph = _mm256_set1_pd(ph);
-  const __m256d vpd = _mm256_set1_pd(pd), vrest = _mm256_set1_pd(rest_lag), vbound = _mm256_set1_pd(bound);
-  const __m256d vfh = _mm256_set1_pd(fh), vfd = _mm256_set1_pd(fd), vnh = _mm256_set1_pd(nhf);
-  const __m256d vnd = _mm256_set1_pd(ndf), vsf = _mm256_set1_pd(sf), vmagic = _mm256_set1_pd(kRoundMagic);
-  const __m256d vone = _mm256_set1_pd(1.0), vdump = _mm256_set1_pd(static_cast<double>(dump));
+  const __m256d vhj = _mm256_set1_pd(o.hj), vdj = _mm256_set1_pd(o.dj), vpj = _mm256_set1_pd(o.pj);
+  const __m256d vcj = _mm256_set1_pd(o.cj), vHl = _mm256_set1_pd(o.Hl), vDl = _mm256_set1_pd(o.Dl);
+  const __m256d vHd = _mm256_set1_pd(o.Hd), vDd = _mm256_set1_pd(o.Dd), vph = _mm256_set1_pd(o.ph);
+  const __m256d vpd = _mm256_set1_pd(o.pd), vrest = _mm256_set1_pd(o.rest_lag), vbound = _mm256_set1_pd(o.bound);
+  const __m256d vfh = _mm256_set1_pd(o.fh), vfd = _mm256_set1_pd(o.fd), vnh = _mm256_set1_pd(o.nhf);
+  const __m256d vnd = _mm256_set1_pd(o.ndf), vsf = _mm256_set1_pd(o.sf), vmagic = _mm256_set1_pd(kRoundMagic);
+  const __m256d vone = _mm256_set1_pd(1.0), vdump = _mm256_set1_pd(static_cast<double>(o.dump));
   const __m256d vinf = _mm256_set1_pd(kInf);
   int64_t s = 0;
   for (; s + 4 <= S; s += 4) {
@@ -218,9 +198,7 @@ __attribute__((target("avx2"))) void candidates_avx2(
     _mm256_storeu_pd(cell_out + s, _mm256_blendv_pd(vdump, cell, ok));
     _mm256_storeu_pd(p_out + s, _mm256_blendv_pd(vinf, p, ok));
   }
-  candidates_scalar(
-      S - s, U + s, V + s, P + s, T + s, hj, dj, pj, cj, Hl, Dl, Hd, Dd, ph, pd, rest_lag, bound, fh, fd, nhf, ndf,
-      sf, dump, cell_out + s, p_out + s);
+  candidates_scalar(S - s, U + s, V + s, P + s, T + s, o, cell_out + s, p_out + s);
 }
 
 bool cpu_has_avx2() {
@@ -245,15 +223,23 @@ bool use_simd() {
 
 // Step 1 dispatch: AVX2 lanes when the CPU has them (RECPIPE_PLANNER_SIMD=scalar
 // forces the scalar loop, for tests), else the scalar loop.
-template <typename... Args>
-void candidates(bool simd, Args... args) {
+void candidates(
+    bool simd,
+    int64_t S,
+    const double* U,
+    const double* V,
+    const double* P,
+    const double* T,
+    const OptionStep& o,
+    double* cell_out,
+    double* p_out) {
 #if defined(__x86_64__)
   if (simd) {
-    candidates_avx2(args...);
+    candidates_avx2(S, U, V, P, T, o, cell_out, p_out);
     return;
   }
 #endif
-  candidates_scalar(args...);
+  candidates_scalar(S, U, V, P, T, o, cell_out, p_out);
 }
 
 // Step 2: scatter-min of one option's candidates into the grid. Per cell the
@@ -430,9 +416,10 @@ std::tuple<at::Tensor, at::Tensor> placement_dp_cpu(
     // Option-major: for one option consecutive states land in distinct cells,
     // so the scatter rarely re-reads a cell it stored the iteration before.
     for (int64_t jj = 0; jj < k; ++jj) {
-      candidates(
-          simd, S, U.data(), V.data(), P.data(), T.data(), oh[jj], od[jj], op[jj], oc[jj], Hl, Dl, Hd, Dd, price_hbm,
-          price_ddr, rest_lag[i + 1], bound, fh, fd, nhf, ndf, sf, dump, cand_cell.data(), cand_p.data());
+      const OptionStep o{
+          oh[jj], od[jj], op[jj], oc[jj], Hl, Dl, Hd, Dd, price_hbm, price_ddr, rest_lag[i + 1], bound,
+          fh, fd, nhf, ndf, sf, dump};
+      candidates(simd, S, U.data(), V.data(), P.data(), T.data(), o, cand_cell.data(), cand_p.data());
       nt = scatter_min(S, k, jj, dump, cand_cell.data(), cand_p.data(), best.data(), winner.data(), touched.data(), nt);
     }
     if (nt == 0) {
