@@ -636,13 +636,14 @@ class DynamicProgrammingProposer:
                 # Feasible plans can be lost when a cheaper plan evicts a leaner one
                 # from a shared cell on a sliver-thin budget: retry ranking plans in a
                 # cell by bytes (share of each binding budget), cost only breaking ties.
-                lean = (hbm / H if a else 0.0) + (ddr / D if b else 0.0)
+                lean = (hbm / max(H, 1) if a else 0.0) + (ddr / max(D, 1) if b else 0.0)
                 scale = float(np.abs(np.where(np.isfinite(cost), cost, 0.0)).sum()) + 1.0
                 found = dp(hbm, ddr, cost, cost + 1e6 * scale * lean, keep, H, D, a, b)
             if found is None:
                 continue  # nothing beats the incumbent at this grid
             choice, dp_cost = found
-            self.last_dp_cost = min(dp_cost, inc_cost) if math.isnan(self.last_dp_cost) else min(dp_cost, self.last_dp_cost)
+            # the cheapest plan a DP pass returned, before repair (diagnostics)
+            self.last_dp_cost = dp_cost if math.isnan(self.last_dp_cost) else min(dp_cost, self.last_dp_cost)
             if self.repair:
                 choice = _repair(hbm, ddr, cost, keep, choice, H, D, REPAIR_PAIR_LIMIT, REPAIR_TRIPLE_LIMIT)
             total = float(cost[rows, choice].sum())
