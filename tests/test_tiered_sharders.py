@@ -64,17 +64,40 @@ def _copy_state_dict(local: Dict[str, Any], global_weights: Dict[str, torch.Tens
                 shard.tensor.copy_(global_weights[name][r0:r0 + rows, c0:c0 + cols])
 
 
+def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
+    """Row-wise plan of both tables; the tables in ``placements`` become tiered
+    (CUSTOMIZED_KERNEL, hash_roundrobin) with the given mode / load factor / seed."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingType
+
+    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+
+    plan = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,  # type: ignore[arg-type]
+                                          local_size=world, world_size=world, device_type="cpu")
+    shapes = {name: (rows, dim) for name, rows, dim, _ in TABLES}
+    for name, placement in placements.items():
+        rows, dim = shapes[name]
+        plan[name] = PlacementParameterSharding(
+            sharding_type=ShardingType.ROW_WISE.value,
+            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+            ranks=list(range(world)),
+            sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
+            dist_type="hash_roundrobin",
+            **placement,
+        )
+    return plan
+
+
 def _body(rank: int, world: int) -> Dict[str, List[Any]]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingPlan, ShardingType
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     global_weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone()
                       for n, *_ in TABLES}
@@ -85,15 +108,7 @@ def _body(rank: int, world: int) -> Dict[str, List[Any]]:
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         if kind == "tiered":
             sharder = TieredEmbeddingBagCollectionSharder()
-            plan = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,  # type: ignore[arg-type]
-                                                  local_size=world, world_size=world, device_type="cpu")
-            plan["t0"] = PlacementParameterSharding(
-                sharding_type=ShardingType.ROW_WISE.value,
-                compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-                ranks=list(range(world)),
-                sharding_spec=row_wise_sharding_spec(97, 8, world, world, "cpu"),
-                mode="HYBRID", cache_load_factor=0.3, dist_type="hash_roundrobin", seed=3,
-            )
+            plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3)})
         else:
             sharder = EmbeddingBagCollectionSharder()
             plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
@@ -150,15 +165,12 @@ class _Model(torch.nn.Module):
 
 def _pipeline_body(rank: int, world: int) -> Dict[str, List[float]]:
     from torchrec.datasets.utils import Batch
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     batches = []
     for step in range(STEPS + 1):
@@ -170,17 +182,10 @@ def _pipeline_body(rank: int, world: int) -> Dict[str, List[float]]:
         ebc = _ebc()
         apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": LR})
         sharder = TieredEmbeddingBagCollectionSharder()
-        plan = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,  # type: ignore[arg-type]
-                                              local_size=world, world_size=world, device_type="cpu")
-        for name, rows, dim, _ in TABLES:  # both tiered: CACHING LRU on t0, HYBRID on t1
-            plan[name] = PlacementParameterSharding(
-                sharding_type=ShardingType.ROW_WISE.value,
-                compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-                ranks=list(range(world)),
-                sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
-                mode="CACHING" if name == "t0" else "HYBRID", cache_load_factor=0.2 if name == "t0" else 0.5,
-                dist_type="hash_roundrobin", seed=11,
-            )
+        plan = _tiered_plan(ebc, sharder, world, {  # both tiered: CACHING on t0, HYBRID on t1
+            "t0": dict(mode="CACHING", cache_load_factor=0.2, seed=11),
+            "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=11),
+        })
         model = DistributedModelParallel(_Model(ebc), plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
                                          device=torch.device("cpu"))
         tiered = model.module.ebc.tiered_tables()
@@ -220,30 +225,19 @@ def test_train_pipeline_sparse_dist_with_tiered_tables_matches_plain_loop() -> N
 
 
 def _state_dict_body(rank: int, world: int) -> Dict[str, Any]:
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     def build(seed: int) -> Any:
         torch.manual_seed(seed)
         ebc = _ebc()
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         sharder = TieredEmbeddingBagCollectionSharder()
-        plan = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,  # type: ignore[arg-type]
-                                              local_size=world, world_size=world, device_type="cpu")
-        plan["t0"] = PlacementParameterSharding(
-            sharding_type=ShardingType.ROW_WISE.value,
-            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-            ranks=list(range(world)),
-            sharding_spec=row_wise_sharding_spec(97, 8, world, world, "cpu"),
-            mode="CACHING", cache_load_factor=0.2, dist_type="hash_roundrobin", seed=5,
-        )
+        plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=5)})
         return DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
                                         device=torch.device("cpu"))
 
