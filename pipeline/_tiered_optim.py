@@ -26,7 +26,14 @@ from typing import Union
 
 import torch
 
+from recpipe.planner.types import parse_enum
+
 __all__ = ["FusedOptimizer", "TieredOptimizerConfig"]
+
+
+# fbgemm / torchrec spellings of the fused optimizers.
+_OPTIMIZER_ALIASES = {"exact_sgd": "sgd", "exact_row_wise_adagrad": "rowwise_adagrad",
+                      "row_wise_adagrad": "rowwise_adagrad", "exact_rowwise_adagrad": "rowwise_adagrad"}
 
 
 class FusedOptimizer(enum.Enum):
@@ -46,18 +53,9 @@ class FusedOptimizer(enum.Enum):
         Returns:
             FusedOptimizer: the parsed optimizer.
         """
-        if isinstance(value, FusedOptimizer):
-            return value
-        name = str(value).lower()
-        aliases = {"exact_sgd": "sgd", "exact_row_wise_adagrad": "rowwise_adagrad",
-                   "row_wise_adagrad": "rowwise_adagrad", "exact_rowwise_adagrad": "rowwise_adagrad"}
-        name = aliases.get(name, name)
-        for member in cls:
-            if member.value == name:
-                return member
-        raise ValueError(
-            f"optimizer must be one of {[m.value for m in cls]}, got {value!r}: "
-            "tiered tables fuse SGD, row-wise Adagrad or Adam into the backward."
+        return parse_enum(
+            cls, value, "optimizer", aliases=_OPTIMIZER_ALIASES,
+            hint="tiered tables fuse SGD, row-wise Adagrad or Adam into the backward.",
         )
 
 

@@ -57,7 +57,7 @@ from torch import nn
 from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
 from recpipe.pipeline.ops import DIST_TYPES, hash_roundrobin_global_ids, route_ids
 from recpipe.planner.storage import ShardStorage, local_rows, row_bytes, tier_rows
-from recpipe.planner.types import Mode
+from recpipe.planner.types import Mode, parse_enum
 
 __all__ = [
     "CachePolicy",
@@ -91,14 +91,7 @@ class CachePolicy(enum.Enum):
         Returns:
             CachePolicy: the parsed policy.
         """
-        if isinstance(value, CachePolicy):
-            return value
-        try:
-            return cls(str(value).lower())
-        except ValueError:
-            raise ValueError(
-                f"cache_policy must be one of {[p.value for p in cls]}, got {value!r}."
-            ) from None
+        return parse_enum(cls, value, "cache_policy")
 
 
 class TieredCheckpointError(ValueError):

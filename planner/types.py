@@ -7,7 +7,7 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
 
 import torch
 from torchrec.distributed.planner.types import PlannerError as _TorchrecPlannerError
@@ -20,6 +20,39 @@ from recpipe.planner.storage import _check_load_factor, _itemsize, optimizer_sta
 DEFAULT_ZIPF_ALPHA: float = 1.05
 # Default cache load factor grid of the seed enumerator (PR #508): 0.1, 0.2, ..., 1.0.
 DEFAULT_LOAD_FACTORS: Tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 11))
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def parse_enum(
+    cls: Type[E], value: Union[E, str], argument: str, aliases: Optional[Dict[str, str]] = None, hint: str = ""
+) -> E:
+    """Reads a member of a string-valued enum from itself or its (case-insensitive) value.
+
+    Args:
+        cls (Type[E]): the enum.
+        value (E | str): a member, or its value in any case.
+        argument (str): the argument's name, for the error message.
+        aliases (Optional[Dict[str, str]]): other lower-case names mapped to lower-case values.
+        hint (str): said after the allowed values when ``value`` is none of them.
+
+    Returns:
+        E: the member.
+
+    Raises:
+        ValueError: naming ``argument``, the allowed values and what was given.
+    """
+    if isinstance(value, cls):
+        return value
+    name = str(value).lower()
+    name = (aliases or {}).get(name, name)
+    for member in cls:
+        if str(member.value).lower() == name:
+            return member
+    raise ValueError(
+        f"{argument} must be one of {[m.value for m in cls]}, got {value!r}" + (f": {hint}" if hint else ".")
+    )
 
 
 class Mode(enum.Enum):
@@ -43,12 +76,7 @@ class Mode(enum.Enum):
         Returns:
             Mode: the parsed mode.
         """
-        if isinstance(value, Mode):
-            return value
-        try:
-            return cls[str(value).upper()]
-        except KeyError:
-            raise ValueError(f"mode must be one of {[m.name for m in cls]}, got {value!r}.") from None
+        return parse_enum(cls, value, "mode")
 
 
 class PlannerErrorType(enum.Enum):
@@ -421,5 +449,6 @@ __all__ = [
     "TablePlacement",
     "TableSpec",
     "format_bytes",
+    "parse_enum",
 ]
 
