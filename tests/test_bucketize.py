@@ -307,6 +307,75 @@ def test_simd_paths_agree_on_large_input(monkeypatch: pytest.MonkeyPatch) -> Non
                 assert torch.equal(a, b), (path, name)
 
 
+def _partition_case(rng: random.Random, W: int, index_dtype: torch.dtype, B: int, max_len: int) -> dict:
+    """Features continuous, roundrobin, hash over a 10M-row table and (int64) hash
+    over a 2^40-row table (64-bit local ids: that feature takes the scalar
+    scatter while the others are partitioned); continuous/roundrobin carry raw
+    ids >= block * W, >= 2^32 and negative (the vector scatter's per-lane fallback)."""
+    sizes = [50_000, 1000, 10_000_000] + ([2**40] if index_dtype == torch.int64 else [])
+    dist = [0, 1, 2] + ([2] if index_dtype == torch.int64 else [])
+    hi = 2**31 - 1 if index_dtype == torch.int32 else 2**40
+    lengths = [rng.randrange(max_len + 1) for _ in range(len(sizes) * B)]
+    indices = []
+    for bt, ln in enumerate(lengths):
+        f = bt // B
+        for _ in range(ln):
+            raw = dist[f] != 2 and rng.random() < 0.2
+            indices.append(rng.randrange(-hi, hi) if raw else rng.randrange(min(sizes[f], hi)))
+    return dict(
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+        indices=torch.tensor(indices, dtype=index_dtype),
+        block_sizes=torch.tensor([max(1, -(-n // W)) for n in sizes], dtype=torch.int64),
+        dist_types=torch.tensor(dist, dtype=torch.int64),
+        table_sizes=torch.tensor(sizes, dtype=torch.int64),
+        W=W,
+    )
+
+
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+# W <= 8 takes the AVX-512 partition (vpcompress) scatter and byte-compare counts
+# when there are no weights and no bucketize_pos; 9 is the first scalar W.
+@pytest.mark.parametrize("W", [1, 2, 3, 5, 8, 9])
+@pytest.mark.parametrize("sequence", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_small_world_partition_matches_reference(
+    monkeypatch: pytest.MonkeyPatch, path: str, index_dtype: torch.dtype, W: int, sequence: bool, keep: bool
+) -> None:
+    _force_simd(monkeypatch, path)
+    rng = random.Random(W * 7 + sequence * 3 + keep + (index_dtype == torch.int32) * 100)
+    # bags up to 150 ids: several vectors per bag, tails of every length, and
+    # features that end mid-vector
+    case = _partition_case(rng, W, index_dtype, B=5, max_len=150)
+    _check_against_reference(case, sequence=sequence, pos=False, weights_dtype=None, seed=rng.randrange(2**63), keep=keep)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("W", [2, 8, 64])
+def test_large_input_paths_agree(monkeypatch: pytest.MonkeyPatch, threads: int, W: int) -> None:
+    """300k ids in chunks across threads: the AVX-512 partition scatter (W <= 8)
+    and the prefetching scalar scatter, with the streamed new_lengths, give the
+    same outputs as the scalar path (itself checked against the reference above)."""
+    g = torch.Generator().manual_seed(W)
+    lengths = torch.randint(0, 80, (4 * 2000,), generator=g)
+    indices = torch.randint(0, 1_000_000, (int(lengths.sum()),), generator=g)
+    args = (lengths, indices, torch.tensor([-(-1_000_000 // W)] * 4), torch.tensor([0, 1, 2, 0]), W)
+    kw = dict(sequence=True, table_sizes=torch.tensor([1_000_000] * 4), seed=4)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setenv("RECPIPE_SIMD", "scalar")
+        want = ops.block_bucketize_sparse_features(*args, **kw)
+        monkeypatch.setenv("RECPIPE_SIMD", "auto")
+        got = ops.block_bucketize_sparse_features(*args, **kw)
+    finally:
+        torch.set_num_threads(old)
+    for name, a, b in zip(got._fields, got, want):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b), name
+
+
 # ---------------------------------------------------------------------------
 # Parity with fbgemm (continuous)
 
