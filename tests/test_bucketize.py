@@ -352,12 +352,14 @@ def test_small_world_partition_matches_reference(
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("W", [2, 8, 64])
-def test_large_input_paths_agree(monkeypatch: pytest.MonkeyPatch, threads: int, W: int) -> None:
+@pytest.mark.parametrize("length_dtype", [torch.int32, torch.int64])
+def test_large_input_paths_agree(monkeypatch: pytest.MonkeyPatch, threads: int, W: int, length_dtype: torch.dtype) -> None:
     """300k ids in chunks across threads: the AVX-512 partition scatter (W <= 8)
-    and the prefetching scalar scatter, with the streamed new_lengths, give the
-    same outputs as the scalar path (itself checked against the reference above)."""
+    and the prefetching scalar scatter, with new_lengths streamed by 64-byte
+    lines (B = 2001: rows start unaligned), give the same outputs as the scalar
+    path (itself checked against the reference above)."""
     g = torch.Generator().manual_seed(W)
-    lengths = torch.randint(0, 80, (4 * 2000,), generator=g)
+    lengths = torch.randint(0, 80, (4 * 2001,), generator=g).to(length_dtype)
     indices = torch.randint(0, 1_000_000, (int(lengths.sum()),), generator=g)
     args = (lengths, indices, torch.tensor([-(-1_000_000 // W)] * 4), torch.tensor([0, 1, 2, 0]), W)
     kw = dict(sequence=True, table_sizes=torch.tensor([1_000_000] * 4), seed=4)
