@@ -1239,8 +1239,11 @@ void bucketize_cpu_impl(
   const bool simd_count = simd == Simd::kAvx512 && W <= kSimdCountMaxW;
   for_each_chunk(workers, chunks, [&](int64_t c) {
     std::vector<int32_t> block_counts(W * kBags);
+    // The chunk's totals are summed in a buffer of its own and published once:
+    // neighbouring chunks' slices of chunk_count share cache lines, and the
+    // threads work on neighbouring chunks at the same time.
+    std::vector<int64_t> cnt(W, 0);
     {
-      int64_t* cnt = chunk_count.data() + c * W;
       for (int64_t g0 = bounds[c]; g0 < bounds[c + 1]; g0 += kBags) {
         const int64_t g1 = std::min<int64_t>(g0 + kBags, bounds[c + 1]);
         std::fill(block_counts.begin(), block_counts.end(), 0);
@@ -1280,6 +1283,7 @@ void bucketize_cpu_impl(
         }
       }
     }
+    std::copy(cnt.begin(), cnt.end(), chunk_count.begin() + c * W);
     store_fence();  // the streaming stores of this chunk's new_lengths
   });
   for (const auto& b : bad) {
@@ -1330,7 +1334,11 @@ void bucketize_cpu_impl(
     }
   };
   auto scatter_chunk = [&](auto has_pos, auto has_perm, int64_t c) {
-    int64_t* cur = cursor.data() + c * W;
+    // Cursors move once per id (or vector): a private copy, as the shared
+    // array would bounce cache lines between threads on neighbouring chunks
+    // (measured: pass 2 did not scale from 1 to 2 threads at W <= 8).
+    std::vector<int64_t> cur_own(cursor.begin() + c * W, cursor.begin() + (c + 1) * W);
+    int64_t* cur = cur_own.data();
     const uindex_t* hl = hashed_local.get();
     const uint32_t* hl32 = hashed_local32.get();
     for (int64_t bt = bounds[c]; bt < bounds[c + 1];) {
