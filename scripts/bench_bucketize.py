@@ -20,12 +20,23 @@ its BEST round. The machine is shared (other jobs compile and test on the same
 interleaved rounds compares every variant (the memcpy bound included) at its
 least disturbed. ``--simd`` forces recpipe's SIMD path (RECPIPE_SIMD).
 
-Usage: python scripts/bench_bucketize.py [--keys 1000000] [--repeat 15] [--simd auto]
+Heap (``--heap``): both ops allocate their outputs (up to 24 MB a call here)
+and Python frees them after the call. With glibc's defaults the freed top of
+the heap is often returned to the OS and every later call page-faults its
+outputs afresh (~2.5k faults, 0.5-10 ms a call on this VM, for fbgemm and
+recpipe alike; the memcpy allocates nothing). ``steady`` (default) sets
+M_MMAP_THRESHOLD = M_TRIM_THRESHOLD = 1 GiB for this process with mallopt, so
+freed buffers are reused, as in a long-running trainer on a tuned allocator
+(jemalloc/tcmalloc, or the same MALLOC_*_THRESHOLD_ environment variables);
+``default`` keeps glibc's settings. The line above the table says which.
+
+Usage: python scripts/bench_bucketize.py [--keys 1000000] [--repeat 15] [--simd auto] [--heap steady]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import sys
 import time
@@ -41,6 +52,21 @@ from recpipe.pipeline import ops  # noqa: E402
 
 F = 8
 TABLE_ROWS = 10_000_000  # rows per feature table
+M_TRIM_THRESHOLD = -1  # glibc malloc.h mallopt parameters
+M_MMAP_THRESHOLD = -3
+STEADY_HEAP_BYTES = 1 << 30
+
+
+def steady_heap() -> str:
+    """Keeps freed buffers in this process's heap (glibc mallopt); returns what was set."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, STEADY_HEAP_BYTES) and libc.mallopt(M_TRIM_THRESHOLD, STEADY_HEAP_BYTES)
+    except (OSError, AttributeError):
+        ok = 0
+    if not ok:
+        return "heap: glibc defaults (mallopt unavailable: not glibc?)"
+    return "heap: steady (mallopt M_MMAP_THRESHOLD = M_TRIM_THRESHOLD = 1 GiB: outputs reuse freed memory)"
 
 
 def make_inputs(keys: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,8 +119,11 @@ def main() -> None:
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 8, 64])
     ap.add_argument("--simd", choices=["auto", "scalar", "avx2", "avx512"], default="auto",
                     help="recpipe SIMD path (sets RECPIPE_SIMD)")
+    ap.add_argument("--heap", choices=["steady", "default"], default="steady",
+                    help="steady: freed outputs stay in the heap (see the module docstring); default: glibc's")
     args = ap.parse_args()
     os.environ["RECPIPE_SIMD"] = args.simd
+    heap = steady_heap() if args.heap == "steady" else "heap: glibc defaults (freed outputs may be returned to the OS)"
 
     all_threads = os.cpu_count() or 1
     lengths, indices = make_inputs(args.keys)
@@ -102,6 +131,7 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"recpipe SIMD path: {args.simd}; 1-min load average before the run: {load:.2f} "
           f"(other jobs on the {all_threads} cores make the {all_threads}-thread rows noisy)")
+    print(heap)
     print(f"fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}; {args.keys} keys, F={F}, "
           f"B={lengths.numel() // F}, int64 ids over {TABLE_ROWS} rows/table")
     rows = []
