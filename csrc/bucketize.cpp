@@ -680,7 +680,7 @@ void hash_ids(
 // (ub = 0), u the id as unsigned of the index width.
 struct PlainRoute {
   uint64_t ub;  // block * W in the index width (0 for roundrobin)
-  uint64_t block;
+  uint64_t block;  // rows per rank (continuous)
   FastDivU64 div_block;
   FastDivU64 div_world;
   uint64_t world;
@@ -911,9 +911,9 @@ constexpr int64_t kOutPrefetch = 64;
 
 // ---------------------------------------------------------------------------
 // Small W (AVX-512, owners as bytes): both per-id loops without a per-id
-// read-modify-write. A scalar `cnt[owner]++` / `cur[owner]++` chains every id
-// to the previous id of its rank through a store-to-load forward (~5 cycles),
-// and with W = 2 half the ids form one such chain.
+// read-modify-write. The scalar `cnt[owner]++` / `cur[owner]++` loops cost
+// about the same at every W measured (~1.6 ms per 1M ids for the scatter at
+// W = 2..16, table below): a load, increment and store of a counter per id.
 //   * counts: per bag and rank p > 0, the popcount of the owner bytes equal to
 //     p (64 bytes per compare); rank 0 takes the rest of the bag.
 //   * scatter: per vector of ids and per rank p, the lanes owned by p are
