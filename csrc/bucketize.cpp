@@ -382,6 +382,20 @@ struct Hash32Vec {
 // X ^ ((X >> s) & top): vpternlogd truth table A ^ (B & C) = 0xF0 ^ (0xCC & 0xAA).
 constexpr int kXorAnd = 0x78;
 
+// n / d for 16 u32 lanes (FastDivU32: mulhi32 from two pmuludq).
+RECPIPE_TARGET_AVX512 inline __m512i div32_avx512(__m512i n, const FastDivU32& d) {
+  if (d.pow2) {
+    return _mm512_srli_epi32(n, static_cast<unsigned>(d.shift));
+  }
+  const __m512i magic = _mm512_set1_epi32(static_cast<int>(d.magic));
+  const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(n, magic), 32);
+  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(n, 32), magic);
+  const __m512i t = _mm512_mask_blend_epi32(static_cast<__mmask16>(0xAAAA), even, odd);
+  return _mm512_srli_epi32(
+      _mm512_add_epi32(t, _mm512_srli_epi32(_mm512_sub_epi32(n, t), 1)),
+      static_cast<unsigned>(d.shift));
+}
+
 RECPIPE_TARGET_AVX512 inline __mmask16 tail16(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF)
                     : left <= 0 ? static_cast<__mmask16>(0)
@@ -540,22 +554,11 @@ RECPIPE_TARGET_AVX512 bool hash_block_avx512(
     np = kept;
   }
 
-  // 4. owner = h % W, local = h / W (FastDivU32: mulhi32 from two pmuludq).
-  const bool pow2 = c.div.pow2;
-  const __m128i sh = _mm_cvtsi32_si128(c.div.shift);
-  const __m512i magic = _mm512_set1_epi32(static_cast<int>(c.div.magic));
+  // 4. owner = h % W, local = h / W.
   for (int64_t j = 0; j < m; j += 16) {
     const __mmask16 tm = tail16(m - j);
     const __m512i h = _mm512_loadu_si512(a32 + j);
-    __m512i q;
-    if (pow2) {
-      q = _mm512_srl_epi32(h, sh);
-    } else {
-      const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(h, magic), 32);
-      const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(h, 32), magic);
-      const __m512i t = _mm512_mask_blend_epi32(static_cast<__mmask16>(0xAAAA), even, odd);
-      q = _mm512_srl_epi32(_mm512_add_epi32(t, _mm512_srli_epi32(_mm512_sub_epi32(h, t), 1)), sh);
-    }
+    const __m512i q = div32_avx512(h, c.div);
     const __m512i o = _mm512_sub_epi32(h, _mm512_mullo_epi32(q, v.world));
     if constexpr (sizeof(owner_t) == 1) {
       _mm_mask_storeu_epi8(owner + j, tm, _mm512_cvtepi32_epi8(o));
@@ -706,6 +709,14 @@ PlainRoute make_plain_route(const FeatureRoute& r, uint64_t world) {
   return pr;
 }
 
+// Local id of a continuous id u owned by rank p: u - p * block below
+// ub = block * W (in the index width), else u / W (fbgemm's rule).
+template <typename uindex_t>
+inline uindex_t continuous_local(uindex_t uid, uint64_t p, uindex_t ub, uint64_t block, const FastDivU64& dw) {
+  return uid < ub ? static_cast<uindex_t>(static_cast<uint64_t>(uid) - p * block)
+                  : static_cast<uindex_t>(dw.div(static_cast<uint64_t>(uid)));
+}
+
 template <typename index_t, typename owner_t>
 inline void plain_owners_scalar(const PlainRoute& pr, const index_t* idx, int64_t s, int64_t e, owner_t* owner) {
   using uindex_t = std::make_unsigned_t<index_t>;
@@ -730,20 +741,6 @@ RECPIPE_TARGET_AVX512 inline __m512i div32_in_u64_avx512(__m512i n, const FastDi
   const __m512i t = _mm512_srli_epi64(_mm512_mul_epu32(n, _mm512_set1_epi64(d.magic)), 32);
   return _mm512_srli_epi64(
       _mm512_add_epi64(t, _mm512_srli_epi64(_mm512_sub_epi64(n, t), 1)),
-      static_cast<unsigned>(d.shift));
-}
-
-// n / d for 16 u32 lanes (FastDivU32: mulhi32 from two pmuludq).
-RECPIPE_TARGET_AVX512 inline __m512i div32_avx512(__m512i n, const FastDivU32& d) {
-  if (d.pow2) {
-    return _mm512_srli_epi32(n, static_cast<unsigned>(d.shift));
-  }
-  const __m512i magic = _mm512_set1_epi32(static_cast<int>(d.magic));
-  const __m512i even = _mm512_srli_epi64(_mm512_mul_epu32(n, magic), 32);
-  const __m512i odd = _mm512_mul_epu32(_mm512_srli_epi64(n, 32), magic);
-  const __m512i t = _mm512_mask_blend_epi32(static_cast<__mmask16>(0xAAAA), even, odd);
-  return _mm512_srli_epi32(
-      _mm512_add_epi32(t, _mm512_srli_epi32(_mm512_sub_epi32(n, t), 1)),
       static_cast<unsigned>(d.shift));
 }
 
@@ -976,9 +973,7 @@ inline void scatter_one(
   const uindex_t uid = static_cast<uindex_t>(idx[j]);
   uindex_t local = uid;
   if constexpr (kMode == LocalMode::kContinuous) {
-    local = uid < static_cast<uindex_t>(pr.ub)
-        ? static_cast<uindex_t>(static_cast<uint64_t>(uid) - p * pr.block)
-        : static_cast<uindex_t>(pr.div_world.div(static_cast<uint64_t>(uid)));
+    local = continuous_local<uindex_t>(uid, p, static_cast<uindex_t>(pr.ub), pr.block, pr.div_world);
   } else if constexpr (kMode == LocalMode::kRoundRobin) {
     local = static_cast<uindex_t>(pr.div_world.div(static_cast<uint64_t>(uid)));
   }
@@ -1372,9 +1367,7 @@ void bucketize_cpu_impl(
         const int64_t e = offsets[bt + 1];
         if (dist == kContinuous) {
           scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t p) {
-            const uindex_t uid = static_cast<uindex_t>(idx[i]);
-            return uid < ub ? static_cast<uindex_t>(static_cast<uint64_t>(uid) - p * block)
-                            : static_cast<uindex_t>(dw.div(static_cast<uint64_t>(uid)));
+            return continuous_local<uindex_t>(static_cast<uindex_t>(idx[i]), p, ub, block, dw);
           });
         } else if (dist == kRoundRobin) {
           scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t) {
