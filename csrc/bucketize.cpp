@@ -361,10 +361,13 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
 }
 
 // ---- AVX-512: 16 ids per vector -------------------------------------------
-// GCC 12's intrinsic headers trip -Wmaybe-uninitialized on their own
-// _mm512_undefined_* placeholders (a known false positive); silence it here only.
+// GCC 12's intrinsic headers trip -Wmaybe-uninitialized (and, for
+// _mm512_srl_epi32 inlined into perm_apply_n_avx512, -Wuninitialized) on their
+// own _mm512_undefined_* placeholders (a known false positive); silence them
+// here only.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 // The AVX-512 rounds work on b-bit values held in the TOP b bits of each lane
 // (X = x << (32 - b)): sums and products mod 2^32 are then the b-bit sums and
@@ -904,6 +907,18 @@ int64_t stream_row(Simd simd, offset_t* dst, const int32_t* row, int64_t n) {
 // (W = 64: every 8th store missed); each store asks for the line kOutPrefetch
 // ids further along its rank's stream (measured on Zen 4: W = 64 pass 2
 // 3.2 -> 1.8 ms per 1M ids).
+//
+// Software write-combining was measured and lost. The idea: stage each rank's
+// next ids in a ring of a few lines in L1, and send whole lines out with
+// non-temporal stores, which skips the read for ownership of new_indices. In
+// the op (1M int64 ids, one thread) it took W = 2 from 1.2 to 2.1-2.6 ms and
+// W = 64 from 3.8 to 6.2-7.4 ms. That held even with the output stores
+// removed. A standalone C loop (W = 64, random owners) shows the same:
+// storing straight to the output took 1.25-1.55 ms, ring + streamed lines
+// 2.75-3.3 ms. The loop with only the ring stores and the "line full?" test
+// took 1.1 ms in one build and 3.4 ms in another. That test is taken once per
+// line of a rank, at random times, so the likely cost is one branch mispredict
+// per output line. That costs more than the read for ownership it saves.
 constexpr int64_t kOutPrefetch = 64;
 
 // ---------------------------------------------------------------------------
