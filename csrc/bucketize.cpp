@@ -911,9 +911,9 @@ int64_t stream_row(Simd simd, offset_t* dst, const int32_t* row, int64_t n) {
 // Software write-combining was measured and lost. The idea: stage each rank's
 // next ids in a ring of a few lines in L1, and send whole lines out with
 // non-temporal stores, which skips the read for ownership of new_indices. In
-// the op (1M int64 ids, one thread) it took W = 2 from 1.2 to 2.1-2.6 ms and
-// W = 64 from 3.8 to 6.2-7.4 ms. That held even with the output stores
-// removed. A standalone C loop (W = 64, random owners) shows the same:
+// the op (1M int64 ids, one thread, continuous; ranges over two ring designs
+// and repeats) it took W = 2 from 1.1-1.6 to 2.1-4.5 ms and W = 64 from
+// 3.5-5.2 to 6.2-10.2 ms. That held even with the output stores removed. A standalone C loop (W = 64, random owners) shows the same:
 // storing straight to the output took 1.25-1.55 ms, ring + streamed lines
 // 2.75-3.3 ms. The loop with only the ring stores and the "line full?" test
 // took 1.1 ms in one build and 3.4 ms in another. That test is taken once per
