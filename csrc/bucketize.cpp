@@ -913,12 +913,13 @@ int64_t stream_row(Simd simd, offset_t* dst, const int32_t* row, int64_t n) {
 // non-temporal stores, which skips the read for ownership of new_indices. In
 // the op (1M int64 ids, one thread, continuous; ranges over two ring designs
 // and repeats) it took W = 2 from 1.1-1.6 to 2.1-4.5 ms and W = 64 from
-// 3.5-5.2 to 6.2-10.2 ms. That held even with the output stores removed. A standalone C loop (W = 64, random owners) shows the same:
-// storing straight to the output took 1.25-1.55 ms, ring + streamed lines
-// 2.75-3.3 ms. The loop with only the ring stores and the "line full?" test
-// took 1.1 ms in one build and 3.4 ms in another. That test is taken once per
-// line of a rank, at random times, so the likely cost is one branch mispredict
-// per output line. That costs more than the read for ownership it saves.
+// 3.5-5.2 to 6.2-10.2 ms. That held even with the output stores removed. A
+// standalone C loop (W = 64, random owners) shows the same: storing straight
+// to the output took 1.25-1.55 ms, ring + streamed lines 2.75-3.3 ms. The
+// loop with only the ring stores and the "line full?" test took 1.1 ms in one
+// build and 3.4 ms in another. That test is taken once per line of a rank, at
+// random times, so the likely cost is one branch mispredict per output line.
+// That costs more than the read for ownership it saves.
 constexpr int64_t kOutPrefetch = 64;
 
 // ---------------------------------------------------------------------------
@@ -1066,7 +1067,8 @@ RECPIPE_TARGET_AVX512 void compress_scatter_avx512(
           if constexpr (kMode == LocalMode::kContinuous) {
             const __mmask16 lo = _mm512_cmplt_epu32_mask(
                 u, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(pr.ub))));
-            const __m512i base = _mm512_mullo_epi32(o, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(pr.block))));
+            const __m512i base = _mm512_mullo_epi32(
+                o, _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(pr.block))));
             local = _mm512_mask_sub_epi32(local, lo, u, base);
           }
         }
@@ -1327,7 +1329,7 @@ void bucketize_cpu_impl(
   auto scatter = [&](auto has_pos, auto has_perm, int64_t* cur, int64_t s, int64_t e,
                      auto local_of) {
     for (int64_t i = s; i < e; ++i) {
-      if ((i & 7) == 0) _mm_prefetch(reinterpret_cast<const char*>(idx + i + kPrefetchAhead), _MM_HINT_T0);
+      if ((i & 7) == 0) __builtin_prefetch(idx + i + kPrefetchAhead, 0, 3);  // portable prefetcht0
       const uint64_t p = owner[i];
       const int64_t pos = cur[p]++;
       __builtin_prefetch(out_idx + pos + kOutPrefetch, 1, 3);
