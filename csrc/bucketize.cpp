@@ -25,16 +25,15 @@
 // rank's stream. new_lengths is written with non-temporal stores.
 //
 // hash_roundrobin (H = HashPermutation, bucketize_math.h) runs in 32-bit
-// lanes for tables of <= 2^32 rows: ids are range-checked, P is applied twice
-// to every lane unconditionally (the second result kept where the first left
-// [0, n)), the ~16% of lanes still outside are compacted and walked on, then
-// owner = h % W / local = h / W (shift or FastDivU32). Outputs are
-// bit-identical on every path.
+// lanes for tables of 2 to 2^32 rows: ids are range-checked, both window
+// steps of H run on every lane (each kept where the lane lies in its window:
+// no cycle-walking, no divergent lanes), then owner = h % W / local = h / W
+// (shift or FastDivU32). Outputs are bit-identical on every path.
 //
 // SIMD paths and RECPIPE_SIMD: the hot loops exist as `scalar` (baseline
 // x86-64, any CPU), `avx2` (target("avx2") build of the same loops) and
-// `avx512` (AVX-512F/BW/DQ/VL intrinsics: vpcompressd for the cycle-walking
-// stragglers, 4 independent vectors per step to hide vpmulld latency). The
+// `avx512` (AVX-512F/BW/DQ/VL intrinsics, 4 independent vectors per step to
+// hide vpmulld latency, owner/local split from the registers). The
 // best one the CPU supports (__builtin_cpu_supports) is used; setting the
 // environment variable RECPIPE_SIMD=scalar|avx2|avx512 (read on every call;
 // `auto` or unset = best) forces one, e.g. for tests. Forcing a path the CPU
@@ -168,8 +167,8 @@ std::vector<int64_t> chunk_bags(
 // SIMD dispatch. The hash_roundrobin hot path has three builds of one
 // algorithm: `scalar` (baseline x86-64 / any CPU; the compiler may still use
 // SSE2), `avx2` (target("avx2") clone of the same code, auto-vectorized) and
-// `avx512` (hand-written AVX-512F/BW/DQ/VL intrinsics, vpcompressd for the
-// cycle-walking stragglers). The best one the CPU supports is used; the
+// `avx512` (hand-written AVX-512F/BW/DQ/VL intrinsics). The best one the CPU
+// supports is used; the
 // environment variable RECPIPE_SIMD=scalar|avx2|avx512 (read on every call)
 // forces one, so tests can check each path against the reference. Forcing a
 // path the CPU lacks is an error, never a silent fallback.
@@ -229,100 +228,84 @@ Simd simd_for_call() {
 }
 
 // hash_roundrobin of one feature in 32-bit lanes, usable when the table has
-// n <= 2^32 rows (mask < 2^32) and W < 2^32: the permutation rounds are then
-// bit-identical to HashPermutation::round_fwd (the low b bits of sums and
-// products depend only on the low b bits of their operands), h = H(id) < 2^32
-// and h / W is a FastDivU32.
+// 2 <= n <= 2^32 rows and W < 2^32: the window rounds are then bit-identical
+// to HashPermutation::perm_fwd (the low c bits of sums and products depend
+// only on the low c bits of their operands), h = H(id) < 2^32 and h / W is a
+// FastDivU32. (n == 1 has a 0-bit window; it takes the wide path.)
 struct Hash32 {
   uint64_t n;     // table rows
-  uint32_t last;  // n - 1
-  uint32_t mask;
+  uint32_t mask;  // window size - 1
+  uint32_t hi;    // start of the second window (0: one window)
   uint32_t s;
   uint32_t world;
-  uint32_t add[HashPermutation::kRounds];
-  uint32_t mul[HashPermutation::kRounds];
+  uint32_t add[HashPermutation::kWindows][HashPermutation::kRounds];
+  uint32_t mul[HashPermutation::kWindows][HashPermutation::kRounds];
   FastDivU32 div;  // / W
 
   static bool fits(const HashPermutation& p, uint64_t world) {
-    return p.mask <= 0xFFFFFFFFULL && world <= 0xFFFFFFFFULL;
+    return p.n >= 2 && p.n <= (1ULL << 32) && world <= 0xFFFFFFFFULL;
   }
 
-  Hash32(const HashPermutation& p, uint64_t table_size, uint64_t w)
-      : n(table_size),
-        last(static_cast<uint32_t>(table_size - 1)),
+  Hash32(const HashPermutation& p, uint64_t w)
+      : n(p.n),
         mask(static_cast<uint32_t>(p.mask)),
+        hi(static_cast<uint32_t>(p.hi)),
         s(static_cast<uint32_t>(p.s)),
         world(static_cast<uint32_t>(w)),
         div(static_cast<uint32_t>(w)) {
-    for (int r = 0; r < HashPermutation::kRounds; ++r) {
-      add[r] = static_cast<uint32_t>(p.add[r]);
-      mul[r] = static_cast<uint32_t>(p.mul[r]);
+    for (int k = 0; k < HashPermutation::kWindows; ++k) {
+      for (int r = 0; r < HashPermutation::kRounds; ++r) {
+        add[k][r] = static_cast<uint32_t>(p.add[k][r]);
+        mul[k][r] = static_cast<uint32_t>(p.mul[k][r]);
+      }
     }
   }
 
-  // One application of the permutation P (all rounds).
-  inline uint32_t apply(uint32_t x) const {
+  // The window permutation P_k (all rounds); any input, the result is < 2^c.
+  inline uint32_t apply(int k, uint32_t x) const {
     for (int r = 0; r < HashPermutation::kRounds; ++r) {
-      x = (x + add[r]) & mask;
+      x = (x + add[k][r]) & mask;
       x ^= x >> s;
-      x = (x * mul[r]) & mask;
+      x = (x * mul[k][r]) & mask;
       x ^= x >> s;
     }
     return x;
   }
+
+  // H(x) branch-free: both window steps are computed for every lane and kept
+  // where x lies in the window, so the compiler vectorizes the loop around it.
+  inline uint32_t forward(uint32_t x) const {
+    const uint32_t y0 = apply(0, x);
+    x = x <= mask ? y0 : x;
+    const uint32_t y1 = hi + apply(1, x - hi);
+    return (hi != 0 && x >= hi) ? y1 : x;
+  }
 };
 
-// Ids per hash block: the block's staging arrays (3 x 2 KiB) stay in L1.
+// Ids per hash block of the scalar / AVX2 builds: the block's staging array
+// (2 KiB) stays in L1.
 constexpr int64_t kHashBlock = 512;
-// Extra slots so full-vector stores past the block's end stay in bounds.
-constexpr int64_t kHashPad = 16;
 
 // Ids the AVX-512 hash loop prefetches ahead of the one it hashes (4 KiB of
 // int64 ids: far enough to cover DRAM latency at ~1 id/ns, near enough to stay in L1).
 constexpr int64_t kPrefetchAhead = 512;
 
 struct HashScratch {
-  alignas(64) uint32_t a32[kHashBlock + kHashPad];
-  alignas(64) uint32_t pend_idx[kHashBlock + kHashPad];
-  alignas(64) uint32_t pend_val[kHashBlock + kHashPad];
+  alignas(64) uint32_t a32[kHashBlock];
 };
 
 // One block of m <= kHashBlock ids: range check (out-of-range ids hash as 0;
-// returns whether there was one), h = H(id) by two unconditional applications
-// of P (branch-free: the second is kept only where the first left [0, n)), the
-// remaining cycle-walkers compacted into a pending list, then the split
-// owner = h % W, local = h / W. Compiled twice (baseline and target("avx2")):
-// every loop but the pending one is a plain map the compiler vectorizes.
+// returns whether there was one), h = H(id), then the split owner = h % W,
+// local = h / W. Compiled twice (baseline and target("avx2")): both loops are
+// plain maps the compiler vectorizes.
 #define RECPIPE_HASH_BLOCK_BODY                                                  \
   uint32_t* a32 = scratch.a32;                                                   \
-  uint32_t* pend = scratch.pend_idx;                                             \
   uint32_t any_bad = 0;                                                          \
   for (int64_t j = 0; j < m; ++j) {                                              \
     const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[j]));      \
     const uint32_t oob = u >= c.n; /* negative ids are huge as unsigned */       \
     any_bad |= oob;                                                              \
-    a32[j] = oob ? 0u : static_cast<uint32_t>(u);                                \
-  }                                                                              \
-  for (int64_t j = 0; j < m; ++j) {                                              \
-    const uint32_t x = c.apply(a32[j]);                                          \
-    const uint32_t y = c.apply(x);                                               \
-    a32[j] = x > c.last ? y : x;                                                 \
-  }                                                                              \
-  int32_t np = 0;                                                                \
-  for (int32_t j = 0; j < m; ++j) {                                              \
-    pend[np] = static_cast<uint32_t>(j);                                         \
-    np += a32[j] > c.last;                                                       \
-  }                                                                              \
-  while (np > 0) {                                                               \
-    int32_t next = 0;                                                            \
-    for (int32_t k = 0; k < np; ++k) {                                           \
-      const uint32_t j = pend[k];                                                \
-      const uint32_t x = c.apply(a32[j]);                                        \
-      a32[j] = x;                                                                \
-      pend[next] = j;                                                            \
-      next += x > c.last;                                                        \
-    }                                                                            \
-    np = next;                                                                   \
+    a32[j] = c.forward(oob ? 0u : static_cast<uint32_t>(u));                     \
   }                                                                              \
   if (c.div.pow2) {                                                              \
     const uint32_t sh = static_cast<uint32_t>(c.div.shift);                      \
@@ -369,17 +352,20 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-// The AVX-512 rounds work on b-bit values held in the TOP b bits of each lane
-// (X = x << (32 - b)): sums and products mod 2^32 are then the b-bit sums and
+// The AVX-512 rounds work on c-bit values held in the TOP c bits of each lane
+// (X = x << (32 - c)): sums and products mod 2^32 are then the c-bit sums and
 // products with no mask, and the xorshift x ^ (x >> s) becomes
 // X ^ ((X >> s) & top), one vpternlogd. 6 instructions a round instead of 8,
-// bit-identical to HashPermutation::round_fwd.
+// bit-identical to HashPermutation::perm_fwd.
 struct Hash32Vec {
-  __m512i top;   // mask << (32 - b): the b value bits
-  __m512i last;  // (n - 1) << (32 - b): X > last iff x >= n
-  __m512i world, add[HashPermutation::kRounds], mul[HashPermutation::kRounds];
+  __m512i top;   // mask << (32 - c): the c value bits
+  __m512i mask;  // window size - 1 (x <= mask: x in the first window)
+  __m512i hi;    // start of the second window
+  __m512i world;
+  __m512i add[HashPermutation::kWindows][HashPermutation::kRounds];
+  __m512i mul[HashPermutation::kWindows][HashPermutation::kRounds];
   __m128i s;     // xorshift distance
-  __m128i up;    // 32 - b
+  __m128i up;    // 32 - c
 };
 
 // X ^ ((X >> s) & top): vpternlogd truth table A ^ (B & C) = 0xF0 ^ (0xCC & 0xAA).
@@ -405,20 +391,20 @@ RECPIPE_TARGET_AVX512 inline __mmask16 tail16(int64_t left) {
                                 : static_cast<__mmask16>((1u << left) - 1u);
 }
 
-// P on kLanes independent vectors, round by round: one vector's rounds form a
-// ~40-cycle dependency chain (vpmulld is 3 cycles), so hashing one vector at a
-// time is latency-bound; interleaving kLanes chains keeps the vector pipes busy.
+// P_k on kLanes independent vectors, round by round: one vector's rounds form
+// a ~40-cycle dependency chain (vpmulld is 3 cycles), so hashing one vector at
+// a time is latency-bound; interleaving kLanes chains keeps the vector pipes busy.
 template <int kLanes>
-RECPIPE_TARGET_AVX512 inline void perm_apply_n_avx512(const Hash32Vec& v, __m512i* x) {
+RECPIPE_TARGET_AVX512 inline void perm_apply_n_avx512(const Hash32Vec& v, int k, __m512i* x) {
   for (int r = 0; r < HashPermutation::kRounds; ++r) {
     for (int l = 0; l < kLanes; ++l) {
-      x[l] = _mm512_add_epi32(x[l], v.add[r]);
+      x[l] = _mm512_add_epi32(x[l], v.add[k][r]);
     }
     for (int l = 0; l < kLanes; ++l) {
       x[l] = _mm512_ternarylogic_epi32(x[l], _mm512_srl_epi32(x[l], v.s), v.top, kXorAnd);
     }
     for (int l = 0; l < kLanes; ++l) {
-      x[l] = _mm512_mullo_epi32(x[l], v.mul[r]);
+      x[l] = _mm512_mullo_epi32(x[l], v.mul[k][r]);
     }
     for (int l = 0; l < kLanes; ++l) {
       x[l] = _mm512_ternarylogic_epi32(x[l], _mm512_srl_epi32(x[l], v.s), v.top, kXorAnd);
@@ -426,44 +412,42 @@ RECPIPE_TARGET_AVX512 inline void perm_apply_n_avx512(const Hash32Vec& v, __m512
   }
 }
 
+// One block of m ids (any m): per kVecs x 16 ids, load + range check
+// (out-of-range lanes hash as 0), the two window steps of H on whole vectors
+// (a lane keeps a step's result where it lies in that window), then
+// owner = h % W, local = h / W stored straight from the registers.
 template <typename index_t, typename uindex_t, typename owner_t>
 RECPIPE_TARGET_AVX512 bool hash_block_avx512(
-    const Hash32& c, const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local,
-    owner_t* owner) {
-  uint32_t* a32 = scratch.a32;
+    const Hash32& c, const index_t* ids, int64_t m, uindex_t* local, owner_t* owner) {
   Hash32Vec v;
-  const int up = __builtin_clz(c.mask);  // 32 - b (mask != 0)
+  const int up = __builtin_clz(c.mask);  // 32 - c (mask != 0: n >= 2)
   v.top = _mm512_set1_epi32(static_cast<int>(c.mask << up));
-  v.last = _mm512_set1_epi32(static_cast<int>(c.last << up));
+  v.mask = _mm512_set1_epi32(static_cast<int>(c.mask));
+  v.hi = _mm512_set1_epi32(static_cast<int>(c.hi));
   v.world = _mm512_set1_epi32(static_cast<int>(c.world));
-  for (int r = 0; r < HashPermutation::kRounds; ++r) {
-    v.add[r] = _mm512_set1_epi32(static_cast<int>(c.add[r] << up));
-    v.mul[r] = _mm512_set1_epi32(static_cast<int>(c.mul[r]));
+  for (int k = 0; k < HashPermutation::kWindows; ++k) {
+    for (int r = 0; r < HashPermutation::kRounds; ++r) {
+      v.add[k][r] = _mm512_set1_epi32(static_cast<int>(c.add[k][r] << up));
+      v.mul[k][r] = _mm512_set1_epi32(static_cast<int>(c.mul[k][r]));
+    }
   }
   v.s = _mm_cvtsi32_si128(static_cast<int>(c.s));
   v.up = _mm_cvtsi32_si128(up);
-  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const bool two_windows = c.hi != 0;
 
-  // 1+2. per 16 ids: range check (out-of-range lanes hash as 0), two
-  //      applications of P, lanes still >= n compacted (index, value). One
-  //      loop, so the loads of the ids overlap the arithmetic.
-  uint32_t* pidx = scratch.pend_idx;
-  uint32_t* pval = scratch.pend_val;
-  int64_t np = 0;
   uint32_t bad = 0;
   const __m512i vn = _mm512_set1_epi64(static_cast<long long>(c.n));
   // int32 ids: in range iff (uint32)id < min(n, 2^31) (negative ids are >= 2^31).
   const __m512i vl32 = _mm512_set1_epi32(
       static_cast<int>(static_cast<uint32_t>(std::min<uint64_t>(c.n, 0x80000000ULL))));
   constexpr int kVecs = 4;  // independent vectors hashed together (64 ids)
-  static_assert(kHashBlock % (16 * kVecs) == 0, "a32 must hold whole groups");
   for (int64_t j0 = 0; j0 < m; j0 += 16 * kVecs) {
     // The ids stream from L3/DRAM: ask for the ones a block ahead now (a
     // prefetch past the end of `indices` is harmless, prefetches never fault).
     for (int64_t off = 0; off < 16 * kVecs; off += 64 / static_cast<int64_t>(sizeof(index_t))) {
       _mm_prefetch(reinterpret_cast<const char*>(ids + j0 + kPrefetchAhead + off), _MM_HINT_T0);
     }
-    __m512i x[kVecs];
+    __m512i x[kVecs];  // ids as u32
     __mmask16 tms[kVecs];
     for (int l = 0; l < kVecs; ++l) {
       const int64_t j = j0 + 16 * l;
@@ -477,108 +461,64 @@ RECPIPE_TARGET_AVX512 bool hash_block_avx512(
         const __mmask8 ok0 = _mm512_mask_cmplt_epu64_mask(t0, u0, vn);
         const __mmask8 ok1 = _mm512_mask_cmplt_epu64_mask(t1, u1, vn);
         bad |= static_cast<uint32_t>((t0 & ~ok0) | (t1 & ~ok1));
-        x[l] = _mm512_sll_epi32(
-            _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm512_maskz_cvtepi64_epi32(ok0, u0)),
-                _mm512_maskz_cvtepi64_epi32(ok1, u1), 1),
-            v.up);
+        x[l] = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm512_maskz_cvtepi64_epi32(ok0, u0)),
+            _mm512_maskz_cvtepi64_epi32(ok1, u1), 1);
       } else {
         const __m512i u = _mm512_maskz_loadu_epi32(tm, ids + j);
         const __mmask16 ok = _mm512_mask_cmplt_epu32_mask(tm, u, vl32);
         bad |= static_cast<uint32_t>(tm & ~ok);
-        x[l] = _mm512_sll_epi32(_mm512_maskz_mov_epi32(ok, u), v.up);
+        x[l] = _mm512_maskz_mov_epi32(ok, u);
       }
     }
+    // Window 0: [0, h), P_0.
     __m512i y[kVecs];
-    perm_apply_n_avx512<kVecs>(v, x);  // x = P(id), values in the top b bits
     for (int l = 0; l < kVecs; ++l) {
-      y[l] = x[l];
+      y[l] = _mm512_sll_epi32(x[l], v.up);
     }
-    perm_apply_n_avx512<kVecs>(v, y);  // y = P(P(id))
+    perm_apply_n_avx512<kVecs>(v, 0, y);
+    for (int l = 0; l < kVecs; ++l) {
+      x[l] = _mm512_mask_blend_epi32(
+          _mm512_cmple_epu32_mask(x[l], v.mask), x[l], _mm512_srl_epi32(y[l], v.up));
+    }
+    // Window 1: [n - h, n), P_1 (not there when n is a power of two).
+    if (two_windows) {
+      for (int l = 0; l < kVecs; ++l) {
+        y[l] = _mm512_sll_epi32(_mm512_sub_epi32(x[l], v.hi), v.up);
+      }
+      perm_apply_n_avx512<kVecs>(v, 1, y);
+      for (int l = 0; l < kVecs; ++l) {
+        x[l] = _mm512_mask_blend_epi32(
+            _mm512_cmpge_epu32_mask(x[l], v.hi), x[l],
+            _mm512_add_epi32(v.hi, _mm512_srl_epi32(y[l], v.up)));
+      }
+    }
+    // owner = h % W, local = h / W.
     for (int l = 0; l < kVecs; ++l) {
       const int64_t j = j0 + 16 * l;
-      const __m512i h = _mm512_mask_blend_epi32(_mm512_cmpgt_epu32_mask(x[l], v.last), x[l], y[l]);
-      _mm512_storeu_si512(a32 + j, _mm512_srl_epi32(h, v.up));
-      const __mmask16 pm = tms[l] & _mm512_cmpgt_epu32_mask(h, v.last);
-      if (pm != 0) {
-        const __m512i jv = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(j)), iota);
-        _mm512_storeu_si512(pidx + np, _mm512_maskz_compress_epi32(pm, jv));
-        _mm512_storeu_si512(pval + np, _mm512_maskz_compress_epi32(pm, h));  // top-bit form
-        np += __builtin_popcount(pm);
+      const __mmask16 tm = tms[l];
+      if (tm == 0) {
+        break;
       }
-    }
-  }
-  // 3. walk the pending lanes (compacted, 16 per vector, kVecs vectors at a
-  //    time for the same latency reason) until all land in [0, n), in sweeps:
-  //    a sweep applies P kSweepSteps times to whole vectors (landed lanes keep
-  //    their value by a masked move), scatters every lane to a32, and compacts
-  //    the lanes still outside back into the pending list (in place: a sweep
-  //    writes no further than it has read) for the next sweep, whose scatter
-  //    overwrites their interim values. Walking each group until its slowest
-  //    lane lands instead costs ~5 applications per pending lane at
-  //    n / 2^b = 0.6 (the max of 64 geometric walks) for ~1.7 needed.
-  constexpr int kSweepSteps = 2;
-  while (np > 0) {
-    int64_t kept = 0;
-    for (int64_t k0 = 0; k0 < np; k0 += 16 * kVecs) {
-      __m512i h[kVecs];
-      __m512i jv[kVecs];
-      __mmask16 tms[kVecs];
-      __mmask16 pm[kVecs];
-      for (int l = 0; l < kVecs; ++l) {
-        const int64_t k = k0 + 16 * l;
-        tms[l] = tail16(np - k);
-        pm[l] = tms[l];
-        jv[l] = _mm512_maskz_loadu_epi32(tms[l], pidx + k);
-        h[l] = _mm512_maskz_loadu_epi32(tms[l], pval + k);
+      const __m512i q = div32_avx512(x[l], c.div);
+      const __m512i o = _mm512_sub_epi32(x[l], _mm512_mullo_epi32(q, v.world));
+      if constexpr (sizeof(owner_t) == 1) {
+        _mm_mask_storeu_epi8(owner + j, tm, _mm512_cvtepi32_epi8(o));
+      } else if constexpr (sizeof(owner_t) == 2) {
+        _mm256_mask_storeu_epi16(owner + j, tm, _mm512_cvtepi32_epi16(o));
+      } else {
+        _mm512_mask_storeu_epi32(owner + j, tm, o);
       }
-      for (int step = 0; step < kSweepSteps; ++step) {
-        __m512i y[kVecs];
-        for (int l = 0; l < kVecs; ++l) {
-          y[l] = h[l];
-        }
-        perm_apply_n_avx512<kVecs>(v, y);
-        for (int l = 0; l < kVecs; ++l) {
-          h[l] = _mm512_mask_mov_epi32(h[l], pm[l], y[l]);
-          pm[l] = pm[l] & _mm512_cmpgt_epu32_mask(h[l], v.last);
-        }
+      if constexpr (sizeof(uindex_t) == 8) {
+        _mm512_mask_storeu_epi64(
+            local + j, static_cast<__mmask8>(tm & 0xFF),
+            _mm512_cvtepu32_epi64(_mm512_castsi512_si256(q)));
+        _mm512_mask_storeu_epi64(
+            local + j + 8, static_cast<__mmask8>(tm >> 8),
+            _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(q, 1)));
+      } else {
+        _mm512_mask_storeu_epi32(local + j, tm, q);
       }
-      for (int l = 0; l < kVecs; ++l) {
-        if (tms[l] != 0) {
-          _mm512_mask_i32scatter_epi32(a32, tms[l], jv[l], _mm512_srl_epi32(h[l], v.up), 4);
-        }
-        if (pm[l] != 0) {
-          _mm512_storeu_si512(pidx + kept, _mm512_maskz_compress_epi32(pm[l], jv[l]));
-          _mm512_storeu_si512(pval + kept, _mm512_maskz_compress_epi32(pm[l], h[l]));
-          kept += __builtin_popcount(pm[l]);
-        }
-      }
-    }
-    np = kept;
-  }
-
-  // 4. owner = h % W, local = h / W.
-  for (int64_t j = 0; j < m; j += 16) {
-    const __mmask16 tm = tail16(m - j);
-    const __m512i h = _mm512_loadu_si512(a32 + j);
-    const __m512i q = div32_avx512(h, c.div);
-    const __m512i o = _mm512_sub_epi32(h, _mm512_mullo_epi32(q, v.world));
-    if constexpr (sizeof(owner_t) == 1) {
-      _mm_mask_storeu_epi8(owner + j, tm, _mm512_cvtepi32_epi8(o));
-    } else if constexpr (sizeof(owner_t) == 2) {
-      _mm256_mask_storeu_epi16(owner + j, tm, _mm512_cvtepi32_epi16(o));
-    } else {
-      _mm512_mask_storeu_epi32(owner + j, tm, o);
-    }
-    if constexpr (sizeof(uindex_t) == 8) {
-      _mm512_mask_storeu_epi64(
-          local + j, static_cast<__mmask8>(tm & 0xFF),
-          _mm512_cvtepu32_epi64(_mm512_castsi512_si256(q)));
-      _mm512_mask_storeu_epi64(
-          local + j + 8, static_cast<__mmask8>(tm >> 8),
-          _mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64(q, 1)));
-    } else {
-      _mm512_mask_storeu_epi32(local + j, tm, q);
     }
   }
   return bad != 0;
@@ -587,40 +527,20 @@ RECPIPE_TARGET_AVX512 bool hash_block_avx512(
 #endif  // RECPIPE_X86_SIMD
 #undef RECPIPE_HASH_BLOCK_BODY
 
-// Tables of more than 2^32 rows (or W >= 2^32): 64-bit rounds, one id at a
-// time through the first application, then the same pending compaction.
+// Tables of more than 2^32 rows, of one row, or W >= 2^32: 64-bit window
+// rounds, one id at a time (HashPermutation::forward).
 template <typename index_t, typename uindex_t, typename owner_t>
 bool hash_block_wide(
-    const HashPermutation& perm, uint64_t n, const FastDivU64& div_world, uint64_t world,
-    const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local, owner_t* owner) {
-  uint64_t h64[kHashBlock];
-  uint32_t* pend = scratch.pend_idx;
+    const HashPermutation& perm, const FastDivU64& div_world, uint64_t world,
+    const index_t* ids, int64_t m, uindex_t* local, owner_t* owner) {
   uint32_t any_bad = 0;
   for (int64_t j = 0; j < m; ++j) {
     const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[j]));
-    const bool oob = u >= n;
+    const bool oob = u >= perm.n;
     any_bad |= oob;
-    h64[j] = perm.round_fwd(oob ? 0 : u);
-  }
-  int32_t np = 0;
-  for (int32_t j = 0; j < m; ++j) {
-    pend[np] = static_cast<uint32_t>(j);
-    np += h64[j] >= n;
-  }
-  while (np > 0) {
-    int32_t next = 0;
-    for (int32_t k = 0; k < np; ++k) {
-      const uint32_t j = pend[k];
-      const uint64_t y = perm.round_fwd(h64[j]);
-      h64[j] = y;
-      pend[next] = j;
-      next += y >= n;
-    }
-    np = next;
-  }
-  for (int64_t j = 0; j < m; ++j) {
-    const uint64_t q = div_world.div(h64[j]);
-    owner[j] = static_cast<owner_t>(h64[j] - q * world);
+    const uint64_t h = perm.forward(oob ? 0 : u);
+    const uint64_t q = div_world.div(h);
+    owner[j] = static_cast<owner_t>(h - q * world);
     local[j] = static_cast<uindex_t>(q);
   }
   return any_bad != 0;
@@ -652,13 +572,11 @@ void hash_ids(
     bool any_bad;
     if (c32 == nullptr) {
       any_bad = hash_block_wide<index_t, local_t, owner_t>(
-          route.perm, route.table_size, div_world, world, ids + b0, m, scratch, local + b0,
-          owner + b0);
+          route.perm, div_world, world, ids + b0, m, local + b0, owner + b0);
     }
 #if RECPIPE_X86_SIMD
     else if (simd == Simd::kAvx512) {
-      any_bad = hash_block_avx512<index_t, local_t, owner_t>(
-          *c32, ids + b0, m, scratch, local + b0, owner + b0);
+      any_bad = hash_block_avx512<index_t, local_t, owner_t>(*c32, ids + b0, m, local + b0, owner + b0);
     } else if (simd == Simd::kAvx2) {
       any_bad = hash_block_avx2<index_t, local_t, owner_t>(
           *c32, ids + b0, m, scratch, local + b0, owner + b0);
@@ -1213,7 +1131,7 @@ void bucketize_cpu_impl(
       const FeatureRoute& r = routes[f];
       if (r.dist == kHashRoundRobin) {
         if (Hash32::fits(r.perm, static_cast<uint64_t>(W))) {
-          hash32[f] = std::make_unique<Hash32>(r.perm, r.table_size, static_cast<uint64_t>(W));
+          hash32[f] = std::make_unique<Hash32>(r.perm, static_cast<uint64_t>(W));
         } else {
           all32 = false;
         }

@@ -11,9 +11,10 @@
 //                         and h / W on the hot path.
 //   * FastDivU32        : the same method for 32-bit dividends (33-bit magic),
 //                         the form SIMD lanes use for h / W when h < 2^32.
-//   * HashPermutation   : a seeded bijection of [0, N) built from b-bit
-//                         xorshift-multiply rounds (b = ceil(log2 N)) with
-//                         cycle-walking, and its inverse.
+//   * HashPermutation   : a seeded bijection of [0, N): two keyed c-bit
+//                         xorshift-multiply permutations (c = floor(log2 N))
+//                         on two overlapping windows that cover [0, N), no
+//                         cycle-walking; and its inverse.
 //   * route_*           : owner rank and local id for the three distribution
 //                         types (continuous, roundrobin, hash_roundrobin).
 #pragma once
@@ -148,53 +149,69 @@ RECPIPE_HD uint64_t inverse_odd_u64(uint64_t a) {
   return x;
 }
 
-// A seeded bijection H of [0, n), n >= 1.
-//
-// On the b-bit space [0, 2^b), b = max(1, ceil(log2 n)), one round is
-//   x = (x + k_r) & mask; x ^= x >> s; x = (x * m_r) & mask; x ^= x >> s
-// (every step is invertible mod 2^b, m_r odd, 1 <= s). kRounds rounds form a
-// permutation P of [0, 2^b); cycle-walking (apply P until the value is < n)
-// restricts it to a permutation of [0, n). Since 2^b < 2n, the expected walk
-// is below 2 applications of P. Two rounds (two multiplies, as in murmur3's
-// fmix64) already spread aliased ids evenly (tests: max/mean <= 1.05).
-struct HashPermutation {
-  static constexpr int kRounds = 2;
-  uint64_t n;
-  uint64_t mask;
-  int s;
-  uint64_t add[kRounds];
-  uint64_t mul[kRounds];
-  uint64_t mul_inv[kRounds];
+// Version of the hash_roundrobin routing H below, recorded in checkpoints
+// (pipeline/ops.py ROUTING_VERSION). 1: one permutation of [0, 2^ceil(log2 n))
+// with cycle-walking (until 2026-11); 2: the two-window form below.
+constexpr int kRoutingVersion = 2;
 
-  RECPIPE_HD HashPermutation() : n(1), mask(1), s(1) {
-    for (int r = 0; r < kRounds; ++r) {
-      add[r] = 0;
-      mul[r] = 1;
-      mul_inv[r] = 1;
+// A seeded bijection H of [0, n), n >= 1, with no cycle-walking.
+//
+// Let c = floor(log2 n) and h = 2^c, so n / 2 < h <= n. P_0 and P_1 are two
+// independently keyed permutations of the c-bit space [0, h), each kRounds
+// xorshift-multiply rounds (every step invertible mod 2^c, m_r odd, s >= 1):
+//   x = (x + k_r) & mask; x ^= x >> s; x = (x * m_r) & mask; x ^= x >> s
+// H permutes the window [0, h) by P_0, then the window [n - h, n) by P_1:
+//   y    = x < h      ? P_0(x)                        : x
+//   H(x) = y >= n - h ? (n - h) + P_1(y - (n - h))    : y   (n == h: H = P_0)
+// Each step permutes its window and fixes the rest, so H is a bijection of
+// [0, n); the windows cover [0, n) because n - h <= h. Every id passes
+// through at least one full permutation (two rounds, two multiplies, as in
+// murmur3's fmix64: aliased ids spread evenly, tests check max/mean <= 1.05),
+// and every id costs the same two window steps: no data-dependent walk, so
+// SIMD lanes and GPU threads never diverge. The inverse undoes the steps in
+// reverse order.
+struct HashPermutation {
+  static constexpr int kRounds = 2;   // rounds of each window permutation
+  static constexpr int kWindows = 2;  // P_0 on [0, h), P_1 on [n - h, n)
+  uint64_t n;
+  uint64_t mask;  // h - 1 (c bits)
+  uint64_t hi;    // n - h: start of P_1's window; 0 when n is a power of two
+  int s;          // xorshift distance, ceil(c / 2) (at least 1)
+  uint64_t add[kWindows][kRounds];
+  uint64_t mul[kWindows][kRounds];
+  uint64_t mul_inv[kWindows][kRounds];
+
+  RECPIPE_HD HashPermutation() : n(1), mask(0), hi(0), s(1) {
+    for (int w = 0; w < kWindows; ++w) {
+      for (int r = 0; r < kRounds; ++r) {
+        add[w][r] = 0;
+        mul[w][r] = 1;
+        mul_inv[w][r] = 1;
+      }
     }
   }
 
   RECPIPE_HD HashPermutation(uint64_t table_size, uint64_t seed) {
     n = table_size == 0 ? 1 : table_size;
-    int b = bit_width_u64(n - 1);
-    if (b < 1) {
-      b = 1;
-    }
-    mask = b >= 64 ? ~0ULL : ((1ULL << b) - 1);
-    s = (b + 1) / 2;
+    const int c = bit_width_u64(n) - 1;  // floor(log2 n), 0..63
+    mask = (1ULL << c) - 1;
+    hi = n - (1ULL << c);
+    s = (c + 1) / 2;
     if (s < 1) {
       s = 1;
     }
     uint64_t state = seed ^ kRoutingSalt;
-    for (int r = 0; r < kRounds; ++r) {
-      add[r] = splitmix64(state) & mask;
-      mul[r] = splitmix64(state) | 1ULL;
-      mul_inv[r] = inverse_odd_u64(mul[r]);
+    for (int w = 0; w < kWindows; ++w) {
+      for (int r = 0; r < kRounds; ++r) {
+        add[w][r] = splitmix64(state) & mask;
+        mul[w][r] = splitmix64(state) | 1ULL;
+        mul_inv[w][r] = inverse_odd_u64(mul[w][r]);
+      }
     }
   }
 
   RECPIPE_HD uint64_t unshift(uint64_t y) const {
-    // Inverse of y = x ^ (x >> s) on b bits: x = y ^ (y >> s) ^ (y >> 2s) ...
+    // Inverse of y = x ^ (x >> s) on c bits: x = y ^ (y >> s) ^ (y >> 2s) ...
     uint64_t x = y;
     for (int k = s; k < 64; k += s) {
       x ^= y >> k;
@@ -202,41 +219,49 @@ struct HashPermutation {
     return x & mask;
   }
 
-  RECPIPE_HD uint64_t round_fwd(uint64_t x) const {
+  // P_w(x) for x in [0, h).
+  RECPIPE_HD uint64_t perm_fwd(int w, uint64_t x) const {
 RECPIPE_UNROLL
     for (int r = 0; r < kRounds; ++r) {
-      x = (x + add[r]) & mask;
+      x = (x + add[w][r]) & mask;
       x ^= x >> s;
-      x = (x * mul[r]) & mask;
+      x = (x * mul[w][r]) & mask;
       x ^= x >> s;
     }
     return x;
   }
 
-  RECPIPE_HD uint64_t round_inv(uint64_t x) const {
+  // P_w^-1(y) for y in [0, h).
+  RECPIPE_HD uint64_t perm_inv(int w, uint64_t x) const {
 RECPIPE_UNROLL
     for (int r = kRounds - 1; r >= 0; --r) {
       x = unshift(x);
-      x = (x * mul_inv[r]) & mask;
+      x = (x * mul_inv[w][r]) & mask;
       x = unshift(x);
-      x = (x - add[r]) & mask;
+      x = (x - add[w][r]) & mask;
     }
     return x;
   }
 
   // H(x) for x in [0, n).
   RECPIPE_HD uint64_t forward(uint64_t x) const {
-    do {
-      x = round_fwd(x);
-    } while (x >= n);
+    if (x <= mask) {
+      x = perm_fwd(0, x);
+    }
+    if (hi != 0 && x >= hi) {
+      x = hi + perm_fwd(1, x - hi);
+    }
     return x;
   }
 
   // H^-1(y) for y in [0, n).
   RECPIPE_HD uint64_t inverse(uint64_t y) const {
-    do {
-      y = round_inv(y);
-    } while (y >= n);
+    if (hi != 0 && y >= hi) {
+      y = hi + perm_inv(1, y - hi);
+    }
+    if (y <= mask) {
+      y = perm_inv(0, y);
+    }
     return y;
   }
 };

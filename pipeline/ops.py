@@ -16,6 +16,10 @@ Distribution types (per feature):
   table's id space ``[0, N)``: ``owner = H(id) % W``, ``local = H(id) // W``.
   Local ids on every rank stay dense (rank ``r`` owns ``ceil((N - r) / W)``
   rows) while aliased id patterns (``k * W + r``, ``k * 2**j``) spread evenly.
+  ``H`` (routing version :data:`ROUTING_VERSION`): with ``h = 2**floor(log2 N)``,
+  a keyed xorshift-multiply permutation of the window ``[0, h)``, then another
+  of the window ``[N - h, N)``; every id costs the same two steps (no
+  cycle-walking). See ``HashPermutation`` in ``csrc/bucketize_math.h``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 __all__ = [
     "DIST_TYPES",
+    "ROUTING_VERSION",
     "BucketizeResult",
     "block_bucketize_sparse_features",
     "bucketize_kjt",
@@ -37,6 +42,13 @@ __all__ = [
     "hash_roundrobin_global_ids",
     "route_ids",
 ]
+
+#: Version of the hash_roundrobin bijection the kernels compute
+#: (csrc/bucketize_math.h ``kRoutingVersion``; keep the two equal). 1: one
+#: permutation of ``[0, 2**ceil(log2 N))`` with cycle-walking; 2: two windows, no
+#: walk. Checkpoints record it: rows stored in local-id order are only valid
+#: under the routing that wrote them.
+ROUTING_VERSION: int = 2
 
 #: Name -> code of the ``dist_types`` tensor (csrc/bucketize_math.h ``DistType``).
 DIST_TYPES: dict[str, int] = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}

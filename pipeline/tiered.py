@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
-from recpipe.pipeline.ops import DIST_TYPES, hash_roundrobin_global_ids, route_ids
+from recpipe.pipeline.ops import DIST_TYPES, ROUTING_VERSION, hash_roundrobin_global_ids, route_ids
 from recpipe.planner.storage import ShardStorage, local_rows, row_bytes, tier_rows
 from recpipe.planner.types import Mode, parse_enum
 
@@ -71,7 +71,9 @@ __all__ = [
 ]
 
 #: Version of the export format written in ``TieredShardState.metadata``.
-CHECKPOINT_VERSION: int = 1
+#: 2 adds ``routing_version`` (``recpipe.pipeline.ops.ROUTING_VERSION``); version 1
+#: exports lack it and were routed by hash_roundrobin version 1.
+CHECKPOINT_VERSION: int = 2
 
 
 class CachePolicy(enum.Enum):
@@ -724,6 +726,7 @@ class TieredEmbeddingShard(nn.Module):
             "optimizer": self.optimizer.name,
             "dist_type": self.dist_type,
             "routing_seed": self.routing_seed,
+            "routing_version": ROUTING_VERSION,
             "world_size": self.world_size,
             "rank": self.rank,
             "num_rows": self.num_rows,
@@ -780,14 +783,32 @@ class TieredEmbeddingShard(nn.Module):
                 f"export of rank {md['rank']}/{md['world_size']} ({md['dist_type']}) holds {n} rows, "
                 f"its metadata implies {rows}",
                 ["the export is truncated or its metadata was edited: re-export the shard"])
-        expect = global_row_ids(torch.arange(n, dtype=torch.int64), md["num_embeddings"], md["world_size"],
-                                md["rank"], md["dist_type"], md["routing_seed"])
-        if not torch.equal(expect, st.global_ids.to(torch.int64).cpu()):
+        routing_version = int(md.get("routing_version", 1))  # version 1 exports lack the key
+        if routing_version > ROUTING_VERSION:
             raise self._ckpt_error(
-                f"export global ids disagree with its metadata (dist_type={md['dist_type']!r}, "
-                f"routing_seed={md['routing_seed']}, world_size={md['world_size']}, rank={md['rank']})",
-                ["the metadata does not describe how these rows were routed: re-export the shard",
-                 "do not mix exports written with different routing seeds or world sizes"])
+                f"export was routed by hash_roundrobin version {routing_version}, newer than this "
+                f"recpipe's version {ROUTING_VERSION}",
+                ["load it with the recpipe release that wrote it (or a newer one)"])
+        gids = st.global_ids.to(torch.int64).cpu()
+        if md["dist_type"] == "hash_roundrobin" and routing_version != ROUTING_VERSION:
+            # An older hash placed these rows; this build no longer computes it, so the
+            # global ids are checked as such (distinct, in range) and load_states places
+            # every row by its global id under today's routing: nothing is lost.
+            out_of_range = int(((gids < 0) | (gids >= md["num_embeddings"])).sum())
+            if out_of_range or int(gids.unique().numel()) != n:
+                raise self._ckpt_error(
+                    f"export (hash_roundrobin version {routing_version}) has {out_of_range} global ids "
+                    f"outside [0, {md['num_embeddings']}) and {n - int(gids.unique().numel())} repeated",
+                    ["the export is damaged or its metadata was edited: re-export the shard"])
+        else:
+            expect = global_row_ids(torch.arange(n, dtype=torch.int64), md["num_embeddings"], md["world_size"],
+                                    md["rank"], md["dist_type"], md["routing_seed"])
+            if not torch.equal(expect, gids):
+                raise self._ckpt_error(
+                    f"export global ids disagree with its metadata (dist_type={md['dist_type']!r}, "
+                    f"routing_seed={md['routing_seed']}, world_size={md['world_size']}, rank={md['rank']})",
+                    ["the metadata does not describe how these rows were routed: re-export the shard",
+                     "do not mix exports written with different routing seeds or world sizes"])
         cols = self.fast_state.shape[1]
         if tuple(st.weights.shape[1:]) != (self.embedding_dim,) or tuple(st.optimizer_state.shape[1:]) != (cols,):
             raise self._ckpt_error(

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
+from recpipe.pipeline.ops import ROUTING_VERSION
 from recpipe.pipeline.sharders import TIERED_STATE_KEY
 from recpipe.recipes.config import TrainConfig
 
@@ -155,6 +156,8 @@ def save_checkpoint(
             "world_size": world,
             "table_ranks": dict(table_ranks),
             "fingerprint": fingerprint(config),
+            # row-wise shards in "model" hold rows in local-id order of this routing
+            "routing_version": ROUTING_VERSION,
         },
         "model": _to_saved(_model_state(model)),
         "optimizer": _to_saved(optimizer.state_dict()),
@@ -222,6 +225,12 @@ def load_checkpoint(
         problems.append(f"world size {meta['world_size']} (checkpoint) != {world} (now)")
     if meta["table_ranks"] != table_ranks:
         problems.append(f"placement {meta['table_ranks']} (checkpoint) != {table_ranks} (now)")
+    saved_routing = meta.get("routing_version", 1)  # checkpoints before version 2 lack the key
+    if saved_routing != ROUTING_VERSION:
+        problems.append(
+            f"hash_roundrobin routing version {saved_routing} (checkpoint) != {ROUTING_VERSION} (this recpipe): "
+            "row-wise shards saved in local-id order would load into the wrong rows"
+        )
     now = fingerprint(config)
     diff = {k: (meta["fingerprint"].get(k), now[k]) for k in now if meta["fingerprint"].get(k) != now[k]}
     if diff:
@@ -230,7 +239,8 @@ def load_checkpoint(
         raise CheckpointMismatchError(
             f"checkpoint {path} does not fit this run: " + "; ".join(problems) + ". Possible solutions:\n"
             f"  1. resume with the checkpoint's world size ({meta['world_size']}) and config values\n"
-            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)\n"
+            "  3. on a routing version mismatch, resume with the recpipe release that wrote the checkpoint"
         )
     with torch.no_grad():
         _restore(_model_state(model), payload["model"], "model")

@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 
 M64 = (1 << 64) - 1
 ROUTING_SALT = 0x7265637069706531  # "recpipe1", csrc/bucketize_math.h kRoutingSalt
-ROUNDS = 2
+ROUNDS = 2  # rounds of each window permutation
+WINDOWS = 2  # P_0 on [0, h), P_1 on [n - h, n)
 
 
 def _splitmix64(state: int) -> tuple[int, int]:
@@ -23,58 +24,69 @@ def _splitmix64(state: int) -> tuple[int, int]:
 
 
 class RefPermutation:
-    """Seeded bijection of [0, n): b-bit xorshift-multiply rounds + cycle-walking."""
+    """Seeded bijection of [0, n) (routing version 2): with h = 2^floor(log2 n),
+    a keyed c-bit xorshift-multiply permutation P_0 of the window [0, h), then an
+    independently keyed P_1 of the window [n - h, n) (skipped when n == h)."""
 
     def __init__(self, n: int, seed: int) -> None:
         self.n = max(1, n)
-        b = max(1, (self.n - 1).bit_length())
-        self.mask = (1 << b) - 1
-        self.s = max(1, (b + 1) // 2)
+        c = self.n.bit_length() - 1  # floor(log2 n)
+        self.h = 1 << c
+        self.hi = self.n - self.h
+        self.mask = self.h - 1
+        self.bits = c
+        self.s = max(1, (c + 1) // 2)
         state = (seed & M64) ^ ROUTING_SALT
-        self.add: list[int] = []
-        self.mul: list[int] = []
-        for _ in range(ROUNDS):
-            state, a = _splitmix64(state)
-            state, m = _splitmix64(state)
-            self.add.append(a & self.mask)
-            self.mul.append(m | 1)
+        self.add: list[list[int]] = []
+        self.mul: list[list[int]] = []
+        for _ in range(WINDOWS):
+            adds, muls = [], []
+            for _ in range(ROUNDS):
+                state, a = _splitmix64(state)
+                state, m = _splitmix64(state)
+                adds.append(a & self.mask)
+                muls.append(m | 1)
+            self.add.append(adds)
+            self.mul.append(muls)
 
-    def _p(self, x: int) -> int:
+    def _p(self, k: int, x: int) -> int:
         for r in range(ROUNDS):
-            x = (x + self.add[r]) & self.mask
+            x = (x + self.add[k][r]) % self.h
             x ^= x >> self.s
-            x = (x * self.mul[r]) & self.mask
+            x = (x * self.mul[k][r]) % self.h
             x ^= x >> self.s
         return x
 
-    def _p_inv(self, y: int) -> int:
+    def _p_inv(self, k: int, y: int) -> int:
         for r in reversed(range(ROUNDS)):
             y = self._unshift(y)
-            y = (y * pow(self.mul[r], -1, 1 << 64)) & self.mask
+            y = (y * pow(self.mul[k][r], -1, 1 << 64)) % self.h
             y = self._unshift(y)
-            y = (y - self.add[r]) & self.mask
+            y = (y - self.add[k][r]) % self.h
         return y
 
     def _unshift(self, y: int) -> int:
         # invert y = x ^ (x >> s) bit by bit from the top
         x = 0
-        for bit in reversed(range(self.mask.bit_length())):
-            above = (x >> (bit + self.s)) & 1 if bit + self.s < self.mask.bit_length() else 0
+        for bit in reversed(range(self.bits)):
+            above = (x >> (bit + self.s)) & 1 if bit + self.s < self.bits else 0
             x |= (((y >> bit) & 1) ^ above) << bit
         return x
 
     def forward(self, x: int) -> int:
         assert 0 <= x < self.n
-        x = self._p(x)
-        while x >= self.n:
-            x = self._p(x)
+        if x < self.h:
+            x = self._p(0, x)
+        if self.hi > 0 and x >= self.hi:
+            x = self.hi + self._p(1, x - self.hi)
         return x
 
     def inverse(self, y: int) -> int:
         assert 0 <= y < self.n
-        y = self._p_inv(y)
-        while y >= self.n:
-            y = self._p_inv(y)
+        if self.hi > 0 and y >= self.hi:
+            y = self.hi + self._p_inv(1, y - self.hi)
+        if y < self.h:
+            y = self._p_inv(0, y)
         return y
 
 

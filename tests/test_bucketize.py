@@ -191,9 +191,10 @@ def _hash_case(rng: random.Random, W: int, index_dtype: torch.dtype, table_sizes
 def test_simd_paths_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, index_dtype: torch.dtype, W: int) -> None:
     _force_simd(monkeypatch, path)
     rng = random.Random(W * 31 + (index_dtype == torch.int32))
-    # 1..2^32 rows use the 32-bit lanes (b = 1..32 bits, n just above / below powers
-    # of two => long cycle walks); 2^32 + 1 and 2^40 rows the 64-bit path. Bags up to
-    # 1100 ids cross the 512-id hash blocks and leave vector tails.
+    # 2..2^32 rows use the 32-bit lanes (windows of c = 1..32 bits; n = 2^k one window,
+    # n = 2^k + 1 a second window at 1, n = 2^k - 1 windows that overlap in one id);
+    # 1, 2^32 + 1 and 2^40 rows the 64-bit path. Bags up to 1100 ids cross the 512-id
+    # hash blocks and leave vector tails.
     sizes = [1, 2, 3, 1000, 2**20 + 1, 2**31 - 1, 2**32]
     if index_dtype == torch.int64:
         sizes += [2**32 + 1, 2**40]
@@ -487,7 +488,9 @@ def _hash_forward(ids: torch.Tensor, n: int, seed: int) -> torch.Tensor:
     return out.new_indices[out.unbucketize_permute]
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 1000, 2**20 + 3, 2**40 + 1])
+# 2^16 and 2^32: one window; 2^16 + 1: the second window starts at 1; 7 and 2^32 - 1:
+# the windows overlap in one id.
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 2**16, 2**16 + 1, 2**20 + 3, 2**32 - 1, 2**32, 2**40 + 1])
 @pytest.mark.parametrize("seed", [0, 12345])
 def test_hash_is_a_bijection_with_inverse(n: int, seed: int) -> None:
     if n <= 2**20 + 3:
@@ -539,10 +542,12 @@ def _max_over_mean(owner: torch.Tensor, W: int) -> float:
 
 @pytest.mark.parametrize("W", [8, 64])
 @pytest.mark.parametrize("pattern", ["k*W+r", "k*2^j", "fixed_low_bits"])
-def test_hash_roundrobin_balances_aliased_ids(W: int, pattern: str) -> None:
+# 2^32: one window; 3e9 + 19: ids below 2^31 pass P_0, those it lands at or above
+# n - 2^31 also P_1; 2^30 + 12345: nearly every id passes both windows.
+@pytest.mark.parametrize("n", [2**32, 3_000_000_019, 2**30 + 12345])
+def test_hash_roundrobin_balances_aliased_ids(W: int, pattern: str, n: int) -> None:
     # A uniform random owner gives max/mean ~ 1 + 2.4 * sqrt(W / ids) (64 ranks), so
     # 1.05 needs ~10k ids per rank to be a statement about the hash, not about luck.
-    n = 2**32
     k = torch.arange(12_500 * W, dtype=torch.int64)
     if pattern == "k*W+r":
         ids = k * W + 3

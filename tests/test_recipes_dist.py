@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from gloo_harness import run_gloo
 
+from recpipe.pipeline.ops import ROUTING_VERSION
 from recpipe.recipes.checkpoint import CheckpointMismatchError
 from recpipe.recipes.config import TrainConfig
 from recpipe.recipes.train import run
@@ -54,6 +56,14 @@ def test_resume_rejects_a_different_model(tmp_path: Path) -> None:
     changed = dict(base, embedding_dim=16, dense_arch=(16, 16))
     with pytest.raises(CheckpointMismatchError, match="embedding_dim"):
         run(TrainConfig(**changed, max_steps=4, checkpoint_dir=str(tmp_path), resume=True))
+    # a checkpoint of the version 1 hash_roundrobin routing (no routing_version key):
+    # its row-wise shards are in another local-id order, so resuming is refused
+    saved = tmp_path / "step_00000002" / "rank0.pt"
+    payload = torch.load(saved, weights_only=False)
+    assert payload["meta"].pop("routing_version") == ROUTING_VERSION
+    torch.save(payload, saved)
+    with pytest.raises(CheckpointMismatchError, match=r"routing version 1 \(checkpoint\) != 2"):
+        run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path), resume=True))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True))
 

@@ -23,11 +23,13 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from recpipe.pipeline.ops import route_ids
+from recpipe.pipeline.ops import ROUTING_VERSION, route_ids
 from recpipe.pipeline.tiered import (
     TieredCheckpointError,
     TieredEmbeddingShard,
     TieredOptimizerConfig,
+    TieredShardState,
+    global_row_ids,
 )
 from recpipe.planner.storage import local_rows, shard_storage
 
@@ -353,6 +355,45 @@ def test_checkpoint_refuses_missing_or_duplicate_rows() -> None:
     w_dst, _ = _global_table(dst)
     st = half.export_state()
     torch.testing.assert_close(st.weights, w_dst[st.global_ids])
+
+
+def test_checkpoint_loads_exports_of_the_version_1_hash() -> None:
+    """Exports written under hash_roundrobin routing version 1 (no ``routing_version``
+    key) hold other rows per rank than version 2 routes there. They still load, row by
+    global id; damaged ones and ones from a newer routing are refused."""
+    torch.manual_seed(0)
+    w0 = torch.randn(N, D)
+    full = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=1.0)
+    full.load_global_weights(w0)
+    st = full.export_state()
+    # What version 1 exported at W = 2: each rank a (different) half of the global ids,
+    # in an order today's routing does not produce.
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(3))
+    v1 = []
+    for r, rows in enumerate((order[: N // 2], order[N // 2:])):
+        md = {k: v for k, v in st.metadata.items() if k != "routing_version"}
+        md.update(version=1, world_size=2, rank=r, num_rows=N // 2, routing_seed=5)
+        v1.append(TieredShardState(global_ids=st.global_ids[rows], weights=st.weights[rows],
+                                   optimizer_state=st.optimizer_state[rows], step=st.step, metadata=md))
+    assert not torch.equal(v1[0].global_ids.sort().values,
+                           global_row_ids(torch.arange(N // 2), N, 2, 0, "hash_roundrobin", 5).sort().values)
+    for rank in range(2):  # today's W = 2 shards pick their rows out of the version 1 exports
+        dst = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="CACHING", cache_load_factor=0.5,
+                                   rank=rank, world_size=2, routing_seed=5)
+        dst.load_states(v1)
+        got = dst.export_state()
+        assert got.metadata["routing_version"] == ROUTING_VERSION
+        torch.testing.assert_close(got.weights, w0[got.global_ids], atol=0, rtol=0)
+    dup = TieredShardState(global_ids=v1[0].global_ids.clone(), weights=v1[0].weights,
+                           optimizer_state=v1[0].optimizer_state, step=st.step, metadata=v1[0].metadata)
+    dup.global_ids[1] = dup.global_ids[0]
+    with pytest.raises(TieredCheckpointError, match="1 repeated"):
+        dst.load_states([dup, v1[1]])
+    newer = TieredShardState(global_ids=v1[0].global_ids, weights=v1[0].weights,
+                             optimizer_state=v1[0].optimizer_state, step=st.step,
+                             metadata=dict(v1[0].metadata, routing_version=ROUTING_VERSION + 1))
+    with pytest.raises(TieredCheckpointError, match="newer than this recpipe"):
+        dst.load_states([newer, v1[1]])
 
 
 # ---------------------------------------------------------------- bad input
