@@ -652,6 +652,37 @@ inline void plain_owners_scalar(const PlainRoute& pr, const index_t* idx, int64_
 }
 
 #if RECPIPE_X86_SIMD
+// AVX2 owners: blocks of kBlock ids that are all below 2^32 take the 32-bit
+// divisions in a plain map the compiler vectorizes (target("avx2")); a block
+// with any other id (raw ids >= 2^32, negative raw ids) and the tail go
+// through the scalar code. Requires pr.fits32.
+template <typename index_t, typename owner_t>
+RECPIPE_TARGET_AVX2 void plain_owners_avx2(
+    const PlainRoute& pr, const index_t* idx, int64_t s, int64_t e, owner_t* owner) {
+  using uindex_t = std::make_unsigned_t<index_t>;
+  constexpr int64_t kBlock = 64;
+  const FastDivU32 db = pr.div_block32;
+  const FastDivU32 dw = pr.div_world32;
+  const uint64_t ub = pr.ub;
+  const uint32_t world = static_cast<uint32_t>(pr.world);
+  int64_t i = s;
+  for (; i + kBlock <= e; i += kBlock) {
+    uint64_t high = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      high |= static_cast<uint64_t>(static_cast<uindex_t>(idx[i + j])) >> 32;
+    }
+    if (high != 0) {
+      plain_owners_scalar<index_t, owner_t>(pr, idx, i, i + kBlock, owner);
+      continue;
+    }
+    for (int64_t j = 0; j < kBlock; ++j) {
+      const uint32_t u = static_cast<uint32_t>(idx[i + j]);
+      owner[i + j] = static_cast<owner_t>(u < ub ? db.div(u) : u - dw.div(u) * world);
+    }
+  }
+  plain_owners_scalar<index_t, owner_t>(pr, idx, i, e, owner);
+}
+
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // n / d for n < 2^32 held in 64-bit lanes (FastDivU32: one pmuludq).
@@ -734,6 +765,10 @@ void plain_owners(
 #if RECPIPE_X86_SIMD
   if (simd == Simd::kAvx512 && pr.fits32) {
     plain_owners_avx512<index_t, owner_t>(pr, idx, s, e, owner);
+    return;
+  }
+  if (simd == Simd::kAvx2 && pr.fits32) {
+    plain_owners_avx2<index_t, owner_t>(pr, idx, s, e, owner);
     return;
   }
 #endif
@@ -821,10 +856,15 @@ int64_t stream_row(Simd simd, offset_t* dst, const int32_t* row, int64_t n) {
   return stream_row_scalar(dst, row, 0, n);
 }
 
-// Scalar scatter: with W output streams the hardware prefetchers lose track
-// (W = 64: every 8th store missed); each store asks for the line kOutPrefetch
-// ids further along its rank's stream (measured on Zen 4: W = 64 pass 2
-// 3.2 -> 1.8 ms per 1M ids).
+// Scalar scatter, in blocks of kScatterBlock ids: first every id's position
+// (pos = cur[owner]++) into an L1 buffer, then the stores. In one loop,
+// `out[cur[owner[i]]++] = x` costs ~3 ms per 1M int64 ids at every W on an
+// AVX2 EPYC (a standalone loop, W = 2, 8, 64), while the counter updates alone
+// take 0.4-1.1 ms and the stores to known positions 0.55-0.8 ms: each store's
+// address hangs on a counter load, and the next counter loads, which may
+// alias counter stores, wait behind it. Split, the two loops take 1.25-1.85 ms.
+// The split loop needs no software prefetch of the output (with one, it
+// measured slower); the one-loop form needed it (Zen 4: W = 64 3.2 -> 1.8 ms).
 //
 // Software write-combining was measured and lost. The idea: stage each rank's
 // next ids in a ring of a few lines in L1, and send whole lines out with
@@ -838,7 +878,7 @@ int64_t stream_row(Simd simd, offset_t* dst, const int32_t* row, int64_t n) {
 // build and 3.4 ms in another. That test is taken once per line of a rank, at
 // random times, so the likely cost is one branch mispredict per output line.
 // That costs more than the read for ownership it saves.
-constexpr int64_t kOutPrefetch = 64;
+constexpr int64_t kScatterBlock = 256;
 
 // ---------------------------------------------------------------------------
 // Small W (AVX-512, owners as bytes): both per-id loops without a per-id
@@ -860,6 +900,8 @@ constexpr int64_t kOutPrefetch = 64;
 // W = 8 0.59 vs 0.85, W = 16 1.30 vs 1.14.
 constexpr int64_t kSimdCountMaxW = 8;
 constexpr int64_t kCompressMaxW = 8;
+// Owner-buffer padding: count_bags_u8_avx2 reads whole 32-byte vectors.
+constexpr int64_t kOwnerPad = 32;
 
 // Local id of a compressed lane: continuous / roundrobin recompute it from the
 // id, hash_roundrobin reads the local id pass 1 stored (uint32),
@@ -894,6 +936,39 @@ RECPIPE_TARGET_AVX512 void count_bags_u8_avx512(
       rest -= n;
     }
     col[0] = static_cast<int32_t>(rest);
+  }
+}
+
+// The AVX2 twin of count_bags_u8_avx512: per 32 owner bytes, one compare +
+// movemask + popcount per rank p > 0, the bytes past the bag masked off in the
+// movemask; rank 0 takes the rest. It reads up to 31 bytes past a bag's end:
+// the owner buffer carries kOwnerPad bytes of padding.
+RECPIPE_TARGET_AVX2 void count_bags_u8_avx2(
+    const uint8_t* own, const int64_t* offsets, int64_t g0, int64_t g1, int64_t W,
+    int32_t* counts, int64_t stride) {
+  __m256i vp[kSimdCountMaxW];
+  for (int64_t p = 1; p < W; ++p) {
+    vp[p] = _mm256_set1_epi8(static_cast<char>(p));
+  }
+  for (int64_t bt = g0; bt < g1; ++bt) {
+    const int64_t s = offsets[bt];
+    const int64_t e = offsets[bt + 1];
+    int32_t n[kSimdCountMaxW] = {0};
+    for (int64_t i = s; i < e; i += 32) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(own + i));
+      const uint32_t live = e - i >= 32 ? ~0u : (1u << (e - i)) - 1u;
+      for (int64_t p = 1; p < W; ++p) {
+        n[p] += __builtin_popcount(
+            static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, vp[p]))) & live);
+      }
+    }
+    int32_t* col = counts + (bt - g0);
+    int32_t rest = static_cast<int32_t>(e - s);
+    for (int64_t p = 1; p < W; ++p) {
+      col[p * stride] = n[p];
+      rest -= n[p];
+    }
+    col[0] = rest;
   }
 }
 
@@ -1014,21 +1089,25 @@ RECPIPE_TARGET_AVX512 void compress_scatter_avx512(
 #pragma GCC diagnostic pop
 #endif  // RECPIPE_X86_SIMD
 
-// count_bags_u8_avx512 when `enabled` and the owners are bytes; false: the
-// caller counts (scalar).
+// count_bags_u8_avx512 / _avx2 when `simd` is one of those, W <= kSimdCountMaxW
+// and the owners are bytes; false: the caller counts (scalar).
 template <typename owner_t>
 bool count_bags_simd(
-    bool enabled, const owner_t* own, const int64_t* offsets, int64_t g0, int64_t g1, int64_t W,
+    Simd simd, const owner_t* own, const int64_t* offsets, int64_t g0, int64_t g1, int64_t W,
     int32_t* counts, int64_t stride) {
 #if RECPIPE_X86_SIMD
   if constexpr (sizeof(owner_t) == 1) {
-    if (enabled) {
+    if (W <= kSimdCountMaxW && simd == Simd::kAvx512) {
       count_bags_u8_avx512(reinterpret_cast<const uint8_t*>(own), offsets, g0, g1, W, counts, stride);
+      return true;
+    }
+    if (W <= kSimdCountMaxW && simd == Simd::kAvx2) {
+      count_bags_u8_avx2(reinterpret_cast<const uint8_t*>(own), offsets, g0, g1, W, counts, stride);
       return true;
     }
   }
 #endif
-  (void)enabled, (void)own, (void)offsets, (void)g0, (void)g1, (void)W, (void)counts, (void)stride;
+  (void)simd, (void)own, (void)offsets, (void)g0, (void)g1, (void)W, (void)counts, (void)stride;
   return false;
 }
 
@@ -1108,8 +1187,11 @@ void bucketize_cpu_impl(
   index_t* perm_out =
       sequence ? unbucketize_permute.value().mutable_data_ptr<index_t>() : nullptr;
 
-  // Scratch: owner per id, and (hash features only) local id per id.
-  std::unique_ptr<owner_t[]> owner(new owner_t[std::max<int64_t>(N, 1)]);
+  // Scratch: owner per id (padded for count_bags_u8_avx2's whole-vector
+  // reads; the pad is zeroed and masked off), and (hash features only) local
+  // id per id.
+  std::unique_ptr<owner_t[]> owner(new owner_t[N + kOwnerPad]);
+  std::fill(owner.get() + N, owner.get() + N + kOwnerPad, owner_t{0});
   bool any_hash = false;
   for (const auto& r : routes) {
     any_hash |= (r.dist == kHashRoundRobin);
@@ -1166,7 +1248,6 @@ void bucketize_cpu_impl(
   // new_lengths[p * FB + bag] directly strides W rows FB entries apart and
   // missed cache on almost every id at W = 64.
   const int64_t kBags = std::max<int64_t>(1, std::min<int64_t>(64, 4096 / W));
-  const bool simd_count = simd == Simd::kAvx512 && W <= kSimdCountMaxW;
   for_each_chunk(workers, chunks, [&](int64_t c) {
     std::vector<int32_t> block_counts(W * kBags);
     // The chunk's totals are summed in a buffer of its own and published once:
@@ -1198,7 +1279,7 @@ void bucketize_cpu_impl(
           r0 = r1;
         }
         const owner_t* own = owner.get();
-        if (!count_bags_simd(simd_count, own, offsets.data(), g0, g1, W, block_counts.data(), kBags)) {
+        if (!count_bags_simd(simd, own, offsets.data(), g0, g1, W, block_counts.data(), kBags)) {
           for (int64_t bt = g0; bt < g1; ++bt) {
             int32_t* lc = block_counts.data() + (bt - g0);  // lc[p * kBags]
             const int64_t e = offsets[bt + 1];
@@ -1246,20 +1327,25 @@ void bucketize_cpu_impl(
   const bool compress = simd == Simd::kAvx512 && W <= kCompressMaxW;
   auto scatter = [&](auto has_pos, auto has_perm, int64_t* cur, int64_t s, int64_t e,
                      auto local_of) {
-    for (int64_t i = s; i < e; ++i) {
-      if ((i & 7) == 0) __builtin_prefetch(idx + i + kPrefetchAhead, 0, 3);  // portable prefetcht0
-      const uint64_t p = owner[i];
-      const int64_t pos = cur[p]++;
-      __builtin_prefetch(out_idx + pos + kOutPrefetch, 1, 3);
-      out_idx[pos] = static_cast<index_t>(local_of(i, p));
-      if constexpr (!std::is_same_v<wbits_t, void>) {
-        w_out[pos] = w_in[i];
+    int64_t pos_block[kScatterBlock];
+    for (int64_t i0 = s; i0 < e; i0 += kScatterBlock) {
+      const int64_t m = std::min<int64_t>(kScatterBlock, e - i0);
+      for (int64_t j = 0; j < m; ++j) {  // positions first (see kScatterBlock)
+        pos_block[j] = cur[owner[i0 + j]]++;
       }
-      if constexpr (decltype(has_pos)::value) {
-        pos_out[pos] = static_cast<index_t>(i - s);
-      }
-      if constexpr (decltype(has_perm)::value) {
-        perm_out[i] = static_cast<index_t>(pos);
+      for (int64_t j = 0; j < m; ++j) {
+        const int64_t i = i0 + j;
+        const int64_t pos = pos_block[j];
+        out_idx[pos] = static_cast<index_t>(local_of(i, owner[i]));
+        if constexpr (!std::is_same_v<wbits_t, void>) {
+          w_out[pos] = w_in[i];
+        }
+        if constexpr (decltype(has_pos)::value) {
+          pos_out[pos] = static_cast<index_t>(i - s);
+        }
+        if constexpr (decltype(has_perm)::value) {
+          perm_out[i] = static_cast<index_t>(pos);
+        }
       }
     }
   };
@@ -1297,9 +1383,7 @@ void bucketize_cpu_impl(
           continue;
         }
       }
-      for (; bt < run_end; ++bt) {
-        const int64_t s = offsets[bt];
-        const int64_t e = offsets[bt + 1];
+      auto scatter_range = [&](int64_t s, int64_t e) {
         if (dist == kContinuous) {
           scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t p) {
             return continuous_local<uindex_t>(static_cast<uindex_t>(idx[i]), p, ub, block, dw);
@@ -1319,6 +1403,16 @@ void bucketize_cpu_impl(
           scatter(has_pos, has_perm, cur, s, e,
                   [&](int64_t i, uint64_t) { return static_cast<uindex_t>(idx[i]); });
         }
+      };
+      if constexpr (decltype(has_pos)::value) {
+        for (; bt < run_end; ++bt) {  // new_pos counts from each bag's start
+          scatter_range(offsets[bt], offsets[bt + 1]);
+        }
+      } else {
+        // Without new_pos the bag boundaries do not matter to the scatter: the
+        // run is one loop (no loop exit, often mispredicted, every ~32 ids).
+        scatter_range(offsets[bt], offsets[run_end]);
+        bt = run_end;
       }
     }
   };

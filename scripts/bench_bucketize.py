@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import sys
 import time
 from typing import Callable
@@ -67,6 +68,27 @@ def steady_heap() -> str:
     if not ok:
         return "heap: glibc defaults (mallopt unavailable: not glibc?)"
     return "heap: steady (mallopt M_MMAP_THRESHOLD = M_TRIM_THRESHOLD = 1 GiB: outputs reuse freed memory)"
+
+
+def resolved_simd(requested: str) -> str:
+    """The SIMD path recpipe's CPU kernel takes for ``requested`` (``auto`` = the best
+    this CPU supports), asked of the op itself: forcing ``avx512`` either runs or is
+    refused with the best supported path named in the error."""
+    if requested != "auto":
+        return requested
+    os.environ["RECPIPE_SIMD"] = "avx512"
+    try:
+        ops.block_bucketize_sparse_features(
+            torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 1)
+        return "avx512"
+    except RuntimeError as e:
+        m = re.search(r"best supported: (\w+)", str(e))
+        if m is None:
+            raise
+        return m.group(1)
+    finally:
+        os.environ["RECPIPE_SIMD"] = requested
 
 
 def make_inputs(keys: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,7 +151,8 @@ def main() -> None:
     lengths, indices = make_inputs(args.keys)
     print(hardware_line())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"recpipe SIMD path: {args.simd}; 1-min load average before the run: {load:.2f} "
+    print(f"recpipe SIMD path: {args.simd} ({resolved_simd(args.simd)} on this CPU); "
+          f"1-min load average before the run: {load:.2f} "
           f"(other jobs on the {all_threads} cores make the {all_threads}-thread rows noisy)")
     print(heap)
     print(f"fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}; {args.keys} keys, F={F}, "
