@@ -683,6 +683,54 @@ RECPIPE_TARGET_AVX2 void plain_owners_avx2(
   plain_owners_scalar<index_t, owner_t>(pr, idx, i, e, owner);
 }
 
+// n / d for 8 u32 lanes (FastDivU32: mulhi32 from two pmuludq).
+RECPIPE_TARGET_AVX2 inline __m256i div32_avx2(__m256i n, const FastDivU32& d) {
+  const __m128i shift = _mm_cvtsi32_si128(d.shift);
+  if (d.pow2) {
+    return _mm256_srl_epi32(n, shift);
+  }
+  const __m256i magic = _mm256_set1_epi32(static_cast<int>(d.magic));
+  const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(n, magic), 32);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(n, 32), magic);
+  const __m256i t = _mm256_blend_epi32(even, odd, 0xAA);
+  return _mm256_srl_epi32(_mm256_add_epi32(t, _mm256_srli_epi32(_mm256_sub_epi32(n, t), 1)), shift);
+}
+
+// AVX2 owners of int64 ids as bytes (W <= 256), 8 ids per step: steps whose
+// ids are all below 2^32 narrow them to u32 lanes and take the 32-bit
+// divisions; any other step (raw ids >= 2^32, negative raw ids) and the tail
+// go through the scalar code. Requires pr.fits32.
+RECPIPE_TARGET_AVX2 void plain_owners_i64_u8_avx2(
+    const PlainRoute& pr, const int64_t* idx, int64_t s, int64_t e, uint8_t* owner) {
+  const __m256i high = _mm256_set1_epi64x(static_cast<long long>(0xFFFFFFFF00000000ULL));
+  const __m256i low_dwords = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const bool continuous = pr.ub != 0;
+  const bool all_below_ub = pr.ub > 0xFFFFFFFFULL;  // every u32 id is below block * W
+  const __m256i ub = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(pr.ub)));
+  const __m256i w = _mm256_set1_epi32(static_cast<int>(pr.world));
+  int64_t i = s;
+  for (; i + 8 <= e; i += 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(idx + i + kPrefetchAhead), _MM_HINT_T0);
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i + 4));
+    if (!_mm256_testz_si256(_mm256_or_si256(a, b), high)) {
+      plain_owners_scalar<int64_t, uint8_t>(pr, idx, i, i + 8, owner);
+      continue;
+    }
+    const __m256i u = _mm256_permute2x128_si256(  // the 8 ids as u32, in order
+        _mm256_permutevar8x32_epi32(a, low_dwords), _mm256_permutevar8x32_epi32(b, low_dwords), 0x20);
+    __m256i o = _mm256_sub_epi32(u, _mm256_mullo_epi32(div32_avx2(u, pr.div_world32), w));
+    if (continuous) {
+      const __m256i qb = div32_avx2(u, pr.div_block32);
+      // u >= ub iff max(u, ub) == u (unsigned)
+      o = all_below_ub ? qb : _mm256_blendv_epi8(qb, o, _mm256_cmpeq_epi32(_mm256_max_epu32(u, ub), u));
+    }
+    const __m128i o16 = _mm_packus_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(owner + i), _mm_packus_epi16(o16, o16));
+  }
+  plain_owners_scalar<int64_t, uint8_t>(pr, idx, i, e, owner);
+}
+
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 // n / d for n < 2^32 held in 64-bit lanes (FastDivU32: one pmuludq).
@@ -768,7 +816,12 @@ void plain_owners(
     return;
   }
   if (simd == Simd::kAvx2 && pr.fits32) {
-    plain_owners_avx2<index_t, owner_t>(pr, idx, s, e, owner);
+    if constexpr (sizeof(index_t) == 8 && sizeof(owner_t) == 1) {
+      plain_owners_i64_u8_avx2(
+          pr, reinterpret_cast<const int64_t*>(idx), s, e, reinterpret_cast<uint8_t*>(owner));
+    } else {
+      plain_owners_avx2<index_t, owner_t>(pr, idx, s, e, owner);
+    }
     return;
   }
 #endif

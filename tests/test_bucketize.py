@@ -308,6 +308,32 @@ def test_simd_paths_agree_on_large_input(monkeypatch: pytest.MonkeyPatch) -> Non
                 assert torch.equal(a, b), (path, name)
 
 
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("W", [3, 8, 200])
+def test_simd_owners_large_blocks_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, W: int) -> None:
+    """continuous owners where block * W passes 2^32 (every id below 2^32 is then
+    below it: the vector paths' `all below ub` branch) or sits just under it, next
+    to a small block and roundrobin; ids below and above 2^32 and negative."""
+    _force_simd(monkeypatch, path)
+    rng = random.Random(W)
+    blocks = [2**31, (2**32 - 1) // W, 1000, 7]
+    dist = [0, 0, 0, 1]
+    B = 40
+    lengths = [rng.randrange(0, 70) for _ in range(len(blocks) * B)]
+    indices = []
+    for bt, ln in enumerate(lengths):
+        blk = blocks[bt // B]
+        for _ in range(ln):
+            r = rng.random()
+            indices.append(rng.randrange(2**32) if r < 0.85 else
+                           rng.randrange(2**32, 2**40) if r < 0.95 else
+                           rng.randrange(blk * W - 3, blk * W + 3) if r < 0.98 else -rng.randrange(1, 2**40))
+    case = dict(lengths=torch.tensor(lengths), indices=torch.tensor(indices, dtype=torch.int64),
+                block_sizes=torch.tensor(blocks), dist_types=torch.tensor(dist), W=W,
+                table_sizes=torch.tensor([1] * len(blocks)))
+    _check_against_reference(case, sequence=True, pos=False, weights_dtype=None, seed=0, keep=False)
+
+
 def _partition_case(rng: random.Random, W: int, index_dtype: torch.dtype, B: int, max_len: int) -> dict:
     """Features continuous, roundrobin, hash over a 10M-row table and (int64) hash
     over a 2^40-row table (64-bit local ids: that feature takes the scalar
