@@ -8,10 +8,10 @@
 // CPU algorithm (two passes over the ids, no [W*F*B] offsets array):
 //   1. owners: per chunk of bags (one chunk per thread), per block of bags and
 //      per run of one feature, compute each id's owner rank (stored as
-//      uint8/uint16/uint32 by W) in a tight loop (AVX-512 for continuous /
-//      roundrobin ids below 2^32; hash_roundrobin always vectorized, see
-//      below), then count new_lengths and per-(chunk, rank) totals from the
-//      owners. hash_roundrobin keeps its local ids in a scratch buffer (uint32
+//      uint8/uint16/uint32 by W) in a tight loop (AVX-512 or AVX2 for
+//      continuous / roundrobin ids below 2^32; hash_roundrobin always
+//      vectorized, see below), then count new_lengths and per-(chunk, rank)
+//      totals from the owners. hash_roundrobin keeps its local ids in a scratch buffer (uint32
 //      when every hashed table has <= 2^32 rows) so the hash runs once.
 //   2. scatter: rank-major output means an id's position is
 //      base[rank] + (ids of that rank in earlier bags) + (earlier ids of that
@@ -19,10 +19,11 @@
 //      started at base[rank] + totals of earlier chunks, yields it directly.
 //      So each rank's output of a chunk is one contiguous stream and the pass
 //      is a stable W-way partition of the chunk's ids.
-// With AVX-512 and W <= 8 both per-id loops are vectorized (counts: popcount
-// of byte compares per bag; scatter: vpcompress + masked store per rank, see
-// "Small W" below); otherwise they are scalar, the scatter prefetching each
-// rank's stream. new_lengths is written with non-temporal stores.
+// With AVX-512 or AVX2 and W <= 8 the counts are popcounts of byte compares
+// per bag; with AVX-512 and W <= 8 the scatter is vpcompress + masked store
+// per rank (see "Small W" below). Otherwise the scatter is scalar, in blocks:
+// every position of a block first, then its stores (see kScatterBlock).
+// new_lengths is written with non-temporal stores.
 //
 // hash_roundrobin (H = HashPermutation, bucketize_math.h) runs in 32-bit
 // lanes for tables of 2 to 2^32 rows: ids are range-checked, both window
@@ -867,19 +868,28 @@ int64_t stream_row_scalar(offset_t* dst, const int32_t* row, int64_t j, int64_t 
   return sum;
 }
 
+// The unaligned head of a streamed row: dst[j] = row[j] by movnti until
+// dst + j is `align`-byte aligned (or the row ends); returns that j and adds
+// the values to `sum`.
+template <typename offset_t>
+int64_t stream_head(offset_t* dst, const int32_t* row, int64_t n, uintptr_t align, int64_t& sum) {
+  int64_t j = 0;
+  while (j < n && (reinterpret_cast<uintptr_t>(dst + j) & (align - 1)) != 0) {
+    store_streaming(dst + j, static_cast<offset_t>(row[j]));
+    sum += row[j];
+    ++j;
+  }
+  return j;
+}
+
 #if RECPIPE_X86_SIMD
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 template <typename offset_t>
 RECPIPE_TARGET_AVX512 int64_t stream_row_avx512(offset_t* dst, const int32_t* row, int64_t n) {
   constexpr int64_t kL = 64 / sizeof(offset_t);
-  int64_t j = 0;
   int64_t sum = 0;
-  while (j < n && (reinterpret_cast<uintptr_t>(dst + j) & 63) != 0) {
-    store_streaming(dst + j, static_cast<offset_t>(row[j]));
-    sum += row[j];
-    ++j;
-  }
+  int64_t j = stream_head(dst, row, n, 64, sum);
   __m512i acc = _mm512_setzero_si512();  // int64 lanes
   for (; j + kL <= n; j += kL) {
     if constexpr (sizeof(offset_t) == 8) {
@@ -903,13 +913,8 @@ RECPIPE_TARGET_AVX512 int64_t stream_row_avx512(offset_t* dst, const int32_t* ro
 template <typename offset_t>
 RECPIPE_TARGET_AVX2 int64_t stream_row_avx2(offset_t* dst, const int32_t* row, int64_t n) {
   constexpr int64_t kL = 32 / sizeof(offset_t);
-  int64_t j = 0;
   int64_t sum = 0;
-  while (j < n && (reinterpret_cast<uintptr_t>(dst + j) & 31) != 0) {
-    store_streaming(dst + j, static_cast<offset_t>(row[j]));
-    sum += row[j];
-    ++j;
-  }
+  int64_t j = stream_head(dst, row, n, 32, sum);
   __m256i acc = _mm256_setzero_si256();  // int64 lanes
   for (; j + kL <= n; j += kL) {
     if constexpr (sizeof(offset_t) == 8) {
@@ -971,7 +976,8 @@ constexpr int64_t kScatterBlock = 256;
 // Small W (AVX-512, owners as bytes): both per-id loops without a per-id
 // read-modify-write. The scalar `cnt[owner]++` / `cur[owner]++` loops cost
 // about the same at every W measured (~1.6 ms per 1M ids for the scatter at
-// W = 2..16, table below): a load, increment and store of a counter per id.
+// W = 2..16, table below, before the scatter was split per kScatterBlock): a
+// load, increment and store of a counter per id.
 //   * counts: per bag and rank p > 0, the popcount of the owner bytes equal to
 //     p (64 bytes per compare); rank 0 takes the rest of the bag.
 //   * scatter: per vector of ids and per rank p, the lanes owned by p are
