@@ -11,8 +11,9 @@
 //      uint8/uint16/uint32 by W) in a tight loop (AVX-512 or AVX2 for
 //      continuous / roundrobin ids below 2^32; hash_roundrobin always
 //      vectorized, see below), then count new_lengths and per-(chunk, rank)
-//      totals from the owners. hash_roundrobin keeps its local ids in a scratch buffer (uint32
-//      when every hashed table has <= 2^32 rows) so the hash runs once.
+//      totals from the owners. hash_roundrobin keeps its local ids in a
+//      scratch buffer (uint32 when every hashed table has <= 2^32 rows) so
+//      the hash runs once.
 //   2. scatter: rank-major output means an id's position is
 //      base[rank] + (ids of that rank in earlier bags) + (earlier ids of that
 //      rank in its bag); walking the ids in order with one cursor per rank,
@@ -34,8 +35,8 @@
 // SIMD paths and RECPIPE_SIMD: the hot loops exist as `scalar` (baseline
 // x86-64, any CPU), `avx2` (target("avx2") build of the same loops) and
 // `avx512` (AVX-512F/BW/DQ/VL intrinsics, 4 independent vectors per step to
-// hide vpmulld latency, owner/local split from the registers). The
-// best one the CPU supports (__builtin_cpu_supports) is used; setting the
+// hide vpmulld latency, owner/local split from the registers). The best one
+// the CPU supports (__builtin_cpu_supports) is used; setting the
 // environment variable RECPIPE_SIMD=scalar|avx2|avx512 (read on every call;
 // `auto` or unset = best) forces one, e.g. for tests. Forcing a path the CPU
 // lacks raises an error naming the best supported one. No global -m flags:
@@ -169,10 +170,9 @@ std::vector<int64_t> chunk_bags(
 // algorithm: `scalar` (baseline x86-64 / any CPU; the compiler may still use
 // SSE2), `avx2` (target("avx2") clone of the same code, auto-vectorized) and
 // `avx512` (hand-written AVX-512F/BW/DQ/VL intrinsics). The best one the CPU
-// supports is used; the
-// environment variable RECPIPE_SIMD=scalar|avx2|avx512 (read on every call)
-// forces one, so tests can check each path against the reference. Forcing a
-// path the CPU lacks is an error, never a silent fallback.
+// supports is used; the environment variable RECPIPE_SIMD=scalar|avx2|avx512
+// (read on every call) forces one, so tests can check each path against the
+// reference. Forcing a path the CPU lacks is an error, never a silent fallback.
 enum class Simd : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
