@@ -795,10 +795,11 @@ class TieredEmbeddingShard(nn.Module):
             # global ids are checked as such (distinct, in range) and load_states places
             # every row by its global id under today's routing: nothing is lost.
             out_of_range = int(((gids < 0) | (gids >= md["num_embeddings"])).sum())
-            if out_of_range or int(gids.unique().numel()) != n:
+            repeated = n - int(gids.unique().numel())
+            if out_of_range or repeated:
                 raise self._ckpt_error(
                     f"export (hash_roundrobin version {routing_version}) has {out_of_range} global ids "
-                    f"outside [0, {md['num_embeddings']}) and {n - int(gids.unique().numel())} repeated",
+                    f"outside [0, {md['num_embeddings']}) and {repeated} repeated",
                     ["the export is damaged or its metadata was edited: re-export the shard"])
         else:
             expect = global_row_ids(torch.arange(n, dtype=torch.int64), md["num_embeddings"], md["world_size"],
