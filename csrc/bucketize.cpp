@@ -1190,12 +1190,13 @@ bool count_bags_simd(
     int32_t* counts, int64_t stride) {
 #if RECPIPE_X86_SIMD
   if constexpr (sizeof(owner_t) == 1) {
-    if (W <= kSimdCountMaxW && simd == Simd::kAvx512) {
-      count_bags_u8_avx512(reinterpret_cast<const uint8_t*>(own), offsets, g0, g1, W, counts, stride);
-      return true;
-    }
-    if (W <= kSimdCountMaxW && simd == Simd::kAvx2) {
-      count_bags_u8_avx2(reinterpret_cast<const uint8_t*>(own), offsets, g0, g1, W, counts, stride);
+    if (W <= kSimdCountMaxW && simd != Simd::kScalar) {
+      const auto* own8 = reinterpret_cast<const uint8_t*>(own);
+      if (simd == Simd::kAvx512) {
+        count_bags_u8_avx512(own8, offsets, g0, g1, W, counts, stride);
+      } else {
+        count_bags_u8_avx2(own8, offsets, g0, g1, W, counts, stride);
+      }
       return true;
     }
   }
