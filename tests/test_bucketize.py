@@ -362,7 +362,10 @@ def _partition_case(rng: random.Random, W: int, index_dtype: torch.dtype, B: int
 @pytest.mark.parametrize("path", SIMD_PATHS)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 # W <= 8 takes the AVX-512 partition (vpcompress) scatter and byte-compare counts
-# when there are no weights and no bucketize_pos; 9 is the first scalar W.
+# when there are no weights and no bucketize_pos; 9 is the first scalar W. On
+# AVX2, W = 2 with int64 ids takes the owner-free path (rank-1 bitmaps for the
+# counts, permute-packed whole-vector stores for the scatter) for continuous
+# and roundrobin features, including their raw ids >= block * W.
 @pytest.mark.parametrize("W", [1, 2, 3, 5, 8, 9])
 @pytest.mark.parametrize("sequence", [False, True])
 @pytest.mark.parametrize("keep", [False, True])
