@@ -297,51 +297,190 @@ struct HashScratch {
 
 // One block of m <= kHashBlock ids: range check (out-of-range ids hash as 0;
 // returns whether there was one), h = H(id), then the split owner = h % W,
-// local = h / W. Compiled twice (baseline and target("avx2")): both loops are
-// plain maps the compiler vectorizes.
-#define RECPIPE_HASH_BLOCK_BODY                                                  \
-  uint32_t* a32 = scratch.a32;                                                   \
-  uint32_t any_bad = 0;                                                          \
-  for (int64_t j = 0; j < m; ++j) {                                              \
-    const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[j]));      \
-    const uint32_t oob = u >= c.n; /* negative ids are huge as unsigned */       \
-    any_bad |= oob;                                                              \
-    a32[j] = c.forward(oob ? 0u : static_cast<uint32_t>(u));                     \
-  }                                                                              \
-  if (c.div.pow2) {                                                              \
-    const uint32_t sh = static_cast<uint32_t>(c.div.shift);                      \
-    const uint32_t wm = c.world - 1;                                             \
-    for (int64_t j = 0; j < m; ++j) {                                            \
-      const uint32_t h = a32[j];                                                 \
-      owner[j] = static_cast<owner_t>(h & wm);                                   \
-      local[j] = static_cast<uindex_t>(h >> sh);                                 \
-    }                                                                            \
-  } else {                                                                       \
-    const uint32_t magic = c.div.magic;                                          \
-    const uint32_t sh = static_cast<uint32_t>(c.div.shift);                      \
-    for (int64_t j = 0; j < m; ++j) {                                            \
-      const uint32_t h = a32[j];                                                 \
-      const uint32_t t = static_cast<uint32_t>((static_cast<uint64_t>(magic) * h) >> 32); \
-      const uint32_t q = (t + ((h - t) >> 1)) >> sh;                             \
-      owner[j] = static_cast<owner_t>(h - q * c.world);                          \
-      local[j] = static_cast<uindex_t>(q);                                       \
-    }                                                                            \
-  }                                                                              \
-  return any_bad != 0;
-
+// local = h / W. Both loops are plain maps (the compiler may use SSE2).
 template <typename index_t, typename uindex_t, typename owner_t>
 bool hash_block_scalar(
     const Hash32& c, const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local,
     owner_t* owner) {
-  RECPIPE_HASH_BLOCK_BODY
+  uint32_t* a32 = scratch.a32;
+  uint32_t any_bad = 0;
+  for (int64_t j = 0; j < m; ++j) {
+    const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[j]));
+    const uint32_t oob = u >= c.n;  // negative ids are huge as unsigned
+    any_bad |= oob;
+    a32[j] = c.forward(oob ? 0u : static_cast<uint32_t>(u));
+  }
+  if (c.div.pow2) {
+    const uint32_t sh = static_cast<uint32_t>(c.div.shift);
+    const uint32_t wm = c.world - 1;
+    for (int64_t j = 0; j < m; ++j) {
+      const uint32_t h = a32[j];
+      owner[j] = static_cast<owner_t>(h & wm);
+      local[j] = static_cast<uindex_t>(h >> sh);
+    }
+  } else {
+    const uint32_t magic = c.div.magic;
+    const uint32_t sh = static_cast<uint32_t>(c.div.shift);
+    for (int64_t j = 0; j < m; ++j) {
+      const uint32_t h = a32[j];
+      const uint32_t t = static_cast<uint32_t>((static_cast<uint64_t>(magic) * h) >> 32);
+      const uint32_t q = (t + ((h - t) >> 1)) >> sh;
+      owner[j] = static_cast<owner_t>(h - q * c.world);
+      local[j] = static_cast<uindex_t>(q);
+    }
+  }
+  return any_bad != 0;
 }
 
 #if RECPIPE_X86_SIMD
+// n / d for 8 u32 lanes (FastDivU32: mulhi32 from two pmuludq).
+RECPIPE_TARGET_AVX2 inline __m256i div32_avx2(__m256i n, const FastDivU32& d) {
+  const __m128i shift = _mm_cvtsi32_si128(d.shift);
+  if (d.pow2) {
+    return _mm256_srl_epi32(n, shift);
+  }
+  const __m256i magic = _mm256_set1_epi32(static_cast<int>(d.magic));
+  const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(n, magic), 32);
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(n, 32), magic);
+  const __m256i t = _mm256_blend_epi32(even, odd, 0xAA);
+  return _mm256_srl_epi32(_mm256_add_epi32(t, _mm256_srli_epi32(_mm256_sub_epi32(n, t), 1)), shift);
+}
+
+// ---- AVX2: 8 ids per vector, written out ------------------------------------
+// The compiler's vectorization of RECPIPE_HASH_BLOCK_BODY measured 3.4 cycles
+// per id on the AVX2 EPYC (Zen 3; 1M int64 ids, two windows): one vector's
+// rounds are a serial chain, and the ids went through the staging array. Here
+// kAvx2HashVecs vectors are hashed together and split from the registers.
+struct Hash32Avx2 {
+  __m256i mask;  // window size - 1
+  __m256i hi;    // start of the second window
+  __m256i add[HashPermutation::kWindows][HashPermutation::kRounds];
+  __m256i mul[HashPermutation::kWindows][HashPermutation::kRounds];
+  __m128i s;     // xorshift distance
+};
+constexpr int kAvx2HashVecs = 2;
+
+// P_k (Hash32::apply) on kLanes independent vectors, round by round.
+template <int kLanes>
+RECPIPE_TARGET_AVX2 inline void perm_apply_n_avx2(const Hash32Avx2& v, int k, __m256i* x) {
+  for (int r = 0; r < HashPermutation::kRounds; ++r) {
+    for (int l = 0; l < kLanes; ++l) {
+      x[l] = _mm256_and_si256(_mm256_add_epi32(x[l], v.add[k][r]), v.mask);
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      x[l] = _mm256_xor_si256(x[l], _mm256_srl_epi32(x[l], v.s));
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      x[l] = _mm256_and_si256(_mm256_mullo_epi32(x[l], v.mul[k][r]), v.mask);
+    }
+    for (int l = 0; l < kLanes; ++l) {
+      x[l] = _mm256_xor_si256(x[l], _mm256_srl_epi32(x[l], v.s));
+    }
+  }
+}
+
+// One block of m ids, as hash_block_scalar (the same outputs bit for bit):
+// per kAvx2HashVecs x 8 ids, load + range check (out-of-range lanes hash as
+// 0), both window steps of H on whole vectors, owner = h % W and local = h / W
+// stored from the registers; the last m % 8 ids take Hash32::forward.
 template <typename index_t, typename uindex_t, typename owner_t>
 RECPIPE_TARGET_AVX2 bool hash_block_avx2(
-    const Hash32& c, const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local,
-    owner_t* owner) {
-  RECPIPE_HASH_BLOCK_BODY
+    const Hash32& c, const index_t* ids, int64_t m, uindex_t* local, owner_t* owner) {
+  Hash32Avx2 v;
+  v.mask = _mm256_set1_epi32(static_cast<int>(c.mask));
+  v.hi = _mm256_set1_epi32(static_cast<int>(c.hi));
+  for (int k = 0; k < HashPermutation::kWindows; ++k) {
+    for (int r = 0; r < HashPermutation::kRounds; ++r) {
+      v.add[k][r] = _mm256_set1_epi32(static_cast<int>(c.add[k][r]));
+      v.mul[k][r] = _mm256_set1_epi32(static_cast<int>(c.mul[k][r]));
+    }
+  }
+  v.s = _mm_cvtsi32_si128(static_cast<int>(c.s));
+  const bool two_windows = c.hi != 0;
+  const __m256i world = _mm256_set1_epi32(static_cast<int>(c.world));
+  // int64: in range iff u < n (unsigned; as signed compares of u ^ 2^63);
+  // int32: iff (uint32)u < min(n, 2^31) (negative ids are >= 2^31 as unsigned).
+  const __m256i sign = _mm256_set1_epi64x(std::numeric_limits<int64_t>::min());
+  const __m256i n_m1 = _mm256_set1_epi64x(static_cast<long long>((c.n - 1) ^ (1ULL << 63)));
+  const __m256i lim32 = _mm256_set1_epi32(
+      static_cast<int>(static_cast<uint32_t>(std::min<uint64_t>(c.n, 0x80000000ULL))));
+  __m256i bad = _mm256_setzero_si256();
+  constexpr int64_t kStep = 8 * kAvx2HashVecs;
+  int64_t j0 = 0;
+  for (; j0 + kStep <= m; j0 += kStep) {
+    __m256i x[kAvx2HashVecs];  // ids as u32, out-of-range lanes 0
+    for (int l = 0; l < kAvx2HashVecs; ++l) {
+      const index_t* p = ids + j0 + 8 * l;
+      if constexpr (sizeof(index_t) == 8) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4));
+        const __m256i oa = _mm256_cmpgt_epi64(_mm256_xor_si256(a, sign), n_m1);
+        const __m256i ob = _mm256_cmpgt_epi64(_mm256_xor_si256(b, sign), n_m1);
+        bad = _mm256_or_si256(bad, _mm256_or_si256(oa, ob));
+        // low dwords of the 8 ids in order: [a0 a1 b0 b1 | a2 a3 b2 b3] -> [a0..a3 b0..b3]
+        const __m256 lo = _mm256_shuffle_ps(
+            _mm256_castsi256_ps(_mm256_andnot_si256(oa, a)), _mm256_castsi256_ps(_mm256_andnot_si256(ob, b)),
+            0x88);
+        x[l] = _mm256_permute4x64_epi64(_mm256_castps_si256(lo), 0xD8);
+      } else {
+        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        const __m256i o = _mm256_cmpeq_epi32(_mm256_max_epu32(u, lim32), u);  // u >= lim
+        bad = _mm256_or_si256(bad, o);
+        x[l] = _mm256_andnot_si256(o, u);
+      }
+    }
+    // Window 0: [0, h), P_0.
+    __m256i y[kAvx2HashVecs];
+    for (int l = 0; l < kAvx2HashVecs; ++l) {
+      y[l] = x[l];
+    }
+    perm_apply_n_avx2<kAvx2HashVecs>(v, 0, y);
+    for (int l = 0; l < kAvx2HashVecs; ++l) {  // x <= mask: min(x, mask) == x
+      x[l] = _mm256_blendv_epi8(x[l], y[l], _mm256_cmpeq_epi32(_mm256_min_epu32(x[l], v.mask), x[l]));
+    }
+    // Window 1: [n - h, n), P_1 (not there when n is a power of two).
+    if (two_windows) {
+      for (int l = 0; l < kAvx2HashVecs; ++l) {
+        y[l] = _mm256_sub_epi32(x[l], v.hi);
+      }
+      perm_apply_n_avx2<kAvx2HashVecs>(v, 1, y);
+      for (int l = 0; l < kAvx2HashVecs; ++l) {  // x >= hi: max(x, hi) == x
+        x[l] = _mm256_blendv_epi8(
+            x[l], _mm256_add_epi32(v.hi, y[l]), _mm256_cmpeq_epi32(_mm256_max_epu32(x[l], v.hi), x[l]));
+      }
+    }
+    // owner = h % W, local = h / W.
+    for (int l = 0; l < kAvx2HashVecs; ++l) {
+      const int64_t j = j0 + 8 * l;
+      const __m256i q = div32_avx2(x[l], c.div);
+      const __m256i o = _mm256_sub_epi32(x[l], _mm256_mullo_epi32(q, world));
+      const __m128i o16 = _mm_packus_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
+      if constexpr (sizeof(owner_t) == 1) {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(owner + j), _mm_packus_epi16(o16, o16));
+      } else if constexpr (sizeof(owner_t) == 2) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(owner + j), o16);
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(owner + j), o);
+      }
+      if constexpr (sizeof(uindex_t) == 8) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(local + j), _mm256_cvtepu32_epi64(_mm256_castsi256_si128(q)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(local + j + 4), _mm256_cvtepu32_epi64(_mm256_extracti128_si256(q, 1)));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(local + j), q);
+      }
+    }
+  }
+  bool any_bad = !_mm256_testz_si256(bad, bad);
+  for (; j0 < m; ++j0) {
+    const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[j0]));
+    const bool oob = u >= c.n;
+    any_bad |= oob;
+    const uint32_t h = c.forward(oob ? 0u : static_cast<uint32_t>(u));
+    const uint32_t q = c.div.div(h);
+    owner[j0] = static_cast<owner_t>(h - q * c.world);
+    local[j0] = static_cast<uindex_t>(q);
+  }
+  return any_bad;
 }
 
 // ---- AVX-512: 16 ids per vector -------------------------------------------
@@ -526,7 +665,6 @@ RECPIPE_TARGET_AVX512 bool hash_block_avx512(
 }
 #pragma GCC diagnostic pop
 #endif  // RECPIPE_X86_SIMD
-#undef RECPIPE_HASH_BLOCK_BODY
 
 // Tables of more than 2^32 rows, of one row, or W >= 2^32: 64-bit window
 // rounds, one id at a time (HashPermutation::forward).
@@ -579,8 +717,7 @@ void hash_ids(
     else if (simd == Simd::kAvx512) {
       any_bad = hash_block_avx512<index_t, local_t, owner_t>(*c32, ids + b0, m, local + b0, owner + b0);
     } else if (simd == Simd::kAvx2) {
-      any_bad = hash_block_avx2<index_t, local_t, owner_t>(
-          *c32, ids + b0, m, scratch, local + b0, owner + b0);
+      any_bad = hash_block_avx2<index_t, local_t, owner_t>(*c32, ids + b0, m, local + b0, owner + b0);
     }
 #endif
     else {
@@ -682,19 +819,6 @@ RECPIPE_TARGET_AVX2 void plain_owners_avx2(
     }
   }
   plain_owners_scalar<index_t, owner_t>(pr, idx, i, e, owner);
-}
-
-// n / d for 8 u32 lanes (FastDivU32: mulhi32 from two pmuludq).
-RECPIPE_TARGET_AVX2 inline __m256i div32_avx2(__m256i n, const FastDivU32& d) {
-  const __m128i shift = _mm_cvtsi32_si128(d.shift);
-  if (d.pow2) {
-    return _mm256_srl_epi32(n, shift);
-  }
-  const __m256i magic = _mm256_set1_epi32(static_cast<int>(d.magic));
-  const __m256i even = _mm256_srli_epi64(_mm256_mul_epu32(n, magic), 32);
-  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(n, 32), magic);
-  const __m256i t = _mm256_blend_epi32(even, odd, 0xAA);
-  return _mm256_srl_epi32(_mm256_add_epi32(t, _mm256_srli_epi32(_mm256_sub_epi32(n, t), 1)), shift);
 }
 
 // AVX2 owners of int64 ids as bytes (W <= 256), 8 ids per step: steps whose
@@ -1182,11 +1306,12 @@ RECPIPE_TARGET_AVX512 void compress_scatter_avx512(
 #pragma GCC diagnostic pop
 
 // ---------------------------------------------------------------------------
-// W = 2 on AVX2 (int64 ids; continuous or roundrobin owners, local ids from
-// the rule or raw for keep_orig_idx; no weights, no new_pos): both passes work
-// from the ids, 4 per vector, and no owner buffer is written. A lane's owner
-// is one compare: continuous u >= block (valid below ub = 2 * block, the rule
-// for ids >= ub is fbgemm's u % W), roundrobin u & 1. So
+// W = 2 on AVX2 (int64 ids; local ids from the rule, or raw for keep_orig_idx;
+// no weights, no new_pos). Continuous and roundrobin features work from the
+// ids, 4 per vector, and write no owner buffer: a lane's owner is one compare,
+// continuous u >= block (valid below ub = 2 * block; the rule for ids >= ub is
+// fbgemm's u % W), roundrobin u & 1. hash_roundrobin features (32-bit local
+// ids) read the owner bytes and local ids pass 1 stored (W2Src). Then
 //   * counts: per bag, the popcount of the rank-1 lanes; rank 0 takes the rest;
 //   * scatter: per vector and rank, a permute from a 16-entry table packs the
 //     rank's lanes to the front (AVX2 has no vpcompress) and the whole vector
@@ -1197,6 +1322,8 @@ RECPIPE_TARGET_AVX512 void compress_scatter_avx512(
 //     vectors holding a continuous id >= ub, take the scalar rule.
 // Measured on the AVX2 EPYC (1M int64 ids, F = 8, one thread, continuous):
 // the scalar passes took ~0.85 ms (owners + counts) and ~2 ms (scatter).
+enum class W2Src : int { kContinuous = 0, kRoundRobin = 1, kHashed = 2 };
+
 struct W2Route {
   bool continuous;
   uint64_t block;
@@ -1233,13 +1360,14 @@ struct W2Tables {
 };
 constexpr W2Tables kW2Tables{};
 
-// Rank-1 lanes of 4 ids as a lane mask (only the sign bit is set for
-// roundrobin: enough for movemask / blendv), and whether any continuous id
-// is >= ub (the vector then takes the scalar rule).
-template <bool kContinuous>
+// Rank-1 lanes of 4 ids (continuous / roundrobin) as a lane mask (only the
+// sign bit is set for roundrobin: enough for movemask / blendv), and whether
+// any continuous id is >= ub (the vector then takes the scalar rule).
+template <W2Src kSrc>
 RECPIPE_TARGET_AVX2 inline __m256i w2_rank1(
     __m256i u, __m256i block_m1, __m256i ub_m1, int* above_ub) {
-  if constexpr (kContinuous) {
+  static_assert(kSrc != W2Src::kHashed, "hashed owners are read, not computed");
+  if constexpr (kSrc == W2Src::kContinuous) {
     // unsigned u > x as signed (u ^ 2^63) > (x ^ 2^63); the constants carry the flip
     const __m256i ux = _mm256_xor_si256(u, _mm256_set1_epi64x(std::numeric_limits<int64_t>::min()));
     *above_ub = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(ux, ub_m1)));
@@ -1254,7 +1382,8 @@ RECPIPE_TARGET_AVX2 inline __m256i w2_flipped(uint64_t x) {
   return _mm256_set1_epi64x(static_cast<long long>(x ^ (1ULL << 63)));
 }
 
-// new_lengths counts of bags [g0, g1) of one feature at W = 2, from the ids:
+// new_lengths counts of bags [g0, g1) of one feature at W = 2, from the ids
+// (kHashed: from the owner bytes `own`):
 // counts[bt - g0] (rank 0) and counts[stride + bt - g0] (rank 1). A bag loop
 // over vectors exits at a data-dependent trip count (bags are ~32 ids) and
 // measured 1.5 cycles per id on the AVX2 EPYC, mostly those branches. So the
@@ -1262,10 +1391,10 @@ RECPIPE_TARGET_AVX2 inline __m256i w2_flipped(uint64_t x) {
 // (`bits`: bit k of word w is id offsets[g0] + 64 w + k), then prefix counts
 // per word, then each bag is two lookups: ones below its end minus ones below
 // its start. If a continuous id is >= ub the range is counted by the scalar rule.
-template <bool kContinuous>
+template <W2Src kSrc>
 RECPIPE_TARGET_AVX2 void count_bags_w2_avx2(
-    const W2Route& r, const int64_t* idx, const int64_t* offsets, int64_t g0, int64_t g1,
-    int32_t* counts, int64_t stride, std::vector<uint64_t>& bits) {
+    const W2Route& r, const int64_t* idx, const uint8_t* own, const int64_t* offsets, int64_t g0,
+    int64_t g1, int32_t* counts, int64_t stride, std::vector<uint64_t>& bits) {
   const int64_t s0 = offsets[g0];
   const int64_t n = offsets[g1] - s0;
   const int64_t words = n / 64 + 1;  // one past the last id's word: a bag ending at n reads it
@@ -1275,30 +1404,43 @@ RECPIPE_TARGET_AVX2 void count_bags_w2_avx2(
   uint64_t* word = bits.data();
   uint64_t* ones_before = bits.data() + words;  // ones in the words before w
   const int64_t* ids = idx + s0;
+  const uint8_t* ow = own + s0;
   const __m256i block_m1 = w2_flipped(r.block - 1);
   const __m256i ub_m1 = w2_flipped(r.ub - 1);
   int above = 0;
   int64_t k = 0;
   for (; k + 64 <= n; k += 64) {
     uint64_t w = 0;
-    for (int q = 0; q < 16; ++q) {
-      int a = 0;
-      const __m256i r1 = w2_rank1<kContinuous>(
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ids + k + 4 * q)), block_m1, ub_m1, &a);
-      above |= a;
-      w |= static_cast<uint64_t>(_mm256_movemask_pd(_mm256_castsi256_pd(r1))) << (4 * q);
+    if constexpr (kSrc == W2Src::kHashed) {
+      const __m256i one = _mm256_set1_epi8(1);
+      for (int q = 0; q < 2; ++q) {
+        const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ow + k + 32 * q));
+        w |= static_cast<uint64_t>(static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(o, one))))
+            << (32 * q);
+      }
+    } else {
+      for (int q = 0; q < 16; ++q) {
+        int a = 0;
+        const __m256i r1 = w2_rank1<kSrc>(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ids + k + 4 * q)), block_m1, ub_m1, &a);
+        above |= a;
+        w |= static_cast<uint64_t>(_mm256_movemask_pd(_mm256_castsi256_pd(r1))) << (4 * q);
+      }
     }
     word[k / 64] = w;
   }
+  auto owner_of = [&](int64_t j) -> uint64_t {
+    return kSrc == W2Src::kHashed ? ow[j] : w2_owner(r, static_cast<uint64_t>(ids[j]));
+  };
   uint64_t w = 0;  // the last, partial word (always written: words = n / 64 + 1)
   for (int64_t j = k; j < n; ++j) {
-    w |= w2_owner(r, static_cast<uint64_t>(ids[j])) << (j - k);
+    w |= owner_of(j) << (j - k);
   }
   word[k / 64] = w;
   if (above != 0) {  // some continuous id >= ub: redo the whole-word bits by the scalar rule
     for (int64_t j = 0; j < k; ++j) {
       const uint64_t b = uint64_t{1} << (j % 64);
-      word[j / 64] = (word[j / 64] & ~b) | (w2_owner(r, static_cast<uint64_t>(ids[j])) ? b : 0);
+      word[j / 64] = (word[j / 64] & ~b) | (owner_of(j) ? b : 0);
     }
   }
   uint64_t run = 0;
@@ -1319,11 +1461,13 @@ RECPIPE_TARGET_AVX2 void count_bags_w2_avx2(
 }
 
 // Scatter of the ids [s, e) of one feature at W = 2: cur[0..1] are the
-// chunk's cursors, end[0..1] the ends of its output of each rank.
-template <bool kContinuous, bool kRaw, bool kPerm>
+// chunk's cursors, end[0..1] the ends of its output of each rank. kHashed
+// reads owners from `own` and local ids from `hl32`.
+template <W2Src kSrc, bool kRaw, bool kPerm>
 RECPIPE_TARGET_AVX2 void scatter_w2_avx2(
-    const W2Route& r, const int64_t* idx, int64_t s, int64_t e, int64_t* cur, const int64_t* end,
-    int64_t* out, int64_t* perm) {
+    const W2Route& r, const int64_t* idx, const uint8_t* own, const uint32_t* hl32, int64_t s,
+    int64_t e, int64_t* cur, const int64_t* end, int64_t* out, int64_t* perm) {
+  constexpr bool kHashed = kSrc == W2Src::kHashed;
   const __m256i block_m1 = w2_flipped(r.block - 1);
   const __m256i ub_m1 = w2_flipped(r.ub - 1);
   const __m256i block = _mm256_set1_epi64x(static_cast<long long>(r.block));
@@ -1333,18 +1477,30 @@ RECPIPE_TARGET_AVX2 void scatter_w2_avx2(
   const int64_t last1 = end[1] - 4;
   auto one = [&](int64_t j) {
     const uint64_t u = static_cast<uint64_t>(idx[j]);
-    const uint64_t p = w2_owner(r, u);
+    const uint64_t p = kHashed ? own[j] : w2_owner(r, u);
     const int64_t pos = p != 0 ? c1++ : c0++;
-    out[pos] = static_cast<int64_t>(kRaw ? u : w2_local(r, u));
+    out[pos] = static_cast<int64_t>(kRaw ? u : kHashed ? hl32[j] : w2_local(r, u));
     if constexpr (kPerm) {
       perm[j] = pos;
     }
   };
   int64_t i = s;
   for (; i + 4 <= e; i += 4) {
-    const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
     int above = 0;
-    const __m256i r1 = w2_rank1<kContinuous>(u, block_m1, ub_m1, &above);
+    __m256i u = _mm256_setzero_si256();
+    __m256i r1;
+    if constexpr (kHashed) {
+      uint32_t o4;
+      std::memcpy(&o4, own + i, 4);
+      r1 = _mm256_cmpeq_epi64(
+          _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(static_cast<int>(o4))), _mm256_set1_epi64x(1));
+      if constexpr (kRaw) {
+        u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
+      }
+    } else {
+      u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
+      r1 = w2_rank1<kSrc>(u, block_m1, ub_m1, &above);
+    }
     if (above != 0 || c0 > last0 || c1 > last1) {
       for (int64_t j = i; j < i + 4; ++j) {
         one(j);
@@ -1356,7 +1512,9 @@ RECPIPE_TARGET_AVX2 void scatter_w2_avx2(
     __m256i local;
     if constexpr (kRaw) {
       local = u;
-    } else if constexpr (kContinuous) {
+    } else if constexpr (kHashed) {
+      local = _mm256_cvtepu32_epi64(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hl32 + i)));
+    } else if constexpr (kSrc == W2Src::kContinuous) {
       local = _mm256_sub_epi64(u, _mm256_and_si256(r1, block));
     } else {
       local = _mm256_srli_epi64(u, 1);
@@ -1526,11 +1684,14 @@ void bucketize_cpu_impl(
     }
   }
 
-  // W = 2 on AVX2: continuous / roundrobin features skip the owner buffer
-  // (count_bags_w2_avx2, scatter_w2_avx2); both passes must agree on w2_run.
+  // W = 2 on AVX2 (count_bags_w2_avx2, scatter_w2_avx2): continuous /
+  // roundrobin features skip the owner buffer, hash_roundrobin features with
+  // 32-bit local ids count and scatter from it; both passes test w2_run.
   const bool w2 = W == 2 && simd == Simd::kAvx2 && sizeof(index_t) == 8 &&
       std::is_same_v<wbits_t, void> && !bucketize_pos;
-  auto w2_run = [&](int64_t f) { return w2 && routes[f].dist != kHashRoundRobin; };
+  auto w2_run = [&](int64_t f) {
+    return w2 && (routes[f].dist != kHashRoundRobin || hashed_local32 != nullptr);
+  };
   auto w2_route = [&](int64_t f) {
     return W2Route{routes[f].dist == kContinuous, routes[f].block, 2 * routes[f].block};
   };
@@ -1540,10 +1701,14 @@ void bucketize_cpu_impl(
     if constexpr (sizeof(index_t) == 8) {
       const W2Route r = w2_route(f);
       const auto* ids = reinterpret_cast<const int64_t*>(idx);
-      if (r.continuous) {
-        count_bags_w2_avx2<true>(r, ids, offsets.data(), r0, r1, counts, stride, w2_bits);
+      const auto* own = reinterpret_cast<const uint8_t*>(owner.get());
+      const int64_t* o = offsets.data();
+      if (routes[f].dist == kHashRoundRobin) {
+        count_bags_w2_avx2<W2Src::kHashed>(r, ids, own, o, r0, r1, counts, stride, w2_bits);
+      } else if (r.continuous) {
+        count_bags_w2_avx2<W2Src::kContinuous>(r, ids, own, o, r0, r1, counts, stride, w2_bits);
       } else {
-        count_bags_w2_avx2<false>(r, ids, offsets.data(), r0, r1, counts, stride, w2_bits);
+        count_bags_w2_avx2<W2Src::kRoundRobin>(r, ids, own, o, r0, r1, counts, stride, w2_bits);
       }
       return;
     }
@@ -1590,7 +1755,7 @@ void bucketize_cpu_impl(
         for (int64_t r0 = g0; r0 < g1;) {
           const int64_t f = r0 / B;
           const int64_t r1 = std::min<int64_t>(g1, (f + 1) * B);
-          if (w2_run(f)) {
+          if (w2_run(f) && routes[f].dist != kHashRoundRobin) {
             // no owners: pass 2 recomputes them (see scatter_w2_avx2)
             w2_counts(f, r0, r1, block_counts.data() + (r0 - g0), kBags, w2_bits);
             r0 = r1;
@@ -1611,7 +1776,9 @@ void bucketize_cpu_impl(
           }
           const owner_t* own = owner.get();
           int32_t* run_counts = block_counts.data() + (r0 - g0);
-          if (!count_bags_simd(simd, own, offsets.data(), r0, r1, W, run_counts, kBags)) {
+          if (w2_run(f)) {  // hash_roundrobin at W = 2
+            w2_counts(f, r0, r1, run_counts, kBags, w2_bits);
+          } else if (!count_bags_simd(simd, own, offsets.data(), r0, r1, W, run_counts, kBags)) {
             for (int64_t bt = r0; bt < r1; ++bt) {
               int32_t* lc = run_counts + (bt - r0);  // lc[p * kBags]
               const int64_t e = offsets[bt + 1];
@@ -1708,14 +1875,21 @@ void bucketize_cpu_impl(
       constexpr bool kPerm = decltype(has_perm)::value;
       const W2Route r = w2_route(f);
       const auto* ids = reinterpret_cast<const int64_t*>(idx);
+      const auto* own = reinterpret_cast<const uint8_t*>(owner.get());
+      const uint32_t* hl = hashed_local32.get();
       auto* out = reinterpret_cast<int64_t*>(out_idx);
       auto* perm = reinterpret_cast<int64_t*>(perm_out);
-      if (r.continuous) {
-        (raw ? scatter_w2_avx2<true, true, kPerm> : scatter_w2_avx2<true, false, kPerm>)(
-            r, ids, s, e, cur, end, out, perm);
+      auto run = [&](auto src) {
+        constexpr W2Src kSrc = decltype(src)::value;
+        (raw ? scatter_w2_avx2<kSrc, true, kPerm> : scatter_w2_avx2<kSrc, false, kPerm>)(
+            r, ids, own, hl, s, e, cur, end, out, perm);
+      };
+      if (routes[f].dist == kHashRoundRobin) {
+        run(std::integral_constant<W2Src, W2Src::kHashed>{});
+      } else if (r.continuous) {
+        run(std::integral_constant<W2Src, W2Src::kContinuous>{});
       } else {
-        (raw ? scatter_w2_avx2<false, true, kPerm> : scatter_w2_avx2<false, false, kPerm>)(
-            r, ids, s, e, cur, end, out, perm);
+        run(std::integral_constant<W2Src, W2Src::kRoundRobin>{});
       }
       return;
     }

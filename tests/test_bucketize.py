@@ -716,3 +716,37 @@ def test_cuda_matches_cpu(dist: list[int], sequence: bool) -> None:
         ops.hash_roundrobin_global_ids(h % 3, h // 3, 1000, 3, 2).cpu(),
         ops.hash_roundrobin_global_ids(h.cpu() % 3, h.cpu() // 3, 1000, 3, 2),
     )
+
+
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("sequence", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_two_rank_paths_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, sequence: bool, keep: bool) -> None:
+    """W = 2 with int64 ids and every hash table <= 2^32 rows: on AVX2 all
+    features take the W = 2 path (rank-1 bitmaps for the counts, permute-packed
+    whole-vector stores), hash_roundrobin included. ~140k ids on 2 threads cut
+    into 8 chunks, so every chunk's last stores of each rank hit the guard that
+    keeps whole-vector stores inside the chunk's output; a continuous feature
+    with a small block has most raw ids >= block * W (the scalar rule)."""
+    _force_simd(monkeypatch, path)
+    rng = random.Random(sequence * 2 + keep)
+    sizes = [50_000, 1000, 10_000_000, 300]
+    dist = [0, 1, 2, 0]
+    blocks = [25_000, 500, 5_000_000, 40]  # the last: ids up to 300 >= 2 * 40
+    B = 1100
+    lengths = [rng.randrange(0, 65) for _ in range(len(sizes) * B)]
+    indices = []
+    for bt, ln in enumerate(lengths):
+        f = bt // B
+        for _ in range(ln):
+            raw = dist[f] != 2 and rng.random() < 0.05
+            indices.append(rng.randrange(-(2**40), 2**40) if raw else rng.randrange(sizes[f]))
+    case = dict(lengths=torch.tensor(lengths), indices=torch.tensor(indices, dtype=torch.int64),
+                block_sizes=torch.tensor(blocks), dist_types=torch.tensor(dist), W=2,
+                table_sizes=torch.tensor(sizes))
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _check_against_reference(case, sequence=sequence, pos=False, weights_dtype=None, seed=5, keep=keep)
+    finally:
+        torch.set_num_threads(old)
