@@ -387,10 +387,12 @@ RECPIPE_TARGET_AVX2 inline void perm_apply_n_avx2(const Hash32Avx2& v, int k, __
 // One block of m ids, as hash_block_scalar (the same outputs bit for bit):
 // per kAvx2HashVecs x 8 ids, load + range check (out-of-range lanes hash as
 // 0), both window steps of H on whole vectors, owner = h % W and local = h / W
-// stored from the registers; the last m % 8 ids take Hash32::forward.
+// stored from the registers; the last m % (8 * kAvx2HashVecs) ids take
+// hash_block_scalar.
 template <typename index_t, typename uindex_t, typename owner_t>
 RECPIPE_TARGET_AVX2 bool hash_block_avx2(
-    const Hash32& c, const index_t* ids, int64_t m, uindex_t* local, owner_t* owner) {
+    const Hash32& c, const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local,
+    owner_t* owner) {
   Hash32Avx2 v;
   v.mask = _mm256_set1_epi32(static_cast<int>(c.mask));
   v.hi = _mm256_set1_epi32(static_cast<int>(c.hi));
@@ -475,17 +477,13 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
       }
     }
   }
-  bool any_bad = !_mm256_testz_si256(bad, bad);
-  for (; j0 < m; ++j0) {
-    const uint64_t u = static_cast<uint64_t>(static_cast<int64_t>(ids[j0]));
-    const bool oob = u >= c.n;
-    any_bad |= oob;
-    const uint32_t h = c.forward(oob ? 0u : static_cast<uint32_t>(u));
-    const uint32_t q = c.div.div(h);
-    owner[j0] = static_cast<owner_t>(h - q * c.world);
-    local[j0] = static_cast<uindex_t>(q);
+  const bool any_bad = !_mm256_testz_si256(bad, bad);
+  if (j0 == m) {
+    return any_bad;
   }
-  return any_bad;
+  const bool tail_bad = hash_block_scalar<index_t, uindex_t, owner_t>(
+      c, ids + j0, m - j0, scratch, local + j0, owner + j0);
+  return any_bad || tail_bad;
 }
 
 // ---- AVX-512: 16 ids per vector -------------------------------------------
@@ -722,7 +720,8 @@ void hash_ids(
     else if (simd == Simd::kAvx512) {
       any_bad = hash_block_avx512<index_t, local_t, owner_t>(*c32, ids + b0, m, local + b0, owner + b0);
     } else if (simd == Simd::kAvx2) {
-      any_bad = hash_block_avx2<index_t, local_t, owner_t>(*c32, ids + b0, m, local + b0, owner + b0);
+      any_bad = hash_block_avx2<index_t, local_t, owner_t>(
+          *c32, ids + b0, m, scratch, local + b0, owner + b0);
     }
 #endif
     else {
@@ -1084,8 +1083,9 @@ int64_t stream_row(Simd simd, offset_t* dst, const int32_t* row, int64_t n) {
 // take 0.4-1.1 ms and the stores to known positions 0.55-0.8 ms: each store's
 // address hangs on a counter load, and the next counter loads, which may
 // alias counter stores, wait behind it. Split, the two loops take 1.25-1.85 ms.
-// The split loop needs no software prefetch of the output (with one, it
-// measured slower); the one-loop form needed it (Zen 4: W = 64 3.2 -> 1.8 ms).
+// The one-loop form needed a software prefetch of the output (Zen 4: W = 64
+// 3.2 -> 1.8 ms); the split loop measured slower with one on Zen 4, but
+// faster at W = 64 on the AVX2 EPYC (kScatterPrefetchMinW).
 //
 // Software write-combining was measured and lost. The idea: stage each rank's
 // next ids in a ring of a few lines in L1, and send whole lines out with
@@ -1100,6 +1100,17 @@ int64_t stream_row(Simd simd, offset_t* dst, const int32_t* row, int64_t n) {
 // random times, so the likely cost is one branch mispredict per output line.
 // That costs more than the read for ownership it saves.
 constexpr int64_t kScatterBlock = 256;
+// From W = kScatterPrefetchMinW on, the stores of the split loop prefetch
+// (for write) their rank's output kScatterPrefetchBytes ahead of the store:
+// W = 64 has more output streams than the hardware prefetchers follow and
+// missed on every new output line. On the AVX2 EPYC (1M int64 ids,
+// continuous, one thread, best of 300, A/B against the build without it, runs
+// alternated) the op took 5.3-5.5 -> 4.4-4.5 ms at W = 64 (sequence on:
+// 5.7-6.0 -> 4.7-4.8); at W = 8 it was neutral to 0.1 ms slower, so W <= 8
+// goes without. 128 and 512 bytes ahead measured the same as 256; 64 bytes,
+// 0.15 ms slower at W = 64.
+constexpr int64_t kScatterPrefetchMinW = 16;
+constexpr int64_t kScatterPrefetchBytes = 256;
 
 // ---------------------------------------------------------------------------
 // Small W (AVX-512, owners as bytes): both per-id loops without a per-id
@@ -1331,18 +1342,13 @@ RECPIPE_TARGET_AVX512 void compress_scatter_avx512(
 // 2.8 -> ~0.85 ms. hash_roundrobin 2.9 -> 1.8 ms (the hash itself is ~1.1).
 enum class W2Src : int { kContinuous = 0, kRoundRobin = 1, kHashed = 2 };
 
-struct W2Route {
-  bool continuous;
-  uint64_t block;
-  uint64_t ub;  // 2 * block (continuous)
-};
-
-// Owner (0/1) and local id of one id at W = 2, the scalar rule.
-inline uint64_t w2_owner(const W2Route& r, uint64_t u) {
-  return r.continuous && u < r.ub ? static_cast<uint64_t>(u >= r.block) : (u & 1);
+// Owner (0/1) and local id of one id at W = 2, the scalar rule (the route
+// of a continuous feature has ub = 2 * block, of a roundrobin one ub = 0).
+inline uint64_t w2_owner(const PlainRoute& r, uint64_t u) {
+  return u < r.ub ? static_cast<uint64_t>(u >= r.block) : (u & 1);
 }
-inline uint64_t w2_local(const W2Route& r, uint64_t u) {
-  return r.continuous && u < r.ub ? u - (u >= r.block ? r.block : 0) : (u >> 1);
+inline uint64_t w2_local(const PlainRoute& r, uint64_t u) {
+  return u < r.ub ? u - (u >= r.block ? r.block : 0) : (u >> 1);
 }
 
 // kW2Pack[m]: dword indices that move the 64-bit lanes set in m (in order) to
@@ -1400,7 +1406,7 @@ RECPIPE_TARGET_AVX2 inline __m256i w2_flipped(uint64_t x) {
 // its start. If a continuous id is >= ub the range is counted by the scalar rule.
 template <W2Src kSrc>
 RECPIPE_TARGET_AVX2 void count_bags_w2_avx2(
-    const W2Route& r, const int64_t* idx, const uint8_t* own, const int64_t* offsets, int64_t g0,
+    const PlainRoute& r, const int64_t* idx, const uint8_t* own, const int64_t* offsets, int64_t g0,
     int64_t g1, int32_t* counts, int64_t stride, std::vector<uint64_t>& bits) {
   const int64_t s0 = offsets[g0];
   const int64_t n = offsets[g1] - s0;
@@ -1472,7 +1478,7 @@ RECPIPE_TARGET_AVX2 void count_bags_w2_avx2(
 // reads owners from `own` and local ids from `hl32`.
 template <W2Src kSrc, bool kRaw, bool kPerm>
 RECPIPE_TARGET_AVX2 void scatter_w2_avx2(
-    const W2Route& r, const int64_t* idx, const uint8_t* own, const uint32_t* hl32, int64_t s,
+    const PlainRoute& r, const int64_t* idx, const uint8_t* own, const uint32_t* hl32, int64_t s,
     int64_t e, int64_t* cur, const int64_t* end, int64_t* out, int64_t* perm) {
   constexpr bool kHashed = kSrc == W2Src::kHashed;
   const __m256i block_m1 = w2_flipped(r.block - 1);
@@ -1701,20 +1707,17 @@ void bucketize_cpu_impl(
   auto w2_run = [&](int64_t f) {
     return w2 && (routes[f].dist != kHashRoundRobin || hashed_local32 != nullptr);
   };
-  auto w2_route = [&](int64_t f) {
-    return W2Route{routes[f].dist == kContinuous, routes[f].block, 2 * routes[f].block};
-  };
   auto w2_counts = [&](int64_t f, int64_t r0, int64_t r1, int32_t* counts, int64_t stride,
                        std::vector<uint64_t>& w2_bits) {
 #if RECPIPE_X86_SIMD
     if constexpr (sizeof(index_t) == 8) {
-      const W2Route r = w2_route(f);
+      const PlainRoute& r = plain[f];  // hash features: unused
       const auto* ids = reinterpret_cast<const int64_t*>(idx);
       const auto* own = reinterpret_cast<const uint8_t*>(owner.get());
       const int64_t* o = offsets.data();
       if (routes[f].dist == kHashRoundRobin) {
         count_bags_w2_avx2<W2Src::kHashed>(r, ids, own, o, r0, r1, counts, stride, w2_bits);
-      } else if (r.continuous) {
+      } else if (routes[f].dist == kContinuous) {
         count_bags_w2_avx2<W2Src::kContinuous>(r, ids, own, o, r0, r1, counts, stride, w2_bits);
       } else {
         count_bags_w2_avx2<W2Src::kRoundRobin>(r, ids, own, o, r0, r1, counts, stride, w2_bits);
@@ -1838,6 +1841,8 @@ void bucketize_cpu_impl(
   auto scatter = [&](auto has_pos, auto has_perm, int64_t* cur, int64_t s, int64_t e,
                      auto local_of) {
     int64_t pos_block[kScatterBlock];
+    constexpr int64_t kScatterPrefetch = kScatterPrefetchBytes / sizeof(index_t);
+    const bool prefetch_out = W >= kScatterPrefetchMinW;
     for (int64_t i0 = s; i0 < e; i0 += kScatterBlock) {
       const int64_t m = std::min<int64_t>(kScatterBlock, e - i0);
       // positions first (see kScatterBlock)
@@ -1861,19 +1866,33 @@ void bucketize_cpu_impl(
           pos_block[j] = cur[owner[i0 + j]]++;
         }
       }
-      for (int64_t j = 0; j < m; ++j) {
-        const int64_t i = i0 + j;
-        const int64_t pos = pos_block[j];
-        out_idx[pos] = static_cast<index_t>(local_of(i, owner[i]));
-        if constexpr (!std::is_same_v<wbits_t, void>) {
-          w_out[pos] = w_in[i];
+      // The stores, with (W >= kScatterPrefetchMinW) or without the output
+      // prefetch as two compiled loops: one loop with a run-time test
+      // measured 0.3 ms slower at W = 8, and a prefetch loop of its own
+      // before the stores gained half as much at W = 64.
+      auto stores = [&](auto prefetch) {
+        for (int64_t j = 0; j < m; ++j) {
+          const int64_t i = i0 + j;
+          const int64_t pos = pos_block[j];
+          if constexpr (decltype(prefetch)::value) {
+            __builtin_prefetch(out_idx + pos + kScatterPrefetch, 1, 3);
+          }
+          out_idx[pos] = static_cast<index_t>(local_of(i, owner[i]));
+          if constexpr (!std::is_same_v<wbits_t, void>) {
+            w_out[pos] = w_in[i];
+          }
+          if constexpr (decltype(has_pos)::value) {
+            pos_out[pos] = static_cast<index_t>(i - s);
+          }
+          if constexpr (decltype(has_perm)::value) {
+            perm_out[i] = static_cast<index_t>(pos);
+          }
         }
-        if constexpr (decltype(has_pos)::value) {
-          pos_out[pos] = static_cast<index_t>(i - s);
-        }
-        if constexpr (decltype(has_perm)::value) {
-          perm_out[i] = static_cast<index_t>(pos);
-        }
+      };
+      if (prefetch_out) {
+        stores(std::true_type{});
+      } else {
+        stores(std::false_type{});
       }
     }
   };
@@ -1882,7 +1901,7 @@ void bucketize_cpu_impl(
 #if RECPIPE_X86_SIMD
     if constexpr (sizeof(index_t) == 8) {
       constexpr bool kPerm = decltype(has_perm)::value;
-      const W2Route r = w2_route(f);
+      const PlainRoute& r = plain[f];  // hash features: unused
       const auto* ids = reinterpret_cast<const int64_t*>(idx);
       const auto* own = reinterpret_cast<const uint8_t*>(owner.get());
       const uint32_t* hl = hashed_local32.get();
@@ -1895,7 +1914,7 @@ void bucketize_cpu_impl(
       };
       if (routes[f].dist == kHashRoundRobin) {
         run(std::integral_constant<W2Src, W2Src::kHashed>{});
-      } else if (r.continuous) {
+      } else if (routes[f].dist == kContinuous) {
         run(std::integral_constant<W2Src, W2Src::kContinuous>{});
       } else {
         run(std::integral_constant<W2Src, W2Src::kRoundRobin>{});

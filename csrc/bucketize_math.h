@@ -150,7 +150,7 @@ RECPIPE_HD uint64_t inverse_odd_u64(uint64_t a) {
 }
 
 // Version of the hash_roundrobin routing H below, recorded in checkpoints
-// (pipeline/ops.py ROUTING_VERSION). 1: one permutation of [0, 2^ceil(log2 n))
+// (exported as recpipe._C.ROUTING_VERSION). 1: one permutation of [0, 2^ceil(log2 n))
 // with cycle-walking (until 2026-11); 2: the two-window form below.
 constexpr int kRoutingVersion = 2;
 

@@ -35,11 +35,27 @@ TORCH_LIBRARY(recpipe, m) {
       "placement_prune_dominated(Tensor hbm, Tensor ddr, Tensor cost, Tensor usable) -> Tensor");
 }
 
-// Importing recpipe._C registers the ops; the module itself holds nothing.
+// Importing recpipe._C registers the ops. The module holds the constants
+// Python must agree with the kernels on, read from the kernels' own header
+// (recpipe.pipeline.ops re-exports them): ROUTING_VERSION (the
+// hash_roundrobin bijection checkpoints record) and the dist_types codes.
 #include <Python.h>
+
+#include "bucketize_math.h"
 
 static struct PyModuleDef recpipe_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
 
 PyMODINIT_FUNC PyInit__C(void) {
-  return PyModule_Create(&recpipe_c_module);
+  PyObject* m = PyModule_Create(&recpipe_c_module);
+  if (m == nullptr) {
+    return nullptr;
+  }
+  if (PyModule_AddIntConstant(m, "ROUTING_VERSION", recpipe::kRoutingVersion) < 0 ||
+      PyModule_AddIntConstant(m, "DIST_CONTINUOUS", recpipe::kContinuous) < 0 ||
+      PyModule_AddIntConstant(m, "DIST_ROUNDROBIN", recpipe::kRoundRobin) < 0 ||
+      PyModule_AddIntConstant(m, "DIST_HASH_ROUNDROBIN", recpipe::kHashRoundRobin) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }

@@ -28,7 +28,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-import recpipe._C  # noqa: F401  (registers torch.ops.recpipe.*)
+import recpipe._C  # registers torch.ops.recpipe.*; holds the routing constants
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -43,15 +43,20 @@ __all__ = [
     "route_ids",
 ]
 
-#: Version of the hash_roundrobin bijection the kernels compute
-#: (csrc/bucketize_math.h ``kRoutingVersion``; keep the two equal). 1: one
-#: permutation of ``[0, 2**ceil(log2 N))`` with cycle-walking; 2: two windows, no
-#: walk. Checkpoints record it: rows stored in local-id order are only valid
-#: under the routing that wrote them.
-ROUTING_VERSION: int = 2
+#: Version of the hash_roundrobin bijection the kernels compute, read from the
+#: extension (csrc/bucketize_math.h ``kRoutingVersion``). 1: one permutation of
+#: ``[0, 2**ceil(log2 N))`` with cycle-walking; 2: two windows, no walk.
+#: Checkpoints record it: rows stored in local-id order are only valid under the
+#: routing that wrote them.
+ROUTING_VERSION: int = recpipe._C.ROUTING_VERSION
 
-#: Name -> code of the ``dist_types`` tensor (csrc/bucketize_math.h ``DistType``).
-DIST_TYPES: dict[str, int] = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}
+#: Name -> code of the ``dist_types`` tensor, read from the extension
+#: (csrc/bucketize_math.h ``DistType``).
+DIST_TYPES: dict[str, int] = {
+    "continuous": recpipe._C.DIST_CONTINUOUS,
+    "roundrobin": recpipe._C.DIST_ROUNDROBIN,
+    "hash_roundrobin": recpipe._C.DIST_HASH_ROUNDROBIN,
+}
 
 
 def dist_type_code(name: str) -> int:

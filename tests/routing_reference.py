@@ -13,6 +13,8 @@ M64 = (1 << 64) - 1
 ROUTING_SALT = 0x7265637069706531  # "recpipe1", csrc/bucketize_math.h kRoutingSalt
 ROUNDS = 2  # rounds of each window permutation
 WINDOWS = 2  # P_0 on [0, h), P_1 on [n - h, n)
+ROUTING_VERSION = 2  # the version of H this reference implements (RefPermutation)
+DIST_CODES = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}  # route_one's dist_type
 
 
 def _splitmix64(state: int) -> tuple[int, int]:
