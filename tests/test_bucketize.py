@@ -518,15 +518,13 @@ def _hash_forward(ids: torch.Tensor, n: int, seed: int) -> torch.Tensor:
 
 
 def test_routing_constants_come_from_the_kernels_and_match_the_reference() -> None:
-    """ROUTING_VERSION and the dist_types codes are read from the extension
-    (csrc/bucketize_math.h), so a kernel change that bumps the hash version or
-    renumbers the codes shows up here against the reference's own values."""
+    """ROUTING_VERSION and the dist_types codes (ops.DIST_TYPES) are read from the
+    extension (csrc/bucketize_math.h), so a kernel change that bumps the hash
+    version or renumbers the codes shows up here against the reference's own values."""
     import recpipe._C
 
     assert ops.ROUTING_VERSION == recpipe._C.ROUTING_VERSION == ROUTING_VERSION
     assert ops.DIST_TYPES == DIST_CODES
-    assert [ops.dist_type_code(n) for n in ("continuous", "roundrobin", "hash_roundrobin")] == [
-        recpipe._C.DIST_CONTINUOUS, recpipe._C.DIST_ROUNDROBIN, recpipe._C.DIST_HASH_ROUNDROBIN]
 
 
 # 2^16 and 2^32: one window; 2^16 + 1: the second window starts at 1; 7 and 2^32 - 1:
