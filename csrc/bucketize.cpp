@@ -20,8 +20,8 @@
 //      started at base[rank] + totals of earlier chunks, yields it directly.
 //      So each rank's output of a chunk is one contiguous stream and the pass
 //      is a stable W-way partition of the chunk's ids.
-// With AVX-512 or AVX2 and W <= 8 the counts are popcounts of byte compares
-// per bag; with AVX-512 and W <= 8 the scatter is vpcompress + masked store
+// With W <= 8 the counts are popcounts per bag: of byte compares (AVX-512)
+// or of the owner bytes' three bit planes (AVX2); with AVX-512 and W <= 8 the scatter is vpcompress + masked store
 // per rank (see "Small W" below). With AVX2, W = 2 and int64 ids both passes
 // have their own path (see "W = 2 on AVX2"): continuous / roundrobin owners
 // are recomputed from the ids instead of stored, counts come from rank-1

@@ -380,6 +380,29 @@ def test_small_world_partition_matches_reference(
     _check_against_reference(case, sequence=sequence, pos=False, weights_dtype=None, seed=rng.randrange(2**63), keep=keep)
 
 
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("W", [3, 4, 7, 8])
+def test_count_bag_length_boundaries_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, W: int) -> None:
+    """The SIMD per-bag counts step over 32 (AVX-512) or 64 (AVX2 bit planes)
+    owner bytes at a time and read past a bag's end: bags of every length around
+    those steps, one feature per distribution, with weights (so the W = 2 path and
+    the partition scatter stay out of the way, and the counts alone decide the
+    scatter's cursors and new_lengths)."""
+    _force_simd(monkeypatch, path)
+    rng = random.Random(1000 + W)
+    steps = [0, 1, 2, 31, 32, 33, 63, 64, 65, 95, 96, 127, 128, 129, 200]
+    lengths = [n for _ in range(3) for n in rng.sample(steps, len(steps))]
+    B = len(steps)
+    sizes = [10_000, 997, 50_000]
+    indices = [rng.randrange(sizes[bt // B]) for bt, n in enumerate(lengths) for _ in range(n)]
+    case = dict(lengths=torch.tensor(lengths, dtype=torch.int64),
+                indices=torch.tensor(indices, dtype=torch.int64),
+                block_sizes=torch.tensor([-(-n // W) for n in sizes], dtype=torch.int64),
+                dist_types=torch.tensor([0, 1, 2], dtype=torch.int64),
+                table_sizes=torch.tensor(sizes, dtype=torch.int64), W=W)
+    _check_against_reference(case, sequence=True, pos=False, weights_dtype=torch.float32, seed=5, keep=False)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("W", [2, 8, 64])
 @pytest.mark.parametrize("length_dtype", [torch.int32, torch.int64])
