@@ -21,13 +21,14 @@
 //      So each rank's output of a chunk is one contiguous stream and the pass
 //      is a stable W-way partition of the chunk's ids.
 // With W <= 8 the counts are popcounts per bag: of byte compares (AVX-512)
-// or of the owner bytes' three bit planes (AVX2); with AVX-512 and W <= 8 the scatter is vpcompress + masked store
-// per rank (see "Small W" below). With AVX2, W = 2 and int64 ids both passes
-// have their own path (see "W = 2 on AVX2"): continuous / roundrobin owners
-// are recomputed from the ids instead of stored, counts come from rank-1
-// bitmaps, and the scatter stores permute-packed whole vectors. Otherwise the
-// scatter is scalar, in blocks: every position of a block first, then its
-// stores (see kScatterBlock). new_lengths is written with non-temporal stores.
+// or of the owner bytes' three bit planes (AVX2); with AVX-512 and W <= 8
+// the scatter is vpcompress + masked store per rank (see "Small W" below).
+// With AVX2, W = 2 and int64 ids both passes have their own path (see "W = 2
+// on AVX2"): continuous / roundrobin owners are recomputed from the ids
+// instead of stored, counts come from rank-1 bitmaps, and the scatter stores
+// permute-packed whole vectors. Otherwise the scatter is scalar, in blocks:
+// every position of a block first, then its stores (see kScatterBlock).
+// new_lengths is written with non-temporal stores.
 //
 // hash_roundrobin (H = HashPermutation, bucketize_math.h) runs in 32-bit
 // lanes for tables of 2 to 2^32 rows: ids are range-checked, both window
@@ -348,6 +349,11 @@ RECPIPE_TARGET_AVX2 inline __m256i div32_avx2(__m256i n, const FastDivU32& d) {
   const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(n, 32), magic);
   const __m256i t = _mm256_blend_epi32(even, odd, 0xAA);
   return _mm256_srl_epi32(_mm256_add_epi32(t, _mm256_srli_epi32(_mm256_sub_epi32(n, t), 1)), shift);
+}
+
+// n % d for d = world (w = d in every lane).
+RECPIPE_TARGET_AVX2 inline __m256i rem32_avx2(__m256i n, const FastDivU32& d, __m256i w) {
+  return _mm256_sub_epi32(n, _mm256_mullo_epi32(div32_avx2(n, d), w));
 }
 
 // ---- AVX2: 8 ids per vector, written out ------------------------------------
@@ -856,12 +862,11 @@ RECPIPE_TARGET_AVX2 void plain_owners_i64_u8_avx2(
         // are rare, so u % W is computed only for a step that has one.
         const __m256i over = _mm256_cmpeq_epi32(_mm256_max_epu32(u, ub), u);
         if (!_mm256_testz_si256(over, over)) {
-          const __m256i rem = _mm256_sub_epi32(u, _mm256_mullo_epi32(div32_avx2(u, pr.div_world32), w));
-          o = _mm256_blendv_epi8(o, rem, over);
+          o = _mm256_blendv_epi8(o, rem32_avx2(u, pr.div_world32, w), over);
         }
       }
-    } else {  // u % W
-      o = _mm256_sub_epi32(u, _mm256_mullo_epi32(div32_avx2(u, pr.div_world32), w));
+    } else {
+      o = rem32_avx2(u, pr.div_world32, w);
     }
     const __m128i o16 = _mm_packus_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(owner + i), _mm_packus_epi16(o16, o16));
@@ -1181,6 +1186,14 @@ RECPIPE_TARGET_AVX512 void count_bags_u8_avx512(
   }
 }
 
+// Bit k of each of the 64 bytes a (low 32) and b (high 32), as one mask.
+template <int k>
+RECPIPE_TARGET_AVX2 inline uint64_t bit_plane64_avx2(__m256i a, __m256i b) {
+  const auto lo = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(a, 7 - k)));
+  const auto hi = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(b, 7 - k)));
+  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
+}
+
 // The AVX2 twin of count_bags_u8_avx512, by bit planes: owners are below
 // kSimdCountMaxW = 8, so three bits. Per 64 owner bytes of a bag, plane k is
 // the movemask of the bytes shifted left by 7 - k (bit k of each byte lands in
@@ -1192,14 +1205,6 @@ RECPIPE_TARGET_AVX512 void count_bags_u8_avx512(
 // ids at W = 8 (bag lengths uniform in [0, 64], standalone loop on the AVX2
 // EPYC), the planes 0.29-0.33 ms. It reads up to 63 bytes past a bag's end:
 // the owner buffer carries kOwnerPad bytes of padding.
-// Bit k of each of the 64 bytes a (low 32) and b (high 32), as one mask.
-template <int k>
-RECPIPE_TARGET_AVX2 inline uint64_t bit_plane64_avx2(__m256i a, __m256i b) {
-  const auto lo = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(a, 7 - k)));
-  const auto hi = static_cast<uint32_t>(_mm256_movemask_epi8(_mm256_slli_epi16(b, 7 - k)));
-  return static_cast<uint64_t>(lo) | (static_cast<uint64_t>(hi) << 32);
-}
-
 RECPIPE_TARGET_AVX2 void count_bags_u8_avx2(
     const uint8_t* own, const int64_t* offsets, int64_t g0, int64_t g1, int64_t W,
     int32_t* counts, int64_t stride) {
