@@ -385,8 +385,8 @@ def test_small_world_partition_matches_reference(
 def test_count_bag_length_boundaries_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, W: int) -> None:
     """The SIMD per-bag counts step over 32 (AVX-512) or 64 (AVX2 bit planes)
     owner bytes at a time and read past a bag's end: bags of every length around
-    those steps, one feature per distribution, with weights (so the W = 2 path and
-    the partition scatter stay out of the way, and the counts alone decide the
+    those steps, one feature per distribution, with weights (so the AVX-512
+    partition scatter stays out of the way, and the counts alone decide the
     scatter's cursors and new_lengths)."""
     _force_simd(monkeypatch, path)
     rng = random.Random(1000 + W)
