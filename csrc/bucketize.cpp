@@ -351,17 +351,29 @@ RECPIPE_TARGET_AVX2 inline __m256i div32_avx2(__m256i n, const FastDivU32& d) {
   return _mm256_srl_epi32(_mm256_add_epi32(t, _mm256_srli_epi32(_mm256_sub_epi32(n, t), 1)), shift);
 }
 
+// n % d given q = n / d (w = d in every lane): a mask for powers of two, else
+// n - q * d (vpmulld: 3 cycles, and one of the few multiplies per id).
+RECPIPE_TARGET_AVX2 inline __m256i rem32_from_div_avx2(__m256i n, __m256i q, const FastDivU32& d, __m256i w) {
+  if (d.pow2) {
+    return _mm256_and_si256(n, _mm256_sub_epi32(w, _mm256_set1_epi32(1)));
+  }
+  return _mm256_sub_epi32(n, _mm256_mullo_epi32(q, w));
+}
+
 // n % d for d = world (w = d in every lane).
 RECPIPE_TARGET_AVX2 inline __m256i rem32_avx2(__m256i n, const FastDivU32& d, __m256i w) {
-  return _mm256_sub_epi32(n, _mm256_mullo_epi32(div32_avx2(n, d), w));
+  return rem32_from_div_avx2(n, d.pow2 ? n : div32_avx2(n, d), d, w);
 }
 
 // ---- AVX2: 8 ids per vector, written out ------------------------------------
 // The compiler's vectorization of hash_block_scalar (a target("avx2") clone
 // until this one) measured 3.4 cycles per id on the AVX2 EPYC (Zen 3; 1M
 // int64 ids, two windows), this loop ~2.8: kAvx2HashVecs vectors are hashed
-// together and split from the registers, with no staging array. It is bound
-// by instruction count (~100 per 16 ids: 8 per round, 4 rounds, 2 windows).
+// together and split from the registers, with no staging array. One vector's
+// 4 rounds are a ~40-cycle chain (8 ops a round, vpmulld 3 cycles); with 2
+// vectors the loop was still partly bound by it: 4 cut the op's time at
+// W = 2 and 8 (hash_roundrobin, 1M int64 ids, 1 thread, cold caches) by ~8%,
+// 8 spilled and gained nothing over 4 (both A/B runs of alternating builds).
 struct Hash32Avx2 {
   __m256i mask;  // window size - 1
   __m256i hi;    // start of the second window
@@ -369,7 +381,7 @@ struct Hash32Avx2 {
   __m256i mul[HashPermutation::kWindows][HashPermutation::kRounds];
   __m128i s;     // xorshift distance
 };
-constexpr int kAvx2HashVecs = 2;
+constexpr int kAvx2HashVecs = 4;
 
 // P_k (Hash32::apply) on kLanes independent vectors, round by round.
 template <int kLanes>
@@ -393,12 +405,14 @@ RECPIPE_TARGET_AVX2 inline void perm_apply_n_avx2(const Hash32Avx2& v, int k, __
 // One block of m ids, as hash_block_scalar (the same outputs bit for bit):
 // per kAvx2HashVecs x 8 ids, load + range check (out-of-range lanes hash as
 // 0), both window steps of H on whole vectors, owner = h % W and local = h / W
-// stored from the registers; the last m % (8 * kAvx2HashVecs) ids take
-// hash_block_scalar.
+// stored from the registers. The last m % (8 * kAvx2HashVecs) ids take one
+// more step over a zero-padded copy (0 is in range), of which only their
+// outputs are copied back: in the op a feature's run of bags ends in such a
+// tail every ~2k ids, and hash_block_scalar there took ~7% of the hash time
+// (W = 2, 1M ids).
 template <typename index_t, typename uindex_t, typename owner_t>
 RECPIPE_TARGET_AVX2 bool hash_block_avx2(
-    const Hash32& c, const index_t* ids, int64_t m, HashScratch& scratch, uindex_t* local,
-    owner_t* owner) {
+    const Hash32& c, const index_t* ids, int64_t m, uindex_t* local, owner_t* owner) {
   Hash32Avx2 v;
   v.mask = _mm256_set1_epi32(static_cast<int>(c.mask));
   v.hi = _mm256_set1_epi32(static_cast<int>(c.hi));
@@ -419,11 +433,23 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
       static_cast<int>(static_cast<uint32_t>(std::min<uint64_t>(c.n, 0x80000000ULL))));
   __m256i bad = _mm256_setzero_si256();
   constexpr int64_t kStep = 8 * kAvx2HashVecs;
-  int64_t j0 = 0;
-  for (; j0 + kStep <= m; j0 += kStep) {
+  alignas(32) index_t tail_ids[kStep];
+  alignas(32) uindex_t tail_local[kStep];
+  alignas(32) owner_t tail_owner[kStep];
+  for (int64_t j0 = 0; j0 < m; j0 += kStep) {
+    const int64_t live = std::min<int64_t>(kStep, m - j0);
+    const index_t* in = ids + j0;
+    uindex_t* local_out = local + j0;
+    owner_t* owner_out = owner + j0;
+    if (live < kStep) {
+      std::fill(std::copy(in, in + live, tail_ids), tail_ids + kStep, index_t{0});
+      in = tail_ids;
+      local_out = tail_local;
+      owner_out = tail_owner;
+    }
     __m256i x[kAvx2HashVecs];  // ids as u32, out-of-range lanes 0
     for (int l = 0; l < kAvx2HashVecs; ++l) {
-      const index_t* p = ids + j0 + 8 * l;
+      const index_t* p = in + 8 * l;
       if constexpr (sizeof(index_t) == 8) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
         const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4));
@@ -464,32 +490,31 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
     }
     // owner = h % W, local = h / W.
     for (int l = 0; l < kAvx2HashVecs; ++l) {
-      const int64_t j = j0 + 8 * l;
+      owner_t* own = owner_out + 8 * l;
+      uindex_t* loc = local_out + 8 * l;
       const __m256i q = div32_avx2(x[l], c.div);
-      const __m256i o = _mm256_sub_epi32(x[l], _mm256_mullo_epi32(q, world));
+      const __m256i o = rem32_from_div_avx2(x[l], q, c.div, world);
       const __m128i o16 = _mm_packus_epi32(_mm256_castsi256_si128(o), _mm256_extracti128_si256(o, 1));
       if constexpr (sizeof(owner_t) == 1) {
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(owner + j), _mm_packus_epi16(o16, o16));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(own), _mm_packus_epi16(o16, o16));
       } else if constexpr (sizeof(owner_t) == 2) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(owner + j), o16);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(own), o16);
       } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(owner + j), o);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(own), o);
       }
       if constexpr (sizeof(uindex_t) == 8) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(local + j), _mm256_cvtepu32_epi64(_mm256_castsi256_si128(q)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(local + j + 4), _mm256_cvtepu32_epi64(_mm256_extracti128_si256(q, 1)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(loc), _mm256_cvtepu32_epi64(_mm256_castsi256_si128(q)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(loc + 4), _mm256_cvtepu32_epi64(_mm256_extracti128_si256(q, 1)));
       } else {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(local + j), q);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(loc), q);
       }
     }
+    if (live < kStep) {
+      std::copy(tail_local, tail_local + live, local + j0);
+      std::copy(tail_owner, tail_owner + live, owner + j0);
+    }
   }
-  const bool any_bad = !_mm256_testz_si256(bad, bad);
-  if (j0 == m) {
-    return any_bad;
-  }
-  const bool tail_bad = hash_block_scalar<index_t, uindex_t, owner_t>(
-      c, ids + j0, m - j0, scratch, local + j0, owner + j0);
-  return any_bad || tail_bad;
+  return !_mm256_testz_si256(bad, bad);
 }
 
 // ---- AVX-512: 16 ids per vector -------------------------------------------
@@ -726,8 +751,7 @@ void hash_ids(
     else if (simd == Simd::kAvx512) {
       any_bad = hash_block_avx512<index_t, local_t, owner_t>(*c32, ids + b0, m, local + b0, owner + b0);
     } else if (simd == Simd::kAvx2) {
-      any_bad = hash_block_avx2<index_t, local_t, owner_t>(
-          *c32, ids + b0, m, scratch, local + b0, owner + b0);
+      any_bad = hash_block_avx2<index_t, local_t, owner_t>(*c32, ids + b0, m, local + b0, owner + b0);
     }
 #endif
     else {

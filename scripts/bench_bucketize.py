@@ -18,7 +18,15 @@ twice, then the variants run interleaved, ``--repeat`` rounds, and each keeps
 its BEST round. The machine is shared (other jobs compile and test on the same
 2 cores): a median mixes their load into whichever variant it hit, the best of
 interleaved rounds compares every variant (the memcpy bound included) at its
-least disturbed. ``--simd`` forces recpipe's SIMD path (RECPIPE_SIMD).
+least disturbed. Each round runs the variants in a fresh random order
+(seeded), so each variant follows each of the others about equally often: a
+call's time depends on what ran just before it. Measured (W = 8, sequence off, recpipe continuous,
+best of 30): 3.47 ms right after fbgemm's op vs 2.79-2.91 ms after recpipe's
+own op, roundrobin or the memcpy (1 thread); 2.17 vs 1.55-1.63 ms (2
+threads), with no page faults in either. A fixed order charged that to
+whichever variant came right after fbgemm (our continuous, the one the
+targets are computed from). ``--simd`` forces recpipe's SIMD path
+(RECPIPE_SIMD).
 
 Heap (``--heap``): both ops allocate their outputs (up to 24 MB a call here)
 and Python frees them after the call. With glibc's defaults the freed top of
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import random
 import re
 import sys
 import time
@@ -112,7 +121,9 @@ def best_times(fns: dict[str, Callable[[], object]], *, repeat: int, warmup: int
 
     Args:
         fns: name -> zero-argument callable (one variant of the cell).
-        repeat: timed rounds; each round runs every variant once, in order.
+        repeat: timed rounds; each round runs every variant once, in an
+            order shuffled afresh per round (seeded), so each variant follows
+            each of the others about equally often.
         warmup: untimed runs of each variant first (allocator, caches, page faults).
 
     Returns:
@@ -126,8 +137,12 @@ def best_times(fns: dict[str, Callable[[], object]], *, repeat: int, warmup: int
         for _ in range(warmup):
             fn()
     best = {name: float("inf") for name in fns}
+    names = list(fns)
+    rng = random.Random(0)
     for _ in range(repeat):
-        for name, fn in fns.items():
+        rng.shuffle(names)
+        for name in names:
+            fn = fns[name]
             t0 = time.perf_counter()
             fn()
             best[name] = min(best[name], time.perf_counter() - t0)

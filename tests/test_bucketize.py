@@ -237,16 +237,19 @@ def test_simd_paths_continuous_bit_identical_to_fbgemm(monkeypatch: pytest.Monke
 
 @pytest.mark.parametrize("path", SIMD_PATHS)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize("where", [0, 7, 15, 16, 511, 512, 700])
+@pytest.mark.parametrize("where", [0, 7, 15, 16, 511, 512, 700, 866])
 @pytest.mark.parametrize("value", [-1, 1000, -(2**31)])
 def test_simd_paths_report_first_bad_id(monkeypatch: pytest.MonkeyPatch, path: str, index_dtype: torch.dtype, where: int, value: int) -> None:
-    """Each path finds the first out-of-range id wherever it sits in a vector/block."""
+    """Each path finds the first out-of-range id wherever it sits in a vector/block,
+    the last ids included: 870 ids are a 512-id hash block and one of 358, whose
+    last 6 ids are a partial vector step (AVX2 steps are 32 ids)."""
     _force_simd(monkeypatch, path)
-    ids = torch.arange(800, dtype=index_dtype) % 1000
+    n = 870
+    ids = torch.arange(n, dtype=index_dtype) % 1000
     ids[where] = value
-    ids[where + 50] = 5000  # a later bad id must not be the one reported
+    ids[min(where + 50, n - 1)] = 5000  # a later bad id must not be the one reported
     args = _args(
-        lengths=torch.tensor([800]), indices=ids, block_sizes=torch.tensor([500]),
+        lengths=torch.tensor([n]), indices=ids, block_sizes=torch.tensor([500]),
         dist_types=torch.tensor([2]), table_sizes=torch.tensor([1000]), my_size=2,
     )
     with pytest.raises(RuntimeError, match=rf"`indices\[{where}\]` = {value} \(feature 0, hash_roundrobin\)"):
