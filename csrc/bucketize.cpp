@@ -410,8 +410,11 @@ RECPIPE_TARGET_AVX2 inline void perm_apply_n_avx2(const Hash32Avx2& v, int k, __
 // outputs are copied back: in the op a feature's run of bags ends in such a
 // tail every ~2k ids, and hash_block_scalar there took ~7% of the hash time
 // (W = 2, 1M ids).
-template <typename index_t, typename uindex_t, typename owner_t>
-RECPIPE_TARGET_AVX2 bool hash_block_avx2(
+// kSigned (n <= 2^31): every in-range x < 2^31, so the window tests are
+// signed compares: x > mask and x < hi are one vpcmpgtd each (instead of an
+// unsigned min/max + vpcmpeqd).
+template <bool kSigned, typename index_t, typename uindex_t, typename owner_t>
+RECPIPE_TARGET_AVX2 bool hash_block_avx2_impl(
     const Hash32& c, const index_t* ids, int64_t m, uindex_t* local, owner_t* owner) {
   Hash32Avx2 v;
   v.mask = _mm256_set1_epi32(static_cast<int>(c.mask));
@@ -425,13 +428,15 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
   v.s = _mm_cvtsi32_si128(static_cast<int>(c.s));
   const bool two_windows = c.hi != 0;
   const __m256i world = _mm256_set1_epi32(static_cast<int>(c.world));
-  // int64: in range iff u < n (unsigned; as signed compares of u ^ 2^63);
-  // int32: iff (uint32)u < min(n, 2^31) (negative ids are >= 2^31 as unsigned).
-  const __m256i sign = _mm256_set1_epi64x(std::numeric_limits<int64_t>::min());
-  const __m256i n_m1 = _mm256_set1_epi64x(static_cast<long long>((c.n - 1) ^ (1ULL << 63)));
-  const __m256i lim32 = _mm256_set1_epi32(
-      static_cast<int>(static_cast<uint32_t>(std::min<uint64_t>(c.n, 0x80000000ULL))));
-  __m256i bad = _mm256_setzero_si256();
+  // Range check, once per block: int64 ids are in range iff every high dword
+  // is 0 (OR-ed over the block) and the largest low dword is < n; int32 ids iff
+  // the largest (as unsigned) is < min(n, 2^31) (negative ids are >= 2^31).
+  // Out-of-range lanes hash like any other (every u32 hashes to an h < n, so
+  // owners stay < W); the call fails after the pass (hash_ids finds the id).
+  const uint32_t low_limit = static_cast<uint32_t>(
+      std::min<uint64_t>(c.n, sizeof(index_t) == 8 ? (1ULL << 32) : 0x80000000ULL) - 1);
+  __m256i high_or = _mm256_setzero_si256();
+  __m256i low_max = _mm256_setzero_si256();
   constexpr int64_t kStep = 8 * kAvx2HashVecs;
   alignas(32) index_t tail_ids[kStep];
   alignas(32) uindex_t tail_local[kStep];
@@ -447,26 +452,19 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
       local_out = tail_local;
       owner_out = tail_owner;
     }
-    __m256i x[kAvx2HashVecs];  // ids as u32, out-of-range lanes 0
+    __m256i x[kAvx2HashVecs];  // ids as u32 (low dwords)
     for (int l = 0; l < kAvx2HashVecs; ++l) {
       const index_t* p = in + 8 * l;
       if constexpr (sizeof(index_t) == 8) {
-        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4));
-        const __m256i oa = _mm256_cmpgt_epi64(_mm256_xor_si256(a, sign), n_m1);
-        const __m256i ob = _mm256_cmpgt_epi64(_mm256_xor_si256(b, sign), n_m1);
-        bad = _mm256_or_si256(bad, _mm256_or_si256(oa, ob));
+        const __m256 a = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        const __m256 b = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 4)));
+        high_or = _mm256_or_si256(high_or, _mm256_castps_si256(_mm256_shuffle_ps(a, b, 0xDD)));
         // low dwords of the 8 ids in order: [a0 a1 b0 b1 | a2 a3 b2 b3] -> [a0..a3 b0..b3]
-        const __m256 lo = _mm256_shuffle_ps(
-            _mm256_castsi256_ps(_mm256_andnot_si256(oa, a)), _mm256_castsi256_ps(_mm256_andnot_si256(ob, b)),
-            0x88);
-        x[l] = _mm256_permute4x64_epi64(_mm256_castps_si256(lo), 0xD8);
+        x[l] = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a, b, 0x88)), 0xD8);
       } else {
-        const __m256i u = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        const __m256i o = _mm256_cmpeq_epi32(_mm256_max_epu32(u, lim32), u);  // u >= lim
-        bad = _mm256_or_si256(bad, o);
-        x[l] = _mm256_andnot_si256(o, u);
+        x[l] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
       }
+      low_max = _mm256_max_epu32(low_max, x[l]);
     }
     // Window 0: [0, h), P_0.
     __m256i y[kAvx2HashVecs];
@@ -474,8 +472,11 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
       y[l] = x[l];
     }
     perm_apply_n_avx2<kAvx2HashVecs>(v, 0, y);
-    for (int l = 0; l < kAvx2HashVecs; ++l) {  // x <= mask: min(x, mask) == x
-      x[l] = _mm256_blendv_epi8(x[l], y[l], _mm256_cmpeq_epi32(_mm256_min_epu32(x[l], v.mask), x[l]));
+    for (int l = 0; l < kAvx2HashVecs; ++l) {  // keep x where x > mask (outside window 0)
+      const __m256i outside = kSigned
+          ? _mm256_cmpgt_epi32(x[l], v.mask)
+          : _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_min_epu32(x[l], v.mask), x[l]), _mm256_set1_epi32(-1));
+      x[l] = _mm256_blendv_epi8(y[l], x[l], outside);
     }
     // Window 1: [n - h, n), P_1 (not there when n is a power of two).
     if (two_windows) {
@@ -483,9 +484,11 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
         y[l] = _mm256_sub_epi32(x[l], v.hi);
       }
       perm_apply_n_avx2<kAvx2HashVecs>(v, 1, y);
-      for (int l = 0; l < kAvx2HashVecs; ++l) {  // x >= hi: max(x, hi) == x
-        x[l] = _mm256_blendv_epi8(
-            x[l], _mm256_add_epi32(v.hi, y[l]), _mm256_cmpeq_epi32(_mm256_max_epu32(x[l], v.hi), x[l]));
+      for (int l = 0; l < kAvx2HashVecs; ++l) {  // keep x where x < hi (outside window 1)
+        const __m256i outside = kSigned
+            ? _mm256_cmpgt_epi32(v.hi, x[l])
+            : _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(x[l], v.hi), x[l]), _mm256_set1_epi32(-1));
+        x[l] = _mm256_blendv_epi8(_mm256_add_epi32(v.hi, y[l]), x[l], outside);
       }
     }
     // owner = h % W, local = h / W.
@@ -514,7 +517,18 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2(
       std::copy(tail_owner, tail_owner + live, owner + j0);
     }
   }
-  return !_mm256_testz_si256(bad, bad);
+  // low_max > low_limit as unsigned: a signed compare with both sign bits flipped.
+  const __m256i flip = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
+  const __m256i over = _mm256_cmpgt_epi32(
+      _mm256_xor_si256(low_max, flip), _mm256_set1_epi32(static_cast<int>(low_limit ^ 0x80000000U)));
+  return !_mm256_testz_si256(high_or, high_or) || !_mm256_testz_si256(over, over);
+}
+
+template <typename index_t, typename uindex_t, typename owner_t>
+RECPIPE_TARGET_AVX2 bool hash_block_avx2(
+    const Hash32& c, const index_t* ids, int64_t m, uindex_t* local, owner_t* owner) {
+  return c.n <= (1ULL << 31) ? hash_block_avx2_impl<true, index_t, uindex_t, owner_t>(c, ids, m, local, owner)
+                             : hash_block_avx2_impl<false, index_t, uindex_t, owner_t>(c, ids, m, local, owner);
 }
 
 // ---- AVX-512: 16 ids per vector -------------------------------------------

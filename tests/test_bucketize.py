@@ -192,10 +192,11 @@ def test_simd_paths_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, 
     _force_simd(monkeypatch, path)
     rng = random.Random(W * 31 + (index_dtype == torch.int32))
     # 2..2^32 rows use the 32-bit lanes (windows of c = 1..32 bits; n = 2^k one window,
-    # n = 2^k + 1 a second window at 1, n = 2^k - 1 windows that overlap in one id);
-    # 1, 2^32 + 1 and 2^40 rows the 64-bit path. Bags up to 1100 ids cross the 512-id
-    # hash blocks and leave vector tails.
-    sizes = [1, 2, 3, 1000, 2**20 + 1, 2**31 - 1, 2**32]
+    # n = 2^k + 1 a second window at 1, n = 2^k - 1 windows that overlap in one id;
+    # up to 2^31 rows the AVX2 window tests are sign bits, above it unsigned compares,
+    # 3 * 2^30 a second window from 2^30); 1, 2^32 + 1 and 2^40 rows the 64-bit path.
+    # Bags up to 1100 ids cross the 512-id hash blocks and leave vector tails.
+    sizes = [1, 2, 3, 1000, 2**20 + 1, 2**31 - 1, 2**31, 3 * 2**30, 2**32]
     if index_dtype == torch.int64:
         sizes += [2**32 + 1, 2**40]
     B = 3
