@@ -402,9 +402,9 @@ RECPIPE_TARGET_AVX2 inline void perm_apply_n_avx2(const Hash32Avx2& v, int k, __
   }
 }
 
-// One block of m ids, as hash_block_scalar (the same outputs bit for bit):
-// per kAvx2HashVecs x 8 ids, load + range check (out-of-range lanes hash as
-// 0), both window steps of H on whole vectors, owner = h % W and local = h / W
+// One block of m ids, as hash_block_scalar (the same outputs bit for bit for
+// in-range ids): per kAvx2HashVecs x 8 ids, load (range check: see below),
+// both window steps of H on whole vectors, owner = h % W and local = h / W
 // stored from the registers. The last m % (8 * kAvx2HashVecs) ids take one
 // more step over a zero-padded copy (0 is in range), of which only their
 // outputs are copied back: in the op a feature's run of bags ends in such a
@@ -735,8 +735,9 @@ bool hash_block_wide(
 
 // owner[i], local[i] for i in [s, e) of one hash_roundrobin feature: h = H(id),
 // owner = h % W, local = h / W, by blocks of kHashBlock ids. The first
-// out-of-range id is recorded in `bad` (its lanes hash as 0); the call fails
-// after the pass.
+// out-of-range id is recorded in `bad` (its lanes hash as 0, or on AVX2 as
+// their low 32 bits: either way to an owner < W); the call fails after the
+// pass, so those outputs are never used.
 template <typename index_t, typename local_t, typename owner_t>
 void hash_ids(
     const FeatureRoute& route,
