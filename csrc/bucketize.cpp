@@ -431,8 +431,9 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2_impl(
   // Range check, once per block: int64 ids are in range iff every high dword
   // is 0 (OR-ed over the block) and the largest low dword is < n; int32 ids iff
   // the largest (as unsigned) is < min(n, 2^31) (negative ids are >= 2^31).
-  // Out-of-range lanes hash like any other (every u32 hashes to an h < n, so
-  // owners stay < W); the call fails after the pass (hash_ids finds the id).
+  // Out-of-range lanes are hashed like the others from their low 32 bits (their
+  // owner h % W is still < W, whatever h is); the call fails after the pass
+  // (hash_ids finds the id), so their outputs are never used.
   const uint32_t low_limit = static_cast<uint32_t>(
       std::min<uint64_t>(c.n, sizeof(index_t) == 8 ? (1ULL << 32) : 0x80000000ULL) - 1);
   __m256i high_or = _mm256_setzero_si256();
@@ -735,7 +736,7 @@ bool hash_block_wide(
 
 // owner[i], local[i] for i in [s, e) of one hash_roundrobin feature: h = H(id),
 // owner = h % W, local = h / W, by blocks of kHashBlock ids. The first
-// out-of-range id is recorded in `bad` (its lanes hash as 0, or on AVX2 as
+// out-of-range id is recorded in `bad` (its lanes hash as 0, or on AVX2 from
 // their low 32 bits: either way to an owner < W); the call fails after the
 // pass, so those outputs are never used.
 template <typename index_t, typename local_t, typename owner_t>
