@@ -22,13 +22,13 @@ its BEST round. The machine is shared (other jobs compile and test on the same
 interleaved rounds compares every variant (the memcpy bound included) at its
 least disturbed. Each round runs the variants in a fresh random order
 (seeded), so each variant follows each of the others about equally often: a
-call's time depends on what ran just before it. Measured (W = 8, sequence off, recpipe continuous,
-best of 30): 3.47 ms right after fbgemm's op vs 2.79-2.91 ms after recpipe's
-own op, roundrobin or the memcpy (1 thread); 2.17 vs 1.55-1.63 ms (2
-threads), with no page faults in either. A fixed order charged that to
-whichever variant came right after fbgemm (our continuous, the one the
-targets are computed from). ``--simd`` forces recpipe's SIMD path
-(RECPIPE_SIMD).
+call's time depends on what ran just before it. Measured (W = 8, sequence
+off, recpipe continuous, best of 30): 3.47 ms right after fbgemm's op vs
+2.79-2.91 ms after recpipe's own op, roundrobin or the memcpy (1 thread);
+2.17 vs 1.55-1.63 ms (2 threads), with no page faults in either. A fixed
+order charged that to whichever variant came right after fbgemm (our
+continuous, the one the targets are computed from). ``--simd`` forces
+recpipe's SIMD path (RECPIPE_SIMD).
 
 Heap (``--heap``): both ops allocate their outputs (up to 24 MB a call here)
 and Python frees them after the call. With glibc's defaults the freed top of
@@ -204,6 +204,7 @@ def main() -> None:
                 def mem() -> None:
                     dst_ids.copy_(ids_bytes)
                     dst_rest.copy_(src_rest)
+
                 t = best_times(
                     {
                         "fbgemm": lambda: torch.ops.fbgemm.block_bucketize_sparse_features(
