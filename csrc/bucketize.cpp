@@ -473,11 +473,9 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2_impl(
       y[l] = x[l];
     }
     perm_apply_n_avx2<kAvx2HashVecs>(v, 0, y);
-    for (int l = 0; l < kAvx2HashVecs; ++l) {  // keep x where x > mask (outside window 0)
-      const __m256i outside = kSigned
-          ? _mm256_cmpgt_epi32(x[l], v.mask)
-          : _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_min_epu32(x[l], v.mask), x[l]), _mm256_set1_epi32(-1));
-      x[l] = _mm256_blendv_epi8(y[l], x[l], outside);
+    for (int l = 0; l < kAvx2HashVecs; ++l) {  // y where x <= mask (x in window 0)
+      x[l] = kSigned ? _mm256_blendv_epi8(y[l], x[l], _mm256_cmpgt_epi32(x[l], v.mask))
+                     : _mm256_blendv_epi8(x[l], y[l], _mm256_cmpeq_epi32(_mm256_min_epu32(x[l], v.mask), x[l]));
     }
     // Window 1: [n - h, n), P_1 (not there when n is a power of two).
     if (two_windows) {
@@ -485,11 +483,10 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2_impl(
         y[l] = _mm256_sub_epi32(x[l], v.hi);
       }
       perm_apply_n_avx2<kAvx2HashVecs>(v, 1, y);
-      for (int l = 0; l < kAvx2HashVecs; ++l) {  // keep x where x < hi (outside window 1)
-        const __m256i outside = kSigned
-            ? _mm256_cmpgt_epi32(v.hi, x[l])
-            : _mm256_xor_si256(_mm256_cmpeq_epi32(_mm256_max_epu32(x[l], v.hi), x[l]), _mm256_set1_epi32(-1));
-        x[l] = _mm256_blendv_epi8(_mm256_add_epi32(v.hi, y[l]), x[l], outside);
+      for (int l = 0; l < kAvx2HashVecs; ++l) {  // hi + y where x >= hi (x in window 1)
+        const __m256i h1 = _mm256_add_epi32(v.hi, y[l]);
+        x[l] = kSigned ? _mm256_blendv_epi8(h1, x[l], _mm256_cmpgt_epi32(v.hi, x[l]))
+                       : _mm256_blendv_epi8(x[l], h1, _mm256_cmpeq_epi32(_mm256_max_epu32(x[l], v.hi), x[l]));
       }
     }
     // owner = h % W, local = h / W.
@@ -518,11 +515,10 @@ RECPIPE_TARGET_AVX2 bool hash_block_avx2_impl(
       std::copy(tail_owner, tail_owner + live, owner + j0);
     }
   }
-  // low_max > low_limit as unsigned: a signed compare with both sign bits flipped.
-  const __m256i flip = _mm256_set1_epi32(std::numeric_limits<int32_t>::min());
-  const __m256i over = _mm256_cmpgt_epi32(
-      _mm256_xor_si256(low_max, flip), _mm256_set1_epi32(static_cast<int>(low_limit ^ 0x80000000U)));
-  return !_mm256_testz_si256(high_or, high_or) || !_mm256_testz_si256(over, over);
+  // in range iff max(low_max, low_limit) == low_limit (unsigned) in every lane
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(low_limit));
+  const __m256i in_range = _mm256_cmpeq_epi32(_mm256_max_epu32(low_max, limit), limit);
+  return !_mm256_testz_si256(high_or, high_or) || !_mm256_testc_si256(in_range, _mm256_set1_epi32(-1));
 }
 
 template <typename index_t, typename uindex_t, typename owner_t>
