@@ -26,8 +26,10 @@
 // With AVX2, W = 2 and int64 ids both passes have their own path (see "W = 2
 // on AVX2"): continuous / roundrobin owners are recomputed from the ids
 // instead of stored, counts come from rank-1 bitmaps, and the scatter stores
-// permute-packed whole vectors. Otherwise the scatter is scalar, in blocks:
-// every position of a block first, then its stores (see kScatterBlock).
+// permute-packed whole vectors. Otherwise the scatter is scalar: for W <= 8
+// one loop with the cursors' per-block offsets packed in a 64-bit register
+// (see kPackedCursorMaxW), above that in blocks: every position of a block
+// first, then its stores (see kScatterBlock).
 // new_lengths is written with non-temporal stores.
 //
 // hash_roundrobin (H = HashPermutation, bucketize_math.h) runs in 32-bit
@@ -1150,6 +1152,14 @@ int64_t stream_row(Simd simd, offset_t* dst, const int32_t* row, int64_t n) {
 // random times, so the likely cost is one branch mispredict per output line.
 // That costs more than the read for ownership it saves.
 constexpr int64_t kScatterBlock = 256;
+// For W <= kPackedCursorMaxW the scatter is one loop again, without the
+// memory-carried counter that made the one-loop form slow: the W cursors stay
+// put for a block of kPackedCursorBlock ids, and each id's offset from its
+// rank's cursor is a byte of one packed 64-bit counter (a register: shift,
+// mask, add), added to the cursors after the block (255 ids: a byte cannot
+// overflow). A store's address then hangs on no memory-carried chain.
+constexpr int64_t kPackedCursorMaxW = 8;
+constexpr int64_t kPackedCursorBlock = 255;
 // From W = kScatterPrefetchMinW on, the stores of the split loop prefetch
 // (for write) their rank's output kScatterPrefetchBytes ahead of the store:
 // W = 64 has more output streams than the hardware prefetchers follow and
@@ -1918,31 +1928,49 @@ void bucketize_cpu_impl(
   const bool compress = simd == Simd::kAvx512 && W <= kCompressMaxW;
   auto scatter = [&](auto has_pos, auto has_perm, int64_t* cur, int64_t s, int64_t e,
                      auto local_of) {
+    // Id i's outputs at position pos of new_indices.
+    auto put = [&](int64_t i, int64_t pos, uint64_t p) {
+      out_idx[pos] = static_cast<index_t>(local_of(i, p));
+      if constexpr (!std::is_same_v<wbits_t, void>) {
+        w_out[pos] = w_in[i];
+      }
+      if constexpr (decltype(has_pos)::value) {
+        pos_out[pos] = static_cast<index_t>(i - s);
+      }
+      if constexpr (decltype(has_perm)::value) {
+        perm_out[i] = static_cast<index_t>(pos);
+      }
+    };
+    if (W <= kPackedCursorMaxW) {
+      // One loop, cursors packed (see kPackedCursorMaxW): byte p of `packed`
+      // counts rank p's ids since the block's start.
+      int64_t base[kPackedCursorMaxW];
+      std::copy(cur, cur + W, base);
+      for (int64_t i0 = s; i0 < e; i0 += kPackedCursorBlock) {
+        const int64_t i1 = std::min<int64_t>(i0 + kPackedCursorBlock, e);
+        uint64_t packed = 0;
+        for (int64_t i = i0; i < i1; ++i) {
+          const uint64_t p = static_cast<uint64_t>(owner[i]);
+          const unsigned shift = static_cast<unsigned>(p) * 8;
+          const int64_t pos = base[p] + static_cast<int64_t>((packed >> shift) & 0xFF);
+          packed += 1ULL << shift;
+          put(i, pos, p);
+        }
+        for (int64_t p = 0; p < W; ++p) {
+          base[p] += static_cast<int64_t>((packed >> (8 * p)) & 0xFF);
+        }
+      }
+      std::copy(base, base + W, cur);
+      return;
+    }
     int64_t pos_block[kScatterBlock];
     constexpr int64_t kScatterPrefetch = kScatterPrefetchBytes / sizeof(index_t);
     const bool prefetch_out = W >= kScatterPrefetchMinW;
     for (int64_t i0 = s; i0 < e; i0 += kScatterBlock) {
       const int64_t m = std::min<int64_t>(kScatterBlock, e - i0);
       // positions first (see kScatterBlock)
-      if (W == 2) {
-        // Two cursors in registers: the counter's store -> load chain through
-        // memory (every other id at W = 2) bounds the loop below. Measured in
-        // a standalone loop: 2.08 -> 1.21 ms per 1M ids. (Selects over more
-        // register cursors lost at W = 4 and 8.)
-        int64_t c0 = cur[0];
-        int64_t c1 = cur[1];
-        for (int64_t j = 0; j < m; ++j) {
-          const int64_t p = static_cast<int64_t>(owner[i0 + j]);  // 0 or 1
-          pos_block[j] = c0 ^ ((c0 ^ c1) & -p);  // p ? c1 : c0, branch-free
-          c1 += p;
-          c0 += 1 - p;
-        }
-        cur[0] = c0;
-        cur[1] = c1;
-      } else {
-        for (int64_t j = 0; j < m; ++j) {
-          pos_block[j] = cur[owner[i0 + j]]++;
-        }
+      for (int64_t j = 0; j < m; ++j) {
+        pos_block[j] = cur[owner[i0 + j]]++;
       }
       // The stores, with (W >= kScatterPrefetchMinW) or without the output
       // prefetch as two compiled loops: one loop with a run-time test
@@ -1955,16 +1983,7 @@ void bucketize_cpu_impl(
           if constexpr (decltype(prefetch)::value) {
             __builtin_prefetch(out_idx + pos + kScatterPrefetch, 1, 3);
           }
-          out_idx[pos] = static_cast<index_t>(local_of(i, owner[i]));
-          if constexpr (!std::is_same_v<wbits_t, void>) {
-            w_out[pos] = w_in[i];
-          }
-          if constexpr (decltype(has_pos)::value) {
-            pos_out[pos] = static_cast<index_t>(i - s);
-          }
-          if constexpr (decltype(has_perm)::value) {
-            perm_out[i] = static_cast<index_t>(pos);
-          }
+          put(i, pos, owner[i]);
         }
       };
       if (prefetch_out) {

@@ -407,6 +407,44 @@ def test_count_bag_length_boundaries_match_reference(monkeypatch: pytest.MonkeyP
     _check_against_reference(case, sequence=True, pos=False, weights_dtype=torch.float32, seed=5, keep=False)
 
 
+@pytest.mark.parametrize("path", SIMD_PATHS)
+@pytest.mark.parametrize("W", [2, 3, 5, 8])
+@pytest.mark.parametrize("pos", [False, True])
+def test_long_same_rank_runs_match_reference(monkeypatch: pytest.MonkeyPatch, path: str, W: int, pos: bool) -> None:
+    """For W <= 8 the scalar scatter counts each rank's ids in one byte of a
+    packed counter per block of 255 ids: runs of 254-700 ids owned by one rank
+    (the last rank: the top byte), in one bag and across bags, around the block
+    boundary, mixed with random ids, int32 and int64 ids, with weights (so every
+    SIMD path takes the scalar scatter) and without. new_pos makes the scatter
+    run bag by bag, which restarts the blocks at every bag."""
+    _force_simd(monkeypatch, path)
+    rng = random.Random(2000 + W)
+    rows = 1000 * W
+    block = rows // W
+    owned = {  # an id of rank r, per distribution type
+        0: lambda r: r * block + rng.randrange(block),
+        1: lambda r: rng.randrange(rows // W) * W + r,
+    }
+    bags: list[list[int]] = []
+    for dist in (0, 1):
+        for r, n in [(W - 1, 700), (0, 255), (W - 1, 254), (W - 1, 256), (1 % W, 511)]:
+            bags.append([owned[dist](r) for _ in range(n)])
+            bags.append([rng.randrange(rows) for _ in range(rng.randrange(300))])
+        # one rank's run across bags: 6 bags x 60 ids, then 3 x 100 mixed with rank 0
+        bags += [[owned[dist](W - 1) for _ in range(60)] for _ in range(6)]
+        bags += [[owned[dist](rng.choice([0, W - 1])) for _ in range(100)] for _ in range(3)]
+    B = len(bags) // 2
+    for index_dtype in (torch.int64, torch.int32):
+        case = dict(lengths=torch.tensor([len(b) for b in bags], dtype=torch.int64),
+                    indices=torch.tensor([i for b in bags for i in b], dtype=index_dtype),
+                    block_sizes=torch.tensor([block, block], dtype=torch.int64),
+                    dist_types=torch.tensor([0, 1], dtype=torch.int64),
+                    table_sizes=torch.tensor([rows, rows], dtype=torch.int64), W=W)
+        assert case["lengths"].numel() == 2 * B
+        for weights_dtype in (None, torch.float32):
+            _check_against_reference(case, sequence=True, pos=pos, weights_dtype=weights_dtype, seed=3, keep=False)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("W", [2, 8, 64])
 @pytest.mark.parametrize("length_dtype", [torch.int32, torch.int64])
