@@ -1168,7 +1168,9 @@ constexpr int64_t kScatterBlock = 256;
 // registers, which this replaces). A standalone W = 8 loop: 1.46-1.58 ->
 // 1.17-1.19 ms warm. At W = 64 the same one loop with cursors in memory (a
 // standalone loop: split 1.67-1.70 ms, one loop 2.74-3.26 ms) or with 16-bit
-// packed counters in 16 words (4.27-4.39 ms) lost.
+// packed counters in 16 words (4.27-4.39 ms) lost, and so did two packed
+// registers for W <= 16 (standalone, W = 12 and 16: split 1.48-1.61 ms, two
+// registers 1.80-1.83 ms).
 constexpr int64_t kPackedCursorMaxW = 8;
 constexpr int64_t kPackedCursorBlock = 255;
 // From W = kScatterPrefetchMinW on, the stores of the split loop prefetch
