@@ -1173,6 +1173,53 @@ constexpr int64_t kScatterBlock = 256;
 // registers 1.80-1.83 ms).
 constexpr int64_t kPackedCursorMaxW = 8;
 constexpr int64_t kPackedCursorBlock = 255;
+
+// The scalar scatter for W <= kPackedCursorMaxW (owners are bytes): ids [s, e)
+// to their ranks' cursors cur[0..W), which it advances. Not inlined: inlined
+// into bucketize_cpu_impl's scatter it slowed the split loops there (W = 64,
+// continuous, 1 thread, A/B: 3.59-3.60 -> 3.86-3.88 ms) and gained nothing
+// at W = 8.
+template <bool kPos, bool kPerm, typename index_t, typename wbits_t, typename LocalOf>
+__attribute__((noinline)) void scatter_packed(
+    const uint8_t* owner,
+    int64_t s,
+    int64_t e,
+    int64_t W,
+    int64_t* cur,
+    LocalOf local_of,
+    index_t* out_idx,
+    const wbits_t* w_in,
+    wbits_t* w_out,
+    index_t* pos_out,
+    index_t* perm_out) {
+  // byte p of `packed` counts rank p's ids since the block's start
+  int64_t base[kPackedCursorMaxW];
+  std::copy(cur, cur + W, base);
+  for (int64_t i0 = s; i0 < e; i0 += kPackedCursorBlock) {
+    const int64_t i1 = std::min<int64_t>(i0 + kPackedCursorBlock, e);
+    uint64_t packed = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint64_t p = owner[i];
+      const unsigned shift = static_cast<unsigned>(p) * 8;
+      const int64_t pos = base[p] + static_cast<int64_t>((packed >> shift) & 0xFF);
+      packed += 1ULL << shift;
+      out_idx[pos] = static_cast<index_t>(local_of(i, p));
+      if constexpr (!std::is_same_v<wbits_t, void>) {
+        w_out[pos] = w_in[i];
+      }
+      if constexpr (kPos) {
+        pos_out[pos] = static_cast<index_t>(i - s);
+      }
+      if constexpr (kPerm) {
+        perm_out[i] = static_cast<index_t>(pos);
+      }
+    }
+    for (int64_t p = 0; p < W; ++p) {
+      base[p] += static_cast<int64_t>((packed >> (8 * p)) & 0xFF);
+    }
+  }
+  std::copy(base, base + W, cur);
+}
 // From W = kScatterPrefetchMinW on, the stores of the split loop prefetch
 // (for write) their rank's output kScatterPrefetchBytes ahead of the store:
 // W = 64 has more output streams than the hardware prefetchers follow and
@@ -1937,44 +1984,19 @@ void bucketize_cpu_impl(
   // ---- pass 2: scatter ------------------------------------------------------
   // One tight loop per (dist type, optional outputs): the per-feature constants
   // are hoisted into locals (the output stores could otherwise alias them and
-  // force a reload per id) and the optional outputs are compile-time flags.
+  // force a reload per id), the local-id functors (local_of) capture them by
+  // value (captured by reference, the W <= 8 loop ran ~10% slower and the W = 64
+  // split loops up to ~15% slower: 1M int64 ids, 1 thread, A/B), and the
+  // optional outputs are compile-time flags.
   const bool compress = simd == Simd::kAvx512 && W <= kCompressMaxW;
   auto scatter = [&](auto has_pos, auto has_perm, int64_t* cur, int64_t s, int64_t e,
                      auto local_of) {
-    // Id i's outputs at position pos of new_indices.
-    auto put = [&](int64_t i, int64_t pos, uint64_t p) {
-      out_idx[pos] = static_cast<index_t>(local_of(i, p));
-      if constexpr (!std::is_same_v<wbits_t, void>) {
-        w_out[pos] = w_in[i];
+    if constexpr (sizeof(owner_t) == 1) {
+      if (W <= kPackedCursorMaxW) {
+        scatter_packed<decltype(has_pos)::value, decltype(has_perm)::value>(
+            owner.get(), s, e, W, cur, local_of, out_idx, w_in, w_out, pos_out, perm_out);
+        return;
       }
-      if constexpr (decltype(has_pos)::value) {
-        pos_out[pos] = static_cast<index_t>(i - s);
-      }
-      if constexpr (decltype(has_perm)::value) {
-        perm_out[i] = static_cast<index_t>(pos);
-      }
-    };
-    if (W <= kPackedCursorMaxW) {
-      // One loop, cursors packed (see kPackedCursorMaxW): byte p of `packed`
-      // counts rank p's ids since the block's start.
-      int64_t base[kPackedCursorMaxW];
-      std::copy(cur, cur + W, base);
-      for (int64_t i0 = s; i0 < e; i0 += kPackedCursorBlock) {
-        const int64_t i1 = std::min<int64_t>(i0 + kPackedCursorBlock, e);
-        uint64_t packed = 0;
-        for (int64_t i = i0; i < i1; ++i) {
-          const uint64_t p = static_cast<uint64_t>(owner[i]);
-          const unsigned shift = static_cast<unsigned>(p) * 8;
-          const int64_t pos = base[p] + static_cast<int64_t>((packed >> shift) & 0xFF);
-          packed += 1ULL << shift;
-          put(i, pos, p);
-        }
-        for (int64_t p = 0; p < W; ++p) {
-          base[p] += static_cast<int64_t>((packed >> (8 * p)) & 0xFF);
-        }
-      }
-      std::copy(base, base + W, cur);
-      return;
     }
     int64_t pos_block[kScatterBlock];
     constexpr int64_t kScatterPrefetch = kScatterPrefetchBytes / sizeof(index_t);
@@ -1996,7 +2018,16 @@ void bucketize_cpu_impl(
           if constexpr (decltype(prefetch)::value) {
             __builtin_prefetch(out_idx + pos + kScatterPrefetch, 1, 3);
           }
-          put(i, pos, owner[i]);
+          out_idx[pos] = static_cast<index_t>(local_of(i, owner[i]));
+          if constexpr (!std::is_same_v<wbits_t, void>) {
+            w_out[pos] = w_in[i];
+          }
+          if constexpr (decltype(has_pos)::value) {
+            pos_out[pos] = static_cast<index_t>(i - s);
+          }
+          if constexpr (decltype(has_perm)::value) {
+            perm_out[i] = static_cast<index_t>(pos);
+          }
         }
       };
       if (prefetch_out) {
@@ -2080,23 +2111,23 @@ void bucketize_cpu_impl(
       }
       auto scatter_range = [&](int64_t s, int64_t e) {
         if (dist == kContinuous) {
-          scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t p) {
+          scatter(has_pos, has_perm, cur, s, e, [=](int64_t i, uint64_t p) {
             return continuous_local<uindex_t>(static_cast<uindex_t>(idx[i]), p, ub, block, dw);
           });
         } else if (dist == kRoundRobin) {
-          scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t) {
+          scatter(has_pos, has_perm, cur, s, e, [=](int64_t i, uint64_t) {
             return static_cast<uindex_t>(dw.div(static_cast<uint64_t>(static_cast<uindex_t>(idx[i]))));
           });
         } else if (dist == kHashRoundRobin) {
           if (hl32 != nullptr) {
             scatter(has_pos, has_perm, cur, s, e,
-                    [&](int64_t i, uint64_t) { return static_cast<uindex_t>(hl32[i]); });
+                    [=](int64_t i, uint64_t) { return static_cast<uindex_t>(hl32[i]); });
           } else {
-            scatter(has_pos, has_perm, cur, s, e, [&](int64_t i, uint64_t) { return hl[i]; });
+            scatter(has_pos, has_perm, cur, s, e, [=](int64_t i, uint64_t) { return hl[i]; });
           }
         } else {  // keep_orig_idx
           scatter(has_pos, has_perm, cur, s, e,
-                  [&](int64_t i, uint64_t) { return static_cast<uindex_t>(idx[i]); });
+                  [=](int64_t i, uint64_t) { return static_cast<uindex_t>(idx[i]); });
         }
       };
       if constexpr (decltype(has_pos)::value) {
