@@ -1161,16 +1161,16 @@ constexpr int64_t kScatterBlock = 256;
 // overflow). A store's address then hangs on no memory-carried chain.
 // Measured on the AVX2 EPYC (1M ids, continuous unless stated, one thread,
 // min of 150 calls, A/B against the split loops, builds alternated): W = 8
-// 2.34-2.42 -> 2.17-2.27 ms (sequence on 2.71-2.88 -> 2.47-2.49, float32
-// weights 3.24-3.39 -> 2.88-2.98, hash_roundrobin 2.79-2.83 -> 2.46-2.55);
-// W = 4 2.45-2.53 -> 2.11-2.23; W = 2 with int32 ids (no AVX2 W = 2 path)
-// 3.01-3.08 -> 2.25-2.58 (the split loop kept W = 2's two cursors in
-// registers, which this replaces). A standalone W = 8 loop: 1.46-1.58 ->
-// 1.17-1.19 ms warm. At W = 64 the same one loop with cursors in memory (a
-// standalone loop: split 1.67-1.70 ms, one loop 2.74-3.26 ms) or with 16-bit
-// packed counters in 16 words (4.27-4.39 ms) lost, and so did two packed
-// registers for W <= 16 (standalone, W = 12 and 16: split 1.48-1.61 ms, two
-// registers 1.80-1.83 ms).
+// 2.25-2.29 -> 1.98-2.12 ms (2 threads 1.24 -> 1.07; hash_roundrobin with
+// sequence 2.92 -> 2.47); W = 2 with int32 ids (no AVX2 W = 2 path) 2.90 ->
+// 2.21 (the split loop kept W = 2's two cursors in registers, which this
+// replaces); W = 64 (split loops either way) unchanged. An earlier form of
+// this loop also took W = 4 2.45-2.53 -> 2.11-2.23 and W = 8 with float32
+// weights 3.24-3.39 -> 2.88-2.98. A standalone W = 8 loop: 1.46-1.58 ->
+// 1.17-1.19 ms warm. Lost (standalone loops): at W = 64, the one loop with
+// cursors in memory (split 1.67-1.70 ms, one loop 2.74-3.26 ms) or with
+// 16-bit packed counters in 16 words (4.27-4.39 ms); at W = 12 and 16, two
+// packed registers (split 1.48-1.61 ms, two registers 1.80-1.83 ms).
 constexpr int64_t kPackedCursorMaxW = 8;
 constexpr int64_t kPackedCursorBlock = 255;
 
@@ -1220,6 +1220,7 @@ __attribute__((noinline)) void scatter_packed(
   }
   std::copy(base, base + W, cur);
 }
+
 // From W = kScatterPrefetchMinW on, the stores of the split loop prefetch
 // (for write) their rank's output kScatterPrefetchBytes ahead of the store:
 // W = 64 has more output streams than the hardware prefetchers follow and
