@@ -3,6 +3,7 @@
 //   bucketize.cpp        CPU   block_bucketize_sparse_features, hash_roundrobin_global_ids
 //   bucketize_cuda.cu    CUDA  the same two routing ops
 //   placement_dp.cpp     CPU   placement_dp, placement_budget_prices, placement_prune_dominated (planner)
+//   tiered.cpp           CPU   tiered_lookup, tiered_backward (tiered embedding storage)
 #include <torch/library.h>
 
 TORCH_LIBRARY(recpipe, m) {
@@ -33,6 +34,23 @@ TORCH_LIBRARY(recpipe, m) {
   // table beats on HBM, DDR and cost ([M, K] bool).
   m.def(
       "placement_prune_dominated(Tensor hbm, Tensor ddr, Tensor cost, Tensor usable) -> Tensor");
+  // Tiered storage: one step's lookup of a shard's local ids. CACHING admits the
+  // batch's missing rows (LFU / LRU, write-back of dirty victims) first; the
+  // stats counters (last lookup, then running totals) are updated in place.
+  // Returns (pooled [B, dim], unique rows [U] int64, inverse [n] int64).
+  m.def(
+      "tiered_lookup(Tensor ids, Tensor offsets, Tensor? per_sample_weights, Tensor(a!) fast_weights, "
+      "Tensor(b!) fast_state, Tensor(c!) slow_weights, Tensor(d!) slow_state, Tensor(e!) row_map, "
+      "Tensor(f!) slot_row, Tensor(g!) slot_score, Tensor(h!) stats, int num_rows, int fast_rows, "
+      "int split_seed, int mode, int policy, int clock, int pooling) -> (Tensor, Tensor, Tensor)");
+  // Tiered storage: the fused optimizer step of one lookup's rows, in place in
+  // whichever tier each row lives (CACHING marks updated slots dirty).
+  m.def(
+      "tiered_backward(Tensor grad_out, Tensor uniq, Tensor inverse, Tensor offsets, "
+      "Tensor? per_sample_weights, Tensor(a!) fast_weights, Tensor(b!) fast_state, Tensor(c!) slow_weights, "
+      "Tensor(d!) slow_state, Tensor row_map, Tensor(e!) slot_score, int num_rows, int fast_rows, "
+      "int split_seed, int mode, int pooling, int optimizer, float lr, float eps, float beta1, float beta2, "
+      "float weight_decay, int step) -> ()");
 }
 
 // Importing recpipe._C registers the ops. The module holds the constants

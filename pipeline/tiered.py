@@ -55,7 +55,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
-from recpipe.pipeline.ops import DIST_TYPES, ROUTING_VERSION, hash_roundrobin_global_ids, route_ids
+from recpipe.pipeline.ops import (
+    DIST_TYPES,
+    ROUTING_VERSION,
+    TIERED_MODES,
+    TIERED_OPTIMIZERS,
+    TIERED_POLICIES,
+    TIERED_POOLINGS,
+    TIERED_STATS,
+    hash_roundrobin_global_ids,
+    route_ids,
+)
 from recpipe.planner.storage import ShardStorage, local_rows, row_bytes, tier_rows
 from recpipe.planner.types import Mode, parse_enum
 
@@ -197,7 +207,8 @@ class _TieredLookup(torch.autograd.Function):
         offsets: torch.Tensor,
         per_sample_weights: Optional[torch.Tensor],
     ) -> torch.Tensor:
-        out, uniq, inverse = shard._lookup(ids, offsets, per_sample_weights)
+        lookup = shard._lookup if shard._native else shard._lookup_torch
+        out, uniq, inverse = lookup(ids, offsets, per_sample_weights)
         ctx.shard = shard
         ctx.save_for_backward(uniq, inverse, offsets, per_sample_weights)
         return out
@@ -206,7 +217,8 @@ class _TieredLookup(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         uniq, inverse, offsets, psw = ctx.saved_tensors
         shard: TieredEmbeddingShard = ctx.shard
-        shard._backward_update(grad_out, uniq, inverse, offsets, psw)
+        update = shard._backward_update if shard._native else shard._backward_torch
+        update(grad_out, uniq, inverse, offsets, psw)
         return None, None, None, None, None
 
 
@@ -323,24 +335,45 @@ class TieredEmbeddingShard(nn.Module):
             self.row_map = self.slot_row = self.slot_score = None
         self.step: int = 0
         self._clock: int = 0  # lookups so far; the LRU recency key
-        self._lookups_seen: int = 0
-        self._hits_seen: int = 0
-        self._last: Dict[str, float] = {}
-        self._reset_step_stats()
+        # Counters of the last lookup, then their running totals (layout: ops.TIERED_STATS);
+        # updated in place by the kernel, read on the host only by tier_stats().
+        self._stats: torch.Tensor = torch.zeros(2 * len(TIERED_STATS), dtype=torch.int64, device=self.device)
+        self._flushed_rows: int = 0
+        self._last: Dict[str, float] = {}  # the torch path's counters of the current lookup
+        # The compiled kernel (csrc/tiered.cpp) runs the CPU shards. Other devices use the
+        # device-generic torch-op path below (_lookup_torch / _backward_torch), which is also
+        # the reference the kernel is tested against.
+        self._native: bool = self.device.type == "cpu"
+        no_cache = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._op_row_map: torch.Tensor = self.row_map if self.row_map is not None else no_cache
+        self._op_slot_row: torch.Tensor = self.slot_row if self.slot_row is not None else no_cache
+        self._op_slot_score: torch.Tensor = self.slot_score if self.slot_score is not None else no_cache
+        self._op_mode: int = TIERED_MODES[
+            "ALL_FAST" if self.all_fast else ("CACHING" if self.caching else "HYBRID")]
+        self._op_policy: int = TIERED_POLICIES[self.cache_policy.value]
+        self._op_pooling: int = TIERED_POOLINGS[self.pooling]
         self.reset_parameters()
 
     # ------------------------------------------------------------------ sizing
     def tier_tensors(self) -> Dict[str, List[Tuple[str, torch.Tensor]]]:
-        """Every buffer the shard allocated, by tier.
+        """Every tensor the shard allocated: the two tiers' buffers, and the kernel's counters.
 
         Returns:
-            Dict[str, List[Tuple[str, torch.Tensor]]]: ``{"fast": [...], "slow": [...]}``.
+            Dict[str, List[Tuple[str, torch.Tensor]]]: ``{"fast": [...], "slow": [...],
+            "counters": [...]}``. ``counters`` is not table storage: the statistics
+            (``2 * len(ops.TIERED_STATS)`` int64 = 112 bytes per shard, on the fast
+            tier's device) and, when the shard has no cache, the empty (0-byte) tensor
+            the kernel gets for its cache maps.
         """
         fast = [("fast_weights", self.fast_weights), ("fast_state", self.fast_state)]
+        counters = [("stats", self._stats)]
         if self.caching:
             assert self.row_map is not None and self.slot_row is not None and self.slot_score is not None
             fast += [("row_map", self.row_map), ("slot_row", self.slot_row), ("slot_score", self.slot_score)]
-        return {"fast": fast, "slow": [("slow_weights", self.slow_weights), ("slow_state", self.slow_state)]}
+        else:
+            counters.append(("no_cache", self._op_row_map))
+        return {"fast": fast, "slow": [("slow_weights", self.slow_weights), ("slow_state", self.slow_state)],
+                "counters": counters}
 
     def tier_bytes(self) -> ShardStorage:
         """Bytes allocated per tier, read from the tensors' storages.
@@ -590,16 +623,45 @@ class TieredEmbeddingShard(nn.Module):
                 raise ValueError(f"per_sample_weights must have the shape of ids {list(ids.shape)}, "
                                  f"got {list(psw.shape)}.")
 
-    def _reset_step_stats(self) -> None:
-        self._last = {"lookups": 0.0, "unique_rows": 0.0, "hits": 0.0, "fast_lookups": 0.0,
-                      "rows_loaded": 0.0, "rows_evicted": 0.0, "rows_written_back": 0.0}
-        self._flushed_rows = 0
-
     def _lookup(
         self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]
     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One lookup by the compiled kernel (checks, cache loads, pooling, stats)."""
+        self._flushed_rows = 0
+        self._clock += 1
+        return torch.ops.recpipe.tiered_lookup(
+            ids, offsets, psw, self.fast_weights, self.fast_state, self.slow_weights, self.slow_state,
+            self._op_row_map, self._op_slot_row, self._op_slot_score, self._stats, self.num_rows,
+            self.fast_rows, self.split_seed, self._op_mode, self._op_policy, self._clock, self._op_pooling,
+        )
+
+    @torch.no_grad()
+    def _backward_update(
+        self,
+        grad_out: torch.Tensor,
+        uniq: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        psw: Optional[torch.Tensor],
+    ) -> None:
+        """The fused optimizer step of one lookup's rows by the compiled kernel."""
+        self.step += 1
+        opt = self.optimizer
+        torch.ops.recpipe.tiered_backward(
+            grad_out, uniq, inverse, offsets, psw, self.fast_weights, self.fast_state, self.slow_weights,
+            self.slow_state, self._op_row_map, self._op_slot_score, self.num_rows, self.fast_rows,
+            self.split_seed, self._op_mode, self._op_pooling, TIERED_OPTIMIZERS[opt.name],
+            float(opt.learning_rate), float(opt.eps), float(opt.beta1), float(opt.beta2),
+            float(opt.weight_decay), self.step,
+        )
+
+    def _lookup_torch(
+        self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same lookup in device-generic torch ops (non-CPU devices; the kernel's test reference)."""
         self._check_inputs(ids, offsets, psw)
-        self._reset_step_stats()
+        self._flushed_rows = 0
+        self._last = dict.fromkeys(TIERED_STATS, 0.0)
         self._clock += 1
         ids = ids.to(torch.int64)
         offsets = offsets.to(torch.int64)
@@ -625,12 +687,14 @@ class TieredEmbeddingShard(nn.Module):
             rows = self._read(in_fast, idx, state=False)
             out = F.embedding_bag(inverse, rows, offsets, mode=mode,
                                   per_sample_weights=psw, include_last_offset=True)
-        self._lookups_seen += n
-        self._hits_seen += int(self._last["hits"])
+        last = torch.tensor([self._last[k] for k in TIERED_STATS], dtype=torch.int64, device=self.device)
+        k = len(TIERED_STATS)
+        self._stats[:k] = last
+        self._stats[k:] += last
         return out, uniq, inverse
 
     @torch.no_grad()
-    def _backward_update(
+    def _backward_torch(
         self,
         grad_out: torch.Tensor,
         uniq: torch.Tensor,
@@ -692,13 +756,16 @@ class TieredEmbeddingShard(nn.Module):
             tiers, ``bytes_moved`` (``(loaded + written back) * row_bytes``, values
             plus optimizer state) and ``flushed_rows``.
         """
-        last = dict(self._last)
+        counts = [float(v) for v in self._stats.tolist()]  # the one host read of the counters
+        k = len(TIERED_STATS)
+        last = dict(zip(TIERED_STATS, counts[:k]))
+        total = dict(zip(TIERED_STATS, counts[k:]))
         lookups = max(last["lookups"], 1.0)
         moved = last["rows_loaded"] + last["rows_written_back"]
         return {
             "hit_rate": last["hits"] / lookups,
             "fast_fraction": last["fast_lookups"] / lookups,
-            "cumulative_hit_rate": self._hits_seen / max(self._lookups_seen, 1),
+            "cumulative_hit_rate": total["hits"] / max(total["lookups"], 1.0),
             "lookups": last["lookups"],
             "unique_rows": last["unique_rows"],
             "rows_loaded": last["rows_loaded"],
