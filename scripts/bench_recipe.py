@@ -1,14 +1,22 @@
-"""Samples/s of the default recipe: recpipe's fused pipeline vs torchrec's TrainPipelineSparseDist.
+"""Samples/s of the default recipe against what a torchrec user runs instead.
 
-Both runs use the same model (micro-DLRM-DRAM), data (MovieLens-100k), placements and
-seed, on 2 gloo ranks launched with torchrun (1 thread each). Runs alternate
-sparse/fused ``--repeats`` times; the table reports the median samples/s (steady state:
-the first logging interval is excluded) and whether the per-step losses of both
-pipelines are bit-identical.
+Three runs of the same model (micro-DLRM-DRAM), data (MovieLens-100k) and seed on 2 gloo
+ranks launched with torchrun (1 thread each), interleaved ``--repeats`` times:
+
+* ``torchrec``: ``--placement table_wise --pipeline sparse`` - torchrec's own sharder
+  (fbgemm FUSED tables placed whole) and ``TrainPipelineSparseDist``: the baseline.
+* ``recpipe planned + SparseDist``: recpipe's planned tiered tables under torchrec's
+  pipeline (isolates the pipeline; its losses must equal the default's bit for bit).
+* ``recpipe default``: planned tiered tables + ``TrainPipelineFusedSparseDist``
+  (``make run``).
+
+Every run's samples/s is printed (steady state: the first logging interval is excluded by
+the recipe), then the medians and their ratio to the torchrec baseline (target for the
+default: >= 1.10x). Exits 1 if the two recpipe runs' per-step losses differ.
 
 Usage::
 
-    python scripts/bench_recipe.py [--steps 200] [--repeats 2]
+    python scripts/bench_recipe.py [--steps 200] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -24,13 +32,21 @@ from pathlib import Path
 
 from benchutil import hardware_line, print_table
 
+#: name -> (extra CLI flags, label). The first is the baseline of the ratios.
+RUNS: dict[str, tuple[list[str], str]] = {
+    "torchrec": (["--placement", "table_wise", "--pipeline", "sparse"],
+                 "torchrec table-wise FUSED + TrainPipelineSparseDist"),
+    "planned_sparse": (["--pipeline", "sparse"], "recpipe planned tiered + TrainPipelineSparseDist"),
+    "default": ([], "recpipe default (planned tiered + TrainPipelineFusedSparseDist)"),
+}
 
-def run_once(pipeline: str, steps: int, workdir: Path, nproc: int) -> dict:
-    """One torchrun job of the default recipe; returns its metrics JSON."""
-    metrics = workdir / f"{pipeline}-{len(list(workdir.iterdir()))}.json"
+
+def run_once(name: str, steps: int, workdir: Path, nproc: int) -> dict:
+    """One torchrun job of the default recipe with ``RUNS[name]``'s flags; returns its metrics JSON."""
+    metrics = workdir / f"{name}-{len(list(workdir.iterdir()))}.json"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "recpipe.recipes.train", "--config", "default", "--pipeline", pipeline,
+        "-m", "recpipe.recipes.train", "--config", "default", *RUNS[name][0],
         "--max-steps", str(steps), "--eval-every", "0", "--log-every", "10",
         "--no-progress-bar", "--metrics-file", str(metrics),
     ]
@@ -44,30 +60,30 @@ def run_once(pipeline: str, steps: int, workdir: Path, nproc: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200, help="training steps per run")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per pipeline (alternating)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (interleaved)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (gloo, CPU)")
     args = parser.parse_args()
     print(hardware_line())
-    print(
-        f"default recipe (MovieLens-100k, micro-DLRM-DRAM, planned tiered placements + hash routing), "
-        f"{args.nproc} ranks x 1 thread, {args.steps} steps per run, {args.repeats} runs per pipeline"
-    )
-    sps: dict[str, list[float]] = {"sparse": [], "fused": []}
+    print(f"default recipe (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 thread, "
+          f"{args.steps} steps per run, {args.repeats} interleaved runs per configuration")
+    sps: dict[str, list[float]] = {name: [] for name in RUNS}
     losses: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as d:
-        for _ in range(args.repeats):
-            for pipeline in ("sparse", "fused"):
-                m = run_once(pipeline, args.steps, Path(d), args.nproc)
-                sps[pipeline].append(m["samples_per_s"])
-                losses.setdefault(pipeline, m["losses"])
-    base = statistics.median(sps["sparse"])
-    identical = losses["fused"] == losses["sparse"]
+        for rep in range(args.repeats):
+            for name in RUNS:
+                m = run_once(name, args.steps, Path(d), args.nproc)
+                sps[name].append(m["samples_per_s"])
+                losses.setdefault(name, m["losses"])
+                print(f"run {rep + 1} {name}: {m['samples_per_s']:.0f} samples/s", flush=True)
+    base = statistics.median(sps["torchrec"])
     rows = []
-    for name, label in (("sparse", "torchrec TrainPipelineSparseDist"), ("fused", "recpipe TrainPipelineFusedSparseDist")):
+    for name, (_, label) in RUNS.items():
         med = statistics.median(sps[name])
         rows.append([label, med, " ".join(f"{v:.0f}" for v in sps[name]), med / base, losses[name][-1]])
-    print_table(["pipeline", "samples/s (median)", "runs", "ratio vs torchrec", "last loss (rank 0)"], rows)
-    print(f"per-step losses identical across pipelines: {identical} ({len(losses['sparse'])} steps)")
+    print_table(["run", "samples/s (median)", "runs", "ratio vs torchrec", "last loss (rank 0)"], rows)
+    identical = losses["default"] == losses["planned_sparse"]
+    print(f"per-step losses of recpipe's fused pipeline identical to TrainPipelineSparseDist: {identical} "
+          f"({len(losses['default'])} steps)")
     if not identical:
         sys.exit(1)
 

@@ -11,8 +11,8 @@ a hindsight oracle (top rows by their counts in the measured stream itself, an
 upper bound that also profits from sampling noise), and bytes moved between tiers
 per step.
 
-Targets (issue 5): CACHING hit rate within 3 points of the oracle for x >= 0.2;
-x = 1.0 within 1.2x of the FUSED time.
+Targets (issue 18): on both id streams, every mode and x, forward+backward time
+<= 1.10x the FUSED time; CACHING hit rate within 3 points of the LFU oracle.
 
 Usage::
 
