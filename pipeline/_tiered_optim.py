@@ -19,44 +19,21 @@ next to the row's values, in the same tier, and moves with the row.
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import FrozenSet, Union
 
 import torch
 
-from recpipe.planner.types import parse_enum
+from recpipe.pipeline.placement import FusedOptimizer
 
-__all__ = ["FusedOptimizer", "TieredOptimizerConfig"]
+__all__ = ["FusedOptimizer", "SUPPORTED_OPTIMIZERS", "TieredOptimizerConfig"]
 
-
-# fbgemm / torchrec spellings of the fused optimizers.
-_OPTIMIZER_ALIASES = {"exact_sgd": "sgd", "exact_row_wise_adagrad": "rowwise_adagrad",
-                      "row_wise_adagrad": "rowwise_adagrad", "exact_rowwise_adagrad": "rowwise_adagrad"}
-
-
-class FusedOptimizer(enum.Enum):
-    """Fused optimizers of a tiered table; values match ``recpipe.planner.storage`` names."""
-
-    SGD = "sgd"
-    ROWWISE_ADAGRAD = "rowwise_adagrad"
-    ADAM = "adam"
-
-    @classmethod
-    def parse(cls, value: Union["FusedOptimizer", str]) -> "FusedOptimizer":
-        """Reads an optimizer from a ``FusedOptimizer`` or its (case-insensitive) name.
-
-        Args:
-            value (FusedOptimizer | str): the optimizer.
-
-        Returns:
-            FusedOptimizer: the parsed optimizer.
-        """
-        return parse_enum(
-            cls, value, "optimizer", aliases=_OPTIMIZER_ALIASES,
-            hint="tiered tables fuse SGD, row-wise Adagrad or Adam into the backward.",
-        )
+#: The fused optimizers the tiered kernel runs (the placement contract also names
+#: ADAGRAD, which the planner can size but the kernel does not implement).
+SUPPORTED_OPTIMIZERS: FrozenSet[FusedOptimizer] = frozenset(
+    {FusedOptimizer.SGD, FusedOptimizer.ROWWISE_ADAGRAD, FusedOptimizer.ADAM}
+)
 
 
 @dataclass(kw_only=True)
@@ -83,6 +60,12 @@ class TieredOptimizerConfig:
 
     def __post_init__(self) -> None:
         self.optimizer = FusedOptimizer.parse(self.optimizer)
+        if self.optimizer not in SUPPORTED_OPTIMIZERS:
+            raise ValueError(
+                f"optimizer {self.optimizer.value} is not supported by tiered tables: use one of "
+                f"{sorted(o.value for o in SUPPORTED_OPTIMIZERS)} (apply_optimizer_in_backward with SGD, "
+                "RowWiseAdagrad or Adam)."
+            )
         for name in ("learning_rate", "eps", "weight_decay"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
@@ -101,7 +84,7 @@ class TieredOptimizerConfig:
 
     @property
     def name(self) -> str:
-        """Optimizer name as ``recpipe.planner.storage`` spells it."""
+        """Optimizer name as the byte formulas (``recpipe.pipeline.placement``) spell it."""
         assert isinstance(self.optimizer, FusedOptimizer)
         return self.optimizer.value
 

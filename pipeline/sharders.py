@@ -22,12 +22,19 @@ The sequence kernel reuses the pooled shard with one id per bag (offsets
 one term is exact) and the backward gives each id the gradient of its own output
 row, summed per unique row before the fused update, as fbgemm's sequence TBE does.
 
-Placement reaches the kernel through the table's fused params, written by
-``recpipe.planner.sharding.PlacementParameterSharding.get_additional_fused_params``
-(``recpipe_mode``, ``recpipe_cache_load_factor``, ``recpipe_dist_type``,
-``recpipe_seed``). The fused optimizer comes from torchrec's usual fused params
-(``optimizer`` as an ``EmbOptimType``, ``learning_rate``, ``eps``, ``beta1``,
-``beta2``, ``weight_decay``), e.g. set by ``apply_optimizer_in_backward``.
+Placement reaches the kernel through the table's fused params: a
+:class:`~recpipe.pipeline.placement.PlacementParams` written by the planner's
+``PlacementParameterSharding.get_additional_fused_params`` (keys
+``recpipe.pipeline.placement.FUSED_PARAM_KEYS``) and read back, validated, by
+``PlacementParams.from_fused_params``. The fused optimizer comes from torchrec's
+usual fused params (``optimizer`` as an ``EmbOptimType``, ``learning_rate``,
+``eps``, ``beta1``, ``beta2``, ``weight_decay``), e.g. set by
+``apply_optimizer_in_backward``; the kernel refuses a table whose optimizer or
+row dtype differs from the one its placement was sized for
+(:class:`~recpipe.pipeline.placement.PlacementMismatchError`), since it would
+allocate other bytes than the plan budgeted. A hand-written
+``PlacementParameterSharding`` that names no optimizer / dtype was not sized for
+one: the table's own are written into its fused params (as its routing is).
 
 Limits: ROW_WISE only (the tiered kernel is refused for other sharding types);
 no variable batch (VBE); sequence tables ignore KJT weights (as torchrec's FUSED
@@ -60,15 +67,25 @@ from torchrec.distributed.embedding_types import (
     ShardedEmbeddingTable,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import PoolingType, data_type_to_dtype
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
+from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
+from recpipe.pipeline.placement import (
+    FUSED_PARAM_DIST_TYPE,
+    FUSED_PARAM_DTYPE,
+    FUSED_PARAM_OPTIMIZER,
+    FUSED_PARAM_SEED,
+    DistType,
+    FusedOptimizer,
+    PlacementContractError,
+    PlacementParams,
+    dtype_name,
+)
 from recpipe.pipeline.sharding import (
-    DIST_TYPE_KEY,
-    SEED_KEY,
     RecpipeEmbeddingBagCollectionSharder,
     RecpipeEmbeddingCollectionSharder,
     RecpipeRwPooledEmbeddingSharding,
@@ -89,56 +106,78 @@ __all__ = [
     "TieredShardedEmbeddingBagCollection",
     "TieredShardedEmbeddingCollection",
     "tiered_optimizer_from_fused_params",
+    "tiered_placement",
 ]
-
-# Fused-param keys written by recpipe.planner.sharding.PlacementParameterSharding
-# (duplicated as strings: pipeline/ reads them, planner/ owns them).
-_MODE = "recpipe_mode"
-_LOAD_FACTOR = "recpipe_cache_load_factor"
-_POLICY = "recpipe_cache_policy"
-
-_OPTIM_NAMES: Dict[EmbOptimType, str] = {
-    EmbOptimType.SGD: "sgd",
-    EmbOptimType.EXACT_SGD: "sgd",
-    EmbOptimType.ROWWISE_ADAGRAD: "rowwise_adagrad",
-    EmbOptimType.EXACT_ROWWISE_ADAGRAD: "rowwise_adagrad",
-    EmbOptimType.ADAM: "adam",
-}
-
 
 def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> TieredOptimizerConfig:
     """The tiered optimizer config for torchrec fused params.
 
     Args:
         fused_params (Dict[str, Any] | None): a table's fused params (``optimizer``
-            is an ``EmbOptimType``; fbgemm's defaults apply to missing keys).
+            is an ``EmbOptimType``; fbgemm's defaults apply to missing keys,
+            ``EXACT_SGD`` for the optimizer).
 
     Returns:
         TieredOptimizerConfig: SGD / row-wise Adagrad / Adam with the same hyper-parameters.
+
+    Raises:
+        ValueError: the optimizer is not one the tiered kernel runs.
     """
     fp = dict(fused_params or {})
     opt = fp.get("optimizer", EmbOptimType.EXACT_SGD)
-    if not isinstance(opt, EmbOptimType):
-        opt = EmbOptimType(str(opt))
-    if opt not in _OPTIM_NAMES:
+    try:
+        fused = FusedOptimizer.parse(opt)
+    except ValueError:
+        fused = None
+    if fused not in SUPPORTED_OPTIMIZERS:
         raise ValueError(
             f"fused optimizer {opt} is not supported by tiered tables: use one of "
-            f"{sorted({o.value for o in _OPTIM_NAMES})} (apply_optimizer_in_backward with SGD, "
+            f"{sorted(o.value for o in SUPPORTED_OPTIMIZERS)} (apply_optimizer_in_backward with SGD, "
             "RowWiseAdagrad or Adam)."
         )
     return TieredOptimizerConfig(
-        optimizer=_OPTIM_NAMES[opt],
+        optimizer=fused,
         learning_rate=float(fp.get("learning_rate", 0.01)),
         eps=float(fp.get("eps", 1.0e-8)),
         beta1=float(fp.get("beta1", 0.9)),
         beta2=float(fp.get("beta2", 0.999)),
-        weight_decay=float(fp.get("weight_decay", 0.0)) if _OPTIM_NAMES[opt] == "adam" else 0.0,
+        weight_decay=float(fp.get("weight_decay", 0.0)) if fused is FusedOptimizer.ADAM else 0.0,
     )
 
 
-def _table_dist_type(table: ShardedEmbeddingTable) -> str:
-    # TieredRwPooledEmbeddingSharding resolved it into the fused params
-    return str((table.fused_params or {}).get(DIST_TYPE_KEY, "hash_roundrobin"))
+def _table_optimizer(fused_params: Optional[Dict[str, Any]], table_name: str) -> TieredOptimizerConfig:
+    """:func:`tiered_optimizer_from_fused_params`, its errors naming the table."""
+    try:
+        return tiered_optimizer_from_fused_params(fused_params)
+    except ValueError as e:
+        raise ValueError(f"tiered table {table_name!r}: {e}") from None
+
+
+def tiered_placement(table: ShardedEmbeddingTable) -> Tuple[PlacementParams, TieredOptimizerConfig]:
+    """The validated placement of a tiered table and the optimizer it trains with.
+
+    Args:
+        table (ShardedEmbeddingTable): a CUSTOMIZED_KERNEL table (its fused params
+            carry the placement and torchrec's fused optimizer).
+
+    Returns:
+        Tuple[PlacementParams, TieredOptimizerConfig]: the placement, and the
+        optimizer (equal to the placement's).
+
+    Raises:
+        PlacementContractError: the placement keys are missing or invalid.
+        PlacementMismatchError: the table's fused optimizer or dtype is not the
+            one the placement was sized for.
+    """
+    params = PlacementParams.from_fused_params(table.fused_params, table.name)
+    optimizer = _table_optimizer(table.fused_params, table.name)
+    params.check_runtime(
+        table.name,
+        optimizer=optimizer.optimizer,
+        dtype=data_type_to_dtype(table.data_type),
+        dim=table.embedding_dim,
+    )
+    return params, optimizer
 
 
 class _TieredKernelBase(BaseEmbedding):
@@ -166,20 +205,21 @@ class _TieredKernelBase(BaseEmbedding):
         self.tables: nn.ModuleDict = nn.ModuleDict()
         self._feature_table: List[str] = []
         for table in config.embedding_tables:
-            fp = dict(table.fused_params or {})
+            params, optimizer = tiered_placement(table)
             shard = TieredEmbeddingShard(
                 num_embeddings=table.num_embeddings,
                 embedding_dim=table.local_cols,
-                mode=fp.get(_MODE, "HYBRID"),
-                cache_load_factor=float(fp.get(_LOAD_FACTOR, 1.0)),
-                optimizer=tiered_optimizer_from_fused_params(fp),
+                mode=params.mode,
+                cache_load_factor=params.cache_load_factor,
+                optimizer=optimizer,
                 pooling=self._shard_pooling(table),
-                cache_policy=fp.get(_POLICY, "lfu"),
+                cache_policy=params.cache_policy,
                 rank=rank,
                 world_size=world,
-                dist_type=_table_dist_type(table),
-                routing_seed=int(fp.get(SEED_KEY, 0)),
+                dist_type=params.dist_type.value,
+                routing_seed=params.seed,
                 split_seed=rank,
+                dtype=params.dtype,
                 device=device,
                 table_name=table.name,
             )
@@ -352,24 +392,33 @@ class TieredBatchedEmbedding(_TieredKernelBase):
         return torch.cat(outs, dim=0)
 
 
-def _resolve_tiered_routing(sharding_infos: List[EmbeddingShardingInfo], routing: Optional[RoutingOverrides]) -> None:
-    """Writes each tiered table's routing into its fused params (in place).
+def _resolve_tiered_fused_params(
+    sharding_infos: List[EmbeddingShardingInfo], routing: Optional[RoutingOverrides]
+) -> None:
+    """Completes each tiered table's placement in its fused params (in place).
 
-    The table's own ``recpipe_dist_type`` / ``recpipe_seed``, else the sharder's
-    ``RoutingOverrides``, else ``hash_roundrobin`` with seed 0.
+    Routing: the table's own ``recpipe_dist_type`` / ``recpipe_seed``, else the
+    sharder's ``RoutingOverrides``, else ``hash_roundrobin`` with seed 0. Optimizer
+    and dtype: a hand-written ``PlacementParameterSharding`` that names none was not
+    sized for one, so the table's own fused optimizer and dtype are written in;
+    a placement that names them keeps them (the kernel then checks the model agrees).
     """
     for info in sharding_infos:
         if info.param_sharding.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value:
             continue
         fp = dict(info.fused_params or {})
         name = info.embedding_config.name
-        if DIST_TYPE_KEY not in fp:
+        if FUSED_PARAM_DIST_TYPE not in fp:
             if routing is not None and name in routing.table_dist_types:
-                fp[DIST_TYPE_KEY] = routing.table_dist_types[name]
-                fp.setdefault(SEED_KEY, routing.seed)
+                fp[FUSED_PARAM_DIST_TYPE] = routing.table_dist_types[name].value
+                fp.setdefault(FUSED_PARAM_SEED, routing.seed)
             else:
-                fp[DIST_TYPE_KEY] = "hash_roundrobin"
-        fp.setdefault(SEED_KEY, 0)
+                fp[FUSED_PARAM_DIST_TYPE] = DistType.HASH_ROUNDROBIN.value
+        fp.setdefault(FUSED_PARAM_SEED, 0)
+        if FUSED_PARAM_OPTIMIZER not in fp:
+            fp[FUSED_PARAM_OPTIMIZER] = _table_optimizer(fp, name).name
+        if FUSED_PARAM_DTYPE not in fp:
+            fp[FUSED_PARAM_DTYPE] = dtype_name(data_type_to_dtype(info.embedding_config.data_type))
         info.fused_params = fp
 
 
@@ -405,13 +454,14 @@ class _TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
 
 
 class _TieredRoutingMixin:
-    """Resolves the routing of tiered tables before the row-wise sharding is built.
+    """Completes the placement of tiered tables before the row-wise sharding is built.
 
     The routing of a tiered table is resolved once, here, and written into its
     fused params so the input dist (``recpipe.pipeline.sharding.feature_routing``)
     and the tiered kernel agree: the table's own ``recpipe_dist_type`` /
     ``recpipe_seed``, else the sharder's ``RoutingOverrides``, else
-    ``hash_roundrobin`` with seed 0 (recpipe's default for its tables).
+    ``hash_roundrobin`` with seed 0 (recpipe's default for its tables). See
+    :func:`_resolve_tiered_fused_params` for the optimizer and dtype.
     """
 
     def __init__(
@@ -421,7 +471,7 @@ class _TieredRoutingMixin:
         routing: Optional[RoutingOverrides] = None,
         **kwargs: Any,
     ) -> None:
-        _resolve_tiered_routing(sharding_infos, routing)
+        _resolve_tiered_fused_params(sharding_infos, routing)
         super().__init__(sharding_infos, *args, routing=routing, **kwargs)  # type: ignore[call-arg]
 
 
@@ -689,7 +739,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingB
 
     Example::
 
-        plan = recpipe.planner.sharding.to_sharding_plan(placement_plan)
+        plan = PlacementPlanner(topology).plan(model).to_sharding_plan()  # recpipe.planner
         model = DistributedModelParallel(model, plan=plan,
                                          sharders=[TieredEmbeddingBagCollectionSharder()])
     """
@@ -703,7 +753,7 @@ def _check_tiered_params(params: Dict[str, ParameterSharding]) -> None:
                 and ps.sharding_type != ShardingType.ROW_WISE.value):
             raise ValueError(
                 f"table {name}: CUSTOMIZED_KERNEL (tiered) needs sharding_type row_wise, got "
-                f"{ps.sharding_type}; use recpipe.planner.sharding.to_sharding_plan."
+                f"{ps.sharding_type}; build the plan with recpipe.planner (PlacementPlan.to_sharding_plan())."
             )
 
 

@@ -9,9 +9,12 @@ points to
   ``reduce_scatter``, torch >= 2.13),
 * route the input distribution through
   ``torch.ops.recpipe.block_bucketize_sparse_features`` with a per-table
-  ``dist_type``: tables whose :class:`~recpipe.planner.sharding.PlacementParameterSharding`
-  says so (``recpipe_dist_type`` in ``get_additional_fused_params()``) use it;
-  every other table keeps ``continuous``, bit-identical to torchrec.
+  :class:`~recpipe.pipeline.placement.DistType`: a table carrying a placement
+  (``PlacementParams`` in its fused params, written by the planner's
+  ``PlacementParameterSharding``) is routed by it, validated with
+  ``PlacementParams.from_fused_params``; a table given a routing at the sharder
+  (``table_dist_types=``) by that; every other table keeps ``continuous``,
+  bit-identical to torchrec.
 
 Classes (each a subclass of the torchrec class of the same role):
 
@@ -25,7 +28,7 @@ Classes (each a subclass of the torchrec class of the same role):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Mapping, Optional
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -61,6 +64,14 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.pipeline import ops
+from recpipe.pipeline.placement import (
+    FUSED_PARAM_DIST_TYPE,
+    FUSED_PARAM_MODE,
+    FUSED_PARAM_SEED,
+    DistType,
+    PlacementContractError,
+    PlacementParams,
+)
 
 __all__ = [
     "DIST_TYPE_KEY",
@@ -75,12 +86,13 @@ __all__ = [
     "RoutingOverrides",
     "feature_routing",
     "recpipe_sharders",
+    "table_routing",
 ]
 
-#: fused_params key carrying a table's routing (set by PlacementParameterSharding).
-DIST_TYPE_KEY = "recpipe_dist_type"
-#: fused_params key carrying the routing seed.
-SEED_KEY = "recpipe_seed"
+#: fused_params key carrying a table's routing (alias of ``placement.FUSED_PARAM_DIST_TYPE``).
+DIST_TYPE_KEY: str = FUSED_PARAM_DIST_TYPE
+#: fused_params key carrying the routing seed (alias of ``placement.FUSED_PARAM_SEED``).
+SEED_KEY: str = FUSED_PARAM_SEED
 
 
 @dataclass(frozen=True)
@@ -88,13 +100,12 @@ class RoutingOverrides:
     """Routing chosen at the sharder for tables that do not carry their own.
 
     Attributes:
-        table_dist_types: table name -> ``continuous`` / ``roundrobin`` /
-            ``hash_roundrobin`` (tables not listed stay ``continuous`` unless their
-            ParameterSharding says otherwise).
+        table_dist_types: table name -> ``DistType`` (tables not listed stay
+            ``continuous`` unless their ParameterSharding says otherwise).
         seed: seed of the hash_roundrobin bijection for those tables.
     """
 
-    table_dist_types: Mapping[str, str] = field(default_factory=dict)
+    table_dist_types: Mapping[str, DistType] = field(default_factory=dict)
     seed: int = 0
 
 
@@ -128,18 +139,13 @@ def feature_routing(
     seeds: dict[int, str] = {}
     for group in grouped_configs:
         for table in group.embedding_tables:
-            params: Dict[str, Any] = dict(table.fused_params or {})
-            if overrides is not None and table.name in overrides.table_dist_types:
-                params.setdefault(DIST_TYPE_KEY, overrides.table_dist_types[table.name])
-                params.setdefault(SEED_KEY, overrides.seed)
-            dt = str(params.get(DIST_TYPE_KEY, "continuous"))
-            ops.dist_type_code(dt)  # validates the name
+            dt, table_seed = table_routing(table.fused_params, table.name, overrides)
             n = int(table.num_embeddings)
-            if dt != "continuous":
+            if dt is not DistType.CONTINUOUS:
                 _check_routed_layout(table, n, world_size, dt)
-                if dt == "hash_roundrobin":
-                    seeds.setdefault(int(params.get(SEED_KEY, 0)), table.name)
-            dist_types.extend([dt] * table.num_features())
+                if dt is DistType.HASH_ROUNDROBIN:
+                    seeds.setdefault(table_seed, table.name)
+            dist_types.extend([dt.value] * table.num_features())
             sizes.extend([n] * table.num_features())
     if len(seeds) > 1:
         raise ValueError(
@@ -150,7 +156,52 @@ def feature_routing(
     return dist_types, sizes, seed
 
 
-def _check_routed_layout(table: Any, n: int, world_size: int, dist_type: str) -> None:
+def table_routing(
+    fused_params: Optional[Mapping[str, Any]],
+    table_name: str,
+    overrides: Optional[RoutingOverrides] = None,
+) -> Tuple[DistType, int]:
+    """The routing of one table: ``(dist_type, seed)``.
+
+    A table whose fused params carry a placement (``recpipe_mode`` present, as
+    written by the planner's ``PlacementParameterSharding``) is read whole with
+    ``PlacementParams.from_fused_params``, which validates every key. Otherwise the
+    routing keys alone are read, the sharder's ``overrides`` filling what they
+    lack, and ``continuous`` (seed 0) is the default.
+
+    Args:
+        fused_params: the table's fused params.
+        table_name: the table, for errors.
+        overrides: routing chosen at the sharder.
+
+    Returns:
+        ``(DistType, seed)``.
+
+    Raises:
+        PlacementContractError: a placement or routing key holds a bad value.
+    """
+    params: Dict[str, Any] = dict(fused_params or {})
+    if FUSED_PARAM_MODE in params:
+        placed = PlacementParams.from_fused_params(params, table_name)
+        return placed.dist_type, placed.seed
+    if overrides is not None and table_name in overrides.table_dist_types:
+        params.setdefault(FUSED_PARAM_DIST_TYPE, overrides.table_dist_types[table_name])
+        params.setdefault(FUSED_PARAM_SEED, overrides.seed)
+    try:
+        dist_type = DistType.parse(params.get(FUSED_PARAM_DIST_TYPE, DistType.CONTINUOUS))
+    except ValueError as e:
+        raise PlacementContractError(
+            f"table {table_name!r}: fused param {FUSED_PARAM_DIST_TYPE!r}: {e}"
+        ) from None
+    seed = params.get(FUSED_PARAM_SEED, 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise PlacementContractError(
+            f"table {table_name!r}: fused param {FUSED_PARAM_SEED!r} must be an int, got {seed!r}."
+        )
+    return dist_type, int(seed)
+
+
+def _check_routed_layout(table: Any, n: int, world_size: int, dist_type: Union[DistType, str]) -> None:
     """roundrobin/hash routing puts ``ceil((N - r) / W)`` rows on rank ``r``."""
     spec = getattr(table, "global_metadata", None)
     if spec is None:
@@ -160,7 +211,7 @@ def _check_routed_layout(table: Any, n: int, world_size: int, dist_type: str) ->
     want = [(n - r + world_size - 1) // world_size for r in range(world_size)]
     if got != want:
         raise ValueError(
-            f"recpipe: table {table.name!r} is routed with {dist_type!r}, which puts "
+            f"recpipe: table {table.name!r} is routed with {DistType.parse(dist_type).value!r}, which puts "
             f"{want} rows on ranks 0..{world_size - 1}, but its sharding plan has shards of "
             f"{got} rows (torchrec's contiguous blocks). Possible solutions:\n"
             "  1) build the plan with recpipe.planner (PlacementPlan.to_sharding_plan()), or\n"
@@ -388,15 +439,18 @@ class RecpipeShardedEmbeddingCollection(_RoutedShardedMixin, ShardedEmbeddingCol
         )
 
 
-def _make_routing(table_dist_types: Optional[Mapping[str, str]], seed: int) -> Optional[RoutingOverrides]:
+def _make_routing(
+    table_dist_types: Optional[Mapping[str, Union[DistType, str]]], seed: int
+) -> Optional[RoutingOverrides]:
     if not table_dist_types:
         return None
+    parsed: Dict[str, DistType] = {}
     for table, dt in table_dist_types.items():
         try:
-            ops.dist_type_code(dt)
+            parsed[table] = DistType.parse(dt)
         except ValueError as e:
             raise ValueError(f"recpipe: `table_dist_types[{table!r}]`: {e}") from None
-    return RoutingOverrides(table_dist_types=dict(table_dist_types), seed=int(seed))
+    return RoutingOverrides(table_dist_types=parsed, seed=int(seed))
 
 
 class _RoutedSharderMixin:
@@ -418,7 +472,7 @@ class _RoutedSharderMixin:
     def __init__(
         self,
         *args: Any,
-        table_dist_types: Optional[Mapping[str, str]] = None,
+        table_dist_types: Optional[Mapping[str, Union[DistType, str]]] = None,
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
@@ -498,7 +552,7 @@ class RecpipeEmbeddingCollectionSharder(_RoutedSharderMixin, EmbeddingCollection
 
 def recpipe_sharders(
     fused_params: Optional[Dict[str, Any]] = None,
-    table_dist_types: Optional[Mapping[str, str]] = None,
+    table_dist_types: Optional[Mapping[str, Union[DistType, str]]] = None,
     seed: int = 0,
 ) -> List[BaseEmbeddingSharder]:
     """The recpipe sharders for EBC and EC modules, sharing their arguments.

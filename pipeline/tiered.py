@@ -32,6 +32,13 @@ The optimizer is fused into the backward like fbgemm's TBE: the lookup is a cust
 SGD / row-wise Adagrad / Adam in place in whichever tier each row lives and
 returns no weight gradient. The optimizer state of a row lives and moves with it.
 
+Each step of a CPU shard runs in the compiled ops ``torch.ops.recpipe.tiered_lookup``
+and ``tiered_backward`` (``csrc/tiered.cpp``); their hit / traffic counters live in
+the int64 ``_stats`` tensor and are read on the host only by :meth:`tier_stats`.
+Other devices run the same rules in device-generic torch ops (``_lookup_torch``,
+``_backward_torch``, which read counts on the host), the reference the kernel is
+tested against bit for bit on the cache maps.
+
 Metadata encodings (they keep the metadata inside the planner's byte budget of
 ``CACHE_ROW_MAP_BYTES`` per row and ``CACHE_SLOT_BYTES`` per slot):
 
@@ -45,7 +52,6 @@ Metadata encodings (they keep the metadata inside the planner's byte budget of
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -66,8 +72,7 @@ from recpipe.pipeline.ops import (
     hash_roundrobin_global_ids,
     route_ids,
 )
-from recpipe.planner.storage import ShardStorage, local_rows, row_bytes, tier_rows
-from recpipe.planner.types import Mode, parse_enum
+from recpipe.pipeline.placement import CachePolicy, Mode, ShardStorage, local_rows, row_bytes, tier_rows
 
 __all__ = [
     "CachePolicy",
@@ -84,26 +89,6 @@ __all__ = [
 #: 2 adds ``routing_version`` (``recpipe.pipeline.ops.ROUTING_VERSION``); version 1
 #: exports lack it and were routed by hash_roundrobin version 1.
 CHECKPOINT_VERSION: int = 2
-
-
-class CachePolicy(enum.Enum):
-    """Eviction policy of a CACHING table. LFU is the default (closest to the
-    frequency oracle on skewed ids); LRU is offered for drifting traffic."""
-
-    LFU = "lfu"
-    LRU = "lru"
-
-    @classmethod
-    def parse(cls, value: Union["CachePolicy", str]) -> "CachePolicy":
-        """Reads a policy from a ``CachePolicy`` or its (case-insensitive) name.
-
-        Args:
-            value (CachePolicy | str): the policy.
-
-        Returns:
-            CachePolicy: the parsed policy.
-        """
-        return parse_enum(cls, value, "cache_policy")
 
 
 class TieredCheckpointError(ValueError):

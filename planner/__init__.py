@@ -2,10 +2,14 @@
 
 ``PlacementPlanner(topology).plan(ebc) -> PlacementPlan``; ``plan.report()`` and
 ``plan.to_sharding_plan()`` (torchrec ``ShardingPlan``, ROW_WISE +
-CUSTOMIZED_KERNEL). Byte formulas shared with the tiered-storage runtime live in
-``recpipe.planner.storage``.
+CUSTOMIZED_KERNEL), each table's ``ParameterSharding`` carrying its
+``PlacementParams``. The placement contract (enums, fused-param keys,
+``PlacementParams``) and the byte formulas shared with the tiered-storage runtime
+live in ``recpipe.pipeline.placement``; ``recpipe.planner.storage`` re-exports the
+formulas.
 """
 
+from recpipe.pipeline.placement import CachePolicy, DistType, FusedOptimizer, PlacementParams
 from recpipe.planner.cost_models import (
     AnalyticCostModel,
     CostModel,
@@ -13,13 +17,9 @@ from recpipe.planner.cost_models import (
     fast_tier_hit_rate,
 )
 from recpipe.planner.enumerators import GridPlacementEnumerator
-from recpipe.planner.planners import PlacementPlanner, tables_from_module
+from recpipe.planner.planners import PlacementPlanner, table_fused_optimizer, tables_from_module
 from recpipe.planner.proposers import BruteForceProposer, DynamicProgrammingProposer, Proposer
-from recpipe.planner.sharding import (
-    PlacementParameterSharding,
-    placements_from_sharding_plan,
-    to_sharding_plan,
-)
+from recpipe.planner.sharding import PlacementParameterSharding, placements_from_sharding_plan
 from recpipe.planner.storage import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
@@ -42,6 +42,7 @@ from recpipe.planner.types import (
     PlannerErrorType,
     TablePlacement,
     TableSpec,
+    to_sharding_plan,
 )
 
 __all__ = [
@@ -49,15 +50,19 @@ __all__ = [
     "BruteForceProposer",
     "CACHE_ROW_MAP_BYTES",
     "CACHE_SLOT_BYTES",
+    "CachePolicy",
     "CostModel",
     "DEFAULT_LOAD_FACTORS",
+    "DistType",
     "DynamicProgrammingProposer",
     "EmpiricalCostModel",
+    "FusedOptimizer",
     "GridPlacementEnumerator",
     "Mode",
     "PlacementConstraints",
     "PlacementOption",
     "PlacementParameterSharding",
+    "PlacementParams",
     "PlacementPlan",
     "PlacementPlanner",
     "PlannerError",
@@ -74,6 +79,7 @@ __all__ = [
     "placements_from_sharding_plan",
     "row_bytes",
     "shard_storage",
+    "table_fused_optimizer",
     "tables_from_module",
     "tier_rows",
     "to_sharding_plan",

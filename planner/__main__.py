@@ -21,6 +21,7 @@ from typing import List, Optional, Sequence
 import yaml
 from torchrec.distributed.planner.types import Topology
 
+from recpipe.pipeline.placement import FusedOptimizer
 from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
 from recpipe.planner.types import DEFAULT_ZIPF_ALPHA, PlannerError, TableSpec
 
@@ -101,7 +102,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--hbm", type=parse_size, required=True, help="HBM per device, e.g. 80GiB")
     ap.add_argument("--ddr", type=parse_size, required=True, help="host DDR per machine, e.g. 1TiB")
     ap.add_argument("--cost-model", choices=("analytic", "empirical"), default="analytic")
-    ap.add_argument("--optimizer", default="adam", help="optimizer of tables that do not name one")
+    ap.add_argument("--optimizer", default=FusedOptimizer.ADAM.value, choices=[m.value for m in FusedOptimizer],
+                    help="optimizer of tables that do not name one")
     ap.add_argument("--hbm-reservation", type=float, default=DEFAULT_HBM_RESERVATION)
     ap.add_argument("--ddr-reservation", type=float, default=DEFAULT_DDR_RESERVATION)
     ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"))

@@ -19,8 +19,8 @@ from typing import Protocol, Sequence, Tuple, runtime_checkable
 import numpy as np
 from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
 
-from recpipe.planner.storage import _floor_fraction, row_bytes
-from recpipe.planner.types import Mode, TableSpec
+from recpipe.pipeline.placement import Mode, floor_fraction, row_bytes
+from recpipe.planner.types import TableSpec
 
 # Terms summed exactly before switching to the Euler-Maclaurin tail in
 # ``generalized_harmonic``. Dimensionless; the tail error is below 1e-12 here.
@@ -109,9 +109,9 @@ def fast_tier_hit_rate(table: TableSpec, mode: Mode, x: float) -> float:
         total = counts.sum()
         if total <= 0:
             return float(x)
-        k = _floor_fraction(x, counts.size)
+        k = floor_fraction(x, counts.size)
         return float(counts[:k].sum() / total)
-    k = _floor_fraction(x, table.rows)
+    k = floor_fraction(x, table.rows)
     h = generalized_harmonic(np.array([k, table.rows]), table.zipf_alpha)
     return float(h[0] / h[1])
 
@@ -217,7 +217,7 @@ class AnalyticCostModel(_BandwidthMixCostModel):
             else:
                 zipf.append(i)
         if zipf:
-            ks = [_floor_fraction(options[i][1], table.rows) for i in zipf]
+            ks = [floor_fraction(options[i][1], table.rows) for i in zipf]
             h = generalized_harmonic(np.array(ks + [table.rows]), table.zipf_alpha)
             out[zipf] = h[:-1] / h[-1]
         return out

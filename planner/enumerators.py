@@ -7,20 +7,20 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from recpipe.planner.cost_models import CostModel
-from recpipe.planner.storage import (
+from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
-    _check_load_factor,
-    _decimal_ratio,
+    Mode,
+    check_load_factor,
+    decimal_ratio,
     machine_storage,
     max_local_rows,
     row_bytes,
     shard_storage,
 )
+from recpipe.planner.cost_models import CostModel
 from recpipe.planner.types import (
     DEFAULT_LOAD_FACTORS,
-    Mode,
     PlacementConstraints,
     PlacementOption,
     PlannerError,
@@ -36,7 +36,7 @@ def _constraint_for(table: TableSpec, constraints: Mapping[str, PlacementConstra
 class GridPlacementEnumerator:
     """Enumerates ``{HYBRID, CACHING} x load_factors`` per table (``x = 1`` once).
 
-    Bytes come from ``recpipe.planner.storage`` for row-wise sharding over all
+    Bytes come from ``recpipe.pipeline.placement`` for row-wise sharding over all
     ``world_size`` ranks; costs from the cost model. Pinned constraints narrow a
     table's options.
 
@@ -64,7 +64,7 @@ class GridPlacementEnumerator:
         if not load_factors:
             raise ValueError("load_factors is empty: give at least one x in (0, 1], e.g. (0.1, ..., 1.0).")
         for x in load_factors:
-            _check_load_factor(x)
+            check_load_factor(x)
         self.world_size = world_size
         self.local_world_size = local_world_size
         self.cost_model = cost_model
@@ -112,7 +112,7 @@ class GridPlacementEnumerator:
     def enumerate_arrays(self, tables: Sequence[TableSpec]) -> "OptionArrays":
         """Options of every table as ``(tables, options)`` arrays, computed in bulk.
 
-        Bytes are the ``recpipe.planner.storage`` formulas evaluated with NumPy
+        Bytes are the ``recpipe.pipeline.placement`` formulas evaluated with NumPy
         over all tables sharing a candidate list at once (exact integers, equal
         to ``shard_storage`` / ``machine_storage``); costs come from the cost model.
 
@@ -188,14 +188,14 @@ def _bulk_storage(
 ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
     """``shard_storage`` / ``machine_storage`` for many tables x one candidate list.
 
-    Mirrors ``recpipe.planner.storage`` term by term: rank 0 owns ``big =
+    Mirrors ``recpipe.pipeline.placement`` term by term: rank 0 owns ``big =
     ceil(N / W)`` rows; machine 0 has ``n_big`` ranks of ``big`` rows and
     ``L - n_big`` of ``big - 1``; ``k = floor(num * rows / den)`` with ``x = num /
     den`` its shortest decimal. Returns None when a product could overflow int64.
     """
     N = np.array([t.rows for t in tables], dtype=np.int64)
     rb = np.array([row_bytes(t.dim, t.dtype, t.optimizer) for t in tables], dtype=np.int64)[:, None]
-    ratios = [_decimal_ratio(x) for _, x in cand]
+    ratios = [decimal_ratio(x) for _, x in cand]
     num = np.array([r[0] for r in ratios], dtype=np.int64)[None, :]
     den = np.array([r[1] for r in ratios], dtype=np.int64)[None, :]
     big = (N + W - 1) // W

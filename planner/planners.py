@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 from torch import nn
 from torchrec.distributed.planner.constants import BATCH_SIZE, POOLING_FACTOR
 from torchrec.distributed.planner.types import Topology
+from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
+from recpipe.pipeline.placement import ROUTED_DIST_TYPES, CachePolicy, DistType, FusedOptimizer
 from recpipe.planner.cost_models import CostModel, make_cost_model
 from recpipe.planner.enumerators import GridPlacementEnumerator, OptionArrays
 from recpipe.planner.proposers import DynamicProgrammingProposer, Proposer
@@ -35,20 +37,90 @@ DEFAULT_HBM_RESERVATION: float = 0.15
 DEFAULT_DDR_RESERVATION: float = 0.0
 
 
+def _optimizer_error(table: str, message: str) -> PlannerError:
+    return PlannerError(
+        f"Table {table!r}: {message}\n"
+        "Possible solutions:\n"
+        "  1) fuse one of SGD, RowWiseAdagrad, Adagrad or Adam into the table's backward: "
+        "apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, ebc.parameters(), {'lr': 0.01});\n"
+        "  2) plan a list of TableSpec with the optimizer the table will train with.",
+        PlannerErrorType.INPUT_VALIDATION,
+    )
+
+
+def table_fused_optimizer(
+    param: Optional[nn.Parameter],
+    table: str,
+    fused_params: Optional[Mapping[str, Any]] = None,
+) -> Optional[FusedOptimizer]:
+    """The fused optimizer torchrec's sharders will give a table, read as they read it.
+
+    torchrec's ``apply_optimizer_in_backward`` stores the optimizer on the weight
+    (``param._optimizer_classes`` / ``param._optimizer_kwargs``); the sharder turns
+    the class into an fbgemm ``EmbOptimType`` (``optimizer_type_to_emb_opt_type``,
+    unless the kwargs name an ``optimizer``) and merges it over its own
+    ``fused_params``, so the parameter's optimizer wins over the sharder's.
+
+    Args:
+        param (Optional[nn.Parameter]): the table's weight (meta tensors are fine).
+        table (str): table name, for errors.
+        fused_params (Optional[Mapping[str, Any]]): the sharders' fused params.
+
+    Returns:
+        Optional[FusedOptimizer]: the optimizer, or None when neither names one.
+
+    Raises:
+        PlannerError: the optimizer has no fused (fbgemm) equivalent the byte
+            formulas know, or the weight carries more than one.
+    """
+    classes = list(getattr(param, "_optimizer_classes", None) or [])
+    kwargs = list(getattr(param, "_optimizer_kwargs", None) or [{}])
+    if len(classes) > 1:
+        raise _optimizer_error(
+            table, f"its weight carries {len(classes)} in-backward optimizers {[c.__name__ for c in classes]}; "
+            "torchrec's sharders fuse exactly one."
+        )
+    emb_opt: Any = None
+    if classes:
+        emb_opt = kwargs[0].get("optimizer") if kwargs else None
+        if emb_opt is None:
+            try:
+                emb_opt = optimizer_type_to_emb_opt_type(classes[0])
+            except ValueError:
+                raise _optimizer_error(
+                    table, f"its in-backward optimizer {classes[0].__module__}.{classes[0].__qualname__} has no "
+                    "fused (fbgemm EmbOptimType) equivalent."
+                ) from None
+    elif fused_params is not None and fused_params.get("optimizer") is not None:
+        emb_opt = fused_params["optimizer"]
+    if emb_opt is None:
+        return None
+    try:
+        return FusedOptimizer.parse(emb_opt)
+    except ValueError as e:
+        raise _optimizer_error(table, f"its fused optimizer {emb_opt} cannot be sized: {e}") from None
+
+
 def tables_from_module(
     module: nn.Module,
     *,
-    optimizer: str = "adam",
+    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.ADAM,
+    fused_params: Optional[Mapping[str, Any]] = None,
     batch_size: int = BATCH_SIZE,
     pooling_factor: float = POOLING_FACTOR,
 ) -> List[TableSpec]:
     """Table specs of every EmbeddingBagCollection / EmbeddingCollection in ``module``.
 
-    Works on meta-device modules (only configs are read).
+    Works on meta-device modules (only configs and parameter attributes are read).
+    Each table's optimizer is the one the model fuses into it
+    (:func:`table_fused_optimizer`: ``apply_optimizer_in_backward``, else the
+    sharders' ``fused_params``), else ``optimizer``.
 
     Args:
         module (nn.Module): a model, or an EBC / EC itself.
-        optimizer (str): fused optimizer of every table.
+        optimizer (FusedOptimizer | str): fused optimizer of tables the model gives none.
+        fused_params (Optional[Mapping[str, Any]]): the sharders' fused params
+            (torchrec style: ``optimizer`` an ``EmbOptimType``).
         batch_size (int): per-rank batch size (torchrec ``BATCH_SIZE`` = 512 default).
         pooling_factor (float): ids per feature per sample (torchrec ``POOLING_FACTOR`` = 1).
 
@@ -56,22 +128,29 @@ def tables_from_module(
         List[TableSpec]: one per table, ``lookups_per_step = batch_size x
         pooling_factor x features of the table``.
     """
+    fallback = FusedOptimizer.parse(optimizer)
     specs: List[TableSpec] = []
     for path, sub in module.named_modules():
         if isinstance(sub, EmbeddingBagCollection):
             configs = sub.embedding_bag_configs()
+            holders = sub.embedding_bags
         elif isinstance(sub, EmbeddingCollection):
             configs = sub.embedding_configs()
+            holders = sub.embeddings
         else:
             continue
         for cfg in configs:
+            holder = holders[cfg.name] if cfg.name in holders else None
+            weight = getattr(holder, "weight", None)
+            fqn = f"{path}.{cfg.name}" if path else cfg.name
+            fused = table_fused_optimizer(weight, fqn, fused_params)
             specs.append(
                 TableSpec(
                     name=cfg.name,
                     rows=int(cfg.num_embeddings),
                     dim=int(cfg.embedding_dim),
                     dtype=data_type_to_dtype(cfg.data_type),
-                    optimizer=optimizer,
+                    optimizer=fused if fused is not None else fallback,
                     lookups_per_step=float(batch_size * pooling_factor * max(len(cfg.feature_names), 1)),
                     module_path=path,
                     feature_names=tuple(cfg.feature_names),
@@ -99,12 +178,18 @@ class PlacementPlanner:
         constraints (Optional[Mapping[str, PlacementConstraints]]): pins per table
             name or FQN.
         proposer (Optional[Proposer]): defaults to ``DynamicProgrammingProposer(bins)``.
-        optimizer (str): fused optimizer for tables read from a module.
+        optimizer (FusedOptimizer | str): fused optimizer of module tables whose
+            model names none (neither ``apply_optimizer_in_backward`` nor
+            ``fused_params``); a module's own optimizers always win.
+        fused_params (Optional[Mapping[str, Any]]): the sharders' fused params
+            (torchrec style; their ``optimizer`` applies to tables without an
+            in-backward optimizer, as in torchrec's sharders).
         batch_size (int): per-rank batch size for tables read from a module.
         hbm_reservation (float): fraction of HBM kept for everything else (0.15).
         ddr_reservation (float): fraction of host DDR kept (0.0).
-        dist_type (str): id routing carried to the sharders (``hash_roundrobin``).
+        dist_type (DistType | str): id routing carried to the sharders (``hash_roundrobin``).
         seed (int): hash seed carried to the sharders.
+        cache_policy (CachePolicy | str): eviction policy of CACHING tables carried to the sharders.
 
     Example::
 
@@ -123,12 +208,14 @@ class PlacementPlanner:
         bins: Optional[Tuple[int, int]] = None,
         constraints: Optional[Mapping[str, PlacementConstraints]] = None,
         proposer: Optional[Proposer] = None,
-        optimizer: str = "adam",
+        optimizer: Union[FusedOptimizer, str] = FusedOptimizer.ADAM,
+        fused_params: Optional[Mapping[str, Any]] = None,
         batch_size: int = BATCH_SIZE,
         hbm_reservation: float = DEFAULT_HBM_RESERVATION,
         ddr_reservation: float = DEFAULT_DDR_RESERVATION,
-        dist_type: str = "hash_roundrobin",
+        dist_type: Union[DistType, str] = DistType.HASH_ROUNDROBIN,
         seed: int = 0,
+        cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a torchrec Topology, got {type(topology).__name__}.")
@@ -137,22 +224,25 @@ class PlacementPlanner:
                 raise ValueError(f"{name} must be in [0, 1), got {frac}.")
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}.")
-        if dist_type not in ("hash_roundrobin", "roundrobin"):
+        dist = DistType.parse(dist_type)
+        if dist not in ROUTED_DIST_TYPES:
             raise ValueError(
                 f"dist_type must be 'hash_roundrobin' or 'roundrobin' (the routings whose shard sizes "
-                f"storage.local_rows describes), got {dist_type!r}."
+                f"placement.local_rows describes), got {dist_type!r}."
             )
         self.topology = topology
         self.cost_model: CostModel = make_cost_model(cost_model, topology.hbm_mem_bw, topology.hbm_to_ddr_mem_bw)
         self.load_factors = tuple(load_factors)
         self.constraints = dict(constraints or {})
         self.proposer: Proposer = proposer if proposer is not None else DynamicProgrammingProposer(bins)
-        self.optimizer = optimizer
+        self.optimizer: FusedOptimizer = FusedOptimizer.parse(optimizer)
+        self.fused_params: Optional[Mapping[str, Any]] = dict(fused_params) if fused_params is not None else None
         self.batch_size = batch_size
         self.hbm_reservation = hbm_reservation
         self.ddr_reservation = ddr_reservation
-        self.dist_type = dist_type
+        self.dist_type: DistType = dist
         self.seed = seed
+        self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy)
         self.enumerator = GridPlacementEnumerator(
             topology.world_size,
             topology.local_world_size,
@@ -179,7 +269,9 @@ class PlacementPlanner:
     # ---- planning -------------------------------------------------------------
     def _tables(self, tables: Union[nn.Module, Sequence[TableSpec]]) -> List[TableSpec]:
         if isinstance(tables, nn.Module):
-            return tables_from_module(tables, optimizer=self.optimizer, batch_size=self.batch_size)
+            return tables_from_module(
+                tables, optimizer=self.optimizer, fused_params=self.fused_params, batch_size=self.batch_size
+            )
         specs = list(tables)
         for t in specs:
             if not isinstance(t, TableSpec):
@@ -199,7 +291,9 @@ class PlacementPlanner:
 
         Args:
             tables (nn.Module | Sequence[TableSpec]): an EBC / EC (meta device is
-                fine), a model holding them, or table specs.
+                fine), a model holding them, or table specs. A module's tables are
+                sized for the optimizer the model fuses into each (call
+                ``apply_optimizer_in_backward`` before planning) and their dtype.
 
         Returns:
             PlacementPlan: the cheapest plan found within both budgets.
@@ -240,6 +334,8 @@ class PlacementPlanner:
                     hbm_bytes_per_machine=o.hbm_bytes_per_machine,
                     ddr_bytes_per_machine=o.ddr_bytes_per_machine,
                     cost=o.cost,
+                    optimizer=FusedOptimizer.parse(t.optimizer),
+                    dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
                 )
             )
         plan = PlacementPlan(
@@ -252,6 +348,7 @@ class PlacementPlanner:
             cost_model=getattr(self.cost_model, "name", type(self.cost_model).__name__),
             dist_type=self.dist_type,
             seed=self.seed,
+            cache_policy=self.cache_policy,
         )
         # A proposer bug must never hand out a plan that breaks a budget.
         if plan.hbm_bytes_per_rank > H or plan.ddr_bytes_per_machine > D:
@@ -357,5 +454,11 @@ class PlacementPlanner:
         )
 
 
-__all__ = ["DEFAULT_DDR_RESERVATION", "DEFAULT_HBM_RESERVATION", "PlacementPlanner", "tables_from_module"]
+__all__ = [
+    "DEFAULT_DDR_RESERVATION",
+    "DEFAULT_HBM_RESERVATION",
+    "PlacementPlanner",
+    "table_fused_optimizer",
+    "tables_from_module",
+]
 

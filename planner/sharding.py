@@ -1,41 +1,63 @@
-"""PlacementPlan -> torchrec ShardingPlan, and back."""
+"""The torchrec side of a placement plan: ParameterSharding carrying the placement, row-wise specs.
+
+``PlacementPlan.to_sharding_plan()`` (``recpipe.planner.types``) builds the
+``ShardingPlan`` from these pieces; this module does not import the plan types,
+so the two modules form no import cycle.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+import torch
 from torchrec.distributed.sharding_plan import placement
 from torchrec.distributed.types import (
-    EmbeddingModuleShardingPlan,
     EnumerableShardingSpec,
     ParameterSharding,
     ShardingPlan,
-    ShardingType,
     ShardMetadata,
 )
 
-from recpipe.planner.storage import _check_load_factor, local_rows
-from recpipe.planner.types import Mode, PlacementPlan
-
-# Keys under which the placement reaches the sharders' fused params (torchrec
-# calls ``get_additional_fused_params`` for CUSTOMIZED_KERNEL tables).
-FUSED_PARAM_MODE: str = "recpipe_mode"
-FUSED_PARAM_CACHE_LOAD_FACTOR: str = "recpipe_cache_load_factor"
-FUSED_PARAM_DIST_TYPE: str = "recpipe_dist_type"
-FUSED_PARAM_SEED: str = "recpipe_seed"
+from recpipe.pipeline.placement import (
+    FUSED_PARAM_CACHE_LOAD_FACTOR,
+    FUSED_PARAM_CACHE_POLICY,
+    FUSED_PARAM_DIST_TYPE,
+    FUSED_PARAM_DTYPE,
+    FUSED_PARAM_MODE,
+    FUSED_PARAM_OPTIMIZER,
+    FUSED_PARAM_SEED,
+    CachePolicy,
+    DistType,
+    FusedOptimizer,
+    Mode,
+    PlacementParams,
+    local_rows,
+)
 
 
 @dataclass
 class PlacementParameterSharding(ParameterSharding):
-    """torchrec ``ParameterSharding`` carrying a recpipe tiered placement.
+    """torchrec ``ParameterSharding`` carrying a recpipe tiered placement (a ``PlacementParams``).
+
+    torchrec merges :meth:`get_additional_fused_params` into the table's fused
+    params (CUSTOMIZED_KERNEL tables), where the tiered sharders read it back with
+    ``PlacementParams.from_fused_params``. Build it with :meth:`from_params` (as
+    the planner does), or field by field.
+
+    ``optimizer`` / ``dtype`` left None (a hand-written placement that was not sized
+    for one) are not written: the tiered sharders then take the table's own fused
+    optimizer and dtype. Plans made by ``PlacementPlanner`` always set both, and the
+    sharders refuse a table whose model disagrees with them.
 
     Args:
-        mode (str): ``"HYBRID"`` or ``"CACHING"``.
+        mode (Mode | str): ``HYBRID`` or ``CACHING``.
         cache_load_factor (float): x in (0, 1].
-        dist_type (str): id routing, ``"hash_roundrobin"`` (default) or ``"roundrobin"``.
+        dist_type (DistType | str): id routing, ``hash_roundrobin`` (default) or ``roundrobin``.
         seed (int): hash seed of the routing.
+        cache_policy (CachePolicy | str): ``lfu`` (default) or ``lru``.
+        optimizer (Optional[FusedOptimizer | str]): fused optimizer the table was sized for.
+        dtype (Optional[torch.dtype | str]): row dtype the table was sized for.
 
     Example::
 
@@ -43,28 +65,87 @@ class PlacementParameterSharding(ParameterSharding):
         # {"recpipe_mode": "CACHING", "recpipe_cache_load_factor": 0.2, ...}
     """
 
-    mode: str = Mode.HYBRID.value
+    mode: Mode = Mode.HYBRID
     cache_load_factor: float = 1.0
-    dist_type: str = "hash_roundrobin"
+    dist_type: DistType = DistType.HASH_ROUNDROBIN
     seed: int = 0
+    cache_policy: CachePolicy = CachePolicy.LFU
+    optimizer: Optional[FusedOptimizer] = None
+    dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
-        self.mode = Mode.parse(self.mode).value
-        _check_load_factor(self.cache_load_factor)
+        full = self._complete()  # validates and normalizes every field
+        self.mode = full.mode
+        self.cache_load_factor = full.cache_load_factor
+        self.dist_type = full.dist_type
+        self.seed = full.seed
+        self.cache_policy = full.cache_policy
+        if self.optimizer is not None:
+            self.optimizer = full.optimizer
+        if self.dtype is not None:
+            self.dtype = full.dtype
+
+    def _complete(self) -> PlacementParams:
+        # Unset optimizer / dtype are stood in for (and left out of the fused params).
+        return PlacementParams(
+            mode=self.mode,
+            cache_load_factor=self.cache_load_factor,
+            dist_type=self.dist_type,
+            seed=self.seed,
+            cache_policy=self.cache_policy,
+            optimizer=self.optimizer if self.optimizer is not None else FusedOptimizer.SGD,
+            dtype=self.dtype if self.dtype is not None else torch.float32,
+        )
+
+    @classmethod
+    def from_params(cls, params: PlacementParams, **parameter_sharding: Any) -> "PlacementParameterSharding":
+        """A parameter sharding carrying ``params``.
+
+        Args:
+            params (PlacementParams): the placement.
+            **parameter_sharding: torchrec ``ParameterSharding`` fields
+                (``sharding_type``, ``compute_kernel``, ``ranks``, ``sharding_spec``, ...).
+
+        Returns:
+            PlacementParameterSharding: with every placement field set.
+        """
+        return cls(
+            **parameter_sharding,
+            mode=params.mode,
+            cache_load_factor=params.cache_load_factor,
+            dist_type=params.dist_type,
+            seed=params.seed,
+            cache_policy=params.cache_policy,
+            optimizer=params.optimizer,
+            dtype=params.dtype,
+        )
+
+    @property
+    def params(self) -> PlacementParams:
+        """The placement as a ``PlacementParams`` (needs ``optimizer`` and ``dtype``)."""
+        unset = [name for name in ("optimizer", "dtype") if getattr(self, name) is None]
+        if unset:
+            raise ValueError(
+                f"PlacementParameterSharding.{' and '.join(unset)} is not set, so it holds no complete "
+                "PlacementParams: set it, or build the sharding with PlacementParameterSharding.from_params."
+            )
+        return self._complete()
 
     def get_additional_fused_params(self) -> Dict[str, Any]:
         """Fused params merged by torchrec into the table's kernel config.
 
         Returns:
-            Dict[str, Any]: ``recpipe_mode``, ``recpipe_cache_load_factor``,
-            ``recpipe_dist_type``, ``recpipe_seed``.
+            Dict[str, Any]: ``PlacementParams.to_fused_params()``: ``recpipe_mode``,
+            ``recpipe_cache_load_factor``, ``recpipe_dist_type``, ``recpipe_seed``,
+            ``recpipe_cache_policy``, ``recpipe_optimizer``, ``recpipe_dtype`` (the
+            last two only when set).
         """
-        return {
-            FUSED_PARAM_MODE: self.mode,
-            FUSED_PARAM_CACHE_LOAD_FACTOR: float(self.cache_load_factor),
-            FUSED_PARAM_DIST_TYPE: self.dist_type,
-            FUSED_PARAM_SEED: int(self.seed),
-        }
+        fused = self._complete().to_fused_params()
+        if self.optimizer is None:
+            del fused[FUSED_PARAM_OPTIMIZER]
+        if self.dtype is None:
+            del fused[FUSED_PARAM_DTYPE]
+        return fused
 
 
 def row_wise_sharding_spec(
@@ -97,34 +178,6 @@ def row_wise_sharding_spec(
     return EnumerableShardingSpec(shards)
 
 
-def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:
-    """torchrec ``ShardingPlan`` for a placement plan (ROW_WISE, CUSTOMIZED_KERNEL).
-
-    Args:
-        plan (PlacementPlan): the placement plan.
-        compute_device (Optional[str]): device for shard placements (default the
-            plan's compute device).
-
-    Returns:
-        ShardingPlan: ``{module_path: {table: PlacementParameterSharding}}``.
-    """
-    device = compute_device or plan.compute_device
-    modules: Dict[str, EmbeddingModuleShardingPlan] = {}
-    for p in plan.placements:
-        module_plan = modules.setdefault(p.module_path, EmbeddingModuleShardingPlan())
-        module_plan[p.table] = PlacementParameterSharding(
-            sharding_type=ShardingType.ROW_WISE.value,
-            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-            ranks=list(range(plan.world_size)),
-            sharding_spec=row_wise_sharding_spec(p.rows, p.dim, plan.world_size, plan.local_world_size, device),
-            mode=p.mode.value,
-            cache_load_factor=p.cache_load_factor,
-            dist_type=plan.dist_type,
-            seed=plan.seed,
-        )
-    return ShardingPlan(plan=dict(modules))
-
-
 def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str, str], Tuple[Mode, float]]:
     """Read placements back from a plan made by ``to_sharding_plan``.
 
@@ -145,11 +198,13 @@ def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str
 
 __all__ = [
     "FUSED_PARAM_CACHE_LOAD_FACTOR",
+    "FUSED_PARAM_CACHE_POLICY",
     "FUSED_PARAM_DIST_TYPE",
+    "FUSED_PARAM_DTYPE",
     "FUSED_PARAM_MODE",
+    "FUSED_PARAM_OPTIMIZER",
     "FUSED_PARAM_SEED",
     "PlacementParameterSharding",
     "placements_from_sharding_plan",
     "row_wise_sharding_spec",
-    "to_sharding_plan",
 ]

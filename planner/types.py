@@ -1,4 +1,8 @@
-"""Data types of the placement planner: modes, table specs, options, plans, errors."""
+"""Data types of the placement planner: table specs, options, plans, errors.
+
+The placement enums (``Mode`` ...) and ``parse_enum`` come from the placement
+contract, :mod:`recpipe.pipeline.placement`, and are re-exported here.
+"""
 
 from __future__ import annotations
 
@@ -7,76 +11,31 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type, TypeVar, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.types import PlannerError as _TorchrecPlannerError
-from torchrec.distributed.types import CacheStatistics
+from torchrec.distributed.types import CacheStatistics, EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
 
-from recpipe.planner.storage import _check_load_factor, _itemsize, optimizer_state_bytes_per_row
+from recpipe.pipeline.placement import (
+    CachePolicy,
+    DistType,
+    FusedOptimizer,
+    Mode,
+    PlacementParams,
+    check_load_factor,
+    dtype_name,
+    parse_enum,
+    resolve_dtype,
+)
+from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
 # torchrec's default Zipf-like skew used by the seed's sweep (TorchEasyRec PR #508:
 # "pow-law alpha=1.05"). Dimensionless.
 DEFAULT_ZIPF_ALPHA: float = 1.05
 # Default cache load factor grid of the seed enumerator (PR #508): 0.1, 0.2, ..., 1.0.
 DEFAULT_LOAD_FACTORS: Tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 11))
-
-
-E = TypeVar("E", bound=enum.Enum)
-
-
-def parse_enum(
-    cls: Type[E], value: Union[E, str], argument: str, aliases: Optional[Dict[str, str]] = None, hint: str = ""
-) -> E:
-    """Reads a member of a string-valued enum from itself or its (case-insensitive) value.
-
-    Args:
-        cls (Type[E]): the enum.
-        value (E | str): a member, or its value in any case.
-        argument (str): the argument's name, for the error message.
-        aliases (Optional[Dict[str, str]]): other lower-case names mapped to lower-case values.
-        hint (str): said after the allowed values when ``value`` is none of them.
-
-    Returns:
-        E: the member.
-
-    Raises:
-        ValueError: naming ``argument``, the allowed values and what was given.
-    """
-    if isinstance(value, cls):
-        return value
-    name = str(value).lower()
-    name = (aliases or {}).get(name, name)
-    for member in cls:
-        if str(member.value).lower() == name:
-            return member
-    raise ValueError(
-        f"{argument} must be one of {[m.value for m in cls]}, got {value!r}" + (f": {hint}" if hint else ".")
-    )
-
-
-class Mode(enum.Enum):
-    """Placement mode of a tiered table.
-
-    HYBRID: a static hashed split, ``floor(x * rows)`` rows in HBM and the rest in
-    host DDR. CACHING: an LFU cache of ``floor(x * rows)`` slots in HBM in front of
-    a full backing store in host DDR.
-    """
-
-    HYBRID = "HYBRID"
-    CACHING = "CACHING"
-
-    @classmethod
-    def parse(cls, value: Union["Mode", str]) -> "Mode":
-        """Read a mode from a ``Mode`` or its (case-insensitive) name.
-
-        Args:
-            value (Mode | str): the mode.
-
-        Returns:
-            Mode: the parsed mode.
-        """
-        return parse_enum(cls, value, "mode")
 
 
 class PlannerErrorType(enum.Enum):
@@ -129,7 +88,7 @@ class TableSpec:
 
     Example::
 
-        TableSpec(name="t0", rows=4_000_000, dim=128, optimizer="adam",
+        TableSpec(name="t0", rows=4_000_000, dim=128, optimizer=FusedOptimizer.ADAM,
                   lookups_per_step=65536)
     """
 
@@ -140,8 +99,8 @@ class TableSpec:
     dim: int
     """Embedding dimension."""
     dtype: Union[torch.dtype, str] = torch.float32
-    """Dtype of the embedding values."""
-    optimizer: str = "adam"
+    """Dtype of the embedding values (a name such as ``"float16"`` is read as the torch dtype)."""
+    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.ADAM
     """Fused optimizer: sgd, rowwise_adagrad, adagrad or adam (sets state bytes)."""
     lookups_per_step: float = 512.0
     """Expected rows looked up per rank per training step (batch x pooling factor)."""
@@ -163,8 +122,8 @@ class TableSpec:
             raise ValueError(f"TableSpec({self.name}).rows must be a positive int, got {self.rows!r}.")
         if not isinstance(self.dim, int) or self.dim <= 0:
             raise ValueError(f"TableSpec({self.name}).dim must be a positive int, got {self.dim!r}.")
-        _itemsize(self.dtype)  # raises a ValueError naming dtype
-        optimizer_state_bytes_per_row(self.optimizer, self.dim)  # raises naming the choices
+        self.dtype = resolve_dtype(self.dtype, f"TableSpec({self.name}).dtype")
+        self.optimizer = FusedOptimizer.parse(self.optimizer, f"TableSpec({self.name}).optimizer")
         if not (self.lookups_per_step >= 0 and math.isfinite(self.lookups_per_step)):
             raise ValueError(
                 f"TableSpec({self.name}).lookups_per_step must be a finite number >= 0, "
@@ -204,12 +163,12 @@ class PlacementConstraints:
         if self.mode is not None:
             self.mode = Mode.parse(self.mode)
         if self.cache_load_factor is not None:
-            _check_load_factor(self.cache_load_factor)
+            check_load_factor(self.cache_load_factor, "PlacementConstraints.cache_load_factor")
         if self.load_factors is not None:
             if len(self.load_factors) == 0:
                 raise ValueError("PlacementConstraints.load_factors is empty: give at least one x.")
             for x in self.load_factors:
-                _check_load_factor(x)
+                check_load_factor(x, "PlacementConstraints.load_factors[...]")
 
 
 @dataclass(frozen=True)
@@ -251,6 +210,8 @@ class TablePlacement:
         hbm_bytes_per_machine (int): fast-tier bytes, most loaded machine.
         ddr_bytes_per_machine (int): slow-tier bytes, most loaded machine.
         cost (float): modelled step cost in ms.
+        optimizer (FusedOptimizer): fused optimizer the bytes were sized for.
+        dtype (torch.dtype): row dtype the bytes were sized for.
     """
 
     table: str
@@ -264,6 +225,8 @@ class TablePlacement:
     hbm_bytes_per_machine: int
     ddr_bytes_per_machine: int
     cost: float
+    optimizer: FusedOptimizer
+    dtype: torch.dtype
 
     @property
     def fqn(self) -> str:
@@ -283,8 +246,9 @@ class PlacementPlan:
         hbm_budget_per_rank (int): usable HBM per device (after reservation).
         ddr_budget_per_machine (int): usable host DDR per machine (after reservation).
         cost_model (str): name of the cost model used.
-        dist_type (str): routing of ids to ranks carried to the sharders.
+        dist_type (DistType | str): routing of ids to ranks carried to the sharders.
         seed (int): hash seed carried to the sharders.
+        cache_policy (CachePolicy | str): eviction policy of CACHING tables carried to the sharders.
     """
 
     placements: List[TablePlacement]
@@ -294,8 +258,13 @@ class PlacementPlan:
     hbm_budget_per_rank: int
     ddr_budget_per_machine: int
     cost_model: str = "analytic"
-    dist_type: str = "hash_roundrobin"
+    dist_type: DistType = DistType.HASH_ROUNDROBIN
     seed: int = 0
+    cache_policy: CachePolicy = CachePolicy.LFU
+
+    def __post_init__(self) -> None:
+        self.dist_type = DistType.parse(self.dist_type, "PlacementPlan.dist_type")
+        self.cache_policy = CachePolicy.parse(self.cache_policy, "PlacementPlan.cache_policy")
 
     # ---- totals -------------------------------------------------------------
     @property
@@ -328,6 +297,28 @@ class PlacementPlan:
                 return p
         raise KeyError(f"table {table!r} is not in this plan: {[p.fqn for p in self.placements]}")
 
+    def placement_params(self, table: Union[str, TablePlacement], module_path: Optional[str] = None) -> PlacementParams:
+        """The placement contract of one table, as the sharders will read it.
+
+        Args:
+            table (str | TablePlacement): table name, or one of this plan's placements.
+            module_path (Optional[str]): module FQN to disambiguate a name.
+
+        Returns:
+            PlacementParams: mode, load factor, routing, seed, cache policy, and the
+            optimizer and dtype the table was sized for.
+        """
+        p = table if isinstance(table, TablePlacement) else self.placement(table, module_path)
+        return PlacementParams(
+            mode=p.mode,
+            cache_load_factor=p.cache_load_factor,
+            dist_type=self.dist_type,
+            seed=self.seed,
+            cache_policy=self.cache_policy,
+            optimizer=p.optimizer,
+            dtype=p.dtype,
+        )
+
     # ---- reporting ----------------------------------------------------------
     def report(self) -> str:
         """A text table: one row per table, then totals against budgets.
@@ -335,12 +326,13 @@ class PlacementPlan:
         Returns:
             str: the report.
         """
-        head = ("table", "mode", "x", "HBM/rank", "DDR/rank", "DDR/machine", "cost ms")
+        head = ("table", "mode", "x", "optimizer", "HBM/rank", "DDR/rank", "DDR/machine", "cost ms")
         rows = [
             (
                 p.fqn,
                 p.mode.name if p.cache_load_factor < 1.0 else "HBM",
                 f"{p.cache_load_factor:.2f}",
+                p.optimizer.value,
                 format_bytes(p.hbm_bytes_per_rank),
                 format_bytes(p.ddr_bytes_per_rank),
                 format_bytes(p.ddr_bytes_per_machine),
@@ -374,7 +366,7 @@ class PlacementPlan:
         return "\n".join(lines)
 
     # ---- torchrec ------------------------------------------------------------
-    def to_sharding_plan(self, compute_device: Optional[str] = None) -> Any:
+    def to_sharding_plan(self, compute_device: Optional[str] = None) -> ShardingPlan:
         """Convert to a torchrec ``ShardingPlan`` (ROW_WISE, CUSTOMIZED_KERNEL).
 
         Args:
@@ -382,10 +374,9 @@ class PlacementPlan:
                 defaults to the topology's compute device.
 
         Returns:
-            ShardingPlan: one ``PlacementParameterSharding`` per table.
+            ShardingPlan: one ``PlacementParameterSharding`` per table, carrying
+            :meth:`placement_params`.
         """
-        from recpipe.planner.sharding import to_sharding_plan
-
         return to_sharding_plan(self, compute_device=compute_device)
 
     # ---- JSON ----------------------------------------------------------------
@@ -398,6 +389,10 @@ class PlacementPlan:
         d = asdict(self)
         for p in d["placements"]:
             p["mode"] = p["mode"].name
+            p["optimizer"] = p["optimizer"].value
+            p["dtype"] = dtype_name(p["dtype"])
+        d["dist_type"] = self.dist_type.value
+        d["cache_policy"] = self.cache_policy.value
         return d
 
     @classmethod
@@ -411,9 +406,25 @@ class PlacementPlan:
             PlacementPlan: the plan.
         """
         data = dict(data)
-        placements = [
-            TablePlacement(**{**p, "mode": Mode.parse(p["mode"])}) for p in data.pop("placements")
-        ]
+        placements = []
+        for p in data.pop("placements"):
+            absent = [k for k in ("optimizer", "dtype") if k not in p]
+            if absent:
+                raise ValueError(
+                    f"plan entry for table {p.get('table')!r} has no {absent}: the plan was written before plans "
+                    "recorded the optimizer and dtype each table is sized for. Re-plan the model with "
+                    "PlacementPlanner(topology).plan(model) and save it again."
+                )
+            placements.append(
+                TablePlacement(
+                    **{
+                        **p,
+                        "mode": Mode.parse(p["mode"]),
+                        "optimizer": FusedOptimizer.parse(p["optimizer"]),
+                        "dtype": resolve_dtype(p["dtype"]),
+                    }
+                )
+            )
         return cls(placements=placements, **data)
 
     def save(self, path: Union[str, Path]) -> None:
@@ -437,6 +448,32 @@ class PlacementPlan:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
+def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:
+    """torchrec ``ShardingPlan`` for a placement plan (ROW_WISE, CUSTOMIZED_KERNEL).
+
+    Args:
+        plan (PlacementPlan): the placement plan.
+        compute_device (Optional[str]): device for shard placements (default the
+            plan's compute device).
+
+    Returns:
+        ShardingPlan: ``{module_path: {table: PlacementParameterSharding}}``, each
+        carrying the table's ``plan.placement_params(...)``.
+    """
+    device = compute_device or plan.compute_device
+    modules: Dict[str, EmbeddingModuleShardingPlan] = {}
+    for p in plan.placements:
+        module_plan = modules.setdefault(p.module_path, EmbeddingModuleShardingPlan())
+        module_plan[p.table] = PlacementParameterSharding.from_params(
+            plan.placement_params(p),
+            sharding_type=ShardingType.ROW_WISE.value,
+            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+            ranks=list(range(plan.world_size)),
+            sharding_spec=row_wise_sharding_spec(p.rows, p.dim, plan.world_size, plan.local_world_size, device),
+        )
+    return ShardingPlan(plan=dict(modules))
+
+
 __all__ = [
     "DEFAULT_LOAD_FACTORS",
     "DEFAULT_ZIPF_ALPHA",
@@ -450,5 +487,5 @@ __all__ = [
     "TableSpec",
     "format_bytes",
     "parse_enum",
+    "to_sharding_plan",
 ]
-
