@@ -31,7 +31,7 @@ from tqdm import tqdm
 from recpipe.recipes.build import make_optimizer, make_pipeline, shard_model
 from recpipe.recipes.checkpoint import load_checkpoint, save_checkpoint
 from recpipe.recipes.config import TrainConfig, parse_config
-from recpipe.recipes.data.base import make_data_source
+from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
 from recpipe.recipes.tb_logging import RunLogger, gather_tier_stats
 

@@ -16,10 +16,10 @@ from torch import nn
 from recpipe.recipes import components
 from recpipe.recipes.build import greedy_table_wise
 from recpipe.recipes.config import ConfigError, TrainConfig, parse_config
-from recpipe.recipes.data.base import make_data_source
 from recpipe.recipes.data.criteo import CriteoFormatError, parse_criteo_row
 from recpipe.recipes.data.hashing import fmix32, fmix32_int, hash_ids, mix_seed
 from recpipe.recipes.data.movielens import movielens100k_path
+from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.data.synthetic import sample_zipf
 from recpipe.recipes.tb_logging import (
     RunLogger,

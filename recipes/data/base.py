@@ -4,7 +4,9 @@ A :class:`BatchSource` gives deterministic batches addressed by global step: the
 batch of rank ``r`` at step ``s`` depends only on (config, world size, r, s). That
 makes resume exact (restart at step ``s``) and lets two pipelines see identical data.
 Every feature carries one raw id per sample; the model decides how ids become table
-rows (:class:`IdTransform`).
+rows (:class:`IdTransform`). The sources themselves and the dispatch
+:func:`~recpipe.recipes.data.registry.make_data_source` live in their own modules:
+this one imports none of them.
 """
 
 from __future__ import annotations
@@ -42,10 +44,14 @@ class DatasetSpec:
 
 
 class IdTransform:
-    """Maps one feature's raw ids to table rows, as the model's tables expect.
+    """Maps raw ids to table rows, as the model's tables expect, for all features at once.
 
     ``dlrm``: ``id mod rows`` (one row per id, pooling factor 1).
     ``micro_dlrm_dram``: ``k`` hashed rows in a virtual table (pooling factor ``k``).
+
+    A batch costs a few vectorized ops whatever the number of features and ``k``
+    (one broadcast ``%`` for ``dlrm``, one
+    :func:`~recpipe.recipes.data.hashing.hash_ids_grid` for micro-DLRM).
 
     Args:
         config: the run's config (model, virtual_rows, hash_k, seed).
@@ -55,6 +61,7 @@ class IdTransform:
     def __init__(self, config: TrainConfig, spec: DatasetSpec) -> None:
         self.model = config.model
         self.rows = table_rows(config, spec)
+        self._rows_col = torch.tensor(self.rows, dtype=torch.int64).unsqueeze(1)  # (F, 1)
         self.projector = (
             VirtualTableProjector(config.virtual_rows, config.hash_k, seed=config.seed)
             if config.model == "micro_dlrm_dram"
@@ -66,20 +73,27 @@ class IdTransform:
 
         Args:
             keys: feature names.
-            ids: int64 ``(F, B)`` raw ids.
+            ids: int64 ``(F, B)`` raw ids, row ``f`` for ``keys[f]``.
 
         Returns:
-            KJT with ``F`` keys, ``B`` samples each, values grouped by key.
+            KJT with ``F`` keys, ``B`` samples each, values grouped by key (then sample,
+            then hash slot for micro-DLRM).
         """
+        if ids.dtype != torch.int64:
+            raise TypeError(f"IdTransform.to_kjt: ids must be int64, got {ids.dtype}; convert with ids.long()")
+        if ids.dim() != 2 or ids.shape[0] != len(keys) or len(keys) != len(self.rows):
+            raise ValueError(
+                f"IdTransform.to_kjt: ids must be (F, B) with F = {len(self.rows)} features "
+                f"(one per key); got ids {tuple(ids.shape)} and {len(keys)} keys"
+            )
         num_f, batch = ids.shape
         if self.projector is None:
-            rows = torch.stack([ids[f] % self.rows[f] for f in range(num_f)])
-            lengths = torch.ones(num_f * batch, dtype=torch.int32)
-            values = rows.reshape(-1)
+            values = (ids % self._rows_col.to(ids.device)).reshape(-1)
+            per_sample = 1
         else:
-            rows = torch.stack([self.projector(ids[f], f) for f in range(num_f)])  # (F, B, k)
-            lengths = torch.full((num_f * batch,), self.projector.k, dtype=torch.int32)
-            values = rows.reshape(-1)
+            values = self.projector.project(ids).reshape(-1)  # (F, B, k) -> F-major
+            per_sample = self.projector.k
+        lengths = torch.full((num_f * batch,), per_sample, dtype=torch.int32, device=ids.device)
         return KeyedJaggedTensor.from_lengths_sync(keys=list(keys), values=values, lengths=lengths)
 
 
@@ -134,27 +148,3 @@ class BatchSource(abc.ABC):
         if spe is None:
             raise ValueError(f"dataset={self.config.dataset!r} is endless: set max_steps")
         return self.config.epochs * spe
-
-
-def make_data_source(config: TrainConfig, rank: int, world_size: int) -> BatchSource:
-    """The configured data source for one rank.
-
-    Args:
-        config: the run's config (``dataset`` selects the source).
-        rank: this process's rank.
-        world_size: number of ranks.
-
-    Returns:
-        A :class:`BatchSource`.
-    """
-    if config.dataset == "movielens100k":
-        from recpipe.recipes.data.movielens import MovieLens100kSource
-
-        return MovieLens100kSource(config, rank, world_size)
-    if config.dataset == "synthetic":
-        from recpipe.recipes.data.synthetic import SyntheticCriteoSource
-
-        return SyntheticCriteoSource(config, rank, world_size)
-    from recpipe.recipes.data.criteo import CriteoTsvSource
-
-    return CriteoTsvSource(config, rank, world_size)

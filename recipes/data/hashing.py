@@ -3,10 +3,17 @@
 ``fmix32`` is MurmurHash3's 32-bit finaliser. Each 32x32-bit multiply is split
 into two 32x16-bit products so every intermediate stays below 2**49 and int64
 never overflows: results are identical on every platform and in pure Python.
+
+:func:`hash_ids_grid` hashes a batch of ids of ``F`` features against ``k`` seeds
+per feature in one broadcast (``ids[F, N, 1]`` against ``seeds[F, 1, k]``). On CPU
+it runs the same function in numpy ``uint32`` arithmetic, whose multiplies wrap
+modulo ``2**32`` by definition, so the 32x16-bit split is unnecessary there: a
+handful of array ops per batch instead of ~15 int64 tensor ops per (feature, slot).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK32: int = 0xFFFFFFFF
@@ -70,8 +77,88 @@ def hash_ids(ids: torch.Tensor, seed: int) -> torch.Tensor:
     """
     if ids.dtype != torch.int64:
         raise TypeError(f"hash_ids: ids must be int64, got {ids.dtype}; convert with ids.long()")
-    folded = (ids & _MASK32) ^ fmix32((ids >> 32) & _MASK32)
-    return fmix32(folded ^ (seed & _MASK32))
+    return fmix32(_fold(ids) ^ (seed & _MASK32))
+
+
+def _fold(ids: torch.Tensor) -> torch.Tensor:
+    """Folds int64 ids to 32 bits: ``low32 ^ fmix32(high32)`` (the first step of :func:`hash_ids`)."""
+    return (ids & _MASK32) ^ fmix32((ids >> 32) & _MASK32)
+
+
+_NP_C1 = np.uint32(_C1)
+_NP_C2 = np.uint32(_C2)
+_NP_16 = np.uint32(16)
+_NP_13 = np.uint32(13)
+
+
+def _fmix32_np_(x: np.ndarray) -> np.ndarray:
+    """In-place ``fmix32`` on a ``uint32`` array (multiplies wrap modulo ``2**32``)."""
+    x ^= x >> _NP_16
+    x *= _NP_C1
+    x ^= x >> _NP_13
+    x *= _NP_C2
+    x ^= x >> _NP_16
+    return x
+
+
+def hash_ids_grid(ids: torch.Tensor, seeds: torch.Tensor, modulus: int | None = None) -> torch.Tensor:
+    """Hashes each feature's ids against each of that feature's seeds, in one broadcast.
+
+    ``out[f, n, j] == hash_ids(ids[f, n], seeds[f, j]) % modulus`` exactly, for every
+    ``f``, ``n``, ``j``: the same values a loop over features and seeds computes.
+
+    Args:
+        ids: int64 ``(F, N)`` ids ``>= 0`` (high 32 bits are folded in, as in :func:`hash_ids`).
+        seeds: int64 ``(F, k)`` 32-bit seeds, e.g. ``mix_seed(base, f, j)``.
+        modulus: if given (``> 0``), the hashes are reduced modulo it.
+
+    Returns:
+        int64 ``(F, N, k)`` on ``ids``' device; values in ``[0, 2**32)``, or
+        ``[0, modulus)`` with a modulus.
+
+    Example::
+
+        seeds = torch.tensor([[mix_seed(0, f, j) for j in range(4)] for f in range(2)])
+        rows = hash_ids_grid(ids, seeds, modulus=1 << 20)  # ids (2, B) -> rows (2, B, 4)
+    """
+    if ids.dtype != torch.int64 or seeds.dtype != torch.int64:
+        raise TypeError(
+            f"hash_ids_grid: ids and seeds must be int64, got {ids.dtype} and {seeds.dtype}; "
+            "convert with .long()"
+        )
+    if ids.dim() != 2 or seeds.dim() != 2 or ids.shape[0] != seeds.shape[0]:
+        raise ValueError(
+            f"hash_ids_grid: ids (F, N) and seeds (F, k) must share F, got {tuple(ids.shape)} "
+            f"and {tuple(seeds.shape)}"
+        )
+    if modulus is not None and modulus <= 0:
+        raise ValueError(f"hash_ids_grid: modulus={modulus} must be > 0")
+    # Hashes lie below 2**32: a larger modulus leaves them unchanged.
+    reduce_by = modulus if modulus is not None and modulus < 2**32 else None
+    if ids.device.type == "cpu":
+        return _hash_grid_numpy(ids, seeds, reduce_by)
+    return _hash_grid_torch(ids, seeds, reduce_by)
+
+
+def _hash_grid_torch(ids: torch.Tensor, seeds: torch.Tensor, modulus: int | None) -> torch.Tensor:
+    """:func:`hash_ids_grid` in int64 tensor ops (any device)."""
+    x = fmix32(_fold(ids).unsqueeze(2) ^ (seeds.to(ids.device) & _MASK32).unsqueeze(1))
+    return x if modulus is None else x % modulus
+
+
+def _hash_grid_numpy(ids: torch.Tensor, seeds: torch.Tensor, modulus: int | None) -> torch.Tensor:
+    """:func:`hash_ids_grid` in numpy ``uint32`` ops (CPU tensors; ``modulus < 2**32``)."""
+    a = ids.numpy()
+    folded = _fmix32_np_(((a >> 32) & _MASK32).astype(np.uint32))
+    folded ^= (a & _MASK32).astype(np.uint32)
+    x = folded[:, :, None] ^ (seeds.cpu().numpy() & _MASK32).astype(np.uint32)[:, None, :]
+    _fmix32_np_(x)
+    if modulus is not None:
+        x %= np.uint32(modulus)
+    # Copy into torch-owned (resizable) storage rather than wrapping numpy's buffer.
+    out = torch.empty(x.shape, dtype=torch.int64)
+    out.numpy()[...] = x
+    return out
 
 
 class VirtualTableProjector:
@@ -79,7 +166,8 @@ class VirtualTableProjector:
 
     Every id of feature ``f`` becomes ``k`` rows ``hash(id, seed_f_j) mod num_rows``,
     ``j < k``: the same data drives ``k`` wide-row lookups per feature, so embedding
-    lookups dominate the step (the mlperf-edu micro-DLRM idea).
+    lookups dominate the step (the mlperf-edu micro-DLRM idea). All features and
+    slots of a batch are hashed in one :func:`hash_ids_grid` call.
 
     Args:
         num_rows: rows of every virtual table.
@@ -89,7 +177,8 @@ class VirtualTableProjector:
     Example::
 
         proj = VirtualTableProjector(num_rows=1 << 18, k=4, seed=0)
-        rows = proj(torch.tensor([3, 5]), feature=0)  # shape (2, 4)
+        rows = proj.project(torch.tensor([[3, 5], [7, 9]]))  # 2 features: shape (2, 2, 4)
+        rows0 = proj(torch.tensor([3, 5]), feature=0)       # one feature: rows[0], shape (2, 4)
     """
 
     def __init__(self, num_rows: int, k: int, seed: int) -> None:
@@ -98,10 +187,33 @@ class VirtualTableProjector:
         self.num_rows = num_rows
         self.k = k
         self.seed = seed
+        self._seeds = torch.empty(0, k, dtype=torch.int64)
+
+    def slot_seeds(self, num_features: int) -> torch.Tensor:
+        """int64 ``(num_features, k)`` seeds: ``[f, j] = mix_seed(seed, f, j)`` (computed once)."""
+        if self._seeds.shape[0] < num_features:
+            self._seeds = torch.tensor(
+                [[mix_seed(self.seed, f, j) for j in range(self.k)] for f in range(num_features)],
+                dtype=torch.int64,
+            ).reshape(num_features, self.k)
+        return self._seeds[:num_features]
+
+    def project(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of all features' ids.
+
+        Args:
+            ids: int64 ``(F, N)``, row ``f`` the ids of feature ``f``.
+
+        Returns:
+            int64 ``(F, N, k)``: ``[f, n, j] = hash_ids(ids[f, n], mix_seed(seed, f, j)) % num_rows``.
+        """
+        if ids.dim() != 2:
+            raise ValueError(f"VirtualTableProjector.project: ids must be (F, N), got {tuple(ids.shape)}")
+        return hash_ids_grid(ids, self.slot_seeds(ids.shape[0]), self.num_rows)
 
     def __call__(self, ids: torch.Tensor, feature: int) -> torch.Tensor:
         """Rows of ``ids`` (shape ``(N,)``) for one feature: int64 ``(N, k)``."""
-        cols = [
-            hash_ids(ids, mix_seed(self.seed, feature, j)) % self.num_rows for j in range(self.k)
-        ]
-        return torch.stack(cols, dim=1)
+        if feature < 0:
+            raise ValueError(f"VirtualTableProjector: feature={feature} must be >= 0")
+        seeds = self.slot_seeds(feature + 1)[feature : feature + 1]
+        return hash_ids_grid(ids.reshape(1, -1), seeds, self.num_rows)[0]

@@ -18,7 +18,7 @@ from torchrec.datasets.utils import Batch
 
 from recpipe.recipes.config import TrainConfig
 from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform
-from recpipe.recipes.data.hashing import hash_ids, mix_seed
+from recpipe.recipes.data.hashing import hash_ids_grid, mix_seed
 
 # Criteo layout (torchrec.datasets.criteo INT_FEATURE_COUNT / CAT_FEATURE_COUNT).
 NUM_DENSE: int = 13
@@ -85,7 +85,10 @@ class SyntheticCriteoSource(BatchSource):
         gen = torch.Generator().manual_seed(mix_seed(config.seed, 0xD15E))
         self._dense_w = torch.randn(NUM_DENSE, generator=gen, dtype=torch.float64) / math.sqrt(NUM_DENSE)
         self._bias = -0.5
-        self._id_seeds = [mix_seed(config.seed, 0x1D, f) for f in range(NUM_SPARSE)]
+        # Seed of feature f's hidden per-id weights, as an (F, 1) column for hash_ids_grid.
+        self._id_seeds = torch.tensor(
+            [[mix_seed(config.seed, 0x1D, f)] for f in range(NUM_SPARSE)], dtype=torch.int64
+        )
 
     @property
     def spec(self) -> DatasetSpec:
@@ -96,12 +99,17 @@ class SyntheticCriteoSource(BatchSource):
         return None
 
     def hidden_logits(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The hidden model's logits for dense ``(B, 13)`` and raw ids ``(26, B)``."""
+        """The hidden model's logits for dense ``(B, 13)`` and raw ids ``(26, B)``.
+
+        ``dense @ w + bias`` plus, feature by feature in order ``0 .. 25``, the per-id
+        weight ``SPARSE_WEIGHT * (2 u - 1)`` with ``u = hash_ids(id, seed_f) / 2**32``.
+        All 26 features are hashed in one :func:`hash_ids_grid` call, and the sum runs
+        as a ``cumsum`` over features, which adds in exactly that order.
+        """
         logit = dense.double() @ self._dense_w + self._bias
-        for f in range(NUM_SPARSE):
-            u = hash_ids(ids[f], self._id_seeds[f]).double() / 2.0**32  # [0, 1)
-            logit = logit + SPARSE_WEIGHT * (2.0 * u - 1.0)
-        return logit
+        u = hash_ids_grid(ids, self._id_seeds)[:, :, 0].double() / 2.0**32  # (26, B) in [0, 1)
+        terms = SPARSE_WEIGHT * (2.0 * u - 1.0)
+        return torch.cat([logit.unsqueeze(0), terms]).cumsum(0)[-1]
 
     def raw_batch(self, split: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dense ``(B, 13)``, raw ids ``(26, B)`` and labels ``(B,)`` of this rank at ``step``."""
