@@ -843,11 +843,11 @@ class PlacementParams:
         ]
         if actual_opt is not self.optimizer:
             fixes.append(
-                f"or train the table with the planned {self.optimizer.value}: change apply_optimizer_in_backward "
-                "(or the sharder's fused_params 'optimizer') for it"
+                f"train the table with the planned {self.optimizer.value} instead: change "
+                "apply_optimizer_in_backward (or the sharder's fused_params 'optimizer') for it"
             )
         if actual_dtype != self.dtype:
-            fixes.append(f"or set the table config's data_type to {dtype_name(self.dtype)}")
+            fixes.append(f"set the table config's data_type to the planned {dtype_name(self.dtype)} instead")
         raise PlacementMismatchError(
             f"table {table_name!r} was planned for {' and '.join(what)}.{sizes} Refusing to build it.\n"
             "Possible solutions:\n" + "\n".join(f"  {i + 1}) {s}" for i, s in enumerate(fixes))

@@ -122,23 +122,27 @@ def shard_model(
 def _shard_planned(
     config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device
 ) -> ShardedModel:
-    """Planner -> ShardingPlan -> DMP with recpipe's tiered row-wise sharder."""
+    """Planner -> ShardingPlan -> DMP with recpipe's tiered row-wise sharder.
+
+    The planner reads the tables and the optimizer fused into each
+    (``apply_optimizer_in_backward`` in :func:`shard_model`) from ``model``, so the
+    plan is sized for the optimizer the tables train with; the sharders refuse a
+    table whose optimizer differs from its plan.
+    """
     from torchrec.distributed.planner.types import Topology
 
     from recpipe.pipeline.sharders import (
         TieredEmbeddingBagCollectionSharder,
         TieredEmbeddingCollectionSharder,
     )
-    from recpipe.planner import PlacementPlanner
-    from recpipe.planner.storage import max_local_rows, row_bytes
+    from recpipe.planner import PlacementPlanner, max_local_rows, row_bytes, tables_from_module
 
-    ebc = model.get_submodule(EBC_PATH)
     world = env.world_size
     fast = int(config.fast_tier_mb * 2**20)
     if fast == 0:
         per_rank = sum(
-            max_local_rows(t.num_embeddings, world) * row_bytes(t.embedding_dim, torch.float32, "rowwise_adagrad")
-            for t in ebc.embedding_bag_configs()
+            max_local_rows(t.rows, world) * row_bytes(t.dim, t.dtype, t.optimizer)
+            for t in tables_from_module(model)
         )
         fast = max(1, per_rank // 2)
     slow_per_rank = int(config.slow_tier_mb * 2**20) // world
@@ -153,7 +157,6 @@ def _shard_planned(
     )
     planner = PlacementPlanner(
         topology,
-        optimizer="rowwise_adagrad",
         batch_size=config.batch_size,
         hbm_reservation=0.0,
         seed=config.seed,
@@ -168,7 +171,11 @@ def _shard_planned(
         sharders=[TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()],
     )
     where = {
-        p.table: {"mode": p.mode.name, "cache_load_factor": p.cache_load_factor, "dist_type": "hash_roundrobin"}
+        p.table: {
+            "mode": p.mode.name,
+            "cache_load_factor": p.cache_load_factor,
+            "dist_type": placement.dist_type.value,
+        }
         for p in placement.placements
     }
     return ShardedModel(model=dmp, plan=plan, plan_text=placement.report(), table_ranks=where)
