@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import math
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Type, TypeVar, Union

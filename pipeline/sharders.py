@@ -81,7 +81,6 @@ from recpipe.pipeline.placement import (
     FUSED_PARAM_SEED,
     DistType,
     FusedOptimizer,
-    PlacementContractError,
     PlacementParams,
     dtype_name,
 )
