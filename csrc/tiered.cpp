@@ -259,21 +259,35 @@ int64_t prefetch(
   }
   std::stable_sort(m_order.begin(), m_order.end(),
                    [&](size_t a, size_t b) { return miss_key[a] > miss_key[b]; });
+  // The `misses` coldest unused slots as (key, slot), kept in a bounded max-heap.
   // LFU never admits a miss against a victim at least as hot as the hottest
-  // miss, so only colder victims are candidates.
+  // miss, so only colder victims are candidates. Free slots (key -1) beat every
+  // occupied one and tie by slot index, so the scan ends once `misses` of them are found.
   const int64_t key_bound = lfu ? miss_key[m_order[0]] : INT64_MAX;
-  std::vector<std::pair<int64_t, int64_t>> victims;  // (key, slot)
-  for (int64_t s = 0; s < slots; ++s) {
+  std::vector<std::pair<int64_t, int64_t>> victims;
+  victims.reserve(misses);
+  size_t free_found = 0;
+  for (int64_t s = 0; s < slots && free_found < misses; ++s) {
     if (used[s]) {
       continue;
     }
     const int64_t key = slot_row[s] >= 0 ? slot_score[s] >> 1 : -1;
-    if (key < key_bound) {
-      victims.emplace_back(key, s);
+    if (key >= key_bound) {
+      continue;
+    }
+    free_found += key < 0;
+    const std::pair<int64_t, int64_t> cand(key, s);
+    if (victims.size() < misses) {
+      victims.push_back(cand);
+      std::push_heap(victims.begin(), victims.end());
+    } else if (cand < victims.front()) {
+      std::pop_heap(victims.begin(), victims.end());
+      victims.back() = cand;
+      std::push_heap(victims.begin(), victims.end());
     }
   }
-  const size_t n = std::min(victims.size(), misses);
-  std::partial_sort(victims.begin(), victims.begin() + static_cast<std::ptrdiff_t>(n), victims.end());
+  std::sort_heap(victims.begin(), victims.end());  // coldest first
+  const size_t n = victims.size();
   int64_t loaded = 0, evicted = 0, written_back = 0;
   for (size_t j = 0; j < n; ++j) {
     const size_t m = m_order[j];
