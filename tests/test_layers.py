@@ -15,20 +15,11 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
-from typing import Dict, FrozenSet, Iterable, List, Set
+from typing import Dict, Iterable, List, Set
 
 REPO = Path(__file__).resolve().parent.parent
 FOLDERS = ("pipeline", "planner", "recipes")
 
-# The ONE exemption: recipes/data's own cycle (base.py imports its sources inside a
-# function, they import base.py). Another engineer is removing it right now; the
-# lead removes this exemption afterwards. Do not add modules to it.
-EXEMPT_CYCLE: FrozenSet[str] = frozenset({
-    "recpipe.recipes.data.base",
-    "recpipe.recipes.data.movielens",
-    "recpipe.recipes.data.synthetic",
-    "recpipe.recipes.data.criteo",
-})
 
 
 def module_name(folder: str, path: Path) -> str:
@@ -165,7 +156,7 @@ def test_placement_contract_is_a_bottom_module() -> None:
 
 
 def test_no_import_cycles_among_recpipe_modules() -> None:
-    found = [sorted(c) for c in cycles(_repo_graph()) if not c <= EXEMPT_CYCLE]
+    found = [sorted(c) for c in cycles(_repo_graph())]
     assert found == [], f"import cycles (imports inside functions included): {found}"
 
 
