@@ -15,11 +15,17 @@ points to
   ``PlacementParams.from_fused_params``; a table given a routing at the sharder
   (``table_dist_types=``) by that; every other table keeps ``continuous``,
   bit-identical to torchrec.
+* on gloo, return the pooled row-wise output by an all-to-all of the partial sums
+  and a local sum (:class:`RecpipeRwPooledEmbeddingDist`) instead of gloo's
+  ``reduce_scatter``, which is ~2.6x slower for the same result (1 thread, 2 ranks,
+  a [512, 128] fp32 output: 930 us vs 354 us; its backward, an all-gather, 588 us vs
+  ~400 us for the all-to-all's).
 
 Classes (each a subclass of the torchrec class of the same role):
 
 * :class:`RecpipeRwSparseFeaturesDist` (``RwSparseFeaturesDist``)
 * :class:`RecpipeRwPooledEmbeddingSharding` (``RwPooledEmbeddingSharding``)
+* :class:`RecpipeRwPooledEmbeddingDist` (``RwPooledEmbeddingDist``)
 * :class:`RecpipeRwSequenceEmbeddingSharding` (``RwSequenceEmbeddingSharding``)
 * :class:`RecpipeShardedEmbeddingBagCollection` / :class:`RecpipeShardedEmbeddingCollection`
 * :class:`RecpipeEmbeddingBagCollectionSharder` / :class:`RecpipeEmbeddingCollectionSharder`
@@ -38,6 +44,7 @@ from torchrec.distributed.embedding import (
 )
 from torchrec.distributed.embedding_sharding import (
     EmbeddingSharding,
+    EmbeddingShardingContext,
     EmbeddingShardingInfo,
 )
 from torchrec.distributed.embedding_types import (
@@ -49,7 +56,9 @@ from torchrec.distributed.embeddingbag import (
     ShardedEmbeddingBagCollection,
 )
 from torchrec.distributed.sharding.rw_sequence_sharding import RwSequenceEmbeddingSharding
+from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
 from torchrec.distributed.sharding.rw_sharding import (
+    RwPooledEmbeddingDist,
     RwPooledEmbeddingSharding,
     RwSparseFeaturesDist,
 )
@@ -78,6 +87,7 @@ __all__ = [
     "SEED_KEY",
     "RecpipeEmbeddingBagCollectionSharder",
     "RecpipeEmbeddingCollectionSharder",
+    "RecpipeRwPooledEmbeddingDist",
     "RecpipeRwPooledEmbeddingSharding",
     "RecpipeRwSequenceEmbeddingSharding",
     "RecpipeRwSparseFeaturesDist",
@@ -345,12 +355,80 @@ class _RoutedInputDistMixin:
         )
 
 
+class RecpipeRwPooledEmbeddingDist(RwPooledEmbeddingDist):
+    """Row-wise pooled output dist: on gloo an all-to-all of partial sums, else torchrec's.
+
+    Every rank holds partial pooled sums ``[B_global, D]`` over its rows; the owner of
+    a sample needs their sum over ranks. torchrec reduce-scatters them. On a gloo
+    process group this dist instead sends each rank the rows of its samples with
+    torchrec's ``PooledEmbeddingsAllToAll`` (``dim_sum_per_rank = [D] * W``, so rank
+    ``r`` receives ``[B_local, W * D]``, rank-major) and sums the ``W`` chunks in rank
+    order as the awaitable's callback. Autograd flows through torchrec's all-to-all
+    (its backward all-to-alls the gradient, divided by ``W`` like the reduce-scatter's
+    all-gather backward). For ``W = 2`` the forward sum and the backward are bit-identical
+    to the reduce-scatter's; for larger ``W`` the sum's order may differ in the last bit.
+    Variable batch per feature (VBE), quantized comms (codecs) and other backends keep
+    torchrec's reduce-scatter.
+
+    Args: as ``RwPooledEmbeddingDist``.
+    """
+
+    def __init__(
+        self,
+        pg: dist.ProcessGroup,
+        embedding_dims: List[int],
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> None:
+        super().__init__(pg, embedding_dims=embedding_dims, qcomm_codecs_registry=qcomm_codecs_registry)
+        world = pg.size()
+        dim = sum(embedding_dims)
+        self._a2a: Optional[PooledEmbeddingsAllToAll] = None
+        if dist.get_backend(pg) == "gloo" and self._codecs is None and world > 1:
+            self._a2a = PooledEmbeddingsAllToAll(
+                pg, [dim] * world, callbacks=[lambda t: t.view(t.size(0), world, dim).sum(dim=1)]
+            )
+
+    def forward(
+        self,
+        local_embs: torch.Tensor,
+        sharding_ctx: Optional[EmbeddingShardingContext] = None,
+    ) -> Awaitable[torch.Tensor]:
+        """Starts the output dist of ``local_embs`` (``[B_global, D]`` partial sums).
+
+        Args:
+            local_embs (torch.Tensor): this rank's partial pooled sums.
+            sharding_ctx (EmbeddingShardingContext | None): batch sizes per rank.
+
+        Returns:
+            Awaitable[torch.Tensor]: the summed ``[B_local, D]`` embeddings of this rank's samples.
+        """
+        if self._a2a is None or (sharding_ctx is not None and sharding_ctx.variable_batch_per_feature):
+            return super().forward(local_embs, sharding_ctx)
+        splits = sharding_ctx.batch_size_per_rank if sharding_ctx is not None else None
+        return self._a2a(local_embs, batch_size_per_rank=splits or None)
+
+
 class RecpipeRwPooledEmbeddingSharding(_RoutedInputDistMixin, RwPooledEmbeddingSharding):
-    """torchrec's pooled row-wise sharding with recpipe's input routing.
+    """torchrec's pooled row-wise sharding with recpipe's input routing and, on gloo,
+    :class:`RecpipeRwPooledEmbeddingDist` for the output.
 
     Args: as ``RwPooledEmbeddingSharding``, plus ``routing``
         (:class:`RoutingOverrides` chosen at the sharder).
     """
+
+    def create_output_dist(self, device: Optional[torch.device] = None) -> RecpipeRwPooledEmbeddingDist:
+        """The row-wise pooled output dist (see :class:`RecpipeRwPooledEmbeddingDist`).
+
+        Args:
+            device (torch.device | None): unused (as in torchrec's).
+
+        Returns:
+            RecpipeRwPooledEmbeddingDist: the dist of this sharding's process group.
+        """
+        assert self._pg is not None, "row-wise sharding needs a process group"
+        return RecpipeRwPooledEmbeddingDist(
+            self._pg, embedding_dims=self.embedding_dims(), qcomm_codecs_registry=self.qcomm_codecs_registry
+        )
 
 
 class RecpipeRwSequenceEmbeddingSharding(_RoutedInputDistMixin, RwSequenceEmbeddingSharding):
