@@ -7,7 +7,7 @@ see :mod:`recpipe.pipeline.ops`). Its rows live in two tiers:
 * **fast tier**: HBM on CUDA (``device``); on CPU a separate host buffer.
 * **slow tier**: host DDR (pinned when ``device`` is CUDA).
 
-Placement (``recpipe.planner.types.Mode``) with cache load factor ``x``:
+Placement (``recpipe.pipeline.placement.Mode``) with cache load factor ``x``:
 
 * ``HYBRID(x)``: a seeded bijective hash ``H`` of ``[0, R)`` (the recpipe
   hash_roundrobin bijection with ``W = 1``) puts local row ``r`` in the fast tier
@@ -23,8 +23,8 @@ Placement (``recpipe.planner.types.Mode``) with cache load factor ``x``:
   write back every dirty slot.
 * ``x == 1.0``: every row in the fast tier.
 
-Every tier buffer is sized with ``recpipe.planner.storage.tier_rows`` so the
-bytes allocated per tier equal ``recpipe.planner.storage.shard_storage`` (see
+Every tier buffer is sized with ``recpipe.pipeline.placement.tier_rows`` so the
+bytes allocated per tier equal ``recpipe.pipeline.placement.shard_storage`` (see
 :meth:`~TieredEmbeddingShard.tier_bytes`).
 
 The optimizer is fused into the backward like fbgemm's TBE: the lookup is a custom
@@ -110,7 +110,7 @@ def shard_num_rows(num_embeddings: int, world_size: int, rank: int, dist_type: s
         world_size (int): ranks ``W`` the table is sharded over.
         rank (int): the rank.
         dist_type (str): ``continuous`` (blocks of ``ceil(N / W)``), ``roundrobin``
-            or ``hash_roundrobin`` (``recpipe.planner.storage.local_rows``).
+            or ``hash_roundrobin`` (``recpipe.pipeline.placement.local_rows``).
 
     Returns:
         int: the shard's row count.
@@ -364,7 +364,7 @@ class TieredEmbeddingShard(nn.Module):
         """Bytes allocated per tier, read from the tensors' storages.
 
         Returns:
-            ShardStorage: equals ``recpipe.planner.storage.shard_storage(num_rows,
+            ShardStorage: equals ``recpipe.pipeline.placement.shard_storage(num_rows,
             embedding_dim, dtype, optimizer, mode, cache_load_factor)``.
         """
         tiers = self.tier_tensors()
