@@ -2162,6 +2162,50 @@ void bucketize_cpu_impl(
   });
 }
 
+// roundrobin features whose table size is given: every id must lie in
+// [0, table_sizes[f]) (one max-reduction pass over those features' ids; a
+// negative id is a huge unsigned value).
+void check_roundrobin_ranges(
+    const Tensor& indices,
+    const std::vector<FeatureRoute>& routes,
+    const std::vector<int64_t>& offsets,
+    int64_t FB) {
+  const int64_t F = static_cast<int64_t>(routes.size());
+  const int64_t B = F > 0 ? FB / F : 0;
+  AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "recpipe_roundrobin_ranges", [&] {
+    const index_t* idx = indices.const_data_ptr<index_t>();
+    for (int64_t f = 0; f < F; ++f) {
+      const uint64_t n = routes[f].table_size;
+      if (routes[f].dist != kRoundRobin || n == 0) {
+        continue;
+      }
+      const int64_t lo = offsets[f * B];
+      const int64_t hi = offsets[(f + 1) * B];
+      const uint64_t top = at::parallel_reduce(
+          lo, hi, int64_t{1} << 16, uint64_t{0},
+          [&](int64_t s, int64_t e, uint64_t m) {
+            for (int64_t i = s; i < e; ++i) {
+              m = std::max(m, static_cast<uint64_t>(static_cast<int64_t>(idx[i])));
+            }
+            return m;
+          },
+          [](uint64_t a, uint64_t b) { return std::max(a, b); });
+      if (top < n) {
+        continue;
+      }
+      int64_t i = lo;
+      while (static_cast<uint64_t>(static_cast<int64_t>(idx[i])) < n) {
+        ++i;
+      }
+      TORCH_CHECK_INDEX(
+          false, "recpipe: `indices[", i, "]` = ", static_cast<int64_t>(idx[i]), " (feature ", f,
+          ", roundrobin) is outside [0, table_sizes[", f, "] = ", n,
+          "); ids must lie in the table's range: hash or clamp raw ids upstream, or omit "
+          "table_sizes for raw ids.");
+    }
+  });
+}
+
 std::tuple<Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>>
 block_bucketize_sparse_features_cpu(
     const Tensor& lengths_in,
@@ -2209,6 +2253,8 @@ block_bucketize_sparse_features_cpu(
   TORCH_CHECK(
       offsets[FB] == N, "recpipe: `lengths` sums to ", offsets[FB], " but `indices` has ", N,
       " entries; lengths and indices must describe the same KJT.");
+
+  check_roundrobin_ranges(indices, routes, offsets, FB);
 
   // Every entry is written by pass 1 (or zeroed below for an empty input).
   Tensor new_lengths = at::empty({W * FB}, lengths.options());
@@ -2262,15 +2308,14 @@ Tensor hash_roundrobin_global_ids_cpu(
   at::parallel_for(0, n, 16384, [&](int64_t s, int64_t e) {
     const int tid = at::get_thread_num();
     for (int64_t i = s; i < e; ++i) {
-      const int64_t h = li[i] * world_size + rk[i];
-      if (rk[i] < 0 || rk[i] >= world_size || li[i] < 0 || h < 0 || h >= table_size) {
+      if (!is_roundrobin_slot(rk[i], li[i], table_size, world_size)) {
         if (bad_at[tid] < 0) {
           bad_at[tid] = i;
         }
         o[i] = -1;
         continue;
       }
-      o[i] = static_cast<int64_t>(perm.inverse(static_cast<uint64_t>(h)));
+      o[i] = static_cast<int64_t>(perm.inverse(static_cast<uint64_t>(li[i] * world_size + rk[i])));
     }
   });
   for (const int64_t i : bad_at) {

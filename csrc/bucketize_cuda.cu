@@ -64,6 +64,9 @@ __global__ void count_kernel(
       if (r.dist == kContinuous) {
         route_continuous<uindex_t>(uid, r.block, W, r.div_block, div_world, &p, &loc);
       } else if (r.dist == kRoundRobin) {
+        if (r.table_size != 0 && (raw < 0 || static_cast<uint64_t>(raw) >= r.table_size)) {
+          atomicMin(first_bad, static_cast<unsigned long long>(i));  // table_sizes given: ids must fit
+        }
         route_roundrobin<uindex_t>(uid, W, div_world, &p, &loc);
       } else if (raw < 0 || static_cast<uint64_t>(raw) >= r.table_size) {
         atomicMin(first_bad, static_cast<unsigned long long>(i));
@@ -122,13 +125,34 @@ __global__ void global_ids_kernel(
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t rk = ranks[i];
     const int64_t li = local_ids[i];
-    const int64_t h = li * world_size + rk;
-    if (rk < 0 || rk >= world_size || li < 0 || h < 0 || h >= table_size) {
+    if (!is_roundrobin_slot(rk, li, table_size, world_size)) {
       atomicMin(first_bad, static_cast<unsigned long long>(i));
       out[i] = -1;
     } else {
-      out[i] = static_cast<int64_t>(perm.inverse(static_cast<uint64_t>(h)));
+      out[i] = static_cast<int64_t>(perm.inverse(static_cast<uint64_t>(li * world_size + rk)));
     }
+  }
+}
+
+__global__ void route_ids_kernel(
+    const int64_t* __restrict__ ids,
+    int64_t n,
+    int64_t table_size,
+    TableRoute route,
+    int64_t* __restrict__ owner,
+    int64_t* __restrict__ local,
+    unsigned long long* __restrict__ first_bad) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (ids[i] < 0 || ids[i] >= table_size) {
+      atomicMin(first_bad, static_cast<unsigned long long>(i));
+      owner[i] = local[i] = -1;
+      continue;
+    }
+    uint64_t p = 0, l = 0;
+    route.route(static_cast<uint64_t>(ids[i]), &p, &l);
+    owner[i] = static_cast<int64_t>(p);
+    local[i] = static_cast<int64_t>(l);
   }
 }
 
@@ -166,7 +190,7 @@ block_bucketize_sparse_features_cuda(
       build_feature_routes(block_sizes, dist_types, table_sizes, seed);
   bool any_hash = false;
   for (const auto& r : routes_h) {
-    any_hash |= r.dist == kHashRoundRobin;
+    any_hash |= r.dist == kHashRoundRobin || (r.dist == kRoundRobin && r.table_size != 0);  // ids checked
   }
   const Tensor lengths = lengths_in.contiguous();
   const Tensor indices = indices_in.contiguous();
@@ -242,9 +266,10 @@ block_bucketize_sparse_features_cuda(
       const int64_t f = bt / B;
       TORCH_CHECK(
           false, "recpipe: `indices[", bad, "]` = ", indices[bad].item<int64_t>(), " (feature ", f,
-          ", hash_roundrobin) is outside [0, table_sizes[", f, "] = ", routes_h[f].table_size,
-          "); hash routing needs ids in the table's range: hash or clamp raw ids upstream, "
-          "or route this feature with roundrobin.");
+          routes_h[f].dist == kRoundRobin ? ", roundrobin" : ", hash_roundrobin",
+          ") is outside [0, table_sizes[", f, "] = ", routes_h[f].table_size,
+          "); ids must lie in the table's range: hash or clamp raw ids upstream, ",
+          routes_h[f].dist == kRoundRobin ? "or omit table_sizes for raw ids." : "or route this feature with roundrobin.");
     }
   }
   Tensor cursor = at::cumsum(counts, 0) - counts;  // exclusive scan
@@ -308,9 +333,41 @@ Tensor hash_roundrobin_global_ids_cuda(
   return out.to(local_ids_in.scalar_type());
 }
 
+// route_ids is not a training-step op (checkpoint resharding, tier placement):
+// it reads one flag back to report the first id outside the table.
+std::tuple<Tensor, Tensor> route_ids_cuda(
+    const Tensor& ids_in,
+    int64_t table_size,
+    int64_t world_size,
+    int64_t dist_type,
+    int64_t seed) {
+  check_route_ids_args(ids_in, table_size, world_size, dist_type);
+  c10::cuda::CUDAGuard guard(ids_in.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const Tensor ids = ids_in.to(at::kLong).contiguous();
+  Tensor owner = at::empty(ids.sizes(), ids.options());
+  Tensor local = at::empty(ids.sizes(), ids.options());
+  const int64_t n = ids.numel();
+  if (n == 0) {
+    return {owner, local.to(ids_in.scalar_type())};
+  }
+  Tensor first_bad = at::full({1}, n, ids.options());
+  const TableRoute route(dist_type, static_cast<uint64_t>(table_size), static_cast<uint64_t>(world_size),
+                         static_cast<uint64_t>(seed));
+  route_ids_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+      ids.const_data_ptr<int64_t>(), n, table_size, route, owner.mutable_data_ptr<int64_t>(),
+      local.mutable_data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t bad = first_bad.item<int64_t>();
+  TORCH_CHECK_INDEX(bad >= n, "recpipe: `ids[", bad, "]` is outside [0, table_size = ", table_size,
+                    "); route_ids takes ids of the table's rows (hash or clamp raw ids upstream).");
+  return {owner, local.to(ids_in.scalar_type())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(recpipe, CUDA, m) {
+  m.impl("route_ids", &route_ids_cuda);
   m.impl("block_bucketize_sparse_features", &block_bucketize_sparse_features_cuda);
   m.impl("hash_roundrobin_global_ids", &hash_roundrobin_global_ids_cuda);
 }

@@ -325,4 +325,42 @@ RECPIPE_HD void route_hash_roundrobin(
   *local = static_cast<uindex_t>(q);
 }
 
+// Whether (rank, local) is a slot of a table of n >= 1 rows routed by
+// roundrobin / hash_roundrobin over w >= 1 ranks, i.e. local * w + rank < n,
+// decided without forming local * w (which overflows for huge local ids).
+RECPIPE_HD bool is_roundrobin_slot(int64_t rank, int64_t local, int64_t n, int64_t w) {
+  return rank >= 0 && rank < w && rank < n && local >= 0 && local <= (n - 1 - rank) / w;
+}
+
+// Owner rank and local id of one id of a table of n rows over w ranks, for the
+// three distribution types (continuous blocks of ceil(n / w) rows). The caller
+// checks 0 <= id < n. One function for the route_ids op (CPU and CUDA) and the
+// tiered storage's split (hash_roundrobin with w = 1).
+struct TableRoute {
+  int64_t dist;
+  uint64_t world;
+  uint64_t block;
+  FastDivU64 div_block;
+  FastDivU64 div_world;
+  HashPermutation perm;
+
+  TableRoute(int64_t dist_type, uint64_t n, uint64_t w, uint64_t seed)
+      : dist(dist_type),
+        world(w),
+        block((n + w - 1) / w > 0 ? (n + w - 1) / w : 1),
+        div_block(FastDivU64((n + w - 1) / w > 0 ? (n + w - 1) / w : 1)),
+        div_world(FastDivU64(w)),
+        perm(n, seed) {}
+
+  RECPIPE_HD void route(uint64_t id, uint64_t* owner, uint64_t* local) const {
+    if (dist == kContinuous) {
+      route_continuous<uint64_t>(id, block, world, div_block, div_world, owner, local);
+    } else if (dist == kRoundRobin) {
+      route_roundrobin<uint64_t>(id, world, div_world, owner, local);
+    } else {
+      route_hash_roundrobin<uint64_t>(id, world, div_world, perm, owner, local);
+    }
+  }
+};
+
 }  // namespace recpipe

@@ -33,6 +33,10 @@
 
 namespace recpipe {
 
+// Largest world size the ops accept: ranks are 32-bit in the kernels' owner
+// buffers (and no process group comes near it).
+constexpr int64_t kMaxWorldSize = (int64_t{1} << 31) - 1;
+
 // Static (shape / dtype / device) checks for block_bucketize_sparse_features.
 // Value checks (negative lengths, ids out of range, dist_types values) are made
 // by the kernels, which read the data anyway.
@@ -55,6 +59,12 @@ inline void check_bucketize_args(
   TORCH_CHECK(
       my_size > 0, "recpipe: `my_size` (the world size W) must be >= 1, got ",
       my_size, "; pass the number of ranks the keys are routed to.");
+  TORCH_CHECK(
+      my_size <= kMaxWorldSize, "recpipe: `my_size` (the world size W) must be at most ", kMaxWorldSize,
+      ", got ", my_size, "; pass the number of ranks the keys are routed to.");
+  TORCH_CHECK(
+      lengths.numel() == 0 || my_size <= INT64_MAX / 8 / lengths.numel(), "recpipe: `my_size` = ", my_size,
+      " times ", lengths.numel(), " bags does not fit the [W * F * B] output lengths; pass the real world size.");
   const int64_t F = dist_types.numel();
   TORCH_CHECK(
       block_sizes.numel() == F, "recpipe: `block_sizes` has ",
@@ -114,7 +124,7 @@ inline void check_bucketize_args(
 struct FeatureRoute {
   int64_t dist;             // DistType
   uint64_t block;           // rows per rank (continuous)
-  uint64_t table_size;      // rows of the table (hash_roundrobin), else 0
+  uint64_t table_size;      // rows of the table (hash_roundrobin; roundrobin when given), else 0
   FastDivU64 div_block;     // / block
   HashPermutation perm;     // hash_roundrobin bijection of [0, table_size)
 };
@@ -163,6 +173,14 @@ inline std::vector<FeatureRoute> build_feature_routes(
           "row count (>= 1).");
       r.table_size = static_cast<uint64_t>(n);
       r.perm = HashPermutation(r.table_size, static_cast<uint64_t>(seed));
+    } else if (ts.defined()) {
+      // roundrobin with the table's size given (> 0): the kernels check its ids
+      // against it; 0 leaves the feature's raw ids unchecked (id % W).
+      const int64_t n = ts.const_data_ptr<int64_t>()[f];
+      TORCH_CHECK(
+          n >= 0, "recpipe: `table_sizes[", f, "]` is ", n, "; pass the table's row count (or 0 for ",
+          "a roundrobin feature of raw, unchecked ids).");
+      r.table_size = static_cast<uint64_t>(n);
     }
   }
   return routes;
@@ -185,8 +203,25 @@ inline void check_global_ids_args(
       table_size > 0, "recpipe: `table_size` must be >= 1 (the table's row count), got ",
       table_size, ".");
   TORCH_CHECK(
-      world_size > 0, "recpipe: `world_size` must be >= 1, got ", world_size,
+      world_size > 0, "recpipe: `world_size` must be >= 1, got ", world_size, "; pass the world size the ids were routed with.");
+  TORCH_CHECK(
+      world_size <= kMaxWorldSize, "recpipe: `world_size` must be at most ", kMaxWorldSize, ", got ", world_size,
       "; pass the world size the ids were routed with.");
+}
+
+inline void check_route_ids_args(const at::Tensor& ids, int64_t table_size, int64_t world_size, int64_t dist_type) {
+  RECPIPE_CHECK_INDEX_DTYPE(ids, "ids");
+  TORCH_CHECK(
+      table_size > 0, "recpipe: `table_size` must be >= 1 (the table's row count), got ", table_size, ".");
+  TORCH_CHECK(
+      world_size > 0, "recpipe: `world_size` must be >= 1, got ", world_size, "; pass the number of ranks the table is sharded over.");
+  TORCH_CHECK(
+      world_size <= kMaxWorldSize, "recpipe: `world_size` must be at most ", kMaxWorldSize, ", got ", world_size,
+      "; pass the number of ranks the table is sharded over.");
+  TORCH_CHECK(
+      dist_type == kContinuous || dist_type == kRoundRobin || dist_type == kHashRoundRobin,
+      "recpipe: `dist_type` is ", dist_type,
+      "; it must be 0 (continuous), 1 (roundrobin) or 2 (hash_roundrobin).");
 }
 
 }  // namespace recpipe

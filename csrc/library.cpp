@@ -1,7 +1,8 @@
 // recpipe: every operator schema (the one TORCH_LIBRARY block) and the Python
 // module init of recpipe._C. Kernels register per backend beside their code:
 //   bucketize.cpp        CPU   block_bucketize_sparse_features, hash_roundrobin_global_ids
-//   bucketize_cuda.cu    CUDA  the same two routing ops
+//   route.cpp            CPU   route_ids
+//   bucketize_cuda.cu    CUDA  the three routing ops
 //   placement_dp.cpp     CPU   placement_dp, placement_budget_prices, placement_prune_dominated (planner)
 //   tiered.cpp           CPU   tiered_lookup, tiered_backward (tiered embedding storage)
 #include <torch/library.h>
@@ -17,6 +18,9 @@ TORCH_LIBRARY(recpipe, m) {
   m.def(
       "hash_roundrobin_global_ids(Tensor ranks, Tensor local_ids, int table_size, "
       "SymInt world_size, int seed=0) -> Tensor");
+  // Routing primitive: (owner rank [n] int64, local id [n], dtype of ids) of each id
+  // of one table of table_size rows over world_size ranks; O(n) memory.
+  m.def("route_ids(Tensor ids, int table_size, SymInt world_size, int dist_type, int seed=0) -> (Tensor, Tensor)");
   // Planner: one pass of the 2-D (HBM bins x DDR bins) placement DP, pruning
   // partial plans whose Lagrangian bound (prices per byte) exceeds `incumbent`;
   // returns (choice [M] int64, or [0] when no plan fits or beats the

@@ -94,6 +94,13 @@ class BucketizeResult(NamedTuple):
     unbucketize_permute: Optional[torch.Tensor]
 
 
+def _fake_index_dtype(t: torch.Tensor, name: str) -> None:
+    """The kernels' index dtype check, for the fake kernels (same message)."""
+    if t.dtype not in (torch.int32, torch.int64):
+        raise RuntimeError(f"recpipe: `{name}` must be int32 or int64, got {t.dtype}; convert it with "
+                           "`.to(torch.int64)`.")
+
+
 @torch.library.register_fake("recpipe::block_bucketize_sparse_features")
 def _block_bucketize_fake(
     lengths: torch.Tensor,
@@ -115,6 +122,10 @@ def _block_bucketize_fake(
     Optional[torch.Tensor],
 ]:
     torch._check(my_size > 0, lambda: f"`my_size` must be >= 1, got {my_size}")
+    for name, t in (("lengths", lengths), ("indices", indices), ("block_sizes", block_sizes),
+                    ("dist_types", dist_types)) + ((("table_sizes", table_sizes),) if table_sizes is not None else ()):
+        _fake_index_dtype(t, name)
+        torch._check(t.dim() == 1, lambda: f"`{name}` must be 1-D")
     for name, t in (("indices", indices), ("weights", weights)):
         if t is not None and t.device != lengths.device:
             raise RuntimeError(
@@ -133,6 +144,17 @@ def _block_bucketize_fake(
     return new_lengths, new_indices, new_weights, new_pos, permute
 
 
+@torch.library.register_fake("recpipe::route_ids")
+def _route_ids_fake(
+    ids: torch.Tensor, table_size: int, world_size: int, dist_type: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _fake_index_dtype(ids, "ids")
+    torch._check(table_size > 0, lambda: f"`table_size` must be >= 1, got {table_size}")
+    torch._check(world_size > 0, lambda: f"`world_size` must be >= 1, got {world_size}")
+    torch._check(dist_type in DIST_TYPES.values(), lambda: f"`dist_type` must be one of {DIST_TYPES}, got {dist_type}")
+    return torch.empty_like(ids, dtype=torch.int64), torch.empty_like(ids)
+
+
 @torch.library.register_fake("recpipe::hash_roundrobin_global_ids")
 def _global_ids_fake(
     ranks: torch.Tensor,
@@ -141,6 +163,8 @@ def _global_ids_fake(
     world_size: int,
     seed: int = 0,
 ) -> torch.Tensor:
+    _fake_index_dtype(ranks, "ranks")
+    _fake_index_dtype(local_ids, "local_ids")
     torch._check(
         ranks.numel() == local_ids.numel(),
         lambda: "`ranks` and `local_ids` need the same number of entries",
@@ -238,10 +262,13 @@ def route_ids(
     dist_type: str = "hash_roundrobin",
     seed: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Owner rank and local id of each id of one table, through the routing op.
+    """Owner rank and local id of each id of one table (``torch.ops.recpipe.route_ids``).
+
+    The per-id routing primitive (the same ``TableRoute`` math as the KJT op), O(n)
+    memory: checkpoint resharding and the tiered HYBRID split call it.
 
     Args:
-        ids: 1-D ids of the table, in ``[0, table_size)``.
+        ids: ids of the table (any shape, int32/int64), in ``[0, table_size)``.
         table_size: rows ``N`` of the table.
         world_size: ``W``.
         dist_type: ``continuous`` (block ``ceil(N / W)``), ``roundrobin`` or
@@ -251,25 +278,7 @@ def route_ids(
     Returns:
         ``(owner, local)``, both shaped like ``ids`` (owner int64).
     """
-    code = dist_type_code(dist_type)
-    flat = ids.reshape(-1)
-    n = flat.numel()
-    block = max(1, -(-table_size // world_size))
-    out = block_bucketize_sparse_features(
-        torch.ones(n, dtype=torch.int64, device=ids.device),
-        flat,
-        torch.tensor([block], dtype=torch.int64),
-        torch.tensor([code], dtype=torch.int64),
-        world_size,
-        sequence=True,
-        table_sizes=torch.tensor([table_size], dtype=torch.int64),
-        seed=seed,
-    )
-    # Each bag holds one id: its owner is the rank whose length is 1.
-    owner = out.new_lengths.view(world_size, n).argmax(dim=0)
-    assert out.unbucketize_permute is not None
-    local = out.new_indices[out.unbucketize_permute]
-    return owner.view_as(ids), local.view_as(ids)
+    return torch.ops.recpipe.route_ids(ids, table_size, world_size, dist_type_code(dist_type), seed)
 
 
 def bucketize_kjt(
@@ -320,6 +329,12 @@ def bucketize_kjt(
         )
     if world_size <= 0:
         raise ValueError(f"bucketize_kjt: `world_size` must be >= 1, got {world_size}")
+    bad = {k: table_sizes[k] for k in keys
+           if isinstance(table_sizes[k], bool) or not isinstance(table_sizes[k], int) or table_sizes[k] <= 0}
+    if bad:
+        raise ValueError(
+            f"bucketize_kjt: `table_sizes` must be positive ints (each table's row count), got {bad}"
+        )
     codes = torch.tensor([dist_type_code(dist_types[k]) for k in keys], dtype=torch.int64)
     sizes = torch.tensor([int(table_sizes[k]) for k in keys], dtype=torch.int64)
     blocks = torch.clamp((sizes + world_size - 1) // world_size, min=1)

@@ -85,6 +85,10 @@ __all__ = [
     "shard_num_rows",
 ]
 
+#: Rows of an export routed and copied at a time by :meth:`TieredEmbeddingShard.load_states`
+#: (bounds the load's extra memory to the shard's own rows plus one chunk).
+LOAD_CHUNK_ROWS: int = 1 << 20
+
 #: Version of the export format written in ``TieredShardState.metadata``.
 #: 2 adds ``routing_version`` (``recpipe.pipeline.ops.ROUTING_VERSION``); version 1
 #: exports lack it and were routed by hash_roundrobin version 1.
@@ -376,23 +380,7 @@ class TieredEmbeddingShard(nn.Module):
     # ------------------------------------------------------------- placement
     def _split_hash(self, rows: torch.Tensor) -> torch.Tensor:
         """Seeded bijection of ``[0, R)`` (recpipe hash_roundrobin with ``W = 1``)."""
-        n = rows.numel()
-        if n == 0:
-            return rows.clone()
-        out = torch.ops.recpipe.block_bucketize_sparse_features(
-            torch.ones(n, dtype=torch.int64, device=rows.device),
-            rows,
-            torch.tensor([self.num_rows], dtype=torch.int64),
-            torch.tensor([DIST_TYPES["hash_roundrobin"]], dtype=torch.int64),
-            1,
-            False,
-            False,
-            None,
-            torch.tensor([self.num_rows], dtype=torch.int64),
-            self.split_seed,
-            False,
-        )
-        return out[1]
+        return route_ids(rows, max(self.num_rows, 1), 1, "hash_roundrobin", self.split_seed)[1]
 
     def _locate(self, rows: torch.Tensor) -> Tuple[Optional[torch.Tensor], torch.Tensor]:
         """Tier and index of local rows: ``(in_fast mask or None if all fast, index)``."""
@@ -854,9 +842,12 @@ class TieredEmbeddingShard(nn.Module):
                     f"outside [0, {md['num_embeddings']}) and {repeated} repeated",
                     ["the export is damaged or its metadata was edited: re-export the shard"])
         else:
-            expect = global_row_ids(torch.arange(n, dtype=torch.int64), md["num_embeddings"], md["world_size"],
-                                    md["rank"], md["dist_type"], md["routing_seed"])
-            if not torch.equal(expect, gids):
+            agree = all(
+                torch.equal(global_row_ids(torch.arange(lo, min(lo + LOAD_CHUNK_ROWS, n), dtype=torch.int64),
+                                           md["num_embeddings"], md["world_size"], md["rank"], md["dist_type"],
+                                           md["routing_seed"]), gids[lo:lo + LOAD_CHUNK_ROWS])
+                for lo in range(0, n, LOAD_CHUNK_ROWS))
+            if not agree:
                 raise self._ckpt_error(
                     f"export global ids disagree with its metadata (dist_type={md['dist_type']!r}, "
                     f"routing_seed={md['routing_seed']}, world_size={md['world_size']}, rank={md['rank']})",
@@ -889,18 +880,28 @@ class TieredEmbeddingShard(nn.Module):
         if len(steps) != 1:
             raise self._ckpt_error(f"exports disagree on the optimizer step {sorted(steps)}",
                                    ["load exports written at the same training step"])
-        gids = torch.cat([st.global_ids.to(torch.int64).cpu() for st in states])
-        weights = torch.cat([st.weights.cpu() for st in states])
-        opt = torch.cat([st.optimizer_state.cpu() for st in states])
+        # Stream the exports in chunks: extra memory is this shard's R rows plus one chunk
+        # (O(N / W) per rank), whatever the saving job's world size.
         R = self.num_rows
-        if gids.numel():
-            owner, local = route_ids(gids, self.num_embeddings, self.world_size, self.dist_type, self.routing_seed)
-            sel = (owner == self.rank).nonzero().squeeze(1)
-        else:
-            local = gids
-            sel = gids
-        mine = local.index_select(0, sel)
-        count = torch.bincount(mine, minlength=R) if R else torch.zeros(0, dtype=torch.int64)
+        weights = torch.empty((R, self.embedding_dim), dtype=self.dtype)
+        opt = torch.empty((R, self.fast_state.shape[1]), dtype=torch.float32)
+        count = torch.zeros(R, dtype=torch.int64)
+        non_finite = 0
+        for st in states:
+            for lo in range(0, int(st.global_ids.numel()), LOAD_CHUNK_ROWS):
+                hi = lo + LOAD_CHUNK_ROWS
+                owner, local = route_ids(st.global_ids[lo:hi].to(torch.int64).cpu(), self.num_embeddings,
+                                         self.world_size, self.dist_type, self.routing_seed)
+                sel = (owner == self.rank).nonzero().squeeze(1)
+                if sel.numel() == 0:
+                    continue
+                mine = local.index_select(0, sel)
+                w = st.weights[lo:hi].cpu().index_select(0, sel)
+                o = st.optimizer_state[lo:hi].cpu().index_select(0, sel)
+                non_finite += int(((~torch.isfinite(w)).any(dim=1) | (~torch.isfinite(o)).any(dim=1)).sum())
+                count.index_add_(0, mine, torch.ones_like(mine))
+                weights.index_copy_(0, mine, w.to(self.dtype))
+                opt.index_copy_(0, mine, o.to(torch.float32))
         if bool((count > 1).any()):
             dup = self.global_ids().index_select(0, (count > 1).nonzero().squeeze(1)[:5])
             raise self._ckpt_error(f"{int((count > 1).sum())} rows appear more than once (global ids {dup.tolist()})",
@@ -913,10 +914,12 @@ class TieredEmbeddingShard(nn.Module):
                 f"(e.g. global ids {gone.tolist()}; got exports of (rank, world_size) {src})",
                 ["pass the exports of ALL ranks of the saving job (rows are resharded by global id)",
                  "check that the saving job used the same num_embeddings"])
-        order = torch.empty(R, dtype=torch.int64)
-        order[mine] = sel
-        self._load_local_rows(weights.index_select(0, order).to(self.device, self.dtype),
-                              opt.index_select(0, order).to(self.device), reset_cache=True)
+        if non_finite:
+            raise self._ckpt_error(
+                f"{non_finite} of the rows it would load hold NaN or inf values or optimizer state",
+                ["the saving run diverged or the export is damaged: load an earlier checkpoint",
+                 "re-export the table from a healthy run"])
+        self._load_local_rows(weights.to(self.device), opt.to(self.device), reset_cache=True)
         self.step = steps.pop()
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:

@@ -37,10 +37,14 @@ def _random_case(
     table_sizes = [rng.choice([1, 2, 3, 7, 64, 1000, 50_000]) for _ in range(F)]
     block_sizes = [max(1, -(-n // W)) for n in table_sizes]
     lengths = [rng.randrange(max_len + 1) for _ in range(F * B)]
+    if raw_ids:
+        # a roundrobin feature of raw ids declares no table size (0): the op checks the
+        # ids of roundrobin features whose size is given
+        table_sizes = [0 if d == 1 else n for d, n in zip(dist_types, table_sizes)]
     indices: list[int] = []
     for bt, ln in enumerate(lengths):
         f = bt // B
-        n = table_sizes[f]
+        n = table_sizes[f] or 50_000
         for _ in range(ln):
             if dist_types[f] != 2 and raw_ids and rng.random() < 0.3:
                 # raw ids beyond block * W, and negative raw ids (fbgemm's unsigned path)
@@ -334,7 +338,7 @@ def test_simd_owners_large_blocks_match_reference(monkeypatch: pytest.MonkeyPatc
                            rng.randrange(blk * W - 3, blk * W + 3) if r < 0.98 else -rng.randrange(1, 2**40))
     case = dict(lengths=torch.tensor(lengths), indices=torch.tensor(indices, dtype=torch.int64),
                 block_sizes=torch.tensor(blocks), dist_types=torch.tensor(dist), W=W,
-                table_sizes=torch.tensor([1] * len(blocks)))
+                table_sizes=torch.tensor([1, 1, 1, 0]))  # 0: the roundrobin raw ids are unchecked
     _check_against_reference(case, sequence=True, pos=False, weights_dtype=None, seed=0, keep=False)
 
 
@@ -358,7 +362,8 @@ def _partition_case(rng: random.Random, W: int, index_dtype: torch.dtype, B: int
         indices=torch.tensor(indices, dtype=index_dtype),
         block_sizes=torch.tensor([max(1, -(-n // W)) for n in sizes], dtype=torch.int64),
         dist_types=torch.tensor(dist, dtype=torch.int64),
-        table_sizes=torch.tensor(sizes, dtype=torch.int64),
+        # 0: the roundrobin feature's raw ids are unchecked (a given size is enforced)
+        table_sizes=torch.tensor([0 if d == 1 else n for d, n in zip(dist, sizes)], dtype=torch.int64),
         W=W,
     )
 
@@ -763,6 +768,88 @@ def test_global_ids_bad_input() -> None:
         gid(torch.tensor([0]), torch.tensor([0]), 0, 2)
     with pytest.raises(RuntimeError, match=r"is not a slot of a table of 10 rows over 2 ranks"):
         gid(torch.tensor([1]), torch.tensor([5]), 10, 2)  # 5 * 2 + 1 = 11 >= 10
+    # local * W overflows int64 (2^62 * 4 wraps to 0): still refused, never a wrong global id
+    with pytest.raises(RuntimeError, match=r"\(0, 4611686018427387904\) is not a slot of a table of 10 rows"):
+        gid(torch.tensor([0]), torch.tensor([2**62]), 10, 4)
+    with pytest.raises(RuntimeError, match=r"is not a slot"):
+        gid(torch.tensor([3]), torch.tensor([0]), 3, 4)  # rank 3 owns no row of a 3-row table
+    with pytest.raises(RuntimeError, match=r"`world_size` must be at most 2147483647"):
+        gid(torch.tensor([0]), torch.tensor([0]), 10, 2**62)
+
+
+def test_roundrobin_ids_checked_against_given_table_size() -> None:
+    """A roundrobin feature whose table size is given rejects ids outside it (the
+    tiered table behind it has no such row); size 0 keeps raw ids (id % W)."""
+    for bad in (-1, 15):
+        with pytest.raises(IndexError, match=rf"`indices\[1\]` = {bad} \(feature 0, roundrobin\) is outside "
+                                             r"\[0, table_sizes\[0\] = 10\)"):
+            ops.block_bucketize_sparse_features(
+                torch.tensor([2]), torch.tensor([3, bad]), torch.tensor([5]), torch.tensor([1]), 2,
+                table_sizes=torch.tensor([10]))
+    out = ops.block_bucketize_sparse_features(
+        torch.tensor([2]), torch.tensor([3, 15]), torch.tensor([5]), torch.tensor([1]), 2,
+        table_sizes=torch.tensor([0]))
+    assert out.new_lengths.tolist() == [0, 2] and out.new_indices.tolist() == [1, 7]
+    with pytest.raises(RuntimeError, match=r"`table_sizes\[0\]` is -1"):
+        ops.block_bucketize_sparse_features(
+            torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([1]), 2,
+            table_sizes=torch.tensor([-1]))
+    with pytest.raises(RuntimeError, match=r"`my_size` \(the world size W\) must be at most 2147483647"):
+        ops.block_bucketize_sparse_features(
+            torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([1]), 2**63 - 1)
+
+
+@pytest.mark.parametrize("dist_type", ["continuous", "roundrobin", "hash_roundrobin"])
+@pytest.mark.parametrize("W", [1, 3, 64])
+def test_route_ids_matches_reference_and_inverse(dist_type: str, W: int) -> None:
+    """route_ids (the per-id routing primitive) against the pure-Python reference, and
+    (owner, local) back to the global id for every routing."""
+    from routing_reference import route_one
+
+    N = 1000
+    code = ops.DIST_TYPES[dist_type]
+    ids = torch.randperm(N)
+    for dtype in (torch.int64, torch.int32):
+        owner, local = ops.route_ids(ids.to(dtype), N, W, dist_type, seed=9)
+        assert owner.dtype == torch.int64 and local.dtype == dtype
+        want = [route_one(int(g), code, W, max(1, -(-N // W)), N, 9, 64) for g in ids.tolist()]
+        assert owner.tolist() == [w[0] for w in want] and local.tolist() == [w[1] for w in want]
+    from recpipe.pipeline.tiered import global_row_ids
+
+    for r in range(W):
+        mine = owner == r
+        back = global_row_ids(local[mine].to(torch.int64), N, W, r, dist_type, 9)
+        assert torch.equal(back, ids[mine].to(torch.int64))
+
+
+def test_route_ids_bad_input() -> None:
+    with pytest.raises(IndexError, match=r"`ids\[1\]` = 10 is outside \[0, table_size = 10\)"):
+        ops.route_ids(torch.tensor([0, 10]), 10, 2, "roundrobin")
+    with pytest.raises(IndexError, match=r"`ids\[0\]` = -1 is outside"):
+        ops.route_ids(torch.tensor([-1]), 10, 2, "continuous")
+    with pytest.raises(RuntimeError, match=r"`world_size` must be >= 1, got 0"):
+        ops.route_ids(torch.tensor([1]), 10, 0, "roundrobin")
+    with pytest.raises(RuntimeError, match=r"`world_size` must be at most"):
+        ops.route_ids(torch.tensor([1]), 10, 2**62, "roundrobin")
+    with pytest.raises(RuntimeError, match=r"`ids` must be int32 or int64"):
+        ops.route_ids(torch.tensor([1.0]), 10, 2, "roundrobin")
+    with pytest.raises(RuntimeError, match=r"`table_size` must be >= 1"):
+        ops.route_ids(torch.tensor([1]), 0, 2, "roundrobin")
+
+
+def test_route_ids_opcheck_and_fake_kernels_reject_what_the_kernels_reject() -> None:
+    torch.library.opcheck(torch.ops.recpipe.route_ids.default, (torch.tensor([3, 1, 7]), 10, 3, 2, 5))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        owner, local = torch.ops.recpipe.route_ids(torch.empty(6, dtype=torch.int32), 10, 3, 2, 5)
+        assert owner.shape == (6,) and owner.dtype == torch.int64 and local.dtype == torch.int32
+        with pytest.raises(RuntimeError, match=r"`indices` must be int32 or int64"):
+            torch.ops.recpipe.block_bucketize_sparse_features(
+                torch.ones(2, dtype=torch.int64), torch.empty(2), torch.ones(1, dtype=torch.int64),
+                torch.ones(1, dtype=torch.int64), 2)
+        with pytest.raises(RuntimeError, match=r"`ids` must be int32 or int64"):
+            torch.ops.recpipe.route_ids(torch.empty(2), 10, 3, 2, 5)
 
 
 # ---------------------------------------------------------------------------
@@ -818,7 +905,7 @@ def test_two_rank_paths_match_reference(monkeypatch: pytest.MonkeyPatch, path: s
             indices.append(rng.randrange(-(2**40), 2**40) if raw else rng.randrange(sizes[f]))
     case = dict(lengths=torch.tensor(lengths), indices=torch.tensor(indices, dtype=torch.int64),
                 block_sizes=torch.tensor(blocks), dist_types=torch.tensor(dist), W=2,
-                table_sizes=torch.tensor(sizes))
+                table_sizes=torch.tensor([0 if d == 1 else n for d, n in zip(dist, sizes)]))  # 0: raw rr ids
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -420,3 +420,45 @@ def test_bad_input_errors() -> None:
         _shard("CACHING", 0.5, "sgd", dist_type="random")
     with pytest.raises(ValueError, match="weight_decay"):
         TieredOptimizerConfig(optimizer="sgd", weight_decay=0.1)
+
+
+def test_load_refuses_non_finite_rows() -> None:
+    """An export holding NaN / inf values or optimizer state is refused, naming the count."""
+    src = _shard("HYBRID", 0.5, "rowwise_adagrad")
+    for bad in ("weights", "optimizer_state"):
+        st = src.export_state()
+        getattr(st, bad)[3, 0] = float("nan") if bad == "weights" else float("inf")
+        dst = _shard("CACHING", 0.3, "rowwise_adagrad")
+        with pytest.raises(TieredCheckpointError, match=r"1 of the rows it would load hold NaN or inf"):
+            dst.load_states([st])
+
+
+def test_load_streams_exports_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading W = 3 exports into W = 2 shards gives the same rows whether each export
+    is routed whole or 7 rows at a time (the chunked path, crossing export boundaries)."""
+    import recpipe.pipeline.tiered as tiered
+
+    N = 101
+    srcs = [TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.4,
+                                 optimizer=TieredOptimizerConfig(optimizer="adam"), rank=r, world_size=3)
+            for r in range(3)]
+    states = [s.export_state() for s in srcs]
+    results = []
+    for chunk in (tiered.LOAD_CHUNK_ROWS, 7):
+        monkeypatch.setattr(tiered, "LOAD_CHUNK_ROWS", chunk)
+        got = []
+        for r in range(2):
+            dst = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="CACHING", cache_load_factor=0.3,
+                                       optimizer=TieredOptimizerConfig(optimizer="adam"), rank=r, world_size=2)
+            dst.load_states(states)
+            got.append(dst.export_state())
+        results.append(got)
+    for a, b in zip(*results):
+        assert torch.equal(a.global_ids, b.global_ids)
+        assert torch.equal(a.weights, b.weights) and torch.equal(a.optimizer_state, b.optimizer_state)
+    every = torch.cat([s.global_ids for s in results[1]])
+    assert sorted(every.tolist()) == list(range(N))
+    src_rows = {int(g): w for s in states for g, w in zip(s.global_ids, s.weights)}
+    for s in results[1]:
+        for g, w in zip(s.global_ids, s.weights):
+            assert torch.equal(w, src_rows[int(g)])
