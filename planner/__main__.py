@@ -31,6 +31,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _TABLE_KEYS = {"name", "rows", "dim", "dtype", "optimizer", "lookups_per_step", "zipf_alpha"}
+_REQUIRED_KEYS = ("name", "rows", "dim")
 
 
 def parse_size(text: str) -> int:
@@ -53,14 +54,26 @@ def parse_size(text: str) -> int:
 def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
     """Read the YAML table list.
 
+    Every table needs ``name``, ``rows`` and ``dim``; values keep their YAML types
+    (``rows: 10.7`` or ``rows: true`` is an error, never a silent 10 or 1).
+
     Args:
         path (Path): YAML file holding a list of table mappings.
         default_optimizer (str): optimizer for tables without one.
 
     Returns:
         List[TableSpec]: the tables.
+
+    Raises:
+        ValueError: the file cannot be read or parsed, or a table is malformed; the
+            message names the file and the table.
     """
-    data = yaml.safe_load(Path(path).read_text())
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"--tables {path}: cannot read the file ({e.strerror or e}).") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"--tables {path}: not valid YAML ({str(e).splitlines()[0]}).") from e
     if data is None:
         return []
     if not isinstance(data, list):
@@ -72,17 +85,24 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
         extra = set(item) - _TABLE_KEYS
         if extra:
             raise ValueError(f"{path}: table #{k} has unknown keys {sorted(extra)}; allowed: {sorted(_TABLE_KEYS)}.")
-        specs.append(
-            TableSpec(
-                name=str(item["name"]),
-                rows=int(item["rows"]),
-                dim=int(item["dim"]),
-                dtype=str(item.get("dtype", "float32")),
-                optimizer=str(item.get("optimizer", default_optimizer)),
-                lookups_per_step=float(item.get("lookups_per_step", 512)),
-                zipf_alpha=float(item.get("zipf_alpha", DEFAULT_ZIPF_ALPHA)),
+        missing = [key for key in _REQUIRED_KEYS if key not in item]
+        if missing:
+            raise ValueError(f"{path}: table #{k} ({item.get('name', 'unnamed')}) lacks {missing}; every table "
+                             f"needs {list(_REQUIRED_KEYS)}.")
+        try:
+            specs.append(
+                TableSpec(
+                    name=str(item["name"]),
+                    rows=item["rows"],
+                    dim=item["dim"],
+                    dtype=str(item.get("dtype", "float32")),
+                    optimizer=str(item.get("optimizer", default_optimizer)),
+                    lookups_per_step=item.get("lookups_per_step", 512),
+                    zipf_alpha=item.get("zipf_alpha", DEFAULT_ZIPF_ALPHA),
+                )
             )
-        )
+        except ValueError as e:
+            raise ValueError(f"{path}: table #{k}: {e}") from e
     return specs
 
 
@@ -109,9 +129,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"))
     ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     args = ap.parse_args(argv)
-    lws = args.local_world_size or args.world_size
-    if args.world_size < 1 or not 1 <= lws <= args.world_size or args.world_size % lws:
+    if args.world_size < 1:
+        ap.error(f"--world-size must be >= 1 (the number of ranks), got {args.world_size}.")
+    if args.local_world_size is not None and args.local_world_size < 1:
+        ap.error(f"--local-world-size must be >= 1 (ranks per machine), got {args.local_world_size}; "
+                 "omit it for one machine.")
+    lws = args.world_size if args.local_world_size is None else args.local_world_size
+    if lws > args.world_size or args.world_size % lws:
         ap.error(f"--local-world-size ({lws}) must divide --world-size ({args.world_size}).")
+    for flag, value in (("--hbm-reservation", args.hbm_reservation), ("--ddr-reservation", args.ddr_reservation)):
+        if not 0.0 <= value < 1.0:  # also refuses nan
+            ap.error(f"{flag} must be a fraction in [0, 1), got {value}.")
+    if args.bins is not None and min(args.bins) < 1:
+        ap.error(f"--bins must be two positive ints (HBM and DDR bins), got {args.bins}.")
+    for flag, value in (("--hbm", args.hbm), ("--ddr", args.ddr)):
+        if value <= 0:
+            ap.error(f"{flag} must be a positive size such as 80GiB, got {value} bytes.")
     topology = Topology(
         world_size=args.world_size,
         local_world_size=lws,
@@ -132,9 +165,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PlannerError as e:
         print(f"PlannerError[{e.planner_error_type.value}]: {e}", file=sys.stderr)
         return 2
+    except ValueError as e:  # bad tables file: one message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(plan.report())
     if args.json:
-        plan.save(args.json)
+        try:
+            plan.save(args.json)
+        except OSError as e:
+            print(f"error: --json {args.json}: cannot write the plan ({e.strerror or e}).", file=sys.stderr)
+            return 2
         print(f"plan written to {args.json}")
     return 0
 

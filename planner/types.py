@@ -28,6 +28,7 @@ from recpipe.pipeline.placement import (
     dtype_name,
     parse_enum,
     resolve_dtype,
+    row_bytes,
 )
 from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
@@ -82,6 +83,12 @@ def format_bytes(num: float) -> str:
     return f"{value:.2f} PiB"  # pragma: no cover
 
 
+#: Largest table the planner accepts, in bytes (values + optimizer state): its byte
+#: arithmetic runs in int64 (numpy arrays, torch tensors), which a 2^62 bound keeps
+#: clear of overflow after sums over a few tables. Source: int64 range, 2^63 - 1.
+MAX_TABLE_BYTES: int = 2**62
+
+
 @dataclass(kw_only=True)
 class TableSpec:
     """One embedding table to place.
@@ -118,19 +125,33 @@ class TableSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise ValueError("TableSpec.name must be a non-empty string.")
-        if not isinstance(self.rows, int) or self.rows <= 0:
-            raise ValueError(f"TableSpec({self.name}).rows must be a positive int, got {self.rows!r}.")
-        if not isinstance(self.dim, int) or self.dim <= 0:
-            raise ValueError(f"TableSpec({self.name}).dim must be a positive int, got {self.dim!r}.")
+        for field_name in ("rows", "dim"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"TableSpec({self.name}).{field_name} must be a positive int, got {value!r} "
+                    f"({type(value).__name__}); write a whole number, without a decimal point or quotes."
+                )
         self.dtype = resolve_dtype(self.dtype, f"TableSpec({self.name}).dtype")
         self.optimizer = FusedOptimizer.parse(self.optimizer, f"TableSpec({self.name}).optimizer")
+        table_bytes = self.rows * row_bytes(self.dim, self.dtype, self.optimizer)
+        if table_bytes > MAX_TABLE_BYTES:
+            raise ValueError(
+                f"TableSpec({self.name}) needs {table_bytes} bytes ({self.rows} rows x "
+                f"{row_bytes(self.dim, self.dtype, self.optimizer)} bytes per row), above the planner's "
+                f"limit of 2^62 bytes per table; check rows={self.rows} (a typo?) or split the table."
+            )
+        for field_name in ("lookups_per_step", "zipf_alpha"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"TableSpec({self.name}).{field_name} must be a number, got {value!r}.")
         if not (self.lookups_per_step >= 0 and math.isfinite(self.lookups_per_step)):
             raise ValueError(
                 f"TableSpec({self.name}).lookups_per_step must be a finite number >= 0, "
                 f"got {self.lookups_per_step!r}."
             )
-        if not self.zipf_alpha >= 0:
-            raise ValueError(f"TableSpec({self.name}).zipf_alpha must be >= 0, got {self.zipf_alpha!r}.")
+        if not (self.zipf_alpha >= 0 and math.isfinite(self.zipf_alpha)):
+            raise ValueError(f"TableSpec({self.name}).zipf_alpha must be a finite number >= 0, got {self.zipf_alpha!r}.")
         if self.access_counts is not None and len(self.access_counts) == 0:
             raise ValueError(
                 f"TableSpec({self.name}).access_counts is empty: pass per-row counts or None."

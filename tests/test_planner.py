@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import subprocess
 import sys
 from fractions import Fraction
@@ -510,3 +511,52 @@ def test_bad_input_errors_name_the_argument() -> None:
         DynamicProgrammingProposer(bins=(0, 3))
     tables: List[TableSpec] = []
     assert PlacementPlanner(topo()).plan(tables).placements == []
+
+
+@pytest.mark.parametrize("table,message", [
+    ("{name: a, rows: 10.7, dim: 8}", r"table #0: TableSpec\(a\)\.rows must be a positive int, got 10\.7 \(float\)"),
+    ("{name: a, rows: true, dim: 8}", r"table #0: TableSpec\(a\)\.rows must be a positive int, got True \(bool\)"),
+    ("{name: a, rows: '100', dim: 8}", r"TableSpec\(a\)\.rows must be a positive int, got '100' \(str\)"),
+    ("{name: a, dim: 8}", r"table #0 \(a\) lacks \['rows'\]; every table needs \['name', 'rows', 'dim'\]"),
+    ("{name: a, rows: 1000000000000000000, dim: 8}", r"TableSpec\(a\) needs 96000000000000000000 bytes \(1000000000000000000 rows x 96 bytes per row\), above "
+                                                     r"the planner's limit of 2\^62 bytes"),
+    ("{name: a, rows: 100, dim: 8, zipf_alpha: .nan}", r"zipf_alpha must be a finite number >= 0"),
+    ("{name: a, rows: 100, dim: 8, lookups_per_step: .inf}", r"lookups_per_step must be a finite number >= 0"),
+])
+def test_cli_bad_tables_print_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str,
+                                          message: str) -> None:
+    """Bad table files exit 2 with one line naming the file and the table (no traceback);
+    YAML values keep their types (10.7 is not 10, true is not 1)."""
+    y = tmp_path / "tables.yaml"
+    y.write_text(f"- {table}\n")
+    rc = cli_main(["--tables", str(y), "--world-size", "2", "--hbm", "1GiB", "--ddr", "1TiB"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert re.search(message, err), err
+    assert err.startswith(f"error: {y}: table #0")
+
+
+def test_cli_bad_files_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    y = tmp_path / "tables.yaml"
+    _write_tables(y)
+    base = ["--hbm", "1GiB", "--ddr", "1TiB"]
+    assert cli_main(["--tables", str(tmp_path / "none.yaml"), "--world-size", "2", *base]) == 2
+    assert "cannot read the file" in capsys.readouterr().err
+    (tmp_path / "bad.yaml").write_text("- {name: a, rows: [1\n")
+    assert cli_main(["--tables", str(tmp_path / "bad.yaml"), "--world-size", "2", *base]) == 2
+    assert "not valid YAML" in capsys.readouterr().err
+    for flags, message in (
+        (["--world-size", "0"], r"--world-size must be >= 1 \(the number of ranks\), got 0"),
+        (["--world-size", "4", "--local-world-size", "0"], r"--local-world-size must be >= 1 \(ranks per machine\), got 0"),
+        (["--world-size", "4", "--local-world-size", "3"], r"--local-world-size \(3\) must divide --world-size \(4\)"),
+        (["--world-size", "4", "--hbm-reservation", "nan"], r"--hbm-reservation must be a fraction in \[0, 1\), got nan"),
+        (["--world-size", "4", "--bins", "0", "8"], r"--bins must be two positive ints"),
+        (["--world-size", "4", "--hbm", "0"], r"--hbm must be a positive size"),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["--tables", str(y), *base, *flags])
+        assert exc.value.code == 2
+        assert re.search(message, capsys.readouterr().err), flags
+    rc = cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "80GiB",
+                   "--ddr", "1TiB", "--json", str(tmp_path / "missing-dir" / "p.json")])
+    assert rc == 2 and "--json" in capsys.readouterr().err
