@@ -320,26 +320,16 @@ class TieredBatchedEmbeddingBag(_TieredKernelBase):
         if features.variable_stride_per_key():
             raise ValueError("tiered tables do not support variable batch size per feature (VBE) yet.")
         B = features.stride()
-        lengths = features.lengths().view(-1, B)
         values = features.values()
         weights = features.weights_or_none()
         offsets = features.offsets()
+        starts = features.offset_per_key()  # host ints the KJT keeps: no device read per table
         outs: List[torch.Tensor] = []
-        f = 0
-        n_features = len(self._feature_table)
-        while f < n_features:
-            name = self._feature_table[f]
-            g = f
-            while g < n_features and self._feature_table[g] == name:
-                g += 1
-            lo, hi = int(offsets[f * B]), int(offsets[g * B])
-            ids = values[lo:hi]
-            offs = torch.cat([torch.zeros(1, dtype=torch.int64, device=ids.device),
-                              lengths[f:g].reshape(-1).to(torch.int64).cumsum(0)])
+        for name, f, g in self._table_runs():
+            lo, hi = starts[f], starts[g]
             psw = weights[lo:hi] if weights is not None else None
-            pooled = self.tables[name](ids, offs, psw)  # [(g - f) * B, D]
-            outs += list(pooled.view(g - f, B, -1).unbind(0))
-            f = g
+            pooled = self.tables[name](values[lo:hi], offsets[f * B:g * B + 1] - lo, psw)  # [(g - f) * B, D]
+            outs.append(pooled.view(g - f, B, -1).transpose(0, 1).reshape(B, -1))  # feature-major columns
         return torch.cat(outs, dim=1)
 
 
@@ -377,12 +367,11 @@ class TieredBatchedEmbedding(_TieredKernelBase):
         """
         if features.variable_stride_per_key():
             raise ValueError("tiered tables do not support variable batch size per feature (VBE) yet.")
-        B = features.stride()
         values = features.values()
-        offsets = features.offsets()
+        starts = features.offset_per_key()  # host ints the KJT keeps: no device read per table
         outs: List[torch.Tensor] = []
         for name, f, g in self._table_runs():
-            lo, hi = int(offsets[f * B]), int(offsets[g * B])
+            lo, hi = starts[f], starts[g]
             ids = values[lo:hi]
             per_id = torch.arange(hi - lo + 1, dtype=torch.int64, device=ids.device)
             outs.append(self.tables[name](ids, per_id, None))  # [hi - lo, D]
