@@ -1,4 +1,4 @@
-"""Checkpoints for exact resume: one file per rank, restored in place.
+"""Checkpoints for exact resume: one file per rank, verified on load, restored in place.
 
 Every rank saves its local view of the model and optimizer state: plain tensors, and
 for each ``ShardedTensor`` its local shards with their offsets. Loading copies the
@@ -10,13 +10,37 @@ table placement and model shape; anything else raises :class:`CheckpointMismatch
 
 Layout::
 
-    <checkpoint_dir>/step_00000040/rank0.pt, rank1.pt
-    <checkpoint_dir>/latest          # "40", written by rank 0 after all ranks saved
+    <checkpoint_dir>/step_00000040/rank0.pt, rank1.pt   # each rank's state (torch.save)
+    <checkpoint_dir>/step_00000040/manifest.json        # bytes + sha256 of every rank file
+    <checkpoint_dir>/latest                              # "40"
+
+Saving (a collective) is crash-safe: the state is checked for NaN / inf first
+(:class:`NonFiniteStateError`, nothing is written); each rank writes its file to a
+temporary name in the step directory, fsyncs it and ``os.replace``-s it into place,
+hashing the bytes as they are written; rank 0 gathers every rank's size and digest
+and writes ``manifest.json`` (its own digest inside), then ``latest``, both
+atomically. The manifest is the commit record of a step directory; ``latest`` names
+the newest committed step.
+
+Loading verifies before it touches the model: the manifest, then each file it
+reads (size, sha256, unpickling, the file's own step / rank / world size), then the
+metadata against this run (world size, placement, routing version, config
+fingerprint) and the state's structure. A damaged file raises
+:class:`CheckpointCorruptError` naming the file and what is wrong. Resuming
+(:func:`load_checkpoint` without ``step``) instead falls back to the newest intact
+checkpoint at or below ``latest`` (every step directory when ``latest`` is missing or
+unreadable), printing one line (rank 0) that names what was skipped and why; with none intact
+it raises :class:`NoIntactCheckpointError`. Rank 0 chooses the candidates and every
+rank's verdict is gathered, so all ranks load the same step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +68,57 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "zipf_alpha",
     "eval_fraction",
 )
+MANIFEST_NAME: str = "manifest.json"
+"""The commit record of a step directory: size and sha256 of every rank file."""
+LATEST_NAME: str = "latest"
+"""The marker naming the newest committed step."""
+MANIFEST_FORMAT: str = "recpipe-checkpoint/1"
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _SHARDED = "__sharded_local_shards__"
+_PAYLOAD_KEYS = ("meta", "model", "optimizer", "tiered")
+_READ_CHUNK = 1 << 22
 
 
-class CheckpointMismatchError(RuntimeError):
+class CheckpointError(RuntimeError):
+    """Base class of the checkpoint errors below."""
+
+
+class CheckpointMismatchError(CheckpointError):
     """The checkpoint was written by a run with another world size, placement or model."""
 
 
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file is missing, truncated, altered or unreadable.
+
+    Args:
+        path: the damaged file (or the step directory).
+        problem: what is wrong with it.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(
+            f"checkpoint file {self.path} is damaged: {problem}. Possible solutions:\n"
+            "  1. resume without naming a step: --resume falls back to the newest intact checkpoint\n"
+            "  2. restore the file from a copy, or delete its step directory"
+        )
+
+
+class NoIntactCheckpointError(CheckpointError):
+    """Resume was asked for, checkpoints exist, but every one of them is damaged."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A rank could not write its checkpoint file (no checkpoint of that step was committed)."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """The state to be saved holds NaN or inf values; no checkpoint file was written."""
+
+
+# ---------------------------------------------------------------- state <-> payload
 def _to_saved(obj: Any) -> Any:
     if isinstance(obj, ShardedTensor):
         return {
@@ -68,7 +136,8 @@ def _to_saved(obj: Any) -> Any:
     return obj
 
 
-def _restore(live: Any, saved: Any, where: str) -> None:
+def _restore(live: Any, saved: Any, where: str, copy: bool = True) -> None:
+    """Copies ``saved`` into ``live`` (``copy=False``: only checks that they fit)."""
     if isinstance(live, ShardedTensor):
         shards = live.local_shards()
         if not (isinstance(saved, dict) and _SHARDED in saved) or len(saved[_SHARDED]) != len(shards):
@@ -79,12 +148,14 @@ def _restore(live: Any, saved: Any, where: str) -> None:
                     f"{where}: shard at {list(shard.metadata.shard_offsets)} {tuple(shard.tensor.shape)} "
                     f"!= saved {offsets} {tuple(value.shape)}"
                 )
-            shard.tensor.copy_(value)
+            if copy:
+                shard.tensor.copy_(value)
         return
     if isinstance(live, torch.Tensor):
         if not isinstance(saved, torch.Tensor) or live.shape != saved.shape:
             raise CheckpointMismatchError(f"{where}: shape {tuple(live.shape)} differs from the checkpoint's")
-        live.copy_(saved)
+        if copy:
+            live.copy_(saved)
         return
     if isinstance(live, dict):
         if not isinstance(saved, dict) or set(live) != set(saved):
@@ -92,14 +163,51 @@ def _restore(live: Any, saved: Any, where: str) -> None:
             extra = sorted(map(str, set(saved or {}) - set(live)))
             raise CheckpointMismatchError(f"{where}: keys differ (missing {missing[:5]}, extra {extra[:5]})")
         for k in live:
-            _restore(live[k], saved[k], f"{where}.{k}")
+            _restore(live[k], saved[k], f"{where}.{k}", copy)
         return
     if isinstance(live, (list, tuple)):
         if not isinstance(saved, (list, tuple)) or len(live) != len(saved):
             raise CheckpointMismatchError(f"{where}: length differs from the checkpoint's")
         for i, (a, b) in enumerate(zip(live, saved)):
-            _restore(a, b, f"{where}[{i}]")
+            _restore(a, b, f"{where}[{i}]", copy)
     # Other leaves (learning rates, flags) come from the config, not the checkpoint.
+
+
+def _floating_tensors(obj: Any, where: str) -> list[tuple[str, torch.Tensor]]:
+    """Every non-empty floating-point tensor in a payload, with its path."""
+    if isinstance(obj, torch.Tensor):
+        return [(where, obj)] if obj.is_floating_point() and obj.numel() else []
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    else:
+        return []
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, value in items:
+        out += _floating_tensors(value, f"{where}.{key}" if where else str(key))
+    return out
+
+
+def _non_finite(payload: dict[str, Any], limit: int = 5) -> list[str]:
+    """Paths of tensors in ``payload`` holding NaN or inf (at most ``limit``).
+
+    Two reductions per tensor (``amax`` / ``amin`` propagate NaN and reach +-inf), no
+    full-size temporary, and one host read in the common all-finite case.
+    """
+    tensors = [(k, t) for part in ("model", "optimizer", "tiered") for k, t in _floating_tensors(payload[part], part)]
+    if not tensors:
+        return []
+    flags: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, (_, t) in enumerate(tensors):
+        flags.setdefault(t.device, []).append((i, torch.isfinite(torch.stack([t.amax(), t.amin()])).all()))
+    finite = [True] * len(tensors)
+    for items in flags.values():  # one host read per device
+        for (i, _), ok in zip(items, torch.stack([f for _, f in items]).tolist()):
+            finite[i] = ok
+    return [name for (name, _), ok in zip(tensors, finite) if not ok][:limit]
 
 
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
@@ -124,6 +232,244 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _all_gather(obj: Any, world: int) -> list[Any]:
+    """``obj`` of every rank, in rank order (small picklable values only)."""
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _broadcast(obj: Any, world: int) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    if world == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# ---------------------------------------------------------------- files
+def step_dir_name(step: int) -> str:
+    """Name of the directory holding the checkpoint of ``step`` (``step_00000040``)."""
+    return f"step_{step:08d}"
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank}.pt"
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes a rename inside ``path`` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes ``path`` via a temporary file in the same directory, fsync and ``os.replace``."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class _HashingWriter:
+    """File-like sink for ``torch.save`` that counts and hashes the bytes it writes."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.sha256 = hashlib.sha256()
+        self.bytes = 0
+
+    def write(self, data: Any) -> int:
+        n = self._f.write(data)
+        self.sha256.update(data)
+        self.bytes += memoryview(data).nbytes
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _write_rank_file(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
+    """Saves ``payload`` atomically; returns its manifest entry (bytes, sha256)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        sink = _HashingWriter(f)
+        torch.save(payload, sink)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return {"bytes": sink.bytes, "sha256": sink.sha256.hexdigest()}
+
+
+def _json_digest(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _write_manifest(step_dir: Path, step: int, world: int, files: dict[str, dict[str, Any]]) -> None:
+    body = {"format": MANIFEST_FORMAT, "step": step, "world_size": world, "files": files}
+    text = json.dumps(dict(body, manifest_sha256=_json_digest(body)), indent=1, sort_keys=True)
+    _atomic_write_bytes(step_dir / MANIFEST_NAME, (text + "\n").encode())
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_READ_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Reads and checks the manifest of a step directory.
+
+    Args:
+        step_dir: e.g. ``<checkpoint_dir>/step_00000040``.
+
+    Returns:
+        ``{"format", "step", "world_size", "files": {"rank0.pt": {"bytes", "sha256"}, ...}}``.
+
+    Raises:
+        CheckpointCorruptError: the manifest is missing, unreadable, altered (its own
+            digest), or does not describe this directory.
+    """
+    step_dir = Path(step_dir)
+    path = step_dir / MANIFEST_NAME
+    if not path.is_file():
+        raise CheckpointCorruptError(
+            path, "missing: the save did not finish, or the checkpoint predates manifests"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointCorruptError(path, f"unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
+        raise CheckpointCorruptError(path, f"not a {MANIFEST_FORMAT} manifest")
+    body = {k: v for k, v in data.items() if k != "manifest_sha256"}
+    if data.get("manifest_sha256") != _json_digest(body):
+        raise CheckpointCorruptError(path, "its content does not match its own sha256 (altered after the save)")
+    m = _STEP_DIR.match(step_dir.name)
+    world, files = data.get("world_size"), data.get("files")
+    if m is None or data.get("step") != int(m.group(1)):
+        raise CheckpointCorruptError(path, f"records step {data.get('step')!r}, but lies in {step_dir.name}")
+    if not isinstance(world, int) or world < 1 or not isinstance(files, dict):
+        raise CheckpointCorruptError(path, f"bad world_size {world!r} or files table")
+    expected = {_rank_file(r) for r in range(world)}
+    if set(files) != expected:
+        raise CheckpointCorruptError(path, f"lists files {sorted(files)}, expected {sorted(expected)}")
+    for name, entry in files.items():
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int)
+            and isinstance(entry.get("sha256"), str)
+            and _SHA256_HEX.match(entry["sha256"])
+        ):
+            raise CheckpointCorruptError(path, f"bad entry for {name}: {entry!r}")
+    return data
+
+
+def _read_rank_file(step_dir: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Verifies one rank file against the manifest and unpickles it (on the CPU)."""
+    path = step_dir / _rank_file(rank)
+    entry = manifest["files"][path.name]
+    if not path.is_file():
+        raise CheckpointCorruptError(path, f"missing ({MANIFEST_NAME} lists it)")
+    try:
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointCorruptError(
+                path, f"{size} bytes, but {MANIFEST_NAME} records {entry['bytes']} (truncated or overwritten)"
+            )
+        digest = _file_sha256(path)
+    except OSError as e:
+        raise CheckpointCorruptError(path, f"unreadable ({type(e).__name__}: {e})") from None
+    if digest != entry["sha256"]:
+        raise CheckpointCorruptError(
+            path,
+            f"sha256 {digest[:16]}... differs from {MANIFEST_NAME}'s {entry['sha256'][:16]}... "
+            "(its bytes changed after the save: disk, copy or transfer corruption)",
+        )
+    try:
+        payload = torch.load(path, weights_only=False, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
+        raise CheckpointCorruptError(path, f"cannot be unpickled ({type(e).__name__}: {e})") from None
+    if not isinstance(payload, dict) or any(k not in payload for k in _PAYLOAD_KEYS):
+        keys = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+        raise CheckpointCorruptError(path, f"holds {keys}, not a recpipe checkpoint {list(_PAYLOAD_KEYS)}")
+    meta = payload["meta"]
+    got = tuple(meta.get(k) for k in ("step", "rank", "world_size")) if isinstance(meta, dict) else None
+    want = (manifest["step"], rank, manifest["world_size"])
+    if got != want:
+        raise CheckpointCorruptError(
+            path, f"its metadata (step, rank, world size) is {got}, expected {want} (a file from another checkpoint)"
+        )
+    return payload
+
+
+def verify_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Verifies every file of one checkpoint without a model: manifest, sizes, sha256,
+    unpickling and each file's own step / rank / world size.
+
+    Args:
+        step_dir: e.g. ``<checkpoint_dir>/step_00000040``.
+
+    Returns:
+        The manifest.
+
+    Raises:
+        CheckpointCorruptError: naming the first damaged file and what is wrong.
+    """
+    step_dir = Path(step_dir)
+    manifest = read_manifest(step_dir)
+    for r in range(manifest["world_size"]):
+        _read_rank_file(step_dir, manifest, r)
+    return manifest
+
+
+def reseal_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Rewrites the manifest of a checkpoint from the rank files as they are now.
+
+    For tools and tests that edit a checkpoint on purpose (a migration, a deliberately
+    altered payload): the edited files then verify again. Never use it to make a
+    damaged checkpoint load.
+
+    Args:
+        step_dir: e.g. ``<checkpoint_dir>/step_00000040``; its ``rank*.pt`` files must
+            be ``rank0.pt .. rank{W-1}.pt``.
+
+    Returns:
+        The new manifest.
+    """
+    step_dir = Path(step_dir)
+    m = _STEP_DIR.match(step_dir.name)
+    if m is None:
+        raise ValueError(f"reseal_checkpoint: {step_dir} is not a step_NNNNNNNN directory")
+    ranks = sorted(int(p.stem[4:]) for p in step_dir.glob("rank*.pt") if p.stem[4:].isdigit())
+    if not ranks or ranks != list(range(len(ranks))):
+        raise ValueError(f"reseal_checkpoint: {step_dir} holds rank files {ranks}, expected rank0.pt..rankN.pt")
+    files = {
+        _rank_file(r): {"bytes": (step_dir / _rank_file(r)).stat().st_size, "sha256": _file_sha256(step_dir / _rank_file(r))}
+        for r in ranks
+    }
+    _write_manifest(step_dir, int(m.group(1)), len(ranks), files)
+    return read_manifest(step_dir)
+
+
+# ---------------------------------------------------------------- save
 def save_checkpoint(
     directory: str,
     step: int,
@@ -145,10 +491,15 @@ def save_checkpoint(
 
     Returns:
         The step directory.
+
+    Raises:
+        NonFiniteStateError: some rank's state holds NaN / inf (nothing was written).
+        CheckpointWriteError: some rank could not write its file (the step is not
+            committed: no manifest, ``latest`` unchanged).
     """
     rank, world = _rank_world()
-    step_dir = Path(directory) / f"step_{step:08d}"
-    step_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(directory)
+    step_dir = root / step_dir_name(step)
     payload = {
         "meta": {
             "step": step,
@@ -167,24 +518,187 @@ def save_checkpoint(
             fqn: m.tiered_state() for fqn, m in model.named_modules() if hasattr(m, "tiered_state")
         },
     }
-    tmp = step_dir / f"rank{rank}.pt.tmp"
-    torch.save(payload, tmp)
-    os.replace(tmp, step_dir / f"rank{rank}.pt")
-    if world > 1:
-        dist.barrier()
+    bad = [(r, names) for r, names in enumerate(_all_gather(_non_finite(payload), world)) if names]
+    if bad:
+        listed = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in bad)
+        raise NonFiniteStateError(
+            f"refusing to save the checkpoint of step {step} into {step_dir}: the state holds NaN/inf "
+            f"({listed}). No file was written; {root / LATEST_NAME} still names the last good checkpoint. "
+            "Fix: find the first non-finite loss or input (lower --dense-lr / --embedding-lr on divergence) "
+            "and resume from the last good checkpoint"
+        )
+    path = step_dir / _rank_file(rank)
+    try:
+        step_dir.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            # An older save of this step is no longer the commit record of these files.
+            (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
+        written: Any = _write_rank_file(path, payload)
+    except OSError as e:
+        written = f"rank {rank}: writing {path} failed ({type(e).__name__}: {e})"
+    entries = _all_gather(written, world)
+    errors = [e for e in entries if isinstance(e, str)]
+    if errors:
+        raise CheckpointWriteError(
+            f"checkpoint of step {step} was not committed: " + "; ".join(errors)
+            + ". Fix: check the free space and permissions of --checkpoint-dir"
+        )
+    commit_error: str | None = None
     if rank == 0:
-        latest_tmp = Path(directory) / "latest.tmp"
-        latest_tmp.write_text(str(step))
-        os.replace(latest_tmp, Path(directory) / "latest")
-    if world > 1:
-        dist.barrier()
+        try:
+            _write_manifest(step_dir, step, world, {_rank_file(r): e for r, e in enumerate(entries)})
+            _atomic_write_bytes(root / LATEST_NAME, f"{step}\n".encode())
+        except OSError as e:
+            commit_error = f"rank 0: writing {step_dir / MANIFEST_NAME} or {root / LATEST_NAME} failed ({e})"
+    # Every rank waits for the commit (and learns whether it failed).
+    commit_error = _broadcast(commit_error, world)
+    if commit_error:
+        raise CheckpointWriteError(
+            f"checkpoint of step {step} was not committed: {commit_error}. "
+            "Fix: check the free space and permissions of --checkpoint-dir"
+        )
     return step_dir
 
 
+# ---------------------------------------------------------------- load
 def latest_step(directory: str) -> int | None:
-    """The step of the newest complete checkpoint in ``directory``, or None."""
-    p = Path(directory) / "latest"
-    return int(p.read_text().strip()) if p.is_file() else None
+    """The step ``latest`` names, or None when it is missing.
+
+    Raises:
+        CheckpointCorruptError: ``latest`` exists but does not hold a step number.
+    """
+    p = Path(directory) / LATEST_NAME
+    if not p.is_file():
+        return None
+    try:
+        text = p.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(p, f"unreadable ({type(e).__name__}: {e})") from None
+    if not text.isdigit() or not text.isascii():
+        raise CheckpointCorruptError(p, f"holds {text[:40]!r}, not a step number")
+    return int(text)
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+    """Steps of every ``step_*`` directory in ``directory``, newest first (none verified)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return sorted(steps, reverse=True)
+
+
+def _resume_candidates(directory: str) -> tuple[list[int], list[str]]:
+    """Steps to try, newest first, and notes on the ``latest`` marker.
+
+    With a readable ``latest`` whose directory exists, only steps at or below it:
+    a newer step directory is an uncommitted save, or a leftover of an earlier run
+    in the same directory. Otherwise every step directory.
+    """
+    steps = checkpoint_steps(directory)
+    notes: list[str] = []
+    try:
+        latest = latest_step(directory)
+    except CheckpointCorruptError as e:
+        notes.append(f"{e.path} {e.problem}")
+        return steps, notes
+    if latest is None:
+        if steps:
+            notes.append(f"{Path(directory) / LATEST_NAME} is missing")
+    elif latest in steps:
+        steps = [s for s in steps if s <= latest]
+    else:
+        notes.append(f"{Path(directory) / LATEST_NAME} names step {latest}, which has no directory")
+    return steps, notes
+
+
+def _check_fit(
+    path: Path,
+    meta: dict[str, Any],
+    world: int,
+    config: TrainConfig,
+    table_ranks: dict[str, Any],
+) -> None:
+    """Raises :class:`CheckpointMismatchError` when a verified file does not fit this run."""
+    problems = []
+    if meta.get("world_size") != world:
+        problems.append(f"world size {meta.get('world_size')} (checkpoint) != {world} (now)")
+    if meta.get("table_ranks") != table_ranks:
+        problems.append(f"placement {meta.get('table_ranks')} (checkpoint) != {table_ranks} (now)")
+    saved_routing = meta.get("routing_version", 1)  # checkpoints before version 2 lack the key
+    if saved_routing != ROUTING_VERSION:
+        problems.append(
+            f"hash_roundrobin routing version {saved_routing} (checkpoint) != {ROUTING_VERSION} (this recpipe): "
+            "row-wise shards saved in local-id order would load into the wrong rows"
+        )
+    now = fingerprint(config)
+    saved_fp = meta.get("fingerprint") or {}
+    diff = {k: (saved_fp.get(k), now[k]) for k in now if saved_fp.get(k) != now[k]}
+    if diff:
+        problems.append(f"config fields differ (checkpoint, now): {diff}")
+    if problems:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit this run: " + "; ".join(problems) + ". Possible solutions:\n"
+            f"  1. resume with the checkpoint's world size ({meta.get('world_size')}) and config values\n"
+            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)\n"
+            "  3. on a routing version mismatch, resume with the recpipe release that wrote the checkpoint"
+        )
+
+
+def _prepare(
+    step_dir: Path,
+    rank: int,
+    world: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    table_ranks: dict[str, Any],
+    needs_all_files: bool,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Verifies what this rank will read of one checkpoint; changes nothing.
+
+    Returns:
+        This rank's payload and every rank's tiered exports (empty unless
+        ``needs_all_files``).
+    """
+    manifest = read_manifest(step_dir)
+    if manifest["world_size"] != world:
+        # Checked before the files: a larger world has no file for the new ranks.
+        raise CheckpointMismatchError(
+            f"checkpoint {step_dir / MANIFEST_NAME} does not fit this run: world size "
+            f"{manifest['world_size']} (checkpoint) != {world} (now). Possible solutions:\n"
+            f"  1. resume with {manifest['world_size']} ranks\n"
+            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+        )
+    payload = _read_rank_file(step_dir, manifest, rank)
+    path = step_dir / _rank_file(rank)
+    _check_fit(path, payload["meta"], world, config, table_ranks)
+    try:
+        _restore(_model_state(model), payload["model"], "model", copy=False)
+        _restore(optimizer.state_dict(), payload["optimizer"], "optimizer", copy=False)
+    except CheckpointMismatchError as e:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit this run's state: {e}. Possible solutions:\n"
+            "  1. resume with the config the checkpoint was saved with\n"
+            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+        ) from None
+    exports: list[dict[str, Any]] = []
+    if needs_all_files:
+        for r in range(world):
+            other = payload if r == rank else _read_rank_file(step_dir, manifest, r)
+            exports.append(other["tiered"])
+        for fqn, m in model.named_modules():
+            if not hasattr(m, "load_tiered_state"):
+                continue
+            for r, export in enumerate(exports):
+                if not isinstance(export, dict) or fqn not in export:
+                    raise CheckpointMismatchError(
+                        f"checkpoint {step_dir / _rank_file(r)} has no tiered tables for module {fqn!r}. "
+                        "Possible solutions:\n"
+                        "  1. resume with the placement the checkpoint was saved with (--placement)\n"
+                        "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+                    )
+    return payload, exports
 
 
 def load_checkpoint(
@@ -193,8 +707,15 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     config: TrainConfig,
     table_ranks: dict[str, Any],
+    step: int | None = None,
 ) -> int:
-    """Restores this rank's state in place from the newest checkpoint.
+    """Restores this rank's state in place from a verified checkpoint (a collective).
+
+    Without ``step`` (``--resume``) it takes the newest intact checkpoint at or below
+    ``latest`` (any step directory when ``latest`` is missing or unreadable); each
+    damaged one is skipped, and one line on rank 0's stdout names what was
+    skipped and why and which step is used. Nothing is modified until every rank has
+    verified the chosen checkpoint, and all ranks load the same step.
 
     Args:
         directory: checkpoint root.
@@ -202,73 +723,91 @@ def load_checkpoint(
         optimizer: its combined optimizer, before any step.
         config: the run's config.
         table_ranks: this run's placement per table.
+        step: load exactly this step; a damaged file raises instead of falling back.
 
     Returns:
         The step to continue from.
 
     Raises:
-        FileNotFoundError: no checkpoint in ``directory``.
-        CheckpointMismatchError: world size, placement or model differ.
+        FileNotFoundError: no checkpoint in ``directory`` (or no directory for ``step``).
+        NoIntactCheckpointError: checkpoints exist but every one is damaged.
+        CheckpointCorruptError: ``step`` was given and a file of it is damaged.
+        CheckpointMismatchError: world size, placement, routing version or model differ.
     """
-    step = latest_step(directory)
-    if step is None:
+    rank, world = _rank_world()
+    root = Path(directory)
+    if step is not None:
+        candidates, notes = [step], []
+        if not (root / step_dir_name(step)).is_dir():
+            raise FileNotFoundError(f"checkpoint {root / step_dir_name(step)} does not exist")
+    else:
+        # Rank 0 lists the directory, so every rank tries the same steps in the same order.
+        candidates, notes = _broadcast(_resume_candidates(directory) if rank == 0 else None, world)
+    if not candidates:
         raise FileNotFoundError(
-            f"resume=True but {directory!r} has no checkpoint ('latest' missing). "
+            f"resume=True but {directory!r} has no checkpoint (no step_* directory, 'latest' missing). "
             "Fix: point --checkpoint-dir at a directory a previous run saved into, or drop --resume"
         )
-    rank, world = _rank_world()
-    path = Path(directory) / f"step_{step:08d}" / f"rank{rank}.pt"
-    payload = torch.load(path, weights_only=False)
-    meta = payload["meta"]
-    problems = []
-    if meta["world_size"] != world:
-        problems.append(f"world size {meta['world_size']} (checkpoint) != {world} (now)")
-    if meta["table_ranks"] != table_ranks:
-        problems.append(f"placement {meta['table_ranks']} (checkpoint) != {table_ranks} (now)")
-    saved_routing = meta.get("routing_version", 1)  # checkpoints before version 2 lack the key
-    if saved_routing != ROUTING_VERSION:
-        problems.append(
-            f"hash_roundrobin routing version {saved_routing} (checkpoint) != {ROUTING_VERSION} (this recpipe): "
-            "row-wise shards saved in local-id order would load into the wrong rows"
-        )
-    now = fingerprint(config)
-    diff = {k: (meta["fingerprint"].get(k), now[k]) for k in now if meta["fingerprint"].get(k) != now[k]}
-    if diff:
-        problems.append(f"config fields differ (checkpoint, now): {diff}")
-    if problems:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} does not fit this run: " + "; ".join(problems) + ". Possible solutions:\n"
-            f"  1. resume with the checkpoint's world size ({meta['world_size']}) and config values\n"
-            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)\n"
-            "  3. on a routing version mismatch, resume with the recpipe release that wrote the checkpoint"
-        )
-    with torch.no_grad():
-        _restore(_model_state(model), payload["model"], "model")
-        _restore(optimizer.state_dict(), payload["optimizer"], "optimizer")
-        _restore_tiered(model, Path(directory) / f"step_{step:08d}", world)
-    return int(meta["step"])
+    needs_all_files = any(hasattr(m, "load_tiered_state") for m in model.modules())
+    skipped: list[str] = []
+    for candidate in candidates:
+        step_dir = root / step_dir_name(candidate)
+        verdict: tuple[str, str, str]
+        try:
+            payload, exports = _prepare(
+                step_dir, rank, world, model, optimizer, config, table_ranks, needs_all_files
+            )
+            verdict = ("ok", "", "")
+        except CheckpointCorruptError as e:
+            verdict = ("corrupt", str(e.path), e.problem)
+        except CheckpointMismatchError as e:
+            verdict = ("mismatch", "", str(e))
+        except Exception as e:  # noqa: BLE001 - told to every rank below, then re-raised here
+            _all_gather(("error", "", f"rank {rank}: {type(e).__name__}: {e}"), world)
+            raise
+        verdicts = _all_gather(verdict, world)
+        errors = [v[2] for v in verdicts if v[0] == "error"]
+        if errors:
+            raise CheckpointError(f"loading checkpoint {step_dir} failed on another rank: {errors[0]}")
+        mismatches = [v[2] for v in verdicts if v[0] == "mismatch"]
+        if mismatches:
+            raise CheckpointMismatchError(mismatches[0])
+        damaged = list(dict.fromkeys((v[1], v[2]) for v in verdicts if v[0] == "corrupt"))
+        if damaged:
+            if step is not None:
+                raise CheckpointCorruptError(*damaged[0])
+            skipped.append(f"{step_dir.name} ({'; '.join(f'{p}: {why}' for p, why in damaged)})")
+            continue
+        if skipped or notes:
+            why = "; ".join(notes + ([f"damaged checkpoint {s}" for s in skipped]))
+            if rank == 0:
+                print(f"[recpipe] resume: {why}; resuming from {step_dir} instead", flush=True)
+        with torch.no_grad():
+            _restore(_model_state(model), payload["model"], "model")
+            _restore(optimizer.state_dict(), payload["optimizer"], "optimizer")
+            _restore_tiered(model, exports)
+        return int(payload["meta"]["step"])
+    raise NoIntactCheckpointError(
+        f"resume=True but no checkpoint in {directory!r} is intact: "
+        + "; ".join(notes + [f"damaged checkpoint {s}" for s in skipped])
+        + ". Nothing was loaded. Possible solutions:\n"
+        "  1. restore the damaged files from a copy\n"
+        "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+    )
 
 
-def _restore_tiered(model: torch.nn.Module, step_dir: Path, world: int) -> None:
+def _restore_tiered(model: torch.nn.Module, exports: list[dict[str, Any]]) -> None:
     """Loads tiered tables from the exports of every saving rank (global row ids).
 
-    Each rank reads all ranks' exports and keeps the rows it owns, so no row is
-    lost whatever the routing; the tables validate dist_type, seed, world size and
-    shapes of the exports themselves.
+    Each rank reads all ranks' exports (checked by :func:`_prepare`) and keeps the
+    rows it owns, so no row is lost whatever the routing; the tables validate
+    dist_type, seed, world size and shapes of the exports themselves.
     """
-    modules = {fqn: m for fqn, m in model.named_modules() if hasattr(m, "load_tiered_state")}
-    if not modules:
-        return
-    exports = [torch.load(step_dir / f"rank{r}.pt", weights_only=False).get("tiered", {}) for r in range(world)]
-    for fqn, module in modules.items():
+    for fqn, module in model.named_modules():
+        if not hasattr(module, "load_tiered_state"):
+            continue
         per_table: dict[str, list[Any]] = {}
         for export in exports:
-            if fqn not in export:
-                raise CheckpointMismatchError(
-                    f"checkpoint {step_dir} has no tiered tables for module {fqn!r}. Possible solutions:\n"
-                    "  1. resume with the placement the checkpoint was saved with (--placement)\n"
-                    "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
-                )
             for table, state in export[fqn].items():
                 per_table.setdefault(table, []).append(state)
         module.load_tiered_state(per_table)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -30,7 +31,8 @@ from tqdm import tqdm
 
 from recpipe.recipes.build import make_optimizer, make_pipeline, shard_model
 from recpipe.recipes.checkpoint import load_checkpoint, save_checkpoint
-from recpipe.recipes.config import TrainConfig, parse_config
+from recpipe.recipes.config import TrainConfig, parse_config, split_paths
+from recpipe.recipes.data.base import BatchSource
 from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
 from recpipe.recipes.tb_logging import RunLogger, gather_tier_stats
@@ -108,6 +110,131 @@ def _chunk_end(step: int, total: int, config: TrainConfig) -> int:
     return end
 
 
+class NonFiniteLossError(FloatingPointError):
+    """A training loss was NaN or inf: every rank stops, before any checkpoint of those weights."""
+
+
+def _count_lines(path: str) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def describe_batch(config: TrainConfig, source: BatchSource, index: int, rank: int, world: int) -> str:
+    """Where the training batch of global step ``index`` (0-based) of ``rank`` came from.
+
+    Args:
+        config: the run's config.
+        source: the run's data source (its epoch length).
+        index: the batch's global step, 0-based (the batch of training step ``index + 1``).
+        rank: the rank that trained it.
+        world: number of ranks.
+
+    Returns:
+        The dataset, epoch and, for ``criteo_tsv``, the file(s) and line numbers of the
+        rank's rows (the files are read to count lines: meant for error messages).
+    """
+    spe = source.steps_per_epoch
+    where = f"dataset {config.dataset}, rank {rank}'s slice of global batch {index} (0-based)"
+    if spe:
+        where += f" = batch {index % spe} of epoch {index // spe}"
+    if config.dataset == "synthetic":
+        where += f", stream seed {config.seed}"
+    if config.dataset == "criteo_tsv" and config.data_path:
+        b = config.batch_size
+        first = ((index % spe) if spe else index) * b * world + rank * b  # 0-based row over data_path
+        spans, offset = [], 0
+        for path in split_paths(config.data_path):
+            n = _count_lines(path)
+            lo, hi = max(first, offset), min(first + b, offset + n)
+            if lo < hi:
+                spans.append(f"{path} lines {lo - offset + 1}-{hi - offset}")
+            offset += n
+            if offset >= first + b:
+                break
+        where += f", rows {first}-{first + b - 1} of data_path: " + ", ".join(spans or ["(past the files' end)"])
+    return where
+
+
+class _NonFiniteGuard:
+    """Stops every rank when any rank's training loss is NaN or inf.
+
+    Each rank notes its first non-finite step from the loss the loop already reads
+    on the host every step (no extra sync); the ranks compare notes by an
+    all-reduce at every logging interval (inside the loss reduction) and before
+    every evaluation and checkpoint, so all ranks raise :class:`NonFiniteLossError`
+    together and no checkpoint of bad weights is written.
+
+    Args:
+        config: the run's config.
+        source: the data source (to name the bad batch).
+        rank: this rank.
+        world: number of ranks.
+        last_checkpoint: the step of the checkpoint this run resumed from, if any.
+    """
+
+    def __init__(
+        self, config: TrainConfig, source: BatchSource, rank: int, world: int, last_checkpoint: int | None
+    ) -> None:
+        self.config, self.source, self.rank, self.world = config, source, rank, world
+        self.last_checkpoint = last_checkpoint
+        self.bad_step = 0
+        self.bad_loss = 0.0
+
+    def observe(self, step: int, loss: float) -> None:
+        """Notes ``loss`` of training step ``step`` (1-based)."""
+        if not self.bad_step and not math.isfinite(loss):
+            self.bad_step, self.bad_loss = step, loss
+
+    def slots(self) -> list[float]:
+        """This rank's note as ``2 * world`` floats to sum over ranks (steps, then losses)."""
+        out = [0.0] * (2 * self.world)
+        if self.bad_step:
+            out[self.rank], out[self.world + self.rank] = float(self.bad_step), self.bad_loss
+        return out
+
+    def sync_and_check(self, now: int) -> None:
+        """All-reduces the notes (a collective) and raises if any rank saw a non-finite loss."""
+        slots = torch.tensor(self.slots(), dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(slots)
+        self.check(slots.tolist(), now)
+
+    def check(self, reduced: list[float], now: int) -> None:
+        """Raises :class:`NonFiniteLossError` if the summed ``reduced`` slots name a bad step.
+
+        Args:
+            reduced: :meth:`slots` summed over ranks.
+            now: the step training has reached.
+        """
+        w = self.world
+        bad = sorted((int(s), r) for r, s in enumerate(reduced[:w]) if s)
+        if not bad:
+            return
+        lines = [
+            f"  rank {r}: loss {reduced[w + r]} first at step {s}; batch: "
+            f"{describe_batch(self.config, self.source, s - 1, r, w)}"
+            + (" (later than the first: NaN may have spread through the shared weights)" if s > bad[0][0] else "")
+            for s, r in bad[:4]
+        ]
+        if self.config.checkpoint_dir:
+            saved = (
+                f"the newest checkpoint in {self.config.checkpoint_dir} is step {self.last_checkpoint}"
+                if self.last_checkpoint is not None
+                else f"no checkpoint was written to {self.config.checkpoint_dir}"
+            )
+        else:
+            saved = "no checkpoint directory is set"
+        raise NonFiniteLossError(
+            f"non-finite training loss at step {bad[0][0]} on rank {bad[0][1]} (dataset {self.config.dataset}); "
+            f"all {w} rank(s) stopped at step {now}, before any checkpoint of these weights ({saved}):\n"
+            + "\n".join(lines)
+            + "\nPossible solutions:\n"
+            "  1. check the batch's rows for huge or malformed values (a dense value that overflows float32)\n"
+            "  2. if the loss diverged, lower --dense-lr / --embedding-lr\n"
+            "  3. then resume from the last good checkpoint (--resume)"
+        )
+
+
 def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> float:
     """AUROC over ``batches`` through the pipeline in eval mode, synced across ranks.
 
@@ -166,6 +293,7 @@ def run(config: TrainConfig) -> TrainResult:
             start = load_checkpoint(config.checkpoint_dir, dmp, optimizer, config, sharded.table_ranks)
         pipeline = make_pipeline(config, dmp, optimizer, device)
         total = source.total_steps()
+        guard = _NonFiniteGuard(config, source, rank, world, start if config.resume else None)
         result = TrainResult(
             start_step=start,
             steps=start,
@@ -200,17 +328,19 @@ def run(config: TrainConfig) -> TrainResult:
                     loss, _, _ = pipeline.progress(batches)
                 except StopIteration:
                     break
-                value = float(loss)
+                value = float(loss)  # the loop reads every loss on the host: checking it is free
                 result.losses.append(value)
                 step += 1
+                guard.observe(step, value)
                 bar.update(1)
                 interval_loss += value
                 interval_n += 1
                 if step % config.log_every == 0 or step == total:
                     now = time.perf_counter()
-                    stats = torch.tensor([interval_loss, float(interval_n)], dtype=torch.float64)
+                    stats = torch.tensor([interval_loss, float(interval_n), *guard.slots()], dtype=torch.float64)
                     if world > 1:
                         dist.all_reduce(stats)
+                    guard.check(stats[2:].tolist(), step)
                     dt = now - interval_t0
                     mean_loss = float(stats[0] / stats[1])
                     result.logged_losses.append((step, mean_loss))
@@ -237,6 +367,7 @@ def run(config: TrainConfig) -> TrainResult:
                         )
                     interval_t0, interval_loss, interval_n = time.perf_counter(), 0.0, 0
             result.steps = step
+            guard.sync_and_check(step)  # before evaluating or checkpointing these weights
             is_last = step >= total
             if (config.eval_every and step % config.eval_every == 0) or is_last:
                 auroc = evaluate(pipeline, dmp, source.eval_batches())
@@ -253,6 +384,7 @@ def run(config: TrainConfig) -> TrainResult:
                 save_checkpoint(
                     config.checkpoint_dir, step, dmp, optimizer, config, sharded.table_ranks
                 )
+                guard.last_checkpoint = step
             tb.flush()
         bar.close()
         result.train_seconds = time.perf_counter() - loop_t0

@@ -10,7 +10,7 @@ import torch
 from gloo_harness import run_gloo
 
 from recpipe.pipeline.ops import ROUTING_VERSION
-from recpipe.recipes.checkpoint import CheckpointMismatchError
+from recpipe.recipes.checkpoint import CheckpointMismatchError, reseal_checkpoint
 from recpipe.recipes.config import TrainConfig
 from recpipe.recipes.train import run
 
@@ -62,6 +62,7 @@ def test_resume_rejects_a_different_model(tmp_path: Path) -> None:
     payload = torch.load(saved, weights_only=False)
     assert payload["meta"].pop("routing_version") == ROUTING_VERSION
     torch.save(payload, saved)
+    reseal_checkpoint(saved.parent)  # an edit on purpose: record the new digest
     with pytest.raises(CheckpointMismatchError, match=r"routing version 1 \(checkpoint\) != 2"):
         run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path), resume=True))
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
