@@ -3,13 +3,17 @@
 ``torchx run -s local_cwd recpipe.train -j 1x2 -- --config default --tb-dir runs/x``
 
 Each component validates the training arguments *before* returning the AppDef, so a
-bad value fails in the launching process with the config's message and no worker
-starts. Workers run ``python -m recpipe.recipes.train`` through
-:func:`torchx.components.dist.ddp` (``m=``, so any working directory works).
+bad value (an unknown flag, a NaN / inf / out-of-range number, an output path that
+cannot be written — checked on the launching machine, which for ``local_cwd`` is the
+workers' machine) fails in the launching process with the config's message and no
+worker starts. Workers run ``python -m recpipe.recipes.train`` through
+:func:`torchx.components.dist.ddp` (``m=``, so any working directory works); every
+training flag, e.g. ``--timeout-s 300`` (how long a collective may wait for a dead or
+frozen rank before the job fails), reaches them unchanged.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations``: torchx reads the parameters' annotations
+# as types to decode CLI values (string annotations break ``torchx run recpipe.train``).
 from typing import Dict, Optional
 
 import torchx.specs as specs

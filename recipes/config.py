@@ -1,18 +1,28 @@
 """Training configuration for ``python -m recpipe.recipes.train``.
 
 One kw-only dataclass (torchtitan style): every field has a docstring, every value
-is checked in ``__post_init__``, and a bad value raises :class:`ConfigError` naming
-the field and the fix. The CLI is generated from the fields (``--batch-size 512``),
-and ``--config FILE.yaml`` (or the name of a packaged config such as ``default``)
-supplies values that later CLI flags override.
+is checked in ``__post_init__`` (numbers finite and in range, output paths
+writable), and a bad value raises :class:`ConfigError` naming the field and the fix.
+The CLI is generated from the fields (``--batch-size 512``; ``--help`` shows each
+field's docstring, default, choices and unit), a bad command line raises
+:class:`ConfigError` quoting it, and ``--config FILE.yaml`` (or the name of a
+packaged config such as ``default``) supplies values that later CLI flags override.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib.resources
+import inspect
+import math
 import os
+import re
+import shlex
+import sys
+import tempfile
+import textwrap
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +38,135 @@ DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 # Largest id space the synthetic stream and hashing accept: ids stay below 2**31 so
 # the 32-bit hash arithmetic never overflows int64 (see recipes/data/hashing.py).
 MAX_ID_SPACE: int = 2**31 - 1
+# Longest collective timeout accepted (7 days): far beyond any step, and far below
+# where gloo's millisecond deadlines (steady clock + timeout, int64 ns) overflow.
+MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
+
+# String fields with a fixed set of values.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model": MODELS,
+    "dataset": DATASETS,
+    "pipeline": PIPELINES,
+    "device": DEVICES,
+    "placement": PLACEMENTS,
+}
+# Units of the fields that have one (shown by --help).
+UNITS: dict[str, str] = {
+    "fast_tier_mb": "MiB",
+    "slow_tier_mb": "MiB",
+    "timeout_s": "seconds",
+}
+# Output paths checked writable at validation: field -> is a directory.
+OUTPUT_PATHS: dict[str, bool] = {
+    "tb_dir": True,
+    "checkpoint_dir": True,
+    "metrics_file": False,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FloatRule:
+    """The accepted range of a float field: always finite, bounded below (and maybe above).
+
+    Example::
+
+        FloatRule(low=0.0, low_inclusive=False, example="0.01").accepts(float("nan"))  # False
+    """
+
+    low: float
+    """Lower bound."""
+    low_inclusive: bool
+    """Whether ``low`` itself is accepted."""
+    high: float | None = None
+    """Upper bound (``None``: any finite value)."""
+    high_inclusive: bool = True
+    """Whether ``high`` itself is accepted."""
+    example: str
+    """A valid value for the error's fix."""
+
+    def accepts(self, value: object) -> bool:
+        """True when ``value`` is a finite int/float (not bool) inside the range."""
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return False
+        v = float(value)
+        if not math.isfinite(v) or v < self.low or (v == self.low and not self.low_inclusive):
+            return False
+        if self.high is not None and (v > self.high or (v == self.high and not self.high_inclusive)):
+            return False
+        return True
+
+    def bounds(self) -> str:
+        """The range, e.g. ``> 0`` or ``in (0, 1)``."""
+        if self.high is None:
+            return f"{'>=' if self.low_inclusive else '>'} {self.low:g}"
+        lo, hi = "[" if self.low_inclusive else "(", "]" if self.high_inclusive else ")"
+        return f"in {lo}{self.low:g}, {self.high:g}{hi}"
+
+    def describe(self, name: str) -> str:
+        """The rule in words for field ``name``, e.g. ``must be a finite number > 0``."""
+        unit = f" {UNITS[name]}" if name in UNITS else ""
+        return f"must be a finite number {self.bounds()}{unit} (not nan or inf)"
+
+
+# Every float field of TrainConfig and its range (tests check none is missing).
+FLOAT_RULES: dict[str, FloatRule] = {
+    "embedding_lr": FloatRule(low=0.0, low_inclusive=False, example="0.05"),
+    "dense_lr": FloatRule(low=0.0, low_inclusive=False, example="0.01"),
+    "eval_fraction": FloatRule(low=0.0, low_inclusive=False, high=1.0, high_inclusive=False, example="0.1"),
+    "zipf_alpha": FloatRule(low=0.0, low_inclusive=False, high=3.0, example="1.1"),
+    "fast_tier_mb": FloatRule(low=0.0, low_inclusive=True, example="512"),
+    "slow_tier_mb": FloatRule(low=0.0, low_inclusive=True, example="16384"),
+    "timeout_s": FloatRule(low=1.0, low_inclusive=True, high=MAX_TIMEOUT_S, example="600"),
+}
+
+
+def output_path_problem(path: str, *, is_dir: bool) -> str | None:
+    """Why ``path`` cannot be written as an output (``None`` when it can).
+
+    Leaves nothing behind: an existing path must have the right kind and be
+    writable; a missing one needs its nearest existing ancestor to be a writable
+    directory (the run creates the missing directories). Writability is probed
+    with an unnamed temporary file, so it also holds for root and read-only mounts.
+
+    Args:
+        path: the output path (file or directory).
+        is_dir: whether the run writes a directory at ``path`` (else a file).
+
+    Returns:
+        A short reason, or ``None``.
+    """
+    p = Path(path)
+    if p.exists():
+        if is_dir and not p.is_dir():
+            return f"{path!r} exists and is not a directory"
+        if not is_dir and p.is_dir():
+            return f"{path!r} is a directory, expected a file path"
+        if not os.access(p, os.W_OK | (os.X_OK if is_dir else 0)):
+            return f"{path!r} is not writable"
+        if not is_dir:
+            try:
+                with open(p, "ab"):  # appends nothing: content and mtime stay
+                    pass
+            except OSError as e:
+                return f"{path!r} cannot be opened for writing ({e.strerror})"
+            return None
+        directory = p
+    else:
+        directory = p.absolute().parent
+        while not directory.exists():
+            directory = directory.parent
+        if not directory.is_dir():
+            return f"cannot create {path!r}: {str(directory)!r} is not a directory"
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return f"cannot create {path!r}: directory {str(directory)!r} is not writable"
+    # os.access trusts permission bits (always true for root): a real, unnamed
+    # temporary file also catches read-only mounts and pseudo file systems.
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        return f"cannot write into directory {str(directory)!r} ({e.strerror or e})"
+    return None
 
 
 class ConfigError(ValueError):
@@ -153,19 +292,20 @@ class TrainConfig:
     progress_bar: bool = True
     """Show a tqdm bar on rank 0."""
 
+    timeout_s: float = 600.0
+    """Seconds a collective (all-to-all, all-reduce, barrier) may wait for the other
+    ranks before this rank fails with an error naming the timeout; passed to
+    ``torch.distributed.init_process_group``. A dead or frozen rank then stops the
+    job within about this time instead of hanging it (gloo's default is 30 minutes).
+    Raise it when a legitimate step (e.g. a large checkpoint) takes longer."""
+
     def __post_init__(self) -> None:
         def bad(name: str, why: str, fix: str) -> ConfigError:
             return ConfigError(
                 f"invalid config value {name}={getattr(self, name)!r}: {why}. Fix: {fix}"
             )
 
-        for name, choices in (
-            ("model", MODELS),
-            ("dataset", DATASETS),
-            ("pipeline", PIPELINES),
-            ("device", DEVICES),
-            ("placement", PLACEMENTS),
-        ):
+        for name, choices in CHOICES.items():
             if getattr(self, name) not in choices:
                 raise bad(name, "unknown choice", f"use one of {', '.join(choices)}")
         positive = (
@@ -183,10 +323,6 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise bad(name, "must be a positive integer", f"pass e.g. --{_flag(name)} 1")
-        for name in ("fast_tier_mb", "slow_tier_mb"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise bad(name, "must be a number of MiB >= 0", f"pass e.g. --{_flag(name)} 512")
         for name in ("eval_every", "checkpoint_every", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -195,21 +331,21 @@ class TrainConfig:
             isinstance(self.max_steps, bool) or not isinstance(self.max_steps, int) or self.max_steps <= 0
         ):
             raise bad("max_steps", "must be a positive integer or unset", "pass e.g. --max-steps 100")
-        for name in ("embedding_lr", "dense_lr"):
+        for name, rule in FLOAT_RULES.items():
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise bad(name, "must be > 0", f"pass e.g. --{_flag(name)} 0.01")
-        if not 0.0 < self.eval_fraction < 1.0:
-            raise bad("eval_fraction", "must lie strictly between 0 and 1", "pass e.g. --eval-fraction 0.1")
-        if not 0.0 < self.zipf_alpha <= 3.0:
-            raise bad("zipf_alpha", "must lie in (0, 3]", "pass e.g. --zipf-alpha 1.1")
+            if not rule.accepts(value):
+                raise bad(name, rule.describe(name), f"pass e.g. --{_flag(name)} {rule.example}")
         if self.virtual_rows > MAX_ID_SPACE or self.num_embeddings > MAX_ID_SPACE:
             raise ConfigError(
                 f"invalid table size virtual_rows={self.virtual_rows}, num_embeddings="
                 f"{self.num_embeddings}: must be <= {MAX_ID_SPACE}. Fix: use fewer rows"
             )
-        if not 2 <= self.synthetic_id_space <= MAX_ID_SPACE:
-            raise bad("synthetic_id_space", f"must lie in [2, {MAX_ID_SPACE}]", "pass e.g. --synthetic-id-space 10000000")
+        if (
+            isinstance(self.synthetic_id_space, bool)
+            or not isinstance(self.synthetic_id_space, int)
+            or not 2 <= self.synthetic_id_space <= MAX_ID_SPACE
+        ):
+            raise bad("synthetic_id_space", f"must be an integer in [2, {MAX_ID_SPACE}]", "pass e.g. --synthetic-id-space 10000000")
         self.dense_arch = tuple(self.dense_arch)
         self.over_arch = tuple(self.over_arch)
         if not self.dense_arch or any(int(w) <= 0 for w in self.dense_arch):
@@ -236,6 +372,20 @@ class TrainConfig:
                         )
         if self.resume and not self.checkpoint_dir:
             raise bad("checkpoint_dir", "resume=True needs a checkpoint directory", "pass --checkpoint-dir DIR")
+        for name, is_dir in OUTPUT_PATHS.items():
+            path = getattr(self, name)
+            if path is None or path == "":  # "" means unset, as in train.py
+                continue
+            if not isinstance(path, str):
+                raise bad(name, "must be a path (a string)", f"pass --{_flag(name)} PATH")
+            problem = output_path_problem(path, is_dir=is_dir)
+            if problem:
+                raise bad(
+                    name,
+                    f"this output path is not writable ({problem})",
+                    f"pass --{_flag(name)} with a {'directory' if is_dir else 'file'} path you can write, "
+                    "or fix the permissions",
+                )
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as plain YAML/JSON-friendly values."""
@@ -309,29 +459,126 @@ def _parse_ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
+def field_docs() -> dict[str, str]:
+    """The docstring under each :class:`TrainConfig` field, read from the class source.
+
+    The source is parsed with :mod:`ast` (the module's ``.py`` file ships next to it
+    in the installed package); without a readable source the result is empty and
+    ``--help`` lists the flags without descriptions.
+
+    Returns:
+        Field name -> docstring (whitespace-normalised, reST markup removed).
+    """
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
+    if cls is None:
+        return {}
+    docs: dict[str, str] = {}
+    for node, nxt in zip(cls.body, cls.body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            text = " ".join(nxt.value.value.split())
+            text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)  # :class:`X` -> X
+            docs[node.target.id] = text.replace("``", "")
+    return docs
+
+
+def _show_default(value: Any) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, tuple):
+        return ",".join(map(str, value))
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+class _CommandLineError(Exception):
+    """argparse rejected the command line (raised instead of printing and exiting)."""
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise (``--help`` still prints and exits 0)."""
+
+    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+        raise _CommandLineError(message)
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
-    """The CLI: one flag per TrainConfig field plus ``--config``."""
-    parser = argparse.ArgumentParser(
+    """The CLI: one flag per TrainConfig field plus ``--config``.
+
+    Each flag's help is the field's docstring, its default, its choices and its unit.
+    Errors raise instead of exiting; :func:`parse_config` turns them into
+    :class:`ConfigError`.
+    """
+    parser = _ArgumentParser(
         prog="python -m recpipe.recipes.train",
-        description="Train DLRM / micro-DLRM-DRAM with recpipe (run under torchrun for >1 rank).",
+        allow_abbrev=False,  # "--epoch 3" is an error, not a guess
+        description=(
+            "Train DLRM / micro-DLRM-DRAM with recpipe (run under torchrun or "
+            "'torchx run recpipe.train' for more than one rank). Every flag is a field of "
+            "recpipe.recipes.config.TrainConfig; values are checked before training starts."
+        ),
+        epilog=(
+            "--config FILE.yaml (or a packaged name: default) supplies field: value defaults; "
+            "flags given on the command line override them."
+        ),
     )
-    parser.add_argument("--config", default=None, help="YAML file or packaged config name (e.g. default)")
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="YAML",
+        help="YAML file of field: value pairs, or a packaged config name (default); "
+        "later flags override its values",
+    )
     hints = _field_types()
+    docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
         hint = hints[f.name]
         flag = f"--{_flag(f.name)}"
+        extras = []
+        if f.name in CHOICES:
+            extras.append("choices: " + ", ".join(CHOICES[f.name]))
+        if f.name in UNITS:
+            extras.append(f"unit: {UNITS[f.name]}")
+        if f.name in FLOAT_RULES:
+            extras.append(f"range: {FLOAT_RULES[f.name].bounds()}")
+        if f.default is not dataclasses.MISSING:
+            extras.append(f"default: {_show_default(f.default)}")
+        text = docs.get(f.name, "")
+        help_text = (f"{text} [{'; '.join(extras)}]" if text else f"[{'; '.join(extras)}]").replace("%", "%%")
         if hint is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None)
-        elif hint == tuple[int, ...]:
-            parser.add_argument(flag, dest=f.name, type=_parse_ints, default=None)
+            parser.add_argument(
+                flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+            continue
+        if hint == tuple[int, ...]:
+            kind, metavar = _parse_ints, "W1,W2,..."
+        elif hint in (int, int | None):
+            kind, metavar = int, "N"
+        elif hint is float:
+            kind, metavar = float, UNITS.get(f.name, "X").upper()
         else:
-            base = {int: int, float: float, str: str, int | None: int, str | None: str}.get(hint, str)
-            parser.add_argument(flag, dest=f.name, type=base, default=None)
+            kind = str
+            metavar = "{" + ",".join(CHOICES[f.name]) + "}" if f.name in CHOICES else "VALUE"
+            if f.name in OUTPUT_PATHS or f.name.endswith("_path"):
+                metavar = "PATH"
+        parser.add_argument(flag, dest=f.name, type=kind, default=None, metavar=metavar, help=help_text)
     return parser
 
 
 def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     """Builds a validated :class:`TrainConfig` from CLI arguments.
+
+    ``--help`` prints every flag (described by its field's docstring) and exits 0.
 
     Args:
         argv: arguments (default ``sys.argv[1:]``); ``--config`` values come first,
@@ -340,16 +587,32 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     Returns:
         The validated config.
 
+    Raises:
+        ConfigError: an unknown flag, a value of the wrong type, or an invalid value;
+            the message quotes the command line.
+
     Example::
 
         cfg = parse_config(["--config", "default", "--batch-size", "128"])
     """
+    args = [str(a) for a in (sys.argv[1:] if argv is None else argv)]
     parser = build_arg_parser()
     try:
-        ns = parser.parse_args(list(argv) if argv is not None else None)
-    except SystemExit as e:  # argparse already printed the reason
-        raise ConfigError(f"bad command line {list(argv or [])!r} (see the usage message above)") from e
+        ns = parser.parse_args(args)
+    except _CommandLineError as e:
+        raise ConfigError(
+            f"bad command line {shlex.join(args)!r}: {e}. "
+            f"Fix: see '{parser.prog} --help' for the flags and their values"
+        ) from None
     values: dict[str, Any] = load_yaml(ns.config) if ns.config else {}
+    hints = _field_types()
+    for name, value in values.items():
+        # YAML 1.1 reads 1e-3 (no dot) as a string: accept it for float fields
+        if hints[name] is float and isinstance(value, str):
+            try:
+                values[name] = float(value)
+            except ValueError:
+                pass  # TrainConfig reports the field
     for f in dataclasses.fields(TrainConfig):
         v = getattr(ns, f.name)
         if v is not None:
@@ -362,10 +625,17 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
 
 
 __all__ = [
+    "CHOICES",
+    "FLOAT_RULES",
+    "OUTPUT_PATHS",
+    "UNITS",
     "ConfigError",
+    "FloatRule",
     "TrainConfig",
     "build_arg_parser",
+    "field_docs",
     "load_yaml",
+    "output_path_problem",
     "packaged_config_path",
     "parse_config",
     "split_paths",

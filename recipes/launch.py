@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import threading
 import time
@@ -128,7 +129,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns:
         0 on success, 1 when the job failed, 2 on a bad argument.
     """
-    parser = argparse.ArgumentParser(prog="python -m recpipe.recipes.launch", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m recpipe.recipes.launch",
+        description=__doc__,
+        allow_abbrev=False,  # an abbreviation of a training flag must not match --nproc / --tb-dir
+        epilog=(
+            "Every other flag is a training flag, applied after the packaged 'default' config "
+            "and validated before any process starts (e.g. --epochs 3, --timeout-s 300: a rank "
+            "that waits longer than that in a collective fails the job). "
+            "'python -m recpipe.recipes.train --help' describes them all."
+        ),
+    )
     parser.add_argument("--tb-dir", default=None, help="TensorBoard dir (default runs/recpipe/<time>)")
     parser.add_argument("--nproc", type=int, default=2, help="local worker processes (default 2)")
     args, train_args = parser.parse_known_args(argv)
@@ -137,15 +148,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.nproc <= 0:
             raise ConfigError(f"invalid --nproc {args.nproc}: must be >= 1. Fix: pass --nproc 2")
-        app = default_recipe(
-            "--metrics-file", str(metrics_file), *train_args, j=f"1x{args.nproc}", tb_dir=str(tb_dir)
-        )
+        worker_args = ["--metrics-file", str(metrics_file), *train_args]
+        app = default_recipe(*worker_args, j=f"1x{args.nproc}", tb_dir=str(tb_dir))
     except ConfigError as e:
         print(f"[recpipe] {e}", file=sys.stderr)
         return 2
     print(
         f"[recpipe] launching the default recipe on {args.nproc} local processes "
-        f"(torchx {SCHEDULER}): python -m recpipe.recipes.train {' '.join(app.roles[0].args[-len(train_args) - 6 :])}",
+        f"(torchx {SCHEDULER}): python -m recpipe.recipes.train "
+        f"{shlex.join(['--config', 'default', '--tb-dir', str(tb_dir), *worker_args])}",
         flush=True,
     )
     t0 = time.perf_counter()

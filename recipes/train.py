@@ -12,10 +12,12 @@ Example::
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -94,11 +96,62 @@ def _setup_distributed(config: TrainConfig) -> tuple[torch.device, bool]:
     backend = "nccl" if want_cuda else "gloo"
     if dist.is_initialized():
         return device, False
+    # Every collective of the group (gloo: each all-to-all, all-reduce and barrier,
+    # sync or async) fails after timeout_s instead of waiting on a dead rank forever.
+    timeout = datetime.timedelta(seconds=config.timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend=backend)
+        dist.init_process_group(backend=backend, timeout=timeout)
     else:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(
+            backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     return device, True
+
+
+class CollectiveFailureError(RuntimeError):
+    """A collective timed out or lost its peer: another rank is dead, frozen or far behind."""
+
+
+# Backend messages of a collective that waited past the group timeout (gloo:
+# "Timed out waiting 10000ms for recv operation to complete"; store: "wait timeout
+# after ...", "Socket Timeout"; NCCL's watchdog: "... collective operation timeout").
+_TIMEOUT_MESSAGE = re.compile(
+    r"timed out waiting|wait timeout after|socket timeout|collective operation timeout", re.IGNORECASE
+)
+# gloo's messages when the peer's socket went away (the peer process died).
+_PEER_LOST_MESSAGE = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
+
+
+def explain_collective_failure(error: BaseException, config: TrainConfig) -> CollectiveFailureError | None:
+    """Turns a backend's collective timeout / lost-peer error into one that says what to do.
+
+    Args:
+        error: the exception that ended :func:`run`.
+        config: the run's config (``timeout_s``).
+
+    Returns:
+        A :class:`CollectiveFailureError` naming the timeout and the likely cause, or
+        ``None`` when ``error`` is not a collective timeout or a lost peer.
+    """
+    if not isinstance(error, RuntimeError) or isinstance(error, CollectiveFailureError):
+        return None
+    rank = os.environ.get("RANK", "0")
+    text = str(error).strip()
+    if _TIMEOUT_MESSAGE.search(text):
+        return CollectiveFailureError(
+            f"rank {rank}: a collective did not complete within the timeout "
+            f"(--timeout-s {config.timeout_s:g}, {config.timeout_s:g} s): another rank is probably dead "
+            "or frozen (stopped, swapping, stuck in a debugger or in I/O) or far slower than this one. "
+            "Fix: check the other ranks' processes and logs (torchrun lists every failed rank); if a "
+            f"step legitimately takes longer, raise --timeout-s. Backend error: {text}"
+        )
+    if _PEER_LOST_MESSAGE.search(text):
+        return CollectiveFailureError(
+            f"rank {rank}: a collective lost its connection to another rank, which probably crashed or "
+            "was killed. Fix: read that rank's own error in its log (torchrun lists every failed rank). "
+            f"Backend error: {text}"
+        )
+    return None
 
 
 def _chunk_end(step: int, total: int, config: TrainConfig) -> int:
@@ -411,7 +464,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         Process exit code (0 on success).
     """
     config = parse_config(argv)
-    result = run(config)
+    try:
+        result = run(config)
+    except RuntimeError as e:
+        explained = explain_collective_failure(e, config)
+        if explained is None:
+            raise
+        raise explained from e
     if int(os.environ.get("RANK", "0")) == 0:
         print(
             f"[recpipe] done: {result.steps} steps, final auroc {result.final_auroc:.4f}, "
