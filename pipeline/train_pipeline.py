@@ -92,12 +92,21 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     Exactness: a lookup issued before the optimizer is exact only if the
     optimizer writes nothing the lookup reads. When the model is attached (the
     first ``progress()`` or ``attach()``), every pipelined module is checked: a
-    feature processor inside a pipelined module, or a table updated by the dense
-    optimizer (compute kernel ``dense`` or sharding ``data_parallel``) raises
-    ``FusedLookupExactnessError`` naming the module and table, unless
-    ``allow_dense_tables=True`` - then the lookup of the modules holding such
-    tables is issued after the optimizer step (and, on CUDA, waits on an event
-    recorded after it), which keeps them exact but removes their overlap.
+    feature processor inside a pipelined module (e.g. torchrec's
+    ``FeatureProcessedEmbeddingBagCollection`` with a
+    ``PositionWeightedModuleCollection``, whose position weights the dense
+    optimizer steps), or a table updated by the dense optimizer (compute kernel
+    ``dense`` or sharding ``data_parallel``) raises ``FusedLookupExactnessError``
+    naming the module and table, unless ``allow_dense_tables=True`` - then the
+    lookup of the modules holding such tables or feature processors is issued
+    after the optimizer step (and, on CUDA, waits on an event recorded after it),
+    which keeps them exact but removes their overlap; the other modules keep
+    theirs (``after_optimizer_modules`` lists the late ones).
+
+    Contexts: every batch's context must be a ``FusedLookupPipelineContext``
+    (``context_type``); create them with ``_create_context()``, torchrec's
+    extension point, never by appending a plain ``TrainPipelineContext`` to
+    ``contexts`` (``progress()`` raises ``TypeError`` before running anything).
 
     Args:
         model (torch.nn.Module): model to pipeline (usually a
@@ -127,7 +136,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             input dist and dense forward). False: right after backward, before the
             optimizer (on CPU the all-to-all overlaps the optimizer).
         allow_dense_tables (bool): keyword-only. Accept tables updated by the
-            dense optimizer; their modules' lookups are ordered after it.
+            dense optimizer and feature processors (their weights are stepped by
+            the dense optimizer); the lookups of the modules holding them are
+            ordered after it.
 
     Example::
 
@@ -252,7 +263,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     def after_optimizer_modules(self) -> Sequence[str]:
         """Pipelined modules whose lookup is ordered after the optimizer step.
 
-        Non-empty only with ``allow_dense_tables=True`` and dense-updated tables.
+        Non-empty only with ``allow_dense_tables=True`` and dense-updated tables
+        or feature processors (known once the model is attached).
         """
         return sorted(self._after_opt_modules)
 
@@ -286,7 +298,13 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         dev = torch.get_device_module(self._device)
         main = dev.current_stream()
         dist_stream = self._data_dist_stream
-        assert dist_stream is not None
+        if dist_stream is None:
+            raise RuntimeError(
+                f"TrainPipelineFusedSparseDist: device {self._device} has a lookup stream but "
+                "torchrec's TrainPipelineSparseDist created no data-dist stream for it "
+                f"(expected one for device types {_STREAM_DEVICE_TYPES}); the input dist of "
+                f"module {name!r} cannot be waited. Report this with your torchrec version."
+            )
         with dev.stream(dist_stream):
             kjt = request.wait()
             input_ready = dist_stream.record_event()
@@ -338,6 +356,27 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                 early.append(m)
         return early, late
 
+    def _fused_context(self, position: int) -> FusedLookupPipelineContext:
+        """``self.contexts[position]``, checked to be a ``FusedLookupPipelineContext``.
+
+        Raises:
+            TypeError: the context was not built by ``_create_context()``.
+        """
+        context = self.contexts[position]
+        if not isinstance(context, FusedLookupPipelineContext):
+            got = type(context)
+            raise TypeError(
+                f"TrainPipelineFusedSparseDist: pipeline.contexts[{position}] (batch "
+                f"{getattr(context, 'index', '?')}) is a {got.__module__}.{got.__qualname__}; "
+                "expected a recpipe.pipeline.train_pipeline.FusedLookupPipelineContext (this "
+                f"pipeline's context_type is {self._context_type.__qualname__}), which records "
+                "whether the batch's embedding lookup was issued. Create contexts with "
+                "pipeline._create_context() (it builds context_type) instead of constructing "
+                f"{got.__qualname__} yourself; a subclass overriding _create_context() must "
+                "return a FusedLookupPipelineContext subclass."
+            )
+        return context
+
     def _optimizer_step(self) -> None:
         with StageTimer(self.stats, STAGE_OPTIMIZER, f"## optimizer {self.contexts[0].index} ##"):
             self._optimizer.step()
@@ -356,6 +395,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         Raises:
             StopIteration: when every batch has been processed.
             FusedLookupExactnessError: on attach, see the class docstring.
+            TypeError: a context in ``contexts`` is not a
+                ``FusedLookupPipelineContext`` (raised before the step runs).
         """
         self._state = PipelineState.IDLE
         if not self._model_attached:
@@ -364,9 +405,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         if not self.batches:
             raise StopIteration
 
-        self._set_module_context(self.contexts[0])
-        current = self.contexts[0]
-        assert isinstance(current, FusedLookupPipelineContext)
+        # Every queued context is checked before anything of this step runs.
+        current = self._fused_context(0)
+        for position in range(1, len(self.contexts)):
+            self._fused_context(position)
+        self._set_module_context(current)
         if not current.lookup_started:
             # First batch (nothing earlier to overlap with) or after reset/attach.
             self.start_embedding_lookup(current, self._pipelined_modules)
@@ -396,9 +439,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
 
         nxt: Optional[FusedLookupPipelineContext] = None
         if len(self.batches) >= 2:
-            self.wait_sparse_data_dist(self.contexts[1])
-            nxt = self.contexts[1]
-            assert isinstance(nxt, FusedLookupPipelineContext)
+            nxt = self._fused_context(1)
+            self.wait_sparse_data_dist(nxt)
 
         if self._model.training:
             self._state = PipelineState.CALL_BWD

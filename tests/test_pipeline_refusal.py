@@ -10,12 +10,14 @@ lookups after the optimizer and stays exact.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Sequence
+from dataclasses import dataclass
+from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
+from torchrec.streamable import Pipelineable
 from test_pipeline_common import build_dmp, make_batches, run_pipeline, run_reference
 
 from recpipe.pipeline._pipeline_stats import (
@@ -156,3 +158,96 @@ def test_timed_lazy_awaitable_is_lazy_and_times_the_wait() -> None:
     )
     with pytest.raises(KeyError, match="unknown pipeline stage"):
         stats.add("nope", 1.0)
+
+
+@dataclass
+class _DenseBatch(Pipelineable):
+    """A batch without sparse features (the context check runs before any lookup)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "_DenseBatch":
+        return _DenseBatch(self.x.to(device, non_blocking=non_blocking), self.y.to(device, non_blocking=non_blocking))
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        self.x.record_stream(stream)
+        self.y.record_stream(stream)
+
+
+class _DenseModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+
+    def forward(self, batch: _DenseBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+        pred = self.lin(batch.x).squeeze(1)
+        return torch.nn.functional.mse_loss(pred, batch.y), pred.detach()
+
+
+def _dense_pipeline() -> Tuple[TrainPipelineFusedSparseDist, _DenseModel, List[_DenseBatch]]:
+    torch.manual_seed(0)
+    model = _DenseModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [_DenseBatch(torch.randn(8, 4), torch.randn(8)) for _ in range(3)]
+    return TrainPipelineFusedSparseDist(model, opt, torch.device("cpu")), model, batches
+
+
+def test_foreign_pipeline_context_raises_type_error_naming_the_fix() -> None:
+    """torchrec's 2-D sharding tests append plain TrainPipelineContext objects to
+    pipeline.contexts; the fused pipeline names the expected class, the class it
+    got and the extension point, before running anything of the step."""
+    from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+
+    for bad_position in (0, 1):
+        pipe, model, batches = _dense_pipeline()
+        before = [p.detach().clone() for p in model.parameters()]
+        for i, b in enumerate(batches):
+            context = pipe._create_context()
+            if i == bad_position:
+                context = TrainPipelineContext(index=10 + i)
+            pipe.batches.append(b)
+            pipe.contexts.append(context)
+        with pytest.raises(TypeError) as info:
+            pipe.progress(iter([]))
+        msg = str(info.value)
+        assert (
+            f"pipeline.contexts[{bad_position}] (batch {10 + bad_position}) is a "
+            "torchrec.distributed.train_pipeline.pipeline_context.TrainPipelineContext" in msg
+        ), msg
+        assert "expected a recpipe.pipeline.train_pipeline.FusedLookupPipelineContext" in msg
+        assert "pipeline._create_context()" in msg
+        # nothing of the step ran
+        assert len(pipe.batches) == 3 and pipe.stats.steps == 0
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+    # Positive control: the same queue built with _create_context() trains.
+    pipe, model, batches = _dense_pipeline()
+    before = [p.detach().clone() for p in model.parameters()]
+    for b in batches:
+        pipe.batches.append(b)
+        pipe.contexts.append(pipe._create_context())
+    pred = pipe.progress(iter([]))  # the model returns (loss, pred); the pipeline returns pred
+    assert pipe.stats.steps == 1 and pred.shape == (8,)
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_create_context_override_returning_a_foreign_context_is_refused() -> None:
+    """A subclass whose _create_context() returns a non-fused context is refused
+    on the first progress() (the batch's context comes from the extension point)."""
+    from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
+
+    class PlainContexts(TrainPipelineFusedSparseDist):
+        def _create_context(self) -> TrainPipelineContext:
+            context = TrainPipelineContext(index=self._next_index, version=1)
+            self._next_index += 1
+            return context
+
+    torch.manual_seed(0)
+    model = _DenseModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pipe = PlainContexts(model, opt, torch.device("cpu"))
+    batches = [_DenseBatch(torch.randn(8, 4), torch.randn(8)) for _ in range(3)]
+    with pytest.raises(TypeError, match=r"contexts\[0\] \(batch 0\) is a .*TrainPipelineContext; expected"):
+        pipe.progress(iter(batches))
+    assert pipe.stats.steps == 0
