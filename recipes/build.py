@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
+from torchrec.distributed.planner.types import Topology
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
@@ -119,6 +121,73 @@ def shard_model(
     return ShardedModel(model=dmp, plan=plan, plan_text="\n".join(lines), table_ranks=dict(owner))
 
 
+def local_world_size_from_env(world_size: int) -> int:
+    """Ranks per machine of this job: torchrun's ``LOCAL_WORLD_SIZE``.
+
+    ``torchx run recpipe.train -j {nnodes}x{nproc_per_node}`` starts ``nproc_per_node``
+    ranks per machine and torchrun exports that count to every worker. Without it
+    (one process, not under torchrun) the job is one machine.
+
+    Args:
+        world_size: ranks of the job.
+
+    Returns:
+        Ranks per machine, a divisor of ``world_size``.
+
+    Raises:
+        ValueError: ``LOCAL_WORLD_SIZE`` is not a positive integer dividing
+            ``world_size``.
+    """
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return world_size
+    try:
+        local = int(raw)
+    except ValueError:
+        local = 0
+    if local < 1 or world_size % local != 0:
+        raise ValueError(
+            f"invalid LOCAL_WORLD_SIZE={raw!r} for world size {world_size}: it must be the "
+            "ranks per machine, a positive divisor of the world size. Fix: launch with "
+            "torchrun / torchx (which set it) or unset it for a one-machine job"
+        )
+    return local
+
+
+def planner_topology(
+    config: TrainConfig, *, world_size: int, local_world_size: int, fast_bytes: int
+) -> Topology:
+    """The planner's Topology: ``world_size / local_world_size`` machines.
+
+    The planner models a GPU host: a ``"cuda"`` topology whose HBM is the fast tier
+    (on CPU a separate host buffer of that size). ``config.slow_tier_mb`` is host
+    DDR *per machine*, shared by that machine's ``local_world_size`` ranks, so each
+    rank's ``ddr_cap`` is its share.
+
+    Args:
+        config: ``slow_tier_mb``.
+        world_size: ranks of the job.
+        local_world_size: ranks per machine (see :func:`local_world_size_from_env`).
+        fast_bytes: fast-tier bytes per rank.
+
+    Returns:
+        The torchrec ``Topology`` given to the planner.
+
+    Example::
+
+        # -j 2x1: 2 machines of 1 rank, each rank gets the whole per-machine DDR
+        planner_topology(cfg, world_size=2, local_world_size=1, fast_bytes=2**20)
+    """
+    slow_per_rank = int(config.slow_tier_mb * 2**20) // local_world_size
+    return Topology(
+        world_size=world_size,
+        compute_device="cuda",
+        local_world_size=local_world_size,
+        hbm_cap=fast_bytes,
+        ddr_cap=slow_per_rank,
+    )
+
+
 def _shard_planned(
     config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device
 ) -> ShardedModel:
@@ -129,8 +198,6 @@ def _shard_planned(
     plan is sized for the optimizer the tables train with; the sharders refuse a
     table whose optimizer differs from its plan.
     """
-    from torchrec.distributed.planner.types import Topology
-
     from recpipe.pipeline.sharders import (
         TieredEmbeddingBagCollectionSharder,
         TieredEmbeddingCollectionSharder,
@@ -145,15 +212,8 @@ def _shard_planned(
             for t in tables_from_module(model)
         )
         fast = max(1, per_rank // 2)
-    slow_per_rank = int(config.slow_tier_mb * 2**20) // world
-    # The planner models a GPU host: "cuda" topology, HBM = the fast tier. On CPU
-    # the fast tier is a separate host buffer of that size.
-    topology = Topology(
-        world_size=world,
-        compute_device="cuda",
-        local_world_size=world,
-        hbm_cap=fast,
-        ddr_cap=slow_per_rank,
+    topology = planner_topology(
+        config, world_size=world, local_world_size=local_world_size_from_env(world), fast_bytes=fast
     )
     planner = PlacementPlanner(
         topology,

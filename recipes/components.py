@@ -2,6 +2,13 @@
 
 ``torchx run -s local_cwd recpipe.train -j 1x2 -- --config default --tb-dir runs/x``
 
+Multi-node: ``-j {nnodes}x{nproc_per_node}``. Every node runs one torchrun agent; the
+agents meet at a c10d rendezvous on node 0 (``rdzv_port``), whose host each scheduler
+names (``local_cwd``: ``localhost``, so ``-j 2x1`` runs two one-rank "nodes" on this
+host; Slurm: the first node of the job; Kubernetes/Volcano: the pod of replica 0).
+``-s kubernetes`` needs ``--image`` (an image with recpipe installed) and the
+``kubernetes`` Python package; ``-s slurm`` runs the workers in the submit directory.
+
 Each component validates the training arguments *before* returning the AppDef, so a
 bad value (an unknown flag, a NaN / inf / out-of-range number, an output path that
 cannot be written — checked on the launching machine, which for ``local_cwd`` is the
@@ -22,12 +29,17 @@ from torchx.components.dist import ddp
 from recpipe.recipes.config import parse_config
 
 TRAIN_MODULE: str = "recpipe.recipes.train"
+# Image of container schedulers (kubernetes, docker, ...) unless ``image`` is given. No
+# such public image exists: build one with recpipe installed and pass ``--image``.
+# local_cwd and slurm ignore it (they run the workers in the current directory).
+DEFAULT_IMAGE: str = "recpipe:latest"
 
 
 def train(
     *script_args: str,
     j: str = "1x2",
     name: str = "recpipe-train",
+    image: str = DEFAULT_IMAGE,
     cpu: int = 2,
     memMB: int = 8192,
     env: Optional[Dict[str, str]] = None,
@@ -40,13 +52,17 @@ def train(
     Args:
         script_args: arguments of ``python -m recpipe.recipes.train`` (e.g.
             ``--config default --tb-dir runs/x``); validated here first.
-        j: ``{nnodes}x{nproc_per_node}``, e.g. ``1x2`` for 2 local processes.
+        j: ``{nnodes}x{nproc_per_node}``, e.g. ``1x2`` for 2 local processes,
+            ``2x4`` for 2 nodes of 4 ranks (one replica per node).
         name: job name.
-        cpu: CPUs per replica.
-        memMB: memory per replica in MB.
+        image: container image of container schedulers (kubernetes): set to an image
+            with recpipe installed. ``local_cwd`` and ``slurm`` ignore it.
+        cpu: CPUs per replica (node).
+        memMB: memory per replica (node) in MB.
         env: extra environment variables for the workers.
         max_retries: scheduler retries.
-        rdzv_port: rendezvous port (multi-node only).
+        rdzv_port: rendezvous port on node 0 (multi-node only); with ``local_cwd``
+            it must be free on this host.
         tee: which worker streams torchrun tees to the console (3: both).
 
     Returns:
@@ -60,6 +76,7 @@ def train(
         *script_args,
         m=TRAIN_MODULE,
         name=name,
+        image=image,
         j=j,
         cpu=cpu,
         memMB=memMB,
