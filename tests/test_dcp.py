@@ -1,0 +1,296 @@
+"""DCP checkpoints (recpipe.pipeline.dcp) of models with tiered tables, across world sizes.
+
+A DMP model (EBC with tiered tables t0, t1 and a plain torchrec ROW_WISE FUSED table
+t2, fused row-wise Adagrad; a dense head under DDP) trains 3 steps on 2 gloo ranks
+and is saved with ``recpipe.pipeline.dcp.save``. It is loaded on 1 rank and on 2
+ranks with the tiered placements swapped (HYBRID <-> CACHING); every table's
+(global id -> row, optimizer state) must equal what was saved bit for bit, and the
+next step's outputs must equal those of the saving model (which never went through
+DCP). A torchrec TABLE_WISE model (plain EmbeddingBagCollectionSharder) is saved and
+loaded through the same helpers with its tables moved to the other rank (DCP's own
+resharding). Error cases: a checkpoint of another table size is refused naming the
+table; a checkpoint without a table's tiered rows is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+import numpy as np
+import pytest
+import torch
+
+from gloo_harness import run_gloo
+
+B, LR, TRAIN_STEPS = 4, 0.05, 3
+TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 61, 4, ["f2"]), ("t2", 50, 4, ["f3"])]
+TW_TABLES = [("u0", 40, 4, ["g0"]), ("u1", 30, 4, ["g1"])]
+SAVE_PLACEMENTS = {"t0": dict(mode="HYBRID", cache_load_factor=0.5, seed=3),
+                   "t1": dict(mode="CACHING", cache_load_factor=0.3, seed=3)}
+SWAPPED_PLACEMENTS = {"t0": dict(mode="CACHING", cache_load_factor=0.4, seed=3),
+                      "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
+
+
+def _ebc(tables: List[Tuple[str, int, int, List[str]]], seed: int = 0) -> Any:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    torch.manual_seed(seed)
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f)
+                for n, r, d, f in tables],
+        device=torch.device("cpu"),
+    )
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, ebc: torch.nn.Module, width: int) -> None:
+        super().__init__()
+        self.ebc = ebc
+        torch.manual_seed(1)
+        self.head = torch.nn.Linear(width, 1)
+
+    def forward(self, kjt: Any) -> Tuple[torch.Tensor, torch.Tensor]:
+        kt = self.ebc(kjt).to_dict()  # by feature: the KeyedTensor's order follows the sharding
+        emb = torch.cat([kt[k] for k in sorted(kt)], dim=1)
+        return emb, self.head(emb).squeeze(1)
+
+
+def _kjt(tables: List[Tuple[str, int, int, List[str]]], step: int, ranks: List[int]) -> Any:
+    """The batches of ``ranks`` at ``step``, concatenated (a rank's batch is B samples)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    sizes = {f: rows for _, rows, _, feats in tables for f in feats}
+    keys = list(sizes)
+    lengths, values = [], []
+    for f_i, f in enumerate(keys):
+        for r in ranks:
+            gen = torch.Generator().manual_seed(1000 * step + 10 * r + f_i)
+            ln = torch.randint(0, 5, (B,), generator=gen)
+            lengths.append(ln)
+            values.append((torch.rand(int(ln.sum()), generator=gen) ** 2 * sizes[f]).long())
+    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _targets(step: int, ranks: List[int]) -> torch.Tensor:
+    return torch.cat([torch.randn(B, generator=torch.Generator().manual_seed(7 * step + r)) for r in ranks])
+
+
+def _tiered_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+
+    ebc = _ebc(TABLES)
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
+    sharder = TieredEmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(ebc, {n: row_wise() for n, *_ in TABLES}, sharder=sharder,  # type: ignore[arg-type]
+                                          local_size=world, world_size=world, device_type="cpu")
+    shapes = {name: (rows, dim) for name, rows, dim, _ in TABLES}
+    for name, placement in placements.items():
+        rows, dim = shapes[name]
+        plan[name] = PlacementParameterSharding(
+            sharding_type=ShardingType.ROW_WISE.value,
+            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+            ranks=list(range(world)),
+            sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
+            dist_type="hash_roundrobin",
+            **placement,
+        )
+    model = DistributedModelParallel(_Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
+                                     plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                     device=torch.device("cpu"))
+    tiered = model.module.ebc.tiered_tables()
+    for name in placements:
+        tiered[name].load_global_weights(_ebc(TABLES).embedding_bags[name].weight.detach())
+    return model
+
+
+def _table_wise_model(world: int, owners: Dict[str, int]) -> Any:
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    ebc = _ebc(TW_TABLES, seed=2)
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
+    sharder = EmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(ebc, {n: table_wise(rank=owners[n]) for n in owners}, sharder=sharder,
+                                          local_size=world, world_size=world, device_type="cpu")
+    return DistributedModelParallel(_Model(ebc, sum(d * len(f) for _, _, d, f in TW_TABLES)),
+                                    plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                    device=torch.device("cpu"))
+
+
+def _step(model: Any, opt: torch.optim.Optimizer, tables: List[Any], step: int, ranks: List[int]) -> Dict[str, Any]:
+    emb, pred = model(_kjt(tables, step, ranks))
+    loss = ((pred - _targets(step, ranks)) ** 2).sum()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return {"emb": emb.detach().numpy().copy(), "pred": pred.detach().numpy().copy()}
+
+
+def _dense_opt(model: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD([p for n, p in model.named_parameters() if "head" in n], lr=0.01)
+
+
+def _shards(value: Any) -> List[Tuple[List[int], np.ndarray]]:
+    """(offsets, local tensor) of every local shard of a ShardedTensor (or a full tensor)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    if isinstance(value, ShardedTensor):
+        return [(list(s.metadata.shard_offsets), s.tensor.detach().numpy().copy()) for s in value.local_shards()]
+    return [([0] * value.dim(), value.detach().numpy().copy())]
+
+
+def _has_rows(value: Any) -> bool:
+    """A ShardedTensor, or a non-empty tensor (tiered tables keep an empty placeholder)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    return isinstance(value, ShardedTensor) or value.numel() > 0
+
+
+def _view(model: Any) -> Dict[str, Any]:
+    """This rank's view of every table: tiered exports, torchrec shards, optimizer shards, dense head."""
+    out: Dict[str, Any] = {"tiered": {}, "torchrec": {}, "optim": {}, "head": None}
+    module = model.module.ebc
+    if hasattr(module, "tiered_state"):
+        for name, st in module.tiered_state().items():
+            out["tiered"][name] = (st.global_ids.numpy(), st.weights.numpy(), st.optimizer_state.numpy(), st.step)
+    sd = model.state_dict()
+    for key, value in sd.items():
+        if key.startswith("ebc.embedding_bags.") and key.endswith(".weight") and _has_rows(value):
+            out["torchrec"][key.split(".")[2]] = _shards(value)
+    for param_key, states in model.fused_optimizer.state_dict()["state"].items():
+        for state_key, value in states.items():
+            if isinstance(value, torch.Tensor) and _has_rows(value) and value.dim() > 0:
+                out["optim"][f"{param_key}/{state_key}"] = _shards(value)
+    out["head"] = sd["head.weight"].numpy().copy() if "head.weight" in sd else None
+    return out
+
+
+def _assemble(views: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
+    """Global tables from the ranks' views: tiered by global id, torchrec by offsets."""
+    full: Dict[str, np.ndarray] = {}
+    for view in views:
+        for name, (gids, w, s, step) in view["tiered"].items():
+            rows = dict((n, r) for n, r, *_ in TABLES)[name]
+            for tag, values in (("w", w), ("s", s)):
+                buf = full.setdefault(f"{name}/{tag}", np.full((rows, values.shape[1]), np.nan, values.dtype))
+                assert np.isnan(buf[gids]).all(), f"{name}: a row appears twice"
+                buf[gids] = values
+            full[f"{name}/step"] = np.array(step)
+        for group in ("torchrec", "optim"):
+            for name, shards in view[group].items():
+                for offsets, t in shards:
+                    key = f"{group}/{name}"
+                    shape = [o + n for o, n in zip(offsets, t.shape)]
+                    if key in full:
+                        old = full[key]
+                        grown = np.full([max(a, b) for a, b in zip(old.shape, shape)], np.nan, t.dtype)
+                        grown[tuple(slice(0, n) for n in old.shape)] = old
+                        full[key] = grown
+                    else:
+                        full[key] = np.full(shape, np.nan, t.dtype)
+                    full[key][tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))] = t
+        if view["head"] is not None:
+            full["head"] = view["head"]
+    for key, value in full.items():
+        assert not np.isnan(value).any(), f"{key}: rows missing"
+    return full
+
+
+def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    out: Dict[str, Any] = {}
+    for kind, model, tables in (("tiered", _tiered_model(world, SAVE_PLACEMENTS), TABLES),
+                                ("tw", _table_wise_model(world, {"u0": 0, "u1": 1}), TW_TABLES)):
+        opt = _dense_opt(model)
+        for step in range(TRAIN_STEPS):
+            _step(model, opt, tables, step, [rank])
+        recpipe_dcp.save(model, f"{root}/{kind}")
+        out[kind] = _view(model)
+        out[kind + "_next"] = _step(model, opt, tables, TRAIN_STEPS, [rank])
+    return out
+
+
+def _load_body(rank: int, world: int, root: str, placements: Dict[str, Dict[str, Any]], table_wise: bool) -> Dict[str, Any]:
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    ranks = list(range(2)) if world == 1 else [rank]
+    model = _tiered_model(world, placements)
+    # placements really differ from the saving job's
+    for name, shard in model.module.ebc.tiered_tables().items():
+        assert (shard.mode.name, shard.cache_load_factor) == (placements[name]["mode"], placements[name]["cache_load_factor"])
+    recpipe_dcp.load(model, f"{root}/tiered")
+    out: Dict[str, Any] = {"tiered": _view(model), "tiered_next": _step(model, _dense_opt(model), TABLES, TRAIN_STEPS, ranks)}
+    if table_wise:
+        tw = _table_wise_model(world, {"u0": 1, "u1": 0})  # each table on the other rank
+        recpipe_dcp.load(tw, f"{root}/tw")
+        out["tw"] = _view(tw)
+        out["tw_next"] = _step(tw, _dense_opt(tw), TW_TABLES, TRAIN_STEPS, ranks)
+    return out
+
+
+def _assert_same_tables(saved: Dict[str, np.ndarray], loaded: Dict[str, np.ndarray], what: str) -> None:
+    assert sorted(saved) == sorted(loaded), what
+    for key in saved:
+        np.testing.assert_array_equal(loaded[key], saved[key], err_msg=f"{what}: {key}")
+
+
+def _wrong_size_body(rank: int, world: int, root: str) -> str:
+    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.tiered import TieredCheckpointError
+
+    global TABLES
+    TABLES = [("t0", 98, 8, ["f0", "f1"])] + TABLES[1:]  # t0 has one row more than saved
+    model = _tiered_model(world, SAVE_PLACEMENTS)
+    with pytest.raises(TieredCheckpointError) as err:
+        recpipe_dcp.load(model, f"{root}/tiered")
+    return str(err.value)
+
+
+def test_dcp_tiered_and_table_wise_across_world_sizes_and_placements(tmp_path: Path) -> None:
+    saved = run_gloo(2, _save_body, str(tmp_path))
+    saved_tiered = _assemble([s["tiered"] for s in saved])
+    saved_tw = _assemble([s["tw"] for s in saved])
+    assert {"t0/w", "t1/w", "torchrec/t2"} <= set(saved_tiered)
+    assert any(k.startswith("optim/") and "t2" in k for k in saved_tiered)  # t2's fused Adagrad state
+    assert float(np.abs(saved_tiered["t0/s"]).sum()) > 0  # tiered optimizer state was trained
+    assert int(saved_tiered["t0/step"]) == TRAIN_STEPS
+
+    # W = 2, HYBRID <-> CACHING swapped; TABLE_WISE tables moved to the other rank
+    loaded = run_gloo(2, _load_body, str(tmp_path), SWAPPED_PLACEMENTS, True)
+    _assert_same_tables(saved_tiered, _assemble([r["tiered"] for r in loaded]), "W=2 swapped")
+    _assert_same_tables(saved_tw, _assemble([r["tw"] for r in loaded]), "TABLE_WISE")
+    for rank in range(2):
+        for kind in ("tiered_next", "tw_next"):
+            for key in ("emb", "pred"):
+                np.testing.assert_array_equal(loaded[rank][kind][key], saved[rank][kind][key],
+                                              err_msg=f"rank {rank} {kind} {key}")
+
+    # W = 1 (a 1-rank gloo group) holds every row; its next step sees both ranks' batches
+    (single,) = run_gloo(1, _load_body, str(tmp_path), SAVE_PLACEMENTS, False)
+    _assert_same_tables(saved_tiered, _assemble([single["tiered"]]), "W=1")
+    for key in ("emb", "pred"):
+        # pooled partial sums are added across 2 ranks when saved, in one bag on 1 rank
+        np.testing.assert_allclose(single["tiered_next"][key],
+                                   np.concatenate([saved[r]["tiered_next"][key] for r in range(2)]),
+                                   rtol=1e-6, atol=1e-6, err_msg=f"W=1 next step {key}")
+
+
+def test_dcp_refuses_a_table_of_another_size(tmp_path: Path) -> None:
+    run_gloo(2, _save_body, str(tmp_path))
+    (msg,) = run_gloo(1, _wrong_size_body, str(tmp_path))
+    assert "'t0'" in msg and "num_embeddings=97" in msg and "num_embeddings=98" in msg, msg
