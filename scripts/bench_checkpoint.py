@@ -10,6 +10,9 @@ fused row-wise Adagrad; placement ``--mode`` / ``--load-factor``). Per table set
   (what the recipe's checkpoint writes for tiered tables, without its sha256);
 * .pt, load: each rank ``torch.load`` s every rank's file and calls ``load_tiered_state``
   (what the recipe does when resharding).
+* reshard: the same loads into a model whose tables are routed with another seed
+  (every row changes owner: each rank reads every saving rank's export and keeps
+  its rows by global id, as for another world size); timed in the last run only.
 
 Times are wall seconds of the slower rank between two barriers, best of ``--repeat`` runs
 (which of DCP / .pt goes first alternates: disk writeback of one slows the other);
@@ -41,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import hardware_line, print_table  # noqa: E402
 
 WORLD = 2
+OPS = ("ours_save", "ours_load", "ours_reshard", "pt_save", "pt_load", "pt_reshard")
 
 
 def _parse_set(text: str) -> Tuple[int, int, int]:
@@ -53,7 +57,7 @@ def _parse_set(text: str) -> Tuple[int, int, int]:
     return tables, rows, dim
 
 
-def _model(n_tables: int, rows: int, dim: int, mode: str, x: float) -> Any:
+def _model(n_tables: int, rows: int, dim: int, mode: str, x: float, seed: int = 1) -> Any:
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
@@ -82,7 +86,7 @@ def _model(n_tables: int, rows: int, dim: int, mode: str, x: float) -> Any:
             compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
             ranks=list(range(WORLD)),
             sharding_spec=row_wise_sharding_spec(rows, dim, WORLD, WORLD, "cpu"),
-            dist_type="hash_roundrobin", mode=mode, cache_load_factor=x, seed=1,
+            dist_type="hash_roundrobin", mode=mode, cache_load_factor=x, seed=seed,
         )
     return DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
                                     device=torch.device("cpu"))
@@ -120,17 +124,23 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
         results: List[Dict[str, Any]] = []
         for n_tables, rows, dim in args.sets:
             model = _model(n_tables, rows, dim, args.mode, args.load_factor)
+            # another routing seed: every row moves, each rank reads every saving rank's export
+            other = _model(n_tables, rows, dim, args.mode, args.load_factor, seed=2)
             set_dir = os.path.join(root, f"{n_tables}x{rows}x{dim}")
-            times: Dict[str, List[float]] = {k: [] for k in ("ours_save", "ours_load", "pt_save", "pt_load")}
+            times: Dict[str, List[float]] = {k: [] for k in OPS}
             for i in range(args.repeat):
                 dcp_dir, pt_dir = os.path.join(set_dir, f"dcp{i}"), os.path.join(set_dir, f"pt{i}")
                 if rank == 0:
                     os.makedirs(pt_dir, exist_ok=True)
                 dist.barrier()
                 ours = [("ours_save", lambda: recpipe_dcp.save(model, dcp_dir)),
-                        ("ours_load", lambda: recpipe_dcp.load(model, dcp_dir))]
-                pt = [("pt_save", lambda: _pt_save(model, pt_dir, rank)), ("pt_load", lambda: _pt_load(model, pt_dir))]
+                        ("ours_load", lambda: recpipe_dcp.load(model, dcp_dir)),
+                        ("ours_reshard", lambda: recpipe_dcp.load(other, dcp_dir))]
+                pt = [("pt_save", lambda: _pt_save(model, pt_dir, rank)), ("pt_load", lambda: _pt_load(model, pt_dir)),
+                      ("pt_reshard", lambda: _pt_load(other, pt_dir))]
                 for key, fn in (ours + pt if i % 2 == 0 else pt + ours):  # alternate which goes first
+                    if key.endswith("reshard") and i != args.repeat - 1:
+                        continue  # once per set (keeps the default run near 2 minutes)
                     times[key].append(_timed(fn))
                 dist.barrier()
                 if rank == 0:
@@ -139,7 +149,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
             shard = next(iter(model.module.tiered_tables().values()))
             results.append({"set": (n_tables, rows, dim), "row_bytes": shard.row_bytes,
                             **{k: min(v) for k, v in times.items()}})
-            del model
+            del model, other
         queue.put((rank, results, None))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         import traceback
@@ -195,8 +205,8 @@ def main() -> None:
     for i, res in enumerate(out[0]):
         n_tables, rows, dim = res["set"]
         gb = n_tables * rows * res["row_bytes"] / 1e9
-        t = {k: max(out[r][i][k] for r in range(WORLD)) for k in ("ours_save", "ours_load", "pt_save", "pt_load")}
-        for what in ("save", "load"):
+        t = {k: max(out[r][i][k] for r in range(WORLD)) for k in OPS}
+        for what in ("save", "load", "reshard"):
             ours, pt = t[f"ours_{what}"], t[f"pt_{what}"]
             rows_out.append([f"{n_tables} x {rows:,} x {dim}", f"{gb:.2f}", what, f"{ours:.2f}", f"{gb / ours:.2f}",
                              f"{pt:.2f}", f"{gb / pt:.2f}", f"{ours / pt:.2f}"])
