@@ -45,8 +45,7 @@ from __future__ import annotations
 
 import json
 import os
-from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -56,7 +55,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from recpipe.pipeline.ops import ROUTING_VERSION, route_ids
-from recpipe.pipeline.sharders import _TieredTablesMixin
+from recpipe.pipeline.sharders import _TieredTablesMixin, state_dict_without_tiered_rows
 from recpipe.pipeline.tiered import TieredCheckpointError, TieredEmbeddingShard, TieredShardState
 
 __all__ = [
@@ -97,47 +96,11 @@ def tiered_dcp_key(table_fqn: str, rank: int, field: str) -> str:
     return f"{TIERED_DCP_PREFIX}.{table_fqn}.rank{rank}.{field}"
 
 
-@contextmanager
-def _tiered_modules(model: nn.Module) -> Iterator[Dict[str, Tuple[_TieredTablesMixin, str]]]:
-    """While active, ``model.state_dict()`` leaves tiered rows out and records
-    where every tiered module sits: yields ``{module prefix: (module, collection)}``,
-    filled by the first ``state_dict()`` call inside the block.
-
-    The sharded modules' post state_dict hook
-    (``_TieredTablesMixin._tiered_post_state_dict_hook``, which writes this rank's
-    export under the same keys on every rank) is swapped for a recorder and put
-    back on exit.
-    """
-    found: Dict[str, Tuple[_TieredTablesMixin, str]] = {}
-    swapped: List[Tuple[nn.Module, int, Any]] = []
-
-    def recorder(module: Any, destination: Dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        found[prefix] = (module, module._TIERED_COLLECTION)
-
-    hook = _TieredTablesMixin._tiered_post_state_dict_hook
-    try:
-        for module in model.modules():
-            if not isinstance(module, _TieredTablesMixin):
-                continue
-            hooks = module._state_dict_hooks  # torch's registry of post state_dict hooks
-            ids = [k for k, h in hooks.items() if h is hook]
-            if len(ids) != 1:
-                raise RuntimeError(
-                    f"{type(module).__name__}: expected its tiered state_dict hook once, found it "
-                    f"{len(ids)} times; recpipe.pipeline.dcp and recpipe.pipeline.sharders are out of step."
-                )
-            swapped.append((module, ids[0], hook))
-            hooks[ids[0]] = recorder
-        yield found
-    finally:
-        for module, key, original in swapped:
-            module._state_dict_hooks[key] = original
-
-
 def _regular_state_dict(model: nn.Module) -> Tuple[Dict[str, Any], Dict[str, Tuple[_TieredTablesMixin, str]]]:
     """``model.state_dict()`` without tiered exports, and the tiered modules by prefix."""
-    with _tiered_modules(model) as found:
+    with state_dict_without_tiered_rows(model) as modules:
         state = model.state_dict()
+    found = {prefix: (module, module._TIERED_COLLECTION) for prefix, module in modules.items()}
     fused = getattr(model, "fused_optimizer", None)
     if fused is not None:
         state[FUSED_OPTIMIZER_KEY] = fused.state_dict()

@@ -50,6 +50,7 @@ shards a module) initializes the EC's tiered tables from it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -104,6 +105,7 @@ __all__ = [
     "TieredRwSequenceEmbeddingSharding",
     "TieredShardedEmbeddingBagCollection",
     "TieredShardedEmbeddingCollection",
+    "state_dict_without_tiered_rows",
     "tiered_optimizer_from_fused_params",
     "tiered_placement",
 ]
@@ -527,12 +529,17 @@ class _TieredTablesMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        # set by state_dict_without_tiered_rows(): collects the state_dict prefix instead of rows
+        self._tiered_state_dict_sink: Optional[Dict[str, "_TieredTablesMixin"]] = None
         self._register_state_dict_hook(_TieredTablesMixin._tiered_post_state_dict_hook)  # type: ignore[attr-defined]
 
     @staticmethod
     def _tiered_post_state_dict_hook(
         module: "_TieredTablesMixin", destination: Dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
+        if module._tiered_state_dict_sink is not None:
+            module._tiered_state_dict_sink[prefix] = module
+            return
         for name, shard in module.tiered_tables().items():
             st = shard.export_state()
             base = f"{prefix}{module._TIERED_COLLECTION}.{name}.{TIERED_STATE_KEY}."
@@ -775,3 +782,36 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingColl
     """
 
     _SHARDED_MODULE = TieredShardedEmbeddingCollection
+
+
+@contextmanager
+def state_dict_without_tiered_rows(model: nn.Module) -> Iterator[Dict[str, "_TieredTablesMixin"]]:
+    """While active, ``model.state_dict()`` leaves the tiered tables' rows out.
+
+    Instead of exporting its tiered rows, every sharded collection with tiered
+    tables records the prefix its entries take in the state dict (DMP strips its
+    own wrapper prefix, so a module's prefix is only known from a ``state_dict()``
+    call). Checkpoint formats that store tiered rows their own way (e.g.
+    :mod:`recpipe.pipeline.dcp`) use it.
+
+    Args:
+        model (nn.Module): the (DMP-wrapped) model.
+
+    Yields:
+        Dict[str, _TieredTablesMixin]: ``{state_dict prefix: sharded collection}``,
+        filled by the ``state_dict()`` calls made inside the block.
+
+    Example::
+
+        with state_dict_without_tiered_rows(model) as tiered:
+            state = model.state_dict()
+    """
+    found: Dict[str, _TieredTablesMixin] = {}
+    modules = [m for m in model.modules() if isinstance(m, _TieredTablesMixin)]
+    for m in modules:
+        m._tiered_state_dict_sink = found
+    try:
+        yield found
+    finally:
+        for m in modules:
+            m._tiered_state_dict_sink = None
