@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from recpipe.recipes.build import make_optimizer, make_pipeline, shard_model
 from recpipe.recipes.checkpoint import load_checkpoint, save_checkpoint
-from recpipe.recipes.config import TrainConfig, parse_config, split_paths
+from recpipe.recipes.config import ConfigError, TrainConfig, parse_config, split_paths
 from recpipe.recipes.data.base import BatchSource
 from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
@@ -461,9 +461,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: CLI arguments (default ``sys.argv[1:]``).
 
     Returns:
-        Process exit code (0 on success).
+        Process exit code (0 on success, 2 for a bad command line or config).
     """
-    config = parse_config(argv)
+    try:
+        config = parse_config(argv)
+    except ConfigError as e:  # a user error: one message, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         result = run(config)
     except RuntimeError as e:

@@ -225,3 +225,14 @@ def test_timeout_flag_reaches_the_workers() -> None:
         materialize_appdef(components.train, ["--", "--timeout-s", "0"])
     default = components.default_recipe("--timeout-s", "45")
     assert "--timeout-s 45" in " ".join(default.roles[0].args)
+
+
+def test_entry_point_user_errors_are_one_line_exit_2() -> None:
+    """A bad value or flag at the entry point prints one ``error:`` line (no traceback)
+    and exits 2 before anything else starts."""
+    for args, message in ((["--dense-lr", "inf"], "error: invalid config value dense_lr=inf"),
+                          (["--batch-sise", "3"], "error: bad command line '--batch-sise 3'")):
+        proc = _train(*args)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(message)
