@@ -113,10 +113,14 @@ class CollectiveFailureError(RuntimeError):
 
 
 # Backend messages of a collective that waited past the group timeout (gloo:
-# "Timed out waiting 10000ms for recv operation to complete"; store: "wait timeout
-# after ...", "Socket Timeout"; NCCL's watchdog: "... collective operation timeout").
+# "Timed out waiting 10000ms for recv operation to complete", or, when the timeout
+# fires while the pair is mid-operation, "Application timeout caused pair closure";
+# store: "wait timeout after ...", "Socket Timeout"; NCCL's watchdog: "... collective
+# operation timeout").
 _TIMEOUT_MESSAGE = re.compile(
-    r"timed out waiting|wait timeout after|socket timeout|collective operation timeout", re.IGNORECASE
+    r"timed out waiting|application timeout caused pair closure|wait timeout after|socket timeout"
+    r"|collective operation timeout",
+    re.IGNORECASE,
 )
 # gloo's messages when the peer's socket went away (the peer process died).
 _PEER_LOST_MESSAGE = re.compile(r"connection (closed|reset) by peer|broken pipe", re.IGNORECASE)
