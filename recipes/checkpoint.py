@@ -14,6 +14,15 @@ Layout::
     <checkpoint_dir>/step_00000040/manifest.json        # bytes + sha256 of every rank file
     <checkpoint_dir>/latest                              # "40"
 
+With ``config.checkpoint_format == "dcp"`` the model (tiered tables included) and
+its fused optimizer are written by torch.distributed.checkpoint
+(:mod:`recpipe.pipeline.dcp`) into the same step directory (``.metadata``,
+``__R_N.distcp``); each ``rankR.pt`` then holds the metadata and the dense optimizer
+state, and the manifest records every file of the directory. The integrity checks and
+the resume fallback are the same; such a checkpoint also loads under another world size
+and the placement planned for it (rank ``r`` reads ``rank{r % W}.pt``; DCP and the
+tiered exports reshard).
+
 Saving (a collective) is crash-safe: the state is checked for NaN / inf first
 (:class:`NonFiniteStateError`, nothing is written); each rank writes its file to a
 temporary name in the step directory, fsyncs it and ``os.replace``-s it into place,
@@ -46,11 +55,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as torch_dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DTensor
 
+from recpipe.pipeline import dcp as recpipe_dcp
 from recpipe.pipeline.ops import ROUTING_VERSION
 from recpipe.pipeline.sharders import TIERED_STATE_KEY
-from recpipe.recipes.config import TrainConfig
+from recpipe.recipes.config import CHECKPOINT_FORMATS, TrainConfig
 
 # Config fields that change the state's shapes or the data order: a resumed run must match.
 FINGERPRINT_FIELDS: tuple[str, ...] = (
@@ -73,10 +86,18 @@ MANIFEST_NAME: str = "manifest.json"
 LATEST_NAME: str = "latest"
 """The marker naming the newest committed step."""
 MANIFEST_FORMAT: str = "recpipe-checkpoint/1"
+DCP_METADATA_NAME: str = ".metadata"
+"""The metadata file torch.distributed.checkpoint writes into a ``dcp`` step directory."""
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_DCP_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _SHARDED = "__sharded_local_shards__"
-_PAYLOAD_KEYS = ("meta", "model", "optimizer", "tiered")
+# What a rank file holds, per checkpoint format ("dcp": the model and fused optimizer
+# state live in the DCP files; the rank file keeps the metadata and dense optimizer).
+_PAYLOAD_KEYS: dict[str, tuple[str, ...]] = {
+    "pt": ("meta", "model", "optimizer", "tiered"),
+    "dcp": ("meta", "optimizer"),
+}
 _READ_CHUNK = 1 << 22
 
 
@@ -320,8 +341,12 @@ def _json_digest(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def _write_manifest(step_dir: Path, step: int, world: int, files: dict[str, dict[str, Any]]) -> None:
+def _write_manifest(
+    step_dir: Path, step: int, world: int, files: dict[str, dict[str, Any]], checkpoint_format: str = "pt"
+) -> None:
     body = {"format": MANIFEST_FORMAT, "step": step, "world_size": world, "files": files}
+    if checkpoint_format != "pt":  # manifests of .pt checkpoints stay as they were
+        body["checkpoint_format"] = checkpoint_format
     text = json.dumps(dict(body, manifest_sha256=_json_digest(body)), indent=1, sort_keys=True)
     _atomic_write_bytes(step_dir / MANIFEST_NAME, (text + "\n").encode())
 
@@ -341,7 +366,10 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
         step_dir: e.g. ``<checkpoint_dir>/step_00000040``.
 
     Returns:
-        ``{"format", "step", "world_size", "files": {"rank0.pt": {"bytes", "sha256"}, ...}}``.
+        ``{"format", "step", "world_size", "checkpoint_format", "files": {"rank0.pt":
+        {"bytes", "sha256"}, ...}}``; a ``dcp`` checkpoint's files also hold DCP's
+        ``.metadata`` and ``__R_N.distcp`` files. ``checkpoint_format`` is ``"pt"`` for
+        manifests that do not record one.
 
     Raises:
         CheckpointCorruptError: the manifest is missing, unreadable, altered (its own
@@ -368,9 +396,20 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointCorruptError(path, f"records step {data.get('step')!r}, but lies in {step_dir.name}")
     if not isinstance(world, int) or world < 1 or not isinstance(files, dict):
         raise CheckpointCorruptError(path, f"bad world_size {world!r} or files table")
+    checkpoint_format = data.get("checkpoint_format", "pt")
+    if checkpoint_format not in CHECKPOINT_FORMATS:
+        raise CheckpointCorruptError(path, f"unknown checkpoint_format {checkpoint_format!r}")
     expected = {_rank_file(r) for r in range(world)}
-    if set(files) != expected:
+    if checkpoint_format == "pt" and set(files) != expected:
         raise CheckpointCorruptError(path, f"lists files {sorted(files)}, expected {sorted(expected)}")
+    if checkpoint_format == "dcp":
+        required = expected | {DCP_METADATA_NAME}
+        other = sorted(n for n in set(files) - required if not _DCP_DATA_FILE.match(n))
+        if not required <= set(files) or other:
+            raise CheckpointCorruptError(
+                path,
+                f"lists files {sorted(files)}, expected {sorted(required)} and DCP's __R_N.distcp files",
+            )
     for name, entry in files.items():
         if not (
             isinstance(entry, dict)
@@ -379,13 +418,14 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
             and _SHA256_HEX.match(entry["sha256"])
         ):
             raise CheckpointCorruptError(path, f"bad entry for {name}: {entry!r}")
+    data["checkpoint_format"] = checkpoint_format
     return data
 
 
-def _read_rank_file(step_dir: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Verifies one rank file against the manifest and unpickles it (on the CPU)."""
-    path = step_dir / _rank_file(rank)
-    entry = manifest["files"][path.name]
+def _verify_file(step_dir: Path, manifest: dict[str, Any], name: str) -> Path:
+    """Checks one file's size and sha256 against the manifest; returns its path."""
+    path = step_dir / name
+    entry = manifest["files"][name]
     if not path.is_file():
         raise CheckpointCorruptError(path, f"missing ({MANIFEST_NAME} lists it)")
     try:
@@ -403,16 +443,28 @@ def _read_rank_file(step_dir: Path, manifest: dict[str, Any], rank: int) -> dict
             f"sha256 {digest[:16]}... differs from {MANIFEST_NAME}'s {entry['sha256'][:16]}... "
             "(its bytes changed after the save: disk, copy or transfer corruption)",
         )
+    return path
+
+
+def _read_rank_file(step_dir: Path, manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Verifies one rank file against the manifest and unpickles it (on the CPU)."""
+    path = _verify_file(step_dir, manifest, _rank_file(rank))
     try:
         payload = torch.load(path, weights_only=False, map_location="cpu")
     except Exception as e:  # noqa: BLE001 - any unpickling failure means the file is unusable
         raise CheckpointCorruptError(path, f"cannot be unpickled ({type(e).__name__}: {e})") from None
-    if not isinstance(payload, dict) or any(k not in payload for k in _PAYLOAD_KEYS):
+    keys_needed = _PAYLOAD_KEYS[manifest["checkpoint_format"]]
+    if not isinstance(payload, dict) or any(k not in payload for k in keys_needed):
         keys = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
-        raise CheckpointCorruptError(path, f"holds {keys}, not a recpipe checkpoint {list(_PAYLOAD_KEYS)}")
+        raise CheckpointCorruptError(path, f"holds {keys}, not a recpipe checkpoint {list(keys_needed)}")
     meta = payload["meta"]
     got = tuple(meta.get(k) for k in ("step", "rank", "world_size")) if isinstance(meta, dict) else None
     want = (manifest["step"], rank, manifest["world_size"])
+    if isinstance(meta, dict) and meta.get("checkpoint_format", "pt") != manifest["checkpoint_format"]:
+        raise CheckpointCorruptError(
+            path, f"holds a {meta.get('checkpoint_format', 'pt')!r} checkpoint, but {MANIFEST_NAME} records "
+            f"{manifest['checkpoint_format']!r} (a file from another checkpoint)"
+        )
     if got != want:
         raise CheckpointCorruptError(
             path, f"its metadata (step, rank, world size) is {got}, expected {want} (a file from another checkpoint)"
@@ -422,7 +474,8 @@ def _read_rank_file(step_dir: Path, manifest: dict[str, Any], rank: int) -> dict
 
 def verify_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Verifies every file of one checkpoint without a model: manifest, sizes, sha256,
-    unpickling and each file's own step / rank / world size.
+    unpickling and each rank file's own step / rank / world size (and, for the ``dcp``
+    format, the size and sha256 of DCP's ``.metadata`` and ``.distcp`` files).
 
     Args:
         step_dir: e.g. ``<checkpoint_dir>/step_00000040``.
@@ -437,7 +490,20 @@ def verify_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     manifest = read_manifest(step_dir)
     for r in range(manifest["world_size"]):
         _read_rank_file(step_dir, manifest, r)
+    for name in sorted(_dcp_files(manifest)):
+        _verify_file(step_dir, manifest, name)
     return manifest
+
+
+def _dcp_files(manifest: dict[str, Any]) -> list[str]:
+    """The manifest's files that are not rank files (DCP's, in the ``dcp`` format)."""
+    ranks = {_rank_file(r) for r in range(manifest["world_size"])}
+    return sorted(n for n in manifest["files"] if n not in ranks)
+
+
+def _hash_file(path: Path) -> dict[str, Any]:
+    """The manifest entry of a file already on disk."""
+    return {"bytes": path.stat().st_size, "sha256": _file_sha256(path)}
 
 
 def reseal_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -449,7 +515,8 @@ def reseal_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
 
     Args:
         step_dir: e.g. ``<checkpoint_dir>/step_00000040``; its ``rank*.pt`` files must
-            be ``rank0.pt .. rank{W-1}.pt``.
+            be ``rank0.pt .. rank{W-1}.pt``. With DCP's ``.metadata`` present it is a
+            ``dcp`` checkpoint and every other file in it is recorded too.
 
     Returns:
         The new manifest.
@@ -461,12 +528,21 @@ def reseal_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     ranks = sorted(int(p.stem[4:]) for p in step_dir.glob("rank*.pt") if p.stem[4:].isdigit())
     if not ranks or ranks != list(range(len(ranks))):
         raise ValueError(f"reseal_checkpoint: {step_dir} holds rank files {ranks}, expected rank0.pt..rankN.pt")
-    files = {
-        _rank_file(r): {"bytes": (step_dir / _rank_file(r)).stat().st_size, "sha256": _file_sha256(step_dir / _rank_file(r))}
-        for r in ranks
-    }
-    _write_manifest(step_dir, int(m.group(1)), len(ranks), files)
+    files = {_rank_file(r): _hash_file(step_dir / _rank_file(r)) for r in ranks}
+    checkpoint_format = "dcp" if (step_dir / DCP_METADATA_NAME).is_file() else "pt"
+    if checkpoint_format == "dcp":
+        files.update(_dcp_entries(step_dir, set(files)))
+    _write_manifest(step_dir, int(m.group(1)), len(ranks), files, checkpoint_format)
     return read_manifest(step_dir)
+
+
+def _dcp_entries(step_dir: Path, skip: set[str]) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every file in ``step_dir`` but the manifest, temporaries and ``skip``."""
+    return {
+        p.name: _hash_file(p)
+        for p in sorted(step_dir.iterdir())
+        if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(".tmp") and p.name not in skip
+    }
 
 
 # ---------------------------------------------------------------- save
@@ -489,6 +565,12 @@ def save_checkpoint(
         table_ranks: where each table lives (owner rank, or its planned placement);
             stored and checked on load.
 
+    With ``config.checkpoint_format == "dcp"`` the model (tiered tables included) and
+    its fused optimizer state are written by torch.distributed.checkpoint
+    (:func:`recpipe.pipeline.dcp.dcp_state_dict`), each rank's ``rankR.pt`` holds the
+    metadata and the dense optimizer state, and rank 0 records every file of the step
+    directory (DCP's too) in the manifest: the same commit protocol.
+
     Returns:
         The step directory.
 
@@ -497,19 +579,13 @@ def save_checkpoint(
         CheckpointWriteError: some rank could not write its file (the step is not
             committed: no manifest, ``latest`` unchanged).
     """
+    if config.checkpoint_format == "dcp":
+        return _save_dcp_checkpoint(directory, step, model, optimizer, config, table_ranks)
     rank, world = _rank_world()
     root = Path(directory)
     step_dir = root / step_dir_name(step)
     payload = {
-        "meta": {
-            "step": step,
-            "rank": rank,
-            "world_size": world,
-            "table_ranks": dict(table_ranks),
-            "fingerprint": fingerprint(config),
-            # row-wise shards in "model" hold rows in local-id order of this routing
-            "routing_version": ROUTING_VERSION,
-        },
+        "meta": _meta(step, rank, world, config, table_ranks),
         "model": _to_saved(_model_state(model)),
         "optimizer": _to_saved(optimizer.state_dict()),
         # torchrec's sharded state_dict skips CUSTOMIZED_KERNEL (tiered) tables:
@@ -518,15 +594,7 @@ def save_checkpoint(
             fqn: m.tiered_state() for fqn, m in model.named_modules() if hasattr(m, "tiered_state")
         },
     }
-    bad = [(r, names) for r, names in enumerate(_all_gather(_non_finite(payload), world)) if names]
-    if bad:
-        listed = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in bad)
-        raise NonFiniteStateError(
-            f"refusing to save the checkpoint of step {step} into {step_dir}: the state holds NaN/inf "
-            f"({listed}). No file was written; {root / LATEST_NAME} still names the last good checkpoint. "
-            "Fix: find the first non-finite loss or input (lower --dense-lr / --embedding-lr on divergence) "
-            "and resume from the last good checkpoint"
-        )
+    _refuse_non_finite(_all_gather(_non_finite(payload), world), step, step_dir)
     path = step_dir / _rank_file(rank)
     try:
         step_dir.mkdir(parents=True, exist_ok=True)
@@ -536,17 +604,58 @@ def save_checkpoint(
         written: Any = _write_rank_file(path, payload)
     except OSError as e:
         written = f"rank {rank}: writing {path} failed ({type(e).__name__}: {e})"
-    entries = _all_gather(written, world)
+    _commit(root, step_dir, step, rank, world, _all_gather(written, world), "pt")
+    return step_dir
+
+
+def _meta(step: int, rank: int, world: int, config: TrainConfig, table_ranks: dict[str, Any]) -> dict[str, Any]:
+    """The metadata every rank file carries (checked on load)."""
+    return {
+        "step": step,
+        "rank": rank,
+        "world_size": world,
+        "table_ranks": dict(table_ranks),
+        "fingerprint": fingerprint(config),
+        # row-wise shards in "model" hold rows in local-id order of this routing
+        "routing_version": ROUTING_VERSION,
+        "checkpoint_format": config.checkpoint_format,
+    }
+
+
+def _refuse_non_finite(per_rank: list[list[str]], step: int, step_dir: Path) -> None:
+    """Raises :class:`NonFiniteStateError` when any rank reported non-finite tensors."""
+    bad = [(r, names) for r, names in enumerate(per_rank) if names]
+    if bad:
+        listed = "; ".join(f"rank {r}: {', '.join(names)}" for r, names in bad)
+        raise NonFiniteStateError(
+            f"refusing to save the checkpoint of step {step} into {step_dir}: the state holds NaN/inf "
+            f"({listed}). No file was written; {step_dir.parent / LATEST_NAME} still names the last good "
+            "checkpoint. Fix: find the first non-finite loss or input (lower --dense-lr / --embedding-lr on "
+            "divergence) and resume from the last good checkpoint"
+        )
+
+
+def _raise_write_errors(entries: list[Any], step: int) -> None:
     errors = [e for e in entries if isinstance(e, str)]
     if errors:
         raise CheckpointWriteError(
             f"checkpoint of step {step} was not committed: " + "; ".join(errors)
             + ". Fix: check the free space and permissions of --checkpoint-dir"
         )
+
+
+def _commit(
+    root: Path, step_dir: Path, step: int, rank: int, world: int, entries: list[Any], checkpoint_format: str
+) -> None:
+    """Rank 0 writes the manifest (every rank's entry; for ``dcp`` also DCP's files), then ``latest``."""
+    _raise_write_errors(entries, step)
     commit_error: str | None = None
     if rank == 0:
         try:
-            _write_manifest(step_dir, step, world, {_rank_file(r): e for r, e in enumerate(entries)})
+            files = {_rank_file(r): e for r, e in enumerate(entries)}
+            if checkpoint_format == "dcp":
+                files.update(_dcp_entries(step_dir, set(files)))
+            _write_manifest(step_dir, step, world, files, checkpoint_format)
             _atomic_write_bytes(root / LATEST_NAME, f"{step}\n".encode())
         except OSError as e:
             commit_error = f"rank 0: writing {step_dir / MANIFEST_NAME} or {root / LATEST_NAME} failed ({e})"
@@ -557,6 +666,83 @@ def save_checkpoint(
             f"checkpoint of step {step} was not committed: {commit_error}. "
             "Fix: check the free space and permissions of --checkpoint-dir"
         )
+
+
+def _dense_optimizers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The parts of ``optimizer`` a DCP checkpoint of ``model`` does not hold.
+
+    :func:`recpipe.pipeline.dcp.dcp_state_dict` saves ``model.fused_optimizer``; the
+    recipe's ``CombinedOptimizer([fused, dense])`` adds the dense Adagrad, which the
+    rank files carry.
+    """
+    fused = getattr(model, "fused_optimizer", None)
+    if optimizer is fused:
+        return []
+    parts = getattr(optimizer, "optimizers", None)
+    if parts is None:
+        return [optimizer]
+    return [opt for _, opt in parts if opt is not fused]
+
+
+def _local_tensors(obj: Any) -> Any:
+    """``obj`` with ShardedTensors / DTensors replaced by their local tensors (no copy)."""
+    if isinstance(obj, ShardedTensor):
+        return [s.tensor for s in obj.local_shards()]
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _local_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_local_tensors(v) for v in obj]
+    return obj
+
+
+def _save_dcp_checkpoint(
+    directory: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    table_ranks: dict[str, Any],
+) -> Path:
+    """:func:`save_checkpoint` in the ``dcp`` format (see there)."""
+    rank, world = _rank_world()
+    root = Path(directory)
+    step_dir = root / step_dir_name(step)
+    # What recpipe.pipeline.dcp.save writes, built once so it is checked for NaN / inf first.
+    state = recpipe_dcp.dcp_state_dict(model)
+    payload = {
+        "meta": _meta(step, rank, world, config, table_ranks),
+        "optimizer": _to_saved([opt.state_dict() for opt in _dense_optimizers(model, optimizer)]),
+    }
+    check = {"model": _local_tensors(state), "optimizer": payload["optimizer"], "tiered": {}}
+    _refuse_non_finite(_all_gather(_non_finite(check), world), step, step_dir)
+    prepared: str | None = None
+    try:
+        step_dir.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            # An older save of this step is no longer committed; its files (maybe of
+            # another world size or format) would otherwise be recorded with the new ones.
+            (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
+            for p in step_dir.iterdir():
+                if p.is_file():
+                    p.unlink()
+    except OSError as e:
+        prepared = f"rank {rank}: preparing {step_dir} failed ({type(e).__name__}: {e})"
+    # Nobody writes before rank 0 has emptied the directory; all ranks enter DCP's save or none.
+    _raise_write_errors(_all_gather(prepared, world), step)
+    written: Any
+    try:
+        torch_dcp.save(state, storage_writer=FileSystemWriter(step_dir), no_dist=not dist.is_initialized())
+    except Exception as e:  # noqa: BLE001 - DCP reports a failed write on every rank
+        written = f"rank {rank}: torch.distributed.checkpoint.save into {step_dir} failed ({type(e).__name__}: {e})"
+    else:
+        path = step_dir / _rank_file(rank)
+        try:
+            written = _write_rank_file(path, payload)
+        except OSError as e:
+            written = f"rank {rank}: writing {path} failed ({type(e).__name__}: {e})"
+    _commit(root, step_dir, step, rank, world, _all_gather(written, world), "dcp")
     return step_dir
 
 
@@ -619,11 +805,16 @@ def _check_fit(
     config: TrainConfig,
     table_ranks: dict[str, Any],
 ) -> None:
-    """Raises :class:`CheckpointMismatchError` when a verified file does not fit this run."""
+    """Raises :class:`CheckpointMismatchError` when a verified file does not fit this run.
+
+    A ``dcp`` checkpoint may have another world size and placement (DCP and the
+    tiered exports reshard on load); the config fingerprint and routing still apply.
+    """
     problems = []
-    if meta.get("world_size") != world:
+    resharding = meta.get("checkpoint_format", "pt") == "dcp"
+    if meta.get("world_size") != world and not resharding:
         problems.append(f"world size {meta.get('world_size')} (checkpoint) != {world} (now)")
-    if meta.get("table_ranks") != table_ranks:
+    if meta.get("table_ranks") != table_ranks and not resharding:
         problems.append(f"placement {meta.get('table_ranks')} (checkpoint) != {table_ranks} (now)")
     saved_routing = meta.get("routing_version", 1)  # checkpoints before version 2 lack the key
     if saved_routing != ROUTING_VERSION:
@@ -662,6 +853,8 @@ def _prepare(
         ``needs_all_files``).
     """
     manifest = read_manifest(step_dir)
+    if manifest["checkpoint_format"] == "dcp":
+        return _prepare_dcp(step_dir, manifest, rank, world, model, optimizer, config, table_ranks), []
     if manifest["world_size"] != world:
         # Checked before the files: a larger world has no file for the new ranks.
         raise CheckpointMismatchError(
@@ -699,6 +892,49 @@ def _prepare(
                         "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
                     )
     return payload, exports
+
+
+def _prepare_dcp(
+    step_dir: Path,
+    manifest: dict[str, Any],
+    rank: int,
+    world: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    table_ranks: dict[str, Any],
+) -> dict[str, Any]:
+    """:func:`_prepare` of a ``dcp`` checkpoint: returns the rank file this rank uses.
+
+    Rank ``r`` reads ``rank{r % W}.pt`` of the ``W`` saving ranks (the dense optimizer
+    state is replicated) and verifies its share (round robin) of every other file in
+    the manifest, DCP's included, so the gathered verdicts cover every file before
+    anything is loaded.
+    """
+    source = rank % manifest["world_size"]
+    payload = _read_rank_file(step_dir, manifest, source)
+    path = step_dir / _rank_file(source)
+    _check_fit(path, payload["meta"], world, config, table_ranks)
+    others = sorted(n for n in manifest["files"] if n != path.name)
+    for name in others[rank::world]:
+        _verify_file(step_dir, manifest, name)
+    try:
+        live = [opt.state_dict() for opt in _dense_optimizers(model, optimizer)]
+        _restore(live, payload["optimizer"], "optimizer", copy=False)
+    except CheckpointMismatchError as e:
+        raise CheckpointMismatchError(
+            f"checkpoint {path} does not fit this run's state: {e}. Possible solutions:\n"
+            "  1. resume with the config the checkpoint was saved with\n"
+            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+        ) from None
+    return payload
+
+
+def _restore_dcp(step_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Any) -> None:
+    """Loads a verified ``dcp`` checkpoint (a collective): DCP state, then the dense optimizer."""
+    recpipe_dcp.load(model, step_dir)
+    with torch.no_grad():
+        _restore([opt.state_dict() for opt in _dense_optimizers(model, optimizer)], saved, "optimizer")
 
 
 def load_checkpoint(
@@ -782,6 +1018,9 @@ def load_checkpoint(
             why = "; ".join(notes + ([f"damaged checkpoint {s}" for s in skipped]))
             if rank == 0:
                 print(f"[recpipe] resume: {why}; resuming from {step_dir} instead", flush=True)
+        if payload["meta"].get("checkpoint_format", "pt") == "dcp":
+            _restore_dcp(step_dir, model, optimizer, payload["optimizer"])
+            return int(payload["meta"]["step"])
         with torch.no_grad():
             _restore(_model_state(model), payload["model"], "model")
             _restore(optimizer.state_dict(), payload["optimizer"], "optimizer")

@@ -34,6 +34,7 @@ MODELS: tuple[str, ...] = ("dlrm", "micro_dlrm_dram")
 DATASETS: tuple[str, ...] = ("movielens100k", "synthetic", "criteo_tsv")
 PIPELINES: tuple[str, ...] = ("fused", "sparse")
 PLACEMENTS: tuple[str, ...] = ("planned", "table_wise")
+CHECKPOINT_FORMATS: tuple[str, ...] = ("pt", "dcp")
 DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 # Largest id space the synthetic stream and hashing accept: ids stay below 2**31 so
 # the 32-bit hash arithmetic never overflows int64 (see recipes/data/hashing.py).
@@ -49,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline": PIPELINES,
     "device": DEVICES,
     "placement": PLACEMENTS,
+    "checkpoint_format": CHECKPOINT_FORMATS,
 }
 # Units of the fields that have one (shown by --help).
 UNITS: dict[str, str] = {
@@ -282,6 +284,13 @@ class TrainConfig:
 
     checkpoint_every: int = 0
     """Save a checkpoint every this many steps (0: only at the end, if a directory is set)."""
+
+    checkpoint_format: str = "pt"
+    """How checkpoints are written: ``pt`` (one ``rankR.pt`` per rank; resume needs the
+    same world size and placement) or ``dcp`` (torch.distributed.checkpoint files via
+    ``recpipe.pipeline.dcp`` plus a small ``rankR.pt`` per rank; resumable under another
+    world size). Both are verified by the same sha256 manifest and resume exactly;
+    ``--resume`` reads whichever format the checkpoint was written in."""
 
     resume: bool = False
     """Resume from the latest checkpoint in ``checkpoint_dir`` (exact: same losses)."""

@@ -1,0 +1,286 @@
+"""Recipe checkpoints in the ``dcp`` format (``--checkpoint-format dcp``).
+
+The model (tiered tables included) and fused optimizer go through
+torch.distributed.checkpoint (``recpipe.pipeline.dcp``); the rank files carry the
+metadata and the dense optimizer. Checked here: the manifest records every file
+(DCP's ``.metadata`` and ``.distcp`` too); resume is exact (losses bit-identical to
+an uninterrupted run) on 1 and 2 gloo ranks with planned (tiered) and table_wise
+placement; a flipped byte in a ``.distcp`` file or ``.metadata`` is refused naming
+the file and ``--resume`` falls back to the newest intact checkpoint; a checkpoint
+saved by 2 ranks loads on 1 rank with every table row equal, and training goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from gloo_harness import run_gloo
+from test_checkpoint_integrity import SMALL, flip_bytes, step_dir
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torchrec.distributed.types import ShardingEnv
+
+from recpipe.recipes.build import make_optimizer, shard_model
+from recpipe.recipes.checkpoint import (
+    CheckpointCorruptError,
+    NonFiniteStateError,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from recpipe.recipes.config import ConfigError, TrainConfig
+from recpipe.recipes.data.registry import make_data_source
+from recpipe.recipes.models import build_model
+from recpipe.recipes.train import run
+
+DCP: dict[str, Any] = dict(SMALL, checkpoint_format="dcp")
+SAVED_STEPS = 12  # the saved run: checkpoints at 4, 8, 12
+RESUME_TO = 16
+
+
+def _resume_lines(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("[recpipe] resume:")]
+
+
+def _resume(root: Path, base: dict[str, Any], max_steps: int) -> tuple[Any, list[str]]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = run(TrainConfig(**base, max_steps=max_steps, checkpoint_dir=str(root), checkpoint_every=4, resume=True))
+    return result, _resume_lines(out.getvalue())
+
+
+@pytest.fixture(scope="module", params=["planned", "table_wise"])
+def pristine(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float], dict[str, Any]]:
+    """A dcp checkpoint directory (steps 4, 8, 12) and the losses of an uninterrupted 16-step run."""
+    base = dict(DCP, placement=request.param)
+    root = tmp_path_factory.mktemp(f"dcp_{request.param}") / "ckpt"
+    saved = run(TrainConfig(**base, max_steps=SAVED_STEPS, checkpoint_dir=str(root), checkpoint_every=4))
+    reference = run(TrainConfig(**base, max_steps=RESUME_TO))
+    assert saved.losses == reference.losses[:SAVED_STEPS]
+    return root, reference.losses, base
+
+
+@pytest.fixture
+def ckpt(pristine: tuple[Path, list[float], dict[str, Any]], tmp_path: Path) -> Path:
+    root = tmp_path / "ckpt"
+    shutil.copytree(pristine[0], root)
+    return root
+
+
+def test_config_refuses_an_unknown_format() -> None:
+    with pytest.raises(ConfigError, match=r"checkpoint_format='safetensors': unknown choice.*pt, dcp"):
+        TrainConfig(**dict(SMALL, checkpoint_format="safetensors"), max_steps=4)
+
+
+def test_manifest_records_every_dcp_file(pristine: tuple[Path, list[float], dict[str, Any]]) -> None:
+    root, _, _ = pristine
+    assert (root / "latest").read_text() == f"{SAVED_STEPS}\n"
+    for step in (4, 8, 12):
+        d = step_dir(root, step)
+        names = sorted(p.name for p in d.iterdir())
+        assert names == [".metadata", "__0_0.distcp", "manifest.json", "rank0.pt"]  # no temporary left
+        manifest = json.loads((d / "manifest.json").read_text())
+        assert manifest["checkpoint_format"] == "dcp" and manifest["step"] == step and manifest["world_size"] == 1
+        assert manifest["files"] == {
+            n: {"bytes": (d / n).stat().st_size, "sha256": hashlib.sha256((d / n).read_bytes()).hexdigest()}
+            for n in names if n != "manifest.json"
+        }
+        assert verify_checkpoint(d)["files"] == manifest["files"]
+        payload = torch.load(d / "rank0.pt", weights_only=False)
+        assert sorted(payload) == ["meta", "optimizer"]  # tables and fused state live in DCP's files
+        assert payload["meta"]["checkpoint_format"] == "dcp" and payload["meta"]["step"] == step
+
+
+def test_resume_is_exact(ckpt: Path, pristine: tuple[Path, list[float], dict[str, Any]]) -> None:
+    _, reference, base = pristine
+    result, lines = _resume(ckpt, base, RESUME_TO)
+    assert result.start_step == SAVED_STEPS and lines == []
+    assert result.losses == reference[SAVED_STEPS:RESUME_TO]  # bit-identical
+    verify_checkpoint(step_dir(ckpt, RESUME_TO))
+
+
+def _flip_distcp(root: Path) -> Path:
+    path = step_dir(root, 12) / "__0_0.distcp"
+    flip_bytes(path, count=1)
+    return path
+
+
+def _flip_metadata(root: Path) -> Path:
+    path = step_dir(root, 12) / ".metadata"
+    flip_bytes(path, count=1)
+    return path
+
+
+def _truncate_distcp(root: Path) -> Path:
+    path = step_dir(root, 12) / "__0_0.distcp"
+    path.write_bytes(path.read_bytes()[:-1])
+    return path
+
+
+FAULTS = {
+    "distcp_flipped_byte": (_flip_distcp, r"sha256 [0-9a-f]+\.\.\. differs from manifest\.json's"),
+    "metadata_flipped_byte": (_flip_metadata, r"sha256 [0-9a-f]+\.\.\. differs from manifest\.json's"),
+    "distcp_truncated": (_truncate_distcp, r"\d+ bytes, but manifest\.json records \d+ \(truncated"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_damaged_dcp_file_is_named_and_resume_falls_back(
+    ckpt: Path, pristine: tuple[Path, list[float], dict[str, Any]], fault: str
+) -> None:
+    _, reference, base = pristine
+    damage, problem = FAULTS[fault]
+    damaged = damage(ckpt)
+    with pytest.raises(CheckpointCorruptError, match=problem) as e:
+        verify_checkpoint(step_dir(ckpt, 12))
+    assert e.value.path == damaged and str(damaged) in str(e.value)
+    result, lines = _resume(ckpt, base, RESUME_TO)
+    assert result.start_step == 8
+    assert result.losses == reference[8:RESUME_TO]  # bit-identical to the uninterrupted run
+    (line,) = lines
+    assert "damaged checkpoint step_00000012" in line and str(damaged) in line
+    assert f"resuming from {step_dir(ckpt, 8)} instead" in line
+    verify_checkpoint(step_dir(ckpt, 12))  # saved again over the damaged one
+    assert (ckpt / "latest").read_text() == f"{RESUME_TO}\n"
+
+
+# ---------------------------------------------------------------- model state helpers
+def _build(config: TrainConfig) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """The recipe's model, optimizer and placement on the initialised process group."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    source = make_data_source(config, rank, world)
+    torch.manual_seed(config.seed)
+    model = build_model(config, source.spec, dense_device=torch.device("cpu"))
+    sharded = shard_model(config, model, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
+    return sharded.model, make_optimizer(config, sharded.model), sharded.table_ranks
+
+
+@contextlib.contextmanager
+def _one_rank() -> Iterator[None]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _rows(model: torch.nn.Module) -> dict[str, dict[int, torch.Tensor]]:
+    """This rank's table rows: tiered ones by global id (weights and row-wise optimizer
+    state), torchrec ShardedTensor tables by global row offset."""
+    out: dict[str, dict[int, torch.Tensor]] = {}
+    for fqn, module in model.named_modules():
+        if hasattr(module, "tiered_state"):
+            for name, st in module.tiered_state().items():
+                rows = out.setdefault(f"{fqn}.{name}", {})
+                value = torch.cat([st.weights.float(), st.optimizer_state.float()], dim=1)
+                for gid, row in zip(st.global_ids.tolist(), value):
+                    rows[gid] = row.clone()
+    for key, value in model.state_dict().items():
+        if isinstance(value, ShardedTensor) and key.endswith(".weight"):
+            rows = out.setdefault(key, {})
+            for shard in value.local_shards():
+                r0, c0 = shard.metadata.shard_offsets
+                assert c0 == 0 and shard.tensor.size(1) == value.size(1), f"{key}: not a row-wise shard"
+                for i, row in enumerate(shard.tensor):
+                    rows[r0 + i] = row.clone()
+    return out
+
+
+def _merge(views: list[dict[str, dict[int, torch.Tensor]]]) -> dict[str, dict[int, list[float]]]:
+    """Every rank's rows as plain lists (exact for float32; tensors cannot outlive a
+    spawned rank's process on their way through the result queue)."""
+    full: dict[str, dict[int, list[float]]] = {}
+    for view in views:
+        for table, rows in view.items():
+            dest = full.setdefault(table, {})
+            for gid, row in rows.items():
+                assert gid not in dest, f"{table}: row {gid} on two ranks"
+                dest[gid] = row.tolist()
+    return full
+
+
+# ---------------------------------------------------------------- 2 ranks
+def _two_rank_body(rank: int, world_size: int, root: str, placement: str) -> dict[str, Any]:
+    base = dict(DCP, placement=placement)
+    whole = run(TrainConfig(**base, max_steps=12))
+    run(TrainConfig(**base, max_steps=8, checkpoint_dir=root, checkpoint_every=4))
+    names = sorted(p.name for p in step_dir(Path(root), 8).iterdir())
+    dist.barrier()
+    if rank == 0:  # only rank 1's DCP file of the newest checkpoint is damaged
+        flip_bytes(step_dir(Path(root), 8) / "__1_0.distcp", count=1)
+    dist.barrier()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        resumed = run(TrainConfig(**base, max_steps=12, checkpoint_dir=root, checkpoint_every=4, resume=True))
+    # the tables as this 2-rank job loads step 12, for the 1-rank load in the parent
+    config = TrainConfig(**base, max_steps=16)
+    model, optimizer, table_ranks = _build(config)
+    assert load_checkpoint(root, model, optimizer, config, table_ranks, step=12) == 12
+    views: list[Any] = [None] * world_size
+    dist.all_gather_object(views, _rows(model))
+    return {
+        "whole": whole.losses,
+        "start": resumed.start_step,
+        "resumed": resumed.losses,
+        "lines": _resume_lines(out.getvalue()),
+        "names": names,
+        "rows": _merge(views) if rank == 0 else None,
+    }
+
+
+@pytest.mark.parametrize("placement", ["planned", "table_wise"])
+def test_two_ranks_resume_exactly_and_a_one_rank_job_loads_their_checkpoint(tmp_path: Path, placement: str) -> None:
+    root = tmp_path / "ckpt"
+    outs = run_gloo(2, _two_rank_body, str(root), placement, timeout_s=300)
+    for rank, out in enumerate(outs):
+        assert out["names"] == [".metadata", "__0_0.distcp", "__1_0.distcp", "manifest.json", "rank0.pt", "rank1.pt"]
+        assert out["start"] == 4, f"rank {rank}"
+        assert out["resumed"] == out["whole"][4:12], f"rank {rank}"  # bit-identical
+    damaged = step_dir(root, 8) / "__1_0.distcp"
+    (line,) = outs[0]["lines"]
+    assert "damaged checkpoint step_00000008" in line and str(damaged) in line and "sha256" in line
+    assert outs[1]["lines"] == []  # printed once, by rank 0
+    verify_checkpoint(step_dir(root, 12))
+
+    # 2 -> 1 rank: every table row equals the 2-rank job's right after the load ...
+    saved = outs[0]["rows"]
+    base = dict(DCP, placement=placement)
+    config = TrainConfig(**base, max_steps=16)
+    with _one_rank():
+        model, optimizer, table_ranks = _build(config)
+        assert load_checkpoint(str(root), model, optimizer, config, table_ranks, step=12) == 12
+        loaded = _merge([_rows(model)])
+    assert sorted(loaded) == sorted(saved) and saved
+    for table, rows in saved.items():
+        assert sorted(loaded[table]) == sorted(rows), table
+        assert all(loaded[table][gid] == row for gid, row in rows.items()), table
+    # ... and the 1-rank job trains on from it and saves in its own world size
+    result, lines = _resume(root, base, 16)
+    assert result.start_step == 12 and len(result.losses) == 4 and lines == []
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    assert json.loads((step_dir(root, 16) / "manifest.json").read_text())["world_size"] == 1
+    verify_checkpoint(step_dir(root, 16))
+
+
+def test_save_refuses_non_finite_weights(tmp_path: Path) -> None:
+    config = TrainConfig(**DCP, max_steps=4)
+    root = tmp_path / "ckpt"
+    with _one_rank():
+        model, optimizer, table_ranks = _build(config)
+        save_checkpoint(str(root), 1, model, optimizer, config, table_ranks)
+        name, param = next((n, p) for n, p in model.named_parameters() if "over_arch" in n)
+        with torch.no_grad():
+            param.view(-1)[3] = float("nan")
+        with pytest.raises(NonFiniteStateError, match="over_arch") as e:
+            save_checkpoint(str(root), 2, model, optimizer, config, table_ranks)
+    assert "step 2" in str(e.value)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert (root / "latest").read_text() == "1\n"
