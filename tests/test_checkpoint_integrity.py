@@ -43,22 +43,10 @@ from recpipe.recipes.config import TrainConfig
 from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
 from recpipe.recipes.train import run
+from test_recipes_dist import SMALL_SYNTHETIC
 
-SMALL: dict[str, Any] = dict(
-    dataset="synthetic",
-    model="dlrm",
-    num_embeddings=2000,
-    synthetic_id_space=50_000,
-    embedding_dim=8,
-    dense_arch=(16, 8),
-    over_arch=(16, 1),
-    batch_size=128,
-    eval_batches=2,
-    log_every=4,
-    progress_bar=False,
-    embedding_lr=0.1,
-    dense_lr=0.05,
-)
+# the small synthetic DLRM run of the recipe tests
+SMALL: dict[str, Any] = SMALL_SYNTHETIC
 SAVED_STEPS = 12  # the saved run: checkpoints at 4, 8, 12
 RESUME_TO = 16
 
