@@ -109,6 +109,17 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint was written by a run with another world size, placement or model."""
 
 
+#: The fix every refused resume offers.
+_FRESH_RUN = "start a fresh run (drop --resume or use another --checkpoint-dir)"
+
+
+def _mismatch(what: str, *fixes: str) -> CheckpointMismatchError:
+    """A :class:`CheckpointMismatchError`: ``what``, then the fixes as numbered possible solutions."""
+    return CheckpointMismatchError(
+        f"{what}. Possible solutions:\n" + "\n".join(f"  {i}. {fix}" for i, fix in enumerate(fixes, 1))
+    )
+
+
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint file is missing, truncated, altered or unreadable.
 
@@ -828,11 +839,11 @@ def _check_fit(
     if diff:
         problems.append(f"config fields differ (checkpoint, now): {diff}")
     if problems:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} does not fit this run: " + "; ".join(problems) + ". Possible solutions:\n"
-            f"  1. resume with the checkpoint's world size ({meta.get('world_size')}) and config values\n"
-            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)\n"
-            "  3. on a routing version mismatch, resume with the recpipe release that wrote the checkpoint"
+        raise _mismatch(
+            f"checkpoint {path} does not fit this run: " + "; ".join(problems),
+            f"resume with the checkpoint's world size ({meta.get('world_size')}) and config values",
+            _FRESH_RUN,
+            "on a routing version mismatch, resume with the recpipe release that wrote the checkpoint",
         )
 
 
@@ -857,11 +868,11 @@ def _prepare(
         return _prepare_dcp(step_dir, manifest, rank, world, model, optimizer, config, table_ranks), []
     if manifest["world_size"] != world:
         # Checked before the files: a larger world has no file for the new ranks.
-        raise CheckpointMismatchError(
+        raise _mismatch(
             f"checkpoint {step_dir / MANIFEST_NAME} does not fit this run: world size "
-            f"{manifest['world_size']} (checkpoint) != {world} (now). Possible solutions:\n"
-            f"  1. resume with {manifest['world_size']} ranks\n"
-            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+            f"{manifest['world_size']} (checkpoint) != {world} (now)",
+            f"resume with {manifest['world_size']} ranks",
+            _FRESH_RUN,
         )
     payload = _read_rank_file(step_dir, manifest, rank)
     path = step_dir / _rank_file(rank)
@@ -870,10 +881,10 @@ def _prepare(
         _restore(_model_state(model), payload["model"], "model", copy=False)
         _restore(optimizer.state_dict(), payload["optimizer"], "optimizer", copy=False)
     except CheckpointMismatchError as e:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} does not fit this run's state: {e}. Possible solutions:\n"
-            "  1. resume with the config the checkpoint was saved with\n"
-            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+        raise _mismatch(
+            f"checkpoint {path} does not fit this run's state: {e}",
+            "resume with the config the checkpoint was saved with",
+            _FRESH_RUN,
         ) from None
     exports: list[dict[str, Any]] = []
     if needs_all_files:
@@ -885,11 +896,10 @@ def _prepare(
                 continue
             for r, export in enumerate(exports):
                 if not isinstance(export, dict) or fqn not in export:
-                    raise CheckpointMismatchError(
-                        f"checkpoint {step_dir / _rank_file(r)} has no tiered tables for module {fqn!r}. "
-                        "Possible solutions:\n"
-                        "  1. resume with the placement the checkpoint was saved with (--placement)\n"
-                        "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+                    raise _mismatch(
+                        f"checkpoint {step_dir / _rank_file(r)} has no tiered tables for module {fqn!r}",
+                        "resume with the placement the checkpoint was saved with (--placement)",
+                        _FRESH_RUN,
                     )
     return payload, exports
 
@@ -922,10 +932,10 @@ def _prepare_dcp(
         live = [opt.state_dict() for opt in _dense_optimizers(model, optimizer)]
         _restore(live, payload["optimizer"], "optimizer", copy=False)
     except CheckpointMismatchError as e:
-        raise CheckpointMismatchError(
-            f"checkpoint {path} does not fit this run's state: {e}. Possible solutions:\n"
-            "  1. resume with the config the checkpoint was saved with\n"
-            "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+        raise _mismatch(
+            f"checkpoint {path} does not fit this run's state: {e}",
+            "resume with the config the checkpoint was saved with",
+            _FRESH_RUN,
         ) from None
     return payload
 
@@ -1031,7 +1041,7 @@ def load_checkpoint(
         + "; ".join(notes + [f"damaged checkpoint {s}" for s in skipped])
         + ". Nothing was loaded. Possible solutions:\n"
         "  1. restore the damaged files from a copy\n"
-        "  2. start a fresh run (drop --resume or use another --checkpoint-dir)"
+        f"  2. {_FRESH_RUN}"
     )
 
 
