@@ -359,8 +359,9 @@ def test_strict_load_raises_before_touching_the_model(ckpt: Path) -> None:
         assert any(not torch.equal(before[k], v) for k, v in _dense_state(model).items())
 
 
-def test_save_refuses_non_finite_weights(tmp_path: Path) -> None:
-    config = TrainConfig(**SMALL, max_steps=4)
+@pytest.mark.parametrize("checkpoint_format", ["pt", "dcp"])
+def test_save_refuses_non_finite_weights(tmp_path: Path, checkpoint_format: str) -> None:
+    config = TrainConfig(**SMALL, max_steps=4, checkpoint_format=checkpoint_format)
     root = tmp_path / "ckpt"
     with _fresh_run_state(config) as (model, optimizer, table_ranks):
         save_checkpoint(str(root), 1, model, optimizer, config, table_ranks)
