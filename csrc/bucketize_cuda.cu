@@ -1,17 +1,32 @@
-// recpipe: CUDA kernels for torch.ops.recpipe.* (schemas live in library.cpp).
+// recpipe: CUDA kernels of the three routing ops (schemas in library.cpp).
 //
-// block_bucketize_sparse_features in three steps, as fbgemm does:
-//   1. count  : one thread per bag computes every id's owner and local id
-//               (bucketize_math.h, shared with the CPU kernel), stores them in
-//               scratch buffers and counts new_lengths[rank * F*B + bag] (the
-//               column of a bag belongs to one thread: no atomics);
-//   2. scan   : exclusive prefix sum of the counts -> output offsets;
-//   3. scatter: one thread per bag walks its ids in order and writes each to
-//               offsets[rank * F*B + bag]++, preserving order inside a bag.
-// Invalid ids (hash_roundrobin out of range) are reported through a device
-// flag holding the smallest bad position, read once after step 1.
+// block_bucketize_sparse_features has the CPU kernel's semantics (bucketize.cpp is
+// the reference; same outputs bit for bit). Every id's owner rank and local id come
+// from FeatureRoute::route (bucketize_math.h) and nothing else; the routes are
+// built on the host by build_feature_routes (checks.h).
 //
-// Only c10/cuda headers are included (not ATen/cuda/CUDAContext.h, which pulls
+//   host: routes [F], first bag of each feature fbag [F + 1] (VBE: prefix sum of
+//         batch_size_per_feature) and the uneven-shard bounds, packed into one
+//         pinned buffer and copied to the device non_blocking
+//   ends = cumsum(lengths) on the device: bag b holds ids [ends[b - 1], ends[b])
+//   1. count_kernel  : one thread per bag (its feature: binary search in fbag)
+//                      routes its ids and counts new_lengths[owner * FB + b]
+//                      (column b belongs to that thread: no atomics)
+//   2. cursor = exclusive prefix sum of new_lengths (rank-major: output order)
+//   3. scatter_kernel: one thread per bag routes its ids again, in order, and
+//                      writes each to cursor[owner * FB + b]++ (order inside a bag
+//                      kept): new_indices, new_pos, dest (= unbucketize_permute),
+//                      bucket_mapping
+//   4. rows_kernel   : new_weights[dest[i]] = weights[i], rows of D entries
+//
+// No host sync when the per-feature metadata is on the CPU: every output size
+// comes from the input shapes (new_lengths W * FB, the others n). What only the
+// device knows cannot raise a C++ error without a sync, so count_kernel checks it
+// with device asserts (CUDA_KERNEL_ASSERT_PRINTF: the message is printed, then the
+// CUDA context is lost, as for any device-side assert): a negative length,
+// lengths not summing to n, an id outside its table (route() returns false:
+// roundrobin / hash_roundrobin with a table size). Every access stays in bounds
+// even then. Only c10/cuda headers are included (ATen/cuda/CUDAContext.h pulls
 // in cusparse.h).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -19,6 +34,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstring>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -30,99 +47,279 @@ namespace recpipe {
 namespace {
 
 using at::Tensor;
+using OptTensor = std::optional<Tensor>;
 
 constexpr int kThreads = 256;
 
-inline int blocks_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(b, 65535 * 8)));
+int blocks_for(int64_t n) {
+  return static_cast<int>(std::clamp<int64_t>((n + kThreads - 1) / kThreads, 1, 65535 * 8));
+}
+
+#define RECPIPE_GRID_LOOP(i, n)                                                              \
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < (n); \
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// The per-feature metadata on the device (one buffer, see pack_metadata).
+struct DeviceMeta {
+  const FeatureRoute* routes;  // [F]
+  const int64_t* fbag;         // [F + 1] first bag of each feature
+  const int64_t* bounds;       // flat uneven-shard bounds (build_feature_routes)
+  int64_t F;
+
+  // Route of bag b's feature: the last f with fbag[f] <= b (skips empty features).
+  __device__ const FeatureRoute& route_of(int64_t b) const {
+    int64_t lo = 0;
+    int64_t hi = F;
+    while (hi - lo > 1) {
+      const int64_t mid = (lo + hi) / 2;
+      (fbag[mid] <= b ? lo : hi) = mid;
+    }
+    return routes[lo];
+  }
+};
+
+// Ids [*i0, *i1) of bag b, clamped to [0, n]: invalid lengths (count_kernel's
+// asserts) never index outside `indices`.
+__device__ __forceinline__ void bag_range(const int64_t* ends, int64_t b, int64_t n, int64_t* i0, int64_t* i1) {
+  const int64_t s = b == 0 ? 0 : ends[b - 1];
+  const int64_t e = ends[b];
+  *i0 = s < 0 ? 0 : (s > n ? n : s);
+  *i1 = e < *i0 ? *i0 : (e > n ? n : e);
+}
+
+// Calls fn(i, routed, owner, local) for the ids [i0, i1) in order, the feature's
+// rule fixed at compile time as in the CPU kernel.
+template <typename index_t, typename Fn>
+__device__ __forceinline__ void walk_bag(const FeatureRoute& r, const int64_t* bounds, const index_t* ids,
+                                         int64_t i0, int64_t i1, Fn&& fn) {
+  auto run = [&](auto dist) {
+    for (int64_t i = i0; i < i1; ++i) {
+      uint64_t p = 0;
+      uint64_t l = 0;
+      const auto uid = static_cast<std::make_unsigned_t<index_t>>(ids[i]);
+      const bool ok = r.template route<decltype(dist)::value>(uid, bounds, &p, &l);
+      fn(i, ok, p, l);
+    }
+  };
+  if (r.dist == kContinuous) {
+    run(std::integral_constant<int, kContinuous>());
+  } else if (r.dist == kRoundRobin) {
+    run(std::integral_constant<int, kRoundRobin>());
+  } else {
+    run(std::integral_constant<int, kHashRoundRobin>());
+  }
+}
+
+template <typename index_t, typename offset_t>
+__global__ void count_kernel(const offset_t* __restrict__ lengths, const int64_t* __restrict__ ends,
+                             const index_t* __restrict__ ids, int64_t n, int64_t FB, DeviceMeta meta,
+                             offset_t* __restrict__ new_lengths) {
+  RECPIPE_GRID_LOOP(b, FB) {
+    const long long len = static_cast<long long>(lengths[b]);
+    CUDA_KERNEL_ASSERT_PRINTF(len >= 0, "recpipe: `lengths[%lld]` is %lld; bag lengths must be >= 0.",
+                              static_cast<long long>(b), len);
+    if (b == FB - 1) {
+      CUDA_KERNEL_ASSERT_PRINTF(ends[b] == n,
+                                "recpipe: `lengths` sums to %lld but `indices` has %lld entries; lengths and "
+                                "indices must describe the same KJT.",
+                                static_cast<long long>(ends[b]), static_cast<long long>(n));
+    }
+    int64_t i0 = 0;
+    int64_t i1 = 0;
+    bag_range(ends, b, n, &i0, &i1);
+    const FeatureRoute& r = meta.route_of(b);
+    walk_bag(r, meta.bounds, ids, i0, i1, [&](int64_t i, bool ok, uint64_t p, uint64_t) {
+      CUDA_KERNEL_ASSERT_PRINTF(ok,
+                                "recpipe: `indices[%lld]` = %lld (bag %lld, %s) is outside [0, table size %llu); "
+                                "ids must lie in the table's range: hash or clamp raw ids upstream (a roundrobin "
+                                "feature of raw ids takes table_sizes 0).",
+                                static_cast<long long>(i), static_cast<long long>(ids[i]),
+                                static_cast<long long>(b), r.dist == kRoundRobin ? "roundrobin" : "hash_roundrobin",
+                                static_cast<unsigned long long>(r.table_size));
+      new_lengths[p * FB + b] += 1;  // p < W for every id, routed or not (p = 0)
+    });
+  }
 }
 
 template <typename index_t>
-__global__ void count_kernel(
-    const int64_t* __restrict__ offsets,
-    const index_t* __restrict__ indices,
-    const FeatureRoute* __restrict__ routes,
-    int64_t FB,
-    int64_t B,
-    uint64_t W,
-    FastDivU64 div_world,
-    bool keep_orig_idx,
-    int32_t* __restrict__ owner,
-    index_t* __restrict__ local,
-    int64_t* __restrict__ counts,
-    unsigned long long* __restrict__ first_bad) {
-  using uindex_t = std::make_unsigned_t<index_t>;
-  for (int64_t bt = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; bt < FB;
-       bt += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const FeatureRoute& r = routes[bt / B];
-    for (int64_t i = offsets[bt]; i < offsets[bt + 1]; ++i) {
-      const index_t raw = indices[i];
-      const uindex_t uid = static_cast<uindex_t>(raw);
-      uint64_t p = 0;
-      uindex_t loc = 0;
-      if (r.dist == kContinuous) {
-        route_continuous<uindex_t>(uid, r.block, W, r.div_block, div_world, &p, &loc);
-      } else if (r.dist == kRoundRobin) {
-        if (r.table_size != 0 && (raw < 0 || static_cast<uint64_t>(raw) >= r.table_size)) {
-          atomicMin(first_bad, static_cast<unsigned long long>(i));  // table_sizes given: ids must fit
-        }
-        route_roundrobin<uindex_t>(uid, W, div_world, &p, &loc);
-      } else if (raw < 0 || static_cast<uint64_t>(raw) >= r.table_size) {
-        atomicMin(first_bad, static_cast<unsigned long long>(i));
-      } else {
-        route_hash_roundrobin<uindex_t>(uid, W, div_world, r.perm, &p, &loc);
+__global__ void scatter_kernel(const int64_t* __restrict__ ends, const index_t* __restrict__ ids, int64_t n,
+                               int64_t FB, DeviceMeta meta, int64_t* __restrict__ cursor,
+                               index_t* __restrict__ new_indices, index_t* __restrict__ dest,
+                               index_t* __restrict__ new_pos, index_t* __restrict__ mapping) {
+  RECPIPE_GRID_LOOP(b, FB) {
+    int64_t i0 = 0;
+    int64_t i1 = 0;
+    bag_range(ends, b, n, &i0, &i1);
+    walk_bag(meta.route_of(b), meta.bounds, ids, i0, i1, [&](int64_t i, bool, uint64_t p, uint64_t l) {
+      const int64_t at = cursor[p * FB + b]++;
+      if (at >= n) {
+        return;  // only with invalid lengths, after count_kernel's assert
       }
-      owner[i] = static_cast<int32_t>(p);
-      local[i] = static_cast<index_t>(keep_orig_idx ? uid : loc);
-      counts[p * FB + bt] += 1;
-    }
-  }
-}
-
-template <typename index_t, typename wbits_t>
-__global__ void scatter_kernel(
-    const int64_t* __restrict__ offsets,
-    const int32_t* __restrict__ owner,
-    const index_t* __restrict__ local,
-    const wbits_t* __restrict__ weights,
-    int64_t FB,
-    int64_t* __restrict__ cursor,
-    index_t* __restrict__ new_indices,
-    wbits_t* __restrict__ new_weights,
-    index_t* __restrict__ new_pos,
-    index_t* __restrict__ unbucketize_permute) {
-  for (int64_t bt = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; bt < FB;
-       bt += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t s = offsets[bt];
-    for (int64_t i = s; i < offsets[bt + 1]; ++i) {
-      const int64_t slot = static_cast<int64_t>(owner[i]) * FB + bt;
-      const int64_t pos = cursor[slot]++;
-      new_indices[pos] = local[i];
-      if (new_weights != nullptr) {
-        new_weights[pos] = weights[i];
+      new_indices[at] = static_cast<index_t>(l);
+      if (dest != nullptr) {
+        dest[i] = static_cast<index_t>(at);
       }
       if (new_pos != nullptr) {
-        new_pos[pos] = static_cast<index_t>(i - s);
+        new_pos[at] = static_cast<index_t>(i - i0);
       }
-      if (unbucketize_permute != nullptr) {
-        unbucketize_permute[i] = static_cast<index_t>(pos);
+      if (mapping != nullptr) {
+        mapping[i] = static_cast<index_t>(p);
       }
-    }
+    });
   }
 }
 
-__global__ void global_ids_kernel(
-    const int64_t* __restrict__ ranks,
-    const int64_t* __restrict__ local_ids,
-    int64_t n,
-    int64_t table_size,
-    int64_t world_size,
-    HashPermutation perm,
-    int64_t* __restrict__ out,
-    unsigned long long* __restrict__ first_bad) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+// out[dest[i] * D + j] = src[i * D + j]: weight rows follow their ids (moved as bits).
+template <typename bits_t, typename index_t>
+__global__ void rows_kernel(const bits_t* __restrict__ src, const index_t* __restrict__ dest, int64_t total,
+                            int64_t D, bits_t* __restrict__ out) {
+  RECPIPE_GRID_LOOP(k, total) {
+    const int64_t i = k / D;
+    out[static_cast<int64_t>(dest[i]) * D + (k - i * D)] = src[k];
+  }
+}
+
+// First bag of every feature (F + 1 entries), as bucketize.cpp's feature_bags:
+// f * B, or the prefix sum of batch_size_per_feature (VBE).
+std::vector<int64_t> feature_bags(const BucketizeArgs& a) {
+  const int64_t F = a.dist_types.numel();
+  const int64_t FB = a.lengths.numel();
+  std::vector<int64_t> begin(F + 1, 0);
+  if (!a.batch_size_per_feature.has_value()) {
+    for (int64_t f = 0; f <= F; ++f) {
+      begin[f] = F == 0 ? 0 : f * (FB / F);
+    }
+    return begin;
+  }
+  const Tensor bpf = a.batch_size_per_feature->to(at::kCPU, at::kLong).contiguous();  // a sync if on the GPU
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t b = bpf.const_data_ptr<int64_t>()[f];
+    TORCH_CHECK(b >= 0, "recpipe: `batch_size_per_feature[", f, "]` is ", b, "; batch sizes must be >= 0.");
+    begin[f + 1] = begin[f] + b;
+  }
+  TORCH_CHECK(begin[F] == FB, "recpipe: `batch_size_per_feature` sums to ", begin[F], " but `lengths` has ", FB,
+              " bags; pass the batch size of each feature (the KJT's stride per key).");
+  return begin;
+}
+
+// routes | fbag | bounds in one pinned host buffer, copied to `device` non_blocking
+// on the current stream: no sync. The caching host allocator records that stream on
+// the pinned block, so the block is not reused before the copy has run. Returns the
+// device buffer (kept alive by the caching allocator's stream order once freed).
+Tensor pack_metadata(const std::vector<FeatureRoute>& routes, const std::vector<int64_t>& fbag,
+                     const Tensor& bounds, c10::Device device, DeviceMeta* meta) {
+  static_assert(std::is_trivially_copyable_v<FeatureRoute>, "FeatureRoute is copied to the device as bytes");
+  static_assert(sizeof(FeatureRoute) % alignof(int64_t) == 0 && alignof(FeatureRoute) <= 16);
+  const size_t nr = routes.size() * sizeof(FeatureRoute);
+  const size_t nf = fbag.size() * sizeof(int64_t);
+  const size_t nb = static_cast<size_t>(bounds.numel()) * sizeof(int64_t);
+  Tensor host = at::empty({static_cast<int64_t>(nr + nf + nb)}, at::TensorOptions(at::kByte).pinned_memory(true));
+  char* h = static_cast<char*>(host.mutable_data_ptr());
+  std::memcpy(h, routes.data(), nr);
+  std::memcpy(h + nr, fbag.data(), nf);
+  std::memcpy(h + nr + nf, bounds.const_data_ptr<int64_t>(), nb);
+  Tensor dev = host.to(device, at::kByte, /*non_blocking=*/true);
+  const char* d = static_cast<const char*>(dev.const_data_ptr());
+  *meta = DeviceMeta{reinterpret_cast<const FeatureRoute*>(d), reinterpret_cast<const int64_t*>(d + nr),
+                     reinterpret_cast<const int64_t*>(d + nr + nf), static_cast<int64_t>(routes.size())};
+  return dev;
+}
+
+std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_bucketize_sparse_features_cuda(
+    const Tensor& lengths, const Tensor& indices, const Tensor& block_sizes, const Tensor& dist_types,
+    int64_t my_size, bool sequence, bool bucketize_pos, const OptTensor& weights, const OptTensor& table_sizes,
+    int64_t seed, bool keep_orig_idx, const OptTensor& batch_size_per_feature, int64_t max_B,
+    const std::optional<std::vector<Tensor>>& block_bucketize_pos, const OptTensor& total_num_blocks,
+    const OptTensor& keep_orig_idx_per_feature, bool return_bucket_mapping) {
+  // max_B is accepted for fbgemm compatibility and unused: the bag -> feature
+  // mapping is a binary search in fbag, which needs no largest batch size.
+  BucketizeArgs a{lengths, indices, block_sizes, dist_types, my_size, sequence, bucketize_pos, weights,
+                  table_sizes, seed, keep_orig_idx, batch_size_per_feature, max_B, block_bucketize_pos,
+                  total_num_blocks, keep_orig_idx_per_feature, return_bucket_mapping};
+  check_bucketize_args(a);
+  TORCH_CHECK(lengths.is_cuda(), "recpipe: `lengths` is on ", lengths.device(),
+              " but the CUDA kernel was dispatched (another tensor argument is on a CUDA device); move lengths, "
+              "indices and weights to one CUDA device (per-feature metadata may stay on the CPU).");
+  c10::cuda::CUDAGuard guard(lengths.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  a.lengths = a.lengths.contiguous();
+  a.indices = a.indices.contiguous();
+  // Host metadata: no sync while block_sizes, dist_types, table_sizes,
+  // total_num_blocks, keep_orig_idx_per_feature, batch_size_per_feature and
+  // block_bucketize_pos are CPU tensors; any of them on the GPU is read back
+  // (a D2H copy: one sync) by build_feature_routes or feature_bags.
+  Tensor bounds;
+  const std::vector<FeatureRoute> routes = build_feature_routes(a, &bounds);
+  const std::vector<int64_t> fbag = feature_bags(a);
+  const int64_t FB = a.lengths.numel();
+  const int64_t n = a.indices.numel();
+  TORCH_CHECK(FB > 0 || n == 0, "recpipe: `lengths` sums to 0 but `indices` has ", n,
+              " entries; lengths and indices must describe the same KJT.");
+  const auto like_ids = a.indices.options();
+  Tensor new_lengths = at::zeros({my_size * FB}, a.lengths.options());
+  Tensor new_indices = at::empty({n}, like_ids);
+  OptTensor new_weights, new_pos, dest, mapping;
+  if (bucketize_pos) {
+    new_pos = at::empty({n}, like_ids);
+  }
+  if (sequence || weights.has_value()) {
+    dest = at::empty({n}, like_ids);  // each id's output position; unbucketize_permute when sequence
+  }
+  if (return_bucket_mapping) {
+    mapping = at::empty({n}, like_ids);
+  }
+  const Tensor w = weights.has_value() ? weights->contiguous() : Tensor();
+  if (w.defined()) {
+    new_weights = at::empty(w.sizes(), w.options());
+  }
+  if (FB > 0) {
+    DeviceMeta meta{};
+    const Tensor meta_buf = pack_metadata(routes, fbag, bounds, a.lengths.device(), &meta);
+    const Tensor ends = at::cumsum(a.lengths, 0, at::kLong);
+    AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "recpipe_bucketize_cuda", [&] {
+      using ids_t = index_t;
+      AT_DISPATCH_INDEX_TYPES(a.lengths.scalar_type(), "recpipe_bucketize_cuda_lengths", [&] {
+        count_kernel<ids_t, index_t><<<blocks_for(FB), kThreads, 0, stream>>>(
+            a.lengths.const_data_ptr<index_t>(), ends.const_data_ptr<int64_t>(), a.indices.const_data_ptr<ids_t>(),
+            n, FB, meta, new_lengths.mutable_data_ptr<index_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      Tensor cursor = at::cumsum(new_lengths, 0, at::kLong);
+      cursor.sub_(new_lengths);  // exclusive prefix sum
+      auto ptr = [](OptTensor& t) { return t.has_value() ? t->mutable_data_ptr<ids_t>() : nullptr; };
+      scatter_kernel<ids_t><<<blocks_for(FB), kThreads, 0, stream>>>(
+          ends.const_data_ptr<int64_t>(), a.indices.const_data_ptr<ids_t>(), n, FB, meta,
+          cursor.mutable_data_ptr<int64_t>(), new_indices.mutable_data_ptr<ids_t>(), ptr(dest), ptr(new_pos),
+          ptr(mapping));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (w.defined() && w.numel() > 0) {
+        auto rows = [&](auto bits) {
+          using bits_t = decltype(bits);
+          rows_kernel<bits_t, ids_t><<<blocks_for(w.numel()), kThreads, 0, stream>>>(
+              static_cast<const bits_t*>(w.const_data_ptr()), dest->const_data_ptr<ids_t>(), w.numel(),
+              a.weights_dim(), static_cast<bits_t*>(new_weights->mutable_data_ptr()));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (w.element_size() == 2) {
+          rows(uint16_t{});
+        } else if (w.element_size() == 4) {
+          rows(uint32_t{});
+        } else {
+          rows(uint64_t{});
+        }
+      }
+    });
+  }
+  if (!sequence) {
+    dest.reset();
+  }
+  return {new_lengths, new_indices, new_weights, new_pos, dest, mapping};
+}
+
+__global__ void global_ids_kernel(const int64_t* __restrict__ ranks, const int64_t* __restrict__ local_ids,
+                                  int64_t n, int64_t table_size, int64_t world_size, HashPermutation perm,
+                                  int64_t* __restrict__ out, unsigned long long* __restrict__ first_bad) {
+  RECPIPE_GRID_LOOP(i, n) {
     const int64_t rk = ranks[i];
     const int64_t li = local_ids[i];
     if (!is_roundrobin_slot(rk, li, table_size, world_size)) {
@@ -134,182 +331,31 @@ __global__ void global_ids_kernel(
   }
 }
 
-__global__ void route_ids_kernel(
-    const int64_t* __restrict__ ids,
-    int64_t n,
-    int64_t table_size,
-    TableRoute route,
-    int64_t* __restrict__ owner,
-    int64_t* __restrict__ local,
-    unsigned long long* __restrict__ first_bad) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (ids[i] < 0 || ids[i] >= table_size) {
+__global__ void route_ids_kernel(const int64_t* __restrict__ ids, int64_t n, int64_t table_size, FeatureRoute route,
+                                 int64_t* __restrict__ owner, int64_t* __restrict__ local,
+                                 unsigned long long* __restrict__ first_bad) {
+  RECPIPE_GRID_LOOP(i, n) {
+    uint64_t p = 0;
+    uint64_t l = 0;
+    if (ids[i] < 0 || ids[i] >= table_size || !route.route(static_cast<uint64_t>(ids[i]), nullptr, &p, &l)) {
       atomicMin(first_bad, static_cast<unsigned long long>(i));
       owner[i] = local[i] = -1;
       continue;
     }
-    uint64_t p = 0, l = 0;
-    route.route(static_cast<uint64_t>(ids[i]), &p, &l);
     owner[i] = static_cast<int64_t>(p);
     local[i] = static_cast<int64_t>(l);
   }
 }
 
-template <typename wbits_t>
-const wbits_t* opt_ptr(const std::optional<Tensor>& t) {
-  return t.has_value() ? static_cast<const wbits_t*>(t->const_data_ptr()) : nullptr;
-}
-
-template <typename wbits_t>
-wbits_t* opt_mut_ptr(std::optional<Tensor>& t) {
-  return t.has_value() ? static_cast<wbits_t*>(t->mutable_data_ptr()) : nullptr;
-}
-
-std::tuple<Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>>
-block_bucketize_sparse_features_cuda(
-    const Tensor& lengths_in,
-    const Tensor& indices_in,
-    const Tensor& block_sizes,
-    const Tensor& dist_types,
-    int64_t my_size,
-    bool sequence,
-    bool bucketize_pos,
-    const std::optional<Tensor>& weights_in,
-    const std::optional<Tensor>& table_sizes,
-    int64_t seed,
-    bool keep_orig_idx) {
-  check_bucketize_args(
-      lengths_in, indices_in, block_sizes, dist_types, my_size, weights_in, table_sizes);
-  TORCH_CHECK(
-      lengths_in.is_cuda(), "recpipe: `lengths` is on ", lengths_in.device(),
-      " but the CUDA kernel was dispatched; move all tensor arguments to one device.");
-  c10::cuda::CUDAGuard guard(lengths_in.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
-  const std::vector<FeatureRoute> routes_h =
-      build_feature_routes(block_sizes, dist_types, table_sizes, seed);
-  bool any_hash = false;
-  for (const auto& r : routes_h) {
-    any_hash |= r.dist == kHashRoundRobin || (r.dist == kRoundRobin && r.table_size != 0);  // ids checked
-  }
-  const Tensor lengths = lengths_in.contiguous();
-  const Tensor indices = indices_in.contiguous();
-  std::optional<Tensor> weights;
-  if (weights_in.has_value()) {
-    weights = weights_in->contiguous();
-  }
-  const int64_t F = dist_types.numel();
-  const int64_t FB = lengths.numel();
-  const int64_t B = F == 0 ? 0 : FB / F;
-  const int64_t N = indices.numel();
-  const int64_t W = my_size;
-
-  TORCH_CHECK(
-      !(lengths < 0).any().item<bool>(),
-      "recpipe: `lengths` has negative entries; bag lengths must be >= 0.");
-  Tensor offsets = at::zeros({FB + 1}, lengths.options().dtype(at::kLong));
-  if (FB > 0) {
-    offsets.narrow(0, 1, FB).copy_(at::cumsum(lengths, 0, at::kLong));
-  }
-  const int64_t total = offsets[FB].item<int64_t>();
-  TORCH_CHECK(
-      total == N, "recpipe: `lengths` sums to ", total, " but `indices` has ", N,
-      " entries; lengths and indices must describe the same KJT.");
-
-  Tensor counts = at::zeros({W * FB}, lengths.options().dtype(at::kLong));
-  Tensor new_indices = at::empty({N}, indices.options());
-  std::optional<Tensor> new_weights;
-  std::optional<Tensor> new_pos;
-  std::optional<Tensor> unbucketize_permute;
-  if (weights.has_value()) {
-    new_weights = at::empty({N}, weights->options());
-  }
-  if (bucketize_pos) {
-    new_pos = at::empty({N}, indices.options());
-  }
-  if (sequence) {
-    unbucketize_permute = at::empty({N}, indices.options());
-  }
-  if (N == 0) {
-    return {counts.to(lengths.scalar_type()), new_indices, new_weights, new_pos, unbucketize_permute};
-  }
-
-  // Per-feature routes to the device as raw bytes (FeatureRoute is trivially copyable).
-  static_assert(std::is_trivially_copyable_v<FeatureRoute>);
-  Tensor routes_bytes = at::empty(
-      {static_cast<int64_t>(routes_h.size() * sizeof(FeatureRoute))},
-      at::TensorOptions().dtype(at::kByte));
-  std::memcpy(routes_bytes.data_ptr(), routes_h.data(), routes_h.size() * sizeof(FeatureRoute));
-  routes_bytes = routes_bytes.to(lengths.device());
-  const auto* routes_d = reinterpret_cast<const FeatureRoute*>(routes_bytes.const_data_ptr());
-
-  Tensor owner = at::empty({N}, indices.options().dtype(at::kInt));
-  Tensor local = at::empty({N}, indices.options());
-  Tensor first_bad = at::full({1}, N, lengths.options().dtype(at::kLong));
-  const FastDivU64 div_world(static_cast<uint64_t>(W));
-
-  AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "recpipe_bucketize_cuda", [&] {
-    count_kernel<index_t><<<blocks_for(FB), kThreads, 0, stream>>>(
-        offsets.const_data_ptr<int64_t>(), indices.const_data_ptr<index_t>(), routes_d, FB, B,
-        static_cast<uint64_t>(W), div_world, keep_orig_idx, owner.mutable_data_ptr<int32_t>(),
-        local.mutable_data_ptr<index_t>(), counts.mutable_data_ptr<int64_t>(),
-        reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  if (any_hash) {
-    const int64_t bad = first_bad.item<int64_t>();
-    if (bad < N) {
-      // Locate the feature of the bad id on the host for the message.
-      const auto off_h = offsets.cpu();
-      const int64_t* o = off_h.const_data_ptr<int64_t>();
-      const int64_t bt = std::upper_bound(o, o + FB + 1, bad) - o - 1;
-      const int64_t f = bt / B;
-      TORCH_CHECK(
-          false, "recpipe: `indices[", bad, "]` = ", indices[bad].item<int64_t>(), " (feature ", f,
-          routes_h[f].dist == kRoundRobin ? ", roundrobin" : ", hash_roundrobin",
-          ") is outside [0, table_sizes[", f, "] = ", routes_h[f].table_size,
-          "); ids must lie in the table's range: hash or clamp raw ids upstream, ",
-          routes_h[f].dist == kRoundRobin ? "or omit table_sizes for raw ids." : "or route this feature with roundrobin.");
-    }
-  }
-  Tensor cursor = at::cumsum(counts, 0) - counts;  // exclusive scan
-
-  AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "recpipe_bucketize_scatter_cuda", [&] {
-    auto launch = [&](auto wtag) {
-      using wbits_t = typename decltype(wtag)::type;
-      scatter_kernel<index_t, wbits_t><<<blocks_for(FB), kThreads, 0, stream>>>(
-          offsets.const_data_ptr<int64_t>(), owner.const_data_ptr<int32_t>(),
-          local.const_data_ptr<index_t>(), opt_ptr<wbits_t>(weights), FB,
-          cursor.mutable_data_ptr<int64_t>(), new_indices.mutable_data_ptr<index_t>(),
-          opt_mut_ptr<wbits_t>(new_weights),
-          bucketize_pos ? new_pos->mutable_data_ptr<index_t>() : nullptr,
-          sequence ? unbucketize_permute->mutable_data_ptr<index_t>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    };
-    struct W2 { using type = uint16_t; };
-    struct W4 { using type = uint32_t; };
-    struct W8 { using type = uint64_t; };
-    const int64_t esize = weights.has_value() ? weights->element_size() : 4;
-    if (esize == 2) {
-      launch(W2{});
-    } else if (esize == 8) {
-      launch(W8{});
-    } else {
-      launch(W4{});
-    }
-  });
-  return {counts.to(lengths.scalar_type()), new_indices, new_weights, new_pos, unbucketize_permute};
-}
-
-Tensor hash_roundrobin_global_ids_cuda(
-    const Tensor& ranks_in,
-    const Tensor& local_ids_in,
-    int64_t table_size,
-    int64_t world_size,
-    int64_t seed) {
+// hash_roundrobin_global_ids and route_ids are not training-step ops (checkpoint
+// resharding, tier placement): each reads one flag back (one sync) to raise a
+// recoverable error naming the first bad entry.
+Tensor hash_roundrobin_global_ids_cuda(const Tensor& ranks_in, const Tensor& local_ids_in, int64_t table_size,
+                                       int64_t world_size, int64_t seed) {
   check_global_ids_args(ranks_in, local_ids_in, table_size, world_size);
+  TORCH_CHECK(local_ids_in.is_cuda(), "recpipe: `local_ids` is on ", local_ids_in.device(),
+              " but the CUDA kernel was dispatched; move ranks and local_ids to one CUDA device.");
   c10::cuda::CUDAGuard guard(local_ids_in.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
   const Tensor ranks = ranks_in.to(at::kLong).contiguous();
   const Tensor local_ids = local_ids_in.to(at::kLong).contiguous();
   Tensor out = at::empty_like(local_ids);
@@ -319,31 +365,24 @@ Tensor hash_roundrobin_global_ids_cuda(
   }
   Tensor first_bad = at::full({1}, n, local_ids.options());
   const HashPermutation perm(static_cast<uint64_t>(table_size), static_cast<uint64_t>(seed));
-  global_ids_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
-      ranks.const_data_ptr<int64_t>(), local_ids.const_data_ptr<int64_t>(), n, table_size,
-      world_size, perm, out.mutable_data_ptr<int64_t>(),
-      reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
+  global_ids_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      ranks.const_data_ptr<int64_t>(), local_ids.const_data_ptr<int64_t>(), n, table_size, world_size, perm,
+      out.mutable_data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t bad = first_bad.item<int64_t>();
-  TORCH_CHECK(
-      bad >= n, "recpipe: (`ranks[", bad, "]`, `local_ids[", bad, "]`) is not a slot of a table of ",
-      table_size, " rows over ", world_size,
-      " ranks under hash_roundrobin (needs 0 <= rank < world_size and "
-      "local_id * world_size + rank < table_size); check the checkpoint's world size.");
+  const int64_t bad = first_bad.item<int64_t>();  // the one sync
+  TORCH_CHECK(bad >= n, "recpipe: (`ranks[", bad, "]`, `local_ids[", bad, "]`) is not a slot of a table of ",
+              table_size, " rows over ", world_size,
+              " ranks under hash_roundrobin (needs 0 <= rank < world_size and "
+              "local_id * world_size + rank < table_size); check the checkpoint's world size.");
   return out.to(local_ids_in.scalar_type());
 }
 
-// route_ids is not a training-step op (checkpoint resharding, tier placement):
-// it reads one flag back to report the first id outside the table.
-std::tuple<Tensor, Tensor> route_ids_cuda(
-    const Tensor& ids_in,
-    int64_t table_size,
-    int64_t world_size,
-    int64_t dist_type,
-    int64_t seed) {
+std::tuple<Tensor, Tensor> route_ids_cuda(const Tensor& ids_in, int64_t table_size, int64_t world_size,
+                                          int64_t dist_type, int64_t seed) {
   check_route_ids_args(ids_in, table_size, world_size, dist_type);
+  TORCH_CHECK(ids_in.is_cuda(), "recpipe: `ids` is on ", ids_in.device(),
+              " but the CUDA kernel was dispatched; move ids to a CUDA device.");
   c10::cuda::CUDAGuard guard(ids_in.device());
-  const auto stream = c10::cuda::getCurrentCUDAStream();
   const Tensor ids = ids_in.to(at::kLong).contiguous();
   Tensor owner = at::empty(ids.sizes(), ids.options());
   Tensor local = at::empty(ids.sizes(), ids.options());
@@ -352,13 +391,13 @@ std::tuple<Tensor, Tensor> route_ids_cuda(
     return {owner, local.to(ids_in.scalar_type())};
   }
   Tensor first_bad = at::full({1}, n, ids.options());
-  const TableRoute route(dist_type, static_cast<uint64_t>(table_size), static_cast<uint64_t>(world_size),
-                         static_cast<uint64_t>(seed));
-  route_ids_kernel<<<blocks_for(n), kThreads, 0, stream>>>(
+  const FeatureRoute route = FeatureRoute::for_table(dist_type, static_cast<uint64_t>(table_size),
+                                                     static_cast<uint64_t>(world_size), static_cast<uint64_t>(seed));
+  route_ids_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       ids.const_data_ptr<int64_t>(), n, table_size, route, owner.mutable_data_ptr<int64_t>(),
       local.mutable_data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t bad = first_bad.item<int64_t>();
+  const int64_t bad = first_bad.item<int64_t>();  // the one sync
   TORCH_CHECK_INDEX(bad >= n, "recpipe: `ids[", bad, "]` is outside [0, table_size = ", table_size,
                     "); route_ids takes ids of the table's rows (hash or clamp raw ids upstream).");
   return {owner, local.to(ids_in.scalar_type())};
@@ -367,9 +406,9 @@ std::tuple<Tensor, Tensor> route_ids_cuda(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(recpipe, CUDA, m) {
-  m.impl("route_ids", &route_ids_cuda);
   m.impl("block_bucketize_sparse_features", &block_bucketize_sparse_features_cuda);
   m.impl("hash_roundrobin_global_ids", &hash_roundrobin_global_ids_cuda);
+  m.impl("route_ids", &route_ids_cuda);
 }
 
 }  // namespace recpipe
