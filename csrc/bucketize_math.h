@@ -9,14 +9,16 @@
 //                         (Granlund-Montgomery / Hacker's Delight 10-8 "round
 //                         up" method with a 65-bit magic), used for id / block
 //                         and h / W on the hot path.
-//   * FastDivU32        : the same method for 32-bit dividends (33-bit magic),
-//                         the form SIMD lanes use for h / W when h < 2^32.
 //   * HashPermutation   : a seeded bijection of [0, N): two keyed c-bit
 //                         xorshift-multiply permutations (c = floor(log2 N))
 //                         on two overlapping windows that cover [0, N), no
 //                         cycle-walking; and its inverse.
-//   * route_*           : owner rank and local id for the three distribution
-//                         types (continuous, roundrobin, hash_roundrobin).
+//   * FeatureRoute      : owner rank and local id of one id of one feature for
+//                         the three distribution types (continuous, with
+//                         fbgemm's total_num_blocks and block_bucketize_pos;
+//                         roundrobin; hash_roundrobin) and keep_orig_idx. The
+//                         CPU kernel, the CUDA kernel and route_ids call
+//                         FeatureRoute::route and nothing else.
 #pragma once
 
 #include <cstdint>
@@ -86,44 +88,6 @@ struct FastDivU64 {
       return n;
     }
     const uint64_t t = mulhi_u64(magic, n);
-    return (t + ((n - t) >> 1)) >> shift;
-  }
-};
-
-// Unsigned division n / d of 32-bit n by a 32-bit divisor d >= 1 fixed at
-// construction: the same Hacker's Delight 10-8 method as FastDivU64 with a
-// 33-bit magic, so every step stays within 32 bits (t = mulhi32(magic, n)) and
-// maps onto SIMD 32x32->64 multiplies (x86 pmuludq, CUDA __umulhi). Exact for
-// every 32-bit n. Powers of two (d == 1 included) are a shift.
-struct FastDivU32 {
-  uint32_t d;
-  uint32_t magic;  // 0 for powers of two
-  int shift;       // log2(d) for powers of two, else ceil(log2 d) - 1
-  bool pow2;
-
-  RECPIPE_HD FastDivU32() : d(1), magic(0), shift(0), pow2(true) {}
-
-  RECPIPE_HD explicit FastDivU32(uint32_t divisor) : d(divisor), magic(0), shift(0), pow2(true) {
-    if (divisor <= 1) {
-      d = 1;
-      return;
-    }
-    const int l = bit_width_u64(divisor - 1);  // ceil(log2 d), 1..32
-    if ((divisor & (divisor - 1)) == 0) {
-      shift = l;
-      return;
-    }
-    pow2 = false;
-    // (2^l - d) < d <= 2^32, so the numerator fits in 64 bits.
-    magic = static_cast<uint32_t>(((((1ULL << l) - divisor)) << 32) / divisor + 1);
-    shift = l - 1;
-  }
-
-  RECPIPE_HD uint32_t div(uint32_t n) const {
-    if (pow2) {
-      return n >> shift;
-    }
-    const uint32_t t = static_cast<uint32_t>((static_cast<uint64_t>(magic) * n) >> 32);
     return (t + ((n - t) >> 1)) >> shift;
   }
 };
@@ -243,15 +207,14 @@ RECPIPE_UNROLL
     return x;
   }
 
-  // H(x) for x in [0, n).
+  // H(x) for x in [0, n). Both window steps are computed and selected (no
+  // data-dependent branch: SIMD lanes, GPU threads and branch predictors see
+  // the same work for every id).
   RECPIPE_HD uint64_t forward(uint64_t x) const {
-    if (x <= mask) {
-      x = perm_fwd(0, x);
-    }
-    if (hi != 0 && x >= hi) {
-      x = hi + perm_fwd(1, x - hi);
-    }
-    return x;
+    const uint64_t a = perm_fwd(0, x & mask);
+    x = x <= mask ? a : x;
+    const uint64_t b = hi + perm_fwd(1, (x - hi) & mask);
+    return hi != 0 && x >= hi ? b : x;
   }
 
   // H^-1(y) for y in [0, n).
@@ -267,63 +230,125 @@ RECPIPE_UNROLL
 };
 
 // ---------------------------------------------------------------------------
-// Routing of one id. `uid` is the id reinterpreted as unsigned of the index
-// width (fbgemm's convention: raw negative ids become large unsigned values).
+// Routing of one id of one feature: the rules every kernel calls.
+//
+// An id is read as an unsigned value of the index width (fbgemm's convention: a
+// raw negative id becomes a large unsigned value), widened to 64 bits; `mask`
+// is the width's all-ones, for the products fbgemm forms in that width.
+//
+// continuous, G = num_blocks blocks of `block` rows (fbgemm's total_num_blocks;
+// G = W by default) and L = G / W blocks per rank:
+//   uid <  block * G :  owner = uid / (block * L),  local = uid % (block * L)
+//   uid >= block * G :  owner = (uid % G) / L,       local = uid / G   (raw ids)
+// continuous, uneven shards (fbgemm's block_bucketize_pos: bounds b[0..k) of the
+// feature, b[0] = 0, non-decreasing): key = uid, or (uid % G) * b[k-1] / G when
+// block == 0, and j = the last i with b[i] <= key;
+//   j < W :  owner = j,        local = uid - b[j]
+//   else  :  owner = uid % W,  local = uid / W
+//   (block == 0: local = uid / G)
+// roundrobin:       owner = uid % W,      local = uid / W  (uid < table_size if given)
+// hash_roundrobin:  h = H(uid): owner = h % W, local = h / W  (uid < table_size)
+// keep_orig: local = uid, whatever the rule.
+struct FeatureRoute {
+  int64_t dist;                    // DistType
+  bool keep_orig;                  // local id = the id itself
+  uint64_t mask;                   // all-ones of the index width
+  uint64_t world;                  // W
+  FastDivU64 div_world;
+  uint64_t block;                  // rows per block (continuous)
+  uint64_t in_blocks;              // block * G in the index width
+  FastDivU64 div_rank_rows;        // / (block * L), in the index width
+  FastDivU64 div_num_blocks;       // / G
+  FastDivU64 div_blocks_per_rank;  // / L
+  int64_t bounds_begin;            // this feature's bounds in the flat bounds array
+  int64_t bounds_count;            // 0: uniform blocks
+  uint64_t table_size;             // ids must be below it (0: unchecked)
+  HashPermutation perm;            // H of [0, table_size) (hash_roundrobin)
 
-// continuous (fbgemm-compatible): ids below block * W go to id / block with
-// local id % block; others to id % W with local id / W.
-template <typename uindex_t>
-RECPIPE_HD void route_continuous(
-    uindex_t uid,
-    uint64_t block,
-    uint64_t world,
-    const FastDivU64& div_block,
-    const FastDivU64& div_world,
-    uint64_t* owner,
-    uindex_t* local) {
-  const uint64_t id = static_cast<uint64_t>(uid);
-  // block * world computed in the index width, as fbgemm does.
-  const uindex_t ub = static_cast<uindex_t>(block * world);
-  if (uid < ub) {
-    const uint64_t q = div_block.div(id);
-    *owner = q;
-    *local = static_cast<uindex_t>(id - q * block);
-  } else {
-    const uint64_t q = div_world.div(id);
-    *owner = id - q * world;
-    *local = static_cast<uindex_t>(q);
+  // Host-only construction from validated parameters (FastDivU64 divides 128-bit).
+  static FeatureRoute make(int64_t dist, bool keep_orig, int index_bits, uint64_t world, uint64_t block,
+                           uint64_t num_blocks, int64_t bounds_begin, int64_t bounds_count,
+                           uint64_t table_size, uint64_t seed) {
+    FeatureRoute r;
+    r.dist = dist;
+    r.keep_orig = keep_orig;
+    r.mask = index_bits >= 64 ? ~0ULL : (1ULL << index_bits) - 1;
+    r.world = world;
+    r.div_world = FastDivU64(world);
+    r.block = block;
+    r.in_blocks = (block * num_blocks) & r.mask;
+    r.div_rank_rows = FastDivU64((block * (num_blocks / world)) & r.mask);
+    r.div_num_blocks = FastDivU64(num_blocks);
+    r.div_blocks_per_rank = FastDivU64(num_blocks / world);
+    r.bounds_begin = bounds_begin;
+    r.bounds_count = bounds_count;
+    r.table_size = table_size;
+    r.perm = dist == kHashRoundRobin ? HashPermutation(table_size, seed) : HashPermutation();
+    return r;
   }
-}
 
-// roundrobin: owner = id % W, local = id / W.
-template <typename uindex_t>
-RECPIPE_HD void route_roundrobin(
-    uindex_t uid,
-    uint64_t world,
-    const FastDivU64& div_world,
-    uint64_t* owner,
-    uindex_t* local) {
-  const uint64_t id = static_cast<uint64_t>(uid);
-  const uint64_t q = div_world.div(id);
-  *owner = id - q * world;
-  *local = static_cast<uindex_t>(q);
-}
+  // One table of n rows over w ranks, routed by `dist` (continuous: blocks of
+  // ceil(n / w) rows): the routing of route_ids, checkpoints and tiered storage.
+  static FeatureRoute for_table(int64_t dist, uint64_t n, uint64_t w, uint64_t seed) {
+    const uint64_t block = (n + w - 1) / w > 0 ? (n + w - 1) / w : 1;
+    return make(dist, false, 64, w, block, w, 0, 0, n, seed);
+  }
 
-// hash_roundrobin: h = H(id), owner = h % W, local = h / W. Caller checks
-// 0 <= id < n.
-template <typename uindex_t>
-RECPIPE_HD void route_hash_roundrobin(
-    uindex_t uid,
-    uint64_t world,
-    const FastDivU64& div_world,
-    const HashPermutation& perm,
-    uint64_t* owner,
-    uindex_t* local) {
-  const uint64_t h = perm.forward(static_cast<uint64_t>(uid));
-  const uint64_t q = div_world.div(h);
-  *owner = h - q * world;
-  *local = static_cast<uindex_t>(q);
-}
+  // Owner rank and local id of `uid`; false when the feature checks its ids
+  // (table_size > 0, roundrobin / hash_roundrobin) and uid is not below it.
+  // kDist >= 0 fixes the rule at compile time (it must equal `dist`).
+  template <int kDist = -1>
+  RECPIPE_HD bool route(uint64_t uid, const int64_t* bounds, uint64_t* owner, uint64_t* local) const {
+    const int64_t d = kDist >= 0 ? kDist : dist;
+    uint64_t p = 0;
+    uint64_t l = 0;
+    if (d == kContinuous) {
+      if (bounds_count > 0) {
+        const int64_t* b = bounds + bounds_begin;
+        const uint64_t last = static_cast<uint64_t>(b[bounds_count - 1]);
+        const uint64_t key =
+            block == 0 ? div_num_blocks.div(((uid - div_num_blocks.div(uid) * div_num_blocks.d) * last) & mask)
+                       : uid;
+        int64_t lo = 0;  // upper_bound(b, b + count, key) - 1, b[0] = 0 <= key
+        int64_t hi = bounds_count;
+        while (hi - lo > 1) {
+          const int64_t mid = (lo + hi) / 2;
+          if (static_cast<uint64_t>(b[mid]) <= key) {
+            lo = mid;
+          } else {
+            hi = mid;
+          }
+        }
+        if (static_cast<uint64_t>(lo) < world) {
+          p = static_cast<uint64_t>(lo);
+          l = uid - static_cast<uint64_t>(b[lo]);
+        } else {
+          l = div_world.div(uid);
+          p = uid - l * world;
+        }
+        if (block == 0) {
+          l = div_num_blocks.div(uid);
+        }
+      } else if (uid < in_blocks) {
+        p = div_rank_rows.div(uid);
+        l = uid - p * div_rank_rows.d;
+      } else {
+        l = div_num_blocks.div(uid);
+        p = div_blocks_per_rank.div(uid - l * div_num_blocks.d);
+      }
+    } else {
+      if (table_size != 0 && uid >= table_size) {
+        return false;
+      }
+      const uint64_t h = d == kHashRoundRobin ? perm.forward(uid) : uid;
+      l = div_world.div(h);
+      p = h - l * world;
+    }
+    *owner = p;
+    *local = keep_orig ? uid : l;
+    return true;
+  }
+};
 
 // Whether (rank, local) is a slot of a table of n >= 1 rows routed by
 // roundrobin / hash_roundrobin over w >= 1 ranks, i.e. local * w + rank < n,
@@ -331,36 +356,5 @@ RECPIPE_HD void route_hash_roundrobin(
 RECPIPE_HD bool is_roundrobin_slot(int64_t rank, int64_t local, int64_t n, int64_t w) {
   return rank >= 0 && rank < w && rank < n && local >= 0 && local <= (n - 1 - rank) / w;
 }
-
-// Owner rank and local id of one id of a table of n rows over w ranks, for the
-// three distribution types (continuous blocks of ceil(n / w) rows). The caller
-// checks 0 <= id < n. One function for the route_ids op (CPU and CUDA) and the
-// tiered storage's split (hash_roundrobin with w = 1).
-struct TableRoute {
-  int64_t dist;
-  uint64_t world;
-  uint64_t block;
-  FastDivU64 div_block;
-  FastDivU64 div_world;
-  HashPermutation perm;
-
-  TableRoute(int64_t dist_type, uint64_t n, uint64_t w, uint64_t seed)
-      : dist(dist_type),
-        world(w),
-        block((n + w - 1) / w > 0 ? (n + w - 1) / w : 1),
-        div_block(FastDivU64((n + w - 1) / w > 0 ? (n + w - 1) / w : 1)),
-        div_world(FastDivU64(w)),
-        perm(n, seed) {}
-
-  RECPIPE_HD void route(uint64_t id, uint64_t* owner, uint64_t* local) const {
-    if (dist == kContinuous) {
-      route_continuous<uint64_t>(id, block, world, div_block, div_world, owner, local);
-    } else if (dist == kRoundRobin) {
-      route_roundrobin<uint64_t>(id, world, div_world, owner, local);
-    } else {
-      route_hash_roundrobin<uint64_t>(id, world, div_world, perm, owner, local);
-    }
-  }
-};
 
 }  // namespace recpipe

@@ -37,152 +37,193 @@ namespace recpipe {
 // buffers (and no process group comes near it).
 constexpr int64_t kMaxWorldSize = (int64_t{1} << 31) - 1;
 
-// Static (shape / dtype / device) checks for block_bucketize_sparse_features.
-// Value checks (negative lengths, ids out of range, dist_types values) are made
-// by the kernels, which read the data anyway.
-inline void check_bucketize_args(
-    const at::Tensor& lengths,
-    const at::Tensor& indices,
-    const at::Tensor& block_sizes,
-    const at::Tensor& dist_types,
-    int64_t my_size,
-    const std::optional<at::Tensor>& weights,
-    const std::optional<at::Tensor>& table_sizes) {
-  RECPIPE_CHECK_1D(lengths, "lengths");
-  RECPIPE_CHECK_1D(indices, "indices");
-  RECPIPE_CHECK_1D(block_sizes, "block_sizes");
-  RECPIPE_CHECK_1D(dist_types, "dist_types");
-  RECPIPE_CHECK_INDEX_DTYPE(lengths, "lengths");
-  RECPIPE_CHECK_INDEX_DTYPE(indices, "indices");
-  RECPIPE_CHECK_INDEX_DTYPE(block_sizes, "block_sizes");
-  RECPIPE_CHECK_INDEX_DTYPE(dist_types, "dist_types");
-  TORCH_CHECK(
-      my_size > 0, "recpipe: `my_size` (the world size W) must be >= 1, got ",
-      my_size, "; pass the number of ranks the keys are routed to.");
-  TORCH_CHECK(
-      my_size <= kMaxWorldSize, "recpipe: `my_size` (the world size W) must be at most ", kMaxWorldSize,
-      ", got ", my_size, "; pass the number of ranks the keys are routed to.");
-  TORCH_CHECK(
-      lengths.numel() == 0 || my_size <= INT64_MAX / 8 / lengths.numel(), "recpipe: `my_size` = ", my_size,
-      " times ", lengths.numel(), " bags does not fit the [W * F * B] output lengths; pass the real world size.");
-  const int64_t F = dist_types.numel();
-  TORCH_CHECK(
-      block_sizes.numel() == F, "recpipe: `block_sizes` has ",
-      block_sizes.numel(), " entries but `dist_types` has ", F,
-      "; pass one block size and one dist type per feature.");
-  if (F == 0) {
-    TORCH_CHECK(
-        lengths.numel() == 0, "recpipe: `dist_types` is empty (0 features) ",
-        "but `lengths` has ", lengths.numel(),
-        " entries; pass one dist type per feature.");
+// Every argument of block_bucketize_sparse_features, as the kernels receive it.
+struct BucketizeArgs {
+  at::Tensor lengths;
+  at::Tensor indices;
+  at::Tensor block_sizes;
+  at::Tensor dist_types;
+  int64_t my_size;
+  bool sequence;
+  bool bucketize_pos;
+  std::optional<at::Tensor> weights;
+  std::optional<at::Tensor> table_sizes;
+  int64_t seed;
+  bool keep_orig_idx;
+  std::optional<at::Tensor> batch_size_per_feature;
+  int64_t max_B;
+  std::optional<std::vector<at::Tensor>> block_bucketize_pos;
+  std::optional<at::Tensor> total_num_blocks;
+  std::optional<at::Tensor> keep_orig_idx_per_feature;
+  bool return_bucket_mapping;
+
+  bool has_bounds() const { return block_bucketize_pos.has_value() && !block_bucketize_pos->empty(); }
+  // Entries of one weight: 1 for [n] weights, D for [n, D].
+  int64_t weights_dim() const { return weights.has_value() && weights->dim() == 2 ? weights->size(1) : 1; }
+};
+
+// A per-feature [F] metadata tensor: 1-D, integer (or bool), F entries; it may
+// stay on the CPU when lengths / indices live on an accelerator.
+inline void check_feature_tensor(const at::Tensor& t, const char* name, int64_t F, const at::Tensor& lengths,
+                                 bool boolean = false) {
+  TORCH_CHECK(t.dim() == 1, "recpipe: `", name, "` must be 1-D with one entry per feature, got shape ", t.sizes(),
+              ".");
+  if (boolean) {
+    TORCH_CHECK(t.scalar_type() == at::kBool, "recpipe: `", name, "` must be a bool tensor, got ", t.scalar_type(),
+                "; build it with `torch.tensor([...], dtype=torch.bool)`.");
   } else {
-    TORCH_CHECK(
-        lengths.numel() % F == 0, "recpipe: `lengths` has ", lengths.numel(),
-        " entries, not a multiple of the ", F,
-        " features in `dist_types`; lengths must be [F * B] (feature-major).");
+    TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "recpipe: `", name,
+                "` must be int32 or int64, got ", t.scalar_type(), "; convert it with `.to(torch.int64)`.");
   }
-  RECPIPE_CHECK_SAME_DEVICE(indices, lengths, "indices", "lengths");
-  // block_sizes / dist_types / table_sizes are per-feature metadata: they may
-  // live on the CPU even when lengths/indices are on an accelerator.
-  if (!block_sizes.is_cpu()) {
-    RECPIPE_CHECK_SAME_DEVICE(block_sizes, lengths, "block_sizes", "lengths");
+  TORCH_CHECK(t.numel() == F, "recpipe: `", name, "` has ", t.numel(), " entries but `dist_types` has ", F,
+              "; pass one entry per feature.");
+  TORCH_CHECK(t.is_cpu() || t.device() == lengths.device(), "recpipe: `", name, "` is on ", t.device(),
+              " but `lengths` is on ", lengths.device(), "; keep per-feature metadata on the CPU or on that device.");
+}
+
+// Static (shape / dtype / device) checks of block_bucketize_sparse_features.
+// Values (lengths, ids, metadata) are checked by build_feature_routes and the
+// kernels, which read them anyway.
+inline void check_bucketize_args(const BucketizeArgs& a) {
+  RECPIPE_CHECK_1D(a.lengths, "lengths");
+  RECPIPE_CHECK_1D(a.indices, "indices");
+  RECPIPE_CHECK_INDEX_DTYPE(a.lengths, "lengths");
+  RECPIPE_CHECK_INDEX_DTYPE(a.indices, "indices");
+  RECPIPE_CHECK_SAME_DEVICE(a.indices, a.lengths, "indices", "lengths");
+  TORCH_CHECK(a.my_size > 0, "recpipe: `my_size` (the world size W) must be >= 1, got ", a.my_size,
+              "; pass the number of ranks the keys are routed to.");
+  TORCH_CHECK(a.my_size <= kMaxWorldSize, "recpipe: `my_size` (the world size W) must be at most ", kMaxWorldSize,
+              ", got ", a.my_size, "; pass the number of ranks the keys are routed to.");
+  TORCH_CHECK(a.lengths.numel() == 0 || a.my_size <= INT64_MAX / 8 / a.lengths.numel(), "recpipe: `my_size` = ",
+              a.my_size, " times ", a.lengths.numel(),
+              " bags does not fit the [W * F * B] output lengths; pass the real world size.");
+  const int64_t F = a.dist_types.numel();
+  check_feature_tensor(a.dist_types, "dist_types", F, a.lengths);
+  TORCH_CHECK(a.block_sizes.dim() == 1, "recpipe: `block_sizes` must be 1-D, got shape ", a.block_sizes.sizes(),
+              "; flatten it with `.view(-1)`.");
+  TORCH_CHECK(a.block_sizes.numel() == F, "recpipe: `block_sizes` has ", a.block_sizes.numel(),
+              " entries but `dist_types` has ", F, "; pass one block size and one dist type per feature.");
+  check_feature_tensor(a.block_sizes, "block_sizes", F, a.lengths);
+  if (a.table_sizes.has_value()) {
+    check_feature_tensor(*a.table_sizes, "table_sizes", F, a.lengths);
   }
-  if (!dist_types.is_cpu()) {
-    RECPIPE_CHECK_SAME_DEVICE(dist_types, lengths, "dist_types", "lengths");
+  if (a.total_num_blocks.has_value()) {
+    check_feature_tensor(*a.total_num_blocks, "total_num_blocks", F, a.lengths);
   }
-  if (weights.has_value()) {
-    const auto& w = weights.value();
-    RECPIPE_CHECK_1D(w, "weights");
-    RECPIPE_CHECK_SAME_DEVICE(w, lengths, "weights", "lengths");
-    TORCH_CHECK(
-        w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble ||
-            w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
-        "recpipe: `weights` must be float16, bfloat16, float32 or float64, got ",
-        w.scalar_type(), ".");
-    TORCH_CHECK(
-        w.numel() == indices.numel(), "recpipe: `weights` has ", w.numel(),
-        " entries but `indices` has ", indices.numel(),
-        "; pass one weight per id (or weights=None).");
+  if (a.keep_orig_idx_per_feature.has_value()) {
+    check_feature_tensor(*a.keep_orig_idx_per_feature, "keep_orig_idx_per_feature", F, a.lengths, true);
   }
-  if (table_sizes.has_value()) {
-    const auto& ts = table_sizes.value();
-    RECPIPE_CHECK_1D(ts, "table_sizes");
-    RECPIPE_CHECK_INDEX_DTYPE(ts, "table_sizes");
-    TORCH_CHECK(
-        ts.numel() == F, "recpipe: `table_sizes` has ", ts.numel(),
-        " entries but `dist_types` has ", F,
-        "; pass one table size (rows) per feature.");
-    if (!ts.is_cpu()) {
-      RECPIPE_CHECK_SAME_DEVICE(ts, lengths, "table_sizes", "lengths");
+  if (a.batch_size_per_feature.has_value()) {
+    check_feature_tensor(*a.batch_size_per_feature, "batch_size_per_feature", F, a.lengths);
+  } else if (F == 0) {
+    TORCH_CHECK(a.lengths.numel() == 0, "recpipe: `dist_types` is empty (0 features) but `lengths` has ",
+                a.lengths.numel(), " entries; pass one dist type per feature.");
+  } else {
+    TORCH_CHECK(a.lengths.numel() % F == 0, "recpipe: `lengths` has ", a.lengths.numel(), " entries, not a multiple of the ",
+                F, " features in `dist_types`; lengths must be [F * B] (feature-major), or pass "
+                "`batch_size_per_feature` for a variable batch per feature.");
+  }
+  if (a.has_bounds()) {
+    TORCH_CHECK(static_cast<int64_t>(a.block_bucketize_pos->size()) == F, "recpipe: `block_bucketize_pos` has ",
+                a.block_bucketize_pos->size(), " tensors but `dist_types` has ", F,
+                "; pass one tensor of shard bounds per feature.");
+    for (int64_t f = 0; f < F; ++f) {
+      const at::Tensor& b = (*a.block_bucketize_pos)[f];
+      TORCH_CHECK(b.dim() == 1 && b.numel() >= 1 && (b.scalar_type() == at::kInt || b.scalar_type() == at::kLong),
+                  "recpipe: `block_bucketize_pos[", f, "]` must be a non-empty 1-D int32/int64 tensor, got ",
+                  b.scalar_type(), " of shape ", b.sizes(), ".");
     }
+  }
+  if (a.weights.has_value()) {
+    const at::Tensor& w = *a.weights;
+    TORCH_CHECK(w.dim() == 1 || w.dim() == 2, "recpipe: `weights` must be [n] or [n, D] (one row per id), got shape ",
+                w.sizes(), ".");
+    RECPIPE_CHECK_SAME_DEVICE(w, a.lengths, "weights", "lengths");
+    TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kDouble || w.scalar_type() == at::kHalf ||
+                    w.scalar_type() == at::kBFloat16,
+                "recpipe: `weights` must be float16, bfloat16, float32 or float64, got ", w.scalar_type(), ".");
+    TORCH_CHECK(w.size(0) == a.indices.numel(), "recpipe: `weights` has ", w.size(0), " entries but `indices` has ",
+                a.indices.numel(), "; pass one weight per id (or weights=None).");
   }
 }
 
-// Per-feature routing parameters, built on the host from the [F] metadata
-// tensors and validated value by value. Trivially copyable: the CUDA entry
-// point copies the array to the device as bytes.
-struct FeatureRoute {
-  int64_t dist;             // DistType
-  uint64_t block;           // rows per rank (continuous)
-  uint64_t table_size;      // rows of the table (hash_roundrobin; roundrobin when given), else 0
-  FastDivU64 div_block;     // / block
-  HashPermutation perm;     // hash_roundrobin bijection of [0, table_size)
-};
-
-inline std::vector<FeatureRoute> build_feature_routes(
-    const at::Tensor& block_sizes,
-    const at::Tensor& dist_types,
-    const std::optional<at::Tensor>& table_sizes,
-    int64_t seed) {
-  const int64_t F = dist_types.numel();
-  const auto dt = dist_types.to(at::kCPU, at::kLong).contiguous();
-  const auto bs = block_sizes.to(at::kCPU, at::kLong).contiguous();
-  at::Tensor ts;
-  if (table_sizes.has_value()) {
-    ts = table_sizes.value().to(at::kCPU, at::kLong).contiguous();
-  }
-  const int64_t* dtp = dt.const_data_ptr<int64_t>();
-  const int64_t* bsp = bs.const_data_ptr<int64_t>();
+// The routes of every feature, built on the host from the [F] metadata and
+// checked value by value; `bounds` receives the uneven-shard bounds of every
+// feature, flattened (int64, CPU), each FeatureRoute pointing at its own.
+// Trivially copyable: the CUDA op passes them to the device as bytes.
+inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at::Tensor* bounds) {
+  const int64_t F = a.dist_types.numel();
+  const uint64_t W = static_cast<uint64_t>(a.my_size);
+  const int index_bits = a.indices.scalar_type() == at::kInt ? 32 : 64;
+  auto host = [](const at::Tensor& t) { return t.to(at::kCPU, at::kLong).contiguous(); };
+  const at::Tensor dt = host(a.dist_types);
+  const at::Tensor bs = host(a.block_sizes);
+  const at::Tensor ts = a.table_sizes.has_value() ? host(*a.table_sizes) : at::Tensor();
+  const at::Tensor tnb = a.total_num_blocks.has_value() ? host(*a.total_num_blocks) : at::Tensor();
+  const at::Tensor keep = a.keep_orig_idx_per_feature.has_value()
+                              ? a.keep_orig_idx_per_feature->to(at::kCPU).contiguous()
+                              : at::Tensor();
+  std::vector<at::Tensor> parts;
   std::vector<FeatureRoute> routes(F);
+  int64_t bounds_at = 0;
   for (int64_t f = 0; f < F; ++f) {
-    FeatureRoute& r = routes[f];
-    r.dist = dtp[f];
-    TORCH_CHECK(
-        r.dist == kContinuous || r.dist == kRoundRobin ||
-            r.dist == kHashRoundRobin,
-        "recpipe: `dist_types[", f, "]` is ", r.dist,
-        "; it must be 0 (continuous), 1 (roundrobin) or 2 (hash_roundrobin).");
-    r.block = 1;
-    r.table_size = 0;
-    if (r.dist == kContinuous) {
-      TORCH_CHECK(
-          bsp[f] > 0, "recpipe: `block_sizes[", f, "]` is ", bsp[f],
-          " but feature ", f, " is continuous, which needs rows-per-rank >= 1; ",
-          "pass ceil(table_rows / world_size).");
-      r.block = static_cast<uint64_t>(bsp[f]);
-      r.div_block = FastDivU64(r.block);
-    } else if (r.dist == kHashRoundRobin) {
-      TORCH_CHECK(
-          ts.defined(), "recpipe: feature ", f,
-          " is hash_roundrobin (dist_types[", f, "] == 2), which needs ",
-          "`table_sizes`; pass a tensor with the row count of each feature's table.");
-      const int64_t n = ts.const_data_ptr<int64_t>()[f];
-      TORCH_CHECK(
-          n > 0, "recpipe: `table_sizes[", f, "]` is ", n,
-          " but feature ", f, " is hash_roundrobin, which needs the table's ",
-          "row count (>= 1).");
-      r.table_size = static_cast<uint64_t>(n);
-      r.perm = HashPermutation(r.table_size, static_cast<uint64_t>(seed));
-    } else if (ts.defined()) {
-      // roundrobin with the table's size given (> 0): the kernels check its ids
-      // against it; 0 leaves the feature's raw ids unchecked (id % W).
-      const int64_t n = ts.const_data_ptr<int64_t>()[f];
-      TORCH_CHECK(
-          n >= 0, "recpipe: `table_sizes[", f, "]` is ", n, "; pass the table's row count (or 0 for ",
-          "a roundrobin feature of raw, unchecked ids).");
-      r.table_size = static_cast<uint64_t>(n);
+    const int64_t dist = dt.const_data_ptr<int64_t>()[f];
+    const int64_t block = bs.const_data_ptr<int64_t>()[f];
+    const char* name = dist == kContinuous ? "continuous" : dist == kRoundRobin ? "roundrobin" : "hash_roundrobin";
+    TORCH_CHECK(dist == kContinuous || dist == kRoundRobin || dist == kHashRoundRobin, "recpipe: `dist_types[", f,
+                "]` is ", dist, "; it must be 0 (continuous), 1 (roundrobin) or 2 (hash_roundrobin).");
+    TORCH_CHECK(dist == kContinuous || !a.has_bounds(), "recpipe: `block_bucketize_pos` (uneven row-wise shards) "
+                "applies to continuous features only, but feature ", f, " is ", name,
+                "; route every feature of an unevenly sharded table with dist_types 0 (continuous).");
+    TORCH_CHECK(dist == kContinuous || !a.total_num_blocks.has_value(), "recpipe: `total_num_blocks` applies to "
+                "continuous features only, but feature ", f, " is ", name,
+                "; drop total_num_blocks or route the feature with dist_types 0 (continuous).");
+    uint64_t num_blocks = W;
+    if (tnb.defined()) {
+      const int64_t g = tnb.const_data_ptr<int64_t>()[f];
+      TORCH_CHECK(g >= 1 && (a.has_bounds() || g % a.my_size == 0), "recpipe: `total_num_blocks[", f, "]` is ", g,
+                  "; it must be a positive multiple of `my_size` = ", a.my_size,
+                  " (each rank holds total_num_blocks / W blocks).");
+      num_blocks = static_cast<uint64_t>(g);
     }
+    int64_t count = 0;
+    if (a.has_bounds()) {
+      const at::Tensor b = host((*a.block_bucketize_pos)[f]);
+      const int64_t* v = b.const_data_ptr<int64_t>();
+      count = b.numel();
+      TORCH_CHECK(v[0] == 0, "recpipe: `block_bucketize_pos[", f, "][0]` is ", v[0],
+                  "; shard bounds start at row 0 (then the first row of each next rank).");
+      for (int64_t i = 1; i < count; ++i) {
+        TORCH_CHECK(v[i] >= v[i - 1], "recpipe: `block_bucketize_pos[", f, "]` decreases at entry ", i, " (",
+                    v[i - 1], " then ", v[i], "); shard bounds must be non-decreasing row offsets.");
+      }
+      parts.push_back(b);
+    } else if (dist == kContinuous) {
+      TORCH_CHECK(block > 0, "recpipe: `block_sizes[", f, "]` is ", block, " but feature ", f,
+                  " is continuous, which needs rows-per-rank >= 1; pass ceil(table_rows / world_size).");
+    }
+    uint64_t table_size = 0;
+    if (dist == kHashRoundRobin) {
+      TORCH_CHECK(ts.defined(), "recpipe: feature ", f, " is hash_roundrobin (dist_types[", f,
+                  "] == 2), which needs `table_sizes`; pass a tensor with the row count of each feature's table.");
+      const int64_t n = ts.const_data_ptr<int64_t>()[f];
+      TORCH_CHECK(n > 0, "recpipe: `table_sizes[", f, "]` is ", n, " but feature ", f,
+                  " is hash_roundrobin, which needs the table's row count (>= 1).");
+      table_size = static_cast<uint64_t>(n);
+    } else if (dist == kRoundRobin && ts.defined()) {
+      // roundrobin with the table's size given (> 0) checks its ids against it;
+      // 0 leaves the feature's raw ids unchecked (id % W).
+      const int64_t n = ts.const_data_ptr<int64_t>()[f];
+      TORCH_CHECK(n >= 0, "recpipe: `table_sizes[", f, "]` is ", n,
+                  "; pass the table's row count (or 0 for a roundrobin feature of raw, unchecked ids).");
+      table_size = static_cast<uint64_t>(n);
+    }
+    const bool keep_f = keep.defined() ? keep.const_data_ptr<bool>()[f] : a.keep_orig_idx;
+    routes[f] = FeatureRoute::make(dist, keep_f, index_bits, W, static_cast<uint64_t>(block < 0 ? 0 : block),
+                                   num_blocks, bounds_at, count, table_size, static_cast<uint64_t>(a.seed));
+    bounds_at += count;
   }
+  *bounds = parts.empty() ? at::zeros({1}, at::kLong) : at::cat(parts);
   return routes;
 }
 

@@ -8,12 +8,18 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(recpipe, m) {
-  // Routing: split a KJT's flat lengths/indices by owner rank (fbgemm's layout).
+  // Routing: split a KJT's flat lengths/indices by owner rank (fbgemm's layout and
+  // every argument of fbgemm's block_bucketize_sparse_features, its _inference
+  // variant (return_bucket_mapping) and its 2-D weights variant ([n, D] weights)).
+  // Returns (new_lengths, new_indices, new_weights?, new_pos?, unbucketize_permute?,
+  // bucket_mapping?).
   m.def(
       "block_bucketize_sparse_features(Tensor lengths, Tensor indices, Tensor block_sizes, "
       "Tensor dist_types, SymInt my_size, bool sequence=False, bool bucketize_pos=False, "
-      "Tensor? weights=None, Tensor? table_sizes=None, int seed=0, bool keep_orig_idx=False) "
-      "-> (Tensor, Tensor, Tensor?, Tensor?, Tensor?)");
+      "Tensor? weights=None, Tensor? table_sizes=None, int seed=0, bool keep_orig_idx=False, "
+      "Tensor? batch_size_per_feature=None, SymInt max_B=-1, Tensor[]? block_bucketize_pos=None, "
+      "Tensor? total_num_blocks=None, Tensor? keep_orig_idx_per_feature=None, "
+      "bool return_bucket_mapping=False) -> (Tensor, Tensor, Tensor?, Tensor?, Tensor?, Tensor?)");
   // Inverse of hash_roundrobin routing: (owner rank, local row) -> global id.
   m.def(
       "hash_roundrobin_global_ids(Tensor ranks, Tensor local_ids, int table_size, "

@@ -1,7 +1,7 @@
 // recpipe: route_ids (CPU), the per-id routing primitive: owner rank and local
 // id of each id of one table, O(n) memory. Checkpoint resharding, the tiered
 // storage's HYBRID split and recpipe.pipeline.ops.route_ids call it; the math is
-// TableRoute in bucketize_math.h, which the CUDA kernel calls too.
+// FeatureRoute in bucketize_math.h, which the CUDA kernel calls too.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,8 +30,8 @@ std::tuple<at::Tensor, at::Tensor> route_ids_cpu(
   const int64_t* id = ids.const_data_ptr<int64_t>();
   int64_t* own = owner.mutable_data_ptr<int64_t>();
   int64_t* loc = local.mutable_data_ptr<int64_t>();
-  const TableRoute route(dist_type, static_cast<uint64_t>(table_size), static_cast<uint64_t>(world_size),
-                         static_cast<uint64_t>(seed));
+  const FeatureRoute route = FeatureRoute::for_table(dist_type, static_cast<uint64_t>(table_size),
+                                                     static_cast<uint64_t>(world_size), static_cast<uint64_t>(seed));
   std::vector<int64_t> bad_at(std::max<int64_t>(1, at::get_num_threads()), -1);
   at::parallel_for(0, n, 16384, [&](int64_t s, int64_t e) {
     const int tid = at::get_thread_num();
@@ -44,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> route_ids_cpu(
         continue;
       }
       uint64_t p = 0, l = 0;
-      route.route(static_cast<uint64_t>(id[i]), &p, &l);
+      route.route(static_cast<uint64_t>(id[i]), nullptr, &p, &l);
       own[i] = static_cast<int64_t>(p);
       loc[i] = static_cast<int64_t>(l);
     }

@@ -85,6 +85,7 @@ class BucketizeResult(NamedTuple):
         new_weights: weights following their ids, or None.
         new_pos: position of each id in its original bag, or None.
         unbucketize_permute: output position of each input id (``sequence``), or None.
+        bucket_mapping: owner rank of each input id (``return_bucket_mapping``), or None.
     """
 
     new_lengths: torch.Tensor
@@ -92,6 +93,7 @@ class BucketizeResult(NamedTuple):
     new_weights: Optional[torch.Tensor]
     new_pos: Optional[torch.Tensor]
     unbucketize_permute: Optional[torch.Tensor]
+    bucket_mapping: Optional[torch.Tensor] = None
 
 
 def _fake_index_dtype(t: torch.Tensor, name: str) -> None:
@@ -114,16 +116,19 @@ def _block_bucketize_fake(
     table_sizes: Optional[torch.Tensor] = None,
     seed: int = 0,
     keep_orig_idx: bool = False,
-) -> tuple[
-    torch.Tensor,
-    torch.Tensor,
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-]:
+    batch_size_per_feature: Optional[torch.Tensor] = None,
+    max_B: int = -1,
+    block_bucketize_pos: Optional[list[torch.Tensor]] = None,
+    total_num_blocks: Optional[torch.Tensor] = None,
+    keep_orig_idx_per_feature: Optional[torch.Tensor] = None,
+    return_bucket_mapping: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
+           Optional[torch.Tensor]]:
     torch._check(my_size > 0, lambda: f"`my_size` must be >= 1, got {my_size}")
+    per_feature = {"table_sizes": table_sizes, "total_num_blocks": total_num_blocks,
+                   "batch_size_per_feature": batch_size_per_feature}
     for name, t in (("lengths", lengths), ("indices", indices), ("block_sizes", block_sizes),
-                    ("dist_types", dist_types)) + ((("table_sizes", table_sizes),) if table_sizes is not None else ()):
+                    ("dist_types", dist_types)) + tuple((k, v) for k, v in per_feature.items() if v is not None):
         _fake_index_dtype(t, name)
         torch._check(t.dim() == 1, lambda: f"`{name}` must be 1-D")
     for name, t in (("indices", indices), ("weights", weights)):
@@ -136,12 +141,16 @@ def _block_bucketize_fake(
         block_sizes.numel() == dist_types.numel(),
         lambda: "`block_sizes` and `dist_types` need one entry per feature",
     )
+    if weights is not None:
+        torch._check(weights.dim() in (1, 2) and weights.shape[0] == indices.shape[0],
+                     lambda: "`weights` must be [n] or [n, D], one row per id")
     new_lengths = lengths.new_empty((my_size * lengths.numel(),))
     new_indices = torch.empty_like(indices)
     new_weights = torch.empty_like(weights) if weights is not None else None
     new_pos = torch.empty_like(indices) if bucketize_pos else None
     permute = torch.empty_like(indices) if sequence else None
-    return new_lengths, new_indices, new_weights, new_pos, permute
+    mapping = torch.empty_like(indices) if return_bucket_mapping else None
+    return new_lengths, new_indices, new_weights, new_pos, permute, mapping
 
 
 @torch.library.register_fake("recpipe::route_ids")
@@ -185,21 +194,42 @@ def block_bucketize_sparse_features(
     table_sizes: Optional[torch.Tensor] = None,
     seed: int = 0,
     keep_orig_idx: bool = False,
+    batch_size_per_feature: Optional[torch.Tensor] = None,
+    max_B: int = -1,
+    block_bucketize_pos: Optional[list[torch.Tensor]] = None,
+    total_num_blocks: Optional[torch.Tensor] = None,
+    keep_orig_idx_per_feature: Optional[torch.Tensor] = None,
+    return_bucket_mapping: bool = False,
 ) -> BucketizeResult:
     """Splits every bag of a flat KJT by owner rank.
 
+    Takes every argument of ``torch.ops.fbgemm.block_bucketize_sparse_features`` (and
+    of its ``_inference`` and ``_2d_weights`` variants) plus recpipe's per-feature
+    routing; on continuous features the results are bit-identical to fbgemm's.
+
     Args:
-        lengths: ``[F * B]`` bag lengths (int32/int64), feature-major.
+        lengths: bag lengths (int32/int64), feature-major: ``[F * B]``, or
+            ``[sum(batch_size_per_feature)]`` for a variable batch per feature.
         indices: ids (int32/int64), ``lengths.sum()`` of them.
-        block_sizes: ``[F]`` rows per rank, used by continuous features.
+        block_sizes: ``[F]`` rows per block, used by continuous features.
         dist_types: ``[F]`` codes, see :data:`DIST_TYPES`.
         my_size: world size ``W``.
         sequence: also return ``unbucketize_permute``.
         bucketize_pos: also return each id's position in its bag.
-        weights: per-id weights (fp16/bf16/fp32/fp64) that follow their ids.
+        weights: per-id weights (fp16/bf16/fp32/fp64) that follow their ids:
+            ``[n]``, or ``[n, D]`` (fbgemm's 2-D weights variant).
         table_sizes: ``[F]`` row counts; required by hash_roundrobin features.
         seed: seed of the hash_roundrobin bijection.
         keep_orig_idx: return raw ids instead of local ids (key-value backends).
+        batch_size_per_feature: ``[F]`` batch size of each feature (VBE KJTs).
+        max_B: largest batch size (used by the CUDA kernel; -1: computed).
+        block_bucketize_pos: per feature, the first row of each rank (``W + 1``
+            bounds from 0): uneven row-wise shards; continuous features only.
+        total_num_blocks: ``[F]`` blocks per table over all ranks (a multiple
+            of ``W``; each rank holds ``total / W`` consecutive blocks);
+            continuous features only.
+        keep_orig_idx_per_feature: ``[F]`` bool, overrides ``keep_orig_idx``.
+        return_bucket_mapping: also return each id's owner rank.
 
     Returns:
         :class:`BucketizeResult`.
@@ -224,6 +254,12 @@ def block_bucketize_sparse_features(
             table_sizes,
             seed,
             keep_orig_idx,
+            batch_size_per_feature,
+            max_B,
+            block_bucketize_pos,
+            total_num_blocks,
+            keep_orig_idx_per_feature,
+            return_bucket_mapping,
         )
     )
 
