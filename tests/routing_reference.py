@@ -133,19 +133,31 @@ def ref_bucketize(
     seed: int = 0,
     keep_orig_idx: bool = False,
     index_bits: int = 64,
+    batch_size_per_feature: Optional[Sequence[int]] = None,
+    keep_orig_idx_per_feature: Optional[Sequence[bool]] = None,
+    return_bucket_mapping: bool = False,
 ) -> dict[str, Optional[list]]:
-    """Reference outputs as Python lists, fbgemm's layout (rank, feature, sample)."""
+    """Reference outputs as Python lists, fbgemm's layout (rank, feature, sample).
+
+    ``weights`` may be per-id values or per-id rows (lists); ``batch_size_per_feature``
+    gives each feature's number of bags (variable batch), else all features have
+    ``len(lengths) // F``.
+    """
     F = len(dist_types)
     FB = len(lengths)
-    B = FB // F if F else 0
+    batch = list(batch_size_per_feature) if batch_size_per_feature is not None else [FB // F if F else 0] * F
+    feature_of_bag = [f for f in range(F) for _ in range(batch[f])]
+    assert len(feature_of_bag) == FB
     perms: dict[int, RefPermutation] = {}
     # buckets[rank][bag] = list of (local, weight, pos, input_index)
     buckets: list[list[list[tuple[int, Optional[float], int, int]]]] = [
         [[] for _ in range(FB)] for _ in range(world)
     ]
+    mapping: list[int] = []
     i = 0
     for bt in range(FB):
-        f = bt // B
+        f = feature_of_bag[bt]
+        keep = keep_orig_idx_per_feature[f] if keep_orig_idx_per_feature is not None else keep_orig_idx
         for j in range(lengths[bt]):
             raw = indices[i]
             ts = table_sizes[f] if table_sizes is not None else 0
@@ -157,7 +169,7 @@ def ref_bucketize(
                 owner, local = h % world, h // world
             else:
                 owner, local = route_one(raw, dist_types[f], world, block_sizes[f], ts, seed, index_bits)
-            if keep_orig_idx:
+            if keep:
                 local = raw
             else:
                 # back to the signed index dtype, as the kernel stores it
@@ -165,6 +177,7 @@ def ref_bucketize(
                     local -= 1 << index_bits
             w = weights[i] if weights is not None else None
             buckets[owner][bt].append((local, w, j, i))
+            mapping.append(owner)
             i += 1
     new_lengths: list[int] = []
     new_indices: list[int] = []
@@ -185,4 +198,5 @@ def ref_bucketize(
         "new_weights": new_weights if weights is not None else None,
         "new_pos": new_pos if bucketize_pos else None,
         "unbucketize_permute": permute if sequence else None,
+        "bucket_mapping": mapping if return_bucket_mapping else None,
     }

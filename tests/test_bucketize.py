@@ -139,6 +139,56 @@ def test_matches_python_reference(F, B, W, seed, sequence, pos, keep, weights_dt
     _check_against_reference(case, sequence=sequence, pos=pos, weights_dtype=weights_dtype, seed=seed, keep=keep)
 
 
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    F=st.integers(1, 5),
+    W=st.integers(1, 20),
+    index_dtype=st.sampled_from([torch.int32, torch.int64]),
+    weights_dim=st.sampled_from([None, 0, 1, 3]),  # None: no weights; 0: [n]; D: [n, D]
+    sequence=st.booleans(),
+    pos=st.booleans(),
+    mapping=st.booleans(),
+    case_seed=st.integers(0, 2**32),
+)
+def test_vbe_keep_per_feature_2d_weights_mapping_match_reference(
+    F, W, index_dtype, weights_dim, sequence, pos, mapping, case_seed
+) -> None:
+    """Every distribution type with a variable batch per feature, keep_orig_idx per
+    feature, [n, D] weights and the bucket mapping, against the reference."""
+    rng = random.Random(case_seed)
+    batch = [rng.randrange(0, 9) for _ in range(F)]
+    dist = [rng.randrange(3) for _ in range(F)]
+    sizes = [rng.choice([1, 5, 64, 1000, 50_000]) for _ in range(F)]
+    lengths = [rng.randrange(0, 6) for f in range(F) for _ in range(batch[f])]
+    feature_of_bag = [f for f in range(F) for _ in range(batch[f])]
+    indices = [rng.randrange(sizes[f]) for bt, f in enumerate(feature_of_bag) for _ in range(lengths[bt])]
+    keep = [rng.random() < 0.4 for _ in range(F)]
+    n = len(indices)
+    w = None
+    if weights_dim is not None:
+        w = torch.randn(n, dtype=torch.float64) if weights_dim == 0 else torch.randn(n, weights_dim, dtype=torch.float64)
+    got = ops.block_bucketize_sparse_features(
+        torch.tensor(lengths, dtype=torch.int64), torch.tensor(indices, dtype=index_dtype),
+        torch.tensor([max(1, -(-m // W)) for m in sizes]), torch.tensor(dist), W,
+        sequence=sequence, bucketize_pos=pos, weights=w, table_sizes=torch.tensor(sizes), seed=3,
+        batch_size_per_feature=torch.tensor(batch), keep_orig_idx_per_feature=torch.tensor(keep),
+        return_bucket_mapping=mapping,
+    )
+    want = ref_bucketize(
+        lengths, indices, [max(1, -(-m // W)) for m in sizes], dist, W, sequence=sequence, bucketize_pos=pos,
+        weights=w.tolist() if w is not None else None, table_sizes=sizes, seed=3,
+        index_bits=32 if index_dtype == torch.int32 else 64, batch_size_per_feature=batch,
+        keep_orig_idx_per_feature=keep, return_bucket_mapping=mapping,
+    )
+    for name in got._fields:
+        g, r = getattr(got, name), want[name]
+        assert (g is None) == (r is None), name
+        if r is not None:
+            assert g.tolist() == r, name
+    if w is not None:
+        assert got.new_weights.shape == w.shape
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_large_input_multithreaded_matches_reference(threads: int) -> None:
     """Above the threading threshold (64k ids per chunk) the chunked kernel must agree too."""
