@@ -19,15 +19,13 @@
 //                      bucket_mapping
 //   4. rows_kernel   : new_weights[dest[i]] = weights[i], rows of D entries
 //
-// No host sync when the per-feature metadata is on the CPU: every output size
-// comes from the input shapes (new_lengths W * FB, the others n). What only the
-// device knows cannot raise a C++ error without a sync, so count_kernel checks it
-// with device asserts (CUDA_KERNEL_ASSERT_PRINTF: the message is printed, then the
-// CUDA context is lost, as for any device-side assert): a negative length,
-// lengths not summing to n, an id outside its table (route() returns false:
-// roundrobin / hash_roundrobin with a table size). Every access stays in bounds
-// even then. Only c10/cuda headers are included (ATen/cuda/CUDAContext.h pulls
-// in cusparse.h).
+// No host sync when the per-feature metadata is on the CPU: output sizes come
+// from input shapes (new_lengths W * FB, the others n). Values only the device
+// knows cannot raise a C++ error without a sync, so count_kernel checks them with
+// device asserts (CUDA_KERNEL_ASSERT_PRINTF: a message, then the CUDA context is
+// lost, as for any device-side assert): a negative length, lengths not summing to
+// n, an id outside its table (route() returns false). Every access stays in
+// bounds even then. Only c10/cuda headers are included (not CUDAContext.h).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -66,49 +64,46 @@ struct DeviceMeta {
   const int64_t* bounds;       // flat uneven-shard bounds (build_feature_routes)
   int64_t F;
 
-  // Route of bag b's feature: the last f with fbag[f] <= b (skips empty features).
-  __device__ const FeatureRoute& route_of(int64_t b) const {
+  // Feature of bag b: the last f with fbag[f] <= b (skips empty features).
+  __device__ int64_t feature_of(int64_t b) const {
     int64_t lo = 0;
     int64_t hi = F;
     while (hi - lo > 1) {
       const int64_t mid = (lo + hi) / 2;
       (fbag[mid] <= b ? lo : hi) = mid;
     }
-    return routes[lo];
+    return lo;
+  }
+
+  // Calls fn(f, i, i0, routed, owner, local) for the ids i of bag b (feature f,
+  // first id i0) in order, the feature's rule fixed at compile time as in the CPU
+  // kernel. [i0, i1) is clamped to [0, n]: invalid lengths (count_kernel's
+  // asserts) never index outside `indices`.
+  template <typename index_t, typename Fn>
+  __device__ void walk_bag(const int64_t* ends, const index_t* ids, int64_t n, int64_t b, Fn&& fn) const {
+    const int64_t s = b == 0 ? 0 : ends[b - 1];
+    const int64_t i0 = s < 0 ? 0 : (s > n ? n : s);
+    const int64_t i1 = ends[b] < i0 ? i0 : (ends[b] > n ? n : ends[b]);
+    const int64_t f = feature_of(b);
+    const FeatureRoute& r = routes[f];
+    auto run = [&](auto dist) {
+      for (int64_t i = i0; i < i1; ++i) {
+        uint64_t p = 0;
+        uint64_t l = 0;
+        const auto uid = static_cast<std::make_unsigned_t<index_t>>(ids[i]);
+        const bool ok = r.template route<decltype(dist)::value>(uid, bounds, &p, &l);
+        fn(f, i, i0, ok, p, l);
+      }
+    };
+    if (r.dist == kContinuous) {
+      run(std::integral_constant<int, kContinuous>());
+    } else if (r.dist == kRoundRobin) {
+      run(std::integral_constant<int, kRoundRobin>());
+    } else {
+      run(std::integral_constant<int, kHashRoundRobin>());
+    }
   }
 };
-
-// Ids [*i0, *i1) of bag b, clamped to [0, n]: invalid lengths (count_kernel's
-// asserts) never index outside `indices`.
-__device__ __forceinline__ void bag_range(const int64_t* ends, int64_t b, int64_t n, int64_t* i0, int64_t* i1) {
-  const int64_t s = b == 0 ? 0 : ends[b - 1];
-  const int64_t e = ends[b];
-  *i0 = s < 0 ? 0 : (s > n ? n : s);
-  *i1 = e < *i0 ? *i0 : (e > n ? n : e);
-}
-
-// Calls fn(i, routed, owner, local) for the ids [i0, i1) in order, the feature's
-// rule fixed at compile time as in the CPU kernel.
-template <typename index_t, typename Fn>
-__device__ __forceinline__ void walk_bag(const FeatureRoute& r, const int64_t* bounds, const index_t* ids,
-                                         int64_t i0, int64_t i1, Fn&& fn) {
-  auto run = [&](auto dist) {
-    for (int64_t i = i0; i < i1; ++i) {
-      uint64_t p = 0;
-      uint64_t l = 0;
-      const auto uid = static_cast<std::make_unsigned_t<index_t>>(ids[i]);
-      const bool ok = r.template route<decltype(dist)::value>(uid, bounds, &p, &l);
-      fn(i, ok, p, l);
-    }
-  };
-  if (r.dist == kContinuous) {
-    run(std::integral_constant<int, kContinuous>());
-  } else if (r.dist == kRoundRobin) {
-    run(std::integral_constant<int, kRoundRobin>());
-  } else {
-    run(std::integral_constant<int, kHashRoundRobin>());
-  }
-}
 
 template <typename index_t, typename offset_t>
 __global__ void count_kernel(const offset_t* __restrict__ lengths, const int64_t* __restrict__ ends,
@@ -124,18 +119,15 @@ __global__ void count_kernel(const offset_t* __restrict__ lengths, const int64_t
                                 "indices must describe the same KJT.",
                                 static_cast<long long>(ends[b]), static_cast<long long>(n));
     }
-    int64_t i0 = 0;
-    int64_t i1 = 0;
-    bag_range(ends, b, n, &i0, &i1);
-    const FeatureRoute& r = meta.route_of(b);
-    walk_bag(r, meta.bounds, ids, i0, i1, [&](int64_t i, bool ok, uint64_t p, uint64_t) {
+    meta.walk_bag(ends, ids, n, b, [&](int64_t f, int64_t i, int64_t, bool ok, uint64_t p, uint64_t) {
+      const FeatureRoute& r = meta.routes[f];
       CUDA_KERNEL_ASSERT_PRINTF(ok,
-                                "recpipe: `indices[%lld]` = %lld (bag %lld, %s) is outside [0, table size %llu); "
-                                "ids must lie in the table's range: hash or clamp raw ids upstream (a roundrobin "
-                                "feature of raw ids takes table_sizes 0).",
+                                "recpipe: `indices[%lld]` = %lld (feature %lld, %s) is outside [0, table_sizes[%lld] "
+                                "= %llu); ids must lie in the table's range: hash or clamp raw ids upstream (a "
+                                "roundrobin feature of raw ids takes table_sizes 0).",
                                 static_cast<long long>(i), static_cast<long long>(ids[i]),
-                                static_cast<long long>(b), r.dist == kRoundRobin ? "roundrobin" : "hash_roundrobin",
-                                static_cast<unsigned long long>(r.table_size));
+                                static_cast<long long>(f), r.dist == kRoundRobin ? "roundrobin" : "hash_roundrobin",
+                                static_cast<long long>(f), static_cast<unsigned long long>(r.table_size));
       new_lengths[p * FB + b] += 1;  // p < W for every id, routed or not (p = 0)
     });
   }
@@ -147,10 +139,7 @@ __global__ void scatter_kernel(const int64_t* __restrict__ ends, const index_t* 
                                index_t* __restrict__ new_indices, index_t* __restrict__ dest,
                                index_t* __restrict__ new_pos, index_t* __restrict__ mapping) {
   RECPIPE_GRID_LOOP(b, FB) {
-    int64_t i0 = 0;
-    int64_t i1 = 0;
-    bag_range(ends, b, n, &i0, &i1);
-    walk_bag(meta.route_of(b), meta.bounds, ids, i0, i1, [&](int64_t i, bool, uint64_t p, uint64_t l) {
+    meta.walk_bag(ends, ids, n, b, [&](int64_t, int64_t i, int64_t i0, bool, uint64_t p, uint64_t l) {
       const int64_t at = cursor[p * FB + b]++;
       if (at >= n) {
         return;  // only with invalid lengths, after count_kernel's assert
@@ -203,9 +192,8 @@ std::vector<int64_t> feature_bags(const BucketizeArgs& a) {
 }
 
 // routes | fbag | bounds in one pinned host buffer, copied to `device` non_blocking
-// on the current stream: no sync. The caching host allocator records that stream on
-// the pinned block, so the block is not reused before the copy has run. Returns the
-// device buffer (kept alive by the caching allocator's stream order once freed).
+// on the current stream: no sync (copy_ records the stream on the pinned block, so
+// the caching host allocator reuses it only after the copy). Returns the device copy.
 Tensor pack_metadata(const std::vector<FeatureRoute>& routes, const std::vector<int64_t>& fbag,
                      const Tensor& bounds, c10::Device device, DeviceMeta* meta) {
   static_assert(std::is_trivially_copyable_v<FeatureRoute>, "FeatureRoute is copied to the device as bytes");
@@ -244,10 +232,10 @@ std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_buc
   const auto stream = c10::cuda::getCurrentCUDAStream();
   a.lengths = a.lengths.contiguous();
   a.indices = a.indices.contiguous();
-  // Host metadata: no sync while block_sizes, dist_types, table_sizes,
-  // total_num_blocks, keep_orig_idx_per_feature, batch_size_per_feature and
-  // block_bucketize_pos are CPU tensors; any of them on the GPU is read back
-  // (a D2H copy: one sync) by build_feature_routes or feature_bags.
+  // Host metadata: no sync while every per-feature tensor (block_sizes, dist_types,
+  // table_sizes, total_num_blocks, keep_orig_idx_per_feature, batch_size_per_feature,
+  // block_bucketize_pos) is on the CPU; one on the GPU is read back (a D2H copy, a
+  // sync) by build_feature_routes or feature_bags.
   Tensor bounds;
   const std::vector<FeatureRoute> routes = build_feature_routes(a, &bounds);
   const std::vector<int64_t> fbag = feature_bags(a);
@@ -258,20 +246,12 @@ std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_buc
   const auto like_ids = a.indices.options();
   Tensor new_lengths = at::zeros({my_size * FB}, a.lengths.options());
   Tensor new_indices = at::empty({n}, like_ids);
-  OptTensor new_weights, new_pos, dest, mapping;
-  if (bucketize_pos) {
-    new_pos = at::empty({n}, like_ids);
-  }
-  if (sequence || weights.has_value()) {
-    dest = at::empty({n}, like_ids);  // each id's output position; unbucketize_permute when sequence
-  }
-  if (return_bucket_mapping) {
-    mapping = at::empty({n}, like_ids);
-  }
+  auto make_if = [&](bool want) { return want ? OptTensor(at::empty({n}, like_ids)) : OptTensor(); };
+  OptTensor new_pos = make_if(bucketize_pos);
+  OptTensor dest = make_if(sequence || weights.has_value());  // output position of each id (unbucketize_permute)
+  OptTensor mapping = make_if(return_bucket_mapping);
   const Tensor w = weights.has_value() ? weights->contiguous() : Tensor();
-  if (w.defined()) {
-    new_weights = at::empty(w.sizes(), w.options());
-  }
+  OptTensor new_weights = w.defined() ? OptTensor(at::empty(w.sizes(), w.options())) : OptTensor();
   if (FB > 0) {
     DeviceMeta meta{};
     const Tensor meta_buf = pack_metadata(routes, fbag, bounds, a.lengths.device(), &meta);
@@ -300,13 +280,7 @@ std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_buc
               a.weights_dim(), static_cast<bits_t*>(new_weights->mutable_data_ptr()));
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
-        if (w.element_size() == 2) {
-          rows(uint16_t{});
-        } else if (w.element_size() == 4) {
-          rows(uint32_t{});
-        } else {
-          rows(uint64_t{});
-        }
+        w.element_size() == 2 ? rows(uint16_t{}) : w.element_size() == 4 ? rows(uint32_t{}) : rows(uint64_t{});
       }
     });
   }
@@ -349,7 +323,16 @@ __global__ void route_ids_kernel(const int64_t* __restrict__ ids, int64_t n, int
 
 // hash_roundrobin_global_ids and route_ids are not training-step ops (checkpoint
 // resharding, tier placement): each reads one flag back (one sync) to raise a
-// recoverable error naming the first bad entry.
+// recoverable error naming the first bad entry. first_flagged launches its kernel
+// with the flag and returns the smallest flagged index, n if none.
+template <typename Launch>
+int64_t first_flagged(int64_t n, c10::Device device, Launch&& launch) {
+  Tensor flag = at::full({1}, n, at::TensorOptions(at::kLong).device(device));
+  launch(reinterpret_cast<unsigned long long*>(flag.mutable_data_ptr<int64_t>()), c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return flag.item<int64_t>();  // the one sync
+}
+
 Tensor hash_roundrobin_global_ids_cuda(const Tensor& ranks_in, const Tensor& local_ids_in, int64_t table_size,
                                        int64_t world_size, int64_t seed) {
   check_global_ids_args(ranks_in, local_ids_in, table_size, world_size);
@@ -363,13 +346,12 @@ Tensor hash_roundrobin_global_ids_cuda(const Tensor& ranks_in, const Tensor& loc
   if (n == 0) {
     return out.to(local_ids_in.scalar_type());
   }
-  Tensor first_bad = at::full({1}, n, local_ids.options());
   const HashPermutation perm(static_cast<uint64_t>(table_size), static_cast<uint64_t>(seed));
-  global_ids_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      ranks.const_data_ptr<int64_t>(), local_ids.const_data_ptr<int64_t>(), n, table_size, world_size, perm,
-      out.mutable_data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t bad = first_bad.item<int64_t>();  // the one sync
+  const int64_t bad = first_flagged(n, out.device(), [&](unsigned long long* flag, cudaStream_t stream) {
+    global_ids_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ranks.const_data_ptr<int64_t>(),
+                                                              local_ids.const_data_ptr<int64_t>(), n, table_size,
+                                                              world_size, perm, out.mutable_data_ptr<int64_t>(), flag);
+  });
   TORCH_CHECK(bad >= n, "recpipe: (`ranks[", bad, "]`, `local_ids[", bad, "]`) is not a slot of a table of ",
               table_size, " rows over ", world_size,
               " ranks under hash_roundrobin (needs 0 <= rank < world_size and "
@@ -390,15 +372,15 @@ std::tuple<Tensor, Tensor> route_ids_cuda(const Tensor& ids_in, int64_t table_si
   if (n == 0) {
     return {owner, local.to(ids_in.scalar_type())};
   }
-  Tensor first_bad = at::full({1}, n, ids.options());
   const FeatureRoute route = FeatureRoute::for_table(dist_type, static_cast<uint64_t>(table_size),
                                                      static_cast<uint64_t>(world_size), static_cast<uint64_t>(seed));
-  route_ids_kernel<<<blocks_for(n), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      ids.const_data_ptr<int64_t>(), n, table_size, route, owner.mutable_data_ptr<int64_t>(),
-      local.mutable_data_ptr<int64_t>(), reinterpret_cast<unsigned long long*>(first_bad.mutable_data_ptr<int64_t>()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  const int64_t bad = first_bad.item<int64_t>();  // the one sync
-  TORCH_CHECK_INDEX(bad >= n, "recpipe: `ids[", bad, "]` is outside [0, table_size = ", table_size,
+  const int64_t bad = first_flagged(n, ids.device(), [&](unsigned long long* flag, cudaStream_t stream) {
+    route_ids_kernel<<<blocks_for(n), kThreads, 0, stream>>>(ids.const_data_ptr<int64_t>(), n, table_size, route,
+                                                             owner.mutable_data_ptr<int64_t>(),
+                                                             local.mutable_data_ptr<int64_t>(), flag);
+  });
+  TORCH_CHECK_INDEX(bad >= n, "recpipe: `ids[", bad, "]` = ", bad < n ? ids[bad].item<int64_t>() : 0,
+                    " is outside [0, table_size = ", table_size,
                     "); route_ids takes ids of the table's rows (hash or clamp raw ids upstream).");
   return {owner, local.to(ids_in.scalar_type())};
 }
