@@ -1,31 +1,26 @@
 // recpipe: CUDA kernels of the three routing ops (schemas in library.cpp).
 //
-// block_bucketize_sparse_features has the CPU kernel's semantics (bucketize.cpp is
-// the reference; same outputs bit for bit). Every id's owner rank and local id come
-// from FeatureRoute::route (bucketize_math.h) and nothing else; the routes are
-// built on the host by build_feature_routes (checks.h).
-//
+// block_bucketize_sparse_features: the CPU kernel's semantics, bit for bit
+// (bucketize.cpp is the reference). Owner rank and local id of every id come from
+// FeatureRoute::route only; build_feature_routes (checks.h) makes the routes.
 //   host: routes [F], first bag of each feature fbag [F + 1] (VBE: prefix sum of
-//         batch_size_per_feature) and the uneven-shard bounds, packed into one
-//         pinned buffer and copied to the device non_blocking
+//         batch_size_per_feature), uneven-shard bounds: one pinned buffer, one
+//         non_blocking copy to the device
 //   ends = cumsum(lengths) on the device: bag b holds ids [ends[b - 1], ends[b])
-//   1. count_kernel  : one thread per bag (its feature: binary search in fbag)
-//                      routes its ids and counts new_lengths[owner * FB + b]
-//                      (column b belongs to that thread: no atomics)
+//   1. count_kernel  : one thread per bag (feature: binary search in fbag) routes
+//                      its ids, new_lengths[owner * FB + b] += 1 (column b is that
+//                      thread's: no atomics)
 //   2. cursor = exclusive prefix sum of new_lengths (rank-major: output order)
-//   3. scatter_kernel: one thread per bag routes its ids again, in order, and
-//                      writes each to cursor[owner * FB + b]++ (order inside a bag
-//                      kept): new_indices, new_pos, dest (= unbucketize_permute),
-//                      bucket_mapping
+//   3. scatter_kernel: one thread per bag routes its ids again, in order, each to
+//                      cursor[owner * FB + b]++: new_indices, new_pos, dest
+//                      (= unbucketize_permute), bucket_mapping
 //   4. rows_kernel   : new_weights[dest[i]] = weights[i], rows of D entries
-//
-// No host sync when the per-feature metadata is on the CPU: output sizes come
-// from input shapes (new_lengths W * FB, the others n). Values only the device
-// knows cannot raise a C++ error without a sync, so count_kernel checks them with
-// device asserts (CUDA_KERNEL_ASSERT_PRINTF: a message, then the CUDA context is
-// lost, as for any device-side assert): a negative length, lengths not summing to
-// n, an id outside its table (route() returns false). Every access stays in
-// bounds even then. Only c10/cuda headers are included (not CUDAContext.h).
+// No host sync with per-feature metadata on the CPU: output sizes come from input
+// shapes (new_lengths W * FB, the others n). Values only the device sees fail by a
+// device assert (CUDA_KERNEL_ASSERT_PRINTF: message, then the CUDA context is lost):
+// a negative length, lengths not summing to n, an id outside its table (route()
+// returns false). Every access stays in bounds even then. Only c10/cuda headers
+// are included (ATen/cuda/CUDAContext.h pulls in cusparse.h).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -88,8 +83,7 @@ struct DeviceMeta {
     const FeatureRoute& r = routes[f];
     auto run = [&](auto dist) {
       for (int64_t i = i0; i < i1; ++i) {
-        uint64_t p = 0;
-        uint64_t l = 0;
+        uint64_t p = 0, l = 0;
         const auto uid = static_cast<std::make_unsigned_t<index_t>>(ids[i]);
         const bool ok = r.template route<decltype(dist)::value>(uid, bounds, &p, &l);
         fn(f, i, i0, ok, p, l);
@@ -284,10 +278,7 @@ std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_buc
       }
     });
   }
-  if (!sequence) {
-    dest.reset();
-  }
-  return {new_lengths, new_indices, new_weights, new_pos, dest, mapping};
+  return {new_lengths, new_indices, new_weights, new_pos, sequence ? dest : OptTensor(), mapping};
 }
 
 __global__ void global_ids_kernel(const int64_t* __restrict__ ranks, const int64_t* __restrict__ local_ids,
@@ -309,8 +300,7 @@ __global__ void route_ids_kernel(const int64_t* __restrict__ ids, int64_t n, int
                                  int64_t* __restrict__ owner, int64_t* __restrict__ local,
                                  unsigned long long* __restrict__ first_bad) {
   RECPIPE_GRID_LOOP(i, n) {
-    uint64_t p = 0;
-    uint64_t l = 0;
+    uint64_t p = 0, l = 0;
     if (ids[i] < 0 || ids[i] >= table_size || !route.route(static_cast<uint64_t>(ids[i]), nullptr, &p, &l)) {
       atomicMin(first_bad, static_cast<unsigned long long>(i));
       owner[i] = local[i] = -1;
