@@ -129,8 +129,8 @@ inline void check_bucketize_args(const BucketizeArgs& a) {
                 "; pass one tensor of shard bounds per feature.");
     for (int64_t f = 0; f < F; ++f) {
       const at::Tensor& b = (*a.block_bucketize_pos)[f];
-      TORCH_CHECK(b.dim() == 1 && b.numel() >= 1 && (b.scalar_type() == at::kInt || b.scalar_type() == at::kLong),
-                  "recpipe: `block_bucketize_pos[", f, "]` must be a non-empty 1-D int32/int64 tensor, got ",
+      TORCH_CHECK(b.dim() == 1 && (b.scalar_type() == at::kInt || b.scalar_type() == at::kLong),
+                  "recpipe: `block_bucketize_pos[", f, "]` must be a 1-D int32/int64 tensor, got ",
                   b.scalar_type(), " of shape ", b.sizes(), ".");
     }
   }
@@ -172,9 +172,13 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
     const char* name = dist == kContinuous ? "continuous" : dist == kRoundRobin ? "roundrobin" : "hash_roundrobin";
     TORCH_CHECK(dist == kContinuous || dist == kRoundRobin || dist == kHashRoundRobin, "recpipe: `dist_types[", f,
                 "]` is ", dist, "; it must be 0 (continuous), 1 (roundrobin) or 2 (hash_roundrobin).");
-    TORCH_CHECK(dist == kContinuous || !a.has_bounds(), "recpipe: `block_bucketize_pos` (uneven row-wise shards) "
+    const int64_t count = a.has_bounds() ? (*a.block_bucketize_pos)[f].numel() : 0;
+    TORCH_CHECK(dist == kContinuous || count == 0, "recpipe: `block_bucketize_pos` (uneven row-wise shards) "
                 "applies to continuous features only, but feature ", f, " is ", name,
-                "; route every feature of an unevenly sharded table with dist_types 0 (continuous).");
+                " and `block_bucketize_pos[", f, "]` has ", count, " bounds; pass an empty tensor for it.");
+    TORCH_CHECK(dist != kContinuous || !a.has_bounds() || count >= 1, "recpipe: `block_bucketize_pos[", f,
+                "]` is empty but feature ", f, " is continuous; pass its shard bounds (0, then the first row of "
+                "each next rank).");
     TORCH_CHECK(dist == kContinuous || !a.total_num_blocks.has_value(), "recpipe: `total_num_blocks` applies to "
                 "continuous features only, but feature ", f, " is ", name,
                 "; drop total_num_blocks or route the feature with dist_types 0 (continuous).");
@@ -186,11 +190,9 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
                   " (each rank holds total_num_blocks / W blocks).");
       num_blocks = static_cast<uint64_t>(g);
     }
-    int64_t count = 0;
-    if (a.has_bounds()) {
+    if (count > 0) {
       const at::Tensor b = host((*a.block_bucketize_pos)[f]);
       const int64_t* v = b.const_data_ptr<int64_t>();
-      count = b.numel();
       TORCH_CHECK(v[0] == 0, "recpipe: `block_bucketize_pos[", f, "][0]` is ", v[0],
                   "; shard bounds start at row 0 (then the first row of each next rank).");
       for (int64_t i = 1; i < count; ++i) {
@@ -198,7 +200,7 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
                     v[i - 1], " then ", v[i], "); shard bounds must be non-decreasing row offsets.");
       }
       parts.push_back(b);
-    } else if (dist == kContinuous) {
+    } else if (dist == kContinuous && !a.has_bounds()) {
       TORCH_CHECK(block > 0, "recpipe: `block_sizes[", f, "]` is ", block, " but feature ", f,
                   " is continuous, which needs rows-per-rank >= 1; pass ceil(table_rows / world_size).");
     }

@@ -38,6 +38,7 @@ __all__ = [
     "BucketizeResult",
     "block_bucketize_sparse_features",
     "bucketize_kjt",
+    "bucketize_kjt_by",
     "dist_type_code",
     "hash_roundrobin_global_ids",
     "route_ids",
@@ -327,12 +328,14 @@ def bucketize_kjt(
     sequence: bool = False,
     bucketize_pos: bool = False,
     keep_orig_idx: bool = False,
+    row_bounds: Optional[dict[str, list[int]]] = None,
 ) -> tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
     """Bucketizes a KJT by owner rank, feature by feature.
 
     The result mirrors torchrec's ``bucketize_kjt_before_all2all``: a KJT whose
     keys are ``kjt.keys()`` repeated ``world_size`` times (rank-major) and whose
-    lengths are ``[W * F * B]``, ready for the KJT all-to-all.
+    lengths are ``[W * F * B]``, ready for the KJT all-to-all. KJTs with a variable
+    batch per feature (VBE) keep their strides per key, per rank.
 
     Args:
         kjt: the input features.
@@ -346,6 +349,8 @@ def bucketize_kjt(
         bucketize_pos: put each id's bag position in the result's weights
             (torchrec's convention for position-weighted features).
         keep_orig_idx: keep raw ids instead of local ids.
+        row_bounds: feature name -> uneven shard bounds of its (continuous) table:
+            0, the first row of ranks 1..W-1, and the table's end.
 
     Returns:
         ``(bucketized_kjt, unbucketize_permute or None)``.
@@ -374,27 +379,71 @@ def bucketize_kjt(
     codes = torch.tensor([dist_type_code(dist_types[k]) for k in keys], dtype=torch.int64)
     sizes = torch.tensor([int(table_sizes[k]) for k in keys], dtype=torch.int64)
     blocks = torch.clamp((sizes + world_size - 1) // world_size, min=1)
+    bounds = None
+    if row_bounds is not None:
+        bounds = [torch.tensor(row_bounds.get(k, []), dtype=torch.int64) for k in keys]
+    return bucketize_kjt_by(
+        kjt, world_size, blocks, codes, sizes, seed=seed, sequence=sequence, bucketize_pos=bucketize_pos,
+        keep_orig_idx=keep_orig_idx, row_bounds=bounds,
+    )
+
+
+def bucketize_kjt_by(
+    kjt: KeyedJaggedTensor,
+    world_size: int,
+    block_sizes: torch.Tensor,
+    dist_types: torch.Tensor,
+    table_sizes: torch.Tensor,
+    *,
+    seed: int = 0,
+    sequence: bool = False,
+    bucketize_pos: bool = False,
+    keep_orig_idx: bool = False,
+    row_bounds: Optional[list[torch.Tensor]] = None,
+) -> tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
+    """:func:`bucketize_kjt` with the per-feature metadata as ``[F]`` tensors (kept on
+    the CPU by callers such as the row-wise input dist, so no call syncs a device).
+
+    Args:
+        kjt: the input features (VBE or not).
+        world_size: ``W``.
+        block_sizes: ``[F]`` rows per rank of continuous features.
+        dist_types: ``[F]`` codes of :data:`DIST_TYPES`.
+        table_sizes: ``[F]`` table rows.
+        seed: seed of the hash_roundrobin bijection.
+        sequence: also return the unbucketize permutation.
+        bucketize_pos: put bag positions in the result's weights.
+        keep_orig_idx: keep raw ids instead of local ids.
+        row_bounds: per feature, uneven shard bounds (empty for routed features), or None.
+
+    Returns:
+        ``(bucketized_kjt, unbucketize_permute or None)``.
+    """
+    vbe = kjt.variable_stride_per_key()
     out = block_bucketize_sparse_features(
         kjt.lengths().view(-1),
         kjt.values(),
-        blocks,
-        codes,
+        block_sizes,
+        dist_types,
         world_size,
         sequence=sequence,
         bucketize_pos=bucketize_pos,
         weights=kjt.weights_or_none(),
-        table_sizes=sizes,
+        table_sizes=table_sizes,
         seed=seed,
         keep_orig_idx=keep_orig_idx,
+        batch_size_per_feature=torch.tensor(kjt.stride_per_key(), dtype=torch.int64) if vbe else None,
+        max_B=max(kjt.stride_per_key()) if vbe else -1,
+        block_bucketize_pos=row_bounds,
     )
     # torchrec's convention (bucketize_kjt_before_all2all): positions ride in the weights.
-    weights = out.new_pos if bucketize_pos else out.new_weights
     result = KeyedJaggedTensor(
-        keys=list(keys) * world_size,
+        keys=list(kjt.keys()) * world_size,
         values=out.new_indices,
-        weights=weights,
+        weights=out.new_pos if bucketize_pos else out.new_weights,
         lengths=out.new_lengths.view(-1),
-        stride=kjt.stride(),
+        stride=None if vbe else kjt.stride(),
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank() * world_size if vbe else None,
     )
     return result, out.unbucketize_permute
 

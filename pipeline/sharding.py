@@ -62,8 +62,10 @@ from torchrec.distributed.sharding.rw_sharding import (
     RwPooledEmbeddingSharding,
     RwSparseFeaturesDist,
 )
+from torchrec.distributed import comm_ops
 from torchrec.distributed.types import (
     Awaitable,
+    NoWait,
     ParameterSharding,
     QuantizedCommCodecs,
     ShardingEnv,
@@ -95,6 +97,7 @@ __all__ = [
     "RecpipeShardedEmbeddingCollection",
     "RoutingOverrides",
     "feature_routing",
+    "feature_row_bounds",
     "recpipe_sharders",
     "table_routing",
 ]
@@ -211,6 +214,63 @@ def table_routing(
     return dist_type, int(seed)
 
 
+def feature_row_bounds(
+    grouped_configs: List[GroupedEmbeddingConfig],
+    world_size: int,
+    overrides: Optional[RoutingOverrides] = None,
+) -> Optional[List[List[int]]]:
+    """Per-feature shard bounds when a continuous table's row-wise shards are uneven.
+
+    torchrec's row-wise input dist assumes contiguous blocks of ``ceil(N / W)`` rows.
+    A plan may cut a table unevenly (shards of any sizes, in rank order); its ids
+    must then be routed by the shard bounds, fbgemm's ``block_bucketize_pos``. When
+    some continuous table of the sharding is uneven, every continuous feature gets
+    bounds (its shard offsets and the table's end; evenly cut tables get
+    ``[0, b, 2b, ..., W * b]``, which routes exactly as the block rule) and every
+    routed (roundrobin / hash) feature an empty list.
+
+    Args:
+        grouped_configs: the sharding's grouped configs (tables carry their plan's
+            ``global_metadata``).
+        world_size: ranks the rows are spread over.
+        overrides: routing set at the sharder (as :func:`feature_routing`).
+
+    Returns:
+        One list of bounds per feature (torchrec's feature order), or None when
+        every continuous table is cut into torchrec's blocks.
+
+    Raises:
+        ValueError: a table's shards are not held by ranks 0..W-1 in row order.
+    """
+    bounds: List[List[int]] = []
+    uneven = False
+    for group in grouped_configs:
+        for table in group.embedding_tables:
+            n = int(table.num_embeddings)
+            block = -(-n // world_size)
+            even = [block * r for r in range(world_size + 1)]
+            dt, _ = table_routing(table.fused_params, table.name, overrides)
+            spec = getattr(table, "global_metadata", None)
+            cut = even
+            if dt is DistType.CONTINUOUS and spec is not None:
+                shards = sorted(spec.shards_metadata, key=lambda m: m.shard_offsets[0])
+                sizes = [int(m.shard_sizes[0]) for m in shards]
+                ranks = [m.placement.rank() if m.placement is not None else -1 for m in shards]
+                if len(shards) == world_size and sizes != [max(0, min(block, n - r * block)) for r in range(world_size)]:
+                    if ranks != list(range(world_size)):
+                        raise ValueError(
+                            f"recpipe: table {table.name!r} has uneven row-wise shards held by ranks {ranks} in "
+                            f"row order; recpipe routes uneven shards to ranks 0..{world_size - 1} in row order. "
+                            "Possible solutions:\n  1) place shard r of the table on rank r, or\n"
+                            "  2) cut the table into torchrec's blocks of ceil(N / W) rows."
+                        )
+                    cut = [int(m.shard_offsets[0]) for m in shards] + [n]
+                    uneven = True
+            per_feature = cut if dt is DistType.CONTINUOUS else []
+            bounds.extend([list(per_feature)] * table.num_features())
+    return bounds if uneven else None
+
+
 def _check_routed_layout(table: Any, n: int, world_size: int, dist_type: Union[DistType, str]) -> None:
     """roundrobin/hash routing puts ``ceil((N - r) / W)`` rows on rank ``r``."""
     spec = getattr(table, "global_metadata", None)
@@ -234,7 +294,11 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
 
     Same contract as torchrec's ``RwSparseFeaturesDist`` (bucketize, then
     ``KJTAllToAll``); per feature, ``dist_types`` picks continuous (torchrec's
-    blocks, bit-identical), roundrobin or hash_roundrobin.
+    blocks, bit-identical), roundrobin or hash_roundrobin. KJTs with a variable
+    batch per feature (VBE) are routed as torchrec routes them, and continuous
+    tables cut into uneven shards by their shard bounds (``row_bounds``).
+    The routing metadata stays on the CPU (the op reads it there on any device,
+    so a CUDA batch is routed without a host sync).
 
     Args:
         pg: process group of the all-to-all.
@@ -246,6 +310,8 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
         is_sequence: sequence (EmbeddingCollection) sharding: keep the unbucketize permutation.
         has_feature_processor: positions are needed by a feature processor.
         need_pos: positions are needed by weighted features.
+        row_bounds: per feature, the first row of each rank and the table's end
+            (:func:`feature_row_bounds`), or None for torchrec's blocks.
     """
 
     def __init__(
@@ -259,6 +325,7 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
         is_sequence: bool = False,
         has_feature_processor: bool = False,
         need_pos: bool = False,
+        row_bounds: Optional[List[List[int]]] = None,
     ) -> None:
         super().__init__(
             pg=pg,
@@ -273,16 +340,17 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
             raise ValueError(
                 f"recpipe: `dist_types` has {len(dist_types)} entries for {num_features} features"
             )
+        if row_bounds is not None and len(row_bounds) != num_features:
+            raise ValueError(
+                f"recpipe: `row_bounds` has {len(row_bounds)} entries for {num_features} features"
+            )
         self._seed = int(seed)
-        self.register_buffer(
-            "_recpipe_dist_types",
-            torch.tensor([ops.dist_type_code(d) for d in dist_types], dtype=torch.int64),
-            persistent=False,
-        )
-        self.register_buffer(
-            "_recpipe_table_sizes",
-            torch.tensor(feature_hash_sizes, dtype=torch.int64),
-            persistent=False,
+        # CPU metadata, not buffers: Module.to() must not move them to the device.
+        self._recpipe_dist_types = torch.tensor([ops.dist_type_code(d) for d in dist_types], dtype=torch.int64)
+        self._recpipe_table_sizes = torch.tensor(feature_hash_sizes, dtype=torch.int64)
+        self._recpipe_block_sizes = self._feature_block_sizes_tensor.detach().to("cpu", copy=True)
+        self._recpipe_row_bounds: Optional[List[torch.Tensor]] = (
+            [torch.tensor(b, dtype=torch.int64) for b in row_bounds] if row_bounds is not None else None
         )
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
@@ -294,32 +362,17 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
         Returns:
             Awaitable of awaitable of the features this rank owns.
         """
-        if sparse_features.variable_stride_per_key():
-            raise ValueError(
-                "recpipe: variable batch size per feature (VBE) is not supported by recpipe's "
-                "row-wise routing; pass a KJT with one stride for all features."
-            )
         weights = sparse_features.weights_or_none()
-        bucketize_pos = self._has_feature_processor if weights is None else self._need_pos
-        out = ops.block_bucketize_sparse_features(
-            sparse_features.lengths().view(-1),
-            sparse_features.values(),
-            self._feature_block_sizes_tensor,
-            self._recpipe_dist_types,
+        bucketized, self.unbucketize_permute_tensor = ops.bucketize_kjt_by(
+            sparse_features,
             self._world_size,
-            sequence=self._is_sequence,
-            bucketize_pos=bucketize_pos,
-            weights=weights,
-            table_sizes=self._recpipe_table_sizes,
+            self._recpipe_block_sizes,
+            self._recpipe_dist_types,
+            self._recpipe_table_sizes,
             seed=self._seed,
-        )
-        self.unbucketize_permute_tensor = out.unbucketize_permute
-        bucketized = KeyedJaggedTensor(
-            keys=list(sparse_features.keys()) * self._world_size,
-            values=out.new_indices,
-            weights=out.new_pos if bucketize_pos else out.new_weights,
-            lengths=out.new_lengths.view(-1),
-            stride=sparse_features.stride(),
+            sequence=self._is_sequence,
+            bucketize_pos=self._has_feature_processor if weights is None else self._need_pos,
+            row_bounds=self._recpipe_row_bounds,
         )
         return self._dist(bucketized)
 
@@ -342,6 +395,7 @@ class _RoutedInputDistMixin:
         dist_types, sizes, seed = feature_routing(
             base._grouped_embedding_configs, base._world_size, self._routing
         )
+        bounds = feature_row_bounds(base._grouped_embedding_configs, base._world_size, self._routing)
         return RecpipeRwSparseFeaturesDist(
             pg=base._pg,
             num_features=base._get_num_features(),
@@ -352,7 +406,36 @@ class _RoutedInputDistMixin:
             is_sequence=self._IS_SEQUENCE,
             has_feature_processor=base._has_feature_processor,
             need_pos=False if self._IS_SEQUENCE else base._need_pos,
+            row_bounds=bounds,
         )
+
+
+class _AllToAllSum(torch.autograd.Function):
+    """Reduce-scatter of a 1-D tensor cut into per-rank segments, by one all-to-all.
+
+    Rank ``r``'s segment (``splits[r]`` entries, the same on every rank) goes to rank
+    ``r``, which sums the ``W`` copies it receives in rank order. The backward sends
+    each rank's gradient back to every rank (an all-to-all), divided by ``W`` when
+    torchrec's gradient division is on, as its reduce-scatter's backward does.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, splits: List[int], pg: dist.ProcessGroup) -> torch.Tensor:
+        world, me = pg.size(), pg.rank()
+        out = flat.new_empty((world * splits[me],))
+        dist.all_to_all_single(out, flat.contiguous(), [splits[me]] * world, list(splits), group=pg)
+        ctx.splits, ctx.pg = list(splits), pg
+        return out.view(world, splits[me]).sum(dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None, None]:
+        pg, splits = ctx.pg, ctx.splits
+        world = pg.size()
+        if comm_ops.get_gradient_division():
+            grad = grad / world
+        out = grad.new_empty((sum(splits),))
+        dist.all_to_all_single(out, grad.contiguous().repeat(world), splits, [grad.numel()] * world, group=pg)
+        return out, None, None
 
 
 class RecpipeRwPooledEmbeddingDist(RwPooledEmbeddingDist):
@@ -367,8 +450,10 @@ class RecpipeRwPooledEmbeddingDist(RwPooledEmbeddingDist):
     (its backward all-to-alls the gradient, divided by ``W`` like the reduce-scatter's
     all-gather backward). For ``W = 2`` the forward sum and the backward are bit-identical
     to the reduce-scatter's; for larger ``W`` the sum's order may differ in the last bit.
-    Variable batch per feature (VBE), quantized comms (codecs) and other backends keep
-    torchrec's reduce-scatter.
+    With a variable batch per feature (VBE) the partial sums are one flat tensor cut
+    into per-rank segments; they go by one all-to-all (:class:`_AllToAllSum`), since
+    gloo's all-gather (the backward of torchrec's variable reduce-scatter) needs equal
+    sizes. Quantized comms (codecs) and other backends keep torchrec's reduce-scatter.
 
     Args: as ``RwPooledEmbeddingDist``.
     """
@@ -402,8 +487,14 @@ class RecpipeRwPooledEmbeddingDist(RwPooledEmbeddingDist):
         Returns:
             Awaitable[torch.Tensor]: the summed ``[B_local, D]`` embeddings of this rank's samples.
         """
-        if self._a2a is None or (sharding_ctx is not None and sharding_ctx.variable_batch_per_feature):
+        if self._a2a is None:
             return super().forward(local_embs, sharding_ctx)
+        if sharding_ctx is not None and sharding_ctx.variable_batch_per_feature:
+            splits = [
+                sum(b * d for b, d in zip(per_feature, self._embedding_dims))
+                for per_feature in sharding_ctx.batch_size_per_rank_per_feature
+            ]
+            return NoWait(_AllToAllSum.apply(local_embs.view(-1), splits, self._pg))
         splits = sharding_ctx.batch_size_per_rank if sharding_ctx is not None else None
         return self._a2a(local_embs, batch_size_per_rank=splits or None)
 

@@ -140,3 +140,47 @@ def test_fbgemm_vbe_example(dtype: torch.dtype) -> None:
     want = torch.ops.fbgemm.block_bucketize_sparse_features(lengths, indices, False, False, blocks, 2, None,
                                                              batch_size_per_feature=batch, max_B=3)
     _assert_same(tuple(got)[:5], want, list(got._fields))
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("vbe", [False, True])
+@pytest.mark.parametrize("sequence", [False, True])
+def test_bucketize_kjt_equals_torchrec_bucketize(uneven: bool, vbe: bool, sequence: bool) -> None:
+    """recpipe's KJT routing (continuous features) == torchrec's own
+    ``bucketize_kjt_before_all2all``: keys, lengths, values, strides per key per rank
+    (VBE) and the unbucketize permutation, with uneven shard bounds or blocks."""
+    from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    rng = random.Random(vbe * 2 + uneven + 4 * sequence)
+    W, keys, rows = 3, ["a", "b"], {"a": 50, "b": 31}
+    strides = {k: rng.randrange(1, 7) if vbe else 5 for k in keys}
+    lengths = [rng.randrange(0, 5) for k in keys for _ in range(strides[k])]
+    values: list[int] = []
+    i = 0
+    for k in keys:
+        for _ in range(strides[k]):
+            values += [rng.randrange(rows[k]) for _ in range(lengths[i])]
+            i += 1
+    bounds = {"a": [0, 7, 40, 50], "b": [0, 20, 21, 31]} if uneven else None
+    kw: dict[str, Any] = dict(keys=keys, values=torch.tensor(values), lengths=torch.tensor(lengths))
+    if vbe:
+        kw["stride_per_key_per_rank"] = [[strides[k]] for k in keys]
+    kjt = KeyedJaggedTensor(**kw)
+    got, perm = ops.bucketize_kjt(kjt, W, {k: "continuous" for k in keys}, rows, sequence=sequence,
+                                  row_bounds=bounds)
+    want, want_perm = bucketize_kjt_before_all2all(
+        kjt, W, torch.tensor([-(-rows[k] // W) for k in keys]), output_permute=sequence,
+        block_bucketize_row_pos=[torch.tensor(bounds[k]) for k in keys] if uneven else None,
+    )
+    assert got.keys() == want.keys()
+    assert torch.equal(got.lengths(), want.lengths())
+    assert torch.equal(got.values(), want.values())
+    assert got.variable_stride_per_key() == want.variable_stride_per_key() == vbe
+    if vbe:
+        assert got.stride_per_key_per_rank() == want.stride_per_key_per_rank()
+    else:
+        assert got.stride() == want.stride()
+    assert (perm is None) == (want_perm is None)
+    if perm is not None:
+        assert torch.equal(perm, want_perm)

@@ -10,7 +10,7 @@ reference weights updated with the gradient of both ranks' losses.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -37,13 +37,17 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 TABLES = [("t0", 37, 8, ["f0"]), ("t1", 20, 4, ["f1", "f2"])]
 LR = 0.1
 SEED = 17
+#: uneven row-wise shards of each table over 2 ranks (torchrec's blocks: 19 + 18, 10 + 10)
+UNEVEN = {"t0": [10, 27], "t1": [15, 5]}
 
 
-def _row_wise_plan(world: int, routed: bool, ec_dim: int = 0) -> dict[str, ParameterSharding]:
+def _row_wise_plan(world: int, routed: bool, ec_dim: int = 0, uneven: bool = False) -> dict[str, ParameterSharding]:
     out = {}
     for name, n, dim, _ in TABLES:
         dim = ec_dim or dim
-        if routed:  # roundrobin / hash: rank r owns ceil((n - r) / W) rows
+        if uneven:
+            sizes = UNEVEN[name]
+        elif routed:  # roundrobin / hash: rank r owns ceil((n - r) / W) rows
             sizes = [(n - r + world - 1) // world for r in range(world)]
         else:  # torchrec's contiguous blocks
             block = -(-n // world)
@@ -62,8 +66,11 @@ def _row_wise_plan(world: int, routed: bool, ec_dim: int = 0) -> dict[str, Param
     return out
 
 
-def _owner_rows(n: int, world: int, rank: int, dist_type: str) -> torch.Tensor:
-    """Global ids stored on `rank`, in local-id order (pure-Python reference routing)."""
+def _owner_rows(n: int, world: int, rank: int, dist_type: str, sizes: Optional[list[int]] = None) -> torch.Tensor:
+    """Global ids stored on `rank`, in local-id order (pure-Python reference routing);
+    ``sizes``: uneven contiguous shards."""
+    if sizes is not None:
+        return torch.arange(sum(sizes[:rank]), sum(sizes[: rank + 1]), dtype=torch.int64)
     code = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}[dist_type]
     block = -(-n // world)
     pairs = [route_one(g, code, world, block, n, SEED, 64) for g in range(n)]
@@ -72,19 +79,30 @@ def _owner_rows(n: int, world: int, rank: int, dist_type: str) -> torch.Tensor:
     return torch.tensor([g for _, g in mine], dtype=torch.int64)
 
 
-def _batch(rank: int, step: int, features: list[str], n_of: dict[str, int], B: int = 6) -> KeyedJaggedTensor:
+def _batch(rank: int, step: int, features: list[str], n_of: dict[str, int], B: int = 6,
+           vbe: bool = False) -> KeyedJaggedTensor:
+    """A random batch of B samples; ``vbe``: each feature has its own number of
+    distinct bags (1..B), expanded to the B samples by ``inverse_indices``."""
     g = torch.Generator().manual_seed(1000 * step + rank)
-    lengths, values = [], []
+    lengths, values, strides, inverse = [], [], [], []
     for f in features:
-        ln = torch.randint(0, 4, (B,), generator=g)
+        b = int(torch.randint(1, B + 1, (1,), generator=g)) if vbe else B
+        ln = torch.randint(0, 4, (b,), generator=g)
         lengths.append(ln)
         values.append(torch.randint(0, n_of[f], (int(ln.sum()),), generator=g))
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=features, values=torch.cat(values), lengths=torch.cat(lengths)
+        strides.append([b])
+        inverse.append(torch.randint(0, b, (B,), generator=g))
+    if not vbe:
+        return KeyedJaggedTensor.from_lengths_sync(
+            keys=features, values=torch.cat(values), lengths=torch.cat(lengths)
+        )
+    return KeyedJaggedTensor(
+        keys=features, values=torch.cat(values), lengths=torch.cat(lengths),
+        stride_per_key_per_rank=strides, inverse_indices=(features, torch.stack(inverse)),
     )
 
 
-def _body(rank: int, world: int, kind: str, dist_type: str) -> dict[str, Any]:
+def _body(rank: int, world: int, kind: str, dist_type: str, uneven: bool = False, vbe: bool = False) -> dict[str, Any]:
     from recpipe.pipeline.sharding import recpipe_sharders
 
     torch.manual_seed(0)
@@ -108,7 +126,7 @@ def _body(rank: int, world: int, kind: str, dist_type: str) -> dict[str, Any]:
         seed=SEED,
     )
     plan = ShardingPlan(
-        {"": EmbeddingModuleShardingPlan(_row_wise_plan(world, routed, 4 if kind == "ec" else 0))}
+        {"": EmbeddingModuleShardingPlan(_row_wise_plan(world, routed, 4 if kind == "ec" else 0, uneven))}
     )
     model = DistributedModelParallel(
         module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
@@ -116,7 +134,7 @@ def _body(rank: int, world: int, kind: str, dist_type: str) -> dict[str, Any]:
     )
     # Put the reference weights into the shards, row by row where routing says.
     ref_w = {t: getattr(ref, prefix)[t].weight.detach().clone() for t, *_ in TABLES}
-    rows = {t: _owner_rows(n, world, rank, dist_type) for t, n, *_ in TABLES}
+    rows = {t: _owner_rows(n, world, rank, dist_type, UNEVEN[t] if uneven else None) for t, n, *_ in TABLES}
     sd = model.state_dict()
     for t, *_ in TABLES:
         key = next(k for k in sd if k.endswith(f"{prefix}.{t}.weight"))
@@ -124,7 +142,7 @@ def _body(rank: int, world: int, kind: str, dist_type: str) -> dict[str, Any]:
     max_out_err = 0.0
     max_w_err = 0.0
     for step in range(4):
-        batches = [_batch(r, step, features, n_of) for r in range(world)]
+        batches = [_batch(r, step, features, n_of, vbe=vbe) for r in range(world)]
         out = model(batches[rank])
         # reference forward on this rank's batch, and the global gradient
         ref_params = {t: ref_w[t].clone().requires_grad_(True) for t in ref_w}
@@ -180,6 +198,23 @@ def test_row_wise_on_cpu_matches_unsharded_reference(kind: str, dist_type: str) 
     for r in results:
         assert r["out_err"] < 1e-5, results
         assert r["w_err"] < 1e-5, results
+
+
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_uneven_row_wise_shards_match_unsharded_reference(kind: str) -> None:
+    """A plan that cuts tables into uneven shards (37 rows as 10 + 27, 20 as 15 + 5):
+    ids are routed by the shard bounds (fbgemm's block_bucketize_pos), so 2 gloo
+    ranks train exactly as the unsharded module does."""
+    for r in run_gloo(2, _body, kind, "continuous", True, timeout_s=300):
+        assert r["out_err"] < 1e-5 and r["w_err"] < 1e-5, r
+
+
+@pytest.mark.parametrize("dist_type", ["continuous", "hash_roundrobin"])
+def test_variable_batch_per_feature_matches_unsharded_reference(dist_type: str) -> None:
+    """VBE KJTs (each feature its own batch size, expanded by inverse_indices) through
+    recpipe's row-wise routing on 2 gloo ranks equal the unsharded module."""
+    for r in run_gloo(2, _body, "ebc", dist_type, False, True, timeout_s=300):
+        assert r["out_err"] < 1e-5 and r["w_err"] < 1e-5, r
 
 
 def test_routed_table_with_torchrec_block_layout_is_refused() -> None:
