@@ -208,6 +208,13 @@ def block_bucketize_sparse_features(
     of its ``_inference`` and ``_2d_weights`` variants) plus recpipe's per-feature
     routing; on continuous features the results are bit-identical to fbgemm's.
 
+    The ``[F]`` metadata (``block_sizes``, ``dist_types``, ``table_sizes``,
+    ``batch_size_per_feature``, ``total_num_blocks``, ``keep_orig_idx_per_feature``,
+    ``block_bucketize_pos``) may stay on the CPU for CUDA inputs: the call then never
+    synchronizes the host. Metadata on the GPU costs one device-to-host copy each.
+    On CUDA, bad values (negative lengths, ids outside a checked table) fail by a
+    device-side assert instead of a Python exception.
+
     Args:
         lengths: bag lengths (int32/int64), feature-major: ``[F * B]``, or
             ``[sum(batch_size_per_feature)]`` for a variable batch per feature.
@@ -223,7 +230,8 @@ def block_bucketize_sparse_features(
         seed: seed of the hash_roundrobin bijection.
         keep_orig_idx: return raw ids instead of local ids (key-value backends).
         batch_size_per_feature: ``[F]`` batch size of each feature (VBE KJTs).
-        max_B: largest batch size (used by the CUDA kernel; -1: computed).
+        max_B: largest batch size; accepted for fbgemm's signature, unused (each bag
+            finds its feature from ``batch_size_per_feature``).
         block_bucketize_pos: per feature, the first row of each rank (``W + 1``
             bounds from 0): uneven row-wise shards; continuous features only.
         total_num_blocks: ``[F]`` blocks per table over all ranks (a multiple

@@ -822,7 +822,7 @@ def test_route_ids_opcheck_and_fake_kernels_reject_what_the_kernels_reject() -> 
 
 
 # ---------------------------------------------------------------------------
-# CUDA parity (compiled in CI; runs only where a GPU exists)
+# Threads (CUDA parity: tests/test_bucketize_cuda.py)
 
 
 @pytest.mark.parametrize("sequence", [False, True])
