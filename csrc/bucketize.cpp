@@ -5,8 +5,8 @@
 // The bags are split into chunks of about equal id counts; chunks own disjoint
 // bags, so every stage runs them in parallel without atomics:
 //
-//   1. route:   owner[i], local[i] of every id; new_lengths[rank][bag] and the
-//               chunk's total per rank
+//   1. route:   owner[i], local[i] of every id, counted in new_lengths[rank][bag];
+//               the chunk's total per rank
 //   2. cursors: a chunk's ids of one rank land contiguously (its bags are
 //               consecutive): cursor[chunk][rank] = ids of lower ranks + ids of
 //               this rank in earlier chunks
@@ -21,8 +21,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <numeric>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -117,16 +120,146 @@ void with_dist(int64_t dist, Fn&& fn) {
   }
 }
 
+// ---------------------------------------------------------------------------
+// hash_roundrobin keys of a block of ids, H(id), in one loop the compiler
+// vectorizes. The same source is compiled for AVX-512, AVX2 and baseline x86-64;
+// the build only changes speed: every id gets the same H(id) (header math).
+// RECPIPE_ISA=auto|avx512|avx2|baseline picks one (tests force each).
+
+constexpr int64_t kKeyBlock = 256;  // ids hashed per call (the keys stay in L1)
+
+template <typename index_t>
+__attribute__((always_inline)) inline void hash_keys_body(const HashPermutation& perm, const index_t* __restrict__ ids,
+                                                          int64_t m, uint64_t* __restrict__ keys) {
+  using uindex_t = std::make_unsigned_t<index_t>;
+  const HashPermutation h = perm;
+  for (int64_t j = 0; j < m; ++j) {
+    keys[j] = h.forward(static_cast<uindex_t>(ids[j]));
+  }
+}
+
+template <typename index_t>
+__attribute__((target("avx512f,avx512dq,avx512vl,avx512bw"))) void hash_keys_avx512(
+    const HashPermutation& perm, const index_t* ids, int64_t m, uint64_t* keys) {
+  hash_keys_body(perm, ids, m, keys);
+}
+
+template <typename index_t>
+__attribute__((target("avx2,bmi2,fma"))) void hash_keys_avx2(const HashPermutation& perm, const index_t* ids,
+                                                              int64_t m, uint64_t* keys) {
+  hash_keys_body(perm, ids, m, keys);
+}
+
+template <typename index_t>
+void hash_keys_baseline(const HashPermutation& perm, const index_t* ids, int64_t m, uint64_t* keys) {
+  hash_keys_body(perm, ids, m, keys);
+}
+
+enum class Isa { kBaseline, kAvx2, kAvx512 };
+
+// The ISA of this call: RECPIPE_ISA if set (an error when this CPU lacks it), else the widest.
+Isa call_isa() {
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
+  const char* env = std::getenv("RECPIPE_ISA");
+  const std::string want = env == nullptr ? "auto" : env;
+  if (want == "auto" || want.empty()) {
+    return avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kBaseline;
+  }
+  TORCH_CHECK(want == "avx512" || want == "avx2" || want == "baseline", "recpipe: RECPIPE_ISA is '", want,
+              "'; it must be one of auto, avx512, avx2, baseline.");
+  TORCH_CHECK(want != "avx512" || avx512, "recpipe: RECPIPE_ISA=avx512 but this CPU lacks it; unset RECPIPE_ISA "
+              "or pick avx2 / baseline.");
+  TORCH_CHECK(want != "avx2" || avx2, "recpipe: RECPIPE_ISA=avx2 but this CPU lacks it; unset RECPIPE_ISA or "
+              "pick baseline.");
+  return want == "avx512" ? Isa::kAvx512 : want == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
+}
+
+template <typename index_t>
+void hash_keys(Isa isa, const HashPermutation& perm, const index_t* ids, int64_t m, uint64_t* keys) {
+  if (isa == Isa::kAvx512) {
+    hash_keys_avx512(perm, ids, m, keys);
+  } else if (isa == Isa::kAvx2) {
+    hash_keys_avx2(perm, ids, m, keys);
+  } else {
+    hash_keys_baseline(perm, ids, m, keys);
+  }
+}
+
 struct BadId {
   int64_t position = -1;  // first id of the chunk outside its table, -1 if none
   int64_t feature = -1;
 };
 
-template <typename index_t, typename offset_t>
+// Stage 1 for the bags [b0, b1) of one feature routed by rule kDist: owner and
+// local id of every id, counted in new_lengths[p][b] (zeroed by the caller).
+// Returns the first id outside its table, or -1.
+template <int kDist, typename index_t, typename owner_t, typename offset_t>
+int64_t route_bags(Isa isa, const FeatureRoute& route, const int64_t* bounds, const index_t* __restrict__ ids,
+                   const int64_t* __restrict__ off, int64_t b0, int64_t b1, int64_t FB,
+                   owner_t* __restrict__ owner, index_t* __restrict__ local, offset_t* __restrict__ nl) {
+  using uindex_t = std::make_unsigned_t<index_t>;
+  const FeatureRoute r = route;  // a local copy: its fields stay in registers
+  int64_t bad = -1;
+  uint64_t keys[kKeyBlock];
+  int64_t key0 = off[b0];  // hash_roundrobin: keys[i - key0] = H(ids[i]) for i in [key0, key1)
+  int64_t key1 = key0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t e = off[b + 1];
+    for (int64_t i = off[b]; i < e; ++i) {
+      const uint64_t uid = static_cast<uindex_t>(ids[i]);
+      uint64_t key = uid;
+      if constexpr (kDist == kHashRoundRobin) {
+        if (i == key1) {
+          key0 = i;
+          key1 = std::min(i + kKeyBlock, off[b1]);
+          hash_keys(isa, r.perm, ids + key0, key1 - key0, keys);
+        }
+        key = keys[i - key0];
+      }
+      uint64_t p = 0;
+      uint64_t l = 0;
+      if (!r.template place<kDist>(uid, key, bounds, &p, &l) && bad < 0) {
+        bad = i;
+      }
+      owner[i] = static_cast<owner_t>(p);
+      local[i] = static_cast<index_t>(l);
+      ++nl[static_cast<int64_t>(p) * FB + b];
+    }
+  }
+  return bad;
+}
+
+// Stage 3 for the bags [b0, b1): each id to its rank's next slot (cur[rank]++).
+template <typename index_t, typename owner_t>
+void scatter_bags(const int64_t* __restrict__ off, int64_t b0, int64_t b1, const owner_t* __restrict__ owner,
+                  const index_t* __restrict__ local, int64_t* __restrict__ cur, index_t* __restrict__ out,
+                  index_t* __restrict__ dst, index_t* __restrict__ pos, index_t* __restrict__ map) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t s = off[b];
+    const int64_t e = off[b + 1];
+    for (int64_t i = s; i < e; ++i) {
+      const owner_t p = owner[i];
+      const int64_t at = cur[p]++;
+      out[at] = local[i];
+      if (dst != nullptr) {
+        dst[i] = static_cast<index_t>(at);
+      }
+      if (pos != nullptr) {
+        pos[at] = static_cast<index_t>(i - s);
+      }
+      if (map != nullptr) {
+        map[i] = static_cast<index_t>(p);
+      }
+    }
+  }
+}
+
+template <typename index_t, typename offset_t, typename owner_t>
 void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, const Tensor& bounds,
                const std::vector<int64_t>& fbag, Tensor& new_lengths, Tensor& new_indices, Tensor* dest,
                Tensor* new_pos, Tensor* mapping) {
-  using uindex_t = std::make_unsigned_t<index_t>;
   const int64_t n = a.indices.numel();
   const int64_t FB = a.lengths.numel();
   const int64_t W = a.my_size;
@@ -135,7 +268,8 @@ void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, 
   const int64_t chunks = static_cast<int64_t>(chunk.size()) - 1;
   const index_t* ids = a.indices.const_data_ptr<index_t>();
   const int64_t* bnd = bounds.const_data_ptr<int64_t>();
-  const std::unique_ptr<int32_t[]> owner(new int32_t[n]);  // uninitialized: stage 1 writes every entry
+  const Isa isa = call_isa();
+  const std::unique_ptr<owner_t[]> owner(new owner_t[n]);  // uninitialized: stage 1 writes every entry
   const std::unique_ptr<index_t[]> local(new index_t[n]);
   offset_t* nl = new_lengths.mutable_data_ptr<offset_t>();
 
@@ -143,32 +277,25 @@ void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, 
   std::vector<int64_t> total(chunks * W, 0);
   std::vector<BadId> bad(chunks);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    std::vector<int64_t> cnt(W, 0);
     for (int64_t c = c0; c < c1; ++c) {
-      int64_t* tot = total.data() + c * W;
-      for_each_feature_run(fbag, chunk[c], chunk[c + 1], [&](int64_t f, int64_t b0, int64_t b1) {
-        const FeatureRoute& r = routes[f];
-        with_dist(r.dist, [&](auto dist) {
-          for (int64_t b = b0; b < b1; ++b) {
-            for (int64_t i = off[b]; i < off[b + 1]; ++i) {
-              uint64_t p = 0;
-              uint64_t l = 0;
-              if (!r.template route<decltype(dist)::value>(static_cast<uindex_t>(ids[i]), bnd, &p, &l) &&
-                  bad[c].position < 0) {
-                bad[c] = BadId{i, f};
-              }
-              owner[i] = static_cast<int32_t>(p);
-              local[i] = static_cast<index_t>(l);
-              ++cnt[p];
-            }
-            for (int64_t p = 0; p < W; ++p) {
-              nl[p * FB + b] = static_cast<offset_t>(cnt[p]);
-              tot[p] += cnt[p];
-              cnt[p] = 0;
-            }
+      const int64_t b0 = chunk[c];
+      const int64_t nb = chunk[c + 1] - b0;
+      for (int64_t p = 0; p < W; ++p) {
+        std::memset(nl + p * FB + b0, 0, sizeof(offset_t) * nb);
+      }
+      for_each_feature_run(fbag, b0, b0 + nb, [&](int64_t f, int64_t r0, int64_t r1) {
+        with_dist(routes[f].dist, [&](auto dist) {
+          const int64_t i = route_bags<decltype(dist)::value>(isa, routes[f], bnd, ids, off.data(), r0, r1, FB,
+                                                               owner.get(), local.get(), nl);
+          if (i >= 0 && bad[c].position < 0) {
+            bad[c] = BadId{i, f};
           }
         });
       });
+      for (int64_t p = 0; p < W; ++p) {
+        const offset_t* row = nl + p * FB + b0;
+        total[c * W + p] = std::accumulate(row, row + nb, int64_t{0});
+      }
     }
   });
   for (const BadId& e : bad) {
@@ -195,28 +322,13 @@ void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, 
   }
 
   // 3. scatter every id to its rank's next slot, bags in order.
-  index_t* out = new_indices.mutable_data_ptr<index_t>();
   index_t* dst = dest != nullptr ? dest->mutable_data_ptr<index_t>() : nullptr;
   index_t* pos = new_pos != nullptr ? new_pos->mutable_data_ptr<index_t>() : nullptr;
   index_t* map = mapping != nullptr ? mapping->mutable_data_ptr<index_t>() : nullptr;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      int64_t* cur = total.data() + c * W;
-      for (int64_t b = chunk[c]; b < chunk[c + 1]; ++b) {
-        for (int64_t i = off[b]; i < off[b + 1]; ++i) {
-          const int64_t at = cur[owner[i]]++;
-          out[at] = local[i];
-          if (dst != nullptr) {
-            dst[i] = static_cast<index_t>(at);
-          }
-          if (pos != nullptr) {
-            pos[at] = static_cast<index_t>(i - off[b]);
-          }
-          if (map != nullptr) {
-            map[i] = static_cast<index_t>(owner[i]);
-          }
-        }
-      }
+      scatter_bags(off.data(), chunk[c], chunk[c + 1], owner.get(), local.get(), total.data() + c * W,
+                   new_indices.mutable_data_ptr<index_t>(), dst, pos, map);
     }
   });
 }
@@ -286,8 +398,19 @@ Outputs block_bucketize_sparse_features_cpu(
   AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "recpipe_bucketize", [&] {
     using ids_t = index_t;
     AT_DISPATCH_INDEX_TYPES(a.lengths.scalar_type(), "recpipe_bucketize_lengths", [&] {
-      bucketize<ids_t, index_t>(a, routes, bounds, fbag, new_lengths, new_indices, permute ? &*permute : nullptr,
-                                new_pos ? &*new_pos : nullptr, mapping ? &*mapping : nullptr);
+      // The owner buffer's width (a speed detail): the narrowest that holds W - 1.
+      auto run = [&](auto owner_tag) {
+        bucketize<ids_t, index_t, decltype(owner_tag)>(a, routes, bounds, fbag, new_lengths, new_indices,
+                                                       permute ? &*permute : nullptr, new_pos ? &*new_pos : nullptr,
+                                                       mapping ? &*mapping : nullptr);
+      };
+      if (my_size <= 256) {
+        run(uint8_t());
+      } else if (my_size <= 65536) {
+        run(uint16_t());
+      } else {
+        run(uint32_t());
+      }
     });
     if (a.weights.has_value()) {
       const Tensor w = a.weights->contiguous();

@@ -300,20 +300,31 @@ struct FeatureRoute {
   template <int kDist = -1>
   RECPIPE_HD bool route(uint64_t uid, const int64_t* bounds, uint64_t* owner, uint64_t* local) const {
     const int64_t d = kDist >= 0 ? kDist : dist;
+    return place<kDist>(uid, d == kHashRoundRobin ? perm.forward(uid) : uid, bounds, owner, local);
+  }
+
+  // The value roundrobin splits: H(uid) for hash_roundrobin, else uid.
+  RECPIPE_HD uint64_t key(uint64_t uid) const { return dist == kHashRoundRobin ? perm.forward(uid) : uid; }
+
+  // route() given key = key(uid), for callers that compute the keys of many ids
+  // at once (the CPU kernel hashes a block of ids in one vectorizable loop).
+  template <int kDist = -1>
+  RECPIPE_HD bool place(uint64_t uid, uint64_t key, const int64_t* bounds, uint64_t* owner, uint64_t* local) const {
+    const int64_t d = kDist >= 0 ? kDist : dist;
     uint64_t p = 0;
     uint64_t l = 0;
     if (d == kContinuous) {
       if (bounds_count > 0) {
         const int64_t* b = bounds + bounds_begin;
         const uint64_t last = static_cast<uint64_t>(b[bounds_count - 1]);
-        const uint64_t key =
+        const uint64_t at =
             block == 0 ? div_num_blocks.div(((uid - div_num_blocks.div(uid) * div_num_blocks.d) * last) & mask)
                        : uid;
-        int64_t lo = 0;  // upper_bound(b, b + count, key) - 1, b[0] = 0 <= key
+        int64_t lo = 0;  // upper_bound(b, b + count, at) - 1, b[0] = 0 <= at
         int64_t hi = bounds_count;
         while (hi - lo > 1) {
           const int64_t mid = (lo + hi) / 2;
-          if (static_cast<uint64_t>(b[mid]) <= key) {
+          if (static_cast<uint64_t>(b[mid]) <= at) {
             lo = mid;
           } else {
             hi = mid;
@@ -340,9 +351,8 @@ struct FeatureRoute {
       if (table_size != 0 && uid >= table_size) {
         return false;
       }
-      const uint64_t h = d == kHashRoundRobin ? perm.forward(uid) : uid;
-      l = div_world.div(h);
-      p = h - l * world;
+      l = div_world.div(key);
+      p = key - l * world;
     }
     *owner = p;
     *local = keep_orig ? uid : l;

@@ -221,10 +221,37 @@ def _hash_case(rng: random.Random, W: int, index_dtype: torch.dtype, table_sizes
     )
 
 
+# The hash keys of a block of ids are computed by one loop compiled for AVX-512,
+# AVX2 and baseline x86-64 (RECPIPE_ISA picks one): each build must give the same
+# outputs; the tests below run every build this CPU has.
+ISAS = ["baseline", "avx2", "avx512"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Forces RECPIPE_ISA for the test; skips a build this CPU cannot run."""
+    monkeypatch.setenv("RECPIPE_ISA", request.param)
+    probe = _random_case(random.Random(0), 1, 2, 2, dist=[2])
+    try:
+        OP(*_args(lengths=probe["lengths"], indices=probe["indices"], block_sizes=probe["block_sizes"],
+                  dist_types=probe["dist_types"], table_sizes=probe["table_sizes"], my_size=2))
+    except RuntimeError as e:
+        if "this CPU lacks it" in str(e):
+            pytest.skip(str(e))
+        raise
+    return request.param
+
+
+def test_isa_env_rejects_unknown_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RECPIPE_ISA", "sse9")
+    with pytest.raises(RuntimeError, match=r"RECPIPE_ISA is 'sse9'; it must be one of auto, avx512, avx2, baseline"):
+        OP(*_args())
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 # W: 1, powers of two, others, and a world larger than 2^16
 @pytest.mark.parametrize("W", [1, 2, 7, 64, 100, 300, 70_000])
-def test_match_reference(index_dtype: torch.dtype, W: int) -> None:
+def test_hash_windows_match_reference(isa: str, index_dtype: torch.dtype, W: int) -> None:
     rng = random.Random(W * 31 + (index_dtype == torch.int32))
     # windows of c = 1..40 bits: n = 2^k one window, n = 2^k + 1 a second window at 1,
     # n = 2^k - 1 windows that overlap in one id, 3 * 2^30 a second window from 2^30.
@@ -239,9 +266,9 @@ def test_match_reference(index_dtype: torch.dtype, W: int) -> None:
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_mixed_features_match_reference(index_dtype: torch.dtype) -> None:
-    """continuous/roundrobin owners (AVX-512: 32-bit lanes, scalar fallback for raw
-    ids >= 2^32 or negative) next to hash features, against the reference."""
+def test_mixed_features_match_reference(isa: str, index_dtype: torch.dtype) -> None:
+    """continuous/roundrobin features (raw ids >= 2^32 and negative) next to hash
+    features, against the reference."""
     rng = random.Random(17)
     for W in (3, 8):
         case = _random_case(rng, 4, 200, W, dist=[2, 0, 2, 1], max_len=40, raw_ids=True, index_dtype=index_dtype)
@@ -250,7 +277,7 @@ def test_mixed_features_match_reference(index_dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("W", [2, 5, 64])
-def test_continuous_bit_identical_to_fbgemm(index_dtype: torch.dtype, W: int) -> None:
+def test_continuous_long_bags_bit_identical_to_fbgemm(index_dtype: torch.dtype, W: int) -> None:
     case = _random_case(random.Random(W), 3, 150, W, dist=[0, 0, 0], max_len=40, index_dtype=index_dtype, raw_ids=True)
     lengths = case["lengths"].to(index_dtype)
     block_sizes = case["block_sizes"].to(index_dtype)
@@ -267,10 +294,10 @@ def test_continuous_bit_identical_to_fbgemm(index_dtype: torch.dtype, W: int) ->
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("where", [0, 7, 15, 16, 511, 512, 700, 866])
 @pytest.mark.parametrize("value", [-1, 1000, -(2**31)])
-def test_report_first_bad_id(index_dtype: torch.dtype, where: int, value: int) -> None:
+def test_report_first_bad_id(isa: str, index_dtype: torch.dtype, where: int, value: int) -> None:
     """The first out-of-range id is the one reported, wherever it sits (the last ids
     included) and whatever bad id follows it."""
-    n = 870
+    n = 870  # 256-id key blocks: 3 full, one of 102
     ids = torch.arange(n, dtype=index_dtype) % 1000
     ids[where] = value
     ids[min(where + 50, n - 1)] = 5000  # a later bad id must not be the one reported
@@ -827,7 +854,7 @@ def test_route_ids_opcheck_and_fake_kernels_reject_what_the_kernels_reject() -> 
 
 @pytest.mark.parametrize("sequence", [False, True])
 @pytest.mark.parametrize("keep", [False, True])
-def test_two_ranks_two_threads_match_reference(sequence: bool, keep: bool) -> None:
+def test_two_ranks_two_threads_match_reference(isa: str, sequence: bool, keep: bool) -> None:
     """W = 2 on 2 threads: ~140k ids cut into chunks, so every chunk's cursors
     start mid-output; a continuous feature with a small block has most raw ids
     >= block * W (the raw-id rule)."""
