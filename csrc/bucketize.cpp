@@ -5,13 +5,13 @@
 // The bags are split into chunks of about equal id counts; chunks own disjoint
 // bags, so every stage runs them in parallel without atomics:
 //
-//   1. route:   owner[i], local[i] of every id, counted in new_lengths[rank][bag];
-//               the chunk's total per rank
+//   1. count:   every id routed and counted in new_lengths[rank][bag]; the
+//               chunk's total per rank (hash_roundrobin keeps its keys H(id))
 //   2. cursors: a chunk's ids of one rank land contiguously (its bags are
 //               consecutive): cursor[chunk][rank] = ids of lower ranks + ids of
 //               this rank in earlier chunks
-//   3. scatter: in input order, each id goes to cursor[chunk][owner]++ (new_indices,
-//               new_pos, unbucketize_permute, bucket_mapping)
+//   3. scatter: in input order, each id routed again goes to cursor[chunk][owner]++
+//               (new_indices, new_pos, unbucketize_permute, bucket_mapping)
 //   4. weights: new_weights[dest[i]] = weights[i] (dest = the positions of 3)
 //
 // Order inside a bag is kept, as fbgemm keeps it. Variable batch per feature
@@ -192,57 +192,55 @@ struct BadId {
   int64_t feature = -1;
 };
 
-// Stage 1 for the bags [b0, b1) of one feature routed by rule kDist: owner and
-// local id of every id, counted in new_lengths[p][b] (zeroed by the caller).
-// Returns the first id outside its table, or -1.
-template <int kDist, typename index_t, typename owner_t, typename offset_t>
-int64_t route_bags(Isa isa, const FeatureRoute& route, const int64_t* bounds, const index_t* __restrict__ ids,
-                   const int64_t* __restrict__ off, int64_t b0, int64_t b1, int64_t FB,
-                   owner_t* __restrict__ owner, index_t* __restrict__ local, offset_t* __restrict__ nl) {
+// Stage 1 for the bags [b0, b1) of one feature routed by rule kDist: each id
+// counted in new_lengths[owner][b] (zeroed by the caller); hash_roundrobin keeps
+// its keys H(id) in keys[i] for stage 3. Returns the first id outside its table, or -1.
+template <int kDist, typename index_t, typename offset_t>
+int64_t count_bags(Isa isa, const FeatureRoute& route, const int64_t* bounds, const index_t* __restrict__ ids,
+                   const int64_t* __restrict__ off, int64_t b0, int64_t b1, int64_t FB, uint64_t* __restrict__ keys,
+                   offset_t* __restrict__ nl) {
   using uindex_t = std::make_unsigned_t<index_t>;
   const FeatureRoute r = route;  // a local copy: its fields stay in registers
+  if constexpr (kDist == kHashRoundRobin) {
+    for (int64_t i = off[b0]; i < off[b1]; i += kKeyBlock) {
+      hash_keys(isa, r.perm, ids + i, std::min(kKeyBlock, off[b1] - i), keys + i);
+    }
+  }
   int64_t bad = -1;
-  uint64_t keys[kKeyBlock];
-  int64_t key0 = off[b0];  // hash_roundrobin: keys[i - key0] = H(ids[i]) for i in [key0, key1)
-  int64_t key1 = key0;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t e = off[b + 1];
     for (int64_t i = off[b]; i < e; ++i) {
       const uint64_t uid = static_cast<uindex_t>(ids[i]);
-      uint64_t key = uid;
-      if constexpr (kDist == kHashRoundRobin) {
-        if (i == key1) {
-          key0 = i;
-          key1 = std::min(i + kKeyBlock, off[b1]);
-          hash_keys(isa, r.perm, ids + key0, key1 - key0, keys);
-        }
-        key = keys[i - key0];
-      }
       uint64_t p = 0;
       uint64_t l = 0;
-      if (!r.template place<kDist>(uid, key, bounds, &p, &l) && bad < 0) {
+      if (!r.template place<kDist>(uid, kDist == kHashRoundRobin ? keys[i] : uid, bounds, &p, &l) && bad < 0) {
         bad = i;
       }
-      owner[i] = static_cast<owner_t>(p);
-      local[i] = static_cast<index_t>(l);
       ++nl[static_cast<int64_t>(p) * FB + b];
     }
   }
   return bad;
 }
 
-// Stage 3 for the bags [b0, b1): each id to its rank's next slot (cur[rank]++).
-template <typename index_t, typename owner_t>
-void scatter_bags(const int64_t* __restrict__ off, int64_t b0, int64_t b1, const owner_t* __restrict__ owner,
-                  const index_t* __restrict__ local, int64_t* __restrict__ cur, index_t* __restrict__ out,
-                  index_t* __restrict__ dst, index_t* __restrict__ pos, index_t* __restrict__ map) {
+// Stage 3 for the bags [b0, b1): each id routed again (from its key for
+// hash_roundrobin) to its rank's next slot, cur[owner]++.
+template <int kDist, typename index_t>
+void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_t* __restrict__ ids,
+                  const int64_t* __restrict__ off, int64_t b0, int64_t b1, const uint64_t* __restrict__ keys,
+                  int64_t* __restrict__ cur, index_t* __restrict__ out, index_t* __restrict__ dst,
+                  index_t* __restrict__ pos, index_t* __restrict__ map) {
+  using uindex_t = std::make_unsigned_t<index_t>;
+  const FeatureRoute r = route;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t s = off[b];
     const int64_t e = off[b + 1];
     for (int64_t i = s; i < e; ++i) {
-      const owner_t p = owner[i];
+      const uint64_t uid = static_cast<uindex_t>(ids[i]);
+      uint64_t p = 0;
+      uint64_t l = 0;
+      r.template place<kDist>(uid, kDist == kHashRoundRobin ? keys[i] : uid, bounds, &p, &l);
       const int64_t at = cur[p]++;
-      out[at] = local[i];
+      out[at] = static_cast<index_t>(l);
       if (dst != nullptr) {
         dst[i] = static_cast<index_t>(at);
       }
@@ -256,7 +254,7 @@ void scatter_bags(const int64_t* __restrict__ off, int64_t b0, int64_t b1, const
   }
 }
 
-template <typename index_t, typename offset_t, typename owner_t>
+template <typename index_t, typename offset_t>
 void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, const Tensor& bounds,
                const std::vector<int64_t>& fbag, Tensor& new_lengths, Tensor& new_indices, Tensor* dest,
                Tensor* new_pos, Tensor* mapping) {
@@ -269,11 +267,14 @@ void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, 
   const index_t* ids = a.indices.const_data_ptr<index_t>();
   const int64_t* bnd = bounds.const_data_ptr<int64_t>();
   const Isa isa = call_isa();
-  const std::unique_ptr<owner_t[]> owner(new owner_t[n]);  // uninitialized: stage 1 writes every entry
-  const std::unique_ptr<index_t[]> local(new index_t[n]);
+  const bool hashed = std::any_of(routes.begin(), routes.end(), [](const FeatureRoute& r) {
+    return r.dist == kHashRoundRobin;
+  });
+  // H(id) of hash_roundrobin ids (uninitialized: stage 1 writes those it reads).
+  const std::unique_ptr<uint64_t[]> keys(hashed ? new uint64_t[n] : nullptr);
   offset_t* nl = new_lengths.mutable_data_ptr<offset_t>();
 
-  // 1. route every id; count it in its (rank, bag) and in its chunk's rank total.
+  // 1. count every id in its (rank, bag); the chunk's total per rank.
   std::vector<int64_t> total(chunks * W, 0);
   std::vector<BadId> bad(chunks);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -285,8 +286,8 @@ void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, 
       }
       for_each_feature_run(fbag, b0, b0 + nb, [&](int64_t f, int64_t r0, int64_t r1) {
         with_dist(routes[f].dist, [&](auto dist) {
-          const int64_t i = route_bags<decltype(dist)::value>(isa, routes[f], bnd, ids, off.data(), r0, r1, FB,
-                                                               owner.get(), local.get(), nl);
+          const int64_t i = count_bags<decltype(dist)::value>(isa, routes[f], bnd, ids, off.data(), r0, r1, FB,
+                                                               keys.get(), nl);
           if (i >= 0 && bad[c].position < 0) {
             bad[c] = BadId{i, f};
           }
@@ -322,13 +323,19 @@ void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, 
   }
 
   // 3. scatter every id to its rank's next slot, bags in order.
+  index_t* out = new_indices.mutable_data_ptr<index_t>();
   index_t* dst = dest != nullptr ? dest->mutable_data_ptr<index_t>() : nullptr;
   index_t* pos = new_pos != nullptr ? new_pos->mutable_data_ptr<index_t>() : nullptr;
   index_t* map = mapping != nullptr ? mapping->mutable_data_ptr<index_t>() : nullptr;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
-      scatter_bags(off.data(), chunk[c], chunk[c + 1], owner.get(), local.get(), total.data() + c * W,
-                   new_indices.mutable_data_ptr<index_t>(), dst, pos, map);
+      int64_t* cur = total.data() + c * W;
+      for_each_feature_run(fbag, chunk[c], chunk[c + 1], [&](int64_t f, int64_t r0, int64_t r1) {
+        with_dist(routes[f].dist, [&](auto dist) {
+          scatter_bags<decltype(dist)::value>(routes[f], bnd, ids, off.data(), r0, r1, keys.get(), cur, out, dst,
+                                              pos, map);
+        });
+      });
     }
   });
 }
@@ -398,19 +405,8 @@ Outputs block_bucketize_sparse_features_cpu(
   AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "recpipe_bucketize", [&] {
     using ids_t = index_t;
     AT_DISPATCH_INDEX_TYPES(a.lengths.scalar_type(), "recpipe_bucketize_lengths", [&] {
-      // The owner buffer's width (a speed detail): the narrowest that holds W - 1.
-      auto run = [&](auto owner_tag) {
-        bucketize<ids_t, index_t, decltype(owner_tag)>(a, routes, bounds, fbag, new_lengths, new_indices,
-                                                       permute ? &*permute : nullptr, new_pos ? &*new_pos : nullptr,
-                                                       mapping ? &*mapping : nullptr);
-      };
-      if (my_size <= 256) {
-        run(uint8_t());
-      } else if (my_size <= 65536) {
-        run(uint16_t());
-      } else {
-        run(uint32_t());
-      }
+      bucketize<ids_t, index_t>(a, routes, bounds, fbag, new_lengths, new_indices, permute ? &*permute : nullptr,
+                                new_pos ? &*new_pos : nullptr, mapping ? &*mapping : nullptr);
     });
     if (a.weights.has_value()) {
       const Tensor w = a.weights->contiguous();
