@@ -60,6 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recpipe.pipeline._tiered_fbgemm import FbgemmTier, plan_fbgemm_tier
 from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
 from recpipe.pipeline.ops import (
     DIST_TYPES,
@@ -98,6 +99,23 @@ CHECKPOINT_VERSION: int = 2
 class TieredCheckpointError(ValueError):
     """A tiered-table export cannot be loaded into this shard (metadata mismatch,
     missing or duplicated rows). The message lists numbered possible solutions."""
+
+
+BACKENDS: Tuple[str, ...] = ("native", "fbgemm", "torch")
+
+
+def _resolve_backend(backend: Optional[str], device: torch.device) -> str:
+    """The shard's backend: the given one (validated against the device) or the device's default."""
+    if backend is None:
+        return {"cpu": "native", "cuda": "fbgemm"}.get(device.type, "torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)} or None (the device's default), got {backend!r}.")
+    if backend == "native" and device.type != "cpu":
+        raise ValueError(f"backend 'native' (the compiled CPU kernel) cannot run on {device}: use backend=None "
+                         "('fbgemm' on CUDA) or 'torch'.")
+    if backend == "fbgemm" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"backend 'fbgemm' runs on cpu or cuda, not {device}: use backend='torch'.")
+    return backend
 
 
 def _check_dist_type(dist_type: str) -> str:
@@ -232,6 +250,11 @@ class TieredEmbeddingShard(nn.Module):
         dtype (torch.dtype): row dtype (only ``torch.float32`` is supported).
         device (torch.device | str | None): fast-tier device (default CPU).
         table_name (str): name recorded in exports and errors.
+        backend (str | None): ``native`` (the compiled CPU kernel), ``fbgemm``
+            (fbgemm's TBE, :mod:`recpipe.pipeline._tiered_fbgemm`; on CPU its tables
+            are HOST tables without a cache, for tests) or ``torch`` (device-generic
+            torch ops, the kernel's test reference). Default: ``native`` on CPU,
+            ``fbgemm`` on CUDA, ``torch`` elsewhere.
 
     Example::
 
@@ -260,6 +283,7 @@ class TieredEmbeddingShard(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: Optional[Union[torch.device, str]] = None,
         table_name: str = "table",
+        backend: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.mode: Mode = Mode.parse(mode)
@@ -294,6 +318,7 @@ class TieredEmbeddingShard(nn.Module):
         self.table_name: str = table_name
         self.device: torch.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_rows: int = shard_num_rows(num_embeddings, world_size, rank, dist_type)
+        self.backend: str = _resolve_backend(backend, self.device)
 
         R = self.num_rows
         self.fast_rows, self.slow_rows, self.cache_slots = tier_rows(R, self.mode, self.cache_load_factor)
@@ -301,18 +326,22 @@ class TieredEmbeddingShard(nn.Module):
         self.caching: bool = self.mode is Mode.CACHING and self.cache_load_factor < 1.0
         self.row_bytes: int = row_bytes(embedding_dim, dtype, self.optimizer.name)
         cols = self.optimizer.state_cols(embedding_dim)
+        self.state_cols: int = cols
         slow_device = torch.device("cpu")
         pin = self.device.type == "cuda" and torch.cuda.is_available()
 
         def slow(shape: Tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=slow_device, pin_memory=pin)
 
-        n_fast = self.fast_rows + self.cache_slots
+        self._fbgemm: Optional[FbgemmTier] = None
+        fbgemm = self.backend == "fbgemm"  # fbgemm's TBE holds the rows: the buffers below stay empty
+        n_fast = 0 if fbgemm else self.fast_rows + self.cache_slots
+        n_slow = 0 if fbgemm else self.slow_rows
         self.fast_weights: torch.Tensor = torch.zeros((n_fast, embedding_dim), dtype=dtype, device=self.device)
         self.fast_state: torch.Tensor = torch.zeros((n_fast, cols), dtype=torch.float32, device=self.device)
-        self.slow_weights: torch.Tensor = slow((self.slow_rows, embedding_dim), dtype)
-        self.slow_state: torch.Tensor = slow((self.slow_rows, cols), torch.float32)
-        if self.caching:
+        self.slow_weights: torch.Tensor = slow((n_slow, embedding_dim), dtype)
+        self.slow_state: torch.Tensor = slow((n_slow, cols), torch.float32)
+        if self.caching and not fbgemm:
             self.row_map: Optional[torch.Tensor] = torch.full((R,), -1, dtype=torch.int64, device=self.device)
             self.slot_row: Optional[torch.Tensor] = torch.full(
                 (self.cache_slots,), -1, dtype=torch.int64, device=self.device
@@ -332,7 +361,13 @@ class TieredEmbeddingShard(nn.Module):
         # The compiled kernel (csrc/tiered.cpp) runs the CPU shards. Other devices use the
         # device-generic torch-op path below (_lookup_torch / _backward_torch), which is also
         # the reference the kernel is tested against.
-        self._native: bool = self.device.type == "cpu"
+        self._native: bool = self.backend == "native"
+        if self.backend == "fbgemm" and R > 0:
+            plan = plan_fbgemm_tier(num_rows=R, embedding_dim=embedding_dim, mode=self.mode,
+                                    cache_load_factor=self.cache_load_factor, cache_policy=self.cache_policy,
+                                    optimizer=self.optimizer, compute_device=self.device.type)
+            self._fbgemm = FbgemmTier(plan, split_seed=self.split_seed, pooling=pooling, device=self.device,
+                                      stats=self._stats)
         no_cache = torch.empty(0, dtype=torch.int64, device=self.device)
         self._op_row_map: torch.Tensor = self.row_map if self.row_map is not None else no_cache
         self._op_slot_row: torch.Tensor = self.slot_row if self.slot_row is not None else no_cache
@@ -354,8 +389,11 @@ class TieredEmbeddingShard(nn.Module):
             tier's device) and, when the shard has no cache, the empty (0-byte) tensor
             the kernel gets for its cache maps.
         """
-        fast = [("fast_weights", self.fast_weights), ("fast_state", self.fast_state)]
         counters = [("stats", self._stats)]
+        if self.backend == "fbgemm":
+            tiers = self._fbgemm.tier_tensors() if self._fbgemm is not None else {"fast": [], "slow": []}
+            return {"fast": tiers["fast"], "slow": tiers["slow"], "counters": counters}
+        fast = [("fast_weights", self.fast_weights), ("fast_state", self.fast_state)]
         if self.caching:
             assert self.row_map is not None and self.slot_row is not None and self.slot_score is not None
             fast += [("row_map", self.row_map), ("slot_row", self.slot_row), ("slot_score", self.slot_score)]
@@ -369,7 +407,9 @@ class TieredEmbeddingShard(nn.Module):
 
         Returns:
             ShardStorage: equals ``recpipe.pipeline.placement.shard_storage(num_rows,
-            embedding_dim, dtype, optimizer, mode, cache_load_factor)``.
+            embedding_dim, dtype, optimizer, mode, cache_load_factor)`` for the
+            ``native`` and ``torch`` backends; for ``fbgemm`` on CUDA,
+            ``recpipe.pipeline._tiered_fbgemm.fbgemm_tier_bytes`` of the shard's plan.
         """
         tiers = self.tier_tensors()
         return ShardStorage(
@@ -448,7 +488,13 @@ class TieredEmbeddingShard(nn.Module):
         gids = self.global_ids()
         self._load_local_rows(weights.index_select(0, gids.to(weights.device)).to(self.device, self.dtype), None,
                               reset_cache=True)
-        self.step = 0
+        self._set_step(0)
+
+    def _set_step(self, step: int) -> None:
+        """Sets the optimizer step counter (Adam bias correction), in fbgemm's TBE too."""
+        self.step = int(step)
+        if self._fbgemm is not None:
+            self._fbgemm.set_step(self.step)
 
     def global_ids(self) -> torch.Tensor:
         """Global id of every local row, in local-id order.
@@ -469,6 +515,10 @@ class TieredEmbeddingShard(nn.Module):
             self.slot_score.zero_()
 
     def _load_local_rows(self, weights: torch.Tensor, state: Optional[torch.Tensor], reset_cache: bool) -> None:
+        if self.backend == "fbgemm":
+            if self._fbgemm is not None:
+                self._fbgemm.write_rows(weights, state)  # empties the cache
+            return
         if reset_cache:
             self._reset_cache()
         rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
@@ -555,6 +605,12 @@ class TieredEmbeddingShard(nn.Module):
         Returns:
             int: rows written back.
         """
+        if self.backend == "fbgemm":
+            if self._fbgemm is None:
+                return 0
+            n = self._fbgemm.flush()
+            self._flushed_rows += n
+            return n
         if not self.caching:
             return 0
         assert self.slot_row is not None and self.slot_score is not None
@@ -714,8 +770,33 @@ class TieredEmbeddingShard(nn.Module):
             torch.Tensor: ``[B, embedding_dim]`` pooled embeddings. Its backward
             applies the fused optimizer to the rows in place.
         """
+        if self.backend == "fbgemm":
+            return self._forward_fbgemm(ids, offsets, per_sample_weights)
         anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())
         return _TieredLookup.apply(anchor, self, ids, offsets, per_sample_weights)
+
+    def _forward_fbgemm(
+        self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """The lookup by fbgemm's TBE, whose backward applies the fused optimizer.
+
+        No host sync on CUDA: ids are checked on the device (``torch._assert_async``)
+        and the statistics are counted on the device. On CPU the inputs are also
+        checked on the host (as by the other backends), for the error messages.
+        """
+        if self.device.type == "cpu":
+            self._check_inputs(ids, offsets, psw)
+        if psw is not None and self.pooling != "sum":
+            raise ValueError("per_sample_weights need pooling='sum' (as in torch.nn.EmbeddingBag).")
+        self._flushed_rows = 0
+        self._clock += 1
+        if self._fbgemm is None:  # a shard without rows (fewer rows than ranks): only empty bags
+            k = len(TIERED_STATS)
+            self._stats[:k].zero_()
+            return torch.zeros((offsets.numel() - 1, self.embedding_dim), dtype=self.dtype, device=self.device)
+        out = self._fbgemm(ids, offsets, psw)
+        self.step = self._fbgemm.step  # training lookups; export_state reads fbgemm's own counter
+        return out
 
     # ----------------------------------------------------------------- stats
     def tier_stats(self) -> Dict[str, float]:
@@ -786,12 +867,21 @@ class TieredEmbeddingShard(nn.Module):
             TieredShardState: rows in local-id order, on CPU.
         """
         self.flush()
-        rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
-        in_fast, idx = self._locate(rows)
+        if self.backend == "fbgemm":
+            if self._fbgemm is not None:
+                weights, state = self._fbgemm.read_rows(self.state_cols)
+                self.step = self._fbgemm.get_step()
+            else:
+                weights = torch.empty((0, self.embedding_dim), dtype=self.dtype)
+                state = torch.empty((0, self.state_cols), dtype=torch.float32)
+        else:
+            rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
+            in_fast, idx = self._locate(rows)
+            weights, state = self._read(in_fast, idx, state=False), self._read(in_fast, idx, state=True)
         return TieredShardState(
             global_ids=self.global_ids(),
-            weights=self._read(in_fast, idx, state=False).cpu(),
-            optimizer_state=self._read(in_fast, idx, state=True).cpu(),
+            weights=weights.cpu(),
+            optimizer_state=state.cpu(),
             step=self.step,
             metadata=self.metadata(),
         )
@@ -920,7 +1010,7 @@ class TieredEmbeddingShard(nn.Module):
                 ["the saving run diverged or the export is damaged: load an earlier checkpoint",
                  "re-export the table from a healthy run"])
         self._load_local_rows(weights.to(self.device), opt.to(self.device), reset_cache=True)
-        self.step = steps.pop()
+        self._set_step(steps.pop())
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         st = self.export_state()
