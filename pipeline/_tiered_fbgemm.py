@@ -198,7 +198,8 @@ def plan_fbgemm_tier(
         FbgemmTierPlan: the tables (fast first) and the TBE's arguments.
 
     Raises:
-        ValueError: ``num_rows`` < 1, or an unknown ``compute_device``.
+        ValueError: ``embedding_dim`` not a positive multiple of 4 (fbgemm's TBE
+            requirement), ``num_rows`` < 1, or an unknown ``compute_device``.
 
     Example::
 
@@ -206,6 +207,12 @@ def plan_fbgemm_tier(
                          cache_policy="lru", optimizer=TieredOptimizerConfig())
         # tables (1000 rows, MANAGED_CACHING), cache_sets 6 (192 slots), cache_algorithm "LRU"
     """
+    if not isinstance(embedding_dim, int) or embedding_dim <= 0 or embedding_dim % 4:
+        raise ValueError(
+            f"embedding_dim={embedding_dim!r}: fbgemm's TBE needs a positive multiple of 4 (as torchrec's FUSED "
+            "tables do); use such a dim for tiered tables on CUDA, or backend='torch' (device-generic torch ops, "
+            "slower)."
+        )
     if not isinstance(num_rows, int) or num_rows < 1:
         raise ValueError(
             f"num_rows must be an int >= 1 for an fbgemm table, got {num_rows!r} "
@@ -311,15 +318,24 @@ def fbgemm_tier_bytes(plan: FbgemmTierPlan, value_bytes: int = 4) -> ShardStorag
     Counted: every buffer that grows with rows or cache slots. Fixed per-TBE
     buffers (offsets, placements, counters: tens of bytes) are not.
 
-    * ALL_FAST: ``fast = R * row_bytes`` (DEVICE weights and optimizer state),
-      equal to ``shard_storage``.
-    * HYBRID: ``fast = k * row_bytes + R * SPLIT_MAP_BYTES``,
-      ``slow = (R - k) * row_bytes``: ``shard_storage`` plus the 4-byte map per row.
-    * CACHING with ``S = cache_sets * 32`` slots: ``slow = R * row_bytes`` (values and
-      optimizer state in UVM), ``fast = S * dim * value_bytes`` (values only)
-      ``+ S * 8`` (``lxu_cache_state``) ``+ R * 4`` (``cache_index_table_map``)
-      ``+`` LRU: ``S * 8`` (``lxu_state`` timestamps) | LFU: ``(R + 1) * 8`` (counts).
-      ``shard_storage`` budgets ``floor(x * R) * row_bytes + R * 8 + floor(x * R) * 16``.
+    fbgemm's placement rule for optimizer state (``construct_split_state``): the state
+    of a DEVICE table is in HBM; per-element state (Adam) of a MANAGED /
+    MANAGED_CACHING table is in UVM (never cached); row-wise state (row-wise Adagrad,
+    one fp32 per row) is in HBM for every table. With ``v = dim * value_bytes``,
+    ``s`` the state bytes per row (``optimizer_state_bytes_per_row``) and ``s_f`` /
+    ``s_u`` its HBM / UVM part for a UVM row (``s, 0`` row-wise, ``0, s`` otherwise):
+
+    * ALL_FAST: ``fast = R * (v + s)``, equal to ``shard_storage``.
+    * HYBRID: ``fast = k * (v + s) + (R - k) * s_f + R * SPLIT_MAP_BYTES``,
+      ``slow = (R - k) * (v + s_u)``.
+    * CACHING with ``S = cache_sets * 32`` slots: ``slow = R * (v + s_u)``,
+      ``fast = R * s_f + S * v`` (the cache holds values only) ``+ S * 8``
+      (``lxu_cache_state``) ``+ R * 4`` (``cache_index_table_map``) ``+`` LRU:
+      ``S * 8`` (``lxu_state`` timestamps) | LFU: ``(R + 1) * 8`` (access counts).
+
+    ``shard_storage`` (the planner's budget) instead assumes state moves with its row
+    (``fast = k * (v + s)`` for both modes) and a CACHING metadata of
+    ``R * 8 + floor(x * R) * 16`` bytes.
 
     Args:
         plan (FbgemmTierPlan): a plan for ``compute_device="cuda"``.
@@ -331,9 +347,16 @@ def fbgemm_tier_bytes(plan: FbgemmTierPlan, value_bytes: int = 4) -> ShardStorag
     if plan.compute_device != "cuda":
         raise ValueError("fbgemm_tier_bytes describes the CUDA tables: plan with compute_device='cuda'.")
     R, D = plan.num_rows, plan.embedding_dim
-    row = D * value_bytes + optimizer_state_bytes_per_row(plan.optimizer, D)
-    fast = sum(t.rows for t in plan.tables if t.fast) * row
-    slow = sum(t.rows for t in plan.tables if not t.fast) * row
+    v = D * value_bytes
+    s = optimizer_state_bytes_per_row(plan.optimizer, D)
+    rowwise = plan.optimizer is FusedOptimizer.ROWWISE_ADAGRAD
+    fast = slow = 0
+    for t in plan.tables:
+        if t.fast:
+            fast += t.rows * (v + s)
+        else:
+            slow += t.rows * (v + (0 if rowwise else s))
+            fast += t.rows * (s if rowwise else 0)
     if plan.split_map:
         fast += R * SPLIT_MAP_BYTES
     if plan.layout is Layout.CACHING:
@@ -507,17 +530,19 @@ class FbgemmTier(nn.Module):
             Dict[str, List[Tuple[str, torch.Tensor]]]: ``{"fast": [...], "slow": [...]}``;
             with a ``cpu`` plan every row buffer is a HOST buffer, listed as slow.
         """
-        fast: List[Tuple[str, torch.Tensor]] = []
-        names = _FAST_BUFFERS + (_CACHE_BUFFERS if self._has_cache else ())
-        for name in names:
-            t = getattr(self.tbe, name, None)
-            if isinstance(t, torch.Tensor) and t.numel():
-                fast.append((name, t))
+        def held(names: Tuple[str, ...], rows: bool) -> List[Tuple[str, torch.Tensor]]:
+            out = []
+            for name in names:
+                t = getattr(self.tbe, name, None)
+                # fbgemm registers unused optimizer-state buffers as 1-element int64 placeholders
+                if isinstance(t, torch.Tensor) and t.numel() and (t.is_floating_point() or not rows):
+                    out.append((name, t))
+            return out
+
+        fast = held(_FAST_BUFFERS, True) + (held(_CACHE_BUFFERS, False) if self._has_cache else [])
         if self.split_pos is not None:
             fast.append(("split_pos", self.split_pos))
-        slow = [(n, t) for n in _SLOW_BUFFERS
-                if isinstance(t := getattr(self.tbe, n, None), torch.Tensor) and t.numel()]
-        return {"fast": fast, "slow": slow}
+        return {"fast": fast, "slow": held(_SLOW_BUFFERS, True)}
 
     # ------------------------------------------------------------- lookup
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:

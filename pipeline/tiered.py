@@ -32,12 +32,24 @@ The optimizer is fused into the backward like fbgemm's TBE: the lookup is a cust
 SGD / row-wise Adagrad / Adam in place in whichever tier each row lives and
 returns no weight gradient. The optimizer state of a row lives and moves with it.
 
-Each step of a CPU shard runs in the compiled ops ``torch.ops.recpipe.tiered_lookup``
-and ``tiered_backward`` (``csrc/tiered.cpp``); their hit / traffic counters live in
-the int64 ``_stats`` tensor and are read on the host only by :meth:`tier_stats`.
-Other devices run the same rules in device-generic torch ops (``_lookup_torch``,
-``_backward_torch``, which read counts on the host), the reference the kernel is
-tested against bit for bit on the cache maps.
+Backends (``backend=``; the default follows the device):
+
+* ``native`` (CPU): each step runs in the compiled ops ``torch.ops.recpipe.tiered_lookup``
+  and ``tiered_backward`` (``csrc/tiered.cpp``).
+* ``fbgemm`` (CUDA): fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``
+  (:mod:`recpipe.pipeline._tiered_fbgemm`): CACHING as a ``MANAGED_CACHING`` table
+  (fbgemm's set-associative UVM cache, LRU / LFU), HYBRID as a ``DEVICE`` +
+  ``MANAGED`` table pair split by the same hash, the fused optimizer fbgemm's. No
+  host sync in a training step. fbgemm's cache admission and byte layout differ
+  from the rules above (see that module); values and updates agree to float rounding.
+  On CPU this backend builds the same tables as fbgemm HOST tables (tests).
+* ``torch`` (other devices): the same rules as ``native`` in device-generic torch ops
+  (``_lookup_torch``, ``_backward_torch``), the reference the kernel is tested
+  against bit for bit on the cache maps. Its ``unique`` / mask indexing / admission
+  count read the device, so it is not sync-free.
+
+Every backend's hit / traffic counters live in the int64 ``_stats`` tensor, updated
+on the device, and are read on the host only by :meth:`tier_stats`.
 
 Metadata encodings (they keep the metadata inside the planner's byte budget of
 ``CACHE_ROW_MAP_BYTES`` per row and ``CACHE_SLOT_BYTES`` per slot):
@@ -357,7 +369,9 @@ class TieredEmbeddingShard(nn.Module):
         # updated in place by the kernel, read on the host only by tier_stats().
         self._stats: torch.Tensor = torch.zeros(2 * len(TIERED_STATS), dtype=torch.int64, device=self.device)
         self._flushed_rows: int = 0
-        self._last: Dict[str, float] = {}  # the torch path's counters of the current lookup
+        # The torch path's counters of the current lookup: host ints, or 0-d device tensors
+        # for the sums (not read back; stacked on the device into _stats).
+        self._last: Dict[str, Union[int, torch.Tensor]] = {}
         # The compiled kernel (csrc/tiered.cpp) runs the CPU shards. Other devices use the
         # device-generic torch-op path below (_lookup_torch / _backward_torch), which is also
         # the reference the kernel is tested against.
@@ -544,7 +558,7 @@ class TieredEmbeddingShard(nn.Module):
             self.slot_score.index_copy_(0, hit_slots, (self._clock << 1) | dirty)
         miss_mask = ~cached
         misses = uniq[miss_mask]
-        self._last["hits"] = float(counts[cached].sum().item())
+        self._last["hits"] = (counts * cached).sum()  # no mask indexing: no host sync
         if misses.numel() == 0:
             return
         miss_key = (-rm[miss_mask] - 1) + counts[miss_mask] if lfu else torch.full_like(misses, self._clock)
@@ -594,9 +608,9 @@ class TieredEmbeddingShard(nn.Module):
         self.row_map.index_copy_(0, new_rows, slots)
         self.slot_row.index_copy_(0, slots, new_rows)
         self.slot_score.index_copy_(0, slots, miss_key.index_select(0, m_sel) << 1)
-        self._last["rows_loaded"] = float(n)
-        self._last["rows_evicted"] = float(ev_rows.numel())
-        self._last["rows_written_back"] = float(wb_rows.numel())
+        self._last["rows_loaded"] = n
+        self._last["rows_evicted"] = ev_rows.numel()
+        self._last["rows_written_back"] = wb_rows.numel()
 
     @torch.no_grad()
     def flush(self) -> int:
@@ -690,33 +704,35 @@ class TieredEmbeddingShard(nn.Module):
         """The same lookup in device-generic torch ops (non-CPU devices; the kernel's test reference)."""
         self._check_inputs(ids, offsets, psw)
         self._flushed_rows = 0
-        self._last = dict.fromkeys(TIERED_STATS, 0.0)
+        self._last = dict.fromkeys(TIERED_STATS, 0)
         self._clock += 1
         ids = ids.to(torch.int64)
         offsets = offsets.to(torch.int64)
         n = ids.numel()
-        self._last["lookups"] = float(n)
+        self._last["lookups"] = n
         mode = self.pooling
         if self.all_fast:
             out = F.embedding_bag(ids, self.fast_weights, offsets, mode=mode,
                                   per_sample_weights=psw, include_last_offset=True)
             uniq, inverse = torch.unique(ids, return_inverse=True)
-            self._last.update(unique_rows=float(uniq.numel()), hits=float(n), fast_lookups=float(n))
+            self._last.update(unique_rows=uniq.numel(), hits=n, fast_lookups=n)
         else:
             uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-            self._last["unique_rows"] = float(uniq.numel())
+            self._last["unique_rows"] = uniq.numel()
             if self.caching:
                 self._prefetch(uniq, counts)
             in_fast, idx = self._locate(uniq)
             assert in_fast is not None
-            fast_lookups = float(counts[in_fast].sum().item())
+            fast_lookups = (counts * in_fast).sum()
             self._last["fast_lookups"] = fast_lookups
             if not self.caching:
                 self._last["hits"] = fast_lookups
             rows = self._read(in_fast, idx, state=False)
             out = F.embedding_bag(inverse, rows, offsets, mode=mode,
                                   per_sample_weights=psw, include_last_offset=True)
-        last = torch.tensor([self._last[k] for k in TIERED_STATS], dtype=torch.int64, device=self.device)
+        last = torch.stack([v.to(torch.int64) if isinstance(v, torch.Tensor)
+                            else torch.full((), v, dtype=torch.int64, device=self.device)
+                            for v in (self._last[k] for k in TIERED_STATS)])
         k = len(TIERED_STATS)
         self._stats[:k] = last
         self._stats[k:] += last
