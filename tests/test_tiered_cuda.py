@@ -14,7 +14,10 @@ Run here (CPU only):
 * the fbgemm backend on CPU (the same tables as fbgemm HOST tables, no cache)
   against the compiled CPU kernel: pooled, weighted, mean and sequence-style
   lookups, fused SGD / row-wise Adagrad, the HYBRID split (equal hit counts),
-  export / load across backends.
+  export / load across backends;
+* a tripwire: no call from recpipe's pipeline files during a step of the fbgemm
+  backend reads a tensor back (``item``, ``tolist``, ``bool``, ``nonzero``,
+  ``unique``, boolean-mask indexing, unsized ``repeat_interleave``, ...).
 
 Skipped without a GPU:
 
@@ -278,6 +281,88 @@ def test_fbgemm_backend_on_cpu_equals_native_kernel(
     assert not torch.equal(w_n, _shard(None, mode, x, optimizer, pooling, policy, rows).export_state().weights)
     torch.testing.assert_close(w_f, w_n, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(s_f, s_n, atol=ATOL, rtol=RTOL)
+
+
+# Calls that read a CUDA tensor back on the host (or need its data-dependent size).
+_HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
+               "nonzero", "unique", "masked_select")
+_TORCH_HOST_READS = ("nonzero", "unique", "masked_select", "repeat_interleave")
+
+
+def _tripwire(monkeypatch: pytest.MonkeyPatch, code_dirs: Tuple[str, ...]) -> List[str]:
+    """Makes every host read called directly from a file under ``code_dirs`` fail (recorded)."""
+    import sys
+
+    hits: List[str] = []
+
+    def wrap(owner: Any, name: str, cond: Any = None) -> None:
+        orig = getattr(owner, name)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            f = sys._getframe(1)
+            where = os.path.realpath(f.f_code.co_filename)
+            if where.startswith(code_dirs) and (cond is None or cond(args, kwargs)):
+                hits.append(f"{name} at {os.path.basename(where)}:{f.f_lineno}")
+                raise AssertionError(f"host read {name} at {where}:{f.f_lineno}")
+            return orig(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, wrapper)
+
+    for name in _HOST_READS:
+        wrap(torch.Tensor, name)
+    for name in _TORCH_HOST_READS:
+        # repeat_interleave syncs unless output_size is given
+        wrap(torch, name, (lambda a, k: "output_size" not in k) if name == "repeat_interleave" else None)
+    wrap(torch.Tensor, "__getitem__",  # boolean-mask indexing has a data-dependent size
+         lambda a, k: isinstance(a[1], torch.Tensor) and a[1].dtype == torch.bool)
+    return hits
+
+
+@pytest.mark.parametrize("mode, x, optimizer, pooling", [
+    ("HYBRID", 0.3, "rowwise_adagrad", "sum"), ("HYBRID", 0.05, "sgd", "mean"), ("HYBRID", 1.0, "sgd", "sum"),
+    ("CACHING", 0.2, "rowwise_adagrad", "mean"),
+])
+def test_fbgemm_step_code_makes_no_host_read(
+    monkeypatch: pytest.MonkeyPatch, mode: str, x: float, optimizer: str, pooling: str
+) -> None:
+    """The recpipe code a CUDA step runs (the shard's fbgemm forward minus its CPU-only
+    input checks, FbgemmTier.forward, and the backward) calls nothing that reads a tensor
+    back: checked on CPU by failing every such call made from recpipe's pipeline files.
+    (The CACHING branch that reads fbgemm's cache state runs on CUDA only.)"""
+    import recpipe.pipeline._tiered_fbgemm as fbgemm_module
+
+    fb = _shard("fbgemm", mode, x, optimizer, pooling, "lfu", 97)
+    native = _shard(None, mode, x, optimizer, pooling, "lfu", 97)
+    assert fb._fbgemm is not None
+    pkg_dir = os.path.dirname(os.path.realpath(fbgemm_module.__file__))
+    batches = list(_batches(97, 3, seed=2, weighted=False, sequence=False))
+    monkeypatch.setattr(fb, "_check_inputs", lambda *a: None)  # CPU-only host checks (error messages)
+    hits = _tripwire(monkeypatch, (pkg_dir,))
+    outs = []
+    for ids, offsets, psw, grad in batches:
+        out = fb(ids, offsets, psw)
+        (out * grad).sum().backward()
+        outs.append(out.detach())
+    monkeypatch.undo()
+    assert hits == []
+    for (ids, offsets, psw, grad), out_f in zip(batches, outs):  # and it computed the right thing
+        out_n = native(ids, offsets, psw)
+        torch.testing.assert_close(out_f, out_n.detach(), atol=ATOL, rtol=RTOL)
+        (out_n * grad).sum().backward()
+
+
+def test_tripwire_catches_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The detector above fails on the reads the CPU-only checks and the torch path make."""
+    here = os.path.dirname(os.path.realpath(__file__))
+    hits = _tripwire(monkeypatch, (here,))
+    t = torch.tensor([1, 0, 2])
+    for read in (lambda: t.sum().item(), lambda: t.tolist(), lambda: bool(t.any()), lambda: t[t > 0],
+                 lambda: torch.unique(t), lambda: t.nonzero(), lambda: torch.repeat_interleave(t, t)):
+        with pytest.raises(AssertionError, match="host read"):
+            read()
+    torch.repeat_interleave(t, t, output_size=3)  # sized: no read
+    monkeypatch.undo()
+    assert len(hits) == 7
 
 
 def test_fbgemm_backend_export_loads_into_native_and_back() -> None:
