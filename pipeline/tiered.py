@@ -345,7 +345,8 @@ class TieredEmbeddingShard(nn.Module):
         def slow(shape: Tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=slow_device, pin_memory=pin)
 
-        self._fbgemm: Optional[FbgemmTier] = None
+        self.__dict__["_fbgemm"] = None  # Optional[FbgemmTier], set below for backend "fbgemm"
+        self._fbgemm: Optional[FbgemmTier]
         fbgemm = self.backend == "fbgemm"  # fbgemm's TBE holds the rows: the buffers below stay empty
         n_fast = 0 if fbgemm else self.fast_rows + self.cache_slots
         n_slow = 0 if fbgemm else self.slow_rows
@@ -380,8 +381,10 @@ class TieredEmbeddingShard(nn.Module):
             plan = plan_fbgemm_tier(num_rows=R, embedding_dim=embedding_dim, mode=self.mode,
                                     cache_load_factor=self.cache_load_factor, cache_policy=self.cache_policy,
                                     optimizer=self.optimizer, compute_device=self.device.type)
-            self._fbgemm = FbgemmTier(plan, split_seed=self.split_seed, pooling=pooling, device=self.device,
-                                      stats=self._stats)
+            # Not a registered submodule: the TBE's tensors must not appear in state_dict() (the
+            # shard exports its rows itself) nor in parameters() (fbgemm updates them in backward).
+            self.__dict__["_fbgemm"] = FbgemmTier(plan, split_seed=self.split_seed, pooling=pooling,
+                                                  device=self.device, stats=self._stats)
         no_cache = torch.empty(0, dtype=torch.int64, device=self.device)
         self._op_row_map: torch.Tensor = self.row_map if self.row_map is not None else no_cache
         self._op_slot_row: torch.Tensor = self.slot_row if self.slot_row is not None else no_cache

@@ -386,6 +386,19 @@ def test_fbgemm_backend_export_loads_into_native_and_back() -> None:
     torch.testing.assert_close(_export(back)[0], _export(native)[0], atol=ATOL, rtol=RTOL)
 
 
+def test_fbgemm_backend_module_interface_equals_native() -> None:
+    """The TBE is not a submodule: no parameters, the same state_dict keys, loadable from native."""
+    fb = _shard("fbgemm", "CACHING", 0.3, "rowwise_adagrad", "sum", "lru", 97)
+    native = _shard(None, "HYBRID", 0.5, "rowwise_adagrad", "sum", "lfu", 97)
+    for ids, offsets, psw, grad in _batches(97, 2, seed=8, weighted=False, sequence=False):
+        (native(ids, offsets, psw) * grad).sum().backward()
+    assert list(fb.named_parameters()) == [] and list(fb.named_buffers()) == []
+    assert sorted(fb.state_dict()) == sorted(native.state_dict())
+    fb.load_state_dict(native.state_dict())
+    assert torch.equal(fb.export_state().weights, native.export_state().weights)
+    assert fb.export_state().step == 2
+
+
 def test_fbgemm_backend_rejects_ids_outside_the_shard() -> None:
     fb = _shard("fbgemm", "HYBRID", 0.4, "sgd", "sum", "lfu", 97)
     with pytest.raises(IndexError, match="ids out of range"):
