@@ -337,6 +337,9 @@ class TieredEmbeddingShard(nn.Module):
         self.all_fast: bool = self.slow_rows == 0 and self.cache_slots == 0
         self.caching: bool = self.mode is Mode.CACHING and self.cache_load_factor < 1.0
         self.row_bytes: int = row_bytes(embedding_dim, dtype, self.optimizer.name)
+        # Bytes a cache load / write-back moves per row: values and optimizer state, except
+        # in fbgemm's cache, which holds values only (the state stays in UVM).
+        self.moved_row_bytes: int = self.row_bytes
         cols = self.optimizer.state_cols(embedding_dim)
         self.state_cols: int = cols
         slow_device = torch.device("cpu")
@@ -377,6 +380,8 @@ class TieredEmbeddingShard(nn.Module):
         # device-generic torch-op path below (_lookup_torch / _backward_torch), which is also
         # the reference the kernel is tested against.
         self._native: bool = self.backend == "native"
+        if self.backend == "fbgemm":
+            self.moved_row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
         if self.backend == "fbgemm" and R > 0:
             plan = plan_fbgemm_tier(num_rows=R, embedding_dim=embedding_dim, mode=self.mode,
                                     cache_load_factor=self.cache_load_factor, cache_policy=self.cache_policy,
@@ -826,9 +831,14 @@ class TieredEmbeddingShard(nn.Module):
             before the step's cache loads), ``fast_fraction`` (ids served from the
             fast tier), ``cumulative_hit_rate``, ``lookups``, ``unique_rows``,
             ``rows_loaded`` / ``rows_written_back`` / ``rows_evicted`` between the
-            tiers, ``bytes_moved`` (``(loaded + written back) * row_bytes``, values
-            plus optimizer state) and ``flushed_rows``.
+            tiers, ``bytes_moved`` (``(loaded + written back) * moved_row_bytes``:
+            values plus optimizer state, values only in fbgemm's cache) and
+            ``flushed_rows``. On CUDA this synchronizes the device (the counters are
+            device tensors): call it when logging, not every step.
         """
+        if self.device.type == "cuda":
+            # the counters may have been written on the pipeline's lookup stream
+            torch.cuda.synchronize(self.device)
         counts = [float(v) for v in self._stats.tolist()]  # the one host read of the counters
         k = len(TIERED_STATS)
         last = dict(zip(TIERED_STATS, counts[:k]))
@@ -844,9 +854,9 @@ class TieredEmbeddingShard(nn.Module):
             "rows_loaded": last["rows_loaded"],
             "rows_evicted": last["rows_evicted"],
             "rows_written_back": last["rows_written_back"],
-            "bytes_loaded": last["rows_loaded"] * self.row_bytes,
-            "bytes_written_back": last["rows_written_back"] * self.row_bytes,
-            "bytes_moved": moved * self.row_bytes,
+            "bytes_loaded": last["rows_loaded"] * self.moved_row_bytes,
+            "bytes_written_back": last["rows_written_back"] * self.moved_row_bytes,
+            "bytes_moved": moved * self.moved_row_bytes,
             "flushed_rows": float(self._flushed_rows),
         }
 

@@ -393,6 +393,8 @@ def test_fbgemm_backend_module_interface_equals_native() -> None:
     for ids, offsets, psw, grad in _batches(97, 2, seed=8, weighted=False, sequence=False):
         (native(ids, offsets, psw) * grad).sum().backward()
     assert list(fb.named_parameters()) == [] and list(fb.named_buffers()) == []
+    # fbgemm's cache moves values only; recpipe's moves values and the row-wise Adagrad momentum
+    assert (fb.moved_row_bytes, native.moved_row_bytes) == (D * 4, D * 4 + 4)
     assert sorted(fb.state_dict()) == sorted(native.state_dict())
     fb.load_state_dict(native.state_dict())
     assert torch.equal(fb.export_state().weights, native.export_state().weights)
@@ -444,10 +446,17 @@ def test_cuda_training_step_has_no_host_sync(mode: str, x: float, optimizer: str
             (shard(ids, offsets, psw) * grad).sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    stats = shard.tier_stats()  # the one host read
-    assert stats["lookups"] == batches[-1][0].numel()
+    assert shard.tier_stats()["lookups"] == batches[-1][0].numel()  # the host read, after the steps
+    k = len(ops.TIERED_STATS)
+    total = dict(zip(ops.TIERED_STATS, shard._stats[k:].tolist()))  # counted on the device
+    assert total["lookups"] == sum(b[0].numel() for b in batches)
     if mode == "CACHING":
-        assert stats["rows_loaded"] >= 0 and shard.tier_stats()["cumulative_hit_rate"] > 0
+        assert total["rows_loaded"] > 0 and 0 < total["hits"] < total["lookups"]
+        assert total["rows_written_back"] == total["rows_evicted"]
+    elif x < 1.0:
+        assert 0 < total["hits"] == total["fast_lookups"] < total["lookups"]
+    else:
+        assert total["hits"] == total["fast_lookups"] == total["lookups"]
 
 
 @needs_cuda
