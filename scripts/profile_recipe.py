@@ -155,8 +155,10 @@ def main() -> None:
         sys.exit("no samples inside a training step")
     total = prof.step
     print(f"main-thread samples inside training steps (all ranks): {total}")
-    print_table(["category", "samples", "share of step"],
-                [[c, prof.categories[c], f"{100 * prof.categories[c] / total:.1f}%"]
+    busy = total - prof.categories["collectives"]  # the step without its collectives (mostly waits)
+    print_table(["category", "samples", "share of step", "share of step without collectives"],
+                [[c, prof.categories[c], f"{100 * prof.categories[c] / total:.1f}%",
+                  "" if c == "collectives" else f"{100 * prof.categories[c] / max(busy, 1):.1f}%"]
                  for c in [*(c for c, _ in CATEGORIES), "other"]])
     print("\n'other' by pipeline stage (the function progress() called):")
     print_table(["stage", "samples", "share of step"],
