@@ -181,21 +181,99 @@ std::vector<int64_t> read_offsets(const at::Tensor& offsets, int64_t n) {
   return out;
 }
 
-// Local row ids as int64, checked against [0, num_rows).
-std::vector<int64_t> read_ids(const at::Tensor& ids, int64_t num_rows) {
+// Local row ids as a contiguous int64 tensor (no copy when they already are one),
+// checked against [0, num_rows).
+at::Tensor read_ids(const at::Tensor& ids, int64_t num_rows) {
   TORCH_CHECK_VALUE(ids.dim() == 1 && (ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong),
                     "ids must be a 1-D int32/int64 tensor of local row ids, got ", ids.scalar_type(),
                     " with shape ", ids.sizes(), ".");
-  const at::Tensor v = ids.to(at::kLong).contiguous();
+  at::Tensor v = ids.to(at::kLong).contiguous();
   const int64_t* p = v.data_ptr<int64_t>();
-  std::vector<int64_t> out(p, p + v.numel());
-  if (!out.empty()) {
-    const auto [lo, hi] = std::minmax_element(out.begin(), out.end());
+  const int64_t n = v.numel();
+  if (n > 0) {
+    const auto [lo, hi] = std::minmax_element(p, p + n);
     TORCH_CHECK_INDEX(*lo >= 0 && *hi < num_rows, "ids out of range: got ids in [", *lo, ", ", *hi,
                       "] but the shard has ", num_rows,
                       " local rows; route global ids with recpipe.pipeline.ops.route_ids / bucketize_kjt first.");
   }
-  return out;
+  return v;
+}
+
+// Brings the `bytes` bytes at p into the cache ahead of their use (rows of the
+// tiers and row_map entries are scattered: their loads miss the cache).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t k = 0; k < bytes; k += 64) {
+    __builtin_prefetch(c + k);
+  }
+}
+
+// How far ahead (in rows) the loops over scattered rows prefetch.
+constexpr int64_t kPrefetchAhead = 8;
+
+// The sorted distinct ids, each position's index into them (inverse) and each
+// distinct id's count, as torch.unique(sorted=True, return_inverse=True,
+// return_counts=True). Ids are packed with their position into one key (id in
+// the high bits) and radix-sorted (LSD, 8-bit digits, skipping digits all keys
+// share), so one pass over the sorted keys yields all three without a search;
+// a key that does not fit 64 bits falls back to a comparison sort of the pairs.
+void unique_ids(const int64_t* id, int64_t n, int64_t num_rows, std::vector<int64_t>& uniq, int64_t* inverse,
+                std::vector<int64_t>& counts) {
+  uniq.clear();
+  counts.clear();
+  if (n == 0) {
+    return;
+  }
+  const int pos_bits = bit_width_u64(static_cast<uint64_t>(n - 1));
+  const int id_bits = bit_width_u64(static_cast<uint64_t>(std::max<int64_t>(num_rows - 1, 0)));
+  std::vector<uint64_t> keys(static_cast<size_t>(n));
+  if (pos_bits + id_bits <= 64) {
+    for (int64_t i = 0; i < n; ++i) {
+      keys[i] = (static_cast<uint64_t>(id[i]) << pos_bits) | static_cast<uint64_t>(i);
+    }
+    std::vector<uint64_t> tmp(static_cast<size_t>(n));
+    const int bits = pos_bits + id_bits;
+    for (int shift = 0; shift < bits; shift += 8) {
+      size_t hist[257] = {0};
+      for (int64_t i = 0; i < n; ++i) {
+        ++hist[((keys[i] >> shift) & 0xFF) + 1];
+      }
+      if (hist[((keys[0] >> shift) & 0xFF) + 1] == static_cast<size_t>(n)) {
+        continue;  // every key has this digit: the pass would not move anything
+      }
+      for (int d = 0; d < 256; ++d) {
+        hist[d + 1] += hist[d];
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        tmp[hist[(keys[i] >> shift) & 0xFF]++] = keys[i];
+      }
+      keys.swap(tmp);
+    }
+    const uint64_t pos_mask = pos_bits == 0 ? 0 : (~0ULL >> (64 - pos_bits));
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t row = static_cast<int64_t>(keys[k] >> pos_bits);
+      if (uniq.empty() || uniq.back() != row) {
+        uniq.push_back(row);
+        counts.push_back(0);
+      }
+      ++counts.back();
+      inverse[keys[k] & pos_mask] = static_cast<int64_t>(uniq.size()) - 1;
+    }
+    return;
+  }
+  std::vector<std::pair<int64_t, int64_t>> pairs(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    pairs[i] = {id[i], i};
+  }
+  std::sort(pairs.begin(), pairs.end());
+  for (const auto& [row, i] : pairs) {
+    if (uniq.empty() || uniq.back() != row) {
+      uniq.push_back(row);
+      counts.push_back(0);
+    }
+    ++counts.back();
+    inverse[i] = static_cast<int64_t>(uniq.size()) - 1;
+  }
 }
 
 const float* read_psw(const std::optional<at::Tensor>& psw, int64_t n, int64_t pooling, at::Tensor& keep) {
@@ -226,14 +304,19 @@ int64_t prefetch(
     int64_t* stats) {
   const bool lfu = policy == kLfu;
   int64_t hits = 0;
-  std::vector<uint8_t> used(static_cast<size_t>(slots), 0);
+  std::vector<int64_t> hit_slot;  // the batch's cached slots: not eviction candidates
   std::vector<int64_t> miss_row;
   std::vector<int64_t> miss_key;
-  for (size_t u = 0; u < uniq.size(); ++u) {
+  hit_slot.reserve(uniq.size());
+  const size_t U = uniq.size();
+  for (size_t u = 0; u < U; ++u) {
+    if (u + kPrefetchAhead < U) {
+      __builtin_prefetch(t.row_map + uniq[u + kPrefetchAhead]);
+    }
     const int64_t rm = t.row_map[uniq[u]];
     if (rm >= 0) {
       hits += counts[u];
-      used[rm] = 1;
+      hit_slot.push_back(rm);
       slot_score[rm] = lfu ? slot_score[rm] + (counts[u] << 1) : (clock << 1) | (slot_score[rm] & 1);
     } else {
       miss_row.push_back(uniq[u]);
@@ -251,6 +334,10 @@ int64_t prefetch(
   }
   if (slots == 0) {
     return hits;
+  }
+  std::vector<uint8_t> used(static_cast<size_t>(slots), 0);
+  for (const int64_t slot : hit_slot) {
+    used[slot] = 1;
   }
   // Misses hottest first (ties by row); victims coldest first (free = -1, ties by slot).
   std::vector<size_t> m_order(misses);
@@ -339,8 +426,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiered_lookup_cpu(
     int64_t policy,
     int64_t clock,
     int64_t pooling) {
-  const std::vector<int64_t> id = read_ids(ids, num_rows);
-  const int64_t n = static_cast<int64_t>(id.size());
+  const at::Tensor id_t = read_ids(ids, num_rows);
+  const int64_t* id = id_t.data_ptr<int64_t>();
+  const int64_t n = id_t.numel();
   const std::vector<int64_t> off = read_offsets(offsets, n);
   TORCH_CHECK(pooling == kSum || pooling == kMean, "recpipe: tiered `pooling` must be 0 (sum) or 1 (mean), got ",
               pooling, ".");
@@ -356,18 +444,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiered_lookup_cpu(
   std::fill_n(st, kStatCount, 0);
 
   // unique rows (sorted, as torch.unique), the inverse and the counts
-  std::vector<int64_t> uniq(id);
-  std::sort(uniq.begin(), uniq.end());
-  uniq.erase(std::unique(uniq.begin(), uniq.end()), uniq.end());
-  const int64_t U = static_cast<int64_t>(uniq.size());
-  at::Tensor uniq_t = at::empty({U}, ids.options().dtype(at::kLong));
   at::Tensor inverse_t = at::empty({n}, ids.options().dtype(at::kLong));
   int64_t* inv = inverse_t.data_ptr<int64_t>();
-  std::vector<int64_t> counts(static_cast<size_t>(U), 0);
-  for (int64_t i = 0; i < n; ++i) {
-    inv[i] = std::lower_bound(uniq.begin(), uniq.end(), id[i]) - uniq.begin();
-    ++counts[inv[i]];
-  }
+  std::vector<int64_t> uniq;
+  std::vector<int64_t> counts;
+  unique_ids(id, n, num_rows, uniq, inv, counts);
+  const int64_t U = static_cast<int64_t>(uniq.size());
+  at::Tensor uniq_t = at::empty({U}, ids.options().dtype(at::kLong));
   std::copy(uniq.begin(), uniq.end(), uniq_t.data_ptr<int64_t>());
 
   int64_t hits = -1;
@@ -384,6 +467,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiered_lookup_cpu(
   std::vector<const float*> row_ptr(static_cast<size_t>(U));
   int64_t fast_lookups = 0;
   for (int64_t u = 0; u < U; ++u) {
+    if (mode == kCaching && u + kPrefetchAhead < U) {
+      __builtin_prefetch(t.row_map + uniq[u + kPrefetchAhead]);
+    }
     const auto at = t.locate(uniq[u]);
     row_ptr[u] = t.weights(at);
     fast_lookups += at.first ? counts[u] : 0;
@@ -398,19 +484,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> tiered_lookup_cpu(
 
   const int64_t B = static_cast<int64_t>(off.size()) - 1;
   const int64_t D = t.dim;
-  at::Tensor out = at::zeros({B, D}, fast_weights.options());
+  // Every output element is written below (0 + the first row, or 0 for an empty
+  // bag), in the same float operations as zero-filling and accumulating.
+  at::Tensor out = at::empty({B, D}, fast_weights.options());
   float* o = out.data_ptr<float>();
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
   at::parallel_for(0, B, 64, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       float* ob = o + b * D;
-      for (int64_t i = off[b]; i < off[b + 1]; ++i) {
+      const int64_t i0 = off[b];
+      const int64_t i1 = off[b + 1];
+      if (i1 + kPrefetchAhead <= n) {
+        // the rows of the bags ahead (positions are contiguous across bags)
+        for (int64_t i = i0; i < i1; ++i) {
+          prefetch_bytes(row_ptr[inv[i + kPrefetchAhead]], row_bytes);
+        }
+      }
+      if (i0 == i1) {
+        std::fill_n(ob, D, 0.0f);
+        continue;
+      }
+      {
+        const float* r = row_ptr[inv[i0]];
+        const float w = psw != nullptr ? psw[i0] : 1.0f;
+        for (int64_t d = 0; d < D; ++d) {
+          ob[d] = 0.0f + w * r[d];
+        }
+      }
+      for (int64_t i = i0 + 1; i < i1; ++i) {
         const float* r = row_ptr[inv[i]];
         const float w = psw != nullptr ? psw[i] : 1.0f;
         for (int64_t d = 0; d < D; ++d) {
           ob[d] += w * r[d];
         }
       }
-      const int64_t len = off[b + 1] - off[b];
+      const int64_t len = i1 - i0;
       if (pooling == kMean && len > 0) {
         for (int64_t d = 0; d < D; ++d) {
           ob[d] /= static_cast<float>(len);
@@ -501,63 +609,126 @@ void tiered_backward_cpu(
   const float bc1 = static_cast<float>(1.0 - std::pow(beta1, static_cast<double>(step)));
   const float bc2 = static_cast<float>(1.0 - std::pow(beta2, static_cast<double>(step)));
   const float wd = static_cast<float>(weight_decay);
+  // Where each row lives (rows do not move during this call), its range checked;
+  // the row_map entries of CACHING are scattered, so they are prefetched.
+  std::vector<float*> w_ptr(static_cast<size_t>(U));
+  std::vector<float*> s_ptr(static_cast<size_t>(U));
+  std::vector<int64_t> dirty_slot(score != nullptr ? static_cast<size_t>(U) : 0);
+  for (int64_t u = 0; u < U; ++u) {
+    const int64_t r = ur[u];
+    TORCH_CHECK_INDEX(r >= 0 && r < num_rows, "recpipe: tiered `uniq` row ", r, " is outside [0, ", num_rows, ").");
+    if (mode == kCaching && u + kPrefetchAhead < U) {
+      const int64_t ahead = ur[u + kPrefetchAhead];
+      if (ahead >= 0 && ahead < num_rows) {
+        __builtin_prefetch(t.row_map + ahead);
+      }
+    }
+    // re-resolve: a later lookup may have moved the row since this batch's forward
+    const auto at = t.locate(r);
+    w_ptr[u] = t.weights(at);
+    s_ptr[u] = t.state(at);
+    if (score != nullptr) {
+      dirty_slot[u] = at.first ? at.second : -1;
+    }
+  }
+  const int64_t cols = t.cols;
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(float));
+  const int64_t state_bytes = cols * static_cast<int64_t>(sizeof(float));
+  // Rows are updated in groups of kGroup: each row's gradient is summed, and its
+  // row-wise Adagrad square sum taken, in exactly the order of a row at a time
+  // (d = 0 .. D-1); the group only interleaves independent rows' dependency chains.
+  constexpr int64_t kGroup = 8;
   at::parallel_for(0, U, 16, [&](int64_t u0, int64_t u1) {
-    std::vector<float> grad(static_cast<size_t>(D));
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t r = ur[u];
-      TORCH_CHECK_INDEX(r >= 0 && r < num_rows, "recpipe: tiered `uniq` row ", r, " is outside [0, ", num_rows,
-                        ").");
-      std::fill(grad.begin(), grad.end(), 0.0f);
-      for (int64_t k = start[u]; k < start[u + 1]; ++k) {
-        const int64_t i = pos[k];
-        const int64_t b = bag[i];
-        const float* gb = g + b * D;
-        if (psw != nullptr) {
-          for (int64_t d = 0; d < D; ++d) {
-            grad[d] += gb[d] * psw[i];
-          }
-        } else if (pooling == kMean) {
-          const float len = static_cast<float>(off[b + 1] - off[b]);
-          for (int64_t d = 0; d < D; ++d) {
-            grad[d] += gb[d] / len;
-          }
-        } else {
-          for (int64_t d = 0; d < D; ++d) {
-            grad[d] += gb[d];
+    std::vector<float> grads(static_cast<size_t>(kGroup * D));
+    for (int64_t g0 = u0; g0 < u1; g0 += kGroup) {
+      const int64_t gn = std::min(kGroup, u1 - g0);
+      for (int64_t j = 0; j < gn; ++j) {
+        const int64_t ahead = g0 + kGroup + j;
+        if (ahead < U) {
+          prefetch_bytes(w_ptr[ahead], row_bytes);
+          prefetch_bytes(s_ptr[ahead], state_bytes);
+        }
+      }
+      for (int64_t j = 0; j < gn; ++j) {
+        const int64_t u = g0 + j;
+        float* grad = grads.data() + j * D;
+        std::fill_n(grad, D, 0.0f);
+        for (int64_t k = start[u]; k < start[u + 1]; ++k) {
+          const int64_t i = pos[k];
+          const int64_t b = bag[i];
+          const float* gb = g + b * D;
+          if (psw != nullptr) {
+            for (int64_t d = 0; d < D; ++d) {
+              grad[d] += gb[d] * psw[i];
+            }
+          } else if (pooling == kMean) {
+            const float len = static_cast<float>(off[b + 1] - off[b]);
+            for (int64_t d = 0; d < D; ++d) {
+              grad[d] += gb[d] / len;
+            }
+          } else {
+            for (int64_t d = 0; d < D; ++d) {
+              grad[d] += gb[d];
+            }
           }
         }
       }
-      // re-resolve: a later lookup may have moved the row since this batch's forward
-      const auto at = t.locate(r);
-      float* w = t.weights(at);
-      float* s = t.state(at);
       if (optimizer == kSgd) {
-        for (int64_t d = 0; d < D; ++d) {
-          w[d] -= flr * grad[d];
+        for (int64_t j = 0; j < gn; ++j) {
+          const float* grad = grads.data() + j * D;
+          float* w = w_ptr[g0 + j];
+          for (int64_t d = 0; d < D; ++d) {
+            w[d] -= flr * grad[d];
+          }
         }
       } else if (optimizer == kRowwiseAdagrad) {
-        float sq = 0.0f;
-        for (int64_t d = 0; d < D; ++d) {
-          sq += grad[d] * grad[d];
+        float sq[kGroup] = {0.0f};
+        if (gn == kGroup) {
+          for (int64_t d = 0; d < D; ++d) {
+            for (int64_t j = 0; j < kGroup; ++j) {
+              const float x = grads[j * D + d];
+              sq[j] += x * x;
+            }
+          }
+        } else {
+          for (int64_t j = 0; j < gn; ++j) {
+            const float* grad = grads.data() + j * D;
+            for (int64_t d = 0; d < D; ++d) {
+              sq[j] += grad[d] * grad[d];
+            }
+          }
         }
-        s[0] += sq / static_cast<float>(D);
-        const float mult = flr / (std::sqrt(s[0]) + feps);
-        for (int64_t d = 0; d < D; ++d) {
-          w[d] -= grad[d] * mult;
+        for (int64_t j = 0; j < gn; ++j) {
+          const float* grad = grads.data() + j * D;
+          float* w = w_ptr[g0 + j];
+          float* s = s_ptr[g0 + j];
+          s[0] += sq[j] / static_cast<float>(D);
+          const float mult = flr / (std::sqrt(s[0]) + feps);
+          for (int64_t d = 0; d < D; ++d) {
+            w[d] -= grad[d] * mult;
+          }
         }
       } else {
-        float* m1 = s;
-        float* m2 = s + D;
-        for (int64_t d = 0; d < D; ++d) {
-          m1[d] = b1 * m1[d] + (1.0f - b1) * grad[d];
-          m2[d] = b2 * m2[d] + (1.0f - b2) * grad[d] * grad[d];
-          float upd = (m1[d] / bc1) / (std::sqrt(m2[d] / bc2) + feps);
-          upd += wd * w[d];
-          w[d] -= flr * upd;
+        for (int64_t j = 0; j < gn; ++j) {
+          const float* grad = grads.data() + j * D;
+          float* w = w_ptr[g0 + j];
+          float* m1 = s_ptr[g0 + j];
+          float* m2 = m1 + D;
+          for (int64_t d = 0; d < D; ++d) {
+            m1[d] = b1 * m1[d] + (1.0f - b1) * grad[d];
+            m2[d] = b2 * m2[d] + (1.0f - b2) * grad[d] * grad[d];
+            float upd = (m1[d] / bc1) / (std::sqrt(m2[d] / bc2) + feps);
+            upd += wd * w[d];
+            w[d] -= flr * upd;
+          }
         }
       }
-      if (score != nullptr && at.first) {
-        score[at.second] |= 1;  // dirty: written back on eviction / flush
+      if (score != nullptr) {
+        for (int64_t j = 0; j < gn; ++j) {
+          if (dirty_slot[g0 + j] >= 0) {
+            score[dirty_slot[g0 + j]] |= 1;  // dirty: written back on eviction / flush
+          }
+        }
       }
     }
   });

@@ -32,12 +32,24 @@ The optimizer is fused into the backward like fbgemm's TBE: the lookup is a cust
 SGD / row-wise Adagrad / Adam in place in whichever tier each row lives and
 returns no weight gradient. The optimizer state of a row lives and moves with it.
 
-Each step of a CPU shard runs in the compiled ops ``torch.ops.recpipe.tiered_lookup``
-and ``tiered_backward`` (``csrc/tiered.cpp``); their hit / traffic counters live in
-the int64 ``_stats`` tensor and are read on the host only by :meth:`tier_stats`.
-Other devices run the same rules in device-generic torch ops (``_lookup_torch``,
-``_backward_torch``, which read counts on the host), the reference the kernel is
-tested against bit for bit on the cache maps.
+Backends (``backend=``; the default follows the device):
+
+* ``native`` (CPU): each step runs in the compiled ops ``torch.ops.recpipe.tiered_lookup``
+  and ``tiered_backward`` (``csrc/tiered.cpp``).
+* ``fbgemm`` (CUDA): fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``
+  (:mod:`recpipe.pipeline._tiered_fbgemm`): CACHING as a ``MANAGED_CACHING`` table
+  (fbgemm's set-associative UVM cache, LRU / LFU), HYBRID as a ``DEVICE`` +
+  ``MANAGED`` table pair split by the same hash, the fused optimizer fbgemm's. No
+  host sync in a training step. fbgemm's cache admission and byte layout differ
+  from the rules above (see that module); values and updates agree to float rounding.
+  On CPU this backend builds the same tables as fbgemm HOST tables (tests).
+* ``torch`` (other devices): the same rules as ``native`` in device-generic torch ops
+  (``_lookup_torch``, ``_backward_torch``), the reference the kernel is tested
+  against bit for bit on the cache maps. Its ``unique`` / mask indexing / admission
+  count read the device, so it is not sync-free.
+
+Every backend's hit / traffic counters live in the int64 ``_stats`` tensor, updated
+on the device, and are read on the host only by :meth:`tier_stats`.
 
 Metadata encodings (they keep the metadata inside the planner's byte budget of
 ``CACHE_ROW_MAP_BYTES`` per row and ``CACHE_SLOT_BYTES`` per slot):
@@ -60,6 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from recpipe.pipeline._tiered_fbgemm import FbgemmTier, plan_fbgemm_tier
 from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
 from recpipe.pipeline.ops import (
     DIST_TYPES,
@@ -98,6 +111,23 @@ CHECKPOINT_VERSION: int = 2
 class TieredCheckpointError(ValueError):
     """A tiered-table export cannot be loaded into this shard (metadata mismatch,
     missing or duplicated rows). The message lists numbered possible solutions."""
+
+
+BACKENDS: Tuple[str, ...] = ("native", "fbgemm", "torch")
+
+
+def _resolve_backend(backend: Optional[str], device: torch.device) -> str:
+    """The shard's backend: the given one (validated against the device) or the device's default."""
+    if backend is None:
+        return {"cpu": "native", "cuda": "fbgemm"}.get(device.type, "torch")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)} or None (the device's default), got {backend!r}.")
+    if backend == "native" and device.type != "cpu":
+        raise ValueError(f"backend 'native' (the compiled CPU kernel) cannot run on {device}: use backend=None "
+                         "('fbgemm' on CUDA) or 'torch'.")
+    if backend == "fbgemm" and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"backend 'fbgemm' runs on cpu or cuda, not {device}: use backend='torch'.")
+    return backend
 
 
 def _check_dist_type(dist_type: str) -> str:
@@ -232,6 +262,11 @@ class TieredEmbeddingShard(nn.Module):
         dtype (torch.dtype): row dtype (only ``torch.float32`` is supported).
         device (torch.device | str | None): fast-tier device (default CPU).
         table_name (str): name recorded in exports and errors.
+        backend (str | None): ``native`` (the compiled CPU kernel), ``fbgemm``
+            (fbgemm's TBE, :mod:`recpipe.pipeline._tiered_fbgemm`; on CPU its tables
+            are HOST tables without a cache, for tests) or ``torch`` (device-generic
+            torch ops, the kernel's test reference). Default: ``native`` on CPU,
+            ``fbgemm`` on CUDA, ``torch`` elsewhere.
 
     Example::
 
@@ -260,6 +295,7 @@ class TieredEmbeddingShard(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: Optional[Union[torch.device, str]] = None,
         table_name: str = "table",
+        backend: Optional[str] = None,
     ) -> None:
         super().__init__()
         self.mode: Mode = Mode.parse(mode)
@@ -294,25 +330,34 @@ class TieredEmbeddingShard(nn.Module):
         self.table_name: str = table_name
         self.device: torch.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_rows: int = shard_num_rows(num_embeddings, world_size, rank, dist_type)
+        self.backend: str = _resolve_backend(backend, self.device)
 
         R = self.num_rows
         self.fast_rows, self.slow_rows, self.cache_slots = tier_rows(R, self.mode, self.cache_load_factor)
         self.all_fast: bool = self.slow_rows == 0 and self.cache_slots == 0
         self.caching: bool = self.mode is Mode.CACHING and self.cache_load_factor < 1.0
         self.row_bytes: int = row_bytes(embedding_dim, dtype, self.optimizer.name)
+        # Bytes a cache load / write-back moves per row: values and optimizer state, except
+        # in fbgemm's cache, which holds values only (the state stays in UVM).
+        self.moved_row_bytes: int = self.row_bytes
         cols = self.optimizer.state_cols(embedding_dim)
+        self.state_cols: int = cols
         slow_device = torch.device("cpu")
         pin = self.device.type == "cuda" and torch.cuda.is_available()
 
         def slow(shape: Tuple[int, ...], dt: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dt, device=slow_device, pin_memory=pin)
 
-        n_fast = self.fast_rows + self.cache_slots
+        self.__dict__["_fbgemm"] = None  # Optional[FbgemmTier], set below for backend "fbgemm"
+        self._fbgemm: Optional[FbgemmTier]
+        fbgemm = self.backend == "fbgemm"  # fbgemm's TBE holds the rows: the buffers below stay empty
+        n_fast = 0 if fbgemm else self.fast_rows + self.cache_slots
+        n_slow = 0 if fbgemm else self.slow_rows
         self.fast_weights: torch.Tensor = torch.zeros((n_fast, embedding_dim), dtype=dtype, device=self.device)
         self.fast_state: torch.Tensor = torch.zeros((n_fast, cols), dtype=torch.float32, device=self.device)
-        self.slow_weights: torch.Tensor = slow((self.slow_rows, embedding_dim), dtype)
-        self.slow_state: torch.Tensor = slow((self.slow_rows, cols), torch.float32)
-        if self.caching:
+        self.slow_weights: torch.Tensor = slow((n_slow, embedding_dim), dtype)
+        self.slow_state: torch.Tensor = slow((n_slow, cols), torch.float32)
+        if self.caching and not fbgemm:
             self.row_map: Optional[torch.Tensor] = torch.full((R,), -1, dtype=torch.int64, device=self.device)
             self.slot_row: Optional[torch.Tensor] = torch.full(
                 (self.cache_slots,), -1, dtype=torch.int64, device=self.device
@@ -328,11 +373,23 @@ class TieredEmbeddingShard(nn.Module):
         # updated in place by the kernel, read on the host only by tier_stats().
         self._stats: torch.Tensor = torch.zeros(2 * len(TIERED_STATS), dtype=torch.int64, device=self.device)
         self._flushed_rows: int = 0
-        self._last: Dict[str, float] = {}  # the torch path's counters of the current lookup
+        # The torch path's counters of the current lookup: host ints, or 0-d device tensors
+        # for the sums (not read back; stacked on the device into _stats).
+        self._last: Dict[str, Union[int, torch.Tensor]] = {}
         # The compiled kernel (csrc/tiered.cpp) runs the CPU shards. Other devices use the
         # device-generic torch-op path below (_lookup_torch / _backward_torch), which is also
         # the reference the kernel is tested against.
-        self._native: bool = self.device.type == "cpu"
+        self._native: bool = self.backend == "native"
+        if self.backend == "fbgemm":
+            self.moved_row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
+        if self.backend == "fbgemm" and R > 0:
+            plan = plan_fbgemm_tier(num_rows=R, embedding_dim=embedding_dim, mode=self.mode,
+                                    cache_load_factor=self.cache_load_factor, cache_policy=self.cache_policy,
+                                    optimizer=self.optimizer, compute_device=self.device.type)
+            # Not a registered submodule: the TBE's tensors must not appear in state_dict() (the
+            # shard exports its rows itself) nor in parameters() (fbgemm updates them in backward).
+            self.__dict__["_fbgemm"] = FbgemmTier(plan, split_seed=self.split_seed, pooling=pooling,
+                                                  device=self.device, stats=self._stats)
         no_cache = torch.empty(0, dtype=torch.int64, device=self.device)
         self._op_row_map: torch.Tensor = self.row_map if self.row_map is not None else no_cache
         self._op_slot_row: torch.Tensor = self.slot_row if self.slot_row is not None else no_cache
@@ -354,8 +411,11 @@ class TieredEmbeddingShard(nn.Module):
             tier's device) and, when the shard has no cache, the empty (0-byte) tensor
             the kernel gets for its cache maps.
         """
-        fast = [("fast_weights", self.fast_weights), ("fast_state", self.fast_state)]
         counters = [("stats", self._stats)]
+        if self.backend == "fbgemm":
+            tiers = self._fbgemm.tier_tensors() if self._fbgemm is not None else {"fast": [], "slow": []}
+            return {"fast": tiers["fast"], "slow": tiers["slow"], "counters": counters}
+        fast = [("fast_weights", self.fast_weights), ("fast_state", self.fast_state)]
         if self.caching:
             assert self.row_map is not None and self.slot_row is not None and self.slot_score is not None
             fast += [("row_map", self.row_map), ("slot_row", self.slot_row), ("slot_score", self.slot_score)]
@@ -369,7 +429,9 @@ class TieredEmbeddingShard(nn.Module):
 
         Returns:
             ShardStorage: equals ``recpipe.pipeline.placement.shard_storage(num_rows,
-            embedding_dim, dtype, optimizer, mode, cache_load_factor)``.
+            embedding_dim, dtype, optimizer, mode, cache_load_factor)`` for the
+            ``native`` and ``torch`` backends; for ``fbgemm`` on CUDA,
+            ``recpipe.pipeline._tiered_fbgemm.fbgemm_tier_bytes`` of the shard's plan.
         """
         tiers = self.tier_tensors()
         return ShardStorage(
@@ -448,7 +510,13 @@ class TieredEmbeddingShard(nn.Module):
         gids = self.global_ids()
         self._load_local_rows(weights.index_select(0, gids.to(weights.device)).to(self.device, self.dtype), None,
                               reset_cache=True)
-        self.step = 0
+        self._set_step(0)
+
+    def _set_step(self, step: int) -> None:
+        """Sets the optimizer step counter (Adam bias correction), in fbgemm's TBE too."""
+        self.step = int(step)
+        if self._fbgemm is not None:
+            self._fbgemm.set_step(self.step)
 
     def global_ids(self) -> torch.Tensor:
         """Global id of every local row, in local-id order.
@@ -469,6 +537,10 @@ class TieredEmbeddingShard(nn.Module):
             self.slot_score.zero_()
 
     def _load_local_rows(self, weights: torch.Tensor, state: Optional[torch.Tensor], reset_cache: bool) -> None:
+        if self.backend == "fbgemm":
+            if self._fbgemm is not None:
+                self._fbgemm.write_rows(weights, state)  # empties the cache
+            return
         if reset_cache:
             self._reset_cache()
         rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
@@ -494,7 +566,7 @@ class TieredEmbeddingShard(nn.Module):
             self.slot_score.index_copy_(0, hit_slots, (self._clock << 1) | dirty)
         miss_mask = ~cached
         misses = uniq[miss_mask]
-        self._last["hits"] = float(counts[cached].sum().item())
+        self._last["hits"] = (counts * cached).sum()  # no mask indexing: no host sync
         if misses.numel() == 0:
             return
         miss_key = (-rm[miss_mask] - 1) + counts[miss_mask] if lfu else torch.full_like(misses, self._clock)
@@ -544,9 +616,9 @@ class TieredEmbeddingShard(nn.Module):
         self.row_map.index_copy_(0, new_rows, slots)
         self.slot_row.index_copy_(0, slots, new_rows)
         self.slot_score.index_copy_(0, slots, miss_key.index_select(0, m_sel) << 1)
-        self._last["rows_loaded"] = float(n)
-        self._last["rows_evicted"] = float(ev_rows.numel())
-        self._last["rows_written_back"] = float(wb_rows.numel())
+        self._last["rows_loaded"] = n
+        self._last["rows_evicted"] = ev_rows.numel()
+        self._last["rows_written_back"] = wb_rows.numel()
 
     @torch.no_grad()
     def flush(self) -> int:
@@ -555,6 +627,12 @@ class TieredEmbeddingShard(nn.Module):
         Returns:
             int: rows written back.
         """
+        if self.backend == "fbgemm":
+            if self._fbgemm is None:
+                return 0
+            n = self._fbgemm.flush()
+            self._flushed_rows += n
+            return n
         if not self.caching:
             return 0
         assert self.slot_row is not None and self.slot_score is not None
@@ -634,33 +712,35 @@ class TieredEmbeddingShard(nn.Module):
         """The same lookup in device-generic torch ops (non-CPU devices; the kernel's test reference)."""
         self._check_inputs(ids, offsets, psw)
         self._flushed_rows = 0
-        self._last = dict.fromkeys(TIERED_STATS, 0.0)
+        self._last = dict.fromkeys(TIERED_STATS, 0)
         self._clock += 1
         ids = ids.to(torch.int64)
         offsets = offsets.to(torch.int64)
         n = ids.numel()
-        self._last["lookups"] = float(n)
+        self._last["lookups"] = n
         mode = self.pooling
         if self.all_fast:
             out = F.embedding_bag(ids, self.fast_weights, offsets, mode=mode,
                                   per_sample_weights=psw, include_last_offset=True)
             uniq, inverse = torch.unique(ids, return_inverse=True)
-            self._last.update(unique_rows=float(uniq.numel()), hits=float(n), fast_lookups=float(n))
+            self._last.update(unique_rows=uniq.numel(), hits=n, fast_lookups=n)
         else:
             uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
-            self._last["unique_rows"] = float(uniq.numel())
+            self._last["unique_rows"] = uniq.numel()
             if self.caching:
                 self._prefetch(uniq, counts)
             in_fast, idx = self._locate(uniq)
             assert in_fast is not None
-            fast_lookups = float(counts[in_fast].sum().item())
+            fast_lookups = (counts * in_fast).sum()
             self._last["fast_lookups"] = fast_lookups
             if not self.caching:
                 self._last["hits"] = fast_lookups
             rows = self._read(in_fast, idx, state=False)
             out = F.embedding_bag(inverse, rows, offsets, mode=mode,
                                   per_sample_weights=psw, include_last_offset=True)
-        last = torch.tensor([self._last[k] for k in TIERED_STATS], dtype=torch.int64, device=self.device)
+        last = torch.stack([v.to(torch.int64) if isinstance(v, torch.Tensor)
+                            else torch.full((), v, dtype=torch.int64, device=self.device)
+                            for v in (self._last[k] for k in TIERED_STATS)])
         k = len(TIERED_STATS)
         self._stats[:k] = last
         self._stats[k:] += last
@@ -714,8 +794,33 @@ class TieredEmbeddingShard(nn.Module):
             torch.Tensor: ``[B, embedding_dim]`` pooled embeddings. Its backward
             applies the fused optimizer to the rows in place.
         """
+        if self.backend == "fbgemm":
+            return self._forward_fbgemm(ids, offsets, per_sample_weights)
         anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())
         return _TieredLookup.apply(anchor, self, ids, offsets, per_sample_weights)
+
+    def _forward_fbgemm(
+        self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """The lookup by fbgemm's TBE, whose backward applies the fused optimizer.
+
+        No host sync on CUDA: ids are checked on the device (``torch._assert_async``)
+        and the statistics are counted on the device. On CPU the inputs are also
+        checked on the host (as by the other backends), for the error messages.
+        """
+        if self.device.type == "cpu":
+            self._check_inputs(ids, offsets, psw)
+        if psw is not None and self.pooling != "sum":
+            raise ValueError("per_sample_weights need pooling='sum' (as in torch.nn.EmbeddingBag).")
+        self._flushed_rows = 0
+        self._clock += 1
+        if self._fbgemm is None:  # a shard without rows (fewer rows than ranks): only empty bags
+            k = len(TIERED_STATS)
+            self._stats[:k].zero_()
+            return torch.zeros((offsets.numel() - 1, self.embedding_dim), dtype=self.dtype, device=self.device)
+        out = self._fbgemm(ids, offsets, psw)
+        self.step = self._fbgemm.step  # training lookups; export_state reads fbgemm's own counter
+        return out
 
     # ----------------------------------------------------------------- stats
     def tier_stats(self) -> Dict[str, float]:
@@ -726,9 +831,14 @@ class TieredEmbeddingShard(nn.Module):
             before the step's cache loads), ``fast_fraction`` (ids served from the
             fast tier), ``cumulative_hit_rate``, ``lookups``, ``unique_rows``,
             ``rows_loaded`` / ``rows_written_back`` / ``rows_evicted`` between the
-            tiers, ``bytes_moved`` (``(loaded + written back) * row_bytes``, values
-            plus optimizer state) and ``flushed_rows``.
+            tiers, ``bytes_moved`` (``(loaded + written back) * moved_row_bytes``:
+            values plus optimizer state, values only in fbgemm's cache) and
+            ``flushed_rows``. On CUDA this synchronizes the device (the counters are
+            device tensors): call it when logging, not every step.
         """
+        if self.device.type == "cuda":
+            # the counters may have been written on the pipeline's lookup stream
+            torch.cuda.synchronize(self.device)
         counts = [float(v) for v in self._stats.tolist()]  # the one host read of the counters
         k = len(TIERED_STATS)
         last = dict(zip(TIERED_STATS, counts[:k]))
@@ -744,9 +854,9 @@ class TieredEmbeddingShard(nn.Module):
             "rows_loaded": last["rows_loaded"],
             "rows_evicted": last["rows_evicted"],
             "rows_written_back": last["rows_written_back"],
-            "bytes_loaded": last["rows_loaded"] * self.row_bytes,
-            "bytes_written_back": last["rows_written_back"] * self.row_bytes,
-            "bytes_moved": moved * self.row_bytes,
+            "bytes_loaded": last["rows_loaded"] * self.moved_row_bytes,
+            "bytes_written_back": last["rows_written_back"] * self.moved_row_bytes,
+            "bytes_moved": moved * self.moved_row_bytes,
             "flushed_rows": float(self._flushed_rows),
         }
 
@@ -786,12 +896,21 @@ class TieredEmbeddingShard(nn.Module):
             TieredShardState: rows in local-id order, on CPU.
         """
         self.flush()
-        rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
-        in_fast, idx = self._locate(rows)
+        if self.backend == "fbgemm":
+            if self._fbgemm is not None:
+                weights, state = self._fbgemm.read_rows(self.state_cols)
+                self.step = self._fbgemm.get_step()
+            else:
+                weights = torch.empty((0, self.embedding_dim), dtype=self.dtype)
+                state = torch.empty((0, self.state_cols), dtype=torch.float32)
+        else:
+            rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
+            in_fast, idx = self._locate(rows)
+            weights, state = self._read(in_fast, idx, state=False), self._read(in_fast, idx, state=True)
         return TieredShardState(
             global_ids=self.global_ids(),
-            weights=self._read(in_fast, idx, state=False).cpu(),
-            optimizer_state=self._read(in_fast, idx, state=True).cpu(),
+            weights=weights.cpu(),
+            optimizer_state=state.cpu(),
             step=self.step,
             metadata=self.metadata(),
         )
@@ -920,7 +1039,7 @@ class TieredEmbeddingShard(nn.Module):
                 ["the saving run diverged or the export is damaged: load an earlier checkpoint",
                  "re-export the table from a healthy run"])
         self._load_local_rows(weights.to(self.device), opt.to(self.device), reset_cache=True)
-        self.step = steps.pop()
+        self._set_step(steps.pop())
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         st = self.export_state()

@@ -414,7 +414,8 @@ def run(config: TrainConfig) -> TrainResult:
                             "train/step_ms": 1000.0 * dt / interval_n,
                         },
                     )
-                    tb.tier_stats(step, gather_tier_stats(dmp))
+                    if config.tb_dir:  # a collective: every rank has the same config
+                        tb.tier_stats(step, gather_tier_stats(dmp))
                     bar.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{sps:.0f}")
                     if rank == 0:
                         print(

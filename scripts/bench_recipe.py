@@ -12,7 +12,8 @@ ranks launched with torchrun (1 thread each), interleaved ``--repeats`` times:
 
 Every run's samples/s is printed (steady state: the first logging interval is excluded by
 the recipe), then the medians and their ratio to the torchrec baseline (target for the
-default: >= 1.10x). Exits 1 if the two recpipe runs' per-step losses differ.
+default: >= 1.10x), and each round's ratio to that round's torchrec run (paired: steadier
+when the machine's speed drifts). Exits 1 if the two recpipe runs' per-step losses differ.
 
 Usage::
 
@@ -81,6 +82,12 @@ def main() -> None:
         med = statistics.median(sps[name])
         rows.append([label, med, " ".join(f"{v:.0f}" for v in sps[name]), med / base, losses[name][-1]])
     print_table(["run", "samples/s (median)", "runs", "ratio vs torchrec", "last loss (rank 0)"], rows)
+    # On a shared machine the speed drifts between rounds: each round's runs ran back to back,
+    # so the ratio within a round is the steadier figure.
+    for name, (_, label) in list(RUNS.items())[1:]:
+        paired = [a / b for a, b in zip(sps[name], sps["torchrec"])]
+        print(f"paired ratio vs torchrec, {name} (per round): " + " ".join(f"{r:.3f}" for r in paired)
+              + f"; median {statistics.median(paired):.3f}")
     identical = losses["default"] == losses["planned_sparse"]
     print(f"per-step losses of recpipe's fused pipeline identical to TrainPipelineSparseDist: {identical} "
           f"({len(losses['default'])} steps)")

@@ -290,3 +290,22 @@ def test_registry_covers_every_dataset_and_base_imports_no_source() -> None:
     config.dataset = "nope"  # bypasses validation on purpose
     with pytest.raises(ValueError, match="nope"):
         make_data_source(config, 0, 1)
+
+
+@pytest.mark.parametrize("model", ["dlrm", "micro_dlrm_dram"])
+def test_rows_of_then_kjt_of_rows_is_to_kjt(model: str) -> None:
+    # MovieLens maps its whole dataset once with rows_of and gathers per batch.
+    config = TrainConfig(model=model, seed=5, batch_size=64, hash_k=3, virtual_rows=1 << 16)
+    src = make_data_source(config, 0, 2)
+    transform = src._transform
+    keys = src.spec.feature_names
+    ids = movielens_raw_ids(src, 7)
+    rows = transform.rows_of(ids)
+    assert rows.shape == (len(keys), config.batch_size, transform.per_sample)
+    assert transform.per_sample == (3 if model == "micro_dlrm_dram" else 1)
+    assert_same_kjt(transform.kjt_of_rows(keys, rows), transform.to_kjt(keys, ids))
+    assert_same_kjt(next(src.train_batches(7, 8)).sparse_features, transform.to_kjt(keys, ids))
+    with pytest.raises(ValueError, match="kjt_of_rows"):
+        transform.kjt_of_rows(keys, rows[:, :, :1] if transform.per_sample > 1 else rows.repeat(1, 1, 2))
+    with pytest.raises(TypeError, match="int64"):
+        transform.rows_of(ids.int())

@@ -68,6 +68,56 @@ class IdTransform:
             else None
         )
 
+    @property
+    def per_sample(self) -> int:
+        """Table rows per raw id: ``hash_k`` for micro-DLRM, else 1."""
+        return self.projector.k if self.projector is not None else 1
+
+    def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """The table rows of raw ids, for all features at once.
+
+        A source whose ids repeat (MovieLens) maps its whole dataset once with this and
+        builds each batch with :meth:`kjt_of_rows` from a gather of the result: the same
+        KJT as :meth:`to_kjt` of the batch's ids, without hashing every batch.
+
+        Args:
+            ids: int64 ``(F, N)`` raw ids, row ``f`` for feature ``f``.
+
+        Returns:
+            int64 ``(F, N, per_sample)`` rows: ``[f, n, j]`` is hash slot ``j`` of
+            ``ids[f, n]`` (micro-DLRM) or ``ids[f, n] mod rows[f]`` (``j = 0``).
+        """
+        if ids.dtype != torch.int64:
+            raise TypeError(f"IdTransform: ids must be int64, got {ids.dtype}; convert with ids.long()")
+        if ids.dim() != 2 or ids.shape[0] != len(self.rows):
+            raise ValueError(
+                f"IdTransform: ids must be (F, B) with F = {len(self.rows)} features "
+                f"(one per key); got ids {tuple(ids.shape)}"
+            )
+        if self.projector is None:
+            return (ids % self._rows_col.to(ids.device)).unsqueeze(2)
+        return self.projector.project(ids)
+
+    def kjt_of_rows(self, keys: tuple[str, ...], rows: torch.Tensor) -> KeyedJaggedTensor:
+        """Builds the KJT of one batch from its table rows.
+
+        Args:
+            keys: feature names.
+            rows: int64 ``(F, B, per_sample)`` rows, as :meth:`rows_of` returns them.
+
+        Returns:
+            KJT with ``F`` keys, ``B`` samples each, values grouped by key (then sample,
+            then hash slot for micro-DLRM).
+        """
+        if rows.dim() != 3 or rows.shape[0] != len(keys) or rows.shape[2] != self.per_sample:
+            raise ValueError(
+                f"IdTransform.kjt_of_rows: rows must be (F={len(keys)}, B, {self.per_sample}), "
+                f"got {tuple(rows.shape)}"
+            )
+        num_f, batch, per_sample = rows.shape
+        lengths = torch.full((num_f * batch,), per_sample, dtype=torch.int32, device=rows.device)
+        return KeyedJaggedTensor.from_lengths_sync(keys=list(keys), values=rows.reshape(-1), lengths=lengths)
+
     def to_kjt(self, keys: tuple[str, ...], ids: torch.Tensor) -> KeyedJaggedTensor:
         """Builds the KJT of one batch.
 
@@ -86,15 +136,7 @@ class IdTransform:
                 f"IdTransform.to_kjt: ids must be (F, B) with F = {len(self.rows)} features "
                 f"(one per key); got ids {tuple(ids.shape)} and {len(keys)} keys"
             )
-        num_f, batch = ids.shape
-        if self.projector is None:
-            values = (ids % self._rows_col.to(ids.device)).reshape(-1)
-            per_sample = 1
-        else:
-            values = self.projector.project(ids).reshape(-1)  # (F, B, k) -> F-major
-            per_sample = self.projector.k
-        lengths = torch.full((num_f * batch,), per_sample, dtype=torch.int32, device=ids.device)
-        return KeyedJaggedTensor.from_lengths_sync(keys=list(keys), values=values, lengths=lengths)
+        return self.kjt_of_rows(keys, self.rows_of(ids))
 
 
 def table_rows(config: TrainConfig, spec: DatasetSpec) -> tuple[int, ...]:

@@ -120,6 +120,8 @@ class MovieLens100kSource(BatchSource):
             cardinalities=(ML100K_USERS + 1, ML100K_ITEMS + 1),
         )
         self._transform = IdTransform(config, self._spec)
+        # Every rating's table rows, mapped once: a batch gathers them instead of hashing.
+        self._rows = self._transform.rows_of(self._ids)  # (2, n, per_sample)
         self._global_batch = config.batch_size * world_size
         spe = self._train_idx.numel() // self._global_batch
         if spe == 0:
@@ -148,7 +150,7 @@ class MovieLens100kSource(BatchSource):
     def _batch(self, rows: torch.Tensor) -> Batch:
         return Batch(
             dense_features=self._dense[rows],
-            sparse_features=self._transform.to_kjt(FEATURES, self._ids[:, rows]),
+            sparse_features=self._transform.kjt_of_rows(FEATURES, self._rows[:, rows]),
             labels=self._labels[rows],
         )
 
