@@ -39,6 +39,10 @@ __all__ = [
     "block_bucketize_sparse_features",
     "bucketize_kjt",
     "bucketize_kjt_by",
+    "check_dist_type",
+    "global_row_ids",
+    "local_rows",
+    "shard_num_rows",
     "dist_type_code",
     "hash_roundrobin_global_ids",
     "route_ids",
@@ -324,6 +328,98 @@ def route_ids(
         ``(owner, local)``, both shaped like ``ids`` (owner int64).
     """
     return torch.ops.recpipe.route_ids(ids, table_size, world_size, dist_type_code(dist_type), seed)
+
+
+def local_rows(num_embeddings: int, world_size: int, rank: int) -> int:
+    """Rows rank ``rank`` owns under roundrobin / hash_roundrobin routing.
+
+    Global id ``h`` lives on rank ``h % W`` at local id ``h // W``, so rank ``r``
+    owns ``ceil((N - r) / W)`` rows; the counts sum to ``N`` over all ranks.
+
+    Args:
+        num_embeddings (int): rows of the whole table ``N``.
+        world_size (int): number of ranks ``W``.
+        rank (int): rank in ``[0, W)``.
+
+    Returns:
+        int: ``(N - rank + W - 1) // W``.
+
+    Example::
+
+        [local_rows(10, 4, r) for r in range(4)]  # [3, 3, 2, 2]
+    """
+    if world_size <= 0:
+        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+    if num_embeddings < 0:
+        raise ValueError(f"num_embeddings must be >= 0, got {num_embeddings}.")
+    return max(0, (num_embeddings - rank + world_size - 1) // world_size)
+
+
+def check_dist_type(dist_type: str) -> str:
+    """``dist_type`` if it names a distribution type (:data:`DIST_TYPES`), else a ValueError."""
+    if dist_type not in DIST_TYPES:
+        raise ValueError(f"dist_type must be one of {sorted(DIST_TYPES)}, got {dist_type!r}.")
+    return dist_type
+
+
+def shard_num_rows(num_embeddings: int, world_size: int, rank: int, dist_type: str) -> int:
+    """Local rows rank ``rank`` owns of a table of ``num_embeddings`` rows.
+
+    Args:
+        num_embeddings (int): rows ``N`` of the whole table.
+        world_size (int): ranks ``W`` the table is sharded over.
+        rank (int): the rank.
+        dist_type (str): ``continuous`` (blocks of ``ceil(N / W)``), ``roundrobin``
+            or ``hash_roundrobin`` (:func:`local_rows`).
+
+    Returns:
+        int: the shard's row count.
+
+    Example::
+
+        shard_num_rows(10, 4, 3, "continuous")  # 1
+    """
+    check_dist_type(dist_type)
+    if dist_type == "continuous":
+        local_rows(num_embeddings, world_size, rank)  # validates the arguments
+        block = max(1, -(-num_embeddings // world_size))
+        return max(0, min(block, num_embeddings - rank * block))
+    return local_rows(num_embeddings, world_size, rank)
+
+
+def global_row_ids(
+    local_ids: torch.Tensor,
+    num_embeddings: int,
+    world_size: int,
+    rank: int,
+    dist_type: str,
+    seed: int,
+) -> torch.Tensor:
+    """Global ids of local rows of shard ``rank`` (inverse of the routing).
+
+    Args:
+        local_ids (torch.Tensor): int64 local row ids.
+        num_embeddings (int): rows of the whole table.
+        world_size (int): ranks the table is sharded over.
+        rank (int): owner rank.
+        dist_type (str): routing of the table.
+        seed (int): hash_roundrobin seed.
+
+    Returns:
+        torch.Tensor: int64 global ids, shaped like ``local_ids``.
+    """
+    check_dist_type(dist_type)
+    local_ids = local_ids.to(torch.int64)
+    if dist_type == "roundrobin":
+        return local_ids * world_size + rank
+    if dist_type == "continuous":
+        return local_ids + rank * max(1, -(-num_embeddings // world_size))
+    if local_ids.numel() == 0:
+        return local_ids.clone()
+    ranks = torch.full_like(local_ids, rank)
+    return hash_roundrobin_global_ids(ranks, local_ids, num_embeddings, world_size, seed)
 
 
 def bucketize_kjt(

@@ -52,7 +52,7 @@ from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Typ
 
 import torch
 
-from recpipe.pipeline.ops import DIST_TYPES
+from recpipe.pipeline.ops import DIST_TYPES, local_rows
 
 __all__ = [
     "CACHE_ROW_MAP_BYTES",
@@ -403,33 +403,6 @@ def row_bytes(dim: int, dtype: Union[torch.dtype, str], optimizer: Union[FusedOp
         row_bytes(128, torch.float32, "adam")  # 512 + 1024 = 1536
     """
     return dim * dtype_itemsize(dtype) + optimizer_state_bytes_per_row(optimizer, dim)
-
-
-def local_rows(num_embeddings: int, world_size: int, rank: int) -> int:
-    """Rows rank ``rank`` owns under roundrobin / hash_roundrobin routing.
-
-    Global id ``h`` lives on rank ``h % W`` at local id ``h // W``, so rank ``r``
-    owns ``ceil((N - r) / W)`` rows; the counts sum to ``N`` over all ranks.
-
-    Args:
-        num_embeddings (int): rows of the whole table ``N``.
-        world_size (int): number of ranks ``W``.
-        rank (int): rank in ``[0, W)``.
-
-    Returns:
-        int: ``(N - rank + W - 1) // W``.
-
-    Example::
-
-        [local_rows(10, 4, r) for r in range(4)]  # [3, 3, 2, 2]
-    """
-    if world_size <= 0:
-        raise ValueError(f"world_size must be >= 1, got {world_size}.")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
-    if num_embeddings < 0:
-        raise ValueError(f"num_embeddings must be >= 0, got {num_embeddings}.")
-    return max(0, (num_embeddings - rank + world_size - 1) // world_size)
 
 
 def max_local_rows(num_embeddings: int, world_size: int) -> int:

@@ -256,7 +256,9 @@ def feature_row_bounds(
                 shards = sorted(spec.shards_metadata, key=lambda m: m.shard_offsets[0])
                 sizes = [int(m.shard_sizes[0]) for m in shards]
                 ranks = [m.placement.rank() if m.placement is not None else -1 for m in shards]
-                if len(shards) == world_size and sizes != [max(0, min(block, n - r * block)) for r in range(world_size)]:
+                if len(shards) == world_size and sizes != [
+                    ops.shard_num_rows(n, world_size, r, "continuous") for r in range(world_size)
+                ]:
                     if ranks != list(range(world_size)):
                         raise ValueError(
                             f"recpipe: table {table.name!r} has uneven row-wise shards held by ranks {ranks} in "
@@ -278,7 +280,7 @@ def _check_routed_layout(table: Any, n: int, world_size: int, dist_type: Union[D
         return
     shards = sorted(spec.shards_metadata, key=lambda s: s.shard_offsets[0])
     got = [int(s.shard_sizes[0]) for s in shards]
-    want = [(n - r + world_size - 1) // world_size for r in range(world_size)]
+    want = [ops.local_rows(n, world_size, r) for r in range(world_size)]
     if got != want:
         raise ValueError(
             f"recpipe: table {table.name!r} is routed with {DistType.parse(dist_type).value!r}, which puts "

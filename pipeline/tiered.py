@@ -82,8 +82,10 @@ from recpipe.pipeline.ops import (
     TIERED_POLICIES,
     TIERED_POOLINGS,
     TIERED_STATS,
-    hash_roundrobin_global_ids,
+    check_dist_type as _check_dist_type,
+    global_row_ids,
     route_ids,
+    shard_num_rows,
 )
 from recpipe.pipeline.placement import CachePolicy, Mode, ShardStorage, local_rows, row_bytes, tier_rows
 
@@ -128,70 +130,6 @@ def _resolve_backend(backend: Optional[str], device: torch.device) -> str:
     if backend == "fbgemm" and device.type not in ("cpu", "cuda"):
         raise ValueError(f"backend 'fbgemm' runs on cpu or cuda, not {device}: use backend='torch'.")
     return backend
-
-
-def _check_dist_type(dist_type: str) -> str:
-    if dist_type not in DIST_TYPES:
-        raise ValueError(f"dist_type must be one of {sorted(DIST_TYPES)}, got {dist_type!r}.")
-    return dist_type
-
-
-def shard_num_rows(num_embeddings: int, world_size: int, rank: int, dist_type: str) -> int:
-    """Local rows rank ``rank`` owns of a table of ``num_embeddings`` rows.
-
-    Args:
-        num_embeddings (int): rows ``N`` of the whole table.
-        world_size (int): ranks ``W`` the table is sharded over.
-        rank (int): the rank.
-        dist_type (str): ``continuous`` (blocks of ``ceil(N / W)``), ``roundrobin``
-            or ``hash_roundrobin`` (``recpipe.pipeline.placement.local_rows``).
-
-    Returns:
-        int: the shard's row count.
-
-    Example::
-
-        shard_num_rows(10, 4, 3, "continuous")  # 1
-    """
-    _check_dist_type(dist_type)
-    if dist_type == "continuous":
-        local_rows(num_embeddings, world_size, rank)  # validates the arguments
-        block = max(1, -(-num_embeddings // world_size))
-        return max(0, min(block, num_embeddings - rank * block))
-    return local_rows(num_embeddings, world_size, rank)
-
-
-def global_row_ids(
-    local_ids: torch.Tensor,
-    num_embeddings: int,
-    world_size: int,
-    rank: int,
-    dist_type: str,
-    seed: int,
-) -> torch.Tensor:
-    """Global ids of local rows of shard ``rank`` (inverse of the routing).
-
-    Args:
-        local_ids (torch.Tensor): int64 local row ids.
-        num_embeddings (int): rows of the whole table.
-        world_size (int): ranks the table is sharded over.
-        rank (int): owner rank.
-        dist_type (str): routing of the table.
-        seed (int): hash_roundrobin seed.
-
-    Returns:
-        torch.Tensor: int64 global ids, shaped like ``local_ids``.
-    """
-    _check_dist_type(dist_type)
-    local_ids = local_ids.to(torch.int64)
-    if dist_type == "roundrobin":
-        return local_ids * world_size + rank
-    if dist_type == "continuous":
-        return local_ids + rank * max(1, -(-num_embeddings // world_size))
-    if local_ids.numel() == 0:
-        return local_ids.clone()
-    ranks = torch.full_like(local_ids, rank)
-    return hash_roundrobin_global_ids(ranks, local_ids, num_embeddings, world_size, seed)
 
 
 @dataclass

@@ -543,14 +543,8 @@ def test_torch_compile_fullgraph() -> None:
 
 
 def _hash_forward(ids: torch.Tensor, n: int, seed: int) -> torch.Tensor:
-    """H(ids) through the op: with W = 1 the local id is H(id)."""
-    out = ops.block_bucketize_sparse_features(
-        torch.ones(ids.numel(), dtype=torch.int64), ids,
-        torch.tensor([1]), torch.tensor([2]), 1,
-        sequence=True, table_sizes=torch.tensor([n]), seed=seed,
-    )
-    assert out.unbucketize_permute is not None
-    return out.new_indices[out.unbucketize_permute]
+    """H(ids) through the routing primitive: with W = 1 the local id is H(id)."""
+    return ops.route_ids(ids, n, 1, "hash_roundrobin", seed)[1]
 
 
 def test_routing_constants_come_from_the_kernels_and_match_the_reference() -> None:
