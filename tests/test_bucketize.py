@@ -502,6 +502,27 @@ def test_opcheck(args: tuple) -> None:
     torch.library.opcheck(OP, args)
 
 
+def test_opcheck_every_argument() -> None:
+    """opcheck (schema, fake kernel, autograd registration) with VBE, shard bounds,
+    total_num_blocks, keep_orig_idx per feature, the bucket mapping and 2-D weights."""
+    lengths = torch.tensor([2, 0, 3, 1, 2, 1], dtype=torch.int64)  # features of 2, 3 and 1 bags
+    indices = torch.tensor([1, 8, 5, 6, 7, 3, 9, 4, 2], dtype=torch.int64)
+    weights = torch.rand(indices.numel(), 3)
+    common = (lengths, indices, torch.tensor([5, 5, 5]), torch.tensor([0, 0, 2]), 2, True, True, weights,
+              torch.tensor([10, 10, 10]), 7, False, torch.tensor([2, 3, 1]), 3)
+    with_bounds = common + ([torch.tensor([0, 3, 10]), torch.tensor([0, 6, 10]), torch.tensor([], dtype=torch.int64)],
+                            None, torch.tensor([True, False, False]), True)
+    with_blocks = common[:2] + (torch.tensor([5, 2, 5]), torch.tensor([0, 0, 0])) + common[4:] + (
+        None, torch.tensor([2, 4, 2]), None, True)
+    for args in (with_bounds, with_blocks):
+        torch.library.opcheck(OP, args)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+                [mode.from_tensor(t) for t in a] if isinstance(a, list) else a for a in with_bounds]
+        out = OP(*fake)
+        assert out[2].shape == weights.shape and out[5].shape == indices.shape
+
+
 def test_opcheck_global_ids() -> None:
     ranks = torch.tensor([0, 1, 2, 0, 1])
     local = torch.tensor([0, 0, 0, 1, 3])
