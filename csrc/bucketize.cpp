@@ -239,17 +239,7 @@ void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_
       uint64_t p = 0;
       uint64_t l = 0;
       r.template place<kDist>(uid, kDist == kHashRoundRobin ? keys[i] : uid, bounds, &p, &l);
-      const int64_t at = cur[p]++;
-      out[at] = static_cast<index_t>(l);
-      if (dst != nullptr) {
-        dst[i] = static_cast<index_t>(at);
-      }
-      if (pos != nullptr) {
-        pos[at] = static_cast<index_t>(i - s);
-      }
-      if (map != nullptr) {
-        map[i] = static_cast<index_t>(p);
-      }
+      store_routed(cur[p]++, i, s, p, l, out, dst, pos, map);
     }
   }
 }

@@ -138,16 +138,7 @@ __global__ void scatter_kernel(const int64_t* __restrict__ ends, const index_t* 
       if (at >= n) {
         return;  // only with invalid lengths, after count_kernel's assert
       }
-      new_indices[at] = static_cast<index_t>(l);
-      if (dest != nullptr) {
-        dest[i] = static_cast<index_t>(at);
-      }
-      if (new_pos != nullptr) {
-        new_pos[at] = static_cast<index_t>(i - i0);
-      }
-      if (mapping != nullptr) {
-        mapping[i] = static_cast<index_t>(p);
-      }
+      store_routed(at, i, i0, p, l, new_indices, dest, new_pos, mapping);
     });
   }
 }

@@ -320,15 +320,11 @@ struct FeatureRoute {
         const uint64_t at =
             block == 0 ? div_num_blocks.div(((uid - div_num_blocks.div(uid) * div_num_blocks.d) * last) & mask)
                        : uid;
-        int64_t lo = 0;  // upper_bound(b, b + count, at) - 1, b[0] = 0 <= at
-        int64_t hi = bounds_count;
-        while (hi - lo > 1) {
-          const int64_t mid = (lo + hi) / 2;
-          if (static_cast<uint64_t>(b[mid]) <= at) {
-            lo = mid;
-          } else {
-            hi = mid;
-          }
+        // lo = upper_bound(b, b + count, at) - 1 (b[0] = 0 <= at): the answer stays in
+        // [lo, lo + len); a select, not a branch, per halving.
+        int64_t lo = 0;
+        for (int64_t len = bounds_count; len > 1; len -= len / 2) {
+          lo = static_cast<uint64_t>(b[lo + len / 2]) <= at ? lo + len / 2 : lo;
         }
         if (static_cast<uint64_t>(lo) < world) {
           p = static_cast<uint64_t>(lo);
@@ -359,6 +355,24 @@ struct FeatureRoute {
     return true;
   }
 };
+
+// The outputs of one id i (its bag starts at input position i0) routed to rank p
+// with local id l and placed at output slot `at`: stage 3 of the CPU and CUDA
+// kernels. dest, pos and mapping are written when given.
+template <typename index_t>
+RECPIPE_HD void store_routed(int64_t at, int64_t i, int64_t i0, uint64_t p, uint64_t l, index_t* out,
+                             index_t* dest, index_t* pos, index_t* mapping) {
+  out[at] = static_cast<index_t>(l);
+  if (dest != nullptr) {
+    dest[i] = static_cast<index_t>(at);
+  }
+  if (pos != nullptr) {
+    pos[at] = static_cast<index_t>(i - i0);
+  }
+  if (mapping != nullptr) {
+    mapping[i] = static_cast<index_t>(p);
+  }
+}
 
 // Whether (rank, local) is a slot of a table of n >= 1 rows routed by
 // roundrobin / hash_roundrobin over w >= 1 ranks, i.e. local * w + rank < n,
