@@ -42,29 +42,6 @@ using Outputs = std::tuple<Tensor, Tensor, std::optional<Tensor>, std::optional<
 
 constexpr int64_t kIdsPerChunk = 1 << 15;  // ids per parallel chunk (enough to amortize a task)
 
-// First bag of every feature (F + 1 entries): f * B, or the prefix sum of
-// batch_size_per_feature (VBE), whose total must be the number of bags.
-std::vector<int64_t> feature_bags(const BucketizeArgs& a) {
-  const int64_t F = a.dist_types.numel();
-  const int64_t FB = a.lengths.numel();
-  std::vector<int64_t> begin(F + 1, 0);
-  if (!a.batch_size_per_feature.has_value()) {
-    for (int64_t f = 0; f <= F; ++f) {
-      begin[f] = F == 0 ? 0 : f * (FB / F);
-    }
-    return begin;
-  }
-  const Tensor bpf = a.batch_size_per_feature->to(at::kCPU, at::kLong).contiguous();
-  for (int64_t f = 0; f < F; ++f) {
-    const int64_t b = bpf.const_data_ptr<int64_t>()[f];
-    TORCH_CHECK(b >= 0, "recpipe: `batch_size_per_feature[", f, "]` is ", b, "; batch sizes must be >= 0.");
-    begin[f + 1] = begin[f] + b;
-  }
-  TORCH_CHECK(begin[F] == FB, "recpipe: `batch_size_per_feature` sums to ", begin[F], " but `lengths` has ", FB,
-              " bags; pass the batch size of each feature (the KJT's stride per key).");
-  return begin;
-}
-
 // Bag offsets into `indices` (FB + 1 entries), checking lengths >= 0 and their sum.
 template <typename offset_t>
 std::vector<int64_t> bag_offsets(const Tensor& lengths, int64_t n) {

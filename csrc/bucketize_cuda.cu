@@ -153,29 +153,6 @@ __global__ void rows_kernel(const bits_t* __restrict__ src, const index_t* __res
   }
 }
 
-// First bag of every feature (F + 1 entries), as bucketize.cpp's feature_bags:
-// f * B, or the prefix sum of batch_size_per_feature (VBE).
-std::vector<int64_t> feature_bags(const BucketizeArgs& a) {
-  const int64_t F = a.dist_types.numel();
-  const int64_t FB = a.lengths.numel();
-  std::vector<int64_t> begin(F + 1, 0);
-  if (!a.batch_size_per_feature.has_value()) {
-    for (int64_t f = 0; f <= F; ++f) {
-      begin[f] = F == 0 ? 0 : f * (FB / F);
-    }
-    return begin;
-  }
-  const Tensor bpf = a.batch_size_per_feature->to(at::kCPU, at::kLong).contiguous();  // a sync if on the GPU
-  for (int64_t f = 0; f < F; ++f) {
-    const int64_t b = bpf.const_data_ptr<int64_t>()[f];
-    TORCH_CHECK(b >= 0, "recpipe: `batch_size_per_feature[", f, "]` is ", b, "; batch sizes must be >= 0.");
-    begin[f + 1] = begin[f] + b;
-  }
-  TORCH_CHECK(begin[F] == FB, "recpipe: `batch_size_per_feature` sums to ", begin[F], " but `lengths` has ", FB,
-              " bags; pass the batch size of each feature (the KJT's stride per key).");
-  return begin;
-}
-
 // routes | fbag | bounds in one pinned host buffer, copied to `device` non_blocking
 // on the current stream: no sync (copy_ records the stream on the pinned block, so
 // the caching host allocator reuses it only after the copy). Returns the device copy.

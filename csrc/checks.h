@@ -229,6 +229,30 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
   return routes;
 }
 
+// First bag of every feature (F + 1 entries): f * B, or the prefix sum of
+// batch_size_per_feature (VBE), whose total must be the number of bags.
+inline std::vector<int64_t> feature_bags(const BucketizeArgs& a) {
+  const int64_t F = a.dist_types.numel();
+  const int64_t FB = a.lengths.numel();
+  std::vector<int64_t> begin(F + 1, 0);
+  if (!a.batch_size_per_feature.has_value()) {
+    for (int64_t f = 0; f <= F; ++f) {
+      begin[f] = F == 0 ? 0 : f * (FB / F);
+    }
+    return begin;
+  }
+  // read on the host: a device-to-host copy (a sync) when it lives on the GPU
+  const at::Tensor bpf = a.batch_size_per_feature->to(at::kCPU, at::kLong).contiguous();
+  for (int64_t f = 0; f < F; ++f) {
+    const int64_t b = bpf.const_data_ptr<int64_t>()[f];
+    TORCH_CHECK(b >= 0, "recpipe: `batch_size_per_feature[", f, "]` is ", b, "; batch sizes must be >= 0.");
+    begin[f + 1] = begin[f] + b;
+  }
+  TORCH_CHECK(begin[F] == FB, "recpipe: `batch_size_per_feature` sums to ", begin[F], " but `lengths` has ", FB,
+              " bags; pass the batch size of each feature (the KJT's stride per key).");
+  return begin;
+}
+
 inline void check_global_ids_args(
     const at::Tensor& ranks,
     const at::Tensor& local_ids,
