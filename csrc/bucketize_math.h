@@ -308,13 +308,16 @@ struct FeatureRoute {
 
   // route() given key = key(uid), for callers that compute the keys of many ids
   // at once (the CPU kernel hashes a block of ids in one vectorizable loop).
-  template <int kDist = -1>
+  // kBounds >= 0 fixes at compile time whether a continuous feature has shard
+  // bounds (it must equal bounds_count > 0).
+  template <int kDist = -1, int kBounds = -1>
   RECPIPE_HD bool place(uint64_t uid, uint64_t key, const int64_t* bounds, uint64_t* owner, uint64_t* local) const {
     const int64_t d = kDist >= 0 ? kDist : dist;
+    const bool has_bounds = kBounds >= 0 ? kBounds == 1 : bounds_count > 0;
     uint64_t p = 0;
     uint64_t l = 0;
     if (d == kContinuous) {
-      if (bounds_count > 0) {
+      if (has_bounds) {
         const int64_t* b = bounds + bounds_begin;
         const uint64_t last = static_cast<uint64_t>(b[bounds_count - 1]);
         const uint64_t at =
