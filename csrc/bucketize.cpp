@@ -105,12 +105,10 @@ void with_dist(const FeatureRoute& r, Fn&& fn) {
 }
 
 // ---------------------------------------------------------------------------
-// hash_roundrobin keys of a block of ids, H(id), in one loop the compiler
+// hash_roundrobin keys of a run of ids, H(id), in one loop the compiler
 // vectorizes. The same source is compiled for AVX-512, AVX2 and baseline x86-64;
 // the build only changes speed: every id gets the same H(id) (header math).
 // RECPIPE_ISA=auto|avx512|avx2|baseline picks one (tests force each).
-
-constexpr int64_t kKeyBlock = 256;  // ids hashed per call (the keys stay in L1)
 
 template <typename index_t>
 __attribute__((always_inline)) inline void hash_keys_body(const HashPermutation& perm, const index_t* __restrict__ ids,
@@ -186,9 +184,7 @@ int64_t count_bags(Isa isa, const FeatureRoute& route, const int64_t* bounds, co
   using uindex_t = std::make_unsigned_t<index_t>;
   const FeatureRoute r = route;  // a local copy: its fields stay in registers
   if constexpr (kDist == kHashRoundRobin) {
-    for (int64_t i = off[b0]; i < off[b1]; i += kKeyBlock) {
-      hash_keys(isa, r.perm, ids + i, std::min(kKeyBlock, off[b1] - i), keys + i);
-    }
+    hash_keys(isa, r.perm, ids + off[b0], off[b1] - off[b0], keys + off[b0]);
   }
   int64_t bad = -1;
   for (int64_t b = b0; b < b1; ++b) {

@@ -303,11 +303,9 @@ struct FeatureRoute {
     return place<kDist>(uid, d == kHashRoundRobin ? perm.forward(uid) : uid, bounds, owner, local);
   }
 
-  // The value roundrobin splits: H(uid) for hash_roundrobin, else uid.
-  RECPIPE_HD uint64_t key(uint64_t uid) const { return dist == kHashRoundRobin ? perm.forward(uid) : uid; }
-
-  // route() given key = key(uid), for callers that compute the keys of many ids
-  // at once (the CPU kernel hashes a block of ids in one vectorizable loop).
+  // route() given the value roundrobin splits, key = H(uid) for hash_roundrobin
+  // (else uid), for callers that compute the keys of many ids at once (the CPU
+  // kernel hashes a run of ids in one vectorizable loop).
   // kBounds >= 0 fixes at compile time whether a continuous feature has shard
   // bounds (it must equal bounds_count > 0).
   template <int kDist = -1, int kBounds = -1>

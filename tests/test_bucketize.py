@@ -221,7 +221,7 @@ def _hash_case(rng: random.Random, W: int, index_dtype: torch.dtype, table_sizes
     )
 
 
-# The hash keys of a block of ids are computed by one loop compiled for AVX-512,
+# The hash keys of a run of ids are computed by one loop compiled for AVX-512,
 # AVX2 and baseline x86-64 (RECPIPE_ISA picks one): each build must give the same
 # outputs; the tests below run every build this CPU has.
 ISAS = ["baseline", "avx2", "avx512"]
@@ -297,7 +297,7 @@ def test_continuous_long_bags_bit_identical_to_fbgemm(index_dtype: torch.dtype, 
 def test_report_first_bad_id(isa: str, index_dtype: torch.dtype, where: int, value: int) -> None:
     """The first out-of-range id is the one reported, wherever it sits (the last ids
     included) and whatever bad id follows it."""
-    n = 870  # 256-id key blocks: 3 full, one of 102
+    n = 870
     ids = torch.arange(n, dtype=index_dtype) % 1000
     ids[where] = value
     ids[min(where + 50, n - 1)] = 5000  # a later bad id must not be the one reported
