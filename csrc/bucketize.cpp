@@ -227,9 +227,11 @@ void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_
 }
 
 template <typename index_t, typename offset_t>
-void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, const Tensor& bounds,
-               const std::vector<int64_t>& fbag, Tensor& new_lengths, Tensor& new_indices, Tensor* dest,
-               Tensor* new_pos, Tensor* mapping) {
+void bucketize(const BucketizeCall& call, Tensor& new_lengths, Tensor& new_indices, Tensor* dest, Tensor* new_pos,
+               Tensor* mapping) {
+  const BucketizeArgs& a = call.args;
+  const std::vector<FeatureRoute>& routes = call.routes;
+  const std::vector<int64_t>& fbag = call.fbag;
   const int64_t n = a.indices.numel();
   const int64_t FB = a.lengths.numel();
   const int64_t W = a.my_size;
@@ -237,7 +239,7 @@ void bucketize(const BucketizeArgs& a, const std::vector<FeatureRoute>& routes, 
   const std::vector<int64_t> chunk = chunk_bags(off);
   const int64_t chunks = static_cast<int64_t>(chunk.size()) - 1;
   const index_t* ids = a.indices.const_data_ptr<index_t>();
-  const int64_t* bnd = bounds.const_data_ptr<int64_t>();
+  const int64_t* bnd = call.bounds.const_data_ptr<int64_t>();
   const Isa isa = call_isa();
   const bool hashed = std::any_of(routes.begin(), routes.end(), [](const FeatureRoute& r) {
     return r.dist == kHashRoundRobin;
@@ -348,15 +350,11 @@ Outputs block_bucketize_sparse_features_cpu(
     const std::optional<Tensor>& batch_size_per_feature, int64_t max_B,
     const std::optional<std::vector<Tensor>>& block_bucketize_pos, const std::optional<Tensor>& total_num_blocks,
     const std::optional<Tensor>& keep_orig_idx_per_feature, bool return_bucket_mapping) {
-  BucketizeArgs a{lengths_in, indices_in, block_sizes, dist_types, my_size, sequence, bucketize_pos, weights_in,
-                  table_sizes, seed, keep_orig_idx, batch_size_per_feature, max_B, block_bucketize_pos,
-                  total_num_blocks, keep_orig_idx_per_feature, return_bucket_mapping};
-  check_bucketize_args(a);
-  a.lengths = a.lengths.contiguous();
-  a.indices = a.indices.contiguous();
-  Tensor bounds;
-  const std::vector<FeatureRoute> routes = build_feature_routes(a, &bounds);
-  const std::vector<int64_t> fbag = feature_bags(a);
+  const BucketizeCall call = prepare_bucketize({lengths_in, indices_in, block_sizes, dist_types, my_size, sequence,
+                                                 bucketize_pos, weights_in, table_sizes, seed, keep_orig_idx,
+                                                 batch_size_per_feature, max_B, block_bucketize_pos, total_num_blocks,
+                                                 keep_orig_idx_per_feature, return_bucket_mapping});
+  const BucketizeArgs& a = call.args;
   const int64_t n = a.indices.numel();
   const auto like_ids = a.indices.options();
   Tensor new_lengths = at::empty({my_size * a.lengths.numel()}, a.lengths.options());
@@ -377,7 +375,7 @@ Outputs block_bucketize_sparse_features_cpu(
   AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "recpipe_bucketize", [&] {
     using ids_t = index_t;
     AT_DISPATCH_INDEX_TYPES(a.lengths.scalar_type(), "recpipe_bucketize_lengths", [&] {
-      bucketize<ids_t, index_t>(a, routes, bounds, fbag, new_lengths, new_indices, permute ? &*permute : nullptr,
+      bucketize<ids_t, index_t>(call, new_lengths, new_indices, permute ? &*permute : nullptr,
                                 new_pos ? &*new_pos : nullptr, mapping ? &*mapping : nullptr);
     });
     if (a.weights.has_value()) {
@@ -422,11 +420,9 @@ Tensor hash_roundrobin_global_ids_cpu(
     }
   });
   for (const int64_t i : bad_at) {
-    TORCH_CHECK(
-        i < 0, "recpipe: (`ranks[", i, "]`, `local_ids[", i, "]`) = (", rk[i], ", ", li[i],
-        ") is not a slot of a table of ", table_size, " rows over ", world_size,
-        " ranks under hash_roundrobin (needs 0 <= rank < world_size and "
-        "local_id * world_size + rank < table_size); check the checkpoint's world size.");
+    if (i >= 0) {
+      fail_not_a_slot(i, rk[i], li[i], table_size, world_size);
+    }
   }
   return out.to(local_ids_in.scalar_type());
 }

@@ -183,24 +183,23 @@ std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_buc
     const OptTensor& keep_orig_idx_per_feature, bool return_bucket_mapping) {
   // max_B is accepted for fbgemm compatibility and unused: the bag -> feature
   // mapping is a binary search in fbag, which needs no largest batch size.
-  BucketizeArgs a{lengths, indices, block_sizes, dist_types, my_size, sequence, bucketize_pos, weights,
-                  table_sizes, seed, keep_orig_idx, batch_size_per_feature, max_B, block_bucketize_pos,
-                  total_num_blocks, keep_orig_idx_per_feature, return_bucket_mapping};
-  check_bucketize_args(a);
+  // Host metadata: no sync while every per-feature tensor (block_sizes, dist_types,
+  // table_sizes, total_num_blocks, keep_orig_idx_per_feature, batch_size_per_feature,
+  // block_bucketize_pos) is on the CPU; one on the GPU is read back (a D2H copy, a
+  // sync) by build_feature_routes or feature_bags.
+  const BucketizeCall call = prepare_bucketize({lengths, indices, block_sizes, dist_types, my_size, sequence,
+                                                 bucketize_pos, weights, table_sizes, seed, keep_orig_idx,
+                                                 batch_size_per_feature, max_B, block_bucketize_pos, total_num_blocks,
+                                                 keep_orig_idx_per_feature, return_bucket_mapping});
+  const BucketizeArgs& a = call.args;
   TORCH_CHECK(lengths.is_cuda(), "recpipe: `lengths` is on ", lengths.device(),
               " but the CUDA kernel was dispatched (another tensor argument is on a CUDA device); move lengths, "
               "indices and weights to one CUDA device (per-feature metadata may stay on the CPU).");
   c10::cuda::CUDAGuard guard(lengths.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  a.lengths = a.lengths.contiguous();
-  a.indices = a.indices.contiguous();
-  // Host metadata: no sync while every per-feature tensor (block_sizes, dist_types,
-  // table_sizes, total_num_blocks, keep_orig_idx_per_feature, batch_size_per_feature,
-  // block_bucketize_pos) is on the CPU; one on the GPU is read back (a D2H copy, a
-  // sync) by build_feature_routes or feature_bags.
-  Tensor bounds;
-  const std::vector<FeatureRoute> routes = build_feature_routes(a, &bounds);
-  const std::vector<int64_t> fbag = feature_bags(a);
+  const std::vector<FeatureRoute>& routes = call.routes;
+  const Tensor& bounds = call.bounds;
+  const std::vector<int64_t>& fbag = call.fbag;
   const int64_t FB = a.lengths.numel();
   const int64_t n = a.indices.numel();
   TORCH_CHECK(FB > 0 || n == 0, "recpipe: `lengths` sums to 0 but `indices` has ", n,
@@ -310,10 +309,9 @@ Tensor hash_roundrobin_global_ids_cuda(const Tensor& ranks_in, const Tensor& loc
                                                               local_ids.const_data_ptr<int64_t>(), n, table_size,
                                                               world_size, perm, out.mutable_data_ptr<int64_t>(), flag);
   });
-  TORCH_CHECK(bad >= n, "recpipe: (`ranks[", bad, "]`, `local_ids[", bad, "]`) is not a slot of a table of ",
-              table_size, " rows over ", world_size,
-              " ranks under hash_roundrobin (needs 0 <= rank < world_size and "
-              "local_id * world_size + rank < table_size); check the checkpoint's world size.");
+  if (bad < n) {  // the error path reads the offending pair back
+    fail_not_a_slot(bad, ranks[bad].item<int64_t>(), local_ids[bad].item<int64_t>(), table_size, world_size);
+  }
   return out.to(local_ids_in.scalar_type());
 }
 
@@ -337,9 +335,9 @@ std::tuple<Tensor, Tensor> route_ids_cuda(const Tensor& ids_in, int64_t table_si
                                                              owner.mutable_data_ptr<int64_t>(),
                                                              local.mutable_data_ptr<int64_t>(), flag);
   });
-  TORCH_CHECK_INDEX(bad >= n, "recpipe: `ids[", bad, "]` = ", bad < n ? ids[bad].item<int64_t>() : 0,
-                    " is outside [0, table_size = ", table_size,
-                    "); route_ids takes ids of the table's rows (hash or clamp raw ids upstream).");
+  if (bad < n) {  // the error path reads the offending id back
+    fail_route_id_outside(bad, ids[bad].item<int64_t>(), table_size);
+  }
   return {owner, local.to(ids_in.scalar_type())};
 }
 

@@ -99,10 +99,6 @@ inline void check_bucketize_args(const BucketizeArgs& a) {
               " bags does not fit the [W * F * B] output lengths; pass the real world size.");
   const int64_t F = a.dist_types.numel();
   check_feature_tensor(a.dist_types, "dist_types", F, a.lengths);
-  TORCH_CHECK(a.block_sizes.dim() == 1, "recpipe: `block_sizes` must be 1-D, got shape ", a.block_sizes.sizes(),
-              "; flatten it with `.view(-1)`.");
-  TORCH_CHECK(a.block_sizes.numel() == F, "recpipe: `block_sizes` has ", a.block_sizes.numel(),
-              " entries but `dist_types` has ", F, "; pass one block size and one dist type per feature.");
   check_feature_tensor(a.block_sizes, "block_sizes", F, a.lengths);
   if (a.table_sizes.has_value()) {
     check_feature_tensor(*a.table_sizes, "table_sizes", F, a.lengths);
@@ -251,6 +247,39 @@ inline std::vector<int64_t> feature_bags(const BucketizeArgs& a) {
   TORCH_CHECK(begin[F] == FB, "recpipe: `batch_size_per_feature` sums to ", begin[F], " but `lengths` has ", FB,
               " bags; pass the batch size of each feature (the KJT's stride per key).");
   return begin;
+}
+
+// Checks every argument, makes lengths / indices contiguous and builds the host
+// routing: what the CPU and CUDA kernels of block_bucketize_sparse_features start from.
+struct BucketizeCall {
+  BucketizeArgs args;
+  std::vector<FeatureRoute> routes;
+  at::Tensor bounds;               // flat uneven-shard bounds (build_feature_routes)
+  std::vector<int64_t> fbag;       // first bag of each feature (feature_bags)
+};
+
+inline BucketizeCall prepare_bucketize(BucketizeArgs a) {
+  check_bucketize_args(a);
+  a.lengths = a.lengths.contiguous();
+  a.indices = a.indices.contiguous();
+  BucketizeCall call{a, {}, {}, {}};
+  call.routes = build_feature_routes(call.args, &call.bounds);
+  call.fbag = feature_bags(call.args);
+  return call;
+}
+
+// The errors of the per-id routing ops, raised by their CPU and CUDA kernels alike.
+[[noreturn]] inline void fail_route_id_outside(int64_t at, int64_t value, int64_t table_size) {
+  TORCH_CHECK_INDEX(false, "recpipe: `ids[", at, "]` = ", value, " is outside [0, table_size = ", table_size,
+                    "); route_ids takes ids of the table's rows (hash or clamp raw ids upstream).");
+}
+
+[[noreturn]] inline void fail_not_a_slot(int64_t at, int64_t rank, int64_t local, int64_t table_size,
+                                         int64_t world_size) {
+  TORCH_CHECK(false, "recpipe: (`ranks[", at, "]`, `local_ids[", at, "]`) = (", rank, ", ", local,
+              ") is not a slot of a table of ", table_size, " rows over ", world_size,
+              " ranks under hash_roundrobin (needs 0 <= rank < world_size and "
+              "local_id * world_size + rank < table_size); check the checkpoint's world size.");
 }
 
 inline void check_global_ids_args(

@@ -53,9 +53,9 @@ std::tuple<at::Tensor, at::Tensor> route_ids_cpu(
   for (const int64_t i : bad_at) {
     first = i >= 0 && (first < 0 || i < first) ? i : first;
   }
-  TORCH_CHECK_INDEX(first < 0, "recpipe: `ids[", first, "]` = ", first >= 0 ? id[first] : 0,
-                    " is outside [0, table_size = ", table_size,
-                    "); route_ids takes ids of the table's rows (hash or clamp raw ids upstream).");
+  if (first >= 0) {
+    fail_route_id_outside(first, id[first], table_size);
+  }
   return {owner, local.to(ids_in.scalar_type())};
 }
 

@@ -34,7 +34,7 @@ Classes (each a subclass of the torchrec class of the same role):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -96,8 +96,8 @@ __all__ = [
     "RecpipeShardedEmbeddingBagCollection",
     "RecpipeShardedEmbeddingCollection",
     "RoutingOverrides",
+    "FeatureRouting",
     "feature_routing",
-    "feature_row_bounds",
     "recpipe_sharders",
     "table_routing",
 ]
@@ -122,12 +122,31 @@ class RoutingOverrides:
     seed: int = 0
 
 
+class FeatureRouting(NamedTuple):
+    """Routing of a sharding's features (:func:`feature_routing`).
+
+    Attributes:
+        dist_types: dist type of each feature.
+        table_sizes: rows of each feature's table.
+        seed: seed of the hash_roundrobin bijection.
+        row_bounds: when some continuous table is cut into uneven shards, per
+            feature the shard bounds of a continuous table (tables cut evenly get
+            ``[0, b, 2b, ..., W * b]``, which routes exactly as the block rule) and
+            an empty list for a routed (roundrobin / hash) one; else None.
+    """
+
+    dist_types: List[str]
+    table_sizes: List[int]
+    seed: int
+    row_bounds: Optional[List[List[int]]]
+
+
 def feature_routing(
     grouped_configs: List[GroupedEmbeddingConfig],
     world_size: int,
     overrides: Optional[RoutingOverrides] = None,
-) -> tuple[List[str], List[int], int]:
-    """Per-feature dist types and table sizes, in the order torchrec flattens features.
+) -> FeatureRouting:
+    """Per-feature dist types, table sizes and shard bounds, in the order torchrec flattens features.
 
     The order is that of ``GroupedEmbeddingConfig.feature_hash_sizes()``: groups,
     then tables, then each table's features.
@@ -140,33 +159,42 @@ def feature_routing(
             wins over it.
 
     Returns:
-        ``(dist_types, table_sizes, seed)``.
+        :class:`FeatureRouting`.
 
     Raises:
         ValueError: a non-continuous table whose shards are not the
-            ``ceil((N - r) / W)`` rows that routing gives rank ``r``, or two hashed
-            tables of one sharding with different seeds.
+            ``ceil((N - r) / W)`` rows that routing gives rank ``r``, uneven shards
+            not held by ranks 0..W-1 in row order, or two hashed tables of one
+            sharding with different seeds.
     """
     dist_types: List[str] = []
     sizes: List[int] = []
+    bounds: List[List[int]] = []
+    uneven = False
     seeds: dict[int, str] = {}
     for group in grouped_configs:
         for table in group.embedding_tables:
             dt, table_seed = table_routing(table.fused_params, table.name, overrides)
             n = int(table.num_embeddings)
-            if dt is not DistType.CONTINUOUS:
+            cut: List[int] = []
+            if dt is DistType.CONTINUOUS:
+                block = -(-n // world_size)
+                table_cut = _uneven_bounds(table, n, world_size)
+                uneven = uneven or table_cut is not None
+                cut = table_cut if table_cut is not None else [block * r for r in range(world_size + 1)]
+            else:
                 _check_routed_layout(table, n, world_size, dt)
                 if dt is DistType.HASH_ROUNDROBIN:
                     seeds.setdefault(table_seed, table.name)
             dist_types.extend([dt.value] * table.num_features())
             sizes.extend([n] * table.num_features())
+            bounds.extend([list(cut)] * table.num_features())
     if len(seeds) > 1:
         raise ValueError(
             "recpipe: hash_roundrobin tables of one sharding must share one seed, got "
             f"{ {t: s for s, t in seeds.items()} }; give them the same `recpipe_seed`."
         )
-    seed = next(iter(seeds), 0)
-    return dist_types, sizes, seed
+    return FeatureRouting(dist_types, sizes, next(iter(seeds), 0), bounds if uneven else None)
 
 
 def table_routing(
@@ -214,63 +242,35 @@ def table_routing(
     return dist_type, int(seed)
 
 
-def feature_row_bounds(
-    grouped_configs: List[GroupedEmbeddingConfig],
-    world_size: int,
-    overrides: Optional[RoutingOverrides] = None,
-) -> Optional[List[List[int]]]:
-    """Per-feature shard bounds when a continuous table's row-wise shards are uneven.
+def _uneven_bounds(table: Any, n: int, world_size: int) -> Optional[List[int]]:
+    """Shard bounds of a continuous table whose plan cuts it unevenly, else None.
 
-    torchrec's row-wise input dist assumes contiguous blocks of ``ceil(N / W)`` rows.
-    A plan may cut a table unevenly (shards of any sizes, in rank order); its ids
-    must then be routed by the shard bounds, fbgemm's ``block_bucketize_pos``. When
-    some continuous table of the sharding is uneven, every continuous feature gets
-    bounds (its shard offsets and the table's end; evenly cut tables get
-    ``[0, b, 2b, ..., W * b]``, which routes exactly as the block rule) and every
-    routed (roundrobin / hash) feature an empty list.
-
-    Args:
-        grouped_configs: the sharding's grouped configs (tables carry their plan's
-            ``global_metadata``).
-        world_size: ranks the rows are spread over.
-        overrides: routing set at the sharder (as :func:`feature_routing`).
-
-    Returns:
-        One list of bounds per feature (torchrec's feature order), or None when
-        every continuous table is cut into torchrec's blocks.
+    torchrec's row-wise input dist assumes contiguous blocks of ``ceil(N / W)`` rows;
+    a plan may cut a table into shards of any sizes, held by ranks 0..W-1 in row
+    order. Its ids are then routed by the bounds (fbgemm's ``block_bucketize_pos``):
+    the shard offsets and the table's end.
 
     Raises:
-        ValueError: a table's shards are not held by ranks 0..W-1 in row order.
+        ValueError: uneven shards not held by ranks 0..W-1 in row order.
     """
-    bounds: List[List[int]] = []
-    uneven = False
-    for group in grouped_configs:
-        for table in group.embedding_tables:
-            n = int(table.num_embeddings)
-            block = -(-n // world_size)
-            even = [block * r for r in range(world_size + 1)]
-            dt, _ = table_routing(table.fused_params, table.name, overrides)
-            spec = getattr(table, "global_metadata", None)
-            cut = even
-            if dt is DistType.CONTINUOUS and spec is not None:
-                shards = sorted(spec.shards_metadata, key=lambda m: m.shard_offsets[0])
-                sizes = [int(m.shard_sizes[0]) for m in shards]
-                ranks = [m.placement.rank() if m.placement is not None else -1 for m in shards]
-                if len(shards) == world_size and sizes != [
-                    ops.shard_num_rows(n, world_size, r, "continuous") for r in range(world_size)
-                ]:
-                    if ranks != list(range(world_size)):
-                        raise ValueError(
-                            f"recpipe: table {table.name!r} has uneven row-wise shards held by ranks {ranks} in "
-                            f"row order; recpipe routes uneven shards to ranks 0..{world_size - 1} in row order. "
-                            "Possible solutions:\n  1) place shard r of the table on rank r, or\n"
-                            "  2) cut the table into torchrec's blocks of ceil(N / W) rows."
-                        )
-                    cut = [int(m.shard_offsets[0]) for m in shards] + [n]
-                    uneven = True
-            per_feature = cut if dt is DistType.CONTINUOUS else []
-            bounds.extend([list(per_feature)] * table.num_features())
-    return bounds if uneven else None
+    spec = getattr(table, "global_metadata", None)
+    if spec is None:
+        return None
+    shards = sorted(spec.shards_metadata, key=lambda m: m.shard_offsets[0])
+    sizes = [int(m.shard_sizes[0]) for m in shards]
+    if len(shards) != world_size or sizes == [
+        ops.shard_num_rows(n, world_size, r, "continuous") for r in range(world_size)
+    ]:
+        return None
+    ranks = [m.placement.rank() if m.placement is not None else -1 for m in shards]
+    if ranks != list(range(world_size)):
+        raise ValueError(
+            f"recpipe: table {table.name!r} has uneven row-wise shards held by ranks {ranks} in "
+            f"row order; recpipe routes uneven shards to ranks 0..{world_size - 1} in row order. "
+            "Possible solutions:\n  1) place shard r of the table on rank r, or\n"
+            "  2) cut the table into torchrec's blocks of ceil(N / W) rows."
+        )
+    return [int(m.shard_offsets[0]) for m in shards] + [n]
 
 
 def _check_routed_layout(table: Any, n: int, world_size: int, dist_type: Union[DistType, str]) -> None:
@@ -313,7 +313,7 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
         has_feature_processor: positions are needed by a feature processor.
         need_pos: positions are needed by weighted features.
         row_bounds: per feature, the first row of each rank and the table's end
-            (:func:`feature_row_bounds`), or None for torchrec's blocks.
+            (:attr:`FeatureRouting.row_bounds`), or None for torchrec's blocks.
     """
 
     def __init__(
@@ -394,21 +394,18 @@ class _RoutedInputDistMixin:
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> RecpipeRwSparseFeaturesDist:
         base: Any = self
-        dist_types, sizes, seed = feature_routing(
-            base._grouped_embedding_configs, base._world_size, self._routing
-        )
-        bounds = feature_row_bounds(base._grouped_embedding_configs, base._world_size, self._routing)
+        routing = feature_routing(base._grouped_embedding_configs, base._world_size, self._routing)
         return RecpipeRwSparseFeaturesDist(
             pg=base._pg,
             num_features=base._get_num_features(),
-            feature_hash_sizes=sizes,
-            dist_types=dist_types,
-            seed=seed,
+            feature_hash_sizes=routing.table_sizes,
+            dist_types=routing.dist_types,
+            seed=routing.seed,
             device=device if device is not None else base._device,
             is_sequence=self._IS_SEQUENCE,
             has_feature_processor=base._has_feature_processor,
             need_pos=False if self._IS_SEQUENCE else base._need_pos,
-            row_bounds=bounds,
+            row_bounds=routing.row_bounds,
         )
 
 
