@@ -88,21 +88,52 @@ void for_each_feature_run(const std::vector<int64_t>& fbag, int64_t b0, int64_t 
   }
 }
 
-// Calls fn(dist, has_bounds) with the feature's rule fixed at compile time
-// (std::integral_constant: its dist type, and whether it has shard bounds).
+// Calls fn(dist, has_bounds, key) with the feature's rule fixed at compile time:
+// its dist type and whether it has shard bounds (std::integral_constant), and
+// the word of its hash_roundrobin keys (std::type_identity: uint32_t when the
+// table's ids fit in 32 bits, HashPermutation::fits_u32; else uint64_t).
 template <typename Fn>
 void with_dist(const FeatureRoute& r, Fn&& fn) {
   using std::integral_constant;
+  using std::type_identity;
   if (r.dist == kContinuous && r.bounds_count > 0) {
-    fn(integral_constant<int, kContinuous>(), integral_constant<int, 1>());
+    fn(integral_constant<int, kContinuous>(), integral_constant<int, 1>(), type_identity<uint64_t>());
   } else if (r.dist == kContinuous) {
-    fn(integral_constant<int, kContinuous>(), integral_constant<int, 0>());
+    fn(integral_constant<int, kContinuous>(), integral_constant<int, 0>(), type_identity<uint64_t>());
   } else if (r.dist == kRoundRobin) {
-    fn(integral_constant<int, kRoundRobin>(), integral_constant<int, 0>());
+    fn(integral_constant<int, kRoundRobin>(), integral_constant<int, 0>(), type_identity<uint64_t>());
+  } else if (r.perm.fits_u32()) {
+    fn(integral_constant<int, kHashRoundRobin>(), integral_constant<int, 0>(), type_identity<uint32_t>());
   } else {
-    fn(integral_constant<int, kHashRoundRobin>(), integral_constant<int, 0>());
+    fn(integral_constant<int, kHashRoundRobin>(), integral_constant<int, 0>(), type_identity<uint64_t>());
   }
 }
+
+// The keys H(id) of hash_roundrobin ids, kept from stage 1 for stage 3 in 32-bit
+// words for tables whose ids fit (half the memory traffic), else in 64-bit words.
+// Uninitialized: stage 1 writes the keys of the ids it routes by hash.
+struct HashKeys {
+  std::unique_ptr<uint32_t[]> narrow;
+  std::unique_ptr<uint64_t[]> wide;
+
+  HashKeys(const std::vector<FeatureRoute>& routes, int64_t n) {
+    for (const FeatureRoute& r : routes) {
+      if (r.dist == kHashRoundRobin && r.perm.fits_u32() && !narrow) {
+        narrow.reset(new uint32_t[n]);
+      } else if (r.dist == kHashRoundRobin && !r.perm.fits_u32() && !wide) {
+        wide.reset(new uint64_t[n]);
+      }
+    }
+  }
+  template <typename key_t>
+  key_t* get() const {
+    if constexpr (std::is_same_v<key_t, uint32_t>) {
+      return narrow.get();
+    } else {
+      return wide.get();
+    }
+  }
+};
 
 // ---------------------------------------------------------------------------
 // hash_roundrobin keys of a run of ids, H(id), in one loop the compiler
@@ -110,30 +141,30 @@ void with_dist(const FeatureRoute& r, Fn&& fn) {
 // the build only changes speed: every id gets the same H(id) (header math).
 // RECPIPE_ISA=auto|avx512|avx2|baseline picks one (tests force each).
 
-template <typename index_t>
+template <typename index_t, typename key_t>
 __attribute__((always_inline)) inline void hash_keys_body(const HashPermutation& perm, const index_t* __restrict__ ids,
-                                                          int64_t m, uint64_t* __restrict__ keys) {
+                                                          int64_t m, key_t* __restrict__ keys) {
   using uindex_t = std::make_unsigned_t<index_t>;
   const HashPermutation h = perm;
   for (int64_t j = 0; j < m; ++j) {
-    keys[j] = h.forward(static_cast<uindex_t>(ids[j]));
+    keys[j] = h.forward<key_t>(static_cast<key_t>(static_cast<uindex_t>(ids[j])));
   }
 }
 
-template <typename index_t>
+template <typename index_t, typename key_t>
 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw"))) void hash_keys_avx512(
-    const HashPermutation& perm, const index_t* ids, int64_t m, uint64_t* keys) {
+    const HashPermutation& perm, const index_t* ids, int64_t m, key_t* keys) {
   hash_keys_body(perm, ids, m, keys);
 }
 
-template <typename index_t>
+template <typename index_t, typename key_t>
 __attribute__((target("avx2,bmi2,fma"))) void hash_keys_avx2(const HashPermutation& perm, const index_t* ids,
-                                                              int64_t m, uint64_t* keys) {
+                                                              int64_t m, key_t* keys) {
   hash_keys_body(perm, ids, m, keys);
 }
 
-template <typename index_t>
-void hash_keys_baseline(const HashPermutation& perm, const index_t* ids, int64_t m, uint64_t* keys) {
+template <typename index_t, typename key_t>
+void hash_keys_baseline(const HashPermutation& perm, const index_t* ids, int64_t m, key_t* keys) {
   hash_keys_body(perm, ids, m, keys);
 }
 
@@ -158,8 +189,8 @@ Isa call_isa() {
   return want == "avx512" ? Isa::kAvx512 : want == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
 }
 
-template <typename index_t>
-void hash_keys(Isa isa, const HashPermutation& perm, const index_t* ids, int64_t m, uint64_t* keys) {
+template <typename index_t, typename key_t>
+void hash_keys(Isa isa, const HashPermutation& perm, const index_t* ids, int64_t m, key_t* keys) {
   if (isa == Isa::kAvx512) {
     hash_keys_avx512(perm, ids, m, keys);
   } else if (isa == Isa::kAvx2) {
@@ -177,9 +208,9 @@ struct BadId {
 // Stage 1 for the bags [b0, b1) of one feature routed by rule kDist: each id
 // counted in new_lengths[owner][b] (zeroed by the caller); hash_roundrobin keeps
 // its keys H(id) in keys[i] for stage 3. Returns the first id outside its table, or -1.
-template <int kDist, int kBounds, typename index_t, typename offset_t>
+template <int kDist, int kBounds, typename key_t, typename index_t, typename offset_t>
 int64_t count_bags(Isa isa, const FeatureRoute& route, const int64_t* bounds, const index_t* __restrict__ ids,
-                   const int64_t* __restrict__ off, int64_t b0, int64_t b1, int64_t FB, uint64_t* __restrict__ keys,
+                   const int64_t* __restrict__ off, int64_t b0, int64_t b1, int64_t FB, key_t* __restrict__ keys,
                    offset_t* __restrict__ nl) {
   using uindex_t = std::make_unsigned_t<index_t>;
   const FeatureRoute r = route;  // a local copy: its fields stay in registers
@@ -203,10 +234,12 @@ int64_t count_bags(Isa isa, const FeatureRoute& route, const int64_t* bounds, co
 }
 
 // Stage 3 for the bags [b0, b1): each id routed again (from its key for
-// hash_roundrobin) to its rank's next slot, cur[owner]++.
-template <int kDist, int kBounds, typename index_t>
+// hash_roundrobin) to its rank's next slot, cur[owner]++. kExtra: whether any of
+// dst / pos / map is written (when false they are null at compile time, so the
+// common call's loop carries no tests for them).
+template <int kDist, int kBounds, bool kExtra, typename key_t, typename index_t>
 void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_t* __restrict__ ids,
-                  const int64_t* __restrict__ off, int64_t b0, int64_t b1, const uint64_t* __restrict__ keys,
+                  const int64_t* __restrict__ off, int64_t b0, int64_t b1, const key_t* __restrict__ keys,
                   int64_t* __restrict__ cur, index_t* __restrict__ out, index_t* __restrict__ dst,
                   index_t* __restrict__ pos, index_t* __restrict__ map) {
   using uindex_t = std::make_unsigned_t<index_t>;
@@ -221,7 +254,8 @@ void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_
       r.template place<kDist, kBounds>(uid, kDist == kHashRoundRobin ? keys[i] : uid, bounds, &p, &l);
       const int64_t at = cur[p]++;
       __builtin_prefetch(out + at + kPrefetchAhead, 1, 1);  // the rank's output line 4 ahead (speed only)
-      store_routed(at, i, s, p, l, out, dst, pos, map);
+      constexpr index_t* kNone = nullptr;
+      store_routed(at, i, s, p, l, out, kExtra ? dst : kNone, kExtra ? pos : kNone, kExtra ? map : kNone);
     }
   }
 }
@@ -241,11 +275,7 @@ void bucketize(const BucketizeCall& call, Tensor& new_lengths, Tensor& new_indic
   const index_t* ids = a.indices.const_data_ptr<index_t>();
   const int64_t* bnd = call.bounds.const_data_ptr<int64_t>();
   const Isa isa = call_isa();
-  const bool hashed = std::any_of(routes.begin(), routes.end(), [](const FeatureRoute& r) {
-    return r.dist == kHashRoundRobin;
-  });
-  // H(id) of hash_roundrobin ids (uninitialized: stage 1 writes those it reads).
-  const std::unique_ptr<uint64_t[]> keys(hashed ? new uint64_t[n] : nullptr);
+  const HashKeys keys(routes, n);
   offset_t* nl = new_lengths.mutable_data_ptr<offset_t>();
 
   // 1. count every id in its (rank, bag); the chunk's total per rank.
@@ -259,9 +289,10 @@ void bucketize(const BucketizeCall& call, Tensor& new_lengths, Tensor& new_indic
         std::memset(nl + p * FB + b0, 0, sizeof(offset_t) * nb);
       }
       for_each_feature_run(fbag, b0, b0 + nb, [&](int64_t f, int64_t r0, int64_t r1) {
-        with_dist(routes[f], [&](auto dist, auto has_bounds) {
-          const int64_t i = count_bags<decltype(dist)::value, decltype(has_bounds)::value>(isa, routes[f], bnd, ids, off.data(), r0, r1, FB,
-                                                               keys.get(), nl);
+        with_dist(routes[f], [&](auto dist, auto has_bounds, auto key) {
+          using key_t = typename decltype(key)::type;
+          const int64_t i = count_bags<decltype(dist)::value, decltype(has_bounds)::value, key_t>(
+              isa, routes[f], bnd, ids, off.data(), r0, r1, FB, keys.get<key_t>(), nl);
           if (i >= 0 && bad[c].position < 0) {
             bad[c] = BadId{i, f};
           }
@@ -301,13 +332,21 @@ void bucketize(const BucketizeCall& call, Tensor& new_lengths, Tensor& new_indic
   index_t* dst = dest != nullptr ? dest->mutable_data_ptr<index_t>() : nullptr;
   index_t* pos = new_pos != nullptr ? new_pos->mutable_data_ptr<index_t>() : nullptr;
   index_t* map = mapping != nullptr ? mapping->mutable_data_ptr<index_t>() : nullptr;
+  const bool extra = dst != nullptr || pos != nullptr || map != nullptr;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t* cur = total.data() + c * W;
       for_each_feature_run(fbag, chunk[c], chunk[c + 1], [&](int64_t f, int64_t r0, int64_t r1) {
-        with_dist(routes[f], [&](auto dist, auto has_bounds) {
-          scatter_bags<decltype(dist)::value, decltype(has_bounds)::value>(routes[f], bnd, ids, off.data(), r0, r1, keys.get(), cur, out, dst,
-                                              pos, map);
+        with_dist(routes[f], [&](auto dist, auto has_bounds, auto key) {
+          constexpr int kDist = decltype(dist)::value;
+          constexpr int kBounds = decltype(has_bounds)::value;
+          using key_t = typename decltype(key)::type;
+          const key_t* k = keys.get<key_t>();
+          if (extra) {
+            scatter_bags<kDist, kBounds, true>(routes[f], bnd, ids, off.data(), r0, r1, k, cur, out, dst, pos, map);
+          } else {
+            scatter_bags<kDist, kBounds, false>(routes[f], bnd, ids, off.data(), r0, r1, k, cur, out, dst, pos, map);
+          }
         });
       });
     }
