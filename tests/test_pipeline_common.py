@@ -231,12 +231,33 @@ def build_dmp(
             module, per_param, sharder=sharder, local_size=world_size, world_size=world_size,
             device_type=device.type,
         )
+    return shard_with_dense_adam(model, plan, [ebc_sharder, ec_sharder], device, pg=pg)
+
+
+def shard_with_dense_adam(
+    model: nn.Module,
+    plan: Dict[str, Any],
+    sharders: List[ModuleSharder[nn.Module]],
+    device: torch.device,
+    *,
+    pg: Optional[dist.ProcessGroup] = None,
+) -> Tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+    """``model`` sharded by ``plan`` and an Adam (lr 0.01) over the parameters no
+    in-backward optimizer steps.
+
+    Args:
+        model (nn.Module): the unsharded model (fused optimizers already applied).
+        plan (Dict[str, Any]): module FQN -> its module sharding plan.
+        sharders (List[ModuleSharder[nn.Module]]): the sharders of ``plan``.
+        device (torch.device): compute device.
+        pg (Optional[dist.ProcessGroup]): process group (default: the world).
+    """
     dmp = DistributedModelParallel(
         module=model,
         env=ShardingEnv.from_process_group(pg or dist.GroupMember.WORLD),
         device=device,
         plan=ShardingPlan(plan),
-        sharders=[ebc_sharder, ec_sharder],
+        sharders=sharders,
     )
     opt = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(dmp.named_parameters())),

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
-from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipeline
+from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipeline, shard_with_dense_adam
 
 FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
 """(use_emb_lookup_stream, embedding_lookup_after_opt). On CPU the stream flag
@@ -71,6 +71,15 @@ def _run(pipeline: Any, batches: Sequence[Any]) -> Trace:
     if not again:
         raise AssertionError("progress() after the end did not raise StopIteration again")
     return _numpy(losses), _numpy(preds)
+
+
+def _record_recpipe(out: Dict[str, Any], key: str, pipe: Any, model: torch.nn.Module, batches: Sequence[Any]) -> None:
+    """Runs ``pipe`` over ``batches`` and records under ``key`` its trace, the final
+    state, the modules it looked up after the optimizer and those it pipelined."""
+    out[key] = _run(pipe, batches)
+    out[key + " state"] = final_state(model)
+    out[key + " late"] = list(pipe.after_optimizer_modules)
+    out[key + " pipelined"] = sorted(m.forward.name for m in pipe._pipelined_modules)
 
 
 def _stale_pipeline_type() -> type:
@@ -121,10 +130,7 @@ def _two_module_body(rank: int, world_size: int) -> Dict[str, Any]:
             allow_dense_tables=True,
         )
         key = f"recpipe stream={stream} after_opt={after_opt}"
-        out[key] = _run(pipe, batches)
-        out[key + " state"] = final_state(model)
-        out[key + " late"] = list(pipe.after_optimizer_modules)
-        out[key + " pipelined"] = sorted(m.forward.name for m in pipe._pipelined_modules)
+        _record_recpipe(out, key, pipe, model, batches)
         out[key + " steps"] = pipe.stats.steps
 
     model, opt = build_dmp("table_wise", device, position_weighted=True)
@@ -310,12 +316,8 @@ def _tsnn_dmp(world_size: int) -> Tuple[Any, Any]:
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.test_utils.test_model import TestSparseNN
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
-    from torchrec.optim.keyed import KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     torch.manual_seed(TSNN_SEED)
     cpu = torch.device("cpu")
@@ -348,18 +350,7 @@ def _tsnn_dmp(world_size: int) -> Tuple[Any, Any]:
             world_size=world_size,
             device_type="cpu",
         )
-    dmp = DistributedModelParallel(
-        module=model,
-        env=ShardingEnv.from_process_group(torch.distributed.GroupMember.WORLD),
-        device=cpu,
-        plan=ShardingPlan(plan),
-        sharders=[ebc_sharder, fp_sharder],
-    )
-    opt = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adam(params, lr=0.01),
-    )
-    return dmp, opt
+    return shard_with_dense_adam(model, plan, [ebc_sharder, fp_sharder], cpu)
 
 
 class LossAndPrediction:
@@ -400,11 +391,7 @@ def _tsnn_body(rank: int, world_size: int) -> Dict[str, Any]:
             embedding_lookup_after_opt=after_opt,
             allow_dense_tables=True,
         )
-        key = f"recpipe stream={stream} after_opt={after_opt}"
-        out[key] = _run(pipe, batches)
-        out[key + " state"] = final_state(model)
-        out[key + " late"] = list(pipe.after_optimizer_modules)
-        out[key + " pipelined"] = sorted(m.forward.name for m in pipe._pipelined_modules)
+        _record_recpipe(out, f"recpipe stream={stream} after_opt={after_opt}", pipe, model, batches)
     return out
 
 
