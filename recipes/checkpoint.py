@@ -847,6 +847,19 @@ def _check_fit(
         )
 
 
+def _check_state_fits(path: Path, live: Any, saved: Any, where: str) -> None:
+    """Raises :class:`CheckpointMismatchError` naming ``path`` when ``saved`` (read
+    from it) does not fit ``live``; copies nothing (``_restore(copy=False)``)."""
+    try:
+        _restore(live, saved, where, copy=False)
+    except CheckpointMismatchError as e:
+        raise _mismatch(
+            f"checkpoint {path} does not fit this run's state: {e}",
+            "resume with the config the checkpoint was saved with",
+            _FRESH_RUN,
+        ) from None
+
+
 def _prepare(
     step_dir: Path,
     rank: int,
@@ -877,15 +890,8 @@ def _prepare(
     payload = _read_rank_file(step_dir, manifest, rank)
     path = step_dir / _rank_file(rank)
     _check_fit(path, payload["meta"], world, config, table_ranks)
-    try:
-        _restore(_model_state(model), payload["model"], "model", copy=False)
-        _restore(optimizer.state_dict(), payload["optimizer"], "optimizer", copy=False)
-    except CheckpointMismatchError as e:
-        raise _mismatch(
-            f"checkpoint {path} does not fit this run's state: {e}",
-            "resume with the config the checkpoint was saved with",
-            _FRESH_RUN,
-        ) from None
+    _check_state_fits(path, _model_state(model), payload["model"], "model")
+    _check_state_fits(path, optimizer.state_dict(), payload["optimizer"], "optimizer")
     exports: list[dict[str, Any]] = []
     if needs_all_files:
         for r in range(world):
@@ -928,15 +934,8 @@ def _prepare_dcp(
     others = sorted(n for n in manifest["files"] if n != path.name)
     for name in others[rank::world]:
         _verify_file(step_dir, manifest, name)
-    try:
-        live = [opt.state_dict() for opt in _dense_optimizers(model, optimizer)]
-        _restore(live, payload["optimizer"], "optimizer", copy=False)
-    except CheckpointMismatchError as e:
-        raise _mismatch(
-            f"checkpoint {path} does not fit this run's state: {e}",
-            "resume with the config the checkpoint was saved with",
-            _FRESH_RUN,
-        ) from None
+    live = [opt.state_dict() for opt in _dense_optimizers(model, optimizer)]
+    _check_state_fits(path, live, payload["optimizer"], "optimizer")
     return payload
 
 
