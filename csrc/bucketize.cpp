@@ -141,12 +141,23 @@ struct HashKeys {
 // the build only changes speed: every id gets the same H(id) (header math).
 // RECPIPE_ISA=auto|avx512|avx2|baseline picks one (tests force each).
 
+// The run is cut into kHashStreams equal parts hashed in one loop, so their
+// independent multiply chains overlap (H is a chain of 4 multiplies per id: one
+// stream leaves the AVX2 and baseline builds waiting on multiply latency).
+constexpr int kHashStreams = 4;
+
 template <typename index_t, typename key_t>
 __attribute__((always_inline)) inline void hash_keys_body(const HashPermutation& perm, const index_t* __restrict__ ids,
                                                           int64_t m, key_t* __restrict__ keys) {
   using uindex_t = std::make_unsigned_t<index_t>;
   const HashPermutation h = perm;
-  for (int64_t j = 0; j < m; ++j) {
+  const int64_t part = m / kHashStreams;
+  for (int64_t j = 0; j < part; ++j) {
+    for (int k = 0; k < kHashStreams; ++k) {
+      keys[k * part + j] = h.forward<key_t>(static_cast<key_t>(static_cast<uindex_t>(ids[k * part + j])));
+    }
+  }
+  for (int64_t j = kHashStreams * part; j < m; ++j) {
     keys[j] = h.forward<key_t>(static_cast<key_t>(static_cast<uindex_t>(ids[j])));
   }
 }
