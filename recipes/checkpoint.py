@@ -501,7 +501,7 @@ def verify_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     manifest = read_manifest(step_dir)
     for r in range(manifest["world_size"]):
         _read_rank_file(step_dir, manifest, r)
-    for name in sorted(_dcp_files(manifest)):
+    for name in _dcp_files(manifest):
         _verify_file(step_dir, manifest, name)
     return manifest
 
@@ -923,15 +923,16 @@ def _prepare_dcp(
     """:func:`_prepare` of a ``dcp`` checkpoint: returns the rank file this rank uses.
 
     Rank ``r`` reads ``rank{r % W}.pt`` of the ``W`` saving ranks (the dense optimizer
-    state is replicated) and verifies its share (round robin) of every other file in
-    the manifest, DCP's included, so the gathered verdicts cover every file before
-    anything is loaded.
+    state is replicated) and verifies its share (round robin) of the manifest's files
+    that no rank reads as its source, DCP's included, so the gathered verdicts cover
+    every file before anything is loaded.
     """
     source = rank % manifest["world_size"]
     payload = _read_rank_file(step_dir, manifest, source)
     path = step_dir / _rank_file(source)
     _check_fit(path, payload["meta"], world, config, table_ranks)
-    others = sorted(n for n in manifest["files"] if n != path.name)
+    sources = {_rank_file(r % manifest["world_size"]) for r in range(world)}
+    others = sorted(n for n in manifest["files"] if n not in sources)
     for name in others[rank::world]:
         _verify_file(step_dir, manifest, name)
     live = [opt.state_dict() for opt in _dense_optimizers(model, optimizer)]
