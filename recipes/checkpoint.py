@@ -679,8 +679,8 @@ def _commit(
         )
 
 
-def _dense_optimizers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
-    """The parts of ``optimizer`` a DCP checkpoint of ``model`` does not hold.
+def _dense_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """State dicts of the parts of ``optimizer`` a DCP checkpoint of ``model`` does not hold.
 
     :func:`recpipe.pipeline.dcp.dcp_state_dict` saves ``model.fused_optimizer``; the
     recipe's ``CombinedOptimizer([fused, dense])`` adds the dense Adagrad, which the
@@ -690,9 +690,8 @@ def _dense_optimizers(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     if optimizer is fused:
         return []
     parts = getattr(optimizer, "optimizers", None)
-    if parts is None:
-        return [optimizer]
-    return [opt for _, opt in parts if opt is not fused]
+    dense = [optimizer] if parts is None else [opt for _, opt in parts if opt is not fused]
+    return [opt.state_dict() for opt in dense]
 
 
 def _local_tensors(obj: Any) -> Any:
@@ -724,7 +723,7 @@ def _save_dcp_checkpoint(
     state = recpipe_dcp.dcp_state_dict(model)
     payload = {
         "meta": _meta(step, rank, world, config, table_ranks),
-        "optimizer": _to_saved([opt.state_dict() for opt in _dense_optimizers(model, optimizer)]),
+        "optimizer": _to_saved(_dense_optimizer_states(model, optimizer)),
     }
     check = {"model": _local_tensors(state), "optimizer": payload["optimizer"], "tiered": {}}
     _refuse_non_finite(_all_gather(_non_finite(check), world), step, step_dir)
@@ -935,7 +934,7 @@ def _prepare_dcp(
     others = sorted(n for n in manifest["files"] if n not in sources)
     for name in others[rank::world]:
         _verify_file(step_dir, manifest, name)
-    live = [opt.state_dict() for opt in _dense_optimizers(model, optimizer)]
+    live = _dense_optimizer_states(model, optimizer)
     _check_state_fits(path, live, payload["optimizer"], "optimizer")
     return payload
 
@@ -944,7 +943,7 @@ def _restore_dcp(step_dir: Path, model: torch.nn.Module, optimizer: torch.optim.
     """Loads a verified ``dcp`` checkpoint (a collective): DCP state, then the dense optimizer."""
     recpipe_dcp.load(model, step_dir)
     with torch.no_grad():
-        _restore([opt.state_dict() for opt in _dense_optimizers(model, optimizer)], saved, "optimizer")
+        _restore(_dense_optimizer_states(model, optimizer), saved, "optimizer")
 
 
 def load_checkpoint(
