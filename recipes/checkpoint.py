@@ -206,10 +206,18 @@ def _restore(live: Any, saved: Any, where: str, copy: bool = True) -> None:
 
 
 def _floating_tensors(obj: Any, where: str) -> list[tuple[str, torch.Tensor]]:
-    """Every non-empty floating-point tensor in a payload, with its path."""
-    if isinstance(obj, torch.Tensor):
+    """Every non-empty floating-point tensor in a payload, with its path.
+
+    A ShardedTensor counts as its local shards (``where.0``, ``where.1``, ...) and a
+    DTensor as its local tensor, the values this rank holds.
+    """
+    if isinstance(obj, DTensor):
+        obj = obj.to_local()
+    if isinstance(obj, ShardedTensor):
+        items: list[tuple[Any, Any]] = list(enumerate(s.tensor for s in obj.local_shards()))
+    elif isinstance(obj, torch.Tensor):
         return [(where, obj)] if obj.is_floating_point() and obj.numel() else []
-    if isinstance(obj, dict):
+    elif isinstance(obj, dict):
         items = list(obj.items())
     elif isinstance(obj, (list, tuple)):
         items = list(enumerate(obj))
@@ -694,19 +702,6 @@ def _dense_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optim
     return [opt.state_dict() for opt in dense]
 
 
-def _local_tensors(obj: Any) -> Any:
-    """``obj`` with ShardedTensors / DTensors replaced by their local tensors (no copy)."""
-    if isinstance(obj, ShardedTensor):
-        return [s.tensor for s in obj.local_shards()]
-    if isinstance(obj, DTensor):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: _local_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_local_tensors(v) for v in obj]
-    return obj
-
-
 def _save_dcp_checkpoint(
     directory: str,
     step: int,
@@ -725,7 +720,7 @@ def _save_dcp_checkpoint(
         "meta": _meta(step, rank, world, config, table_ranks),
         "optimizer": _to_saved(_dense_optimizer_states(model, optimizer)),
     }
-    check = {"model": _local_tensors(state), "optimizer": payload["optimizer"], "tiered": {}}
+    check = {"model": state, "optimizer": payload["optimizer"], "tiered": {}}
     _refuse_non_finite(_all_gather(_non_finite(check), world), step, step_dir)
     prepared: str | None = None
     try:
