@@ -130,7 +130,7 @@ def vbe_inputs(lengths: torch.Tensor, indices: torch.Tensor, seed: int = 1) -> t
     B = lengths.numel() // F
     keep = torch.randint(B // 2, B + 1, (F,), generator=g)
     per_feature = lengths.view(F, B)
-    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)]).view(-1)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(lengths, 0)])
     new_lengths, new_indices = [], []
     for f in range(F):
         b = int(keep[f])
@@ -180,7 +180,6 @@ def main() -> None:
         torch.set_num_threads(threads)
         for W in args.worlds:
             block = torch.full((F,), -(-TABLE_ROWS // W), dtype=torch.int64)
-            bounds = uneven_bounds(W)
             cells = [("plain", False), ("plain", True)]
             if W == 8:
                 cells += [("vbe", False), ("pos", False)]
@@ -190,13 +189,12 @@ def main() -> None:
                 if kind == "vbe":
                     extra = dict(batch_size_per_feature=v_batch, max_B=int(v_batch.max()))
                 if kind == "pos":
-                    extra = dict(block_bucketize_pos=bounds)
+                    extra = dict(block_bucketize_pos=uneven_bounds(W))
 
                 def ours(code: int) -> Callable[[], object]:
                     dt = torch.full((F,), code, dtype=torch.int64)
-                    kw = dict(extra) if code == 0 else {k: v for k, v in extra.items() if k != "block_bucketize_pos"}
                     return lambda: ops.block_bucketize_sparse_features(
-                        ln, ids, block, dt, W, sequence=seq, table_sizes=sizes, seed=1, **kw
+                        ln, ids, block, dt, W, sequence=seq, table_sizes=sizes, seed=1, **extra
                     )
 
                 fns = {
