@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from benchutil import hardware_line, print_table
+from benchutil import hardware_line, print_table, recipe_command, run_recipe
 
 #: name -> (extra CLI flags, label). The first is the baseline of the ratios.
 RUNS: dict[str, tuple[list[str], str]] = {
@@ -45,16 +43,7 @@ RUNS: dict[str, tuple[list[str], str]] = {
 def run_once(name: str, steps: int, workdir: Path, nproc: int) -> dict:
     """One torchrun job of the default recipe with ``RUNS[name]``'s flags; returns its metrics JSON."""
     metrics = workdir / f"{name}-{len(list(workdir.iterdir()))}.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "recpipe.recipes.train", "--config", "default", *RUNS[name][0],
-        "--max-steps", str(steps), "--eval-every", "0", "--log-every", "10",
-        "--no-progress-bar", "--metrics-file", str(metrics),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    run_recipe(recipe_command(nproc, steps, 10, *RUNS[name][0], "--metrics-file", str(metrics)))
     return json.loads(metrics.read_text())
 
 

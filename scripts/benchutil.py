@@ -1,10 +1,12 @@
-"""Shared helpers of the bench_*.py scripts: hardware line, timing, table printing."""
+"""Shared helpers of the bench_*.py scripts: hardware line, timing, table printing, recipe runs."""
 
 from __future__ import annotations
 
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -27,6 +29,37 @@ def hardware_line() -> str:
         f"hardware: {model}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
         f"intra-op threads {torch.get_num_threads()}"
     )
+
+
+def recipe_command(nproc: int, steps: int, log_every: int, *extra: str) -> list[str]:
+    """torchrun command of the default recipe on ``nproc`` CPU ranks, no eval, no progress bar.
+
+    Args:
+        nproc (int): ranks.
+        steps (int): training steps.
+        log_every (int): steps between log lines.
+        *extra (str): further training flags.
+
+    Returns:
+        list[str]: the command.
+    """
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+        "-m", "recpipe.recipes.train", "--config", "default", "--max-steps", str(steps),
+        "--eval-every", "0", "--log-every", str(log_every), "--no-progress-bar", *extra,
+    ]
+
+
+def run_recipe(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    """Runs ``cmd`` with one intra-op thread per rank (OMP_NUM_THREADS=1), capturing its output.
+
+    Raises:
+        RuntimeError: it exited non-zero; the message holds the command and its output's tail.
+    """
+    proc = subprocess.run(list(cmd), env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
 
 
 def time_it(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2, min_time_s: float = 0.0) -> float:

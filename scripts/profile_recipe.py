@@ -35,13 +35,12 @@ import collections
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchutil import hardware_line, print_table
+from benchutil import hardware_line, print_table, recipe_command, run_recipe
 
 #: (category, predicate on one frame string "name (file:line)"), first match wins.
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
@@ -121,14 +120,14 @@ def run_profile(args: argparse.Namespace, extra: list[str], out: Path) -> None:
         spy, "record", "--subprocesses", "--idle", "--threads", "--full-filenames", "--format", "raw",
         "--rate", str(args.rate), "-o", str(out),
         *([] if args.native else ["--nonblocking"]), *(["--native"] if args.native else []),
-        "--", sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
-        "-m", "recpipe.recipes.train", "--config", "default", "--max-steps", str(args.steps),
-        "--eval-every", "0", "--log-every", "50", "--no-progress-bar", *extra,
+        "--", *recipe_command(args.nproc, args.steps, 50, *extra),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0 or not out.exists():
-        sys.exit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    try:
+        proc = run_recipe(cmd)
+    except RuntimeError as e:
+        sys.exit(str(e))
+    if not out.exists():
+        sys.exit(f"{' '.join(cmd)} wrote no profile {out}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     done = [ln for ln in proc.stdout.splitlines() if ln.startswith("[recpipe] done")]
     if done:
         print(done[-1].replace("[recpipe] done", "run (under the profiler)"))
