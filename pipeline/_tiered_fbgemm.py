@@ -443,7 +443,9 @@ class FbgemmTier(nn.Module):
 
     @torch.no_grad()
     def read_rows(self, state_cols: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Every local row's value and optimizer state (after a flush), in local-id order.
+        """Every local row's value and optimizer state, in local-id order.
+
+        Reads the UVM store: the caller flushes the cache first (``export_state`` does).
 
         Args:
             state_cols (int): columns of the recpipe state layout
@@ -453,7 +455,6 @@ class FbgemmTier(nn.Module):
             Tuple[torch.Tensor, torch.Tensor]: ``[R, D]`` values and ``[R, state_cols]``
             fp32 state (row-wise Adagrad: the momentum; Adam: ``exp_avg`` then ``exp_avg_sq``).
         """
-        self.flush()
         R, D = self.plan.num_rows, self.plan.embedding_dim
         rows = torch.arange(R, dtype=torch.int64, device=self.device)
         table, idx = self.locate(rows)
