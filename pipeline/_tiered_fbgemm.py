@@ -406,7 +406,7 @@ class FbgemmTier(nn.Module):
         self._stats = stats
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(**fbgemm_tbe_kwargs(plan, device))
         self._has_cache: bool = self.tbe.lxu_cache_weights.numel() > 0
-        R, k = plan.num_rows, plan.fast_rows
+        R = plan.num_rows
         self._two_tables = len(plan.tables) == 2
         # HYBRID: hashed position of every local row, computed once (route_ids syncs on CUDA).
         self.split_pos: Optional[torch.Tensor] = None
@@ -414,7 +414,6 @@ class FbgemmTier(nn.Module):
             pos = route_ids(torch.arange(R, dtype=torch.int64), R, 1, "hash_roundrobin", split_seed)[1]
             dt = torch.int32 if R < 2**31 else torch.int64
             self.split_pos = pos.to(dt).to(device)
-        self._slow_offset = k if plan.layout is Layout.HYBRID else 0
         self.step = 0  # SGD steps (fbgemm counts only the other optimizers' steps)
 
     # ------------------------------------------------------------- layout
@@ -429,11 +428,12 @@ class FbgemmTier(nn.Module):
         """
         if self.split_pos is None:
             return torch.zeros_like(rows), rows
+        k = self.plan.fast_rows  # HYBRID: slow rows start at k (0 with the slow table alone)
         pos = self.split_pos.index_select(0, rows).to(torch.int64)
-        slow = pos >= self.plan.fast_rows
+        slow = pos >= k
         if not self._two_tables:
-            return torch.zeros_like(rows), pos - self._slow_offset
-        return slow.to(torch.int64), torch.where(slow, pos - self._slow_offset, pos)
+            return torch.zeros_like(rows), pos - k
+        return slow.to(torch.int64), torch.where(slow, pos - k, pos)
 
     def _states(self) -> List[List[torch.Tensor]]:
         """Per table: ``[weights [rows, D], state [rows] or [rows, D] ...]`` (views)."""
@@ -590,7 +590,7 @@ class FbgemmTier(nn.Module):
                 both = self.tbe(idx, tbe_offsets, w)  # [B, 2D]: fast-tier bags, then slow-tier bags
                 out = both[:, :D] + both[:, D:]
             else:
-                out = self.tbe(pos - self._slow_offset, offsets, psw)
+                out = self.tbe(pos - k, offsets, psw)  # the slow table alone: k == 0
         elif self._has_cache:
             with torch.no_grad():
                 lin = torch.ops.fbgemm.linearize_cache_indices(self.tbe.cache_hash_size_cumsum, ids, offsets)
