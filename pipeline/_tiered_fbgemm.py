@@ -13,9 +13,11 @@ optimizers, all without host syncs in a training step:
 * ``HYBRID(x)``: a ``DEVICE`` table of ``k = floor(x * R)`` rows and a ``MANAGED``
   (UVM) table of ``R - k`` rows, split by the shard's seeded hash exactly as the
   CPU kernel splits them (``route_ids(r, R, 1, "hash_roundrobin", split_seed)``):
-  row ``r`` is fast row ``H(r)`` when ``H(r) < k``, else slow row ``H(r) - k``.
-  ``H`` is computed once, at construction, into an int32 HBM map (``route_ids``
-  reads a flag back on CUDA, so it is not called per step). A lookup partitions
+  row ``r`` is fast row ``H(r)`` when ``H(r) < k``, else slow row ``H(r) - k``
+  (:func:`split_tier`, which the shard's own ``_locate`` uses too).
+  ``H`` is computed once, by the shard at construction (its ``_split_hash``), into
+  an int32 HBM map (``route_ids`` reads a flag back on CUDA, so it is not called
+  per step). A lookup partitions
   each bag's ids between the two tables on the device (a stable sort by tier,
   per-bag counts, a cumulative sum: no data-dependent shapes) and sums the two
   pooled halves.
@@ -53,7 +55,7 @@ import torch
 from torch import nn
 
 from recpipe.pipeline._tiered_optim import TieredOptimizerConfig
-from recpipe.pipeline.ops import TIERED_STATS, route_ids
+from recpipe.pipeline.ops import TIERED_STATS
 from recpipe.pipeline.placement import (
     CachePolicy,
     FusedOptimizer,
@@ -72,6 +74,7 @@ __all__ = [
     "fbgemm_tbe_kwargs",
     "fbgemm_tier_bytes",
     "plan_fbgemm_tier",
+    "split_tier",
 ]
 
 #: Ways per cache set of fbgemm's UVM cache on NVIDIA GPUs (the warp size,
@@ -373,12 +376,29 @@ _SLOW_BUFFERS: Tuple[str, ...] = ("weights_uvm", "momentum1_uvm", "momentum2_uvm
                                   "weights_host", "momentum1_host", "momentum2_host")
 
 
+def split_tier(pos: torch.Tensor, fast_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Tier and index of HYBRID rows from their hashed positions ``H(r)``.
+
+    Args:
+        pos (torch.Tensor): int64 hashed positions.
+        fast_rows (int): rows ``k`` of the fast tier.
+
+    Returns:
+        Tuple[torch.Tensor, torch.Tensor]: ``(in_fast, index)``: ``H(r) < k``, and
+        ``H(r)`` in the fast tier or ``H(r) - k`` in the slow tier.
+    """
+    in_fast = pos < fast_rows
+    return in_fast, torch.where(in_fast, pos, pos - fast_rows)
+
+
 class FbgemmTier(nn.Module):
     """The rows of one shard in an fbgemm TBE, with device-side statistics.
 
     Args:
         plan (FbgemmTierPlan): from :func:`plan_fbgemm_tier`.
-        split_seed (int): seed of the HYBRID split hash (the shard's ``split_seed``).
+        split_pos (torch.Tensor | None): HYBRID (``plan.split_map``): the hashed position
+            ``H(r)`` of every local row ``r``, in local-id order (the shard's split hash of
+            ``arange(R)``); None for the other layouts.
         pooling (str): ``sum`` or ``mean``.
         device (torch.device): the TBE's device (``cuda``, or ``cpu`` for a ``cpu`` plan).
         stats (torch.Tensor): the shard's int64 counters (``2 * len(TIERED_STATS)``, on
@@ -389,7 +409,7 @@ class FbgemmTier(nn.Module):
         self,
         plan: FbgemmTierPlan,
         *,
-        split_seed: int,
+        split_pos: Optional[torch.Tensor],
         pooling: str,
         device: torch.device,
         stats: torch.Tensor,
@@ -408,12 +428,14 @@ class FbgemmTier(nn.Module):
         self._has_cache: bool = self.tbe.lxu_cache_weights.numel() > 0
         R = plan.num_rows
         self._two_tables = len(plan.tables) == 2
-        # HYBRID: hashed position of every local row, computed once (route_ids syncs on CUDA).
+        # HYBRID: the hashed position of every local row, on the device (route_ids syncs on CUDA).
         self.split_pos: Optional[torch.Tensor] = None
-        if plan.layout is Layout.HYBRID:
-            pos = route_ids(torch.arange(R, dtype=torch.int64), R, 1, "hash_roundrobin", split_seed)[1]
+        if plan.split_map:
+            if split_pos is None or tuple(split_pos.shape) != (R,):
+                raise ValueError(f"a HYBRID fbgemm tier needs split_pos, the hashed position of each of its {R} "
+                                 "rows (the shard's split hash).")
             dt = torch.int32 if R < 2**31 else torch.int64
-            self.split_pos = pos.to(dt).to(device)
+            self.split_pos = split_pos.to(dt).to(device)
         self.step = 0  # SGD steps (fbgemm counts only the other optimizers' steps)
 
     # ------------------------------------------------------------- layout
@@ -428,12 +450,11 @@ class FbgemmTier(nn.Module):
         """
         if self.split_pos is None:
             return torch.zeros_like(rows), rows
-        k = self.plan.fast_rows  # HYBRID: slow rows start at k (0 with the slow table alone)
         pos = self.split_pos.index_select(0, rows).to(torch.int64)
-        slow = pos >= k
+        in_fast, idx = split_tier(pos, self.plan.fast_rows)
         if not self._two_tables:
-            return torch.zeros_like(rows), pos - k
-        return slow.to(torch.int64), torch.where(slow, pos - k, pos)
+            return torch.zeros_like(rows), idx
+        return (~in_fast).to(torch.int64), idx
 
     def _states(self) -> List[List[torch.Tensor]]:
         """Per table: ``[weights [rows, D], state [rows] or [rows, D] ...]`` (views)."""
@@ -575,12 +596,12 @@ class FbgemmTier(nn.Module):
         hits = fast = loaded = evicted = zero
         if self.split_pos is not None:
             pos = self.split_pos.index_select(0, ids).to(torch.int64)
-            in_fast = pos < k
+            in_fast, idx = split_tier(pos, k)
             with torch.no_grad():
                 hits = fast = in_fast.sum()
             if self._two_tables:
                 perm = torch.argsort((~in_fast).to(torch.int32), stable=True)
-                idx = torch.where(in_fast, pos, pos - k).index_select(0, perm)
+                idx = idx.index_select(0, perm)
                 bag = torch.searchsorted(offsets, torch.arange(n, device=ids.device), right=True) - 1
                 fast_per_bag = torch.zeros(B, dtype=torch.int64, device=ids.device).index_add_(
                     0, bag, in_fast.to(torch.int64))
@@ -590,7 +611,7 @@ class FbgemmTier(nn.Module):
                 both = self.tbe(idx, tbe_offsets, w)  # [B, 2D]: fast-tier bags, then slow-tier bags
                 out = both[:, :D] + both[:, D:]
             else:
-                out = self.tbe(pos - k, offsets, psw)  # the slow table alone: k == 0
+                out = self.tbe(idx, offsets, psw)  # the slow table alone: k == 0, idx == pos
         elif self._has_cache:
             with torch.no_grad():
                 lin = torch.ops.fbgemm.linearize_cache_indices(self.tbe.cache_hash_size_cumsum, ids, offsets)

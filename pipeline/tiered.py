@@ -72,7 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from recpipe.pipeline._tiered_fbgemm import FbgemmTier, plan_fbgemm_tier
+from recpipe.pipeline._tiered_fbgemm import FbgemmTier, plan_fbgemm_tier, split_tier
 from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
 from recpipe.pipeline.ops import (
     DIST_TYPES,
@@ -326,7 +326,8 @@ class TieredEmbeddingShard(nn.Module):
                                     optimizer=self.optimizer, compute_device=self.device.type)
             # Not a registered submodule: the TBE's tensors must not appear in state_dict() (the
             # shard exports its rows itself) nor in parameters() (fbgemm updates them in backward).
-            self.__dict__["_fbgemm"] = FbgemmTier(plan, split_seed=self.split_seed, pooling=pooling,
+            split_pos = self._split_hash(torch.arange(R, dtype=torch.int64)) if plan.split_map else None
+            self.__dict__["_fbgemm"] = FbgemmTier(plan, split_pos=split_pos, pooling=pooling,
                                                   device=self.device, stats=self._stats)
         no_cache = torch.empty(0, dtype=torch.int64, device=self.device)
         self._op_row_map: torch.Tensor = self.row_map if self.row_map is not None else no_cache
@@ -391,9 +392,7 @@ class TieredEmbeddingShard(nn.Module):
             slot = self.row_map.index_select(0, rows)
             in_fast = slot >= 0
             return in_fast, torch.where(in_fast, slot, rows)
-        h = self._split_hash(rows)
-        in_fast = h < self.fast_rows
-        return in_fast, torch.where(in_fast, h, h - self.fast_rows)
+        return split_tier(self._split_hash(rows), self.fast_rows)
 
     def _read(self, in_fast: Optional[torch.Tensor], idx: torch.Tensor, state: bool) -> torch.Tensor:
         fast = self.fast_state if state else self.fast_weights
