@@ -87,7 +87,15 @@ from recpipe.pipeline.ops import (
     route_ids,
     shard_num_rows,
 )
-from recpipe.pipeline.placement import CachePolicy, Mode, ShardStorage, local_rows, row_bytes, tier_rows
+from recpipe.pipeline.placement import (
+    CachePolicy,
+    Mode,
+    ShardStorage,
+    dtype_itemsize,
+    local_rows,
+    row_bytes,
+    tier_rows,
+)
 
 __all__ = [
     "CachePolicy",
@@ -277,7 +285,8 @@ class TieredEmbeddingShard(nn.Module):
         self.row_bytes: int = row_bytes(embedding_dim, dtype, self.optimizer.name)
         # Bytes a cache load / write-back moves per row: values and optimizer state, except
         # in fbgemm's cache, which holds values only (the state stays in UVM).
-        self.moved_row_bytes: int = self.row_bytes
+        self.moved_row_bytes: int = (embedding_dim * dtype_itemsize(dtype) if self.backend == "fbgemm"
+                                     else self.row_bytes)
         cols = self.optimizer.state_cols(embedding_dim)
         self.state_cols: int = cols
         slow_device = torch.device("cpu")
@@ -318,8 +327,6 @@ class TieredEmbeddingShard(nn.Module):
         # device-generic torch-op path below (_lookup_torch / _backward_torch), which is also
         # the reference the kernel is tested against.
         self._native: bool = self.backend == "native"
-        if self.backend == "fbgemm":
-            self.moved_row_bytes = embedding_dim * torch.empty((), dtype=dtype).element_size()
         if self.backend == "fbgemm" and R > 0:
             plan = plan_fbgemm_tier(num_rows=R, embedding_dim=embedding_dim, mode=self.mode,
                                     cache_load_factor=self.cache_load_factor, cache_policy=self.cache_policy,
