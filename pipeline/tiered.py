@@ -591,6 +591,11 @@ class TieredEmbeddingShard(nn.Module):
         return int(slots.numel())
 
     # ---------------------------------------------------------------- lookup
+    def _check_psw_pooling(self, psw: Optional[torch.Tensor]) -> None:
+        """Per-sample weights only with sum pooling (a host check: no tensor is read)."""
+        if psw is not None and self.pooling != "sum":
+            raise ValueError("per_sample_weights need pooling='sum' (as in torch.nn.EmbeddingBag).")
+
     def _check_inputs(self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> None:
         if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"ids must be a 1-D int32/int64 tensor of local row ids, got {ids.dtype} "
@@ -611,12 +616,10 @@ class TieredEmbeddingShard(nn.Module):
                     f"(dist_type={self.dist_type!r}, world_size={self.world_size}) before the lookup.\n"
                     f"  2. check num_embeddings={self.num_embeddings} matches the feature's id space."
                 )
-        if psw is not None:
-            if self.pooling != "sum":
-                raise ValueError("per_sample_weights need pooling='sum' (as in torch.nn.EmbeddingBag).")
-            if psw.shape != ids.shape:
-                raise ValueError(f"per_sample_weights must have the shape of ids {list(ids.shape)}, "
-                                 f"got {list(psw.shape)}.")
+        self._check_psw_pooling(psw)
+        if psw is not None and psw.shape != ids.shape:
+            raise ValueError(f"per_sample_weights must have the shape of ids {list(ids.shape)}, "
+                             f"got {list(psw.shape)}.")
 
     def _lookup(
         self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]
@@ -754,8 +757,7 @@ class TieredEmbeddingShard(nn.Module):
         """
         if self.device.type == "cpu":
             self._check_inputs(ids, offsets, psw)
-        if psw is not None and self.pooling != "sum":
-            raise ValueError("per_sample_weights need pooling='sum' (as in torch.nn.EmbeddingBag).")
+        self._check_psw_pooling(psw)  # also on CUDA, where _check_inputs is skipped
         self._flushed_rows = 0
         self._clock += 1
         if self._fbgemm is None:  # a shard without rows (fewer rows than ranks): only empty bags
