@@ -75,7 +75,6 @@ from torch import nn
 from recpipe.pipeline._tiered_fbgemm import FbgemmTier, plan_fbgemm_tier, split_tier
 from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
 from recpipe.pipeline.ops import (
-    DIST_TYPES,
     ROUTING_VERSION,
     TIERED_MODES,
     TIERED_OPTIMIZERS,
@@ -92,7 +91,6 @@ from recpipe.pipeline.placement import (
     Mode,
     ShardStorage,
     dtype_itemsize,
-    local_rows,
     row_bytes,
     tier_rows,
 )
@@ -315,7 +313,7 @@ class TieredEmbeddingShard(nn.Module):
         else:
             self.row_map = self.slot_row = self.slot_score = None
         self.step: int = 0
-        self._clock: int = 0  # lookups so far; the LRU recency key
+        self._clock: int = 0  # lookups so far; the LRU recency key (native and torch backends)
         # Counters of the last lookup, then their running totals (layout: ops.TIERED_STATS);
         # updated in place by the kernel, read on the host only by tier_stats().
         self._stats: torch.Tensor = torch.zeros(2 * len(TIERED_STATS), dtype=torch.int64, device=self.device)
@@ -759,7 +757,6 @@ class TieredEmbeddingShard(nn.Module):
             self._check_inputs(ids, offsets, psw)
         self._check_psw_pooling(psw)  # also on CUDA, where _check_inputs is skipped
         self._flushed_rows = 0
-        self._clock += 1
         if self._fbgemm is None:  # a shard without rows (fewer rows than ranks): only empty bags
             k = len(TIERED_STATS)
             self._stats[:k].zero_()
