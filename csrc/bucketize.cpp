@@ -37,8 +37,6 @@ namespace recpipe {
 namespace {
 
 using at::Tensor;
-using Outputs = std::tuple<Tensor, Tensor, std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
-                           std::optional<Tensor>>;
 
 constexpr int64_t kIdsPerChunk = 1 << 15;  // ids per parallel chunk (enough to amortize a task)
 // Output entries ahead of a rank's cursor whose cache line the scatter prefetches
@@ -394,51 +392,31 @@ void scatter_rows(const Tensor& src, const Tensor& dest, Tensor& out) {
   });
 }
 
-Outputs block_bucketize_sparse_features_cpu(
+BucketizeResult block_bucketize_sparse_features_cpu(
     const Tensor& lengths_in, const Tensor& indices_in, const Tensor& block_sizes, const Tensor& dist_types,
     int64_t my_size, bool sequence, bool bucketize_pos, const std::optional<Tensor>& weights_in,
     const std::optional<Tensor>& table_sizes, int64_t seed, bool keep_orig_idx,
-    const std::optional<Tensor>& batch_size_per_feature, int64_t max_B,
+    const std::optional<Tensor>& batch_size_per_feature, int64_t /*max_B: unused, see BucketizeArgs*/,
     const std::optional<std::vector<Tensor>>& block_bucketize_pos, const std::optional<Tensor>& total_num_blocks,
     const std::optional<Tensor>& keep_orig_idx_per_feature, bool return_bucket_mapping) {
   const BucketizeCall call = prepare_bucketize({lengths_in, indices_in, block_sizes, dist_types, my_size, sequence,
                                                  bucketize_pos, weights_in, table_sizes, seed, keep_orig_idx,
-                                                 batch_size_per_feature, max_B, block_bucketize_pos, total_num_blocks,
+                                                 batch_size_per_feature, block_bucketize_pos, total_num_blocks,
                                                  keep_orig_idx_per_feature, return_bucket_mapping});
   const BucketizeArgs& a = call.args;
-  const int64_t n = a.indices.numel();
-  const auto like_ids = a.indices.options();
-  Tensor new_lengths = at::empty({my_size * a.lengths.numel()}, a.lengths.options());
-  Tensor new_indices = at::empty({n}, like_ids);
-  std::optional<Tensor> new_weights;
-  std::optional<Tensor> new_pos;
-  std::optional<Tensor> permute;
-  std::optional<Tensor> mapping;
-  if (bucketize_pos) {
-    new_pos = at::empty({n}, like_ids);
-  }
-  if (sequence || a.weights.has_value()) {
-    permute = at::empty({n}, like_ids);
-  }
-  if (return_bucket_mapping) {
-    mapping = at::empty({n}, like_ids);
-  }
+  BucketizeOutputs out = allocate_bucketize_outputs(call, /*zero_lengths=*/false);  // bucketize clears its rows
+  auto ptr = [](std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; };
   AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "recpipe_bucketize", [&] {
     using ids_t = index_t;
     AT_DISPATCH_INDEX_TYPES(a.lengths.scalar_type(), "recpipe_bucketize_lengths", [&] {
-      bucketize<ids_t, index_t>(call, new_lengths, new_indices, permute ? &*permute : nullptr,
-                                new_pos ? &*new_pos : nullptr, mapping ? &*mapping : nullptr);
+      bucketize<ids_t, index_t>(call, out.new_lengths, out.new_indices, ptr(out.dest), ptr(out.new_pos),
+                                ptr(out.mapping));
     });
     if (a.weights.has_value()) {
-      const Tensor w = a.weights->contiguous();
-      new_weights = at::empty(w.sizes(), w.options());
-      scatter_rows<ids_t>(w, *permute, *new_weights);
+      scatter_rows<ids_t>(*a.weights, *out.dest, *out.new_weights);
     }
   });
-  if (!sequence) {
-    permute.reset();
-  }
-  return {new_lengths, new_indices, new_weights, new_pos, permute, mapping};
+  return out.result(a);
 }
 
 Tensor hash_roundrobin_global_ids_cpu(

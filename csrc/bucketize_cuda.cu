@@ -175,7 +175,7 @@ Tensor pack_metadata(const std::vector<FeatureRoute>& routes, const std::vector<
   return dev;
 }
 
-std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_bucketize_sparse_features_cuda(
+BucketizeResult block_bucketize_sparse_features_cuda(
     const Tensor& lengths, const Tensor& indices, const Tensor& block_sizes, const Tensor& dist_types,
     int64_t my_size, bool sequence, bool bucketize_pos, const OptTensor& weights, const OptTensor& table_sizes,
     int64_t seed, bool keep_orig_idx, const OptTensor& batch_size_per_feature, int64_t max_B,
@@ -189,7 +189,7 @@ std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_buc
   // sync) by build_feature_routes or feature_bags.
   const BucketizeCall call = prepare_bucketize({lengths, indices, block_sizes, dist_types, my_size, sequence,
                                                  bucketize_pos, weights, table_sizes, seed, keep_orig_idx,
-                                                 batch_size_per_feature, max_B, block_bucketize_pos, total_num_blocks,
+                                                 batch_size_per_feature, block_bucketize_pos, total_num_blocks,
                                                  keep_orig_idx_per_feature, return_bucket_mapping});
   const BucketizeArgs& a = call.args;
   TORCH_CHECK(lengths.is_cuda(), "recpipe: `lengths` is on ", lengths.device(),
@@ -204,15 +204,8 @@ std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_buc
   const int64_t n = a.indices.numel();
   TORCH_CHECK(FB > 0 || n == 0, "recpipe: `lengths` sums to 0 but `indices` has ", n,
               " entries; lengths and indices must describe the same KJT.");
-  const auto like_ids = a.indices.options();
-  Tensor new_lengths = at::zeros({my_size * FB}, a.lengths.options());
-  Tensor new_indices = at::empty({n}, like_ids);
-  auto make_if = [&](bool want) { return want ? OptTensor(at::empty({n}, like_ids)) : OptTensor(); };
-  OptTensor new_pos = make_if(bucketize_pos);
-  OptTensor dest = make_if(sequence || weights.has_value());  // output position of each id (unbucketize_permute)
-  OptTensor mapping = make_if(return_bucket_mapping);
-  const Tensor w = weights.has_value() ? weights->contiguous() : Tensor();
-  OptTensor new_weights = w.defined() ? OptTensor(at::empty(w.sizes(), w.options())) : OptTensor();
+  BucketizeOutputs out = allocate_bucketize_outputs(call, /*zero_lengths=*/true);  // count_kernel adds to it
+  const Tensor w = a.weights.has_value() ? *a.weights : Tensor();  // contiguous (prepare_bucketize)
   if (FB > 0) {
     DeviceMeta meta{};
     const Tensor meta_buf = pack_metadata(routes, fbag, bounds, a.lengths.device(), &meta);
@@ -222,30 +215,30 @@ std::tuple<Tensor, Tensor, OptTensor, OptTensor, OptTensor, OptTensor> block_buc
       AT_DISPATCH_INDEX_TYPES(a.lengths.scalar_type(), "recpipe_bucketize_cuda_lengths", [&] {
         count_kernel<ids_t, index_t><<<blocks_for(FB), kThreads, 0, stream>>>(
             a.lengths.const_data_ptr<index_t>(), ends.const_data_ptr<int64_t>(), a.indices.const_data_ptr<ids_t>(),
-            n, FB, meta, new_lengths.mutable_data_ptr<index_t>());
+            n, FB, meta, out.new_lengths.mutable_data_ptr<index_t>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
-      Tensor cursor = at::cumsum(new_lengths, 0, at::kLong);
-      cursor.sub_(new_lengths);  // exclusive prefix sum
+      Tensor cursor = at::cumsum(out.new_lengths, 0, at::kLong);
+      cursor.sub_(out.new_lengths);  // exclusive prefix sum
       auto ptr = [](OptTensor& t) { return t.has_value() ? t->mutable_data_ptr<ids_t>() : nullptr; };
       scatter_kernel<ids_t><<<blocks_for(FB), kThreads, 0, stream>>>(
           ends.const_data_ptr<int64_t>(), a.indices.const_data_ptr<ids_t>(), n, FB, meta,
-          cursor.mutable_data_ptr<int64_t>(), new_indices.mutable_data_ptr<ids_t>(), ptr(dest), ptr(new_pos),
-          ptr(mapping));
+          cursor.mutable_data_ptr<int64_t>(), out.new_indices.mutable_data_ptr<ids_t>(), ptr(out.dest),
+          ptr(out.new_pos), ptr(out.mapping));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (w.defined() && w.numel() > 0) {
         auto rows = [&](auto bits) {
           using bits_t = decltype(bits);
           rows_kernel<bits_t, ids_t><<<blocks_for(w.numel()), kThreads, 0, stream>>>(
-              static_cast<const bits_t*>(w.const_data_ptr()), dest->const_data_ptr<ids_t>(), w.numel(),
-              a.weights_dim(), static_cast<bits_t*>(new_weights->mutable_data_ptr()));
+              static_cast<const bits_t*>(w.const_data_ptr()), out.dest->const_data_ptr<ids_t>(), w.numel(),
+              a.weights_dim(), static_cast<bits_t*>(out.new_weights->mutable_data_ptr()));
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         };
         w.element_size() == 2 ? rows(uint16_t{}) : w.element_size() == 4 ? rows(uint32_t{}) : rows(uint64_t{});
       }
     });
   }
-  return {new_lengths, new_indices, new_weights, new_pos, sequence ? dest : OptTensor(), mapping};
+  return out.result(a);
 }
 
 __global__ void global_ids_kernel(const int64_t* __restrict__ ranks, const int64_t* __restrict__ local_ids,

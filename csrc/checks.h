@@ -10,6 +10,7 @@
 
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bucketize_math.h"
@@ -37,7 +38,9 @@ namespace recpipe {
 // buffers (and no process group comes near it).
 constexpr int64_t kMaxWorldSize = (int64_t{1} << 31) - 1;
 
-// Every argument of block_bucketize_sparse_features, as the kernels receive it.
+// Every argument of block_bucketize_sparse_features, as the kernels receive it
+// (but max_B: accepted for fbgemm compatibility and unused, feature_bags maps
+// bags to features without it).
 struct BucketizeArgs {
   at::Tensor lengths;
   at::Tensor indices;
@@ -51,7 +54,6 @@ struct BucketizeArgs {
   int64_t seed;
   bool keep_orig_idx;
   std::optional<at::Tensor> batch_size_per_feature;
-  int64_t max_B;
   std::optional<std::vector<at::Tensor>> block_bucketize_pos;
   std::optional<at::Tensor> total_num_blocks;
   std::optional<at::Tensor> keep_orig_idx_per_feature;
@@ -249,8 +251,9 @@ inline std::vector<int64_t> feature_bags(const BucketizeArgs& a) {
   return begin;
 }
 
-// Checks every argument, makes lengths / indices contiguous and builds the host
-// routing: what the CPU and CUDA kernels of block_bucketize_sparse_features start from.
+// Checks every argument, makes lengths / indices / weights contiguous and builds
+// the host routing: what the CPU and CUDA kernels of block_bucketize_sparse_features
+// start from.
 struct BucketizeCall {
   BucketizeArgs args;
   std::vector<FeatureRoute> routes;
@@ -262,10 +265,55 @@ inline BucketizeCall prepare_bucketize(BucketizeArgs a) {
   check_bucketize_args(a);
   a.lengths = a.lengths.contiguous();
   a.indices = a.indices.contiguous();
+  if (a.weights.has_value()) {
+    a.weights = a.weights->contiguous();
+  }
   BucketizeCall call{a, {}, {}, {}};
   call.routes = build_feature_routes(call.args, &call.bounds);
   call.fbag = feature_bags(call.args);
   return call;
+}
+
+// What block_bucketize_sparse_features returns: new_lengths, new_indices,
+// new_weights, new_pos, unbucketize_permute, bucket_mapping.
+using BucketizeResult = std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>,
+                                   std::optional<at::Tensor>, std::optional<at::Tensor>>;
+
+// The outputs of block_bucketize_sparse_features, as the CPU and CUDA kernels
+// fill them (n ids, FB bags, W ranks).
+struct BucketizeOutputs {
+  at::Tensor new_lengths;                 // [W * FB], rank-major
+  at::Tensor new_indices;                 // [n]
+  std::optional<at::Tensor> new_weights;  // weights' shape and dtype, if weights are given
+  std::optional<at::Tensor> new_pos;      // [n], if bucketize_pos
+  std::optional<at::Tensor> dest;         // [n] output position of each id, if sequence or weights
+                                          // (returned as unbucketize_permute if sequence)
+  std::optional<at::Tensor> mapping;      // [n] owner rank of each id, if return_bucket_mapping
+
+  // The returned tuple: dest only if sequence (else it served the weights only).
+  BucketizeResult result(const BucketizeArgs& a) const {
+    return {new_lengths, new_indices, new_weights, new_pos, a.sequence ? dest : std::nullopt, mapping};
+  }
+};
+
+// Allocates the outputs of `call` from its shapes and flags. zero_lengths: new_lengths
+// starts at 0 (the CUDA count kernel adds to it; the CPU kernel clears its own rows).
+inline BucketizeOutputs allocate_bucketize_outputs(const BucketizeCall& call, bool zero_lengths) {
+  const BucketizeArgs& a = call.args;
+  const int64_t n = a.indices.numel();
+  const auto like_ids = a.indices.options();
+  const int64_t WFB = a.my_size * a.lengths.numel();
+  auto make_if = [&](bool want) { return want ? std::optional<at::Tensor>(at::empty({n}, like_ids)) : std::nullopt; };
+  BucketizeOutputs out;
+  out.new_lengths = zero_lengths ? at::zeros({WFB}, a.lengths.options()) : at::empty({WFB}, a.lengths.options());
+  out.new_indices = at::empty({n}, like_ids);
+  out.new_pos = make_if(a.bucketize_pos);
+  out.dest = make_if(a.sequence || a.weights.has_value());
+  out.mapping = make_if(a.return_bucket_mapping);
+  if (a.weights.has_value()) {
+    out.new_weights = at::empty(a.weights->sizes(), a.weights->options());
+  }
+  return out;
 }
 
 // The errors of the per-id routing ops, raised by their CPU and CUDA kernels alike.
