@@ -242,6 +242,15 @@ def table_routing(
     return dist_type, int(seed)
 
 
+def _row_shards(table: Any) -> Optional[Tuple[List[Any], List[int]]]:
+    """A sharded table's shards in row order and their row counts; None without a global spec."""
+    spec = getattr(table, "global_metadata", None)
+    if spec is None:
+        return None
+    shards = sorted(spec.shards_metadata, key=lambda m: m.shard_offsets[0])
+    return shards, [int(m.shard_sizes[0]) for m in shards]
+
+
 def _uneven_bounds(table: Any, n: int, world_size: int) -> Optional[List[int]]:
     """Shard bounds of a continuous table whose plan cuts it unevenly, else None.
 
@@ -253,11 +262,10 @@ def _uneven_bounds(table: Any, n: int, world_size: int) -> Optional[List[int]]:
     Raises:
         ValueError: uneven shards not held by ranks 0..W-1 in row order.
     """
-    spec = getattr(table, "global_metadata", None)
-    if spec is None:
+    row_shards = _row_shards(table)
+    if row_shards is None:
         return None
-    shards = sorted(spec.shards_metadata, key=lambda m: m.shard_offsets[0])
-    sizes = [int(m.shard_sizes[0]) for m in shards]
+    shards, sizes = row_shards
     if len(shards) != world_size or sizes == [
         ops.shard_num_rows(n, world_size, r, "continuous") for r in range(world_size)
     ]:
@@ -275,11 +283,10 @@ def _uneven_bounds(table: Any, n: int, world_size: int) -> Optional[List[int]]:
 
 def _check_routed_layout(table: Any, n: int, world_size: int, dist_type: Union[DistType, str]) -> None:
     """roundrobin/hash routing puts ``ceil((N - r) / W)`` rows on rank ``r``."""
-    spec = getattr(table, "global_metadata", None)
-    if spec is None:
+    row_shards = _row_shards(table)
+    if row_shards is None:
         return
-    shards = sorted(spec.shards_metadata, key=lambda s: s.shard_offsets[0])
-    got = [int(s.shard_sizes[0]) for s in shards]
+    got = row_shards[1]
     want = [ops.local_rows(n, world_size, r) for r in range(world_size)]
     if got != want:
         raise ValueError(
