@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -462,6 +462,14 @@ class FbgemmTier(nn.Module):
         states = self.tbe.split_optimizer_states() if self.plan.optimizer is not FusedOptimizer.SGD else []
         return [[weights[t]] + (list(states[t]) if states else []) for t in range(len(self.plan.tables))]
 
+    def _table_rows(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]]:
+        """Per table: the local rows it holds, their rows within it, and its :meth:`_states` views."""
+        rows = torch.arange(self.plan.num_rows, dtype=torch.int64, device=self.device)
+        table, idx = self.locate(rows)
+        for t, parts in enumerate(self._states()):
+            sel = (table == t).nonzero().squeeze(1)
+            yield sel, idx.index_select(0, sel), parts
+
     @torch.no_grad()
     def read_rows(self, state_cols: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Every local row's value and optimizer state, in local-id order.
@@ -477,13 +485,9 @@ class FbgemmTier(nn.Module):
             fp32 state (row-wise Adagrad: the momentum; Adam: ``exp_avg`` then ``exp_avg_sq``).
         """
         R, D = self.plan.num_rows, self.plan.embedding_dim
-        rows = torch.arange(R, dtype=torch.int64, device=self.device)
-        table, idx = self.locate(rows)
         w = torch.empty((R, D), dtype=torch.float32, device=self.device)
         s = torch.empty((R, state_cols), dtype=torch.float32, device=self.device)
-        for t, parts in enumerate(self._states()):
-            sel = (table == t).nonzero().squeeze(1)
-            src = idx.index_select(0, sel)
+        for sel, src, parts in self._table_rows():
             w.index_copy_(0, sel, parts[0].index_select(0, src).to(torch.float32))
             if state_cols:
                 cols = [p.index_select(0, src).reshape(src.numel(), -1).to(torch.float32) for p in parts[1:]]
@@ -498,23 +502,19 @@ class FbgemmTier(nn.Module):
             weights (torch.Tensor): ``[R, D]`` values in local-id order.
             state (torch.Tensor | None): ``[R, state_cols]`` fp32 state (None: zeros).
         """
-        R = self.plan.num_rows
-        rows = torch.arange(R, dtype=torch.int64, device=self.device)
-        table, idx = self.locate(rows)
         weights = weights.to(self.device)
         if state is not None:
             state = state.to(self.device)
-        for t, parts in enumerate(self._states()):
-            sel = (table == t).nonzero().squeeze(1)
-            dst = idx.index_select(0, sel)
+        for sel, dst, parts in self._table_rows():
             parts[0].index_copy_(0, dst, weights.index_select(0, sel).to(parts[0].dtype))
+            table_state = state.index_select(0, sel) if state is not None else None  # this table's rows
             col = 0
             for p in parts[1:]:
                 width = 1 if p.dim() == 1 else p.shape[1]
-                if state is None:
+                if table_state is None:
                     p.zero_()
                 else:
-                    v = state.index_select(0, sel)[:, col:col + width]
+                    v = table_state[:, col:col + width]
                     p.index_copy_(0, dst, v.reshape((-1,) + tuple(p.shape[1:])).to(p.dtype))
                 col += width
         self.tbe.reset_cache_states()
