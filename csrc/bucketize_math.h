@@ -336,9 +336,8 @@ struct FeatureRoute {
       if (has_bounds) {
         const int64_t* b = bounds + bounds_begin;
         const uint64_t last = static_cast<uint64_t>(b[bounds_count - 1]);
-        const uint64_t at =
-            block == 0 ? div_num_blocks.div(((uid - div_num_blocks.div(uid) * div_num_blocks.d) * last) & mask)
-                       : uid;
+        const uint64_t q = block == 0 ? div_num_blocks.div(uid) : 0;  // uid / G, for block == 0
+        const uint64_t at = block == 0 ? div_num_blocks.div(((uid - q * div_num_blocks.d) * last) & mask) : uid;
         // lo = upper_bound(b, b + count, at) - 1 (b[0] = 0 <= at): the answer stays in
         // [lo, lo + len); a select, not a branch, per halving.
         int64_t lo = 0;
@@ -353,7 +352,7 @@ struct FeatureRoute {
           p = uid - l * world;
         }
         if (block == 0) {
-          l = div_num_blocks.div(uid);
+          l = q;
         }
       } else if (uid < in_blocks) {
         p = div_rank_rows.div(uid);
