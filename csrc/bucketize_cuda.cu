@@ -260,12 +260,13 @@ __global__ void route_ids_kernel(const int64_t* __restrict__ ids, int64_t n, int
                                  int64_t* __restrict__ owner, int64_t* __restrict__ local,
                                  unsigned long long* __restrict__ first_bad) {
   RECPIPE_GRID_LOOP(i, n) {
-    uint64_t p = 0, l = 0;
-    if (ids[i] < 0 || ids[i] >= table_size || !route.route(static_cast<uint64_t>(ids[i]), nullptr, &p, &l)) {
+    if (ids[i] < 0 || ids[i] >= table_size) {
       atomicMin(first_bad, static_cast<unsigned long long>(i));
       owner[i] = local[i] = -1;
       continue;
     }
+    uint64_t p = 0, l = 0;
+    route.route(static_cast<uint64_t>(ids[i]), nullptr, &p, &l);  // true: the id is below table_size
     owner[i] = static_cast<int64_t>(p);
     local[i] = static_cast<int64_t>(l);
   }
