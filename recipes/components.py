@@ -10,10 +10,12 @@ host; Slurm: the first node of the job; Kubernetes/Volcano: the pod of replica 0
 ``kubernetes`` Python package; ``-s slurm`` runs the workers in the submit directory.
 
 Each component validates the training arguments *before* returning the AppDef, so a
-bad value (an unknown flag, a NaN / inf / out-of-range number, an output path that
-cannot be written — checked on the launching machine, which for ``local_cwd`` is the
-workers' machine) fails in the launching process with the config's message and no
-worker starts. Workers run ``python -m recpipe.recipes.train`` through
+bad value (an unknown flag, a NaN / inf / out-of-range number, a missing input file or
+an output path that cannot be written) fails in the launching process with the
+config's message and no worker starts. The file-system checks run on the launching
+machine, which for ``local_cwd`` is the workers' machine; when the paths exist only on
+the cluster (a Kubernetes volume, a Slurm node's local disk), pass ``--check_paths
+False``: the values are still checked here, and each worker checks the paths at start. Workers run ``python -m recpipe.recipes.train`` through
 :func:`torchx.components.dist.ddp` (``m=``, so any working directory works); every
 training flag, e.g. ``--timeout-s 300`` (how long a collective may wait for a dead or
 frozen rank before the job fails), reaches them unchanged.
@@ -26,7 +28,7 @@ from typing import Dict, Optional
 import torchx.specs as specs
 from torchx.components.dist import ddp
 
-from recpipe.recipes.config import parse_config
+from recpipe.recipes.config import ConfigPathError, parse_config
 
 TRAIN_MODULE: str = "recpipe.recipes.train"
 # Image of container schedulers (kubernetes, docker, ...) unless ``image`` is given. No
@@ -46,6 +48,7 @@ def train(
     max_retries: int = 0,
     rdzv_port: int = 29500,
     tee: int = 3,
+    check_paths: bool = True,
 ) -> specs.AppDef:
     """Trains a recpipe recipe on ``j`` = ``{nnodes}x{nproc_per_node}`` processes.
 
@@ -64,14 +67,26 @@ def train(
         rdzv_port: rendezvous port on node 0 (multi-node only); with ``local_cwd``
             it must be free on this host.
         tee: which worker streams torchrun tees to the console (3: both).
+        check_paths: check on this machine that the input files exist and the output
+            paths can be written. False when they exist only on the cluster's
+            machines (the workers check them at start).
 
     Returns:
         The torchx AppDef.
 
     Raises:
         ConfigError: a training argument is invalid (before any process starts).
+        ConfigPathError: with ``check_paths``, an input file is missing or an output
+            path cannot be written on this machine.
     """
-    parse_config(list(script_args))
+    try:
+        parse_config(list(script_args), check_paths=check_paths)
+    except ConfigPathError as e:
+        raise ConfigPathError(
+            f"{e} (checked on the launching machine); if this path exists only on the "
+            "cluster's machines, pass --check_paths False to the component: the workers "
+            "check it at start"
+        ) from None
     return ddp(
         *script_args,
         m=TRAIN_MODULE,
@@ -93,6 +108,7 @@ def default_recipe(
     tb_dir: str = "runs/recpipe",
     name: str = "recpipe-default",
     env: Optional[Dict[str, str]] = None,
+    check_paths: bool = True,
 ) -> specs.AppDef:
     """The default recipe: MovieLens-100k, micro-DLRM-DRAM, fused pipeline, 2 CPU processes.
 
@@ -102,10 +118,12 @@ def default_recipe(
         tb_dir: TensorBoard directory (resolved by the workers in the launch directory).
         name: job name.
         env: extra environment variables for the workers.
+        check_paths: check the output paths on this machine (see :func:`train`).
 
     Returns:
         The torchx AppDef.
     """
     return train(
-        "--config", "default", "--tb-dir", tb_dir, *script_args, j=j, name=name, env=env
+        "--config", "default", "--tb-dir", tb_dir, *script_args, j=j, name=name, env=env,
+        check_paths=check_paths,
     )

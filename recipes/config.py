@@ -175,6 +175,14 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
+class ConfigPathError(ConfigError):
+    """An input file is missing or an output path cannot be written on this machine.
+
+    Checked where the config is built: the workers' machine for ``train``, the
+    launching machine for the torchx components (unless ``check_paths=False``).
+    """
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything one training run needs. Validated on construction.
@@ -308,9 +316,15 @@ class TrainConfig:
     job within about this time instead of hanging it (gloo's default is 30 minutes).
     Raise it when a legitimate step (e.g. a large checkpoint) takes longer."""
 
-    def __post_init__(self) -> None:
-        def bad(name: str, why: str, fix: str) -> ConfigError:
-            return ConfigError(
+    check_paths: dataclasses.InitVar[bool] = True
+    """Not a field (no flag): whether construction also checks the file system, i.e.
+    that the ``criteo_tsv`` input files exist and the output paths can be written
+    (:class:`ConfigPathError`). The torchx components pass False when the paths exist
+    only on the cluster; the workers check them again at start."""
+
+    def __post_init__(self, check_paths: bool = True) -> None:
+        def bad(name: str, why: str, fix: str, error: type[ConfigError] = ConfigError) -> ConfigError:
+            return error(
                 f"invalid config value {name}={getattr(self, name)!r}: {why}. Fix: {fix}"
             )
 
@@ -369,24 +383,28 @@ class TrainConfig:
             raise bad("over_arch", "needs positive widths ending in 1 (one logit)", "pass e.g. --over-arch 64,1")
         if self.dataset == "synthetic" and self.max_steps is None:
             raise bad("max_steps", "the synthetic stream is endless", "pass --max-steps N")
+        if self.dataset == "criteo_tsv" and not self.data_path:
+            raise bad("data_path", "criteo_tsv needs input files", "pass --data-path a.tsv[,b.tsv]")
+        if self.resume and not self.checkpoint_dir:
+            raise bad("checkpoint_dir", "resume=True needs a checkpoint directory", "pass --checkpoint-dir DIR")
+        for name in OUTPUT_PATHS:
+            path = getattr(self, name)
+            if path is not None and not isinstance(path, str):
+                raise bad(name, "must be a path (a string)", f"pass --{_flag(name)} PATH")
+        if not check_paths:
+            return
         if self.dataset == "criteo_tsv":
-            if not self.data_path:
-                raise bad("data_path", "criteo_tsv needs input files", "pass --data-path a.tsv[,b.tsv]")
             for name in ("data_path", "eval_data_path"):
                 for path in split_paths(getattr(self, name)):
                     if not os.path.isfile(path):
-                        raise ConfigError(
+                        raise ConfigPathError(
                             f"invalid config value {name}: file {path!r} does not exist. "
                             "Fix: pass existing Criteo TSV files, comma-separated"
                         )
-        if self.resume and not self.checkpoint_dir:
-            raise bad("checkpoint_dir", "resume=True needs a checkpoint directory", "pass --checkpoint-dir DIR")
         for name, is_dir in OUTPUT_PATHS.items():
             path = getattr(self, name)
             if path is None or path == "":  # "" means unset, as in train.py
                 continue
-            if not isinstance(path, str):
-                raise bad(name, "must be a path (a string)", f"pass --{_flag(name)} PATH")
             problem = output_path_problem(path, is_dir=is_dir)
             if problem:
                 raise bad(
@@ -394,6 +412,7 @@ class TrainConfig:
                     f"this output path is not writable ({problem})",
                     f"pass --{_flag(name)} with a {'directory' if is_dir else 'file'} path you can write, "
                     "or fix the permissions",
+                    ConfigPathError,
                 )
 
     def to_dict(self) -> dict[str, Any]:
@@ -485,11 +504,13 @@ def field_docs() -> dict[str, str]:
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
     if cls is None:
         return {}
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}  # not the InitVar check_paths
     docs: dict[str, str] = {}
     for node, nxt in zip(cls.body, cls.body[1:]):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
+            and node.target.id in fields
             and isinstance(nxt, ast.Expr)
             and isinstance(nxt.value, ast.Constant)
             and isinstance(nxt.value.value, str)
@@ -584,7 +605,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
+def parse_config(argv: Sequence[str] | None = None, *, check_paths: bool = True) -> TrainConfig:
     """Builds a validated :class:`TrainConfig` from CLI arguments.
 
     ``--help`` prints every flag (described by its field's docstring) and exits 0.
@@ -592,6 +613,8 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
     Args:
         argv: arguments (default ``sys.argv[1:]``); ``--config`` values come first,
             explicit flags override them.
+        check_paths: also check the file system on this machine (input files exist,
+            output paths writable: :class:`ConfigPathError`); False checks the values only.
 
     Returns:
         The validated config.
@@ -630,7 +653,7 @@ def parse_config(argv: Sequence[str] | None = None) -> TrainConfig:
         values["dense_arch"] = tuple(values["dense_arch"])
     if "over_arch" in values:
         values["over_arch"] = tuple(values["over_arch"])
-    return TrainConfig(**values)
+    return TrainConfig(**values, check_paths=check_paths)
 
 
 __all__ = [
@@ -639,6 +662,7 @@ __all__ = [
     "OUTPUT_PATHS",
     "UNITS",
     "ConfigError",
+    "ConfigPathError",
     "FloatRule",
     "TrainConfig",
     "build_arg_parser",

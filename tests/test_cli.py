@@ -20,6 +20,7 @@ from recpipe.recipes.config import (
     OUTPUT_PATHS,
     UNITS,
     ConfigError,
+    ConfigPathError,
     TrainConfig,
     field_docs,
     parse_config,
@@ -212,6 +213,31 @@ def test_launcher_and_component_validate_before_launching(tmp_path: Path, capsys
     assert launch.main(["--tb-dir", str(tmp_path / "tb"), "--slow-tier-mb", "inf"]) == 2
     assert "slow_tier_mb=inf" in capsys.readouterr().err
     assert not (tmp_path / "tb").exists()
+
+
+def test_component_path_checks_can_be_left_to_the_workers(tmp_path: Path) -> None:
+    """Paths that exist only on the cluster: the component checks the file system on the
+    launching machine unless ``check_paths`` is False; values are checked either way and
+    the workers' own parse still checks the paths."""
+    (tmp_path / "a_file").write_text("x")
+    cluster_only = [
+        "--dataset", "criteo_tsv", "--data-path", str(tmp_path / "absent" / "day_0.tsv"),
+        "--tb-dir", str(tmp_path / "a_file" / "tb"), "--max-steps", "5",
+    ]
+    with pytest.raises(ConfigPathError, match=r"data_path: file .*day_0.tsv' does not exist.*--check_paths False"):
+        components.train(*cluster_only)
+    with pytest.raises(ConfigPathError, match=r"tb_dir=.*--check_paths False"):
+        components.train(*cluster_only[4:])
+    # as `torchx run -s kubernetes recpipe.train --check_paths False -- ...` builds it
+    app = materialize_appdef(components.train, ["--check_paths", "False", "--", *cluster_only])
+    assert f"--data-path {tmp_path / 'absent' / 'day_0.tsv'}" in " ".join(app.roles[0].args)
+    assert components.default_recipe(tb_dir=str(tmp_path / "a_file" / "tb"), check_paths=False).roles
+    with pytest.raises(ConfigError, match="dense_lr=inf") as e:
+        components.train(*cluster_only, "--dense-lr", "inf", check_paths=False)
+    assert not isinstance(e.value, ConfigPathError)
+    with pytest.raises(ConfigPathError, match="does not exist"):  # the workers' parse
+        parse_config(cluster_only)
+    assert parse_config(cluster_only, check_paths=False).data_path == str(tmp_path / "absent" / "day_0.tsv")
 
 
 def test_timeout_flag_reaches_the_workers() -> None:
