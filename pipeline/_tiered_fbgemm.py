@@ -61,6 +61,8 @@ from recpipe.pipeline.placement import (
     FusedOptimizer,
     Mode,
     ShardStorage,
+    check_load_factor,
+    dtype_itemsize,
     optimizer_state_bytes_per_row,
     tier_rows,
 )
@@ -71,6 +73,7 @@ __all__ = [
     "FbgemmTier",
     "FbgemmTierPlan",
     "Layout",
+    "fbgemm_shard_storage",
     "fbgemm_tbe_kwargs",
     "fbgemm_tier_bytes",
     "plan_fbgemm_tier",
@@ -336,7 +339,8 @@ def fbgemm_tier_bytes(plan: FbgemmTierPlan, value_bytes: int = 4) -> ShardStorag
       (``lxu_cache_state``) ``+ R * 4`` (``cache_index_table_map``) ``+`` LRU:
       ``S * 8`` (``lxu_state`` timestamps) | LFU: ``(R + 1) * 8`` (access counts).
 
-    ``shard_storage`` (the planner's budget) instead assumes state moves with its row
+    ``shard_storage`` (recpipe's own layout, the planner's budget for ``backend="native"``)
+    instead assumes state moves with its row
     (``fast = k * (v + s)`` for both modes) and a CACHING metadata of
     ``R * 8 + floor(x * R) * 16`` bytes.
 
@@ -367,6 +371,57 @@ def fbgemm_tier_bytes(plan: FbgemmTierPlan, value_bytes: int = 4) -> ShardStorag
         fast += S * D * value_bytes + S * 8 + R * 4
         fast += S * 8 if plan.cache_algorithm == "LRU" else (R + 1) * 8
     return ShardStorage(fast_bytes=fast, slow_bytes=slow)
+
+
+def fbgemm_shard_storage(
+    rows: int,
+    dim: int,
+    dtype: Union[torch.dtype, str],
+    optimizer: Union[FusedOptimizer, str],
+    mode: Union[Mode, str],
+    x: float,
+    cache_policy: Union[CachePolicy, str],
+) -> ShardStorage:
+    """Bytes per tier of a CUDA tiered shard of ``rows`` local rows on the fbgemm backend.
+
+    The planner's budget for ``backend="fbgemm"``: :func:`fbgemm_tier_bytes` of the
+    tables :func:`plan_fbgemm_tier` builds. A shard without rows builds no table and
+    takes no bytes. Same arguments as ``recpipe.pipeline.placement.shard_storage``
+    plus the cache policy.
+
+    Args:
+        rows (int): local rows of the shard (>= 0).
+        dim (int): embedding dimension (a multiple of 4).
+        dtype (torch.dtype | str): embedding dtype (tiered tables hold float32).
+        optimizer (FusedOptimizer | str): fused optimizer (sgd, rowwise_adagrad or adam).
+        mode (Mode | str): ``HYBRID`` or ``CACHING``.
+        x (float): cache load factor in ``(0, 1]``.
+        cache_policy (CachePolicy | str): ``lfu`` or ``lru`` (sizes a CACHING table's metadata).
+
+    Returns:
+        ShardStorage: HBM (fast) and UVM (slow) bytes.
+
+    Raises:
+        ValueError: ``dim`` not a multiple of 4, or an optimizer fbgemm's tiered tables
+            do not run (the messages of ``plan_fbgemm_tier`` / ``TieredOptimizerConfig``).
+
+    Example::
+
+        fbgemm_shard_storage(1000, 16, torch.float32, "sgd", "CACHING", 0.2, "lru")
+        # fast = 192 * 64 + 192 * 8 + 1000 * 4 + 192 * 8 = 19360, slow = 1000 * 64 = 64000
+    """
+    if rows == 0:
+        check_load_factor(x)
+        return ShardStorage(fast_bytes=0, slow_bytes=0)
+    plan = plan_fbgemm_tier(
+        num_rows=rows,
+        embedding_dim=dim,
+        mode=mode,
+        cache_load_factor=x,
+        cache_policy=cache_policy,
+        optimizer=TieredOptimizerConfig(optimizer=optimizer),
+    )
+    return fbgemm_tier_bytes(plan, value_bytes=dtype_itemsize(dtype))
 
 
 # TBE buffers per tier (the names fbgemm registers; absent or empty ones count 0 bytes).

@@ -82,6 +82,7 @@ __all__ = [
     "floor_fraction",
     "local_rows",
     "machine_storage",
+    "machine_sum",
     "max_local_rows",
     "optimizer_state_bytes_per_row",
     "parse_enum",
@@ -564,19 +565,41 @@ def machine_storage(
     Returns:
         ShardStorage: fast and slow bytes summed over ranks ``0 .. L-1``.
     """
+    return machine_sum(
+        num_embeddings, world_size, local_world_size, lambda rows: shard_storage(rows, dim, dtype, optimizer, mode, x)
+    )
+
+
+def machine_sum(
+    num_embeddings: int, world_size: int, local_world_size: int, shard: Callable[[int], ShardStorage]
+) -> ShardStorage:
+    """Bytes of one table summed over machine 0's ranks, from the bytes of one shard.
+
+    Ranks ``r < N % W`` (all ranks when ``W`` divides ``N``) own ``ceil(N / W)`` rows,
+    the others one fewer; machine 0 hosts ranks ``0 .. L-1``.
+
+    Args:
+        num_embeddings (int): rows of the whole table.
+        world_size (int): number of ranks.
+        local_world_size (int): ranks per machine.
+        shard (Callable[[int], ShardStorage]): bytes of a shard of that many local rows
+            (``shard_storage`` for recpipe's tiered layout, ``fbgemm_shard_storage`` for fbgemm's).
+
+    Returns:
+        ShardStorage: fast and slow bytes summed over ranks ``0 .. L-1``.
+    """
     if not 1 <= local_world_size <= world_size:
         raise ValueError(
             f"local_world_size must be in [1, world_size={world_size}], got {local_world_size}."
         )
     big = max_local_rows(num_embeddings, world_size)
-    # ranks r < N % W (or all ranks when W divides N) own `big` rows, the rest big - 1.
     rem = num_embeddings % world_size
     n_big = local_world_size if rem == 0 else min(rem, local_world_size)
     n_small = local_world_size - n_big
-    s_big = shard_storage(big, dim, dtype, optimizer, mode, x)
+    s_big = shard(big)
     fast, slow = n_big * s_big.fast_bytes, n_big * s_big.slow_bytes
     if n_small:
-        s_small = shard_storage(big - 1, dim, dtype, optimizer, mode, x)
+        s_small = shard(big - 1)
         fast += n_small * s_small.fast_bytes
         slow += n_small * s_small.slow_bytes
     return ShardStorage(fast_bytes=fast, slow_bytes=slow)

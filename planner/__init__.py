@@ -34,6 +34,7 @@ from recpipe.planner.storage import (
 )
 from recpipe.planner.types import (
     DEFAULT_LOAD_FACTORS,
+    STORAGE_BACKENDS,
     Mode,
     PlacementConstraints,
     PlacementOption,
@@ -68,6 +69,7 @@ __all__ = [
     "PlannerError",
     "PlannerErrorType",
     "Proposer",
+    "STORAGE_BACKENDS",
     "ShardStorage",
     "TablePlacement",
     "TableSpec",

@@ -7,7 +7,8 @@
        lookups_per_step: 65536, zipf_alpha: 1.1}
 
 ``--hbm`` is per device, ``--ddr`` is host memory per machine (shared by the
-``--local-world-size`` ranks). No GPU is needed.
+``--local-world-size`` ranks). Bytes are those of fbgemm's CUDA tables unless
+``--backend native``. No GPU is needed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torchrec.distributed.planner.types import Topology
 
 from recpipe.pipeline.placement import FusedOptimizer
 from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
-from recpipe.planner.types import DEFAULT_ZIPF_ALPHA, PlannerError, TableSpec
+from recpipe.planner.types import DEFAULT_ZIPF_ALPHA, STORAGE_BACKENDS, PlannerError, TableSpec
 
 _UNITS = {
     "": 1, "b": 1,
@@ -126,6 +127,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="optimizer of tables that do not name one")
     ap.add_argument("--hbm-reservation", type=float, default=DEFAULT_HBM_RESERVATION)
     ap.add_argument("--ddr-reservation", type=float, default=DEFAULT_DDR_RESERVATION)
+    ap.add_argument("--backend", choices=STORAGE_BACKENDS, default="fbgemm",
+                    help="tiered-table layout whose bytes are budgeted: fbgemm (CUDA, default) or native "
+                         "(recpipe's CPU layout)")
     ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"))
     ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     args = ap.parse_args(argv)
@@ -159,6 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         hbm_reservation=args.hbm_reservation,
         ddr_reservation=args.ddr_reservation,
         optimizer=args.optimizer,
+        backend=args.backend,
     )
     try:
         plan = planner.plan(load_tables(args.tables, args.optimizer))

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from recpipe.pipeline._tiered_fbgemm import FBGEMM_CACHE_ASSOC, SPLIT_MAP_BYTES, fbgemm_shard_storage
 from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
+    CachePolicy,
+    FusedOptimizer,
     Mode,
+    ShardStorage,
     check_load_factor,
     decimal_ratio,
-    machine_storage,
+    dtype_itemsize,
+    machine_sum,
     max_local_rows,
     row_bytes,
     shard_storage,
@@ -21,6 +26,7 @@ from recpipe.pipeline.placement import (
 from recpipe.planner.cost_models import CostModel
 from recpipe.planner.types import (
     DEFAULT_LOAD_FACTORS,
+    STORAGE_BACKENDS,
     PlacementConstraints,
     PlacementOption,
     PlannerError,
@@ -36,9 +42,11 @@ def _constraint_for(table: TableSpec, constraints: Mapping[str, PlacementConstra
 class GridPlacementEnumerator:
     """Enumerates ``{HYBRID, CACHING} x load_factors`` per table (``x = 1`` once).
 
-    Bytes come from ``recpipe.pipeline.placement`` for row-wise sharding over all
-    ``world_size`` ranks; costs from the cost model. Pinned constraints narrow a
-    table's options.
+    Bytes are those the tiered tables of ``backend`` allocate under row-wise sharding
+    over all ``world_size`` ranks (``recpipe.pipeline.placement.shard_storage`` for
+    ``native``, ``recpipe.pipeline._tiered_fbgemm.fbgemm_shard_storage`` for
+    ``fbgemm``); costs come from the cost model. Pinned constraints narrow a table's
+    options.
 
     Args:
         world_size (int): ranks ``W``.
@@ -47,6 +55,9 @@ class GridPlacementEnumerator:
         load_factors (Sequence[float]): x grid in (0, 1].
         constraints (Optional[Mapping[str, PlacementConstraints]]): pins keyed by
             table name or FQN.
+        backend (str): byte layout, one of :data:`STORAGE_BACKENDS`.
+        cache_policy (CachePolicy | str): eviction policy of CACHING tables (fbgemm's
+            cache metadata depends on it).
 
     Example::
 
@@ -60,16 +71,38 @@ class GridPlacementEnumerator:
         cost_model: CostModel,
         load_factors: Sequence[float] = DEFAULT_LOAD_FACTORS,
         constraints: Optional[Mapping[str, PlacementConstraints]] = None,
+        backend: str = "native",
+        cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
     ) -> None:
         if not load_factors:
             raise ValueError("load_factors is empty: give at least one x in (0, 1], e.g. (0.1, ..., 1.0).")
         for x in load_factors:
             check_load_factor(x)
+        if backend not in STORAGE_BACKENDS:
+            raise ValueError(f"backend must be one of {list(STORAGE_BACKENDS)}, got {backend!r}.")
         self.world_size = world_size
         self.local_world_size = local_world_size
         self.cost_model = cost_model
         self.load_factors: Tuple[float, ...] = tuple(sorted({float(x) for x in load_factors}))
         self.constraints: Mapping[str, PlacementConstraints] = constraints or {}
+        self.backend: str = backend
+        self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy, "cache_policy")
+
+    def shard_bytes(self, table: TableSpec, rows: int, mode: Mode, x: float) -> ShardStorage:
+        """Bytes of one shard of ``table`` with ``rows`` local rows, in this backend's layout.
+
+        Args:
+            table (TableSpec): the table (dim, dtype, optimizer).
+            rows (int): local rows of the shard.
+            mode (Mode): placement mode.
+            x (float): cache load factor.
+
+        Returns:
+            ShardStorage: fast and slow bytes.
+        """
+        if self.backend == "fbgemm":
+            return fbgemm_shard_storage(rows, table.dim, table.dtype, table.optimizer, mode, x, self.cache_policy)
+        return shard_storage(rows, table.dim, table.dtype, table.optimizer, mode, x)
 
     def candidates(self, table: TableSpec) -> List[Tuple[Mode, float]]:
         """The (mode, x) pairs allowed for ``table``.
@@ -112,9 +145,9 @@ class GridPlacementEnumerator:
     def enumerate_arrays(self, tables: Sequence[TableSpec]) -> "OptionArrays":
         """Options of every table as ``(tables, options)`` arrays, computed in bulk.
 
-        Bytes are the ``recpipe.pipeline.placement`` formulas evaluated with NumPy
-        over all tables sharing a candidate list at once (exact integers, equal
-        to ``shard_storage`` / ``machine_storage``); costs come from the cost model.
+        Bytes are the backend's formulas evaluated with NumPy over all tables sharing
+        a candidate list at once (exact integers, equal to :meth:`shard_bytes` of the
+        largest shard and its ``machine_sum``); costs come from the cost model.
 
         Args:
             tables (Sequence[TableSpec]): the tables.
@@ -128,6 +161,8 @@ class GridPlacementEnumerator:
             hbm, ddr, cost = arrays.hbm_bytes_per_rank, arrays.ddr_bytes_per_machine, arrays.cost
         """
         self._check_constraints(tables)
+        if self.backend == "fbgemm":
+            _check_fbgemm_tables(tables)
         W, L = self.world_size, self.local_world_size
         M = len(tables)
         cands = [self.candidates(t) for t in tables]
@@ -141,14 +176,14 @@ class GridPlacementEnumerator:
             ii = np.asarray(idx, dtype=np.int64)
             out.modes[ii, :k] = [_MODE_CODE[m] for m, _ in cand]
             out.load_factors[ii, :k] = [x for _, x in cand]
-            bytes_ = _bulk_storage([tables[i] for i in idx], cand, W, L)
+            bytes_ = _bulk_storage([tables[i] for i in idx], cand, W, L, self.backend, self.cache_policy)
             if bytes_ is None:  # exact products would overflow int64: scalar formulas
                 for i in idx:
                     t = tables[i]
                     rows = max_local_rows(t.rows, W)
                     for j, (mode, x) in enumerate(cand):
-                        rank = shard_storage(rows, t.dim, t.dtype, t.optimizer, mode, x)
-                        mach = machine_storage(t.rows, W, L, t.dim, t.dtype, t.optimizer, mode, x)
+                        rank = self.shard_bytes(t, rows, mode, x)
+                        mach = machine_sum(t.rows, W, L, lambda r: self.shard_bytes(t, r, mode, x))  # noqa: B023
                         out.hbm_bytes_per_rank[i, j] = rank.fast_bytes
                         out.ddr_bytes_per_rank[i, j] = rank.slow_bytes
                         out.hbm_bytes_per_machine[i, j] = mach.fast_bytes
@@ -183,15 +218,48 @@ _CODE_MODE: Tuple[Mode, Mode] = (Mode.HYBRID, Mode.CACHING)
 _INT64_SAFE: int = 2**62
 
 
-def _bulk_storage(
-    tables: Sequence[TableSpec], cand: Sequence[Tuple[Mode, float]], W: int, L: int
-) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """``shard_storage`` / ``machine_storage`` for many tables x one candidate list.
+def _check_fbgemm_tables(tables: Sequence[TableSpec]) -> None:
+    """Refuses tables fbgemm's tiered TBE cannot hold (``plan_fbgemm_tier``'s rules)."""
+    for t in tables:
+        problems = []
+        if t.dim % 4:
+            problems.append(f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)")
+        if t.optimizer not in _FBGEMM_OPTIMIZERS:
+            problems.append(f"its fused optimizer {t.optimizer.value} is not one fbgemm's tiered tables run")
+        if not problems:
+            continue
+        raise PlannerError(
+            f"table {t.fqn!r} cannot be a tiered table on fbgemm's CUDA backend: {'; '.join(problems)}.\n"
+            "Possible solutions:\n"
+            f"  1) use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}) and one of "
+            f"{sorted(o.value for o in _FBGEMM_OPTIMIZERS)}.\n"
+            "  2) plan for recpipe's own layout with backend='native' (CPU training, or the torch backend on "
+            "other devices).",
+            PlannerErrorType.INPUT_VALIDATION,
+        )
 
-    Mirrors ``recpipe.pipeline.placement`` term by term: rank 0 owns ``big =
-    ceil(N / W)`` rows; machine 0 has ``n_big`` ranks of ``big`` rows and
-    ``L - n_big`` of ``big - 1``; ``k = floor(num * rows / den)`` with ``x = num /
-    den`` its shortest decimal. Returns None when a product could overflow int64.
+
+# Fused optimizers of fbgemm's tiered tables (``_tiered_fbgemm``'s optimizer map).
+_FBGEMM_OPTIMIZERS: Tuple[FusedOptimizer, ...] = (
+    FusedOptimizer.SGD, FusedOptimizer.ROWWISE_ADAGRAD, FusedOptimizer.ADAM,
+)
+
+
+def _bulk_storage(
+    tables: Sequence[TableSpec],
+    cand: Sequence[Tuple[Mode, float]],
+    W: int,
+    L: int,
+    backend: str,
+    cache_policy: CachePolicy,
+) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+    """Bytes of many tables x one candidate list in ``backend``'s layout.
+
+    Mirrors ``shard_storage`` (``native``) or ``fbgemm_shard_storage`` (``fbgemm``)
+    and ``machine_sum`` term by term: rank 0 owns ``big = ceil(N / W)`` rows; machine
+    0 has ``n_big`` ranks of ``big`` rows and ``L - n_big`` of ``big - 1``; ``k =
+    floor(num * rows / den)`` with ``x = num / den`` its shortest decimal. Returns
+    None when a product could overflow int64.
     """
     N = np.array([t.rows for t in tables], dtype=np.int64)
     rb = np.array([row_bytes(t.dim, t.dtype, t.optimizer) for t in tables], dtype=np.int64)[:, None]
@@ -199,20 +267,44 @@ def _bulk_storage(
     num = np.array([r[0] for r in ratios], dtype=np.int64)[None, :]
     den = np.array([r[1] for r in ratios], dtype=np.int64)[None, :]
     big = (N + W - 1) // W
-    if int(big.max()) * max(int(num.max()), int(rb.max()) + CACHE_ROW_MAP_BYTES + CACHE_SLOT_BYTES) * max(L, 1) >= _INT64_SAFE:
+    per_row = int(rb.max()) + CACHE_ROW_MAP_BYTES + CACHE_SLOT_BYTES + SPLIT_MAP_BYTES + 8
+    if int(big.max()) * max(int(num.max()), per_row) * max(L, 1) >= _INT64_SAFE:
         return None
     caching = np.array([m is Mode.CACHING for m, _ in cand])[None, :]
     full = np.array([float(x) == 1.0 for _, x in cand])[None, :]
     meta = caching & ~full
+    if backend == "fbgemm":
+        # row-wise state (one fp32 per row) stays in HBM for every row; other state
+        # lives with the row's table (UVM rows: in UVM, never cached).
+        v = np.array([t.dim * dtype_itemsize(t.dtype) for t in tables], dtype=np.int64)[:, None]
+        state = rb - v
+        rowwise = np.array([t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD for t in tables])[:, None]
+        s_fast = np.where(rowwise, state, 0)
+        lru = cache_policy is CachePolicy.LRU
 
-    def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        r = rows[:, None]
-        k = np.where(full, r, (num * r) // den)
-        fast_rows = np.where(meta, 0, k)
-        slots = np.where(meta, k, 0)
-        slow_rows = np.where(full, 0, np.where(caching, r, r - k))
-        fast = (fast_rows + slots) * rb + np.where(meta, r * CACHE_ROW_MAP_BYTES + slots * CACHE_SLOT_BYTES, 0)
-        return fast, slow_rows * rb
+        def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+            r = rows[:, None]
+            k = np.where(full, r, (num * r) // den)
+            fast_rows = np.where(meta, 0, k)
+            slow_rows = r - fast_rows  # CACHING (x < 1): every row in UVM
+            sets = np.maximum(1, k // FBGEMM_CACHE_ASSOC)
+            slots = np.where(meta & (r > 0), sets * FBGEMM_CACHE_ASSOC, 0)
+            fast = fast_rows * (v + state) + slow_rows * s_fast
+            fast = fast + np.where(~caching & (slow_rows > 0), r * SPLIT_MAP_BYTES, 0)
+            cache_meta = slots * (v + 8) + r * 4 + (slots * 8 if lru else (r + 1) * 8)
+            fast = fast + np.where(meta & (r > 0), cache_meta, 0)
+            return fast, slow_rows * (v + state - s_fast)
+
+    else:
+
+        def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+            r = rows[:, None]
+            k = np.where(full, r, (num * r) // den)
+            fast_rows = np.where(meta, 0, k)
+            slots = np.where(meta, k, 0)
+            slow_rows = np.where(full, 0, np.where(caching, r, r - k))
+            fast = (fast_rows + slots) * rb + np.where(meta, r * CACHE_ROW_MAP_BYTES + slots * CACHE_SLOT_BYTES, 0)
+            return fast, slow_rows * rb
 
     fb, sb = shard(big)
     rem = N % W

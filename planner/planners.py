@@ -18,6 +18,7 @@ from recpipe.planner.enumerators import GridPlacementEnumerator, OptionArrays
 from recpipe.planner.proposers import DynamicProgrammingProposer, Proposer
 from recpipe.planner.types import (
     DEFAULT_LOAD_FACTORS,
+    STORAGE_BACKENDS,
     PlacementConstraints,
     PlacementOption,
     PlacementPlan,
@@ -190,6 +191,12 @@ class PlacementPlanner:
         dist_type (DistType | str): id routing carried to the sharders (``hash_roundrobin``).
         seed (int): hash seed carried to the sharders.
         cache_policy (CachePolicy | str): eviction policy of CACHING tables carried to the sharders.
+        backend (Optional[str]): the tiered tables' backend whose bytes are budgeted:
+            ``fbgemm`` (fbgemm's TBE, the default on CUDA: its UVM cache, and row-wise
+            optimizer state in HBM for every row) or ``native`` (recpipe's own layout:
+            the CPU kernel and the torch backend). None: ``fbgemm`` for a ``cuda``
+            topology, else ``native``. Plan with ``native`` when a ``cuda`` topology
+            models a CPU run (the fast tier as a host buffer).
 
     Example::
 
@@ -216,6 +223,7 @@ class PlacementPlanner:
         dist_type: Union[DistType, str] = DistType.HASH_ROUNDROBIN,
         seed: int = 0,
         cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
+        backend: Optional[str] = None,
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a torchrec Topology, got {type(topology).__name__}.")
@@ -243,12 +251,22 @@ class PlacementPlanner:
         self.dist_type: DistType = dist
         self.seed = seed
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy)
+        if backend is None:
+            backend = "fbgemm" if topology.compute_device == "cuda" else "native"
+        if backend not in STORAGE_BACKENDS:
+            raise ValueError(
+                f"backend must be one of {list(STORAGE_BACKENDS)} or None (from the topology's device), "
+                f"got {backend!r}."
+            )
+        self.backend: str = backend
         self.enumerator = GridPlacementEnumerator(
             topology.world_size,
             topology.local_world_size,
             self.cost_model,
             self.load_factors,
             self.constraints,
+            backend=self.backend,
+            cache_policy=self.cache_policy,
         )
 
     # ---- budgets --------------------------------------------------------------
@@ -309,7 +327,7 @@ class PlacementPlanner:
                 f"HBM per device {format_bytes(H)}): every placement keeps at least part of a table in HBM.\n"
                 "Possible solutions:\n"
                 "  1) build the Topology with compute_device='cuda' and hbm_cap = the fast-tier size per rank "
-                "(on CPU the fast tier is a host buffer of that size).\n"
+                "(on CPU the fast tier is a host buffer of that size: plan with backend='native').\n"
                 f"  2) lower hbm_reservation (now {self.hbm_reservation}).",
                 PlannerErrorType.INPUT_VALIDATION,
             )
@@ -349,6 +367,7 @@ class PlacementPlanner:
             dist_type=self.dist_type,
             seed=self.seed,
             cache_policy=self.cache_policy,
+            backend=self.backend,
         )
         # A proposer bug must never hand out a plan that breaks a budget.
         if plan.hbm_bytes_per_rank > H or plan.ddr_bytes_per_machine > D:

@@ -2,7 +2,8 @@
 
 The formulas live in :mod:`recpipe.pipeline.placement` (the bottom of the
 runtime, which sizes its tiers with them); the planner budgets with the same
-functions. This module keeps the ``recpipe.planner.storage`` names importable.
+functions (and, for fbgemm's CUDA tables, with
+``recpipe.pipeline._tiered_fbgemm.fbgemm_shard_storage``). This module keeps the ``recpipe.planner.storage`` names importable.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from recpipe.pipeline.placement import (
     ShardStorage,
     local_rows,
     machine_storage,
+    machine_sum,
     max_local_rows,
     optimizer_state_bytes_per_row,
     row_bytes,
@@ -26,6 +28,7 @@ __all__ = [
     "ShardStorage",
     "local_rows",
     "machine_storage",
+    "machine_sum",
     "max_local_rows",
     "optimizer_state_bytes_per_row",
     "row_bytes",

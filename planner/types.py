@@ -38,6 +38,12 @@ DEFAULT_ZIPF_ALPHA: float = 1.05
 # Default cache load factor grid of the seed enumerator (PR #508): 0.1, 0.2, ..., 1.0.
 DEFAULT_LOAD_FACTORS: Tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 11))
 
+#: Tiered-table backends whose byte layouts the planner budgets: ``native`` (recpipe's
+#: own layout, ``recpipe.pipeline.placement.shard_storage``: the CPU kernel and the
+#: torch backend) and ``fbgemm`` (fbgemm's TBE on CUDA,
+#: ``recpipe.pipeline._tiered_fbgemm.fbgemm_shard_storage``).
+STORAGE_BACKENDS: Tuple[str, ...] = ("native", "fbgemm")
+
 
 class PlannerErrorType(enum.Enum):
     """Why the planner failed (torchrec style)."""
@@ -270,6 +276,8 @@ class PlacementPlan:
         dist_type (DistType | str): routing of ids to ranks carried to the sharders.
         seed (int): hash seed carried to the sharders.
         cache_policy (CachePolicy | str): eviction policy of CACHING tables carried to the sharders.
+        backend (str): the tiered tables' backend whose bytes the plan budgets
+            (``fbgemm`` or ``native``; plans saved before it was recorded were ``native``).
     """
 
     placements: List[TablePlacement]
@@ -282,10 +290,13 @@ class PlacementPlan:
     dist_type: DistType = DistType.HASH_ROUNDROBIN
     seed: int = 0
     cache_policy: CachePolicy = CachePolicy.LFU
+    backend: str = "native"
 
     def __post_init__(self) -> None:
         self.dist_type = DistType.parse(self.dist_type, "PlacementPlan.dist_type")
         self.cache_policy = CachePolicy.parse(self.cache_policy, "PlacementPlan.cache_policy")
+        if self.backend not in STORAGE_BACKENDS:
+            raise ValueError(f"PlacementPlan.backend must be one of {list(STORAGE_BACKENDS)}, got {self.backend!r}.")
 
     # ---- totals -------------------------------------------------------------
     @property
@@ -366,7 +377,7 @@ class PlacementPlan:
         lines = [
             f"recpipe placement plan: world_size={self.world_size} "
             f"local_world_size={self.local_world_size} device={self.compute_device} "
-            f"cost_model={self.cost_model}",
+            f"backend={self.backend} cost_model={self.cost_model}",
             fmt.format(*head),
             "-+-".join("-" * w for w in widths),
         ]
@@ -498,6 +509,7 @@ def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) 
 __all__ = [
     "DEFAULT_LOAD_FACTORS",
     "DEFAULT_ZIPF_ALPHA",
+    "STORAGE_BACKENDS",
     "Mode",
     "PlacementConstraints",
     "PlacementOption",

@@ -220,6 +220,9 @@ def _shard_planned(
         batch_size=config.batch_size,
         hbm_reservation=0.0,
         seed=config.seed,
+        # the bytes of the tiered tables' default backend on this device (fbgemm's TBE on
+        # CUDA; recpipe's own layout elsewhere, where the fast tier is a host buffer)
+        backend="fbgemm" if device.type == "cuda" else "native",
     )
     placement = planner.plan(model)
     plan = placement.to_sharding_plan(compute_device=device.type)

@@ -283,7 +283,7 @@ def test_planner_sizes_each_table_with_the_models_fused_optimizer() -> None:
     model.sparse = ebc
     pins = {t: PlacementConstraints(mode="HYBRID", cache_load_factor=0.5) for t in ("a", "b", "c")}
     # optimizer= is only the fallback: the model's own optimizers win
-    plan = PlacementPlanner(_topology(), constraints=pins, optimizer="sgd").plan(model)
+    plan = PlacementPlanner(_topology(), constraints=pins, optimizer="sgd", backend="native").plan(model)
     want = {"a": FusedOptimizer.ADAM, "b": FusedOptimizer.ROWWISE_ADAGRAD, "c": FusedOptimizer.SGD}
     assert {p.table: p.optimizer for p in plan.placements} == want
     rows = max_local_rows(1001, 4)

@@ -45,7 +45,7 @@ def _planner(world: int) -> Any:
     topo = Topology(world_size=world, local_world_size=world, compute_device="cuda", hbm_cap=GiB, ddr_cap=GiB)
     pins = {"t0": PlacementConstraints(mode="CACHING", cache_load_factor=0.3),
             "t1": PlacementConstraints(mode="HYBRID", cache_load_factor=0.5)}
-    return PlacementPlanner(topo, constraints=pins, seed=4)
+    return PlacementPlanner(topo, constraints=pins, seed=4, backend="native")  # the CPU tables
 
 
 def _shard(ebc: Any, sharding_plan: Any) -> Any:

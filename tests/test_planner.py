@@ -38,6 +38,7 @@ from recpipe.planner import (
     PlacementPlanner,
     PlannerError,
     PlannerErrorType,
+    ShardStorage,
     TableSpec,
     fast_tier_hit_rate,
     local_rows,
@@ -49,6 +50,7 @@ from recpipe.planner import (
     shard_storage,
     tier_rows,
 )
+from recpipe.pipeline._tiered_fbgemm import fbgemm_shard_storage
 from recpipe.planner.__main__ import main as cli_main
 from recpipe.planner.cost_models import generalized_harmonic
 from recpipe.planner.enumerators import options_to_arrays
@@ -184,8 +186,9 @@ def test_dp_equals_brute_force_random(inst) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31), st.integers(2, 12), st.floats(0.15, 0.9), st.floats(0.15, 0.9))
-def test_planner_never_exceeds_budgets_coarse_bins(seed: int, m: int, hf: float, df: float) -> None:
+@given(st.integers(0, 2**31), st.integers(2, 12), st.floats(0.15, 0.9), st.floats(0.15, 0.9),
+       st.sampled_from(["native", "fbgemm"]))
+def test_planner_never_exceeds_budgets_coarse_bins(seed: int, m: int, hf: float, df: float, backend: str) -> None:
     rng = np.random.default_rng(seed)
     tables = [
         TableSpec(name=f"t{i}", rows=int(rng.integers(10**5, 10**8)), dim=int(rng.choice([16, 64, 128])),
@@ -195,16 +198,22 @@ def test_planner_never_exceeds_budgets_coarse_bins(seed: int, m: int, hf: float,
     ]
     full = sum(shard_storage(max_local_rows(t.rows, 8), t.dim, t.dtype, t.optimizer, Mode.HYBRID, 1.0).fast_bytes for t in tables)
     mach = sum(machine_storage(t.rows, 8, 8, t.dim, t.dtype, t.optimizer, Mode.CACHING, 0.5).slow_bytes for t in tables)
-    planner = PlacementPlanner(topo(hbm=int(full * hf / 0.85) + 1, ddr_per_rank=int(mach * df) // 8 + 1), bins=(20, 10))
+    planner = PlacementPlanner(topo(hbm=int(full * hf / 0.85) + 1, ddr_per_rank=int(mach * df) // 8 + 1), bins=(20, 10),
+                               backend=backend)
     try:
         plan = planner.plan(tables)
     except PlannerError:
         return
+    assert plan.backend == backend
     assert plan.hbm_bytes_per_rank <= planner.hbm_budget
     assert plan.ddr_bytes_per_machine <= planner.ddr_budget
-    # exact bytes reported are the storage formulas' bytes
+    # exact bytes reported are the backend's storage formulas' bytes
     for p, t in zip(plan.placements, tables):
-        s = shard_storage(max_local_rows(t.rows, 8), t.dim, t.dtype, t.optimizer, p.mode, p.cache_load_factor)
+        rows = max_local_rows(t.rows, 8)
+        if backend == "fbgemm":
+            s = fbgemm_shard_storage(rows, t.dim, t.dtype, t.optimizer, p.mode, p.cache_load_factor, "lfu")
+        else:
+            s = shard_storage(rows, t.dim, t.dtype, t.optimizer, p.mode, p.cache_load_factor)
         assert (p.hbm_bytes_per_rank, p.ddr_bytes_per_rank) == (s.fast_bytes, s.slow_bytes)
 
 
@@ -268,26 +277,42 @@ def test_dp_default_bins_gap_random_six_tables() -> None:
     assert max(dp_only_gaps) <= 0.01 and max(gaps) <= 0.01
 
 
-def test_bulk_enumeration_equals_storage_formulas() -> None:
-    # Independent reference: the scalar storage functions and fast_tier_hit_rate.
+@pytest.mark.parametrize("backend,policy", [("native", "lfu"), ("fbgemm", "lfu"), ("fbgemm", "lru")])
+def test_bulk_enumeration_equals_storage_formulas(backend: str, policy: str) -> None:
+    # Independent reference: the scalar storage functions of the backend and fast_tier_hit_rate.
     rng = np.random.default_rng(3)
     tables = _random_tables(rng, 12) + [
-        TableSpec(name="tiny", rows=5, dim=8, optimizer="adagrad"),  # N < W: ranks with 0 rows
+        # N < W: ranks with 0 rows (fbgemm's tiered tables run no per-element Adagrad)
+        TableSpec(name="tiny", rows=5, dim=8, optimizer="adagrad" if backend == "native" else "rowwise_adagrad"),
         TableSpec(name="even", rows=64 * 1000, dim=16, dtype="float16", optimizer="sgd"),  # W divides N
         TableSpec(name="counts", rows=6, dim=4, access_counts=[5, 1, 0, 9, 2, 2]),
+        TableSpec(name="sets", rows=64 * 40 + 3, dim=12, optimizer="adam"),  # CACHING: 1 set, then several
     ]
-    xs = (0.1, 0.25, 0.3, 0.7, 0.3333333333333333, 1.0)  # 1/3: int64 products overflow -> scalar path
+
+    def shard(t: TableSpec, rows: int, mode: Mode, x: float) -> ShardStorage:
+        if backend == "fbgemm":
+            return fbgemm_shard_storage(rows, t.dim, t.dtype, t.optimizer, mode, x, policy)
+        return shard_storage(rows, t.dim, t.dtype, t.optimizer, mode, x)
+
+    xs = (0.01, 0.1, 0.25, 0.3, 0.7, 0.3333333333333333, 1.0)  # 1/3: int64 products overflow -> scalar path
     for world, local in [(8, 8), (64, 8), (12, 4)]:
-        cons = {"t1": PlacementConstraints(mode="CACHING"), "t2": PlacementConstraints(load_factors=[0.5, 1.0])}
-        enum = GridPlacementEnumerator(world, local, AnalyticCostModel(), xs, cons)
+        cons = {"t1": PlacementConstraints(mode="CACHING"), "t2": PlacementConstraints(load_factors=[0.5, 1.0]),
+                "sets": PlacementConstraints(mode="CACHING")}
+        enum = GridPlacementEnumerator(world, local, AnalyticCostModel(), xs, cons, backend=backend, cache_policy=policy)
         arrays = enum.enumerate_arrays(tables)
         for i, t in enumerate(tables):
             cands = enum.candidates(t)
             assert int((arrays.modes[i] >= 0).sum()) == len(cands)
             for j, (mode, x) in enumerate(cands):
                 o = arrays.option(i, j)
-                rank = shard_storage(max_local_rows(t.rows, world), t.dim, t.dtype, t.optimizer, mode, x)
-                mach = machine_storage(t.rows, world, local, t.dim, t.dtype, t.optimizer, mode, x)
+                rank = shard(t, max_local_rows(t.rows, world), mode, x)
+                if backend == "native":
+                    mach = machine_storage(t.rows, world, local, t.dim, t.dtype, t.optimizer, mode, x)
+                else:
+                    mach = ShardStorage(
+                        sum(shard(t, local_rows(t.rows, world, r), mode, x).fast_bytes for r in range(local)),
+                        sum(shard(t, local_rows(t.rows, world, r), mode, x).slow_bytes for r in range(local)),
+                    )
                 assert (o.mode, o.cache_load_factor) == (mode, x)
                 assert (o.hbm_bytes_per_rank, o.ddr_bytes_per_rank) == (rank.fast_bytes, rank.slow_bytes)
                 assert (o.hbm_bytes_per_machine, o.ddr_bytes_per_machine) == (mach.fast_bytes, mach.slow_bytes)
@@ -427,8 +452,54 @@ def test_infeasible_raises_typed_error_with_numbers() -> None:
     with pytest.raises(PlannerError) as e:
         PlacementPlanner(topo(hbm=GiB, ddr_per_rank=64 * GiB)).plan(small)
     assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_HBM
-    min_h = sum(shard_storage(max_local_rows(10**7, 8), 64, torch.float32, "sgd", Mode.HYBRID, 0.1).fast_bytes for _ in small)
+    # a cuda topology budgets fbgemm's tables (the default backend there)
+    min_h = sum(fbgemm_shard_storage(max_local_rows(10**7, 8), 64, torch.float32, "sgd", Mode.HYBRID, 0.1, "lfu").fast_bytes
+                for _ in small)
     assert f"({min_h} B)" in str(e.value)
+
+
+def test_cuda_plans_budget_fbgemm_bytes_and_cpu_plans_native_bytes() -> None:
+    """Row-wise Adagrad keeps a float per row in HBM for fbgemm's UVM rows too, and a
+    HYBRID shard adds its int32 split map: a budget that recpipe's own layout just meets
+    is too small for fbgemm's tables. A cuda topology plans fbgemm's bytes by default."""
+    t = TableSpec(name="t", rows=8_000_000, dim=64, optimizer="rowwise_adagrad", lookups_per_step=10_000)
+    rows = max_local_rows(t.rows, 8)
+    native = shard_storage(rows, 64, torch.float32, "rowwise_adagrad", Mode.HYBRID, 0.5)
+    fbgemm = fbgemm_shard_storage(rows, 64, torch.float32, "rowwise_adagrad", Mode.HYBRID, 0.5, "lfu")
+    assert fbgemm.fast_bytes == native.fast_bytes + (rows - rows // 2) * 4 + rows * 4
+    pin = {"t": PlacementConstraints(mode="HYBRID")}
+    budget = topo(hbm=int(native.fast_bytes / 0.85) + 2)  # hbm_reservation 0.15
+    cpu_plan = PlacementPlanner(budget, constraints=pin, backend="native").plan([t])
+    assert (cpu_plan.backend, cpu_plan.placements[0].cache_load_factor) == ("native", 0.5)
+    assert cpu_plan.hbm_bytes_per_rank == native.fast_bytes
+    planner = PlacementPlanner(budget, constraints=pin)
+    assert planner.backend == "fbgemm"
+    plan = planner.plan([t])
+    p = plan.placements[0]
+    assert (plan.backend, p.cache_load_factor) == ("fbgemm", 0.4)  # 0.5 no longer fits
+    got = fbgemm_shard_storage(rows, 64, torch.float32, "rowwise_adagrad", Mode.HYBRID, 0.4, "lfu")
+    assert p.hbm_bytes_per_rank == got.fast_bytes <= planner.hbm_budget < fbgemm.fast_bytes
+    assert "backend=fbgemm" in plan.report()
+    assert PlacementPlan.from_dict(plan.to_dict()) == plan
+    legacy = plan.to_dict()
+    del legacy["backend"]  # plans saved before the backend was recorded budgeted recpipe's layout
+    assert PlacementPlan.from_dict(legacy).backend == "native"
+    assert PlacementPlanner(topo(), backend=None).backend == "fbgemm"
+    cpu = Topology(world_size=8, local_world_size=8, compute_device="cpu", hbm_cap=GiB, ddr_cap=GiB)
+    assert PlacementPlanner(cpu).backend == "native"
+    with pytest.raises(ValueError, match="backend must be one of"):
+        PlacementPlanner(topo(), backend="torch")
+
+
+def test_fbgemm_backend_refuses_tables_its_tbe_cannot_hold() -> None:
+    for spec, why in ((dict(dim=6, optimizer="sgd"), "dim 6 is not a multiple of 4"),
+                      (dict(dim=8, optimizer="adagrad"), "fused optimizer adagrad")):
+        t = TableSpec(name="odd", rows=1000, **spec)
+        with pytest.raises(PlannerError, match=why) as e:
+            PlacementPlanner(topo()).plan([t])
+        assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+        assert "backend='native'" in str(e.value) and "1)" in str(e.value)
+        assert PlacementPlanner(topo(), backend="native").plan([t]).backend == "native"
 
 
 def test_module_input_sharding_plan_round_trip_and_json(tmp_path: Path) -> None:
@@ -487,6 +558,14 @@ def test_cli_prints_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert plan.world_size == 16 and plan.ddr_budget_per_machine == 2**40
     rc = cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "1GiB", "--ddr", "1GiB"])
     assert rc == 2 and "Possible solutions" in capsys.readouterr().err
+    # fbgemm's CUDA tables by default; --backend native for recpipe's CPU layout
+    odd = tmp_path / "odd.yaml"
+    odd.write_text("- {name: odd, rows: 1000, dim: 6, optimizer: sgd}\n")
+    base = ["--tables", str(odd), "--world-size", "2", "--hbm", "1GiB", "--ddr", "1TiB"]
+    assert cli_main(base) == 2 and "dim 6 is not a multiple of 4" in capsys.readouterr().err
+    assert cli_main([*base, "--backend", "native", "--json", str(tmp_path / "n.json")]) == 0
+    assert "backend=native" in capsys.readouterr().out
+    assert PlacementPlan.load(tmp_path / "n.json").backend == "native"
 
 
 def test_cli_module_entry_point(tmp_path: Path) -> None:
