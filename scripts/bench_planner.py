@@ -13,7 +13,9 @@ Rows:
   6-table instances (target <= 1%), with and without the exact repair step, and
   budget violations (target 0).
 
-Run: ``PYTHONPATH=build/dev .venv/bin/python scripts/bench_planner.py [--quick]``.
+Run: ``PYTHONPATH=build/dev .venv/bin/python scripts/bench_planner.py [--quick] [--backend fbgemm]``
+(``--backend``: the tiered-table bytes every planner and budget uses; ``native``, the
+default, gives the instances the targets were set on).
 """
 
 from __future__ import annotations
@@ -67,9 +69,11 @@ def random_tables(n: int, rng: np.random.Generator) -> List[TableSpec]:
     ]
 
 
-def tight_topology(tables: List[TableSpec], world: int, local: int, hf: float = 0.6, df: float = 0.75) -> Topology:
-    """A topology where both budgets bind: HBM for ``hf`` of all-in-HBM, DDR for ``df`` of all-CACHING."""
-    opts = GridPlacementEnumerator(world, local, AnalyticCostModel()).enumerate(tables)
+def tight_topology(tables: List[TableSpec], world: int, local: int, hf: float = 0.6, df: float = 0.75,
+                   backend: str = "native") -> Topology:
+    """A topology where both budgets bind: HBM for ``hf`` of all-in-HBM, DDR for ``df`` of
+    all-CACHING, in the bytes of ``backend`` (the planners' backend: the same instance)."""
+    opts = GridPlacementEnumerator(world, local, AnalyticCostModel(), backend=backend).enumerate(tables)
     hbm, ddr, _ = options_to_arrays(opts)
     h = int(hbm.max(axis=1).sum() * hf / 0.85)
     d = int(ddr.max(axis=1).sum() * df) // local
@@ -149,19 +153,23 @@ def torchrec_planner_seconds(tables: List[TableSpec], world: int, local: int, to
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer gap instances, skip 5000 tables")
+    ap.add_argument("--backend", choices=("native", "fbgemm"), default="native",
+                    help="tiered-table bytes the planners budget (native: the instances the targets were set on; "
+                         "fbgemm: a cuda topology's default)")
     args = ap.parse_args()
+    backend = args.backend
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
     print(f"hardware: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}, "
-          f"python {platform.python_version()}")
+          f"python {platform.python_version()}; planner backend {backend}")
     rows: List[Tuple[str, str, str, str]] = []
 
     sizes = [(100, 8), (1000, 64)] + ([] if args.quick else [(5000, 128)])
     for m, w in sizes:
         tables = random_tables(m, rng)
-        topo = tight_topology(tables, w, 8)
-        planner = PlacementPlanner(topo)
+        topo = tight_topology(tables, w, 8, backend=backend)
+        planner = PlacementPlanner(topo, backend=backend)
         t0 = time.perf_counter()
         plan = planner.plan(tables)
         dt = time.perf_counter() - t0
@@ -179,7 +187,7 @@ def main() -> None:
                      f" enumeration alone {t_enum:.3f} s ({arrays.cost.shape[1]} options/table)"))
     # Known limitation: a sliver-thin feasible region (HBM 45% / DDR 60%) at 1000 tables.
     tables = random_tables(1000, rng)
-    planner = PlacementPlanner(tight_topology(tables, 64, 8, 0.45, 0.60))
+    planner = PlacementPlanner(tight_topology(tables, 64, 8, 0.45, 0.60, backend=backend), backend=backend)
     try:
         planner.plan(tables)
         note = "plan found"
@@ -189,8 +197,8 @@ def main() -> None:
 
     # pure-Python seed loop vs vectorized DP, same options and bins
     tables = random_tables(100, rng)
-    topo = tight_topology(tables, 8, 8)
-    planner = PlacementPlanner(topo, bins=(64, 32))
+    topo = tight_topology(tables, 8, 8, backend=backend)
+    planner = PlacementPlanner(topo, bins=(64, 32), backend=backend)
     hbm, ddr, cost = options_to_arrays(planner.enumerator.enumerate(tables))
     H, D = planner.hbm_budget, planner.ddr_budget
     # One warm-up, then 7 interleaved rounds: each round times the seed loop once
@@ -224,7 +232,7 @@ def main() -> None:
     rows.append(("recpipe DP, NumPy twin (backend='numpy'), same input", f"{1e3 * t_np:.2f} ms", "-",
                  f"{t_seed / t_np:.0f}x faster, cost {plan_cost(ours_np):.4f}"))
     t0 = time.perf_counter()
-    PlacementPlanner(topo).plan(tables)
+    PlacementPlanner(topo, backend=backend).plan(tables)
     t_plan = time.perf_counter() - t0
     t_tr = torchrec_planner_seconds(tables, 8, 8, topo)
     rows.append(("torchrec EmbeddingShardingPlanner, same 100 tables x 8", f"{t_tr:.3f} s", "reference",
@@ -239,7 +247,7 @@ def main() -> None:
     model = AnalyticCostModel()
     for _ in range(n_inst):
         tabs = random_tables(6, rng)
-        opts = GridPlacementEnumerator(8, 8, model).enumerate(tabs)
+        opts = GridPlacementEnumerator(8, 8, model, backend=backend).enumerate(tabs)
         hbm, ddr, cost = options_to_arrays(opts)
         H = int(hbm.max(axis=1).sum() * rng.uniform(0.3, 0.8))
         D = int(ddr.max(axis=1).sum() * rng.uniform(0.3, 0.8))
