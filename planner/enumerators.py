@@ -8,6 +8,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from recpipe.pipeline._tiered_fbgemm import FBGEMM_CACHE_ASSOC, SPLIT_MAP_BYTES, fbgemm_shard_storage
+from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
 from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
@@ -224,7 +225,7 @@ def _check_fbgemm_tables(tables: Sequence[TableSpec]) -> None:
         problems = []
         if t.dim % 4:
             problems.append(f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)")
-        if t.optimizer not in _FBGEMM_OPTIMIZERS:
+        if t.optimizer not in SUPPORTED_OPTIMIZERS:
             problems.append(f"its fused optimizer {t.optimizer.value} is not one fbgemm's tiered tables run")
         if not problems:
             continue
@@ -232,17 +233,12 @@ def _check_fbgemm_tables(tables: Sequence[TableSpec]) -> None:
             f"table {t.fqn!r} cannot be a tiered table on fbgemm's CUDA backend: {'; '.join(problems)}.\n"
             "Possible solutions:\n"
             f"  1) use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}) and one of "
-            f"{sorted(o.value for o in _FBGEMM_OPTIMIZERS)}.\n"
-            "  2) plan for recpipe's own layout with backend='native' (CPU training, or the torch backend on "
-            "other devices).",
+            f"{sorted(o.value for o in SUPPORTED_OPTIMIZERS)} (the optimizers tiered tables run on every "
+            "backend).\n"
+            "  2) for the dim only: plan recpipe's own layout with backend='native' (CPU training, or the "
+            "torch backend on other devices), which takes any dim.",
             PlannerErrorType.INPUT_VALIDATION,
         )
-
-
-# Fused optimizers of fbgemm's tiered tables (``_tiered_fbgemm``'s optimizer map).
-_FBGEMM_OPTIMIZERS: Tuple[FusedOptimizer, ...] = (
-    FusedOptimizer.SGD, FusedOptimizer.ROWWISE_ADAGRAD, FusedOptimizer.ADAM,
-)
 
 
 def _bulk_storage(

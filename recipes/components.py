@@ -15,7 +15,8 @@ an output path that cannot be written) fails in the launching process with the
 config's message and no worker starts. The file-system checks run on the launching
 machine, which for ``local_cwd`` is the workers' machine; when the paths exist only on
 the cluster (a Kubernetes volume, a Slurm node's local disk), pass ``--check_paths
-False``: the values are still checked here, and each worker checks the paths at start. Workers run ``python -m recpipe.recipes.train`` through
+False``: the values are still checked here, and each worker checks the paths at start.
+Workers run ``python -m recpipe.recipes.train`` through
 :func:`torchx.components.dist.ddp` (``m=``, so any working directory works); every
 training flag, e.g. ``--timeout-s 300`` (how long a collective may wait for a dead or
 frozen rank before the job fails), reaches them unchanged.
