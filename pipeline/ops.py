@@ -40,6 +40,7 @@ __all__ = [
     "bucketize_kjt",
     "bucketize_kjt_by",
     "check_dist_type",
+    "continuous_block_rows",
     "global_row_ids",
     "local_rows",
     "shard_num_rows",
@@ -357,6 +358,22 @@ def local_rows(num_embeddings: int, world_size: int, rank: int) -> int:
     return max(0, (num_embeddings - rank + world_size - 1) // world_size)
 
 
+def continuous_block_rows(num_embeddings: int, world_size: int) -> int:
+    """Rows per rank of a continuous table cut into torchrec's blocks: ``ceil(N / W)``, at least 1.
+
+    Rank ``r`` holds global rows ``[r * block, (r + 1) * block)`` (the last ranks may hold
+    fewer, or none).
+
+    Args:
+        num_embeddings (int): rows ``N`` of the whole table.
+        world_size (int): ranks ``W``.
+
+    Returns:
+        int: the block size.
+    """
+    return max(1, -(-num_embeddings // world_size))
+
+
 def check_dist_type(dist_type: str) -> str:
     """``dist_type`` if it names a distribution type (:data:`DIST_TYPES`), else a ValueError."""
     if dist_type not in DIST_TYPES:
@@ -384,7 +401,7 @@ def shard_num_rows(num_embeddings: int, world_size: int, rank: int, dist_type: s
     check_dist_type(dist_type)
     if dist_type == "continuous":
         local_rows(num_embeddings, world_size, rank)  # validates the arguments
-        block = max(1, -(-num_embeddings // world_size))
+        block = continuous_block_rows(num_embeddings, world_size)
         return max(0, min(block, num_embeddings - rank * block))
     return local_rows(num_embeddings, world_size, rank)
 
@@ -415,7 +432,7 @@ def global_row_ids(
     if dist_type == "roundrobin":
         return local_ids * world_size + rank
     if dist_type == "continuous":
-        return local_ids + rank * max(1, -(-num_embeddings // world_size))
+        return local_ids + rank * continuous_block_rows(num_embeddings, world_size)
     if local_ids.numel() == 0:
         return local_ids.clone()
     ranks = torch.full_like(local_ids, rank)
@@ -482,7 +499,7 @@ def bucketize_kjt(
         )
     codes = torch.tensor([dist_type_code(dist_types[k]) for k in keys], dtype=torch.int64)
     sizes = torch.tensor([int(table_sizes[k]) for k in keys], dtype=torch.int64)
-    blocks = torch.clamp((sizes + world_size - 1) // world_size, min=1)
+    blocks = torch.tensor([continuous_block_rows(int(table_sizes[k]), world_size) for k in keys], dtype=torch.int64)
     bounds = None
     if row_bounds is not None:
         bounds = [torch.tensor(row_bounds.get(k, []), dtype=torch.int64) for k in keys]
@@ -524,6 +541,7 @@ def bucketize_kjt_by(
         ``(bucketized_kjt, unbucketize_permute or None)``.
     """
     vbe = kjt.variable_stride_per_key()
+    strides = kjt.stride_per_key() if vbe else None
     out = block_bucketize_sparse_features(
         kjt.lengths().view(-1),
         kjt.values(),
@@ -536,8 +554,8 @@ def bucketize_kjt_by(
         table_sizes=table_sizes,
         seed=seed,
         keep_orig_idx=keep_orig_idx,
-        batch_size_per_feature=torch.tensor(kjt.stride_per_key(), dtype=torch.int64) if vbe else None,
-        max_B=max(kjt.stride_per_key()) if vbe else -1,
+        batch_size_per_feature=torch.tensor(strides, dtype=torch.int64) if strides is not None else None,
+        max_B=max(strides) if strides else -1,
         block_bucketize_pos=row_bounds,
     )
     # torchrec's convention (bucketize_kjt_before_all2all): positions ride in the weights.

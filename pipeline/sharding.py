@@ -178,7 +178,7 @@ def feature_routing(
             n = int(table.num_embeddings)
             cut: List[int] = []
             if dt is DistType.CONTINUOUS:
-                block = -(-n // world_size)
+                block = ops.continuous_block_rows(n, world_size)
                 table_cut = _uneven_bounds(table, n, world_size)
                 uneven = uneven or table_cut is not None
                 cut = table_cut if table_cut is not None else [block * r for r in range(world_size + 1)]

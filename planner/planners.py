@@ -18,7 +18,6 @@ from recpipe.planner.enumerators import GridPlacementEnumerator, OptionArrays
 from recpipe.planner.proposers import DynamicProgrammingProposer, Proposer
 from recpipe.planner.types import (
     DEFAULT_LOAD_FACTORS,
-    STORAGE_BACKENDS,
     PlacementConstraints,
     PlacementOption,
     PlacementPlan,
@@ -253,12 +252,7 @@ class PlacementPlanner:
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy)
         if backend is None:
             backend = "fbgemm" if topology.compute_device == "cuda" else "native"
-        if backend not in STORAGE_BACKENDS:
-            raise ValueError(
-                f"backend must be one of {list(STORAGE_BACKENDS)} or None (from the topology's device), "
-                f"got {backend!r}."
-            )
-        self.backend: str = backend
+        self.backend: str = backend  # checked by the enumerator
         self.enumerator = GridPlacementEnumerator(
             topology.world_size,
             topology.local_world_size,
