@@ -67,6 +67,7 @@ __all__ = [
     "FUSED_PARAM_PREFIX",
     "FUSED_PARAM_SEED",
     "ROUTED_DIST_TYPES",
+    "TIERED_DTYPES",
     "CachePolicy",
     "DistType",
     "FusedOptimizer",
@@ -325,6 +326,10 @@ def decimal_ratio(x: float) -> Tuple[int, int]:
     f = Fraction(repr(float(x)))
     return f.numerator, f.denominator
 
+
+# Row dtypes a tiered table holds, on every backend (TieredEmbeddingShard refuses
+# others; the planner refuses to plan them). Values are float32 in both tiers.
+TIERED_DTYPES: FrozenSet[torch.dtype] = frozenset({torch.float32})
 
 # Short names accepted for dtypes, besides torch's own attribute names.
 _DTYPE_ALIASES: Dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16", "int8": "int8"}

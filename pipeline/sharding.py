@@ -49,6 +49,7 @@ from torchrec.distributed.embedding_sharding import (
 )
 from torchrec.distributed.embedding_types import (
     BaseEmbeddingSharder,
+    EmbeddingComputeKernel,
     GroupedEmbeddingConfig,
 )
 from torchrec.distributed.embeddingbag import (
@@ -660,6 +661,26 @@ class _RoutedSharderMixin:
             types = types + [ShardingType.ROW_WISE.value]
         return types
 
+    def _check_kernels(self, params: Dict[str, ParameterSharding], device: Optional[torch.device]) -> None:
+        """Refuses tiered (CUSTOMIZED_KERNEL) tables when this sharder does not run them.
+
+        torchrec would fail later with ``Compute kernel not supported``, naming no
+        table; a plan from ``recpipe.planner`` needs the tiered sharders.
+        """
+        device_type = device.type if device is not None else "cpu"
+        kernel = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+        if kernel in self.compute_kernels(ShardingType.ROW_WISE.value, device_type):  # type: ignore[attr-defined]
+            return
+        for name, ps in params.items():
+            if ps.compute_kernel == kernel:
+                raise ValueError(
+                    f"table {name!r} has compute_kernel {kernel} (a recpipe tiered table, as "
+                    f"recpipe.planner's plans make them), which {type(self).__name__} does not run: shard with "
+                    "recpipe.pipeline.sharders.TieredEmbeddingBagCollectionSharder() / "
+                    "TieredEmbeddingCollectionSharder(), which take the same arguments and shard every other "
+                    "table as this sharder does."
+                )
+
 
 class RecpipeEmbeddingBagCollectionSharder(_RoutedSharderMixin, EmbeddingBagCollectionSharder):
     """EmbeddingBagCollectionSharder offering ROW_WISE on CPU, routed by recpipe.
@@ -685,6 +706,7 @@ class RecpipeEmbeddingBagCollectionSharder(_RoutedSharderMixin, EmbeddingBagColl
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> RecpipeShardedEmbeddingBagCollection:
+        self._check_kernels(params, device)
         return self._SHARDED_MODULE.with_routing(self._routing)(
             module=module,
             table_name_to_parameter_sharding=params,
@@ -713,6 +735,7 @@ class RecpipeEmbeddingCollectionSharder(_RoutedSharderMixin, EmbeddingCollection
         device: Optional[torch.device] = None,
         module_fqn: Optional[str] = None,
     ) -> RecpipeShardedEmbeddingCollection:
+        self._check_kernels(params, device)
         return self._SHARDED_MODULE.with_routing(self._routing)(
             module,
             params,

@@ -89,6 +89,7 @@ from recpipe.pipeline.ops import (
 from recpipe.pipeline.placement import (
     CachePolicy,
     Mode,
+    TIERED_DTYPES,
     ShardStorage,
     dtype_itemsize,
     row_bytes,
@@ -255,9 +256,10 @@ class TieredEmbeddingShard(nn.Module):
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}.")
         if pooling not in ("sum", "mean"):
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}.")
-        if dtype != torch.float32:
+        if dtype not in TIERED_DTYPES:
             raise ValueError(
-                f"dtype {dtype} is not supported by the tiered kernel yet: use torch.float32."
+                f"tiered table {table_name!r}: dtype {dtype} is not supported by the tiered kernel yet: "
+                "use torch.float32 (the table's data_type DataType.FP32)."
             )
         self.cache_load_factor: float = float(x)
         self.optimizer: TieredOptimizerConfig = optimizer or TieredOptimizerConfig()

@@ -15,10 +15,12 @@ from recpipe.pipeline.placement import (
     CachePolicy,
     FusedOptimizer,
     Mode,
+    TIERED_DTYPES,
     ShardStorage,
     check_load_factor,
     decimal_ratio,
     dtype_itemsize,
+    dtype_name,
     machine_sum,
     max_local_rows,
     row_bytes,
@@ -162,8 +164,7 @@ class GridPlacementEnumerator:
             hbm, ddr, cost = arrays.hbm_bytes_per_rank, arrays.ddr_bytes_per_machine, arrays.cost
         """
         self._check_constraints(tables)
-        if self.backend == "fbgemm":
-            _check_fbgemm_tables(tables)
+        _check_tiered_tables(tables, self.backend)
         W, L = self.world_size, self.local_world_size
         M = len(tables)
         cands = [self.candidates(t) for t in tables]
@@ -219,24 +220,38 @@ _CODE_MODE: Tuple[Mode, Mode] = (Mode.HYBRID, Mode.CACHING)
 _INT64_SAFE: int = 2**62
 
 
-def _check_fbgemm_tables(tables: Sequence[TableSpec]) -> None:
-    """Refuses tables fbgemm's tiered TBE cannot hold (``plan_fbgemm_tier``'s rules)."""
+def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:
+    """Refuses tables no tiered table of ``backend`` can run: a plan is only useful
+    if the sharders can build it (``TieredEmbeddingShard`` takes ``TIERED_DTYPES``
+    rows and ``SUPPORTED_OPTIMIZERS`` on every backend; fbgemm's TBE, in
+    ``plan_fbgemm_tier``, also needs a dim that is a multiple of 4)."""
+    optimizers = sorted(o.value for o in SUPPORTED_OPTIMIZERS)
+    dtypes = sorted(dtype_name(d) for d in TIERED_DTYPES)
     for t in tables:
         problems = []
-        if t.dim % 4:
-            problems.append(f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)")
+        if t.dtype not in TIERED_DTYPES:
+            problems.append(f"its dtype {dtype_name(t.dtype)} is not one tiered tables hold ({dtypes})")
         if t.optimizer not in SUPPORTED_OPTIMIZERS:
-            problems.append(f"its fused optimizer {t.optimizer.value} is not one fbgemm's tiered tables run")
+            problems.append(f"its fused optimizer {t.optimizer.value} is not one tiered tables run ({optimizers})")
+        fbgemm_dim = backend == "fbgemm" and t.dim % 4 != 0
+        if fbgemm_dim:
+            problems.append(f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)")
         if not problems:
             continue
+        fixes = []
+        if t.dtype not in TIERED_DTYPES:
+            fixes.append(f"give the table {dtypes[0]} rows (EmbeddingBagConfig data_type=DataType.FP32, or "
+                         f"dtype: {dtypes[0]} in a tables file)")
+        if t.optimizer not in SUPPORTED_OPTIMIZERS:
+            fixes.append(f"train it with one of {optimizers} (apply_optimizer_in_backward with SGD, RowWiseAdagrad "
+                         "or Adam, or the sharders' fused_params)")
+        if fbgemm_dim:
+            fixes.append(f"use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}), or plan recpipe's own "
+                         "layout with backend='native' (CPU training, or the torch backend on other devices), which "
+                         "takes any dim")
         raise PlannerError(
-            f"table {t.fqn!r} cannot be a tiered table on fbgemm's CUDA backend: {'; '.join(problems)}.\n"
-            "Possible solutions:\n"
-            f"  1) use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}) and one of "
-            f"{sorted(o.value for o in SUPPORTED_OPTIMIZERS)} (the optimizers tiered tables run on every "
-            "backend).\n"
-            "  2) for the dim only: plan recpipe's own layout with backend='native' (CPU training, or the "
-            "torch backend on other devices), which takes any dim.",
+            f"table {t.fqn!r} cannot be a tiered table on the {backend} backend: {'; '.join(problems)}.\n"
+            "Possible solutions:\n" + "\n".join(f"  {k + 1}) {f}" for k, f in enumerate(fixes)),
             PlannerErrorType.INPUT_VALIDATION,
         )
 

@@ -104,7 +104,7 @@ def table_fused_optimizer(
 def tables_from_module(
     module: nn.Module,
     *,
-    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.ADAM,
+    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.SGD,
     fused_params: Optional[Mapping[str, Any]] = None,
     batch_size: int = BATCH_SIZE,
     pooling_factor: float = POOLING_FACTOR,
@@ -118,7 +118,9 @@ def tables_from_module(
 
     Args:
         module (nn.Module): a model, or an EBC / EC itself.
-        optimizer (FusedOptimizer | str): fused optimizer of tables the model gives none.
+        optimizer (FusedOptimizer | str): fused optimizer of tables the model gives none
+            (default SGD: what the tiered sharders train such a table with, fbgemm's
+            ``EXACT_SGD`` default).
         fused_params (Optional[Mapping[str, Any]]): the sharders' fused params
             (torchrec style: ``optimizer`` an ``EmbOptimType``).
         batch_size (int): per-rank batch size (torchrec ``BATCH_SIZE`` = 512 default).
@@ -180,7 +182,9 @@ class PlacementPlanner:
         proposer (Optional[Proposer]): defaults to ``DynamicProgrammingProposer(bins)``.
         optimizer (FusedOptimizer | str): fused optimizer of module tables whose
             model names none (neither ``apply_optimizer_in_backward`` nor
-            ``fused_params``); a module's own optimizers always win.
+            ``fused_params``); a module's own optimizers always win. Default SGD:
+            the tiered sharders train such a table with fbgemm's ``EXACT_SGD``
+            default, so another value only fits sharders given that optimizer.
         fused_params (Optional[Mapping[str, Any]]): the sharders' fused params
             (torchrec style; their ``optimizer`` applies to tables without an
             in-backward optimizer, as in torchrec's sharders).
@@ -214,7 +218,7 @@ class PlacementPlanner:
         bins: Optional[Tuple[int, int]] = None,
         constraints: Optional[Mapping[str, PlacementConstraints]] = None,
         proposer: Optional[Proposer] = None,
-        optimizer: Union[FusedOptimizer, str] = FusedOptimizer.ADAM,
+        optimizer: Union[FusedOptimizer, str] = FusedOptimizer.SGD,
         fused_params: Optional[Mapping[str, Any]] = None,
         batch_size: int = BATCH_SIZE,
         hbm_reservation: float = DEFAULT_HBM_RESERVATION,

@@ -112,9 +112,12 @@ class TableSpec:
     dim: int
     """Embedding dimension."""
     dtype: Union[torch.dtype, str] = torch.float32
-    """Dtype of the embedding values (a name such as ``"float16"`` is read as the torch dtype)."""
+    """Dtype of the embedding values (a name such as ``"float16"`` is read as the torch dtype).
+    The byte formulas take any dtype; the planner plans only the ones tiered tables
+    hold (``TIERED_DTYPES``: float32)."""
     optimizer: Union[FusedOptimizer, str] = FusedOptimizer.ADAM
-    """Fused optimizer: sgd, rowwise_adagrad, adagrad or adam (sets state bytes)."""
+    """Fused optimizer: sgd, rowwise_adagrad, adagrad or adam (sets state bytes). The
+    planner plans only the ones tiered tables run (sgd, rowwise_adagrad, adam)."""
     lookups_per_step: float = 512.0
     """Expected rows looked up per rank per training step (batch x pooling factor)."""
     zipf_alpha: float = DEFAULT_ZIPF_ALPHA

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Dict
@@ -47,6 +48,12 @@ from recpipe.pipeline.placement import (
     row_bytes,
     shard_storage,
 )
+from recpipe.pipeline.sharders import (
+    TieredEmbeddingBagCollectionSharder,
+    TieredEmbeddingCollectionSharder,
+    tiered_optimizer_from_fused_params,
+)
+from recpipe.pipeline.sharding import recpipe_sharders
 from recpipe.planner import (
     PlacementConstraints,
     PlacementParameterSharding,
@@ -324,6 +331,30 @@ def test_planner_optimizer_fallbacks_follow_torchrecs_precedence() -> None:
     assert [t.optimizer for t in tables_from_module(ec)] == [FusedOptimizer.ROWWISE_ADAGRAD]
 
 
+def test_planner_default_optimizer_is_the_sharders_fallback() -> None:
+    # A model that names no fused optimizer trains its tiered tables with the sharders'
+    # fallback (fbgemm's EXACT_SGD, tiered_optimizer_from_fused_params(None)); the plan
+    # must be sized for that, or sharding refuses it as a mismatch.
+    fallback = tiered_optimizer_from_fused_params(None).optimizer
+    assert [t.optimizer for t in tables_from_module(_ebc())] == [fallback] * 3
+    plan = PlacementPlanner(_topology(), backend="native").plan(_ebc())
+    for p in plan.placements:
+        assert p.optimizer is fallback
+        plan.placement_params(p.table).check_runtime(p.table, optimizer=fallback, dtype=torch.float32, dim=32)
+
+
+def test_non_tiered_sharders_refuse_tiered_tables_naming_the_tiered_sharders() -> None:
+    plan = PlacementPlanner(_topology(2), backend="native").plan(_ebc("cpu")).to_sharding_plan(compute_device="cpu")
+    params = plan.plan[""]
+    for sharder in recpipe_sharders():
+        with pytest.raises(ValueError, match=r"table 'a' has compute_kernel customized_kernel .* which "
+                           f"{type(sharder).__name__} does not run: shard with "
+                           r"recpipe\.pipeline\.sharders\.TieredEmbeddingBagCollectionSharder\(\)"):
+            sharder.shard(_ebc("cpu"), params, env=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+    for tiered in (TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()):
+        tiered._check_kernels(params, torch.device("cpu"))  # runs them: no error
+
+
 def test_planner_refuses_an_optimizer_it_cannot_size() -> None:
     ebc = _ebc()
     apply_optimizer_in_backward(torch.optim.RMSprop, [ebc.embedding_bags["b"].weight], {"lr": 0.01})
@@ -335,9 +366,12 @@ def test_planner_refuses_an_optimizer_it_cannot_size() -> None:
 
 
 def test_plan_json_keeps_optimizer_and_dtype(tmp_path: Path) -> None:
-    tables = [TableSpec(name="x", rows=5000, dim=16, optimizer="rowwise_adagrad", dtype="float16"),
+    tables = [TableSpec(name="x", rows=5000, dim=16, optimizer="rowwise_adagrad"),
               TableSpec(name="y", rows=3000, dim=8, optimizer=EmbOptimType.EXACT_SGD)]
     plan = PlacementPlanner(_topology(2), dist_type="roundrobin", seed=3, cache_policy="lru").plan(tables)
+    # The planner plans float32 rows only (TIERED_DTYPES); the JSON keeps any dtype a plan
+    # records, so x's is set by hand to one that is not the default.
+    plan.placements[0] = dataclasses.replace(plan.placements[0], dtype=torch.float16)
     plan.save(tmp_path / "p.json")
     back = PlacementPlan.load(tmp_path / "p.json")
     assert back == plan

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Dict, List, Tuple
 
@@ -103,8 +104,12 @@ def _body(rank: int, world: int) -> Dict[str, Any]:
     out["optimizer_mismatch"] = _refusal(lambda: _shard(trained, stale_plan))
 
     # 3) planned for float16 rows, the table is float32: refused
-    specs = [TableSpec(name=n, rows=r, dim=d, dtype="float16", optimizer="adam") for n, r, d in TABLES]
-    fp16_plan = _planner(world).plan(specs).to_sharding_plan(compute_device="cpu")
+    # (the planner plans float32 rows only: the plan's dtype is edited, as a stale or
+    # hand-written plan would carry it)
+    specs = [TableSpec(name=n, rows=r, dim=d, optimizer="adam") for n, r, d in TABLES]
+    planned16 = _planner(world).plan(specs)
+    planned16.placements = [dataclasses.replace(p, dtype=torch.float16) for p in planned16.placements]
+    fp16_plan = planned16.to_sharding_plan(compute_device="cpu")
     out["dtype_mismatch"] = _refusal(lambda: _shard(trained, fp16_plan))
 
     # 4) a tiered table whose ParameterSharding carries no placement: refused

@@ -282,9 +282,8 @@ def test_bulk_enumeration_equals_storage_formulas(backend: str, policy: str) -> 
     # Independent reference: the scalar storage functions of the backend and fast_tier_hit_rate.
     rng = np.random.default_rng(3)
     tables = _random_tables(rng, 12) + [
-        # N < W: ranks with 0 rows (fbgemm's tiered tables run no per-element Adagrad)
-        TableSpec(name="tiny", rows=5, dim=8, optimizer="adagrad" if backend == "native" else "rowwise_adagrad"),
-        TableSpec(name="even", rows=64 * 1000, dim=16, dtype="float16", optimizer="sgd"),  # W divides N
+        TableSpec(name="tiny", rows=5, dim=8, optimizer="rowwise_adagrad"),  # N < W: ranks with 0 rows
+        TableSpec(name="even", rows=64 * 1000, dim=16, optimizer="sgd"),  # W divides N
         TableSpec(name="counts", rows=6, dim=4, access_counts=[5, 1, 0, 9, 2, 2]),
         TableSpec(name="sets", rows=64 * 40 + 3, dim=12, optimizer="adam"),  # CACHING: 1 set, then several
     ]
@@ -491,15 +490,34 @@ def test_cuda_plans_budget_fbgemm_bytes_and_cpu_plans_native_bytes() -> None:
         PlacementPlanner(topo(), backend="torch")
 
 
-def test_fbgemm_backend_refuses_tables_its_tbe_cannot_hold() -> None:
-    for spec, why in ((dict(dim=6, optimizer="sgd"), "dim 6 is not a multiple of 4"),
-                      (dict(dim=8, optimizer="adagrad"), "fused optimizer adagrad")):
+def test_planner_refuses_tables_no_tiered_table_runs() -> None:
+    # The tiered runtime (TieredEmbeddingShard, every backend) holds float32 rows and runs
+    # sgd / rowwise_adagrad / adam; fbgemm's TBE also needs dim % 4 == 0. A plan it cannot
+    # build is refused at plan time, naming the table, not later at sharding.
+    cases = [
+        (dict(dim=6, optimizer="sgd"), ("fbgemm",), r"dim 6 is not a multiple of 4", "backend='native'"),
+        (dict(dim=8, optimizer="adagrad"), ("fbgemm", "native"), r"fused optimizer adagrad is not one tiered tables "
+         r"run \(\['adam', 'rowwise_adagrad', 'sgd'\]\)", "apply_optimizer_in_backward"),
+        (dict(dim=8, optimizer="sgd", dtype="float16"), ("fbgemm", "native"), r"dtype float16 is not one tiered "
+         r"tables hold \(\['float32'\]\)", "DataType.FP32"),
+    ]
+    for spec, backends, why, fix in cases:
         t = TableSpec(name="odd", rows=1000, **spec)
-        with pytest.raises(PlannerError, match=why) as e:
-            PlacementPlanner(topo()).plan([t])
-        assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
-        assert "backend='native'" in str(e.value) and "1)" in str(e.value)
-        assert PlacementPlanner(topo(), backend="native").plan([t]).backend == "native"
+        for backend in backends:
+            with pytest.raises(PlannerError, match=why) as e:
+                PlacementPlanner(topo(), backend=backend).plan([t])
+            assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+            msg = str(e.value)
+            assert f"table 'odd' cannot be a tiered table on the {backend} backend" in msg, msg
+            assert "Possible solutions:\n  1) " in msg and fix in msg, msg
+        if backends == ("fbgemm",):
+            assert PlacementPlanner(topo(), backend="native").plan([t]).backend == "native"
+    # every problem of a table at once, one solution each
+    t = TableSpec(name="bad", rows=1000, dim=6, optimizer="adagrad", dtype="bfloat16")
+    with pytest.raises(PlannerError) as e:
+        PlacementPlanner(topo()).plan([t])
+    msg = str(e.value)
+    assert msg.count("; its ") == 2 and "  3) use a dim that is a multiple of 4 (e.g. 8)" in msg, msg
 
 
 def test_module_input_sharding_plan_round_trip_and_json(tmp_path: Path) -> None:
