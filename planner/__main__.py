@@ -90,14 +90,20 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
         if missing:
             raise ValueError(f"{path}: table #{k} ({item.get('name', 'unnamed')}) lacks {missing}; every table "
                              f"needs {list(_REQUIRED_KEYS)}.")
+        for key in ("name", "dtype", "optimizer"):
+            value = item.get(key, "")
+            if not isinstance(value, str) or (key == "name" and not value.strip()):
+                example = {"name": "user_id", "dtype": "float32", "optimizer": "adam"}[key]
+                raise ValueError(f"{path}: table #{k}: {key} is {value!r} ({type(value).__name__}); it must be a "
+                                 f"non-empty string (YAML: quote it, e.g. {key}: \"{example}\").")
         try:
             specs.append(
                 TableSpec(
-                    name=str(item["name"]),
+                    name=item["name"],
                     rows=item["rows"],
                     dim=item["dim"],
-                    dtype=str(item.get("dtype", "float32")),
-                    optimizer=str(item.get("optimizer", default_optimizer)),
+                    dtype=item.get("dtype", "float32"),
+                    optimizer=item.get("optimizer", default_optimizer),
                     lookups_per_step=item.get("lookups_per_step", 512),
                     zipf_alpha=item.get("zipf_alpha", DEFAULT_ZIPF_ALPHA),
                 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -393,8 +394,8 @@ class PlacementPlanner:
         min_h, min_d = int(min_h_table.sum()), int(min_d_table.sum())
         W, L = self.topology.world_size, self.topology.local_world_size
         budgets = (
-            f"Budgets: HBM {format_bytes(H)} ({H} B) per device = hbm_cap x (1 - {self.hbm_reservation}); "
-            f"DDR {format_bytes(D)} ({D} B) per machine = ddr_cap x local_world_size {L} x "
+            f"Budgets: HBM {_sized(H)} per device = hbm_cap x (1 - {self.hbm_reservation}); "
+            f"DDR {_sized(D)} per machine = ddr_cap x local_world_size {L} x "
             f"(1 - {self.ddr_reservation}); world_size {W}."
         )
         fits_alone = valid & (hbm <= H) & (ddr <= D)
@@ -404,16 +405,10 @@ class PlacementPlanner:
             t = specs[i]
             pinned = t.fqn in self.constraints or t.name in self.constraints
             kind = PlannerErrorType.STRICT_CONSTRAINTS if pinned else PlannerErrorType.TABLE_DOES_NOT_FIT
-            jh = int(np.argmin(hb[i]))
-            oh = options.option(i, jh)
-            sols = [
-                f"raise the HBM per device to at least {format_bytes(hbm[i, jh] / (1 - self.hbm_reservation))} "
-                f"(hbm_cap) and the DDR per machine to at least {format_bytes(ddr[i, jh])}: the table's "
-                f"smallest-HBM option ({oh.mode.name} x={oh.cache_load_factor}) needs "
-                f"{format_bytes(hbm[i, jh])} ({int(hbm[i, jh])} B) of HBM per rank and {format_bytes(ddr[i, jh])} "
-                f"({int(ddr[i, jh])} B) of DDR per machine",
-                f"shard over more ranks (world_size now {W}): per-rank bytes shrink as 1/world_size",
-            ]
+            # The table's smallest-HBM and smallest-DDR options, each with the budgets it exceeds.
+            sols = [self._raise_for(options.option(i, j), H, D) for j in dict.fromkeys(
+                (int(np.argmin(hb[i])), int(np.argmin(db[i]))))]
+            sols.append(f"shard over more ranks (world_size now {W}): per-rank bytes shrink as 1/world_size")
             if pinned:
                 sols.insert(0, f"relax the constraints pinned on table {t.fqn!r} ({self.constraints.get(t.fqn) or self.constraints.get(t.name)})")
             else:
@@ -431,16 +426,15 @@ class PlacementPlanner:
             sols = []
             if need_h:
                 sols.append(
-                    f"raise HBM per device (hbm_cap) to at least {format_bytes(min_h / (1 - self.hbm_reservation))}: "
-                    f"the model needs at least {format_bytes(min_h)} ({min_h} B) of HBM per rank at the smallest "
-                    f"load factors, the budget is {format_bytes(H)}"
+                    f"raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(min_h)}: the model needs at "
+                    f"least {_sized(min_h)} of HBM per rank at the smallest load factors, the "
+                    f"budget is {_sized(H)}"
                 )
                 sols.append(f"lower hbm_reservation (now {self.hbm_reservation}) or add smaller load_factors")
             if need_d:
                 sols.append(
-                    f"raise host DDR per machine to at least {format_bytes(min_d / (1 - self.ddr_reservation))}: "
-                    f"the model needs at least {format_bytes(min_d)} ({min_d} B) of DDR per machine, "
-                    f"the budget is {format_bytes(D)}"
+                    f"raise host DDR per machine to at least {self._ddr_cap_for(min_d)}: the model needs at least "
+                    f"{_sized(min_d)} of DDR per machine, the budget is {_sized(D)}"
                 )
             sols.append(f"use more ranks (world_size now {W}) or fewer ranks per machine (local_world_size now {L})")
             return PlannerError(
@@ -456,19 +450,81 @@ class PlacementPlanner:
         lh_h, lh_d = int(hbm[r, j_h].sum()), int(ddr[r, j_h].sum())
         ld_h, ld_d = int(hbm[r, j_d].sum()), int(ddr[r, j_d].sum())
         sols = [
-            f"raise DDR per machine to {format_bytes(lh_d)}: the lowest-HBM plan needs HBM {format_bytes(lh_h)} "
-            f"and DDR {format_bytes(lh_d)}",
-            f"raise HBM per device to {format_bytes(ld_h / (1 - self.hbm_reservation))}: the lowest-DDR plan "
-            f"needs HBM {format_bytes(ld_h)} and DDR {format_bytes(ld_d)}",
-            f"use a finer DP grid (bins now {getattr(self.proposer, 'last_bins', None)}) in case the "
-            "combination is within one bin of the budgets",
+            f"raise DDR per machine to at least {self._ddr_cap_for(lh_d)}: the lowest-HBM plan needs HBM "
+            f"{_sized(lh_h)} per rank and DDR {_sized(lh_d)} per machine",
+            f"raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(ld_h)}: the lowest-DDR plan needs HBM "
+            f"{_sized(ld_h)} per rank and DDR {_sized(ld_d)} per machine",
         ]
+        # Only options that fit both budgets alone can be in a plan: when even their
+        # smallest bytes overflow a budget, no plan exists and a finer grid cannot help.
+        fit_h = np.where(fits_alone, hbm, np.iinfo(np.int64).max).min(axis=1)
+        fit_d = np.where(fits_alone, ddr, np.iinfo(np.int64).max).min(axis=1)
+        proven = int(fit_h.sum()) > H or int(fit_d.sum()) > D
+        nh, nd = getattr(self.proposer, "last_bins", (0, 0))
+        binned = [f"{n} {axis} bins" for n, axis in ((nh, "HBM"), (nd, "DDR")) if n > 0]
+        if binned and not proven:  # an axis that does not bind is not binned (exact): only a binned one rounds
+            sols.append(
+                f"use a finer DP grid (bins=(HBM bins, DDR bins); this plan used {' and '.join(binned)}) in case "
+                "the combination is within one bin of the budgets"
+            )
         return PlannerError(
             f"No combination of placements meets both budgets at once (HBM alone needs >= {format_bytes(min_h)}, "
             f"DDR alone needs >= {format_bytes(min_d)}).\n{budgets}\nPossible solutions:\n"
             + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
             PlannerErrorType.INSUFFICIENT_STORAGE,
         )
+
+    def _hbm_cap_for(self, need: int) -> str:
+        """The smallest ``hbm_cap`` whose budget holds ``need`` bytes per device, rounded up, and in bytes."""
+        cap = _capacity_for(need, self.hbm_reservation, 1)
+        return f"{format_bytes(cap, round_up=True)} ({cap} B)"
+
+    def _ddr_cap_for(self, need: int) -> str:
+        """The smallest DDR per machine whose budget holds ``need`` bytes, rounded up, and in bytes.
+
+        A machine's DDR is ``local_world_size`` x ``ddr_cap`` (torchrec's is per rank), so
+        the size is a multiple of ``local_world_size``.
+        """
+        L = self.topology.local_world_size
+        cap = _capacity_for(need, self.ddr_reservation, L)
+        return f"{format_bytes(cap, round_up=True)} ({cap} B; ddr_cap {cap // L} B per rank)"
+
+    def _raise_for(self, option: PlacementOption, H: int, D: int) -> str:
+        """What to raise for ``option`` to fit: only the budgets it exceeds."""
+        raises = []
+        if option.hbm_bytes_per_rank > H:
+            raises.append(f"the HBM per device (hbm_cap) to at least {self._hbm_cap_for(option.hbm_bytes_per_rank)}")
+        if option.ddr_bytes_per_machine > D:
+            raises.append(f"the DDR per machine to at least {self._ddr_cap_for(option.ddr_bytes_per_machine)}")
+        return (
+            f"raise {' and '.join(raises)}: the table's {option.mode.name} x={option.cache_load_factor} option "
+            f"needs {_sized(option.hbm_bytes_per_rank)} of HBM per rank and "
+            f"{_sized(option.ddr_bytes_per_machine)} of DDR per machine"
+        )
+
+
+def _sized(num: int) -> str:
+    """Bytes for a message: ``18.31 MiB (19195784 B)``, or ``512 B`` below 1 KiB."""
+    n = int(num)
+    return f"{n} B" if n < 1024 else f"{format_bytes(n)} ({n} B)"
+
+
+def _capacity_for(need: int, reservation: float, ranks: int) -> int:
+    """Smallest capacity ``ranks x c`` (``c`` a whole number of bytes per rank) whose budget
+    ``int(ranks x c x (1 - reservation))`` (``hbm_budget`` / ``ddr_budget``) is >= ``need``.
+
+    Args:
+        need (int): bytes the budget must hold.
+        reservation (float): the reserved fraction in [0, 1).
+        ranks (int): ranks sharing the capacity (1 for HBM per device, local_world_size for DDR per machine).
+
+    Returns:
+        int: the capacity in bytes.
+    """
+    c = max(0, math.ceil(need / ranks / (1.0 - reservation)) - 1)
+    while int(ranks * c * (1.0 - reservation)) < need:  # float rounding: step to the first that holds
+        c += 1
+    return ranks * c
 
 
 __all__ = [

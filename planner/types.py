@@ -71,11 +71,13 @@ class PlannerError(_TorchrecPlannerError):
         self.planner_error_type: PlannerErrorType = error_type
 
 
-def format_bytes(num: float) -> str:
+def format_bytes(num: float, round_up: bool = False) -> str:
     """Human readable bytes in binary units, e.g. ``1.50 GiB``.
 
     Args:
         num (float): bytes.
+        round_up (bool): round up to the 2 decimals shown (for a size the user must
+            reach: a minimum never reads smaller than it is).
 
     Returns:
         str: formatted size.
@@ -84,7 +86,9 @@ def format_bytes(num: float) -> str:
     value = float(num)
     for unit in units:
         if abs(value) < 1024.0 or unit == units[-1]:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+            if unit == "B":
+                return f"{math.ceil(value) if round_up else value:.0f} {unit}"
+            return f"{math.ceil(value * 100) / 100 if round_up else value:.2f} {unit}"
         value /= 1024.0
     return f"{value:.2f} PiB"  # pragma: no cover
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from fractions import Fraction
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 import numpy as np
 import pytest
@@ -457,6 +457,69 @@ def test_infeasible_raises_typed_error_with_numbers() -> None:
     assert f"({min_h} B)" in str(e.value)
 
 
+def _quoted_caps(solution: str) -> Tuple[Optional[int], Optional[int]]:
+    """(hbm_cap, ddr_cap per rank) a "Possible solutions" line asks for, None where it names none."""
+    h = re.search(r"hbm_cap\) to at least \d+\.\d\d [KMGT]iB \((\d+) B\)", solution)
+    d = re.search(r"DDR per machine to at least \d+\.\d\d [KMGT]iB \((\d+) B; ddr_cap (\d+) B per rank\)", solution)
+    if d is not None:
+        assert int(d.group(1)) == 2 * int(d.group(2))  # local_world_size 2
+    return (int(h.group(1)) if h else None), (int(d.group(2)) if d else None)
+
+
+def test_infeasible_solutions_quote_the_smallest_capacities_that_work() -> None:
+    # Each capacity a solution quotes is exact: the plan fits with it and not with 1 byte less
+    # (per rank), and a budget the option already meets is not named.
+    t = TableSpec(name="t", rows=1_000_000, dim=64, optimizer="adam")
+    H0, D0 = 10 * 2**20, 50 * 2**20
+
+    def plan(hbm: int, ddr: int, pin: Optional[PlacementConstraints] = None) -> None:
+        PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=ddr), backend="native",
+                         constraints={"t": pin} if pin else None).plan([t])
+
+    with pytest.raises(PlannerError) as e:
+        plan(H0, D0)
+    assert e.value.planner_error_type is PlannerErrorType.TABLE_DOES_NOT_FIT
+    sols = re.findall(r"^  \d\) (raise .*)$", str(e.value), re.M)
+    assert len(sols) == 2, str(e.value)  # the smallest-HBM and the smallest-DDR option
+    for sol in sols:
+        mode, x = re.search(r"the table's (HYBRID|CACHING) x=([0-9.]+) option", sol).groups()
+        pin = PlacementConstraints(mode=mode, cache_load_factor=float(x))
+        hbm, ddr = _quoted_caps(sol)
+        assert hbm is not None or ddr is not None
+        plan(hbm or H0, ddr or D0, pin)
+        for less in ([(hbm - 1, ddr or D0)] if hbm else []) + ([(hbm or H0, ddr - 1)] if ddr else []):
+            with pytest.raises(PlannerError):
+                plan(*less, pin)
+    # HBM enough for the smallest-HBM option (x = 0.1): only DDR is named for it
+    with pytest.raises(PlannerError) as e:
+        plan(64 * 2**20, D0)
+    first = re.findall(r"^  1\) (raise .*)$", str(e.value), re.M)[0]
+    assert "x=0.1 option" in first and "hbm_cap" not in first and _quoted_caps(first)[1] is not None
+
+    # INSUFFICIENT_HBM: the quoted hbm_cap plans the tables, 1 byte less does not
+    many = [TableSpec(name=f"x{i}", rows=10**6, dim=64, optimizer="sgd") for i in range(8)]
+    with pytest.raises(PlannerError) as e:
+        PlacementPlanner(topo(2, 2, hbm=40 * 2**20, ddr_per_rank=64 * GiB), backend="native").plan(many)
+    assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_HBM
+    hbm, _ = _quoted_caps(str(e.value))
+    assert hbm is not None
+    PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=64 * GiB), backend="native").plan(many)
+    with pytest.raises(PlannerError):
+        PlacementPlanner(topo(2, 2, hbm=hbm - 1, ddr_per_rank=64 * GiB), backend="native").plan(many)
+
+
+def test_infeasible_pair_of_budgets_offers_a_finer_grid_only_when_it_can_help() -> None:
+    # Two tables that each fit alone, but whose options fitting the tiny DDR budget (all
+    # in HBM) overflow HBM together: no plan exists whatever the grid.
+    ts = [TableSpec(name=n, rows=100_000, dim=64, optimizer="adam") for n in ("a", "b")]
+    with pytest.raises(PlannerError) as e:
+        PlacementPlanner(topo(2, 2, hbm=60 * 2**20, ddr_per_rank=2**20), backend="native").plan(ts)
+    assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_STORAGE
+    assert "finer DP grid" not in str(e.value) and "bins now" not in str(e.value)
+    hbm, _ = _quoted_caps(re.search(r"^  2\) (.*)$", str(e.value), re.M).group(1))  # the lowest-DDR plan
+    PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=2**20), backend="native").plan(ts)
+
+
 def test_cuda_plans_budget_fbgemm_bytes_and_cpu_plans_native_bytes() -> None:
     """Row-wise Adagrad keeps a float per row in HBM for fbgemm's UVM rows too, and a
     HYBRID shard adds its int32 split map: a budget that recpipe's own layout just meets
@@ -619,6 +682,12 @@ def test_bad_input_errors_name_the_argument() -> None:
                                                      r"the planner's limit of 2\^62 bytes"),
     ("{name: a, rows: 100, dim: 8, zipf_alpha: .nan}", r"zipf_alpha must be a finite number >= 0"),
     ("{name: a, rows: 100, dim: 8, lookups_per_step: .inf}", r"lookups_per_step must be a finite number >= 0"),
+    ("{name: null, rows: 100, dim: 8}", r"table #0: name is None \(NoneType\); it must be a non-empty string "
+                                        r"\(YAML: quote it, e.g. name: \"user_id\"\)"),
+    ("{name: 123, rows: 100, dim: 8}", r"table #0: name is 123 \(int\); it must be a non-empty string"),
+    ("{name: ' ', rows: 100, dim: 8}", r"table #0: name is ' ' \(str\); it must be a non-empty string"),
+    ("{name: a, rows: 100, dim: 8, optimizer: null}", r"table #0: optimizer is None \(NoneType\).*optimizer: \"adam\""),
+    ("{name: a, rows: 100, dim: 8, dtype: 16}", r"table #0: dtype is 16 \(int\).*dtype: \"float32\""),
 ])
 def test_cli_bad_tables_print_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str,
                                           message: str) -> None:
