@@ -285,8 +285,12 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         if name not in context.input_dist_tensors_requests:
             raise RuntimeError(
                 f"TrainPipelineFusedSparseDist: the input dist of module {name!r} for batch "
-                f"{context.index} was not waited before its lookup (available: "
-                f"{sorted(context.input_dist_tensors_requests)})."
+                f"{context.index} is not available for its lookup (available: "
+                f"{sorted(context.input_dist_tensors_requests)}): it was consumed already. This "
+                f"typically means {name!r} is called more than once in the model's forward: a "
+                "pipelined embedding module (EBC, EC, ...) can be called once per forward, as in "
+                "torchrec's TrainPipelineSparseDist. Call it once and reuse its output (or give "
+                "each call its own module)."
             )
         module_ctx = context.module_contexts[name]
         request = context.input_dist_tensors_requests.pop(name)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from gloo_harness import run_gloo
 from torchrec.streamable import Pipelineable
-from test_pipeline_common import build_dmp, make_batches, run_pipeline, run_reference
+from test_pipeline_common import TwoModuleModel, TwoSparseBatch, build_dmp, make_batches, run_pipeline, run_reference
 
 from recpipe.pipeline._pipeline_stats import (
     STAGE_OUTPUT_DIST_WAIT,
@@ -33,6 +33,15 @@ DP_T1 = {"t1": ("data_parallel", None)}  # table t1 of module "ebc": replicated
 
 def _np(xs: Sequence[torch.Tensor]) -> List[np.ndarray]:
     return [x.detach().cpu().numpy() for x in xs]
+
+
+class _EbcTwiceModel(TwoModuleModel):
+    """``TwoModuleModel`` whose forward calls its EBC twice (a pipelined module may be called once)."""
+
+    def forward(self, batch: TwoSparseBatch) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        again = self.ebc(batch.ebc_features).values()
+        loss, out = super().forward(batch)
+        return loss + 0.0 * again.sum(), out
 
 
 def _refusal_body(rank: int, world_size: int) -> Dict[str, Any]:
@@ -60,6 +69,14 @@ def _refusal_body(rank: int, world_size: int) -> Dict[str, Any]:
                 for m in model.modules()
                 if hasattr(m, "forward") and not isinstance(m.forward, type(model.forward))
             )
+
+    model, opt = build_dmp("table_wise", device)
+    model.module.__class__ = _EbcTwiceModel  # the sharded model, its forward now calling "ebc" twice
+    try:
+        TrainPipelineFusedSparseDist(model, opt, device).progress(iter(batches))
+        out["twice"] = None
+    except RuntimeError as e:
+        out["twice"] = str(e)
 
     for label, overrides in (("dense", DENSE_T1), ("dp", DP_T1)):
         ref, ref_opt = build_dmp("table_wise", device, overrides=overrides)
@@ -115,6 +132,13 @@ def test_allow_dense_tables_stays_exact(refusal_results: List[Dict[str, Any]], l
             assert len(got) == len(ref)
             for step, (a, b) in enumerate(zip(got, ref)):
                 assert np.array_equal(a, b), f"rank {rank} {label} after_opt={after_opt}: step {step} {a} vs {b}"
+
+
+def test_module_called_twice_in_forward_names_the_cause(refusal_results: List[Dict[str, Any]]) -> None:
+    for res in refusal_results:
+        msg = res["twice"]
+        assert msg is not None and "module 'ebc'" in msg, msg
+        assert "'ebc' is called more than once in the model's forward" in msg and "Call it once" in msg, msg
 
 
 def test_bad_arguments_name_the_argument() -> None:
