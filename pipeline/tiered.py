@@ -774,7 +774,8 @@ class TieredEmbeddingShard(nn.Module):
         Returns:
             Dict[str, float]: ``hit_rate`` (ids whose row was in the fast tier
             before the step's cache loads), ``fast_fraction`` (ids served from the
-            fast tier), ``cumulative_hit_rate``, ``lookups``, ``unique_rows``,
+            fast tier), ``cumulative_hit_rate`` (over ``cumulative_lookups``),
+            ``lookups``, ``unique_rows``,
             ``rows_loaded`` / ``rows_written_back`` / ``rows_evicted`` between the
             tiers, ``bytes_moved`` (``(loaded + written back) * moved_row_bytes``:
             values plus optimizer state, values only in fbgemm's cache) and
@@ -794,6 +795,7 @@ class TieredEmbeddingShard(nn.Module):
             "hit_rate": last["hits"] / lookups,
             "fast_fraction": last["fast_lookups"] / lookups,
             "cumulative_hit_rate": total["hits"] / max(total["lookups"], 1.0),
+            "cumulative_lookups": total["lookups"],
             "lookups": last["lookups"],
             "unique_rows": last["unique_rows"],
             "rows_loaded": last["rows_loaded"],

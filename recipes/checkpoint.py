@@ -1022,6 +1022,8 @@ def load_checkpoint(
             why = "; ".join(notes + ([f"damaged checkpoint {s}" for s in skipped]))
             if rank == 0:
                 print(f"[recpipe] resume: {why}; resuming from {step_dir} instead", flush=True)
+        elif rank == 0:
+            print(f"[recpipe] resumed from {step_dir}", flush=True)
         if payload["meta"].get("checkpoint_format", "pt") == "dcp":
             _restore_dcp(step_dir, model, optimizer, payload["optimizer"])
             return int(payload["meta"]["step"])

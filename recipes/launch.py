@@ -170,25 +170,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"[recpipe] full worker logs: {result.log_dir}", file=sys.stderr)
         return 1
     metrics = json.loads(metrics_file.read_text())
+
+    def number(key: str, spec: str) -> str:  # None: not measured (e.g. no eval, too few steps)
+        return "n/a" if metrics.get(key) is None else format(metrics[key], spec)
+
+    ran = metrics["steps"] - metrics.get("start_step", 0)
+    steps = f"{ran} steps" if ran == metrics["steps"] else f"{ran} steps resumed at {metrics['start_step']}"
     print(
-        "\n[recpipe] finished in {:.0f} s ({} steps on {} ranks, pipeline {})\n"
-        "  final eval AUROC   {:.4f}\n"
-        "  final train loss   {:.4f} (mean of the last logging interval)\n"
-        "  throughput         {:.0f} samples/s\n"
-        "  TensorBoard logs   {}\n"
-        "  view them with     tensorboard --logdir {}\n"
-        "  torchx logs        {}".format(
-            elapsed,
-            metrics["steps"],
-            metrics["world_size"],
-            metrics["pipeline"],
-            metrics["final_auroc"],
-            metrics["final_loss"],
-            metrics["samples_per_s"],
-            tb_dir,
-            tb_dir,
-            result.log_dir,
-        ),
+        f"\n[recpipe] finished in {elapsed:.0f} s ({steps} on {metrics['world_size']} ranks, "
+        f"pipeline {metrics['pipeline']})\n"
+        f"  final eval AUROC   {number('final_auroc', '.4f')}\n"
+        f"  final train loss   {number('final_loss', '.4f')} (mean of the last logging interval)\n"
+        f"  throughput         {number('samples_per_s', '.0f')} samples/s\n"
+        f"  TensorBoard logs   {tb_dir}\n"
+        f"  view them with     tensorboard --logdir {tb_dir}\n"
+        f"  torchx logs        {result.log_dir}",
         flush=True,
     )
     return 0

@@ -27,8 +27,9 @@ class TierStatsProvider(Protocol):
     """Any (sharded) table module that reports per-table tier statistics.
 
     ``tier_stats()`` returns ``{table_name: {stat_name: value}}``. Stats whose name
-    ends in ``rate`` (e.g. ``hit_rate``) are ratios and are averaged when several
-    providers or ranks report the same table; all others (bytes, row counts) are summed.
+    ends in ``rate`` or ``fraction`` (e.g. ``hit_rate``) are ratios, averaged when
+    several providers or ranks report the same table (weighted by their ``lookups``,
+    see :func:`merge_tier_stats`); all others (bytes, row counts) are summed.
     """
 
     def tier_stats(self) -> TierStats:
@@ -36,8 +37,26 @@ class TierStatsProvider(Protocol):
         ...
 
 
+# Ratio stats and the count each one is a fraction of (``TieredEmbeddingShard.tier_stats``):
+# merged as the weighted mean, i.e. the ratio of the summed counts.
+RATIO_WEIGHTS: Mapping[str, str] = {
+    "hit_rate": "lookups",
+    "fast_fraction": "lookups",
+    "cumulative_hit_rate": "cumulative_lookups",
+}
+
+
+def _is_ratio(name: str) -> bool:
+    return name in RATIO_WEIGHTS or name.endswith(("rate", "fraction"))
+
+
 def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> TierStats:
-    """Merges several providers' or ranks' stats: ``*rate`` averaged, the rest summed.
+    """Merges several providers' or ranks' stats of the same tables.
+
+    Ratios (``RATIO_WEIGHTS``, and any other stat whose name ends in ``rate`` or
+    ``fraction``) are averaged, weighted by the count they are a fraction of when
+    every part reports it (``hit_rate`` over 2 ranks = all hits / all lookups), else
+    unweighted; all other stats (bytes, row counts) are summed.
 
     Args:
         parts: stats dicts.
@@ -45,22 +64,24 @@ def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> Tier
     Returns:
         One merged ``{table: {stat: value}}``.
     """
-    sums: dict[str, dict[str, float]] = {}
-    counts: dict[str, dict[str, int]] = {}
+    merged: dict[str, dict[str, list[tuple[float, float | None]]]] = {}
     for part in parts:
         for table, stats in part.items():
             for name, value in stats.items():
-                sums.setdefault(table, {}).setdefault(name, 0.0)
-                counts.setdefault(table, {}).setdefault(name, 0)
-                sums[table][name] += float(value)
-                counts[table][name] += 1
-    return {
-        table: {
-            name: (v / counts[table][name] if name.endswith("rate") else v)
-            for name, v in stats.items()
-        }
-        for table, stats in sums.items()
-    }
+                weight = stats.get(RATIO_WEIGHTS.get(name, ""))
+                merged.setdefault(table, {}).setdefault(name, []).append(
+                    (float(value), None if weight is None else float(weight))
+                )
+
+    def combine(name: str, values: list[tuple[float, float | None]]) -> float:
+        if not _is_ratio(name):
+            return sum(v for v, _ in values)
+        weights = [w for _, w in values]
+        if all(w is not None for w in weights) and sum(weights) > 0:  # type: ignore[arg-type]
+            return sum(v * w for v, w in values) / sum(weights)  # type: ignore[operator,arg-type]
+        return sum(v for v, _ in values) / len(values)
+
+    return {table: {name: combine(name, vals) for name, vals in stats.items()} for table, stats in merged.items()}
 
 
 def collect_tier_stats(model: nn.Module) -> TierStats:

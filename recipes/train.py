@@ -57,7 +57,8 @@ class TrainResult:
     logged_losses: list[tuple[int, float]] = field(default_factory=list)
     """``(step, loss)`` of every logging interval: the mean over ranks and steps."""
     samples_per_s: float = float("nan")
-    """Global training throughput, excluding the first logging interval (warm-up)."""
+    """Global training throughput, excluding the first logging interval (warm-up); a
+    run (or resumed segment) of one interval reports that interval, warm-up included."""
     train_seconds: float = 0.0
     """Wall time of the training loop."""
     world_size: int = 1
@@ -75,11 +76,22 @@ class TrainResult:
         return self.evals[-1][1] if self.evals else float("nan")
 
     def to_json(self) -> dict[str, Any]:
-        """JSON-friendly dict including ``final_auroc``."""
+        """Strict-JSON dict including ``final_auroc``; a value not measured (NaN) is None."""
         d = dict(self.__dict__)
         d["final_auroc"] = self.final_auroc
         d["final_loss"] = self.logged_losses[-1][1] if self.logged_losses else float("nan")
-        return d
+        return _json_safe(d)
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN: not measured) as None, lists for tuples."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
 
 
 def _setup_distributed(config: TrainConfig) -> tuple[torch.device, bool]:
@@ -377,6 +389,7 @@ def run(config: TrainConfig) -> TrainResult:
         loop_t0 = time.perf_counter()
         interval_t0, interval_loss, interval_n = loop_t0, 0.0, 0
         timed_steps, timed_seconds, first_interval = 0, 0.0, True
+        warm_steps, warm_seconds = 0, 0.0  # the first logging interval (warm-up)
         while step < total:
             end = _chunk_end(step, total, config)
             batches = source.train_batches(step, end)
@@ -405,6 +418,8 @@ def run(config: TrainConfig) -> TrainResult:
                     if not first_interval:
                         timed_steps += interval_n
                         timed_seconds += dt
+                    else:
+                        warm_steps, warm_seconds = interval_n, dt
                     first_interval = False
                     tb.scalars(
                         step,
@@ -448,9 +463,11 @@ def run(config: TrainConfig) -> TrainResult:
         result.train_seconds = time.perf_counter() - loop_t0
         if timed_steps:
             result.samples_per_s = global_batch * timed_steps / timed_seconds
+        elif warm_steps:  # one logging interval only: its time, warm-up included
+            result.samples_per_s = global_batch * warm_steps / warm_seconds
         if rank == 0 and config.metrics_file:
             Path(config.metrics_file).parent.mkdir(parents=True, exist_ok=True)
-            Path(config.metrics_file).write_text(json.dumps(result.to_json(), indent=1))
+            Path(config.metrics_file).write_text(json.dumps(result.to_json(), indent=1, allow_nan=False))
         return result
     finally:
         tb.close()

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import io
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -263,6 +264,25 @@ LATEST_FAULTS: dict[str, tuple[Callable[[Path], None], int, list[str]]] = {
         _crashed_save_and_latest_missing, 12, ["latest is missing", "damaged checkpoint step_00000016", "manifest.json"]
     ),
 }
+
+
+def test_clean_resume_says_where_it_resumed_and_a_short_segment_reports_throughput(
+    ckpt: Path, pristine: tuple[Path, list[float]], tmp_path: Path
+) -> None:
+    # Resuming at 12 of 16 steps with log_every=4: one logging interval, which used to
+    # leave throughput NaN (and metrics.json with a NaN, not strict JSON).
+    metrics = tmp_path / "m.json"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = run(TrainConfig(**SMALL, max_steps=RESUME_TO, checkpoint_dir=str(ckpt), resume=True,
+                                 metrics_file=str(metrics)))
+    assert result.start_step == SAVED_STEPS and result.losses == pristine[1][SAVED_STEPS:RESUME_TO]
+    assert f"[recpipe] resumed from {step_dir(ckpt, SAVED_STEPS)}" in out.getvalue().splitlines()
+    assert _resume_lines(out.getvalue()) == []  # nothing skipped: no fallback note
+    assert math.isfinite(result.samples_per_s) and result.samples_per_s > 0
+    saved = json.loads(metrics.read_text(), parse_constant=lambda c: pytest.fail(f"non-strict JSON {c}"))
+    assert saved["samples_per_s"] == pytest.approx(result.samples_per_s)
+    assert saved["start_step"] == SAVED_STEPS and saved["steps"] == RESUME_TO
 
 
 @pytest.mark.parametrize("fault", sorted(LATEST_FAULTS))

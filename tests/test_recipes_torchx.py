@@ -60,7 +60,8 @@ def test_torchx_run_writes_tensorboard_and_loss_falls(synthetic_run) -> None:
         for stat in ("hit_rate", "bytes_moved", "rows_loaded"):
             values = [e.value for e in acc.Scalars(f"tier/{table}/{stat}")]
             assert values and all(math.isfinite(v) for v in values), (table, stat)
-        assert all(0.0 <= e.value <= 1.0 for e in acc.Scalars(f"tier/{table}/hit_rate"))
+        for ratio in ("hit_rate", "fast_fraction", "cumulative_hit_rate"):  # fractions of 2 ranks' lookups
+            assert all(0.0 <= e.value <= 1.0 for e in acc.Scalars(f"tier/{table}/{ratio}")), (table, ratio)
     losses = [e.value for e in acc.Scalars("train/loss")]
     assert len(losses) == 8
     # the hidden logistic model is learnable: loss falls clearly over 40 steps

@@ -233,6 +233,28 @@ class _FakeTieredTable(nn.Module):
         return self._stats
 
 
+def test_merged_tier_ratios_are_fractions_of_all_ranks_lookups() -> None:
+    # Two ranks' stats of one table: each ratio is its rank's count / lookups, so the
+    # merged ratio is the summed counts over the summed lookups (not a sum, not a plain mean).
+    ranks = [
+        {"lookups": 10.0, "fast": 10.0, "hits": 4.0, "cumulative_lookups": 100.0, "cumulative_hits": 90.0},
+        {"lookups": 30.0, "fast": 15.0, "hits": 30.0, "cumulative_lookups": 50.0, "cumulative_hits": 5.0},
+    ]
+    parts = [{"t": {"lookups": r["lookups"], "fast_fraction": r["fast"] / r["lookups"],
+                    "hit_rate": r["hits"] / r["lookups"], "cumulative_lookups": r["cumulative_lookups"],
+                    "cumulative_hit_rate": r["cumulative_hits"] / r["cumulative_lookups"],
+                    "rows_loaded": 3.0}} for r in ranks]
+    merged = merge_tier_stats(parts)["t"]
+    assert merged["fast_fraction"] == pytest.approx(25 / 40)
+    assert merged["hit_rate"] == pytest.approx(34 / 40)
+    assert merged["cumulative_hit_rate"] == pytest.approx(95 / 150)
+    assert merged["lookups"] == 40.0 and merged["cumulative_lookups"] == 150.0 and merged["rows_loaded"] == 6.0
+    # a ratio without its count is a plain mean; one with 0 lookups everywhere too
+    assert merge_tier_stats([{"t": {"x_fraction": 1.0}}, {"t": {"x_fraction": 0.5}}])["t"]["x_fraction"] == 0.75
+    idle = [{"t": {"lookups": 0.0, "hit_rate": 0.0}}, {"t": {"lookups": 0.0, "hit_rate": 1.0}}]
+    assert merge_tier_stats(idle)["t"]["hit_rate"] == 0.5
+
+
 def test_tier_stats_hook_logs_fake_provider(tmp_path: Path) -> None:
     model = nn.Sequential(
         nn.Linear(2, 2),
