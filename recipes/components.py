@@ -24,18 +24,36 @@ frozen rank before the job fails), reaches them unchanged.
 
 # No ``from __future__ import annotations``: torchx reads the parameters' annotations
 # as types to decode CLI values (string annotations break ``torchx run recpipe.train``).
+import re
+import time
 from typing import Dict, Optional
 
 import torchx.specs as specs
 from torchx.components.dist import ddp
 
-from recpipe.recipes.config import ConfigPathError, parse_config
+from recpipe.recipes.config import ConfigError, ConfigPathError, parse_config
 
 TRAIN_MODULE: str = "recpipe.recipes.train"
 # Image of container schedulers (kubernetes, docker, ...) unless ``image`` is given. No
 # such public image exists: build one with recpipe installed and pass ``--image``.
 # local_cwd and slurm ignore it (they run the workers in the current directory).
 DEFAULT_IMAGE: str = "recpipe:latest"
+
+
+def _check_j(j: str) -> None:
+    """Refuses a ``-j`` torchrun cannot start (torchx passes it on unchecked).
+
+    Forms: ``{nproc}``, ``{nnodes}x{nproc}`` or ``{min_nnodes}:{max_nnodes}x{nproc}``,
+    every number >= 1 (and min <= max).
+    """
+    m = re.fullmatch(r"(?:(\d+)(?::(\d+))?x)?(\d+)", j.strip()) if isinstance(j, str) else None
+    numbers = [int(g) for g in m.groups() if g is not None] if m else []
+    if not m or min(numbers) < 1 or (m.group(2) is not None and int(m.group(1)) > int(m.group(2))):
+        raise ConfigError(
+            f"invalid component argument -j {j!r}: it must be {{nnodes}}x{{nproc_per_node}} (or "
+            "{min_nnodes}:{max_nnodes}x{nproc_per_node}) with every number >= 1. Fix: e.g. -j 1x2 for 2 "
+            "processes on one machine, -j 2x4 for 2 machines of 4"
+        )
 
 
 def train(
@@ -80,6 +98,7 @@ def train(
         ConfigPathError: with ``check_paths``, an input file is missing or an output
             path cannot be written on this machine.
     """
+    _check_j(j)
     try:
         parse_config(list(script_args), check_paths=check_paths)
     except ConfigPathError as e:
@@ -106,7 +125,7 @@ def train(
 def default_recipe(
     *script_args: str,
     j: str = "1x2",
-    tb_dir: str = "runs/recpipe",
+    tb_dir: Optional[str] = None,
     name: str = "recpipe-default",
     env: Optional[Dict[str, str]] = None,
     check_paths: bool = True,
@@ -116,7 +135,9 @@ def default_recipe(
     Args:
         script_args: extra training flags, applied after the packaged ``default`` config.
         j: ``{nnodes}x{nproc_per_node}``.
-        tb_dir: TensorBoard directory (resolved by the workers in the launch directory).
+        tb_dir: TensorBoard directory (resolved by the workers in the launch directory);
+            default ``runs/recpipe/<launch time>``: one TensorBoard run per job, as
+            ``make run`` / ``recpipe.recipes.launch`` lay them out.
         name: job name.
         env: extra environment variables for the workers.
         check_paths: check the output paths on this machine (see :func:`train`).
@@ -124,6 +145,8 @@ def default_recipe(
     Returns:
         The torchx AppDef.
     """
+    if tb_dir is None:
+        tb_dir = f"runs/recpipe/{time.strftime('%Y%m%d-%H%M%S')}"
     return train(
         "--config", "default", "--tb-dir", tb_dir, *script_args, j=j, name=name, env=env,
         check_paths=check_paths,

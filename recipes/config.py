@@ -175,6 +175,16 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
+def _holds_checkpoints(directory: str) -> bool:
+    """Whether ``directory`` holds something ``--resume`` can read: a step directory or the
+    ``latest`` marker (``recipes.checkpoint``'s ``step_dir_name`` / ``LATEST_NAME``;
+    resuming then verifies them and falls back past damaged ones)."""
+    try:
+        return any(n == "latest" or n.startswith("step_") for n in os.listdir(directory))
+    except OSError:  # missing, not a directory, unreadable
+        return False
+
+
 class ConfigPathError(ConfigError):
     """An input file is missing or an output path cannot be written on this machine.
 
@@ -414,6 +424,13 @@ class TrainConfig:
                     "or fix the permissions",
                     ConfigPathError,
                 )
+        if self.resume and not _holds_checkpoints(self.checkpoint_dir):  # type: ignore[arg-type]
+            raise bad(
+                "checkpoint_dir",
+                "resume=True but this directory holds no checkpoint (no step_* directory, no 'latest' marker)",
+                "point --checkpoint-dir at the directory a previous run saved into, or drop --resume",
+                ConfigPathError,
+            )
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as plain YAML/JSON-friendly values."""

@@ -11,7 +11,7 @@ from gloo_harness import run_gloo
 
 from recpipe.pipeline.ops import ROUTING_VERSION
 from recpipe.recipes.checkpoint import CheckpointMismatchError, reseal_checkpoint
-from recpipe.recipes.config import TrainConfig
+from recpipe.recipes.config import ConfigPathError, TrainConfig
 from recpipe.recipes.train import run
 
 SMALL_SYNTHETIC: dict[str, Any] = dict(
@@ -65,8 +65,13 @@ def test_resume_rejects_a_different_model(tmp_path: Path) -> None:
     reseal_checkpoint(saved.parent)  # an edit on purpose: record the new digest
     with pytest.raises(CheckpointMismatchError, match=r"routing version 1 \(checkpoint\) != 2"):
         run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path), resume=True))
+    # a directory with no checkpoint: refused with the config (before any process starts),
+    # and by the loader when the paths were not checked (check_paths=False)
+    with pytest.raises(ConfigPathError, match=r"checkpoint_dir=.*empty.*holds no checkpoint.*drop --resume"):
+        TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True))
+        run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True, check_paths=False))
 
 
 def _pipelines_body(rank: int, world_size: int) -> dict[str, list[float]]:

@@ -6,6 +6,7 @@ import csv
 import math
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -291,4 +292,19 @@ def test_components_validate_before_returning_appdef() -> None:
         components.train("--batch-size", "-4")
     default = components.default_recipe(tb_dir="/tmp/tbx")
     assert "--config default" in " ".join(default.roles[0].args)
-    assert os.path.isabs("/tmp/tbx")
+    assert "--tb-dir /tmp/tbx" in " ".join(default.roles[0].args)
+    # without tb_dir, each job logs into its own run directory (as `make run` does)
+    args = " ".join(components.default_recipe().roles[0].args)
+    assert re.search(r"--tb-dir runs/recpipe/\d{8}-\d{6}\b", args), args
+
+
+@pytest.mark.parametrize("j", ["1x0", "0x2", "0", "x2", "2x", "1:0x2", "3:2x2", "1x-1", "one", ""])
+def test_component_refuses_a_bad_j_naming_it(j: str) -> None:
+    with pytest.raises(ConfigError, match=r"invalid component argument -j .* every number >= 1. Fix: e\.g\. -j 1x2"):
+        components.train("--dataset", "synthetic", "--max-steps", "5", j=j)
+
+
+@pytest.mark.parametrize("j,nnodes,nproc", [("2", "1", "2"), ("1x3", "1", "3"), ("2x1", "2", "1"), ("1:2x4", "1:2", "4")])
+def test_component_accepts_every_torchx_j_form(j: str, nnodes: str, nproc: str) -> None:
+    joined = " ".join(components.train("--dataset", "synthetic", "--max-steps", "5", j=j).roles[0].args)
+    assert f"--nnodes {nnodes}" in joined and f"--nproc_per_node {nproc}" in joined, joined
