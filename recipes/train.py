@@ -32,9 +32,11 @@ from torchrec.distributed.types import ShardingEnv
 from tqdm import tqdm
 
 from recpipe.recipes.build import make_optimizer, make_pipeline, shard_model
-from recpipe.recipes.checkpoint import load_checkpoint, save_checkpoint
+from recpipe.pipeline.tiered import TieredCheckpointError
+from recpipe.recipes.checkpoint import CheckpointError, NonFiniteStateError, load_checkpoint, save_checkpoint
 from recpipe.recipes.config import ConfigError, TrainConfig, parse_config, split_paths
 from recpipe.recipes.data.base import BatchSource
+from recpipe.recipes.data.criteo import CriteoFormatError
 from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
 from recpipe.recipes.tb_logging import RunLogger, gather_tier_stats
@@ -475,6 +477,32 @@ def run(config: TrainConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
+# Failures a user acts on from the message alone (the README's "Faults and bad input"
+# table): the entry point prints them as one line and exits 1; anything else is a bug
+# and keeps its traceback.
+USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
+    CheckpointError,  # corrupt / mismatched / no intact checkpoint, a failed write
+    NonFiniteLossError,
+    NonFiniteStateError,
+    CriteoFormatError,
+    TieredCheckpointError,
+)
+
+
+def _print_error(e: BaseException) -> None:
+    """One ``error:`` line on stderr; under torchrun also torchelastic's error file
+    (``TORCHELASTIC_ERROR_FILE``, the JSON ``@record`` writes), so torchrun / torchx
+    report the message as the job's failure, with the message in place of a call stack."""
+    message = f"{type(e).__name__}: {e}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        info = {"py_callstack": message, "timestamp": str(int(time.time()))}
+        Path(error_file).write_text(json.dumps({"message": {"message": message, "extraInfo": info}}))
+    rank = os.environ.get("RANK")
+    where = f"rank {rank}: " if rank is not None and int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"error: {where}{message}", file=sys.stderr, flush=True)
+
+
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point (errors are recorded for torchrun / torchx to surface).
@@ -483,7 +511,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: CLI arguments (default ``sys.argv[1:]``).
 
     Returns:
-        Process exit code (0 on success, 2 for a bad command line or config).
+        Process exit code (0 on success, 2 for a bad command line or config, 1 for a
+        failure of ``USER_FACING_ERRORS`` or a collective (printed as one line)).
     """
     try:
         config = parse_config(argv)
@@ -492,11 +521,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result = run(config)
+    except USER_FACING_ERRORS as e:  # their message names the cause and the fix: no traceback
+        _print_error(e)
+        return 1
     except RuntimeError as e:
         explained = explain_collective_failure(e, config)
         if explained is None:
             raise
-        raise explained from e
+        _print_error(explained)
+        return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(
             f"[recpipe] done: {result.steps} steps, final auroc {result.final_auroc:.4f}, "

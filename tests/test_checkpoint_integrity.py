@@ -338,10 +338,17 @@ def test_cli_resume_with_no_intact_checkpoint_exits_non_zero(ckpt: Path) -> None
     proc = subprocess.run(
         [sys.executable, "-m", "recpipe.recipes.train", *args, "--no-progress-bar",
          f"--max-steps={RESUME_TO}", f"--checkpoint-dir={ckpt}", "--resume"],
-        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600,
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1", TORCHELASTIC_ERROR_FILE=str(ckpt.parent / "error.json")),
     )
-    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    # torchrun / torchx read the failure from torchelastic's error file: the message, no call stack
+    reported = json.loads((ckpt.parent / "error.json").read_text())["message"]
+    assert reported["message"].startswith("NoIntactCheckpointError: resume=True but no checkpoint in")
+    assert reported["extraInfo"]["py_callstack"] == reported["message"]
     assert "NoIntactCheckpointError" in proc.stderr and "no checkpoint in" in proc.stderr, proc.stderr[-3000:]
+    # one message, no traceback: it names the damage and the fixes
+    assert "Traceback" not in proc.stderr and "\nerror: NoIntactCheckpointError: resume=True" in "\n" + proc.stderr
     assert "[recpipe] step " not in proc.stdout  # never silently started from scratch
     assert _listing(ckpt) == before
 

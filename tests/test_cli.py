@@ -205,7 +205,7 @@ def test_launcher_and_component_validate_before_launching(tmp_path: Path, capsys
         components.train("--dataset", "synthetic", "--max-steps", "5", "--dense-lr", "inf")
     with pytest.raises(ConfigError, match="timeout_s=nan"):
         components.default_recipe("--timeout-s", "nan")
-    with pytest.raises(ConfigError, match=r"bad command line '--config default --tb-dir runs/recpipe --epoch 3'"):
+    with pytest.raises(ConfigError, match=r"bad command line '--config default --tb-dir runs/recpipe/\d{8}-\d{6} --epoch 3'"):
         components.default_recipe("--epoch", "3")
     (tmp_path / "a_file").write_text("x")
     assert launch.main(["--tb-dir", str(tmp_path / "a_file" / "tb"), "--timeout-s", "30"]) == 2

@@ -124,9 +124,10 @@ def test_cli_exits_non_zero_on_divergence_without_saving_bad_weights(tmp_path: P
          "--dense-lr=1e30", "--log-every=10", f"--checkpoint-dir={ckpt}", "--checkpoint-every=1"],
         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600,
     )
-    assert proc.returncode != 0, proc.stdout[-2000:]
+    assert proc.returncode == 1, proc.stdout[-2000:]
     err = proc.stderr
     assert "NonFiniteLossError: non-finite training loss at step 2 on rank 0 (dataset criteo_tsv)" in err, err[-3000:]
+    assert "Traceback" not in err and "error: NonFiniteLossError: " in err  # one message, no traceback
     assert f"{data} lines 17-32" in err  # step 2 = rows 16-31
     assert "[recpipe] done" not in proc.stdout
     assert _steps_saved(ckpt) == [1]  # weights after the first (finite) step only
