@@ -87,9 +87,9 @@ from recpipe.pipeline.ops import (
     shard_num_rows,
 )
 from recpipe.pipeline.placement import (
+    TIERED_DTYPES,
     CachePolicy,
     Mode,
-    TIERED_DTYPES,
     ShardStorage,
     dtype_itemsize,
     row_bytes,

@@ -12,10 +12,10 @@ from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
 from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
+    TIERED_DTYPES,
     CachePolicy,
     FusedOptimizer,
     Mode,
-    TIERED_DTYPES,
     ShardStorage,
     check_load_factor,
     decimal_ratio,

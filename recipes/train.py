@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from recpipe.recipes.build import make_optimizer, make_pipeline, shard_model
 from recpipe.pipeline.tiered import TieredCheckpointError
+from recpipe.planner.types import PlannerError
 from recpipe.recipes.checkpoint import CheckpointError, NonFiniteStateError, load_checkpoint, save_checkpoint
 from recpipe.recipes.config import ConfigError, TrainConfig, parse_config, split_paths
 from recpipe.recipes.data.base import BatchSource
@@ -486,6 +487,7 @@ USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
     NonFiniteStateError,
     CriteoFormatError,
     TieredCheckpointError,
+    PlannerError,  # the planned placement does not fit the budgets (--fast-tier-mb / --slow-tier-mb)
 )
 
 

@@ -262,3 +262,18 @@ def test_entry_point_user_errors_are_one_line_exit_2() -> None:
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(message)
+
+
+# ---------------------------------------------------------------- failures after start
+def test_a_plan_that_does_not_fit_is_one_error_line_and_exit_1() -> None:
+    # The planner's typed error (numbered solutions with the real numbers) reaches the user
+    # as the message, not a traceback; the bytes asked for are the table's HYBRID 0.1 option.
+    proc = _train("--dataset", "synthetic", "--model", "dlrm", "--num-embeddings", "20000", "--max-steps", "4",
+                  "--fast-tier-mb", "0.001", "--slow-tier-mb", "0.001", "--no-progress-bar")
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    (first,) = [i for i, line in enumerate(lines) if line.startswith("error: ")]
+    assert lines[first].startswith("error: PlannerError: Table 'model.sparse_arch.embedding_bag_collection.t_cat_0'")
+    assert "Possible solutions:" in lines[first:] and lines[lines.index("Possible solutions:") + 1].startswith("  1) ")
+    assert "[recpipe] step " not in proc.stdout
