@@ -250,10 +250,18 @@ def _non_finite(payload: dict[str, Any], limit: int = 5) -> list[str]:
     return [name for (name, _), ok in zip(tensors, finite) if not ok][:limit]
 
 
+# Fingerprint fields that only shape the tables of some runs (``data.base.table_rows`` /
+# ``IdTransform``): left out where the model ignores them, so changing them is no mismatch.
+_MICRO_DLRM_FIELDS: tuple[str, ...] = ("virtual_rows", "hash_k")
+
+
 def fingerprint(config: TrainConfig) -> dict[str, Any]:
-    """The config values a checkpoint must agree with."""
+    """The config values a checkpoint must agree with (those this run's model uses)."""
     d = config.to_dict()
-    return {k: d[k] for k in FINGERPRINT_FIELDS}
+    unused = set(_MICRO_DLRM_FIELDS) if config.model != "micro_dlrm_dram" else set()
+    if config.model == "micro_dlrm_dram" or config.dataset == "movielens100k":
+        unused.add("num_embeddings")  # tables of virtual_rows / MovieLens' own cardinalities
+    return {k: d[k] for k in FINGERPRINT_FIELDS if k not in unused}
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:

@@ -16,7 +16,9 @@ from torch import nn
 
 from recpipe.recipes import components
 from recpipe.recipes.build import greedy_table_wise
+from recpipe.recipes.checkpoint import fingerprint
 from recpipe.recipes.config import ConfigError, TrainConfig, parse_config
+from recpipe.recipes.data.base import DatasetSpec, IdTransform, table_rows
 from recpipe.recipes.data.criteo import CriteoFormatError, parse_criteo_row
 from recpipe.recipes.data.hashing import fmix32, fmix32_int, hash_ids, mix_seed
 from recpipe.recipes.data.movielens import movielens100k_path
@@ -153,6 +155,26 @@ def test_micro_dlrm_dram_projection_is_k_hashed_rows() -> None:
         [hash_ids(raw, mix_seed(cfg.seed, 1, j)) % (1 << 16) for j in range(3)], dim=1
     ).reshape(-1)
     assert torch.equal(item.values(), expected)
+
+
+@pytest.mark.parametrize("model,dataset", [("dlrm", "synthetic"), ("dlrm", "movielens100k"),
+                                           ("micro_dlrm_dram", "synthetic"), ("micro_dlrm_dram", "movielens100k")])
+@pytest.mark.parametrize("field,value", [("hash_k", 7), ("virtual_rows", 1000), ("num_embeddings", 50)])
+def test_resume_fingerprint_covers_exactly_the_table_fields_the_model_uses(
+    model: str, dataset: str, field: str, value: int
+) -> None:
+    # Reference: the tables the run builds (rows per feature) and how ids are hashed into
+    # them. A field changing neither must not block a resume; one changing either must.
+    spec = DatasetSpec(name=dataset, dense_in_features=3, feature_names=("a", "b"), cardinalities=(100, 5000))
+    base = TrainConfig(model=model, dataset=dataset, max_steps=4)
+    changed = TrainConfig(**{**base.to_dict(), field: value})
+
+    def tables(c: TrainConfig) -> tuple:
+        t = IdTransform(c, spec)
+        p = t.projector
+        return table_rows(c, spec), None if p is None else (p.num_rows, p.k)
+
+    assert (fingerprint(base) == fingerprint(changed)) == (tables(base) == tables(changed)), (model, dataset, field)
 
 
 def test_synthetic_stream_is_deterministic_and_learnable() -> None:
