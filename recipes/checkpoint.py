@@ -63,7 +63,7 @@ from torch.distributed.tensor import DTensor
 from recpipe.pipeline import dcp as recpipe_dcp
 from recpipe.pipeline.ops import ROUTING_VERSION
 from recpipe.pipeline.sharders import TIERED_STATE_KEY
-from recpipe.recipes.config import CHECKPOINT_FORMATS, TrainConfig
+from recpipe.recipes.config import CHECKPOINT_FORMATS, STEP_DIR_PATTERN, TrainConfig, checkpoint_steps
 
 # Config fields that change the state's shapes or the data order: a resumed run must match.
 FINGERPRINT_FIELDS: tuple[str, ...] = (
@@ -88,7 +88,6 @@ LATEST_NAME: str = "latest"
 MANIFEST_FORMAT: str = "recpipe-checkpoint/1"
 DCP_METADATA_NAME: str = ".metadata"
 """The metadata file torch.distributed.checkpoint writes into a ``dcp`` step directory."""
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _DCP_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _SHARDED = "__sharded_local_shards__"
@@ -417,7 +416,7 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     body = {k: v for k, v in data.items() if k != "manifest_sha256"}
     if data.get("manifest_sha256") != _json_digest(body):
         raise CheckpointCorruptError(path, "its content does not match its own sha256 (altered after the save)")
-    m = _STEP_DIR.match(step_dir.name)
+    m = STEP_DIR_PATTERN.match(step_dir.name)
     world, files = data.get("world_size"), data.get("files")
     if m is None or data.get("step") != int(m.group(1)):
         raise CheckpointCorruptError(path, f"records step {data.get('step')!r}, but lies in {step_dir.name}")
@@ -549,7 +548,7 @@ def reseal_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
         The new manifest.
     """
     step_dir = Path(step_dir)
-    m = _STEP_DIR.match(step_dir.name)
+    m = STEP_DIR_PATTERN.match(step_dir.name)
     if m is None:
         raise ValueError(f"reseal_checkpoint: {step_dir} is not a step_NNNNNNNN directory")
     ranks = sorted(int(p.stem[4:]) for p in step_dir.glob("rank*.pt") if p.stem[4:].isdigit())
@@ -776,15 +775,6 @@ def latest_step(directory: str) -> int | None:
     if not text.isdigit() or not text.isascii():
         raise CheckpointCorruptError(p, f"holds {text[:40]!r}, not a step number")
     return int(text)
-
-
-def checkpoint_steps(directory: str) -> list[int]:
-    """Steps of every ``step_*`` directory in ``directory``, newest first (none verified)."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    steps = [int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
-    return sorted(steps, reverse=True)
 
 
 def _resume_candidates(directory: str) -> tuple[list[int], list[str]]:

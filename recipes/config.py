@@ -175,14 +175,21 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field and the fix."""
 
 
-def _holds_checkpoints(directory: str) -> bool:
-    """Whether ``directory`` holds something ``--resume`` can read: a step directory or the
-    ``latest`` marker (``recipes.checkpoint``'s ``step_dir_name`` / ``LATEST_NAME``;
-    resuming then verifies them and falls back past damaged ones)."""
-    try:
-        return any(n == "latest" or n.startswith("step_") for n in os.listdir(directory))
-    except OSError:  # missing, not a directory, unreadable
-        return False
+# A checkpoint step directory's name (``recipes.checkpoint.step_dir_name``: ``step_00000040``).
+STEP_DIR_PATTERN: re.Pattern[str] = re.compile(r"^step_(\d{8,})$")
+
+
+def checkpoint_steps(directory: str) -> list[int]:
+    """Steps of every ``step_*`` directory in ``directory``, newest first (none verified).
+
+    What ``--resume`` can try (``recipes.checkpoint`` verifies each and falls back past
+    damaged ones); the config refuses ``--resume`` when there is none.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR_PATTERN.match(p.name))]
+    return sorted(steps, reverse=True)
 
 
 class ConfigPathError(ConfigError):
@@ -424,10 +431,14 @@ class TrainConfig:
                     "or fix the permissions",
                     ConfigPathError,
                 )
-        if self.resume and not _holds_checkpoints(self.checkpoint_dir):  # type: ignore[arg-type]
+        try:
+            resumable = not self.resume or bool(checkpoint_steps(self.checkpoint_dir))  # type: ignore[arg-type]
+        except OSError:  # unreadable
+            resumable = False
+        if not resumable:
             raise bad(
                 "checkpoint_dir",
-                "resume=True but this directory holds no checkpoint (no step_* directory, no 'latest' marker)",
+                "resume=True but this directory holds no checkpoint (no step_* directory)",
                 "point --checkpoint-dir at the directory a previous run saved into, or drop --resume",
                 ConfigPathError,
             )
@@ -677,12 +688,14 @@ __all__ = [
     "CHOICES",
     "FLOAT_RULES",
     "OUTPUT_PATHS",
+    "STEP_DIR_PATTERN",
     "UNITS",
     "ConfigError",
     "ConfigPathError",
     "FloatRule",
     "TrainConfig",
     "build_arg_parser",
+    "checkpoint_steps",
     "field_docs",
     "load_yaml",
     "output_path_problem",

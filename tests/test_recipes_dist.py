@@ -67,9 +67,12 @@ def test_resume_rejects_a_different_model(tmp_path: Path) -> None:
         run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path), resume=True))
     # a directory with no checkpoint: refused with the config (before any process starts),
     # and by the loader when the paths were not checked (check_paths=False)
-    with pytest.raises(ConfigPathError, match=r"checkpoint_dir=.*empty.*holds no checkpoint.*drop --resume"):
+    with pytest.raises(ConfigPathError, match=r"checkpoint_dir=.*empty.*holds no checkpoint \(no step_\* directory\).*drop --resume"):
         TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True)
     (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "latest").write_text("4\n")  # a marker without its step directory: the loader's rule
+    with pytest.raises(ConfigPathError, match="holds no checkpoint"):
+        TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True, check_paths=False))
 
