@@ -228,30 +228,26 @@ def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:
     optimizers = sorted(o.value for o in SUPPORTED_OPTIMIZERS)
     dtypes = sorted(dtype_name(d) for d in TIERED_DTYPES)
     for t in tables:
-        problems = []
+        found = []  # (problem, its solution)
         if t.dtype not in TIERED_DTYPES:
-            problems.append(f"its dtype {dtype_name(t.dtype)} is not one tiered tables hold ({dtypes})")
+            found.append((f"its dtype {dtype_name(t.dtype)} is not one tiered tables hold ({dtypes})",
+                          f"give the table {dtypes[0]} rows (EmbeddingBagConfig data_type=DataType.FP32, or "
+                          f"dtype: {dtypes[0]} in a tables file)"))
         if t.optimizer not in SUPPORTED_OPTIMIZERS:
-            problems.append(f"its fused optimizer {t.optimizer.value} is not one tiered tables run ({optimizers})")
-        fbgemm_dim = backend == "fbgemm" and t.dim % 4 != 0
-        if fbgemm_dim:
-            problems.append(f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)")
-        if not problems:
+            found.append((f"its fused optimizer {t.optimizer.value} is not one tiered tables run ({optimizers})",
+                          f"train it with one of {optimizers} (apply_optimizer_in_backward with SGD, RowWiseAdagrad "
+                          "or Adam, or the sharders' fused_params)"))
+        if backend == "fbgemm" and t.dim % 4 != 0:
+            found.append((f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)",
+                          f"use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}), or plan recpipe's own "
+                          "layout with backend='native' (CPU training, or the torch backend on other devices), which "
+                          "takes any dim"))
+        if not found:
             continue
-        fixes = []
-        if t.dtype not in TIERED_DTYPES:
-            fixes.append(f"give the table {dtypes[0]} rows (EmbeddingBagConfig data_type=DataType.FP32, or "
-                         f"dtype: {dtypes[0]} in a tables file)")
-        if t.optimizer not in SUPPORTED_OPTIMIZERS:
-            fixes.append(f"train it with one of {optimizers} (apply_optimizer_in_backward with SGD, RowWiseAdagrad "
-                         "or Adam, or the sharders' fused_params)")
-        if fbgemm_dim:
-            fixes.append(f"use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}), or plan recpipe's own "
-                         "layout with backend='native' (CPU training, or the torch backend on other devices), which "
-                         "takes any dim")
         raise PlannerError(
-            f"table {t.fqn!r} cannot be a tiered table on the {backend} backend: {'; '.join(problems)}.\n"
-            "Possible solutions:\n" + "\n".join(f"  {k + 1}) {f}" for k, f in enumerate(fixes)),
+            f"table {t.fqn!r} cannot be a tiered table on the {backend} backend: "
+            f"{'; '.join(problem for problem, _ in found)}.\nPossible solutions:\n"
+            + "\n".join(f"  {k + 1}) {fix}" for k, (_, fix) in enumerate(found)),
             PlannerErrorType.INPUT_VALIDATION,
         )
 
