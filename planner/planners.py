@@ -42,7 +42,7 @@ def _optimizer_error(table: str, message: str) -> PlannerError:
     return PlannerError(
         f"Table {table!r}: {message}\n"
         "Possible solutions:\n"
-        "  1) fuse one of SGD, RowWiseAdagrad, Adagrad or Adam into the table's backward: "
+        "  1) fuse one of SGD, RowWiseAdagrad or Adam (the optimizers tiered tables run) into the table's backward: "
         "apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, ebc.parameters(), {'lr': 0.01});\n"
         "  2) plan a list of TableSpec with the optimizer the table will train with.",
         PlannerErrorType.INPUT_VALIDATION,

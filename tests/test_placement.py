@@ -15,11 +15,13 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any, Dict
 
 import pytest
 import torch
+import torchrec.optim
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 from torchrec.distributed.planner.types import Topology
@@ -363,6 +365,16 @@ def test_planner_refuses_an_optimizer_it_cannot_size() -> None:
     assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
     msg = str(e.value)
     assert "Table 'b'" in msg and "torch.optim.rmsprop.RMSprop" in msg and "Possible solutions" in msg
+    # Solution 1 names torchrec.optim classes; each of them must be one the planner plans
+    # (the per-element Adagrad, refused for tiered tables, must not be offered).
+    offered = re.search(r"1\) fuse one of (.*?) \(", msg).group(1).replace(" or ", ", ").split(", ")
+    assert offered == ["SGD", "RowWiseAdagrad", "Adam"], offered
+    for name in offered:
+        fixed = _ebc()
+        apply_optimizer_in_backward(getattr(torchrec.optim, name), [fixed.embedding_bags["b"].weight], {"lr": 0.01})
+        expected = {"SGD": FusedOptimizer.SGD, "RowWiseAdagrad": FusedOptimizer.ROWWISE_ADAGRAD,
+                    "Adam": FusedOptimizer.ADAM}[name]
+        assert PlacementPlanner(_topology()).plan(fixed).placement("b").optimizer is expected
 
 
 def test_plan_json_keeps_optimizer_and_dtype(tmp_path: Path) -> None:
