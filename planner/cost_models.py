@@ -2,13 +2,19 @@
 
 Two implementations behind one ``CostModel`` protocol:
 
-* ``AnalyticCostModel`` (default): ``lookups x row_bytes / bw_eff`` with
-  ``bw_eff = hit * HBM_BW + (1 - hit) * HBM_TO_DDR_BW`` (torchrec constants, 897
-  and 32 GB/s) and the expected fast-tier hit rate: HYBRID ``hit = x`` (a hash
-  split ignores frequency), CACHING ``hit`` = access mass of the ``x * N`` most
-  frequent rows (an LFU cache) under the table's access distribution.
-* ``EmpiricalCostModel``: the same bandwidth mix with the effective hit rates
-  fitted by TorchEasyRec PR #508 from an A10 sweep.
+* ``AnalyticCostModel`` (default):
+  ``lookups x (value_bytes / bw(hit) + state_bytes / bw(state_hit))`` with
+  ``bw(h) = h * HBM_BW + (1 - h) * HBM_TO_DDR_BW`` (torchrec constants, 897 and
+  32 GB/s) and the expected fast-tier hit rate: HYBRID ``hit = x`` (a hash split
+  ignores frequency), CACHING ``hit`` = access mass of the ``x * N`` most frequent
+  rows (an LFU cache) under the table's access distribution. The optimizer state
+  follows its row (``state_hit = hit``) except in fbgemm's layout (``backend=
+  "fbgemm"``): row-wise Adagrad's one fp32 per row stays in HBM (``state_hit = 1``)
+  and other state of a CACHING (x < 1) table stays in UVM, uncached
+  (``state_hit = 0``), the layout ``fbgemm_shard_storage`` budgets.
+* ``EmpiricalCostModel``: the same bandwidth mix over whole rows with the
+  effective hit rates fitted by TorchEasyRec PR #508 from an A10 sweep (a fit of
+  fbgemm's measured step, state traffic included).
 """
 
 from __future__ import annotations
@@ -19,8 +25,14 @@ from typing import Protocol, Sequence, Tuple, runtime_checkable
 import numpy as np
 from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
 
-from recpipe.pipeline.placement import Mode, floor_fraction, row_bytes
-from recpipe.planner.types import TableSpec
+from recpipe.pipeline.placement import (
+    FusedOptimizer,
+    Mode,
+    dtype_itemsize,
+    floor_fraction,
+    optimizer_state_bytes_per_row,
+)
+from recpipe.planner.types import STORAGE_BACKENDS, TableSpec
 
 # Terms summed exactly before switching to the Euler-Maclaurin tail in
 # ``generalized_harmonic``. Dimensionless; the tail error is below 1e-12 here.
@@ -136,7 +148,8 @@ class CostModel(Protocol):
 
 
 class _BandwidthMixCostModel:
-    """Shared ``lookups x row_bytes / (hit * hbm_bw + (1 - hit) * h2d_bw)``."""
+    """Shared ``lookups x (value_bytes / bw(hit) + state_bytes / bw(state_hit))``,
+    ``bw(h) = h * hbm_bw + (1 - h) * h2d_bw``."""
 
     name: str = "bandwidth_mix"
 
@@ -168,12 +181,29 @@ class _BandwidthMixCostModel:
         """
         return np.array([self.effective_hit(table, m, x) for m, x in options], dtype=np.float64)
 
+    def state_hits(self, table: TableSpec, options: Sequence[Tuple[Mode, float]], hit: np.ndarray) -> np.ndarray:
+        """Fraction of optimizer-state reads served by the fast tier: the state follows its row.
+
+        Args:
+            table (TableSpec): the table.
+            options (Sequence[Tuple[Mode, float]]): candidate placements.
+            hit (np.ndarray): the rows' ``effective_hits``.
+
+        Returns:
+            np.ndarray: float64, one per option (``hit`` here).
+        """
+        return hit
+
     def costs(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
         """See ``CostModel.costs``."""
-        nbytes = table.lookups_per_step * row_bytes(table.dim, table.dtype, table.optimizer)
         hit = self.effective_hits(table, options)
-        bw = hit * self.hbm_mem_bw + (1.0 - hit) * self.hbm_to_ddr_mem_bw
-        return nbytes / bw
+        state_hit = self.state_hits(table, options, hit)
+        value = table.lookups_per_step * table.dim * dtype_itemsize(table.dtype)
+        state = table.lookups_per_step * optimizer_state_bytes_per_row(table.optimizer, table.dim)
+        return value / self._bandwidth(hit) + state / self._bandwidth(state_hit)
+
+    def _bandwidth(self, hit: np.ndarray) -> np.ndarray:
+        return hit * self.hbm_mem_bw + (1.0 - hit) * self.hbm_to_ddr_mem_bw
 
 
 class AnalyticCostModel(_BandwidthMixCostModel):
@@ -183,6 +213,10 @@ class AnalyticCostModel(_BandwidthMixCostModel):
         hbm_mem_bw (float): HBM bandwidth in bytes/ms (torchrec ``HBM_MEM_BW``, 897 GB/s).
         hbm_to_ddr_mem_bw (float): host->device bandwidth in bytes/ms (torchrec
             ``HBM_TO_DDR_MEM_BW``, 32 GB/s).
+        backend (str): the tiered tables' layout, one of ``STORAGE_BACKENDS``:
+            ``native`` (state moves with its row) or ``fbgemm`` (row-wise state
+            always in HBM; other state of a CACHING table in UVM, uncached). The
+            planner passes its own ``backend``.
 
     Example::
 
@@ -190,6 +224,36 @@ class AnalyticCostModel(_BandwidthMixCostModel):
     """
 
     name: str = "analytic"
+
+    def __init__(
+        self,
+        hbm_mem_bw: float = HBM_MEM_BW,
+        hbm_to_ddr_mem_bw: float = HBM_TO_DDR_MEM_BW,
+        backend: str = "native",
+    ) -> None:
+        super().__init__(hbm_mem_bw, hbm_to_ddr_mem_bw)
+        if backend not in STORAGE_BACKENDS:
+            raise ValueError(f"backend must be one of {list(STORAGE_BACKENDS)}, got {backend!r}.")
+        self.backend: str = backend
+
+    def state_hits(self, table: TableSpec, options: Sequence[Tuple[Mode, float]], hit: np.ndarray) -> np.ndarray:
+        """Fraction of optimizer-state reads served by the fast tier in ``backend``'s layout.
+
+        Args:
+            table (TableSpec): the table.
+            options (Sequence[Tuple[Mode, float]]): candidate placements.
+            hit (np.ndarray): the rows' ``effective_hits``.
+
+        Returns:
+            np.ndarray: ``hit`` (native); on fbgemm 1 for row-wise Adagrad, 0 for
+            other state of CACHING (x < 1) options, else ``hit``.
+        """
+        if self.backend != "fbgemm":
+            return hit
+        if table.optimizer is FusedOptimizer.ROWWISE_ADAGRAD:
+            return np.ones_like(hit)
+        uncached = np.array([m is Mode.CACHING and x < 1.0 for m, x in options], dtype=bool)
+        return np.where(uncached, 0.0, hit)
 
     def effective_hit(self, table: TableSpec, mode: Mode, x: float) -> float:
         """The hit rate of ``fast_tier_hit_rate``."""
@@ -244,13 +308,19 @@ class EmpiricalCostModel(_BandwidthMixCostModel):
         return base + EMPIRICAL_X_SLOPE * float(x)
 
 
-def make_cost_model(name_or_model: "str | CostModel", hbm_mem_bw: float, hbm_to_ddr_mem_bw: float) -> CostModel:
+def make_cost_model(
+    name_or_model: "str | CostModel",
+    hbm_mem_bw: float,
+    hbm_to_ddr_mem_bw: float,
+    backend: str = "native",
+) -> CostModel:
     """Resolve ``"analytic"`` / ``"empirical"`` or pass a ``CostModel`` through.
 
     Args:
         name_or_model (str | CostModel): model or its name.
         hbm_mem_bw (float): HBM bandwidth in bytes/ms.
         hbm_to_ddr_mem_bw (float): host->device bandwidth in bytes/ms.
+        backend (str): the tiered tables' layout (``AnalyticCostModel``'s ``backend``).
 
     Returns:
         CostModel: the model.
@@ -258,7 +328,7 @@ def make_cost_model(name_or_model: "str | CostModel", hbm_mem_bw: float, hbm_to_
     if isinstance(name_or_model, str):
         key = name_or_model.lower()
         if key == "analytic":
-            return AnalyticCostModel(hbm_mem_bw, hbm_to_ddr_mem_bw)
+            return AnalyticCostModel(hbm_mem_bw, hbm_to_ddr_mem_bw, backend)
         if key == "empirical":
             return EmpiricalCostModel(hbm_mem_bw, hbm_to_ddr_mem_bw)
         raise ValueError(f"cost_model must be 'analytic', 'empirical' or a CostModel, got {name_or_model!r}.")

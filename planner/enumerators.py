@@ -83,6 +83,12 @@ class GridPlacementEnumerator:
             check_load_factor(x)
         if backend not in STORAGE_BACKENDS:
             raise ValueError(f"backend must be one of {list(STORAGE_BACKENDS)}, got {backend!r}.")
+        priced = getattr(cost_model, "backend", backend)
+        if priced != backend:
+            raise ValueError(
+                f"cost_model prices the {priced!r} layout but backend is {backend!r}: build it with the same "
+                f"backend, e.g. AnalyticCostModel(backend={backend!r})."
+            )
         self.world_size = world_size
         self.local_world_size = local_world_size
         self.cost_model = cost_model

@@ -195,7 +195,7 @@ class PlacementPlanner:
         dist_type (DistType | str): id routing carried to the sharders (``hash_roundrobin``).
         seed (int): hash seed carried to the sharders.
         cache_policy (CachePolicy | str): eviction policy of CACHING tables carried to the sharders.
-        backend (Optional[str]): the tiered tables' backend whose bytes are budgeted:
+        backend (Optional[str]): the tiered tables' backend whose bytes are budgeted and priced:
             ``fbgemm`` (fbgemm's TBE, the default on CUDA: its UVM cache, and row-wise
             optimizer state in HBM for every row) or ``native`` (recpipe's own layout:
             the CPU kernel and the torch backend). None: ``fbgemm`` for a ``cuda``
@@ -243,7 +243,12 @@ class PlacementPlanner:
                 f"placement.local_rows describes), got {dist_type!r}."
             )
         self.topology = topology
-        self.cost_model: CostModel = make_cost_model(cost_model, topology.hbm_mem_bw, topology.hbm_to_ddr_mem_bw)
+        if backend is None:
+            backend = "fbgemm" if topology.compute_device == "cuda" else "native"
+        self.backend: str = backend  # checked by the enumerator
+        self.cost_model: CostModel = make_cost_model(
+            cost_model, topology.hbm_mem_bw, topology.hbm_to_ddr_mem_bw, backend
+        )
         self.load_factors = tuple(load_factors)
         self.constraints = dict(constraints or {})
         self.proposer: Proposer = proposer if proposer is not None else DynamicProgrammingProposer(bins)
@@ -255,9 +260,6 @@ class PlacementPlanner:
         self.dist_type: DistType = dist
         self.seed = seed
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy)
-        if backend is None:
-            backend = "fbgemm" if topology.compute_device == "cuda" else "native"
-        self.backend: str = backend  # checked by the enumerator
         self.enumerator = GridPlacementEnumerator(
             topology.world_size,
             topology.local_world_size,

@@ -73,7 +73,7 @@ def tight_topology(tables: List[TableSpec], world: int, local: int, hf: float = 
                    backend: str = "native") -> Topology:
     """A topology where both budgets bind: HBM for ``hf`` of all-in-HBM, DDR for ``df`` of
     all-CACHING, in the bytes of ``backend`` (the planners' backend: the same instance)."""
-    opts = GridPlacementEnumerator(world, local, AnalyticCostModel(), backend=backend).enumerate(tables)
+    opts = GridPlacementEnumerator(world, local, AnalyticCostModel(backend=backend), backend=backend).enumerate(tables)
     hbm, ddr, _ = options_to_arrays(opts)
     h = int(hbm.max(axis=1).sum() * hf / 0.85)
     d = int(ddr.max(axis=1).sum() * df) // local
@@ -244,7 +244,7 @@ def main() -> None:
     bare_gaps: List[float] = []
     viol, infeasible = 0, 0
     t_bf = t_dp = 0.0
-    model = AnalyticCostModel()
+    model = AnalyticCostModel(backend=backend)
     for _ in range(n_inst):
         tabs = random_tables(6, rng)
         opts = GridPlacementEnumerator(8, 8, model, backend=backend).enumerate(tabs)

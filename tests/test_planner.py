@@ -30,6 +30,7 @@ from recpipe.planner import (
     BruteForceProposer,
     DynamicProgrammingProposer,
     EmpiricalCostModel,
+    FusedOptimizer,
     GridPlacementEnumerator,
     Mode,
     PlacementConstraints,
@@ -297,7 +298,8 @@ def test_bulk_enumeration_equals_storage_formulas(backend: str, policy: str) -> 
     for world, local in [(8, 8), (64, 8), (12, 4)]:
         cons = {"t1": PlacementConstraints(mode="CACHING"), "t2": PlacementConstraints(load_factors=[0.5, 1.0]),
                 "sets": PlacementConstraints(mode="CACHING")}
-        enum = GridPlacementEnumerator(world, local, AnalyticCostModel(), xs, cons, backend=backend, cache_policy=policy)
+        enum = GridPlacementEnumerator(world, local, AnalyticCostModel(backend=backend), xs, cons, backend=backend,
+                                       cache_policy=policy)
         arrays = enum.enumerate_arrays(tables)
         for i, t in enumerate(tables):
             cands = enum.candidates(t)
@@ -315,9 +317,19 @@ def test_bulk_enumeration_equals_storage_formulas(backend: str, policy: str) -> 
                 assert (o.mode, o.cache_load_factor) == (mode, x)
                 assert (o.hbm_bytes_per_rank, o.ddr_bytes_per_rank) == (rank.fast_bytes, rank.slow_bytes)
                 assert (o.hbm_bytes_per_machine, o.ddr_bytes_per_machine) == (mach.fast_bytes, mach.slow_bytes)
+                # price: values at the rows' hit rate; optimizer state with its row, except in
+                # fbgemm's layout (row-wise state in HBM; other state of CACHING x < 1 in UVM)
                 hit = fast_tier_hit_rate(t, mode, x)
-                nbytes = t.lookups_per_step * row_bytes(t.dim, t.dtype, t.optimizer)
-                ref = nbytes / (hit * enum.cost_model.hbm_mem_bw + (1 - hit) * enum.cost_model.hbm_to_ddr_mem_bw)
+                value = t.dim * 4
+                state = row_bytes(t.dim, t.dtype, t.optimizer) - value
+                state_hit = hit
+                if backend == "fbgemm" and t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD:
+                    state_hit = 1.0
+                elif backend == "fbgemm" and mode is Mode.CACHING and x < 1:
+                    state_hit = 0.0
+                hbm_bw, h2d_bw = enum.cost_model.hbm_mem_bw, enum.cost_model.hbm_to_ddr_mem_bw
+                ref = t.lookups_per_step * (value / (hit * hbm_bw + (1 - hit) * h2d_bw)
+                                            + state / (state_hit * hbm_bw + (1 - state_hit) * h2d_bw))
                 assert o.cost == pytest.approx(ref, rel=1e-12)
         assert arrays.to_options() == enum.enumerate(tables)
 
@@ -551,6 +563,42 @@ def test_cuda_plans_budget_fbgemm_bytes_and_cpu_plans_native_bytes() -> None:
     assert PlacementPlanner(cpu).backend == "native"
     with pytest.raises(ValueError, match="backend must be one of"):
         PlacementPlanner(topo(), backend="torch")
+
+
+def test_cuda_plans_price_optimizer_state_where_fbgemm_keeps_it() -> None:
+    """fbgemm's cache holds values only: Adam's two moments of a CACHING (x < 1) table are
+    read from UVM on every lookup, while row-wise Adagrad's one float per row stays in HBM.
+    With HBM for ~45% of a skewed table, recpipe's own layout (state cached with its row)
+    plans CACHING; fbgemm's plans HYBRID for Adam and still CACHING without UVM state."""
+    rows = max_local_rows(8_000_000, 8)
+
+    def plan(optimizer: str, backend: str) -> Tuple[Mode, float]:
+        t = TableSpec(name="t", rows=8_000_000, dim=64, optimizer=optimizer, lookups_per_step=10_000,
+                      zipf_alpha=1.05)
+        full = fbgemm_shard_storage(rows, 64, torch.float32, optimizer, Mode.HYBRID, 1.0, "lfu").fast_bytes
+        p = PlacementPlanner(topo(hbm=int(full * 0.45 / 0.85), ddr_per_rank=full * 4),
+                             backend=backend).plan([t]).placements[0]
+        assert p.cache_load_factor < 1
+        return p.mode, p.cache_load_factor
+
+    assert plan("adam", "native")[0] is Mode.CACHING
+    assert plan("adam", "fbgemm")[0] is Mode.HYBRID
+    assert plan("sgd", "fbgemm")[0] is Mode.CACHING
+    assert plan("rowwise_adagrad", "fbgemm")[0] is Mode.CACHING
+    # the price, by hand: 256 value bytes at the cache's hit rate, 512 state bytes from UVM
+    t = TableSpec(name="t", rows=8_000_000, dim=64, optimizer="adam", lookups_per_step=10_000, zipf_alpha=1.05)
+    model = AnalyticCostModel(backend="fbgemm")
+    hit = fast_tier_hit_rate(t, Mode.CACHING, 0.3)
+    bw = hit * model.hbm_mem_bw + (1 - hit) * model.hbm_to_ddr_mem_bw
+    caching, hybrid = model.costs(t, [(Mode.CACHING, 0.3), (Mode.HYBRID, 0.3)])
+    assert caching == pytest.approx(10_000 * (256 / bw + 512 / model.hbm_to_ddr_mem_bw), rel=1e-12)
+    assert hybrid == pytest.approx(AnalyticCostModel().costs(t, [(Mode.HYBRID, 0.3)])[0], rel=1e-12)
+    assert PlacementPlanner(topo()).cost_model.backend == "fbgemm"  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match=r"cost_model prices the 'native' layout but backend is 'fbgemm': "
+                       r"build it with the same backend, e.g. AnalyticCostModel\(backend='fbgemm'\)"):
+        GridPlacementEnumerator(8, 8, AnalyticCostModel(), backend="fbgemm")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        AnalyticCostModel(backend="torch")
 
 
 def test_planner_refuses_tables_no_tiered_table_runs() -> None:
