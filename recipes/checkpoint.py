@@ -81,6 +81,9 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
     "zipf_alpha",
     "eval_fraction",
 )
+# Config fields a resumed run may change that make its losses differ from an uninterrupted
+# run's: each checkpoint records them and the resume line names every change.
+RESUME_NOTED_FIELDS: tuple[str, ...] = ("embedding_lr", "dense_lr", "data_path")
 MANIFEST_NAME: str = "manifest.json"
 """The commit record of a step directory: size and sha256 of every rank file."""
 LATEST_NAME: str = "latest"
@@ -261,6 +264,27 @@ def fingerprint(config: TrainConfig) -> dict[str, Any]:
     if config.model == "micro_dlrm_dram" or config.dataset == "movielens100k":
         unused.add("num_embeddings")  # tables of virtual_rows / MovieLens' own cardinalities
     return {k: d[k] for k in FINGERPRINT_FIELDS if k not in unused}
+
+
+def _noted(config: TrainConfig) -> dict[str, Any]:
+    """The ``RESUME_NOTED_FIELDS`` values of ``config``."""
+    d = config.to_dict()
+    return {k: d[k] for k in RESUME_NOTED_FIELDS}
+
+
+def _changed_since(meta: dict[str, Any], config: TrainConfig) -> str:
+    """``"; changed since it was saved: dense_lr 0.01 -> 0.02 (...)"`` or ``""``.
+
+    Checkpoints written before the fields were recorded note nothing.
+    """
+    saved = meta.get("noted")
+    if not isinstance(saved, dict):
+        saved = {}
+    changes = [f"{k} {saved[k]!r} -> {v!r}" for k, v in _noted(config).items() if k in saved and saved[k] != v]
+    if not changes:
+        return ""
+    return (f"; changed since it was saved: {', '.join(changes)} "
+            "(training continues with the new values, so losses differ from an uninterrupted run's)")
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -642,6 +666,7 @@ def _meta(step: int, rank: int, world: int, config: TrainConfig, table_ranks: di
         "world_size": world,
         "table_ranks": dict(table_ranks),
         "fingerprint": fingerprint(config),
+        "noted": _noted(config),
         # row-wise shards in "model" hold rows in local-id order of this routing
         "routing_version": ROUTING_VERSION,
         "checkpoint_format": config.checkpoint_format,
@@ -1016,12 +1041,13 @@ def load_checkpoint(
                 raise CheckpointCorruptError(*damaged[0])
             skipped.append(f"{step_dir.name} ({'; '.join(f'{p}: {why}' for p, why in damaged)})")
             continue
+        changed = _changed_since(payload["meta"], config)
         if skipped or notes:
             why = "; ".join(notes + ([f"damaged checkpoint {s}" for s in skipped]))
             if rank == 0:
-                print(f"[recpipe] resume: {why}; resuming from {step_dir} instead", flush=True)
+                print(f"[recpipe] resume: {why}; resuming from {step_dir} instead{changed}", flush=True)
         elif rank == 0:
-            print(f"[recpipe] resumed from {step_dir}", flush=True)
+            print(f"[recpipe] resumed from {step_dir}{changed}", flush=True)
         if payload["meta"].get("checkpoint_format", "pt") == "dcp":
             _restore_dcp(step_dir, model, optimizer, payload["optimizer"])
             return int(payload["meta"]["step"])

@@ -266,6 +266,21 @@ LATEST_FAULTS: dict[str, tuple[Callable[[Path], None], int, list[str]]] = {
 }
 
 
+def test_resume_names_changed_learning_rates(ckpt: Path, pristine: tuple[Path, list[float]]) -> None:
+    # A new learning rate on resume is legitimate, but the run no longer continues the
+    # saved one: the resume line says so, naming old and new values.
+    lr = SMALL.get("dense_lr", TrainConfig.dense_lr)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = run(TrainConfig(**{**SMALL, "dense_lr": lr * 2}, max_steps=RESUME_TO, checkpoint_dir=str(ckpt),
+                                 resume=True))
+    expected = (f"[recpipe] resumed from {step_dir(ckpt, SAVED_STEPS)}; changed since it was saved: "
+                f"dense_lr {lr!r} -> {lr * 2!r} (training continues with the new values, so losses differ "
+                "from an uninterrupted run's)")
+    assert expected in out.getvalue().splitlines(), out.getvalue()
+    assert result.start_step == SAVED_STEPS and result.losses != pristine[1][SAVED_STEPS:RESUME_TO]
+
+
 def test_clean_resume_says_where_it_resumed_and_a_short_segment_reports_throughput(
     ckpt: Path, pristine: tuple[Path, list[float]], tmp_path: Path
 ) -> None:
