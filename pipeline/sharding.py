@@ -662,12 +662,20 @@ class _RoutedSharderMixin:
         return types
 
     def _check_kernels(self, params: Dict[str, ParameterSharding], device: Optional[torch.device]) -> None:
-        """Refuses tiered (CUSTOMIZED_KERNEL) tables when this sharder does not run them.
+        """Refuses what this sharder's kernels cannot run exactly, naming the table.
 
-        torchrec would fail later with ``Compute kernel not supported``, naming no
-        table; a plan from ``recpipe.planner`` needs the tiered sharders.
+        * tiered (CUSTOMIZED_KERNEL) tables when this sharder does not run them:
+          torchrec would fail later with ``Compute kernel not supported``, naming no
+          table; a plan from ``recpipe.planner`` needs the tiered sharders.
+        * on CPU, a FUSED ROW_WISE table with a shard of 0 rows: fbgemm-gpu-cpu
+          1.9.0's fused TBE backward then applies wrong updates to the next table of
+          another dim in the same TBE and can corrupt the heap (reproduced with a
+          bare ``SplitTableBatchedEmbeddingBagsCodegen``, no recpipe or torchrec).
         """
         device_type = device.type if device is not None else "cpu"
+        if device_type == "cpu":
+            for name, ps in params.items():
+                _check_no_empty_fused_shard(name, ps)
         kernel = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
         if kernel in self.compute_kernels(ShardingType.ROW_WISE.value, device_type):  # type: ignore[attr-defined]
             return
@@ -680,6 +688,27 @@ class _RoutedSharderMixin:
                     "TieredEmbeddingCollectionSharder(), which take the same arguments and shard every other "
                     "table as this sharder does."
                 )
+
+
+def _check_no_empty_fused_shard(name: str, ps: ParameterSharding) -> None:
+    """Raises ``ValueError`` for a FUSED ROW_WISE table with a 0-row shard (CPU; see ``_check_kernels``)."""
+    if ps.sharding_type != ShardingType.ROW_WISE.value or ps.compute_kernel != EmbeddingComputeKernel.FUSED.value:
+        return
+    shards = getattr(ps.sharding_spec, "shards", None) or []
+    sizes = [int(m.shard_sizes[0]) for m in sorted(shards, key=lambda m: m.shard_offsets[0])]
+    if 0 in sizes:
+        empty = [m.placement.rank() if m.placement is not None else i for i, m in enumerate(shards)
+                 if int(m.shard_sizes[0]) == 0]
+        raise ValueError(
+            f"table {name!r} is ROW_WISE with row-wise shards of {sizes} rows: rank(s) {empty} hold 0 rows, and "
+            "fbgemm-gpu-cpu's fused TBE backward on CPU then updates the next table of another dim in the same "
+            "TBE wrongly (an fbgemm bug, reproduced without recpipe). Possible solutions:\n"
+            f"  1) shard the table over at most as many ranks as it has rows, with at least one row each "
+            f"(a table of N rows: N >= world size), or\n"
+            "  2) shard it TABLE_WISE (or DATA_PARALLEL), or\n"
+            "  3) make it a recpipe tiered table (recpipe.planner + the Tiered sharders), whose CPU kernel is "
+            "recpipe's own."
+        )
 
 
 class RecpipeEmbeddingBagCollectionSharder(_RoutedSharderMixin, EmbeddingBagCollectionSharder):

@@ -238,6 +238,32 @@ def test_routed_table_with_torchrec_block_layout_is_refused() -> None:
         _check_routed_layout(_Table(), 7, 2, "hash_roundrobin")
 
 
+def test_fused_row_wise_table_with_an_empty_shard_is_refused_on_cpu() -> None:
+    """fbgemm-gpu-cpu's fused TBE backward mis-updates the table after a 0-row one (another
+    dim) and can corrupt the heap: recpipe's sharders refuse such a plan on CPU, naming
+    the table and the empty ranks; tiered tables (recpipe's own CPU kernel) are not refused."""
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.sharding import recpipe_sharders
+
+    params = _row_wise_plan(2, routed=False)
+    t0 = params["t0"]
+    t0.sharding_spec.shards[0].shard_sizes = [37, 8]  # t0 (37 rows) all on rank 0
+    t0.sharding_spec.shards[1].shard_offsets = [37, 0]
+    t0.sharding_spec.shards[1].shard_sizes = [0, 8]
+    cfg = [EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=dim, feature_names=fs)
+           for n, rows, dim, fs in TABLES]
+    for sharder in (*recpipe_sharders(), TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()):
+        with pytest.raises(ValueError, match=r"table 't0' is ROW_WISE with row-wise shards of \[37, 0\] rows: "
+                           r"rank\(s\) \[1\] hold 0 rows.*Possible solutions:\n  1\) .*\n  2\) shard it TABLE_WISE"):
+            sharder._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]
+        sharder._check_kernels(params, torch.device("cuda"))  # type: ignore[attr-defined]  # CPU only
+    with pytest.raises(ValueError, match="table 't0' is ROW_WISE"):  # through shard(), before any collective
+        recpipe_sharders()[0].shard(EmbeddingBagCollection(tables=cfg, device=torch.device("meta")), params,
+                                    env=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+    t0.compute_kernel = EmbeddingComputeKernel.DENSE.value  # the dense TBE backward is right
+    recpipe_sharders()[0]._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]
+
+
 def test_sharder_rejects_unknown_dist_type() -> None:
     from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder
 
