@@ -52,6 +52,9 @@ std::vector<int64_t> bag_offsets(const Tensor& lengths, int64_t n) {
   for (int64_t k = 0; k < FB; ++k) {
     TORCH_CHECK(l[k] >= 0, "recpipe: `lengths[", k, "]` is ", static_cast<int64_t>(l[k]),
                 "; bag lengths must be >= 0.");
+    TORCH_CHECK(static_cast<int64_t>(l[k]) <= n - off[k], "recpipe: `lengths` sums past the ", n,
+                " entries of `indices` at bag ", k, " (lengths[", k, "] = ", static_cast<int64_t>(l[k]),
+                "); lengths and indices must describe the same KJT.");
     off[k + 1] = off[k] + l[k];
   }
   TORCH_CHECK(off[FB] == n, "recpipe: `lengths` sums to ", off[FB], " but `indices` has ", n,

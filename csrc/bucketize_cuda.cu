@@ -107,6 +107,11 @@ __global__ void count_kernel(const offset_t* __restrict__ lengths, const int64_t
     const long long len = static_cast<long long>(lengths[b]);
     CUDA_KERNEL_ASSERT_PRINTF(len >= 0, "recpipe: `lengths[%lld]` is %lld; bag lengths must be >= 0.",
                               static_cast<long long>(b), len);
+    // lengths are >= 0, so a prefix sum that wraps int64 first passes n here
+    CUDA_KERNEL_ASSERT_PRINTF(ends[b] <= n,
+                              "recpipe: `lengths` sums past the %lld entries of `indices` at bag %lld; lengths "
+                              "and indices must describe the same KJT.",
+                              static_cast<long long>(n), static_cast<long long>(b));
     if (b == FB - 1) {
       CUDA_KERNEL_ASSERT_PRINTF(ends[b] == n,
                                 "recpipe: `lengths` sums to %lld but `indices` has %lld entries; lengths and "

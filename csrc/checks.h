@@ -202,6 +202,7 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
       TORCH_CHECK(block > 0, "recpipe: `block_sizes[", f, "]` is ", block, " but feature ", f,
                   " is continuous, which needs rows-per-rank >= 1; pass ceil(table_rows / world_size).");
     }
+    const bool keep_f = keep.defined() ? keep.const_data_ptr<bool>()[f] : a.keep_orig_idx;
     uint64_t table_size = 0;
     if (dist == kHashRoundRobin) {
       TORCH_CHECK(ts.defined(), "recpipe: feature ", f, " is hash_roundrobin (dist_types[", f,
@@ -210,6 +211,10 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
       TORCH_CHECK(n > 0, "recpipe: `table_sizes[", f, "]` is ", n, " but feature ", f,
                   " is hash_roundrobin, which needs the table's row count (>= 1).");
       table_size = static_cast<uint64_t>(n);
+      TORCH_CHECK(index_bits == 64 || keep_f || (n - 1) / a.my_size <= INT32_MAX, "recpipe: feature ", f,
+                  " is hash_roundrobin over `table_sizes[", f, "]` = ", n, " rows and ", a.my_size,
+                  " ranks, so its local ids reach ", (n - 1) / a.my_size,
+                  ", which int32 `indices` cannot hold; pass int64 indices (`.to(torch.int64)`).");
     } else if (dist == kRoundRobin && ts.defined()) {
       // roundrobin with the table's size given (> 0) checks its ids against it;
       // 0 leaves the feature's raw ids unchecked (id % W).
@@ -218,7 +223,6 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
                   "; pass the table's row count (or 0 for a roundrobin feature of raw, unchecked ids).");
       table_size = static_cast<uint64_t>(n);
     }
-    const bool keep_f = keep.defined() ? keep.const_data_ptr<bool>()[f] : a.keep_orig_idx;
     routes[f] = FeatureRoute::make(dist, keep_f, index_bits, W, static_cast<uint64_t>(block < 0 ? 0 : block),
                                    num_blocks, bounds_at, count, table_size, static_cast<uint64_t>(a.seed));
     bounds_at += count;
@@ -244,6 +248,9 @@ inline std::vector<int64_t> feature_bags(const BucketizeArgs& a) {
   for (int64_t f = 0; f < F; ++f) {
     const int64_t b = bpf.const_data_ptr<int64_t>()[f];
     TORCH_CHECK(b >= 0, "recpipe: `batch_size_per_feature[", f, "]` is ", b, "; batch sizes must be >= 0.");
+    TORCH_CHECK(b <= FB - begin[f], "recpipe: `batch_size_per_feature` sums past the ", FB,
+                " bags of `lengths` at feature ", f, " (batch_size_per_feature[", f, "] = ", b,
+                "); pass the batch size of each feature (the KJT's stride per key).");
     begin[f + 1] = begin[f] + b;
   }
   TORCH_CHECK(begin[F] == FB, "recpipe: `batch_size_per_feature` sums to ", begin[F], " but `lengths` has ", FB,
@@ -351,6 +358,10 @@ inline void check_global_ids_args(
   TORCH_CHECK(
       world_size <= kMaxWorldSize, "recpipe: `world_size` must be at most ", kMaxWorldSize, ", got ", world_size,
       "; pass the world size the ids were routed with.");
+  TORCH_CHECK(
+      local_ids.scalar_type() == at::kLong || table_size - 1 <= INT32_MAX, "recpipe: `local_ids` are int32 but a "
+      "table of `table_size` = ", table_size, " rows has global ids above the int32 range (returned in the dtype of "
+      "local_ids); pass int64 local_ids (`.to(torch.int64)`).");
 }
 
 inline void check_route_ids_args(const at::Tensor& ids, int64_t table_size, int64_t world_size, int64_t dist_type) {
@@ -366,6 +377,11 @@ inline void check_route_ids_args(const at::Tensor& ids, int64_t table_size, int6
       dist_type == kContinuous || dist_type == kRoundRobin || dist_type == kHashRoundRobin,
       "recpipe: `dist_type` is ", dist_type,
       "; it must be 0 (continuous), 1 (roundrobin) or 2 (hash_roundrobin).");
+  TORCH_CHECK(
+      ids.scalar_type() == at::kLong || dist_type != kHashRoundRobin || (table_size - 1) / world_size <= INT32_MAX,
+      "recpipe: `ids` are int32 but hash_roundrobin over `table_size` = ", table_size, " rows and ", world_size,
+      " ranks gives local ids up to ", (table_size - 1) / world_size,
+      " (returned in the dtype of ids), beyond int32; pass int64 ids (`.to(torch.int64)`).");
 }
 
 }  // namespace recpipe

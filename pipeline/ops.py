@@ -255,6 +255,7 @@ def block_bucketize_sparse_features(
             table_sizes=torch.tensor([1000]),
         )
     """
+    _check_seed(seed)
     return BucketizeResult(
         *torch.ops.recpipe.block_bucketize_sparse_features(
             lengths,
@@ -276,6 +277,19 @@ def block_bucketize_sparse_features(
             return_bucket_mapping,
         )
     )
+
+
+_INT64_MIN: int = -(2**63)
+_INT64_MAX: int = 2**63 - 1
+
+
+def _check_seed(seed: int) -> None:
+    """Raises ``ValueError`` unless ``seed`` is an int the ops take (a signed int64)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not _INT64_MIN <= seed <= _INT64_MAX:
+        raise ValueError(
+            f"`seed` must be an int in [-2**63, 2**63) (the ops take a signed int64; the hash keys use its "
+            f"64 bits), got {seed!r}; reduce it, e.g. seed % 2**63."
+        )
 
 
 def hash_roundrobin_global_ids(
@@ -300,6 +314,7 @@ def hash_roundrobin_global_ids(
     Returns:
         Global ids, dtype of ``local_ids``.
     """
+    _check_seed(seed)
     return torch.ops.recpipe.hash_roundrobin_global_ids(
         ranks, local_ids, table_size, world_size, seed
     )
@@ -328,6 +343,7 @@ def route_ids(
     Returns:
         ``(owner, local)``, both shaped like ``ids`` (owner int64).
     """
+    _check_seed(seed)
     return torch.ops.recpipe.route_ids(ids, table_size, world_size, dist_type_code(dist_type), seed)
 
 
@@ -439,6 +455,27 @@ def global_row_ids(
     return hash_roundrobin_global_ids(ranks, local_ids, num_embeddings, world_size, seed)
 
 
+def _check_row_bounds(
+    row_bounds: dict[str, list[int]], keys: list[str], table_sizes: dict[str, int], world_size: int
+) -> None:
+    """Raises ``ValueError`` unless every entry of ``row_bounds`` is ``W + 1`` shard bounds
+    of its feature's table: 0, non-decreasing, ending at the table's rows."""
+    unknown = sorted(set(row_bounds) - set(keys))
+    if unknown:
+        raise ValueError(f"bucketize_kjt: `row_bounds` names features {unknown} the KJT does not have ({keys})")
+    for k, b in row_bounds.items():
+        n = table_sizes[k]
+        ok = (isinstance(b, (list, tuple)) and len(b) == world_size + 1
+              and all(isinstance(v, int) and not isinstance(v, bool) for v in b)
+              and b[0] == 0 and b[-1] == n and all(x <= y for x, y in zip(b, b[1:])))
+        if not ok:
+            raise ValueError(
+                f"bucketize_kjt: `row_bounds[{k!r}]` is {b!r}; it must be {world_size + 1} non-decreasing ints: "
+                f"0, the first row of each next rank, then the table's {n} rows "
+                f"(e.g. {[0] + [min(n, r * -(-n // world_size)) for r in range(1, world_size)] + [n]})"
+            )
+
+
 def bucketize_kjt(
     kjt: KeyedJaggedTensor,
     world_size: int,
@@ -502,6 +539,7 @@ def bucketize_kjt(
     blocks = torch.tensor([continuous_block_rows(int(table_sizes[k]), world_size) for k in keys], dtype=torch.int64)
     bounds = None
     if row_bounds is not None:
+        _check_row_bounds(row_bounds, keys, table_sizes, world_size)
         bounds = [torch.tensor(row_bounds.get(k, []), dtype=torch.int64) for k in keys]
     return bucketize_kjt_by(
         kjt, world_size, blocks, codes, sizes, seed=seed, sequence=sequence, bucketize_pos=bucketize_pos,

@@ -258,6 +258,8 @@ def test_hash_windows_match_reference(isa: str, index_dtype: torch.dtype, W: int
     sizes = [1, 2, 3, 1000, 2**20 + 1, 2**31 - 1, 2**31, 3 * 2**30, 2**32]
     if index_dtype == torch.int64:
         sizes += [2**32 + 1, 2**40]
+    else:  # int32 ids hold local ids up to 2^31 - 1: larger tables are refused (tested below)
+        sizes = [n for n in sizes if (n - 1) // W < 2**31]
     B = 3
     if W > 65536:  # new_lengths is W * F * B long, keep the reference quick
         sizes, B = sizes[4:], 1
@@ -718,7 +720,8 @@ def _args(**over):
 @pytest.mark.parametrize(
     "over, pattern",
     [
-        (dict(indices=torch.tensor([0, 3, 2])), r"`lengths` sums to 4 but `indices` has 3"),
+        (dict(indices=torch.tensor([0, 3, 2])), r"`lengths` sums past the 3 entries of `indices` at bag 3"),
+        (dict(indices=torch.tensor([0, 3, 2, 5, 1])), r"`lengths` sums to 4 but `indices` has 5"),
         (dict(lengths=torch.tensor([1, 2, -1, 2])), r"`lengths\[2\]` is -1"),
         (dict(indices=torch.tensor([0.0, 3.0, 2.0, 5.0])), r"`indices` must be int32 or int64"),
         (dict(lengths=torch.tensor([1.0, 2.0, 0.0, 1.0])), r"`lengths` must be int32 or int64"),
@@ -740,7 +743,7 @@ def _args(**over):
         (dict(indices=torch.tensor([0, 3, 2, 5], device="meta")), r"`indices` is on meta but `lengths` is on cpu"),
         (dict(weights=torch.rand(4, 2, 2)), r"`weights` must be \[n\] or \[n, D\]"),
         (dict(batch_size_per_feature=torch.tensor([1, 2])), r"`batch_size_per_feature` sums to 3 but `lengths` has 4"),
-        (dict(batch_size_per_feature=torch.tensor([5, -1])), r"`batch_size_per_feature\[1\]` is -1"),
+        (dict(batch_size_per_feature=torch.tensor([2, -1])), r"`batch_size_per_feature\[1\]` is -1"),
         (dict(batch_size_per_feature=torch.tensor([4])), r"`batch_size_per_feature` has 1 entries but `dist_types` has 2"),
         (dict(lengths=torch.tensor([1, 2, 1]), indices=torch.tensor([0, 3, 2, 5])),
          r"or pass `batch_size_per_feature` for a variable batch per feature"),
@@ -762,6 +765,15 @@ def _args(**over):
         (dict(total_num_blocks=torch.tensor([4, 4])), r"`total_num_blocks` applies to continuous features only, but feature 1"),
         (dict(keep_orig_idx_per_feature=torch.tensor([1, 0])), r"`keep_orig_idx_per_feature` must be a bool tensor"),
         (dict(keep_orig_idx_per_feature=torch.tensor([True])), r"`keep_orig_idx_per_feature` has 1 entries"),
+        # int64 sums that wrap back to len(indices) / the bag count (a segfault / garbage before)
+        (dict(lengths=torch.tensor([2**63 - 1, 2**63 - 1, 2, 0]), indices=torch.zeros(0, dtype=torch.int64)),
+         r"`lengths` sums past the 0 entries of `indices` at bag 0 \(lengths\[0\] = 9223372036854775807\)"),
+        (dict(batch_size_per_feature=torch.tensor([2**63 - 1, 2**63 - 1 - 4 + 2])),
+         r"`batch_size_per_feature` sums past the 4 bags of `lengths` at feature 0"),
+        # int32 ids of a hash table whose local ids exceed int32 (they wrapped before)
+        (dict(indices=torch.tensor([0, 3, 2, 5], dtype=torch.int32), table_sizes=torch.tensor([8, 2**33])),
+         r"feature 1 is hash_roundrobin over `table_sizes\[1\]` = 8589934592 rows and 2 ranks, so its local ids "
+         r"reach 4294967295, which int32 `indices` cannot hold; pass int64 indices"),
     ],
 )
 def test_bad_input_names_the_argument(over: dict, pattern: str) -> None:
@@ -786,6 +798,12 @@ def test_global_ids_bad_input() -> None:
         gid(torch.tensor([3]), torch.tensor([0]), 3, 4)  # rank 3 owns no row of a 3-row table
     with pytest.raises(RuntimeError, match=r"`world_size` must be at most 2147483647"):
         gid(torch.tensor([0]), torch.tensor([0]), 10, 2**62)
+    # int32 local ids of a table with global ids beyond int32 (returned truncated before)
+    with pytest.raises(RuntimeError, match=r"`local_ids` are int32 but a table of `table_size` = 8589934592 rows"):
+        gid(torch.tensor([0]), torch.tensor([0], dtype=torch.int32), 2**33, 4)
+    assert gid(torch.tensor([1]), torch.tensor([3], dtype=torch.int32), 2**31, 4).dtype == torch.int32
+    big = ops.hash_roundrobin_global_ids(torch.tensor([0, 1]), torch.tensor([0, 1]), 2**33, 4)
+    assert big.dtype == torch.int64 and int(big.max()) < 2**33
 
 
 def test_roundrobin_ids_checked_against_given_table_size() -> None:
@@ -846,6 +864,39 @@ def test_route_ids_bad_input() -> None:
         ops.route_ids(torch.tensor([1.0]), 10, 2, "roundrobin")
     with pytest.raises(RuntimeError, match=r"`table_size` must be >= 1"):
         ops.route_ids(torch.tensor([1]), 0, 2, "roundrobin")
+    with pytest.raises(RuntimeError, match=r"`ids` are int32 but hash_roundrobin over `table_size` = 1099511627776 "
+                       r"rows and 2 ranks gives local ids up to 549755813887"):
+        ops.route_ids(torch.tensor([1], dtype=torch.int32), 2**40, 2, "hash_roundrobin")
+    # roundrobin / continuous local ids never exceed the id: int32 stays fine
+    assert ops.route_ids(torch.tensor([7], dtype=torch.int32), 2**40, 2, "roundrobin")[1].tolist() == [3]
+
+
+@pytest.mark.parametrize("call", ["bucketize", "global_ids", "route_ids"])
+def test_seed_outside_int64_names_the_argument(call: str) -> None:
+    run = {
+        "bucketize": lambda seed: ops.block_bucketize_sparse_features(
+            torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([2]), 2,
+            table_sizes=torch.tensor([10]), seed=seed),
+        "global_ids": lambda seed: ops.hash_roundrobin_global_ids(torch.tensor([0]), torch.tensor([0]), 10, 2, seed),
+        "route_ids": lambda seed: ops.route_ids(torch.tensor([1]), 10, 2, seed=seed),
+    }[call]
+    for seed in (2**63 - 1, -(2**63)):
+        run(seed)  # the int64 range is taken whole
+    for seed in (2**63, -(2**63) - 1, True, 1.5):
+        with pytest.raises(ValueError, match=r"`seed` must be an int in \[-2\*\*63, 2\*\*63\)"):
+            run(seed)
+
+
+def test_bucketize_kjt_row_bounds_must_be_the_tables_shard_bounds() -> None:
+    kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([0, 4, 8, 9]), lengths=torch.tensor([4]))
+    out, _ = ops.bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"a": [0, 5, 10]})
+    assert out.lengths().tolist() == [2, 2] and out.values().tolist() == [0, 4, 3, 4]
+    for bad in ([0, 5], [0, 2, 5, 10], [0, 5, 7], [1, 5, 10], [0, 6, 5], [0, 5.0, 10]):
+        with pytest.raises(ValueError, match=r"`row_bounds\['a'\]` is .*; it must be 3 non-decreasing ints: 0, "
+                           r"the first row of each next rank, then the table's 10 rows \(e.g. \[0, 5, 10\]\)"):
+            ops.bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"a": bad})
+    with pytest.raises(ValueError, match=r"`row_bounds` names features \['b'\] the KJT does not have"):
+        ops.bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"b": [0, 5, 10]})
 
 
 def test_route_ids_opcheck_and_fake_kernels_reject_what_the_kernels_reject() -> None:

@@ -209,7 +209,8 @@ torch.cuda.synchronize()
     [
         ([1, 2], [1, 2, 10], "`indices[2]` = 10"),  # outside hash_roundrobin's table
         ([1, 1], [1, 2, 3], "`lengths` sums to 2 but `indices` has 3"),
-        ([3, -1], [1, 2], "`lengths[1]` is -1"),
+        ([2, -1, 1], [1, 2], "`lengths[1]` is -1"),  # every prefix sum within n: only this assert
+        ([2**63 - 1, 2**63 - 1, 4], [1, 2], "`lengths` sums past the 2 entries of `indices` at bag 0"),  # wraps to n
     ],
 )
 def test_cuda_bad_values_are_device_asserts(lengths: list[int], indices: list[int], message: str) -> None:
