@@ -43,6 +43,7 @@ from recpipe.planner.types import (
     PlannerErrorType,
     TablePlacement,
     TableSpec,
+    make_topology,
     to_sharding_plan,
 )
 
@@ -76,6 +77,7 @@ __all__ = [
     "fast_tier_hit_rate",
     "local_rows",
     "machine_storage",
+    "make_topology",
     "max_local_rows",
     "optimizer_state_bytes_per_row",
     "placements_from_sharding_plan",

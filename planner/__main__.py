@@ -14,23 +14,31 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
 import yaml
-from torchrec.distributed.planner.types import Topology
 
+from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
 from recpipe.pipeline.placement import FusedOptimizer
 from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
-from recpipe.planner.types import DEFAULT_ZIPF_ALPHA, STORAGE_BACKENDS, PlannerError, TableSpec
+from recpipe.planner.types import DEFAULT_ZIPF_ALPHA, STORAGE_BACKENDS, PlannerError, TableSpec, make_topology
 
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
+_TABLES_HELP = f"""tables file (--tables): a YAML list, one mapping per table:
+  - {{name: user_id, rows: 100000000, dim: 128, dtype: float32, optimizer: adam,
+     lookups_per_step: 65536, zipf_alpha: 1.1}}
+  name, rows, dim are required; dtype (float32, the only one tiered tables run),
+  optimizer (sgd, rowwise_adagrad, adam; default --optimizer), lookups_per_step
+  (ids per step per rank, default 512) and zipf_alpha (access skew, default {DEFAULT_ZIPF_ALPHA})
+  are optional."""
 _TABLE_KEYS = {"name", "rows", "dim", "dtype", "optimizer", "lookups_per_step", "zipf_alpha"}
 _REQUIRED_KEYS = ("name", "rows", "dim")
 
@@ -75,8 +83,8 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
         raise ValueError(f"--tables {path}: cannot read the file ({e.strerror or e}).") from e
     except yaml.YAMLError as e:
         raise ValueError(f"--tables {path}: not valid YAML ({str(e).splitlines()[0]}).") from e
-    if data is None:
-        return []
+    if data is None or data == []:
+        raise ValueError(f"--tables {path}: the file lists no tables; give a YAML list of tables (see --help).")
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a YAML list of tables, got {type(data).__name__}.")
     specs = []
@@ -122,15 +130,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
         int: exit code (0 ok, 2 planner error).
     """
-    ap = argparse.ArgumentParser(prog="python -m recpipe.planner", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m recpipe.planner",
+        description=__doc__.split("\n\n")[0],
+        epilog=_TABLES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--tables", type=Path, required=True, help="YAML list of tables")
     ap.add_argument("--world-size", type=int, required=True)
     ap.add_argument("--local-world-size", type=int, default=None, help="ranks per machine (default world size)")
     ap.add_argument("--hbm", type=parse_size, required=True, help="HBM per device, e.g. 80GiB")
     ap.add_argument("--ddr", type=parse_size, required=True, help="host DDR per machine, e.g. 1TiB")
     ap.add_argument("--cost-model", choices=("analytic", "empirical"), default="analytic")
-    ap.add_argument("--optimizer", default=FusedOptimizer.ADAM.value, choices=[m.value for m in FusedOptimizer],
-                    help="optimizer of tables that do not name one")
+    ap.add_argument("--optimizer", default=FusedOptimizer.ADAM.value,
+                    choices=sorted(o.value for o in SUPPORTED_OPTIMIZERS),
+                    help="optimizer of tables that do not name one (the ones tiered tables run)")
     ap.add_argument("--hbm-reservation", type=float, default=DEFAULT_HBM_RESERVATION)
     ap.add_argument("--ddr-reservation", type=float, default=DEFAULT_DDR_RESERVATION)
     ap.add_argument("--backend", choices=STORAGE_BACKENDS, default="fbgemm",
@@ -155,10 +169,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for flag, value in (("--hbm", args.hbm), ("--ddr", args.ddr)):
         if value <= 0:
             ap.error(f"{flag} must be a positive size such as 80GiB, got {value} bytes.")
-    topology = Topology(
+    if args.json is not None and (
+        args.json.is_dir() or not args.json.parent.is_dir() or not os.access(args.json.parent, os.W_OK)
+    ):
+        ap.error(f"--json {args.json}: not a writable file path (its directory must exist and be writable).")
+    topology = make_topology(
         world_size=args.world_size,
         local_world_size=lws,
-        compute_device="cuda",
         hbm_cap=args.hbm,
         ddr_cap=args.ddr // lws,  # torchrec Topology.ddr_cap is per rank
     )

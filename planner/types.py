@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyFactory, TrainerConfig
 from torchrec.distributed.planner.types import PlannerError as _TorchrecPlannerError
 from torchrec.distributed.types import CacheStatistics, EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
 
@@ -513,8 +514,40 @@ def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) 
     return ShardingPlan(plan=dict(modules))
 
 
+def make_topology(
+    *,
+    world_size: int,
+    local_world_size: int,
+    hbm_cap: int,
+    ddr_cap: int,
+    compute_device: str = "cuda",
+) -> Topology:
+    """A torchrec ``Topology`` built by torchrec's ``TopologyFactory`` (as torchrec asks;
+    a directly constructed one logs a warning on every construction), with torchrec's
+    default bandwidths.
+
+    Args:
+        world_size (int): ranks.
+        local_world_size (int): ranks per machine.
+        hbm_cap (int): HBM bytes per device.
+        ddr_cap (int): DDR bytes per rank (torchrec's ``Topology.ddr_cap``).
+        compute_device (str): ``cuda`` (the planner models CUDA tables; a CPU run
+            passes ``cuda`` with ``backend="native"``) or ``cpu``.
+
+    Returns:
+        Topology: equal to ``Topology(world_size=..., local_world_size=...,
+        compute_device=..., hbm_cap=..., ddr_cap=...)``.
+    """
+    return TopologyFactory.create_topology(
+        TrainerConfig(world_size=world_size, local_world_size=local_world_size, hbm_cap_bytes=hbm_cap,
+                      ddr_cap_bytes=ddr_cap),
+        kernel_config=KernelConfig(compute_device=compute_device),
+    )
+
+
 __all__ = [
     "DEFAULT_LOAD_FACTORS",
+    "make_topology",
     "DEFAULT_ZIPF_ALPHA",
     "STORAGE_BACKENDS",
     "Mode",

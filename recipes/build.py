@@ -178,10 +178,11 @@ def planner_topology(
         # -j 2x1: 2 machines of 1 rank, each rank gets the whole per-machine DDR
         planner_topology(cfg, world_size=2, local_world_size=1, fast_bytes=2**20)
     """
+    from recpipe.planner import make_topology
+
     slow_per_rank = int(config.slow_tier_mb * 2**20) // local_world_size
-    return Topology(
+    return make_topology(
         world_size=world_size,
-        compute_device="cuda",
         local_world_size=local_world_size,
         hbm_cap=fast_bytes,
         ddr_cap=slow_per_rank,

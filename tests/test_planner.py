@@ -44,6 +44,7 @@ from recpipe.planner import (
     fast_tier_hit_rate,
     local_rows,
     machine_storage,
+    make_topology,
     max_local_rows,
     optimizer_state_bytes_per_row,
     placements_from_sharding_plan,
@@ -707,6 +708,18 @@ def test_cli_module_entry_point(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr
     assert "recpipe placement plan: world_size=16 local_world_size=8" in res.stdout
+    # the topology comes from torchrec's TopologyFactory: no "constructed directly" warning
+    assert "constructed directly" not in res.stderr and "WARNING" not in res.stderr, res.stderr
+
+
+def test_make_topology_equals_a_direct_topology() -> None:
+    made = make_topology(world_size=16, local_world_size=8, hbm_cap=80 * GiB, ddr_cap=128 * GiB)
+    direct = topo(16, 8, 80 * GiB, 128 * GiB)
+    for attr in ("world_size", "local_world_size", "compute_device", "hbm_mem_bw", "ddr_mem_bw",
+                 "hbm_to_ddr_mem_bw", "intra_host_bw", "inter_host_bw"):
+        assert getattr(made, attr) == getattr(direct, attr), attr
+    assert [(d.storage.hbm, d.storage.ddr) for d in made.devices] == [(d.storage.hbm, d.storage.ddr)
+                                                                       for d in direct.devices]
 
 
 def test_bad_input_errors_name_the_argument() -> None:
@@ -771,6 +784,19 @@ def test_cli_bad_files_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[s
             cli_main(["--tables", str(y), *base, *flags])
         assert exc.value.code == 2
         assert re.search(message, capsys.readouterr().err), flags
-    rc = cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "80GiB",
-                   "--ddr", "1TiB", "--json", str(tmp_path / "missing-dir" / "p.json")])
-    assert rc == 2 and "--json" in capsys.readouterr().err
+    # a bad --json path is refused before planning (nothing printed, nothing planned)
+    for bad in (tmp_path / "missing-dir" / "p.json", tmp_path):
+        with pytest.raises(SystemExit) as exc:
+            cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "80GiB",
+                      "--ddr", "1TiB", "--json", str(bad)])
+        out = capsys.readouterr()
+        assert exc.value.code == 2 and f"--json {bad}: not a writable file path" in out.err and out.out == ""
+    # per-element Adagrad is not offered (the planner refuses it for every tiered table)
+    with pytest.raises(SystemExit) as exc:
+        cli_main(["--tables", str(y), "--world-size", "2", *base, "--optimizer", "adagrad"])
+    assert exc.value.code == 2 and "invalid choice: 'adagrad'" in capsys.readouterr().err
+    # a file that lists no tables is an error, not an empty plan
+    for empty in ("", "[]\n"):
+        (tmp_path / "empty.yaml").write_text(empty)
+        assert cli_main(["--tables", str(tmp_path / "empty.yaml"), "--world-size", "2", *base]) == 2
+        assert "the file lists no tables" in capsys.readouterr().err
