@@ -50,7 +50,7 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import hardware_line, print_table  # noqa: E402
+from benchutil import hardware_line, int_at_least, positive_int, print_table  # noqa: E402
 
 import fbgemm_gpu  # noqa: E402,F401
 from recpipe.pipeline import ops  # noqa: E402
@@ -152,9 +152,11 @@ def uneven_bounds(W: int, seed: int = 2) -> list[torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--keys", type=int, default=1_000_000)
-    ap.add_argument("--repeat", type=int, default=15)
-    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 8, 64])
+    ap.add_argument("--keys", type=int_at_least(F * 64), default=1_000_000,
+                    help=f"ids per call (>= {F * 64}; default 1M)")
+    ap.add_argument("--repeat", type=positive_int, default=15, help="timed rounds per cell, best of (default 15)")
+    ap.add_argument("--worlds", type=positive_int, nargs="+", default=[2, 8, 64],
+                    help="world sizes W, one row group each (default 2 8 64)")
     ap.add_argument("--isa", choices=["auto", "avx512", "avx2", "baseline"], default="auto",
                     help="build of recpipe's hash-key loop (sets RECPIPE_ISA)")
     ap.add_argument("--heap", choices=["steady", "default"], default="steady",

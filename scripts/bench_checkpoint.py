@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import hardware_line, print_table  # noqa: E402
+from benchutil import hardware_line, iter_reports, positive_int, print_table, unit_fraction, writable_dir  # noqa: E402
 
 WORLD = 2
 OPS = ("ours_save", "ours_load", "ours_reshard", "pt_save", "pt_load", "pt_reshard")
@@ -165,12 +165,13 @@ def main() -> None:
                         default=[_parse_set("2x2097152x64"), _parse_set("2x1048576x64")],
                         help="table sets TABLESxROWSxDIM (default: ~1 GB set, the default recipe's set)")
     parser.add_argument("--mode", default="HYBRID", choices=["HYBRID", "CACHING"])
-    parser.add_argument("--load-factor", type=float, default=0.5)
-    parser.add_argument("--repeat", type=int, default=2, help="runs per set (best of; the order of DCP and .pt alternates)")
-    parser.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one on /tmp's disk)")
+    parser.add_argument("--load-factor", type=unit_fraction, default=0.5,
+                        help="cache load factor x in (0, 1] of the tiered tables (default 0.5)")
+    parser.add_argument("--repeat", type=positive_int, default=2,
+                        help="runs per set (best of; the order of DCP and .pt alternates)")
+    parser.add_argument("--dir", type=writable_dir, default=None,
+                        help="existing directory to checkpoint into (default: a temporary one on /tmp's disk)")
     args = parser.parse_args()
-    if args.repeat < 1:
-        parser.error("--repeat must be >= 1")
 
     import socket
 
@@ -185,8 +186,7 @@ def main() -> None:
         for p in procs:
             p.start()
         out: Dict[int, Any] = {}
-        for _ in range(WORLD):
-            rank, results, error = queue.get(timeout=1800)
+        for rank, results, error in iter_reports(queue, procs):
             if error:
                 raise SystemExit(f"rank {rank} failed: {error}")
             out[rank] = results
@@ -198,7 +198,7 @@ def main() -> None:
                 p.kill()
         shutil.rmtree(root, ignore_errors=True)
 
-    print(hardware_line() + f"; {WORLD} gloo ranks x 1 thread; checkpoints in {os.path.dirname(root)}")
+    print(hardware_line(threads=1) + f"; {WORLD} gloo ranks; checkpoints in {os.path.dirname(root)}")
     print(f"tiered tables: ROW_WISE hash_roundrobin, {args.mode} {args.load_factor}, row-wise Adagrad fp32; "
           f"best of {args.repeat}; seconds = slower rank between barriers")
     rows_out = []
@@ -208,8 +208,7 @@ def main() -> None:
         t = {k: max(out[r][i][k] for r in range(WORLD)) for k in OPS}
         for what in ("save", "load", "reshard"):
             ours, pt = t[f"ours_{what}"], t[f"pt_{what}"]
-            rows_out.append([f"{n_tables} x {rows:,} x {dim}", f"{gb:.2f}", what, f"{ours:.2f}", f"{gb / ours:.2f}",
-                             f"{pt:.2f}", f"{gb / pt:.2f}", f"{ours / pt:.2f}"])
+            rows_out.append([f"{n_tables} x {rows:,} x {dim}", gb, what, ours, gb / ours, pt, gb / pt, ours / pt])
     print_table(["tables", "GB", "op", "DCP s", "DCP GB/s", ".pt s", ".pt GB/s", "DCP / .pt"], rows_out)
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import platform
 import socket
 import statistics
 import time
@@ -45,17 +44,8 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from benchutil import iter_reports, hardware_line, nonneg_int, positive_int, positive_int_list
 
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown cpu"
 
 
 def _rss_mb() -> float:
@@ -114,7 +104,7 @@ def _build(args: argparse.Namespace, device: torch.device) -> Tuple[torch.nn.Mod
         ],
         device=torch.device("meta"),
     )
-    over = [int(x) for x in args.over_arch.split(",")] + [1]
+    over = list(args.over_arch) + [1]
     model = DLRMTrain(
         DLRM(
             embedding_bag_collection=ebc,
@@ -284,8 +274,8 @@ def _body(rank: int, args: argparse.Namespace) -> Dict[str, Any]:
 
 def _worker(rank: int, ws: int, port: int, args: argparse.Namespace, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args.threads)
     try:
+        torch.set_num_threads(args.threads)
         if args.device == "cuda":
             torch.cuda.set_device(rank)
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=ws)
@@ -304,18 +294,20 @@ def _pct(xs: Sequence[float], p: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tables", type=int, default=8, help="embedding tables (default 8)")
-    ap.add_argument("--rows", type=int, default=200_000, help="rows per table (default 200k)")
-    ap.add_argument("--dim", type=int, default=64, help="embedding dim (default 64)")
-    ap.add_argument("--batch", type=int, default=1024, help="samples per rank per step (default 1024)")
-    ap.add_argument("--pooling", type=int, default=10, help="mean ids per sample per feature (default 10)")
-    ap.add_argument("--dense-in", type=int, default=13, help="dense features (default 13, Criteo)")
-    ap.add_argument("--over-arch", default="1024,1024,512", help="over-arch widths (default 1024,1024,512)")
-    ap.add_argument("--distinct-batches", type=int, default=8, help="distinct batches cycled (default 8)")
-    ap.add_argument("--warmup", type=int, default=3, help="warm-up steps per variant (default 3)")
-    ap.add_argument("--rounds", type=int, default=20, help="interleaved rounds (default 20)")
-    ap.add_argument("--steps", type=int, default=3, help="steps per variant per round (default 3)")
-    ap.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1: 2 ranks, 2 cores)")
+    ap.add_argument("--tables", type=positive_int, default=8, help="embedding tables (default 8)")
+    ap.add_argument("--rows", type=positive_int, default=200_000, help="rows per table (default 200k)")
+    ap.add_argument("--dim", type=positive_int, default=64, help="embedding dim (default 64)")
+    ap.add_argument("--batch", type=positive_int, default=1024, help="samples per rank per step (default 1024)")
+    ap.add_argument("--pooling", type=positive_int, default=10, help="mean ids per sample per feature (default 10)")
+    ap.add_argument("--dense-in", type=positive_int, default=13, help="dense features (default 13, Criteo)")
+    ap.add_argument("--over-arch", type=positive_int_list, default=[1024, 1024, 512],
+                    help="over-arch widths, comma-separated (default 1024,1024,512)")
+    ap.add_argument("--distinct-batches", type=positive_int, default=8, help="distinct batches cycled (default 8)")
+    ap.add_argument("--warmup", type=nonneg_int, default=3, help="warm-up steps per variant (default 3)")
+    ap.add_argument("--rounds", type=positive_int, default=20, help="interleaved rounds (default 20)")
+    ap.add_argument("--steps", type=positive_int, default=3, help="steps per variant per round (default 3)")
+    ap.add_argument("--threads", type=positive_int, default=1,
+                    help="torch threads per rank (default 1: 2 ranks, 2 cores)")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="cpu (gloo, default) or cuda (nccl, 2 GPUs; adds peak CUDA memory)")
     args = ap.parse_args()
@@ -335,8 +327,7 @@ def main() -> None:
         p.start()
     res: Dict[int, Any] = {}
     try:
-        for _ in range(2):
-            rank, ok, payload = q.get(timeout=1800)
+        for rank, ok, payload in iter_reports(q, procs):
             if not ok:
                 raise SystemExit(f"rank {rank} failed:\n{payload}")
             res[rank] = payload
@@ -351,14 +342,14 @@ def main() -> None:
     base = names[0]
     import torchrec
 
+    print("\n" + hardware_line(threads=args.threads))
     print(
-        f"\nbench_pipeline: {_cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"torchrec {torchrec.__version__}, 2 ranks x {args.threads} thread(s), "
+        f"bench_pipeline: torchrec {torchrec.__version__}, 2 ranks x {args.threads} thread(s), "
         f"{'nccl, CUDA ' + torch.cuda.get_device_name(0) if args.device == 'cuda' else 'gloo, CPU'}"
     )
     print(
         f"model: DLRM, {args.tables} tables x {args.rows} rows x {args.dim} (fused SGD), over-arch "
-        f"{args.over_arch},1 (Adam), batch {args.batch}/rank, ~{args.pooling} ids/feature; "
+        f"{','.join(map(str, args.over_arch))},1 (Adam), batch {args.batch}/rank, ~{args.pooling} ids/feature; "
         f"{args.rounds} interleaved rounds x {args.steps} steps after {args.warmup} warm-up; wall {wall:.0f} s"
     )
     hdr = (

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import platform
 import time
 from typing import List, Optional, Tuple
@@ -42,17 +41,9 @@ from recpipe.planner import (
 from recpipe.planner.cost_models import AnalyticCostModel
 from recpipe.planner.enumerators import options_to_arrays
 
+from benchutil import hardware_line
+
 GiB = 1024**3
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def random_tables(n: int, rng: np.random.Generator) -> List[TableSpec]:
@@ -161,8 +152,8 @@ def main() -> None:
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    print(f"hardware: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, numpy {np.__version__}, "
-          f"python {platform.python_version()}; planner backend {backend}")
+    print(hardware_line() + f", numpy {np.__version__}, python {platform.python_version()}; "
+          f"planner backend {backend}")
     rows: List[Tuple[str, str, str, str]] = []
 
     sizes = [(100, 8), (1000, 64)] + ([] if args.quick else [(5000, 128)])

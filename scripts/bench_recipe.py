@@ -29,8 +29,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchutil import hardware_line, print_table, recipe_command, run_recipe
+from benchutil import hardware_line, int_at_least, positive_int, print_table, recipe_command, run_recipe
 
+#: Steps between the recipe's log lines; its throughput counts the intervals after the
+#: first (warm-up), so a run needs at least two.
+LOG_EVERY: int = 10
 #: name -> (extra CLI flags, label). The first is the baseline of the ratios.
 RUNS: dict[str, tuple[list[str], str]] = {
     "torchrec": (["--placement", "table_wise", "--pipeline", "sparse"],
@@ -43,17 +46,19 @@ RUNS: dict[str, tuple[list[str], str]] = {
 def run_once(name: str, steps: int, workdir: Path, nproc: int) -> dict:
     """One torchrun job of the default recipe with ``RUNS[name]``'s flags; returns its metrics JSON."""
     metrics = workdir / f"{name}-{len(list(workdir.iterdir()))}.json"
-    run_recipe(recipe_command(nproc, steps, 10, *RUNS[name][0], "--metrics-file", str(metrics)))
+    run_recipe(recipe_command(nproc, steps, LOG_EVERY, *RUNS[name][0], "--metrics-file", str(metrics)))
     return json.loads(metrics.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per configuration (interleaved)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (gloo, CPU)")
+    parser.add_argument("--steps", type=int_at_least(2 * LOG_EVERY), default=200,
+                        help=f"training steps per run (>= {2 * LOG_EVERY}: throughput is measured over the logging "
+                             f"intervals after the first {LOG_EVERY} steps; default 200)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per configuration (interleaved; default 3)")
+    parser.add_argument("--nproc", type=positive_int, default=2, help="ranks (gloo, CPU; default 2)")
     args = parser.parse_args()
-    print(hardware_line())
+    print(hardware_line(threads=1))
     print(f"default recipe (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 thread, "
           f"{args.steps} steps per run, {args.repeats} interleaved runs per configuration")
     sps: dict[str, list[float]] = {name: [] for name in RUNS}
@@ -61,7 +66,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for rep in range(args.repeats):
             for name in RUNS:
-                m = run_once(name, args.steps, Path(d), args.nproc)
+                try:
+                    m = run_once(name, args.steps, Path(d), args.nproc)
+                except RuntimeError as e:  # the recipe failed: its own message, not a traceback
+                    sys.exit(str(e))
                 sps[name].append(m["samples_per_s"])
                 losses.setdefault(name, m["losses"])
                 print(f"run {rep + 1} {name}: {m['samples_per_s']:.0f} samples/s", flush=True)

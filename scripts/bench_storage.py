@@ -31,7 +31,7 @@ from typing import Callable, List, Tuple
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchutil import hardware_line, print_table, time_it  # noqa: E402
+from benchutil import hardware_line, int_at_least, positive_int, print_table, time_it  # noqa: E402
 
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType  # noqa: E402
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode  # noqa: E402
@@ -180,13 +180,16 @@ def run_dataset(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", type=int, default=100_000, help="Zipf table rows")
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--bags", type=int, default=1024)
-    ap.add_argument("--pooling", type=int, default=16)
-    ap.add_argument("--steps", type=int, default=40, help="measured steps per stream")
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--repeat", type=int, default=15)
+    ap.add_argument("--rows", type=int_at_least(100), default=100_000,
+                    help="Zipf table rows (>= 100: the smallest cache, x = 0.1, needs 10 rows; default 100k)")
+    ap.add_argument("--dim", type=positive_int, default=64, help="embedding dim (default 64)")
+    ap.add_argument("--bags", type=int_at_least(8), default=1024,
+                    help="bags per Zipf step (>= 8: MovieLens steps take bags / 8; default 1024)")
+    ap.add_argument("--pooling", type=positive_int, default=16, help="ids per bag (default 16)")
+    ap.add_argument("--steps", type=positive_int, default=40,
+                    help="warm-up steps, then as many measured steps per stream (default 40)")
+    ap.add_argument("--threads", type=positive_int, default=1, help="intra-op threads (default 1)")
+    ap.add_argument("--repeat", type=positive_int, default=15, help="timed runs per cell, median (default 15)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -1,20 +1,118 @@
-"""Shared helpers of the bench_*.py scripts: hardware line, timing, table printing, recipe runs."""
+"""Shared helpers of the bench_*.py scripts: option checks, hardware line, timing, table printing,
+recipe runs."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import queue
 import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Sequence
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 
-def hardware_line() -> str:
-    """One line naming the CPU, core count, accelerators and library versions."""
+# ---------------------------------------------------------------- option checks
+# argparse ``type=`` functions: a bad value stops the script before any work with
+# argparse's one line ``error: argument --x: ...`` (exit 2), never a traceback.
+def int_at_least(lo: int) -> Callable[[str], int]:
+    """argparse type: an int ``>= lo``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+nonneg_int = int_at_least(0)
+
+
+def unit_fraction(text: str) -> float:
+    """argparse type: a float in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (0.0 < value <= 1.0):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: comma-separated ints ``>= 1`` (``1024,512``)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints, e.g. 1024,512") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"every width must be >= 1, got {text}")
+    return values
+
+
+def writable_dir(text: str) -> str:
+    """argparse type: an existing directory this process may write into."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not an existing directory; create it first")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    return text
+
+
+def writable_file(text: str) -> Path:
+    """argparse type: a file path whose directory exists and is writable."""
+    path = Path(text)
+    if path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text} is not a writable file path (its directory must exist)")
+    return path
+
+
+# ---------------------------------------------------------------- workers
+def iter_reports(q: Any, procs: Sequence[Any], timeout_s: float = 1800.0) -> Iterator[Any]:
+    """Yields one report per spawned worker from ``q`` as each arrives (the caller
+    may stop at a failed one; its ``finally`` kills the rest).
+
+    Stops with ``SystemExit`` when a worker exits without reporting (it died
+    before its ``try``, or was killed) or nothing arrives for ``timeout_s``,
+    instead of waiting on the queue for the full timeout.
+    """
+    got = 0
+    deadline = time.time() + timeout_s
+    while got < len(procs):
+        try:
+            report = q.get(timeout=2)
+        except queue.Empty:
+            if got + sum(p.exitcode is None for p in procs) < len(procs) and q.empty():
+                codes = [p.exitcode for p in procs]
+                raise SystemExit(f"a worker exited without reporting (exit codes {codes}); see its output above")
+            if time.time() > deadline:
+                raise SystemExit(f"no report from the workers after {timeout_s:.0f} s")
+            continue
+        got += 1
+        deadline = time.time() + timeout_s
+        yield report
+
+
+# ---------------------------------------------------------------- report
+def hardware_line(threads: Optional[int] = None) -> str:
+    """One line naming the CPU, core count, accelerators and library versions.
+
+    Args:
+        threads (Optional[int]): intra-op threads of the measured processes (ranks)
+            when they are not this process's.
+    """
     model = platform.processor() or "unknown cpu"
     try:
         with open("/proc/cpuinfo") as f:
@@ -27,7 +125,7 @@ def hardware_line() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (
         f"hardware: {model}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
-        f"intra-op threads {torch.get_num_threads()}"
+        + (f"intra-op threads {torch.get_num_threads()}" if threads is None else f"{threads} intra-op thread(s) per rank")
     )
 
 

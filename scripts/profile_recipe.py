@@ -40,7 +40,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchutil import hardware_line, print_table, recipe_command, run_recipe
+from benchutil import hardware_line, positive_int, print_table, recipe_command, run_recipe, writable_file
 
 #: (category, predicate on one frame string "name (file:line)"), first match wins.
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
@@ -129,20 +129,29 @@ def run_profile(args: argparse.Namespace, extra: list[str], out: Path) -> None:
     if not out.exists():
         sys.exit(f"{' '.join(cmd)} wrote no profile {out}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     done = [ln for ln in proc.stdout.splitlines() if ln.startswith("[recpipe] done")]
-    if done:
-        print(done[-1].replace("[recpipe] done", "run (under the profiler)"))
+    if not done:  # py-spy exits 0 whatever its child did: the recipe's own last line tells
+        sys.exit(f"the recipe did not finish under the profiler ({' '.join(cmd)}):\n"
+                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    print(done[-1].replace("[recpipe] done", "run (under the profiler)"))
+
+
+def _raw_path(text: str) -> Path:
+    """argparse type of ``--raw``: an existing file to read, or a writable path."""
+    path = Path(text)
+    return path if path.is_file() else writable_file(text)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=600, help="training steps")
-    parser.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks (gloo, CPU)")
+    parser.add_argument("--steps", type=positive_int, default=600, help="training steps (default 600)")
+    parser.add_argument("--rate", type=positive_int, default=100, help="py-spy samples per second (default 100)")
+    parser.add_argument("--nproc", type=positive_int, default=2, help="ranks (gloo, CPU; default 2)")
     parser.add_argument("--native", action="store_true", help="sample C/C++ frames too (blocking: inflates waits)")
-    parser.add_argument("--raw", type=Path, default=None, help="keep (or, if it exists, only read) this raw file")
+    parser.add_argument("--raw", type=_raw_path, default=None,
+                        help="keep (or, if it exists, only read) this raw file")
     parser.add_argument("extra", nargs="*", help="more recipe flags, after --")
     args = parser.parse_args()
-    print(hardware_line())
+    print(hardware_line(threads=1))
     print(f"default recipe{''.join(' ' + a for a in args.extra)} (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 "
           f"thread, {args.steps} steps, py-spy {args.rate} Hz{' --native' if args.native else ' non-blocking'}")
     with tempfile.TemporaryDirectory() as d:
