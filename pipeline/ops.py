@@ -102,6 +102,9 @@ class BucketizeResult(NamedTuple):
     bucket_mapping: Optional[torch.Tensor] = None
 
 
+_INT32_MAX: int = 2**31 - 1
+
+
 def _fake_index_dtype(t: torch.Tensor, name: str) -> None:
     """The kernels' index dtype check, for the fake kernels (same message)."""
     if t.dtype not in (torch.int32, torch.int64):
@@ -130,7 +133,7 @@ def _block_bucketize_fake(
     return_bucket_mapping: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
            Optional[torch.Tensor]]:
-    torch._check(my_size > 0, lambda: f"`my_size` must be >= 1, got {my_size}")
+    torch._check(my_size > 0, lambda: f"recpipe: `my_size` (the world size W) must be >= 1, got {my_size}")
     per_feature = {"table_sizes": table_sizes, "total_num_blocks": total_num_blocks,
                    "batch_size_per_feature": batch_size_per_feature}
     for name, t in (("lengths", lengths), ("indices", indices), ("block_sizes", block_sizes),
@@ -143,13 +146,34 @@ def _block_bucketize_fake(
                 f"recpipe: `{name}` is on {t.device} but `lengths` is on {lengths.device}; "
                 "move all tensor arguments to one device."
             )
-    torch._check(
-        block_sizes.numel() == dist_types.numel(),
-        lambda: "`block_sizes` and `dist_types` need one entry per feature",
-    )
+    # the kernels' static (shape / dtype) checks, same messages: a traced call fails at trace time
+    F = dist_types.numel()
+    for name, t in (("block_sizes", block_sizes), *per_feature.items(),
+                    ("keep_orig_idx_per_feature", keep_orig_idx_per_feature)):
+        if t is not None:
+            torch._check(t.numel() == F, lambda: f"recpipe: `{name}` has {t.numel()} entries but `dist_types` "
+                         f"has {F}; pass one entry per feature.")
+    if keep_orig_idx_per_feature is not None and keep_orig_idx_per_feature.dtype != torch.bool:
+        raise RuntimeError("recpipe: `keep_orig_idx_per_feature` must be a bool tensor, got "
+                           f"{keep_orig_idx_per_feature.dtype}; build it with `torch.tensor([...], dtype=torch.bool)`.")
+    if batch_size_per_feature is None:
+        torch._check(lengths.numel() % F == 0 if F != 0 else lengths.numel() == 0,
+                     lambda: f"recpipe: `lengths` has {lengths.numel()} entries, not a multiple of the {F} features "
+                     "in `dist_types`; lengths must be [F * B] (feature-major), or pass `batch_size_per_feature`.")
+    if block_bucketize_pos:
+        torch._check(len(block_bucketize_pos) == F, lambda: f"recpipe: `block_bucketize_pos` has "
+                     f"{len(block_bucketize_pos)} tensors but `dist_types` has {F}; pass one tensor per feature.")
+        for f, b in enumerate(block_bucketize_pos):
+            if b.dim() != 1 or b.dtype not in (torch.int32, torch.int64):
+                raise RuntimeError(f"recpipe: `block_bucketize_pos[{f}]` must be a 1-D int32/int64 tensor, got "
+                                   f"{b.dtype} of shape {tuple(b.shape)}.")
     if weights is not None:
-        torch._check(weights.dim() in (1, 2) and weights.shape[0] == indices.shape[0],
-                     lambda: "`weights` must be [n] or [n, D], one row per id")
+        torch._check(weights.dim() in (1, 2), lambda: "recpipe: `weights` must be [n] or [n, D] (one row per id)")
+        if weights.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise RuntimeError(f"recpipe: `weights` must be float16, bfloat16, float32 or float64, got "
+                               f"{weights.dtype}.")
+        torch._check(weights.shape[0] == indices.shape[0], lambda: f"recpipe: `weights` has {weights.shape[0]} "
+                     f"entries but `indices` has {indices.shape[0]}; pass one weight per id (or weights=None).")
     new_lengths = lengths.new_empty((my_size * lengths.numel(),))
     new_indices = torch.empty_like(indices)
     new_weights = torch.empty_like(weights) if weights is not None else None
@@ -167,6 +191,11 @@ def _route_ids_fake(
     torch._check(table_size > 0, lambda: f"`table_size` must be >= 1, got {table_size}")
     torch._check(world_size > 0, lambda: f"`world_size` must be >= 1, got {world_size}")
     torch._check(dist_type in DIST_TYPES.values(), lambda: f"`dist_type` must be one of {DIST_TYPES}, got {dist_type}")
+    torch._check(ids.dtype == torch.int64 or dist_type != DIST_TYPES["hash_roundrobin"]
+                 or (table_size - 1) // world_size <= _INT32_MAX,
+                 lambda: f"recpipe: `ids` are int32 but hash_roundrobin over `table_size` = {table_size} rows and "
+                 f"{world_size} ranks gives local ids up to {(table_size - 1) // world_size}, beyond int32; pass "
+                 "int64 ids (`.to(torch.int64)`).")
     return torch.empty_like(ids, dtype=torch.int64), torch.empty_like(ids)
 
 
@@ -184,6 +213,9 @@ def _global_ids_fake(
         ranks.numel() == local_ids.numel(),
         lambda: "`ranks` and `local_ids` need the same number of entries",
     )
+    torch._check(local_ids.dtype == torch.int64 or table_size - 1 <= _INT32_MAX,
+                 lambda: f"recpipe: `local_ids` are int32 but a table of `table_size` = {table_size} rows has global "
+                 "ids above the int32 range; pass int64 local_ids (`.to(torch.int64)`).")
     return torch.empty_like(local_ids)
 
 

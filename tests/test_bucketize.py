@@ -717,68 +717,90 @@ def _args(**over):
     return list(base.values())
 
 
-@pytest.mark.parametrize(
-    "over, pattern",
-    [
-        (dict(indices=torch.tensor([0, 3, 2])), r"`lengths` sums past the 3 entries of `indices` at bag 3"),
-        (dict(indices=torch.tensor([0, 3, 2, 5, 1])), r"`lengths` sums to 4 but `indices` has 5"),
-        (dict(lengths=torch.tensor([1, 2, -1, 2])), r"`lengths\[2\]` is -1"),
-        (dict(indices=torch.tensor([0.0, 3.0, 2.0, 5.0])), r"`indices` must be int32 or int64"),
-        (dict(lengths=torch.tensor([1.0, 2.0, 0.0, 1.0])), r"`lengths` must be int32 or int64"),
-        (dict(dist_types=torch.tensor([0, 3])), r"`dist_types\[1\]` is 3"),
-        (dict(dist_types=torch.tensor([0, 2, 1])), r"`block_sizes` has 2 entries but `dist_types` has 3"),
-        (dict(dist_types=torch.tensor([0.0, 1.0])), r"`dist_types` must be int32 or int64"),
-        (dict(my_size=0), r"`my_size` \(the world size W\) must be >= 1, got 0"),
-        (dict(my_size=-3), r"`my_size` \(the world size W\) must be >= 1, got -3"),
-        (dict(block_sizes=torch.tensor([0, 4])), r"`block_sizes\[0\]` is 0"),
-        (dict(table_sizes=None), r"needs `table_sizes`"),
-        (dict(table_sizes=torch.tensor([8, 0])), r"`table_sizes\[1\]` is 0"),
-        (dict(table_sizes=torch.tensor([8])), r"`table_sizes` has 1 entries"),
-        (dict(indices=torch.tensor([0, 3, 2, 8])), r"`indices\[3\]` = 8 \(feature 1, hash_roundrobin\) is outside \[0, table_sizes\[1\] = 8\)"),
-        (dict(indices=torch.tensor([0, 3, 2, -1])), r"`indices\[3\]` = -1"),
-        (dict(weights=torch.rand(3)), r"`weights` has 3 entries but `indices` has 4"),
-        (dict(weights=torch.ones(4, dtype=torch.int64)), r"`weights` must be float16, bfloat16, float32 or float64"),
-        (dict(lengths=torch.tensor([1, 2, 0])), r"`lengths` has 3 entries, not a multiple of the 2 features"),
-        (dict(indices=torch.tensor([[0, 3], [2, 5]])), r"`indices` must be 1-D"),
-        (dict(indices=torch.tensor([0, 3, 2, 5], device="meta")), r"`indices` is on meta but `lengths` is on cpu"),
-        (dict(weights=torch.rand(4, 2, 2)), r"`weights` must be \[n\] or \[n, D\]"),
-        (dict(batch_size_per_feature=torch.tensor([1, 2])), r"`batch_size_per_feature` sums to 3 but `lengths` has 4"),
-        (dict(batch_size_per_feature=torch.tensor([2, -1])), r"`batch_size_per_feature\[1\]` is -1"),
-        (dict(batch_size_per_feature=torch.tensor([4])), r"`batch_size_per_feature` has 1 entries but `dist_types` has 2"),
-        (dict(lengths=torch.tensor([1, 2, 1]), indices=torch.tensor([0, 3, 2, 5])),
-         r"or pass `batch_size_per_feature` for a variable batch per feature"),
-        (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8])]),
-         r"`block_bucketize_pos` has 1 tensors but `dist_types` has 2"),
-        (dict(block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([0, 4, 8])]),
-         r"`block_bucketize_pos` \(uneven row-wise shards\) applies to continuous features only, but feature 1 is "
-         r"hash_roundrobin and `block_bucketize_pos\[1\]` has 3 bounds; pass an empty tensor for it"),
-        (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([], dtype=torch.int64)]),
-         r"`block_bucketize_pos\[1\]` is empty but feature 1 is continuous"),
-        (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([1, 4, 8]), torch.tensor([0, 4, 8])]),
-         r"`block_bucketize_pos\[0\]\[0\]` is 1; shard bounds start at row 0"),
-        (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([0, 5, 3])]),
-         r"`block_bucketize_pos\[1\]` decreases at entry 2"),
-        (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0.0, 4.0]), torch.tensor([0, 4])]),
-         r"`block_bucketize_pos\[0\]` must be a 1-D int32/int64 tensor"),
-        (dict(dist_types=torch.tensor([0, 0]), total_num_blocks=torch.tensor([4, 3])),
-         r"`total_num_blocks\[1\]` is 3; it must be a positive multiple of `my_size` = 2"),
-        (dict(total_num_blocks=torch.tensor([4, 4])), r"`total_num_blocks` applies to continuous features only, but feature 1"),
-        (dict(keep_orig_idx_per_feature=torch.tensor([1, 0])), r"`keep_orig_idx_per_feature` must be a bool tensor"),
-        (dict(keep_orig_idx_per_feature=torch.tensor([True])), r"`keep_orig_idx_per_feature` has 1 entries"),
-        # int64 sums that wrap back to len(indices) / the bag count (a segfault / garbage before)
-        (dict(lengths=torch.tensor([2**63 - 1, 2**63 - 1, 2, 0]), indices=torch.zeros(0, dtype=torch.int64)),
-         r"`lengths` sums past the 0 entries of `indices` at bag 0 \(lengths\[0\] = 9223372036854775807\)"),
-        (dict(batch_size_per_feature=torch.tensor([2**63 - 1, 2**63 - 1 - 4 + 2])),
-         r"`batch_size_per_feature` sums past the 4 bags of `lengths` at feature 0"),
-        # int32 ids of a hash table whose local ids exceed int32 (they wrapped before)
-        (dict(indices=torch.tensor([0, 3, 2, 5], dtype=torch.int32), table_sizes=torch.tensor([8, 2**33])),
-         r"feature 1 is hash_roundrobin over `table_sizes\[1\]` = 8589934592 rows and 2 ranks, so its local ids "
-         r"reach 4294967295, which int32 `indices` cannot hold; pass int64 indices"),
-    ],
-)
+# (argument overrides, the error the kernel raises)
+BAD_INPUT: list[tuple[dict, str]] = [
+    (dict(indices=torch.tensor([0, 3, 2])), r"`lengths` sums past the 3 entries of `indices` at bag 3"),
+    (dict(indices=torch.tensor([0, 3, 2, 5, 1])), r"`lengths` sums to 4 but `indices` has 5"),
+    (dict(lengths=torch.tensor([1, 2, -1, 2])), r"`lengths\[2\]` is -1"),
+    (dict(indices=torch.tensor([0.0, 3.0, 2.0, 5.0])), r"`indices` must be int32 or int64"),
+    (dict(lengths=torch.tensor([1.0, 2.0, 0.0, 1.0])), r"`lengths` must be int32 or int64"),
+    (dict(dist_types=torch.tensor([0, 3])), r"`dist_types\[1\]` is 3"),
+    (dict(dist_types=torch.tensor([0, 2, 1])), r"`block_sizes` has 2 entries but `dist_types` has 3"),
+    (dict(dist_types=torch.tensor([0.0, 1.0])), r"`dist_types` must be int32 or int64"),
+    (dict(my_size=0), r"`my_size` \(the world size W\) must be >= 1, got 0"),
+    (dict(my_size=-3), r"`my_size` \(the world size W\) must be >= 1, got -3"),
+    (dict(block_sizes=torch.tensor([0, 4])), r"`block_sizes\[0\]` is 0"),
+    (dict(table_sizes=None), r"needs `table_sizes`"),
+    (dict(table_sizes=torch.tensor([8, 0])), r"`table_sizes\[1\]` is 0"),
+    (dict(table_sizes=torch.tensor([8])), r"`table_sizes` has 1 entries"),
+    (dict(indices=torch.tensor([0, 3, 2, 8])), r"`indices\[3\]` = 8 \(feature 1, hash_roundrobin\) is outside \[0, table_sizes\[1\] = 8\)"),
+    (dict(indices=torch.tensor([0, 3, 2, -1])), r"`indices\[3\]` = -1"),
+    (dict(weights=torch.rand(3)), r"`weights` has 3 entries but `indices` has 4"),
+    (dict(weights=torch.ones(4, dtype=torch.int64)), r"`weights` must be float16, bfloat16, float32 or float64"),
+    (dict(lengths=torch.tensor([1, 2, 0])), r"`lengths` has 3 entries, not a multiple of the 2 features"),
+    (dict(indices=torch.tensor([[0, 3], [2, 5]])), r"`indices` must be 1-D"),
+    (dict(indices=torch.tensor([0, 3, 2, 5], device="meta")), r"`indices` is on meta but `lengths` is on cpu"),
+    (dict(weights=torch.rand(4, 2, 2)), r"`weights` must be \[n\] or \[n, D\]"),
+    (dict(batch_size_per_feature=torch.tensor([1, 2])), r"`batch_size_per_feature` sums to 3 but `lengths` has 4"),
+    (dict(batch_size_per_feature=torch.tensor([2, -1])), r"`batch_size_per_feature\[1\]` is -1"),
+    (dict(batch_size_per_feature=torch.tensor([4])), r"`batch_size_per_feature` has 1 entries but `dist_types` has 2"),
+    (dict(lengths=torch.tensor([1, 2, 1]), indices=torch.tensor([0, 3, 2, 5])),
+     r"or pass `batch_size_per_feature` for a variable batch per feature"),
+    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8])]),
+     r"`block_bucketize_pos` has 1 tensors but `dist_types` has 2"),
+    (dict(block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([0, 4, 8])]),
+     r"`block_bucketize_pos` \(uneven row-wise shards\) applies to continuous features only, but feature 1 is "
+     r"hash_roundrobin and `block_bucketize_pos\[1\]` has 3 bounds; pass an empty tensor for it"),
+    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([], dtype=torch.int64)]),
+     r"`block_bucketize_pos\[1\]` is empty but feature 1 is continuous"),
+    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([1, 4, 8]), torch.tensor([0, 4, 8])]),
+     r"`block_bucketize_pos\[0\]\[0\]` is 1; shard bounds start at row 0"),
+    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([0, 5, 3])]),
+     r"`block_bucketize_pos\[1\]` decreases at entry 2"),
+    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0.0, 4.0]), torch.tensor([0, 4])]),
+     r"`block_bucketize_pos\[0\]` must be a 1-D int32/int64 tensor"),
+    (dict(dist_types=torch.tensor([0, 0]), total_num_blocks=torch.tensor([4, 3])),
+     r"`total_num_blocks\[1\]` is 3; it must be a positive multiple of `my_size` = 2"),
+    (dict(total_num_blocks=torch.tensor([4, 4])), r"`total_num_blocks` applies to continuous features only, but feature 1"),
+    (dict(keep_orig_idx_per_feature=torch.tensor([1, 0])), r"`keep_orig_idx_per_feature` must be a bool tensor"),
+    (dict(keep_orig_idx_per_feature=torch.tensor([True])), r"`keep_orig_idx_per_feature` has 1 entries"),
+    # int64 sums that wrap back to len(indices) / the bag count (a segfault / garbage before)
+    (dict(lengths=torch.tensor([2**63 - 1, 2**63 - 1, 2, 0]), indices=torch.zeros(0, dtype=torch.int64)),
+     r"`lengths` sums past the 0 entries of `indices` at bag 0 \(lengths\[0\] = 9223372036854775807\)"),
+    (dict(batch_size_per_feature=torch.tensor([2**63 - 1, 2**63 - 1 - 4 + 2])),
+     r"`batch_size_per_feature` sums past the 4 bags of `lengths` at feature 0"),
+    # int32 ids of a hash table whose local ids exceed int32 (they wrapped before)
+    (dict(indices=torch.tensor([0, 3, 2, 5], dtype=torch.int32), table_sizes=torch.tensor([8, 2**33])),
+     r"feature 1 is hash_roundrobin over `table_sizes\[1\]` = 8589934592 rows and 2 ranks, so its local ids "
+     r"reach 4294967295, which int32 `indices` cannot hold; pass int64 indices"),
+]
+
+
+# The shape / dtype errors among them, which the fake kernel raises too (the others
+# depend on values only the kernel reads).
+_STATIC_MARKS = ("must be int32 or int64", "entries but `dist_types` has", "tensors but `dist_types` has",
+                 "entries but `indices` has", "must be float16", "not a multiple of", "must be 1-D",
+                 r"must be \[n\] or", "must be a 1-D int32/int64 tensor", "must be a bool tensor",
+                 r"`my_size` \(the world size W\) must be >= 1", "has 1 entries")
+STATIC_BAD_INPUT = [c for c in BAD_INPUT if any(m in c[1] for m in _STATIC_MARKS)]
+
+
+@pytest.mark.parametrize("over, pattern", BAD_INPUT)
 def test_bad_input_names_the_argument(over: dict, pattern: str) -> None:
     with pytest.raises((RuntimeError, IndexError), match=pattern):
         OP(*_args(**over))
+
+
+@pytest.mark.parametrize("over, pattern", STATIC_BAD_INPUT)
+def test_fake_kernel_raises_the_kernels_shape_and_dtype_errors(over: dict, pattern: str) -> None:
+    """A traced call (torch.compile / fake tensors) fails at trace time with the kernel's message."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode()
+    args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else
+            [mode.from_tensor(t) for t in a] if isinstance(a, list) else a for a in _args(**over)]
+    with mode, pytest.raises(RuntimeError, match=pattern):
+        OP(*args)
 
 
 def test_global_ids_bad_input() -> None:
@@ -912,6 +934,12 @@ def test_route_ids_opcheck_and_fake_kernels_reject_what_the_kernels_reject() -> 
                 torch.ones(1, dtype=torch.int64), 2)
         with pytest.raises(RuntimeError, match=r"`ids` must be int32 or int64"):
             torch.ops.recpipe.route_ids(torch.empty(2), 10, 3, 2, 5)
+        with pytest.raises(RuntimeError, match=r"`ids` are int32 but hash_roundrobin over `table_size` = "
+                           r"1099511627776 rows and 2 ranks gives local ids up to 549755813887"):
+            torch.ops.recpipe.route_ids(torch.empty(2, dtype=torch.int32), 2**40, 2, 2, 0)
+        with pytest.raises(RuntimeError, match=r"`local_ids` are int32 but a table of `table_size` = 8589934592"):
+            torch.ops.recpipe.hash_roundrobin_global_ids(torch.empty(2, dtype=torch.int64),
+                                                         torch.empty(2, dtype=torch.int32), 2**33, 4)
 
 
 # ---------------------------------------------------------------------------
