@@ -115,10 +115,10 @@ def _pt_load(model: Any, directory: str) -> None:
 
 def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # torchrec's deprecation warnings, once per rank
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    try:  # everything inside: a failure always reaches the parent
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
         from recpipe.pipeline import dcp as recpipe_dcp
 
         results: List[Dict[str, Any]] = []
@@ -156,7 +156,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
 
         queue.put((rank, None, f"{exc!r}\n{traceback.format_exc()}"))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def main() -> None:
@@ -164,7 +165,8 @@ def main() -> None:
     parser.add_argument("--sets", type=_parse_set, nargs="+",
                         default=[_parse_set("2x2097152x64"), _parse_set("2x1048576x64")],
                         help="table sets TABLESxROWSxDIM (default: ~1 GB set, the default recipe's set)")
-    parser.add_argument("--mode", default="HYBRID", choices=["HYBRID", "CACHING"])
+    parser.add_argument("--mode", default="HYBRID", choices=["HYBRID", "CACHING"],
+                        help="tiered placement mode of the tables (default HYBRID)")
     parser.add_argument("--load-factor", type=unit_fraction, default=0.5,
                         help="cache load factor x in (0, 1] of the tiered tables (default 0.5)")
     parser.add_argument("--repeat", type=positive_int, default=2,

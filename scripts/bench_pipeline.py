@@ -312,9 +312,8 @@ def main() -> None:
                     help="cpu (gloo, default) or cuda (nccl, 2 GPUs; adds peak CUDA memory)")
     args = ap.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
-        raise SystemExit(
-            f"--device cuda needs 2 CUDA devices, found {torch.cuda.device_count()}; run with --device cpu."
-        )
+        ap.error(f"argument --device: cuda needs 2 CUDA devices, found {torch.cuda.device_count()}; "
+                 "use --device cpu")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -46,6 +46,7 @@ from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig 
 ZIPF_ALPHA: float = 1.05
 LOAD_FACTORS: Tuple[float, ...] = (0.1, 0.2, 0.5, 1.0)
 LR: float = 0.01  # fbgemm default learning rate
+MOVIELENS_INTERACTIONS: int = 100_000  # ml-100k: ids a MovieLens step may take at most
 
 
 Batch = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # ids, offsets, grad
@@ -191,6 +192,10 @@ def main() -> None:
     ap.add_argument("--threads", type=positive_int, default=1, help="intra-op threads (default 1)")
     ap.add_argument("--repeat", type=positive_int, default=15, help="timed runs per cell, median (default 15)")
     args = ap.parse_args()
+    if args.bags // 8 * args.pooling > MOVIELENS_INTERACTIONS:
+        ap.error(f"argument --pooling: a MovieLens step takes --bags / 8 x --pooling = "
+                 f"{args.bags // 8 * args.pooling} ids, more than its {MOVIELENS_INTERACTIONS} interactions; "
+                 "lower --bags or --pooling")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(hardware_line())

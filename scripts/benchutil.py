@@ -10,6 +10,7 @@ import queue
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -66,17 +67,27 @@ def writable_dir(text: str) -> str:
     path = Path(text)
     if not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is not an existing directory; create it first")
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"{text} is not writable")
+    if not _can_write_in(path):
+        raise argparse.ArgumentTypeError(f"{text} is not writable; pass a directory you can create files in")
     return text
 
 
 def writable_file(text: str) -> Path:
     """argparse type: a file path whose directory exists and is writable."""
     path = Path(text)
-    if path.is_dir() or not path.parent.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
+    if path.is_dir() or not path.parent.is_dir() or not _can_write_in(path.parent):
         raise argparse.ArgumentTypeError(f"{text} is not a writable file path (its directory must exist)")
     return path
+
+
+def _can_write_in(directory: Path) -> bool:
+    """Whether a file can be created in ``directory`` (tried: ``os.access`` says yes to root
+    everywhere, e.g. on /proc)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return True
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------- workers
@@ -156,8 +167,17 @@ def run_recipe(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
     """
     proc = subprocess.run(list(cmd), env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(recipe_failure(cmd, proc))
     return proc
+
+
+def recipe_failure(cmd: Sequence[str], proc: subprocess.CompletedProcess[str]) -> str:
+    """Why ``cmd`` failed: the recipe's own ``error:`` lines (each once) when it printed any,
+    else its output's tail (torchrun's traceback would bury the recipe's message)."""
+    errors = list(dict.fromkeys(ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")))
+    if errors:
+        return "the recipe failed: " + "\n".join(e[len("error: "):] for e in errors)
+    return f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 
 def time_it(fn: Callable[[], object], *, repeat: int = 7, warmup: int = 2, min_time_s: float = 0.0) -> float:

@@ -40,7 +40,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchutil import hardware_line, positive_int, print_table, recipe_command, run_recipe, writable_file
+from benchutil import (hardware_line, positive_int, print_table, recipe_command, recipe_failure, run_recipe,
+                       writable_file)
 
 #: (category, predicate on one frame string "name (file:line)"), first match wins.
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
@@ -130,8 +131,7 @@ def run_profile(args: argparse.Namespace, extra: list[str], out: Path) -> None:
         sys.exit(f"{' '.join(cmd)} wrote no profile {out}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     done = [ln for ln in proc.stdout.splitlines() if ln.startswith("[recpipe] done")]
     if not done:  # py-spy exits 0 whatever its child did: the recipe's own last line tells
-        sys.exit(f"the recipe did not finish under the profiler ({' '.join(cmd)}):\n"
-                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        sys.exit(recipe_failure(cmd, proc))
     print(done[-1].replace("[recpipe] done", "run (under the profiler)"))
 
 
@@ -151,6 +151,14 @@ def main() -> None:
                         help="keep (or, if it exists, only read) this raw file")
     parser.add_argument("extra", nargs="*", help="more recipe flags, after --")
     args = parser.parse_args()
+    if not (args.raw and args.raw.exists()):  # the recipe's flags, checked before py-spy starts
+        from recpipe.recipes.config import ConfigError, parse_config
+
+        cmd = recipe_command(args.nproc, args.steps, 50, *args.extra)
+        try:
+            parse_config(cmd[cmd.index("recpipe.recipes.train") + 1:])
+        except ConfigError as e:
+            parser.error(f"argument extra (recipe flags after --): {e}")
     print(hardware_line(threads=1))
     print(f"default recipe{''.join(' ' + a for a in args.extra)} (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 "
           f"thread, {args.steps} steps, py-spy {args.rate} Hz{' --native' if args.native else ' non-blocking'}")
