@@ -20,6 +20,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -505,6 +506,27 @@ def _print_error(e: BaseException) -> None:
     print(f"error: {where}{message}", file=sys.stderr, flush=True)
 
 
+class _DropPrefix(logging.Filter):
+    """Drops log records whose message starts with ``prefix``."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
+
+
+def _quiet_upstream_notices() -> None:
+    """Drops two upstream notices every run printed once per rank, which a recipe user
+    cannot act on: torchrec 1.9.2's DMP passes DDP the ``broadcast_buffers`` argument
+    that torch 2.14 deprecates (a FutureWarning), and torchrec's modules call torch's
+    ``is_fx_tracing`` (a logged warning). Only these exact messages, and only in the
+    recipe's entry point: library users of recpipe keep every upstream warning."""
+    warnings.filterwarnings("ignore", message=re.escape("`broadcast_buffers` is deprecated"), category=FutureWarning)
+    logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropPrefix("is_fx_tracing will return true"))
+
+
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point (errors are recorded for torchrun / torchx to surface).
@@ -516,6 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         Process exit code (0 on success, 2 for a bad command line or config, 1 for a
         failure of ``USER_FACING_ERRORS`` or a collective (printed as one line)).
     """
+    _quiet_upstream_notices()
     try:
         config = parse_config(argv)
     except ConfigError as e:  # a user error: one message, no traceback

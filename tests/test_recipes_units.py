@@ -330,3 +330,19 @@ def test_component_refuses_a_bad_j_naming_it(j: str) -> None:
 def test_component_accepts_every_torchx_j_form(j: str, nnodes: str, nproc: str) -> None:
     joined = " ".join(components.train("--dataset", "synthetic", "--max-steps", "5", j=j).roles[0].args)
     assert f"--nnodes {nnodes}" in joined and f"--nproc_per_node {nproc}" in joined, joined
+
+
+def test_recipe_output_has_no_upstream_notices() -> None:
+    """The recipe's entry point drops the two upstream notices every run printed per rank
+    (torchrec's DDP ``broadcast_buffers`` FutureWarning, torch's ``is_fx_tracing``)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "recpipe.recipes.train", "--dataset", "synthetic", "--model", "dlrm",
+           "--num-embeddings", "2000", "--synthetic-id-space", "50000", "--embedding-dim", "8",
+           "--dense-arch", "16,8", "--over-arch", "16,1", "--batch-size", "64", "--max-steps", "2",
+           "--eval-batches", "1", "--log-every", "2", "--no-progress-bar"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "[recpipe] done: 2 steps" in proc.stdout
+    assert "broadcast_buffers" not in proc.stderr and "is_fx_tracing" not in proc.stderr, proc.stderr
