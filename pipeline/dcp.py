@@ -33,6 +33,12 @@ own export is read. Peak extra memory per table: one saving rank's export plus
 two copies of this rank's rows (the gathered rows and ``load_states``' staging
 buffer); one export plus one copy when the routing is the same.
 
+Integrity: :func:`save` writes :data:`DIGESTS_NAME` last (size and sha256 of DCP's
+``.metadata`` and of every data file it references; each rank hashes a share), and
+:func:`load` verifies every file against it before anything reaches the model, so
+a bit flip, truncation or a missing / foreign file is a :class:`CheckpointIntegrityError`
+naming the file on every rank, never silently wrong weights.
+
 Example::
 
     from recpipe.pipeline import dcp as recpipe_dcp
@@ -45,7 +51,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -54,11 +61,14 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from recpipe.pipeline._integrity import atomic_write_bytes, file_entry, file_problem, is_file_entry, json_digest
 from recpipe.pipeline.ops import ROUTING_VERSION, route_ids
 from recpipe.pipeline.sharders import _TieredTablesMixin, state_dict_without_tiered_rows
 from recpipe.pipeline.tiered import TieredCheckpointError, TieredEmbeddingShard, TieredShardState
 
 __all__ = [
+    "CheckpointIntegrityError",
+    "DIGESTS_NAME",
     "FUSED_OPTIMIZER_KEY",
     "TIERED_DCP_PREFIX",
     "TieredCheckpointError",
@@ -67,6 +77,8 @@ __all__ = [
     "load_dcp_state_dict",
     "save",
     "tiered_dcp_key",
+    "verify_checkpoint",
+    "write_digests",
 ]
 
 #: First component of every tiered key in a DCP checkpoint written by this module.
@@ -74,8 +86,165 @@ TIERED_DCP_PREFIX: str = "tiered"
 #: Key of ``model.fused_optimizer.state_dict()`` in the checkpoint (DCP flattens it).
 FUSED_OPTIMIZER_KEY: str = "fused_optimizer"
 _FIELDS: Tuple[str, ...] = ("global_ids", "weights", "optimizer_state", "step", "metadata")
+#: The integrity record :func:`save` writes last into the checkpoint directory: size and
+#: sha256 of DCP's ``.metadata`` and of every data file it references, plus the record's
+#: own digest. Its presence marks a finished save.
+DIGESTS_NAME: str = "recpipe_digests.json"
+_DIGESTS_FORMAT: str = "recpipe-dcp-digests/1"
+#: DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
+_DCP_METADATA_NAME: str = ".metadata"
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+
+class CheckpointIntegrityError(RuntimeError):
+    """Files of a DCP checkpoint differ from what :func:`save` recorded, or its record
+    (:data:`DIGESTS_NAME`) is missing or damaged. Raised on every rank before anything is
+    loaded into the model.
+
+    Args:
+        problems (Sequence[Tuple[str, str]]): ``(path, problem)`` of each bad file.
+        fixes (Sequence[str]): the possible solutions, numbered in the message.
+    """
+
+    def __init__(self, problems: Sequence[Tuple[str, str]], fixes: Sequence[str]) -> None:
+        self.problems: List[Tuple[str, str]] = list(problems)
+        self.fixes: Tuple[str, ...] = tuple(fixes)
+        lines = [f"{path}: {problem}" for path, problem in self.problems]
+        lines.append("Possible solutions:")
+        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes, 1)]
+        super().__init__("\n".join(lines))
+
+
+_CORRUPT_FIXES: Tuple[str, ...] = (
+    "restore the checkpoint directory from a copy taken before the damage",
+    "load an older checkpoint",
+)
+
+
+def _rank_world(process_group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(process_group), dist.get_world_size(process_group)
+
+
+def _all_gather(obj: Any, world: int, process_group: Optional[dist.ProcessGroup]) -> List[Any]:
+    if world == 1:
+        return [obj]
+    out: List[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=process_group)
+    return out
+
+
+def _referenced_files(metadata: Metadata) -> List[str]:
+    """DCP's metadata file and the data files its entries point into."""
+    return sorted({info.relative_path for info in (metadata.storage_data or {}).values()} | {_DCP_METADATA_NAME})
+
+
+def write_digests(checkpoint_id: PathLike, *, process_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Records the size and sha256 of every file of a finished DCP save in
+    :data:`DIGESTS_NAME` (collective: each rank hashes a share of the files, the
+    group's rank 0 writes the record atomically). :func:`save` calls it; call it after
+    a ``torch.distributed.checkpoint.save(dcp_state_dict(model), ...)`` of your own so
+    that :func:`load` can verify the checkpoint.
+
+    Args:
+        checkpoint_id (str | os.PathLike): the checkpoint directory.
+        process_group (dist.ProcessGroup | None): group of the save (default: the world).
+
+    Raises:
+        OSError: a file could not be hashed or the record not written (on every rank).
+    """
+    directory = Path(checkpoint_id)
+    rank, world = _rank_world(process_group)
+    mine: Dict[str, Any] = {}
+    failed: Optional[str] = None
+    try:
+        names = _referenced_files(FileSystemReader(directory).read_metadata())
+        mine = {name: file_entry(directory / name) for name in names[rank::world]}
+    except OSError as e:
+        failed = f"rank {rank}: hashing the files of {directory} failed ({type(e).__name__}: {e})"
+    parts = _all_gather((mine, failed), world, process_group)
+    errors = [err for _, err in parts if err is not None]
+    if rank == 0 and not errors:
+        files = {name: entry for part, _ in parts for name, entry in part.items()}
+        body = {"format": _DIGESTS_FORMAT, "files": files}
+        text = json.dumps(dict(body, digests_sha256=json_digest(body)), indent=1, sort_keys=True)
+        try:
+            atomic_write_bytes(directory / DIGESTS_NAME, (text + "\n").encode())
+        except OSError as e:
+            errors.append(f"rank 0: writing {directory / DIGESTS_NAME} failed ({type(e).__name__}: {e})")
+    if world > 1:
+        errors = [err for part in _all_gather(errors, world, process_group) for err in part]
+    if errors:
+        raise OSError("; ".join(sorted(set(errors))))
+
+
+def _read_digests(directory: Path) -> Dict[str, Any]:
+    """The files table of :data:`DIGESTS_NAME` (checked against its own digest)."""
+    path = directory / DIGESTS_NAME
+    if not path.is_file():
+        raise CheckpointIntegrityError(
+            [(str(path), "missing: the checkpoint was not written by recpipe.pipeline.dcp.save, or its save "
+                         "did not finish")],
+            ("if the save finished (e.g. your own torch.distributed.checkpoint.save of dcp_state_dict(model)), "
+             "call recpipe.pipeline.dcp.write_digests(checkpoint_id) once on the saving ranks' files",
+             "pass verify=False to load it without an integrity check",
+             "load an older checkpoint"),
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointIntegrityError([(str(path), f"unreadable ({type(e).__name__}: {e})")], _CORRUPT_FIXES) from None
+    body = {k: v for k, v in data.items() if k != "digests_sha256"} if isinstance(data, dict) else {}
+    files = body.get("files")
+    if body.get("format") != _DIGESTS_FORMAT or not isinstance(files, dict) or not all(
+        isinstance(n, str) and "/" not in n and is_file_entry(e) for n, e in files.items()
+    ):
+        raise CheckpointIntegrityError([(str(path), f"not a {_DIGESTS_FORMAT} record")], _CORRUPT_FIXES)
+    if data.get("digests_sha256") != json_digest(body):
+        raise CheckpointIntegrityError(
+            [(str(path), "its content does not match its own sha256 (altered after the save)")], _CORRUPT_FIXES
+        )
+    return files
+
+
+def verify_checkpoint(checkpoint_id: PathLike, *, process_group: Optional[dist.ProcessGroup] = None) -> None:
+    """Verifies a checkpoint written by :func:`save` against its :data:`DIGESTS_NAME`
+    record: the record's own digest, then the size and sha256 of every file it lists
+    (collective: each rank verifies a share, all ranks learn every verdict), then that
+    DCP's metadata references no file the record does not list.
+
+    Args:
+        checkpoint_id (str | os.PathLike): the checkpoint directory.
+        process_group (dist.ProcessGroup | None): group of the load (default: the world).
+
+    Raises:
+        CheckpointIntegrityError: on every rank, naming each bad file and the problem.
+    """
+    directory = Path(checkpoint_id)
+    rank, world = _rank_world(process_group)
+    problems: List[Tuple[str, str]] = []
+    fixes: Tuple[str, ...] = _CORRUPT_FIXES
+    files: Dict[str, Any] = {}
+    try:
+        files = _read_digests(directory)
+    except CheckpointIntegrityError as e:  # every rank reads the record: rank 0 reports it
+        problems, fixes = (e.problems if rank == 0 else []), e.fixes
+    for name in sorted(files)[rank::world]:
+        problem = file_problem(directory / name, files[name], DIGESTS_NAME)
+        if problem is not None:
+            problems.append((str(directory / name), problem))
+    everyone = [p for part in _all_gather(problems, world, process_group) for p in part]
+    if everyone:
+        raise CheckpointIntegrityError(everyone, fixes)
+    unrecorded = sorted(set(_referenced_files(FileSystemReader(directory).read_metadata())) - set(files))
+    if unrecorded:
+        raise CheckpointIntegrityError(
+            [(str(directory / _DCP_METADATA_NAME), f"references {unrecorded}, which {DIGESTS_NAME} does not list "
+                                                   "(files of another save)")],
+            _CORRUPT_FIXES,
+        )
 
 
 def tiered_dcp_key(table_fqn: str, rank: int, field: str) -> str:
@@ -278,11 +447,14 @@ def load_dcp_state_dict(
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> None:
     """Loads a checkpoint written by :func:`save` into ``model`` (any world size,
     routing and placement).
 
-    Collective over ``process_group`` (every rank calls it). The regular part goes
+    Collective over ``process_group`` (every rank calls it). With ``verify``, the
+    checkpoint's files are first checked against :data:`DIGESTS_NAME`
+    (:func:`verify_checkpoint`), so a damaged checkpoint changes nothing. The regular part goes
     through ``torch.distributed.checkpoint.load`` (which reshards torchrec's
     ShardedTensors / DTensors) and ``model.load_state_dict``; the fused optimizer
     state through ``model.fused_optimizer.load_state_dict``; each tiered table is
@@ -295,13 +467,19 @@ def load_dcp_state_dict(
         process_group (dist.ProcessGroup | None): group of the regular DCP load
             (default: the world, when torch.distributed is initialized).
         strict (bool): passed to ``model.load_state_dict``.
+        verify (bool): verify the files' sizes and sha256 first (False: load a
+            checkpoint without a digests record, or one verified by other means).
 
     Raises:
+        CheckpointIntegrityError: with ``verify``, a file differs from the record, or
+            the record is missing or damaged (before anything is loaded).
         TieredCheckpointError: a tiered table is missing from the checkpoint, its
             exports are incomplete, or they disagree with the table (names it).
     """
     reader = checkpoint if isinstance(checkpoint, FileSystemReader) else FileSystemReader(checkpoint)
     where = f"checkpoint {os.fspath(reader.path)}"
+    if verify:
+        verify_checkpoint(reader.path, process_group=process_group)
     metadata = reader.read_metadata()
     state, found = _regular_state_dict(model)
     no_dist = not dist.is_initialized()
@@ -321,7 +499,9 @@ def save(
     process_group: Optional[dist.ProcessGroup] = None,
     thread_count: int = 1,
 ) -> None:
-    """Saves ``model`` (regular state, fused optimizer state, tiered tables) with DCP.
+    """Saves ``model`` (regular state, fused optimizer state, tiered tables) with DCP,
+    then records every file's size and sha256 (:func:`write_digests`, written last:
+    the record marks a finished save).
 
     Collective over ``process_group`` (every rank calls it).
 
@@ -333,8 +513,11 @@ def save(
         thread_count (int): writer threads per rank (``FileSystemWriter``).
     """
     state = dcp_state_dict(model)
+    if _rank_world(process_group)[0] == 0:  # an older save's record no longer describes the files
+        Path(checkpoint_id, DIGESTS_NAME).unlink(missing_ok=True)
     writer = FileSystemWriter(checkpoint_id, thread_count=thread_count)
     dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+    write_digests(checkpoint_id, process_group=process_group)
 
 
 def load(
@@ -343,6 +526,7 @@ def load(
     *,
     process_group: Optional[dist.ProcessGroup] = None,
     strict: bool = True,
+    verify: bool = True,
 ) -> None:
     """Loads a checkpoint written by :func:`save` (see :func:`load_dcp_state_dict`).
 
@@ -351,8 +535,10 @@ def load(
         checkpoint_id (str | os.PathLike): checkpoint directory.
         process_group (dist.ProcessGroup | None): group of the regular DCP load.
         strict (bool): passed to ``model.load_state_dict``.
+        verify (bool): verify the files against :data:`DIGESTS_NAME` first.
     """
     if not os.path.isdir(checkpoint_id):
         raise FileNotFoundError(f"DCP checkpoint directory {os.fspath(checkpoint_id)!r} does not exist; "
                                 "pass the directory given to recpipe.pipeline.dcp.save.")
-    load_dcp_state_dict(model, FileSystemReader(checkpoint_id), process_group=process_group, strict=strict)
+    load_dcp_state_dict(model, FileSystemReader(checkpoint_id), process_group=process_group, strict=strict,
+                        verify=verify)

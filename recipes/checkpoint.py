@@ -61,6 +61,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline import dcp as recpipe_dcp
+from recpipe.pipeline._integrity import (atomic_write_bytes, file_entry, file_problem, fsync_dir, is_file_entry,
+                                         json_digest)
 from recpipe.pipeline.ops import ROUTING_VERSION
 from recpipe.pipeline.sharders import TIERED_STATE_KEY
 from recpipe.recipes.config import CHECKPOINT_FORMATS, STEP_DIR_PATTERN, TrainConfig, checkpoint_steps
@@ -91,7 +93,6 @@ LATEST_NAME: str = "latest"
 MANIFEST_FORMAT: str = "recpipe-checkpoint/1"
 DCP_METADATA_NAME: str = ".metadata"
 """The metadata file torch.distributed.checkpoint writes into a ``dcp`` step directory."""
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _DCP_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 _SHARDED = "__sharded_local_shards__"
 # What a rank file holds, per checkpoint format ("dcp": the model and fused optimizer
@@ -100,7 +101,6 @@ _PAYLOAD_KEYS: dict[str, tuple[str, ...]] = {
     "pt": ("meta", "model", "optimizer", "tiered"),
     "dcp": ("meta", "optimizer"),
 }
-_READ_CHUNK = 1 << 22
 
 
 class CheckpointError(RuntimeError):
@@ -331,31 +331,6 @@ def _rank_file(rank: int) -> str:
     return f"rank{rank}.pt"
 
 
-def _fsync_dir(path: Path) -> None:
-    """Makes a rename inside ``path`` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes ``path`` via a temporary file in the same directory, fsync and ``os.replace``."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
 class _HashingWriter:
     """File-like sink for ``torch.save`` that counts and hashes the bytes it writes."""
 
@@ -383,12 +358,8 @@ def _write_rank_file(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return {"bytes": sink.bytes, "sha256": sink.sha256.hexdigest()}
-
-
-def _json_digest(body: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def _write_manifest(
@@ -397,16 +368,8 @@ def _write_manifest(
     body = {"format": MANIFEST_FORMAT, "step": step, "world_size": world, "files": files}
     if checkpoint_format != "pt":  # manifests of .pt checkpoints stay as they were
         body["checkpoint_format"] = checkpoint_format
-    text = json.dumps(dict(body, manifest_sha256=_json_digest(body)), indent=1, sort_keys=True)
-    _atomic_write_bytes(step_dir / MANIFEST_NAME, (text + "\n").encode())
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+    text = json.dumps(dict(body, manifest_sha256=json_digest(body)), indent=1, sort_keys=True)
+    atomic_write_bytes(step_dir / MANIFEST_NAME, (text + "\n").encode())
 
 
 def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
@@ -438,7 +401,7 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise CheckpointCorruptError(path, f"not a {MANIFEST_FORMAT} manifest")
     body = {k: v for k, v in data.items() if k != "manifest_sha256"}
-    if data.get("manifest_sha256") != _json_digest(body):
+    if data.get("manifest_sha256") != json_digest(body):
         raise CheckpointCorruptError(path, "its content does not match its own sha256 (altered after the save)")
     m = STEP_DIR_PATTERN.match(step_dir.name)
     world, files = data.get("world_size"), data.get("files")
@@ -461,12 +424,7 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
                 f"lists files {sorted(files)}, expected {sorted(required)} and DCP's __R_N.distcp files",
             )
     for name, entry in files.items():
-        if not (
-            isinstance(entry, dict)
-            and isinstance(entry.get("bytes"), int)
-            and isinstance(entry.get("sha256"), str)
-            and _SHA256_HEX.match(entry["sha256"])
-        ):
+        if not is_file_entry(entry):
             raise CheckpointCorruptError(path, f"bad entry for {name}: {entry!r}")
     data["checkpoint_format"] = checkpoint_format
     return data
@@ -475,24 +433,9 @@ def read_manifest(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def _verify_file(step_dir: Path, manifest: dict[str, Any], name: str) -> Path:
     """Checks one file's size and sha256 against the manifest; returns its path."""
     path = step_dir / name
-    entry = manifest["files"][name]
-    if not path.is_file():
-        raise CheckpointCorruptError(path, f"missing ({MANIFEST_NAME} lists it)")
-    try:
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise CheckpointCorruptError(
-                path, f"{size} bytes, but {MANIFEST_NAME} records {entry['bytes']} (truncated or overwritten)"
-            )
-        digest = _file_sha256(path)
-    except OSError as e:
-        raise CheckpointCorruptError(path, f"unreadable ({type(e).__name__}: {e})") from None
-    if digest != entry["sha256"]:
-        raise CheckpointCorruptError(
-            path,
-            f"sha256 {digest[:16]}... differs from {MANIFEST_NAME}'s {entry['sha256'][:16]}... "
-            "(its bytes changed after the save: disk, copy or transfer corruption)",
-        )
+    problem = file_problem(path, manifest["files"][name], MANIFEST_NAME)
+    if problem is not None:
+        raise CheckpointCorruptError(path, problem)
     return path
 
 
@@ -551,11 +494,6 @@ def _dcp_files(manifest: dict[str, Any]) -> list[str]:
     return sorted(n for n in manifest["files"] if n not in ranks)
 
 
-def _hash_file(path: Path) -> dict[str, Any]:
-    """The manifest entry of a file already on disk."""
-    return {"bytes": path.stat().st_size, "sha256": _file_sha256(path)}
-
-
 def reseal_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Rewrites the manifest of a checkpoint from the rank files as they are now.
 
@@ -578,7 +516,7 @@ def reseal_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
     ranks = sorted(int(p.stem[4:]) for p in step_dir.glob("rank*.pt") if p.stem[4:].isdigit())
     if not ranks or ranks != list(range(len(ranks))):
         raise ValueError(f"reseal_checkpoint: {step_dir} holds rank files {ranks}, expected rank0.pt..rankN.pt")
-    files = {_rank_file(r): _hash_file(step_dir / _rank_file(r)) for r in ranks}
+    files = {_rank_file(r): file_entry(step_dir / _rank_file(r)) for r in ranks}
     checkpoint_format = "dcp" if (step_dir / DCP_METADATA_NAME).is_file() else "pt"
     if checkpoint_format == "dcp":
         files.update(_dcp_entries(step_dir, set(files)))
@@ -589,7 +527,7 @@ def reseal_checkpoint(step_dir: str | os.PathLike[str]) -> dict[str, Any]:
 def _dcp_entries(step_dir: Path, skip: set[str]) -> dict[str, dict[str, Any]]:
     """Size and sha256 of every file in ``step_dir`` but the manifest, temporaries and ``skip``."""
     return {
-        p.name: _hash_file(p)
+        p.name: file_entry(p)
         for p in sorted(step_dir.iterdir())
         if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(".tmp") and p.name not in skip
     }
@@ -707,7 +645,7 @@ def _commit(
             if checkpoint_format == "dcp":
                 files.update(_dcp_entries(step_dir, set(files)))
             _write_manifest(step_dir, step, world, files, checkpoint_format)
-            _atomic_write_bytes(root / LATEST_NAME, f"{step}\n".encode())
+            atomic_write_bytes(root / LATEST_NAME, f"{step}\n".encode())
         except OSError as e:
             commit_error = f"rank 0: writing {step_dir / MANIFEST_NAME} or {root / LATEST_NAME} failed ({e})"
     # Every rank waits for the commit (and learns whether it failed).
@@ -959,7 +897,7 @@ def _prepare_dcp(
 
 def _restore_dcp(step_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Any) -> None:
     """Loads a verified ``dcp`` checkpoint (a collective): DCP state, then the dense optimizer."""
-    recpipe_dcp.load(model, step_dir)
+    recpipe_dcp.load(model, step_dir, verify=False)  # verified against the manifest by _prepare_dcp
     with torch.no_grad():
         _restore(_dense_optimizer_states(model, optimizer), saved, "optimizer")
 

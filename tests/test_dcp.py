@@ -9,11 +9,15 @@ next step's outputs must equal those of the saving model (which never went throu
 DCP). A torchrec TABLE_WISE model (plain EmbeddingBagCollectionSharder) is saved and
 loaded through the same helpers with its tables moved to the other rank (DCP's own
 resharding). Error cases: a checkpoint of another table size is refused naming the
-table; a checkpoint without a table's tiered rows is refused.
+table; a checkpoint without a table's tiered rows is refused; a damaged checkpoint
+(bit flip, truncation, missing or foreign file, edited or missing digests record) is
+refused on every rank, naming the file, before the model changes.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -294,3 +298,71 @@ def test_dcp_refuses_a_table_of_another_size(tmp_path: Path) -> None:
     run_gloo(2, _save_body, str(tmp_path))
     (msg,) = run_gloo(1, _wrong_size_body, str(tmp_path))
     assert "'t0'" in msg and "num_embeddings=97" in msg and "num_embeddings=98" in msg, msg
+
+
+def _damaged_load_body(rank: int, world: int, root: str, cases: List[str]) -> Dict[str, Any]:
+    """Loads every damaged copy into one model; each must fail before the model changes."""
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    model = _tiered_model(world, SAVE_PLACEMENTS)
+    before = _view(model)
+    messages: Dict[str, str] = {}
+    for case in cases:
+        with pytest.raises(recpipe_dcp.CheckpointIntegrityError) as err:
+            recpipe_dcp.load(model, f"{root}/{case}")
+        messages[case] = str(err.value)
+    after = _view(model)
+    for name, (ids, w, s, step) in before["tiered"].items():
+        np.testing.assert_array_equal(after["tiered"][name][1], w, err_msg=f"{name} changed by a refused load")
+        np.testing.assert_array_equal(after["tiered"][name][2], s, err_msg=f"{name} state changed")
+    for name, shards in before["torchrec"].items():
+        for (_, t0), (_, t1) in zip(shards, after["torchrec"][name]):
+            np.testing.assert_array_equal(t1, t0, err_msg=f"{name} changed by a refused load")
+    # the record is what makes the check possible: without it, verify=False loads as before
+    recpipe_dcp.load(model, f"{root}/no_record", verify=False)
+    return {"messages": messages, "loaded": _view(model)}
+
+
+def _flip(path: Path, at: float = 0.5) -> None:
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> None:
+    from recpipe.pipeline.dcp import DIGESTS_NAME
+
+    saved = run_gloo(2, _save_body, str(tmp_path))
+    good = tmp_path / "tiered"
+    record = json.loads((good / DIGESTS_NAME).read_text())
+    data_files = sorted(p.name for p in good.glob("*.distcp"))
+    assert len(data_files) == 2 and sorted(record["files"]) == [".metadata", *data_files]
+    for name, entry in record["files"].items():
+        assert entry["bytes"] == (good / name).stat().st_size
+    biggest = max(data_files, key=lambda n: (good / n).stat().st_size)
+
+    def damaged(case: str, damage: Any) -> str:
+        shutil.copytree(good, tmp_path / case)
+        damage(tmp_path / case)
+        return case
+
+    def edit_record(d: Path) -> None:
+        body = json.loads((d / DIGESTS_NAME).read_text())
+        body["files"][biggest]["bytes"] += 1
+        (d / DIGESTS_NAME).write_text(json.dumps(body))
+
+    expected = {
+        damaged("flip", lambda d: _flip(d / biggest)): (biggest, "sha256"),
+        damaged("flip_meta", lambda d: _flip(d / ".metadata")): (".metadata", "sha256"),
+        damaged("truncated", lambda d: (d / biggest).write_bytes((d / biggest).read_bytes()[:-100])): (biggest, "truncated"),
+        damaged("missing", lambda d: (d / biggest).unlink()): (biggest, "missing"),
+        damaged("edited_record", edit_record): (DIGESTS_NAME, "altered after the save"),
+        damaged("no_record_strict", lambda d: (d / DIGESTS_NAME).unlink()): (DIGESTS_NAME, "verify=False"),
+    }
+    damaged("no_record", lambda d: (d / DIGESTS_NAME).unlink())
+    out = run_gloo(2, _damaged_load_body, str(tmp_path), list(expected))
+    for case, (name, problem) in expected.items():
+        assert out[0]["messages"][case] == out[1]["messages"][case], case  # every rank, same message
+        msg = out[0]["messages"][case]
+        assert f"{case}/{name}: " in msg and problem in msg and "Possible solutions:" in msg, f"{case}: {msg}"
+    _assert_same_tables(_assemble([s["tiered"] for s in saved]), _assemble([r["loaded"] for r in out]), "verify=False")
