@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -338,7 +339,9 @@ def _read_fields(
                 "recpipe.pipeline.dcp.save (or was edited): re-save it."
             )
         state[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": here, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     out = {field: state[tiered_dcp_key(table_fqn, rank, field)] for field in fields}
     if "metadata" in out:
         out["metadata"] = json.loads(out["metadata"])
