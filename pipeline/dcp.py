@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -322,6 +323,69 @@ def _saved_ranks(metadata: Metadata, table_fqn: str) -> Dict[int, List[str]]:
     return ranks
 
 
+_TIERED_KEY = re.compile(rf"^{TIERED_DCP_PREFIX}\.(.+)\.rank\d+\.(?:{'|'.join(_FIELDS)})$")
+
+
+def _weight_key(table_fqn: str, state: Dict[str, Any]) -> Optional[str]:
+    """The key of a tiered table's (placeholder) weight in the model's state dict: the
+    longest dotted suffix of ``<table_fqn>.weight`` it holds (DMP strips wrapper
+    prefixes such as DDP's ``module.`` from the state dict, not from the fqn)."""
+    full = f"{table_fqn}.weight"
+    keys = [k for k in state if k == full or full.endswith("." + k)]
+    return max(keys, key=len) if keys else None
+
+
+def _check_table_kinds(
+    metadata: Metadata,
+    state: Dict[str, Any],
+    tiered_here: List[str],
+    where: str,
+    strict: bool,
+    process_group: Optional[dist.ProcessGroup],
+) -> None:
+    """Refuses, on every rank and before anything is read, a checkpoint whose tables
+    are tiered where this model's are torchrec tables or the other way round (a
+    checkpoint saved with another kind of plan): DCP itself would fail mid-load with
+    "Missing key" or "Size mismatch" on some ranks only.
+
+    Args:
+        metadata (Metadata): the checkpoint's DCP metadata.
+        state (Dict[str, Any]): the model's regular state dict (to name the weight
+            key a torchrec table of the same name would have).
+        tiered_here (List[str]): fqns of this rank's tiered tables.
+        where (str): the checkpoint, for messages.
+        strict (bool): also refuse tiered tables of the checkpoint that this model
+            does not tier at all (``load_state_dict``'s ``strict``).
+        process_group (dist.ProcessGroup | None): group of the load.
+
+    Raises:
+        TieredCheckpointError: naming every such table, with possible solutions.
+    """
+    rank, world = _rank_world(process_group)
+    tiered_anywhere = {fqn for part in _all_gather(sorted(tiered_here), world, process_group) for fqn in part}
+    saved_tiered = {m.group(1) for key in metadata.state_dict_metadata if (m := _TIERED_KEY.match(key))}
+    problems: List[str] = []
+    for fqn in sorted(set(tiered_here) - saved_tiered):
+        key = _weight_key(fqn, state)
+        weight = metadata.state_dict_metadata.get(key) if key is not None else None
+        held = (f"it as a torchrec table (weight {list(weight.size)})"
+                if isinstance(weight, TensorStorageMetadata) and weight.size.numel() > 0 else "no rows of it")
+        problems.append(f"table {fqn!r} is tiered in this model, but the checkpoint holds {held}")
+    if strict:
+        problems += [f"table {fqn!r} was tiered when saved, but this model does not tier it"
+                     for fqn in sorted(saved_tiered - tiered_anywhere)]
+    everyone = sorted({p for part in _all_gather(problems, world, process_group) for p in part})
+    if everyone:
+        raise TieredCheckpointError(
+            f"{where} does not fit this model's tables: " + "; ".join(everyone) + ". Possible solutions:\n"
+            "  1. shard every table as the saving job did: tables tiered there (recpipe's tiered sharders and "
+            "placement plan) tiered here, torchrec tables as torchrec tables (the recipe: resume with the "
+            "checkpoint's --placement)\n"
+            "  2. a module or table was renamed: load with the names it was saved under\n"
+            "  3. start from fresh tables instead of this checkpoint"
+        )
+
+
 def _read_fields(
     reader: FileSystemReader, metadata: Metadata, table_fqn: str, rank: int, fields: Tuple[str, ...], where: str
 ) -> Dict[str, Any]:
@@ -476,8 +540,10 @@ def load_dcp_state_dict(
     Raises:
         CheckpointIntegrityError: with ``verify``, a file differs from the record, or
             the record is missing or damaged (before anything is loaded).
-        TieredCheckpointError: a tiered table is missing from the checkpoint, its
-            exports are incomplete, or they disagree with the table (names it).
+        TieredCheckpointError: a table is tiered in the model but not in the
+            checkpoint or (``strict``) the other way round (on every rank, before
+            anything is read), a tiered table's exports are incomplete, or they
+            disagree with the table (names it).
     """
     reader = checkpoint if isinstance(checkpoint, FileSystemReader) else FileSystemReader(checkpoint)
     where = f"checkpoint {os.fspath(reader.path)}"
@@ -485,13 +551,15 @@ def load_dcp_state_dict(
         verify_checkpoint(reader.path, process_group=process_group)
     metadata = reader.read_metadata()
     state, found = _regular_state_dict(model)
+    tiered = _tiered_tables(found)
+    _check_table_kinds(metadata, state, list(tiered), where, strict, process_group)
     no_dist = not dist.is_initialized()
     dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
     optimizer_state = state.pop(FUSED_OPTIMIZER_KEY, None)
     model.load_state_dict(state, strict=strict)
     if optimizer_state is not None:
         model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr, operator]
-    for fqn, shard in _tiered_tables(found).items():
+    for fqn, shard in tiered.items():
         _load_tiered_table(shard, reader, metadata, fqn, where)
 
 

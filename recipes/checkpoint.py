@@ -782,6 +782,16 @@ def _check_fit(
         problems.append(f"world size {meta.get('world_size')} (checkpoint) != {world} (now)")
     if meta.get("table_ranks") != table_ranks and not resharding:
         problems.append(f"placement {meta.get('table_ranks')} (checkpoint) != {table_ranks} (now)")
+    saved_ranks = meta.get("table_ranks") or {}
+    # a planned placement records {mode, ...} per table (tiered), table_wise the owning rank
+    kinds = {t: ("planned (tiered)" if isinstance(saved_ranks[t], dict) else "table_wise",
+                 "planned (tiered)" if isinstance(where, dict) else "table_wise")
+             for t, where in table_ranks.items() if t in saved_ranks}
+    changed = {t: k for t, k in kinds.items() if k[0] != k[1]}
+    if resharding and changed:
+        problems.append("tables placed another way (checkpoint -> now): "
+                        + ", ".join(f"{t} {a} -> {b}" for t, (a, b) in sorted(changed.items()))
+                        + "; resume with the checkpoint's --placement")
     saved_routing = meta.get("routing_version", 1)  # checkpoints before version 2 lack the key
     if saved_routing != ROUTING_VERSION:
         problems.append(

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,6 +32,7 @@ from torchrec.distributed.types import ShardingEnv
 from recpipe.recipes.build import make_optimizer, shard_model
 from recpipe.recipes.checkpoint import (
     CheckpointCorruptError,
+    CheckpointMismatchError,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
@@ -104,6 +106,18 @@ def test_resume_is_exact(ckpt: Path, pristine: tuple[Path, list[float], dict[str
     assert result.start_step == SAVED_STEPS and lines == []
     assert result.losses == reference[SAVED_STEPS:RESUME_TO]  # bit-identical
     verify_checkpoint(step_dir(ckpt, RESUME_TO))
+
+
+def test_resume_with_another_placement_kind_is_a_mismatch(ckpt: Path, pristine: tuple[Path, list[float], dict[str, Any]]) -> None:
+    """dcp reshards across world sizes and tiered placements, but tiered <-> torchrec tables
+    (--placement planned <-> table_wise) cannot load: refused before anything is read."""
+    _, _, base = pristine
+    other = "table_wise" if base["placement"] == "planned" else "planned"
+    saved_as = "planned (tiered)" if base["placement"] == "planned" else "table_wise"
+    now = "planned (tiered)" if other == "planned" else "table_wise"
+    with pytest.raises(CheckpointMismatchError, match=rf"tables placed another way \(checkpoint -> now\): "
+                                                      rf"\S+ {re.escape(saved_as)} -> {re.escape(now)}.*--placement"):
+        _resume(ckpt, dict(base, placement=other), RESUME_TO)
 
 
 def _flip_distcp(root: Path) -> Path:

@@ -371,3 +371,37 @@ def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> Non
         msg = out[0]["messages"][case]
         assert f"{case}/{name}: " in msg and problem in msg and "Possible solutions:" in msg, f"{case}: {msg}"
     _assert_same_tables(_assemble([s["tiered"] for s in saved]), _assemble([r["loaded"] for r in out]), "verify=False")
+
+
+def _table_kinds_body(rank: int, world: int, root: str) -> Dict[str, str]:
+    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.tiered import TieredCheckpointError
+
+    plain = _tiered_model(world, {})  # t0, t1, t2 all torchrec ROW_WISE FUSED tables
+    _step(plain, _dense_opt(plain), TABLES, 0, [rank])
+    recpipe_dcp.save(plain, f"{root}/plain")
+    out: Dict[str, str] = {}
+    with pytest.raises(TieredCheckpointError) as err:
+        recpipe_dcp.load(plain, f"{root}/tiered")
+    out["tiered_into_plain"] = str(err.value)
+    tiered = _tiered_model(world, SAVE_PLACEMENTS)
+    with pytest.raises(TieredCheckpointError) as err:
+        recpipe_dcp.load(tiered, f"{root}/plain")
+    out["plain_into_tiered"] = str(err.value)
+    return out
+
+
+def test_dcp_refuses_tables_of_another_kind_on_every_rank(tmp_path: Path) -> None:
+    """Tiered when saved, torchrec tables now (and the reverse): one clear error on every
+    rank before anything is read, instead of DCP's "Missing key" / "Size mismatch"."""
+    run_gloo(2, _save_body, str(tmp_path))
+    out = run_gloo(2, _table_kinds_body, str(tmp_path))
+    assert out[0] == out[1]
+    msg = out[0]["tiered_into_plain"]
+    for t in ("t0", "t1"):
+        assert f"table 'module.ebc.embedding_bags.{t}' was tiered when saved, but this model does not tier it" in msg, msg
+    assert "t2" not in msg.split("Possible solutions")[0] and "--placement" in msg, msg
+    msg = out[0]["plain_into_tiered"]
+    assert ("table 'module.ebc.embedding_bags.t0' is tiered in this model, but the checkpoint holds it as a torchrec "
+            "table (weight [97, 8])") in msg, msg
+    assert "table 'module.ebc.embedding_bags.t1' is tiered in this model" in msg, msg
