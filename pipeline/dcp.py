@@ -430,17 +430,15 @@ def _same_layout(shard: TieredEmbeddingShard, md: Dict[str, Any]) -> bool:
             and int(md.get("routing_version", 1)) == ROUTING_VERSION)
 
 
-@torch.no_grad()
-def _load_tiered_table(
+def _tiered_heads(
     shard: TieredEmbeddingShard, reader: FileSystemReader, metadata: Metadata, table_fqn: str, where: str
-) -> None:
-    """Loads one table into ``shard`` from every saving rank's export (by global id).
+) -> Dict[int, Dict[str, Any]]:
+    """Reads and checks the metadata and step of every saving rank's export of one
+    table (a few bytes each; nothing is loaded): complete, consistent with each
+    other and compatible with ``shard`` (``check_export_metadata``).
 
-    The exports' metadata and steps are read first (a few bytes each) and checked
-    for consistency. When the saving job routed the table as this job does (same
-    world size, dist_type, seed), this rank's own export holds exactly its rows and
-    is the only one read; otherwise every saving rank's export is read in turn and
-    the rows this rank owns are gathered.
+    Returns:
+        Dict[int, Dict[str, Any]]: saving rank -> ``{"metadata", "step"}``.
     """
     ranks = _saved_ranks(metadata, table_fqn)
     if not ranks:
@@ -476,6 +474,30 @@ def _load_tiered_table(
             f"{where}: table {table_fqn!r} was saved by {saved_world} ranks but the checkpoint holds the exports "
             f"of ranks {sorted(ranks)}; the checkpoint is incomplete: re-save it from every rank."
         )
+    for head in heads.values():
+        shard.check_export_metadata(head["metadata"])
+    return heads
+
+
+@torch.no_grad()
+def _load_tiered_table(
+    shard: TieredEmbeddingShard,
+    heads: Dict[int, Dict[str, Any]],
+    reader: FileSystemReader,
+    metadata: Metadata,
+    table_fqn: str,
+    where: str,
+) -> None:
+    """Loads one table into ``shard`` from every saving rank's export (by global id).
+
+    ``heads`` are the exports' checked metadata and steps (:func:`_tiered_heads`).
+    When the saving job routed the table as this job does (same world size,
+    dist_type, seed), this rank's own export holds exactly its rows and is the only
+    one read; otherwise every saving rank's export is read in turn and the rows this
+    rank owns are gathered.
+    """
+    ranks = sorted(heads)
+    step = heads[ranks[0]]["step"]
     if _same_layout(shard, heads[shard.rank]["metadata"] if shard.rank in heads else {}):
         # load_states validates it (table, routing, row count, non-finite values)
         shard.load_states([_read_export(reader, metadata, table_fqn, shard.rank, where)])
@@ -484,7 +506,7 @@ def _load_tiered_table(
     weights = torch.empty((R, shard.embedding_dim), dtype=shard.dtype)
     opt = torch.empty((R, shard.fast_state.shape[1]), dtype=torch.float32)
     count = torch.zeros(R, dtype=torch.int64)
-    for rank in sorted(ranks):
+    for rank in ranks:
         st = _read_export(reader, metadata, table_fqn, rank, where)
         shard._validate_state(st)  # num_embeddings / dim / dtype / optimizer / routing, naming the table
         owner, local = route_ids(st.global_ids, shard.num_embeddings, shard.world_size,
@@ -553,6 +575,18 @@ def load_dcp_state_dict(
     state, found = _regular_state_dict(model)
     tiered = _tiered_tables(found)
     _check_table_kinds(metadata, state, list(tiered), where, strict, process_group)
+    # Every tiered export's metadata is checked on every rank before anything is loaded,
+    # so a table of another size, dim or optimizer leaves the whole model untouched.
+    heads: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    problem: Optional[str] = None
+    try:
+        heads = {fqn: _tiered_heads(shard, reader, metadata, fqn, where) for fqn, shard in tiered.items()}
+    except TieredCheckpointError as e:
+        problem = str(e)
+    rank, world = _rank_world(process_group)
+    problems = [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
+    if problems:
+        raise TieredCheckpointError(problem if problem is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
     no_dist = not dist.is_initialized()
     dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
     optimizer_state = state.pop(FUSED_OPTIMIZER_KEY, None)
@@ -560,7 +594,7 @@ def load_dcp_state_dict(
     if optimizer_state is not None:
         model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr, operator]
     for fqn, shard in tiered.items():
-        _load_tiered_table(shard, reader, metadata, fqn, where)
+        _load_tiered_table(shard, heads[fqn], reader, metadata, fqn, where)
 
 
 def save(

@@ -868,8 +868,18 @@ class TieredEmbeddingShard(nn.Module):
         lines += [f"  {i}. {s}" for i, s in enumerate(solutions, 1)]
         return TieredCheckpointError("\n".join(lines))
 
-    def _validate_state(self, st: TieredShardState) -> None:
-        md = st.metadata
+    def check_export_metadata(self, md: Dict[str, Any]) -> None:
+        """Checks an export's metadata (no rows needed) against this shard: every
+        field present; the same num_embeddings, embedding_dim, dtype and optimizer; a
+        routing version this recpipe knows. Loaders call it for every export before
+        they change any state.
+
+        Args:
+            md (Dict[str, Any]): ``TieredShardState.metadata`` of the export.
+
+        Raises:
+            TieredCheckpointError: naming the table, the field and both values.
+        """
         required = ("version", "num_embeddings", "embedding_dim", "dtype", "optimizer", "dist_type",
                     "routing_seed", "world_size", "rank", "num_rows", "placement")
         missing = [k for k in required if k not in md]
@@ -882,6 +892,16 @@ class TieredEmbeddingShard(nn.Module):
                 raise self._ckpt_error(
                     f"export has {key}={md[key]!r} but this shard has {key}={mine[key]!r}",
                     [f"build the shard with {key}={md[key]!r}", "load the export of the matching table"])
+        routing_version = int(md.get("routing_version", 1))  # version 1 exports lack the key
+        if routing_version > ROUTING_VERSION:
+            raise self._ckpt_error(
+                f"export was routed by hash_roundrobin version {routing_version}, newer than this "
+                f"recpipe's version {ROUTING_VERSION}",
+                ["load it with the recpipe release that wrote it (or a newer one)"])
+
+    def _validate_state(self, st: TieredShardState) -> None:
+        md = st.metadata
+        self.check_export_metadata(md)
         n = int(st.global_ids.numel())
         rows = shard_num_rows(md["num_embeddings"], md["world_size"], md["rank"], md["dist_type"])
         if n != rows or md["num_rows"] != rows or st.weights.shape[0] != n or st.optimizer_state.shape[0] != n:
@@ -889,12 +909,7 @@ class TieredEmbeddingShard(nn.Module):
                 f"export of rank {md['rank']}/{md['world_size']} ({md['dist_type']}) holds {n} rows, "
                 f"its metadata implies {rows}",
                 ["the export is truncated or its metadata was edited: re-export the shard"])
-        routing_version = int(md.get("routing_version", 1))  # version 1 exports lack the key
-        if routing_version > ROUTING_VERSION:
-            raise self._ckpt_error(
-                f"export was routed by hash_roundrobin version {routing_version}, newer than this "
-                f"recpipe's version {ROUTING_VERSION}",
-                ["load it with the recpipe release that wrote it (or a newer one)"])
+        routing_version = int(md.get("routing_version", 1))
         gids = st.global_ids.to(torch.int64).cpu()
         if md["dist_type"] == "hash_roundrobin" and routing_version != ROUTING_VERSION:
             # An older hash placed these rows; this build no longer computes it, so the

@@ -265,8 +265,13 @@ def _wrong_size_body(rank: int, world: int, root: str) -> str:
     global TABLES
     TABLES = [("t0", 98, 8, ["f0", "f1"])] + TABLES[1:]  # t0 has one row more than saved
     model = _tiered_model(world, SAVE_PLACEMENTS)
+    before = _view(model)
     with pytest.raises(TieredCheckpointError) as err:
         recpipe_dcp.load(model, f"{root}/tiered")
+    after = _view(model)  # checked before anything is loaded: the torchrec table and the head are untouched
+    np.testing.assert_array_equal(after["head"], before["head"])
+    for (_, t0), (_, t1) in zip(before["torchrec"]["t2"], after["torchrec"]["t2"]):
+        np.testing.assert_array_equal(t1, t0)
     return str(err.value)
 
 
