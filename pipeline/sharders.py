@@ -56,6 +56,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
 from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
@@ -68,7 +69,7 @@ from torchrec.distributed.embedding_types import (
     ShardedEmbeddingTable,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import PoolingType, data_type_to_dtype
+from torchrec.modules.embedding_configs import PoolingType, data_type_to_dtype, pooling_type_to_pooling_mode
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -302,12 +303,28 @@ class TieredBatchedEmbeddingBag(_TieredKernelBase):
             pooling SUM or MEAN).
         pg (dist.ProcessGroup | None): the sharding process group (rank, world size).
         device (torch.device | None): fast-tier device.
+        sharding_type (ShardingType | None): the group's sharding. Under ROW_WISE (the
+            only sharding of tiered tables) a MEAN table pools with SUM here and
+            torchrec's EBC divides by the bag lengths after the output all-to-all,
+            as for its own TBEs (``pooling_type_to_pooling_mode``): each rank holds
+            part of a bag, so a local mean would average partial sums.
     """
+
+    def __init__(
+        self,
+        config: GroupedEmbeddingConfig,
+        pg: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        sharding_type: Optional[ShardingType] = ShardingType.ROW_WISE,
+    ) -> None:
+        self._sharding_type = sharding_type  # read by _shard_pooling during super().__init__
+        super().__init__(config, pg=pg, device=device)
 
     def _shard_pooling(self, table: ShardedEmbeddingTable) -> str:
         if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
             raise ValueError(f"table {table.name}: pooling {table.pooling} is not supported; use SUM or MEAN.")
-        return "sum" if table.pooling == PoolingType.SUM else "mean"
+        mode = pooling_type_to_pooling_mode(table.pooling, self._sharding_type)  # torchrec's rule
+        return "sum" if mode == PoolingMode.SUM else "mean"
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """Pooled lookups of the group's features, concatenated in feature order.
@@ -424,7 +441,7 @@ class _TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
         env: Optional[ShardingEnv],
     ) -> BaseEmbedding:
         if config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
-            return TieredBatchedEmbeddingBag(config=config, pg=pg, device=device)
+            return TieredBatchedEmbeddingBag(config=config, pg=pg, device=device, sharding_type=sharding_type)
         return super()._create_embedding_kernel(config, device, pg, sharding_type, env)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List
 
+import pytest
 import torch
 
 from gloo_harness import run_gloo
@@ -21,13 +22,14 @@ TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 50, 4, ["f2"])]
 FEATURES = ["f0", "f1", "f2"]
 
 
-def _ebc() -> Any:
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+def _ebc(pooling: str = "SUM") -> Any:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     torch.manual_seed(0)
     return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f)
+        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f,
+                                   pooling=PoolingType[pooling])
                 for n, r, d, f in TABLES],
         device=torch.device("cpu"),
     )
@@ -89,7 +91,7 @@ def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[
     return plan
 
 
-def _body(rank: int, world: int) -> Dict[str, List[Any]]:
+def _body(rank: int, world: int, pooling: str) -> Dict[str, List[Any]]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
@@ -104,7 +106,7 @@ def _body(rank: int, world: int) -> Dict[str, List[Any]]:
     device = torch.device("cpu")
     results: Dict[str, List[Any]] = {"tiered": [], "ref": [], "stats": []}
     for kind in ("tiered", "ref"):
-        ebc = _ebc()
+        ebc = _ebc(pooling)
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         if kind == "tiered":
             sharder = TieredEmbeddingBagCollectionSharder()
@@ -136,8 +138,11 @@ def _body(rank: int, world: int) -> Dict[str, List[Any]]:
     return results
 
 
-def test_dmp_row_wise_tiered_equals_torchrec_table_wise_fused() -> None:
-    results = run_gloo(2, _body)
+@pytest.mark.parametrize("pooling", ["SUM", "MEAN"])
+def test_dmp_row_wise_tiered_equals_torchrec_table_wise_fused(pooling: str) -> None:
+    """MEAN: each rank pools part of a bag; torchrec divides by the whole bag's length
+    after the output all-to-all, so the tiered shard must pool with SUM."""
+    results = run_gloo(2, _body, pooling)
     for rank, res in enumerate(results):
         for step in range(STEPS):
             torch.testing.assert_close(
