@@ -361,7 +361,7 @@ def _check_table_kinds(
     Raises:
         TieredCheckpointError: naming every such table, with possible solutions.
     """
-    rank, world = _rank_world(process_group)
+    world = _rank_world(process_group)[1]
     tiered_anywhere = {fqn for part in _all_gather(sorted(tiered_here), world, process_group) for fqn in part}
     saved_tiered = {m.group(1) for key in metadata.state_dict_metadata if (m := _TIERED_KEY.match(key))}
     problems: List[str] = []
@@ -583,7 +583,7 @@ def load_dcp_state_dict(
         heads = {fqn: _tiered_heads(shard, reader, metadata, fqn, where) for fqn, shard in tiered.items()}
     except TieredCheckpointError as e:
         problem = str(e)
-    rank, world = _rank_world(process_group)
+    world = _rank_world(process_group)[1]
     problems = [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
     if problems:
         raise TieredCheckpointError(problem if problem is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
