@@ -61,6 +61,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from recpipe.pipeline._integrity import atomic_write_bytes, file_entry, file_problem, is_file_entry, json_digest
@@ -70,11 +71,15 @@ from recpipe.pipeline.tiered import TieredCheckpointError, TieredEmbeddingShard,
 
 __all__ = [
     "CheckpointIntegrityError",
+    "CheckpointLoadError",
+    "CheckpointSaveError",
     "DIGESTS_NAME",
     "FUSED_OPTIMIZER_KEY",
     "TIERED_DCP_PREFIX",
     "TieredCheckpointError",
+    "dcp_failures",
     "dcp_state_dict",
+    "describe_failures",
     "load",
     "load_dcp_state_dict",
     "save",
@@ -112,10 +117,95 @@ class CheckpointIntegrityError(RuntimeError):
     def __init__(self, problems: Sequence[Tuple[str, str]], fixes: Sequence[str]) -> None:
         self.problems: List[Tuple[str, str]] = list(problems)
         self.fixes: Tuple[str, ...] = tuple(fixes)
-        lines = [f"{path}: {problem}" for path, problem in self.problems]
-        lines.append("Possible solutions:")
-        lines += [f"  {i}. {fix}" for i, fix in enumerate(fixes, 1)]
+        super().__init__("\n".join([f"{path}: {problem}" for path, problem in self.problems] + _numbered(fixes)))
+
+
+def _numbered(fixes: Sequence[str]) -> List[str]:
+    """The "Possible solutions" lines of an error message."""
+    return ["Possible solutions:"] + [f"  {i}. {fix}" for i, fix in enumerate(fixes, 1)]
+
+
+def dcp_failures(error: CheckpointException) -> List[Tuple[str, List[int]]]:
+    """The distinct failures of a DCP ``CheckpointException`` (which holds one per
+    failing rank, with its traceback): ``("<type>: <message>", ranks)`` in rank order."""
+    ranks: Dict[str, List[int]] = {}
+    for rank, failure in sorted(error.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        ranks.setdefault(f"{type(exc).__name__}: {exc}", []).append(rank)
+    return list(ranks.items())
+
+
+def describe_failures(problems: Sequence[Tuple[str, Sequence[int]]]) -> List[str]:
+    """One line per distinct failure of :func:`dcp_failures`, naming its ranks."""
+    return [f"{p} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})" for p, r in problems]
+
+
+class _DCPFailure(RuntimeError):
+    """DCP's ``CheckpointException`` as an ordinary exception: DCP raises a
+    ``BaseException`` (``except Exception`` does not catch it) holding a traceback per
+    rank; this names each distinct problem once with the ranks that hit it.
+
+    Args:
+        header (str): what failed, for the first line.
+        problems (Sequence[Tuple[str, Sequence[int]]]): ``(problem, ranks)`` of each
+            distinct failure (:func:`dcp_failures`).
+        fixes (Sequence[str]): the possible solutions, numbered in the message.
+    """
+
+    def __init__(self, header: str, problems: Sequence[Tuple[str, Sequence[int]]], fixes: Sequence[str]) -> None:
+        self.problems: List[Tuple[str, List[int]]] = [(p, list(r)) for p, r in problems]
+        lines = [header] + [f"  - {line}" for line in describe_failures(self.problems)] + _numbered(fixes)
         super().__init__("\n".join(lines))
+
+
+class CheckpointLoadError(_DCPFailure):
+    """``torch.distributed.checkpoint.load`` refused the regular part of a checkpoint,
+    e.g. a torchrec table or dense layer of another shape, or an entry the checkpoint
+    lacks. DCP finds shape and missing-entry problems while planning, before it reads
+    anything, so such a refusal leaves the model unchanged. Raised on every rank of the
+    load's group (a tiered export is read by one process: on that rank).
+
+    Args:
+        where (str): the checkpoint, for the message.
+        problems (Sequence[Tuple[str, Sequence[int]]]): see :func:`dcp_failures`.
+    """
+
+    def __init__(self, where: str, problems: Sequence[Tuple[str, Sequence[int]]]) -> None:
+        super().__init__(
+            f"{where} could not be loaded into this model (torch.distributed.checkpoint.load failed):",
+            problems,
+            ("build the model as the saving job did: the same table sizes and dims, dense layers, module names "
+             "and optimizer (each line above names the entry; a size mismatch quotes both shapes)",
+             "load a checkpoint saved from this model's configuration",
+             "start from fresh weights instead of this checkpoint"),
+        )
+
+
+class CheckpointSaveError(_DCPFailure):
+    """``torch.distributed.checkpoint.save`` failed (e.g. a full disk). No digests record
+    was written, so :func:`load` refuses the partial checkpoint. Raised on every rank.
+
+    Args:
+        where (str): the checkpoint, for the message.
+        problems (Sequence[Tuple[str, Sequence[int]]]): see :func:`dcp_failures`.
+    """
+
+    def __init__(self, where: str, problems: Sequence[Tuple[str, Sequence[int]]]) -> None:
+        super().__init__(
+            f"{where} was not saved (torch.distributed.checkpoint.save failed):",
+            problems,
+            ("check the free space and permissions of the checkpoint directory, then save again",
+             "save into another directory"),
+        )
+
+
+def _dcp_load(state: Dict[str, Any], reader: FileSystemReader, where: str, **kwargs: Any) -> None:
+    """``dcp.load(state, storage_reader=reader, **kwargs)``, DCP's failure raised as a
+    :class:`CheckpointLoadError`."""
+    try:
+        dcp.load(state, storage_reader=reader, **kwargs)
+    except CheckpointException as e:
+        raise CheckpointLoadError(where, dcp_failures(e)) from None
 
 
 _CORRUPT_FIXES: Tuple[str, ...] = (
@@ -405,7 +495,7 @@ def _read_fields(
         state[key] = torch.empty(md.size, dtype=md.properties.dtype)
     with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": here, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        _dcp_load(state, reader, where, no_dist=True)
     out = {field: state[tiered_dcp_key(table_fqn, rank, field)] for field in fields}
     if "metadata" in out:
         out["metadata"] = json.loads(out["metadata"])
@@ -566,6 +656,8 @@ def load_dcp_state_dict(
             checkpoint or (``strict``) the other way round (on every rank, before
             anything is read), a tiered table's exports are incomplete, or they
             disagree with the table (names it).
+        CheckpointLoadError: DCP refused the regular part, e.g. a torchrec table or
+            dense layer of another shape (on every rank, before anything is read).
     """
     reader = checkpoint if isinstance(checkpoint, FileSystemReader) else FileSystemReader(checkpoint)
     where = f"checkpoint {os.fspath(reader.path)}"
@@ -588,7 +680,7 @@ def load_dcp_state_dict(
     if problems:
         raise TieredCheckpointError(problem if problem is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
     no_dist = not dist.is_initialized()
-    dcp.load(state, storage_reader=reader, process_group=process_group, no_dist=no_dist)
+    _dcp_load(state, reader, where, process_group=process_group, no_dist=no_dist)
     optimizer_state = state.pop(FUSED_OPTIMIZER_KEY, None)
     model.load_state_dict(state, strict=strict)
     if optimizer_state is not None:
@@ -616,12 +708,19 @@ def save(
         process_group (dist.ProcessGroup | None): group of the save (default: the
             world, when torch.distributed is initialized).
         thread_count (int): writer threads per rank (``FileSystemWriter``).
+
+    Raises:
+        CheckpointSaveError: DCP failed to write (on every rank; no digests record is
+            written, so :func:`load` refuses what was written).
     """
     state = dcp_state_dict(model)
     if _rank_world(process_group)[0] == 0:  # an older save's record no longer describes the files
         Path(checkpoint_id, DIGESTS_NAME).unlink(missing_ok=True)
     writer = FileSystemWriter(checkpoint_id, thread_count=thread_count)
-    dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+    try:
+        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", dcp_failures(e)) from None
     write_digests(checkpoint_id, process_group=process_group)
 
 

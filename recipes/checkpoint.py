@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline import dcp as recpipe_dcp
@@ -625,7 +626,7 @@ def _refuse_non_finite(per_rank: list[list[str]], step: int, step_dir: Path) -> 
 
 
 def _raise_write_errors(entries: list[Any], step: int) -> None:
-    errors = [e for e in entries if isinstance(e, str)]
+    errors = list(dict.fromkeys(e for e in entries if isinstance(e, str)))  # a DCP failure: the same on every rank
     if errors:
         raise CheckpointWriteError(
             f"checkpoint of step {step} was not committed: " + "; ".join(errors)
@@ -709,7 +710,10 @@ def _save_dcp_checkpoint(
     written: Any
     try:
         torch_dcp.save(state, storage_writer=FileSystemWriter(step_dir), no_dist=not dist.is_initialized())
-    except Exception as e:  # noqa: BLE001 - DCP reports a failed write on every rank
+    except CheckpointException as e:  # a BaseException, raised on every rank with every rank's failure
+        failures = "; ".join(recpipe_dcp.describe_failures(recpipe_dcp.dcp_failures(e)))
+        written = f"torch.distributed.checkpoint.save into {step_dir} failed: {failures}"
+    except Exception as e:  # noqa: BLE001 - told to every rank by _commit
         written = f"rank {rank}: torch.distributed.checkpoint.save into {step_dir} failed ({type(e).__name__}: {e})"
     else:
         path = step_dir / _rank_file(rank)

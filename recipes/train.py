@@ -33,6 +33,7 @@ from torchrec.distributed.types import ShardingEnv
 from tqdm import tqdm
 
 from recpipe.recipes.build import make_optimizer, make_pipeline, shard_model
+from recpipe.pipeline.dcp import CheckpointLoadError
 from recpipe.pipeline.tiered import TieredCheckpointError
 from recpipe.planner.types import PlannerError
 from recpipe.recipes.checkpoint import CheckpointError, NonFiniteStateError, load_checkpoint, save_checkpoint
@@ -488,6 +489,7 @@ USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
     NonFiniteStateError,
     CriteoFormatError,
     TieredCheckpointError,
+    CheckpointLoadError,  # DCP refused a dcp checkpoint's regular state (see recpipe.pipeline.dcp)
     PlannerError,  # the planned placement does not fit the budgets (--fast-tier-mb / --slow-tier-mb)
 )
 

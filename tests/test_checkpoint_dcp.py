@@ -220,6 +220,37 @@ def _merge(views: list[dict[str, dict[int, torch.Tensor]]]) -> dict[str, dict[in
     return full
 
 
+def test_a_failed_dcp_write_is_a_checkpoint_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP reports a failed write as a CheckpointException (a BaseException, which the
+    recipe's write-error handling missed: a traceback instead of the recipe's error).
+    It is a CheckpointWriteError naming the OS error once; ``latest`` still names the
+    last good checkpoint, which loads."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from recpipe.recipes.checkpoint import CheckpointWriteError
+
+    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    config = TrainConfig(**DCP, max_steps=8)
+    root = tmp_path / "ckpt"
+    with _one_rank():
+        model, optimizer, table_ranks = _build(config)
+        save_checkpoint(str(root), 4, model, optimizer, config, table_ranks)
+        with monkeypatch.context() as m:
+            m.setattr(FileSystemWriter, "write_data", full_disk)
+            with pytest.raises(CheckpointWriteError) as err:
+                save_checkpoint(str(root), 8, model, optimizer, config, table_ranks)
+        assert load_checkpoint(str(root), model, optimizer, config, table_ranks) == 4
+    msg = str(err.value)
+    assert msg.startswith("checkpoint of step 8 was not committed: torch.distributed.checkpoint.save into"), msg
+    assert msg.count("OSError: [Errno 28] No space left on device (rank 0)") == 1, msg
+    assert "Traceback" not in msg and "free space" in msg, msg
+    assert (root / "latest").read_text() == "4\n"
+
+
 # ---------------------------------------------------------------- 2 ranks
 def _two_rank_body(rank: int, world_size: int, root: str, placement: str) -> dict[str, Any]:
     base = dict(DCP, placement=placement)

@@ -9,7 +9,8 @@ next step's outputs must equal those of the saving model (which never went throu
 DCP). A torchrec TABLE_WISE model (plain EmbeddingBagCollectionSharder) is saved and
 loaded through the same helpers with its tables moved to the other rank (DCP's own
 resharding). Error cases: a checkpoint of another table size is refused naming the
-table; a checkpoint without a table's tiered rows is refused; a damaged checkpoint
+table (a tiered one by recpipe, a torchrec one by DCP, raised as one CheckpointLoadError);
+a failed DCP write is a CheckpointSaveError; a checkpoint without a table's tiered rows is refused; a damaged checkpoint
 (bit flip, truncation, missing or foreign file, edited or missing digests record) is
 refused on every rank, naming the file, before the model changes.
 """
@@ -308,6 +309,65 @@ def test_dcp_refuses_a_table_of_another_size(tmp_path: Path) -> None:
     run_gloo(2, _save_body, str(tmp_path))
     (msg,) = run_gloo(1, _wrong_size_body, str(tmp_path))
     assert "'t0'" in msg and "num_embeddings=97" in msg and "num_embeddings=98" in msg, msg
+
+
+def _torchrec_size_body(rank: int, world: int, root: str) -> str:
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    global TABLES
+    TABLES = TABLES[:2] + [("t2", 51, 4, ["f3"])]  # the plain torchrec table has one row more than saved
+    model = _tiered_model(world, SAVE_PLACEMENTS)
+    before = _view(model)
+    with pytest.raises(Exception) as err:  # DCP's own CheckpointException is a BaseException
+        recpipe_dcp.load(model, f"{root}/tiered")
+    assert isinstance(err.value, recpipe_dcp.CheckpointLoadError), repr(err.value)
+    after = _view(model)  # DCP refuses while planning: nothing was read into the model
+    np.testing.assert_array_equal(after["head"], before["head"])
+    for name, saved in before["tiered"].items():
+        np.testing.assert_array_equal(after["tiered"][name][1], saved[1], err_msg=name)
+    return str(err.value)
+
+
+def test_dcp_refuses_a_torchrec_table_of_another_size_with_one_clear_error(tmp_path: Path) -> None:
+    """DCP's "Size mismatch" is raised as a CheckpointLoadError (an Exception, not DCP's
+    BaseException with a traceback per rank), the same on every rank, naming the entry,
+    both shapes and the ranks, with possible solutions."""
+    run_gloo(2, _save_body, str(tmp_path))
+    out = run_gloo(2, _torchrec_size_body, str(tmp_path))
+    assert out[0] == out[1], out
+    msg = out[0]
+    assert ("ValueError: Size mismatch between saved torch.Size([50, 4]) and current: torch.Size([51, 4]) for "
+            "ebc.embedding_bags.t2.weight (ranks 0, 1)") in msg, msg
+    assert msg.count("Size mismatch") == 1 and "Traceback" not in msg and "Possible solutions:" in msg, msg
+
+
+def test_dcp_save_failure_is_an_error_and_leaves_no_loadable_checkpoint(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed DCP write (here a full disk) is a CheckpointSaveError naming the OS error,
+    and the partial directory has no digests record, so load refuses it."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    model = torch.nn.Linear(3, 2)
+
+    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(FileSystemWriter, "write_data", full_disk)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            with pytest.raises(recpipe_dcp.CheckpointSaveError) as err:
+                recpipe_dcp.save(model, tmp_path / "ckpt")
+    msg = str(err.value)
+    assert f"checkpoint {tmp_path / 'ckpt'} was not saved" in msg, msg
+    assert "OSError: [Errno 28] No space left on device (rank 0)" in msg and "free space" in msg, msg
+    assert not (tmp_path / "ckpt" / recpipe_dcp.DIGESTS_NAME).exists()
+    with pytest.raises(recpipe_dcp.CheckpointIntegrityError, match="missing"):
+        recpipe_dcp.load(model, tmp_path / "ckpt")
 
 
 def _damaged_load_body(rank: int, world: int, root: str, cases: List[str]) -> Dict[str, Any]:
