@@ -72,8 +72,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     9. ``## optimizer i ##`` - dense optimizer step - default stream / main thread.
 
     The first batch (and a batch whose lookup was not issued, e.g. after
-    ``reset()``) is looked up at the start of its own step. In eval mode (no
-    backward) the lookup of batch i+1 is issued after stage 6.
+    ``reset()``) is looked up at the start of its own step. ``attach()`` after
+    ``detach()`` discards the lookup already issued for the in-flight batch (the
+    detached model's tables may have been changed) and it is issued again at the
+    start of that batch's step. In eval mode (no backward) the lookup of batch
+    i+1 is issued after stage 6.
 
     CUDA: the lookup stream waits on an event recorded on the default stream
     after backward, so it runs concurrently with the optimizer kernels; the
@@ -256,6 +259,65 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             if isinstance(forward, FusedLookupPipelinedForward):
                 forward.bind(self.stats, self._device)
 
+    def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
+        """Re-attaches the model after ``detach()`` (torchrec), discarding the lookup
+        of the next batch that was issued before the pause.
+
+        When ``progress()`` returns, batch i+1's lookup has already read the
+        tables; a paused pipeline may come back to other weights (a checkpoint
+        loaded into the detached model), so that lookup is waited, dropped and
+        issued again by the next ``progress()``, as torchrec's pipeline looks the
+        batch up in its forward. With ``sparse_dist=True`` torchrec restarts the
+        batch's input dist here with new module contexts; the next ``progress()``
+        finishes it (torchrec 1.9.2's own pipeline keeps the old input dist
+        instead, which breaks the output all-to-all of a sequence EC). With
+        ``sparse_dist=False`` the old input dist is kept if the lookup had not
+        consumed it, else it is redone at the next ``progress()``.
+
+        Args:
+            model (Optional[torch.nn.Module]): the model to attach (default: the
+                detached one).
+            sparse_dist (bool): restart the in-flight batch's input dist now
+                (torchrec); False defers it to ``progress()``.
+        """
+        super().attach(model, sparse_dist)
+        if self.contexts:
+            self._drop_issued_lookup(self._fused_context(0), input_dist_restarted=sparse_dist)
+
+    def _drop_issued_lookup(self, context: FusedLookupPipelineContext, input_dist_restarted: bool) -> None:
+        """Completes and discards ``context``'s issued lookup (and, when torchrec
+        restarted its input dist, its old input-dist tensors) on this rank; every
+        rank attaches, so the collectives stay matched."""
+        dev = torch.get_device_module(self._device) if self._lookup_stream is not None else None
+        consumed_input_dist = context.lookup_started
+        for name in list(context.embedding_a2a_requests):
+            awaitable = context.embedding_a2a_requests.pop(name)
+            if dev is None:
+                awaitable.wait()
+            else:
+                with dev.stream(self._lookup_stream):
+                    awaitable.wait()
+        context.lookup_events.clear()
+        context.lookup_started = False
+        if input_dist_restarted or consumed_input_dist:
+            for name in list(context.input_dist_tensors_requests):
+                request = context.input_dist_tensors_requests.pop(name)
+                if dev is None:
+                    request.wait()
+                else:
+                    with dev.stream(self._data_dist_stream):
+                        request.wait()
+
+    def _finish_input_dist(self, context: FusedLookupPipelineContext, batch: Any) -> None:
+        """Makes ``context``'s input-dist tensors available after ``attach()``:
+        waits the input dist torchrec restarted, or restarts it."""
+        names = [m.forward.name for m in self._pipelined_modules]  # pyre-ignore[16]
+        if all(n in context.input_dist_tensors_requests for n in names):
+            return
+        if not context.fused_splits_awaitables:
+            self.start_sparse_data_dist(batch, context)
+        self.wait_sparse_data_dist(context)
+
     def _modules_by_name(self) -> Dict[str, ShardedModule]:
         return {m.forward.name: m for m in self._pipelined_modules}  # pyre-ignore[16]
 
@@ -416,6 +478,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         self._set_module_context(current)
         if not current.lookup_started:
             # First batch (nothing earlier to overlap with) or after reset/attach.
+            self._finish_input_dist(current, self.batches[0])
             self.start_embedding_lookup(current, self._pipelined_modules)
             current.lookup_started = True
 

@@ -1,0 +1,201 @@
+"""TrainPipelineFusedSparseDist across ``detach()`` / ``attach()`` and ``reset()``.
+
+torchrec's pipelines may be paused: ``detach()`` hands the plain model back
+(evaluate it, load weights into it), ``attach()`` resumes with the in-flight
+batches kept. Our pipeline has already issued the next batch's embedding lookup
+when ``progress()`` returns, so a pause that changes the tables must not leave
+that lookup reading the old rows. Each gloo run trains a non-pipelined
+reference, torchrec's ``TrainPipelineSparseDist`` and our pipeline (all four
+flag combinations) with the same pause after step ``PAUSE_AT`` and compares
+every step's loss and predictions bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import pytest
+import torch
+from gloo_harness import run_gloo
+from test_pipeline import FLAG_COMBOS, _assert_same, _on_cpu
+from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipeline, run_reference
+
+PAUSE_AT = 4
+"""Steps trained before the pause (batches PAUSE_AT and PAUSE_AT + 1 are in flight)."""
+
+MODES = ("eval", "reload", "twice")
+"""What happens during the pause: evaluate the detached model on other batches;
+load other weights into it; detach/attach twice with a weight load each time."""
+
+
+def _pause(mode: str, model: Any, rank: int, alt: Any, out: List[torch.Tensor]) -> None:
+    """The work done on the detached (or, for the reference, plain) model."""
+    if mode == "eval":
+        model.eval()
+        with torch.no_grad():
+            for b in make_batches(rank, n=2, seed=9):
+                out.append(model(b)[1][1].clone())
+        model.train()
+    else:
+        # torchrec's load hooks consume the state dict: take a fresh one each time.
+        model.load_state_dict(alt.state_dict())
+
+
+def _steps(pipeline: Any, it: Iterator[Any], n: int, losses: List[torch.Tensor], preds: List[torch.Tensor]) -> None:
+    for _ in range(n):
+        loss, logits = pipeline.progress(it)
+        losses.append(loss.clone())
+        preds.append(logits.clone())
+
+
+ATTACH_KINDS = ("attach", "attach_no_sparse_dist", "implicit")
+"""How the pipeline resumes: ``attach(model)``; ``attach(model, sparse_dist=False)``;
+no call at all (``progress()`` re-attaches)."""
+
+
+def _resume(pipe: Any, model: Any, kind: str) -> None:
+    if kind == "attach":
+        pipe.attach(model)
+    elif kind == "attach_no_sparse_dist":
+        pipe.attach(model, sparse_dist=False)
+    # "implicit": the next progress() attaches the detached model itself.
+
+
+def _detach_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+    device = torch.device("cpu")
+    batches = make_batches(rank)
+    alt, _ = build_dmp(sharding, device, seed=7)
+    out: Dict[str, Any] = {}
+    for mode in MODES:
+        pauses = 2 if mode == "twice" else 1
+        # Non-pipelined reference: the pause falls between step PAUSE_AT - 1 and PAUSE_AT.
+        ref, ref_opt = build_dmp(sharding, device)
+        losses: List[torch.Tensor] = []
+        preds: List[torch.Tensor] = []
+        evals: List[torch.Tensor] = []
+        for step, b in enumerate(batches):
+            if step == PAUSE_AT:
+                for _ in range(pauses):
+                    _pause(mode, ref, rank, alt, evals)
+            ref_opt.zero_grad()
+            loss, (_, logits) = ref(b)
+            loss.backward()
+            ref_opt.step()
+            losses.append(loss.detach().clone())
+            preds.append(logits.clone())
+        out[f"{mode} reference"] = _on_cpu((losses, preds, evals))
+
+        # torchrec 1.9.2's own pipeline resumes correctly only with sparse_dist=False:
+        # attach(model) restarts the in-flight batch's input dist with new module
+        # contexts but keeps the old input-dist tensors, and the sequence EC's output
+        # all-to-all then fails ('in->size == out->size' on gloo).
+        runs: List[Tuple[str, str, Callable[[Any, Any], Any]]] = [
+            ("torchrec", "attach_no_sparse_dist", lambda m, o: TrainPipelineSparseDist(m, o, device))
+        ]
+        for (stream, after_opt), kind in zip(FLAG_COMBOS * 3, ATTACH_KINDS * 4):
+            runs.append(
+                (
+                    f"recpipe stream={stream} after_opt={after_opt} {kind}",
+                    kind,
+                    lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
+                        m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
+                    ),
+                )
+            )
+        for name, kind, make in runs:
+            model, opt = build_dmp(sharding, device)
+            pipe = make(model, opt)
+            it = iter(batches)
+            losses, preds, evals = [], [], []
+            _steps(pipe, it, PAUSE_AT, losses, preds)
+            for _ in range(pauses):
+                detached = pipe.detach()
+                _pause(mode, detached, rank, alt, evals)
+                _resume(pipe, detached, kind)
+            _steps(pipe, it, N_BATCHES - PAUSE_AT, losses, preds)
+            with pytest.raises(StopIteration):
+                pipe.progress(it)
+            out[f"{mode} {name}"] = _on_cpu((losses, preds, evals))
+    out["runs"] = [name for name, _, _ in runs]
+    return out
+
+
+@pytest.mark.parametrize("sharding", ("table_wise", "row_wise"))
+def test_detach_pause_attach_matches_torchrec_and_non_pipelined(sharding: str) -> None:
+    """Evaluating or reloading the detached model between steps, resumed by each
+    kind of attach: every later step equals the non-pipelined reference (and
+    torchrec's pipeline where it resumes), bit for bit."""
+    results = run_gloo(2, _detach_body, sharding, timeout_s=400)
+    for rank, res in enumerate(results):
+        runs = res["runs"]
+        # Every flag combination meets every attach kind.
+        assert {r.rsplit(" ", 1)[1] for r in runs[1:]} == set(ATTACH_KINDS)
+        assert len(runs) == 1 + 12
+        for mode in MODES:
+            want = res[f"{mode} reference"]
+            losses, preds, evals = want
+            assert len(losses) == N_BATCHES
+            assert len(evals) == (2 if mode == "eval" else 0)
+            # The pause matters: without it the later steps differ (teeth).
+            if mode != "eval":
+                plain = res["eval reference"]
+                assert not all((a == b).all() for a, b in zip(losses[PAUSE_AT:], plain[0][PAUSE_AT:]))
+            for name in runs:
+                got = res[f"{mode} {name}"]
+                label = f"rank {rank} {sharding} {mode} {name}"
+                _assert_same(label, got[:2], want[:2])
+                assert len(got[2]) == len(evals), label
+                for i, (a, b) in enumerate(zip(got[2], evals)):
+                    assert (a == b).all(), f"{label}: eval output {i} differs"
+
+
+def _reset_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+    device = torch.device("cpu")
+    first, second = make_batches(rank), make_batches(rank, seed=3)
+    ref, ref_opt = build_dmp(sharding, device)
+    # The pipelines drop the two in-flight batches of ``first`` at reset().
+    out: Dict[str, Any] = {"reference": _on_cpu(run_reference(ref, ref_opt, first[:PAUSE_AT] + second))}
+    runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
+        ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
+    ]
+    for stream, after_opt in FLAG_COMBOS:
+        runs.append(
+            (
+                f"recpipe stream={stream} after_opt={after_opt}",
+                lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
+                    m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
+                ),
+            )
+        )
+    for name, make in runs:
+        model, opt = build_dmp(sharding, device)
+        pipe = make(model, opt)
+        losses: List[torch.Tensor] = []
+        preds: List[torch.Tensor] = []
+        _steps(pipe, iter(first), PAUSE_AT, losses, preds)
+        pipe.reset()
+        more_losses, more_preds, stops_again = run_pipeline(pipe, second)
+        out[name] = _on_cpu((losses + more_losses, preds + more_preds)) + (stops_again,)
+    return out
+
+
+@pytest.mark.parametrize("sharding", ("table_wise", "row_wise"))
+def test_reset_then_new_dataloader_matches_non_pipelined(sharding: str) -> None:
+    """``reset()`` mid-epoch drops the in-flight batches (and the lookup already
+    issued for the next one); training on a new dataloader then equals the
+    reference trained on the batches actually consumed, and torchrec's pipeline."""
+    for rank, res in enumerate(run_gloo(2, _reset_body, sharding, timeout_s=300)):
+        want = res["reference"]
+        assert len(want[0]) == PAUSE_AT + N_BATCHES
+        for name in ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]:
+            losses, preds, stops_again = res[name]
+            _assert_same(f"rank {rank} {sharding} reset {name}", (losses, preds), want)
+            assert stops_again, name
