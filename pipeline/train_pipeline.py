@@ -272,7 +272,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         finishes it (torchrec 1.9.2's own pipeline keeps the old input dist
         instead, which breaks the output all-to-all of a sequence EC). With
         ``sparse_dist=False`` the old input dist is kept if the lookup had not
-        consumed it, else it is redone at the next ``progress()``.
+        consumed it, else it is redone at the next ``progress()``. Tiered
+        tables count the discarded lookup in ``tier_stats()`` (it was served).
 
         Args:
             model (Optional[torch.nn.Module]): the model to attach (default: the
