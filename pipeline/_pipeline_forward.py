@@ -16,7 +16,7 @@ stream on the results; on CPU it makes no stream call at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch.profiler import record_function
@@ -34,8 +34,9 @@ class FusedLookupPipelineContext(EmbeddingTrainPipelineContext):
     """Per-batch context of ``TrainPipelineFusedSparseDist``.
 
     Adds to torchrec's ``EmbeddingTrainPipelineContext`` whether this batch's
-    lookup has been issued and (CUDA only) the events recorded on the lookup
-    stream after each module's lookup and output-dist launch.
+    lookup has been issued, in which grad/train mode, and (CUDA only) the events
+    recorded on the lookup stream after each module's lookup and output-dist
+    launch.
     """
 
     lookup_started: bool = False
@@ -43,6 +44,11 @@ class FusedLookupPipelineContext(EmbeddingTrainPipelineContext):
 
     lookup_events: Dict[str, torch.Event] = field(default_factory=dict)
     """Module name -> event on the lookup stream after its lookup (CUDA only)."""
+
+    lookup_mode: Optional[Tuple[bool, bool]] = None
+    """(grad enabled, model.training) when the lookup was issued: a step run in
+    another mode (``model.train()`` / ``eval()`` or ``torch.no_grad()`` toggled
+    between steps) looks its batch up again, as torchrec's forward would."""
 
 
 def record_on_stream(result: Any, stream: torch.Stream) -> None:

@@ -76,7 +76,10 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     ``detach()`` discards the lookup already issued for the in-flight batch (the
     detached model's tables may have been changed) and it is issued again at the
     start of that batch's step. In eval mode (no backward) the lookup of batch
-    i+1 is issued after stage 6.
+    i+1 is issued after stage 6. A lookup issued in another grad/train mode than
+    its batch's step runs in (``model.train()`` after eval steps under
+    ``torch.no_grad()``: that lookup has no autograd graph) is discarded and
+    issued again at the start of the step, so the switch costs one lookup.
 
     CUDA: the lookup stream waits on an event recorded on the default stream
     after backward, so it runs concurrently with the optimizer kernels; the
@@ -407,10 +410,16 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         """
         if not modules:
             return
+        context.lookup_mode = self._lookup_mode()
         with StageTimer(self.stats, STAGE_LOOKUP, f"## start_embedding_lookup {context.index} ##"):
             tables_ready = self._main_stream_event()
             for module in modules:
                 self._issue_module_lookup(module, context, tables_ready)
+
+    def _lookup_mode(self) -> Tuple[bool, bool]:
+        """(grad enabled, model.training): what a lookup's result depends on
+        besides the tables (autograd graph, training-only kernel work)."""
+        return torch.is_grad_enabled(), self._model.training
 
     def _split_modules(self) -> Tuple[List[ShardedModule], List[ShardedModule]]:
         """(modules looked up after backward, modules looked up after the optimizer)."""
@@ -477,8 +486,13 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         for position in range(1, len(self.contexts)):
             self._fused_context(position)
         self._set_module_context(current)
+        if current.lookup_started and current.lookup_mode != self._lookup_mode():
+            # Issued by the previous step in another mode (e.g. under no_grad in
+            # eval, and this step trains: that lookup has no autograd graph).
+            self._drop_issued_lookup(current, input_dist_restarted=False)
         if not current.lookup_started:
-            # First batch (nothing earlier to overlap with) or after reset/attach.
+            # First batch (nothing earlier to overlap with), after reset/attach or
+            # a change of mode.
             self._finish_input_dist(current, self.batches[0])
             self.start_embedding_lookup(current, self._pipelined_modules)
             current.lookup_started = True

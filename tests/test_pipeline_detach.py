@@ -1,4 +1,5 @@
-"""TrainPipelineFusedSparseDist across ``detach()`` / ``attach()`` and ``reset()``.
+"""TrainPipelineFusedSparseDist across ``detach()`` / ``attach()``, ``reset()`` and
+train/eval switches between steps.
 
 torchrec's pipelines may be paused: ``detach()`` hands the plain model back
 (evaluate it, load weights into it), ``attach()`` resumes with the in-flight
@@ -199,3 +200,78 @@ def test_reset_then_new_dataloader_matches_non_pipelined(sharding: str) -> None:
             losses, preds, stops_again = res[name]
             _assert_same(f"rank {rank} {sharding} reset {name}", (losses, preds), want)
             assert stops_again, name
+
+
+EVAL_STEPS = range(3, 6)
+"""Steps run in eval mode by the mode-switch test (the others train)."""
+
+
+def _switch_body(rank: int, world_size: int, sharding: str, no_grad: bool) -> Dict[str, Any]:
+    import contextlib
+
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+    device = torch.device("cpu")
+    batches = make_batches(rank)
+
+    def grad_mode(step: int) -> Any:
+        return torch.no_grad() if no_grad and step in EVAL_STEPS else contextlib.nullcontext()
+
+    ref, ref_opt = build_dmp(sharding, device)
+    outputs: List[torch.Tensor] = []
+    for step, b in enumerate(batches):
+        ref.train(step not in EVAL_STEPS)
+        with grad_mode(step):
+            if step in EVAL_STEPS:
+                outputs.append(ref(b)[1][1].detach().clone())
+                continue
+            ref_opt.zero_grad()
+            loss, _ = ref(b)
+            loss.backward()
+            ref_opt.step()
+            outputs.append(loss.detach().clone())
+    out: Dict[str, Any] = {"reference": [t.numpy() for t in outputs]}
+    runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
+        ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
+    ]
+    for stream, after_opt in FLAG_COMBOS:
+        runs.append(
+            (
+                f"recpipe stream={stream} after_opt={after_opt}",
+                lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
+                    m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
+                ),
+            )
+        )
+    for name, make in runs:
+        model, opt = build_dmp(sharding, device)
+        pipe = make(model, opt)
+        it = iter(batches)
+        outputs = []
+        for step in range(N_BATCHES):
+            model.train(step not in EVAL_STEPS)
+            with grad_mode(step):
+                loss, logits = pipe.progress(it)
+            outputs.append((logits if step in EVAL_STEPS else loss).detach().clone())
+        out[name] = [t.numpy() for t in outputs]
+    return out
+
+
+@pytest.mark.parametrize("no_grad", (True, False), ids=("eval_no_grad", "eval_with_grad"))
+@pytest.mark.parametrize("sharding", ("table_wise", "row_wise"))
+def test_train_eval_train_switch_between_steps(sharding: str, no_grad: bool) -> None:
+    """``model.eval()`` (under ``torch.no_grad()`` or not) for steps 3-5 of one
+    dataloader, then ``model.train()``: every loss and eval prediction equals the
+    loop and torchrec's pipeline. The lookup issued for step 6 during eval step 5
+    has no autograd graph under no_grad; it is redone (it used to be kept, so
+    step 6 updated no table and every later step differed)."""
+    for rank, res in enumerate(run_gloo(2, _switch_body, sharding, no_grad, timeout_s=300)):
+        want = res["reference"]
+        assert len(want) == N_BATCHES
+        for name in ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]:
+            got = res[name]
+            assert len(got) == N_BATCHES, name
+            for step, (a, b) in enumerate(zip(got, want)):
+                assert (a == b).all(), f"rank {rank} {sharding} {name}: step {step} differs (eval steps {list(EVAL_STEPS)})"
