@@ -50,6 +50,11 @@ class FusedLookupPipelineContext(EmbeddingTrainPipelineContext):
     another mode (``model.train()`` / ``eval()`` or ``torch.no_grad()`` toggled
     between steps) looks its batch up again, as torchrec's forward would."""
 
+    tables_versions: Dict[str, int] = field(default_factory=dict)
+    """Module name -> its tables' write version right after its lookup: a
+    module written since (``load_state_dict``, in-place edits of its weights)
+    is looked up again."""
+
 
 def record_on_stream(result: Any, stream: torch.Stream) -> None:
     """Registers an embedding result with the caching allocator of ``stream``.

@@ -51,6 +51,11 @@ class PipelineStageStats:
     seconds: Dict[str, float] = field(default_factory=lambda: {s: 0.0 for s in STAGES})
     """Summed seconds per stage name (keys: ``STAGES``)."""
 
+    relookups: int = 0
+    """Batches whose early lookup was discarded and issued again (``attach()``,
+    a train/eval or grad-mode switch, tables written between steps); 0 in
+    uninterrupted training."""
+
     def add(self, stage: str, seconds: float) -> None:
         """Adds ``seconds`` to ``stage``.
 
@@ -65,6 +70,7 @@ class PipelineStageStats:
     def reset(self) -> None:
         """Zeroes every counter (e.g. after warm-up steps)."""
         self.steps = 0
+        self.relookups = 0
         for stage in self.seconds:
             self.seconds[stage] = 0.0
 

@@ -315,6 +315,9 @@ class TieredEmbeddingShard(nn.Module):
         else:
             self.row_map = self.slot_row = self.slot_score = None
         self.step: int = 0
+        # Bulk writes of the rows (init, load_global_weights, load_states): lets the
+        # fused pipeline see a table written between steps (train_pipeline.tables_version).
+        self.rows_writes: int = 0
         self._clock: int = 0  # lookups so far; the LRU recency key (native and torch backends)
         # Counters of the last lookup, then their running totals (layout: ops.TIERED_STATS);
         # updated in place by the kernel, read on the host only by tier_stats().
@@ -481,6 +484,7 @@ class TieredEmbeddingShard(nn.Module):
             self.slot_score.zero_()
 
     def _load_local_rows(self, weights: torch.Tensor, state: Optional[torch.Tensor], reset_cache: bool) -> None:
+        self.rows_writes += 1
         if self.backend == "fbgemm":
             if self._fbgemm is not None:
                 self._fbgemm.write_rows(weights, state)  # empties the cache

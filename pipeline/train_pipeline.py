@@ -37,9 +37,29 @@ __all__ = [
     "FusedLookupPipelineContext",
     "PipelineStageStats",
     "TrainPipelineFusedSparseDist",
+    "tables_version",
 ]
 
 _STREAM_DEVICE_TYPES = ("cuda", "mtia")
+
+
+def tables_version(module: torch.nn.Module) -> int:
+    """A number that grows whenever ``module``'s tables are written in place.
+
+    The sum of the version counters of its parameters and buffers (bumped by
+    every in-place op on them or their views: ``load_state_dict``, edits of
+    state-dict shards; not by fbgemm's fused TBE backward) and of the write
+    counts of recpipe's tiered tables (``rows_writes``), whose rows live outside
+    parameters.
+
+    Args:
+        module (torch.nn.Module): a sharded embedding module.
+    """
+    version = sum(t._version for t in module.parameters()) + sum(t._version for t in module.buffers())
+    tiered = getattr(module, "tiered_tables", None)
+    if callable(tiered):
+        version += sum(shard.rows_writes for shard in tiered().values())
+    return version
 
 
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
@@ -76,10 +96,13 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     ``detach()`` discards the lookup already issued for the in-flight batch (the
     detached model's tables may have been changed) and it is issued again at the
     start of that batch's step. In eval mode (no backward) the lookup of batch
-    i+1 is issued after stage 6. A lookup issued in another grad/train mode than
-    its batch's step runs in (``model.train()`` after eval steps under
-    ``torch.no_grad()``: that lookup has no autograd graph) is discarded and
-    issued again at the start of the step, so the switch costs one lookup.
+    i+1 is issued after stage 6. An early lookup is likewise issued again at the
+    start of its step when the step runs in another grad/train mode
+    (``model.train()`` after eval steps under ``torch.no_grad()``: that lookup
+    has no autograd graph) or the module's tables were written since
+    (``load_state_dict`` or an in-place edit between two ``progress()`` calls,
+    seen through tensor version counters, ``tables_version``); each costs one
+    lookup, counted in ``stats.relookups`` (0 in uninterrupted training).
 
     CUDA: the lookup stream waits on an event recorded on the default stream
     after backward, so it runs concurrently with the optimizer kernels; the
@@ -294,6 +317,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         rank attaches, so the collectives stay matched."""
         dev = torch.get_device_module(self._device) if self._lookup_stream is not None else None
         consumed_input_dist = context.lookup_started
+        if context.lookup_started:
+            self.stats.relookups += 1
         for name in list(context.embedding_a2a_requests):
             awaitable = context.embedding_a2a_requests.pop(name)
             if dev is None:
@@ -302,6 +327,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                 with dev.stream(self._lookup_stream):
                     awaitable.wait()
         context.lookup_events.clear()
+        context.tables_versions.clear()
         context.lookup_started = False
         if input_dist_restarted or consumed_input_dist:
             for name in list(context.input_dist_tensors_requests):
@@ -364,6 +390,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             # CPU: no streams; the all-to-all runs on gloo's worker thread.
             kjt = request.wait()
             context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
+            context.tables_versions[name] = tables_version(module)
             return
         dev = torch.get_device_module(self._device)
         main = dev.current_stream()
@@ -391,6 +418,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                     module_ctx.record_stream(consumer)
             context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
             context.lookup_events[name] = lookup.record_event()
+        context.tables_versions[name] = tables_version(module)
 
     def start_embedding_lookup(
         self,
@@ -420,6 +448,19 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         """(grad enabled, model.training): what a lookup's result depends on
         besides the tables (autograd graph, training-only kernel work)."""
         return torch.is_grad_enabled(), self._model.training
+
+    def _lookup_still_valid(self, context: FusedLookupPipelineContext) -> bool:
+        """Whether the lookup issued by the previous step is what this step's
+        forward would compute: same grad/train mode (under ``no_grad`` in eval
+        it has no autograd graph) and no table written since (every in-place
+        write bumps a tensor version; fbgemm's fused backward, which ran before
+        the lookup, does not)."""
+        if context.lookup_mode != self._lookup_mode():
+            return False
+        return all(
+            context.tables_versions.get(m.forward.name) == tables_version(m)  # pyre-ignore[16]
+            for m in self._pipelined_modules
+        )
 
     def _split_modules(self) -> Tuple[List[ShardedModule], List[ShardedModule]]:
         """(modules looked up after backward, modules looked up after the optimizer)."""
@@ -486,9 +527,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         for position in range(1, len(self.contexts)):
             self._fused_context(position)
         self._set_module_context(current)
-        if current.lookup_started and current.lookup_mode != self._lookup_mode():
-            # Issued by the previous step in another mode (e.g. under no_grad in
-            # eval, and this step trains: that lookup has no autograd graph).
+        if current.lookup_started and not self._lookup_still_valid(current):
             self._drop_issued_lookup(current, input_dist_restarted=False)
         if not current.lookup_started:
             # First batch (nothing earlier to overlap with), after reset/attach or

@@ -81,6 +81,7 @@ def _parity_body(rank: int, world_size: int, sharding: str, use_cuda: bool) -> D
         out[key + " pipelined"] = sorted(m.forward.name for m in pipe._pipelined_modules)
         out[key + " steps"] = pipe.stats.steps
         out[key + " wait_s"] = pipe.stats.seconds["output_dist_wait"]
+        out[key + " relookups"] = pipe.stats.relookups
     # On CPU the pipeline must make no CUDA call at all (torch would initialise CUDA).
     out["cuda_initialized"] = torch.cuda.is_initialized()
     out["use_cuda"] = use_cuda
@@ -118,6 +119,8 @@ def _check_parity(results: Sequence[Dict[str, Any]]) -> None:
             assert res[key + " pipelined"] == ["ebc", "ec"], res[key + " pipelined"]
             assert res[key + " steps"] == N_BATCHES
             assert res[key + " wait_s"] > 0.0
+            # No early lookup is ever redone in uninterrupted training.
+            assert res[key + " relookups"] == 0, res[key + " relookups"]
 
 
 @pytest.mark.parametrize("sharding", SHARDING_TYPES)

@@ -256,6 +256,7 @@ def _switch_body(rank: int, world_size: int, sharding: str, no_grad: bool) -> Di
                 loss, logits = pipe.progress(it)
             outputs.append((logits if step in EVAL_STEPS else loss).detach().clone())
         out[name] = [t.numpy() for t in outputs]
+        out[name + " relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
     return out
 
 
@@ -275,3 +276,85 @@ def test_train_eval_train_switch_between_steps(sharding: str, no_grad: bool) -> 
             assert len(got) == N_BATCHES, name
             for step, (a, b) in enumerate(zip(got, want)):
                 assert (a == b).all(), f"rank {rank} {sharding} {name}: step {step} differs (eval steps {list(EVAL_STEPS)})"
+            if name != "torchrec":
+                # one redone lookup per switch (train -> eval, eval -> train)
+                assert res[name + " relookups"] == 2, (name, res[name + " relookups"])
+
+
+WRITES = ("load_state_dict", "edit_shards")
+"""Table writes between two steps of an attached pipeline: load other weights;
+halve every table's local shards in place through ``state_dict()``."""
+
+
+def _write_tables(kind: str, model: Any, alt: Any) -> None:
+    if kind == "load_state_dict":
+        model.load_state_dict(alt.state_dict())
+        return
+    with torch.no_grad():
+        for key, value in model.state_dict().items():
+            if key.endswith(".weight") and (".embedding_bags." in key or ".embeddings." in key):
+                for shard in value.local_shards():
+                    shard.tensor.mul_(0.5)
+
+
+def _write_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+    device = torch.device("cpu")
+    batches = make_batches(rank)
+    alt, _ = build_dmp(sharding, device, seed=7)
+    out: Dict[str, Any] = {}
+    for kind in WRITES:
+        ref, ref_opt = build_dmp(sharding, device)
+        losses: List[torch.Tensor] = []
+        preds: List[torch.Tensor] = []
+        for step, b in enumerate(batches):
+            if step == PAUSE_AT:
+                _write_tables(kind, ref, alt)
+            ref_opt.zero_grad()
+            loss, (_, logits) = ref(b)
+            loss.backward()
+            ref_opt.step()
+            losses.append(loss.detach().clone())
+            preds.append(logits.clone())
+        out[f"{kind} reference"] = _on_cpu((losses, preds))
+        runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
+            ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
+        ]
+        for stream, after_opt in FLAG_COMBOS:
+            runs.append(
+                (
+                    f"recpipe stream={stream} after_opt={after_opt}",
+                    lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
+                        m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
+                    ),
+                )
+            )
+        for name, make in runs:
+            model, opt = build_dmp(sharding, device)
+            pipe = make(model, opt)
+            it = iter(batches)
+            losses, preds = [], []
+            _steps(pipe, it, PAUSE_AT, losses, preds)
+            _write_tables(kind, model, alt)  # attached: no detach()
+            _steps(pipe, it, N_BATCHES - PAUSE_AT, losses, preds)
+            out[f"{kind} {name}"] = _on_cpu((losses, preds))
+            out[f"{kind} {name} relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
+    return out
+
+
+@pytest.mark.parametrize("sharding", ("table_wise", "row_wise"))
+def test_tables_written_between_steps_are_looked_up_again(sharding: str) -> None:
+    """Writing the tables of the attached model between two ``progress()`` calls
+    (``load_state_dict``, in-place edits of its state-dict shards): the batch
+    looked up early is looked up again (exactly once), so every step equals the
+    loop and torchrec's pipeline, which looks batches up in the forward."""
+    for rank, res in enumerate(run_gloo(2, _write_body, sharding, timeout_s=300)):
+        for kind in WRITES:
+            want = res[f"{kind} reference"]
+            for name in ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]:
+                _assert_same(f"rank {rank} {sharding} {kind} {name}", res[f"{kind} {name}"], want)
+                if name != "torchrec":
+                    assert res[f"{kind} {name} relookups"] == 1, (kind, name, res[f"{kind} {name} relookups"])

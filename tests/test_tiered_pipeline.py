@@ -119,6 +119,7 @@ def _body(rank: int, world: int) -> Dict[str, Any]:
         out[key] = _numpy((losses, preds))
         out[key + " stats"] = _stats(model)
         out[key + " pipelined"] = sorted(m.forward.name for m in pipe._pipelined_modules)
+        out[key + " relookups"] = pipe.stats.relookups
         loaded = rows_loaded
     out["rows_loaded"] = loaded
     return out
@@ -144,6 +145,7 @@ def test_fused_pipeline_over_tiered_tables_bit_identical_to_torchrec() -> None:
             key = f"fused after_opt={after_opt}"
             _equal(f"rank {rank} {key} vs torchrec", res[key], res["torchrec"])
             assert res[key + " pipelined"] == ["ebc", "ec"], res[key + " pipelined"]
+            assert res[key + " relookups"] == 0, "a tiered lookup was redone without a write"
             # same placement, every fused Adam step applied once per batch, same cache hit history
             assert res[key + " stats"] == res["torchrec stats"], (res[key + " stats"], res["torchrec stats"])
         for table, (_, _, mode, _) in TIERED.items():
@@ -152,9 +154,24 @@ def test_fused_pipeline_over_tiered_tables_bit_identical_to_torchrec() -> None:
         assert res["rows_loaded"]["t0"] > 0 and res["rows_loaded"]["s0"] > 0, res["rows_loaded"]
 
 
+WRITES = ("detach_load_attach", "load_state_dict", "load_global_weights")
+"""Table writes between steps 3 and 4: through detach()/attach(), or on the attached
+model (torchrec's load_state_dict; the tiered tables' own load_global_weights)."""
+
+
+def _write(kind: str, model: Any, other: Any) -> None:
+    if kind == "load_global_weights":
+        g = torch.Generator().manual_seed(17)
+        tables = {**model.module.ebc.tiered_tables(), **model.module.ec.tiered_tables()}
+        for name in sorted(tables):
+            shard = tables[name]
+            shard.load_global_weights(torch.randn(shard.num_embeddings, shard.embedding_dim, generator=g))
+    else:
+        model.load_state_dict(other.state_dict())
+
+
 def _detach_body(rank: int, world: int) -> Dict[str, Any]:
-    """Reference and fused pipelines, each loading other weights into the model
-    between steps 3 and 4 (the pipelines through detach() / attach())."""
+    """Reference and fused pipelines, each writing the tables between steps 3 and 4."""
     global SEED
     from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
 
@@ -166,39 +183,49 @@ def _detach_body(rank: int, world: int) -> Dict[str, Any]:
     finally:
         SEED = 5
     pause_at = 4
-    model, opt = _build(world)
-    losses: List[torch.Tensor] = []
-    preds: List[torch.Tensor] = []
-    for step, b in enumerate(batches):
-        if step == pause_at:
-            model.load_state_dict(other.state_dict())
-        opt.zero_grad()
-        loss, (_, logits) = model(b)
-        loss.backward()
-        opt.step()
-        losses.append(loss.detach().clone())
-        preds.append(logits.clone())
-    out: Dict[str, Any] = {"reference": _numpy((losses, preds))}
-    for after_opt in (True, False):
+    out: Dict[str, Any] = {}
+    for kind in WRITES:
         model, opt = _build(world)
-        pipe = TrainPipelineFusedSparseDist(model, opt, device, embedding_lookup_after_opt=after_opt)
-        it = iter(batches)
-        losses, preds = [], []
-        for step in range(N_BATCHES):
+        losses: List[torch.Tensor] = []
+        preds: List[torch.Tensor] = []
+        for step, b in enumerate(batches):
             if step == pause_at:
-                detached = pipe.detach()
-                detached.load_state_dict(other.state_dict())
-                pipe.attach(detached)
-            loss, logits = pipe.progress(it)
-            losses.append(loss.clone())
+                _write(kind, model, other)
+            opt.zero_grad()
+            loss, (_, logits) = model(b)
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach().clone())
             preds.append(logits.clone())
-        out[f"fused after_opt={after_opt}"] = _numpy((losses, preds))
+        out[f"{kind} reference"] = _numpy((losses, preds))
+        for after_opt in (True, False):
+            model, opt = _build(world)
+            pipe = TrainPipelineFusedSparseDist(model, opt, device, embedding_lookup_after_opt=after_opt)
+            it = iter(batches)
+            losses, preds = [], []
+            for step in range(N_BATCHES):
+                if step == pause_at:
+                    if kind == "detach_load_attach":
+                        detached = pipe.detach()
+                        _write(kind, detached, other)
+                        pipe.attach(detached)
+                    else:
+                        _write(kind, model, other)
+                loss, logits = pipe.progress(it)
+                losses.append(loss.clone())
+                preds.append(logits.clone())
+            out[f"{kind} fused after_opt={after_opt}"] = _numpy((losses, preds))
+            out[f"{kind} fused after_opt={after_opt} relookups"] = pipe.stats.relookups
     return out
 
 
-def test_fused_pipeline_over_tiered_tables_detach_load_attach() -> None:
-    """Weights loaded into the detached model are the ones the in-flight batch
-    reads after attach() (its early lookup is redone), bit for bit as the loop."""
+def test_fused_pipeline_over_tiered_tables_written_between_steps() -> None:
+    """Tiered tables written between two steps, through detach()/attach() or on the
+    attached model: the batch looked up early is looked up again (once) and reads
+    the new rows, bit for bit as the loop."""
     for rank, res in enumerate(run_gloo(2, _detach_body)):
-        for after_opt in (True, False):
-            _equal(f"rank {rank} detach/load/attach after_opt={after_opt}", res[f"fused after_opt={after_opt}"], res["reference"])
+        for kind in WRITES:
+            for after_opt in (True, False):
+                key = f"{kind} fused after_opt={after_opt}"
+                _equal(f"rank {rank} {key}", res[key], res[f"{kind} reference"])
+                assert res[key + " relookups"] == 1, (key, res[key + " relookups"])
