@@ -50,10 +50,13 @@ class FusedLookupPipelineContext(EmbeddingTrainPipelineContext):
     another mode (``model.train()`` / ``eval()`` or ``torch.no_grad()`` toggled
     between steps) looks its batch up again, as torchrec's forward would."""
 
-    tables_versions: Dict[str, int] = field(default_factory=dict)
-    """Module name -> its tables' write version right after its lookup: a
-    module written since (``load_state_dict``, in-place edits of its weights)
-    is looked up again."""
+    lookup_inputs: Dict[str, Tuple[Any, ...]] = field(default_factory=dict)
+    """Module name -> what its lookup read besides the batch: the tables' write
+    version and the fused optimizers' hyper-parameters (fbgemm's TBE takes the
+    learning rate its backward applies at lookup time). A module whose tables
+    were written since (``load_state_dict``, in-place edits) or whose fused
+    learning rate changed (an LR scheduler stepped between two ``progress()``
+    calls) is looked up again."""
 
 
 def record_on_stream(result: Any, stream: torch.Stream) -> None:

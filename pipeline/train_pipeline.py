@@ -10,6 +10,7 @@ and CPU; a one-line drop-in::
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
@@ -62,6 +63,25 @@ def tables_version(module: torch.nn.Module) -> int:
     return version
 
 
+def fused_tbes(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The fbgemm TBEs (modules with a ``learning_rate_tensor``) of a sharded module.
+
+    torchrec keeps a sharded module's lookups in a plain list (``_lookups``), not
+    as registered submodules, so they are searched there too.
+
+    Args:
+        module (torch.nn.Module): a sharded embedding module.
+    """
+    found: Dict[int, torch.nn.Module] = {}
+    roots = [module, *getattr(module, "_lookups", ())]
+    for root in roots:
+        if isinstance(root, torch.nn.Module):
+            for m in root.modules():
+                if isinstance(getattr(m, "learning_rate_tensor", None), torch.Tensor):
+                    found.setdefault(id(m), m)
+    return list(found.values())
+
+
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     """Sparse-dist train pipeline whose next-batch embedding lookup overlaps the optimizer.
 
@@ -97,12 +117,19 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     detached model's tables may have been changed) and it is issued again at the
     start of that batch's step. In eval mode (no backward) the lookup of batch
     i+1 is issued after stage 6. An early lookup is likewise issued again at the
-    start of its step when the step runs in another grad/train mode
-    (``model.train()`` after eval steps under ``torch.no_grad()``: that lookup
-    has no autograd graph) or the module's tables were written since
+    start of its step (after stage 1) when the step runs in another grad/train
+    mode (``model.train()`` after eval steps under ``torch.no_grad()``: that
+    lookup has no autograd graph), the module's tables were written since
     (``load_state_dict`` or an in-place edit between two ``progress()`` calls,
-    seen through tensor version counters, ``tables_version``); each costs one
-    lookup, counted in ``stats.relookups`` (0 in uninterrupted training).
+    seen through tensor version counters, ``tables_version``), or its fused
+    learning rate / optimizer arguments changed (fbgemm's TBE takes them at
+    lookup time; torchrec's fused optimizers set them in ``zero_grad()`` and
+    ``step()``, so an LR scheduler stepped between two ``progress()`` calls
+    changes them). Each costs one lookup, counted in ``stats.relookups`` (0 in
+    uninterrupted training). A learning rate changed at every step (a per-step
+    scheduler, or torchrec's ``WarmupOptimizer`` during its warm-up, which sets
+    the new rate after its fused ``step()``) makes it one per step, without
+    overlap; a ``RuntimeWarning`` says so once.
 
     CUDA: the lookup stream waits on an event recorded on the default stream
     after backward, so it runs concurrently with the optimizer kernels; the
@@ -247,6 +274,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         self._embedding_lookup_after_opt = embedding_lookup_after_opt
         self._checker = FusedLookupExactnessChecker(allow_dense_tables=allow_dense_tables)
         self._after_opt_modules: Set[str] = set()
+        self._fused_tbes: Dict[str, List[torch.nn.Module]] = {}
+        self._optimizer_relookup_streak = 0
+        self._warned_optimizer_relookups = False
         self.stats = PipelineStageStats()
         """Per-stage host seconds (lookup issue, output-dist wait, optimizer)."""
 
@@ -280,6 +310,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             self.detach()
             raise
         self._after_opt_modules = set(after_opt)
+        self._fused_tbes = {name: fused_tbes(module) for name, module in modules.items()}
         for module in self._pipelined_modules:
             forward = module.forward
             if isinstance(forward, FusedLookupPipelinedForward):
@@ -327,7 +358,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                 with dev.stream(self._lookup_stream):
                     awaitable.wait()
         context.lookup_events.clear()
-        context.tables_versions.clear()
+        context.lookup_inputs.clear()
         context.lookup_started = False
         if input_dist_restarted or consumed_input_dist:
             for name in list(context.input_dist_tensors_requests):
@@ -390,7 +421,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             # CPU: no streams; the all-to-all runs on gloo's worker thread.
             kjt = request.wait()
             context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
-            context.tables_versions[name] = tables_version(module)
+            context.lookup_inputs[name] = self._lookup_inputs(module)
             return
         dev = torch.get_device_module(self._device)
         main = dev.current_stream()
@@ -418,7 +449,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                     module_ctx.record_stream(consumer)
             context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
             context.lookup_events[name] = lookup.record_event()
-        context.tables_versions[name] = tables_version(module)
+        context.lookup_inputs[name] = self._lookup_inputs(module)
 
     def start_embedding_lookup(
         self,
@@ -449,17 +480,55 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         besides the tables (autograd graph, training-only kernel work)."""
         return torch.is_grad_enabled(), self._model.training
 
-    def _lookup_still_valid(self, context: FusedLookupPipelineContext) -> bool:
-        """Whether the lookup issued by the previous step is what this step's
-        forward would compute: same grad/train mode (under ``no_grad`` in eval
-        it has no autograd graph) and no table written since (every in-place
-        write bumps a tensor version; fbgemm's fused backward, which ran before
-        the lookup, does not)."""
+    def _stale_lookup_reason(self, context: FusedLookupPipelineContext) -> Optional[str]:
+        """Why the lookup issued by the previous step is not what this step's
+        forward would compute, or None: another grad/train mode (under
+        ``no_grad`` in eval it has no autograd graph), a table written since
+        (every in-place write bumps a tensor version; fbgemm's fused backward,
+        which ran before the lookup, does not), or other fused optimizer
+        hyper-parameters (learning rate)."""
         if context.lookup_mode != self._lookup_mode():
-            return False
-        return all(
-            context.tables_versions.get(m.forward.name) == tables_version(m)  # pyre-ignore[16]
-            for m in self._pipelined_modules
+            return "mode"
+        for m in self._pipelined_modules:
+            then = context.lookup_inputs.get(m.forward.name)  # pyre-ignore[16]
+            now = self._lookup_inputs(m)
+            if then is None or then[0] != now[0]:
+                return "tables"
+            if then[1] != now[1]:
+                return "optimizer"
+        return None
+
+    def _note_relookup(self, reason: str) -> None:
+        """Warns once when the fused learning rate changes at consecutive steps:
+        every lookup is then done twice and nothing overlaps."""
+        self._optimizer_relookup_streak = self._optimizer_relookup_streak + 1 if reason == "optimizer" else 0
+        if self._optimizer_relookup_streak == 2 and not self._warned_optimizer_relookups:
+            self._warned_optimizer_relookups = True
+            warnings.warn(
+                "TrainPipelineFusedSparseDist: the fused embedding optimizers' learning rate (or "
+                "arguments) changed between two progress() calls at two consecutive steps, so the "
+                "lookup issued early for the next batch was redone each time (fbgemm's TBE takes "
+                "the learning rate at lookup time; torchrec's fused optimizers set it in "
+                "zero_grad() and step()). Training stays exact, but each such step looks its batch "
+                "up twice and nothing overlaps (pipeline.stats.relookups counts them).\n"
+                "Possible solutions:\n"
+                "  1) Change the embedding learning rate less often (e.g. an LR scheduler stepped "
+                "every N steps, or a warm-up that ends).\n"
+                "  2) Use torchrec's TrainPipelineSparseDist while the learning rate changes every "
+                "step.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _lookup_inputs(self, module: ShardedModule) -> Tuple[Any, ...]:
+        """What ``module``'s lookup reads besides the batch: ``tables_version``
+        and, per fbgemm TBE, the learning rate and optimizer arguments it hands
+        its backward (taken at lookup time, set by torchrec's fused optimizers
+        in ``zero_grad()`` / ``step()``)."""
+        tbes = self._fused_tbes.get(module.forward.name, ())  # pyre-ignore[16]
+        return (
+            tables_version(module),
+            tuple((float(m.learning_rate_tensor), getattr(m, "optimizer_args", None)) for m in tbes),
         )
 
     def _split_modules(self) -> Tuple[List[ShardedModule], List[ShardedModule]]:
@@ -527,18 +596,24 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         for position in range(1, len(self.contexts)):
             self._fused_context(position)
         self._set_module_context(current)
-        if current.lookup_started and not self._lookup_still_valid(current):
-            self._drop_issued_lookup(current, input_dist_restarted=False)
+        if self._model.training:
+            # torchrec's fused optimizers hand the learning rate to the TBEs here,
+            # before the lookup of this batch (inside the forward in torchrec).
+            with record_function("## zero_grad ##"):
+                self._optimizer.zero_grad()
+        if current.lookup_started:
+            reason = self._stale_lookup_reason(current)
+            if reason is not None:
+                self._note_relookup(reason)
+                self._drop_issued_lookup(current, input_dist_restarted=False)
+            else:
+                self._optimizer_relookup_streak = 0
         if not current.lookup_started:
-            # First batch (nothing earlier to overlap with), after reset/attach or
-            # a change of mode.
+            # First batch (nothing earlier to overlap with), after reset/attach, a
+            # change of mode, a table write or a new fused learning rate.
             self._finish_input_dist(current, self.batches[0])
             self.start_embedding_lookup(current, self._pipelined_modules)
             current.lookup_started = True
-
-        if self._model.training:
-            with record_function("## zero_grad ##"):
-                self._optimizer.zero_grad()
 
         self._wait_for_batch()
 

@@ -13,6 +13,7 @@ every step's loss and predictions bit for bit.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
@@ -358,3 +359,106 @@ def test_tables_written_between_steps_are_looked_up_again(sharding: str) -> None
                 _assert_same(f"rank {rank} {sharding} {kind} {name}", res[f"{kind} {name}"], want)
                 if name != "torchrec":
                     assert res[f"{kind} {name} relookups"] == 1, (kind, name, res[f"{kind} {name} relookups"])
+
+
+SCHEDULES = ("step_lr", "lambda_warmup", "warmup_optimizer")
+"""How the learning rate of the fused tables (and the dense Adam) changes: torch's
+StepLR (halved every 3 steps) and LambdaLR (warm-up over 4 steps, which also
+changes the rate at construction) stepped after each ``progress()``; torchrec's
+WarmupOptimizer (linear warm-up over 4 steps, set inside ``step()``)."""
+
+
+def _scheduled(kind: str, model: Any, dense: Any) -> Tuple[Any, Callable[[], None]]:
+    """(optimizer over the fused and dense parameters, the per-step scheduler call)."""
+    from torchrec.optim.keyed import CombinedOptimizer
+    from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
+
+    combined = CombinedOptimizer([model.fused_optimizer, dense])
+    if kind == "warmup_optimizer":
+        stage = WarmupStage(policy=WarmupPolicy.LINEAR, max_iters=4, value=0.25)
+        return WarmupOptimizer(combined, [stage], lr=0.05), lambda: None
+    if kind == "step_lr":
+        sched = torch.optim.lr_scheduler.StepLR(combined, step_size=3, gamma=0.5)
+    else:
+        sched = torch.optim.lr_scheduler.LambdaLR(combined, lambda s: min(1.0, (s + 1) / 4))
+    return combined, sched.step
+
+
+def _schedule_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+    device = torch.device("cpu")
+    batches = make_batches(rank)
+    out: Dict[str, Any] = {}
+    for kind in SCHEDULES:
+        model, dense = build_dmp(sharding, device)
+        opt, sched_step = _scheduled(kind, model, dense)
+        losses: List[torch.Tensor] = []
+        for b in batches:
+            opt.zero_grad()
+            loss, _ = model(b)
+            loss.backward()
+            opt.step()
+            sched_step()
+            losses.append(loss.detach().clone())
+        out[f"{kind} reference"] = [t.numpy() for t in losses]
+        runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
+            ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
+        ]
+        for stream, after_opt in FLAG_COMBOS:
+            runs.append(
+                (
+                    f"recpipe stream={stream} after_opt={after_opt}",
+                    lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
+                        m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
+                    ),
+                )
+            )
+        for name, make in runs:
+            model, dense = build_dmp(sharding, device)
+            opt, sched_step = _scheduled(kind, model, dense)
+            pipe = make(model, opt)
+            it = iter(batches)
+            losses = []
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(N_BATCHES):
+                    losses.append(pipe.progress(it)[0].clone())
+                    sched_step()
+            out[f"{kind} {name}"] = [t.numpy() for t in losses]
+            out[f"{kind} {name} relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
+            out[f"{kind} {name} warnings"] = [
+                str(w.message) for w in caught if "learning rate" in str(w.message)
+            ]
+    return out
+
+
+@pytest.mark.parametrize("sharding", ("table_wise", "row_wise"))
+def test_fused_learning_rate_changes_between_steps(sharding: str) -> None:
+    """fbgemm's TBE takes the learning rate its backward applies at lookup time,
+    and torchrec's fused optimizers set it in zero_grad() / step(). A batch looked
+    up early under the old rate is looked up again, so every step equals the loop
+    and torchrec's pipeline (it used to differ from the first rate change on);
+    changes at consecutive steps warn once."""
+    # LR of step i's batch: StepLR changes at steps 3, 6, 9; LambdaLR at 1, 2, 3.
+    expected = {"step_lr": (3, False), "lambda_warmup": (3, True)}
+    for rank, res in enumerate(run_gloo(2, _schedule_body, sharding, timeout_s=300)):
+        for kind in SCHEDULES:
+            want = res[f"{kind} reference"]
+            assert len({float(x) for x in want}) > 1
+            for name in ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]:
+                got = res[f"{kind} {name}"]
+                for step, (a, b) in enumerate(zip(got, want)):
+                    assert (a == b).all(), f"rank {rank} {sharding} {kind} {name}: step {step} differs"
+                if name == "torchrec":
+                    continue
+                relookups, warns = res[f"{kind} {name} relookups"], res[f"{kind} {name} warnings"]
+                if kind in expected:
+                    assert relookups == expected[kind][0], (kind, name, relookups)
+                    assert bool(warns) == expected[kind][1], (kind, name, warns)
+                else:  # WarmupOptimizer: a new rate at each of its warm-up steps
+                    assert relookups >= 3 and len(warns) == 1, (kind, name, relookups, warns)
+                if warns:
+                    assert "Possible solutions" in warns[0]
