@@ -16,7 +16,7 @@ stream on the results; on CPU it makes no stream call at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.profiler import record_function
@@ -49,6 +49,13 @@ class FusedLookupPipelineContext(EmbeddingTrainPipelineContext):
     """(grad enabled, model.training) when the lookup was issued: a step run in
     another mode (``model.train()`` / ``eval()`` or ``torch.no_grad()`` toggled
     between steps) looks its batch up again, as torchrec's forward would."""
+
+    lookup_counters: Dict[str, List[Tuple[Tuple[Optional[int], Optional[int]], ...]]] = field(
+        default_factory=dict
+    )
+    """Module name -> its fbgemm TBEs' (step, iter) before and after the lookup:
+    a discarded lookup takes its increments back (Adam's bias correction counts
+    lookups)."""
 
     lookup_inputs: Dict[str, Tuple[Any, ...]] = field(default_factory=dict)
     """Module name -> what its lookup read besides the batch: the tables' write

@@ -82,6 +82,36 @@ def fused_tbes(module: torch.nn.Module) -> List[torch.nn.Module]:
     return list(found.values())
 
 
+def tbe_counters(tbe: torch.nn.Module) -> Tuple[Optional[int], Optional[int]]:
+    """An fbgemm TBE's lookup counters: ``step`` (every lookup) and the host copy
+    ``iter_cpu`` of ``iter`` (Adam, LAMB and other optimizers with bias
+    correction or decay by iteration), both advanced by the forward.
+
+    Args:
+        tbe (torch.nn.Module): a module of :func:`fused_tbes`.
+    """
+    step = getattr(tbe, "step", None)
+    it = getattr(tbe, "iter_cpu", None)
+    return (step if isinstance(step, int) else None, int(it) if isinstance(it, torch.Tensor) else None)
+
+
+def undo_tbe_lookup(
+    tbe: torch.nn.Module,
+    before: Tuple[Optional[int], Optional[int]],
+    after: Tuple[Optional[int], Optional[int]],
+) -> None:
+    """Takes back the counter increments of one discarded lookup (``before`` /
+    ``after`` it, by :func:`tbe_counters`), keeping those of lookups since (e.g.
+    the detached model's eval forwards), so the optimizer steps as if the
+    discarded lookup never ran. fbgemm adds 1 to ``iter`` per lookup (its host
+    copy may first re-sync from a loaded ``iter``, so only whether it moved counts)."""
+    if before[0] is not None and after[0] is not None:
+        tbe.step -= after[0] - before[0]  # pyre-ignore[16]
+    if before[1] is not None and after[1] is not None and after[1] != before[1]:
+        tbe.iter_cpu.sub_(1)  # pyre-ignore[29]
+        tbe.iter.sub_(1)  # pyre-ignore[29]
+
+
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     """Sparse-dist train pipeline whose next-batch embedding lookup overlaps the optimizer.
 
@@ -342,13 +372,23 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         if self.contexts:
             self._drop_issued_lookup(self._fused_context(0), input_dist_restarted=sparse_dist)
 
-    def _drop_issued_lookup(self, context: FusedLookupPipelineContext, input_dist_restarted: bool) -> None:
+    def reset(self) -> None:
+        """Drops the in-flight batches (torchrec), first completing and taking back
+        the lookup issued for the next one (its TBE counters), as if it never ran."""
+        if self.contexts and isinstance(self.contexts[0], FusedLookupPipelineContext):
+            self._drop_issued_lookup(self.contexts[0], input_dist_restarted=False, relookup=False)
+        super().reset()
+
+    def _drop_issued_lookup(
+        self, context: FusedLookupPipelineContext, input_dist_restarted: bool, relookup: bool = True
+    ) -> None:
         """Completes and discards ``context``'s issued lookup (and, when torchrec
         restarted its input dist, its old input-dist tensors) on this rank; every
-        rank attaches, so the collectives stay matched."""
+        rank attaches, so the collectives stay matched. The TBE counters the
+        lookup advanced are taken back; ``relookup`` counts it in ``stats``."""
         dev = torch.get_device_module(self._device) if self._lookup_stream is not None else None
         consumed_input_dist = context.lookup_started
-        if context.lookup_started:
+        if context.lookup_started and relookup:
             self.stats.relookups += 1
         for name in list(context.embedding_a2a_requests):
             awaitable = context.embedding_a2a_requests.pop(name)
@@ -357,6 +397,10 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             else:
                 with dev.stream(self._lookup_stream):
                     awaitable.wait()
+        for name, moves in context.lookup_counters.items():
+            for tbe, (before, after) in zip(self._fused_tbes.get(name, ()), moves):
+                undo_tbe_lookup(tbe, before, after)
+        context.lookup_counters.clear()
         context.lookup_events.clear()
         context.lookup_inputs.clear()
         context.lookup_started = False
@@ -417,11 +461,12 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             )
         module_ctx = context.module_contexts[name]
         request = context.input_dist_tensors_requests.pop(name)
+        counters_before = [tbe_counters(m) for m in self._fused_tbes.get(name, ())]
         if self._lookup_stream is None:
             # CPU: no streams; the all-to-all runs on gloo's worker thread.
             kjt = request.wait()
             context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
-            context.lookup_inputs[name] = self._lookup_inputs(module)
+            self._record_lookup(context, module, counters_before)
             return
         dev = torch.get_device_module(self._device)
         main = dev.current_stream()
@@ -449,6 +494,18 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                     module_ctx.record_stream(consumer)
             context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
             context.lookup_events[name] = lookup.record_event()
+        self._record_lookup(context, module, counters_before)
+
+    def _record_lookup(
+        self,
+        context: FusedLookupPipelineContext,
+        module: ShardedModule,
+        counters_before: List[Tuple[Optional[int], Optional[int]]],
+    ) -> None:
+        """Records what an issued lookup read and how it moved the TBE counters."""
+        name: str = module.forward.name  # pyre-ignore[16]
+        after = [tbe_counters(m) for m in self._fused_tbes.get(name, ())]
+        context.lookup_counters[name] = list(zip(counters_before, after))
         context.lookup_inputs[name] = self._lookup_inputs(module)
 
     def start_embedding_lookup(

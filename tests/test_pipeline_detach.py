@@ -22,6 +22,13 @@ from gloo_harness import run_gloo
 from test_pipeline import FLAG_COMBOS, _assert_same, _on_cpu
 from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipeline, run_reference
 
+def _tbe_counters(model: Any) -> List[Any]:
+    """(step, iter) of every fbgemm TBE of the model's sharded modules."""
+    from recpipe.pipeline.train_pipeline import fused_tbes, tbe_counters
+
+    return [tbe_counters(t) for mod in (model.module.ebc, model.module.ec) for t in fused_tbes(mod)]
+
+
 PAUSE_AT = 4
 """Steps trained before the pause (batches PAUSE_AT and PAUSE_AT + 1 are in flight)."""
 
@@ -122,6 +129,7 @@ def _detach_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
             with pytest.raises(StopIteration):
                 pipe.progress(it)
             out[f"{mode} {name}"] = _on_cpu((losses, preds, evals))
+            out[f"{mode} {name} counters"] = _tbe_counters(model)
     out["runs"] = [name for name, _, _ in runs]
     return out
 
@@ -153,6 +161,8 @@ def test_detach_pause_attach_matches_torchrec_and_non_pipelined(sharding: str) -
                 assert len(got[2]) == len(evals), label
                 for i, (a, b) in enumerate(zip(got[2], evals)):
                     assert (a == b).all(), f"{label}: eval output {i} differs"
+                # the discarded lookup is taken back from the TBEs' lookup counters
+                assert res[f"{mode} {name} counters"] == res[f"{mode} torchrec counters"], label
 
 
 def _reset_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
@@ -186,6 +196,7 @@ def _reset_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
         pipe.reset()
         more_losses, more_preds, stops_again = run_pipeline(pipe, second)
         out[name] = _on_cpu((losses + more_losses, preds + more_preds)) + (stops_again,)
+        out[name + " counters"] = _tbe_counters(model)
     return out
 
 
@@ -201,6 +212,7 @@ def test_reset_then_new_dataloader_matches_non_pipelined(sharding: str) -> None:
             losses, preds, stops_again = res[name]
             _assert_same(f"rank {rank} {sharding} reset {name}", (losses, preds), want)
             assert stops_again, name
+            assert res[name + " counters"] == res["torchrec counters"], name
 
 
 EVAL_STEPS = range(3, 6)
@@ -258,6 +270,7 @@ def _switch_body(rank: int, world_size: int, sharding: str, no_grad: bool) -> Di
             outputs.append((logits if step in EVAL_STEPS else loss).detach().clone())
         out[name] = [t.numpy() for t in outputs]
         out[name + " relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
+        out[name + " counters"] = _tbe_counters(model)
     return out
 
 
@@ -280,6 +293,7 @@ def test_train_eval_train_switch_between_steps(sharding: str, no_grad: bool) -> 
             if name != "torchrec":
                 # one redone lookup per switch (train -> eval, eval -> train)
                 assert res[name + " relookups"] == 2, (name, res[name + " relookups"])
+                assert res[name + " counters"] == res["torchrec counters"], name
 
 
 WRITES = ("load_state_dict", "edit_shards")
@@ -343,6 +357,7 @@ def _write_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
             _steps(pipe, it, N_BATCHES - PAUSE_AT, losses, preds)
             out[f"{kind} {name}"] = _on_cpu((losses, preds))
             out[f"{kind} {name} relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
+            out[f"{kind} {name} counters"] = _tbe_counters(model)
     return out
 
 
@@ -359,6 +374,7 @@ def test_tables_written_between_steps_are_looked_up_again(sharding: str) -> None
                 _assert_same(f"rank {rank} {sharding} {kind} {name}", res[f"{kind} {name}"], want)
                 if name != "torchrec":
                     assert res[f"{kind} {name} relookups"] == 1, (kind, name, res[f"{kind} {name} relookups"])
+                    assert res[f"{kind} {name} counters"] == res[f"{kind} torchrec counters"], (kind, name)
 
 
 SCHEDULES = ("step_lr", "lambda_warmup", "warmup_optimizer")
@@ -429,6 +445,7 @@ def _schedule_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
                     sched_step()
             out[f"{kind} {name}"] = [t.numpy() for t in losses]
             out[f"{kind} {name} relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
+            out[f"{kind} {name} counters"] = _tbe_counters(model)
             out[f"{kind} {name} warnings"] = [
                 str(w.message) for w in caught if "learning rate" in str(w.message)
             ]
@@ -455,6 +472,7 @@ def test_fused_learning_rate_changes_between_steps(sharding: str) -> None:
                 if name == "torchrec":
                     continue
                 relookups, warns = res[f"{kind} {name} relookups"], res[f"{kind} {name} warnings"]
+                assert res[f"{kind} {name} counters"] == res[f"{kind} torchrec counters"], (kind, name)
                 if kind in expected:
                     assert relookups == expected[kind][0], (kind, name, relookups)
                     assert bool(warns) == expected[kind][1], (kind, name, warns)
@@ -462,3 +480,46 @@ def test_fused_learning_rate_changes_between_steps(sharding: str) -> None:
                     assert relookups >= 3 and len(warns) == 1, (kind, name, relookups, warns)
                 if warns:
                     assert "Possible solutions" in warns[0]
+
+
+class _AdamTbeCounters(torch.nn.Module):
+    """The counters of an fbgemm TBE with an iteration-counting optimizer (Adam,
+    LAMB), advanced as fbgemm 1.9's forward does (fbgemm runs Adam on CUDA only)."""
+
+    def __init__(self, loaded_iter: int) -> None:
+        super().__init__()
+        self.step = 0
+        self.iter_cpu = torch.zeros(1, dtype=torch.int64)
+        self.register_buffer("iter", torch.tensor([loaded_iter], dtype=torch.int64))
+        self.learning_rate_tensor = torch.tensor(0.1)
+
+    def lookup(self) -> None:
+        self.step += 1
+        if int(self.iter_cpu) == 0:  # re-sync with a loaded checkpoint's iter
+            self.iter_cpu.fill_(int(self.iter))
+        self.iter_cpu.add_(1)
+        self.iter.add_(1)
+
+
+@pytest.mark.parametrize("loaded_iter", (0, 7))
+@pytest.mark.parametrize("first", (True, False))
+def test_discarded_lookup_takes_back_adam_iteration(loaded_iter: int, first: bool) -> None:
+    """A discarded lookup, then another lookup in between (an eval forward of the
+    detached model), then the redone lookup: the counters end as if the discarded
+    one never ran, also when it was the first after a checkpoint load."""
+    from recpipe.pipeline.train_pipeline import tbe_counters, undo_tbe_lookup
+
+    ours, plain = _AdamTbeCounters(loaded_iter), _AdamTbeCounters(loaded_iter)
+    if not first:
+        ours.lookup()
+        plain.lookup()
+    before = tbe_counters(ours)
+    ours.lookup()  # issued early, later discarded
+    after = tbe_counters(ours)
+    ours.lookup()  # eval forward while detached
+    plain.lookup()
+    undo_tbe_lookup(ours, before, after)
+    ours.lookup()  # the redone lookup
+    plain.lookup()
+    assert (ours.step, int(ours.iter_cpu), int(ours.iter)) == (plain.step, int(plain.iter_cpu), int(plain.iter))
+    assert int(plain.iter) == loaded_iter + (3 if not first else 2)
