@@ -386,17 +386,10 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         restarted its input dist, its old input-dist tensors) on this rank; every
         rank attaches, so the collectives stay matched. The TBE counters the
         lookup advanced are taken back; ``relookup`` counts it in ``stats``."""
-        dev = torch.get_device_module(self._device) if self._lookup_stream is not None else None
         consumed_input_dist = context.lookup_started
         if context.lookup_started and relookup:
             self.stats.relookups += 1
-        for name in list(context.embedding_a2a_requests):
-            awaitable = context.embedding_a2a_requests.pop(name)
-            if dev is None:
-                awaitable.wait()
-            else:
-                with dev.stream(self._lookup_stream):
-                    awaitable.wait()
+        self._wait_and_drop(context.embedding_a2a_requests, self._lookup_stream)
         for name, moves in context.lookup_counters.items():
             for tbe, (before, after) in zip(self._fused_tbes.get(name, ()), moves):
                 undo_tbe_lookup(tbe, before, after)
@@ -405,13 +398,18 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         context.lookup_inputs.clear()
         context.lookup_started = False
         if input_dist_restarted or consumed_input_dist:
-            for name in list(context.input_dist_tensors_requests):
-                request = context.input_dist_tensors_requests.pop(name)
-                if dev is None:
+            self._wait_and_drop(context.input_dist_tensors_requests, self._data_dist_stream)
+
+    def _wait_and_drop(self, requests: Dict[str, Any], stream: Optional[torch.Stream]) -> None:
+        """Waits every awaitable of ``requests`` (on CUDA, on ``stream``, where it
+        was issued) and empties the dict; on CPU no stream call is made."""
+        for name in list(requests):
+            request = requests.pop(name)
+            if self._lookup_stream is None:
+                request.wait()
+            else:
+                with torch.get_device_module(self._device).stream(stream):
                     request.wait()
-                else:
-                    with dev.stream(self._data_dist_stream):
-                        request.wait()
 
     def _finish_input_dist(self, context: FusedLookupPipelineContext, batch: Any) -> None:
         """Makes ``context``'s input-dist tensors available after ``attach()``:

@@ -8,7 +8,7 @@ small: the whole pipeline test area must finish in a few minutes on 2 cores.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -272,11 +272,19 @@ def copy_state(dst: DistributedModelParallel, src: DistributedModelParallel) -> 
 
 
 def run_reference(
-    dmp: DistributedModelParallel, opt: torch.optim.Optimizer, batches: Sequence[TwoSparseBatch]
+    dmp: DistributedModelParallel,
+    opt: torch.optim.Optimizer,
+    batches: Sequence[TwoSparseBatch],
+    before_step: Optional[Callable[[int], None]] = None,
 ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
-    """Non-pipelined training: forward, backward, optimizer per batch."""
+    """Non-pipelined training: forward, backward, optimizer per batch.
+
+    ``before_step(i)``, when given, runs before step i (e.g. a weight load).
+    """
     losses, preds = [], []
-    for b in batches:
+    for step, b in enumerate(batches):
+        if before_step is not None:
+            before_step(step)
         opt.zero_grad()
         loss, (_, logits) = dmp(b)
         loss.backward()

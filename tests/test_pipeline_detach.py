@@ -29,6 +29,31 @@ def _tbe_counters(model: Any) -> List[Any]:
     return [tbe_counters(t) for mod in (model.module.ebc, model.module.ec) for t in fused_tbes(mod)]
 
 
+RUN_NAMES = ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]
+"""torchrec's TrainPipelineSparseDist, then ours with every flag combination."""
+
+
+def _runs(device: torch.device) -> List[Tuple[str, Callable[[Any, Any], Any]]]:
+    """(name in RUN_NAMES, pipeline factory(model, optimizer))."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+
+    runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
+        ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
+    ]
+    for stream, after_opt in FLAG_COMBOS:
+        runs.append(
+            (
+                f"recpipe stream={stream} after_opt={after_opt}",
+                lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
+                    m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
+                ),
+            )
+        )
+    return runs
+
+
 PAUSE_AT = 4
 """Steps trained before the pause (batches PAUSE_AT and PAUSE_AT + 1 are in flight)."""
 
@@ -83,19 +108,13 @@ def _detach_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
         pauses = 2 if mode == "twice" else 1
         # Non-pipelined reference: the pause falls between step PAUSE_AT - 1 and PAUSE_AT.
         ref, ref_opt = build_dmp(sharding, device)
-        losses: List[torch.Tensor] = []
-        preds: List[torch.Tensor] = []
         evals: List[torch.Tensor] = []
-        for step, b in enumerate(batches):
-            if step == PAUSE_AT:
-                for _ in range(pauses):
-                    _pause(mode, ref, rank, alt, evals)
-            ref_opt.zero_grad()
-            loss, (_, logits) = ref(b)
-            loss.backward()
-            ref_opt.step()
-            losses.append(loss.detach().clone())
-            preds.append(logits.clone())
+
+        def pause(step: int, ref: Any = ref, pauses: int = pauses, mode: str = mode) -> None:
+            for _ in range(pauses if step == PAUSE_AT else 0):
+                _pause(mode, ref, rank, alt, evals)
+
+        losses, preds = run_reference(ref, ref_opt, batches, before_step=pause)
         out[f"{mode} reference"] = _on_cpu((losses, preds, evals))
 
         # torchrec 1.9.2's own pipeline resumes correctly only with sparse_dist=False:
@@ -166,28 +185,12 @@ def test_detach_pause_attach_matches_torchrec_and_non_pipelined(sharding: str) -
 
 
 def _reset_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
-
     device = torch.device("cpu")
     first, second = make_batches(rank), make_batches(rank, seed=3)
     ref, ref_opt = build_dmp(sharding, device)
     # The pipelines drop the two in-flight batches of ``first`` at reset().
     out: Dict[str, Any] = {"reference": _on_cpu(run_reference(ref, ref_opt, first[:PAUSE_AT] + second))}
-    runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
-        ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
-    ]
-    for stream, after_opt in FLAG_COMBOS:
-        runs.append(
-            (
-                f"recpipe stream={stream} after_opt={after_opt}",
-                lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
-                    m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
-                ),
-            )
-        )
-    for name, make in runs:
+    for name, make in _runs(device):
         model, opt = build_dmp(sharding, device)
         pipe = make(model, opt)
         losses: List[torch.Tensor] = []
@@ -208,7 +211,7 @@ def test_reset_then_new_dataloader_matches_non_pipelined(sharding: str) -> None:
     for rank, res in enumerate(run_gloo(2, _reset_body, sharding, timeout_s=300)):
         want = res["reference"]
         assert len(want[0]) == PAUSE_AT + N_BATCHES
-        for name in ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]:
+        for name in RUN_NAMES:
             losses, preds, stops_again = res[name]
             _assert_same(f"rank {rank} {sharding} reset {name}", (losses, preds), want)
             assert stops_again, name
@@ -221,10 +224,6 @@ EVAL_STEPS = range(3, 6)
 
 def _switch_body(rank: int, world_size: int, sharding: str, no_grad: bool) -> Dict[str, Any]:
     import contextlib
-
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
 
     device = torch.device("cpu")
     batches = make_batches(rank)
@@ -246,19 +245,7 @@ def _switch_body(rank: int, world_size: int, sharding: str, no_grad: bool) -> Di
             ref_opt.step()
             outputs.append(loss.detach().clone())
     out: Dict[str, Any] = {"reference": [t.numpy() for t in outputs]}
-    runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
-        ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
-    ]
-    for stream, after_opt in FLAG_COMBOS:
-        runs.append(
-            (
-                f"recpipe stream={stream} after_opt={after_opt}",
-                lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
-                    m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
-                ),
-            )
-        )
-    for name, make in runs:
+    for name, make in _runs(device):
         model, opt = build_dmp(sharding, device)
         pipe = make(model, opt)
         it = iter(batches)
@@ -285,7 +272,7 @@ def test_train_eval_train_switch_between_steps(sharding: str, no_grad: bool) -> 
     for rank, res in enumerate(run_gloo(2, _switch_body, sharding, no_grad, timeout_s=300)):
         want = res["reference"]
         assert len(want) == N_BATCHES
-        for name in ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]:
+        for name in RUN_NAMES:
             got = res[name]
             assert len(got) == N_BATCHES, name
             for step, (a, b) in enumerate(zip(got, want)):
@@ -313,41 +300,19 @@ def _write_tables(kind: str, model: Any, alt: Any) -> None:
 
 
 def _write_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
-
     device = torch.device("cpu")
     batches = make_batches(rank)
     alt, _ = build_dmp(sharding, device, seed=7)
     out: Dict[str, Any] = {}
     for kind in WRITES:
         ref, ref_opt = build_dmp(sharding, device)
-        losses: List[torch.Tensor] = []
-        preds: List[torch.Tensor] = []
-        for step, b in enumerate(batches):
+
+        def write(step: int, ref: Any = ref, kind: str = kind) -> None:
             if step == PAUSE_AT:
                 _write_tables(kind, ref, alt)
-            ref_opt.zero_grad()
-            loss, (_, logits) = ref(b)
-            loss.backward()
-            ref_opt.step()
-            losses.append(loss.detach().clone())
-            preds.append(logits.clone())
-        out[f"{kind} reference"] = _on_cpu((losses, preds))
-        runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
-            ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
-        ]
-        for stream, after_opt in FLAG_COMBOS:
-            runs.append(
-                (
-                    f"recpipe stream={stream} after_opt={after_opt}",
-                    lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
-                        m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
-                    ),
-                )
-            )
-        for name, make in runs:
+
+        out[f"{kind} reference"] = _on_cpu(run_reference(ref, ref_opt, batches, before_step=write))
+        for name, make in _runs(device):
             model, opt = build_dmp(sharding, device)
             pipe = make(model, opt)
             it = iter(batches)
@@ -370,7 +335,7 @@ def test_tables_written_between_steps_are_looked_up_again(sharding: str) -> None
     for rank, res in enumerate(run_gloo(2, _write_body, sharding, timeout_s=300)):
         for kind in WRITES:
             want = res[f"{kind} reference"]
-            for name in ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]:
+            for name in RUN_NAMES:
                 _assert_same(f"rank {rank} {sharding} {kind} {name}", res[f"{kind} {name}"], want)
                 if name != "torchrec":
                     assert res[f"{kind} {name} relookups"] == 1, (kind, name, res[f"{kind} {name} relookups"])
@@ -401,10 +366,6 @@ def _scheduled(kind: str, model: Any, dense: Any) -> Tuple[Any, Callable[[], Non
 
 
 def _schedule_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
-
     device = torch.device("cpu")
     batches = make_batches(rank)
     out: Dict[str, Any] = {}
@@ -420,19 +381,7 @@ def _schedule_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
             sched_step()
             losses.append(loss.detach().clone())
         out[f"{kind} reference"] = [t.numpy() for t in losses]
-        runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
-            ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
-        ]
-        for stream, after_opt in FLAG_COMBOS:
-            runs.append(
-                (
-                    f"recpipe stream={stream} after_opt={after_opt}",
-                    lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
-                        m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
-                    ),
-                )
-            )
-        for name, make in runs:
+        for name, make in _runs(device):
             model, dense = build_dmp(sharding, device)
             opt, sched_step = _scheduled(kind, model, dense)
             pipe = make(model, opt)
@@ -465,7 +414,7 @@ def test_fused_learning_rate_changes_between_steps(sharding: str) -> None:
         for kind in SCHEDULES:
             want = res[f"{kind} reference"]
             assert len({float(x) for x in want}) > 1
-            for name in ["torchrec"] + [f"recpipe stream={s} after_opt={a}" for s, a in FLAG_COMBOS]:
+            for name in RUN_NAMES:
                 got = res[f"{kind} {name}"]
                 for step, (a, b) in enumerate(zip(got, want)):
                     assert (a == b).all(), f"rank {rank} {sharding} {kind} {name}: step {step} differs"

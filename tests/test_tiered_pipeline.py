@@ -186,18 +186,12 @@ def _detach_body(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for kind in WRITES:
         model, opt = _build(world)
-        losses: List[torch.Tensor] = []
-        preds: List[torch.Tensor] = []
-        for step, b in enumerate(batches):
+
+        def write(step: int, model: Any = model, kind: str = kind) -> None:
             if step == pause_at:
                 _write(kind, model, other)
-            opt.zero_grad()
-            loss, (_, logits) = model(b)
-            loss.backward()
-            opt.step()
-            losses.append(loss.detach().clone())
-            preds.append(logits.clone())
-        out[f"{kind} reference"] = _numpy((losses, preds))
+
+        out[f"{kind} reference"] = _numpy(run_reference(model, opt, batches, before_step=write))
         for after_opt in (True, False):
             model, opt = _build(world)
             pipe = TrainPipelineFusedSparseDist(model, opt, device, embedding_lookup_after_opt=after_opt)
