@@ -88,6 +88,7 @@ def _refusal_body(rank: int, world_size: int) -> Dict[str, Any]:
             )
             out[f"{label} allowed after_opt={after_opt}"] = _np(run_pipeline(pipe, batches)[0])
             out[f"{label} allowed after_opt={after_opt} late"] = list(pipe.after_optimizer_modules)
+            out[f"{label} allowed after_opt={after_opt} relookups"] = pipe.stats.relookups
     return out
 
 
@@ -129,6 +130,8 @@ def test_allow_dense_tables_stays_exact(refusal_results: List[Dict[str, Any]], l
         for after_opt in (False, True):
             got = res[f"{label} allowed after_opt={after_opt}"]
             assert res[f"{label} allowed after_opt={after_opt} late"] == ["ebc"]
+            # ordered after the optimizer, the dense-updated tables' lookup is never redone
+            assert res[f"{label} allowed after_opt={after_opt} relookups"] == 0
             assert len(got) == len(ref)
             for step, (a, b) in enumerate(zip(got, ref)):
                 assert np.array_equal(a, b), f"rank {rank} {label} after_opt={after_opt}: step {step} {a} vs {b}"
