@@ -53,8 +53,8 @@ class PipelineStageStats:
 
     relookups: int = 0
     """Batches whose early lookup was discarded and issued again (``attach()``,
-    a train/eval or grad-mode switch, tables written between steps); 0 in
-    uninterrupted training."""
+    a train/eval or grad-mode switch, tables written or a new fused learning
+    rate between steps); 0 in uninterrupted training."""
 
     def add(self, stage: str, seconds: float) -> None:
         """Adds ``seconds`` to ``stage``.
