@@ -38,7 +38,10 @@ __all__ = [
     "FusedLookupPipelineContext",
     "PipelineStageStats",
     "TrainPipelineFusedSparseDist",
+    "fused_tbes",
     "tables_version",
+    "tbe_counters",
+    "undo_tbe_lookup",
 ]
 
 _STREAM_DEVICE_TYPES = ("cuda", "mtia")

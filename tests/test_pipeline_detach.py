@@ -1,14 +1,13 @@
-"""TrainPipelineFusedSparseDist across ``detach()`` / ``attach()``, ``reset()`` and
-train/eval switches between steps.
+"""TrainPipelineFusedSparseDist between steps: ``detach()`` / ``attach()``,
+``reset()``, train/eval switches, table writes and learning-rate changes.
 
-torchrec's pipelines may be paused: ``detach()`` hands the plain model back
-(evaluate it, load weights into it), ``attach()`` resumes with the in-flight
-batches kept. Our pipeline has already issued the next batch's embedding lookup
-when ``progress()`` returns, so a pause that changes the tables must not leave
-that lookup reading the old rows. Each gloo run trains a non-pipelined
-reference, torchrec's ``TrainPipelineSparseDist`` and our pipeline (all four
-flag combinations) with the same pause after step ``PAUSE_AT`` and compares
-every step's loss and predictions bit for bit.
+When ``progress()`` returns, our pipeline has already issued the next batch's
+embedding lookup; whatever a user does before the next ``progress()`` that
+would change that lookup (reload or edit the tables, switch to eval or
+``no_grad``, step an LR scheduler) must make the pipeline redo it. Each gloo
+run trains a non-pipelined reference, torchrec's ``TrainPipelineSparseDist``
+and our pipeline (all four flag combinations) with the same intervention after
+step ``PAUSE_AT`` and compares every step bit for bit, and the TBE counters.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import torch
 from gloo_harness import run_gloo
 from test_pipeline import FLAG_COMBOS, _assert_same, _on_cpu
 from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipeline, run_reference
+
 
 def _tbe_counters(model: Any) -> List[Any]:
     """(step, iter) of every fbgemm TBE of the model's sharded modules."""
