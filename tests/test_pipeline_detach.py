@@ -12,6 +12,7 @@ step ``PAUSE_AT`` and compares every step bit for bit, and the TBE counters.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Tuple
 
@@ -96,10 +97,6 @@ def _resume(pipe: Any, model: Any, kind: str) -> None:
 
 
 def _detach_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
-
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
-
     device = torch.device("cpu")
     batches = make_batches(rank)
     alt, _ = build_dmp(sharding, device, seed=7)
@@ -121,19 +118,10 @@ def _detach_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
         # attach(model) restarts the in-flight batch's input dist with new module
         # contexts but keeps the old input-dist tensors, and the sequence EC's output
         # all-to-all then fails ('in->size == out->size' on gloo).
+        (torchrec, make_torchrec), *ours = _runs(device)
         runs: List[Tuple[str, str, Callable[[Any, Any], Any]]] = [
-            ("torchrec", "attach_no_sparse_dist", lambda m, o: TrainPipelineSparseDist(m, o, device))
-        ]
-        for (stream, after_opt), kind in zip(FLAG_COMBOS * 3, ATTACH_KINDS * 4):
-            runs.append(
-                (
-                    f"recpipe stream={stream} after_opt={after_opt} {kind}",
-                    kind,
-                    lambda m, o, s=stream, a=after_opt: TrainPipelineFusedSparseDist(
-                        m, o, device, use_emb_lookup_stream=s, embedding_lookup_after_opt=a
-                    ),
-                )
-            )
+            (torchrec, "attach_no_sparse_dist", make_torchrec)
+        ] + [(f"{name} {kind}", kind, make) for (name, make), kind in itertools.product(ours, ATTACH_KINDS)]
         for name, kind, make in runs:
             model, opt = build_dmp(sharding, device)
             pipe = make(model, opt)
