@@ -671,11 +671,19 @@ class _RoutedSharderMixin:
           1.9.0's fused TBE backward then applies wrong updates to the next table of
           another dim in the same TBE and can corrupt the heap (reproduced with a
           bare ``SplitTableBatchedEmbeddingBagsCodegen``, no recpipe or torchrec).
+        * on CPU, an EmbeddingCollection (sequence) table with the DENSE kernel (any
+          sharding, DATA_PARALLEL included): fbgemm-gpu-cpu 1.9.0's
+          ``DenseTableBatchedEmbeddingBagsCodegen`` ignores ``PoolingMode.NONE`` on CPU
+          and returns one pooled row per bag, so torchrec's sequence output dist
+          fails ("Split sizes doesn't match") or corrupts the heap (reproduced with a
+          bare ``DenseTableBatchedEmbeddingBagsCodegen`` and torchrec's own sharder).
         """
         device_type = device.type if device is not None else "cpu"
         if device_type == "cpu":
             for name, ps in params.items():
                 _check_no_empty_fused_shard(name, ps)
+                if isinstance(self, EmbeddingCollectionSharder):
+                    _check_no_dense_sequence_table(name, ps)
         kernel = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
         if kernel in self.compute_kernels(ShardingType.ROW_WISE.value, device_type):  # type: ignore[attr-defined]
             return
@@ -709,6 +717,22 @@ def _check_no_empty_fused_shard(name: str, ps: ParameterSharding) -> None:
             "  3) make it a recpipe tiered table (recpipe.planner + the Tiered sharders), whose CPU kernel is "
             "recpipe's own."
         )
+
+
+def _check_no_dense_sequence_table(name: str, ps: ParameterSharding) -> None:
+    """Raises ``ValueError`` for a DENSE-kernel EmbeddingCollection table (CPU; see ``_check_kernels``)."""
+    if ps.compute_kernel != EmbeddingComputeKernel.DENSE.value:
+        return
+    raise ValueError(
+        f"EmbeddingCollection table {name!r} is {ps.sharding_type} with compute_kernel {ps.compute_kernel} on "
+        "CPU: fbgemm-gpu-cpu's dense TBE ignores PoolingMode.NONE on CPU and returns one pooled row per bag "
+        "instead of one row per id, so the sequence output dist fails or corrupts the heap (an fbgemm bug, "
+        "reproduced without recpipe; torchrec's own sharder fails the same way). Possible solutions:\n"
+        "  1) give the table compute_kernel fused (EmbeddingComputeKernel.FUSED) with any sharding but "
+        "DATA_PARALLEL, whose kernel is always dense, or\n"
+        "  2) make it a recpipe tiered table (recpipe.planner + TieredEmbeddingCollectionSharder), whose CPU "
+        "kernel is recpipe's own."
+    )
 
 
 class RecpipeEmbeddingBagCollectionSharder(_RoutedSharderMixin, EmbeddingBagCollectionSharder):

@@ -271,9 +271,11 @@ def test_train_eval_train_switch_between_steps(sharding: str, no_grad: bool) -> 
                 assert res[name + " counters"] == res["torchrec counters"], name
 
 
-WRITES = ("load_state_dict", "edit_shards")
+WRITES = ("load_state_dict", "edit_shards", "edit_data")
 """Table writes between two steps of an attached pipeline: load other weights;
-halve every table's local shards in place through ``state_dict()``."""
+halve every table's local shards in place through ``state_dict()``; the same
+through ``.data``, which bumps no version counter the pipeline can see, followed
+by the documented remedy ``pipeline.attach(sparse_dist=False)``."""
 
 
 def _write_tables(kind: str, model: Any, alt: Any) -> None:
@@ -284,7 +286,7 @@ def _write_tables(kind: str, model: Any, alt: Any) -> None:
         for key, value in model.state_dict().items():
             if key.endswith(".weight") and (".embedding_bags." in key or ".embeddings." in key):
                 for shard in value.local_shards():
-                    shard.tensor.mul_(0.5)
+                    (shard.tensor.data if kind == "edit_data" else shard.tensor).mul_(0.5)
 
 
 def _write_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
@@ -307,6 +309,8 @@ def _write_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
             losses, preds = [], []
             _steps(pipe, it, PAUSE_AT, losses, preds)
             _write_tables(kind, model, alt)  # attached: no detach()
+            if kind == "edit_data":
+                pipe.attach(sparse_dist=False)
             _steps(pipe, it, N_BATCHES - PAUSE_AT, losses, preds)
             out[f"{kind} {name}"] = _on_cpu((losses, preds))
             out[f"{kind} {name} relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
@@ -317,9 +321,10 @@ def _write_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
 @pytest.mark.parametrize("sharding", ("table_wise", "row_wise"))
 def test_tables_written_between_steps_are_looked_up_again(sharding: str) -> None:
     """Writing the tables of the attached model between two ``progress()`` calls
-    (``load_state_dict``, in-place edits of its state-dict shards): the batch
-    looked up early is looked up again (exactly once), so every step equals the
-    loop and torchrec's pipeline, which looks batches up in the forward."""
+    (``load_state_dict``, in-place edits of its state-dict shards, or ``.data``
+    edits followed by ``attach()``): the batch looked up early is looked up again
+    (exactly once), so every step equals the loop and torchrec's pipeline, which
+    looks batches up in the forward."""
     for rank, res in enumerate(run_gloo(2, _write_body, sharding, timeout_s=300)):
         for kind in WRITES:
             want = res[f"{kind} reference"]

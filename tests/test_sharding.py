@@ -264,6 +264,40 @@ def test_fused_row_wise_table_with_an_empty_shard_is_refused_on_cpu() -> None:
     recpipe_sharders()[0]._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]
 
 
+def test_dense_sequence_table_is_refused_on_cpu() -> None:
+    """fbgemm-gpu-cpu's dense TBE pools a sequence (EmbeddingCollection) lookup on CPU (one
+    row per bag, not per id), which breaks torchrec's sequence output dist (a split-size
+    error, or heap corruption): recpipe's EC sharders refuse DENSE-kernel tables on CPU,
+    under every sharding, naming the table; EBC (pooled) dense tables stay accepted."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
+
+    from recpipe.pipeline.sharders import TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.sharding import recpipe_sharders
+
+    # the upstream behaviour the refusal is for: 5 ids in 3 bags come back as 3 rows
+    tbe = DenseTableBatchedEmbeddingBagsCodegen([(30, 8)], pooling_mode=PoolingMode.NONE, use_cpu=True)
+    out = tbe(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 2, 5]))
+    assert out.shape == (3, 8), f"fbgemm's CPU dense TBE now returns {tuple(out.shape)}: revisit this refusal"
+
+    ebc_sharder, ec_sharder = recpipe_sharders()
+    for kind in (ShardingType.ROW_WISE, ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL):
+        params = _row_wise_plan(2, routed=True)
+        params["t1"].sharding_type = kind.value
+        params["t1"].compute_kernel = EmbeddingComputeKernel.DENSE.value
+        for sharder in (ec_sharder, TieredEmbeddingCollectionSharder()):
+            with pytest.raises(ValueError, match=rf"EmbeddingCollection table 't1' is {kind.value} with "
+                               r"compute_kernel dense on CPU.*Possible solutions:\n  1\) .*fused.*\n  2\) .*tiered"):
+                sharder._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]
+            sharder._check_kernels(params, torch.device("cuda"))  # type: ignore[attr-defined]  # CPU only
+        ebc_sharder._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]  # pooled: fine
+    cfg = [EmbeddingConfig(name=n, num_embeddings=rows, embedding_dim=8, feature_names=fs)
+           for n, rows, _, fs in TABLES]
+    with pytest.raises(ValueError, match="EmbeddingCollection table 't1'"):  # through shard(), before any collective
+        ec_sharder.shard(EmbeddingCollection(tables=cfg, device=torch.device("meta")), params, env=None,
+                         device=torch.device("cpu"))  # type: ignore[arg-type]
+
+
 def test_sharder_rejects_unknown_dist_type() -> None:
     from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder
 
