@@ -768,6 +768,32 @@ def _resume_candidates(directory: str) -> tuple[list[int], list[str]]:
     return steps, notes
 
 
+def resume_step_at_or_past(directory: str, total: int) -> int | None:
+    """The step ``--resume`` would continue from, when it is ``total`` or later (else None).
+
+    The choice :func:`load_checkpoint` makes, without a model: the candidates newest
+    first, damaged ones skipped (:func:`verify_checkpoint`); the walk stops at the first
+    step before ``total``, so only checkpoints at or past it are read. Lets a run that
+    would train nothing fail before it builds anything.
+
+    Args:
+        directory: checkpoint root.
+        total: the run's last step.
+
+    Returns:
+        The step of the newest intact checkpoint when it is ``>= total``, else None.
+    """
+    for step in _resume_candidates(directory)[0]:
+        if step < total:
+            return None
+        try:
+            verify_checkpoint(Path(directory) / step_dir_name(step))
+        except CheckpointCorruptError:
+            continue  # the loader skips it too
+        return step
+    return None
+
+
 def _check_fit(
     path: Path,
     meta: dict[str, Any],

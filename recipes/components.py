@@ -40,11 +40,14 @@ TRAIN_MODULE: str = "recpipe.recipes.train"
 DEFAULT_IMAGE: str = "recpipe:latest"
 
 
-def _check_j(j: str) -> None:
+def _check_j(j: str) -> str:
     """Refuses a ``-j`` torchrun cannot start (torchx passes it on unchecked).
 
     Forms: ``{nproc}``, ``{nnodes}x{nproc}`` or ``{min_nnodes}:{max_nnodes}x{nproc}``,
-    every number >= 1 (and min <= max).
+    every number >= 1 (and min <= max), with optional surrounding whitespace.
+
+    Returns:
+        ``j`` without the surrounding whitespace (torchx's parser refuses it).
     """
     m = re.fullmatch(r"(?:(\d+)(?::(\d+))?x)?(\d+)", j.strip()) if isinstance(j, str) else None
     numbers = [int(g) for g in m.groups() if g is not None] if m else []
@@ -54,6 +57,28 @@ def _check_j(j: str) -> None:
             "{min_nnodes}:{max_nnodes}x{nproc_per_node}) with every number >= 1. Fix: e.g. -j 1x2 for 2 "
             "processes on one machine, -j 2x4 for 2 machines of 4"
         )
+    return j.strip()
+
+
+def _check_resources(*, cpu: int, memMB: int, max_retries: int, rdzv_port: int, tee: int) -> None:
+    """Refuses the integer arguments torchx passes on unchecked (``cpu=0`` even becomes 2).
+
+    Raises:
+        ConfigError: naming the argument, its range and a valid value.
+    """
+    rules = (  # flag, value, lowest, highest (None: no bound), a valid value
+        ("--cpu", cpu, 1, None, "--cpu 2 (CPUs per replica)"),
+        ("--memMB", memMB, 1, None, "--memMB 8192 (MB per replica)"),
+        ("--max_retries", max_retries, 0, None, "--max_retries 0 (no scheduler retry)"),
+        ("--rdzv_port", rdzv_port, 1, 65535, "--rdzv_port 29500 (a free TCP port on node 0)"),
+        ("--tee", tee, 0, 3, "--tee 3 (0: none, 1: stdout, 2: stderr, 3: both)"),
+    )
+    for flag, value, low, high, example in rules:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+            raise ConfigError(
+                f"invalid component argument {flag} {value!r}: it must be an integer {bound}. Fix: e.g. {example}"
+            )
 
 
 def train(
@@ -94,11 +119,14 @@ def train(
         The torchx AppDef.
 
     Raises:
-        ConfigError: a training argument is invalid (before any process starts).
+        ConfigError: a training argument or a component argument (``j``, ``cpu``,
+            ``memMB``, ``max_retries``, ``rdzv_port``, ``tee``) is invalid (before any
+            process starts).
         ConfigPathError: with ``check_paths``, an input file is missing or an output
             path cannot be written on this machine.
     """
-    _check_j(j)
+    j = _check_j(j)
+    _check_resources(cpu=cpu, memMB=memMB, max_retries=max_retries, rdzv_port=rdzv_port, tee=tee)
     try:
         parse_config(list(script_args), check_paths=check_paths)
     except ConfigPathError as e:

@@ -42,6 +42,10 @@ MAX_ID_SPACE: int = 2**31 - 1
 # Longest collective timeout accepted (7 days): far beyond any step, and far below
 # where gloo's millisecond deadlines (steady clock + timeout, int64 ns) overflow.
 MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
+# Largest tier budget accepted, exclusive, in MiB: 2**53 bytes. The planner's DP kernel
+# (csrc/placement_dp.cpp, kExactBytes) carries bytes as doubles and refuses budgets of
+# 2**53 bytes or more; larger values also overflow int64 on the way to it.
+MAX_TIER_MB: float = float(2**53 // 2**20)
 
 # String fields with a fixed set of values.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -57,6 +61,11 @@ UNITS: dict[str, str] = {
     "fast_tier_mb": "MiB",
     "slow_tier_mb": "MiB",
     "timeout_s": "seconds",
+}
+# Integer-list fields (``--dense-arch 64,64``; a YAML list) -> a valid example.
+INT_LISTS: dict[str, str] = {
+    "dense_arch": "64,64",
+    "over_arch": "64,1",
 }
 # Output paths checked writable at validation: field -> is a directory.
 OUTPUT_PATHS: dict[str, bool] = {
@@ -85,6 +94,8 @@ class FloatRule:
     """Whether ``high`` itself is accepted."""
     example: str
     """A valid value for the error's fix."""
+    note: str = ""
+    """Why the range ends where it does, appended to the error (empty: nothing)."""
 
     def accepts(self, value: object) -> bool:
         """True when ``value`` is a finite int/float (not bool) inside the range."""
@@ -98,26 +109,37 @@ class FloatRule:
         return True
 
     def bounds(self) -> str:
-        """The range, e.g. ``> 0`` or ``in (0, 1)``."""
+        """The range, e.g. ``> 0`` or ``in (0, 1)`` (whole numbers written out in full)."""
         if self.high is None:
-            return f"{'>=' if self.low_inclusive else '>'} {self.low:g}"
+            return f"{'>=' if self.low_inclusive else '>'} {_number(self.low)}"
         lo, hi = "[" if self.low_inclusive else "(", "]" if self.high_inclusive else ")"
-        return f"in {lo}{self.low:g}, {self.high:g}{hi}"
+        return f"in {lo}{_number(self.low)}, {_number(self.high)}{hi}"
 
     def describe(self, name: str) -> str:
         """The rule in words for field ``name``, e.g. ``must be a finite number > 0``."""
         unit = f" {UNITS[name]}" if name in UNITS else ""
-        return f"must be a finite number {self.bounds()}{unit} (not nan or inf)"
+        note = f"; {self.note}" if self.note else ""
+        return f"must be a finite number {self.bounds()}{unit} (not nan or inf){note}"
 
 
+def _number(value: float) -> str:
+    """``value`` for a message: whole numbers in full (``8589934592``, not ``8.58993e+09``)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+_TIER_NOTE: str = "the placement planner takes budgets below 2^53 bytes (8 PiB)"
 # Every float field of TrainConfig and its range (tests check none is missing).
 FLOAT_RULES: dict[str, FloatRule] = {
     "embedding_lr": FloatRule(low=0.0, low_inclusive=False, example="0.05"),
     "dense_lr": FloatRule(low=0.0, low_inclusive=False, example="0.01"),
     "eval_fraction": FloatRule(low=0.0, low_inclusive=False, high=1.0, high_inclusive=False, example="0.1"),
     "zipf_alpha": FloatRule(low=0.0, low_inclusive=False, high=3.0, example="1.1"),
-    "fast_tier_mb": FloatRule(low=0.0, low_inclusive=True, example="512"),
-    "slow_tier_mb": FloatRule(low=0.0, low_inclusive=True, example="16384"),
+    "fast_tier_mb": FloatRule(
+        low=0.0, low_inclusive=True, high=MAX_TIER_MB, high_inclusive=False, example="512", note=_TIER_NOTE
+    ),
+    "slow_tier_mb": FloatRule(
+        low=0.0, low_inclusive=True, high=MAX_TIER_MB, high_inclusive=False, example="16384", note=_TIER_NOTE
+    ),
     "timeout_s": FloatRule(low=1.0, low_inclusive=True, high=MAX_TIMEOUT_S, example="600"),
 }
 
@@ -222,7 +244,8 @@ class TrainConfig:
     """Comma-separated Criteo TSV files (label, 13 ints, 26 hex). Only for ``criteo_tsv``."""
 
     eval_data_path: str | None = None
-    """Comma-separated Criteo TSV files for evaluation; default: the training files."""
+    """Comma-separated Criteo TSV files for evaluation (at least one global batch of rows);
+    default: the training files."""
 
     batch_size: int = 256
     """Samples per rank per step (the global batch is ``batch_size * world_size``)."""
@@ -231,7 +254,8 @@ class TrainConfig:
     """Passes over the training split (MovieLens / Criteo); ignored when ``max_steps`` is set."""
 
     max_steps: int | None = None
-    """Total training steps; required for the endless ``synthetic`` stream."""
+    """Total training steps (MovieLens and Criteo wrap into further epochs); required for
+    the endless ``synthetic`` stream."""
 
     embedding_dim: int = 64
     """Width of every embedding row (DLRM needs one width for all tables)."""
@@ -386,25 +410,37 @@ class TrainConfig:
             or not 2 <= self.synthetic_id_space <= MAX_ID_SPACE
         ):
             raise bad("synthetic_id_space", f"must be an integer in [2, {MAX_ID_SPACE}]", "pass e.g. --synthetic-id-space 10000000")
-        self.dense_arch = tuple(self.dense_arch)
-        self.over_arch = tuple(self.over_arch)
-        if not self.dense_arch or any(int(w) <= 0 for w in self.dense_arch):
-            raise bad("dense_arch", "needs positive widths", "pass e.g. --dense-arch 64,64")
+        for name, example in INT_LISTS.items():
+            value = getattr(self, name)
+            if (
+                not isinstance(value, (list, tuple))
+                or not value
+                or any(isinstance(w, bool) or not isinstance(w, int) or w <= 0 for w in value)
+            ):
+                raise bad(
+                    name,
+                    "must be a non-empty list of positive integers",
+                    f"pass e.g. --{_flag(name)} {example} (in YAML: {name}: [{example.replace(',', ', ')}])",
+                )
+            setattr(self, name, tuple(value))
         if self.dense_arch[-1] != self.embedding_dim:
             raise bad(
                 "dense_arch",
                 f"its last width {self.dense_arch[-1]} must equal embedding_dim={self.embedding_dim} (DLRM)",
                 f"pass --dense-arch {','.join(map(str, self.dense_arch[:-1] + (self.embedding_dim,)))}",
             )
-        if not self.over_arch or any(int(w) <= 0 for w in self.over_arch) or self.over_arch[-1] != 1:
+        if self.over_arch[-1] != 1:
             raise bad("over_arch", "needs positive widths ending in 1 (one logit)", "pass e.g. --over-arch 64,1")
         if self.dataset == "synthetic" and self.max_steps is None:
             raise bad("max_steps", "the synthetic stream is endless", "pass --max-steps N")
         if self.dataset == "criteo_tsv" and not self.data_path:
             raise bad("data_path", "criteo_tsv needs input files", "pass --data-path a.tsv[,b.tsv]")
+        for name in ("resume", "progress_bar"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be true or false", f"pass --{_flag(name)} or --no-{_flag(name)}")
         if self.resume and not self.checkpoint_dir:
             raise bad("checkpoint_dir", "resume=True needs a checkpoint directory", "pass --checkpoint-dir DIR")
-        for name in OUTPUT_PATHS:
+        for name in ("data_path", "eval_data_path", *OUTPUT_PATHS):
             path = getattr(self, name)
             if path is not None and not isinstance(path, str):
                 raise bad(name, "must be a path (a string)", f"pass --{_flag(name)} PATH")
@@ -496,7 +532,14 @@ def load_yaml(path_or_name: str) -> dict[str, Any]:
                 + ", ".join(sorted(p.stem for p in packaged.parent.glob("*.yaml")))
             )
         path = packaged
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({e}). Fix: pass a readable YAML file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not valid YAML: {_yaml_problem(e)}. Fix: correct the YAML syntax there"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping of field: value")
     known = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -506,6 +549,16 @@ def load_yaml(path_or_name: str) -> dict[str, Any]:
             f"config file {str(path)!r} has unknown keys {unknown}. Fix: use only {sorted(known)}"
         )
     return data
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """A YAML parse error on one line: what is wrong and where (1-based line and column)."""
+    if not isinstance(error, yaml.MarkedYAMLError):
+        return " ".join(str(error).split())
+    parts = [p for p in (error.context, error.problem) if p]
+    where = error.problem_mark or error.context_mark
+    at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+    return ", ".join(parts) + at
 
 
 def _parse_ints(text: str) -> tuple[int, ...]:
@@ -677,16 +730,14 @@ def parse_config(argv: Sequence[str] | None = None, *, check_paths: bool = True)
         v = getattr(ns, f.name)
         if v is not None:
             values[f.name] = v
-    if "dense_arch" in values:
-        values["dense_arch"] = tuple(values["dense_arch"])
-    if "over_arch" in values:
-        values["over_arch"] = tuple(values["over_arch"])
     return TrainConfig(**values, check_paths=check_paths)
 
 
 __all__ = [
     "CHOICES",
     "FLOAT_RULES",
+    "INT_LISTS",
+    "MAX_TIER_MB",
     "OUTPUT_PATHS",
     "STEP_DIR_PATTERN",
     "UNITS",

@@ -36,7 +36,14 @@ from recpipe.recipes.build import make_optimizer, make_pipeline, shard_model
 from recpipe.pipeline.dcp import CheckpointLoadError
 from recpipe.pipeline.tiered import TieredCheckpointError
 from recpipe.planner.types import PlannerError
-from recpipe.recipes.checkpoint import CheckpointError, NonFiniteStateError, load_checkpoint, save_checkpoint
+from recpipe.recipes.checkpoint import (
+    CheckpointError,
+    NonFiniteStateError,
+    load_checkpoint,
+    resume_step_at_or_past,
+    save_checkpoint,
+    step_dir_name,
+)
 from recpipe.recipes.config import ConfigError, TrainConfig, parse_config, split_paths
 from recpipe.recipes.data.base import BatchSource
 from recpipe.recipes.data.criteo import CriteoFormatError
@@ -309,6 +316,28 @@ class _NonFiniteGuard:
         )
 
 
+def nothing_to_train(config: TrainConfig, step: int, total: int) -> ConfigError:
+    """The error of a ``--resume`` whose checkpoint is already at or past the run's last step.
+
+    Args:
+        config: the run's config.
+        step: the step of the checkpoint the run would continue from.
+        total: the run's last step (``max_steps``, or ``epochs`` x steps per epoch).
+
+    Returns:
+        A :class:`ConfigError` naming ``--max-steps``, the checkpoint and the fix.
+    """
+    assert config.checkpoint_dir is not None
+    last = f"{total}" if config.max_steps is not None else f"{total} (--epochs {config.epochs})"
+    more = "" if config.max_steps is not None else " (or more --epochs)"
+    return ConfigError(
+        f"invalid config value max_steps={config.max_steps!r}: --resume would continue from step {step} "
+        f"({Path(config.checkpoint_dir) / step_dir_name(step)}), at or past the run's last step {last}, "
+        f"so it would train nothing. Fix: pass --max-steps greater than {step}{more} to train further, "
+        "or drop --resume"
+    )
+
+
 def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> float:
     """AUROC over ``batches`` through the pipeline in eval mode, synced across ranks.
 
@@ -349,6 +378,11 @@ def run(config: TrainConfig) -> TrainResult:
 
     Returns:
         This rank's :class:`TrainResult`.
+
+    Raises:
+        ConfigError: found once the data or the checkpoint is read, before the model is
+            built: Criteo files smaller than one global batch, or ``--resume`` from a
+            checkpoint at or past the run's last step.
     """
     torch.set_num_threads(config.num_threads)
     device, own_group = _setup_distributed(config)
@@ -356,6 +390,12 @@ def run(config: TrainConfig) -> TrainResult:
     tb = RunLogger(config.tb_dir if rank == 0 else None)
     try:
         source = make_data_source(config, rank, world)
+        total = source.total_steps()
+        if config.resume:  # before building anything: a run past its end would train nothing
+            assert config.checkpoint_dir is not None
+            saved = resume_step_at_or_past(config.checkpoint_dir, total)
+            if saved is not None:
+                raise nothing_to_train(config, saved, total)
         torch.manual_seed(config.seed)  # same dense init and table init on every rank
         model = build_model(config, source.spec, dense_device=device)
         sharded = shard_model(config, model, ShardingEnv.from_process_group(dist.group.WORLD), device)
@@ -366,7 +406,6 @@ def run(config: TrainConfig) -> TrainResult:
             assert config.checkpoint_dir is not None
             start = load_checkpoint(config.checkpoint_dir, dmp, optimizer, config, sharded.table_ranks)
         pipeline = make_pipeline(config, dmp, optimizer, device)
-        total = source.total_steps()
         guard = _NonFiniteGuard(config, source, rank, world, start if config.resume else None)
         result = TrainResult(
             start_step=start,
@@ -537,8 +576,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: CLI arguments (default ``sys.argv[1:]``).
 
     Returns:
-        Process exit code (0 on success, 2 for a bad command line or config, 1 for a
-        failure of ``USER_FACING_ERRORS`` or a collective (printed as one line)).
+        Process exit code (0 on success, 2 for a bad command line or config, also one
+        found once the data or checkpoint is read, 1 for a failure of
+        ``USER_FACING_ERRORS`` or a collective (printed as one line)).
     """
     _quiet_upstream_notices()
     try:
@@ -548,6 +588,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result = run(config)
+    except ConfigError as e:  # e.g. a data file smaller than one global batch: one line, no traceback
+        _print_error(e)
+        return 2
     except USER_FACING_ERRORS as e:  # their message names the cause and the fix: no traceback
         _print_error(e)
         return 1

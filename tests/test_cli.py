@@ -1,22 +1,32 @@
-"""The training CLI: --help, bad command lines, float ranges, output paths, launcher checks."""
+"""The training CLI: --help, bad command lines, float ranges, YAML files, output paths, launcher and start checks."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import typing
 from pathlib import Path
 
 import pytest
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchx.specs.builders import materialize_appdef
 
+from recpipe.planner import PlacementPlanner
 from recpipe.recipes import components, launch
+from recpipe.recipes import train as train_module
+from recpipe.recipes.build import planner_topology
 from recpipe.recipes.config import (
     CHOICES,
     FLOAT_RULES,
+    INT_LISTS,
+    MAX_TIER_MB,
     OUTPUT_PATHS,
     UNITS,
     ConfigError,
@@ -25,6 +35,8 @@ from recpipe.recipes.config import (
     field_docs,
     parse_config,
 )
+from recpipe.recipes.train import nothing_to_train, run
+from test_recipes_dist import SMALL_SYNTHETIC
 
 FIELDS = dataclasses.fields(TrainConfig)
 HINTS = typing.get_type_hints(TrainConfig)
@@ -69,7 +81,7 @@ def test_help_exits_zero_and_describes_every_flag() -> None:
     for name, unit in UNITS.items():
         assert f"{_flag(name)} {unit.upper()}" in text and f"unit: {unit}" in text
     assert "unit: seconds; range: in [1, 604800]; default: 600]" in text
-    assert "range: >= 0; default: 16384]" in text  # slow_tier_mb
+    assert "range: in [0, 8589934592); default: 16384]" in text  # slow_tier_mb
     assert "default: micro_dlrm_dram]" in text and "default: 64,64]" in text and "default: unset]" in text
 
 
@@ -137,6 +149,100 @@ def test_yaml_floats(tmp_path: Path) -> None:
     cfg.write_text("dense_lr: fast\n")
     with pytest.raises(ConfigError, match="dense_lr='fast'"):
         parse_config(["--config", str(cfg)])
+
+
+@pytest.mark.parametrize("name", ["fast_tier_mb", "slow_tier_mb"])
+@pytest.mark.parametrize("value", ["1e15", "1e18", "1e20", "8589934592"])
+def test_tier_budgets_past_the_planners_byte_limit_are_refused(name: str, value: str) -> None:
+    # before, they passed validation and crashed in the planner's C++ kernel (int64 overflow)
+    with pytest.raises(ConfigError) as e:
+        parse_config([_flag(name), value])
+    message = str(e.value)
+    assert message.startswith(f"invalid config value {name}={float(value)!r}: must be a finite number "
+                              "in [0, 8589934592) MiB (not nan or inf); the placement planner takes budgets "
+                              f"below 2^53 bytes (8 PiB). Fix: pass e.g. {_flag(name)} "), message
+
+
+def test_the_largest_tier_budgets_accepted_are_what_the_planner_takes() -> None:
+    # the bound is the DP kernel's (csrc/placement_dp.cpp: budgets < 2^53 bytes), as the
+    # recipe turns MiB into bytes (recipes/build.py)
+    assert MAX_TIER_MB * 2**20 == 2**53
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100, feature_names=["f"])],
+        device=torch.device("meta"),
+    )
+
+    def plan(cfg: TrainConfig) -> None:
+        topology = planner_topology(cfg, world_size=1, local_world_size=1, fast_bytes=int(cfg.fast_tier_mb * 2**20))
+        PlacementPlanner(topology, batch_size=8, hbm_reservation=0.0, backend="native").plan(ebc)
+
+    top = math.nextafter(MAX_TIER_MB, 0.0)
+    cfg = TrainConfig(fast_tier_mb=top, slow_tier_mb=top)  # accepted, and planned
+    plan(cfg)
+    for name in ("fast_tier_mb", "slow_tier_mb"):
+        with pytest.raises(ConfigError, match=f"invalid config value {name}="):
+            TrainConfig(**{name: MAX_TIER_MB})
+        over = TrainConfig(fast_tier_mb=top, slow_tier_mb=top)
+        setattr(over, name, MAX_TIER_MB)  # past validation, as before the fix
+        with pytest.raises(RuntimeError, match=r"budgets must be < 2\^53 bytes"):
+            plan(over)
+
+
+# ---------------------------------------------------------------- YAML config files
+def test_every_int_list_field_is_checked() -> None:
+    assert set(INT_LISTS) == {f.name for f in FIELDS if HINTS[f.name] == tuple[int, ...]}
+    for name, example in INT_LISTS.items():
+        assert parse_config([_flag(name), example]).to_dict()[name] == [int(w) for w in example.split(",")]
+
+
+@pytest.mark.parametrize("name", sorted(INT_LISTS))
+@pytest.mark.parametrize("text", ['"64,64"', "64", "[64, a]", "[64.5, 64]", "[true, 64]", "[0, 64]", "[]",
+                                  "null", "{a: 1}"])
+def test_yaml_int_list_of_the_wrong_type_is_a_config_error(tmp_path: Path, name: str, text: str) -> None:
+    # before, these crashed with tracebacks (int(','), 'int' object is not iterable, or
+    # inside torch when the model was built)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"{name}: {text}\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--config", str(cfg)])
+    message = str(e.value)
+    assert message.startswith(f"invalid config value {name}="), message
+    assert f"must be a non-empty list of positive integers. Fix: pass e.g. {_flag(name)} {INT_LISTS[name]} " \
+        f"(in YAML: {name}: [" in message
+
+
+@pytest.mark.parametrize("name, text", [("data_path", "[a.tsv, b.tsv]"), ("eval_data_path", "5"),
+                                        ("resume", "5"), ("progress_bar", "maybe")])
+def test_yaml_path_and_flag_fields_of_the_wrong_type_are_config_errors(tmp_path: Path, name: str, text: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"dataset: criteo_tsv\n{name}: {text}\n" if name == "data_path" else f"{name}: {text}\n")
+    with pytest.raises(ConfigError, match=f"invalid config value {name}=.*: must be (a path|true or false)"):
+        parse_config(["--config", str(cfg)])
+
+
+@pytest.mark.parametrize(
+    "text, why",
+    [("batch_size: [1\n", "while parsing a flow sequence, expected ',' or ']', but got '<stream end>' at line 2, column 1"),
+     ("seed: 1\nmodel: dlrm: x\n", "mapping values are not allowed here at line 2, column 12"),
+     ("seed: 1\n\tbatch_size: 2\n", "while scanning for the next token, found character '\\t' that cannot start any token at line 2, column 1")],
+)
+def test_invalid_yaml_is_a_config_error_naming_file_and_place(tmp_path: Path, text: str, why: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        parse_config(["--config", str(cfg)])
+    assert str(e.value) == f"config file {str(cfg)!r} is not valid YAML: {why}. Fix: correct the YAML syntax there"
+
+
+def test_entry_point_yaml_errors_are_one_line_exit_2(tmp_path: Path) -> None:
+    for text, message in (("dense_arch: 64\n", "error: invalid config value dense_arch=64: must be a non-empty list"),
+                          ("batch_size: [1\n", "error: config file ")):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text(text)
+        proc = _train("--config", str(cfg), "--dataset", "synthetic", "--max-steps", "2")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(message)
 
 
 # ---------------------------------------------------------------- output paths
@@ -277,3 +383,71 @@ def test_a_plan_that_does_not_fit_is_one_error_line_and_exit_1() -> None:
     assert lines[first].startswith("error: PlannerError: Table 'model.sparse_arch.embedding_bag_collection.t_cat_0'")
     assert "Possible solutions:" in lines[first:] and lines[lines.index("Possible solutions:") + 1].startswith("  1) ")
     assert "[recpipe] step " not in proc.stdout
+
+
+@pytest.fixture(scope="module")
+def saved_at_2_and_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints of the small synthetic run at steps 2 and 4 (``latest`` = 4)."""
+    root = tmp_path_factory.mktemp("resume_end") / "ckpt"
+    run(TrainConfig(**SMALL_SYNTHETIC, max_steps=4, checkpoint_dir=str(root), checkpoint_every=2))
+    return root
+
+
+def test_resume_at_or_past_the_last_step_is_refused_before_the_model_is_built(
+    saved_at_2_and_4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before, such a run trained nothing, printed "final auroc nan" and exited 0
+    root = tmp_path / "ckpt"
+    shutil.copytree(saved_at_2_and_4, root)
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was built")
+
+    with monkeypatch.context() as m:
+        m.setattr(train_module, "build_model", no_model)
+        for max_steps in (4, 3):
+            with pytest.raises(ConfigError) as e:
+                run(TrainConfig(**SMALL_SYNTHETIC, max_steps=max_steps, checkpoint_dir=str(root), resume=True))
+            assert str(e.value) == (
+                f"invalid config value max_steps={max_steps}: --resume would continue from step 4 "
+                f"({root / 'step_00000004'}), at or past the run's last step {max_steps}, so it would train "
+                "nothing. Fix: pass --max-steps greater than 4 to train further, or drop --resume"
+            )
+    # the loader's choice exactly: with step 4 damaged, resume falls back to step 2 and trains
+    rank_file = root / "step_00000004" / "rank0.pt"
+    rank_file.write_bytes(rank_file.read_bytes()[:-100])
+    result = run(TrainConfig(**SMALL_SYNTHETIC, max_steps=4, checkpoint_dir=str(root), resume=True))
+    assert result.start_step == 2 and len(result.losses) == 2
+    # a run of whole epochs names them
+    message = str(nothing_to_train(TrainConfig(checkpoint_dir=str(root)), 800, 703))
+    assert "max_steps=None" in message and "last step 703 (--epochs 1)" in message
+    assert "Fix: pass --max-steps greater than 800 (or more --epochs)" in message
+
+
+def _criteo_file(path: Path, rows: int) -> str:
+    path.write_text("".join("\t".join([str(i % 2)] + ["3"] * 13 + ["%08x" % (i * 7 + k) for k in range(26)]) + "\n"
+                            for i in range(rows)))
+    return str(path)
+
+
+def test_entry_point_errors_found_at_start_are_one_line_exit_2(saved_at_2_and_4: Path, tmp_path: Path) -> None:
+    """A data file smaller than one global batch and a resume with nothing left to train are
+    found once the run reads its data or checkpoint: one ``error:`` line, exit 2, no training."""
+    train_rows, eval_rows = _criteo_file(tmp_path / "tr.tsv", 64), _criteo_file(tmp_path / "ev.tsv", 10)
+    criteo = ["--dataset", "criteo_tsv", "--model", "dlrm", "--num-embeddings", "97", "--embedding-dim", "8",
+              "--dense-arch", "8", "--over-arch", "8,1", "--batch-size", "16", "--max-steps", "2"]
+    smalls = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+              for k, v in SMALL_SYNTHETIC.items() if k != "progress_bar"]
+    cases = [
+        ([*criteo, "--data-path", train_rows, "--eval-data-path", eval_rows],
+         f"error: ConfigError: invalid config value eval_data_path={eval_rows!r}: it holds 10 rows, fewer than one "
+         "global batch (batch_size 16 x 1 rank(s) = 16 rows)"),
+        ([*smalls, "--max-steps=3", f"--checkpoint-dir={saved_at_2_and_4}", "--resume"],
+         "error: ConfigError: invalid config value max_steps=3: --resume would continue from step 4"),
+    ]
+    for args, message in cases:
+        proc = _train(*args, "--no-progress-bar")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and proc.stderr.startswith(message), proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+        assert "placement plan" not in proc.stdout and "[recpipe] step" not in proc.stdout

@@ -19,7 +19,7 @@ from recpipe.recipes.build import greedy_table_wise
 from recpipe.recipes.checkpoint import fingerprint
 from recpipe.recipes.config import ConfigError, TrainConfig, parse_config
 from recpipe.recipes.data.base import DatasetSpec, IdTransform, table_rows
-from recpipe.recipes.data.criteo import CriteoFormatError, parse_criteo_row
+from recpipe.recipes.data.criteo import CriteoFormatError, count_rows, parse_criteo_row
 from recpipe.recipes.data.hashing import fmix32, fmix32_int, hash_ids, mix_seed
 from recpipe.recipes.data.movielens import movielens100k_path
 from recpipe.recipes.data.registry import make_data_source
@@ -30,6 +30,7 @@ from recpipe.recipes.tb_logging import (
     collect_tier_stats,
     merge_tier_stats,
 )
+from recpipe.recipes.train import run
 
 
 # ---------------------------------------------------------------- config
@@ -228,6 +229,92 @@ def test_criteo_tsv_source_against_independent_parse(tmp_path: Path) -> None:
         assert batch.sparse_features["cat_5"].values().tolist() == cat5
 
 
+def _same_batches(got: list, want: list) -> None:
+    assert len(got) == len(want)
+    for step, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a.labels, b.labels), step
+        assert torch.equal(a.dense_features, b.dense_features), step
+        assert torch.equal(a.sparse_features.values(), b.sparse_features.values()), step
+
+
+def test_criteo_max_steps_past_one_pass_wraps_like_epochs(tmp_path: Path) -> None:
+    # With max_steps the rows are not counted: the end of the first pass gives the epoch's
+    # length, and training wraps to step % steps_per_epoch as a counted (epochs) run does.
+    path = tmp_path / "day_0.tsv"
+    _write_criteo(path, 107, seed=2)  # 5 global batches of 2 x 10 rows, 7 rows left over
+    base = dict(dataset="criteo_tsv", data_path=str(path), model="dlrm", batch_size=10, num_embeddings=997)
+    counted = make_data_source(TrainConfig(**base, epochs=3), 1, 2)
+    assert counted.steps_per_epoch == 5
+    want = list(counted.train_batches(0, 13))
+    src = make_data_source(TrainConfig(**base, max_steps=13), 1, 2)
+    assert src.steps_per_epoch is None
+    # chunks as the train loop asks for them (eval / checkpoint intervals), across two wraps
+    chunks = [b for lo, hi in ((0, 3), (3, 8), (8, 13)) for b in src.train_batches(lo, hi)]
+    assert src.steps_per_epoch == 5
+    _same_batches(chunks, want)
+    # a resumed run starting two passes in lands on the uninterrupted run's batches
+    resumed = make_data_source(TrainConfig(**base, max_steps=13), 1, 2)
+    _same_batches(list(resumed.train_batches(11, 13)), want[11:])
+
+
+def test_criteo_run_past_one_pass_reaches_its_end(tmp_path: Path) -> None:
+    # the QA run died at the end of the first pass, with no final checkpoint or metrics
+    path = tmp_path / "day_0.tsv"
+    _write_criteo(path, 60, seed=4)  # 3 steps per pass at batch 20
+    result = run(TrainConfig(dataset="criteo_tsv", data_path=str(path), model="dlrm", batch_size=20,
+                             num_embeddings=97, embedding_dim=8, dense_arch=(8,), over_arch=(8, 1),
+                             max_steps=7, eval_batches=1, log_every=7, progress_bar=False,
+                             checkpoint_dir=str(tmp_path / "ckpt"), metrics_file=str(tmp_path / "m.json")))
+    assert result.steps == 7 and len(result.losses) == 7 and [s for s, _ in result.evals] == [7]
+    assert (tmp_path / "ckpt" / "step_00000007").is_dir() and (tmp_path / "m.json").is_file()
+
+
+@pytest.mark.parametrize("max_steps", [None, 50])
+@pytest.mark.parametrize("rows", [0, 19])
+def test_criteo_data_smaller_than_a_global_batch_is_refused(tmp_path: Path, rows: int, max_steps: int | None) -> None:
+    path = tmp_path / "day_0.tsv"
+    _write_criteo(path, rows, seed=3)
+    cfg = TrainConfig(dataset="criteo_tsv", data_path=str(path), model="dlrm", batch_size=10, max_steps=max_steps)
+    with pytest.raises(ConfigError) as e:
+        make_data_source(cfg, 0, 2)
+    message = str(e.value)
+    assert message.startswith(
+        f"invalid config value data_path={str(path)!r}: it holds {rows} rows, fewer than one global batch "
+        "(batch_size 10 x 2 rank(s) = 20 rows)"
+    ), message
+    assert "Fix: lower --batch-size" in message and "--data-path" in message and "--max-steps" not in message
+
+
+@pytest.mark.parametrize("max_steps", [None, 50])
+@pytest.mark.parametrize("rows", [0, 10, 19])
+def test_criteo_eval_data_smaller_than_a_global_batch_is_refused(
+    tmp_path: Path, rows: int, max_steps: int | None
+) -> None:
+    # before, every evaluation of such a file was empty: "auroc nan" and exit 0
+    train, small = tmp_path / "train.tsv", tmp_path / "eval.tsv"
+    _write_criteo(train, 100, seed=5)
+    _write_criteo(small, rows, seed=6)
+    base = dict(dataset="criteo_tsv", data_path=str(train), model="dlrm", batch_size=10, max_steps=max_steps)
+    with pytest.raises(ConfigError) as e:
+        make_data_source(TrainConfig(**base, eval_data_path=str(small)), 1, 2)
+    message = str(e.value)
+    assert message.startswith(
+        f"invalid config value eval_data_path={str(small)!r}: it holds {rows} rows, fewer than one global batch"
+    ), message
+    assert "Fix: lower --batch-size" in message and message.endswith("or pass more rows in --eval-data-path")
+    _write_criteo(small, 20, seed=6)  # exactly one global batch: one eval batch per rank
+    assert len(list(make_data_source(TrainConfig(**base, eval_data_path=str(small)), 1, 2).eval_batches())) == 1
+
+
+def test_count_rows_reads_at_most_the_limit(tmp_path: Path) -> None:
+    a = tmp_path / "a.tsv"
+    _write_criteo(a, 30, seed=7)
+    missing = str(tmp_path / "never_opened.tsv")
+    assert count_rows([str(a)]) == 30 and count_rows([str(a), str(a)], limit=45) == 45
+    assert count_rows([str(a), missing], limit=30) == 30  # stops before opening the next file
+    assert count_rows([str(a)], limit=100) == 30
+
+
 def test_criteo_malformed_rows_raise() -> None:
     with pytest.raises(CriteoFormatError, match="39 columns"):
         parse_criteo_row(["1"] * 39)
@@ -324,6 +411,34 @@ def test_components_validate_before_returning_appdef() -> None:
 def test_component_refuses_a_bad_j_naming_it(j: str) -> None:
     with pytest.raises(ConfigError, match=r"invalid component argument -j .* every number >= 1. Fix: e\.g\. -j 1x2"):
         components.train("--dataset", "synthetic", "--max-steps", "5", j=j)
+
+
+@pytest.mark.parametrize(
+    "arg, value, flag, bound",
+    [("cpu", 0, "--cpu", ">= 1"), ("cpu", True, "--cpu", ">= 1"), ("memMB", -1, "--memMB", ">= 1"),
+     ("memMB", 0, "--memMB", ">= 1"), ("rdzv_port", 0, "--rdzv_port", "in [1, 65535]"),
+     ("rdzv_port", 70000, "--rdzv_port", "in [1, 65535]"), ("tee", 7, "--tee", "in [0, 3]"),
+     ("tee", -1, "--tee", "in [0, 3]"), ("max_retries", -1, "--max_retries", ">= 0")],
+)
+def test_component_refuses_bad_resource_arguments_naming_them(arg: str, value: object, flag: str, bound: str) -> None:
+    # torchx passed these on unchecked (cpu=0 even became 2)
+    with pytest.raises(ConfigError) as e:
+        components.train("--dataset", "synthetic", "--max-steps", "5", j="2x1", **{arg: value})
+    assert str(e.value).startswith(
+        f"invalid component argument {flag} {value!r}: it must be an integer {bound}. Fix: e.g. {flag} "
+    ), str(e.value)
+
+
+def test_component_accepts_the_resource_bounds_and_a_j_with_spaces() -> None:
+    app = components.train("--dataset", "synthetic", "--max-steps", "5", j=" 2x1\n", cpu=1, memMB=1,
+                           max_retries=0, rdzv_port=65535, tee=0)
+    role = app.roles[0]
+    joined = " ".join(role.args)
+    assert (role.resource.cpu, role.resource.memMB, role.max_retries) == (1, 1, 0)
+    assert "--nnodes 2" in joined and "--nproc_per_node 1" in joined and ":65535" in joined and "--tee 0" in joined
+    assert "--nproc_per_node 3" in " ".join(components.default_recipe(j="\t1x3 ").roles[0].args)
+    with pytest.raises(ConfigError, match="invalid component argument -j '1 x2'"):
+        components.train("--dataset", "synthetic", "--max-steps", "5", j="1 x2")
 
 
 @pytest.mark.parametrize("j,nnodes,nproc", [("2", "1", "2"), ("1x3", "1", "3"), ("2x1", "2", "1"), ("1:2x4", "1:2", "4")])

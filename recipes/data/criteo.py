@@ -9,11 +9,14 @@ at most 32 bits written in hex without sign or prefix (the Criteo release's ids 
 :class:`CriteoFormatError` naming ``file:line``, the column and the value; no row is
 skipped silently. Dense values become ``log(1 + max(x, 0))``, as in torchrec's DLRM
 recipe. Order is the file order (no shuffling); global step ``s`` takes the ``s``-th
-run of ``batch_size * world_size`` rows and rank ``r`` its slice.
+run of ``batch_size * world_size`` rows and rank ``r`` its slice; a pass ends at the last
+full run and the next pass starts again at the first row (``max_steps`` past one pass
+trains further epochs, as on MovieLens).
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Iterable, Iterator
 
@@ -21,7 +24,7 @@ import torch
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 
-from recpipe.recipes.config import TrainConfig, split_paths
+from recpipe.recipes.config import ConfigError, TrainConfig, split_paths
 from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform
 
 FEATURES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(CAT_FEATURE_COUNT))
@@ -192,17 +195,38 @@ def read_criteo_rows(paths: Iterable[str]) -> Iterator[Row]:
                 yield row
 
 
-def count_rows(paths: list[str]) -> int:
-    """Number of lines over all files."""
+def count_rows(paths: list[str], limit: int | None = None) -> int:
+    """Number of lines over all files.
+
+    Args:
+        paths: the files.
+        limit: stop counting at this many lines (``None``: count them all), so that
+            deciding whether the files hold one batch reads one batch, not the files.
+
+    Returns:
+        The number of lines, at most ``limit``.
+    """
     total = 0
     for p in paths:
+        if limit is not None and total >= limit:
+            break
         with open(p, "rb") as f:
-            total += sum(1 for _ in f)
+            total += sum(1 for _ in itertools.islice(f, None if limit is None else limit - total))
     return total
 
 
 class CriteoTsvSource(BatchSource):
-    """Batches streamed from Criteo TSV files (``data_path``, ``eval_data_path``)."""
+    """Batches streamed from Criteo TSV files (``data_path``, ``eval_data_path``).
+
+    Without ``max_steps`` the training rows are counted up front (``epochs`` passes of
+    ``steps_per_epoch`` steps); with it they are not, and ``steps_per_epoch`` is learned
+    from the first pass that reaches the files' end, so training wraps into the next
+    pass at ``step % steps_per_epoch``, the batch an uninterrupted run takes there.
+
+    Raises:
+        ConfigError: the training files, or the ``eval_data_path`` files, hold fewer rows
+            than one global batch (the message names the flag and the fix).
+    """
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
@@ -217,14 +241,14 @@ class CriteoTsvSource(BatchSource):
         self._transform = IdTransform(config, self._spec)
         self._global_batch = config.batch_size * world_size
         self._spe: int | None = None
+        # with max_steps set, one global batch of rows is enough to decide
+        limit = None if config.max_steps is None else self._global_batch
+        rows = count_rows(self._paths, limit)
+        self._check_one_global_batch("data_path", rows)
         if config.max_steps is None:
-            rows = count_rows(self._paths)
             self._spe = rows // self._global_batch
-            if self._spe == 0:
-                raise ValueError(
-                    f"data_path holds {rows} rows, fewer than one global batch "
-                    f"({config.batch_size} x {world_size}). Fix: lower --batch-size"
-                )
+        if config.eval_data_path:
+            self._check_one_global_batch("eval_data_path", count_rows(self._eval_paths, self._global_batch))
 
     @property
     def spec(self) -> DatasetSpec:
@@ -233,6 +257,18 @@ class CriteoTsvSource(BatchSource):
     @property
     def steps_per_epoch(self) -> int | None:
         return self._spe
+
+    def _check_one_global_batch(self, name: str, rows: int) -> None:
+        """Raises :class:`ConfigError` when the files of field ``name`` hold fewer than one global batch."""
+        if rows >= self._global_batch:
+            return
+        b, w = self.config.batch_size, self.world_size
+        smaller = f" to at most {rows // w}" if rows // w else ""
+        raise ConfigError(
+            f"invalid config value {name}={getattr(self.config, name)!r}: it holds {rows} rows, fewer than one "
+            f"global batch (batch_size {b} x {w} rank(s) = {self._global_batch} rows), so it gives no batch. "
+            f"Fix: lower --batch-size{smaller} or pass more rows in --{name.replace('_', '-')}"
+        )
 
     def _global_batches(self, paths: list[str]) -> Iterator[list[Row]]:
         rows: list[Row] = []
@@ -258,20 +294,23 @@ class CriteoTsvSource(BatchSource):
         step = start
         while step < stop:
             offset = step % self._spe if self._spe else step
-            produced = False
+            passed = 0  # full global batches of this pass
             for i, rows in enumerate(self._global_batches(self._paths)):
+                passed = i + 1
                 if i < offset:
                     continue
                 yield self._to_batch(rows)
-                produced = True
                 step += 1
                 if step >= stop or (self._spe is not None and i + 1 >= self._spe):
                     break
-            if not produced:
-                raise ValueError(
-                    f"data_path ran out of rows at step {step} (max_steps={self.config.max_steps}). "
-                    "Fix: lower --max-steps or leave it unset to train whole epochs"
-                )
+            else:  # the files ended: this pass held `passed` steps, the next one wraps
+                if self._spe is not None or passed == 0:  # the run started with more rows
+                    raise ValueError(
+                        f"data_path ran out of rows at step {step}: its files now hold {passed} global "
+                        "batches, fewer than when this run started. Fix: do not modify the --data-path "
+                        "files while a run reads them"
+                    )
+                self._spe = passed
 
     def eval_batches(self) -> Iterator[Batch]:
         for i, rows in enumerate(self._global_batches(self._eval_paths)):
