@@ -37,7 +37,11 @@ allocate other bytes than the plan budgeted. A hand-written
 one: the table's own are written into its fused params (as its routing is).
 
 Limits: ROW_WISE only (the tiered kernel is refused for other sharding types);
-no variable batch (VBE); sequence tables ignore KJT weights (as torchrec's FUSED
+no variable batch size per feature (VBE) for pooled tables: a VBE KJT reaching an
+EBC with tiered tables is refused by its ``input_dist``, before any collective,
+naming the tables, their features and the fixes (:func:`tiered_vbe_error`;
+torchrec's EmbeddingCollection pads a VBE KJT to one batch size itself, so tiered
+sequence tables take it); sequence tables ignore KJT weights (as torchrec's FUSED
 sequence kernel does); EC index dedup (``use_index_dedup``) is untested with them.
 torchrec's sharded ``state_dict`` skips CUSTOMIZED_KERNEL tables (torchrec's rule;
 an empty ``weight`` placeholder stays, as for tables without a local shard):
@@ -109,6 +113,7 @@ __all__ = [
     "state_dict_without_tiered_rows",
     "tiered_optimizer_from_fused_params",
     "tiered_placement",
+    "tiered_vbe_error",
 ]
 
 def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> TieredOptimizerConfig:
@@ -180,6 +185,43 @@ def tiered_placement(table: ShardedEmbeddingTable) -> Tuple[PlacementParams, Tie
         dim=table.embedding_dim,
     )
     return params, optimizer
+
+
+def tiered_vbe_error(where: str, table_features: Dict[str, List[str]], features: KeyedJaggedTensor) -> ValueError:
+    """The error for a KJT with a variable batch size per feature (VBE) sent to pooled tiered tables.
+
+    The tiered pooled kernel pools ``stride`` bags of every feature (one batch
+    size), and torchrec hands a VBE KJT to several kernels of one lookup through
+    ``vbe_output`` / ``vbe_output_offsets``, which the tiered kernel does not take.
+    :class:`TieredShardedEmbeddingBagCollection` raises it from ``input_dist``
+    (before any collective, so every rank given a VBE KJT raises it and none waits);
+    :class:`TieredBatchedEmbeddingBag` raises it too when called directly.
+
+    Args:
+        where (str): the refusing call, e.g. ``"TieredShardedEmbeddingBagCollection.input_dist"``.
+        table_features (Dict[str, List[str]]): tiered table name -> its feature names.
+        features (KeyedJaggedTensor): the VBE KJT (its batch size per feature is
+            read from host metadata: no device sync).
+
+    Returns:
+        ValueError: naming the tables, their features and the possible solutions.
+    """
+    strides = dict(zip(features.keys(), features.stride_per_key()))
+    named = ", ".join(f"{t!r} (features {fs})" for t, fs in table_features.items())
+    sizes = {f: strides[f] for fs in table_features.values() for f in fs if f in strides}
+    return ValueError(
+        f"{where}: features is a KeyedJaggedTensor with a variable batch size per feature (VBE, "
+        f"stride_per_key_per_rank / inverse_indices; batch size per feature {sizes}), but tiered "
+        f"tables (CUSTOMIZED_KERNEL) do not support VBE: {named}. Possible solutions:\n"
+        "  1. pass a KeyedJaggedTensor with the same batch size for every feature (torchrec's "
+        "non-VBE KJT, built without stride_per_key_per_rank / inverse_indices; e.g. expand each "
+        "feature's bags to the full batch by its inverse_indices);\n"
+        "  2. place these tables as torchrec FUSED tables with recpipe's row-wise sharding (a "
+        "ROW_WISE ParameterSharding with compute_kernel 'fused', e.g. torchrec's "
+        "sharding_plan.row_wise(), instead of the tiered placement; sharded by "
+        "TieredEmbeddingBagCollectionSharder or RecpipeEmbeddingBagCollectionSharder), which "
+        "route VBE KJTs."
+    )
 
 
 class _TieredKernelBase(BaseEmbedding):
@@ -335,9 +377,17 @@ class TieredBatchedEmbeddingBag(_TieredKernelBase):
 
         Returns:
             torch.Tensor: ``[stride, sum of dims]``.
+
+        Raises:
+            ValueError: ``features`` has a variable batch size per feature (VBE), see
+                :func:`tiered_vbe_error` (the sharded EBC refuses it before its input dist).
         """
         if features.variable_stride_per_key():
-            raise ValueError("tiered tables do not support variable batch size per feature (VBE) yet.")
+            raise tiered_vbe_error(
+                "TieredBatchedEmbeddingBag.forward",
+                {t.name: list(t.feature_names) for t in self._config.embedding_tables},
+                features,
+            )
         B = features.stride()
         values = features.values()
         weights = features.weights_or_none()
@@ -680,9 +730,41 @@ class _TieredTablesMixin:
 
 
 class TieredShardedEmbeddingBagCollection(_TieredTablesMixin, RecpipeShardedEmbeddingBagCollection):
-    """recpipe's routed ``ShardedEmbeddingBagCollection`` with tiered CUSTOMIZED_KERNEL tables."""
+    """recpipe's routed ``ShardedEmbeddingBagCollection`` with tiered CUSTOMIZED_KERNEL tables.
+
+    A KJT with a variable batch size per feature (VBE) is refused by :meth:`input_dist`
+    when the collection has tiered tables (:func:`tiered_vbe_error`); its other tables
+    alone route VBE KJTs as recpipe's row-wise sharding does.
+    """
 
     _ROW_WISE_SHARDING = TieredRwPooledEmbeddingSharding
+
+    def input_dist(self, ctx: Any, features: Any) -> Any:
+        """torchrec's input dist, after refusing VBE KJTs for tiered tables.
+
+        Every caller reaches the lookup through here (``forward``, torchrec's and
+        recpipe's pipelines), and nothing before this point communicates: a rank
+        given a VBE KJT raises before its first collective.
+
+        Args:
+            ctx (EmbeddingBagCollectionContext): the step's context.
+            features (KeyedJaggedTensor | TensorDict): the collection's input features.
+
+        Returns:
+            Awaitable[Awaitable[KJTList]]: as ``ShardedEmbeddingBagCollection.input_dist``.
+
+        Raises:
+            ValueError: ``features`` is a VBE KJT and the collection has tiered tables.
+        """
+        if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
+            tiered = set(self._tiered_names())
+            if tiered:
+                raise tiered_vbe_error(
+                    f"{type(self).__name__}.input_dist",
+                    {c.name: list(c.feature_names) for c in self._embedding_bag_configs if c.name in tiered},
+                    features,
+                )
+        return super().input_dist(ctx, features)
 
 
 def _load_full_tiered_weights(

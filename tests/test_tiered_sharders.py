@@ -6,11 +6,16 @@ continuous routing through recpipe's op), both on CPU where torchrec's own shard
 offers no ROW_WISE. Reference: the same EBC sharded TABLE_WISE with torchrec's own
 sharder and FUSED kernels, same initial weights and fused row-wise Adagrad; the
 pooled outputs must agree step by step (they depend on every earlier update).
+
+A KJT with a variable batch size per feature (VBE) is refused for tiered tables (one,
+one beside a FUSED table, two) by the sharded EBC's ``input_dist`` on every rank, with
+one ValueError naming the tiered tables, their features and the possible solutions,
+both of which the test then runs.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Sequence
 
 import pytest
 import torch
@@ -22,7 +27,7 @@ TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 50, 4, ["f2"])]
 FEATURES = ["f0", "f1", "f2"]
 
 
-def _ebc(pooling: str = "SUM") -> Any:
+def _ebc(pooling: str = "SUM", tables: Sequence[str] = ("t0", "t1")) -> Any:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -30,7 +35,7 @@ def _ebc(pooling: str = "SUM") -> Any:
     return EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f,
                                    pooling=PoolingType[pooling])
-                for n, r, d, f in TABLES],
+                for n, r, d, f in TABLES if n in tables],
         device=torch.device("cpu"),
     )
 
@@ -67,7 +72,7 @@ def _copy_state_dict(local: Dict[str, Any], global_weights: Dict[str, torch.Tens
 
 
 def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
-    """Row-wise plan of both tables; the tables in ``placements`` become tiered
+    """Row-wise plan of the EBC's tables; the tables in ``placements`` become tiered
     (CUSTOMIZED_KERNEL, hash_roundrobin) with the given mode / load factor / seed."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
@@ -75,7 +80,8 @@ def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[
 
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
-    plan = construct_module_sharding_plan(ebc, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,  # type: ignore[arg-type]
+    plan = construct_module_sharding_plan(ebc, {name: row_wise() for name in ebc.embedding_bags},
+                                          sharder=sharder,  # type: ignore[arg-type]
                                           local_size=world, world_size=world, device_type="cpu")
     shapes = {name: (rows, dim) for name, rows, dim, _ in TABLES}
     for name, placement in placements.items():
@@ -278,3 +284,112 @@ def test_state_dict_round_trip_carries_tiered_rows() -> None:
                                ("_extra_state", "global_ids", "optimizer_state", "step", "weights")]
         assert res["differed_before"], "the fresh model must start from other weights"
         assert res["equal_out"] and res["equal_rows"], res
+
+
+# --- VBE refusal ---------------------------------------------------------------------------
+VBE_SIZES = {"f0": B, "f1": 2, "f2": 3}  # batch size per feature of the VBE batches
+VBE_CASES = {  # case -> (the EBC's tables, its tiered tables)
+    "one_table": (("t0",), ("t0",)),  # one kernel group: the old kernel ValueError
+    "tiered_and_fused": (("t0", "t1"), ("t0",)),  # two groups: the old TypeError
+    "two_tables": (("t0", "t1"), ("t0", "t1")),  # two tiered tables
+}
+
+
+def _vbe_kjt(rank: int, features: Sequence[str]) -> Any:
+    """A KJT with a variable batch size per feature (``VBE_SIZES``), expanded to ``B`` by
+    its inverse_indices, as torchrec's VBE inputs are."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    gen = torch.Generator().manual_seed(50 + rank)
+    sizes = {"f0": 97, "f1": 97, "f2": 50}
+    lengths = [torch.randint(0, 5, (VBE_SIZES[f],), generator=gen) for f in features]
+    values = torch.cat([torch.randint(0, sizes[f], (int(n.sum()),), generator=gen) for f, n in zip(features, lengths)])
+    inverse = torch.stack([torch.randint(0, VBE_SIZES[f], (B,), generator=gen) for f in features])
+    return KeyedJaggedTensor(keys=list(features), values=values, lengths=torch.cat(lengths),
+                             stride_per_key_per_rank=[[VBE_SIZES[f]] for f in features],
+                             inverse_indices=(list(features), inverse))
+
+
+def _expand_vbe(kjt: Any) -> Any:
+    """The non-VBE KJT of a VBE one (possible solution 1): bag ``i`` of feature ``f`` is
+    bag ``inverse_indices[f][i]`` of the VBE KJT."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    _, inverse = kjt.inverse_indices()
+    lengths: List[torch.Tensor] = []
+    values: List[torch.Tensor] = []
+    for f, jt in enumerate(kjt.split([1] * len(kjt.keys()))):
+        offsets = jt.offsets()
+        for i in inverse[f].tolist():
+            lengths.append(offsets[i + 1] - offsets[i])
+            values.append(jt.values()[offsets[i]:offsets[i + 1]])
+    return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.stack(lengths))
+
+
+def _vbe_body(rank: int, world: int, case: str) -> Dict[str, Any]:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+
+    tables, tiered_tables = VBE_CASES[case]
+    features = [f for n, _, _, fs in TABLES if n in tables for f in fs]
+    global_weights = {n: _ebc().embedding_bags[n].weight.detach().clone() for n in tables}
+    kjt = _vbe_kjt(rank, features)
+    out: Dict[str, Any] = {}
+    for kind in ("tiered", "fused"):  # "fused": possible solution 2, no tiered placement
+        ebc = _ebc(tables=tables)
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
+        sharder = TieredEmbeddingBagCollectionSharder()
+        placements = {n: dict(mode="HYBRID" if n == "t0" else "CACHING", cache_load_factor=0.3, seed=3)
+                      for n in (tiered_tables if kind == "tiered" else ())}
+        model = DistributedModelParallel(ebc, plan=ShardingPlan({"": _tiered_plan(ebc, sharder, world, placements)}),
+                                         sharders=[sharder], device=torch.device("cpu"))  # type: ignore[list-item]
+        _copy_state_dict({k: v for k, v in model.module.state_dict().items() if isinstance(v, ShardedTensor)},
+                         {f"embedding_bags.{n}.weight": w for n, w in global_weights.items()})
+        for name, shard in model.module.tiered_tables().items():
+            shard.load_global_weights(global_weights[name])
+        if kind == "tiered":
+            try:
+                model(kjt)
+                out["error"] = None
+            except Exception as e:  # noqa: BLE001 - type and message are asserted by the test
+                out["error"] = (type(e).__name__, str(e))
+            # the refusal left the model usable on every rank (no collective half done):
+            # the same rows in a non-VBE KJT (possible solution 1)
+            out["expanded"] = model(_expand_vbe(kjt)).values().detach().numpy().copy()
+        else:
+            out["fused_vbe"] = model(kjt).values().detach().numpy().copy()
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(VBE_CASES))
+def test_vbe_kjt_refused_for_tiered_tables_with_possible_solutions(case: str) -> None:
+    """A KJT with a variable batch size per feature (VBE) reaching an EBC with tiered
+    tables raises one ValueError from the sharded EBC's input_dist on every rank, for
+    one or several tiered tables, naming the tiered tables and their features (not the
+    FUSED ones) and numbered possible solutions; both solutions are then run: the same
+    model fed the VBE batch expanded to one batch size (1.) and the tables planned
+    ROW_WISE FUSED fed the VBE KJT itself (2.) give the same pooled outputs."""
+    tables, tiered_tables = VBE_CASES[case]
+    results = run_gloo(2, _vbe_body, case)
+    for rank, res in enumerate(results):
+        assert res["error"] is not None, f"rank {rank}: the VBE KJT was accepted"
+        kind, msg = res["error"]
+        assert kind == "ValueError", f"rank {rank}: {kind}: {msg}"
+        assert msg.startswith("TieredShardedEmbeddingBagCollection.input_dist: features is a KeyedJaggedTensor "
+                              "with a variable batch size per feature (VBE"), msg
+        for name, _, _, feats in TABLES:
+            named = f"{name!r} (features {feats})"
+            assert (named in msg) == (name in tiered_tables), (name, msg)
+        sizes = {f: VBE_SIZES[f] for n, _, _, fs in TABLES if n in tiered_tables for f in fs}
+        assert f"batch size per feature {sizes}" in msg, msg
+        assert "Possible solutions:\n  1. pass a KeyedJaggedTensor with the same batch size for every feature" in msg
+        assert "\n  2. place these tables as torchrec FUSED tables with recpipe's row-wise sharding" in msg
+        dims = sum(d * len(fs) for n, _, d, fs in TABLES if n in tables)
+        assert res["expanded"].shape == res["fused_vbe"].shape == (B, dims)
+        torch.testing.assert_close(torch.from_numpy(res["expanded"]), torch.from_numpy(res["fused_vbe"]),
+                                   atol=2e-6, rtol=1e-5, msg=f"rank {rank}")
