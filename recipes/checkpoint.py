@@ -810,9 +810,14 @@ def _check_fit(
     resharding = meta.get("checkpoint_format", "pt") == "dcp"
     if meta.get("world_size") != world and not resharding:
         problems.append(f"world size {meta.get('world_size')} (checkpoint) != {world} (now)")
-    if meta.get("table_ranks") != table_ranks and not resharding:
-        problems.append(f"placement {meta.get('table_ranks')} (checkpoint) != {table_ranks} (now)")
     saved_ranks = meta.get("table_ranks") or {}
+    if saved_ranks != table_ranks and not resharding:
+        differ = sorted(t for t in {*saved_ranks, *table_ranks} if saved_ranks.get(t) != table_ranks.get(t))
+        problems.append(
+            f"placement of {len(differ)} of {len(table_ranks)} tables (checkpoint -> now): "
+            + "; ".join(f"{t} {saved_ranks.get(t, 'absent')} -> {table_ranks.get(t, 'absent')}" for t in differ)
+            + "; resume with the checkpoint's --placement and sizes"
+        )
     # a planned placement records {mode, ...} per table (tiered), table_wise the owning rank
     kinds = {t: ("planned (tiered)" if isinstance(saved_ranks[t], dict) else "table_wise",
                  "planned (tiered)" if isinstance(where, dict) else "table_wise")

@@ -444,6 +444,10 @@ class TrainConfig:
             path = getattr(self, name)
             if path is not None and not isinstance(path, str):
                 raise bad(name, "must be a path (a string)", f"pass --{_flag(name)} PATH")
+        for name in ("data_path", "eval_data_path"):
+            if getattr(self, name) and self.dataset != "criteo_tsv":
+                raise bad(name, f"is read only by --dataset criteo_tsv, not {self.dataset}",
+                          f"drop --{_flag(name)}, or pass --dataset criteo_tsv")
         if not check_paths:
             return
         if self.dataset == "criteo_tsv":

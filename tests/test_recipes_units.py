@@ -461,3 +461,32 @@ def test_recipe_output_has_no_upstream_notices() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "[recpipe] done: 2 steps" in proc.stdout
     assert "broadcast_buffers" not in proc.stderr and "is_fx_tracing" not in proc.stderr, proc.stderr
+
+
+def test_pt_placement_mismatch_names_only_the_tables_that_differ(tmp_path: Path) -> None:
+    """A ``pt`` checkpoint placed otherwise: the error lists the differing tables
+    (saved -> now), not the two whole placements."""
+    from recpipe.recipes.checkpoint import CheckpointMismatchError, _check_fit
+    from recpipe.pipeline.ops import ROUTING_VERSION
+
+    config = TrainConfig(dataset="synthetic", max_steps=4)
+    now = {f"t{i}": i % 2 for i in range(26)}
+    saved = dict(now, t3=0, t7={"mode": "CACHING"})
+    meta = {"world_size": 2, "table_ranks": saved, "routing_version": ROUTING_VERSION,
+            "fingerprint": fingerprint(config)}
+    with pytest.raises(CheckpointMismatchError) as e:
+        _check_fit(tmp_path / "manifest.json", meta, 2, config, now)
+    msg = str(e.value)
+    assert "placement of 2 of 26 tables (checkpoint -> now): t3 0 -> 1; t7 {'mode': 'CACHING'} -> 1" in msg
+    assert "t4" not in msg
+    _check_fit(tmp_path / "manifest.json", dict(meta, table_ranks=dict(now)), 2, config, now)  # same: fits
+
+
+@pytest.mark.parametrize("field", ["data_path", "eval_data_path"])
+def test_data_paths_of_another_dataset_are_refused(field: str) -> None:
+    """``--data-path`` / ``--eval-data-path`` are read by criteo_tsv only: on another
+    dataset they used to be ignored silently."""
+    flag = "--" + field.replace("_", "-")
+    with pytest.raises(ConfigError, match=rf"{field}='x.tsv'.*read only by --dataset criteo_tsv, not synthetic.*"
+                                          rf"drop {flag}, or pass --dataset criteo_tsv"):
+        parse_config(["--dataset", "synthetic", "--max-steps", "4", flag, "x.tsv"], check_paths=False)
