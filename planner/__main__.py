@@ -25,7 +25,14 @@ import yaml
 from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
 from recpipe.pipeline.placement import FusedOptimizer
 from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
-from recpipe.planner.types import DEFAULT_ZIPF_ALPHA, STORAGE_BACKENDS, PlannerError, TableSpec, make_topology
+from recpipe.planner.types import (
+    DEFAULT_ZIPF_ALPHA,
+    STORAGE_BACKENDS,
+    PlannerError,
+    TableSpec,
+    check_topology_args,
+    make_topology,
+)
 
 _UNITS = {
     "": 1, "b": 1,
@@ -153,22 +160,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"))
     ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     args = ap.parse_args(argv)
-    if args.world_size < 1:
-        ap.error(f"--world-size must be >= 1 (the number of ranks), got {args.world_size}.")
-    if args.local_world_size is not None and args.local_world_size < 1:
-        ap.error(f"--local-world-size must be >= 1 (ranks per machine), got {args.local_world_size}; "
-                 "omit it for one machine.")
     lws = args.world_size if args.local_world_size is None else args.local_world_size
-    if lws > args.world_size or args.world_size % lws:
-        ap.error(f"--local-world-size ({lws}) must divide --world-size ({args.world_size}).")
+    try:
+        check_topology_args(
+            args.world_size, lws, args.hbm, args.ddr,
+            names=("--world-size", "--local-world-size", "--hbm", "--ddr"), positive_sizes=True,
+        )
+    except ValueError as e:
+        ap.error(f"{e}{' Omit it for one machine.' if lws < 1 else ''}")
     for flag, value in (("--hbm-reservation", args.hbm_reservation), ("--ddr-reservation", args.ddr_reservation)):
         if not 0.0 <= value < 1.0:  # also refuses nan
             ap.error(f"{flag} must be a fraction in [0, 1), got {value}.")
     if args.bins is not None and min(args.bins) < 1:
         ap.error(f"--bins must be two positive ints (HBM and DDR bins), got {args.bins}.")
-    for flag, value in (("--hbm", args.hbm), ("--ddr", args.ddr)):
-        if value <= 0:
-            ap.error(f"{flag} must be a positive size such as 80GiB, got {value} bytes.")
     if args.json is not None and (
         args.json.is_dir() or not args.json.parent.is_dir() or not os.access(args.json.parent, os.W_OK)
     ):

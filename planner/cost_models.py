@@ -20,6 +20,7 @@ Two implementations behind one ``CostModel`` protocol:
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import Protocol, Sequence, Tuple, runtime_checkable
 
 import numpy as np
@@ -115,7 +116,14 @@ def fast_tier_hit_rate(table: TableSpec, mode: Mode, x: float) -> float:
     if mode is Mode.HYBRID:
         return float(x)
     if table.cache_stats is not None:
-        return float(min(1.0, max(0.0, 1.0 - table.cache_stats.expected_miss_rate(x))))
+        miss = table.cache_stats.expected_miss_rate(x)
+        if isinstance(miss, bool) or not isinstance(miss, numbers.Real) or not 0.0 <= miss <= 1.0:  # also refuses nan
+            raise ValueError(
+                f"TableSpec({table.name}).cache_stats.expected_miss_rate({x}) returned {miss!r}: a miss rate must be "
+                "a fraction in [0, 1]; fix the CacheStatistics, or pass cache_stats=None to model access by "
+                "access_counts or zipf_alpha."
+            )
+        return float(1.0 - miss)
     if table.access_counts is not None:
         counts = np.sort(np.asarray(table.access_counts, dtype=np.float64))[::-1]
         total = counts.sum()

@@ -93,6 +93,15 @@ class GridPlacementEnumerator:
         self.local_world_size = local_world_size
         self.cost_model = cost_model
         self.load_factors: Tuple[float, ...] = tuple(sorted({float(x) for x in load_factors}))
+        for key, pin in (constraints or {}).items():
+            if not isinstance(key, str) or not isinstance(pin, PlacementConstraints):
+                example = f"PlacementConstraints(**{pin!r})" if isinstance(pin, dict) else "PlacementConstraints(mode=Mode.CACHING)"
+                raise PlannerError(
+                    f"constraints[{key!r}] is a {type(pin).__name__} under a {type(key).__name__} key: constraints "
+                    "must map a table name or FQN (str) to a PlacementConstraints.\n"
+                    f"Possible solutions:\n  1) write constraints={{{str(key)!r}: {example}}}.",
+                    PlannerErrorType.INPUT_VALIDATION,
+                )
         self.constraints: Mapping[str, PlacementConstraints] = constraints or {}
         self.backend: str = backend
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy, "cache_policy")
@@ -150,6 +159,23 @@ class GridPlacementEnumerator:
                 f"Possible solutions:\n  1) key constraints by one of {[t.fqn for t in tables][:20]}.",
                 PlannerErrorType.INPUT_VALIDATION,
             )
+        # A key is a table's FQN or its bare name; a bare name two tables share (a.t, b.t)
+        # would pin both at once, which a FQN key never does.
+        by_name: Dict[str, List[str]] = {}
+        for t in tables:
+            by_name.setdefault(t.name, []).append(t.fqn)
+        fqns = {t.fqn for t in tables}
+        for key in self.constraints:  # O(tables + constraints): every table may be pinned
+            pinned = [key] if key in fqns else []
+            pinned += [f for f in by_name.get(key, []) if f != key and f not in self.constraints]
+            if len(pinned) > 1:
+                raise PlannerError(
+                    f"constraints[{key!r}] is ambiguous: the name {key!r} matches {len(pinned)} tables {pinned}.\n"
+                    "Possible solutions:\n"
+                    f"  1) key the constraint by each table's full name (module path + '.' + table): "
+                    + ", ".join(f"{fqn!r}" for fqn in pinned) + ".",
+                    PlannerErrorType.INPUT_VALIDATION,
+                )
 
     def enumerate_arrays(self, tables: Sequence[TableSpec]) -> "OptionArrays":
         """Options of every table as ``(tables, options)`` arrays, computed in bulk.

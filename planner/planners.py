@@ -26,6 +26,7 @@ from recpipe.planner.types import (
     PlannerErrorType,
     TablePlacement,
     TableSpec,
+    check_topology_args,
     format_bytes,
 )
 
@@ -231,6 +232,15 @@ class PlacementPlanner:
     ) -> None:
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a torchrec Topology, got {type(topology).__name__}.")
+        devices = topology.devices
+        check_topology_args(
+            topology.world_size,
+            topology.local_world_size,
+            min((d.storage.hbm for d in devices), default=0),
+            min((d.storage.ddr for d in devices), default=0),
+            names=("Topology world_size", "Topology local_world_size", "Topology hbm_cap (HBM per device)",
+                   "Topology ddr_cap (DDR per rank)"),
+        )
         for name, frac in (("hbm_reservation", hbm_reservation), ("ddr_reservation", ddr_reservation)):
             if not 0.0 <= frac < 1.0:
                 raise ValueError(f"{name} must be in [0, 1), got {frac}.")
@@ -288,9 +298,20 @@ class PlacementPlanner:
     # ---- planning -------------------------------------------------------------
     def _tables(self, tables: Union[nn.Module, Sequence[TableSpec]]) -> List[TableSpec]:
         if isinstance(tables, nn.Module):
-            return tables_from_module(
+            specs = tables_from_module(
                 tables, optimizer=self.optimizer, fused_params=self.fused_params, batch_size=self.batch_size
             )
+            if not specs:
+                raise PlannerError(
+                    f"The module to plan ({type(tables).__module__}.{type(tables).__qualname__}) holds no "
+                    "EmbeddingBagCollection or EmbeddingCollection: there is no table to place.\n"
+                    "Possible solutions:\n"
+                    "  1) pass the model that holds the embedding collections (or an EBC / EC itself), "
+                    "e.g. PlacementPlanner(topology).plan(model) rather than one of its dense submodules;\n"
+                    "  2) plan a list of TableSpec.",
+                    PlannerErrorType.INPUT_VALIDATION,
+                )
+            return specs
         specs = list(tables)
         for t in specs:
             if not isinstance(t, TableSpec):
@@ -318,7 +339,9 @@ class PlacementPlanner:
             PlacementPlan: the cheapest plan found within both budgets.
 
         Raises:
-            PlannerError: no plan fits; the message lists numbered solutions.
+            PlannerError: no plan fits (the message lists numbered solutions), or the
+                input holds no table (a module without an EBC / EC), or constraints are
+                malformed or ambiguous (INPUT_VALIDATION).
         """
         specs = self._tables(tables)
         H, D = self.hbm_budget, self.ddr_budget
@@ -422,9 +445,20 @@ class PlacementPlanner:
                 "Possible solutions:\n" + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
                 kind,
             )
+        # The least DDR that goes with the least HBM: at HBM budget min_h only each table's
+        # lowest-HBM options fit (any other raises the sum), so the plan of those with the
+        # least DDR is the only one left; and the same with HBM and DDR swapped.
+        big = np.iinfo(np.int64).max
+        lh_h, ld_d = min_h, min_d
+        lh_d = int(np.where(valid & (hbm == min_h_table[:, None]), ddr, big).min(axis=1).sum())
+        ld_h = int(np.where(valid & (ddr == min_d_table[:, None]), hbm, big).min(axis=1).sum())
         need_h, need_d = min_h > H, min_d > D
         if need_h or need_d:
             kind = PlannerErrorType.INSUFFICIENT_HBM if need_h else PlannerErrorType.INSUFFICIENT_DDR
+            # The other budget may fall short too once this one is raised: name it, so the
+            # listed raises together make the plan fit.
+            short_d = need_h and lh_d > D
+            short_h = need_d and not need_h and ld_h > H
             sols = []
             if need_h:
                 sols.append(
@@ -432,25 +466,38 @@ class PlacementPlanner:
                     f"least {_sized(min_h)} of HBM per rank at the smallest load factors, the "
                     f"budget is {_sized(H)}"
                 )
+            if short_d:
+                other = (
+                    f" (with more HBM it needs less DDR: at least {_sized(min_d)} per machine, with hbm_cap "
+                    f"at least {self._hbm_cap_for(ld_h)})" if lh_d > min_d else ""
+                )
+                sols.append(
+                    f"together with 1), raise host DDR per machine to at least {self._ddr_cap_for(lh_d)}: with "
+                    f"HBM raised to that least, the model needs {_sized(lh_d)} of DDR per machine (each table at its "
+                    f"lowest-HBM option), the budget is {_sized(D)}{other}"
+                )
+            if need_h:
                 sols.append(f"lower hbm_reservation (now {self.hbm_reservation}) or add smaller load_factors")
-            if need_d:
+            if need_d and not need_h:
                 sols.append(
                     f"raise host DDR per machine to at least {self._ddr_cap_for(min_d)}: the model needs at least "
                     f"{_sized(min_d)} of DDR per machine, the budget is {_sized(D)}"
                 )
+            if short_h:
+                sols.append(
+                    f"together with 1), raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(ld_h)}: with "
+                    f"DDR raised to that least, the model needs {_sized(ld_h)} of HBM per rank (each table at its lowest-DDR "
+                    f"option), the budget is {_sized(H)}"
+                )
             sols.append(f"use more ranks (world_size now {W}) or fewer ranks per machine (local_world_size now {L})")
+            both = (need_h and need_d) or short_d or short_h
             return PlannerError(
-                f"Insufficient {'HBM' if need_h else 'DDR'}{' and DDR' if need_h and need_d else ''} for "
-                f"{len(specs)} tables.\n{budgets}\nPossible solutions:\n"
+                f"Insufficient {'HBM' if need_h else 'DDR'}{(' and DDR' if need_h else ' and HBM') if both else ''} "
+                f"for {len(specs)} tables.\n{budgets}\nPossible solutions:\n"
                 + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
                 kind,
             )
         # Each budget alone can be met, but not both at once.
-        j_h = np.argmin(hb, axis=1)
-        j_d = np.argmin(db, axis=1)
-        r = np.arange(len(specs))
-        lh_h, lh_d = int(hbm[r, j_h].sum()), int(ddr[r, j_h].sum())
-        ld_h, ld_d = int(hbm[r, j_d].sum()), int(ddr[r, j_d].sum())
         sols = [
             f"raise DDR per machine to at least {self._ddr_cap_for(lh_d)}: the lowest-HBM plan needs HBM "
             f"{_sized(lh_h)} per rank and DDR {_sized(lh_d)} per machine",

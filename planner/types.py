@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyFactory, TrainerConfig
@@ -170,7 +171,34 @@ class TableSpec:
             raise ValueError(
                 f"TableSpec({self.name}).access_counts is empty: pass per-row counts or None."
             )
+        if self.access_counts is not None:
+            self._check_access_counts()
         self.feature_names = tuple(self.feature_names)
+
+    def _check_access_counts(self) -> None:
+        """Refuses ``access_counts`` that are not one finite count >= 0 per row, not all 0."""
+        fix = "pass one measured count per row (row i's lookups), or access_counts=None to model access by zipf_alpha"
+        try:
+            counts = np.asarray(self.access_counts, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts must be numbers, got {type(self.access_counts).__name__}; {fix}."
+            ) from None
+        if counts.ndim != 1 or counts.size != self.rows:
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts has {counts.size} entries (shape {tuple(counts.shape)}) for "
+                f"rows={self.rows}; {fix}."
+            )
+        bad = np.flatnonzero(~(np.isfinite(counts) & (counts >= 0)))
+        if bad.size:
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts must be finite numbers >= 0, got {float(counts[bad[0]])!r} at row "
+                f"{int(bad[0])} ({bad.size} such rows); {fix}."
+            )
+        if not counts.any():
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts are all 0: they measure no lookup, so they give no hit rate; {fix}."
+            )
 
     @property
     def fqn(self) -> str:
@@ -331,10 +359,20 @@ class PlacementPlan:
 
         Returns:
             TablePlacement: the placement.
+
+        Raises:
+            KeyError: no table matches, or ``table`` names tables of several modules
+                and ``module_path`` is None (the message names their full names).
         """
-        for p in self.placements:
-            if p.table == table and (module_path is None or p.module_path == module_path):
-                return p
+        found = [p for p in self.placements if p.table == table and (module_path is None or p.module_path == module_path)]
+        if len(found) > 1:
+            raise KeyError(
+                f"table {table!r} is ambiguous: {len(found)} modules hold a table of that name "
+                f"{[p.fqn for p in found]}; pass module_path, one of {[p.module_path for p in found]} "
+                f"(e.g. placement({table!r}, module_path={found[0].module_path!r}))."
+            )
+        if found:
+            return found[0]
         raise KeyError(f"table {table!r} is not in this plan: {[p.fqn for p in self.placements]}")
 
     def placement_params(self, table: Union[str, TablePlacement], module_path: Optional[str] = None) -> PlacementParams:
@@ -514,6 +552,48 @@ def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) 
     return ShardingPlan(plan=dict(modules))
 
 
+def check_topology_args(
+    world_size: int,
+    local_world_size: int,
+    hbm_cap: float,
+    ddr_cap: float,
+    *,
+    names: Tuple[str, str, str, str] = ("world_size", "local_world_size", "hbm_cap", "ddr_cap"),
+    positive_sizes: bool = False,
+) -> None:
+    """The checks a topology's shape and sizes must pass (the CLI's flags, :func:`make_topology`
+    and :class:`~recpipe.planner.PlacementPlanner` share this one copy).
+
+    Args:
+        world_size (int): ranks.
+        local_world_size (int): ranks per machine.
+        hbm_cap (float): HBM bytes per device.
+        ddr_cap (float): DDR bytes (per rank or per machine, as ``names`` says).
+        names (Tuple[str, str, str, str]): how the caller spells the four arguments in
+            messages (e.g. the CLI's ``--world-size``).
+        positive_sizes (bool): refuse a size of 0 too (the CLI); else 0 bytes is a tier
+            of no memory (a recipe's ``slow_tier_mb: 0``).
+
+    Raises:
+        ValueError: the first argument out of range, named as in ``names``, with its fix.
+    """
+    ws_name, lws_name, hbm_name, ddr_name = names
+    if world_size < 1:
+        raise ValueError(f"{ws_name} must be >= 1 (the number of ranks), got {world_size}.")
+    if local_world_size < 1:
+        raise ValueError(f"{lws_name} must be >= 1 (ranks per machine), got {local_world_size}.")
+    if local_world_size > world_size or world_size % local_world_size:
+        raise ValueError(
+            f"{lws_name} ({local_world_size}) must divide {ws_name} ({world_size}): every machine has "
+            f"the same number of ranks (e.g. {lws_name}={math.gcd(world_size, local_world_size)})."
+        )
+    for name, value in ((hbm_name, hbm_cap), (ddr_name, ddr_cap)):
+        if positive_sizes and not value > 0:
+            raise ValueError(f"{name} must be a positive size such as 80GiB, got {value} bytes.")
+        if not value >= 0:  # also refuses nan
+            raise ValueError(f"{name} must be a size >= 0 bytes, got {value}; give the memory in bytes, e.g. 80 * 2**30.")
+
+
 def make_topology(
     *,
     world_size: int,
@@ -537,7 +617,12 @@ def make_topology(
     Returns:
         Topology: equal to ``Topology(world_size=..., local_world_size=...,
         compute_device=..., hbm_cap=..., ddr_cap=...)``.
+
+    Raises:
+        ValueError: ``world_size`` or ``local_world_size`` below 1, ``local_world_size``
+            not dividing ``world_size``, or a negative cap (:func:`check_topology_args`).
     """
+    check_topology_args(world_size, local_world_size, hbm_cap, ddr_cap)
     return TopologyFactory.create_topology(
         TrainerConfig(world_size=world_size, local_world_size=local_world_size, hbm_cap_bytes=hbm_cap,
                       ddr_cap_bytes=ddr_cap),
@@ -547,6 +632,7 @@ def make_topology(
 
 __all__ = [
     "DEFAULT_LOAD_FACTORS",
+    "check_topology_args",
     "make_topology",
     "DEFAULT_ZIPF_ALPHA",
     "STORAGE_BACKENDS",

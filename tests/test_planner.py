@@ -800,3 +800,129 @@ def test_cli_bad_files_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (tmp_path / "empty.yaml").write_text(empty)
         assert cli_main(["--tables", str(tmp_path / "empty.yaml"), "--world-size", "2", *base]) == 2
         assert "the file lists no tables" in capsys.readouterr().err
+
+
+def test_insufficient_hbm_also_names_the_ddr_the_least_hbm_plan_needs() -> None:
+    # HBM is short, and the only plan the quoted hbm_cap admits (each table at its
+    # lowest-HBM option) also overflows DDR: both raises are listed, and together they fit.
+    many = [TableSpec(name=f"x{i}", rows=10**6, dim=64, optimizer="sgd") for i in range(6)]
+
+    def plan(hbm: int, ddr: int) -> None:
+        PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=ddr), backend="native").plan(many)
+
+    with pytest.raises(PlannerError) as e:
+        plan(40 * 2**20, 300 * 2**20)
+    assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_HBM
+    assert str(e.value).startswith("Insufficient HBM and DDR for 6 tables.")
+    first = re.search(r"^  1\) (.*)$", str(e.value), re.M).group(1)
+    second = re.search(r"^  2\) (.*)$", str(e.value), re.M).group(1)
+    hbm, ddr = _quoted_caps(first)[0], _quoted_caps(second)[1]
+    assert hbm is not None and ddr is not None
+    plan(hbm, ddr)  # the listed fixes together are enough
+    for less in ((hbm - 1, ddr), (hbm, ddr - 1)):  # and each is the exact least
+        with pytest.raises(PlannerError):
+            plan(*less)
+
+
+def test_module_without_embedding_collections_is_refused() -> None:
+    with pytest.raises(PlannerError, match=r"torch\.nn\.modules\.linear\.Linear\) holds no EmbeddingBagCollection") as e:
+        PlacementPlanner(topo()).plan(torch.nn.Linear(3, 3))
+    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+    assert "pass the model that holds the embedding collections" in str(e.value)
+
+
+def _two_modules_one_name() -> torch.nn.Module:
+    model = torch.nn.Module()
+    for path, rows in (("a", 1000), ("b", 2000)):
+        setattr(model, path, EmbeddingBagCollection(
+            tables=[EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=rows, feature_names=[f"f_{path}"])],
+            device=torch.device("meta")))
+    return model
+
+
+def test_table_name_shared_by_two_modules_is_ambiguous() -> None:
+    model = _two_modules_one_name()
+    plan = PlacementPlanner(topo()).plan(model)
+    with pytest.raises(KeyError, match=r"ambiguous.*\['a\.t', 'b\.t'\].*module_path"):
+        plan.placement("t")
+    assert plan.placement("t", module_path="b").rows == 2000
+    with pytest.raises(PlannerError, match=r"constraints\['t'\] is ambiguous.*\['a\.t', 'b\.t'\]") as e:
+        PlacementPlanner(topo(), constraints={"t": PlacementConstraints(mode="CACHING")}).plan(model)
+    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+    assert "'a.t', 'b.t'" in str(e.value).split("Possible solutions")[1]
+    # keyed by full name, or a name one table keeps once the other has its own key: not ambiguous
+    pinned = PlacementPlanner(topo(), constraints={"a.t": PlacementConstraints(mode="CACHING", cache_load_factor=0.5)})
+    assert pinned.plan(model).placement("t", module_path="a").cache_load_factor == 0.5
+    PlacementPlanner(topo(), constraints={"t": PlacementConstraints(mode="CACHING"),
+                                          "b.t": PlacementConstraints(mode="HYBRID")}).plan(model)
+
+
+@pytest.mark.parametrize(
+    "counts, match",
+    [
+        ([1.0] * 9, r"TableSpec\(t\)\.access_counts has 9 entries .* for rows=10"),
+        ([-1.0] + [1.0] * 9, r"TableSpec\(t\)\.access_counts must be finite numbers >= 0, got -1\.0 at row 0"),
+        ([float("nan")] * 10, r"TableSpec\(t\)\.access_counts must be finite numbers >= 0, got nan"),
+        ([0.0] * 10, r"TableSpec\(t\)\.access_counts are all 0"),
+    ],
+)
+def test_access_counts_are_checked(counts: List[float], match: str) -> None:
+    with pytest.raises(ValueError, match=match) as e:
+        TableSpec(name="t", rows=10, dim=8, access_counts=counts)
+    assert "access_counts=None" in str(e.value)
+
+
+@pytest.mark.parametrize("miss", [float("nan"), 5.0, -0.5])
+def test_cache_stats_miss_rate_out_of_range_is_refused(miss: float) -> None:
+    from torchrec.distributed.types import CacheStatistics
+
+    class Stats(CacheStatistics):
+        @property
+        def expected_lookups(self) -> float:
+            return 1.0
+
+        def expected_miss_rate(self, clf: float) -> float:
+            return miss
+
+        @property
+        def cacheability(self) -> float:
+            return 1.0
+
+    t = TableSpec(name="t", rows=1000, dim=8, cache_stats=Stats())
+    with pytest.raises(ValueError, match=r"TableSpec\(t\)\.cache_stats\.expected_miss_rate\(0\.5\) returned .*\[0, 1\]"):
+        fast_tier_hit_rate(t, Mode.CACHING, 0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(world_size=0, local_world_size=1), r"^world_size must be >= 1 \(the number of ranks\), got 0\.$"),
+        (dict(world_size=4, local_world_size=0), r"^local_world_size must be >= 1 \(ranks per machine\), got 0\.$"),
+        (dict(world_size=4, local_world_size=3), r"^local_world_size \(3\) must divide world_size \(4\)"),
+        (dict(world_size=4, local_world_size=8), r"^local_world_size \(8\) must divide world_size \(4\)"),
+        (dict(world_size=4, local_world_size=2, hbm_cap=-5), r"^hbm_cap must be a size >= 0 bytes, got -5"),
+        (dict(world_size=4, local_world_size=2, ddr_cap=-5), r"^ddr_cap must be a size >= 0 bytes, got -5"),
+    ],
+)
+def test_make_topology_checks_its_arguments(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make_topology(**{"hbm_cap": GiB, "ddr_cap": GiB, **kwargs})
+
+
+def test_planner_checks_a_directly_built_topology() -> None:
+    t = topo(4, 2, hbm=GiB, ddr_per_rank=GiB)
+    t.devices[3].storage.ddr = -5
+    with pytest.raises(ValueError, match=r"Topology ddr_cap \(DDR per rank\) must be a size >= 0 bytes, got -5"):
+        PlacementPlanner(t)
+    t = topo(4, 2, hbm=GiB, ddr_per_rank=GiB)
+    t.devices[0].storage.hbm = -5
+    with pytest.raises(ValueError, match=r"Topology hbm_cap \(HBM per device\) must be a size >= 0 bytes, got -5"):
+        PlacementPlanner(t)
+    with pytest.raises(ValueError, match=r"Topology world_size must be >= 1 \(the number of ranks\), got 0"):
+        PlacementPlanner(topo(0, 1))
+
+
+def test_constraints_must_be_placement_constraints() -> None:
+    with pytest.raises(PlannerError, match=r"(?s)constraints\['big'\] is a dict.*PlacementConstraints\(\*\*\{'mode': 'CACHING'\}\)") as e:
+        PlacementPlanner(topo(), constraints={"big": {"mode": "CACHING"}})  # type: ignore[dict-item]
+    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
