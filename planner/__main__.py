@@ -128,6 +128,19 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
     return specs
 
 
+def _attach_negative_sizes(argv: Sequence[str]) -> List[str]:
+    """``--hbm -1GiB`` -> ``--hbm=-1GiB``: argparse reads a value that starts with
+    ``-`` and is not a plain number as the next flag ("expected one argument");
+    attached, it reaches ``parse_size`` and the size checks, which name the fix."""
+    out: List[str] = []
+    for arg in argv:
+        if out and out[-1] in ("--hbm", "--ddr") and re.fullmatch(r"-[0-9.].*", arg):
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point.
 
@@ -159,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "(recpipe's CPU layout)")
     ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"))
     ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
-    args = ap.parse_args(argv)
+    args = ap.parse_args(_attach_negative_sizes(sys.argv[1:] if argv is None else argv))
     lws = args.world_size if args.local_world_size is None else args.local_world_size
     try:
         check_topology_args(

@@ -779,6 +779,9 @@ def test_cli_bad_files_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["--world-size", "4", "--hbm-reservation", "nan"], r"--hbm-reservation must be a fraction in \[0, 1\), got nan"),
         (["--world-size", "4", "--bins", "0", "8"], r"--bins must be two positive ints"),
         (["--world-size", "4", "--hbm", "0"], r"--hbm must be a positive size"),
+        # a negative size is a bad size, not "expected one argument" (argparse read -1GiB as a flag)
+        (["--world-size", "4", "--hbm", "-1GiB"], r"argument --hbm: bad size '-1GiB': use a number"),
+        (["--world-size", "4", "--ddr", "-0.5TiB"], r"argument --ddr: bad size '-0.5TiB': use a number"),
     ):
         with pytest.raises(SystemExit) as exc:
             cli_main(["--tables", str(y), *base, *flags])
