@@ -223,8 +223,11 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
                   "; pass the table's row count (or 0 for a roundrobin feature of raw, unchecked ids).");
       table_size = static_cast<uint64_t>(n);
     }
-    routes[f] = FeatureRoute::make(dist, keep_f, index_bits, W, static_cast<uint64_t>(block < 0 ? 0 : block),
-                                   num_blocks, bounds_at, count, table_size, static_cast<uint64_t>(a.seed));
+    // Uneven shards test only block == 0 (fbgemm's rule: a negative block there reads as
+    // nonzero, ids keyed by themselves); elsewhere a negative block of a routed feature is unused.
+    const uint64_t route_block = count > 0 ? static_cast<uint64_t>(block) : static_cast<uint64_t>(block < 0 ? 0 : block);
+    routes[f] = FeatureRoute::make(dist, keep_f, index_bits, W, route_block, num_blocks, bounds_at, count,
+                                   table_size, static_cast<uint64_t>(a.seed));
     bounds_at += count;
   }
   *bounds = parts.empty() ? at::zeros({1}, at::kLong) : at::cat(parts);

@@ -176,7 +176,8 @@ def _block_bucketize_fake(
                      f"entries but `indices` has {indices.shape[0]}; pass one weight per id (or weights=None).")
     new_lengths = lengths.new_empty((my_size * lengths.numel(),))
     new_indices = torch.empty_like(indices)
-    new_weights = torch.empty_like(weights) if weights is not None else None
+    # the kernels allocate every output contiguous (at::empty), whatever the inputs' strides
+    new_weights = weights.new_empty(weights.shape) if weights is not None else None
     new_pos = torch.empty_like(indices) if bucketize_pos else None
     permute = torch.empty_like(indices) if sequence else None
     mapping = torch.empty_like(indices) if return_bucket_mapping else None
@@ -196,7 +197,8 @@ def _route_ids_fake(
                  lambda: f"recpipe: `ids` are int32 but hash_roundrobin over `table_size` = {table_size} rows and "
                  f"{world_size} ranks gives local ids up to {(table_size - 1) // world_size}, beyond int32; pass "
                  "int64 ids (`.to(torch.int64)`).")
-    return torch.empty_like(ids, dtype=torch.int64), torch.empty_like(ids)
+    # contiguous, as the kernels allocate them (ids may be any shape and strides)
+    return ids.new_empty(ids.shape, dtype=torch.int64), ids.new_empty(ids.shape)
 
 
 @torch.library.register_fake("recpipe::hash_roundrobin_global_ids")
@@ -488,13 +490,21 @@ def global_row_ids(
 
 
 def _check_row_bounds(
-    row_bounds: dict[str, list[int]], keys: list[str], table_sizes: dict[str, int], world_size: int
+    row_bounds: dict[str, list[int]], keys: list[str], table_sizes: dict[str, int], world_size: int,
+    dist_types: dict[str, str],
 ) -> None:
     """Raises ``ValueError`` unless every entry of ``row_bounds`` is ``W + 1`` shard bounds
-    of its feature's table: 0, non-decreasing, ending at the table's rows."""
+    of its feature's continuous table: 0, non-decreasing, ending at the table's rows."""
     unknown = sorted(set(row_bounds) - set(keys))
     if unknown:
         raise ValueError(f"bucketize_kjt: `row_bounds` names features {unknown} the KJT does not have ({keys})")
+    routed = sorted(k for k in row_bounds if dist_types[k] != "continuous")
+    if routed:
+        raise ValueError(
+            f"bucketize_kjt: `row_bounds` names features {routed} that are not continuous "
+            f"({ {k: dist_types[k] for k in routed} }); shard bounds apply to continuous tables only: "
+            "drop their entries"
+        )
     for k, b in row_bounds.items():
         n = table_sizes[k]
         ok = (isinstance(b, (list, tuple)) and len(b) == world_size + 1
@@ -540,7 +550,8 @@ def bucketize_kjt(
             (torchrec's convention for position-weighted features).
         keep_orig_idx: keep raw ids instead of local ids.
         row_bounds: feature name -> uneven shard bounds of its (continuous) table:
-            0, the first row of ranks 1..W-1, and the table's end.
+            0, the first row of ranks 1..W-1, and the table's end. Continuous
+            features without an entry keep the blocks of ``ceil(rows / W)``.
 
     Returns:
         ``(bucketized_kjt, unbucketize_permute or None)``.
@@ -571,8 +582,17 @@ def bucketize_kjt(
     blocks = torch.tensor([continuous_block_rows(int(table_sizes[k]), world_size) for k in keys], dtype=torch.int64)
     bounds = None
     if row_bounds is not None:
-        _check_row_bounds(row_bounds, keys, table_sizes, world_size)
-        bounds = [torch.tensor(row_bounds.get(k, []), dtype=torch.int64) for k in keys]
+        _check_row_bounds(row_bounds, keys, table_sizes, world_size, dist_types)
+        # a continuous feature without an entry keeps torchrec's blocks: the bounds
+        # [0, b, 2b, ..., W * b] route exactly as the block rule (ids >= W * b too)
+        bounds = [
+            torch.tensor(
+                row_bounds[k] if k in row_bounds
+                else [r * int(b) for r in range(world_size + 1)] if dist_types[k] == "continuous" else [],
+                dtype=torch.int64,
+            )
+            for k, b in zip(keys, blocks.tolist())
+        ]
     return bucketize_kjt_by(
         kjt, world_size, blocks, codes, sizes, seed=seed, sequence=sequence, bucketize_pos=bucketize_pos,
         keep_orig_idx=keep_orig_idx, row_bounds=bounds,

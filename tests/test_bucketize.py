@@ -13,7 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
 from recpipe.pipeline import ops
-from routing_reference import DIST_CODES, ROUTING_VERSION, RefPermutation, ref_bucketize
+from routing_reference import DIST_CODES, ROUTING_VERSION, RefPermutation, ref_bucketize, route_one
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -559,6 +559,32 @@ def test_torch_compile_fullgraph() -> None:
         c["lengths"], c["indices"], c["block_sizes"], c["dist_types"], c["table_sizes"]
     )
     assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+
+
+def test_fake_kernels_give_the_kernels_strides_for_strided_inputs() -> None:
+    """The kernels return contiguous outputs whatever the inputs' strides, so the fake
+    kernels must too: transposed [n, D] weights and transposed 2-D route_ids ids (the
+    fake outputs kept the inputs' strides, so opcheck and compiled graphs failed)."""
+    c = _random_case(random.Random(4), 2, 5, 3, dist=[0, 2])
+    n = c["indices"].numel()
+    weights = torch.randn(4, n, dtype=torch.float64).t()  # [n, 4], strides (1, n)
+    args = (c["lengths"], c["indices"], c["block_sizes"], c["dist_types"], c["W"], True, True, weights,
+            c["table_sizes"], 5, False)
+    torch.library.opcheck(OP, args)
+    got = OP(*args)
+    want = ref_bucketize(
+        c["lengths"].tolist(), c["indices"].tolist(), c["block_sizes"].tolist(), c["dist_types"].tolist(), c["W"],
+        sequence=True, bucketize_pos=True, weights=weights.tolist(), table_sizes=c["table_sizes"].tolist(), seed=5,
+    )
+    assert got[2].tolist() == want["new_weights"] and got[1].tolist() == want["new_indices"]
+
+    ids = torch.arange(12).view(3, 4).t()  # [4, 3], strides (1, 4)
+    for dist in ("roundrobin", "hash_roundrobin"):
+        torch.library.opcheck(torch.ops.recpipe.route_ids.default, (ids, 20, 3, DIST_CODES[dist], 5))
+        owner, local = ops.route_ids(ids, 20, 3, dist, 5)
+        want_ids = [route_one(int(i), DIST_CODES[dist], 3, 7, 20, 5, 64) for i in ids.reshape(-1).tolist()]
+        assert owner.reshape(-1).tolist() == [p for p, _ in want_ids]
+        assert local.reshape(-1).tolist() == [x for _, x in want_ids]
 
 
 # ---------------------------------------------------------------------------

@@ -184,3 +184,62 @@ def test_bucketize_kjt_equals_torchrec_bucketize(uneven: bool, vbe: bool, sequen
     assert (perm is None) == (want_perm is None)
     if perm is not None:
         assert torch.equal(perm, want_perm)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("blocks_total", [False, True])
+def test_negative_block_sizes_with_shard_bounds_match_fbgemm(dtype: torch.dtype, blocks_total: bool) -> None:
+    """With ``block_bucketize_pos`` fbgemm tests only ``block_sizes[f] == 0``: a negative
+    block keys ids by themselves like a positive one (recpipe read it as 0 before, the
+    scaled-key rule, and routed ids to other ranks)."""
+    rng = random.Random(11 + blocks_total)
+    F, W, B = 3, 3, 6
+    lengths = [rng.randrange(0, 5) for _ in range(F * B)]
+    bounds = [[0, 3, 5, 10], [0, 5, 6, 10], [0, 0, 40, 41]]
+    indices = [rng.randrange(50) if rng.random() < 0.8 else rng.randrange(-(2**31), 2**31 - 1)
+               for _ in range(sum(lengths))]
+    blocks = torch.tensor([-1, -7, 4], dtype=dtype)
+    common = dict(block_bucketize_pos=[torch.tensor(b, dtype=dtype) for b in bounds],
+                  total_num_blocks=torch.tensor([3, 6, 9], dtype=dtype) if blocks_total else None)
+    lengths_t, indices_t = torch.tensor(lengths, dtype=dtype), torch.tensor(indices, dtype=dtype)
+    w = torch.randn(len(indices))
+    got = ops.block_bucketize_sparse_features(lengths_t, indices_t, blocks, torch.zeros(F, dtype=torch.int64), W,
+                                              sequence=True, bucketize_pos=True, weights=w, **common)
+    want = torch.ops.fbgemm.block_bucketize_sparse_features(lengths_t, indices_t, True, True, blocks, W, w, **common)
+    _assert_same(tuple(got)[:5], want, list(got._fields))
+
+
+def test_bucketize_kjt_row_bounds_of_some_features_match_torchrec() -> None:
+    """``row_bounds`` naming some continuous features: the others keep torchrec's blocks
+    (an empty bounds tensor reached the kernel before, an error about an argument the
+    caller never passed); bounds for a routed feature are refused naming ``row_bounds``."""
+    from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    rng = random.Random(5)
+    W, B, rows = 3, 6, {"a": 50, "b": 31}
+    lengths = {k: [rng.randrange(0, 5) for _ in range(B)] for k in rows}
+    # ids of b include raw ids past W * ceil(31 / 3) = 33 (the block rule's id % W branch)
+    values = {k: [rng.randrange(rows[k] + 10 * (k == "b")) for _ in range(sum(lengths[k]))] for k in rows}
+    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor(values["a"] + values["b"]),
+                            lengths=torch.tensor(lengths["a"] + lengths["b"]))
+    bounds_a = [0, 7, 40, 50]
+    got, perm = ops.bucketize_kjt(kjt, W, {"a": "continuous", "b": "continuous"}, rows, sequence=True,
+                                  row_bounds={"a": bounds_a})
+    one = {k: KeyedJaggedTensor(keys=[k], values=torch.tensor(values[k]), lengths=torch.tensor(lengths[k]))
+           for k in rows}
+    want_a, _ = bucketize_kjt_before_all2all(one["a"], W, torch.tensor([-(-50 // W)]),
+                                             block_bucketize_row_pos=[torch.tensor(bounds_a)])
+    want_b, _ = bucketize_kjt_before_all2all(one["b"], W, torch.tensor([-(-31 // W)]))
+    got_lengths = got.lengths().view(W, 2, B)
+    assert torch.equal(got_lengths[:, 0], want_a.lengths().view(W, B))
+    assert torch.equal(got_lengths[:, 1], want_b.lengths().view(W, B))
+    got_values = torch.split(got.values(), got_lengths.sum(2).view(-1).tolist())  # (rank, feature) slices
+    want_values = [torch.split(w.values(), w.lengths().view(W, B).sum(1).tolist()) for w in (want_a, want_b)]
+    for r in range(W):
+        assert torch.equal(got_values[2 * r], want_values[0][r])
+        assert torch.equal(got_values[2 * r + 1], want_values[1][r])
+    assert perm is not None and sorted(perm.tolist()) == list(range(kjt.values().numel()))
+    with pytest.raises(ValueError, match=r"`row_bounds` names features \['b'\] that are not continuous"):
+        ops.bucketize_kjt(kjt, W, {"a": "continuous", "b": "hash_roundrobin"}, rows,
+                          row_bounds={"a": bounds_a, "b": [0, 10, 20, 31]})
