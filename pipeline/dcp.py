@@ -710,12 +710,23 @@ def save(
         thread_count (int): writer threads per rank (``FileSystemWriter``).
 
     Raises:
-        CheckpointSaveError: DCP failed to write (on every rank; no digests record is
-            written, so :func:`load` refuses what was written).
+        CheckpointSaveError: DCP failed to write, or rank 0 could not remove an older
+            save's digests record (on every rank; no digests record is written, so
+            :func:`load` refuses what was written).
     """
     state = dcp_state_dict(model)
-    if _rank_world(process_group)[0] == 0:  # an older save's record no longer describes the files
-        Path(checkpoint_id, DIGESTS_NAME).unlink(missing_ok=True)
+    rank, world = _rank_world(process_group)
+    failed: Optional[str] = None
+    if rank == 0:  # an older save's record no longer describes the files
+        record = Path(checkpoint_id, DIGESTS_NAME)
+        try:
+            record.unlink(missing_ok=True)
+        except OSError as e:
+            failed = f"removing the old record {record} failed ({type(e).__name__}: {e})"
+    # every rank learns it before any enters DCP's save, a collective the others would wait in
+    failed = _all_gather(failed, world, process_group)[0]
+    if failed is not None:
+        raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", [(failed, [0])])
     writer = FileSystemWriter(checkpoint_id, thread_count=thread_count)
     try:
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())

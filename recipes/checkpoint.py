@@ -45,6 +45,7 @@ rank's verdict is gathered, so all ranks load the same step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -351,16 +352,46 @@ class _HashingWriter:
 
 
 def _write_rank_file(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
-    """Saves ``payload`` atomically; returns its manifest entry (bytes, sha256)."""
+    """Saves ``payload`` atomically; returns its manifest entry (bytes, sha256).
+
+    Raises:
+        OSError: the file could not be written (e.g. a full disk); the temporary file
+            is removed.
+    """
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        sink = _HashingWriter(f)
-        torch.save(payload, sink)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            sink = _HashingWriter(f)
+            try:
+                torch.save(payload, sink)
+            except RuntimeError as e:
+                # torch.save's zip writer reports a failed write (ENOSPC, EIO) as a
+                # RuntimeError about the stream position; the OSError is its context.
+                cause = _os_error_in(e)
+                if cause is None:
+                    raise
+                raise cause from None
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # a partial file only takes the space of the next save
+            tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
     return {"bytes": sink.bytes, "sha256": sink.sha256.hexdigest()}
+
+
+def _os_error_in(error: BaseException) -> OSError | None:
+    """The first :class:`OSError` in ``error``'s chain of causes / contexts, or None."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _write_manifest(

@@ -25,6 +25,7 @@ frozen rank before the job fails), reaches them unchanged.
 # No ``from __future__ import annotations``: torchx reads the parameters' annotations
 # as types to decode CLI values (string annotations break ``torchx run recpipe.train``).
 import re
+import socket
 import time
 from typing import Dict, Optional
 
@@ -81,6 +82,53 @@ def _check_resources(*, cpu: int, memMB: int, max_retries: int, rdzv_port: int, 
             )
 
 
+def _port_in_use(port: int) -> Optional[str]:
+    """Why the rendezvous store could not listen on ``port`` on this machine, or None.
+
+    Binds ``port`` on every address as torchrun's c10d store does (``SO_REUSEADDR``:
+    only a socket that is listening on it, not one in TIME_WAIT, makes it busy), then
+    closes it.
+    """
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("", port))
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+    return None
+
+
+def _free_port() -> int:
+    """A TCP port free on this machine now (for the fix of a busy ``rdzv_port``)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _check_rdzv_port(j: str, rdzv_port: int) -> None:
+    """Refuses a multi-node ``-j`` whose ``rdzv_port`` is already listened on here.
+
+    With ``local_cwd`` node 0 is this machine: every torchrun agent then fails to host
+    the c10d store, connects to the other process as a store client instead, and
+    waits for its reply forever (torch's TCPStore client ignores its timeout there),
+    so the job would hang before any worker starts.
+
+    Raises:
+        ConfigError: naming ``--rdzv_port``, the problem and a free port.
+    """
+    max_nnodes = int(j.split("x")[0].split(":")[-1]) if "x" in j else 1
+    if max_nnodes <= 1:
+        return  # one node: torchrun picks a free port itself (localhost:0)
+    problem = _port_in_use(rdzv_port)
+    if problem is not None:
+        raise ConfigError(
+            f"invalid component argument --rdzv_port {rdzv_port}: the port is already in use on this machine "
+            f"({problem}); node 0 of a local_cwd job is this machine, and torchrun's rendezvous would wait "
+            f"forever on that port. Fix: pass a free port, e.g. --rdzv_port {_free_port()}, or stop the process "
+            "listening on it; if node 0 is another machine (kubernetes, slurm), pass --check_paths False"
+        )
+
+
 def train(
     *script_args: str,
     j: str = "1x2",
@@ -108,8 +156,9 @@ def train(
         memMB: memory per replica (node) in MB.
         env: extra environment variables for the workers.
         max_retries: scheduler retries.
-        rdzv_port: rendezvous port on node 0 (multi-node only); with ``local_cwd``
-            it must be free on this host.
+        rdzv_port: rendezvous port on node 0 (multi-node only); with ``check_paths``
+            a multi-node job refuses a port already in use on this machine (node 0 of
+            ``local_cwd``, where a busy port would hang the rendezvous forever).
         tee: which worker streams torchrun tees to the console (3: both).
         check_paths: check on this machine that the input files exist and the output
             paths can be written. False when they exist only on the cluster's
@@ -120,13 +169,16 @@ def train(
 
     Raises:
         ConfigError: a training argument or a component argument (``j``, ``cpu``,
-            ``memMB``, ``max_retries``, ``rdzv_port``, ``tee``) is invalid (before any
-            process starts).
+            ``memMB``, ``max_retries``, ``rdzv_port``, ``tee``) is invalid, or, with
+            ``check_paths``, a multi-node job's ``rdzv_port`` is in use on this machine
+            (before any process starts).
         ConfigPathError: with ``check_paths``, an input file is missing or an output
             path cannot be written on this machine.
     """
     j = _check_j(j)
     _check_resources(cpu=cpu, memMB=memMB, max_retries=max_retries, rdzv_port=rdzv_port, tee=tee)
+    if check_paths:
+        _check_rdzv_port(j, rdzv_port)
     try:
         parse_config(list(script_args), check_paths=check_paths)
     except ConfigPathError as e:

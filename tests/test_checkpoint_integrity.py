@@ -11,6 +11,7 @@ nothing intact resume fails (non-zero exit from the CLI) without training.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -415,6 +416,63 @@ def test_save_refuses_non_finite_weights(tmp_path: Path, checkpoint_format: str)
     assert "step 2" in str(e.value)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
     assert (root / "latest").read_text() == "1\n"
+
+
+class _FullDiskFile(io.RawIOBase):
+    """A writable file on a disk that fills up after ``room`` bytes (then ENOSPC, as
+    ``write(2)`` reports it); it writes through to the real file until then."""
+
+    def __init__(self, real: Any, room: int) -> None:
+        super().__init__()
+        self.real, self.room = real, room
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if n > self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.room -= n
+        return self.real.write(data)
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def close(self) -> None:
+        self.real.close()
+        super().close()
+
+
+def test_a_full_disk_during_a_pt_save_is_a_checkpoint_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save's zip writer turns the OSError of a failed write into a RuntimeError
+    ("unexpected pos"), which the save's OSError handling missed: rank 0 crashed with a
+    traceback (the other ranks then lost their peer) and left its partial ``.tmp`` file.
+    It is a CheckpointWriteError naming the OS error; ``latest`` still names the last
+    good checkpoint, which loads, and no partial file is left."""
+    import builtins
+
+    from recpipe.recipes import checkpoint as checkpoint_module
+    from recpipe.recipes.checkpoint import CheckpointWriteError
+
+    def full_disk_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        real = builtins.open(file, mode, *args, **kwargs)
+        return _FullDiskFile(real, room=4096) if str(file).endswith(".pt.tmp") else real
+
+    config = TrainConfig(**SMALL, max_steps=4)
+    root = tmp_path / "ckpt"
+    with _fresh_run_state(config) as (model, optimizer, table_ranks):
+        save_checkpoint(str(root), 1, model, optimizer, config, table_ranks)
+        with monkeypatch.context() as m:
+            m.setattr(checkpoint_module, "open", full_disk_open, raising=False)
+            with pytest.raises(CheckpointWriteError) as err:
+                save_checkpoint(str(root), 2, model, optimizer, config, table_ranks)
+        assert load_checkpoint(str(root), model, optimizer, config, table_ranks) == 1
+    msg = str(err.value)
+    assert msg.startswith("checkpoint of step 2 was not committed: rank 0: writing"), msg
+    assert "OSError: [Errno 28] No space left on device" in msg and "free space" in msg, msg
+    assert (root / "latest").read_text() == "1\n"
+    assert sorted(p.name for p in step_dir(root, 2).iterdir()) == []  # no partial rank0.pt.tmp
 
 
 # ---------------------------------------------------------------- 2 ranks

@@ -370,6 +370,33 @@ def test_dcp_save_failure_is_an_error_and_leaves_no_loadable_checkpoint(tmp_path
         recpipe_dcp.load(model, tmp_path / "ckpt")
 
 
+def _record_not_removable_body(rank: int, world: int, root: str) -> str:
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    try:
+        recpipe_dcp.save(torch.nn.Linear(3, 2), root)
+    except recpipe_dcp.CheckpointSaveError as e:
+        return str(e)
+    return "saved"
+
+
+def test_dcp_save_that_cannot_replace_the_old_record_fails_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 removes the previous save's digests record first; when that fails (a
+    read-only directory, here a record that is a directory) it raised a bare OSError on
+    rank 0 alone while the other ranks entered DCP's save and waited there for it. Now
+    every rank raises CheckpointSaveError naming the record before any rank writes."""
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    root = tmp_path / "ckpt"
+    (root / recpipe_dcp.DIGESTS_NAME / "x").mkdir(parents=True)  # unlink(2) fails: EISDIR
+    messages = run_gloo(2, _record_not_removable_body, str(root))
+    for msg in messages:
+        assert f"checkpoint {root} was not saved" in msg, msg
+        assert f"removing the old record {root / recpipe_dcp.DIGESTS_NAME} failed (IsADirectoryError" in msg, msg
+        assert "(rank 0)" in msg and "permissions" in msg, msg
+    assert sorted(p.name for p in root.iterdir()) == [recpipe_dcp.DIGESTS_NAME]  # nothing written
+
+
 def _damaged_load_body(rank: int, world: int, root: str, cases: List[str]) -> Dict[str, Any]:
     """Loads every damaged copy into one model; each must fail before the model changes."""
     from recpipe.pipeline import dcp as recpipe_dcp

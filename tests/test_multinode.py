@@ -19,7 +19,7 @@ from torchx.specs import AppState
 from recpipe.planner import PlacementPlanner
 from recpipe.recipes import components, launch
 from recpipe.recipes.build import local_world_size_from_env, planner_topology
-from recpipe.recipes.config import TrainConfig
+from recpipe.recipes.config import ConfigError, TrainConfig
 
 MiB = 2**20
 
@@ -126,6 +126,23 @@ def test_two_nodes_of_one_rank_train_on_one_host(tmp_path: Path) -> None:
     # one rank per machine: a machine's DDR is its one rank's
     assert all(r[ddr_rank].strip() == r[ddr_machine].strip() for r in rows), plan
     assert any(r[ddr_rank].strip() != "0 B" for r in rows), plan  # tiered tables exist
+
+
+def test_busy_rdzv_port_is_refused_before_any_process() -> None:
+    """A port another process listens on made every local torchrun agent a c10d store
+    client of that process, waiting for its reply forever (a hung job): refused here."""
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"--rdzv_port {port}: the port is already in use.*Fix: pass a free port"):
+            components.train(*SMALL, j="2x1", rdzv_port=port)
+        # node 0 elsewhere (kubernetes, slurm): the local port does not matter
+        app = components.train(*SMALL, j="2x1", rdzv_port=port, check_paths=False)
+        assert f"localhost}}:{port}" in app.roles[0].args[-1]
+        # one node: torchrun picks its own port (localhost:0)
+        components.train(*SMALL, j="1x2", rdzv_port=port)
 
 
 # ---- kubernetes / slurm dryruns -----------------------------------------------------
