@@ -74,7 +74,8 @@ from torchrec.distributed.embedding_types import (
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType, data_type_to_dtype, pooling_type_to_pooling_mode
-from torchrec.optim.fused import EmptyFusedOptimizer
+from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.fused import FusedOptimizer as TorchrecFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
@@ -106,6 +107,7 @@ __all__ = [
     "TieredBatchedEmbeddingBag",
     "TieredEmbeddingBagCollectionSharder",
     "TieredEmbeddingCollectionSharder",
+    "TieredFusedOptimizer",
     "TieredRwPooledEmbeddingSharding",
     "TieredRwSequenceEmbeddingSharding",
     "TieredShardedEmbeddingBagCollection",
@@ -224,11 +226,58 @@ def tiered_vbe_error(where: str, table_features: Dict[str, List[str]], features:
     )
 
 
-class _TieredKernelBase(BaseEmbedding):
+class TieredFusedOptimizer(TorchrecFusedOptimizer):
+    """The fused optimizer of a tiered kernel group, as torchrec's ``EmbeddingFusedOptimizer``
+    is of a FUSED one: the optimizer itself runs in the backward, and this
+    ``KeyedOptimizer`` carries its learning rate.
+
+    One param group per table (key ``<table>.weight``, prefixed by the sharded
+    collection like torchrec's), whose ``lr`` starts at the table's fused
+    ``learning_rate``. :meth:`step` and :meth:`zero_grad` push each group's
+    ``lr`` into its shard (:meth:`TieredEmbeddingShard.set_learning_rate`), as
+    torchrec's do into fbgemm's TBE, so an LR schedule on ``model.fused_optimizer``
+    (e.g. torchrec's ``WarmupOptimizer``) reaches tiered tables at the same step
+    as FUSED ones. Its ``state`` is empty: the rows' optimizer state moves with the
+    rows and is checkpointed with them (``state_dict()`` / ``tiered_state()``).
+
+    Args:
+        shards (Dict[str, TieredEmbeddingShard]): table name -> this rank's shard.
+
+    Example::
+
+        for group in model.fused_optimizer.param_groups:
+            group["lr"] = 0.01
+        model.fused_optimizer.step()  # the next backward updates with lr 0.01
+    """
+
+    def __init__(self, shards: Dict[str, TieredEmbeddingShard]) -> None:
+        self._shards: List[TieredEmbeddingShard] = list(shards.values())
+        # a key tensor per table: torchrec keys optimizer params (and their groups) by tensor
+        keys = {f"{name}.weight": torch.empty(0) for name in shards}
+        groups = [{"params": [keys[f"{name}.weight"]], "lr": float(shard.optimizer.learning_rate)}
+                  for name, shard in shards.items()]
+        super().__init__(params=keys, state={}, param_groups=groups)
+
+    def _push_learning_rates(self) -> None:
+        for group, shard in zip(self.param_groups, self._shards):
+            shard.set_learning_rate(group["lr"])
+
+    def step(self, closure: Any = None) -> None:
+        """Sets each table's learning rate from its param group (the update ran in backward)."""
+        self._push_learning_rates()
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Sets each table's learning rate from its param group (no gradients to zero)."""
+        self._push_learning_rates()
+
+
+class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
     """A CUSTOMIZED_KERNEL group: one :class:`TieredEmbeddingShard` per table.
 
     Shared by the pooled (:class:`TieredBatchedEmbeddingBag`) and the sequence
     (:class:`TieredBatchedEmbedding`) kernels, which differ only in ``forward``.
+    Its :attr:`fused_optimizer` (:class:`TieredFusedOptimizer`) joins the sharded
+    collection's ``fused_optimizer``, as torchrec's FUSED kernels' do.
 
     Args:
         config (GroupedEmbeddingConfig): the group's tables (all CUSTOMIZED_KERNEL).
@@ -269,6 +318,14 @@ class _TieredKernelBase(BaseEmbedding):
             )
             self.tables[table.name] = shard
             self._feature_table += [table.name] * table.num_features()
+        self._fused_optimizer: TieredFusedOptimizer = TieredFusedOptimizer(
+            {name: shard for name, shard in self.tables.items()}  # type: ignore[misc]
+        )
+
+    @property
+    def fused_optimizer(self) -> TorchrecFusedOptimizer:
+        """The group's :class:`TieredFusedOptimizer` (torchrec ``FusedOptimizerModule`` interface)."""
+        return self._fused_optimizer
 
     def _shard_pooling(self, table: ShardedEmbeddingTable) -> str:
         """Pooling of the table's shard (``sum`` or ``mean``)."""

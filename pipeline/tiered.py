@@ -431,6 +431,27 @@ class TieredEmbeddingShard(nn.Module):
             s_idx = idx.index_select(0, s_pos).to(slow.device)
             slow.index_copy_(0, s_idx, values.index_select(0, s_pos).to(slow.device))
 
+    def set_learning_rate(self, lr: float) -> None:
+        """Sets the fused optimizer's learning rate for the following backward passes.
+
+        torchrec's fused optimizers do the same from ``step()`` / ``zero_grad()``
+        (``set_learning_rate`` of fbgemm's TBE), which is how an LR schedule on
+        ``model.fused_optimizer`` reaches a table (see
+        ``recpipe.pipeline.sharders.TieredFusedOptimizer``).
+
+        Args:
+            lr (float): the learning rate, a finite number >= 0.
+
+        Raises:
+            ValueError: naming the table when ``lr`` is not a finite number >= 0.
+        """
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"tiered table {self.table_name!r}: learning rate must be a finite number >= 0, "
+                             f"got {lr!r}.")
+        self.optimizer.learning_rate = float(lr)
+        if self._fbgemm is not None:
+            self._fbgemm.tbe.set_learning_rate(float(lr))
+
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self) -> None:

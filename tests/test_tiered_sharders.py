@@ -393,3 +393,65 @@ def test_vbe_kjt_refused_for_tiered_tables_with_possible_solutions(case: str) ->
         assert res["expanded"].shape == res["fused_vbe"].shape == (B, dims)
         torch.testing.assert_close(torch.from_numpy(res["expanded"]), torch.from_numpy(res["fused_vbe"]),
                                    atol=2e-6, rtol=1e-5, msg=f"rank {rank}")
+
+
+# --- learning rate schedule through model.fused_optimizer ----------------------------------
+LR_SCHEDULE = [0.05, 0.2, 0.01, 0.5]  # the lr set before each step's backward
+
+
+def _lr_schedule_body(rank: int, world: int) -> Dict[str, Any]:
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+
+    global_weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone()
+                      for n, *_ in TABLES}
+    out: Dict[str, Any] = {"tiered": [], "ref": []}
+    for kind in ("tiered", "ref"):
+        ebc = _ebc()
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR_SCHEDULE[0]})
+        if kind == "tiered":  # t0 tiered (CACHING), t1 recpipe ROW_WISE FUSED
+            sharder: Any = TieredEmbeddingBagCollectionSharder()
+            plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)})
+        else:  # torchrec's own sharder, TABLE_WISE FUSED
+            sharder = EmbeddingBagCollectionSharder()
+            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
+                                                  sharder=sharder, local_size=world, world_size=world,
+                                                  device_type="cpu")
+        model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                         device=torch.device("cpu"))
+        _copy_state_dict(model.module.state_dict(), global_weights)
+        if kind == "tiered":
+            for name, shard in model.module.tiered_tables().items():
+                shard.load_global_weights(global_weights[f"embedding_bags.{name}.weight"])
+            out["lrs"] = [g["lr"] for g in model.fused_optimizer.param_groups]  # type: ignore[union-attr]
+        for step, lr in enumerate(LR_SCHEDULE):
+            # as torchrec's WarmupOptimizer / an LR scheduler: set the groups' lr, then step()
+            for group in model.fused_optimizer.param_groups:  # type: ignore[union-attr]
+                group["lr"] = lr
+            model.fused_optimizer.step()  # type: ignore[operator]
+            kjt, grad = _kjt(step, rank)
+            result = model(kjt).values()
+            out[kind].append(result.detach().numpy().copy())
+            result.backward(grad)
+    return out
+
+
+def test_lr_schedule_on_fused_optimizer_reaches_tiered_tables() -> None:
+    """An LR schedule applied to ``model.fused_optimizer`` (param groups' ``lr``, then
+    ``step()``, as torchrec's ``WarmupOptimizer`` does) changes the tiered tables'
+    learning rate at the same step as torchrec's FUSED tables': every step's outputs
+    equal torchrec's own TABLE_WISE FUSED EBC. Tiered tables used to sit behind an
+    ``EmptyFusedOptimizer`` with no param group, so they silently kept their initial lr."""
+    for rank, res in enumerate(run_gloo(2, _lr_schedule_body)):
+        assert len(res["lrs"]) >= 2, res["lrs"]  # the tiered table's group next to the FUSED table's
+        for step in range(len(LR_SCHEDULE)):
+            torch.testing.assert_close(
+                torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
+                atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step} (lr {LR_SCHEDULE[step]})",
+            )
