@@ -98,11 +98,19 @@ def fsync_dir(path: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes ``path`` via a temporary file in the same directory, fsync and ``os.replace``."""
+    """Writes ``path`` via a temporary file in the same directory, fsync and ``os.replace``
+    (the temporary file is removed when that fails)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:  # a partial temporary file only takes space
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
     fsync_dir(path.parent)

@@ -62,6 +62,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from recpipe.pipeline._integrity import atomic_write_bytes, file_entry, file_problem, is_file_entry, json_digest
@@ -82,6 +83,7 @@ __all__ = [
     "describe_failures",
     "load",
     "load_dcp_state_dict",
+    "remove_rank_files",
     "save",
     "tiered_dcp_key",
     "verify_checkpoint",
@@ -168,12 +170,17 @@ class CheckpointLoadError(_DCPFailure):
     Args:
         where (str): the checkpoint, for the message.
         problems (Sequence[Tuple[str, Sequence[int]]]): see :func:`dcp_failures`.
+        fixes (Sequence[str] | None): the possible solutions (default: those of a
+            model that differs from the saving job's).
     """
 
-    def __init__(self, where: str, problems: Sequence[Tuple[str, Sequence[int]]]) -> None:
+    def __init__(
+        self, where: str, problems: Sequence[Tuple[str, Sequence[int]]], fixes: Optional[Sequence[str]] = None
+    ) -> None:
         super().__init__(
             f"{where} could not be loaded into this model (torch.distributed.checkpoint.load failed):",
             problems,
+            fixes if fixes is not None else
             ("build the model as the saving job did: the same table sizes and dims, dense layers, module names "
              "and optimizer (each line above names the entry; a size mismatch quotes both shapes)",
              "load a checkpoint saved from this model's configuration",
@@ -182,8 +189,9 @@ class CheckpointLoadError(_DCPFailure):
 
 
 class CheckpointSaveError(_DCPFailure):
-    """``torch.distributed.checkpoint.save`` failed (e.g. a full disk). No digests record
-    was written, so :func:`load` refuses the partial checkpoint. Raised on every rank.
+    """``torch.distributed.checkpoint.save``, or the digests record :func:`save` writes
+    after it, failed (e.g. a full disk). No digests record was written, so :func:`load`
+    refuses the partial checkpoint. Raised on every rank.
 
     Args:
         where (str): the checkpoint, for the message.
@@ -192,7 +200,7 @@ class CheckpointSaveError(_DCPFailure):
 
     def __init__(self, where: str, problems: Sequence[Tuple[str, Sequence[int]]]) -> None:
         super().__init__(
-            f"{where} was not saved (torch.distributed.checkpoint.save failed):",
+            f"{where} was not saved:",
             problems,
             ("check the free space and permissions of the checkpoint directory, then save again",
              "save into another directory"),
@@ -233,6 +241,35 @@ def _referenced_files(metadata: Metadata) -> List[str]:
     return sorted({info.relative_path for info in (metadata.storage_data or {}).values()} | {_DCP_METADATA_NAME})
 
 
+_DCP_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
+
+
+def remove_rank_files(checkpoint_id: PathLike, rank: int) -> None:
+    """Removes the data files DCP's ``FileSystemWriter`` names after ``rank``
+    (``__<rank>_<n>.distcp``) and, for rank 0, DCP's temporary metadata: the partial
+    files of a failed save, which would otherwise keep a full disk full. Only for a
+    directory that holds no committed checkpoint (:func:`save` has removed the digests
+    record before writing; the recipe empties the step directory). Errors are ignored:
+    the save's own failure is the one to report.
+
+    Args:
+        checkpoint_id (str | os.PathLike): the checkpoint directory.
+        rank (int): the saving rank (in the save's process group).
+    """
+    directory = Path(checkpoint_id)
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return
+    for name in names:
+        m = _DCP_RANK_FILE.match(name)
+        if (m is not None and int(m.group(1)) == rank) or (rank == 0 and name == _DCP_METADATA_NAME + ".tmp"):
+            try:
+                (directory / name).unlink()
+            except OSError:
+                pass
+
+
 def write_digests(checkpoint_id: PathLike, *, process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Records the size and sha256 of every file of a finished DCP save in
     :data:`DIGESTS_NAME` (collective: each rank hashes a share of the files, the
@@ -247,6 +284,16 @@ def write_digests(checkpoint_id: PathLike, *, process_group: Optional[dist.Proce
     Raises:
         OSError: a file could not be hashed or the record not written (on every rank).
     """
+    problems = _write_digests(checkpoint_id, process_group)
+    if problems:
+        raise OSError("; ".join(describe_failures(problems)))
+
+
+def _write_digests(
+    checkpoint_id: PathLike, process_group: Optional[dist.ProcessGroup]
+) -> List[Tuple[str, List[int]]]:
+    """:func:`write_digests`: returns its failures as ``(problem, ranks)``, the same on
+    every rank (empty when the record was written)."""
     directory = Path(checkpoint_id)
     rank, world = _rank_world(process_group)
     mine: Dict[str, Any] = {}
@@ -255,21 +302,20 @@ def write_digests(checkpoint_id: PathLike, *, process_group: Optional[dist.Proce
         names = _referenced_files(FileSystemReader(directory).read_metadata())
         mine = {name: file_entry(directory / name) for name in names[rank::world]}
     except OSError as e:
-        failed = f"rank {rank}: hashing the files of {directory} failed ({type(e).__name__}: {e})"
+        failed = f"hashing the files of {directory} failed ({type(e).__name__}: {e})"
     parts = _all_gather((mine, failed), world, process_group)
-    errors = [err for _, err in parts if err is not None]
-    if rank == 0 and not errors:
+    problems = [(err, [r]) for r, (_, err) in enumerate(parts) if err is not None]
+    if rank == 0 and not problems:
         files = {name: entry for part, _ in parts for name, entry in part.items()}
         body = {"format": _DIGESTS_FORMAT, "files": files}
         text = json.dumps(dict(body, digests_sha256=json_digest(body)), indent=1, sort_keys=True)
         try:
             atomic_write_bytes(directory / DIGESTS_NAME, (text + "\n").encode())
         except OSError as e:
-            errors.append(f"rank 0: writing {directory / DIGESTS_NAME} failed ({type(e).__name__}: {e})")
-    if world > 1:
-        errors = [err for part in _all_gather(errors, world, process_group) for err in part]
-    if errors:
-        raise OSError("; ".join(sorted(set(errors))))
+            problems.append((f"writing {directory / DIGESTS_NAME} failed ({type(e).__name__}: {e})", [0]))
+    if world > 1:  # every rank learns rank 0's verdict (its list holds every problem)
+        problems = _all_gather(problems, world, process_group)[0]
+    return problems
 
 
 def _read_digests(directory: Path) -> Dict[str, Any]:
@@ -476,6 +522,37 @@ def _check_table_kinds(
         )
 
 
+def _check_fused_optimizer(
+    metadata: Metadata, state: Dict[str, Any], where: str, strict: bool, process_group: Optional[dist.ProcessGroup]
+) -> None:
+    """A checkpoint without fused optimizer state, e.g. torchrec's own
+    ``torch.distributed.checkpoint.save(model.state_dict(), ...)``: refused with
+    ``strict`` (on every rank: all read the same metadata), else ``state`` loses its
+    :data:`FUSED_OPTIMIZER_KEY` entry so that the model keeps its own optimizer state.
+    DCP alone would fail with a "Missing key" of the first optimizer entry, even
+    without ``strict``.
+    """
+    if FUSED_OPTIMIZER_KEY not in state:
+        return
+    expected = flatten_state_dict({FUSED_OPTIMIZER_KEY: state[FUSED_OPTIMIZER_KEY]})[0]
+    if not expected or any(key in metadata.state_dict_metadata for key in expected):
+        return  # nothing to load, or (some of) it is there: DCP names any missing entry
+    head = FUSED_OPTIMIZER_KEY + "."
+    if not strict:
+        del state[FUSED_OPTIMIZER_KEY]
+        return
+    world = _rank_world(process_group)[1]
+    raise CheckpointLoadError(
+        where,
+        [(f"it holds no fused optimizer state (no {head}* entry): it was saved from model.state_dict() alone, "
+          "e.g. by torchrec's own torch.distributed.checkpoint.save(model.state_dict(), ...)", list(range(world)))],
+        ("pass strict=False to load its weights and keep this model's fused optimizer state (e.g. fresh Adagrad "
+         "accumulators: training goes on, but not exactly as the saving job's would)",
+         f"save with recpipe.pipeline.dcp.save, or add model.fused_optimizer.state_dict() under the key "
+         f"{FUSED_OPTIMIZER_KEY!r} of the state dict you save"),
+    )
+
+
 def _read_fields(
     reader: FileSystemReader, metadata: Metadata, table_fqn: str, rank: int, fields: Tuple[str, ...], where: str
 ) -> Dict[str, Any]:
@@ -645,7 +722,10 @@ def load_dcp_state_dict(
             or a reader of it.
         process_group (dist.ProcessGroup | None): group of the regular DCP load
             (default: the world, when torch.distributed is initialized).
-        strict (bool): passed to ``model.load_state_dict``.
+        strict (bool): passed to ``model.load_state_dict``; False also loads a
+            checkpoint without fused optimizer state (torchrec's own
+            ``torch.distributed.checkpoint.save(model.state_dict(), ...)``), keeping
+            the model's.
         verify (bool): verify the files' sizes and sha256 first (False: load a
             checkpoint without a digests record, or one verified by other means).
 
@@ -657,7 +737,8 @@ def load_dcp_state_dict(
             anything is read), a tiered table's exports are incomplete, or they
             disagree with the table (names it).
         CheckpointLoadError: DCP refused the regular part, e.g. a torchrec table or
-            dense layer of another shape (on every rank, before anything is read).
+            dense layer of another shape, or (``strict``) the checkpoint holds no
+            fused optimizer state (on every rank, before anything is read).
     """
     reader = checkpoint if isinstance(checkpoint, FileSystemReader) else FileSystemReader(checkpoint)
     where = f"checkpoint {os.fspath(reader.path)}"
@@ -667,6 +748,7 @@ def load_dcp_state_dict(
     state, found = _regular_state_dict(model)
     tiered = _tiered_tables(found)
     _check_table_kinds(metadata, state, list(tiered), where, strict, process_group)
+    _check_fused_optimizer(metadata, state, where, strict, process_group)
     # Every tiered export's metadata is checked on every rank before anything is loaded,
     # so a table of another size, dim or optimizer leaves the whole model untouched.
     heads: Dict[str, Dict[int, Dict[str, Any]]] = {}
@@ -710,9 +792,11 @@ def save(
         thread_count (int): writer threads per rank (``FileSystemWriter``).
 
     Raises:
-        CheckpointSaveError: DCP failed to write, or rank 0 could not remove an older
-            save's digests record (on every rank; no digests record is written, so
-            :func:`load` refuses what was written).
+        CheckpointSaveError: DCP failed to write (each rank's partial data files are
+            removed first, :func:`remove_rank_files`), rank 0 could not remove an older
+            save's digests record, or the digests record could not be written (on
+            every rank; no digests record is written, so :func:`load` refuses what
+            was written).
     """
     state = dcp_state_dict(model)
     rank, world = _rank_world(process_group)
@@ -731,8 +815,11 @@ def save(
     try:
         dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
     except CheckpointException as e:
+        remove_rank_files(checkpoint_id, rank)  # uncommitted: the old record is gone
         raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", dcp_failures(e)) from None
-    write_digests(checkpoint_id, process_group=process_group)
+    problems = _write_digests(checkpoint_id, process_group)
+    if problems:  # e.g. the disk filled up or the directory became read-only after DCP's write
+        raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", problems)
 
 
 def load(
@@ -749,7 +836,7 @@ def load(
         model (nn.Module): the model to load into.
         checkpoint_id (str | os.PathLike): checkpoint directory.
         process_group (dist.ProcessGroup | None): group of the regular DCP load.
-        strict (bool): passed to ``model.load_state_dict``.
+        strict (bool): see :func:`load_dcp_state_dict`.
         verify (bool): verify the files against :data:`DIGESTS_NAME` first.
     """
     if not os.path.isdir(checkpoint_id):

@@ -29,7 +29,10 @@ temporary name in the step directory, fsyncs it and ``os.replace``-s it into pla
 hashing the bytes as they are written; rank 0 gathers every rank's size and digest
 and writes ``manifest.json`` (its own digest inside), then ``latest``, both
 atomically. The manifest is the commit record of a step directory; ``latest`` names
-the newest committed step.
+the newest committed step. Rank 0 holds an exclusive ``flock`` on
+``<checkpoint_dir>/.recpipe_save.lock`` during each save: a second run saving into the
+same directory at that moment raises :class:`CheckpointWriteError` (naming the holder)
+instead of mixing the two runs' files in one step directory.
 
 Loading verifies before it touches the model: the manifest, then each file it
 reads (size, sha256, unpickling, the file's own step / rank / world size), then the
@@ -47,12 +50,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import re
+import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -92,6 +97,8 @@ MANIFEST_NAME: str = "manifest.json"
 """The commit record of a step directory: size and sha256 of every rank file."""
 LATEST_NAME: str = "latest"
 """The marker naming the newest committed step."""
+SAVE_LOCK_NAME: str = ".recpipe_save.lock"
+"""The file rank 0 holds an exclusive ``flock`` on while it saves (it names the holder)."""
 MANIFEST_FORMAT: str = "recpipe-checkpoint/1"
 DCP_METADATA_NAME: str = ".metadata"
 """The metadata file torch.distributed.checkpoint writes into a ``dcp`` step directory."""
@@ -589,7 +596,10 @@ def save_checkpoint(
     its fused optimizer state are written by torch.distributed.checkpoint
     (:func:`recpipe.pipeline.dcp.dcp_state_dict`), each rank's ``rankR.pt`` holds the
     metadata and the dense optimizer state, and rank 0 records every file of the step
-    directory (DCP's too) in the manifest: the same commit protocol.
+    directory (DCP's too) in the manifest: the same commit protocol. Rank 0 holds an
+    exclusive lock on ``directory/SAVE_LOCK_NAME`` for the whole save, so a second run
+    saving into the same directory at the same time fails instead of mixing its files
+    with this one's.
 
     Returns:
         The step directory.
@@ -597,10 +607,78 @@ def save_checkpoint(
     Raises:
         NonFiniteStateError: some rank's state holds NaN / inf (nothing was written).
         CheckpointWriteError: some rank could not write its file (the step is not
-            committed: no manifest, ``latest`` unchanged).
+            committed: no manifest, ``latest`` unchanged), or another run is saving
+            into ``directory`` at the same time (nothing was written).
     """
-    if config.checkpoint_format == "dcp":
-        return _save_dcp_checkpoint(directory, step, model, optimizer, config, table_ranks)
+    with _save_lock(Path(directory), step):
+        if config.checkpoint_format == "dcp":
+            return _save_dcp_checkpoint(directory, step, model, optimizer, config, table_ranks)
+        return _save_pt_checkpoint(directory, step, model, optimizer, config, table_ranks)
+
+
+@contextlib.contextmanager
+def _save_lock(root: Path, step: int) -> Iterator[None]:
+    """Rank 0 holds an exclusive ``flock`` on ``root/SAVE_LOCK_NAME`` for the whole save
+    (a collective: every rank learns the outcome before anyone writes). Another run
+    saving into the same directory at the same time would otherwise mix its files with
+    this one's: the recipe empties a ``dcp`` step directory first, both write the same
+    file names, and the manifest records the files as they are at commit time.
+
+    Raises:
+        CheckpointWriteError: on every rank, when another process holds the lock (named)
+            or the lock file cannot be created; nothing was written. A file system
+            without ``flock`` saves unlocked.
+    """
+    rank, world = _rank_world()
+    path = root / SAVE_LOCK_NAME
+    fd: int | None = None
+    problem: str | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # the directory cannot be written: neither can the checkpoint
+            problem = (f"rank 0: creating {path} failed ({type(e).__name__}: {e}). Fix: check the free space and "
+                       "permissions of --checkpoint-dir")
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                with contextlib.suppress(OSError):  # names the holder for the other run's message
+                    os.ftruncate(fd, 0)
+                    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
+            except BlockingIOError:
+                holder = "another process"
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    holder = path.read_text().strip() or holder
+                problem = (f"another run ({holder}) is saving into {root} at the same time (it holds {path}); "
+                           "two runs writing one --checkpoint-dir would mix their files. Fix: give each run its "
+                           "own --checkpoint-dir")
+                os.close(fd)
+                fd = None
+            except OSError:
+                # a file system without flock (ENOLCK / EOPNOTSUPP on some NFS or Lustre mounts):
+                # the guard is lost, not the checkpoint; save unlocked
+                os.close(fd)
+                fd = None
+    problem = _broadcast(problem, world)
+    if problem is not None:
+        raise CheckpointWriteError(f"checkpoint of step {step} was not committed: {problem}")
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
+def _save_pt_checkpoint(
+    directory: str,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    table_ranks: dict[str, Any],
+) -> Path:
+    """:func:`save_checkpoint` in the ``pt`` format (see there)."""
     rank, world = _rank_world()
     root = Path(directory)
     step_dir = root / step_dir_name(step)
@@ -752,7 +830,15 @@ def _save_dcp_checkpoint(
             written = _write_rank_file(path, payload)
         except OSError as e:
             written = f"rank {rank}: writing {path} failed ({type(e).__name__}: {e})"
-    _commit(root, step_dir, step, rank, world, _all_gather(written, world), "dcp")
+    entries = _all_gather(written, world)
+    if any(isinstance(e, str) for e in entries):
+        # Not committed, and rank 0 emptied the directory before anyone wrote: every file in
+        # it is this failed save's. Partial files would keep a full disk full.
+        recpipe_dcp.remove_rank_files(step_dir, rank)
+        for name in [_rank_file(rank)] + ([DCP_METADATA_NAME] if rank == 0 else []):
+            with contextlib.suppress(OSError):
+                (step_dir / name).unlink(missing_ok=True)
+    _commit(root, step_dir, step, rank, world, entries, "dcp")
     return step_dir
 
 

@@ -251,6 +251,100 @@ def test_a_failed_dcp_write_is_a_checkpoint_write_error(tmp_path: Path, monkeypa
     assert (root / "latest").read_text() == "4\n"
 
 
+def test_a_dcp_write_that_fills_the_disk_leaves_no_partial_files(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP wrote its data file, then the disk was full: the step is not committed and its
+    directory held only this save's files (emptied first), which used to stay and keep the
+    disk full for the next save. They are removed; the last good checkpoint is untouched."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from recpipe.recipes.checkpoint import CheckpointWriteError
+
+    write_data = FileSystemWriter.write_data
+
+    def fills_the_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        write_data(self, *args, **kwargs)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    config = TrainConfig(**DCP, max_steps=8)
+    root = tmp_path / "ckpt"
+    with _one_rank():
+        model, optimizer, table_ranks = _build(config)
+        save_checkpoint(str(root), 4, model, optimizer, config, table_ranks)
+        good = {p.name: p.read_bytes() for p in step_dir(root, 4).iterdir()}
+        with monkeypatch.context() as m:
+            m.setattr(FileSystemWriter, "write_data", fills_the_disk)
+            with pytest.raises(CheckpointWriteError, match="No space left on device"):
+                save_checkpoint(str(root), 8, model, optimizer, config, table_ranks)
+        assert sorted(p.name for p in step_dir(root, 8).iterdir()) == []
+        assert {p.name: p.read_bytes() for p in step_dir(root, 4).iterdir()} == good
+        assert load_checkpoint(str(root), model, optimizer, config, table_ranks) == 4
+
+
+@pytest.mark.parametrize("checkpoint_format", ["dcp", "pt"])
+def test_a_second_run_saving_into_the_same_directory_fails_before_writing(tmp_path: Path,
+                                                                          checkpoint_format: str) -> None:
+    """Two runs saving into one --checkpoint-dir at once: the second one's rank 0 used to
+    empty the step directory the first was writing, and both wrote the same file names
+    (two torchrun jobs here: a committed step whose __0_0.distcp held bytes of both runs).
+    Now the save finds the other run's lock, raises CheckpointWriteError naming it and
+    writes nothing; the other run's checkpoint is untouched."""
+    import fcntl
+    import os
+
+    from recpipe.recipes.checkpoint import CheckpointWriteError
+
+    lock = ".recpipe_save.lock"  # recpipe.recipes.checkpoint.SAVE_LOCK_NAME
+
+    config = TrainConfig(**dict(DCP, checkpoint_format=checkpoint_format), max_steps=8)
+    root = tmp_path / "ckpt"
+    with _one_rank():
+        model, optimizer, table_ranks = _build(config)
+        save_checkpoint(str(root), 4, model, optimizer, config, table_ranks)
+        good = {p.name: p.read_bytes() for p in step_dir(root, 4).iterdir()}
+        fd = os.open(root / lock, os.O_RDWR | os.O_CREAT)  # the other run's rank 0, mid-save
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.write(fd, b"pid 4242 on otherhost\n")
+            for step in (4, 8):
+                with pytest.raises(CheckpointWriteError) as err:
+                    save_checkpoint(str(root), step, model, optimizer, config, table_ranks)
+                msg = str(err.value)
+                assert f"checkpoint of step {step} was not committed: another run (pid 4242 on otherhost)" in msg, msg
+                assert "own --checkpoint-dir" in msg, msg
+        finally:
+            os.close(fd)
+        assert {p.name: p.read_bytes() for p in step_dir(root, 4).iterdir()} == good
+        assert not step_dir(root, 8).exists() and (root / "latest").read_text() == "4\n"
+        save_checkpoint(str(root), 8, model, optimizer, config, table_ranks)  # the lock is free again
+        assert load_checkpoint(str(root), model, optimizer, config, table_ranks) == 8
+
+
+def test_a_file_system_without_flock_saves_unlocked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some NFS / Lustre mounts refuse flock (ENOLCK, EOPNOTSUPP): the same-directory guard
+    is lost there, never the checkpoint, which saves, commits and loads as elsewhere."""
+    import errno
+    import types
+
+    from recpipe.recipes import checkpoint as checkpoint_module
+
+    def no_flock(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    config = TrainConfig(**DCP, max_steps=8)
+    root = tmp_path / "ckpt"
+    with _one_rank():
+        model, optimizer, table_ranks = _build(config)
+        monkeypatch.setattr(checkpoint_module, "fcntl", types.SimpleNamespace(
+            flock=no_flock, LOCK_EX=checkpoint_module.fcntl.LOCK_EX, LOCK_NB=checkpoint_module.fcntl.LOCK_NB))
+        save_checkpoint(str(root), 4, model, optimizer, config, table_ranks)
+        assert (root / "latest").read_text() == "4\n"
+        assert load_checkpoint(str(root), model, optimizer, config, table_ranks) == 4
+
+
 # ---------------------------------------------------------------- 2 ranks
 def _two_rank_body(rank: int, world_size: int, root: str, placement: str) -> dict[str, Any]:
     base = dict(DCP, placement=placement)

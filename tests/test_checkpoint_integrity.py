@@ -101,7 +101,8 @@ def _resume_lines(stdout: str) -> list[str]:
 def test_save_is_committed_by_a_manifest_of_sha256_then_latest(pristine: tuple[Path, list[float]]) -> None:
     root, _ = pristine
     assert (root / "latest").read_text() == f"{SAVED_STEPS}\n"
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004", "step_00000008", "step_00000012"]
+    assert sorted(p.name for p in root.iterdir()) == [".recpipe_save.lock", "latest", "step_00000004", "step_00000008",
+                                                      "step_00000012"]
     for step in (4, 8, 12):
         d = step_dir(root, step)
         assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "rank0.pt"]  # no temporary left
@@ -414,7 +415,7 @@ def test_save_refuses_non_finite_weights(tmp_path: Path, checkpoint_format: str)
         with pytest.raises(NonFiniteStateError, match="over_arch") as e:
             save_checkpoint(str(root), 2, model, optimizer, config, table_ranks)
     assert "step 2" in str(e.value)
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]
+    assert sorted(p.name for p in root.iterdir()) == [".recpipe_save.lock", "latest", "step_00000001"]
     assert (root / "latest").read_text() == "1\n"
 
 

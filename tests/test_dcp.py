@@ -497,3 +497,185 @@ def test_dcp_refuses_tables_of_another_kind_on_every_rank(tmp_path: Path) -> Non
     assert ("table 'module.ebc.embedding_bags.t0' is tiered in this model, but the checkpoint holds it as a torchrec "
             "table (weight [97, 8])") in msg, msg
     assert "table 'module.ebc.embedding_bags.t1' is tiered in this model" in msg, msg
+
+
+IO_TABLES = [("a0", 40, 4, ["g0"]), ("a1", 30, 4, ["g1"]), ("a2", 50, 8, ["g2", "g3"])]
+
+
+def _plain_torchrec_model(world: int, owners: Dict[str, int], recpipe_sharder: bool, seed: int) -> Any:
+    """a0 / a1 TABLE_WISE on ``owners``, a2 ROW_WISE, all FUSED with row-wise Adagrad;
+    torchrec's own EmbeddingBagCollectionSharder, or recpipe's CPU row-wise subclass."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from recpipe.pipeline.sharding import recpipe_sharders
+
+    ebc = _ebc(IO_TABLES, seed=seed)
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
+    sharder: Any = EmbeddingBagCollectionSharder()
+    if recpipe_sharder:
+        sharder = next(s for s in recpipe_sharders() if isinstance(s, EmbeddingBagCollectionSharder))
+    per = {"a0": table_wise(rank=owners["a0"]), "a1": table_wise(rank=owners["a1"]), "a2": row_wise()}
+    plan = construct_module_sharding_plan(ebc, per, sharder=sharder, local_size=world, world_size=world,
+                                          device_type="cpu")
+    return DistributedModelParallel(_Model(ebc, sum(d * len(f) for _, _, d, f in IO_TABLES)),
+                                    plan=ShardingPlan({"ebc": plan}), sharders=[sharder], device=torch.device("cpu"))
+
+
+def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    """A plain torchrec model, trained, saved as torchrec users do (DCP of its state_dict,
+    without and with the fused optimizer) and by recpipe.pipeline.dcp.save."""
+    import torch.distributed.checkpoint as tdcp
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    model = _plain_torchrec_model(world, {"a0": 0, "a1": 1}, recpipe_sharder=False, seed=2)
+    opt = _dense_opt(model)
+    for step in range(TRAIN_STEPS):
+        _step(model, opt, IO_TABLES, step, [rank])
+    tdcp.save(model.state_dict(), checkpoint_id=f"{root}/torchrec")
+    tdcp.save(dict(model.state_dict(), fused_optimizer=model.fused_optimizer.state_dict()),
+              checkpoint_id=f"{root}/torchrec_with_optimizer")
+    recpipe_dcp.save(model, f"{root}/recpipe")
+    return {"view": _view(model), "next": _step(model, opt, IO_TABLES, TRAIN_STEPS, [rank])}
+
+
+def _torchrec_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    import torch.distributed.checkpoint as tdcp
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    moved = {"a0": 1, "a1": 0}  # each TABLE_WISE table on the other rank, other initial weights
+    out: Dict[str, Any] = {}
+    model = _plain_torchrec_model(world, moved, recpipe_sharder=True, seed=5)
+    fresh = _view(model)
+    with pytest.raises(recpipe_dcp.CheckpointLoadError) as err:
+        recpipe_dcp.load(model, f"{root}/torchrec", verify=False)
+    out["strict_error"] = str(err.value)
+    out["unchanged"] = _view(model)
+    recpipe_dcp.load(model, f"{root}/torchrec", verify=False, strict=False)
+    out["weights_only"], out["fresh"] = _view(model), fresh
+    model = _plain_torchrec_model(world, moved, recpipe_sharder=True, seed=5)
+    recpipe_dcp.load(model, f"{root}/torchrec_with_optimizer", verify=False)
+    out["with_optimizer"] = _view(model)
+    out["with_optimizer_next"] = _step(model, _dense_opt(model), IO_TABLES, TRAIN_STEPS, [rank])
+    # the reverse: recpipe's checkpoint read by plain torchrec and DCP (extra keys are ignored)
+    plain = _plain_torchrec_model(world, moved, recpipe_sharder=False, seed=5)
+    state = dict(plain.state_dict(), fused_optimizer=plain.fused_optimizer.state_dict())
+    tdcp.load(state, checkpoint_id=f"{root}/recpipe")
+    plain.fused_optimizer.load_state_dict(state.pop("fused_optimizer"))
+    plain.load_state_dict(state)
+    out["reverse"] = _view(plain)
+    out["reverse_next"] = _step(plain, _dense_opt(plain), IO_TABLES, TRAIN_STEPS, [rank])
+    return out
+
+
+def test_dcp_interoperates_with_plain_torchrec_checkpoints(tmp_path: Path) -> None:
+    """A plain torchrec model (TABLE_WISE and ROW_WISE FUSED, torchrec's own sharder)
+    saved with DCP of its state_dict loads into a recpipe model with its tables placed
+    otherwise: every table equal to the source's; with the fused optimizer under
+    ``fused_optimizer`` the optimizer state and the next step too. Without it, a strict
+    load used to fail with DCP's "Missing key ... fused_optimizer..." (even with
+    strict=False, so such a checkpoint could not be loaded at all); now it names the
+    cause on every rank and strict=False loads the weights. recpipe's own checkpoint of
+    that model loads into the plain torchrec model with DCP alone."""
+    src = run_gloo(2, _torchrec_save_body, str(tmp_path))
+    out = run_gloo(2, _torchrec_load_body, str(tmp_path))
+    source = _assemble([s["view"] for s in src])
+    weights = {k: v for k, v in source.items() if not k.startswith("optim/")}
+    assert {"torchrec/a0", "torchrec/a1", "torchrec/a2", "head"} <= set(weights)
+    assert out[0]["strict_error"] == out[1]["strict_error"]
+    msg = out[0]["strict_error"]
+    assert "holds no fused optimizer state" in msg and "strict=False" in msg and "(ranks 0, 1)" in msg, msg
+    fresh = _assemble([r["fresh"] for r in out])
+    _assert_same_tables(fresh, _assemble([r["unchanged"] for r in out]), "refused load changed the model")
+    loaded = _assemble([r["weights_only"] for r in out])
+    _assert_same_tables(weights, {k: v for k, v in loaded.items() if not k.startswith("optim/")}, "strict=False")
+    for key in (k for k in loaded if k.startswith("optim/")):  # the model kept its own (fresh) optimizer state
+        np.testing.assert_array_equal(loaded[key], fresh[key], err_msg=key)
+    _assert_same_tables(source, _assemble([r["with_optimizer"] for r in out]), "with fused_optimizer")
+    _assert_same_tables(source, _assemble([r["reverse"] for r in out]), "recpipe -> plain torchrec")
+    for rank in range(2):
+        for kind in ("with_optimizer_next", "reverse_next"):
+            for key in ("emb", "pred"):
+                np.testing.assert_array_equal(out[rank][kind][key], src[rank]["next"][key],
+                                              err_msg=f"rank {rank} {kind} {key}")
+
+
+def _digests_fail_body(rank: int, world: int, root: str, failing_rank: int) -> Dict[str, Any]:
+    """DCP's write succeeds, then the digests record fails on ``failing_rank``: rank 0's
+    write of the record (a full disk), or another rank's hashing (an I/O error)."""
+    import errno
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    model = torch.nn.Linear(3, 2)
+    if rank == failing_rank:
+        def fail(*args: Any, **kwargs: Any) -> Any:
+            raise OSError(errno.ENOSPC if rank == 0 else errno.EIO, "injected")
+
+        setattr(recpipe_dcp, "atomic_write_bytes" if rank == 0 else "file_entry", fail)
+    try:
+        recpipe_dcp.save(model, root)
+    except recpipe_dcp.CheckpointSaveError as e:
+        error = str(e)
+    except BaseException as e:  # noqa: BLE001 - reported: the contract is CheckpointSaveError
+        error = f"not a CheckpointSaveError: {type(e).__name__}: {e}"
+    else:
+        error = "saved"
+    with pytest.raises(recpipe_dcp.CheckpointIntegrityError, match="missing"):
+        recpipe_dcp.load(model, root)  # no record: the directory is not taken for a checkpoint
+    return {"error": error}
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_dcp_save_whose_digests_record_fails_is_a_save_error_on_every_rank(tmp_path: Path, failing_rank: int) -> None:
+    """The digests record is part of the save: its failure (after DCP's write) used to be
+    a bare OSError, which ``except CheckpointSaveError`` missed; now every rank raises
+    CheckpointSaveError naming the failing rank and the OS error."""
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    root = tmp_path / "ckpt"
+    out = run_gloo(2, _digests_fail_body, str(root), failing_rank)
+    assert out[0]["error"] == out[1]["error"], out
+    msg = out[0]["error"]
+    assert msg.startswith(f"checkpoint {root} was not saved:"), msg
+    what = (f"writing {root / recpipe_dcp.DIGESTS_NAME} failed (OSError: [Errno 28] injected) (rank 0)" if failing_rank == 0
+            else f"hashing the files of {root} failed (OSError: [Errno 5] injected) (rank 1)")
+    assert what in msg and "free space" in msg, msg
+    assert not (root / recpipe_dcp.DIGESTS_NAME).exists()
+
+
+def _partial_write_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    """DCP writes this rank's data file, then the disk is full (on rank 1 only)."""
+    import errno
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    write_data = FileSystemWriter.write_data
+
+    def fills_the_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        written = write_data(self, *args, **kwargs)
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return written
+
+    setattr(FileSystemWriter, "write_data", fills_the_disk)
+    with pytest.raises(recpipe_dcp.CheckpointSaveError) as err:
+        recpipe_dcp.save(torch.nn.Linear(3, 2), root)
+    return {"error": str(err.value)}
+
+
+def test_dcp_save_that_fills_the_disk_removes_its_partial_files(tmp_path: Path) -> None:
+    """A failed save is not a checkpoint (no digests record, and the previous save's was
+    removed first): the data files it did write used to stay and keep the disk full."""
+    root = tmp_path / "ckpt"
+    out = run_gloo(2, _partial_write_body, str(root))
+    assert "No space left on device (rank 1)" in out[0]["error"], out
+    assert sorted(p.name for p in root.iterdir()) == [], sorted(p.name for p in root.iterdir())
