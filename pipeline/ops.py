@@ -476,9 +476,23 @@ def global_row_ids(
 
     Returns:
         torch.Tensor: int64 global ids, shaped like ``local_ids``.
+
+    Raises:
+        ValueError: ``rank`` is not in ``[0, world_size)``, or (continuous, roundrobin)
+            a local id is not a row of shard ``rank`` (the hash_roundrobin kernel
+            refuses such ids itself).
     """
     check_dist_type(dist_type)
     local_ids = local_ids.to(torch.int64)
+    rows = shard_num_rows(num_embeddings, world_size, rank, dist_type)  # validates rank and world_size
+    if dist_type != "hash_roundrobin" and local_ids.numel() > 0:  # an export path, not a step: may sync
+        lo, hi = int(local_ids.min()), int(local_ids.max())
+        if lo < 0 or hi >= rows:
+            raise ValueError(
+                f"global_row_ids: `local_ids` in [{lo}, {hi}] are not all rows of shard {rank} ({rows} rows of a "
+                f"{dist_type} table of {num_embeddings} rows over {world_size} ranks): pass local ids in "
+                f"[0, {rows}), or check the checkpoint's world size and routing."
+            )
     if dist_type == "roundrobin":
         return local_ids * world_size + rank
     if dist_type == "continuous":

@@ -899,6 +899,24 @@ def test_route_ids_matches_reference_and_inverse(dist_type: str, W: int) -> None
         assert torch.equal(back, ids[mine].to(torch.int64))
 
 
+@pytest.mark.parametrize("dist_type", ["continuous", "roundrobin", "hash_roundrobin"])
+def test_global_row_ids_refuses_ids_outside_the_shard(dist_type: str) -> None:
+    """Every row of a shard maps back to a table id that routes to (rank, local id); a local
+    id outside the shard is refused for every routing (continuous and roundrobin returned
+    ids past the table's end, e.g. 10 of a 10-row table, or another rank's rows)."""
+    N, W = 10, 3
+    for r in range(W):
+        rows = ops.shard_num_rows(N, W, r, dist_type)
+        back = ops.global_row_ids(torch.arange(rows), N, W, r, dist_type, 5)
+        owner, local = ops.route_ids(back, N, W, dist_type, seed=5)
+        assert bool(owner.eq(r).all()) and torch.equal(local, torch.arange(rows))
+        for bad in (-1, rows):
+            with pytest.raises((ValueError, RuntimeError), match=r"not all rows of shard|is not a slot"):
+                ops.global_row_ids(torch.tensor([0, bad]), N, W, r, dist_type, 5)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=3\), got 3"):
+        ops.global_row_ids(torch.tensor([0]), N, W, W, dist_type, 5)
+
+
 def test_route_ids_bad_input() -> None:
     with pytest.raises(IndexError, match=r"`ids\[1\]` = 10 is outside \[0, table_size = 10\)"):
         ops.route_ids(torch.tensor([0, 10]), 10, 2, "roundrobin")
