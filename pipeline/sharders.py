@@ -130,7 +130,9 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
         TieredOptimizerConfig: SGD / row-wise Adagrad / Adam with the same hyper-parameters.
 
     Raises:
-        ValueError: the optimizer is not one the tiered kernel runs.
+        ValueError: the optimizer is not one the tiered kernel runs, or a fused param
+            changes fbgemm's update in a way the tiered kernel does not implement
+            (:func:`_unsupported_update_params`).
     """
     fp = dict(fused_params or {})
     opt = fp.get("optimizer", EmbOptimType.EXACT_SGD)
@@ -144,6 +146,16 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
             f"{sorted(o.value for o in SUPPORTED_OPTIMIZERS)} (apply_optimizer_in_backward with SGD, "
             "RowWiseAdagrad or Adam)."
         )
+    unsupported = _unsupported_update_params(fp)
+    if unsupported:
+        raise ValueError(
+            f"fused params {unsupported} change fbgemm's {fused.value} update of torchrec's FUSED tables, "
+            "but the tiered kernel does not implement them (it would train without them). Possible "
+            "solutions:\n  1. remove them from the fused params of the sharder / the table's "
+            "ParameterSharding (or apply_optimizer_in_backward) for tiered tables;\n  2. plan this table "
+            "as a torchrec FUSED table (e.g. ROW_WISE with compute_kernel 'fused') instead of a tiered "
+            "placement."
+        )
     return TieredOptimizerConfig(
         optimizer=fused,
         learning_rate=float(fp.get("learning_rate", 0.01)),
@@ -152,6 +164,25 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
         beta2=float(fp.get("beta2", 0.999)),
         weight_decay=float(fp.get("weight_decay", 0.0)) if fused is FusedOptimizer.ADAM else 0.0,
     )
+
+
+def _unsupported_update_params(fp: Dict[str, Any]) -> Dict[str, Any]:
+    """The fused params (with their values) by which fbgemm's TBE updates a table
+    differently from the tiered kernel: ``gradient_clipping`` (fbgemm clamps each
+    element of a row's summed gradient to ``[-max_gradient, max_gradient]``, SGD and
+    row-wise Adagrad, CPU too). Its default (fbgemm's ``False``) is accepted.
+
+    Args:
+        fp (Dict[str, Any]): a table's fused params.
+
+    Returns:
+        Dict[str, Any]: name -> value of each unsupported non-default param (empty if none).
+    """
+    out: Dict[str, Any] = {}
+    if fp.get("gradient_clipping", False):
+        out["gradient_clipping"] = fp["gradient_clipping"]
+        out["max_gradient"] = fp.get("max_gradient", 1.0)  # fbgemm's default
+    return out
 
 
 def _table_optimizer(fused_params: Optional[Dict[str, Any]], table_name: str) -> TieredOptimizerConfig:
@@ -269,6 +300,19 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Sets each table's learning rate from its param group (no gradients to zero)."""
         self._push_learning_rates()
+
+    def update_hyper_parameters(self, params_dict: Dict[str, float]) -> None:
+        """Sets hyper-parameters of every table's fused optimizer
+        (:meth:`TieredEmbeddingShard.update_hyper_parameters`), as torchrec's fused
+        optimizers do into fbgemm's TBE (``CombinedOptimizer.update_hyper_parameters``
+        reaches both). As there, ``lr`` is not written into the param groups: their
+        ``lr`` is set again by the next :meth:`step` / :meth:`zero_grad`.
+
+        Args:
+            params_dict (Dict[str, float]): ``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay``.
+        """
+        for shard in self._shards:
+            shard.update_hyper_parameters(params_dict)
 
 
 class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):

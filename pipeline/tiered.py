@@ -64,6 +64,8 @@ Metadata encodings (they keep the metadata inside the planner's byte budget of
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -174,6 +176,9 @@ class _TieredLookup(torch.autograd.Function):
         lookup = shard._lookup if shard._native else shard._lookup_torch
         out, uniq, inverse = lookup(ids, offsets, per_sample_weights)
         ctx.shard = shard
+        # the optimizer hyper-parameters of the lookup, as fbgemm's TBE hands its backward (a
+        # change between forward and backward, e.g. zero_grad() after the forward, applies next time)
+        ctx.optimizer = copy.copy(shard.optimizer)
         ctx.save_for_backward(uniq, inverse, offsets, per_sample_weights)
         return out
 
@@ -182,7 +187,7 @@ class _TieredLookup(torch.autograd.Function):
         uniq, inverse, offsets, psw = ctx.saved_tensors
         shard: TieredEmbeddingShard = ctx.shard
         update = shard._backward_update if shard._native else shard._backward_torch
-        update(grad_out, uniq, inverse, offsets, psw)
+        update(grad_out, uniq, inverse, offsets, psw, ctx.optimizer)
         return None, None, None, None, None
 
 
@@ -432,7 +437,8 @@ class TieredEmbeddingShard(nn.Module):
             slow.index_copy_(0, s_idx, values.index_select(0, s_pos).to(slow.device))
 
     def set_learning_rate(self, lr: float) -> None:
-        """Sets the fused optimizer's learning rate for the following backward passes.
+        """Sets the fused optimizer's learning rate for the following lookups (a lookup's
+        backward updates with the learning rate of that lookup, as fbgemm's TBE does).
 
         torchrec's fused optimizers do the same from ``step()`` / ``zero_grad()``
         (``set_learning_rate`` of fbgemm's TBE), which is how an LR schedule on
@@ -451,6 +457,42 @@ class TieredEmbeddingShard(nn.Module):
         self.optimizer.learning_rate = float(lr)
         if self._fbgemm is not None:
             self._fbgemm.tbe.set_learning_rate(float(lr))
+
+    def update_hyper_parameters(self, params_dict: Dict[str, float]) -> None:
+        """Sets fused optimizer hyper-parameters for the following lookups, as
+        ``update_hyper_parameters`` of fbgemm's TBE (which torchrec's fused optimizers'
+        ``update_hyper_parameters`` call): ``lr``, ``eps``, ``beta1``, ``beta2``,
+        ``weight_decay`` (Adam's; SGD and row-wise Adagrad run without weight decay,
+        as their tables' ``weight_decay`` fused param, so it is ignored for them).
+
+        Args:
+            params_dict (Dict[str, float]): hyper-parameter name -> value.
+
+        Raises:
+            NotImplementedError: naming the table and the parameter, for another name
+                (fbgemm raises it too, e.g. for a typo).
+            ValueError: naming the table, for a value out of range (nothing is set).
+        """
+        names = ("lr", "eps", "beta1", "beta2", "weight_decay")
+        for name in params_dict:
+            if name not in names:
+                raise NotImplementedError(f"tiered table {self.table_name!r}: setting hyper-parameter {name!r} is "
+                                          f"not supported (supported: {list(names)}).")
+        fields = {"eps": "eps", "beta1": "beta1", "beta2": "beta2"}
+        if self.optimizer.optimizer is FusedOptimizer.ADAM:
+            fields["weight_decay"] = "weight_decay"
+        updates = {fields[k]: float(v) for k, v in params_dict.items() if k in fields}
+        try:  # validated on a copy: nothing is set when a value is refused
+            dataclasses.replace(self.optimizer, **updates)
+        except ValueError as e:
+            raise ValueError(f"tiered table {self.table_name!r}: {e}") from None
+        if "lr" in params_dict:
+            self.set_learning_rate(params_dict["lr"])
+        for key, value in updates.items():
+            setattr(self.optimizer, key, value)
+        if self._fbgemm is not None:
+            self._fbgemm.tbe.update_hyper_parameters({k: float(v) for k, v in params_dict.items()
+                                                      if k != "weight_decay" or "weight_decay" in fields})
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()
@@ -666,10 +708,11 @@ class TieredEmbeddingShard(nn.Module):
         inverse: torch.Tensor,
         offsets: torch.Tensor,
         psw: Optional[torch.Tensor],
+        opt: TieredOptimizerConfig,
     ) -> None:
-        """The fused optimizer step of one lookup's rows by the compiled kernel."""
+        """The fused optimizer step of one lookup's rows by the compiled kernel, with
+        the optimizer hyper-parameters ``opt`` of that lookup."""
         self.step += 1
-        opt = self.optimizer
         torch.ops.recpipe.tiered_backward(
             grad_out, uniq, inverse, offsets, psw, self.fast_weights, self.fast_state, self.slow_weights,
             self.slow_state, self._op_row_map, self._op_slot_score, self.num_rows, self.fast_rows,
@@ -726,7 +769,9 @@ class TieredEmbeddingShard(nn.Module):
         inverse: torch.Tensor,
         offsets: torch.Tensor,
         psw: Optional[torch.Tensor],
+        opt: TieredOptimizerConfig,
     ) -> None:
+        """:meth:`_backward_update` in device-generic torch ops."""
         lengths = offsets[1:] - offsets[:-1]
         bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad_out.device), lengths)
         g = grad_out.index_select(0, bags)
@@ -741,7 +786,7 @@ class TieredEmbeddingShard(nn.Module):
         in_fast, idx = self._locate(uniq)
         w = self._read(in_fast, idx, state=False)
         s = self._read(in_fast, idx, state=True)
-        self.optimizer.update(w, s, grad_u, self.step)
+        opt.update(w, s, grad_u, self.step)
         self._write(in_fast, idx, w, state=False)
         self._write(in_fast, idx, s, state=True)
         if self.caching and in_fast is not None:

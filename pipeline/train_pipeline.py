@@ -308,6 +308,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         self._checker = FusedLookupExactnessChecker(allow_dense_tables=allow_dense_tables)
         self._after_opt_modules: Set[str] = set()
         self._fused_tbes: Dict[str, List[torch.nn.Module]] = {}
+        self._tiered_shards: Dict[str, List[Any]] = {}
         self._optimizer_relookup_streak = 0
         self._warned_optimizer_relookups = False
         self.stats = PipelineStageStats()
@@ -344,6 +345,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             raise
         self._after_opt_modules = set(after_opt)
         self._fused_tbes = {name: fused_tbes(module) for name, module in modules.items()}
+        self._tiered_shards = {  # found once: walking the module tree at every lookup costs host time
+            name: list(module.tiered_tables().values())  # pyre-ignore[16]
+            for name, module in modules.items()
+            if callable(getattr(module, "tiered_tables", None))
+        }
         for module in self._pipelined_modules:
             forward = module.forward
             if isinstance(forward, FusedLookupPipelinedForward):
@@ -582,11 +588,15 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         """What ``module``'s lookup reads besides the batch: ``tables_version``
         and, per fbgemm TBE, the learning rate and optimizer arguments it hands
         its backward (taken at lookup time, set by torchrec's fused optimizers
-        in ``zero_grad()`` / ``step()``)."""
-        tbes = self._fused_tbes.get(module.forward.name, ())  # pyre-ignore[16]
+        in ``zero_grad()`` / ``step()``), and per tiered table its optimizer
+        hyper-parameters (also taken at lookup time, set by ``TieredFusedOptimizer``;
+        host floats)."""
+        name = module.forward.name  # pyre-ignore[16]
+        tbes = self._fused_tbes.get(name, ())
         return (
             tables_version(module),
-            tuple((float(m.learning_rate_tensor), getattr(m, "optimizer_args", None)) for m in tbes),
+            tuple((float(m.learning_rate_tensor), getattr(m, "optimizer_args", None)) for m in tbes)
+            + tuple(tuple(vars(t.optimizer).values()) for t in self._tiered_shards.get(name, ())),
         )
 
     def _split_modules(self) -> Tuple[List[ShardedModule], List[ShardedModule]]:

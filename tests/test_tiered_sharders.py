@@ -15,8 +15,10 @@ both of which the test then runs.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict, List, Sequence
 
+import numpy as np
 import pytest
 import torch
 
@@ -455,3 +457,296 @@ def test_lr_schedule_on_fused_optimizer_reaches_tiered_tables() -> None:
                 torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
                 atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step} (lr {LR_SCHEDULE[step]})",
             )
+
+
+# --- learning rate set between a lookup and its backward ------------------------------------
+WARMUP_STEPS = 6
+
+
+def _warmup_batches(rank: int) -> List[Any]:
+    from torchrec.datasets.utils import Batch
+
+    batches = []
+    for step in range(WARMUP_STEPS):
+        kjt, _ = _kjt(step, rank)
+        labels = torch.randn(B, generator=torch.Generator().manual_seed(7 * step + rank))
+        batches.append(Batch(dense_features=torch.zeros(B, 1), sparse_features=kjt, labels=labels))
+    return batches
+
+
+def _warmup_model(world: int, placements: Any) -> Any:
+    """``_Model`` over the EBC with row-wise Adagrad: ``placements`` None is torchrec's own
+    TABLE_WISE FUSED sharding (the reference), else recpipe's row-wise plan with those
+    tables tiered; both from the same initial tables."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+
+    weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
+    ebc = _ebc()
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
+    if placements is None:
+        sharder: Any = EmbeddingBagCollectionSharder()
+        plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
+                                              sharder=sharder, local_size=world, world_size=world,
+                                              device_type="cpu")
+    else:
+        sharder = TieredEmbeddingBagCollectionSharder()
+        plan = _tiered_plan(ebc, sharder, world, placements)
+    model = DistributedModelParallel(_Model(ebc), plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                     device=torch.device("cpu"))
+    _copy_state_dict({k[len("ebc."):]: v for k, v in model.module.state_dict().items()
+                      if k.startswith("ebc.") and isinstance(v, ShardedTensor)}, weights)
+    for name, shard in getattr(model.module.ebc, "tiered_tables", dict)().items():
+        shard.load_global_weights(weights[f"embedding_bags.{name}.weight"])
+    return model
+
+
+def _warmup_optimizer(model: Any) -> Any:
+    """torchrec's WarmupOptimizer (linear warm-up over 4 steps) over the fused optimizer
+    and an SGD of the dense head, as torchrec's examples combine them."""
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+    from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
+
+    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                  lambda params: torch.optim.SGD(params, lr=0.05))
+    return WarmupOptimizer(CombinedOptimizer([model.fused_optimizer, dense]),
+                           [WarmupStage(WarmupPolicy.LINEAR, max_iters=4, value=0.1)], lr=0.3)
+
+
+def _full_tables(model: Any) -> Dict[str, np.ndarray]:
+    """Every table gathered on every rank (FUSED shards from state_dict, tiered rows by global id)."""
+    import torch.distributed as dist
+
+    ebc = model.module.ebc
+    tiered = ebc.tiered_state() if hasattr(ebc, "tiered_state") else {}
+    out: Dict[str, np.ndarray] = {}
+    for name, rows, dim, _ in TABLES:
+        full = torch.zeros(rows, dim)
+        if name in tiered:
+            full[tiered[name].global_ids] = tiered[name].weights
+        else:
+            for shard in ebc.state_dict()[f"embedding_bags.{name}.weight"].local_shards():
+                r0, c0 = shard.metadata.shard_offsets
+                full[r0:r0 + shard.tensor.shape[0], c0:c0 + shard.tensor.shape[1]] = shard.tensor
+        dist.all_reduce(full)
+        out[name] = full.numpy().copy()  # tensors do not cross the harness's queue
+    return out
+
+
+def _lookup_lr_body(rank: int, world: int) -> Dict[str, Any]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    from recpipe.pipeline import TrainPipelineFusedSparseDist
+
+    out: Dict[str, Any] = {}
+    cached = {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
+    hybrid = {"t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
+    # 1. A loop calling zero_grad() after the forward: WarmupOptimizer's new lr reaches the
+    #    fused tables there, after this step's lookup; fbgemm's TBE takes it at lookup time.
+    for kind, placements in (("ref_loop", None), ("tiered_loop", cached)):
+        model = _warmup_model(world, placements)
+        opt = _warmup_optimizer(model)
+        losses = []
+        for batch in _warmup_batches(rank):
+            loss, _ = model(batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        out[kind] = (losses, _full_tables(model))
+    # 2. The pipelines: every table tiered in recpipe's fused pipeline, whose early lookup of
+    #    the next batch precedes the warm-up's new lr (then it is redone).
+    for kind, placements in (("ref_pipeline", None), ("tiered_pipeline", {**cached, **hybrid})):
+        model = _warmup_model(world, placements)
+        opt = _warmup_optimizer(model)
+        if placements is None:
+            pipeline: Any = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
+        else:
+            pipeline = TrainPipelineFusedSparseDist(model, opt, torch.device("cpu"), embedding_lookup_after_opt=False)
+        losses = []
+        it = iter(_warmup_batches(rank))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the warm-up's relookups (asserted below)
+            while True:
+                try:
+                    loss, _ = pipeline.progress(it)
+                except StopIteration:
+                    break
+                losses.append(float(loss))
+        out[kind] = (losses, _full_tables(model))
+        if placements is not None:
+            out["relookups"] = pipeline.stats.relookups
+    return out
+
+
+def test_lr_changed_between_lookup_and_backward_applies_from_next_lookup() -> None:
+    """A tiered table updates with the learning rate of its lookup, as fbgemm's TBE (torchrec's
+    FUSED tables) does: with torchrec's WarmupOptimizer over CombinedOptimizer([fused, dense]),
+    a loop calling ``zero_grad()`` after the forward (the warm-up's lr is pushed then) and
+    ``TrainPipelineFusedSparseDist`` with every table tiered (its early lookup precedes the
+    warm-up's new lr: redone) give every loss and final table of torchrec's own TABLE_WISE FUSED
+    EBC (in a plain loop / torchrec's TrainPipelineSparseDist). Tiered tables used to read the lr
+    in the backward, so the loop's tiered table stepped one warm-up step ahead, and the
+    pipeline, which did not compare tiered lrs, would have kept the early lookup's stale lr."""
+    for rank, res in enumerate(run_gloo(2, _lookup_lr_body)):
+        for ref, got in (("ref_loop", "tiered_loop"), ("ref_pipeline", "tiered_pipeline")):
+            (ref_losses, ref_tables), (losses, tables) = res[ref], res[got]
+            assert len(losses) == len(ref_losses) == WARMUP_STEPS
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-6, rtol=1e-6,
+                                       msg=f"rank {rank} {got}")
+            for name in ref_tables:
+                torch.testing.assert_close(torch.from_numpy(tables[name]), torch.from_numpy(ref_tables[name]),
+                                           atol=1e-6, rtol=1e-6,
+                                           msg=f"rank {rank} {got} table {name}")
+        assert res["relookups"] == 4, res["relookups"]  # the 4 warm-up lr changes after step 1
+
+
+# --- fused params the tiered kernel does not implement ------------------------------------
+CLIPPING = {"gradient_clipping": True, "max_gradient": 0.01}
+
+
+def _clipping_body(rank: int, world: int) -> Dict[str, Any]:
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+
+    weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
+    out: Dict[str, Any] = {}
+    # "tiered": t0 tiered (refused); "fused": solution 2, t0 and t1 recpipe ROW_WISE FUSED
+    for kind in ("tiered", "fused", "ref"):
+        ebc = _ebc()
+        apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
+        if kind == "ref":
+            sharder: Any = EmbeddingBagCollectionSharder(fused_params=dict(CLIPPING))
+            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
+                                                  sharder=sharder, local_size=world, world_size=world,
+                                                  device_type="cpu")
+        else:
+            sharder = TieredEmbeddingBagCollectionSharder(fused_params=dict(CLIPPING))
+            plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
+                                if kind == "tiered" else {})
+        try:
+            model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                             device=torch.device("cpu"))
+        except ValueError as e:
+            out[kind] = str(e)
+            continue
+        _copy_state_dict({k: v for k, v in model.module.state_dict().items() if isinstance(v, ShardedTensor)}, weights)
+        outputs = []
+        for step in range(STEPS):
+            kjt, grad = _kjt(step, rank)
+            result = model(kjt).values()
+            outputs.append(result.detach().numpy().copy())
+            result.backward(grad)
+        out[kind] = outputs
+    return out
+
+
+def test_gradient_clipping_fused_params_refused_for_tiered_tables() -> None:
+    """fbgemm clips the gradients of torchrec's FUSED tables given ``gradient_clipping`` in the
+    fused params (CPU too); the tiered kernel does not, so a tiered table given it is refused on
+    every rank when sharded, naming the table, the params and the possible solutions (it used
+    to train silently without clipping, far from torchrec's outputs). Solution 2, the table as a
+    recpipe ROW_WISE FUSED table with the same fused params, equals torchrec's own TABLE_WISE
+    FUSED EBC step by step (outputs depend on every earlier clipped update)."""
+    for rank, res in enumerate(run_gloo(2, _clipping_body)):
+        msg = res["tiered"]
+        assert isinstance(msg, str), f"rank {rank}: the tiered table with gradient clipping was accepted"
+        assert msg.startswith("tiered table 't0': fused params {'gradient_clipping': True, 'max_gradient': 0.01} "
+                              "change fbgemm's rowwise_adagrad update"), msg
+        assert "Possible solutions:\n  1. remove them" in msg and "\n  2. plan this table as a torchrec FUSED" in msg
+        for step in range(STEPS):
+            torch.testing.assert_close(torch.from_numpy(res["fused"][step]), torch.from_numpy(res["ref"][step]),
+                                       atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}")
+
+
+# --- update_hyper_parameters through model.fused_optimizer ---------------------------------
+HYPER = {"eps": 0.5, "lr": 0.3}  # set before step 2; "lr" lasts until the next zero_grad() / step()
+
+
+def _hyper_body(rank: int, world: int) -> Dict[str, Any]:
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    from recpipe.pipeline import TrainPipelineFusedSparseDist
+
+    def optimizer(model: Any) -> Any:
+        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
+                                      lambda params: torch.optim.SGD(params, lr=0.05))
+        return CombinedOptimizer([model.fused_optimizer, dense])
+
+    out: Dict[str, Any] = {}
+    cached = {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
+    hybrid = {"t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
+    # 1. a plain loop, the hyper-parameters set after zero_grad(): this step's lookup takes
+    #    lr 0.3 (step() sets the group's lr back) and every later one eps 0.5
+    for kind, placements in (("ref_loop", None), ("tiered_loop", cached)):
+        model = _warmup_model(world, placements)
+        opt = optimizer(model)
+        losses = []
+        for step, batch in enumerate(_warmup_batches(rank)):
+            opt.zero_grad()
+            if step == 2:
+                model.fused_optimizer.update_hyper_parameters(dict(HYPER))
+            loss, _ = model(batch)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        out[kind] = (losses, _full_tables(model))
+    # 2. set between two progress() calls: the fused pipeline's early lookup of every tiered
+    #    table predates the new eps and is redone (the pipeline's zero_grad() resets the lr)
+    for kind, placements in (("ref_pipeline", None), ("tiered_pipeline", {**cached, **hybrid})):
+        model = _warmup_model(world, placements)
+        opt = optimizer(model)
+        if placements is None:
+            pipeline: Any = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
+        else:
+            pipeline = TrainPipelineFusedSparseDist(model, opt, torch.device("cpu"), embedding_lookup_after_opt=False)
+        losses = []
+        it = iter(_warmup_batches(rank))
+        while True:
+            if len(losses) == 2:
+                model.fused_optimizer.update_hyper_parameters(dict(HYPER))
+            try:
+                loss, _ = pipeline.progress(it)
+            except StopIteration:
+                break
+            losses.append(float(loss))
+        out[kind] = (losses, _full_tables(model))
+        if placements is not None:
+            out["relookups"] = pipeline.stats.relookups
+    return out
+
+
+def test_update_hyper_parameters_on_fused_optimizer_reaches_tiered_tables() -> None:
+    """``model.fused_optimizer.update_hyper_parameters({"eps": ..., "lr": ...})`` (torchrec's
+    ``CombinedOptimizer`` API, which sets them in fbgemm's TBE) reaches tiered tables too: in a
+    plain loop and in ``TrainPipelineFusedSparseDist`` (every table tiered, its early lookup
+    redone once), every loss and final table equal torchrec's own TABLE_WISE FUSED EBC's (in a
+    loop / torchrec's TrainPipelineSparseDist). ``TieredFusedOptimizer`` had no
+    ``update_hyper_parameters``, so ``CombinedOptimizer`` silently skipped tiered tables."""
+    for rank, res in enumerate(run_gloo(2, _hyper_body)):
+        for ref, got in (("ref_loop", "tiered_loop"), ("ref_pipeline", "tiered_pipeline")):
+            (ref_losses, ref_tables), (losses, tables) = res[ref], res[got]
+            assert len(losses) == len(ref_losses) == WARMUP_STEPS
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-6, rtol=1e-6,
+                                       msg=f"rank {rank} {got}")
+            for name in ref_tables:
+                torch.testing.assert_close(torch.from_numpy(tables[name]), torch.from_numpy(ref_tables[name]),
+                                           atol=1e-6, rtol=1e-6, msg=f"rank {rank} {got} table {name}")
+        assert res["relookups"] == 1, res["relookups"]
