@@ -220,42 +220,15 @@ def _merge(views: list[dict[str, dict[int, torch.Tensor]]]) -> dict[str, dict[in
     return full
 
 
-def test_a_failed_dcp_write_is_a_checkpoint_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("writes_first", [False, True], ids=["full_before_writing", "full_after_writing"])
+def test_a_failed_dcp_write_is_a_checkpoint_write_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        writes_first: bool) -> None:
     """DCP reports a failed write as a CheckpointException (a BaseException, which the
     recipe's write-error handling missed: a traceback instead of the recipe's error).
     It is a CheckpointWriteError naming the OS error once; ``latest`` still names the
-    last good checkpoint, which loads."""
-    import errno
-
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from recpipe.recipes.checkpoint import CheckpointWriteError
-
-    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    config = TrainConfig(**DCP, max_steps=8)
-    root = tmp_path / "ckpt"
-    with _one_rank():
-        model, optimizer, table_ranks = _build(config)
-        save_checkpoint(str(root), 4, model, optimizer, config, table_ranks)
-        with monkeypatch.context() as m:
-            m.setattr(FileSystemWriter, "write_data", full_disk)
-            with pytest.raises(CheckpointWriteError) as err:
-                save_checkpoint(str(root), 8, model, optimizer, config, table_ranks)
-        assert load_checkpoint(str(root), model, optimizer, config, table_ranks) == 4
-    msg = str(err.value)
-    assert msg.startswith("checkpoint of step 8 was not committed: torch.distributed.checkpoint.save into"), msg
-    assert msg.count("OSError: [Errno 28] No space left on device (rank 0)") == 1, msg
-    assert "Traceback" not in msg and "free space" in msg, msg
-    assert (root / "latest").read_text() == "4\n"
-
-
-def test_a_dcp_write_that_fills_the_disk_leaves_no_partial_files(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """DCP wrote its data file, then the disk was full: the step is not committed and its
-    directory held only this save's files (emptied first), which used to stay and keep the
-    disk full for the next save. They are removed; the last good checkpoint is untouched."""
+    last good checkpoint, which loads, byte for byte. When DCP had written its data file
+    before the disk was full, that file (of a step directory emptied first, so only this
+    save's) used to stay and keep the disk full for the next save: it is removed."""
     import errno
 
     from torch.distributed.checkpoint import FileSystemWriter
@@ -264,8 +237,9 @@ def test_a_dcp_write_that_fills_the_disk_leaves_no_partial_files(tmp_path: Path,
 
     write_data = FileSystemWriter.write_data
 
-    def fills_the_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
-        write_data(self, *args, **kwargs)
+    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if writes_first:
+            write_data(self, *args, **kwargs)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     config = TrainConfig(**DCP, max_steps=8)
@@ -275,12 +249,17 @@ def test_a_dcp_write_that_fills_the_disk_leaves_no_partial_files(tmp_path: Path,
         save_checkpoint(str(root), 4, model, optimizer, config, table_ranks)
         good = {p.name: p.read_bytes() for p in step_dir(root, 4).iterdir()}
         with monkeypatch.context() as m:
-            m.setattr(FileSystemWriter, "write_data", fills_the_disk)
-            with pytest.raises(CheckpointWriteError, match="No space left on device"):
+            m.setattr(FileSystemWriter, "write_data", full_disk)
+            with pytest.raises(CheckpointWriteError) as err:
                 save_checkpoint(str(root), 8, model, optimizer, config, table_ranks)
         assert sorted(p.name for p in step_dir(root, 8).iterdir()) == []
         assert {p.name: p.read_bytes() for p in step_dir(root, 4).iterdir()} == good
         assert load_checkpoint(str(root), model, optimizer, config, table_ranks) == 4
+    msg = str(err.value)
+    assert msg.startswith("checkpoint of step 8 was not committed: torch.distributed.checkpoint.save into"), msg
+    assert msg.count("OSError: [Errno 28] No space left on device (rank 0)") == 1, msg
+    assert "Traceback" not in msg and "free space" in msg, msg
+    assert (root / "latest").read_text() == "4\n"
 
 
 @pytest.mark.parametrize("checkpoint_format", ["dcp", "pt"])

@@ -16,7 +16,7 @@ both of which the test then runs.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import numpy as np
 import pytest
@@ -541,7 +541,20 @@ def _full_tables(model: Any) -> Dict[str, np.ndarray]:
     return out
 
 
-def _lookup_lr_body(rank: int, world: int) -> Dict[str, Any]:
+def _runs_against_torchrec(
+    rank: int,
+    world: int,
+    make_optimizer: Callable[[Any], Any],
+    loop_step: Callable[[int, Any, Any, Any], Any],
+    before_progress: Callable[[int, Any], None] = lambda done, model: None,
+) -> Dict[str, Any]:
+    """Trains ``_warmup_model`` on ``_warmup_batches`` four ways and returns each run's
+    (losses, full tables), keyed ``ref_loop`` / ``tiered_loop`` (a plain loop of
+    ``loop_step(step, model, optimizer, batch) -> loss``; t0 CACHING) and ``ref_pipeline``
+    / ``tiered_pipeline`` (torchrec's TrainPipelineSparseDist on the reference,
+    TrainPipelineFusedSparseDist with every table tiered, ``embedding_lookup_after_opt=False``;
+    ``before_progress(steps done, model)`` runs before each ``progress()``), plus the fused
+    pipeline's ``relookups``. The reference is torchrec's own TABLE_WISE FUSED EBC."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     from recpipe.pipeline import TrainPipelineFusedSparseDist
@@ -549,24 +562,15 @@ def _lookup_lr_body(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     cached = {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
     hybrid = {"t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
-    # 1. A loop calling zero_grad() after the forward: WarmupOptimizer's new lr reaches the
-    #    fused tables there, after this step's lookup; fbgemm's TBE takes it at lookup time.
     for kind, placements in (("ref_loop", None), ("tiered_loop", cached)):
         model = _warmup_model(world, placements)
-        opt = _warmup_optimizer(model)
-        losses = []
-        for batch in _warmup_batches(rank):
-            loss, _ = model(batch)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+        opt = make_optimizer(model)
+        batches = _warmup_batches(rank)
+        losses = [float(loop_step(step, model, opt, batch).detach()) for step, batch in enumerate(batches)]
         out[kind] = (losses, _full_tables(model))
-    # 2. The pipelines: every table tiered in recpipe's fused pipeline, whose early lookup of
-    #    the next batch precedes the warm-up's new lr (then it is redone).
     for kind, placements in (("ref_pipeline", None), ("tiered_pipeline", {**cached, **hybrid})):
         model = _warmup_model(world, placements)
-        opt = _warmup_optimizer(model)
+        opt = make_optimizer(model)
         if placements is None:
             pipeline: Any = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
         else:
@@ -574,8 +578,9 @@ def _lookup_lr_body(rank: int, world: int) -> Dict[str, Any]:
         losses = []
         it = iter(_warmup_batches(rank))
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)  # the warm-up's relookups (asserted below)
+            warnings.simplefilter("ignore", RuntimeWarning)  # repeated relookups (counted, asserted by the tests)
             while True:
+                before_progress(len(losses), model)
                 try:
                     loss, _ = pipeline.progress(it)
                 except StopIteration:
@@ -585,6 +590,34 @@ def _lookup_lr_body(rank: int, world: int) -> Dict[str, Any]:
         if placements is not None:
             out["relookups"] = pipeline.stats.relookups
     return out
+
+
+def _assert_runs_equal_torchrec(rank: int, res: Dict[str, Any], relookups: int) -> None:
+    """Every loss and final table of the tiered runs of :func:`_runs_against_torchrec` equals
+    the torchrec reference's, and the fused pipeline redid ``relookups`` early lookups."""
+    for ref, got in (("ref_loop", "tiered_loop"), ("ref_pipeline", "tiered_pipeline")):
+        (ref_losses, ref_tables), (losses, tables) = res[ref], res[got]
+        assert len(losses) == len(ref_losses) == WARMUP_STEPS
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-6, rtol=1e-6,
+                                   msg=f"rank {rank} {got}")
+        for name in ref_tables:
+            torch.testing.assert_close(torch.from_numpy(tables[name]), torch.from_numpy(ref_tables[name]),
+                                       atol=1e-6, rtol=1e-6, msg=f"rank {rank} {got} table {name}")
+    assert res["relookups"] == relookups, res["relookups"]
+
+
+def _lookup_lr_body(rank: int, world: int) -> Dict[str, Any]:
+    def zero_grad_after_forward(step: int, model: Any, opt: Any, batch: Any) -> Any:
+        # WarmupOptimizer's new lr reaches the fused tables here, after this step's lookup;
+        # fbgemm's TBE takes it at lookup time
+        loss, _ = model(batch)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    # in the fused pipeline, the early lookup of the next batch precedes the warm-up's new lr
+    return _runs_against_torchrec(rank, world, _warmup_optimizer, zero_grad_after_forward)
 
 
 def test_lr_changed_between_lookup_and_backward_applies_from_next_lookup() -> None:
@@ -597,16 +630,7 @@ def test_lr_changed_between_lookup_and_backward_applies_from_next_lookup() -> No
     in the backward, so the loop's tiered table stepped one warm-up step ahead, and the
     pipeline, which did not compare tiered lrs, would have kept the early lookup's stale lr."""
     for rank, res in enumerate(run_gloo(2, _lookup_lr_body)):
-        for ref, got in (("ref_loop", "tiered_loop"), ("ref_pipeline", "tiered_pipeline")):
-            (ref_losses, ref_tables), (losses, tables) = res[ref], res[got]
-            assert len(losses) == len(ref_losses) == WARMUP_STEPS
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-6, rtol=1e-6,
-                                       msg=f"rank {rank} {got}")
-            for name in ref_tables:
-                torch.testing.assert_close(torch.from_numpy(tables[name]), torch.from_numpy(ref_tables[name]),
-                                           atol=1e-6, rtol=1e-6,
-                                           msg=f"rank {rank} {got} table {name}")
-        assert res["relookups"] == 4, res["relookups"]  # the 4 warm-up lr changes after step 1
+        _assert_runs_equal_torchrec(rank, res, relookups=4)  # the 4 warm-up lr changes after step 1
 
 
 # --- fused params the tiered kernel does not implement ------------------------------------
@@ -679,58 +703,31 @@ HYPER = {"eps": 0.5, "lr": 0.3}  # set before step 2; "lr" lasts until the next 
 
 
 def _hyper_body(rank: int, world: int) -> Dict[str, Any]:
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
     from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    from recpipe.pipeline import TrainPipelineFusedSparseDist
 
     def optimizer(model: Any) -> Any:
         dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
                                       lambda params: torch.optim.SGD(params, lr=0.05))
         return CombinedOptimizer([model.fused_optimizer, dense])
 
-    out: Dict[str, Any] = {}
-    cached = {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
-    hybrid = {"t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
-    # 1. a plain loop, the hyper-parameters set after zero_grad(): this step's lookup takes
-    #    lr 0.3 (step() sets the group's lr back) and every later one eps 0.5
-    for kind, placements in (("ref_loop", None), ("tiered_loop", cached)):
-        model = _warmup_model(world, placements)
-        opt = optimizer(model)
-        losses = []
-        for step, batch in enumerate(_warmup_batches(rank)):
-            opt.zero_grad()
-            if step == 2:
-                model.fused_optimizer.update_hyper_parameters(dict(HYPER))
-            loss, _ = model(batch)
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
-        out[kind] = (losses, _full_tables(model))
-    # 2. set between two progress() calls: the fused pipeline's early lookup of every tiered
-    #    table predates the new eps and is redone (the pipeline's zero_grad() resets the lr)
-    for kind, placements in (("ref_pipeline", None), ("tiered_pipeline", {**cached, **hybrid})):
-        model = _warmup_model(world, placements)
-        opt = optimizer(model)
-        if placements is None:
-            pipeline: Any = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
-        else:
-            pipeline = TrainPipelineFusedSparseDist(model, opt, torch.device("cpu"), embedding_lookup_after_opt=False)
-        losses = []
-        it = iter(_warmup_batches(rank))
-        while True:
-            if len(losses) == 2:
-                model.fused_optimizer.update_hyper_parameters(dict(HYPER))
-            try:
-                loss, _ = pipeline.progress(it)
-            except StopIteration:
-                break
-            losses.append(float(loss))
-        out[kind] = (losses, _full_tables(model))
-        if placements is not None:
-            out["relookups"] = pipeline.stats.relookups
-    return out
+    def set_after_zero_grad(step: int, model: Any, opt: Any, batch: Any) -> Any:
+        # this step's lookup takes lr 0.3 (step() sets the group's lr back), every later one eps 0.5
+        opt.zero_grad()
+        if step == 2:
+            model.fused_optimizer.update_hyper_parameters(dict(HYPER))
+        loss, _ = model(batch)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def set_between_progress_calls(done: int, model: Any) -> None:
+        # the fused pipeline's early lookup of every tiered table predates the new eps and is
+        # redone (the pipeline's zero_grad() resets the lr)
+        if done == 2:
+            model.fused_optimizer.update_hyper_parameters(dict(HYPER))
+
+    return _runs_against_torchrec(rank, world, optimizer, set_after_zero_grad, set_between_progress_calls)
 
 
 def test_update_hyper_parameters_on_fused_optimizer_reaches_tiered_tables() -> None:
@@ -741,12 +738,4 @@ def test_update_hyper_parameters_on_fused_optimizer_reaches_tiered_tables() -> N
     loop / torchrec's TrainPipelineSparseDist). ``TieredFusedOptimizer`` had no
     ``update_hyper_parameters``, so ``CombinedOptimizer`` silently skipped tiered tables."""
     for rank, res in enumerate(run_gloo(2, _hyper_body)):
-        for ref, got in (("ref_loop", "tiered_loop"), ("ref_pipeline", "tiered_pipeline")):
-            (ref_losses, ref_tables), (losses, tables) = res[ref], res[got]
-            assert len(losses) == len(ref_losses) == WARMUP_STEPS
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-6, rtol=1e-6,
-                                       msg=f"rank {rank} {got}")
-            for name in ref_tables:
-                torch.testing.assert_close(torch.from_numpy(tables[name]), torch.from_numpy(ref_tables[name]),
-                                           atol=1e-6, rtol=1e-6, msg=f"rank {rank} {got} table {name}")
-        assert res["relookups"] == 1, res["relookups"]
+        _assert_runs_equal_torchrec(rank, res, relookups=1)
