@@ -681,7 +681,8 @@ class TieredEmbeddingShard(nn.Module):
                     f"[{lo}, {hi}] but the shard has {self.num_rows} local rows. Possible solutions:\n"
                     f"  1. route global ids with recpipe.pipeline.ops.route_ids / bucketize_kjt "
                     f"(dist_type={self.dist_type!r}, world_size={self.world_size}) before the lookup.\n"
-                    f"  2. check num_embeddings={self.num_embeddings} matches the feature's id space."
+                    f"  2. check num_embeddings={self.num_embeddings} matches the feature's id space (global ids "
+                    f"in [0, {self.num_embeddings}); a negative id of a continuous table arrives as a huge local id)."
                 )
         self._check_psw_pooling(psw)
         if psw is not None and psw.shape != ids.shape:
@@ -694,11 +695,16 @@ class TieredEmbeddingShard(nn.Module):
         """One lookup by the compiled kernel (checks, cache loads, pooling, stats)."""
         self._flushed_rows = 0
         self._clock += 1
-        return torch.ops.recpipe.tiered_lookup(
-            ids, offsets, psw, self.fast_weights, self.fast_state, self.slow_weights, self.slow_state,
-            self._op_row_map, self._op_slot_row, self._op_slot_score, self._stats, self.num_rows,
-            self.fast_rows, self.split_seed, self._op_mode, self._op_policy, self._clock, self._op_pooling,
-        )
+        try:
+            return torch.ops.recpipe.tiered_lookup(
+                ids, offsets, psw, self.fast_weights, self.fast_state, self.slow_weights, self.slow_state,
+                self._op_row_map, self._op_slot_row, self._op_slot_score, self._stats, self.num_rows,
+                self.fast_rows, self.split_seed, self._op_mode, self._op_policy, self._clock, self._op_pooling,
+            )
+        except (IndexError, ValueError):
+            # the kernel's checks cannot name the table: the host checks say the same, naming it
+            self._check_inputs(ids, offsets, psw)
+            raise
 
     @torch.no_grad()
     def _backward_update(

@@ -399,10 +399,11 @@ def test_checkpoint_loads_exports_of_the_version_1_hash() -> None:
 # ---------------------------------------------------------------- bad input
 def test_bad_input_errors() -> None:
     shard = _shard("CACHING", 0.5, "sgd")
-    with pytest.raises(IndexError, match=r"ids out of range.*\[0, 240\]"):
-        shard(torch.tensor([0, 240]), torch.tensor([0, 2]))
-    with pytest.raises(IndexError, match="ids out of range"):
-        shard(torch.tensor([-1, 3]), torch.tensor([0, 2]))
+    # the kernel's range check, re-raised naming the table and shard, with the fixes
+    for ids, lo, hi in (([0, 240], 0, 240), ([-1, 3], -1, 3)):
+        with pytest.raises(IndexError, match=rf"ids out of range for table {shard.table_name!r} shard 0: got ids in "
+                                             rf"\[{lo}, {hi}\] but the shard has 240 local rows\. Possible solutions"):
+            shard(torch.tensor(ids), torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="offsets must start at 0"):
         shard(torch.tensor([1, 3]), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="ids must be a 1-D int32/int64"):

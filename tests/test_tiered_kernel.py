@@ -164,8 +164,10 @@ def test_opcheck_and_fake_shapes(mode: str, x: float) -> None:
 
 def test_kernel_bad_inputs_name_the_argument() -> None:
     shard = TieredEmbeddingShard(num_embeddings=10, embedding_dim=D, mode="CACHING", cache_load_factor=0.5)
-    with pytest.raises(IndexError, match=r"ids out of range: got ids in \[0, 10\]"):
-        shard(torch.tensor([0, 10]), torch.tensor([0, 2]))
+    with pytest.raises(IndexError, match=r"ids out of range: got ids in \[0, 10\]"):  # the kernel's own check
+        torch.ops.recpipe.tiered_lookup(*_op_args(shard, torch.tensor([0, 10]), torch.tensor([0, 2])))
+    with pytest.raises(IndexError, match=r"ids out of range for table '.*' shard 0: got ids in \[0, 10\]"):
+        shard(torch.tensor([0, 10]), torch.tensor([0, 2]))  # re-raised by the shard, naming the table
     with pytest.raises(ValueError, match="offsets must start at 0, be non-decreasing"):
         shard(torch.tensor([1, 2]), torch.tensor([0, 2, 1, 2]))
     with pytest.raises(ValueError, match="per_sample_weights must have the shape of ids"):
