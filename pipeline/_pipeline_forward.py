@@ -50,10 +50,9 @@ class FusedLookupPipelineContext(EmbeddingTrainPipelineContext):
     another mode (``model.train()`` / ``eval()`` or ``torch.no_grad()`` toggled
     between steps) looks its batch up again, as torchrec's forward would."""
 
-    lookup_counters: Dict[str, List[Tuple[Tuple[Optional[int], Optional[int]], ...]]] = field(
-        default_factory=dict
-    )
-    """Module name -> its fbgemm TBEs' (step, iter) before and after the lookup:
+    lookup_counters: Dict[str, List[Tuple[Any, Any]]] = field(default_factory=dict)
+    """Module name -> the counters of its fbgemm TBEs ((step, iter)) and fbgemm-backed
+    tiered shards before and after the lookup (``train_pipeline.lookup_counter_sources``):
     a discarded lookup takes its increments back (Adam's bias correction counts
     lookups)."""
 

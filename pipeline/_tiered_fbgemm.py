@@ -36,6 +36,11 @@ CPU build of fbgemm has no UVM and no cache): it checks the split, the bag
 partition, the optimizer mapping and the export / load code on a machine without
 a GPU. fbgemm's CPU TBE runs SGD and row-wise Adagrad but not Adam.
 
+A lookup advances counters, which a pipeline that discards a lookup takes back
+(``TrainPipelineFusedSparseDist``): :func:`tbe_counters` / :func:`undo_tbe_lookup` for
+any fbgemm TBE (torchrec's FUSED tables' too), :meth:`FbgemmTier.lookup_counters` /
+:meth:`FbgemmTier.undo_lookup` for a tier's TBE and its own SGD step count.
+
 Statistics (``recpipe.pipeline.ops.TIERED_STATS`` layout) are counted with device
 ops into an int64 tensor and read on the host only by ``tier_stats()``: ids and
 unique rows of each lookup; for CACHING the ids already cached before the step's
@@ -78,6 +83,8 @@ __all__ = [
     "fbgemm_tier_bytes",
     "plan_fbgemm_tier",
     "split_tier",
+    "tbe_counters",
+    "undo_tbe_lookup",
 ]
 
 #: Ways per cache set of fbgemm's UVM cache on NVIDIA GPUs (the warp size,
@@ -431,6 +438,47 @@ _SLOW_BUFFERS: Tuple[str, ...] = ("weights_uvm", "momentum1_uvm", "momentum2_uvm
                                   "weights_host", "momentum1_host", "momentum2_host")
 
 
+TbeCounters = Tuple[Optional[int], Optional[int]]
+"""An fbgemm TBE's lookup counters (``step``, ``iter_cpu``), by :func:`tbe_counters`."""
+
+
+def tbe_counters(tbe: nn.Module) -> TbeCounters:
+    """An fbgemm TBE's lookup counters: ``step`` (every lookup) and the host copy
+    ``iter_cpu`` of ``iter`` (Adam, LAMB, row-wise Adagrad and the other optimizers
+    but SGD: bias correction or decay by iteration), both advanced by the forward.
+    Host values only (``iter_cpu`` is a CPU tensor): no device sync.
+
+    Args:
+        tbe (nn.Module): an fbgemm ``SplitTableBatchedEmbeddingBagsCodegen`` (or a
+            module without these counters: None for each missing one).
+
+    Returns:
+        TbeCounters: ``(step, iter_cpu)``.
+    """
+    step = getattr(tbe, "step", None)
+    it = getattr(tbe, "iter_cpu", None)
+    return (step if isinstance(step, int) else None, int(it) if isinstance(it, torch.Tensor) else None)
+
+
+def undo_tbe_lookup(tbe: nn.Module, before: TbeCounters, after: TbeCounters) -> None:
+    """Takes back the counter increments of one discarded lookup (``before`` /
+    ``after`` it, by :func:`tbe_counters`), keeping those of lookups since (e.g.
+    the detached model's eval forwards), so the optimizer steps as if the
+    discarded lookup never ran. fbgemm adds 1 to ``iter`` per lookup (its host
+    copy may first re-sync from a loaded ``iter``, so only whether it moved counts).
+
+    Args:
+        tbe (nn.Module): the TBE the lookup ran on.
+        before (TbeCounters): its counters before the lookup.
+        after (TbeCounters): its counters right after the lookup.
+    """
+    if before[0] is not None and after[0] is not None:
+        tbe.step -= after[0] - before[0]  # pyre-ignore[16]
+    if before[1] is not None and after[1] is not None and after[1] != before[1]:
+        tbe.iter_cpu.sub_(1)  # pyre-ignore[29]
+        tbe.iter.sub_(1)  # pyre-ignore[29]
+
+
 def split_tier(pos: torch.Tensor, fast_rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Tier and index of HYBRID rows from their hashed positions ``H(r)``.
 
@@ -492,6 +540,7 @@ class FbgemmTier(nn.Module):
             dt = torch.int32 if R < 2**31 else torch.int64
             self.split_pos = split_pos.to(dt).to(device)
         self.step = 0  # SGD steps (fbgemm counts only the other optimizers' steps)
+        self._step_sets = 0  # set_step() calls: a lookup's counters set since are not taken back
 
     # ------------------------------------------------------------- layout
     def locate(self, rows: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -597,8 +646,36 @@ class FbgemmTier(nn.Module):
     def set_step(self, step: int) -> None:
         """Sets the optimizer step (Adam bias correction continues from it)."""
         self.step = step
+        self._step_sets += 1
         self.tbe.iter.fill_(step)
         self.tbe.iter_cpu.fill_(step)
+
+    def lookup_counters(self) -> Tuple[int, int, TbeCounters]:
+        """The counters a training lookup advances, host values only (no device sync).
+
+        Returns:
+            Tuple[int, int, TbeCounters]: this tier's SGD ``step``, its :meth:`set_step`
+            count, and the TBE's :func:`tbe_counters`.
+        """
+        return self.step, self._step_sets, tbe_counters(self.tbe)
+
+    def undo_lookup(self, before: Tuple[int, int, TbeCounters], after: Tuple[int, int, TbeCounters]) -> None:
+        """Takes back what one discarded lookup advanced (its :meth:`lookup_counters`
+        ``before`` / ``after`` it): the TBE's ``step``, and, unless :meth:`set_step`
+        ran since the lookup (a load set the step, which erased the increment), this
+        tier's ``step`` and the TBE's ``iter`` / ``iter_cpu``.
+
+        Args:
+            before (Tuple[int, int, TbeCounters]): the counters before the lookup.
+            after (Tuple[int, int, TbeCounters]): the counters right after it.
+        """
+        step_before, _, tbe_before = before
+        step_after, sets_after, tbe_after = after
+        if self._step_sets == sets_after:
+            self.step -= step_after - step_before
+            undo_tbe_lookup(self.tbe, tbe_before, tbe_after)
+        else:  # only fbgemm's own lookup count survived the set
+            undo_tbe_lookup(self.tbe, tbe_before, (tbe_after[0], None))
 
     def tier_tensors(self) -> Dict[str, List[Tuple[str, torch.Tensor]]]:
         """The TBE's row and cache buffers per tier (see :func:`fbgemm_tier_bytes`).

@@ -15,7 +15,8 @@ Everything that crosses the contract is defined here, once:
 * the enums :class:`Mode`, :class:`DistType`, :class:`CachePolicy`,
   :class:`FusedOptimizer` (``str`` enums: a member equals its value, so
   ``DistType.HASH_ROUNDROBIN == "hash_roundrobin"``) and :func:`parse_enum`;
-* the fused-param keys ``FUSED_PARAM_*`` (:data:`FUSED_PARAM_KEYS`);
+* the fused-param keys ``FUSED_PARAM_*`` (:data:`FUSED_PARAM_KEYS`, and the sharders'
+  :data:`FUSED_PARAM_RUNTIME_KEYS`);
 * the byte formulas (THE single source of truth, see below), which
   ``recpipe.planner.storage`` re-exports;
 * :class:`PlacementParams` and its errors :class:`PlacementContractError` /
@@ -57,6 +58,7 @@ from recpipe.pipeline.ops import DIST_TYPES, local_rows
 __all__ = [
     "CACHE_ROW_MAP_BYTES",
     "CACHE_SLOT_BYTES",
+    "FUSED_PARAM_BACKEND",
     "FUSED_PARAM_CACHE_LOAD_FACTOR",
     "FUSED_PARAM_CACHE_POLICY",
     "FUSED_PARAM_DIST_TYPE",
@@ -65,6 +67,7 @@ __all__ = [
     "FUSED_PARAM_MODE",
     "FUSED_PARAM_OPTIMIZER",
     "FUSED_PARAM_PREFIX",
+    "FUSED_PARAM_RUNTIME_KEYS",
     "FUSED_PARAM_SEED",
     "ROUTED_DIST_TYPES",
     "TIERED_DTYPES",
@@ -641,6 +644,14 @@ _FIELD_KEYS: Dict[str, str] = {
 }
 #: Every key of the contract, in :class:`PlacementParams` field order.
 FUSED_PARAM_KEYS: Tuple[str, ...] = tuple(_FIELD_KEYS.values())
+#: Tiered kernel backend (``"native"`` / ``"fbgemm"`` / ``"torch"``, see
+#: ``recpipe.pipeline.tiered.TieredEmbeddingShard``); absent: the device's default.
+#: Not planned (not in :data:`FUSED_PARAM_KEYS`): the tiered sharders' ``backend=``
+#: argument writes it into their tiered tables' fused params; the tiered kernel reads it.
+FUSED_PARAM_BACKEND: str = "recpipe_backend"
+#: recpipe fused-param keys outside the placement contract (optional, written by the
+#: sharders, not the planner); :meth:`PlacementParams.from_fused_params` accepts them.
+FUSED_PARAM_RUNTIME_KEYS: Tuple[str, ...] = (FUSED_PARAM_BACKEND,)
 
 
 class PlacementContractError(ValueError):
@@ -756,7 +767,8 @@ class PlacementParams:
 
         Other (torchrec / fbgemm) keys are ignored; every key of
         :data:`FUSED_PARAM_KEYS` must be present and valid, and no other key may
-        start with :data:`FUSED_PARAM_PREFIX`.
+        start with :data:`FUSED_PARAM_PREFIX` but those of
+        :data:`FUSED_PARAM_RUNTIME_KEYS` (read by the tiered kernel, not here).
 
         Args:
             fused_params (Optional[Mapping[str, Any]]): the table's fused params.
@@ -771,11 +783,12 @@ class PlacementParams:
         """
         fp = dict(fused_params or {})
         unknown = sorted(k for k in fp if isinstance(k, str) and k.startswith(FUSED_PARAM_PREFIX)
-                         and k not in FUSED_PARAM_KEYS)
+                         and k not in FUSED_PARAM_KEYS and k not in FUSED_PARAM_RUNTIME_KEYS)
         if unknown:
             raise PlacementContractError(
                 f"table {table_name!r}: unknown placement fused param(s) {unknown}; the contract's keys are "
-                f"{list(FUSED_PARAM_KEYS)}.\nPossible solutions:\n"
+                f"{list(FUSED_PARAM_KEYS)} (and the sharders' {list(FUSED_PARAM_RUNTIME_KEYS)})."
+                "\nPossible solutions:\n"
                 f"  1) fix the key's spelling (keys are defined once, in recpipe.pipeline.placement);\n"
                 f"  2) {_PLAN_FIX}."
             )

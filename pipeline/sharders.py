@@ -34,7 +34,10 @@ row dtype differs from the one its placement was sized for
 (:class:`~recpipe.pipeline.placement.PlacementMismatchError`), since it would
 allocate other bytes than the plan budgeted. A hand-written
 ``PlacementParameterSharding`` that names no optimizer / dtype was not sized for
-one: the table's own are written into its fused params (as its routing is).
+one: the table's own are written into its fused params (as its routing is). The
+tiered sharders' ``backend=`` (the shards' kernel, default the device's) is written
+into their tiered tables' fused params the same way
+(``recpipe.pipeline.placement.FUSED_PARAM_BACKEND``).
 
 Limits: ROW_WISE only (the tiered kernel is refused for other sharding types);
 no variable batch size per feature (VBE) for pooled tables: a VBE KJT reaching an
@@ -55,7 +58,7 @@ shards a module) initializes the EC's tiered tables from it.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -82,6 +85,7 @@ from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
 from recpipe.pipeline.placement import (
+    FUSED_PARAM_BACKEND,
     FUSED_PARAM_DIST_TYPE,
     FUSED_PARAM_DTYPE,
     FUSED_PARAM_OPTIMIZER,
@@ -100,7 +104,13 @@ from recpipe.pipeline.sharding import (
     RecpipeShardedEmbeddingCollection,
     RoutingOverrides,
 )
-from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig, TieredShardState
+from recpipe.pipeline.tiered import (
+    BACKENDS,
+    TieredEmbeddingShard,
+    TieredOptimizerConfig,
+    TieredShardState,
+    resolve_backend,
+)
 
 __all__ = [
     "TieredBatchedEmbedding",
@@ -323,6 +333,10 @@ class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
     Its :attr:`fused_optimizer` (:class:`TieredFusedOptimizer`) joins the sharded
     collection's ``fused_optimizer``, as torchrec's FUSED kernels' do.
 
+    Each shard runs the backend its table's fused params name
+    (``FUSED_PARAM_BACKEND``, written from the sharder's ``backend=``), else the
+    device's default (``native`` on CPU, ``fbgemm`` on CUDA).
+
     Args:
         config (GroupedEmbeddingConfig): the group's tables (all CUSTOMIZED_KERNEL).
         pg (dist.ProcessGroup | None): the sharding process group (rank, world size).
@@ -343,6 +357,7 @@ class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
         self._feature_table: List[str] = []
         for table in config.embedding_tables:
             params, optimizer = tiered_placement(table)
+            backend = (table.fused_params or {}).get(FUSED_PARAM_BACKEND)  # None: the device's default
             shard = TieredEmbeddingShard(
                 num_embeddings=table.num_embeddings,
                 embedding_dim=table.local_cols,
@@ -359,6 +374,7 @@ class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
                 dtype=params.dtype,
                 device=device,
                 table_name=table.name,
+                backend=backend,
             )
             self.tables[table.name] = shard
             self._feature_table += [table.name] * table.num_features()
@@ -551,7 +567,9 @@ class TieredBatchedEmbedding(_TieredKernelBase):
 
 
 def _resolve_tiered_fused_params(
-    sharding_infos: List[EmbeddingShardingInfo], routing: Optional[RoutingOverrides]
+    sharding_infos: List[EmbeddingShardingInfo],
+    routing: Optional[RoutingOverrides],
+    backend: Optional[str] = None,
 ) -> None:
     """Completes each tiered table's placement in its fused params (in place).
 
@@ -560,6 +578,9 @@ def _resolve_tiered_fused_params(
     and dtype: a hand-written ``PlacementParameterSharding`` that names none was not
     sized for one, so the table's own fused optimizer and dtype are written in;
     a placement that names them keeps them (the kernel then checks the model agrees).
+    Backend: the table's own ``FUSED_PARAM_BACKEND``, else the sharder's ``backend``
+    (None writes nothing: the device's default). Only tiered tables get the key
+    (fbgemm's FUSED TBEs would refuse it).
     """
     for info in sharding_infos:
         if info.param_sharding.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value:
@@ -577,6 +598,8 @@ def _resolve_tiered_fused_params(
             fp[FUSED_PARAM_OPTIMIZER] = _table_optimizer(fp, name).name
         if FUSED_PARAM_DTYPE not in fp:
             fp[FUSED_PARAM_DTYPE] = dtype_name(data_type_to_dtype(info.embedding_config.data_type))
+        if backend is not None:
+            fp.setdefault(FUSED_PARAM_BACKEND, backend)
         info.fused_params = fp
 
 
@@ -619,8 +642,12 @@ class _TieredRoutingMixin:
     and the tiered kernel agree: the table's own ``recpipe_dist_type`` /
     ``recpipe_seed``, else the sharder's ``RoutingOverrides``, else
     ``hash_roundrobin`` with seed 0 (recpipe's default for its tables). See
-    :func:`_resolve_tiered_fused_params` for the optimizer and dtype.
+    :func:`_resolve_tiered_fused_params` for the optimizer, dtype and backend
+    (``_backend``: the sharder's, set on a per-sharder subclass by
+    ``_TieredTablesMixin.with_backend``).
     """
+
+    _backend: ClassVar[Optional[str]] = None
 
     def __init__(
         self,
@@ -629,7 +656,7 @@ class _TieredRoutingMixin:
         routing: Optional[RoutingOverrides] = None,
         **kwargs: Any,
     ) -> None:
-        _resolve_tiered_fused_params(sharding_infos, routing)
+        _resolve_tiered_fused_params(sharding_infos, routing, self._backend)
         super().__init__(sharding_infos, *args, routing=routing, **kwargs)  # type: ignore[call-arg]
 
 
@@ -694,6 +721,15 @@ class _TieredTablesMixin:
 
     _lookups: List[nn.Module]
     _TIERED_COLLECTION: str = "embedding_bags"
+    _ROW_WISE_SHARDING: ClassVar[type]
+
+    @classmethod
+    def with_backend(cls, backend: str) -> type:
+        """A subclass whose tiered tables run ``backend`` (the sharders' ``backend=``;
+        see ``recpipe.pipeline.tiered.TieredEmbeddingShard``), as ``with_routing``
+        carries the sharder's routing."""
+        sharding = type(cls._ROW_WISE_SHARDING.__name__, (cls._ROW_WISE_SHARDING,), {"_backend": backend})
+        return type(cls.__name__, (cls,), {"_ROW_WISE_SHARDING": sharding})
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -900,9 +936,33 @@ def _load_full_tiered_weights(
 
 
 class _TieredSharderMixin:
-    """Offers the tiered CUSTOMIZED_KERNEL for ROW_WISE tables and refuses it elsewhere."""
+    """Offers the tiered CUSTOMIZED_KERNEL for ROW_WISE tables and refuses it elsewhere.
+
+    Args:
+        *args: as the recpipe sharder.
+        backend (Optional[str]): keyword-only. The tiered shards' kernel: ``native``
+            (recpipe's compiled CPU kernel), ``fbgemm`` (fbgemm's TBE; on CPU as
+            fbgemm HOST tables without a cache), ``torch`` (device-generic torch ops),
+            or None (default): the device's (``native`` on CPU, ``fbgemm`` on CUDA,
+            ``torch`` elsewhere). Carried to the kernel in the tiered tables' fused
+            params (``recpipe.pipeline.placement.FUSED_PARAM_BACKEND``).
+        **kwargs: as the recpipe sharder.
+
+    Raises:
+        ValueError: ``backend`` is not one of those (here), or cannot run on the
+            device the module is sharded to (in :meth:`shard`).
+    """
 
     _SHARDED_MODULE: Any
+
+    def __init__(self, *args: Any, backend: Optional[str] = None, **kwargs: Any) -> None:
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"{type(self).__name__}: backend must be one of {list(BACKENDS)} or None (the "
+                             f"device's default), got {backend!r}.")
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._backend: Optional[str] = backend
+        if backend is not None:  # shard() builds this class (the base sharder reads _SHARDED_MODULE)
+            self._SHARDED_MODULE = type(self)._SHARDED_MODULE.with_backend(backend)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         kernels: List[str] = super().compute_kernels(sharding_type, compute_device_type)  # type: ignore[misc]
@@ -919,18 +979,24 @@ class _TieredSharderMixin:
         module_fqn: Optional[str] = None,
     ) -> Any:
         _check_tiered_params(params)
+        if self._backend is not None:
+            try:
+                resolve_backend(self._backend, device if device is not None else torch.device("cpu"))
+            except ValueError as e:
+                raise ValueError(f"{type(self).__name__}(backend={self._backend!r}): {e}") from None
         return super().shard(module, params, env, device, module_fqn)  # type: ignore[misc]
 
     @property
     def sharded_module_type(self) -> type:
-        return self._SHARDED_MODULE
+        return type(self)._SHARDED_MODULE
 
 
 class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingBagCollectionSharder):
     """recpipe's EBC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
     CUSTOMIZED_KERNEL row-wise tables run the tiered kernel.
 
-    Args: as ``recpipe.pipeline.sharding.RecpipeEmbeddingBagCollectionSharder``.
+    Args: as ``recpipe.pipeline.sharding.RecpipeEmbeddingBagCollectionSharder``, plus
+        ``backend`` (keyword-only, see :class:`_TieredSharderMixin`).
 
     Example::
 
@@ -971,7 +1037,8 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingColl
     """recpipe's EC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
     CUSTOMIZED_KERNEL row-wise tables run the tiered sequence kernel.
 
-    Args: as ``recpipe.pipeline.sharding.RecpipeEmbeddingCollectionSharder``.
+    Args: as ``recpipe.pipeline.sharding.RecpipeEmbeddingCollectionSharder``, plus
+        ``backend`` (keyword-only, see :class:`_TieredSharderMixin`).
 
     Example::
 

@@ -99,6 +99,7 @@ from recpipe.pipeline.placement import (
 )
 
 __all__ = [
+    "BACKENDS",
     "CachePolicy",
     "FusedOptimizer",
     "TieredEmbeddingShard",
@@ -106,6 +107,7 @@ __all__ = [
     "TieredShardState",
     "TieredCheckpointError",
     "global_row_ids",
+    "resolve_backend",
     "shard_num_rows",
 ]
 
@@ -124,11 +126,23 @@ class TieredCheckpointError(ValueError):
     missing or duplicated rows). The message lists numbered possible solutions."""
 
 
+#: The tiered kernels a shard can run (``TieredEmbeddingShard(backend=...)``).
 BACKENDS: Tuple[str, ...] = ("native", "fbgemm", "torch")
 
 
-def _resolve_backend(backend: Optional[str], device: torch.device) -> str:
-    """The shard's backend: the given one (validated against the device) or the device's default."""
+def resolve_backend(backend: Optional[str], device: torch.device) -> str:
+    """A shard's backend: the given one (validated against the device) or the device's default.
+
+    Args:
+        backend (Optional[str]): one of :data:`BACKENDS`, or None.
+        device (torch.device): the shard's (fast-tier) device.
+
+    Returns:
+        str: ``backend``, or ``native`` on CPU, ``fbgemm`` on CUDA, ``torch`` elsewhere.
+
+    Raises:
+        ValueError: naming ``backend``, for an unknown one or one that cannot run on ``device``.
+    """
     if backend is None:
         return {"cpu": "native", "cuda": "fbgemm"}.get(device.type, "torch")
     if backend not in BACKENDS:
@@ -281,7 +295,7 @@ class TieredEmbeddingShard(nn.Module):
         self.table_name: str = table_name
         self.device: torch.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_rows: int = shard_num_rows(num_embeddings, world_size, rank, dist_type)
-        self.backend: str = _resolve_backend(backend, self.device)
+        self.backend: str = resolve_backend(backend, self.device)
 
         R = self.num_rows
         self.fast_rows, self.slow_rows, self.cache_slots = tier_rows(R, self.mode, self.cache_load_factor)
@@ -527,6 +541,36 @@ class TieredEmbeddingShard(nn.Module):
         self.step = int(step)
         if self._fbgemm is not None:
             self._fbgemm.set_step(self.step)
+
+    def lookup_counters(self) -> Optional[Any]:
+        """The counters a lookup advances, for :meth:`undo_lookup` (host values only).
+
+        The fbgemm backend counts optimizer steps in the lookup, as fbgemm's TBE does
+        (the TBE's ``step`` / ``iter``, ``FbgemmTier.step`` and this shard's ``step``);
+        the ``native`` and ``torch`` backends count them in the backward, so a lookup
+        whose backward never runs advanced nothing: None. ``TrainPipelineFusedSparseDist``
+        reads them around every lookup it issues early, to take back a discarded one's.
+
+        Returns:
+            Optional[Any]: an opaque snapshot, or None when a lookup counts nothing.
+        """
+        return self._fbgemm.lookup_counters() if self._fbgemm is not None else None
+
+    def undo_lookup(self, before: Optional[Any], after: Optional[Any]) -> None:
+        """Takes back the counter increments of one discarded lookup (:meth:`lookup_counters`
+        ``before`` / ``after`` it), keeping those of lookups since, so the step counts
+        equal a run in which the lookup never ran. A step set since (``load_states``,
+        ``load_global_weights``) already erased them. No-op for the ``native`` and
+        ``torch`` backends.
+
+        Args:
+            before (Optional[Any]): :meth:`lookup_counters` before the lookup.
+            after (Optional[Any]): :meth:`lookup_counters` right after it.
+        """
+        if self._fbgemm is None or before is None or after is None:
+            return
+        self._fbgemm.undo_lookup(before, after)
+        self.step = self._fbgemm.step  # as _forward_fbgemm sets it
 
     def global_ids(self) -> torch.Tensor:
         """Global id of every local row, in local-id order.

@@ -10,6 +10,7 @@ and CPU; a one-line drop-in::
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Type
 
@@ -32,6 +33,7 @@ from recpipe.pipeline._pipeline_validation import (
     FusedLookupExactnessChecker,
     FusedLookupExactnessError,
 )
+from recpipe.pipeline._tiered_fbgemm import tbe_counters, undo_tbe_lookup
 
 __all__ = [
     "FusedLookupExactnessError",
@@ -39,6 +41,7 @@ __all__ = [
     "PipelineStageStats",
     "TrainPipelineFusedSparseDist",
     "fused_tbes",
+    "lookup_counter_sources",
     "tables_version",
     "tbe_counters",
     "undo_tbe_lookup",
@@ -85,34 +88,33 @@ def fused_tbes(module: torch.nn.Module) -> List[torch.nn.Module]:
     return list(found.values())
 
 
-def tbe_counters(tbe: torch.nn.Module) -> Tuple[Optional[int], Optional[int]]:
-    """An fbgemm TBE's lookup counters: ``step`` (every lookup) and the host copy
-    ``iter_cpu`` of ``iter`` (Adam, LAMB and other optimizers with bias
-    correction or decay by iteration), both advanced by the forward.
+CounterSource = Tuple[Callable[[], Any], Callable[[Any, Any], None]]
+"""``(read, undo)``: reads the counters a lookup advances; takes back one lookup's
+increments given the readings before and after it."""
+
+
+def lookup_counter_sources(tbes: Sequence[torch.nn.Module], tiered_shards: Sequence[Any]) -> List[CounterSource]:
+    """What a sharded module's lookup advances besides the tables, and how to take it back.
+
+    The fbgemm TBEs of :func:`fused_tbes` (:func:`tbe_counters` / :func:`undo_tbe_lookup`)
+    and its tiered shards (``lookup_counters()`` / ``undo_lookup(before, after)``,
+    duck-typed: a fbgemm-backed shard's TBE lives outside the module tree and its shard
+    and tier count steps at lookup time; a native shard counts in the backward and
+    reads None).
 
     Args:
-        tbe (torch.nn.Module): a module of :func:`fused_tbes`.
+        tbes (Sequence[torch.nn.Module]): the module's fbgemm TBEs.
+        tiered_shards (Sequence[Any]): the module's tiered shards.
+
+    Returns:
+        List[CounterSource]: one ``(read, undo)`` per TBE and per tiered shard.
     """
-    step = getattr(tbe, "step", None)
-    it = getattr(tbe, "iter_cpu", None)
-    return (step if isinstance(step, int) else None, int(it) if isinstance(it, torch.Tensor) else None)
-
-
-def undo_tbe_lookup(
-    tbe: torch.nn.Module,
-    before: Tuple[Optional[int], Optional[int]],
-    after: Tuple[Optional[int], Optional[int]],
-) -> None:
-    """Takes back the counter increments of one discarded lookup (``before`` /
-    ``after`` it, by :func:`tbe_counters`), keeping those of lookups since (e.g.
-    the detached model's eval forwards), so the optimizer steps as if the
-    discarded lookup never ran. fbgemm adds 1 to ``iter`` per lookup (its host
-    copy may first re-sync from a loaded ``iter``, so only whether it moved counts)."""
-    if before[0] is not None and after[0] is not None:
-        tbe.step -= after[0] - before[0]  # pyre-ignore[16]
-    if before[1] is not None and after[1] is not None and after[1] != before[1]:
-        tbe.iter_cpu.sub_(1)  # pyre-ignore[29]
-        tbe.iter.sub_(1)  # pyre-ignore[29]
+    sources: List[CounterSource] = [
+        (functools.partial(tbe_counters, tbe), functools.partial(undo_tbe_lookup, tbe)) for tbe in tbes
+    ]
+    sources += [(shard.lookup_counters, shard.undo_lookup) for shard in tiered_shards
+                if callable(getattr(shard, "lookup_counters", None)) and callable(getattr(shard, "undo_lookup", None))]
+    return sources
 
 
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
@@ -309,6 +311,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         self._after_opt_modules: Set[str] = set()
         self._fused_tbes: Dict[str, List[torch.nn.Module]] = {}
         self._tiered_shards: Dict[str, List[Any]] = {}
+        self._counter_sources: Dict[str, List[CounterSource]] = {}
         self._optimizer_relookup_streak = 0
         self._warned_optimizer_relookups = False
         self.stats = PipelineStageStats()
@@ -349,6 +352,10 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             name: list(module.tiered_tables().values())  # pyre-ignore[16]
             for name, module in modules.items()
             if callable(getattr(module, "tiered_tables", None))
+        }
+        self._counter_sources = {
+            name: lookup_counter_sources(self._fused_tbes[name], self._tiered_shards.get(name, ()))
+            for name in modules
         }
         for module in self._pipelined_modules:
             forward = module.forward
@@ -393,15 +400,16 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     ) -> None:
         """Completes and discards ``context``'s issued lookup (and, when torchrec
         restarted its input dist, its old input-dist tensors) on this rank; every
-        rank attaches, so the collectives stay matched. The TBE counters the
-        lookup advanced are taken back; ``relookup`` counts it in ``stats``."""
+        rank attaches, so the collectives stay matched. The counters the lookup
+        advanced (fbgemm TBEs', fbgemm-backed tiered shards' steps:
+        :func:`lookup_counter_sources`) are taken back; ``relookup`` counts it in ``stats``."""
         consumed_input_dist = context.lookup_started
         if context.lookup_started and relookup:
             self.stats.relookups += 1
         self._wait_and_drop(context.embedding_a2a_requests, self._lookup_stream)
         for name, moves in context.lookup_counters.items():
-            for tbe, (before, after) in zip(self._fused_tbes.get(name, ()), moves):
-                undo_tbe_lookup(tbe, before, after)
+            for (_, undo), (before, after) in zip(self._counter_sources.get(name, ()), moves):
+                undo(before, after)
         context.lookup_counters.clear()
         context.lookup_events.clear()
         context.lookup_inputs.clear()
@@ -468,7 +476,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             )
         module_ctx = context.module_contexts[name]
         request = context.input_dist_tensors_requests.pop(name)
-        counters_before = [tbe_counters(m) for m in self._fused_tbes.get(name, ())]
+        counters_before = [read() for read, _ in self._counter_sources.get(name, ())]
         if self._lookup_stream is None:
             # CPU: no streams; the all-to-all runs on gloo's worker thread.
             kjt = request.wait()
@@ -507,11 +515,12 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         self,
         context: FusedLookupPipelineContext,
         module: ShardedModule,
-        counters_before: List[Tuple[Optional[int], Optional[int]]],
+        counters_before: List[Any],
     ) -> None:
-        """Records what an issued lookup read and how it moved the TBE counters."""
+        """Records what an issued lookup read and how it moved the counters of its
+        :func:`lookup_counter_sources` (TBEs, fbgemm-backed tiered shards)."""
         name: str = module.forward.name  # pyre-ignore[16]
-        after = [tbe_counters(m) for m in self._fused_tbes.get(name, ())]
+        after = [read() for read, _ in self._counter_sources.get(name, ())]
         context.lookup_counters[name] = list(zip(counters_before, after))
         context.lookup_inputs[name] = self._lookup_inputs(module)
 
@@ -590,7 +599,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         its backward (taken at lookup time, set by torchrec's fused optimizers
         in ``zero_grad()`` / ``step()``), and per tiered table its optimizer
         hyper-parameters (also taken at lookup time, set by ``TieredFusedOptimizer``;
-        host floats)."""
+        host floats; a fbgemm-backed shard mirrors them into its TBE, whose
+        ``learning_rate_tensor`` is therefore not read here)."""
         name = module.forward.name  # pyre-ignore[16]
         tbes = self._fused_tbes.get(name, ())
         return (

@@ -401,6 +401,44 @@ def test_fbgemm_backend_module_interface_equals_native() -> None:
     assert fb.export_state().step == 2
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_fbgemm_backend_undo_lookup_takes_back_its_counters(optimizer: str) -> None:
+    """A lookup of the fbgemm backend advances the shard's step, FbgemmTier.step and its TBE's
+    ``step`` (and ``iter`` unless SGD); ``undo_lookup`` takes them back, keeping a later
+    lookup's, and after a ``load_states`` (which sets the step) takes back only the TBE's own
+    ``step``. The native backend counts in the backward: nothing to take back (None)."""
+    fb = _shard("fbgemm", "HYBRID", 0.4, optimizer, "sum", "lfu", 97)
+    native = _shard(None, "HYBRID", 0.4, optimizer, "sum", "lfu", 97)
+    assert native.lookup_counters() is None
+    native.undo_lookup(None, None)
+
+    def counters() -> Tuple[int, int, int, int, int]:
+        assert fb._fbgemm is not None
+        tbe = fb._fbgemm.tbe
+        return fb.step, fb._fbgemm.step, tbe.step, int(tbe.iter), int(tbe.iter_cpu)
+
+    batches = list(_batches(97, 3, seed=4, weighted=False, sequence=False))
+    ids, offsets, psw, grad = batches[0]
+    (fb(ids, offsets, psw) * grad).sum().backward()
+    start = counters()
+    it = 0 if optimizer == "sgd" else 1
+    assert start == (1, 1, 1, it, it)
+    before = fb.lookup_counters()
+    fb(*batches[1][:3])  # the discarded lookup
+    after = fb.lookup_counters()
+    (fb(*batches[2][:3]) * batches[2][3]).sum().backward()  # a lookup since: kept
+    assert counters() == (3, 3, 3, 3 * it, 3 * it)
+    fb.undo_lookup(before, after)
+    assert counters() == (2, 2, 2, 2 * it, 2 * it)
+    assert fb.export_state().step == 2
+    before = fb.lookup_counters()
+    fb(*batches[1][:3])
+    after = fb.lookup_counters()
+    fb.load_states([native.export_state()])  # sets the step (0): the lookup's increments are gone
+    fb.undo_lookup(before, after)
+    assert counters() == (0, 0, 2, 0, 0)
+
+
 def test_fbgemm_backend_rejects_ids_outside_the_shard() -> None:
     fb = _shard("fbgemm", "HYBRID", 0.4, "sgd", "sum", "lfu", 97)
     with pytest.raises(IndexError, match="ids out of range"):

@@ -16,7 +16,7 @@ both of which the test then runs.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import pytest
@@ -99,7 +99,7 @@ def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[
     return plan
 
 
-def _body(rank: int, world: int, pooling: str) -> Dict[str, List[Any]]:
+def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) -> Dict[str, List[Any]]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
@@ -112,12 +112,12 @@ def _body(rank: int, world: int, pooling: str) -> Dict[str, List[Any]]:
     global_weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone()
                       for n, *_ in TABLES}
     device = torch.device("cpu")
-    results: Dict[str, List[Any]] = {"tiered": [], "ref": [], "stats": []}
+    results: Dict[str, List[Any]] = {"tiered": [], "ref": [], "stats": [], "backend": []}
     for kind in ("tiered", "ref"):
         ebc = _ebc(pooling)
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         if kind == "tiered":
-            sharder = TieredEmbeddingBagCollectionSharder()
+            sharder = TieredEmbeddingBagCollectionSharder(backend=backend)
             plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3)})
         else:
             sharder = EmbeddingBagCollectionSharder()
@@ -136,6 +136,7 @@ def _body(rank: int, world: int, pooling: str) -> Dict[str, List[Any]]:
                 {"embedding_bags.t0.weight": global_weights["embedding_bags.t0.weight"].clone()}, strict=False
             )
             assert tiered["t0"].dist_type == "hash_roundrobin" and tiered["t0"].fast_rows == int(0.3 * 49)
+            results["backend"].append(tiered["t0"].backend)
         for step in range(STEPS):
             kjt, grad = _kjt(step, rank)
             out = model(kjt).values()
@@ -158,6 +159,39 @@ def test_dmp_row_wise_tiered_equals_torchrec_table_wise_fused(pooling: str) -> N
                 atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}",
             )
         assert res["stats"][0]["lookups"] > 0
+
+
+def test_sharder_backend_fbgemm_runs_tiered_tables_on_fbgemm_tbe() -> None:
+    """``TieredEmbeddingBagCollectionSharder(backend="fbgemm")``: the tiered table t0 runs
+    fbgemm's TBE (HOST tables on CPU, the CUDA path's kernel; CPU's default is the native
+    kernel), the FUSED table t1 beside it is untouched (its fbgemm TBE would refuse the
+    backend fused param), and the outputs equal torchrec's own TABLE_WISE FUSED EBC step by
+    step (MEAN pooling: the fbgemm tier pools with SUM, torchrec divides after the all-to-all)."""
+    for rank, res in enumerate(run_gloo(2, _body, "MEAN", "fbgemm")):
+        assert res["backend"] == ["fbgemm"], res["backend"]
+        for step in range(STEPS):
+            torch.testing.assert_close(
+                torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
+                atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}",
+            )
+        assert res["stats"][0]["lookups"] > 0
+
+
+def test_sharder_backend_is_validated() -> None:
+    """An unknown ``backend`` is refused by the sharders' constructors, and one the device
+    cannot run by ``shard()`` before anything is built, each naming the sharder and the
+    argument; None is the device's default."""
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
+
+    for cls in (TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder):
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}: backend must be one of \['native', 'fbgemm', "
+                                             r"'torch'\] or None \(the device's default\), got 'uvm'\."):
+            cls(backend="uvm")
+        sharder = cls(backend="native")
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}\(backend='native'\): backend 'native' \(the "
+                                             r"compiled CPU kernel\) cannot run on meta"):
+            sharder.shard(torch.nn.Module(), {}, None, torch.device("meta"))  # type: ignore[arg-type]
+        assert cls().sharded_module_type is cls(backend="fbgemm").sharded_module_type
 
 
 class _Model(torch.nn.Module):
