@@ -8,11 +8,12 @@ they unpickle or load anything. Records and markers are written atomically
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, BinaryIO, Dict, Iterator, Optional
 
 #: Bytes read per ``read`` call while hashing: 4 MiB, the recipe manifest's value since it
 #: was written; the hashing itself (sha256 ~1.7 GB/s on one core of the development
@@ -97,20 +98,31 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes ``path`` via a temporary file in the same directory, fsync and ``os.replace``
-    (the temporary file is removed when that fails)."""
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """Writes ``path`` atomically: yields a temporary file in the same directory, then
+    fsyncs it, ``os.replace``-s it into place and fsyncs the directory. When the block or
+    any of that fails, the temporary file is removed (a partial file only takes space)
+    and the error propagates; ``path`` is untouched.
+
+    Args:
+        path (Path): the file to write.
+    """
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        try:  # a partial temporary file only takes space
-            tmp.unlink()
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` through :func:`atomic_file`."""
+    with atomic_file(path) as f:
+        f.write(data)

@@ -492,10 +492,9 @@ class TieredEmbeddingShard(nn.Module):
             if name not in names:
                 raise NotImplementedError(f"tiered table {self.table_name!r}: setting hyper-parameter {name!r} is "
                                           f"not supported (supported: {list(names)}).")
-        fields = {"eps": "eps", "beta1": "beta1", "beta2": "beta2"}
-        if self.optimizer.optimizer is FusedOptimizer.ADAM:
-            fields["weight_decay"] = "weight_decay"
-        updates = {fields[k]: float(v) for k, v in params_dict.items() if k in fields}
+        adam = self.optimizer.optimizer is FusedOptimizer.ADAM
+        fields = ("eps", "beta1", "beta2") + (("weight_decay",) if adam else ())
+        updates = {k: float(v) for k, v in params_dict.items() if k in fields}
         try:  # validated on a copy: nothing is set when a value is refused
             dataclasses.replace(self.optimizer, **updates)
         except ValueError as e:

@@ -68,7 +68,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline import dcp as recpipe_dcp
-from recpipe.pipeline._integrity import (atomic_write_bytes, file_entry, file_problem, fsync_dir, is_file_entry,
+from recpipe.pipeline._integrity import (atomic_file, atomic_write_bytes, file_entry, file_problem, is_file_entry,
                                          json_digest)
 from recpipe.pipeline.ops import ROUTING_VERSION
 from recpipe.pipeline.sharders import TIERED_STATE_KEY
@@ -365,27 +365,17 @@ def _write_rank_file(path: Path, payload: dict[str, Any]) -> dict[str, Any]:
         OSError: the file could not be written (e.g. a full disk); the temporary file
             is removed.
     """
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            sink = _HashingWriter(f)
-            try:
-                torch.save(payload, sink)
-            except RuntimeError as e:
-                # torch.save's zip writer reports a failed write (ENOSPC, EIO) as a
-                # RuntimeError about the stream position; the OSError is its context.
-                cause = _os_error_in(e)
-                if cause is None:
-                    raise
-                raise cause from None
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):  # a partial file only takes the space of the next save
-            tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+    with atomic_file(path) as f:
+        sink = _HashingWriter(f)
+        try:
+            torch.save(payload, sink)
+        except RuntimeError as e:
+            # torch.save's zip writer reports a failed write (ENOSPC, EIO) as a
+            # RuntimeError about the stream position; the OSError is its context.
+            cause = _os_error_in(e)
+            if cause is None:
+                raise
+            raise cause from None
     return {"bytes": sink.bytes, "sha256": sink.sha256.hexdigest()}
 
 

@@ -453,7 +453,7 @@ def test_a_full_disk_during_a_pt_save_is_a_checkpoint_write_error(tmp_path: Path
     good checkpoint, which loads, and no partial file is left."""
     import builtins
 
-    from recpipe.recipes import checkpoint as checkpoint_module
+    from recpipe.pipeline import _integrity  # opens the rank file's temporary file (atomic_file)
     from recpipe.recipes.checkpoint import CheckpointWriteError
 
     def full_disk_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
@@ -465,7 +465,7 @@ def test_a_full_disk_during_a_pt_save_is_a_checkpoint_write_error(tmp_path: Path
     with _fresh_run_state(config) as (model, optimizer, table_ranks):
         save_checkpoint(str(root), 1, model, optimizer, config, table_ranks)
         with monkeypatch.context() as m:
-            m.setattr(checkpoint_module, "open", full_disk_open, raising=False)
+            m.setattr(_integrity, "open", full_disk_open, raising=False)
             with pytest.raises(CheckpointWriteError) as err:
                 save_checkpoint(str(root), 2, model, optimizer, config, table_ranks)
         assert load_checkpoint(str(root), model, optimizer, config, table_ranks) == 1
