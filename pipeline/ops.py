@@ -583,8 +583,9 @@ def bucketize_kjt(
             f"bucketize_kjt: `table_sizes` has no entry for features {missing}; "
             "pass the row count of the table each feature looks up"
         )
-    if world_size <= 0:
-        raise ValueError(f"bucketize_kjt: `world_size` must be >= 1, got {world_size}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
+        raise ValueError(f"bucketize_kjt: `world_size` must be an int >= 1 (the number of ranks), got "
+                         f"{type(world_size).__name__} {world_size!r}")
     bad = {k: table_sizes[k] for k in keys
            if isinstance(table_sizes[k], bool) or not isinstance(table_sizes[k], int) or table_sizes[k] <= 0}
     if bad:

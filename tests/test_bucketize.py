@@ -713,6 +713,9 @@ def test_bucketize_kjt_names_missing_feature() -> None:
         ops.bucketize_kjt(kjt, 2, {"a": "roundrobin"}, {})
     with pytest.raises(ValueError, match="unknown dist_type 'hashed'"):
         ops.bucketize_kjt(kjt, 2, {"a": "hashed"}, {"a": 4})
+    for bad in (True, 2.0, 0):
+        with pytest.raises(ValueError, match=r"`world_size` must be an int >= 1 \(the number of ranks\)"):
+            ops.bucketize_kjt(kjt, bad, {"a": "roundrobin"}, {"a": 4})
 
 
 # ---------------------------------------------------------------------------
