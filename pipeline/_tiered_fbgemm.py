@@ -637,18 +637,34 @@ class FbgemmTier(nn.Module):
         return n
 
     def get_step(self) -> int:
-        """The optimizer step: fbgemm's host counter (``iter_cpu``), or recpipe's for SGD."""
+        """The recorded optimizer step: fbgemm's ``iter`` (what its checkpoints hold; a device
+        read on CUDA), or recpipe's for SGD. It equals the host counter ``iter_cpu`` unless
+        :meth:`set_optimizer_step` set it after the TBE's first update."""
         if self.plan.optimizer is FusedOptimizer.SGD:
             return self.step
-        return int(self.tbe.iter_cpu.item())  # a CPU tensor: no device sync
+        return int(self.tbe.iter.item())
+
+    @torch.no_grad()
+    def set_optimizer_step(self, step: int) -> None:
+        """fbgemm's ``set_optimizer_step`` (``iter``; its host counter ``iter_cpu`` takes it
+        at the next update only while 0), and this tier's SGD step count.
+
+        Args:
+            step (int): the step, an int >= 0.
+        """
+        self.tbe.set_optimizer_step(step)
+        self.step = step
 
     @torch.no_grad()
     def set_step(self, step: int) -> None:
-        """Sets the optimizer step (Adam bias correction continues from it)."""
+        """Sets the optimizer step of loaded rows (Adam bias correction continues from it):
+        fbgemm's ``iter``, its host counter ``iter_cpu`` reset to 0 so that the next update
+        re-reads ``iter`` as after fbgemm's own checkpoint load (a later
+        :meth:`set_optimizer_step` still applies, as on a restored FUSED table)."""
         self.step = step
         self._step_sets += 1
         self.tbe.iter.fill_(step)
-        self.tbe.iter_cpu.fill_(step)
+        self.tbe.iter_cpu.fill_(0)
 
     def lookup_counters(self) -> Tuple[int, int, TbeCounters]:
         """The counters a training lookup advances, host values only (no device sync).

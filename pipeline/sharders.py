@@ -280,6 +280,8 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
     (e.g. torchrec's ``WarmupOptimizer``) reaches tiered tables at the same step
     as FUSED ones. Its ``state`` is empty: the rows' optimizer state moves with the
     rows and is checkpointed with them (``state_dict()`` / ``tiered_state()``).
+    :meth:`set_optimizer_step` and :meth:`update_hyper_parameters` reach every table as
+    torchrec's do fbgemm's TBE; a group's ``lr`` may be a 0-dim tensor, as there.
 
     Args:
         shards (Dict[str, TieredEmbeddingShard]): table name -> this rank's shard.
@@ -310,6 +312,21 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Sets each table's learning rate from its param group (no gradients to zero)."""
         self._push_learning_rates()
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Sets every table's optimizer step (:meth:`TieredEmbeddingShard.set_optimizer_step`),
+        as torchrec's ``EmbeddingFusedOptimizer`` does in fbgemm's TBE
+        (``CombinedOptimizer.set_optimizer_step`` reaches both), with fbgemm's semantics:
+        after it, a fresh model's next update is step ``step + 1`` (Adam's bias correction).
+
+        Args:
+            step (int): the step, an int >= 0.
+
+        Raises:
+            ValueError: naming the table when ``step`` is not an int >= 0 (nothing is set).
+        """
+        for shard in self._shards:
+            shard.set_optimizer_step(step)
 
     def update_hyper_parameters(self, params_dict: Dict[str, float]) -> None:
         """Sets hyper-parameters of every table's fused optimizer
@@ -357,7 +374,7 @@ class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
         self._feature_table: List[str] = []
         for table in config.embedding_tables:
             params, optimizer = tiered_placement(table)
-            backend = (table.fused_params or {}).get(FUSED_PARAM_BACKEND)  # None: the device's default
+            backend = _table_backend(table, device)
             shard = TieredEmbeddingShard(
                 num_embeddings=table.num_embeddings,
                 embedding_dim=table.local_cols,
@@ -579,11 +596,15 @@ def _resolve_tiered_fused_params(
     sized for one, so the table's own fused optimizer and dtype are written in;
     a placement that names them keeps them (the kernel then checks the model agrees).
     Backend: the table's own ``FUSED_PARAM_BACKEND``, else the sharder's ``backend``
-    (None writes nothing: the device's default). Only tiered tables get the key
-    (fbgemm's FUSED TBEs would refuse it).
+    (None writes nothing: the device's default). Only tiered tables keep the key: it is
+    removed from other tables' fused params (e.g. given in the sharder's ``fused_params``),
+    as fbgemm's FUSED TBEs would refuse it.
     """
     for info in sharding_infos:
         if info.param_sharding.compute_kernel != EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value:
+            if info.fused_params and FUSED_PARAM_BACKEND in info.fused_params:
+                # a sharder-wide fused param meant for the tiered tables: fbgemm's TBE refuses it
+                info.fused_params = {k: v for k, v in info.fused_params.items() if k != FUSED_PARAM_BACKEND}
             continue
         fp = dict(info.fused_params or {})
         name = info.embedding_config.name
@@ -601,6 +622,34 @@ def _resolve_tiered_fused_params(
         if backend is not None:
             fp.setdefault(FUSED_PARAM_BACKEND, backend)
         info.fused_params = fp
+
+
+def _table_backend(table: ShardedEmbeddingTable, device: Optional[torch.device]) -> Optional[str]:
+    """The tiered table's backend from its fused params (``FUSED_PARAM_BACKEND``; absent or
+    None: the device's default), validated for ``device``.
+
+    Args:
+        table (ShardedEmbeddingTable): a CUSTOMIZED_KERNEL table.
+        device (Optional[torch.device]): the kernel's device (None: CPU).
+
+    Returns:
+        Optional[str]: the backend, or None for the device's default.
+
+    Raises:
+        ValueError: naming the table, the fused param, its value and the fix, for a backend
+            that is unknown or cannot run on ``device``.
+    """
+    backend = (table.fused_params or {}).get(FUSED_PARAM_BACKEND)
+    try:
+        resolve_backend(backend, device if device is not None else torch.device("cpu"))
+    except ValueError as e:
+        raise ValueError(
+            f"tiered table {table.name!r}: fused param {FUSED_PARAM_BACKEND!r}={backend!r} is refused: {e} Set the "
+            f"backend with the tiered sharders' backend= argument (e.g. TieredEmbeddingBagCollectionSharder("
+            f"backend='fbgemm')), or fix or remove {FUSED_PARAM_BACKEND!r} in the fused params of the sharder / "
+            "the table's ParameterSharding."
+        ) from None
+    return backend
 
 
 class _TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):

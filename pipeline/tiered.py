@@ -67,9 +67,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -334,6 +336,9 @@ class TieredEmbeddingShard(nn.Module):
         else:
             self.row_map = self.slot_row = self.slot_score = None
         self.step: int = 0
+        # The step Adam's bias correction counts on (native and torch backends): fbgemm's host
+        # counter iter_cpu, which follows step but re-reads it only while 0 (set_optimizer_step).
+        self._opt_iter: int = 0
         # Bulk writes of the rows (init, load_global_weights, load_states): lets the
         # fused pipeline see a table written between steps (train_pipeline.tables_version).
         self.rows_writes: int = 0
@@ -450,27 +455,82 @@ class TieredEmbeddingShard(nn.Module):
             s_idx = idx.index_select(0, s_pos).to(slow.device)
             slow.index_copy_(0, s_idx, values.index_select(0, s_pos).to(slow.device))
 
-    def set_learning_rate(self, lr: float) -> None:
+    def set_learning_rate(self, lr: Union[float, torch.Tensor]) -> None:
         """Sets the fused optimizer's learning rate for the following lookups (a lookup's
         backward updates with the learning rate of that lookup, as fbgemm's TBE does).
 
         torchrec's fused optimizers do the same from ``step()`` / ``zero_grad()``
         (``set_learning_rate`` of fbgemm's TBE), which is how an LR schedule on
         ``model.fused_optimizer`` reaches a table (see
-        ``recpipe.pipeline.sharders.TieredFusedOptimizer``).
+        ``recpipe.pipeline.sharders.TieredFusedOptimizer``). As fbgemm's TBE (which fills
+        its learning-rate tensor with it, ``fill_``), a 0-dim tensor is accepted, e.g. a
+        param group's tensor ``lr``; its value is read once here (on CUDA a device sync).
 
         Args:
-            lr (float): the learning rate, a finite number >= 0.
+            lr (float | torch.Tensor): the learning rate, a finite real number >= 0 or a
+                0-dim real (floating or integer) tensor holding one.
 
         Raises:
-            ValueError: naming the table when ``lr`` is not a finite number >= 0.
+            ValueError: naming the table when ``lr`` is not such a number or tensor.
         """
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-            raise ValueError(f"tiered table {self.table_name!r}: learning rate must be a finite number >= 0, "
-                             f"got {lr!r}.")
-        self.optimizer.learning_rate = float(lr)
+        self.optimizer.learning_rate = self._check_lr(lr)
         if self._fbgemm is not None:
-            self._fbgemm.tbe.set_learning_rate(float(lr))
+            self._fbgemm.tbe.set_learning_rate(self.optimizer.learning_rate)
+
+    def _check_lr(self, lr: Any) -> float:
+        """``lr`` as a float (see :meth:`set_learning_rate`), or a ValueError naming the table."""
+        value: Optional[float] = None
+        if isinstance(lr, torch.Tensor):
+            if lr.dim() == 0 and not lr.is_complex() and lr.dtype is not torch.bool:
+                value = float(lr.detach().item())
+        elif isinstance(lr, numbers.Real) and not isinstance(lr, (bool, np.bool_)):
+            value = float(lr)
+        if value is None or not math.isfinite(value) or value < 0:
+            what = (f"a tensor of shape {list(lr.shape)} and dtype {lr.dtype}" if isinstance(lr, torch.Tensor)
+                    else repr(lr))
+            raise ValueError(
+                f"tiered table {self.table_name!r}: learning rate must be a finite real number >= 0 or a 0-dim "
+                f"real tensor holding one (as fbgemm's TBE takes), got {what}: pass e.g. 0.01 or "
+                "torch.tensor(0.01) (a 1-element tensor: lr.reshape(()))."
+            )
+        return value
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Sets the optimizer step counter, as ``set_optimizer_step`` of fbgemm's TBE (which
+        torchrec's fused optimizers call from ``model.fused_optimizer.set_optimizer_step``,
+        e.g. to restore the step of a checkpoint).
+
+        Exactly as fbgemm's TBE: the step is the table's recorded (and exported) ``step``;
+        Adam's bias correction counts on a host counter that takes it at the next update only
+        when it is still 0, i.e. when the table has not updated since it was built or loaded (fbgemm's
+        ``iter_cpu``, which re-reads ``iter`` only while 0). So after
+        ``set_optimizer_step(s)`` on a fresh or just loaded model (``load_states``,
+        ``load_global_weights``, ``load_state_dict``: they set the step and restart that
+        counter) the next update is step ``s + 1``; a running table keeps its bias correction
+        and records ``s`` (the next export or checkpoint, and the job restored from it,
+        continue from there).
+
+        Args:
+            step (int): the step, an int >= 0.
+
+        Raises:
+            ValueError: naming the table when ``step`` is not an int >= 0.
+        """
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"tiered table {self.table_name!r}: optimizer step must be an int >= 0, got {step!r}: "
+                             "pass the number of optimizer steps taken (e.g. the checkpoint's step).")
+        self.step = int(step)
+        if self._fbgemm is not None:
+            self._fbgemm.set_optimizer_step(self.step)
+
+    def _next_optimizer_step(self) -> int:
+        """Counts one update (native and torch backends): the step Adam's bias correction
+        uses, by fbgemm's rule (its host counter re-reads the recorded step while 0)."""
+        if self._opt_iter == 0:
+            self._opt_iter = self.step
+        self._opt_iter += 1
+        self.step += 1
+        return self._opt_iter
 
     def update_hyper_parameters(self, params_dict: Dict[str, float]) -> None:
         """Sets fused optimizer hyper-parameters for the following lookups, as
@@ -538,6 +598,7 @@ class TieredEmbeddingShard(nn.Module):
     def _set_step(self, step: int) -> None:
         """Sets the optimizer step counter (Adam bias correction), in fbgemm's TBE too."""
         self.step = int(step)
+        self._opt_iter = 0  # the next update re-reads step, as a restored fbgemm TBE (set_optimizer_step)
         if self._fbgemm is not None:
             self._fbgemm.set_step(self.step)
 
@@ -761,13 +822,13 @@ class TieredEmbeddingShard(nn.Module):
     ) -> None:
         """The fused optimizer step of one lookup's rows by the compiled kernel, with
         the optimizer hyper-parameters ``opt`` of that lookup."""
-        self.step += 1
+        step = self._next_optimizer_step()
         torch.ops.recpipe.tiered_backward(
             grad_out, uniq, inverse, offsets, psw, self.fast_weights, self.fast_state, self.slow_weights,
             self.slow_state, self._op_row_map, self._op_slot_score, self.num_rows, self.fast_rows,
             self.split_seed, self._op_mode, self._op_pooling, TIERED_OPTIMIZERS[opt.name],
             float(opt.learning_rate), float(opt.eps), float(opt.beta1), float(opt.beta2),
-            float(opt.weight_decay), self.step,
+            float(opt.weight_decay), step,
         )
 
     def _lookup_torch(
@@ -830,12 +891,12 @@ class TieredEmbeddingShard(nn.Module):
             g = g / lengths.clamp(min=1).to(g.dtype).index_select(0, bags).unsqueeze(1)
         grad_u = torch.zeros((uniq.numel(), self.embedding_dim), dtype=g.dtype, device=g.device)
         grad_u.index_add_(0, inverse, g)
-        self.step += 1
+        step = self._next_optimizer_step()
         # re-resolve: a later forward may have moved rows since this batch's lookup
         in_fast, idx = self._locate(uniq)
         w = self._read(in_fast, idx, state=False)
         s = self._read(in_fast, idx, state=True)
-        opt.update(w, s, grad_u, self.step)
+        opt.update(w, s, grad_u, step)
         self._write(in_fast, idx, w, state=False)
         self._write(in_fast, idx, s, state=True)
         if self.caching and in_fast is not None:
