@@ -32,7 +32,7 @@ from typing import Dict, Optional
 import torchx.specs as specs
 from torchx.components.dist import ddp
 
-from recpipe.recipes.config import ConfigError, ConfigPathError, parse_config
+from recpipe.recipes.config import ConfigError, ConfigMachineError, ConfigPathError, parse_config
 
 TRAIN_MODULE: str = "recpipe.recipes.train"
 # Image of container schedulers (kubernetes, docker, ...) unless ``image`` is given. No
@@ -173,7 +173,8 @@ def train(
             ``check_paths``, a multi-node job's ``rdzv_port`` is in use on this machine
             (before any process starts).
         ConfigPathError: with ``check_paths``, an input file is missing or an output
-            path cannot be written on this machine.
+            path cannot be written on this machine (``ConfigMachineError``: a value this
+            machine cannot run, such as ``--num-threads`` above its CPUs).
     """
     j = _check_j(j)
     _check_resources(cpu=cpu, memMB=memMB, max_retries=max_retries, rdzv_port=rdzv_port, tee=tee)
@@ -181,6 +182,11 @@ def train(
         _check_rdzv_port(j, rdzv_port)
     try:
         parse_config(list(script_args), check_paths=check_paths)
+    except ConfigMachineError as e:
+        raise ConfigMachineError(
+            f"{e} (checked on the launching machine); if the cluster's machines have more "
+            "CPUs, pass --check_paths False to the component: the workers check it at start"
+        ) from None
     except ConfigPathError as e:
         raise ConfigPathError(
             f"{e} (checked on the launching machine); if this path exists only on the "

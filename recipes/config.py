@@ -222,6 +222,19 @@ class ConfigPathError(ConfigError):
     """
 
 
+class ConfigMachineError(ConfigPathError):
+    """A value this machine cannot run (e.g. more threads than it has CPUs).
+
+    Checked with the paths (``check_paths``): on the workers' machine for ``train``,
+    on the launching machine for the torchx components unless ``check_paths=False``.
+    """
+
+
+def machine_cpus() -> int:
+    """Logical CPUs of this machine (``os.cpu_count()``; 1 when it is unknown)."""
+    return os.cpu_count() or 1
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything one training run needs. Validated on construction.
@@ -288,7 +301,8 @@ class TrainConfig:
     """Evaluate every this many steps (0: only at the end)."""
 
     eval_batches: int = 20
-    """Batches per rank per evaluation (capped by the eval split's size)."""
+    """Batches per rank per evaluation (capped by the eval split's size; a short last
+    batch of the split is evaluated too)."""
 
     synthetic_id_space: int = 10_000_000
     """Largest per-feature id space of the synthetic stream (ids in ``[0, n)``)."""
@@ -317,7 +331,8 @@ class TrainConfig:
     """Slow-tier (host DDR) budget per machine in MiB given to the planner."""
 
     num_threads: int = 1
-    """``torch.set_num_threads`` per rank (keep ranks x threads <= cores)."""
+    """``torch.set_num_threads`` per rank, at most the machine's logical CPUs (keep
+    ranks x threads <= cores)."""
 
     seed: int = 0
     """Seed of model initialisation, data order and the synthetic stream."""
@@ -450,6 +465,19 @@ class TrainConfig:
                           f"drop --{_flag(name)}, or pass --dataset criteo_tsv")
         if not check_paths:
             return
+        cpus = machine_cpus()
+        if self.num_threads > cpus:
+            # torch.set_num_threads accepts any count, and each intra-op thread is an OS
+            # thread: far past the cores, thread creation fails later inside torch / gloo
+            # ("Resource temporarily unavailable"); a few past them only slow each step.
+            raise bad(
+                "num_threads",
+                f"more intra-op threads per rank than this machine's {cpus} logical CPU(s) "
+                "(os.cpu_count()); torch would start that many OS threads per rank and fail "
+                "creating them or run slower",
+                f"pass --num-threads between 1 and {cpus} (ranks x threads <= CPUs is fastest)",
+                ConfigMachineError,
+            )
         if self.dataset == "criteo_tsv":
             for name in ("data_path", "eval_data_path"):
                 for path in split_paths(getattr(self, name)):
@@ -746,6 +774,7 @@ __all__ = [
     "STEP_DIR_PATTERN",
     "UNITS",
     "ConfigError",
+    "ConfigMachineError",
     "ConfigPathError",
     "FloatRule",
     "TrainConfig",
@@ -753,6 +782,7 @@ __all__ = [
     "checkpoint_steps",
     "field_docs",
     "load_yaml",
+    "machine_cpus",
     "output_path_problem",
     "packaged_config_path",
     "parse_config",

@@ -2,8 +2,10 @@
 
 Tags written by a training run:
 
-* ``train/loss``, ``train/samples_per_s`` (global samples / s), ``train/step_ms``
-* ``eval/auroc``
+* ``train/loss`` (mean over ranks and the logging interval's steps),
+  ``train/samples_per_s`` (global samples / s of training time: evaluations and
+  checkpoint saves excluded), ``train/step_ms`` (that time per step, in ms)
+* ``eval/auroc`` (over all ranks' eval batches)
 * ``tier/<table>/<stat>`` for every table whose sharded module exposes
   :class:`TierStatsProvider` (e.g. ``tier/t_user_id/hit_rate``,
   ``tier/t_user_id/fast_bytes``); nothing is written while no module provides them
@@ -120,6 +122,11 @@ class RunLogger:
 
     Args:
         log_dir: event file directory, or None to log nothing.
+        purge_step: a resumed run's first step to log again (the checkpoint's step + 1):
+            TensorBoard then drops the events at this step and later that an earlier run
+            wrote into ``log_dir`` after that checkpoint (a run that failed or was stopped
+            there), so every tag's steps stay increasing without duplicates. ``None``:
+            a fresh run, nothing dropped.
 
     Example::
 
@@ -128,9 +135,9 @@ class RunLogger:
         log.close()
     """
 
-    def __init__(self, log_dir: str | None) -> None:
+    def __init__(self, log_dir: str | None, purge_step: int | None = None) -> None:
         self.log_dir = log_dir
-        self._writer = SummaryWriter(log_dir=log_dir) if log_dir else None
+        self._writer = SummaryWriter(log_dir=log_dir, purge_step=purge_step) if log_dir else None
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         """Writes scalar ``values`` at ``step``; non-finite values raise (they hide bugs)."""

@@ -45,7 +45,7 @@ from recpipe.recipes.checkpoint import (
     step_dir_name,
 )
 from recpipe.recipes.config import ConfigError, TrainConfig, parse_config, split_paths
-from recpipe.recipes.data.base import BatchSource
+from recpipe.recipes.data.base import EVAL_PAD_LABEL, BatchSource
 from recpipe.recipes.data.criteo import CriteoFormatError
 from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
@@ -107,10 +107,17 @@ def _json_safe(value: Any) -> Any:
 
 
 def _setup_distributed(config: TrainConfig) -> tuple[torch.device, bool]:
-    """Joins (or creates) the process group; returns the device and whether we own the group."""
+    """Joins (or creates) the process group; returns the device and whether we own the group.
+
+    Raises:
+        ConfigError: ``device="cuda"`` on a machine without a visible CUDA device.
+    """
     want_cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise RuntimeError("device='cuda' but no CUDA device is visible. Fix: pass --device cpu")
+    if want_cuda and not torch.cuda.is_available():  # a user error: one line, exit 2 (main)
+        raise ConfigError(
+            f"invalid config value device={config.device!r}: no CUDA device is visible on this machine "
+            "(torch.cuda.is_available() is False). Fix: pass --device cpu (or --device auto)"
+        )
     if want_cuda:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
@@ -344,7 +351,8 @@ def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> f
     Args:
         pipeline: the train pipeline (its ``progress`` skips backward in eval mode).
         model: the DMP model (switched to eval and back).
-        batches: this rank's eval batches (same count on every rank).
+        batches: this rank's eval batches (same count and size on every rank); samples
+            labelled ``EVAL_PAD_LABEL`` (padding of a short last batch) are left out.
 
     Returns:
         The global AUROC (NaN when there were no eval batches).
@@ -359,8 +367,9 @@ def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> f
                     _, logits, labels = pipeline.progress(batches)
                 except StopIteration:
                     break
-                metric.update(torch.sigmoid(logits.float()).cpu(), labels.long().cpu())
-                seen += labels.numel()
+                real = labels != EVAL_PAD_LABEL  # a short last batch's padding is not evaluated
+                metric.update(torch.sigmoid(logits.float())[real].cpu(), labels[real].long().cpu())
+                seen += int(real.sum())
     finally:
         model.train()
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -380,14 +389,14 @@ def run(config: TrainConfig) -> TrainResult:
         This rank's :class:`TrainResult`.
 
     Raises:
-        ConfigError: found once the data or the checkpoint is read, before the model is
-            built: Criteo files smaller than one global batch, or ``--resume`` from a
-            checkpoint at or past the run's last step.
+        ConfigError: found once the run starts, before the model is built: ``--device
+            cuda`` without a CUDA device, Criteo files or MovieLens splits smaller than one
+            global batch, or ``--resume`` from a checkpoint at or past the run's last step.
     """
     torch.set_num_threads(config.num_threads)
     device, own_group = _setup_distributed(config)
     rank, world = dist.get_rank(), dist.get_world_size()
-    tb = RunLogger(config.tb_dir if rank == 0 else None)
+    tb = RunLogger(None)  # opened once the first step is known (a resume purges what follows it)
     try:
         source = make_data_source(config, rank, world)
         total = source.total_steps()
@@ -406,6 +415,9 @@ def run(config: TrainConfig) -> TrainResult:
             assert config.checkpoint_dir is not None
             start = load_checkpoint(config.checkpoint_dir, dmp, optimizer, config, sharded.table_ranks)
         pipeline = make_pipeline(config, dmp, optimizer, device)
+        # rank 0 only; after a resume, events an earlier run logged past the checkpoint
+        # (it failed or was stopped later) are dropped: steps stay increasing, no duplicates
+        tb = RunLogger(config.tb_dir if rank == 0 else None, purge_step=start + 1 if config.resume else None)
         guard = _NonFiniteGuard(config, source, rank, world, start if config.resume else None)
         result = TrainResult(
             start_step=start,
@@ -415,7 +427,7 @@ def run(config: TrainConfig) -> TrainResult:
             plan_text=sharded.plan_text,
             tb_dir=config.tb_dir,
         )
-        tb.text("placement/plan", sharded.plan_text)
+        tb.text("placement/plan", sharded.plan_text, step=start)
         if rank == 0:
             plan_lines = "\n".join(f"[recpipe]   {line}" for line in sharded.plan_text.splitlines())
             print(f"[recpipe] placement plan ({world} ranks):\n{plan_lines}", flush=True)
@@ -484,6 +496,9 @@ def run(config: TrainConfig) -> TrainResult:
                         )
                     interval_t0, interval_loss, interval_n = time.perf_counter(), 0.0, 0
             result.steps = step
+            # evaluation and checkpointing are not training time: the logging interval's
+            # clock pauses here (they may fall mid-interval) and resumes after them
+            paused_at = time.perf_counter()
             guard.sync_and_check(step)  # before evaluating or checkpointing these weights
             is_last = step >= total
             if (config.eval_every and step % config.eval_every == 0) or is_last:
@@ -493,8 +508,6 @@ def run(config: TrainConfig) -> TrainResult:
                     tb.scalars(step, {"eval/auroc": auroc})
                 if rank == 0:
                     print(f"[recpipe] eval at step {step}: auroc {auroc:.4f}", flush=True)
-                # eval intervals are not training time
-                interval_t0 = time.perf_counter()
             if config.checkpoint_dir and (
                 is_last or (config.checkpoint_every and step % config.checkpoint_every == 0)
             ):
@@ -503,6 +516,7 @@ def run(config: TrainConfig) -> TrainResult:
                 )
                 guard.last_checkpoint = step
             tb.flush()
+            interval_t0 += time.perf_counter() - paused_at
         bar.close()
         result.train_seconds = time.perf_counter() - loop_t0
         if timed_steps:

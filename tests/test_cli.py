@@ -370,6 +370,25 @@ def test_entry_point_user_errors_are_one_line_exit_2() -> None:
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(message)
 
 
+def test_num_threads_above_the_machines_cpus_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    """``--num-threads 100000`` used to pass validation, then fail inside torch / gloo
+    ("RuntimeError: Resource temporarily unavailable" creating threads, with a traceback)."""
+    cpus = os.cpu_count() or 1
+    TrainConfig(dataset="synthetic", max_steps=1, num_threads=cpus)  # the machine's CPUs: accepted
+    for value in (cpus + 1, 100_000):
+        with pytest.raises(ConfigError, match=rf"num_threads={value}: .*{cpus} logical CPU.*--num-threads between 1 and {cpus}"):
+            TrainConfig(dataset="synthetic", max_steps=1, num_threads=value)
+    # a job for other machines: left to the workers, which check at start
+    TrainConfig(dataset="synthetic", max_steps=1, num_threads=100_000, check_paths=False)
+    with pytest.raises(ConfigError, match=r"num_threads=100000.*--check_paths False"):
+        components.train("--dataset", "synthetic", "--max-steps", "1", "--num-threads", "100000")
+    proc = _train("--dataset", "synthetic", "--max-steps", "1", "--num-threads", "100000", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.startswith("error: invalid config value num_threads=100000") and "--num-threads" in proc.stderr
+
+
 # ---------------------------------------------------------------- failures after start
 def test_a_plan_that_does_not_fit_is_one_error_line_and_exit_1() -> None:
     # The planner's typed error (numbered solutions with the real numbers) reaches the user

@@ -139,6 +139,44 @@ class IdTransform:
         return self.kjt_of_rows(keys, self.rows_of(ids))
 
 
+# Label of the padding samples of an eval split's last, short global batch: every rank
+# evaluates a full ``batch_size`` batch (the sharded tables need the same batch size on
+# every rank) and the evaluation drops the samples with this label.
+EVAL_PAD_LABEL: float = -1.0
+
+
+def pad_rank_slice(rows: list | torch.Tensor, rank: int, batch_size: int) -> tuple[list | torch.Tensor, int]:
+    """Rank ``rank``'s ``batch_size`` rows of a global batch, padded when it is short.
+
+    Args:
+        rows: the global batch's rows (a list, or a tensor of row indices); at most
+            ``batch_size * world_size``, at least one.
+        rank: this rank.
+        batch_size: rows per rank.
+
+    Returns:
+        ``(mine, real)``: exactly ``batch_size`` rows, whose first ``real`` are this
+        rank's share and the rest copies of the global batch's first row (padding; its
+        labels are to be set to :data:`EVAL_PAD_LABEL`).
+    """
+    mine = rows[rank * batch_size : (rank + 1) * batch_size]
+    real = len(mine)
+    if real == batch_size:
+        return mine, real
+    if isinstance(rows, torch.Tensor):
+        return torch.cat([mine, rows[:1].expand(batch_size - real)]), real
+    return list(mine) + [rows[0]] * (batch_size - real), real
+
+
+def mark_padding(batch: Batch, real: int) -> Batch:
+    """``batch`` with the labels of its samples from ``real`` on set to :data:`EVAL_PAD_LABEL`."""
+    if real < batch.labels.numel():
+        labels = batch.labels.clone()
+        labels[real:] = EVAL_PAD_LABEL
+        batch = Batch(dense_features=batch.dense_features, sparse_features=batch.sparse_features, labels=labels)
+    return batch
+
+
 def table_rows(config: TrainConfig, spec: DatasetSpec) -> tuple[int, ...]:
     """Rows of each feature's table for the configured model."""
     if config.model == "micro_dlrm_dram":
@@ -180,7 +218,12 @@ class BatchSource(abc.ABC):
 
     @abc.abstractmethod
     def eval_batches(self) -> Iterator[Batch]:
-        """This rank's evaluation batches (the same count on every rank)."""
+        """This rank's evaluation batches (the same count and size on every rank).
+
+        The eval split's last global batch may be short: each rank's batch is then
+        padded to ``batch_size`` with samples labelled :data:`EVAL_PAD_LABEL`, which the
+        evaluation leaves out, so every sample of the split is evaluated exactly once.
+        """
 
     def total_steps(self) -> int:
         """Steps of the whole run: ``max_steps`` or ``epochs * steps_per_epoch``."""

@@ -25,7 +25,7 @@ from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 
 from recpipe.recipes.config import ConfigError, TrainConfig, split_paths
-from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform
+from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform, mark_padding, pad_rank_slice
 
 FEATURES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(CAT_FEATURE_COUNT))
 NUM_COLUMNS: int = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
@@ -270,17 +270,19 @@ class CriteoTsvSource(BatchSource):
             f"Fix: lower --batch-size{smaller} or pass more rows in --{name.replace('_', '-')}"
         )
 
-    def _global_batches(self, paths: list[str]) -> Iterator[list[Row]]:
+    def _global_batches(self, paths: list[str], short_last: bool = False) -> Iterator[list[Row]]:
         rows: list[Row] = []
         for row in read_criteo_rows(paths):
             rows.append(row)
             if len(rows) == self._global_batch:
                 yield rows
                 rows = []
+        if short_last and rows:  # the files' last rows (evaluation only)
+            yield rows
 
-    def _to_batch(self, rows: list[Row]) -> Batch:
+    def _to_batch(self, rows: list[Row], mine_only: bool = False) -> Batch:
         b = self.config.batch_size
-        mine = rows[self.rank * b : (self.rank + 1) * b]
+        mine = rows if mine_only else rows[self.rank * b : (self.rank + 1) * b]
         labels = torch.tensor([r[0] for r in mine], dtype=torch.float32)
         dense = torch.tensor([r[1] for r in mine], dtype=torch.float32).clamp_(min=0).log1p_()
         ids = torch.tensor([r[2] for r in mine], dtype=torch.int64).t().contiguous()
@@ -313,7 +315,8 @@ class CriteoTsvSource(BatchSource):
                 self._spe = passed
 
     def eval_batches(self) -> Iterator[Batch]:
-        for i, rows in enumerate(self._global_batches(self._eval_paths)):
+        for i, rows in enumerate(self._global_batches(self._eval_paths, short_last=True)):
             if i >= self.config.eval_batches:
                 break
-            yield self._to_batch(rows)
+            mine, real = pad_rank_slice(rows, self.rank, self.config.batch_size)
+            yield mark_padding(self._to_batch(mine, mine_only=True), real)

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torchrec.datasets.utils import Batch
 
-from recpipe.recipes.config import TrainConfig
-from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform
+from recpipe.recipes.config import ConfigError, TrainConfig
+from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform, mark_padding, pad_rank_slice
 from recpipe.recipes.data.hashing import mix_seed
 
 # Facts of the MovieLens-100k release (GroupLens README): 943 users, 1682 items, 100k ratings.
@@ -98,6 +98,13 @@ class MovieLens100kSource(BatchSource):
 
     Each epoch reshuffles the training ratings with ``mix_seed(seed, epoch)``; global
     step ``s`` takes ``batch_size * world_size`` ratings and rank ``r`` its slice.
+
+    Evaluation covers every held-out rating: the last global batch may be short, and
+    each rank's part of it is padded (see :meth:`BatchSource.eval_batches`).
+
+    Raises:
+        ConfigError: the training split holds fewer ratings than one global batch (the
+            message names the flags and the fix).
     """
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
@@ -123,14 +130,23 @@ class MovieLens100kSource(BatchSource):
         # Every rating's table rows, mapped once: a batch gathers them instead of hashing.
         self._rows = self._transform.rows_of(self._ids)  # (2, n, per_sample)
         self._global_batch = config.batch_size * world_size
-        spe = self._train_idx.numel() // self._global_batch
-        if spe == 0:
-            raise ValueError(
-                f"batch_size={config.batch_size} x world_size={world_size} exceeds the "
-                f"{self._train_idx.numel()} training ratings. Fix: lower --batch-size"
-            )
-        self._spe = spe
+        self._check_training_split()
+        self._spe = self._train_idx.numel() // self._global_batch
         self._perm_cache: tuple[int, torch.Tensor] | None = None
+
+    def _check_training_split(self) -> None:
+        """Raises :class:`ConfigError` when the training split holds fewer ratings than one global batch."""
+        ratings = self._train_idx.numel()
+        if ratings >= self._global_batch:
+            return
+        b, w = self.config.batch_size, self.world_size
+        fixes = [f"lower --batch-size to at most {ratings // w}"] if ratings // w else []
+        fixes.append(f"lower --eval-fraction (now {self.config.eval_fraction:g})")
+        raise ConfigError(
+            f"invalid config value batch_size={b}: the MovieLens-100k training split holds {ratings} ratings, "
+            f"fewer than one global batch (batch_size {b} x {w} rank(s) = {self._global_batch}), so there is "
+            "no training batch. Fix: " + " or ".join(fixes)
+        )
 
     @property
     def spec(self) -> DatasetSpec:
@@ -166,7 +182,8 @@ class MovieLens100kSource(BatchSource):
             yield self._batch(self._rank_slice(rows))
 
     def eval_batches(self) -> Iterator[Batch]:
-        n = min(self.config.eval_batches, self._eval_idx.numel() // self._global_batch)
+        g = self._global_batch
+        n = min(self.config.eval_batches, -(-self._eval_idx.numel() // g))  # the last may be short
         for i in range(n):
-            rows = self._eval_idx[i * self._global_batch : (i + 1) * self._global_batch]
-            yield self._batch(self._rank_slice(rows))
+            mine, real = pad_rank_slice(self._eval_idx[i * g : (i + 1) * g], self.rank, self.config.batch_size)
+            yield mark_padding(self._batch(mine), real)
