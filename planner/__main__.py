@@ -125,6 +125,10 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
             )
         except ValueError as e:
             raise ValueError(f"{path}: table #{k}: {e}") from e
+        first = next((j for j, spec in enumerate(specs[:-1]) if spec.name == specs[-1].name), None)
+        if first is not None:
+            raise ValueError(f"{path}: table #{k} is named {specs[-1].name!r} like table #{first}; every table "
+                             "needs its own name (rename one, or drop the duplicate entry).")
     return specs
 
 
@@ -141,6 +145,41 @@ def _attach_negative_sizes(argv: Sequence[str]) -> List[str]:
     return out
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The CLI's argument parser (``python -m recpipe.planner --help``).
+
+    Returns:
+        argparse.ArgumentParser: the parser :func:`main` uses.
+    """
+    ap = argparse.ArgumentParser(
+        prog="python -m recpipe.planner",
+        description=__doc__.split("\n\n")[0],
+        epilog=_TABLES_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--tables", type=Path, required=True, help="YAML list of tables")
+    ap.add_argument("--world-size", type=int, required=True, help="ranks (devices) of the job")
+    ap.add_argument("--local-world-size", type=int, default=None, help="ranks per machine (default world size)")
+    ap.add_argument("--hbm", type=parse_size, required=True, help="HBM per device, e.g. 80GiB")
+    ap.add_argument("--ddr", type=parse_size, required=True, help="host DDR per machine, e.g. 1TiB")
+    ap.add_argument("--cost-model", choices=("analytic", "empirical"), default="analytic",
+                    help="analytic (torchrec's bandwidths, default) or empirical (TorchEasyRec's fitted hit rates)")
+    ap.add_argument("--optimizer", default=FusedOptimizer.ADAM.value,
+                    choices=sorted(o.value for o in SUPPORTED_OPTIMIZERS),
+                    help="optimizer of tables that do not name one (the ones tiered tables run; default adam)")
+    ap.add_argument("--hbm-reservation", type=float, default=DEFAULT_HBM_RESERVATION,
+                    help=f"fraction of --hbm kept free, in [0, 1) (default {DEFAULT_HBM_RESERVATION:g})")
+    ap.add_argument("--ddr-reservation", type=float, default=DEFAULT_DDR_RESERVATION,
+                    help=f"fraction of --ddr kept free, in [0, 1) (default {DEFAULT_DDR_RESERVATION:g})")
+    ap.add_argument("--backend", choices=STORAGE_BACKENDS, default="fbgemm",
+                    help="tiered-table layout whose bytes are budgeted: fbgemm (CUDA, default) or native "
+                         "(recpipe's CPU layout)")
+    ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"),
+                    help="DP grid: HBM and DDR bins, each >= 1 (default: sized by the planner)")
+    ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+    return ap
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """CLI entry point.
 
@@ -150,28 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
         int: exit code (0 ok, 2 planner error).
     """
-    ap = argparse.ArgumentParser(
-        prog="python -m recpipe.planner",
-        description=__doc__.split("\n\n")[0],
-        epilog=_TABLES_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--tables", type=Path, required=True, help="YAML list of tables")
-    ap.add_argument("--world-size", type=int, required=True)
-    ap.add_argument("--local-world-size", type=int, default=None, help="ranks per machine (default world size)")
-    ap.add_argument("--hbm", type=parse_size, required=True, help="HBM per device, e.g. 80GiB")
-    ap.add_argument("--ddr", type=parse_size, required=True, help="host DDR per machine, e.g. 1TiB")
-    ap.add_argument("--cost-model", choices=("analytic", "empirical"), default="analytic")
-    ap.add_argument("--optimizer", default=FusedOptimizer.ADAM.value,
-                    choices=sorted(o.value for o in SUPPORTED_OPTIMIZERS),
-                    help="optimizer of tables that do not name one (the ones tiered tables run)")
-    ap.add_argument("--hbm-reservation", type=float, default=DEFAULT_HBM_RESERVATION)
-    ap.add_argument("--ddr-reservation", type=float, default=DEFAULT_DDR_RESERVATION)
-    ap.add_argument("--backend", choices=STORAGE_BACKENDS, default="fbgemm",
-                    help="tiered-table layout whose bytes are budgeted: fbgemm (CUDA, default) or native "
-                         "(recpipe's CPU layout)")
-    ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"))
-    ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
+    ap = build_parser()
     args = ap.parse_args(_attach_negative_sizes(sys.argv[1:] if argv is None else argv))
     lws = args.world_size if args.local_world_size is None else args.local_world_size
     try:
@@ -180,7 +198,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             names=("--world-size", "--local-world-size", "--hbm", "--ddr"), positive_sizes=True,
         )
     except ValueError as e:
-        ap.error(f"{e}{' Omit it for one machine.' if lws < 1 else ''}")
+        # only --local-world-size may be omitted (--world-size is required)
+        omit = args.world_size >= 1 and args.local_world_size is not None and args.local_world_size < 1
+        ap.error(f"{e}{' Omit it for one machine.' if omit else ''}")
     for flag, value in (("--hbm-reservation", args.hbm_reservation), ("--ddr-reservation", args.ddr_reservation)):
         if not 0.0 <= value < 1.0:  # also refuses nan
             ap.error(f"{flag} must be a fraction in [0, 1), got {value}.")

@@ -205,8 +205,8 @@ class PlacementPlanner:
 
     Example::
 
-        topo = Topology(world_size=16, local_world_size=8, compute_device="cuda",
-                        hbm_cap=80 * 1024**3, ddr_cap=128 * 1024**3)
+        topo = make_topology(world_size=16, local_world_size=8,
+                             hbm_cap=80 * 1024**3, ddr_cap=128 * 1024**3)  # ddr_cap per rank
         plan = PlacementPlanner(topo).plan(ebc)
         print(plan.report()); sharding_plan = plan.to_sharding_plan()
     """
@@ -423,6 +423,13 @@ class PlacementPlanner:
             f"DDR {_sized(D)} per machine = ddr_cap x local_world_size {L} x "
             f"(1 - {self.ddr_reservation}); world_size {W}."
         )
+        # The least DDR that goes with the least HBM: at HBM budget min_h only each table's
+        # lowest-HBM options fit (any other raises the sum), so the plan of those with the
+        # least DDR is the only one left; and the same with HBM and DDR swapped.
+        big = np.iinfo(np.int64).max
+        lh_h, ld_d = min_h, min_d
+        lh_d = int(np.where(valid & (hbm == min_h_table[:, None]), ddr, big).min(axis=1).sum())
+        ld_h = int(np.where(valid & (ddr == min_d_table[:, None]), hbm, big).min(axis=1).sum())
         fits_alone = valid & (hbm <= H) & (ddr <= D)
         lonely = [i for i in range(len(specs)) if not fits_alone[i].any()]
         if lonely:
@@ -433,6 +440,16 @@ class PlacementPlanner:
             # The table's smallest-HBM and smallest-DDR options, each with the budgets it exceeds.
             sols = [self._raise_for(options.option(i, j), H, D) for j in dict.fromkeys(
                 (int(np.argmin(hb[i])), int(np.argmin(db[i]))))]
+            if len(specs) > 1 and bool(valid.any(axis=1).all()):
+                # the raises above make this table fit alone; the other tables may need more:
+                # name the budgets of one plan of every table, so following one line is enough
+                raises = ([f"the HBM per device (hbm_cap) to at least {self._hbm_cap_for(lh_h)}"] if lh_h > H else [])
+                raises += ([f"the DDR per machine to at least {self._ddr_cap_for(lh_d)}"] if lh_d > D else [])
+                sols.append(
+                    f"for all {len(specs)} tables together, raise {' and '.join(raises)}: with each table at its "
+                    f"lowest-HBM option the model needs {_sized(lh_h)} of HBM per rank and {_sized(lh_d)} of DDR per "
+                    "machine (the raises above are for this table alone)"
+                )
             sols.append(f"shard over more ranks (world_size now {W}): per-rank bytes shrink as 1/world_size")
             if pinned:
                 sols.insert(0, f"relax the constraints pinned on table {t.fqn!r} ({self.constraints.get(t.fqn) or self.constraints.get(t.name)})")
@@ -445,13 +462,6 @@ class PlacementPlanner:
                 "Possible solutions:\n" + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
                 kind,
             )
-        # The least DDR that goes with the least HBM: at HBM budget min_h only each table's
-        # lowest-HBM options fit (any other raises the sum), so the plan of those with the
-        # least DDR is the only one left; and the same with HBM and DDR swapped.
-        big = np.iinfo(np.int64).max
-        lh_h, ld_d = min_h, min_d
-        lh_d = int(np.where(valid & (hbm == min_h_table[:, None]), ddr, big).min(axis=1).sum())
-        ld_h = int(np.where(valid & (ddr == min_d_table[:, None]), hbm, big).min(axis=1).sum())
         need_h, need_d = min_h > H, min_d > D
         if need_h or need_d:
             kind = PlannerErrorType.INSUFFICIENT_HBM if need_h else PlannerErrorType.INSUFFICIENT_DDR

@@ -161,7 +161,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sets", type=_parse_set, nargs="+",
                         default=[_parse_set("2x2097152x64"), _parse_set("2x1048576x64")],
                         help="table sets TABLESxROWSxDIM (default: ~1 GB set, the default recipe's set)")
@@ -170,7 +170,7 @@ def main() -> None:
     parser.add_argument("--load-factor", type=unit_fraction, default=0.5,
                         help="cache load factor x in (0, 1] of the tiered tables (default 0.5)")
     parser.add_argument("--repeat", type=positive_int, default=2,
-                        help="runs per set (best of; the order of DCP and .pt alternates)")
+                        help="runs per set (best of; the order of DCP and .pt alternates; default 2)")
     parser.add_argument("--dir", type=writable_dir, default=None,
                         help="existing directory to checkpoint into (default: a temporary one on /tmp's disk)")
     args = parser.parse_args()

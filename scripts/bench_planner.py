@@ -142,7 +142,7 @@ def torchrec_planner_seconds(tables: List[TableSpec], world: int, local: int, to
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer gap instances, skip 5000 tables")
     ap.add_argument("--backend", choices=("native", "fbgemm"), default="native",
                     help="tiered-table bytes the planners budget (native: the instances the targets were set on; "

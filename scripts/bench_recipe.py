@@ -51,7 +51,7 @@ def run_once(name: str, steps: int, workdir: Path, nproc: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int_at_least(2 * LOG_EVERY), default=200,
                         help=f"training steps per run (>= {2 * LOG_EVERY}: throughput is measured over the logging "
                              f"intervals after the first {LOG_EVERY} steps; default 200)")

@@ -180,7 +180,7 @@ def run_dataset(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int_at_least(100), default=100_000,
                     help="Zipf table rows (>= 100: the smallest cache, x = 0.1, needs 10 rows; default 100k)")
     ap.add_argument("--dim", type=positive_int, default=64, help="embedding dim (default 64)")

@@ -521,6 +521,38 @@ def test_infeasible_solutions_quote_the_smallest_capacities_that_work() -> None:
         PlacementPlanner(topo(2, 2, hbm=hbm - 1, ddr_per_rank=64 * GiB), backend="native").plan(many)
 
 
+def test_a_table_that_fits_nowhere_also_names_what_the_whole_model_needs() -> None:
+    # Two tables that each fit neither budget alone: raising the budgets to what one table
+    # needs (solutions 1, 2) still fails for the pair. The line for all tables quotes one
+    # pair of capacities that plans them, and neither can be a byte smaller (HBM: the sum of
+    # each table's least HBM, checked against the storage formulas; DDR: what those options
+    # need), so following one line of the first error is enough.
+    ts = [TableSpec(name=f"t{i}", rows=10**7, dim=64, optimizer="sgd") for i in range(2)]
+    H0, D0 = 2**20, 2**20
+
+    def plan(hbm: int, ddr: int) -> None:
+        PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=ddr), backend="native").plan(ts)
+
+    with pytest.raises(PlannerError) as e:
+        plan(H0, D0)
+    assert e.value.planner_error_type is PlannerErrorType.TABLE_DOES_NOT_FIT
+    one = re.search(r"^  1\) (raise .*)$", str(e.value), re.M).group(1)
+    with pytest.raises(PlannerError):  # one table's raise is not enough for two
+        plan(*(c or d for c, d in zip(_quoted_caps(one), (H0, D0))))
+    whole = re.search(r"^  \d\) (for all 2 tables together, raise .*)$", str(e.value), re.M)
+    assert whole is not None, str(e.value)
+    hbm, ddr = _quoted_caps(whole.group(1))
+    assert hbm is not None and ddr is not None
+    plan(hbm, ddr)
+    for less in ((hbm - 1, ddr), (hbm, ddr - 1)):
+        with pytest.raises(PlannerError):
+            plan(*less)
+    # the HBM quoted is each table's least HBM (x = 0.1 HYBRID: its hot rows) from the byte formulas
+    rows = max_local_rows(10**7, 2)
+    least = shard_storage(rows, 64, torch.float32, "sgd", Mode.HYBRID, 0.1).fast_bytes
+    assert re.search(rf"needs \d+\.\d\d [KMGT]iB \({2 * least} B\) of HBM per rank", whole.group(1))
+
+
 def test_infeasible_pair_of_budgets_offers_a_finer_grid_only_when_it_can_help() -> None:
     # Two tables that each fit alone, but whose options fitting the tiny DDR budget (all
     # in HBM) overflow HBM together: no plan exists whatever the grid.
@@ -803,6 +835,41 @@ def test_cli_bad_files_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (tmp_path / "empty.yaml").write_text(empty)
         assert cli_main(["--tables", str(tmp_path / "empty.yaml"), "--world-size", "2", *base]) == 2
         assert "the file lists no tables" in capsys.readouterr().err
+
+
+def test_cli_duplicate_table_names_name_the_file_and_both_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    y = tmp_path / "dup.yaml"
+    y.write_text("- {name: a, rows: 10, dim: 8}\n- {name: b, rows: 10, dim: 8}\n- {name: a, rows: 20, dim: 8}\n")
+    assert cli_main(["--tables", str(y), "--world-size", "2", "--hbm", "1GiB", "--ddr", "1TiB"]) == 2
+    out = capsys.readouterr()
+    lines = out.err.strip().splitlines()
+    assert out.out == "" and len(lines) == 1, out.err
+    assert lines[0] == f"error: {y}: table #2 is named 'a' like table #0; every table needs its own name " \
+                       "(rename one, or drop the duplicate entry).", lines[0]
+
+
+def test_cli_omit_hint_is_only_given_for_the_optional_local_world_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --world-size is required: its error must not say "Omit it" (argparse then
+    # refuses the command line for the missing flag); --local-world-size may be omitted.
+    y = tmp_path / "tables.yaml"
+    _write_tables(y)
+    base = ["--tables", str(y), "--hbm", "1GiB", "--ddr", "1TiB"]
+    with pytest.raises(SystemExit):
+        cli_main(base)  # omitting --world-size is itself an error
+    assert "the following arguments are required: --world-size" in capsys.readouterr().err
+    for flags in (["--world-size", "0"], ["--world-size", "0", "--local-world-size", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            cli_main([*base, *flags])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and "--world-size must be >= 1" in err and "Omit it" not in err, err
+    with pytest.raises(SystemExit) as exc:
+        cli_main([*base, "--world-size", "4", "--local-world-size", "0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--local-world-size must be >= 1" in err and "Omit it for one machine." in err
 
 
 def test_insufficient_hbm_also_names_the_ddr_the_least_hbm_plan_needs() -> None:

@@ -76,3 +76,22 @@ def test_a_worker_that_dies_without_reporting_stops_the_script() -> None:
     assert time.perf_counter() - t0 < 60
     for p in procs:
         p.join()
+
+
+HELP_SCRIPTS = sorted(p.name for p in SCRIPTS.glob("*.py") if p.name != "benchutil.py")
+
+
+@pytest.mark.parametrize("script", HELP_SCRIPTS)
+def test_help_shows_the_whole_docstring(script: str) -> None:
+    """scripts/README.md sends the reader to each script's docstring (what it measures,
+    its targets): ``--help`` prints all of it, line breaks kept, and exits 0."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse((SCRIPTS / script).read_text()))
+    assert doc
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    help_lines = [ln.strip() for ln in proc.stdout.splitlines()]
+    missing = [ln.strip() for ln in doc.splitlines() if ln.strip() and ln.strip() not in help_lines]
+    assert not missing, f"{script} --help lacks these docstring lines: {missing[:3]}"
