@@ -1,6 +1,6 @@
 """Build recpipe: the namespace package ``recpipe`` and the extension ``recpipe._C``.
 
-Layout (DEVELOPERS.md): each top-level folder is one subpackage of ``recpipe``
+Layout (README.md, "Layout"): each top-level folder is one subpackage of ``recpipe``
 (``pipeline/`` -> ``recpipe.pipeline``, ``planner/`` -> ``recpipe.planner``,
 ``recipes/`` -> ``recpipe.recipes``); there is no ``recpipe/__init__.py`` (a PEP 420
 namespace package). ``csrc/*.cpp`` always build; ``csrc/*.cu`` build when nvcc and
@@ -69,7 +69,7 @@ def _extension():
             extra_link_args=["-fopenmp"],
         )
     # CUDA build. CUDAContext.h pulls in cusparse.h, which pip-installed torch
-    # keeps under site-packages/nvidia/cu13/include (ENVIRONMENT.md).
+    # keeps under site-packages/nvidia/cu13/include (measured on the project machines).
     include_dirs = [str(Path(_cuda_home, "include"))]
     for site in map(Path, sys.path):
         for sub in ("nvidia/cu13/include", "nvidia/cusparse/include"):

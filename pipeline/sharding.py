@@ -2,10 +2,11 @@
 
 torchrec's row-wise sharding splits each table into contiguous blocks of
 ``ceil(N / W)`` rows and routes ids with fbgemm's block bucketization; its
-sharders offer ROW_WISE only for CUDA. recpipe subclasses the public extension
-points to
+EmbeddingBagCollection sharder offers ROW_WISE only for CUDA (its
+EmbeddingCollection sharder offers it on CPU too). recpipe subclasses the public
+extension points to
 
-* allow ROW_WISE on CPU as well (gloo carries ``all_to_all_single`` and
+* allow ROW_WISE on CPU for both (gloo carries ``all_to_all_single`` and
   ``reduce_scatter``, torch >= 2.13),
 * route the input distribution through
   ``torch.ops.recpipe.block_bucketize_sparse_features`` with a per-table

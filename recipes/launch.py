@@ -27,7 +27,7 @@ from torchx.runner import config as torchx_config
 from torchx.specs import AppDef, AppState, AppStatus
 
 from recpipe.recipes.components import default_recipe
-from recpipe.recipes.config import ConfigError
+from recpipe.recipes.config import ConfigError, parse_config
 
 SCHEDULER: str = "local_cwd"
 # Used when no .torchxconfig sets [local_cwd] log_dir.
@@ -149,7 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nproc <= 0:
             raise ConfigError(f"invalid --nproc {args.nproc}: must be >= 1. Fix: pass --nproc 2")
         worker_args = ["--metrics-file", str(metrics_file), *train_args]
-        app = default_recipe(*worker_args, j=f"1x{args.nproc}", tb_dir=str(tb_dir))
+        # the workers run on this machine: check the paths here, with the plain message
+        # (the component's adds a hint for cluster jobs, --check_paths False, not ours)
+        parse_config(["--config", "default", "--tb-dir", str(tb_dir), *worker_args], check_paths=True)
+        app = default_recipe(*worker_args, j=f"1x{args.nproc}", tb_dir=str(tb_dir), check_paths=False)
     except ConfigError as e:
         print(f"[recpipe] {e}", file=sys.stderr)
         return 2
