@@ -246,8 +246,8 @@ def describe_batch(config: TrainConfig, source: BatchSource, index: int, rank: i
 class _NonFiniteGuard:
     """Stops every rank when any rank's training loss is NaN or inf.
 
-    Each rank notes its first non-finite step from the loss the loop already reads
-    on the host every step (no extra sync); the ranks compare notes by an
+    Each rank notes its first non-finite step from the losses the loop reads on the
+    host once per logging interval (no extra sync); the ranks compare notes by an
     all-reduce at every logging interval (inside the loss reduction) and before
     every evaluation and checkpoint, so all ranks raise :class:`NonFiniteLossError`
     together and no checkpoint of bad weights is written.
@@ -442,6 +442,20 @@ def run(config: TrainConfig) -> TrainResult:
             file=sys.stderr,
         )
         step = start
+        pending: list[torch.Tensor] = []  # losses of the steps up to ``step`` not yet read
+
+        def read_losses(last: int, total_loss: float) -> float:
+            """Reads the pending losses (steps up to ``last``) on the host in one transfer,
+            records them, notes a non-finite one for the guard; returns ``total_loss`` plus
+            them (added one by one, in step order)."""
+            values = torch.stack(pending).tolist() if pending else []
+            for k, value in enumerate(values):
+                result.losses.append(value)
+                guard.observe(last - len(values) + 1 + k, value)
+                total_loss += value
+            pending.clear()
+            return total_loss
+
         loop_t0 = time.perf_counter()
         interval_t0, interval_loss, interval_n = loop_t0, 0.0, 0
         timed_steps, timed_seconds, first_interval = 0, 0.0, True
@@ -454,14 +468,14 @@ def run(config: TrainConfig) -> TrainResult:
                     loss, _, _ = pipeline.progress(batches)
                 except StopIteration:
                     break
-                value = float(loss)  # the loop reads every loss on the host: checking it is free
-                result.losses.append(value)
+                # read on the host once per logging interval, not every step (on CUDA a read
+                # waits for the step's kernels and stops the host from running ahead)
+                pending.append(loss.detach())
                 step += 1
-                guard.observe(step, value)
                 bar.update(1)
-                interval_loss += value
                 interval_n += 1
                 if step % config.log_every == 0 or step == total:
+                    interval_loss = read_losses(step, interval_loss)
                     now = time.perf_counter()
                     stats = torch.tensor([interval_loss, float(interval_n), *guard.slots()], dtype=torch.float64)
                     if world > 1:
@@ -495,6 +509,7 @@ def run(config: TrainConfig) -> TrainResult:
                             flush=True,
                         )
                     interval_t0, interval_loss, interval_n = time.perf_counter(), 0.0, 0
+            interval_loss = read_losses(step, interval_loss)
             result.steps = step
             # evaluation and checkpointing are not training time: the logging interval's
             # clock pauses here (they may fall mid-interval) and resumes after them

@@ -490,3 +490,56 @@ def test_data_paths_of_another_dataset_are_refused(field: str) -> None:
     with pytest.raises(ConfigError, match=rf"{field}='x.tsv'.*read only by --dataset criteo_tsv, not synthetic.*"
                                           rf"drop {flag}, or pass --dataset criteo_tsv"):
         parse_config(["--dataset", "synthetic", "--max-steps", "4", flag, "x.tsv"], check_paths=False)
+
+
+def test_the_loop_reads_losses_once_per_logging_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training loop reads the step losses on the host once per logging interval (one
+    ``torch.stack(...).tolist()``), never one loss at a time: on CUDA each read of a loss waits
+    for its step's kernels and keeps the host from running ahead. The recorded per-step losses
+    still equal the losses the pipeline returned, step by step."""
+    from torch.overrides import TorchFunctionMode
+
+    from recpipe.recipes import train as train_module
+
+    returned: list[torch.Tensor] = []
+    make = train_module.make_pipeline
+
+    def counting_pipeline(*args, **kwargs):  # the recipe's own pipeline; its losses are remembered
+        pipeline = make(*args, **kwargs)
+        progress = pipeline.progress
+
+        def tracked(it):
+            out = progress(it)
+            if torch.is_grad_enabled() and pipeline._model.training:
+                returned.append(out[0])
+            return out
+
+        pipeline.progress = tracked
+        return pipeline
+
+    single_reads, batched_reads = [], []
+
+    def is_loss(x: object) -> bool:  # a returned loss or a view / detached alias of it
+        return isinstance(x, torch.Tensor) and any(x.data_ptr() == t.data_ptr() for t in returned)
+
+    class Reads(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            with torch._C.DisableTorchFunction():
+                if func in (torch.Tensor.__float__, torch.Tensor.item, torch.Tensor.tolist) and args:
+                    if is_loss(args[0]):
+                        single_reads.append(func.__name__)
+                if func is torch.stack and args and all(is_loss(x) for x in args[0]):
+                    batched_reads.append(len(args[0]))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(train_module, "make_pipeline", counting_pipeline)
+    path = tmp_path / "day_0.tsv"
+    _write_criteo(path, 200, seed=5)
+    with Reads():
+        result = run(TrainConfig(dataset="criteo_tsv", data_path=str(path), model="dlrm", batch_size=20,
+                                 num_embeddings=97, embedding_dim=8, dense_arch=(8,), over_arch=(8, 1),
+                                 max_steps=12, eval_every=6, eval_batches=1, log_every=4, progress_bar=False))
+    assert len(returned) == 12 and result.steps == 12
+    assert single_reads == [], single_reads
+    assert batched_reads == [4, 2, 2, 4], batched_reads  # log at 4, eval at 6, log at 8, log at 12
+    assert result.losses == [float(t) for t in returned]
