@@ -42,6 +42,7 @@ __all__ = [
     "TrainPipelineFusedSparseDist",
     "fused_tbes",
     "lookup_counter_sources",
+    "mch_counter_sources",
     "tables_version",
     "tbe_counters",
     "undo_tbe_lookup",
@@ -73,19 +74,37 @@ def fused_tbes(module: torch.nn.Module) -> List[torch.nn.Module]:
     """The fbgemm TBEs (modules with a ``learning_rate_tensor``) of a sharded module.
 
     torchrec keeps a sharded module's lookups in a plain list (``_lookups``), not
-    as registered submodules, so they are searched there too.
+    as registered submodules, so they are searched there too, on every submodule:
+    a sharded managed-collision EBC / EC keeps its sharded EBC / EC (and that
+    module's ``_lookups``) as a submodule (``_embedding_module``).
 
     Args:
         module (torch.nn.Module): a sharded embedding module.
     """
     found: Dict[int, torch.nn.Module] = {}
-    roots = [module, *getattr(module, "_lookups", ())]
-    for root in roots:
-        if isinstance(root, torch.nn.Module):
-            for m in root.modules():
-                if isinstance(getattr(m, "learning_rate_tensor", None), torch.Tensor):
-                    found.setdefault(id(m), m)
+    seen: Set[int] = set()
+    roots: List[Any] = [module]
+    while roots:
+        root = roots.pop(0)
+        if not isinstance(root, torch.nn.Module) or id(root) in seen:
+            continue
+        seen.add(id(root))
+        for m in root.modules():
+            if isinstance(getattr(m, "learning_rate_tensor", None), torch.Tensor):
+                found.setdefault(id(m), m)
+            roots.extend(getattr(m, "_lookups", None) or ())
     return list(found.values())
+
+
+def _wait_tree(request: Any) -> None:
+    """Waits an awaitable, or each awaitable of a tuple / list of them (a
+    managed-collision module's ``compute_and_output_dist`` returns the
+    embeddings' and the remapped features' awaitables); None entries are skipped."""
+    if isinstance(request, (tuple, list)):
+        for r in request:
+            _wait_tree(r)
+    elif request is not None:
+        request.wait()
 
 
 CounterSource = Tuple[Callable[[], Any], Callable[[Any, Any], None]]
@@ -115,6 +134,48 @@ def lookup_counter_sources(tbes: Sequence[torch.nn.Module], tiered_shards: Seque
     sources += [(shard.lookup_counters, shard.undo_lookup) for shard in tiered_shards
                 if callable(getattr(shard, "lookup_counters", None)) and callable(getattr(shard, "undo_lookup", None))]
     return sources
+
+
+_MCH_COUNTERS = ("_current_iter", "_current_iter_tensor", "_current_history_buffer_offset", "_last_eviction_iter")
+
+
+def mch_counter_sources(module: torch.nn.Module) -> List[CounterSource]:
+    """What a lookup of a managed-collision module advances in its MCH modules, and how to take it back.
+
+    torchrec's ``MCHManagedCollisionModule.profile`` (run by the sharded module's
+    ``compute`` in training) counts the lookup (``_current_iter`` and its
+    ``_current_iter_tensor`` buffer) and appends its ids to the input history
+    (``_current_history_buffer_offset``). Taking a discarded lookup back restores
+    them, so eviction comes at torchrec's step with torchrec's history; a lookup
+    that coalesced the history (an eviction step) cannot be taken back and stays.
+
+    Args:
+        module (torch.nn.Module): a sharded embedding module.
+
+    Returns:
+        List[CounterSource]: one ``(read, undo)`` per MCH module (duck-typed).
+    """
+    return [
+        (functools.partial(_mch_counters, m), functools.partial(_undo_mch_profile, m))
+        for m in module.modules()
+        if all(hasattr(m, attr) for attr in _MCH_COUNTERS)
+    ]
+
+
+def _mch_counters(mch: torch.nn.Module) -> Tuple[int, int, int]:
+    return (mch._current_iter, mch._current_history_buffer_offset, mch._last_eviction_iter)  # pyre-ignore[7]
+
+
+def _undo_mch_profile(mch: torch.nn.Module, before: Tuple[int, int, int], after: Tuple[int, int, int]) -> None:
+    if after[0] == before[0]:
+        return  # not profiled (eval mode)
+    if before[0] != -1 and after[2] != before[2]:
+        return  # the history was coalesced (eviction): not reversible
+    # One profile per lookup: the buffer moved by one (no host read of it).
+    mch._current_iter_tensor.data -= 1  # pyre-ignore[16]
+    mch._current_iter = before[0]  # -1: re-read from the buffer at the next profile
+    mch._current_history_buffer_offset = before[1]
+    mch._last_eviction_iter = before[2]
 
 
 class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
@@ -147,7 +208,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     9. ``## optimizer i ##`` - dense optimizer step - default stream / main thread.
 
     The first batch (and a batch whose lookup was not issued, e.g. after
-    ``reset()``) is looked up at the start of its own step. ``attach()`` after
+    ``reset()``) is looked up at the start of its own step. With
+    ``execute_all_batches=False`` an exhausted dataloader raises
+    ``StopIteration`` in stage 4, before batch i's forward, as in torchrec,
+    which then has not looked batch i up: its early lookup is taken back (TBE
+    ``step`` / ``iter``) and issued again if a later ``progress()`` resumes it. ``attach()`` after
     ``detach()`` discards the lookup already issued for the in-flight batch (the
     detached model's tables may have been changed) and it is issued again at the
     start of that batch's step. In eval mode (no backward) the lookup of batch
@@ -355,7 +420,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         }
         self._counter_sources = {
             name: lookup_counter_sources(self._fused_tbes[name], self._tiered_shards.get(name, ()))
-            for name in modules
+            + mch_counter_sources(module)
+            for name, module in modules.items()
         }
         for module in self._pipelined_modules:
             forward = module.forward
@@ -402,12 +468,19 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         restarted its input dist, its old input-dist tensors) on this rank; every
         rank attaches, so the collectives stay matched. The counters the lookup
         advanced (fbgemm TBEs', fbgemm-backed tiered shards' steps:
-        :func:`lookup_counter_sources`) are taken back; ``relookup`` counts it in ``stats``."""
+        :func:`lookup_counter_sources`; MCH profiling: :func:`mch_counter_sources`)
+        are taken back, for the lookups no forward consumed; ``relookup`` counts it in ``stats``."""
         consumed_input_dist = context.lookup_started
         if context.lookup_started and relookup:
             self.stats.relookups += 1
+        # Only lookups no forward consumed are taken back: a forward that ran
+        # (e.g. before StopIteration with enqueue_batch_after_forward=True) did
+        # its lookup in torchrec's pipeline too.
+        pending = set(context.embedding_a2a_requests)
         self._wait_and_drop(context.embedding_a2a_requests, self._lookup_stream)
         for name, moves in context.lookup_counters.items():
+            if name not in pending:
+                continue
             for (_, undo), (before, after) in zip(self._counter_sources.get(name, ()), moves):
                 undo(before, after)
         context.lookup_counters.clear()
@@ -423,10 +496,10 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         for name in list(requests):
             request = requests.pop(name)
             if self._lookup_stream is None:
-                request.wait()
+                _wait_tree(request)
             else:
                 with torch.get_device_module(self._device).stream(stream):
-                    request.wait()
+                    _wait_tree(request)
 
     def _finish_input_dist(self, context: FusedLookupPipelineContext, batch: Any) -> None:
         """Makes ``context``'s input-dist tensors available after ``attach()``:
@@ -641,6 +714,30 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             )
         return context
 
+    def _enqueue_before_forward(self, dataloader_iter: Iterator[Any], current: FusedLookupPipelineContext) -> None:
+        """Loads batch i+2 before batch i's forward (torchrec's ``enqueue_batch``).
+
+        With ``execute_all_batches=False`` an exhausted dataloader raises
+        ``StopIteration`` here, before the forward: torchrec's pipeline ends
+        without looking batch i up, so the lookup issued for it is taken back
+        (its TBE ``step`` / ``iter`` increments; Adam and row-wise Adagrad count
+        ``iter``) and, if ``progress()`` resumes batch i (a new dataloader), it
+        is issued again at the start of that step.
+
+        Args:
+            dataloader_iter (Iterator[Any]): the batches.
+            current (FusedLookupPipelineContext): batch i's context.
+
+        Raises:
+            StopIteration: the dataloader is exhausted and
+                ``execute_all_batches=False``.
+        """
+        try:
+            self.enqueue_batch(dataloader_iter)
+        except StopIteration:
+            self._drop_issued_lookup(current, input_dist_restarted=False, relookup=False)
+            raise
+
     def _optimizer_step(self) -> None:
         with StageTimer(self.stats, STAGE_OPTIMIZER, f"## optimizer {self.contexts[0].index} ##"):
             self._optimizer.step()
@@ -702,7 +799,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             self.start_sparse_data_dist(self.batches[1], self.contexts[1])
 
         if not self._enqueue_batch_after_forward:
-            self.enqueue_batch(dataloader_iter)
+            self._enqueue_before_forward(dataloader_iter, current)
 
         with record_function(f"## forward {current.index} ##"):
             self._state = PipelineState.CALL_FWD
