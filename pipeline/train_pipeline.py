@@ -235,7 +235,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     after backward, so it runs concurrently with the optimizer kernels; the
     forward waits on an event recorded on the lookup stream; the input KJT and
     module context are recorded on every consuming stream and the embeddings on
-    the default stream. CPU: no stream exists and no CUDA or stream call is made;
+    the default stream. With the lookups on the data-dist stream, that stream waits
+    for the forward before batch i+1's input dist allocates there (the forward
+    reads the output all-to-all's receive buffers, allocated on it); ``detach()``
+    and a discarded lookup make the default stream wait for the lookup stream
+    before anything writes the tables or the counters the lookup advanced. CPU: no stream exists and no CUDA or stream call is made;
     there is no lookup thread (with 2 ranks on 2 cores no core is idle, and on
     1 rank 2 intra-op threads beat a lookup thread, both measured), so the flags
     set the order in which the lookup and its output all-to-all are *issued*
@@ -454,6 +458,23 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         if self.contexts:
             self._drop_issued_lookup(self._fused_context(0), input_dist_restarted=sparse_dist)
 
+    def detach(self) -> torch.nn.Module:
+        """Gives back the original model (torchrec); on CUDA the default stream first
+        waits for the lookup stream, where the lookup issued for the in-flight batch
+        may still run: a write to the detached model's tables (``load_state_dict``,
+        an eval forward's cache loads) must not race with it.
+
+        Returns:
+            torch.nn.Module: the model.
+        """
+        self._main_waits_for_lookups()
+        return super().detach()
+
+    def _main_waits_for_lookups(self) -> None:
+        """CUDA: the default stream waits for everything issued on the lookup stream."""
+        if self._lookup_stream is not None:
+            torch.get_device_module(self._device).current_stream().wait_stream(self._lookup_stream)
+
     def reset(self) -> None:
         """Drops the in-flight batches (torchrec), first completing and taking back
         the lookup issued for the next one (its TBE counters), as if it never ran."""
@@ -478,6 +499,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         # its lookup in torchrec's pipeline too.
         pending = set(context.embedding_a2a_requests)
         self._wait_and_drop(context.embedding_a2a_requests, self._lookup_stream)
+        self._main_waits_for_lookups()  # the undos below write counters the lookup advanced
         for name, moves in context.lookup_counters.items():
             if name not in pending:
                 continue
@@ -601,25 +623,34 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         self,
         context: FusedLookupPipelineContext,
         modules: Sequence[ShardedModule],
+        tables_updated: Optional[torch.Event] = None,
     ) -> None:
         """Issues the lookup and output all-to-all of ``modules`` for ``context``'s batch.
 
-        On CUDA the lookup stream first waits on an event recorded now on the
-        default stream (so everything enqueued there so far - backward, and the
-        optimizer if already issued - precedes the lookup).
+        On CUDA the lookup stream first waits on an event of the default stream:
+        ``tables_updated`` (recorded after the backward, which updated the fused
+        tables) for modules whose tables the dense optimizer does not write, so
+        their lookup runs concurrently with the optimizer kernels; else (and for
+        the modules of ``after_optimizer_modules``) one recorded now, so that
+        everything enqueued there so far - backward, and the optimizer if already
+        issued - precedes the lookup.
 
         Args:
             context (FusedLookupPipelineContext): the batch's context; its input
                 dist must have been waited (``wait_sparse_data_dist``).
             modules (Sequence[ShardedModule]): pipelined modules to look up.
+            tables_updated (Optional[torch.Event]): the default stream's event
+                after the backward of the previous batch (None: record one now).
         """
         if not modules:
             return
         context.lookup_mode = self._lookup_mode()
         with StageTimer(self.stats, STAGE_LOOKUP, f"## start_embedding_lookup {context.index} ##"):
-            tables_ready = self._main_stream_event()
+            now = self._main_stream_event()
             for module in modules:
-                self._issue_module_lookup(module, context, tables_ready)
+                late = module.forward.name in self._after_opt_modules  # pyre-ignore[16]
+                ready = now if tables_updated is None or late else tables_updated
+                self._issue_module_lookup(module, context, ready)
 
     def _lookup_mode(self) -> Tuple[bool, bool]:
         """(grad enabled, model.training): what a lookup's result depends on
@@ -811,6 +842,13 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         nxt: Optional[FusedLookupPipelineContext] = None
         if len(self.batches) >= 2:
             nxt = self._fused_context(1)
+            if self._lookup_stream is not None and self._lookup_stream is self._data_dist_stream:
+                # CUDA, lookups on the data-dist stream: the forward read the output
+                # all-to-all's receive buffers (allocated on that stream) on the
+                # default stream and dropped them; the data-dist stream waits for the
+                # forward before it allocates again, else the caching allocator may
+                # hand those blocks to batch i+1's input dist while they are read
+                self._data_dist_stream.wait_stream(torch.get_device_module(self._device).current_stream())
             self.wait_sparse_data_dist(nxt)
 
         if self._model.training:
@@ -819,12 +857,15 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             self.sync_embeddings(
                 self._model, self._dmp_collection_sync_interval_batches, current
             )
+            # CUDA: the fused tables are updated; lookups of tables the dense
+            # optimizer does not write wait for this, not for the optimizer
+            tables_updated = self._main_stream_event()
             early, late = self._split_modules()
             if nxt is not None:
-                self.start_embedding_lookup(nxt, early)
+                self.start_embedding_lookup(nxt, early, tables_updated)
             self._optimizer_step()
             if nxt is not None:
-                self.start_embedding_lookup(nxt, late)
+                self.start_embedding_lookup(nxt, late, tables_updated)
                 nxt.lookup_started = True
         elif nxt is not None:
             self.start_embedding_lookup(nxt, self._pipelined_modules)
