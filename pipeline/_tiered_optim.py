@@ -25,6 +25,7 @@ from typing import FrozenSet, Union
 
 import torch
 
+from recpipe.pipeline.ops import check_int
 from recpipe.pipeline.placement import FusedOptimizer
 
 __all__ = ["FusedOptimizer", "SUPPORTED_OPTIMIZERS", "TieredOptimizerConfig"]
@@ -97,6 +98,7 @@ class TieredOptimizerConfig:
         Returns:
             int: columns of the ``[rows, cols]`` fp32 state tensor.
         """
+        dim = check_int(dim, "dim", 1)
         if self.optimizer is FusedOptimizer.SGD:
             return 0
         if self.optimizer is FusedOptimizer.ROWWISE_ADAGRAD:
@@ -113,6 +115,17 @@ class TieredOptimizerConfig:
             step (int): 1-based step counter (Adam bias correction).
         """
         opt = self.optimizer
+        step = check_int(step, "step", 1)
+        for name, t in (("weights", weights), ("state", state), ("grad", grad)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+                got = f"{t.dtype} of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"TieredOptimizerConfig.update: `{name}` must be a 2-D float tensor, got {got}.")
+        n, dim = weights.shape
+        cols = self.state_cols(dim)
+        for name, t, want in (("grad", grad, [n, dim]), ("state", state, [n, cols])):
+            if list(t.shape) != want:
+                raise ValueError(f"TieredOptimizerConfig.update: `{name}` must have shape {want} (`weights` is "
+                                 f"[{n}, {dim}], {opt.value} keeps {cols} state columns), got {list(t.shape)}.")
         lr = float(self.learning_rate)
         if opt is FusedOptimizer.SGD:
             weights.sub_(grad, alpha=lr)

@@ -66,7 +66,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from recpipe.pipeline._integrity import atomic_write_bytes, file_entry, file_problem, is_file_entry, json_digest
-from recpipe.pipeline.ops import ROUTING_VERSION, route_ids
+from recpipe.pipeline.ops import ROUTING_VERSION, check_int, route_ids
 from recpipe.pipeline.sharders import _TieredTablesMixin, state_dict_without_tiered_rows
 from recpipe.pipeline.tiered import TieredCheckpointError, TieredEmbeddingShard, TieredShardState
 
@@ -244,6 +244,20 @@ def _referenced_files(metadata: Metadata) -> List[str]:
 _DCP_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
+def _check_path(value: Any, argument: str) -> None:
+    """Raises ``ValueError`` naming ``argument`` unless ``value`` is a path (str or os.PathLike)."""
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        raise ValueError(f"`{argument}` must be a checkpoint directory path (str or os.PathLike), got "
+                         f"{type(value).__name__} {value!r}; e.g. 'ckpt/step_100'.")
+
+
+def _check_model(model: Any, where: str) -> None:
+    """Raises ``ValueError`` unless ``model`` is an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"{where}: `model` must be a torch.nn.Module (e.g. the DistributedModelParallel), got "
+                         f"{type(model).__name__}.")
+
+
 def remove_rank_files(checkpoint_id: PathLike, rank: int) -> None:
     """Removes the data files DCP's ``FileSystemWriter`` names after ``rank``
     (``__<rank>_<n>.distcp``) and, for rank 0, DCP's temporary metadata: the partial
@@ -256,6 +270,8 @@ def remove_rank_files(checkpoint_id: PathLike, rank: int) -> None:
         checkpoint_id (str | os.PathLike): the checkpoint directory.
         rank (int): the saving rank (in the save's process group).
     """
+    _check_path(checkpoint_id, "checkpoint_id")
+    rank = check_int(rank, "rank", 0)
     directory = Path(checkpoint_id)
     try:
         names = [p.name for p in directory.iterdir()]
@@ -284,6 +300,7 @@ def write_digests(checkpoint_id: PathLike, *, process_group: Optional[dist.Proce
     Raises:
         OSError: a file could not be hashed or the record not written (on every rank).
     """
+    _check_path(checkpoint_id, "checkpoint_id")
     problems = _write_digests(checkpoint_id, process_group)
     if problems:
         raise OSError("; ".join(describe_failures(problems)))
@@ -360,6 +377,7 @@ def verify_checkpoint(checkpoint_id: PathLike, *, process_group: Optional[dist.P
     Raises:
         CheckpointIntegrityError: on every rank, naming each bad file and the problem.
     """
+    _check_path(checkpoint_id, "checkpoint_id")
     directory = Path(checkpoint_id)
     rank, world = _rank_world(process_group)
     problems: List[Tuple[str, str]] = []
@@ -434,6 +452,7 @@ def dcp_state_dict(model: nn.Module) -> Dict[str, Any]:
         this rank's export under :func:`tiered_dcp_key` keys (CPU tensors this rank
         alone writes; ``metadata`` as a JSON string).
     """
+    _check_model(model, "dcp_state_dict")
     state, found = _regular_state_dict(model)
     for fqn, shard in _tiered_tables(found).items():
         st = shard.export_state()
@@ -740,6 +759,9 @@ def load_dcp_state_dict(
             dense layer of another shape, or (``strict``) the checkpoint holds no
             fused optimizer state (on every rank, before anything is read).
     """
+    _check_model(model, "load_dcp_state_dict")
+    if not isinstance(checkpoint, FileSystemReader):
+        _check_path(checkpoint, "checkpoint")
     reader = checkpoint if isinstance(checkpoint, FileSystemReader) else FileSystemReader(checkpoint)
     where = f"checkpoint {os.fspath(reader.path)}"
     if verify:
@@ -798,6 +820,9 @@ def save(
             every rank; no digests record is written, so :func:`load` refuses what
             was written).
     """
+    # checked before anything is touched: a bad argument must not cost the old save its record
+    _check_path(checkpoint_id, "checkpoint_id")
+    thread_count = check_int(thread_count, "thread_count", 1)
     state = dcp_state_dict(model)
     rank, world = _rank_world(process_group)
     failed: Optional[str] = None
@@ -839,6 +864,8 @@ def load(
         strict (bool): see :func:`load_dcp_state_dict`.
         verify (bool): verify the files against :data:`DIGESTS_NAME` first.
     """
+    _check_path(checkpoint_id, "checkpoint_id")
+    _check_model(model, "load")
     if not os.path.isdir(checkpoint_id):
         raise FileNotFoundError(f"DCP checkpoint directory {os.fspath(checkpoint_id)!r} does not exist; "
                                 "pass the directory given to recpipe.pipeline.dcp.save.")

@@ -24,7 +24,10 @@ Distribution types (per feature):
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import math
+import operator
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -40,6 +43,7 @@ __all__ = [
     "bucketize_kjt",
     "bucketize_kjt_by",
     "check_dist_type",
+    "check_int",
     "continuous_block_rows",
     "global_row_ids",
     "local_rows",
@@ -65,6 +69,48 @@ DIST_TYPES: dict[str, int] = {
 }
 
 
+def check_int(value: Any, argument: str, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
+    """``value`` as a Python int, or a ValueError naming ``argument``.
+
+    The one check every count / size / rank argument of the routing and storage
+    helpers goes through: a whole number (Python or numpy int, not a bool, a float
+    or a string) in ``[minimum, maximum]``.
+
+    Args:
+        value: the argument's value.
+        argument (str): the argument's name, for the message.
+        minimum (Optional[int]): smallest accepted value, or None.
+        maximum (Optional[int]): largest accepted value, or None.
+
+    Returns:
+        int: ``operator.index(value)``.
+
+    Raises:
+        ValueError: ``value`` is not an int in range; the message names ``argument`` and the fix.
+    """
+    if isinstance(value, bool) or isinstance(value, torch.Tensor):
+        n = None
+    else:
+        try:
+            n = operator.index(value)
+        except TypeError:
+            n = None
+    if n is None:
+        hint = ""
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            hint = f" (write {int(value)}, without a decimal point)"
+        elif isinstance(value, str):
+            hint = " (pass a number, not a string)"
+        raise ValueError(
+            f"`{argument}` must be an int, got {type(value).__name__} {value!r}; pass a whole number{hint}."
+        )
+    if minimum is not None and n < minimum:
+        raise ValueError(f"`{argument}` must be >= {minimum}, got {n}.")
+    if maximum is not None and n > maximum:
+        raise ValueError(f"`{argument}` must be <= {maximum}, got {n}.")
+    return n
+
+
 def dist_type_code(name: str) -> int:
     """Code of a distribution type name.
 
@@ -75,6 +121,8 @@ def dist_type_code(name: str) -> int:
         0, 1 or 2.
     """
     try:
+        if not isinstance(name, str):
+            raise KeyError(name)
         return DIST_TYPES[name]
     except KeyError:
         raise ValueError(
@@ -349,6 +397,9 @@ def hash_roundrobin_global_ids(
         Global ids, dtype of ``local_ids``.
     """
     _check_seed(seed)
+    # types here; ranges in the kernel (same messages on every entry point)
+    table_size = check_int(table_size, "table_size")
+    world_size = check_int(world_size, "world_size")
     return torch.ops.recpipe.hash_roundrobin_global_ids(
         ranks, local_ids, table_size, world_size, seed
     )
@@ -378,6 +429,9 @@ def route_ids(
         ``(owner, local)``, both shaped like ``ids`` (owner int64).
     """
     _check_seed(seed)
+    # types here; ranges in the kernel (same messages on every entry point)
+    table_size = check_int(table_size, "table_size")
+    world_size = check_int(world_size, "world_size")
     return torch.ops.recpipe.route_ids(ids, table_size, world_size, dist_type_code(dist_type), seed)
 
 
@@ -399,12 +453,11 @@ def local_rows(num_embeddings: int, world_size: int, rank: int) -> int:
 
         [local_rows(10, 4, r) for r in range(4)]  # [3, 3, 2, 2]
     """
-    if world_size <= 0:
-        raise ValueError(f"world_size must be >= 1, got {world_size}.")
+    world_size = check_int(world_size, "world_size", 1)
+    rank = check_int(rank, "rank")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
-    if num_embeddings < 0:
-        raise ValueError(f"num_embeddings must be >= 0, got {num_embeddings}.")
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
     return max(0, (num_embeddings - rank + world_size - 1) // world_size)
 
 
@@ -421,12 +474,14 @@ def continuous_block_rows(num_embeddings: int, world_size: int) -> int:
     Returns:
         int: the block size.
     """
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
+    world_size = check_int(world_size, "world_size", 1)
     return max(1, -(-num_embeddings // world_size))
 
 
 def check_dist_type(dist_type: str) -> str:
     """``dist_type`` if it names a distribution type (:data:`DIST_TYPES`), else a ValueError."""
-    if dist_type not in DIST_TYPES:
+    if not isinstance(dist_type, str) or dist_type not in DIST_TYPES:
         raise ValueError(f"dist_type must be one of {sorted(DIST_TYPES)}, got {dist_type!r}.")
     return dist_type
 
@@ -449,6 +504,9 @@ def shard_num_rows(num_embeddings: int, world_size: int, rank: int, dist_type: s
         shard_num_rows(10, 4, 3, "continuous")  # 1
     """
     check_dist_type(dist_type)
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
+    world_size = check_int(world_size, "world_size", 1)
+    rank = check_int(rank, "rank")
     if dist_type == "continuous":
         local_rows(num_embeddings, world_size, rank)  # validates the arguments
         block = continuous_block_rows(num_embeddings, world_size)
@@ -483,7 +541,17 @@ def global_row_ids(
             refuses such ids itself).
     """
     check_dist_type(dist_type)
+    if not isinstance(local_ids, torch.Tensor) or local_ids.is_floating_point() or local_ids.is_complex() \
+            or local_ids.dtype == torch.bool:
+        got = f"a {local_ids.dtype} tensor" if isinstance(local_ids, torch.Tensor) else type(local_ids).__name__
+        raise ValueError(
+            f"global_row_ids: `local_ids` must be an integer tensor of local row ids, got {got}; pass e.g. "
+            "torch.as_tensor(ids, dtype=torch.int64) (a float tensor would be truncated)."
+        )
     local_ids = local_ids.to(torch.int64)
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
+    world_size = check_int(world_size, "world_size", 1)
+    rank = check_int(rank, "rank")
     rows = shard_num_rows(num_embeddings, world_size, rank, dist_type)  # validates rank and world_size
     if dist_type != "hash_roundrobin" and local_ids.numel() > 0:  # an export path, not a step: may sync
         lo, hi = int(local_ids.min()), int(local_ids.max())
@@ -499,8 +567,9 @@ def global_row_ids(
         return local_ids + rank * continuous_block_rows(num_embeddings, world_size)
     if local_ids.numel() == 0:
         return local_ids.clone()
-    ranks = torch.full_like(local_ids, rank)
-    return hash_roundrobin_global_ids(ranks, local_ids, num_embeddings, world_size, seed)
+    flat = local_ids.reshape(-1)  # any shape, as the other routings (the op takes 1-D ids)
+    ranks = torch.full_like(flat, rank)
+    return hash_roundrobin_global_ids(ranks, flat, num_embeddings, world_size, seed).view(local_ids.shape)
 
 
 def _check_row_bounds(
@@ -530,6 +599,15 @@ def _check_row_bounds(
                 f"0, the first row of each next rank, then the table's {n} rows "
                 f"(e.g. {[0] + [min(n, r * -(-n // world_size)) for r in range(1, world_size)] + [n]})"
             )
+
+
+def _check_kjt(kjt: Any, where: str) -> None:
+    """Raises ``ValueError`` unless ``kjt`` is a torchrec ``KeyedJaggedTensor``."""
+    if not isinstance(kjt, KeyedJaggedTensor):
+        raise ValueError(
+            f"{where}: `kjt` must be a torchrec KeyedJaggedTensor, got {type(kjt).__name__}; build one with "
+            "KeyedJaggedTensor.from_lengths_sync(keys=..., values=..., lengths=...)"
+        )
 
 
 def bucketize_kjt(
@@ -570,6 +648,13 @@ def bucketize_kjt(
     Returns:
         ``(bucketized_kjt, unbucketize_permute or None)``.
     """
+    _check_kjt(kjt, "bucketize_kjt")
+    for name, value in (("dist_types", dist_types), ("table_sizes", table_sizes)):
+        if not isinstance(value, Mapping):
+            raise ValueError(
+                f"bucketize_kjt: `{name}` must be a dict keyed by feature name, got {type(value).__name__}; "
+                f"pass e.g. {{{kjt.keys()[0] if kjt.keys() else 'feature'!r}: ...}} for every key of the KJT"
+            )
     keys = kjt.keys()
     missing = [k for k in keys if k not in dist_types]
     if missing:
@@ -583,14 +668,15 @@ def bucketize_kjt(
             f"bucketize_kjt: `table_sizes` has no entry for features {missing}; "
             "pass the row count of the table each feature looks up"
         )
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size <= 0:
-        raise ValueError(f"bucketize_kjt: `world_size` must be an int >= 1 (the number of ranks), got "
-                         f"{type(world_size).__name__} {world_size!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or not 0 < world_size <= _INT32_MAX:
+        raise ValueError(f"bucketize_kjt: `world_size` must be an int >= 1 (the number of ranks) and at most "
+                         f"2**31 - 1, got {type(world_size).__name__} {world_size!r}")
     bad = {k: table_sizes[k] for k in keys
-           if isinstance(table_sizes[k], bool) or not isinstance(table_sizes[k], int) or table_sizes[k] <= 0}
+           if isinstance(table_sizes[k], bool) or not isinstance(table_sizes[k], int)
+           or not 0 < table_sizes[k] <= _INT64_MAX}
     if bad:
         raise ValueError(
-            f"bucketize_kjt: `table_sizes` must be positive ints (each table's row count), got {bad}"
+            f"bucketize_kjt: `table_sizes` must be positive ints below 2**63 (each table's row count), got {bad}"
         )
     codes = torch.tensor([dist_type_code(dist_types[k]) for k in keys], dtype=torch.int64)
     sizes = torch.tensor([int(table_sizes[k]) for k in keys], dtype=torch.int64)
@@ -645,6 +731,7 @@ def bucketize_kjt_by(
     Returns:
         ``(bucketized_kjt, unbucketize_permute or None)``.
     """
+    _check_kjt(kjt, "bucketize_kjt_by")
     vbe = kjt.variable_stride_per_key()
     strides = kjt.stride_per_key() if vbe else None
     out = block_bucketize_sparse_features(

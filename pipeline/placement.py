@@ -53,7 +53,7 @@ from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Typ
 
 import torch
 
-from recpipe.pipeline.ops import DIST_TYPES, local_rows
+from recpipe.pipeline.ops import DIST_TYPES, check_int, local_rows
 
 __all__ = [
     "CACHE_ROW_MAP_BYTES",
@@ -80,6 +80,7 @@ __all__ = [
     "PlacementParams",
     "ShardStorage",
     "check_load_factor",
+    "check_load_factors",
     "decimal_ratio",
     "dtype_itemsize",
     "dtype_name",
@@ -304,8 +305,7 @@ def optimizer_state_bytes_per_row(optimizer: Union[FusedOptimizer, str], dim: in
 
         optimizer_state_bytes_per_row("adam", 128)  # 1024
     """
-    if dim <= 0:
-        raise ValueError(f"dim must be a positive int, got {dim}.")
+    dim = check_int(dim, "dim", 1)
     opt = FusedOptimizer.parse(optimizer)
     if opt is FusedOptimizer.SGD:
         return 0
@@ -411,7 +411,8 @@ def row_bytes(dim: int, dtype: Union[torch.dtype, str], optimizer: Union[FusedOp
 
         row_bytes(128, torch.float32, "adam")  # 512 + 1024 = 1536
     """
-    return dim * dtype_itemsize(dtype) + optimizer_state_bytes_per_row(optimizer, dim)
+    dim = check_int(dim, "dim", 1)
+    return dim * dtype_itemsize(resolve_dtype(dtype)) + optimizer_state_bytes_per_row(optimizer, dim)
 
 
 def max_local_rows(num_embeddings: int, world_size: int) -> int:
@@ -444,6 +445,28 @@ def check_load_factor(x: float, argument: str = "cache_load_factor") -> None:
         )
 
 
+def check_load_factors(xs: Any, argument: str = "load_factors") -> Tuple[float, ...]:
+    """``xs`` as a tuple of load factors, or a ValueError naming ``argument``.
+
+    Args:
+        xs (Sequence[float]): a non-empty sequence (list, tuple, array) of load factors in ``(0, 1]``.
+        argument (str): the argument's name, for the message.
+
+    Returns:
+        Tuple[float, ...]: the load factors as floats, in the given order.
+    """
+    if isinstance(xs, (str, bytes)) or not hasattr(xs, "__iter__") or not hasattr(xs, "__len__"):
+        raise ValueError(
+            f"{argument} must be a sequence of load factors in (0, 1], got {type(xs).__name__} {xs!r}: "
+            "e.g. (0.1, 0.2, ..., 1.0), or [0.5] for one."
+        )
+    if len(xs) == 0:
+        raise ValueError(f"{argument} is empty: give at least one x in (0, 1], e.g. (0.1, ..., 1.0).")
+    for x in xs:
+        check_load_factor(x, f"{argument}[...]")
+    return tuple(float(x) for x in xs)
+
+
 def floor_fraction(x: float, rows: int) -> int:
     """``floor(x * rows)`` robust to binary float error.
 
@@ -459,7 +482,9 @@ def floor_fraction(x: float, rows: int) -> int:
     Returns:
         int: ``floor(x * rows)`` with ``x`` read as a decimal.
     """
-    num, den = decimal_ratio(x)
+    check_load_factor(x, "x")
+    rows = check_int(rows, "rows", 0)
+    num, den = decimal_ratio(float(x))
     return (num * rows) // den
 
 
@@ -483,8 +508,7 @@ def tier_rows(rows: int, mode: Union[Mode, str], x: float) -> Tuple[int, int, in
     """
     check_load_factor(x)
     m = Mode.parse(mode)
-    if rows < 0:
-        raise ValueError(f"rows must be >= 0, got {rows}.")
+    rows = check_int(rows, "rows", 0)
     if float(x) == 1.0:
         return rows, 0, 0
     k = floor_fraction(x, rows)
@@ -596,6 +620,9 @@ def machine_sum(
     Returns:
         ShardStorage: fast and slow bytes summed over ranks ``0 .. L-1``.
     """
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
+    world_size = check_int(world_size, "world_size", 1)
+    local_world_size = check_int(local_world_size, "local_world_size")
     if not 1 <= local_world_size <= world_size:
         raise ValueError(
             f"local_world_size must be in [1, world_size={world_size}], got {local_world_size}."

@@ -57,8 +57,9 @@ shards a module) initializes the EC's tiered tables from it.
 
 from __future__ import annotations
 
+import numbers
 from contextlib import contextmanager
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,8 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
             changes fbgemm's update in a way the tiered kernel does not implement
             (:func:`_unsupported_update_params`).
     """
+    if fused_params is not None and not isinstance(fused_params, Mapping):
+        raise ValueError(f"fused_params must be a dict (or None), got {type(fused_params).__name__} {fused_params!r}.")
     fp = dict(fused_params or {})
     opt = fp.get("optimizer", EmbOptimType.EXACT_SGD)
     try:
@@ -166,13 +169,21 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
             "as a torchrec FUSED table (e.g. ROW_WISE with compute_kernel 'fused') instead of a tiered "
             "placement."
         )
+
+    def number(key: str, default: float) -> float:
+        value = fp.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"fused param {key!r} must be a number, got {type(value).__name__} {value!r}; "
+                             f"e.g. {key}={default}.")
+        return float(value)
+
     return TieredOptimizerConfig(
         optimizer=fused,
-        learning_rate=float(fp.get("learning_rate", 0.01)),
-        eps=float(fp.get("eps", 1.0e-8)),
-        beta1=float(fp.get("beta1", 0.9)),
-        beta2=float(fp.get("beta2", 0.999)),
-        weight_decay=float(fp.get("weight_decay", 0.0)) if fused is FusedOptimizer.ADAM else 0.0,
+        learning_rate=number("learning_rate", 0.01),
+        eps=number("eps", 1.0e-8),
+        beta1=number("beta1", 0.9),
+        beta2=number("beta2", 0.999),
+        weight_decay=number("weight_decay", 0.0) if fused is FusedOptimizer.ADAM else 0.0,
     )
 
 
@@ -294,6 +305,11 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
     """
 
     def __init__(self, shards: Dict[str, TieredEmbeddingShard]) -> None:
+        if not isinstance(shards, Mapping) or not all(isinstance(s, TieredEmbeddingShard) for s in shards.values()):
+            got = (f"a dict of {sorted({type(s).__name__ for s in shards.values()})}" if isinstance(shards, Mapping)
+                   else type(shards).__name__)
+            raise ValueError(f"TieredFusedOptimizer: `shards` must be a dict of table name -> TieredEmbeddingShard, "
+                             f"got {got}.")
         self._shards: List[TieredEmbeddingShard] = list(shards.values())
         # a key tensor per table: torchrec keys optimizer params (and their groups) by tensor
         keys = {f"{name}.weight": torch.empty(0) for name in shards}

@@ -123,6 +123,23 @@ class RoutingOverrides:
     table_dist_types: Mapping[str, DistType] = field(default_factory=dict)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.table_dist_types, Mapping):
+            raise ValueError(
+                f"recpipe: `table_dist_types` must be a dict of table name -> dist type, got "
+                f"{type(self.table_dist_types).__name__} {self.table_dist_types!r}; e.g. {{'t0': 'hash_roundrobin'}}."
+            )
+        parsed: Dict[str, DistType] = {}
+        for table, dt in self.table_dist_types.items():
+            if not isinstance(table, str):
+                raise ValueError(f"recpipe: `table_dist_types` keys must be table names (str), got {table!r}.")
+            try:
+                parsed[table] = DistType.parse(dt)
+            except ValueError as e:
+                raise ValueError(f"recpipe: `table_dist_types[{table!r}]`: {e}") from None
+        object.__setattr__(self, "table_dist_types", parsed)
+        object.__setattr__(self, "seed", ops.check_int(self.seed, "seed", -(2**63), 2**63 - 1))
+
 
 class FeatureRouting(NamedTuple):
     """Routing of a sharding's features (:func:`feature_routing`).
@@ -223,6 +240,12 @@ def table_routing(
     Raises:
         PlacementContractError: a placement or routing key holds a bad value.
     """
+    if fused_params is not None and not isinstance(fused_params, Mapping):
+        raise ValueError(f"table {table_name!r}: fused_params must be a dict (or None), got "
+                         f"{type(fused_params).__name__} {fused_params!r}.")
+    if overrides is not None and not isinstance(overrides, RoutingOverrides):
+        raise ValueError(f"table {table_name!r}: overrides must be a RoutingOverrides (or None), got "
+                         f"{type(overrides).__name__}; e.g. RoutingOverrides(table_dist_types={{...}}, seed=0).")
     params: Dict[str, Any] = dict(fused_params or {})
     if FUSED_PARAM_MODE in params:
         placed = PlacementParams.from_fused_params(params, table_name)
@@ -619,15 +642,9 @@ class RecpipeShardedEmbeddingCollection(_RoutedShardedMixin, ShardedEmbeddingCol
 def _make_routing(
     table_dist_types: Optional[Mapping[str, Union[DistType, str]]], seed: int
 ) -> Optional[RoutingOverrides]:
-    if not table_dist_types:
-        return None
-    parsed: Dict[str, DistType] = {}
-    for table, dt in table_dist_types.items():
-        try:
-            parsed[table] = DistType.parse(dt)
-        except ValueError as e:
-            raise ValueError(f"recpipe: `table_dist_types[{table!r}]`: {e}") from None
-    return RoutingOverrides(table_dist_types=parsed, seed=int(seed))
+    # validated even when no table is routed: a typo must not pass silently
+    routing = RoutingOverrides(table_dist_types=table_dist_types if table_dist_types is not None else {}, seed=seed)
+    return routing if routing.table_dist_types else None
 
 
 class _RoutedSharderMixin:

@@ -69,7 +69,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -86,6 +86,7 @@ from recpipe.pipeline.ops import (
     TIERED_POOLINGS,
     TIERED_STATS,
     check_dist_type as _check_dist_type,
+    check_int,
     global_row_ids,
     route_ids,
     shard_num_rows,
@@ -271,12 +272,18 @@ class TieredEmbeddingShard(nn.Module):
                 f"cache_load_factor must be in (0, 1], got {x!r}: use e.g. 0.1 ... 1.0 "
                 "(1.0 = every row in the fast tier)."
             )
-        if not isinstance(embedding_dim, int) or embedding_dim <= 0:
+        if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
             raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}.")
-        if not isinstance(num_embeddings, int) or num_embeddings <= 0:
+        if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0:
             raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}.")
         if pooling not in ("sum", "mean"):
             raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}.")
+        if optimizer is not None and not isinstance(optimizer, TieredOptimizerConfig):
+            raise ValueError(
+                f"tiered table {table_name!r}: optimizer must be a TieredOptimizerConfig or None, got "
+                f"{type(optimizer).__name__} {optimizer!r}; pass e.g. TieredOptimizerConfig(optimizer='adam', "
+                "learning_rate=0.01)."
+            )
         if dtype not in TIERED_DTYPES:
             raise ValueError(
                 f"tiered table {table_name!r}: dtype {dtype} is not supported by the tiered kernel yet: "
@@ -291,8 +298,8 @@ class TieredEmbeddingShard(nn.Module):
         self.embedding_dim: int = embedding_dim
         self.rank: int = rank
         self.world_size: int = world_size
-        self.routing_seed: int = int(routing_seed)
-        self.split_seed: int = int(split_seed)
+        self.routing_seed: int = check_int(routing_seed, "routing_seed", -(2**63), 2**63 - 1)
+        self.split_seed: int = check_int(split_seed, "split_seed", -(2**63), 2**63 - 1)
         self.dtype: torch.dtype = dtype
         self.table_name: str = table_name
         self.device: torch.device = torch.device(device) if device is not None else torch.device("cpu")
@@ -548,6 +555,9 @@ class TieredEmbeddingShard(nn.Module):
             ValueError: naming the table, for a value out of range (nothing is set).
         """
         names = ("lr", "eps", "beta1", "beta2", "weight_decay")
+        if not isinstance(params_dict, Mapping):
+            raise ValueError(f"tiered table {self.table_name!r}: params_dict must be a dict of hyper-parameter "
+                             f"name -> value, got {type(params_dict).__name__}; pass e.g. {{'lr': 0.01}}.")
         for name in params_dict:
             if name not in names:
                 raise NotImplementedError(f"tiered table {self.table_name!r}: setting hyper-parameter {name!r} is "
@@ -585,6 +595,10 @@ class TieredEmbeddingShard(nn.Module):
         Args:
             weights (torch.Tensor): the global table.
         """
+        if not isinstance(weights, torch.Tensor):
+            raise ValueError(f"tiered table {self.table_name!r}: weights must be a torch.Tensor of shape "
+                             f"[{self.num_embeddings}, {self.embedding_dim}], got {type(weights).__name__}; "
+                             "pass e.g. torch.as_tensor(weights, dtype=torch.float32).")
         if tuple(weights.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(
                 f"weights must have shape [num_embeddings={self.num_embeddings}, "
@@ -921,6 +935,12 @@ class TieredEmbeddingShard(nn.Module):
             torch.Tensor: ``[B, embedding_dim]`` pooled embeddings. Its backward
             applies the fused optimizer to the rows in place.
         """
+        for name, t in (("ids", ids), ("offsets", offsets), ("per_sample_weights", per_sample_weights)):
+            if not isinstance(t, torch.Tensor) and (t is not None or name != "per_sample_weights"):
+                raise ValueError(
+                    f"tiered table {self.table_name!r}: {name} must be a torch.Tensor, got {type(t).__name__}; "
+                    f"pass e.g. torch.as_tensor({name}, dtype=torch.{'float32' if name[0] == 'p' else 'int64'})."
+                )
         if self.backend == "fbgemm":
             return self._forward_fbgemm(ids, offsets, per_sample_weights)
         anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())
@@ -1062,6 +1082,9 @@ class TieredEmbeddingShard(nn.Module):
         """
         required = ("version", "num_embeddings", "embedding_dim", "dtype", "optimizer", "dist_type",
                     "routing_seed", "world_size", "rank", "num_rows", "placement")
+        if not isinstance(md, Mapping):
+            raise self._ckpt_error(f"export metadata is a {type(md).__name__}, not a dict",
+                                   ["pass TieredShardState.metadata of an export_state() / state_dict() export"])
         missing = [k for k in required if k not in md]
         if missing:
             raise self._ckpt_error(f"export metadata lacks {missing}",
@@ -1133,6 +1156,12 @@ class TieredEmbeddingShard(nn.Module):
             states (Sequence[TieredShardState]): exports, e.g. of every rank of the
                 saving job.
         """
+        if isinstance(states, TieredShardState) or not isinstance(states, Sequence) \
+                or not all(isinstance(st, TieredShardState) for st in states):
+            got = type(states).__name__ if not isinstance(states, Sequence) or isinstance(states, (str, bytes)) \
+                else f"a {type(states).__name__} of {sorted({type(st).__name__ for st in states})}"
+            raise self._ckpt_error(f"states must be a list of TieredShardState, got {got}",
+                                   ["pass a list of exports, e.g. [shard.export_state()] (one per saving rank)"])
         if len(states) == 0:
             raise self._ckpt_error("no export given", ["pass the exports of every saving rank"])
         for st in states:

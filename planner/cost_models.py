@@ -20,6 +20,7 @@ Two implementations behind one ``CostModel`` protocol:
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Protocol, Sequence, Tuple, runtime_checkable
 
@@ -29,6 +30,7 @@ from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
 from recpipe.pipeline.placement import (
     FusedOptimizer,
     Mode,
+    check_load_factor,
     dtype_itemsize,
     floor_fraction,
     optimizer_state_bytes_per_row,
@@ -111,6 +113,8 @@ def fast_tier_hit_rate(table: TableSpec, mode: Mode, x: float) -> float:
         fast_tier_hit_rate(TableSpec(name="t", rows=100, dim=8, zipf_alpha=0.0),
                            Mode.CACHING, 0.3)  # 0.3 (uniform access)
     """
+    check_load_factor(x, "x")
+    mode = Mode.parse(mode)
     if x >= 1.0:
         return 1.0
     if mode is Mode.HYBRID:
@@ -166,6 +170,10 @@ class _BandwidthMixCostModel:
         hbm_mem_bw: float = HBM_MEM_BW,
         hbm_to_ddr_mem_bw: float = HBM_TO_DDR_MEM_BW,
     ) -> None:
+        for name, value in (("hbm_mem_bw", hbm_mem_bw), ("hbm_to_ddr_mem_bw", hbm_to_ddr_mem_bw)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < math.inf:
+                raise ValueError(f"{name} must be a positive finite number of bytes/ms (torchrec Topology units), "
+                                 f"got {value!r}; e.g. torchrec's HBM_MEM_BW / HBM_TO_DDR_MEM_BW.")
         if not (hbm_mem_bw > 0 and hbm_to_ddr_mem_bw > 0):
             raise ValueError(
                 f"hbm_mem_bw ({hbm_mem_bw}) and hbm_to_ddr_mem_bw ({hbm_to_ddr_mem_bw}) "
@@ -340,6 +348,9 @@ def make_cost_model(
         if key == "empirical":
             return EmpiricalCostModel(hbm_mem_bw, hbm_to_ddr_mem_bw)
         raise ValueError(f"cost_model must be 'analytic', 'empirical' or a CostModel, got {name_or_model!r}.")
+    if isinstance(name_or_model, type):
+        raise ValueError(f"cost_model {name_or_model.__name__} is a class: pass an instance, e.g. "
+                         f"{name_or_model.__name__}(), or the name 'analytic' / 'empirical'.")
     if not isinstance(name_or_model, CostModel):
         raise ValueError(
             f"cost_model {name_or_model!r} does not implement CostModel (name, costs(table, options))."

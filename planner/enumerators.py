@@ -9,6 +9,7 @@ import numpy as np
 
 from recpipe.pipeline._tiered_fbgemm import FBGEMM_CACHE_ASSOC, SPLIT_MAP_BYTES, fbgemm_shard_storage
 from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
+from recpipe.pipeline.ops import check_int
 from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
@@ -17,7 +18,7 @@ from recpipe.pipeline.placement import (
     FusedOptimizer,
     Mode,
     ShardStorage,
-    check_load_factor,
+    check_load_factors,
     decimal_ratio,
     dtype_itemsize,
     dtype_name,
@@ -77,10 +78,14 @@ class GridPlacementEnumerator:
         backend: str = "native",
         cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
     ) -> None:
-        if not load_factors:
-            raise ValueError("load_factors is empty: give at least one x in (0, 1], e.g. (0.1, ..., 1.0).")
-        for x in load_factors:
-            check_load_factor(x)
+        load_factors = check_load_factors(load_factors)
+        world_size = check_int(world_size, "world_size", 1)
+        local_world_size = check_int(local_world_size, "local_world_size", 1, world_size)
+        if isinstance(cost_model, type) or not callable(getattr(cost_model, "costs", None)):
+            raise ValueError(
+                f"cost_model must be a CostModel (with costs(table, options)), got {type(cost_model).__name__} "
+                f"{cost_model!r}: e.g. AnalyticCostModel(), or make_cost_model('analytic', ...)."
+            )
         if backend not in STORAGE_BACKENDS:
             raise ValueError(f"backend must be one of {list(STORAGE_BACKENDS)}, got {backend!r}.")
         priced = getattr(cost_model, "backend", backend)

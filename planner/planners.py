@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -13,7 +14,14 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from recpipe.pipeline.placement import ROUTED_DIST_TYPES, CachePolicy, DistType, FusedOptimizer
+from recpipe.pipeline.ops import check_int
+from recpipe.pipeline.placement import (
+    ROUTED_DIST_TYPES,
+    CachePolicy,
+    DistType,
+    FusedOptimizer,
+    check_load_factors,
+)
 from recpipe.planner.cost_models import CostModel, make_cost_model
 from recpipe.planner.enumerators import GridPlacementEnumerator, OptionArrays
 from recpipe.planner.proposers import DynamicProgrammingProposer, Proposer
@@ -132,6 +140,16 @@ def tables_from_module(
         List[TableSpec]: one per table, ``lookups_per_step = batch_size x
         pooling_factor x features of the table``.
     """
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"module must be a torch.nn.Module (a model, or an EBC / EC), got {type(module).__name__}.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int (samples per rank), got {batch_size!r}.")
+    if isinstance(pooling_factor, bool) or not isinstance(pooling_factor, numbers.Real) \
+            or not 0 <= pooling_factor < math.inf:
+        raise ValueError(f"pooling_factor must be a finite number >= 0 (ids per feature per sample), got "
+                         f"{pooling_factor!r}.")
+    if fused_params is not None and not isinstance(fused_params, Mapping):
+        raise ValueError(f"fused_params must be a dict (or None), got {type(fused_params).__name__}.")
     fallback = FusedOptimizer.parse(optimizer)
     specs: List[TableSpec] = []
     for path, sub in module.named_modules():
@@ -242,10 +260,20 @@ class PlacementPlanner:
                    "Topology ddr_cap (DDR per rank)"),
         )
         for name, frac in (("hbm_reservation", hbm_reservation), ("ddr_reservation", ddr_reservation)):
-            if not 0.0 <= frac < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {frac}.")
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}.")
+            if isinstance(frac, bool) or not isinstance(frac, numbers.Real) or not 0.0 <= frac < 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1), got {frac!r}.")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive int (samples per rank), got {batch_size!r}.")
+        seed = check_int(seed, "seed", -(2**63), 2**63 - 1)
+        load_factors = check_load_factors(load_factors)
+        for name, value in (("constraints", constraints), ("fused_params", fused_params)):
+            if value is not None and not isinstance(value, Mapping):
+                raise ValueError(f"{name} must be a dict (or None), got {type(value).__name__} {value!r}.")
+        if proposer is not None and (isinstance(proposer, type) or not callable(getattr(proposer, "solve", None))):
+            raise ValueError(
+                f"proposer must be a Proposer instance (with solve(...)), got {type(proposer).__name__} "
+                f"{proposer!r}: e.g. DynamicProgrammingProposer() or BruteForceProposer()."
+            )
         dist = DistType.parse(dist_type)
         if dist not in ROUTED_DIST_TYPES:
             raise ValueError(
@@ -312,6 +340,12 @@ class PlacementPlanner:
                     PlannerErrorType.INPUT_VALIDATION,
                 )
             return specs
+        if isinstance(tables, (TableSpec, str, bytes)) or not hasattr(tables, "__iter__"):
+            raise ValueError(
+                f"tables must be an EmbeddingBagCollection / EmbeddingCollection (or a model holding them) or a "
+                f"list of TableSpec, got {type(tables).__name__}" + (": wrap one TableSpec in a list"
+                                                                    if isinstance(tables, TableSpec) else ".")
+            )
         specs = list(tables)
         for t in specs:
             if not isinstance(t, TableSpec):

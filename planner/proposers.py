@@ -23,6 +23,8 @@ from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
+from recpipe.pipeline.ops import check_int
+
 # Per-axis bin cap of the 2-D DP grid, as in TorchEasyRec PR #508
 # (``_DP_AXIS_BIN_CAP``). Bins.
 DP_AXIS_BIN_CAP: int = 1024
@@ -136,9 +138,24 @@ def _validated(
     hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int
 ) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The proposer inputs as int64 / int64 / float64 arrays, after checking shapes and budgets."""
-    hbm = np.asarray(hbm, dtype=np.int64)
-    ddr = np.asarray(ddr, dtype=np.int64)
-    cost = np.asarray(cost, dtype=np.float64)
+    for name, budget in (("hbm_budget", hbm_budget), ("ddr_budget", ddr_budget)):
+        check_int(budget, name)
+    arrays = []
+    for name, a in (("hbm", hbm), ("ddr", ddr)):
+        raw = np.asarray(a)
+        whole = raw.dtype.kind in "iu" or (raw.dtype.kind == "f" and bool(np.isfinite(raw).all())
+                                            and bool((raw == np.floor(raw)).all()))
+        if not whole or (raw.size and raw.min() < 0):
+            got = (f"{raw.dtype} values with minimum {raw.min()}" if raw.size and raw.dtype.kind in "iuf"
+                   else f"{raw.dtype} values")
+            raise ValueError(f"`{name}` must hold whole byte counts >= 0 in a (tables, options) array (no fraction, "
+                             f"nan or negative), got {got}; pass the enumerator's int64 arrays (OptionArrays).")
+        arrays.append(raw.astype(np.int64))
+    hbm, ddr = arrays
+    cost = np.asarray(cost, dtype=np.float64) if np.asarray(cost).dtype.kind in "iuf" else np.asarray(cost)
+    if cost.dtype.kind != "f" or np.isnan(cost).any():
+        raise ValueError(f"`cost` must be a float array without nan (inf marks no option), got dtype {cost.dtype}"
+                         + (" holding nan" if cost.dtype.kind == "f" else "") + ".")
     if not (hbm.shape == ddr.shape == cost.shape and cost.ndim == 2):
         raise ValueError(
             f"hbm {hbm.shape}, ddr {ddr.shape} and cost {cost.shape} must share one (tables, options) shape."
@@ -670,7 +687,7 @@ class BruteForceProposer:
     """
 
     def __init__(self, max_tables: int = BRUTE_FORCE_MAX_TABLES) -> None:
-        self.max_tables = max_tables
+        self.max_tables = check_int(max_tables, "BruteForceProposer(max_tables)", 1)
 
     @staticmethod
     def _combos(

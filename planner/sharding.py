@@ -19,6 +19,7 @@ from torchrec.distributed.types import (
     ShardMetadata,
 )
 
+from recpipe.pipeline.ops import check_int
 from recpipe.pipeline.placement import (
     FUSED_PARAM_CACHE_LOAD_FACTOR,
     FUSED_PARAM_CACHE_POLICY,
@@ -163,6 +164,13 @@ def row_wise_sharding_spec(
     Returns:
         EnumerableShardingSpec: one ``ShardMetadata`` per rank, sizes summing to N.
     """
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
+    dim = check_int(dim, "dim", 1)
+    world_size = check_int(world_size, "world_size", 1)
+    local_world_size = check_int(local_world_size, "local_world_size", 1, world_size)
+    if compute_device not in ("cuda", "cpu"):
+        raise ValueError(f"compute_device must be 'cuda' or 'cpu' (a torchrec Topology's compute_device), got "
+                         f"{compute_device!r}.")
     shards = []
     offset = 0
     for r in range(world_size):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -27,6 +28,7 @@ from recpipe.pipeline.placement import (
     Mode,
     PlacementParams,
     check_load_factor,
+    check_load_factors,
     dtype_name,
     parse_enum,
     resolve_dtype,
@@ -138,8 +140,15 @@ class TableSpec:
     """Features looking the table up (informational)."""
 
     def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("TableSpec.name must be a non-empty string.")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TableSpec.name must be a non-empty string (the table's name), got {self.name!r}.")
+        if not isinstance(self.module_path, str):
+            raise ValueError(f"TableSpec({self.name}).module_path must be a string (the FQN of the embedding module, "
+                             f"'' for a bare EBC / EC), got {self.module_path!r}.")
+        if isinstance(self.feature_names, (str, bytes)) or not hasattr(self.feature_names, "__iter__") \
+                or not all(isinstance(f, str) for f in self.feature_names):
+            raise ValueError(f"TableSpec({self.name}).feature_names must be a list of feature names (str), got "
+                             f"{self.feature_names!r}; e.g. ['f0'] for one feature.")
         for field_name in ("rows", "dim"):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -228,10 +237,7 @@ class PlacementConstraints:
         if self.cache_load_factor is not None:
             check_load_factor(self.cache_load_factor, "PlacementConstraints.cache_load_factor")
         if self.load_factors is not None:
-            if len(self.load_factors) == 0:
-                raise ValueError("PlacementConstraints.load_factors is empty: give at least one x.")
-            for x in self.load_factors:
-                check_load_factor(x, "PlacementConstraints.load_factors[...]")
+            check_load_factors(self.load_factors, "PlacementConstraints.load_factors")
 
 
 @dataclass(frozen=True)
@@ -578,6 +584,10 @@ def check_topology_args(
         ValueError: the first argument out of range, named as in ``names``, with its fix.
     """
     ws_name, lws_name, hbm_name, ddr_name = names
+    for name, value in ((ws_name, world_size), (lws_name, local_world_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(f"{name} must be an int (a number of ranks), got {type(value).__name__} {value!r}; "
+                             "pass a whole number.")
     if world_size < 1:
         raise ValueError(f"{ws_name} must be >= 1 (the number of ranks), got {world_size}.")
     if local_world_size < 1:
@@ -588,6 +598,9 @@ def check_topology_args(
             f"the same number of ranks (e.g. {lws_name}={math.gcd(world_size, local_world_size)})."
         )
     for name, value in ((hbm_name, hbm_cap), (ddr_name, ddr_cap)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a number of bytes, got {type(value).__name__} {value!r}; "
+                             "give the memory in bytes, e.g. 80 * 2**30.")
         if positive_sizes and not value > 0:
             raise ValueError(f"{name} must be a positive size such as 80GiB, got {value} bytes.")
         if not value >= 0:  # also refuses nan
