@@ -20,42 +20,10 @@ import pytest
 import torch
 
 from gloo_harness import run_gloo
-from test_tiered_sharders import TABLES, _copy_state_dict, _ebc, _kjt, _Model, _tiered_plan, _warmup_batches
+from test_tiered_sharders import _kjt, _warmup_batches, _warmup_model
 
 
-def _model(world: int, placements: Optional[Dict[str, Dict[str, Any]]], backend: Optional[str] = None,
-           fused_params: Optional[Dict[str, Any]] = None) -> Any:
-    """``_Model`` over the test EBC with fused row-wise Adagrad (lr 0.05): ``placements`` None
-    is torchrec's own TABLE_WISE FUSED sharding (t0 on rank 0, t1 on rank 1), else recpipe's
-    row-wise plan with those tables tiered on ``backend``; same initial tables."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
-
-    weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
-    ebc = _ebc()
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
-    if placements is None:
-        sharder: Any = EmbeddingBagCollectionSharder()
-        plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-                                              sharder=sharder, local_size=world, world_size=world,
-                                              device_type="cpu")
-    else:
-        sharder = TieredEmbeddingBagCollectionSharder(backend=backend, fused_params=fused_params)
-        plan = _tiered_plan(ebc, sharder, world, placements)
-    model = DistributedModelParallel(_Model(ebc), plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
-    _copy_state_dict({k[len("ebc."):]: v for k, v in model.module.state_dict().items()
-                      if k.startswith("ebc.") and isinstance(v, ShardedTensor)}, weights)
-    for name, shard in getattr(model.module.ebc, "tiered_tables", dict)().items():
-        shard.load_global_weights(weights[f"embedding_bags.{name}.weight"])
-    return model
+_model = _warmup_model  # torchrec FUSED (placements None) or tiered on a backend, same initial tables
 
 
 def _fused_tbes(model: Any) -> Dict[str, Any]:
@@ -336,13 +304,18 @@ def _backend_param_body(rank: int, world: int, value: Any) -> Any:
         model = _model(world, cached, None, {"recpipe_backend": value})
     except Exception as e:  # noqa: BLE001 - the message is the result
         return f"{type(e).__name__}: {e}"
+    return model.module.ebc.tiered_tables()["t0"].backend, _four_steps(model, rank)
+
+
+def _four_steps(model: Any, rank: int) -> List[np.ndarray]:
+    """The EBC's outputs of 4 training steps (each backward applies the fused optimizer)."""
     outputs = []
     for step in range(4):
         kjt, grad = _kjt(step, rank)
         result = model.module.ebc(kjt).values()
         outputs.append(result.detach().numpy().copy())
         result.backward(grad)
-    return model.module.ebc.tiered_tables()["t0"].backend, outputs
+    return outputs
 
 
 def test_bad_recpipe_backend_fused_param_refused_naming_table() -> None:
@@ -358,14 +331,7 @@ def test_bad_recpipe_backend_fused_param_refused_naming_table() -> None:
 
 
 def _ref_outputs_body(rank: int, world: int) -> List[np.ndarray]:
-    model = _model(world, None)
-    outputs = []
-    for step in range(4):
-        kjt, grad = _kjt(step, rank)
-        result = model.module.ebc(kjt).values()
-        outputs.append(result.detach().numpy().copy())
-        result.backward(grad)
-    return outputs
+    return _four_steps(_model(world, None), rank)
 
 
 def test_recpipe_backend_in_sharder_fused_params_reaches_only_tiered_tables() -> None:

@@ -508,10 +508,12 @@ def _warmup_batches(rank: int) -> List[Any]:
     return batches
 
 
-def _warmup_model(world: int, placements: Any) -> Any:
-    """``_Model`` over the EBC with row-wise Adagrad: ``placements`` None is torchrec's own
-    TABLE_WISE FUSED sharding (the reference), else recpipe's row-wise plan with those
-    tables tiered; both from the same initial tables."""
+def _warmup_model(world: int, placements: Any, backend: Optional[str] = None,
+                  fused_params: Optional[Dict[str, Any]] = None) -> Any:
+    """``_Model`` over the EBC with row-wise Adagrad (lr 0.05): ``placements`` None is
+    torchrec's own TABLE_WISE FUSED sharding (the reference; t0 on rank 0, t1 on rank 1),
+    else recpipe's row-wise plan with those tables tiered (on ``backend``, with the tiered
+    sharder's ``fused_params``); both from the same initial tables."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -531,7 +533,7 @@ def _warmup_model(world: int, placements: Any) -> Any:
                                               sharder=sharder, local_size=world, world_size=world,
                                               device_type="cpu")
     else:
-        sharder = TieredEmbeddingBagCollectionSharder()
+        sharder = TieredEmbeddingBagCollectionSharder(backend=backend, fused_params=fused_params)
         plan = _tiered_plan(ebc, sharder, world, placements)
     model = DistributedModelParallel(_Model(ebc), plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
                                      device=torch.device("cpu"))
