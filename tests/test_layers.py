@@ -150,10 +150,12 @@ def test_planner_does_not_import_recipes() -> None:
 
 
 def test_placement_contract_is_a_bottom_module() -> None:
-    # it may use the routing module's constants and rows-per-rank rule and nothing else of recpipe
+    # it may use the routing module's constants, rows-per-rank rule and int argument check, and
+    # nothing else of recpipe
     names = _all_imports()["recpipe.pipeline.placement"]
     assert {n for n in names if n.startswith("recpipe")} <= {
-        "recpipe.pipeline.ops", "recpipe.pipeline.ops.DIST_TYPES", "recpipe.pipeline.ops.local_rows"}
+        "recpipe.pipeline.ops", "recpipe.pipeline.ops.DIST_TYPES", "recpipe.pipeline.ops.local_rows",
+        "recpipe.pipeline.ops.check_int"}
 
 
 def test_no_import_cycles_among_recpipe_modules() -> None:
