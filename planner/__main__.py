@@ -18,7 +18,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import yaml
 
@@ -94,7 +94,8 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
         raise ValueError(f"--tables {path}: the file lists no tables; give a YAML list of tables (see --help).")
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a YAML list of tables, got {type(data).__name__}.")
-    specs = []
+    specs: List[TableSpec] = []
+    index_of: Dict[str, int] = {}  # table name -> its entry number (repeated names are refused)
     for k, item in enumerate(data):
         if not isinstance(item, dict):
             raise ValueError(f"{path}: table #{k} must be a mapping with keys {sorted(_TABLE_KEYS)}.")
@@ -125,8 +126,8 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
             )
         except ValueError as e:
             raise ValueError(f"{path}: table #{k}: {e}") from e
-        first = next((j for j, spec in enumerate(specs[:-1]) if spec.name == specs[-1].name), None)
-        if first is not None:
+        first = index_of.setdefault(specs[-1].name, k)
+        if first != k:
             raise ValueError(f"{path}: table #{k} is named {specs[-1].name!r} like table #{first}; every table "
                              "needs its own name (rename one, or drop the duplicate entry).")
     return specs
