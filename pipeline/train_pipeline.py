@@ -646,11 +646,12 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             return
         context.lookup_mode = self._lookup_mode()
         with StageTimer(self.stats, STAGE_LOOKUP, f"## start_embedding_lookup {context.index} ##"):
-            now = self._main_stream_event()
-            for module in modules:
-                late = module.forward.name in self._after_opt_modules  # pyre-ignore[16]
-                ready = now if tables_updated is None or late else tables_updated
-                self._issue_module_lookup(module, context, ready)
+            # wait for what is enqueued now: no ``tables_updated``, or dense-updated tables
+            waits_now = [tables_updated is None or m.forward.name in self._after_opt_modules  # pyre-ignore[16]
+                         for m in modules]
+            now = self._main_stream_event() if any(waits_now) else None
+            for module, wait_now in zip(modules, waits_now):
+                self._issue_module_lookup(module, context, now if wait_now else tables_updated)
 
     def _lookup_mode(self) -> Tuple[bool, bool]:
         """(grad enabled, model.training): what a lookup's result depends on
