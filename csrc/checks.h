@@ -197,6 +197,17 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
         TORCH_CHECK(v[i] >= v[i - 1], "recpipe: `block_bucketize_pos[", f, "]` decreases at entry ", i, " (",
                     v[i - 1], " then ", v[i], "); shard bounds must be non-decreasing row offsets.");
       }
+      // block == 0 keys an id by (id % G) * b[k-1] / G, a product fbgemm forms in the
+      // signed index width: refused where it would wrap (fbgemm routes to wrong ranks there).
+      const int64_t width_max = index_bits == 32 ? INT32_MAX : INT64_MAX;
+      const int64_t last = v[count - 1];
+      TORCH_CHECK(block != 0 || num_blocks <= 1 || last <= width_max / static_cast<int64_t>(num_blocks - 1),
+                  "recpipe: feature ", f, " has `block_sizes[", f, "]` = 0 with shard bounds, so its ids are keyed "
+                  "(id % G) * `block_bucketize_pos[", f, "][-1]` / G with G = ", num_blocks,
+                  " blocks, but (G - 1) * ", last, " exceeds ", width_max, ", the largest int", index_bits,
+                  " index (the product would wrap and route ids to wrong ranks); ",
+                  index_bits == 32 ? "pass int64 `indices` (`.to(torch.int64)`) or fewer `total_num_blocks`."
+                                   : "pass fewer `total_num_blocks` or smaller shard bounds.");
       parts.push_back(b);
     } else if (dist == kContinuous && !a.has_bounds()) {
       TORCH_CHECK(block > 0, "recpipe: `block_sizes[", f, "]` is ", block, " but feature ", f,

@@ -805,6 +805,36 @@ BAD_INPUT: list[tuple[dict, str]] = [
 ]
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_block_zero_shard_bounds_refuse_a_wrapping_key(index_dtype: torch.dtype) -> None:
+    """block_sizes 0 with shard bounds keys an id by (id % G) * b[-1] / G: up to the
+    largest product the index width holds the op equals fbgemm and plain math; one row
+    more is refused (fbgemm's product wraps there and routes ids to wrong ranks)."""
+    W, G = 2, 8
+    width_max = torch.iinfo(index_dtype).max
+    last = width_max // (G - 1)  # (G - 1) * last fits the index width
+    ids = [0, 1, 3, 4, 5, 7, 8, 13, 15, 23]
+
+    def call(op, last_bound: int, with_dist: bool):
+        kw = dict(dist_types=torch.tensor([0], dtype=torch.int32)) if with_dist else {}
+        return op(
+            lengths=torch.tensor([len(ids)], dtype=index_dtype), indices=torch.tensor(ids, dtype=index_dtype),
+            bucketize_pos=False, sequence=False, block_sizes=torch.tensor([0], dtype=index_dtype), my_size=W,
+            block_bucketize_pos=[torch.tensor([0, last_bound // 2, last_bound], dtype=index_dtype)],
+            total_num_blocks=torch.tensor([G], dtype=index_dtype), **kw)
+
+    got = call(OP, last, True)
+    want = call(torch.ops.fbgemm.block_bucketize_sparse_features, last, False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # plain math: key = (id % G) * last // G, owner = last bound <= key (< W), local = id // G
+    owners = [max(r for r, b in enumerate([0, last // 2, last][:W]) if b <= (i % G) * last // G) for i in ids]
+    assert got[0].tolist() == [owners.count(0), owners.count(1)]
+    assert got[1].tolist() == [i // G for i, o in zip(ids, owners) if o == 0] + [i // G for i, o in zip(ids, owners) if o == 1]
+    with pytest.raises(RuntimeError, match=rf"feature 0 has `block_sizes\[0\]` = 0 with shard bounds.*G = 8 blocks, "
+                       rf"but \(G - 1\) \* {last + 1} exceeds {width_max}"):
+        call(OP, last + 1, True)
+
+
 # The shape / dtype errors among them, which the fake kernel raises too (the others
 # depend on values only the kernel reads).
 _STATIC_MARKS = ("must be int32 or int64", "entries but `dist_types` has", "tensors but `dist_types` has",
