@@ -45,7 +45,9 @@ EBC with tiered tables is refused by its ``input_dist``, before any collective,
 naming the tables, their features and the fixes (:func:`tiered_vbe_error`;
 torchrec's EmbeddingCollection pads a VBE KJT to one batch size itself, so tiered
 sequence tables take it); sequence tables ignore KJT weights (as torchrec's FUSED
-sequence kernel does); EC index dedup (``use_index_dedup``) is untested with them.
+sequence kernel does), pooled tables give them fbgemm's gradient (so the position
+weights of torchrec's ``FeatureProcessedEmbeddingBagCollection`` train, its sharder
+wrapping the tiered one: ``FeatureProcessedEmbeddingBagCollectionSharder(ebc_sharder=...)``); EC index dedup (``use_index_dedup``) is untested with them.
 torchrec's sharded ``state_dict`` skips CUSTOMIZED_KERNEL tables (torchrec's rule;
 an empty ``weight`` placeholder stays, as for tables without a local shard):
 checkpoint them with ``tiered_state()`` / ``load_tiered_state()`` of

@@ -203,9 +203,12 @@ class _TieredLookup(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         uniq, inverse, offsets, psw = ctx.saved_tensors
         shard: TieredEmbeddingShard = ctx.shard
+        # per-sample weights that need a gradient (e.g. a feature processor's position
+        # weights): read the rows before this backward updates them, as fbgemm's TBE does
+        grad_psw = shard._psw_grad(grad_out, uniq, inverse, offsets) if ctx.needs_input_grad[4] else None
         update = shard._backward_update if shard._native else shard._backward_torch
         update(grad_out, uniq, inverse, offsets, psw, ctx.optimizer)
-        return None, None, None, None, None
+        return None, None, None, None, grad_psw
 
 
 class TieredEmbeddingShard(nn.Module):
@@ -886,6 +889,29 @@ class TieredEmbeddingShard(nn.Module):
         return out, uniq, inverse
 
     @torch.no_grad()
+    def _psw_grad(
+        self, grad_out: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor
+    ) -> torch.Tensor:
+        """Gradient of the per-sample weights of a lookup (sum pooling): for id ``i`` of
+        bag ``b``, ``<grad_out[b], row(ids[i])>``, with the rows as stored now (before the
+        lookup's fused update).
+
+        Args:
+            grad_out (torch.Tensor): ``[B, D]`` gradient of the pooled output.
+            uniq (torch.Tensor): the lookup's unique local rows.
+            inverse (torch.Tensor): index into ``uniq`` of each id.
+            offsets (torch.Tensor): ``B + 1`` bag offsets.
+
+        Returns:
+            torch.Tensor: ``[n]`` float32, one entry per id.
+        """
+        offsets = offsets.to(torch.int64)
+        lengths = offsets[1:] - offsets[:-1]
+        bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad_out.device), lengths)
+        rows = self._read(*self._locate(uniq.to(torch.int64)), state=False)
+        return (grad_out.index_select(0, bags) * rows.index_select(0, inverse.to(torch.int64))).sum(1)
+
+    @torch.no_grad()
     def _backward_torch(
         self,
         grad_out: torch.Tensor,
@@ -929,7 +955,11 @@ class TieredEmbeddingShard(nn.Module):
         Args:
             ids (torch.Tensor): 1-D local row ids in ``[0, num_rows)``.
             offsets (torch.Tensor): ``B + 1`` bag offsets (``include_last_offset``).
-            per_sample_weights (torch.Tensor | None): weights of the ids (sum pooling).
+            per_sample_weights (torch.Tensor | None): weights of the ids (sum pooling),
+                cast to float32 as fbgemm's TBE does. When they require a gradient (e.g.
+                a feature processor's position weights) the backward returns fbgemm's:
+                for each id, the dot product of its bag's output gradient with its row
+                before the update.
 
         Returns:
             torch.Tensor: ``[B, embedding_dim]`` pooled embeddings. Its backward
@@ -941,6 +971,8 @@ class TieredEmbeddingShard(nn.Module):
                     f"tiered table {self.table_name!r}: {name} must be a torch.Tensor, got {type(t).__name__}; "
                     f"pass e.g. torch.as_tensor({name}, dtype=torch.{'float32' if name[0] == 'p' else 'int64'})."
                 )
+        if per_sample_weights is not None:  # fbgemm's TBE casts them to float32 too (autograd sees the cast)
+            per_sample_weights = per_sample_weights.float()
         if self.backend == "fbgemm":
             return self._forward_fbgemm(ids, offsets, per_sample_weights)
         anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())

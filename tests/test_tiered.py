@@ -140,6 +140,36 @@ def test_matches_fbgemm_fused_step_by_step(mode: str, x: float, optimizer: str, 
         assert 0.0 < shard.tier_stats()["cumulative_hit_rate"] < 1.0
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("mode,x", [("HYBRID", 0.5), ("CACHING", 0.1), ("CACHING", 1.0)])
+def test_per_sample_weights_get_fbgemms_gradient(backend: str, mode: str, x: float) -> None:
+    """Per-sample weights that need a gradient (a feature processor's position weights)
+    get fbgemm's TBE gradient, <grad_out of the bag, row before the update>, step by step;
+    float64 weights are cast to float32 as fbgemm does (their gradient comes back float64)."""
+    torch.manual_seed(0)
+    w0 = torch.randn(N, D)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(N, D, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LR, eps=1e-8, pooling_mode=PoolingMode.SUM,
+    )
+    with torch.no_grad():
+        tbe.split_embedding_weights()[0].copy_(w0)
+    shard = _shard(mode, x, "rowwise_adagrad", backend=backend)
+    shard.load_global_weights(w0)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        ids, offsets = _batch(gen)
+        grad = torch.randn(B, D, generator=gen)
+        psw = torch.rand(ids.numel(), generator=gen, dtype=torch.float64 if step % 2 else torch.float32)
+        ref_psw = psw.float().clone().requires_grad_(True)
+        got_psw = psw.clone().requires_grad_(True)
+        tbe(ids, offsets, per_sample_weights=ref_psw).backward(grad)
+        shard(ids, offsets, got_psw).backward(grad)
+        assert got_psw.grad is not None and got_psw.grad.dtype == psw.dtype, f"step {step}"
+        torch.testing.assert_close(got_psw.grad.float(), ref_psw.grad, atol=ATOL, rtol=RTOL, msg=f"step {step}")
+        torch.testing.assert_close(_global_table(shard)[0], tbe.split_embedding_weights()[0], atol=ATOL, rtol=RTOL)
+
+
 def _adam_reference(w: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, ids: torch.Tensor,
                     offsets: torch.Tensor, grad_out: torch.Tensor, t: int,
                     b1: float, b2: float, eps: float, wd: float) -> torch.Tensor:

@@ -29,7 +29,7 @@ TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 50, 4, ["f2"])]
 FEATURES = ["f0", "f1", "f2"]
 
 
-def _ebc(pooling: str = "SUM", tables: Sequence[str] = ("t0", "t1")) -> Any:
+def _ebc(pooling: str = "SUM", tables: Sequence[str] = ("t0", "t1"), is_weighted: bool = False) -> Any:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
@@ -39,6 +39,7 @@ def _ebc(pooling: str = "SUM", tables: Sequence[str] = ("t0", "t1")) -> Any:
                                    pooling=PoolingType[pooling])
                 for n, r, d, f in TABLES if n in tables],
         device=torch.device("cpu"),
+        is_weighted=is_weighted,
     )
 
 
@@ -62,7 +63,7 @@ def _copy_state_dict(local: Dict[str, Any], global_weights: Dict[str, torch.Tens
     for name, t in local.items():
         if ".tiered." in name:  # tiered rows' export (checked by the state_dict test)
             continue
-        if name == "embedding_bags.t0.weight" and not isinstance(t, ShardedTensor):
+        if name.endswith("embedding_bags.t0.weight") and not isinstance(t, ShardedTensor):
             assert t.numel() == 0  # tiered table: torchrec-style empty placeholder
             continue
         assert isinstance(t, ShardedTensor), name
@@ -159,6 +160,88 @@ def test_dmp_row_wise_tiered_equals_torchrec_table_wise_fused(pooling: str) -> N
                 atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}",
             )
         assert res["stats"][0]["lookups"] > 0
+
+
+def _fp_body(rank: int, world: int, backend: Optional[str]) -> Dict[str, List[Any]]:
+    """A FeatureProcessedEmbeddingBagCollection (position weights on every feature) sharded
+    by torchrec's FP sharder around the tiered sharder, t0 tiered (CACHING, continuous
+    routing) and t1 FUSED, both row-wise; position weights train with SGD. Reference: on
+    1 rank torchrec's own FP sharder (TABLE_WISE FUSED); on 2 ranks t0 FUSED too (each
+    rank trains its own copy of the position weights, torchrec's rule, from the ids routed
+    to it, so the routing must be the same)."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+
+    prefix = "_embedding_bag_collection.embedding_bags."
+    global_weights = {f"{prefix}{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
+    results: Dict[str, List[Any]] = {}
+    for kind in ("tiered", "ref"):
+        ebc = _ebc(is_weighted=True)
+        apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": LR})
+        module = FeatureProcessedEmbeddingBagCollection(
+            ebc, PositionWeightedModuleCollection(max_feature_lengths={f: 5 for f in FEATURES}))
+        if kind == "ref" and world == 1:
+            sharder: Any = FeatureProcessedEmbeddingBagCollectionSharder()
+            plan = construct_module_sharding_plan(module, {"t0": table_wise(rank=0), "t1": table_wise(rank=0)},
+                                                  sharder=sharder, local_size=1, world_size=1, device_type="cpu")
+        else:
+            sharder = FeatureProcessedEmbeddingBagCollectionSharder(
+                ebc_sharder=TieredEmbeddingBagCollectionSharder(backend=backend))  # type: ignore[arg-type]
+            plan = construct_module_sharding_plan(module, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,
+                                                  local_size=world, world_size=world, device_type="cpu")
+            if kind == "tiered":
+                plan["t0"] = PlacementParameterSharding(
+                    sharding_type=ShardingType.ROW_WISE.value,
+                    compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value, ranks=list(range(world)),
+                    sharding_spec=row_wise_sharding_spec(97, 8, world, world, "cpu"), dist_type="continuous",
+                    mode="CACHING", cache_load_factor=0.3, seed=3,
+                )
+        model = DistributedModelParallel(module, plan=ShardingPlan({"": plan}), sharders=[sharder],
+                                         device=torch.device("cpu"))
+        _copy_state_dict({k: v for k, v in model.module.state_dict().items() if "position_weight" not in k},
+                         global_weights)
+        if kind == "tiered":
+            model.module.load_state_dict({f"{prefix}t0.weight": global_weights[f"{prefix}t0.weight"]}, strict=False)
+            assert set(model.module._embedding_bag_collection.tiered_tables()) == {"t0"}
+        positions = [p for n, p in sorted(model.named_parameters()) if "position_weight" in n]
+        assert len(positions) == len(FEATURES)
+        dense = torch.optim.SGD(positions, lr=0.5)
+        results[kind] = []
+        for step in range(STEPS):
+            kjt, grad = _kjt(step, rank)
+            dense.zero_grad()
+            out = model(kjt).values()
+            results[kind].append(out.detach().numpy().copy())
+            out.backward(grad)
+            dense.step()
+        results[f"pos_{kind}"] = [p.detach().numpy().copy() for p in positions]
+    return results
+
+
+@pytest.mark.parametrize("world, backend", [(1, "native"), (2, "native"), (2, "torch"), (2, "fbgemm")])
+def test_feature_processed_ebc_trains_position_weights_on_tiered_tables(world: int, backend: str) -> None:
+    """Position weights of a feature processor train through tiered tables as through
+    FUSED ones (the per-sample weights' gradient): the outputs, which depend on every
+    earlier update of the rows and of the position weights, and the trained position
+    weights equal the reference's step by step."""
+    for rank, res in enumerate(run_gloo(world, _fp_body, backend)):
+        for step in range(STEPS):
+            torch.testing.assert_close(
+                torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
+                atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}",
+            )
+        assert any(not np.array_equal(w, np.ones_like(w)) for w in res["pos_ref"])  # they did train
+        for got, want in zip(res["pos_tiered"], res["pos_ref"]):
+            np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5, err_msg=f"rank {rank}")
 
 
 def test_sharder_backend_fbgemm_runs_tiered_tables_on_fbgemm_tbe() -> None:
