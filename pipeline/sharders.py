@@ -410,6 +410,8 @@ class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
                 device=device,
                 table_name=table.name,
                 backend=backend,
+                weight_init_min=table.get_weight_init_min(),  # torchrec's fused kernels' init range
+                weight_init_max=table.get_weight_init_max(),
             )
             self.tables[table.name] = shard
             self._feature_table += [table.name] * table.num_features()

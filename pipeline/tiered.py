@@ -237,6 +237,9 @@ class TieredEmbeddingShard(nn.Module):
             are HOST tables without a cache, for tests) or ``torch`` (device-generic
             torch ops, the kernel's test reference). Default: ``native`` on CPU,
             ``fbgemm`` on CUDA, ``torch`` elsewhere.
+        weight_init_min (float | None): low end of the uniform initial rows (default
+            ``-sqrt(1 / num_embeddings)``, torchrec's ``get_weight_init_min``).
+        weight_init_max (float | None): high end (default ``sqrt(1 / num_embeddings)``).
 
     Example::
 
@@ -266,6 +269,8 @@ class TieredEmbeddingShard(nn.Module):
         device: Optional[Union[torch.device, str]] = None,
         table_name: str = "table",
         backend: Optional[str] = None,
+        weight_init_min: Optional[float] = None,
+        weight_init_max: Optional[float] = None,
     ) -> None:
         super().__init__()
         self.mode: Mode = Mode.parse(mode)
@@ -305,6 +310,17 @@ class TieredEmbeddingShard(nn.Module):
         self.split_seed: int = check_int(split_seed, "split_seed", -(2**63), 2**63 - 1)
         self.dtype: torch.dtype = dtype
         self.table_name: str = table_name
+        bound = math.sqrt(1.0 / num_embeddings)
+        init = [-bound if weight_init_min is None else weight_init_min,
+                bound if weight_init_max is None else weight_init_max]
+        for name, v in zip(("weight_init_min", "weight_init_max"), init):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"tiered table {table_name!r}: {name} must be a finite number or None, got {v!r}; "
+                                 "set it in the table's EmbeddingBagConfig (or leave it None for +-sqrt(1 / rows)).")
+        if init[0] > init[1]:
+            raise ValueError(f"tiered table {table_name!r}: weight_init_min={init[0]} exceeds weight_init_max="
+                             f"{init[1]}; swap them in the table's EmbeddingBagConfig.")
+        self.weight_init_range: Tuple[float, float] = (float(init[0]), float(init[1]))
         self.device: torch.device = torch.device(device) if device is not None else torch.device("cpu")
         self.num_rows: int = shard_num_rows(num_embeddings, world_size, rank, dist_type)
         self.backend: str = resolve_backend(backend, self.device)
@@ -583,12 +599,12 @@ class TieredEmbeddingShard(nn.Module):
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initializes rows like torchrec (uniform ``+-sqrt(1 / N)``) and zeroes state.
+        """Initializes rows like torchrec's fused kernels (uniform over ``weight_init_range``,
+        by default ``+-sqrt(1 / N)``) and zeroes state.
 
         Each row is drawn in local-id order with the global RNG, then placed.
         """
-        bound = math.sqrt(1.0 / self.num_embeddings)
-        w = torch.empty((self.num_rows, self.embedding_dim), dtype=self.dtype).uniform_(-bound, bound)
+        w = torch.empty((self.num_rows, self.embedding_dim), dtype=self.dtype).uniform_(*self.weight_init_range)
         self._load_local_rows(w.to(self.device), None, reset_cache=True)
 
     @torch.no_grad()

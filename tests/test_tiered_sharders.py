@@ -29,14 +29,16 @@ TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 50, 4, ["f2"])]
 FEATURES = ["f0", "f1", "f2"]
 
 
-def _ebc(pooling: str = "SUM", tables: Sequence[str] = ("t0", "t1"), is_weighted: bool = False) -> Any:
+def _ebc(pooling: str = "SUM", tables: Sequence[str] = ("t0", "t1"), is_weighted: bool = False,
+         init: Optional[Sequence[float]] = None) -> Any:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     torch.manual_seed(0)
     return EmbeddingBagCollection(
         tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f,
-                                   pooling=PoolingType[pooling])
+                                   pooling=PoolingType[pooling],
+                                   weight_init_min=init[0] if init else None, weight_init_max=init[1] if init else None)
                 for n, r, d, f in TABLES if n in tables],
         device=torch.device("cpu"),
         is_weighted=is_weighted,
@@ -242,6 +244,43 @@ def test_feature_processed_ebc_trains_position_weights_on_tiered_tables(world: i
         assert any(not np.array_equal(w, np.ones_like(w)) for w in res["pos_ref"])  # they did train
         for got, want in zip(res["pos_tiered"], res["pos_ref"]):
             np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5, err_msg=f"rank {rank}")
+
+
+def _init_body(rank: int, world: int, init: Optional[Sequence[float]]) -> Dict[str, Any]:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingPlan
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+
+    ebc = _ebc(init=init)
+    sharder = TieredEmbeddingBagCollectionSharder()
+    plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.3, seed=3)})
+    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                     device=torch.device("cpu"))
+    fused = model.module.state_dict()["embedding_bags.t1.weight"].local_shards()[0].tensor
+    return {"tiered": model.module.tiered_tables()["t0"].export_state().weights.numpy().copy(),
+            "fused": fused.detach().numpy().copy()}
+
+
+@pytest.mark.parametrize("init", [None, (0.5, 0.75)])
+def test_tiered_tables_initialize_in_the_configs_range_as_torchrec(init: Optional[Sequence[float]]) -> None:
+    """A tiered table draws its rows from the table config's ``weight_init_min`` /
+    ``weight_init_max`` (default +-sqrt(1 / rows)), the range torchrec's FUSED table t1
+    beside it uses; bad ranges are refused naming the table."""
+    from recpipe.pipeline.tiered import TieredEmbeddingShard
+
+    for res in run_gloo(2, _init_body, init):
+        for name, rows in (("tiered", 97), ("fused", 50)):
+            lo, hi = init or (-(1 / rows) ** 0.5, (1 / rows) ** 0.5)
+            values = res[name]
+            assert values.size > 0 and lo <= values.min() and values.max() <= hi, (name, values.min(), values.max())
+            assert values.max() - values.min() > 0.8 * (hi - lo), name  # the whole range, not a corner of it
+    with pytest.raises(ValueError, match=r"tiered table 't': weight_init_min=1.0 exceeds weight_init_max=0.5; swap"):
+        TieredEmbeddingShard(num_embeddings=10, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
+                             table_name="t", weight_init_min=1.0, weight_init_max=0.5)
+    with pytest.raises(ValueError, match=r"tiered table 't': weight_init_max must be a finite number or None, got nan"):
+        TieredEmbeddingShard(num_embeddings=10, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
+                             table_name="t", weight_init_max=float("nan"))
 
 
 def test_sharder_backend_fbgemm_runs_tiered_tables_on_fbgemm_tbe() -> None:
