@@ -23,9 +23,10 @@ from typing import Dict, List, Optional, Sequence
 import yaml
 
 from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
-from recpipe.pipeline.placement import FusedOptimizer
+from recpipe.pipeline.placement import FusedOptimizer, check_load_factors
 from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
 from recpipe.planner.types import (
+    DEFAULT_LOAD_FACTORS,
     DEFAULT_ZIPF_ALPHA,
     STORAGE_BACKENDS,
     PlannerError,
@@ -38,6 +39,7 @@ _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "pb": 10**15, "pib": 2**50,
 }
 _TABLES_HELP = f"""tables file (--tables): a YAML list, one mapping per table:
   - {{name: user_id, rows: 100000000, dim: 128, dtype: float32, optimizer: adam,
@@ -47,6 +49,19 @@ _TABLES_HELP = f"""tables file (--tables): a YAML list, one mapping per table:
   (ids per step per rank, default 512) and zipf_alpha (access skew, default {DEFAULT_ZIPF_ALPHA})
   are optional."""
 _TABLE_KEYS = {"name", "rows", "dim", "dtype", "optimizer", "lookups_per_step", "zipf_alpha"}
+# The planner's errors name its Python arguments; the flag that sets each here (the words
+# are matched as they appear in the messages of recpipe.planner.planners / enumerators).
+_FLAG_OF = (
+    ("hbm_cap", "--hbm (HBM per device)"),
+    ("DDR per machine", "--ddr (host DDR per machine)"),
+    ("hbm_reservation", "--hbm-reservation"),
+    ("load_factors", "--load-factors"),
+    ("load factors", "--load-factors"),
+    ("bins=", "--bins HBM DDR"),
+    ("backend='native'", "--backend native"),
+    ("world_size", "--world-size"),
+    ("local_world_size", "--local-world-size"),
+)
 _REQUIRED_KEYS = ("name", "rows", "dim")
 
 
@@ -62,7 +77,7 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(
-            f"bad size {text!r}: use a number with an optional unit B, KB, MB, GB, TB, KiB, MiB, GiB, TiB."
+            f"bad size {text!r}: use a number with an optional unit B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB."
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
@@ -175,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--backend", choices=STORAGE_BACKENDS, default="fbgemm",
                     help="tiered-table layout whose bytes are budgeted: fbgemm (CUDA, default) or native "
                          "(recpipe's CPU layout)")
+    ap.add_argument("--load-factors", type=float, nargs="+", default=None, metavar="X",
+                    help="cache load factors to choose from, each in (0, 1] (default "
+                         f"{' '.join(f'{x:g}' for x in DEFAULT_LOAD_FACTORS)}); smaller ones need less HBM")
     ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"),
                     help="DP grid: HBM and DDR bins, each >= 1 (default: sized by the planner)")
     ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
@@ -205,6 +223,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for flag, value in (("--hbm-reservation", args.hbm_reservation), ("--ddr-reservation", args.ddr_reservation)):
         if not 0.0 <= value < 1.0:  # also refuses nan
             ap.error(f"{flag} must be a fraction in [0, 1), got {value}.")
+    if args.load_factors is not None:
+        try:
+            check_load_factors(args.load_factors, "--load-factors")
+        except ValueError as e:
+            ap.error(str(e).replace("[...]", ""))
     if args.bins is not None and min(args.bins) < 1:
         ap.error(f"--bins must be two positive ints (HBM and DDR bins), got {args.bins}.")
     if args.json is not None and (
@@ -220,6 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     planner = PlacementPlanner(
         topology,
         cost_model=args.cost_model,
+        load_factors=tuple(args.load_factors) if args.load_factors else DEFAULT_LOAD_FACTORS,
         bins=tuple(args.bins) if args.bins else None,
         hbm_reservation=args.hbm_reservation,
         ddr_reservation=args.ddr_reservation,
@@ -230,6 +254,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         plan = planner.plan(load_tables(args.tables, args.optimizer))
     except PlannerError as e:
         print(f"PlannerError[{e.planner_error_type.value}]: {e}", file=sys.stderr)
+        named: Dict[str, str] = {}  # flag -> the first of its words the message uses
+        for word, flag in _FLAG_OF:
+            if word in str(e):
+                named.setdefault(flag, word)
+        if named:
+            print("(set here by flags: " + "; ".join(f"{word} = {flag}" for flag, word in named.items()) + ")",
+                  file=sys.stderr)
         return 2
     except ValueError as e:  # bad tables file: one message, no traceback
         print(f"error: {e}", file=sys.stderr)

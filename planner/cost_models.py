@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from typing import Protocol, Sequence, Tuple, runtime_checkable
+from typing import List, Protocol, Sequence, Tuple, runtime_checkable
 
 import numpy as np
 from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
@@ -35,7 +35,7 @@ from recpipe.pipeline.placement import (
     floor_fraction,
     optimizer_state_bytes_per_row,
 )
-from recpipe.planner.types import STORAGE_BACKENDS, TableSpec
+from recpipe.planner.types import DEFAULT_ZIPF_ALPHA, STORAGE_BACKENDS, TableSpec
 
 # Terms summed exactly before switching to the Euler-Maclaurin tail in
 # ``generalized_harmonic``. Dimensionless; the tail error is below 1e-12 here.
@@ -70,8 +70,27 @@ def generalized_harmonic(n: np.ndarray, alpha: float) -> np.ndarray:
 
     Returns:
         np.ndarray: float64 values, ``H(0) = 0``.
+
+    Raises:
+        ValueError: ``n`` holds anything but whole numbers >= 0 (a negative, a
+            fraction, nan, inf, a bool or a non-number), or ``alpha`` is not a finite
+            number >= 0.
     """
-    n = np.asarray(n, dtype=np.float64)
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0.0 <= alpha < math.inf:
+        raise ValueError(f"generalized_harmonic(alpha): alpha must be a finite number >= 0 (the Zipf exponent, e.g. "
+                         f"{DEFAULT_ZIPF_ALPHA}), got {type(alpha).__name__} {alpha!r}.")
+    raw = np.asarray(n)
+    if raw.dtype.kind not in "iuf" or (raw.size and not (
+            (raw.dtype.kind == "u" or raw.min() >= 0)
+            and (raw.dtype.kind != "f" or bool(np.all(np.isfinite(raw) & (raw == np.floor(raw))))))):
+        bad = raw.ravel()
+        if raw.dtype.kind in "iuf":
+            whole = (bad >= 0) & np.isfinite(bad) & (bad == np.floor(bad)) if raw.dtype.kind == "f" else bad >= 0
+            bad = bad[~whole]
+        shown = f"{bad[:1].tolist()[0]!r} in an array" if bad.size else "an empty array"
+        raise ValueError(f"generalized_harmonic(n): n must hold whole numbers >= 0 (counts of terms, e.g. "
+                         f"np.array([10, 1000])), got {shown} of dtype {raw.dtype}.")
+    n = raw.astype(np.float64)
     m = _HARMONIC_EXACT_TERMS
     prefix = _harmonic_prefix(float(alpha))
     out = np.empty_like(n)
@@ -113,6 +132,8 @@ def fast_tier_hit_rate(table: TableSpec, mode: Mode, x: float) -> float:
         fast_tier_hit_rate(TableSpec(name="t", rows=100, dim=8, zipf_alpha=0.0),
                            Mode.CACHING, 0.3)  # 0.3 (uniform access)
     """
+    if not isinstance(table, TableSpec):
+        raise ValueError(f"table must be a TableSpec, got {type(table).__name__} {table!r:.80}.")
     check_load_factor(x, "x")
     mode = Mode.parse(mode)
     if x >= 1.0:
@@ -138,6 +159,28 @@ def fast_tier_hit_rate(table: TableSpec, mode: Mode, x: float) -> float:
     k = floor_fraction(x, table.rows)
     h = generalized_harmonic(np.array([k, table.rows]), table.zipf_alpha)
     return float(h[0] / h[1])
+
+
+def _checked_options(table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> List[Tuple[Mode, float]]:
+    """``options`` as ``(Mode, float)`` pairs, or a ValueError naming the bad one (a mode given
+    by name must not be priced as the other mode: the models compare modes by identity)."""
+    if not isinstance(table, TableSpec):
+        raise ValueError(f"table must be a TableSpec, got {type(table).__name__} {table!r:.80}.")
+    if isinstance(options, (str, bytes)) or not isinstance(options, Sequence):
+        raise ValueError(f"options must be a list of (mode, x) pairs, got {type(options).__name__} {options!r:.80}; "
+                         "e.g. [(Mode.CACHING, 0.2), (Mode.HYBRID, 1.0)].")
+    out = []
+    for k, option in enumerate(options):
+        if type(option) is tuple and len(option) == 2 and type(option[0]) is Mode and type(option[1]) is float \
+                and 0.0 < option[1] <= 1.0:
+            out.append(option)  # the enumerator's candidates
+            continue
+        if isinstance(option, (str, bytes)) or not isinstance(option, Sequence) or len(option) != 2:
+            raise ValueError(f"options[{k}] must be a (mode, x) pair, got {option!r}; e.g. (Mode.CACHING, 0.2).")
+        mode, x = option
+        check_load_factor(x, f"options[{k}] x")
+        out.append((Mode.parse(mode, f"options[{k}] mode"), float(x)))
+    return out
 
 
 @runtime_checkable
@@ -211,7 +254,13 @@ class _BandwidthMixCostModel:
         return hit
 
     def costs(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
-        """See ``CostModel.costs``."""
+        """See ``CostModel.costs``.
+
+        Raises:
+            ValueError: ``table`` is not a ``TableSpec``, or an option is not a pair of a
+                mode (``Mode`` or its name) and an ``x`` in (0, 1].
+        """
+        options = _checked_options(table, options)
         hit = self.effective_hits(table, options)
         state_hit = self.state_hits(table, options, hit)
         value = table.lookups_per_step * table.dim * dtype_itemsize(table.dtype)
@@ -318,6 +367,8 @@ class EmpiricalCostModel(_BandwidthMixCostModel):
 
     def effective_hit(self, table: TableSpec, mode: Mode, x: float) -> float:
         """The fitted ``x_eff``."""
+        mode = Mode.parse(mode)
+        check_load_factor(x, "x")
         if x >= 1.0:
             return 1.0
         base = EMPIRICAL_CACHING_X_EFF if mode is Mode.CACHING else EMPIRICAL_HYBRID_X_EFF

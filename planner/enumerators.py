@@ -134,7 +134,8 @@ class GridPlacementEnumerator:
             table (TableSpec): the table.
 
         Returns:
-            List[Tuple[Mode, float]]: candidates; ``x = 1`` appears once, as HYBRID.
+            List[Tuple[Mode, float]]: candidates; ``x = 1`` appears once, as HYBRID, even
+            when the table is pinned to CACHING.
         """
         pin = _constraint_for(table, self.constraints)
         xs: Sequence[float] = self.load_factors
@@ -149,9 +150,12 @@ class GridPlacementEnumerator:
         out: List[Tuple[Mode, float]] = []
         for x in xs:
             if x >= 1.0:
-                # Both modes collapse to "all in HBM"; report it under the pinned
-                # mode if there is one, else HYBRID.
-                out.append((modes[0] if len(modes) == 1 else Mode.HYBRID, 1.0))
+                # Both modes collapse to "all in HBM" (tier_rows: every row fast, no slow
+                # copy; fbgemm: one DEVICE table), which is HYBRID at x = 1 (all rows on the
+                # fast side of the split, none on the slow side). CACHING would read as a
+                # cache over a full slow-tier copy, as torchrec's FUSED_UVM_CACHING at
+                # cache_load_factor 1.0 is (a MANAGED_CACHING table in UVM), which it is not.
+                out.append((Mode.HYBRID, 1.0))
             else:
                 out.extend((m, x) for m in modes)
         return out
@@ -200,6 +204,12 @@ class GridPlacementEnumerator:
             arrays = GridPlacementEnumerator(8, 8, AnalyticCostModel()).enumerate_arrays(tables)
             hbm, ddr, cost = arrays.hbm_bytes_per_rank, arrays.ddr_bytes_per_machine, arrays.cost
         """
+        if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence):
+            raise ValueError(f"tables must be a list of TableSpec, got {type(tables).__name__} {tables!r:.80}.")
+        for k, t in enumerate(tables):
+            if not isinstance(t, TableSpec):
+                raise ValueError(f"tables[{k}] must be a TableSpec, got {type(t).__name__} {t!r:.80}; e.g. "
+                                 "TableSpec(name='t0', rows=1000, dim=64).")
         self._check_constraints(tables)
         _check_tiered_tables(tables, self.backend)
         W, L = self.world_size, self.local_world_size

@@ -382,7 +382,7 @@ class PlacementPlanner:
         if specs and H <= 0:
             raise PlannerError(
                 f"The topology has no HBM budget (compute_device={self.topology.compute_device!r}, "
-                f"HBM per device {format_bytes(H)}): every placement keeps at least part of a table in HBM.\n"
+                f"HBM per device {_sized(H)}): every placement keeps at least part of a table in HBM.\n"
                 "Possible solutions:\n"
                 "  1) build the Topology with compute_device='cuda' and hbm_cap = the fast-tier size per rank "
                 "(on CPU the fast tier is a host buffer of that size: plan with backend='native').\n"
@@ -491,7 +491,7 @@ class PlacementPlanner:
                 sols.append(f"add smaller load factors than {min(self.load_factors)} to load_factors")
             return PlannerError(
                 f"Table {t.fqn!r} ({t.rows} rows x {t.dim}, {t.optimizer}) does not fit anywhere: no "
-                f"option fits HBM {format_bytes(H)} per device and DDR {format_bytes(D)} per machine even alone "
+                f"option fits HBM {_rounded(H)} per device and DDR {_rounded(D)} per machine even alone "
                 f"({len(lonely)} table(s) like this: {[specs[k].fqn for k in lonely][:10]}).\n{budgets}\n"
                 "Possible solutions:\n" + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
                 kind,
@@ -541,36 +541,93 @@ class PlacementPlanner:
                 + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
                 kind,
             )
-        # Each budget alone can be met, but not both at once.
-        sols = [
-            f"raise DDR per machine to at least {self._ddr_cap_for(lh_d)}: the lowest-HBM plan needs HBM "
-            f"{_sized(lh_h)} per rank and DDR {_sized(lh_d)} per machine",
-            f"raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(ld_h)}: the lowest-DDR plan needs HBM "
-            f"{_sized(ld_h)} per rank and DDR {_sized(ld_d)} per machine",
-        ]
+        # Each budget alone can be met, but not both at once. For each budget, quote the least
+        # value with which this planner plans while the other budget stays as it is (a larger
+        # HBM budget than the lowest-HBM plan's leaves room for plans with less DDR, and the
+        # other way round), found by bisection on the proposer: it plans at the value quoted
+        # and not one byte below. The grid hint below reads the bins of the failed solve.
+        nh, nd = getattr(self.proposer, "last_bins", (0, 0))
+        # the proposer's diagnostics (last_bins, ...) keep describing the failed solve
+        kept = {k: v for k, v in vars(self.proposer).items() if k.startswith("last_")} \
+            if hasattr(self.proposer, "__dict__") else {}
+        least_d = self._least_budget(hbm, ddr, cost, H, D, lh_d, ddr_axis=True)
+        least_h = self._least_budget(hbm, ddr, cost, H, D, ld_h, ddr_axis=False)
+        for k, v in kept.items():
+            setattr(self.proposer, k, v)
+        if least_d is not None:
+            sol_d = (f"raise DDR per machine to at least {self._ddr_cap_for(least_d)}: with HBM kept at its budget, "
+                     f"{_sized(H)} per device, the planner finds a plan from {_sized(least_d)} of DDR per machine on, "
+                     "not below")
+        else:  # the proposer missed the plans bisection needs: quote the lowest-HBM plan, which fits
+            sol_d = (f"raise DDR per machine to at least {self._ddr_cap_for(lh_d)}: the lowest-HBM plan needs HBM "
+                     f"{_sized(lh_h)} per rank and DDR {_sized(lh_d)} per machine") if lh_d > D else ""
+        if least_h is not None:
+            sol_h = (f"raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(least_h)}: with DDR kept at its "
+                     f"budget, {_sized(D)} per machine, the planner finds a plan from {_sized(least_h)} of HBM "
+                     "per rank on, not below")
+        else:
+            sol_h = (f"raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(ld_h)}: the lowest-DDR plan needs "
+                     f"HBM {_sized(ld_h)} per rank and DDR {_sized(ld_d)} per machine") if ld_h > H else ""
+        sols = [sol for sol in (sol_d, sol_h) if sol]  # a plan within both budgets that the grid missed: none
         # Only options that fit both budgets alone can be in a plan: when even their
         # smallest bytes overflow a budget, no plan exists and a finer grid cannot help.
         fit_h = np.where(fits_alone, hbm, np.iinfo(np.int64).max).min(axis=1)
         fit_d = np.where(fits_alone, ddr, np.iinfo(np.int64).max).min(axis=1)
         proven = int(fit_h.sum()) > H or int(fit_d.sum()) > D
-        nh, nd = getattr(self.proposer, "last_bins", (0, 0))
         binned = [f"{n} {axis} bins" for n, axis in ((nh, "HBM"), (nd, "DDR")) if n > 0]
         if binned and not proven:  # an axis that does not bind is not binned (exact): only a binned one rounds
             sols.append(
                 f"use a finer DP grid (bins=(HBM bins, DDR bins); this plan used {' and '.join(binned)}) in case "
                 "the combination is within one bin of the budgets"
             )
+        if not sols:  # the lowest-HBM plan fits both budgets, and the proposer did not find it
+            sols.append("solve with an exact proposer (BruteForceProposer, up to 8 tables) or a DP with finer bins: "
+                        f"the lowest-HBM plan needs HBM {_sized(lh_h)} per rank and DDR {_sized(lh_d)} per machine, "
+                        "within both budgets")
         return PlannerError(
-            f"No combination of placements meets both budgets at once (HBM alone needs >= {format_bytes(min_h)}, "
-            f"DDR alone needs >= {format_bytes(min_d)}).\n{budgets}\nPossible solutions:\n"
+            f"No combination of placements meets both budgets at once (HBM alone needs >= {_sized(min_h)}, "
+            f"DDR alone needs >= {_sized(min_d)}).\n{budgets}\nPossible solutions:\n"
             + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
             PlannerErrorType.INSUFFICIENT_STORAGE,
         )
 
+    def _least_budget(
+        self, hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, H: int, D: int, upper: int, *, ddr_axis: bool
+    ) -> Optional[int]:
+        """The least DDR budget (``ddr_axis``; HBM budget ``H``) or HBM budget (DDR budget ``D``)
+        with which the proposer plans, by bisection between the present budget, where it
+        failed, and ``upper``, a budget a plan is known to fit.
+
+        Args:
+            hbm (np.ndarray): ``(M, K)`` HBM bytes per device of each option.
+            ddr (np.ndarray): ``(M, K)`` DDR bytes per machine of each option.
+            cost (np.ndarray): ``(M, K)`` costs.
+            H (int): the HBM budget.
+            D (int): the DDR budget.
+            upper (int): the budget of a plan that fits on this axis with the other budget as it is.
+            ddr_axis (bool): search the DDR budget (else the HBM budget).
+
+        Returns:
+            Optional[int]: ``b`` such that the proposer plans with budget ``b`` and not with
+            ``b - 1``; None when it finds no plan even at ``upper``.
+        """
+
+        def plans(budget: int) -> bool:
+            h, d = (H, budget) if ddr_axis else (budget, D)
+            return self.proposer.solve(hbm, ddr, cost, h, d) is not None
+
+        lo, hi = (D if ddr_axis else H), upper
+        if hi <= lo or not plans(hi):
+            return None
+        while hi - lo > 1:  # plans(hi) and not plans(lo)
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if plans(mid) else (mid, hi)
+        return hi
+
     def _hbm_cap_for(self, need: int) -> str:
         """The smallest ``hbm_cap`` whose budget holds ``need`` bytes per device, rounded up, and in bytes."""
         cap = _capacity_for(need, self.hbm_reservation, 1)
-        return f"{format_bytes(cap, round_up=True)} ({cap} B)"
+        return f"{_rounded(cap)} ({cap} B)"
 
     def _ddr_cap_for(self, need: int) -> str:
         """The smallest DDR per machine whose budget holds ``need`` bytes, rounded up, and in bytes.
@@ -580,7 +637,7 @@ class PlacementPlanner:
         """
         L = self.topology.local_world_size
         cap = _capacity_for(need, self.ddr_reservation, L)
-        return f"{format_bytes(cap, round_up=True)} ({cap} B; ddr_cap {cap // L} B per rank)"
+        return f"{_rounded(cap)} ({cap} B; ddr_cap {cap // L} B per rank)"
 
     def _raise_for(self, option: PlacementOption, H: int, D: int) -> str:
         """What to raise for ``option`` to fit: only the budgets it exceeds."""
@@ -597,9 +654,20 @@ class PlacementPlanner:
 
 
 def _sized(num: int) -> str:
-    """Bytes for a message: ``18.31 MiB (19195784 B)``, or ``512 B`` below 1 KiB."""
+    """Bytes for a message: ``18.31 MiB (19195784 B)``, or ``512 B`` below 1 KiB.
+
+    Every byte figure of a planner message goes through here (or :func:`_rounded`), rounded
+    up to the 2 decimals shown: a size the user must reach never reads smaller than it is,
+    and one byte count reads the same wherever a message quotes it (as a need, a capacity
+    or a budget).
+    """
     n = int(num)
-    return f"{n} B" if n < 1024 else f"{format_bytes(n)} ({n} B)"
+    return f"{n} B" if n < 1024 else f"{_rounded(n)} ({n} B)"
+
+
+def _rounded(num: int) -> str:
+    """``format_bytes(num, round_up=True)``: the one rounding of byte figures in planner messages."""
+    return format_bytes(num, round_up=True)
 
 
 def _capacity_for(need: int, reservation: float, ranks: int) -> int:

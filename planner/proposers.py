@@ -57,6 +57,9 @@ BOUND_SLACK: float = 1e-9
 # at least this many cells, at most LADDER_LEVELS - 1 times. Cells / count.
 LADDER_MIN_CELLS: int = 128
 LADDER_LEVELS: int = 3
+# Bytes below which the DP kernel carries byte counts exactly, as doubles (kExactBytes in
+# csrc/placement_dp.cpp, which refuses budgets and options at or above it). Bytes.
+EXACT_BYTES: int = 2**53
 # Tables above which the brute-force proposer refuses (19^8 ~ 1.7e10 combos).
 BRUTE_FORCE_MAX_TABLES: int = 8
 
@@ -185,7 +188,13 @@ def budget_prices(
 
     Returns:
         Tuple[float, float]: ``(l_h, l_d)``, in cost units per full budget.
+
+    Raises:
+        ValueError: ``iters`` is not an int >= 1 (as the C++ kernel refuses it), or
+            the arrays or budgets are malformed (as ``Proposer.solve`` refuses them).
     """
+    iters = check_int(iters, "iters", 1)
+    hbm, ddr, cost = _validated(hbm, ddr, cost, hbm_budget, ddr_budget)
     ok = np.isfinite(cost)
     if not ok.any():
         return 0.0, 0.0
@@ -220,6 +229,8 @@ def _budget_prices_cpp(
     hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int, iters: int = 200
 ) -> Tuple[float, float]:
     """``budget_prices`` through ``torch.ops.recpipe.placement_budget_prices`` (same steps, C++ loop)."""
+    iters = check_int(iters, "iters", 1)
+    hbm, ddr, cost = _validated(hbm, ddr, cost, hbm_budget, ddr_budget)
     ops = _cpp_ops()
     assert ops is not None
     torch = ops[0]
@@ -411,9 +422,13 @@ class DynamicProgrammingProposer:
             )
         self.backend = "cpp" if backend == "cpp" or (backend == "auto" and _cpp_ops() is not None) else "numpy"
         if bins is not None:
-            if len(bins) != 2 or any((not isinstance(b, (int, np.integer))) or b < 1 for b in bins):
-                raise ValueError(f"bins must be a pair of positive ints (hbm_bins, ddr_bins), got {bins!r}.")
+            if isinstance(bins, (str, bytes)) or not isinstance(bins, (tuple, list)) or len(bins) != 2 or any(
+                    isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in bins):
+                raise ValueError(f"bins must be a pair of positive ints (hbm_bins, ddr_bins), got "
+                                 f"{type(bins).__name__} {bins!r}; e.g. bins=(100, 50), or None to size the grid.")
             bins = (int(bins[0]), int(bins[1]))
+        if not isinstance(repair, (bool, np.bool_)):
+            raise ValueError(f"repair must be True or False, got {type(repair).__name__} {repair!r}.")
         self._bins = bins
         self.repair = bool(repair)
         self.last_bins: Tuple[int, int] = (0, 0)
@@ -611,6 +626,13 @@ class DynamicProgrammingProposer:
             return None
         max_h = np.where(usable, hbm, 0).max(axis=1).sum()
         max_d = np.where(usable, ddr, 0).max(axis=1).sum()
+        # A budget past the kernel's exact byte range (2^53, kExactBytes in csrc/placement_dp.cpp;
+        # beyond int64 too) binds no plan: every plan fits the sum of each table's largest option,
+        # so the solve at that sum is the same. Budgets below keep their value (and the DP its plans).
+        if H >= EXACT_BYTES:
+            H = int(max_h)
+        if D >= EXACT_BYTES:
+            D = int(max_d)
         keep = (prune_dominated if self.backend == "numpy" else _prune_dominated_cpp)(hbm, ddr, cost, usable)
         nh, nd = self._grid(keep.sum(axis=1), bool(max_h > H), bool(max_d > D))
         self.last_bins = (nh, nd)

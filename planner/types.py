@@ -10,9 +10,10 @@ import enum
 import json
 import math
 import numbers
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyF
 from torchrec.distributed.planner.types import PlannerError as _TorchrecPlannerError
 from torchrec.distributed.types import CacheStatistics, EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
 
+from recpipe.pipeline.ops import check_int
 from recpipe.pipeline.placement import (
     CachePolicy,
     DistType,
@@ -85,7 +87,19 @@ def format_bytes(num: float, round_up: bool = False) -> str:
 
     Returns:
         str: formatted size.
+
+    Raises:
+        ValueError: ``num`` is not a finite number (None, a string, a bool, nan, inf),
+            or ``round_up`` is not a bool.
     """
+    if isinstance(num, bool) or not isinstance(num, numbers.Real) or not math.isfinite(num):
+        raise ValueError(
+            f"format_bytes(num): num must be a finite number of bytes, got {type(num).__name__} {num!r}; "
+            "pass a byte count such as 1536 (a nan or inf size is a bug in the caller's arithmetic)."
+        )
+    if not isinstance(round_up, bool):
+        raise ValueError(f"format_bytes(round_up): round_up must be True or False, got {type(round_up).__name__} "
+                         f"{round_up!r}.")
     units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
     value = float(num)
     for unit in units:
@@ -95,6 +109,12 @@ def format_bytes(num: float, round_up: bool = False) -> str:
             return f"{math.ceil(value * 100) / 100 if round_up else value:.2f} {unit}"
         value /= 1024.0
     return f"{value:.2f} PiB"  # pragma: no cover
+
+
+def _load_factor_text(x: float) -> str:
+    """``x`` with 2 decimals (``0.20``), or every decimal it has when 2 would change it (``0.125``)."""
+    two = f"{x:.2f}"
+    return two if float(two) == x else repr(float(x))
 
 
 #: Largest table the planner accepts, in bytes (values + optimizer state): its byte
@@ -225,7 +245,8 @@ class PlacementConstraints:
     """
 
     mode: Optional[Union[Mode, str]] = None
-    """Pin the placement mode (x = 1.0 stays allowed: it is mode-independent)."""
+    """Pin the placement mode (x = 1.0 stays allowed: every row in HBM, which the plan calls
+    HYBRID x = 1.0 whatever mode is pinned; the report shows it as HBM)."""
     cache_load_factor: Optional[float] = None
     """Pin the cache load factor x in (0, 1]."""
     load_factors: Optional[Sequence[float]] = None
@@ -415,7 +436,7 @@ class PlacementPlan:
             (
                 p.fqn,
                 p.mode.name if p.cache_load_factor < 1.0 else "HBM",
-                f"{p.cache_load_factor:.2f}",
+                _load_factor_text(p.cache_load_factor),
                 p.optimizer.value,
                 format_bytes(p.hbm_bytes_per_rank),
                 format_bytes(p.ddr_bytes_per_rank),
@@ -484,39 +505,71 @@ class PlacementPlan:
         """Inverse of ``to_dict``.
 
         Args:
-            data (Dict[str, Any]): a dict from ``to_dict``.
+            data (Dict[str, Any]): a dict from ``to_dict`` (e.g. ``json.load`` of a
+                file :meth:`save` wrote).
 
         Returns:
             PlacementPlan: the plan.
+
+        Raises:
+            ValueError: ``data`` is not such a dict: not a dict, a key missing or
+                unknown, or a value of the wrong type or out of range; the message
+                names the key (``data['placements'][i]['rows']``) and the fix.
         """
-        data = dict(data)
-        placements = []
-        for p in data.pop("placements"):
-            absent = [k for k in ("optimizer", "dtype") if k not in p]
-            if absent:
-                raise ValueError(
-                    f"plan entry for table {p.get('table')!r} has no {absent}: the plan was written before plans "
-                    "recorded the optimizer and dtype each table is sized for. Re-plan the model with "
-                    "PlacementPlanner(topology).plan(model) and save it again."
-                )
-            placements.append(
-                TablePlacement(
-                    **{
-                        **p,
-                        "mode": Mode.parse(p["mode"]),
-                        "optimizer": FusedOptimizer.parse(p["optimizer"]),
-                        "dtype": resolve_dtype(p["dtype"]),
-                    }
-                )
-            )
-        return cls(placements=placements, **data)
+        try:
+            return cls._from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"PlacementPlan.from_dict(data): {e}") from None
+
+    @classmethod
+    def _from_dict(cls, data: Any) -> "PlacementPlan":
+        """``from_dict`` without the prefix naming the caller in its errors."""
+        fix = ("pass the dict PlacementPlan.to_dict() returns (or json.load of a file PlacementPlan.save wrote); "
+               "re-plan with PlacementPlanner(topology).plan(model) and save it again if the file was edited")
+        _check_keys(data, "data", _PLAN_REQUIRED_KEYS, _PLAN_OPTIONAL_KEYS, fix)
+        placements_data = data["placements"]
+        if isinstance(placements_data, (str, bytes)) or not isinstance(placements_data, Sequence):
+            raise ValueError(f"data['placements'] must be a list of table placements, got "
+                             f"{type(placements_data).__name__} {placements_data!r:.80}; {fix}.")
+        placements = [_placement_from_dict(p, k, fix) for k, p in enumerate(placements_data)]
+        seen: Dict[str, int] = {}
+        for k, p in enumerate(placements):
+            first = seen.setdefault(p.fqn, k)
+            if first != k:
+                raise ValueError(f"data['placements'][{k}] places table {p.fqn!r} like data['placements'][{first}]: "
+                                 f"a plan places each table once; {fix}.")
+        values = {key: data[key] for key in _PLAN_REQUIRED_KEYS + _PLAN_OPTIONAL_KEYS if key in data}
+        for key in ("world_size", "local_world_size"):
+            values[key] = check_int(values[key], f"data[{key!r}]", 1)
+        if values["world_size"] % values["local_world_size"]:
+            raise ValueError(f"data['local_world_size'] ({values['local_world_size']}) must divide data['world_size'] "
+                             f"({values['world_size']}); {fix}.")
+        for key in ("hbm_budget_per_rank", "ddr_budget_per_machine"):
+            values[key] = check_int(values[key], f"data[{key!r}]", 0)
+        for key in ("compute_device", "cost_model", "backend"):
+            if key in values and (not isinstance(values[key], str) or not values[key]):
+                raise ValueError(f"data[{key!r}] must be a non-empty string, got {type(values[key]).__name__} "
+                                 f"{values[key]!r}; {fix}.")
+        if "seed" in values:
+            values["seed"] = check_int(values["seed"], "data['seed']", -(2**63), 2**63 - 1)
+        for key, parse in (("dist_type", DistType.parse), ("cache_policy", CachePolicy.parse)):
+            if key in values:
+                values[key] = parse(values[key], f"data[{key!r}]")
+        if values.get("backend", "native") not in STORAGE_BACKENDS:
+            raise ValueError(f"data['backend'] must be one of {list(STORAGE_BACKENDS)}, got {values['backend']!r}.")
+        values["placements"] = placements
+        return cls(**values)
 
     def save(self, path: Union[str, Path]) -> None:
         """Write the plan as JSON.
 
         Args:
             path (str | Path): output file.
+
+        Raises:
+            ValueError: ``path`` is not a path (a str or ``os.PathLike``).
         """
+        _check_path(path, "PlacementPlan.save")
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
 
     @classmethod
@@ -528,8 +581,103 @@ class PlacementPlan:
 
         Returns:
             PlacementPlan: the plan.
+
+        Raises:
+            ValueError: ``path`` is not a path, or the file is not a plan (not UTF-8
+                JSON, or JSON that :meth:`from_dict` refuses); the message names the file.
+            OSError: the file cannot be read (``FileNotFoundError``, ...).
         """
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        _check_path(path, "PlacementPlan.load")
+        text = Path(path).read_bytes()
+        if not text.strip():
+            raise ValueError(f"PlacementPlan.load({str(path)!r}): the file is empty; expected a JSON placement plan "
+                             "as PlacementPlan.save writes it.")
+        what = "a JSON placement plan as PlacementPlan.save writes it"
+        try:
+            data = json.loads(text.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"PlacementPlan.load({str(path)!r}): the file is not UTF-8 text (byte {e.start}); "
+                             f"expected {what}.") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"PlacementPlan.load({str(path)!r}): the file is not JSON ({e.msg} at line {e.lineno} "
+                             f"column {e.colno}); expected {what}.") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"PlacementPlan.load({str(path)!r}): the file holds a JSON {type(data).__name__}, not a "
+                             f"plan; expected {what} (a JSON object with keys {list(_PLAN_REQUIRED_KEYS)}).")
+        try:
+            return cls._from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"PlacementPlan.load({str(path)!r}): the file is not a valid plan: {e}") from None
+
+
+#: Keys of a plan dict (``PlacementPlan.to_dict``): always written / optional on reading
+#: (plans saved before a key was recorded take its default).
+_PLAN_REQUIRED_KEYS: Tuple[str, ...] = (
+    "placements", "world_size", "local_world_size", "compute_device", "hbm_budget_per_rank", "ddr_budget_per_machine",
+)
+_PLAN_OPTIONAL_KEYS: Tuple[str, ...] = ("cost_model", "dist_type", "seed", "cache_policy", "backend")
+#: Keys of one placement of a plan dict (``TablePlacement`` fields).
+_PLACEMENT_KEYS: Tuple[str, ...] = (
+    "table", "module_path", "rows", "dim", "mode", "cache_load_factor", "hbm_bytes_per_rank", "ddr_bytes_per_rank",
+    "hbm_bytes_per_machine", "ddr_bytes_per_machine", "cost", "optimizer", "dtype",
+)
+
+
+def _check_path(path: Any, caller: str) -> None:
+    """Refuses a ``path`` that is not a file path (a non-empty str or ``os.PathLike``)."""
+    if not isinstance(path, (str, os.PathLike)) or os.fspath(path) in ("", b""):
+        raise ValueError(f"{caller}(path): path must be a plan file's path (a str or pathlib.Path, e.g. "
+                         f"'plan.json'), got {type(path).__name__} {path!r}.")
+
+
+def _check_keys(data: Any, where: str, required: Sequence[str], optional: Sequence[str], fix: str) -> None:
+    """Refuses ``data`` unless it is a dict holding every ``required`` key and no key outside ``required + optional``."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where} must be a dict with keys {list(required)}, got {type(data).__name__} "
+                         f"{data!r:.80}; {fix}.")
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ValueError(f"{where} has no {missing}; {fix}.")
+    unknown = sorted(str(k) for k in data if k not in required and k not in optional)
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown} (allowed: {list(required) + list(optional)}); {fix}.")
+
+
+def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
+    """One ``TablePlacement`` from ``data['placements'][k]``, every value checked."""
+    where = f"data['placements'][{k}]"
+    if isinstance(p, Mapping) and "table" in p:
+        where += f" (table {p['table']!r})"
+        absent = [key for key in ("optimizer", "dtype") if key not in p]
+        if absent:
+            raise ValueError(
+                f"plan entry for table {p.get('table')!r} has no {absent}: the plan was written before plans "
+                "recorded the optimizer and dtype each table is sized for. Re-plan the model with "
+                "PlacementPlanner(topology).plan(model) and save it again."
+            )
+    _check_keys(p, where, _PLACEMENT_KEYS, (), fix)
+    for key in ("table", "module_path"):
+        if not isinstance(p[key], str) or (key == "table" and not p[key]):
+            raise ValueError(f"{where}[{key!r}] must be a{' non-empty' if key == 'table' else ''} string, got "
+                             f"{type(p[key]).__name__} {p[key]!r}; {fix}.")
+    ints = {key: check_int(p[key], f"{where}[{key!r}]", 1 if key in ("rows", "dim") else 0)
+            for key in ("rows", "dim", "hbm_bytes_per_rank", "ddr_bytes_per_rank", "hbm_bytes_per_machine",
+                        "ddr_bytes_per_machine")}
+    check_load_factor(p["cache_load_factor"], f"{where}['cache_load_factor']")
+    cost = p["cost"]
+    if isinstance(cost, bool) or not isinstance(cost, numbers.Real) or not 0 <= cost < math.inf:
+        raise ValueError(f"{where}['cost'] must be a finite number >= 0 (modelled ms), got {type(cost).__name__} "
+                         f"{cost!r}; {fix}.")
+    return TablePlacement(
+        table=p["table"],
+        module_path=p["module_path"],
+        mode=Mode.parse(p["mode"], f"{where}['mode']"),
+        cache_load_factor=float(p["cache_load_factor"]),
+        cost=float(cost),
+        optimizer=FusedOptimizer.parse(p["optimizer"], f"{where}['optimizer']"),
+        dtype=resolve_dtype(p["dtype"], f"{where}['dtype']"),
+        **ints,
+    )
 
 
 def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:
