@@ -1,9 +1,9 @@
 """Assembly of one run: sharding, optimizers and the train pipeline, each in ONE place.
 
-* :func:`shard_model` is where placements are decided. Today it shards the EBC
-  TABLE_WISE with torchrec's own ``EmbeddingBagCollectionSharder`` (greedy by bytes,
-  which works on CPU/gloo). The recpipe planner + sharders replace it here and only
-  here (see the function's docstring).
+* :func:`shard_model` is where placements are decided: ``--placement planned`` (the
+  default) plans HYBRID / CACHING tiered tables with :mod:`recpipe.planner` and shards
+  them with recpipe's sharders; ``table_wise`` places whole tables with torchrec's own
+  ``EmbeddingBagCollectionSharder`` (greedy by bytes), for comparison.
 * :func:`make_pipeline` selects ``fused`` (recpipe) or ``sparse`` (torchrec).
 """
 

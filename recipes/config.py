@@ -42,9 +42,10 @@ MAX_ID_SPACE: int = 2**31 - 1
 # Longest collective timeout accepted (7 days): far beyond any step, and far below
 # where gloo's millisecond deadlines (steady clock + timeout, int64 ns) overflow.
 MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
-# Largest tier budget accepted, exclusive, in MiB: 2**53 bytes. The planner's DP kernel
-# (csrc/placement_dp.cpp, kExactBytes) carries bytes as doubles and refuses budgets of
-# 2**53 bytes or more; larger values also overflow int64 on the way to it.
+# Largest tier budget accepted, exclusive, in MiB: 2**53 bytes, the range in which the
+# planner's DP kernel (csrc/placement_dp.cpp, kExactBytes) carries bytes exactly as doubles
+# (the planner plans a larger budget as unbounded); far larger values would overflow int64
+# on the way to it. No machine comes near it.
 MAX_TIER_MB: float = float(2**53 // 2**20)
 
 # String fields with a fixed set of values.
@@ -254,7 +255,9 @@ class TrainConfig:
     or ``criteo_tsv`` (files given by ``data_path``)."""
 
     data_path: str | None = None
-    """Comma-separated Criteo TSV files (label, 13 ints, 26 hex). Only for ``criteo_tsv``."""
+    """Comma-separated Criteo TSV files (label, 13 ints, 26 hex). Only for ``criteo_tsv``.
+    Every rank reads all of them (each its slice of every global batch): on several
+    machines, each node's copy must hold the same rows. Do not change them during a run."""
 
     eval_data_path: str | None = None
     """Comma-separated Criteo TSV files for evaluation (at least one global batch of rows);
@@ -341,13 +344,15 @@ class TrainConfig:
     """TensorBoard log directory written by rank 0 (none when unset)."""
 
     metrics_file: str | None = None
-    """JSON file rank 0 writes at the end: per-step losses, final AUROC, throughput."""
+    """JSON file rank 0 writes at the end: rank 0's loss of every step (``losses``), the
+    logged means over all ranks (``logged_losses``), evaluations, final AUROC, throughput."""
 
     checkpoint_dir: str | None = None
     """Directory for checkpoints (one file per rank per saved step)."""
 
     checkpoint_every: int = 0
-    """Save a checkpoint every this many steps (0: only at the end, if a directory is set)."""
+    """Save a checkpoint every this many steps into ``checkpoint_dir`` (0: only at the end,
+    if a directory is set; a positive value needs the directory)."""
 
     checkpoint_format: str = "pt"
     """How checkpoints are written: ``pt`` (one ``rankR.pt`` per rank; resume needs the
@@ -360,7 +365,8 @@ class TrainConfig:
     """Resume from the latest checkpoint in ``checkpoint_dir`` (exact: same losses)."""
 
     log_every: int = 10
-    """Write train scalars and a log line every this many steps."""
+    """Write train scalars and a log line every this many steps (and at the last step and
+    every checkpoint step, so a resumed run logs the same intervals)."""
 
     progress_bar: bool = True
     """Show a tqdm bar on rank 0."""
@@ -455,6 +461,12 @@ class TrainConfig:
                 raise bad(name, "must be true or false", f"pass --{_flag(name)} or --no-{_flag(name)}")
         if self.resume and not self.checkpoint_dir:
             raise bad("checkpoint_dir", "resume=True needs a checkpoint directory", "pass --checkpoint-dir DIR")
+        if self.checkpoint_every and not self.checkpoint_dir:  # it used to save nothing, silently
+            raise bad(
+                "checkpoint_every",
+                "checkpoints are saved into --checkpoint-dir, which is unset, so none would be written",
+                "pass --checkpoint-dir DIR, or drop --checkpoint-every",
+            )
         for name in ("data_path", "eval_data_path", *OUTPUT_PATHS):
             path = getattr(self, name)
             if path is not None and not isinstance(path, str):

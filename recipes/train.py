@@ -46,7 +46,7 @@ from recpipe.recipes.checkpoint import (
 )
 from recpipe.recipes.config import ConfigError, TrainConfig, parse_config, split_paths
 from recpipe.recipes.data.base import EVAL_PAD_LABEL, BatchSource
-from recpipe.recipes.data.criteo import CriteoFormatError
+from recpipe.recipes.data.criteo import CriteoDataChangedError, CriteoFormatError
 from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
 from recpipe.recipes.tb_logging import RunLogger, gather_tier_stats
@@ -345,6 +345,113 @@ def nothing_to_train(config: TrainConfig, step: int, total: int) -> ConfigError:
     )
 
 
+def check_batch_counts(config: TrainConfig, source: BatchSource, total: int, rank: int, world: int) -> None:
+    """Refuses a run whose ranks would take different numbers of batches (one all-reduce).
+
+    Every step runs collectives that pair the ranks' batches (the embedding all-to-alls, the
+    loss reduction), so a rank that runs out of batches first leaves the others waiting in a
+    collective that another one answers (gloo aborted with "Received data size doesn't match
+    expected size"; torchrec's pipeline waits until the timeout). Each rank's counts come from
+    its own data source: e.g. ``criteo_tsv`` counts the files each rank reads, which on several
+    machines are each node's own copy of ``--data-path``.
+
+    Args:
+        config: the run's config.
+        source: this rank's data source.
+        total: this rank's training steps (:meth:`BatchSource.total_steps`).
+        rank: this rank.
+        world: number of ranks.
+
+    Raises:
+        ConfigError: (on every rank) the ranks' training steps or evaluation batches differ;
+            the message names each rank's counts and the fix.
+    """
+    if world == 1:
+        return
+    eval_count = source.eval_batch_count()
+    spe = source.steps_per_epoch
+    mine = (total, -1 if eval_count is None else eval_count, -1 if spe is None else spe)
+    slots = torch.zeros(3 * world, dtype=torch.int64)
+    for k, value in enumerate(mine):
+        slots[k * world + rank] = value
+    dist.all_reduce(slots)
+    totals, evals, spes = (slots[k * world : (k + 1) * world].tolist() for k in range(3))
+    known_evals = [n for n in evals if n >= 0]
+    if len(set(totals)) == 1 and len(set(known_evals)) <= 1:
+        return
+
+    def per_rank(counts: list[int]) -> str:
+        return ", ".join(f"rank {r}: {'unknown' if n < 0 else n}" for r, n in enumerate(counts))
+
+    problems, fixes = [], []
+    files = ""
+    if config.dataset == "criteo_tsv":
+        files = (
+            " (each rank counts the rows of the files it reads: on several machines each node reads its "
+            "own copy of the files, which must be identical)"
+        )
+    if len(set(totals)) > 1:
+        what = f"training steps {per_rank(totals)}"
+        if config.max_steps is None and min(spes) >= 0:
+            what += f" (--epochs {config.epochs} x steps per epoch {per_rank(spes)})"
+        problems.append(what)
+        if config.dataset == "criteo_tsv":
+            fixes.append("give every rank the same --data-path rows")
+        if config.max_steps is None:
+            fixes.append(f"pass --max-steps {min(totals)} (every rank then trains that many steps)")
+    if len(set(known_evals)) > 1:
+        problems.append(f"evaluation batches {per_rank(evals)}")
+        if config.dataset == "criteo_tsv":
+            fixes.append(f"give every rank the same --{'eval-' if config.eval_data_path else ''}data-path rows")
+        fixes.append(f"pass --eval-batches {min(known_evals)}")
+    if not fixes:
+        fixes.append(f"make dataset {config.dataset}'s source give every rank the same number of batches")
+    fix_text = "; or ".join(dict.fromkeys(fixes))
+    raise ConfigError(
+        f"the {world} ranks' data (dataset {config.dataset}) give them different numbers of batches: "
+        + "; ".join(problems)
+        + f"{files}. Every step pairs the ranks' batches in collectives, so a rank that runs out first would "
+        f"leave the others waiting. Fix: {fix_text}"
+    )
+
+
+class BatchCountError(RuntimeError):
+    """A data source gave fewer batches than the steps it was asked for (or than the eval
+    batches it announced): this rank stops before the pipeline runs a collective the other
+    ranks do not."""
+
+
+def exactly(batches: Iterator[Any], count: int, what: str) -> Iterator[Any]:
+    """``batches``, checked to hold at least ``count`` items (at most ``count`` are taken).
+
+    The check is local (no collective): it raises when the pipeline asks for the missing
+    batch, so this rank stops with an error naming its count instead of draining its
+    in-flight batches through collectives that the other ranks, which still have batches,
+    answer with the next step's (the other ranks then fail with :class:`CollectiveFailureError`).
+
+    Args:
+        batches: a data source's batches.
+        count: how many it must give.
+        what: the batches' description for the error (rank, steps).
+
+    Raises:
+        BatchCountError: ``batches`` ended early.
+    """
+    n = 0
+    if count > 0:
+        for batch in batches:
+            yield batch
+            n += 1
+            if n == count:
+                return
+    if n < count:
+        raise BatchCountError(
+            f"{what}: the data source gave {n} batches, not {count}; every rank must take a batch at every "
+            "step (the ranks' batches are paired in collectives). Fix: make the data source give each rank "
+            "the same number of batches (its train_batches(start, stop) one per step)"
+        )
+
+
 def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> float:
     """AUROC over ``batches`` through the pipeline in eval mode, synced across ranks.
 
@@ -391,15 +498,21 @@ def run(config: TrainConfig) -> TrainResult:
     Raises:
         ConfigError: found once the run starts, before the model is built: ``--device
             cuda`` without a CUDA device, Criteo files or MovieLens splits smaller than one
-            global batch, or ``--resume`` from a checkpoint at or past the run's last step.
+            global batch, ranks whose data give different numbers of training steps or
+            evaluation batches (:func:`check_batch_counts`), or ``--resume`` from a
+            checkpoint at or past the run's last step.
+        BatchCountError: the data source gave this rank fewer batches than asked for.
     """
     torch.set_num_threads(config.num_threads)
     device, own_group = _setup_distributed(config)
     rank, world = dist.get_rank(), dist.get_world_size()
     tb = RunLogger(None)  # opened once the first step is known (a resume purges what follows it)
+    bar: tqdm | None = None  # closed on every exit path, so an error line starts on a line of its own
     try:
         source = make_data_source(config, rank, world)
         total = source.total_steps()
+        check_batch_counts(config, source, total, rank, world)  # a collective, once
+        eval_count = source.eval_batch_count()
         if config.resume:  # before building anything: a run past its end would train nothing
             assert config.checkpoint_dir is not None
             saved = resume_step_at_or_past(config.checkpoint_dir, total)
@@ -444,6 +557,16 @@ def run(config: TrainConfig) -> TrainResult:
         step = start
         pending: list[torch.Tensor] = []  # losses of the steps up to ``step`` not yet read
 
+        def say(line: str) -> None:
+            """Prints a line of rank 0's log on stdout; while the bar is drawn, through
+            ``tqdm.write``, which clears the bar first and redraws it below the line (a plain
+            print on a terminal continued the bar's line)."""
+            if bar is not None and not bar.disable:
+                tqdm.write(line, file=sys.stdout)
+                sys.stdout.flush()
+            else:
+                print(line, flush=True)
+
         def read_losses(last: int, total_loss: float) -> float:
             """Reads the pending losses (steps up to ``last``) on the host in one transfer,
             records them, notes a non-finite one for the guard; returns ``total_loss`` plus
@@ -460,9 +583,53 @@ def run(config: TrainConfig) -> TrainResult:
         interval_t0, interval_loss, interval_n = loop_t0, 0.0, 0
         timed_steps, timed_seconds, first_interval = 0, 0.0, True
         warm_steps, warm_seconds = 0, 0.0  # the first logging interval (warm-up)
+
+        def log_interval() -> None:
+            """Ends the logging interval at ``step``: the mean loss over ranks and its
+            steps, throughput and tier stats to TensorBoard and the console (collectives:
+            every rank calls it at the same step)."""
+            nonlocal interval_t0, interval_loss, interval_n, timed_steps, timed_seconds
+            nonlocal first_interval, warm_steps, warm_seconds
+            interval_loss = read_losses(step, interval_loss)
+            now = time.perf_counter()
+            stats = torch.tensor([interval_loss, float(interval_n), *guard.slots()], dtype=torch.float64)
+            if world > 1:
+                dist.all_reduce(stats)
+            guard.check(stats[2:].tolist(), step)
+            dt = now - interval_t0
+            mean_loss = float(stats[0] / stats[1])
+            result.logged_losses.append((step, mean_loss))
+            sps = global_batch * interval_n / dt
+            if not first_interval:
+                timed_steps += interval_n
+                timed_seconds += dt
+            else:
+                warm_steps, warm_seconds = interval_n, dt
+            first_interval = False
+            tb.scalars(
+                step,
+                {
+                    "train/loss": mean_loss,
+                    "train/samples_per_s": sps,
+                    "train/step_ms": 1000.0 * dt / interval_n,
+                },
+            )
+            if config.tb_dir:  # a collective: every rank has the same config
+                tb.tier_stats(step, gather_tier_stats(dmp))
+            if bar is not None:
+                bar.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{sps:.0f}")
+            if rank == 0:
+                say(
+                    f"[recpipe] step {step}/{total} loss {mean_loss:.4f} "
+                    f"{sps:.0f} samples/s {1000.0 * dt / interval_n:.1f} ms/step"
+                )
+            interval_t0, interval_loss, interval_n = time.perf_counter(), 0.0, 0
+
         while step < total:
             end = _chunk_end(step, total, config)
-            batches = source.train_batches(step, end)
+            batches = exactly(
+                source.train_batches(step, end), end - step, f"rank {rank}, training steps {step + 1}..{end}"
+            )
             while True:
                 try:
                     loss, _, _ = pipeline.progress(batches)
@@ -475,64 +642,40 @@ def run(config: TrainConfig) -> TrainResult:
                 bar.update(1)
                 interval_n += 1
                 if step % config.log_every == 0 or step == total:
-                    interval_loss = read_losses(step, interval_loss)
-                    now = time.perf_counter()
-                    stats = torch.tensor([interval_loss, float(interval_n), *guard.slots()], dtype=torch.float64)
-                    if world > 1:
-                        dist.all_reduce(stats)
-                    guard.check(stats[2:].tolist(), step)
-                    dt = now - interval_t0
-                    mean_loss = float(stats[0] / stats[1])
-                    result.logged_losses.append((step, mean_loss))
-                    sps = global_batch * interval_n / dt
-                    if not first_interval:
-                        timed_steps += interval_n
-                        timed_seconds += dt
-                    else:
-                        warm_steps, warm_seconds = interval_n, dt
-                    first_interval = False
-                    tb.scalars(
-                        step,
-                        {
-                            "train/loss": mean_loss,
-                            "train/samples_per_s": sps,
-                            "train/step_ms": 1000.0 * dt / interval_n,
-                        },
-                    )
-                    if config.tb_dir:  # a collective: every rank has the same config
-                        tb.tier_stats(step, gather_tier_stats(dmp))
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", sps=f"{sps:.0f}")
-                    if rank == 0:
-                        print(
-                            f"[recpipe] step {step}/{total} loss {mean_loss:.4f} "
-                            f"{sps:.0f} samples/s {1000.0 * dt / interval_n:.1f} ms/step",
-                            flush=True,
-                        )
-                    interval_t0, interval_loss, interval_n = time.perf_counter(), 0.0, 0
+                    log_interval()
+            is_last = step >= total
+            saves = bool(config.checkpoint_dir) and (
+                is_last or bool(config.checkpoint_every and step % config.checkpoint_every == 0)
+            )
+            if saves and interval_n:
+                # a checkpoint ends a logging interval: a run resumed from it logs the steps
+                # and values an uninterrupted run logs (not one interval split in two)
+                log_interval()
             interval_loss = read_losses(step, interval_loss)
             result.steps = step
             # evaluation and checkpointing are not training time: the logging interval's
             # clock pauses here (they may fall mid-interval) and resumes after them
             paused_at = time.perf_counter()
             guard.sync_and_check(step)  # before evaluating or checkpointing these weights
-            is_last = step >= total
             if (config.eval_every and step % config.eval_every == 0) or is_last:
-                auroc = evaluate(pipeline, dmp, source.eval_batches())
+                eval_batches = source.eval_batches()
+                if eval_count is not None:  # the count every rank announced at start
+                    eval_batches = exactly(eval_batches, eval_count, f"rank {rank}, evaluation at step {step}")
+                auroc = evaluate(pipeline, dmp, eval_batches)
                 result.evals.append((step, auroc))
                 if auroc == auroc:  # not NaN
                     tb.scalars(step, {"eval/auroc": auroc})
                 if rank == 0:
-                    print(f"[recpipe] eval at step {step}: auroc {auroc:.4f}", flush=True)
-            if config.checkpoint_dir and (
-                is_last or (config.checkpoint_every and step % config.checkpoint_every == 0)
-            ):
+                    say(f"[recpipe] eval at step {step}: auroc {auroc:.4f}")
+            if saves:
+                assert config.checkpoint_dir is not None
                 save_checkpoint(
                     config.checkpoint_dir, step, dmp, optimizer, config, sharded.table_ranks
                 )
                 guard.last_checkpoint = step
             tb.flush()
             interval_t0 += time.perf_counter() - paused_at
-        bar.close()
+        bar.close()  # before the final lines below (closing again in ``finally`` is a no-op)
         result.train_seconds = time.perf_counter() - loop_t0
         if timed_steps:
             result.samples_per_s = global_batch * timed_steps / timed_seconds
@@ -543,6 +686,8 @@ def run(config: TrainConfig) -> TrainResult:
             Path(config.metrics_file).write_text(json.dumps(result.to_json(), indent=1, allow_nan=False))
         return result
     finally:
+        if bar is not None:
+            bar.close()
         tb.close()
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -556,9 +701,11 @@ USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
     NonFiniteLossError,
     NonFiniteStateError,
     CriteoFormatError,
+    CriteoDataChangedError,  # a Criteo file shrank or vanished while the run read it
     TieredCheckpointError,
     CheckpointLoadError,  # DCP refused a dcp checkpoint's regular state (see recpipe.pipeline.dcp)
     PlannerError,  # the planned placement does not fit the budgets (--fast-tier-mb / --slow-tier-mb)
+    BatchCountError,  # a data source gave a rank fewer batches than the steps asked for
 )
 
 

@@ -225,6 +225,12 @@ class BatchSource(abc.ABC):
         evaluation leaves out, so every sample of the split is evaluated exactly once.
         """
 
+    def eval_batch_count(self) -> int | None:
+        """This rank's number of evaluation batches, known before any is read (``None``:
+        unknown until :meth:`eval_batches` ends). Every rank must report the same count:
+        the training loop compares them at start."""
+        return None
+
     def total_steps(self) -> int:
         """Steps of the whole run: ``max_steps`` or ``epochs * steps_per_epoch``."""
         if self.config.max_steps is not None:

@@ -11,12 +11,14 @@ skipped silently. Dense values become ``log(1 + max(x, 0))``, as in torchrec's D
 recipe. Order is the file order (no shuffling); global step ``s`` takes the ``s``-th
 run of ``batch_size * world_size`` rows and rank ``r`` its slice; a pass ends at the last
 full run and the next pass starts again at the first row (``max_steps`` past one pass
-trains further epochs, as on MovieLens).
+trains further epochs, as on MovieLens). A file that shrinks (is truncated) or vanishes
+while a run reads it raises :class:`CriteoDataChangedError` naming it, not a row error.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import re
 from typing import Iterable, Iterator
 
@@ -78,6 +80,20 @@ class CriteoFormatError(ValueError):
         self.line = line
         self.column = column
         self.value = value
+
+
+class CriteoDataChangedError(ValueError):
+    """Criteo files changed while a run read them: a file shrank (was truncated or replaced
+    by a shorter one) or can no longer be read, so the run cannot take the batches it
+    planned at start (an uninterrupted run's batches).
+
+    Attributes:
+        path: the file that shrank or cannot be read (the first one, if several did).
+    """
+
+    def __init__(self, message: str, *, path: str) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def _bad_value(column: int, value: str, why: str) -> CriteoFormatError:
@@ -147,7 +163,7 @@ def parse_criteo_row(cols: list[str]) -> Row:
     return label, ints, cats
 
 
-def read_criteo_rows(paths: Iterable[str]) -> Iterator[Row]:
+def read_criteo_rows(paths: Iterable[str], file_rows: list[int] | None = None) -> Iterator[Row]:
     """Streams the rows of Criteo TSV files in order, strictly parsed.
 
     Lines end in ``\\n`` (or ``\\r\\n``); every line is a row (a blank line is an
@@ -155,6 +171,8 @@ def read_criteo_rows(paths: Iterable[str]) -> Iterator[Row]:
 
     Args:
         paths: the files, read one after the other.
+        file_rows: if given, each file's number of rows is appended to it once the file
+            has been read to its end.
 
     Yields:
         ``(label, ints, cats)`` per line, as :func:`parse_criteo_row` returns them.
@@ -164,6 +182,7 @@ def read_criteo_rows(paths: Iterable[str]) -> Iterator[Row]:
     """
     n_int = 1 + INT_FEATURE_COUNT
     for path in paths:
+        lineno = 0
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 line = raw[:-1] if raw.endswith(b"\n") else raw
@@ -193,6 +212,8 @@ def read_criteo_rows(paths: Iterable[str]) -> Iterator[Row]:
                         value=e.value,
                     ) from None
                 yield row
+        if file_rows is not None:
+            file_rows.append(lineno)
 
 
 def count_rows(paths: list[str], limit: int | None = None) -> int:
@@ -215,6 +236,27 @@ def count_rows(paths: list[str], limit: int | None = None) -> int:
     return total
 
 
+def count_file_rows(paths: list[str], limit: int | None = None) -> list[int]:
+    """Number of lines of each file, as :func:`count_rows` counts them.
+
+    Args:
+        paths: the files.
+        limit: stop counting once the files counted hold this many lines (``None``:
+            count them all); the files after that point are left out of the result.
+
+    Returns:
+        One count per file counted (a prefix of ``paths``), the last one at most what
+        reaching ``limit`` took.
+    """
+    counts: list[int] = []
+    for p in paths:
+        total = sum(counts)
+        if limit is not None and total >= limit:
+            break
+        counts.append(count_rows([p], None if limit is None else limit - total))
+    return counts
+
+
 class CriteoTsvSource(BatchSource):
     """Batches streamed from Criteo TSV files (``data_path``, ``eval_data_path``).
 
@@ -222,10 +264,14 @@ class CriteoTsvSource(BatchSource):
     ``steps_per_epoch`` steps); with it they are not, and ``steps_per_epoch`` is learned
     from the first pass that reaches the files' end, so training wraps into the next
     pass at ``step % steps_per_epoch``, the batch an uninterrupted run takes there.
+    The rows the evaluation reads (at most ``eval_batches`` global batches) are counted
+    up front too, so every rank knows its number of eval batches before training.
 
     Raises:
         ConfigError: the training files, or the ``eval_data_path`` files, hold fewer rows
             than one global batch (the message names the flag and the fix).
+        CriteoDataChangedError: (while batches are read) a file shrank or can no longer
+            be read since the run counted it.
     """
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
@@ -241,14 +287,29 @@ class CriteoTsvSource(BatchSource):
         self._transform = IdTransform(config, self._spec)
         self._global_batch = config.batch_size * world_size
         self._spe: int | None = None
+        # rows of each data_path file in a full pass (counted up front, or at the end of the
+        # first pass when max_steps is set): a pass that ends early names the file that shrank
+        self._file_rows: list[int] | None = None
+        # the files' sizes at start: a first pass (max_steps set) that ends on a file smaller
+        # than it was is a truncation, not the pass length
+        self._start_bytes = [os.path.getsize(p) for p in self._paths]
         # with max_steps set, one global batch of rows is enough to decide
-        limit = None if config.max_steps is None else self._global_batch
-        rows = count_rows(self._paths, limit)
+        if config.max_steps is None:
+            self._file_rows = count_file_rows(self._paths)
+            rows = sum(self._file_rows)
+        else:
+            rows = count_rows(self._paths, self._global_batch)
         self._check_one_global_batch("data_path", rows)
         if config.max_steps is None:
             self._spe = rows // self._global_batch
+        # the evaluation reads at most eval_batches global batches, the last one maybe short
+        eval_limit = config.eval_batches * self._global_batch
+        self._eval_file_rows = count_file_rows(self._eval_paths, eval_limit)
+        eval_rows = min(sum(self._eval_file_rows), eval_limit)
         if config.eval_data_path:
-            self._check_one_global_batch("eval_data_path", count_rows(self._eval_paths, self._global_batch))
+            self._check_one_global_batch("eval_data_path", eval_rows)
+        self._eval_rows = eval_rows
+        self._eval_count = -(-eval_rows // self._global_batch)
 
     @property
     def spec(self) -> DatasetSpec:
@@ -257,6 +318,9 @@ class CriteoTsvSource(BatchSource):
     @property
     def steps_per_epoch(self) -> int | None:
         return self._spe
+
+    def eval_batch_count(self) -> int:
+        return self._eval_count
 
     def _check_one_global_batch(self, name: str, rows: int) -> None:
         """Raises :class:`ConfigError` when the files of field ``name`` hold fewer than one global batch."""
@@ -270,9 +334,102 @@ class CriteoTsvSource(BatchSource):
             f"Fix: lower --batch-size{smaller} or pass more rows in --{name.replace('_', '-')}"
         )
 
-    def _global_batches(self, paths: list[str], short_last: bool = False) -> Iterator[list[Row]]:
+    def _changed(
+        self, name: str, paths: list[str], before: list[int] | None, now: list[int], what: str, exact: bool = True
+    ) -> CriteoDataChangedError:
+        """The error of files of field ``name`` that hold fewer rows than the run counted.
+
+        Args:
+            name: ``data_path`` or ``eval_data_path``.
+            paths: its files.
+            before: rows per file counted earlier in the run (a prefix of ``paths``), or
+                ``None`` if unknown.
+            now: rows per file just read to their end.
+            what: what the run needed the rows for.
+            exact: ``before`` holds whole files' counts (``False``: the counting stopped at
+                the rows needed, so the last count is a lower bound).
+        """
+        flag = "--" + name.replace("_", "-")
+        fix = (
+            f"Fix: do not modify, truncate or replace the {flag} files while a run reads them (give the run "
+            "a copy), then resume from the last checkpoint (--resume)"
+        )
+        for path, had, has in zip(paths, before or [], now):
+            if has < had:
+                return CriteoDataChangedError(
+                    f"{flag} file {path} shrank while this run read it: it now holds {has} rows, "
+                    f"{'' if exact else 'at least '}{had} when "
+                    f"the run counted them, so {what}. {fix}",
+                    path=path,
+                )
+        if len(paths) == 1:
+            return CriteoDataChangedError(
+                f"{flag} file {paths[0]} shrank while this run read it: it now holds {now[0]} rows, so {what}. {fix}",
+                path=paths[0],
+            )
+        per_file = ", ".join(f"{p}: {n}" for p, n in zip(paths, now))
+        return CriteoDataChangedError(
+            f"{flag} files changed while this run read them: they now hold {sum(now)} rows ({per_file}), so {what}. "
+            f"{fix}",
+            path=paths[0],
+        )
+
+    def _rows(
+        self, name: str, paths: list[str], file_rows: list[int], counted: list[int] | None, exact: bool
+    ) -> Iterator[Row]:
+        """:func:`read_criteo_rows` of field ``name``'s files, telling a file changed under
+        the run from a bad file.
+
+        A file that cannot be opened any more (the run checked it exists at start), or a
+        malformed row of a file that now holds fewer rows than counted or than the row's
+        line number (the file was truncated while it was read, often mid-line), is a
+        :class:`CriteoDataChangedError`; other malformed rows stay :class:`CriteoFormatError`.
+
+        Args:
+            name: ``data_path`` or ``eval_data_path``.
+            paths: its files.
+            file_rows: receives each file's rows as it is read to its end.
+            counted: rows per file counted earlier in the run (a prefix of ``paths``), or ``None``.
+            exact: ``counted`` holds whole files' counts (else the last one is a lower bound).
+        """
+        flag = "--" + name.replace("_", "-")
+        try:
+            yield from read_criteo_rows(paths, file_rows)
+        except OSError as e:
+            path = str(e.filename) if e.filename is not None else paths[len(file_rows)]
+            raise CriteoDataChangedError(
+                f"{flag} file {path} can no longer be read while this run reads it ({e.strerror or e}). Fix: "
+                "restore the file (do not move or delete the files of a running job), then resume from the last "
+                "checkpoint (--resume)",
+                path=path,
+            ) from None
+        except CriteoFormatError as e:
+            index = len(file_rows)  # the file being read: every earlier one was read to its end
+            if e.path is None or e.line is None or index >= len(paths):
+                raise
+            try:
+                now = count_rows([e.path])
+            except OSError:
+                raise e from None
+            had = counted[index] if counted is not None and index < len(counted) else None
+            if e.line <= now and (had is None or now >= had):
+                raise  # the file holds this row: it is malformed
+            raise self._changed(
+                name, [e.path], None if had is None else [had], [now],
+                f"line {e.line}, which the run was reading, was cut or is past the file's end", exact,
+            ) from None
+
+    def _global_batches(
+        self,
+        name: str,
+        paths: list[str],
+        file_rows: list[int],
+        counted: list[int] | None,
+        exact: bool = True,
+        short_last: bool = False,
+    ) -> Iterator[list[Row]]:
         rows: list[Row] = []
-        for row in read_criteo_rows(paths):
+        for row in self._rows(name, paths, file_rows, counted, exact):
             rows.append(row)
             if len(rows) == self._global_batch:
                 yield rows
@@ -297,7 +454,9 @@ class CriteoTsvSource(BatchSource):
         while step < stop:
             offset = step % self._spe if self._spe else step
             passed = 0  # full global batches of this pass
-            for i, rows in enumerate(self._global_batches(self._paths)):
+            file_rows: list[int] = []  # rows of each file read to its end in this pass
+            batches = self._global_batches("data_path", self._paths, file_rows, self._file_rows)
+            for i, rows in enumerate(batches):
                 passed = i + 1
                 if i < offset:
                     continue
@@ -306,17 +465,50 @@ class CriteoTsvSource(BatchSource):
                 if step >= stop or (self._spe is not None and i + 1 >= self._spe):
                     break
             else:  # the files ended: this pass held `passed` steps, the next one wraps
-                if self._spe is not None or passed == 0:  # the run started with more rows
-                    raise ValueError(
-                        f"data_path ran out of rows at step {step}: its files now hold {passed} global "
-                        "batches, fewer than when this run started. Fix: do not modify the --data-path "
-                        "files while a run reads them"
+                if self._spe is not None:  # fewer than the pass the run counted
+                    raise self._changed(
+                        "data_path", self._paths, self._file_rows, file_rows,
+                        f"its pass holds {passed} global batches of {self._global_batch} rows, not the "
+                        f"{self._spe} counted before (step {step + 1} cannot take the batch an uninterrupted "
+                        "run takes)",
                     )
+                if passed == 0:  # the run started with at least one global batch
+                    raise self._changed(
+                        "data_path", self._paths, None, file_rows,
+                        f"they hold no global batch of {self._global_batch} rows (the run started with at "
+                        "least one)",
+                    )
+                for path, size, rows in zip(self._paths, self._start_bytes, file_rows):
+                    now = os.path.getsize(path)
+                    if now < size:  # this pass's length is not the files'
+                        raise CriteoDataChangedError(
+                            f"--data-path file {path} shrank while this run read it: it now holds {now} bytes "
+                            f"({rows} rows read), {size} bytes when the run started, so the first pass ended "
+                            f"early at step {step} and its length ({passed} global batches) is not the files'. "
+                            "Fix: do not modify, truncate or replace the --data-path files while a run reads "
+                            "them (give the run a copy), then resume from the last checkpoint (--resume)",
+                            path=path,
+                        )
                 self._spe = passed
+                self._file_rows = file_rows
 
     def eval_batches(self) -> Iterator[Batch]:
-        for i, rows in enumerate(self._global_batches(self._eval_paths, short_last=True)):
-            if i >= self.config.eval_batches:
+        file_rows: list[int] = []
+        count = 0
+        name = "eval_data_path" if self.config.eval_data_path else "data_path"
+        batches = self._global_batches(
+            name, self._eval_paths, file_rows, self._eval_file_rows, exact=False, short_last=True
+        )
+        for i, rows in enumerate(batches):
+            if i >= self._eval_count:
                 break
             mine, real = pad_rank_slice(rows, self.rank, self.config.batch_size)
             yield mark_padding(self._to_batch(mine, mine_only=True), real)
+            count += 1
+        if count < self._eval_count:  # every rank must evaluate the same number of batches
+            raise self._changed(
+                name, self._eval_paths, self._eval_file_rows, file_rows,
+                f"the evaluation got {count} global batches, not the {self._eval_count} of its "
+                f"{self._eval_rows} rows counted at start",
+                exact=False,
+            )

@@ -181,9 +181,12 @@ class MovieLens100kSource(BatchSource):
             rows = perm[i * self._global_batch : (i + 1) * self._global_batch]
             yield self._batch(self._rank_slice(rows))
 
+    def eval_batch_count(self) -> int:
+        # the last global batch may be short
+        return min(self.config.eval_batches, -(-self._eval_idx.numel() // self._global_batch))
+
     def eval_batches(self) -> Iterator[Batch]:
         g = self._global_batch
-        n = min(self.config.eval_batches, -(-self._eval_idx.numel() // g))  # the last may be short
-        for i in range(n):
+        for i in range(self.eval_batch_count()):
             mine, real = pad_rank_slice(self._eval_idx[i * g : (i + 1) * g], self.rank, self.config.batch_size)
             yield mark_padding(self._batch(mine), real)

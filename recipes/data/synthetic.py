@@ -134,6 +134,9 @@ class SyntheticCriteoSource(BatchSource):
             labels=labels,
         )
 
+    def eval_batch_count(self) -> int:
+        return self.config.eval_batches
+
     def train_batches(self, start: int, stop: int) -> Iterator[Batch]:
         for step in range(start, stop):
             yield self._batch(SPLIT_TRAIN, step)
