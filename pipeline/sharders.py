@@ -29,7 +29,10 @@ Placement reaches the kernel through the table's fused params: a
 ``PlacementParams.from_fused_params``. The fused optimizer comes from torchrec's
 usual fused params (``optimizer`` as an ``EmbOptimType``, ``learning_rate``,
 ``eps``, ``beta1``, ``beta2``, ``weight_decay``), e.g. set by
-``apply_optimizer_in_backward``; the kernel refuses a table whose optimizer or
+``apply_optimizer_in_backward``; ``output_dtype`` sets the dtype of the tables' outputs, as
+fbgemm's; fused params that would change fbgemm's update but that the tiered kernel does not
+implement, and torch optimizer kwargs fbgemm's TBE does not take, are refused naming the
+table (:func:`tiered_optimizer_from_fused_params`); the kernel refuses a table whose optimizer or
 row dtype differs from the one its placement was sized for
 (:class:`~recpipe.pipeline.placement.PlacementMismatchError`), since it would
 allocate other bytes than the plan budgeted. A hand-written
@@ -65,8 +68,9 @@ from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Seque
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 from torch import nn
 from torchrec.distributed.embedding_kernel import BaseEmbedding
 from torchrec.distributed.embedding_lookup import GroupedEmbeddingsLookup, GroupedPooledEmbeddingsLookup
@@ -79,7 +83,13 @@ from torchrec.distributed.embedding_types import (
     ShardedEmbeddingTable,
 )
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_configs import PoolingType, data_type_to_dtype, pooling_type_to_pooling_mode
+from torchrec.modules.embedding_configs import (
+    DataType,
+    PoolingType,
+    data_type_to_dtype,
+    data_type_to_sparse_type,
+    pooling_type_to_pooling_mode,
+)
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
 from torchrec.optim.fused import FusedOptimizer as TorchrecFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -116,6 +126,8 @@ from recpipe.pipeline.tiered import (
 )
 
 __all__ = [
+    "TIERED_OUTPUT_DTYPES",
+    "TORCH_OPTIMIZER_ONLY_KWARGS",
     "TieredBatchedEmbedding",
     "TieredBatchedEmbeddingBag",
     "TieredEmbeddingBagCollectionSharder",
@@ -127,6 +139,7 @@ __all__ = [
     "TieredShardedEmbeddingCollection",
     "state_dict_without_tiered_rows",
     "tiered_optimizer_from_fused_params",
+    "tiered_output_dtype",
     "tiered_placement",
     "tiered_vbe_error",
 ]
@@ -143,9 +156,10 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
         TieredOptimizerConfig: SGD / row-wise Adagrad / Adam with the same hyper-parameters.
 
     Raises:
-        ValueError: the optimizer is not one the tiered kernel runs, or a fused param
-            changes fbgemm's update in a way the tiered kernel does not implement
-            (:func:`_unsupported_update_params`).
+        ValueError: the optimizer is not one the tiered kernel runs, a fused param is a
+            torch optimizer argument fbgemm's TBE does not take (:data:`TORCH_OPTIMIZER_ONLY_KWARGS`,
+            e.g. Adam's ``betas``), or a fused param changes fbgemm's update in a way the
+            tiered kernel does not implement (:func:`_unsupported_update_params`).
     """
     if fused_params is not None and not isinstance(fused_params, Mapping):
         raise ValueError(f"fused_params must be a dict (or None), got {type(fused_params).__name__} {fused_params!r}.")
@@ -161,7 +175,17 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
             f"{sorted(o.value for o in SUPPORTED_OPTIMIZERS)} (apply_optimizer_in_backward with SGD, "
             "RowWiseAdagrad or Adam)."
         )
-    unsupported = _unsupported_update_params(fp)
+    torch_only = {k: fp[k] for k in TORCH_OPTIMIZER_ONLY_KWARGS if k in fp}
+    if torch_only:
+        raise ValueError(
+            f"fused params {torch_only} are torch optimizer arguments that fbgemm's TBE does not take "
+            "(torchrec's FUSED tables refuse them: SplitTableBatchedEmbeddingBagsCodegen raises a TypeError), "
+            f"and the tiered kernel would train {fused.value} without them. Possible solutions:\n  1. remove "
+            "them from the optimizer kwargs of apply_optimizer_in_backward (or the fused params of the sharder "
+            "/ the table's ParameterSharding);\n  2. give fbgemm's own fused params instead, e.g. beta1 / beta2 "
+            "for Adam's betas (fused params learning_rate, eps, beta1, beta2, weight_decay)."
+        )
+    unsupported = _unsupported_update_params(fp, fused)
     if unsupported:
         raise ValueError(
             f"fused params {unsupported} change fbgemm's {fused.value} update of torchrec's FUSED tables, "
@@ -189,14 +213,33 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
     )
 
 
-def _unsupported_update_params(fp: Dict[str, Any]) -> Dict[str, Any]:
+#: Keyword arguments of torch.optim.SGD / Adam / Adagrad and torchrec's RowWiseAdagrad that
+#: fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` does not take (``lr`` aside, which torchrec
+#: renames ``learning_rate``): ``apply_optimizer_in_backward`` hands them to the fused params,
+#: where torchrec's FUSED tables refuse them (fbgemm's TypeError) and tiered tables refuse them too.
+TORCH_OPTIMIZER_ONLY_KWARGS: Tuple[str, ...] = (
+    "amsgrad", "betas", "capturable", "dampening", "decoupled_weight_decay", "differentiable", "foreach",
+    "fused", "initial_accumulator_value", "lr_decay", "maximize", "nesterov",
+)
+
+
+def _unsupported_update_params(fp: Dict[str, Any], optimizer: FusedOptimizer) -> Dict[str, Any]:
     """The fused params (with their values) by which fbgemm's TBE updates a table
-    differently from the tiered kernel: ``gradient_clipping`` (fbgemm clamps each
-    element of a row's summed gradient to ``[-max_gradient, max_gradient]``, SGD and
-    row-wise Adagrad, CPU too). Its default (fbgemm's ``False``) is accepted.
+    differently from the tiered kernel:
+
+    * ``gradient_clipping`` (fbgemm clamps each element of a row's summed gradient to
+      ``[-max_gradient, max_gradient]``, SGD and row-wise Adagrad, CPU too);
+    * row-wise Adagrad's ``weight_decay_mode`` (``L2`` / ``DECOUPLE`` with a nonzero
+      ``weight_decay``, or ``COUNTER`` / ``COWCLIP`` / ``DECOUPLE_GLOBAL``) and ``max_norm > 0``
+      (fbgemm's CUDA update decays / renormalizes the rows; fbgemm-gpu-cpu 1.9's CPU update
+      ignores them, newer CPU builds apply the weight decay).
+
+    Their defaults (fbgemm's: ``False``, ``WeightDecayMode.NONE``, ``0.0``) are accepted, so
+    is a ``weight_decay`` that fbgemm ignores (row-wise Adagrad without a mode, SGD).
 
     Args:
         fp (Dict[str, Any]): a table's fused params.
+        optimizer (FusedOptimizer): the table's fused optimizer.
 
     Returns:
         Dict[str, Any]: name -> value of each unsupported non-default param (empty if none).
@@ -205,7 +248,47 @@ def _unsupported_update_params(fp: Dict[str, Any]) -> Dict[str, Any]:
     if fp.get("gradient_clipping", False):
         out["gradient_clipping"] = fp["gradient_clipping"]
         out["max_gradient"] = fp.get("max_gradient", 1.0)  # fbgemm's default
+    if optimizer is FusedOptimizer.ROWWISE_ADAGRAD:
+        mode = fp.get("weight_decay_mode", WeightDecayMode.NONE)
+        decays = fp.get("weight_decay", 0.0) != 0.0 or mode not in (WeightDecayMode.L2, WeightDecayMode.DECOUPLE)
+        if mode not in (None, WeightDecayMode.NONE) and decays:
+            out["weight_decay_mode"] = mode
+            out["weight_decay"] = fp.get("weight_decay", 0.0)
+        if fp.get("max_norm", 0.0):
+            out["max_norm"] = fp["max_norm"]
     return out
+
+
+#: Output dtypes of tiered tables (fused param ``output_dtype``): the float ones fbgemm's TBE outputs
+#: (its CPU build: FP32 / FP16; its CUDA build adds BF16; its INT8 output is CUDA inference only).
+TIERED_OUTPUT_DTYPES: Tuple[SparseType, ...] = (SparseType.FP32, SparseType.FP16, SparseType.BF16)
+
+
+def tiered_output_dtype(fused_params: Optional[Dict[str, Any]], table_name: str) -> torch.dtype:
+    """The dtype a tiered table's lookups output: its fused param ``output_dtype``, as
+    fbgemm's TBE outputs torchrec's FUSED tables in it (the rows are summed in float32 and
+    the pooled / sequence output cast to it; its gradient is cast back to float32).
+
+    Args:
+        fused_params (Dict[str, Any] | None): the table's fused params (``output_dtype`` a
+            ``SparseType`` or torchrec ``DataType``; absent: ``SparseType.FP32``).
+        table_name (str): the table, named in errors.
+
+    Returns:
+        torch.dtype: ``torch.float32``, ``torch.float16`` or ``torch.bfloat16``.
+
+    Raises:
+        ValueError: naming the table, for another ``output_dtype``.
+    """
+    value = (fused_params or {}).get("output_dtype", SparseType.FP32)
+    sparse = data_type_to_sparse_type(value) if isinstance(value, DataType) else value
+    if sparse not in TIERED_OUTPUT_DTYPES:
+        raise ValueError(
+            f"tiered table {table_name!r}: fused param 'output_dtype'={value!r} is not supported by tiered "
+            f"tables: use one of {[t.name for t in TIERED_OUTPUT_DTYPES]} (SparseType) in the fused params of the "
+            "sharder / the table's ParameterSharding, or plan this table as a torchrec FUSED table."
+        )
+    return sparse.as_dtype()
 
 
 def _table_optimizer(fused_params: Optional[Dict[str, Any]], table_name: str) -> TieredOptimizerConfig:
@@ -390,8 +473,10 @@ class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
         world = dist.get_world_size(pg) if pg is not None else 1
         self.tables: nn.ModuleDict = nn.ModuleDict()
         self._feature_table: List[str] = []
+        self._output_dtypes: Dict[str, torch.dtype] = {}
         for table in config.embedding_tables:
             params, optimizer = tiered_placement(table)
+            self._output_dtypes[table.name] = tiered_output_dtype(table.fused_params, table.name)
             backend = _table_backend(table, device)
             shard = TieredEmbeddingShard(
                 num_embeddings=table.num_embeddings,
@@ -552,7 +637,9 @@ class TieredBatchedEmbeddingBag(_TieredKernelBase):
             lo, hi = starts[f], starts[g]
             psw = weights[lo:hi] if weights is not None else None
             pooled = self.tables[name](values[lo:hi], offsets[f * B:g * B + 1] - lo, psw)  # [(g - f) * B, D]
-            outs.append(pooled.view(g - f, B, -1).transpose(0, 1).reshape(B, -1))  # feature-major columns
+            pooled = pooled.to(self._output_dtypes[name])  # fused param output_dtype, as fbgemm's TBE
+            D = pooled.shape[-1]  # explicit: an empty batch (B = 0) leaves no -1 to infer
+            outs.append(pooled.view(g - f, B, D).transpose(0, 1).reshape(B, (g - f) * D))  # feature-major columns
         return torch.cat(outs, dim=1)
 
 
@@ -597,9 +684,10 @@ class TieredBatchedEmbedding(_TieredKernelBase):
             lo, hi = starts[f], starts[g]
             ids = values[lo:hi]
             per_id = torch.arange(hi - lo + 1, dtype=torch.int64, device=ids.device)
-            outs.append(self.tables[name](ids, per_id, None))  # [hi - lo, D]
+            outs.append(self.tables[name](ids, per_id, None).to(self._output_dtypes[name]))  # [hi - lo, D]
         if not outs:
-            return values.new_zeros((0, 0), dtype=torch.float32)
+            dtype = next(iter(self._output_dtypes.values()), torch.float32)
+            return values.new_zeros((0, 0), dtype=dtype)
         return torch.cat(outs, dim=0)
 
 
