@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
 
@@ -734,22 +735,25 @@ def bucketize_kjt_by(
     _check_kjt(kjt, "bucketize_kjt_by")
     vbe = kjt.variable_stride_per_key()
     strides = kjt.stride_per_key() if vbe else None
-    out = block_bucketize_sparse_features(
-        kjt.lengths().view(-1),
-        kjt.values(),
-        block_sizes,
-        dist_types,
-        world_size,
-        sequence=sequence,
-        bucketize_pos=bucketize_pos,
-        weights=kjt.weights_or_none(),
-        table_sizes=table_sizes,
-        seed=seed,
-        keep_orig_idx=keep_orig_idx,
-        batch_size_per_feature=torch.tensor(strides, dtype=torch.int64) if strides is not None else None,
-        max_B=max(strides) if strides else -1,
-        block_bucketize_pos=row_bounds,
-    )
+    try:
+        out = block_bucketize_sparse_features(
+            kjt.lengths().view(-1),
+            kjt.values(),
+            block_sizes,
+            dist_types,
+            world_size,
+            sequence=sequence,
+            bucketize_pos=bucketize_pos,
+            weights=kjt.weights_or_none(),
+            table_sizes=table_sizes,
+            seed=seed,
+            keep_orig_idx=keep_orig_idx,
+            batch_size_per_feature=torch.tensor(strides, dtype=torch.int64) if strides is not None else None,
+            max_B=max(strides) if strides else -1,
+            block_bucketize_pos=row_bounds,
+        )
+    except IndexError as e:  # an id outside its table: the op numbers the feature, the KJT names it
+        raise _with_feature_name(e, list(kjt.keys())) from None
     # torchrec's convention (bucketize_kjt_before_all2all): positions ride in the weights.
     result = KeyedJaggedTensor(
         keys=list(kjt.keys()) * world_size,
@@ -760,6 +764,22 @@ def bucketize_kjt_by(
         stride_per_key_per_rank=kjt.stride_per_key_per_rank() * world_size if vbe else None,
     )
     return result, out.unbucketize_permute
+
+
+def _with_feature_name(error: IndexError, keys: list[str]) -> IndexError:
+    """The op's out-of-range id error with the KJT key of the feature it numbers.
+
+    Args:
+        error: the op's error (``... (feature f, <dist type>) is outside ...``).
+        keys: the KJT's keys, in feature order.
+
+    Returns:
+        IndexError: the same message naming the key, or ``error`` if it numbers no feature.
+    """
+    found = re.search(r"\(feature (\d+), ", str(error))
+    if found is None or int(found.group(1)) >= len(keys):
+        return error
+    return IndexError(f"{error} (feature {found.group(1)} is the KJT key {keys[int(found.group(1))]!r})")
 
 
 # ---------------------------------------------------------------------------

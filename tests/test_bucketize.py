@@ -718,6 +718,17 @@ def test_bucketize_kjt_names_missing_feature() -> None:
             ops.bucketize_kjt(kjt, bad, {"a": "roundrobin"}, {"a": 4})
 
 
+def test_bucketize_kjt_names_the_key_of_an_out_of_range_id() -> None:
+    """The op numbers the feature of an id outside its table; bucketize_kjt adds its KJT key."""
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["user", "item"], values=torch.tensor([1, 3, 500, 2]), lengths=torch.tensor([1, 1, 2, 0]),
+    )
+    for dist in ("hash_roundrobin", "roundrobin"):
+        with pytest.raises(IndexError, match=rf"`indices\[2\]` = 500 \(feature 1, {dist}\) is outside "
+                                             r"\[0, table_sizes\[1\] = 97\).* \(feature 1 is the KJT key 'item'\)$"):
+            ops.bucketize_kjt(kjt, 2, {"user": "continuous", "item": dist}, {"user": 10, "item": 97})
+
+
 # ---------------------------------------------------------------------------
 # Bad input: each message names the argument
 
