@@ -314,7 +314,7 @@ class TieredEmbeddingShard(nn.Module):
         init = [-bound if weight_init_min is None else weight_init_min,
                 bound if weight_init_max is None else weight_init_max]
         for name, v in zip(("weight_init_min", "weight_init_max"), init):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v):
                 raise ValueError(f"tiered table {table_name!r}: {name} must be a finite number or None, got {v!r}; "
                                  "set it in the table's EmbeddingBagConfig (or leave it None for +-sqrt(1 / rows)).")
         if init[0] > init[1]:

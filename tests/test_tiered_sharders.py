@@ -278,6 +278,10 @@ def test_tiered_tables_initialize_in_the_configs_range_as_torchrec(init: Optiona
     with pytest.raises(ValueError, match=r"tiered table 't': weight_init_min=1.0 exceeds weight_init_max=0.5; swap"):
         TieredEmbeddingShard(num_embeddings=10, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
                              table_name="t", weight_init_min=1.0, weight_init_max=0.5)
+    shard = TieredEmbeddingShard(num_embeddings=10, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
+                                 weight_init_min=np.float32(0.5), weight_init_max=np.float32(0.75))  # numpy reals too
+    rows = shard.export_state().weights
+    assert shard.weight_init_range == (0.5, 0.75) and 0.5 <= rows.min() and rows.max() <= 0.75
     with pytest.raises(ValueError, match=r"tiered table 't': weight_init_max must be a finite number or None, got nan"):
         TieredEmbeddingShard(num_embeddings=10, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
                              table_name="t", weight_init_max=float("nan"))
