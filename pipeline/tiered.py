@@ -178,6 +178,13 @@ class TieredShardState:
     metadata: Dict[str, Any] = field(default_factory=dict)
 
 
+def _bag_lengths_and_ids(offsets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(lengths [B], bag of each id [n])`` of ``B + 1`` bag offsets (int64, offsets' device)."""
+    offsets = offsets.to(torch.int64)
+    lengths = offsets[1:] - offsets[:-1]
+    return lengths, torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+
+
 class _TieredLookup(torch.autograd.Function):
     """Pooled lookup whose backward applies the fused optimizer to the tiers."""
 
@@ -921,9 +928,7 @@ class TieredEmbeddingShard(nn.Module):
         Returns:
             torch.Tensor: ``[n]`` float32, one entry per id.
         """
-        offsets = offsets.to(torch.int64)
-        lengths = offsets[1:] - offsets[:-1]
-        bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad_out.device), lengths)
+        _, bags = _bag_lengths_and_ids(offsets)
         rows = self._read(*self._locate(uniq.to(torch.int64)), state=False)
         return (grad_out.index_select(0, bags) * rows.index_select(0, inverse.to(torch.int64))).sum(1)
 
@@ -938,8 +943,7 @@ class TieredEmbeddingShard(nn.Module):
         opt: TieredOptimizerConfig,
     ) -> None:
         """:meth:`_backward_update` in device-generic torch ops."""
-        lengths = offsets[1:] - offsets[:-1]
-        bags = torch.repeat_interleave(torch.arange(lengths.numel(), device=grad_out.device), lengths)
+        lengths, bags = _bag_lengths_and_ids(offsets)
         g = grad_out.index_select(0, bags)
         if psw is not None:
             g = g * psw.unsqueeze(1)

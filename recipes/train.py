@@ -345,7 +345,9 @@ def nothing_to_train(config: TrainConfig, step: int, total: int) -> ConfigError:
     )
 
 
-def check_batch_counts(config: TrainConfig, source: BatchSource, total: int, rank: int, world: int) -> None:
+def check_batch_counts(
+    config: TrainConfig, source: BatchSource, total: int, eval_count: int | None, rank: int, world: int
+) -> None:
     """Refuses a run whose ranks would take different numbers of batches (one all-reduce).
 
     Every step runs collectives that pair the ranks' batches (the embedding all-to-alls, the
@@ -359,6 +361,7 @@ def check_batch_counts(config: TrainConfig, source: BatchSource, total: int, ran
         config: the run's config.
         source: this rank's data source.
         total: this rank's training steps (:meth:`BatchSource.total_steps`).
+        eval_count: this rank's evaluation batches (:meth:`BatchSource.eval_batch_count`).
         rank: this rank.
         world: number of ranks.
 
@@ -368,7 +371,6 @@ def check_batch_counts(config: TrainConfig, source: BatchSource, total: int, ran
     """
     if world == 1:
         return
-    eval_count = source.eval_batch_count()
     spe = source.steps_per_epoch
     mine = (total, -1 if eval_count is None else eval_count, -1 if spe is None else spe)
     slots = torch.zeros(3 * world, dtype=torch.int64)
@@ -511,8 +513,8 @@ def run(config: TrainConfig) -> TrainResult:
     try:
         source = make_data_source(config, rank, world)
         total = source.total_steps()
-        check_batch_counts(config, source, total, rank, world)  # a collective, once
         eval_count = source.eval_batch_count()
+        check_batch_counts(config, source, total, eval_count, rank, world)  # a collective, once
         if config.resume:  # before building anything: a run past its end would train nothing
             assert config.checkpoint_dir is not None
             saved = resume_step_at_or_past(config.checkpoint_dir, total)

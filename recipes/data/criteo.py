@@ -96,6 +96,14 @@ class CriteoDataChangedError(ValueError):
         self.path = path
 
 
+def _changed_fix(flag: str) -> str:
+    """The fix of a :class:`CriteoDataChangedError` for the files of ``flag`` (e.g. ``--data-path``)."""
+    return (
+        f"Fix: do not modify, truncate or replace the {flag} files while a run reads them (give the run "
+        "a copy), then resume from the last checkpoint (--resume)"
+    )
+
+
 def _bad_value(column: int, value: str, why: str) -> CriteoFormatError:
     return CriteoFormatError(
         f"column {column + 1} ({COLUMN_NAMES[column]}) has a malformed value {value!r}: {why}",
@@ -350,10 +358,7 @@ class CriteoTsvSource(BatchSource):
                 the rows needed, so the last count is a lower bound).
         """
         flag = "--" + name.replace("_", "-")
-        fix = (
-            f"Fix: do not modify, truncate or replace the {flag} files while a run reads them (give the run "
-            "a copy), then resume from the last checkpoint (--resume)"
-        )
+        fix = _changed_fix(flag)
         for path, had, has in zip(paths, before or [], now):
             if has < had:
                 return CriteoDataChangedError(
@@ -485,8 +490,7 @@ class CriteoTsvSource(BatchSource):
                             f"--data-path file {path} shrank while this run read it: it now holds {now} bytes "
                             f"({rows} rows read), {size} bytes when the run started, so the first pass ended "
                             f"early at step {step} and its length ({passed} global batches) is not the files'. "
-                            "Fix: do not modify, truncate or replace the --data-path files while a run reads "
-                            "them (give the run a copy), then resume from the last checkpoint (--resume)",
+                            + _changed_fix("--data-path"),
                             path=path,
                         )
                 self._spe = passed
