@@ -18,7 +18,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
@@ -65,21 +65,51 @@ _FLAG_OF = (
 _REQUIRED_KEYS = ("name", "rows", "dim")
 
 
-def parse_size(text: str) -> int:
-    """Bytes from a size such as ``80GiB``, ``1TiB``, ``512MB`` or ``1024``.
+# A size written without a unit is bytes; a memory budget below this many bytes is
+# taken for a forgotten unit (``--hbm 80`` meant 80 GiB, not 80 bytes) and refused. Bytes.
+MIN_BARE_SIZE: int = 2**20
+
+
+def parse_size(text: str, flag: Optional[str] = None) -> int:
+    """Bytes from a size such as ``80GiB``, ``1TiB``, ``512MB``, ``80B`` or ``1073741824``.
+
+    A number without a unit is bytes; one other than 0 below ``MIN_BARE_SIZE`` (1 MiB)
+    is refused as a forgotten unit (``--hbm 80`` used to be a budget of 80 bytes).
 
     Args:
         text (str): the size.
+        flag (Optional[str]): the flag the size was given to, for messages (e.g. ``--hbm``).
 
     Returns:
         int: bytes.
+
+    Raises:
+        argparse.ArgumentTypeError: not a size, or a bare number below 1 MiB other than 0.
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise argparse.ArgumentTypeError(
             f"bad size {text!r}: use a number with an optional unit B, KB, MB, GB, TB, PB, KiB, MiB, GiB, TiB, PiB."
         )
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if not m.group(2) and 0 < float(m.group(1)) < MIN_BARE_SIZE:
+        number = m.group(1)
+        raise argparse.ArgumentTypeError(
+            f"size {text!r} has no unit, so it means {number} bytes, too small for a memory budget (a number "
+            f"without a unit must be at least {MIN_BARE_SIZE} bytes = 1 MiB): write {flag + ' ' if flag else ''}"
+            f"{number}GiB, or {number}B if you mean bytes."
+        )
+    return size
+
+
+def _size_of(flag: str) -> Callable[[str], int]:
+    """The argparse ``type`` of size flag ``flag``: :func:`parse_size` naming the flag."""
+
+    def parse(text: str) -> int:
+        return parse_size(text, flag)
+
+    parse.__name__ = "size"  # argparse names the type in its "invalid size value" fallback
+    return parse
 
 
 def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
@@ -176,8 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--tables", type=Path, required=True, help="YAML list of tables")
     ap.add_argument("--world-size", type=int, required=True, help="ranks (devices) of the job")
     ap.add_argument("--local-world-size", type=int, default=None, help="ranks per machine (default world size)")
-    ap.add_argument("--hbm", type=parse_size, required=True, help="HBM per device, e.g. 80GiB")
-    ap.add_argument("--ddr", type=parse_size, required=True, help="host DDR per machine, e.g. 1TiB")
+    ap.add_argument("--hbm", type=_size_of("--hbm"), required=True, help="HBM per device, e.g. 80GiB")
+    ap.add_argument("--ddr", type=_size_of("--ddr"), required=True, help="host DDR per machine, e.g. 1TiB")
     ap.add_argument("--cost-model", choices=("analytic", "empirical"), default="analytic",
                     help="analytic (torchrec's bandwidths, default) or empirical (TorchEasyRec's fitted hit rates)")
     ap.add_argument("--optimizer", default=FusedOptimizer.ADAM.value,

@@ -244,8 +244,31 @@ class GridPlacementEnumerator:
                 ):
                     dst[ii, :k] = src
             for i in idx:
-                out.cost[i, :k] = self.cost_model.costs(tables[i], cand)
+                out.cost[i, :k] = self._checked_costs(tables[i], cand)
         return out
+
+    def _checked_costs(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
+        """``cost_model.costs(table, options)``, or a ValueError naming the cost model, the table
+        and the fix when it is not one finite number >= 0 per option (a user's CostModel: a
+        wrong length used to be a numpy broadcast error, nan a proposer error naming neither,
+        and inf a "does not fit anywhere" PlannerError blaming the budgets)."""
+        got = self.cost_model.costs(table, options)
+        who = f"cost_model {type(self.cost_model).__name__}.costs(table {table.fqn!r}, {len(options)} options)"
+        want = f"it must return one finite cost >= 0 (modelled ms per step) per option, {len(options)} in all"
+        try:
+            costs = np.asarray(got, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"{who} returned {type(got).__name__} {got!r:.80}; {want}.") from None
+        if costs.ndim == 0:
+            raise ValueError(f"{who} returned {type(got).__name__} {got!r:.80}; {want}.")
+        if costs.shape != (len(options),):
+            raise ValueError(f"{who} returned shape {tuple(costs.shape)}; {want}.")
+        bad = np.flatnonzero(~(np.isfinite(costs) & (costs >= 0)))
+        if bad.size:
+            j = int(bad[0])
+            mode, x = options[j]
+            raise ValueError(f"{who} returned {costs[j]} for option {j} ({Mode.parse(mode).name}, x={x}); {want}.")
+        return costs
 
     def enumerate(self, tables: Sequence[TableSpec]) -> List[List[PlacementOption]]:
         """Options of every table with per-rank / per-machine bytes and cost.

@@ -196,10 +196,13 @@ class PlacementPlanner:
         cost_model (str | CostModel): ``"analytic"`` (default), ``"empirical"`` or
             an object implementing ``CostModel``.
         load_factors (Sequence[float]): x grid (default 0.1 ... 1.0).
-        bins (Optional[Tuple[int, int]]): DP grid (HBM bins, DDR bins); None sizes it.
+        bins (Optional[Tuple[int, int]]): DP grid (HBM bins, DDR bins) of the default
+            proposer; None sizes it. Refused together with ``proposer`` (give that
+            proposer its own bins).
         constraints (Optional[Mapping[str, PlacementConstraints]]): pins per table
             name or FQN.
-        proposer (Optional[Proposer]): defaults to ``DynamicProgrammingProposer(bins)``.
+        proposer (Optional[Proposer]): defaults to ``DynamicProgrammingProposer(bins)``;
+            not together with ``bins``.
         optimizer (FusedOptimizer | str): fused optimizer of module tables whose
             model names none (neither ``apply_optimizer_in_backward`` nor
             ``fused_params``); a module's own optimizers always win. Default SGD:
@@ -273,6 +276,13 @@ class PlacementPlanner:
             raise ValueError(
                 f"proposer must be a Proposer instance (with solve(...)), got {type(proposer).__name__} "
                 f"{proposer!r}: e.g. DynamicProgrammingProposer() or BruteForceProposer()."
+            )
+        if proposer is not None and bins is not None:
+            # bins sizes the default proposer only: with a proposer of one's own it did nothing
+            raise ValueError(
+                f"bins={bins!r} and proposer={type(proposer).__name__}(...) were both given, but bins only sizes the "
+                "default DynamicProgrammingProposer's grid and a given proposer ignores it: drop bins, or pass "
+                f"proposer=DynamicProgrammingProposer(bins={bins!r}) instead of both."
             )
         dist = DistType.parse(dist_type)
         if dist not in ROUTED_DIST_TYPES:

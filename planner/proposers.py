@@ -137,12 +137,9 @@ class Proposer(Protocol):
         ...
 
 
-def _validated(
-    hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int
-) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The proposer inputs as int64 / int64 / float64 arrays, after checking shapes and budgets."""
-    for name, budget in (("hbm_budget", hbm_budget), ("ddr_budget", ddr_budget)):
-        check_int(budget, name)
+def _checked_arrays(hbm: Any, ddr: Any, cost: Any) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The option arrays as int64 / int64 / float64 arrays of one ``(tables, options)`` shape, or a
+    ValueError naming the argument."""
     arrays = []
     for name, a in (("hbm", hbm), ("ddr", ddr)):
         raw = np.asarray(a)
@@ -150,22 +147,65 @@ def _validated(
                                             and bool((raw == np.floor(raw)).all()))
         if not whole or (raw.size and raw.min() < 0):
             got = (f"{raw.dtype} values with minimum {raw.min()}" if raw.size and raw.dtype.kind in "iuf"
-                   else f"{raw.dtype} values")
+                   else f"{raw.dtype} values" if a is not None else "None")
             raise ValueError(f"`{name}` must hold whole byte counts >= 0 in a (tables, options) array (no fraction, "
                              f"nan or negative), got {got}; pass the enumerator's int64 arrays (OptionArrays).")
+        if raw.dtype.kind == "u" and raw.size and int(raw.max()) > np.iinfo(np.int64).max:
+            raise ValueError(f"`{name}` holds {int(raw.max())} bytes, past int64 (2^63 - 1): no table option "
+                             "is that large; pass the enumerator's int64 arrays (OptionArrays).")
         arrays.append(raw.astype(np.int64))
     hbm, ddr = arrays
-    cost = np.asarray(cost, dtype=np.float64) if np.asarray(cost).dtype.kind in "iuf" else np.asarray(cost)
+    raw_cost = np.asarray(cost)
+    cost = raw_cost.astype(np.float64) if raw_cost.dtype.kind in "iuf" else raw_cost
     if cost.dtype.kind != "f" or np.isnan(cost).any():
-        raise ValueError(f"`cost` must be a float array without nan (inf marks no option), got dtype {cost.dtype}"
-                         + (" holding nan" if cost.dtype.kind == "f" else "") + ".")
+        got = "None" if raw_cost.ndim == 0 and raw_cost.dtype == object and raw_cost.item() is None \
+            else f"dtype {cost.dtype}" + (" holding nan" if cost.dtype.kind == "f" else "")
+        raise ValueError(f"`cost` must be a float array without nan (inf marks no option), got {got}.")
+    if np.isneginf(cost).any():  # was taken for "no option", as inf is, silently
+        i, j = (int(v) for v in np.argwhere(np.isneginf(cost))[0])
+        raise ValueError(f"`cost` holds -inf at (table {i}, option {j}): a cost is a finite number, or inf to mark "
+                         "no option; pass the enumerator's costs (OptionArrays).")
     if not (hbm.shape == ddr.shape == cost.shape and cost.ndim == 2):
         raise ValueError(
             f"hbm {hbm.shape}, ddr {ddr.shape} and cost {cost.shape} must share one (tables, options) shape."
         )
+    return hbm, ddr, cost
+
+
+def _validated(
+    hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int
+) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The proposer inputs as int64 / int64 / float64 arrays, after checking shapes and budgets."""
+    for name, budget in (("hbm_budget", hbm_budget), ("ddr_budget", ddr_budget)):
+        check_int(budget, name)
+    hbm, ddr, cost = _checked_arrays(hbm, ddr, cost)
     if hbm_budget < 0 or ddr_budget < 0:
         raise ValueError(f"budgets must be >= 0 bytes, got hbm_budget={hbm_budget}, ddr_budget={ddr_budget}.")
     return hbm, ddr, cost
+
+
+def _byte_totals(hbm: np.ndarray, ddr: np.ndarray, usable: np.ndarray) -> Tuple[int, int]:
+    """Each axis's sum of every table's largest usable option, in bytes, below 2^53.
+
+    Every plan fits these sums, so a budget at or above one binds no plan. Sums at or
+    past 2^53 bytes (8 PiB; ``EXACT_BYTES``, the DP kernel's exact range) are refused:
+    no device or machine holds that much, int64 sums of options could wrap there, and
+    such a size is a typo in a table's rows or dim.
+
+    Raises:
+        ValueError: naming the axis, its sum and the fix.
+    """
+    totals = []
+    for name, arr in (("HBM per device", hbm), ("DDR per machine", ddr)):
+        total = sum(int(v) for v in np.where(usable, arr, 0).max(axis=1).tolist())  # Python ints: no wrap
+        if total >= EXACT_BYTES:
+            raise ValueError(
+                f"the tables' largest options need {total} bytes of {name} in all, at or past 2^53 bytes "
+                "(8 PiB), the planner's exact byte range: no device or machine holds that much; check the "
+                "tables' sizes (rows x dim) for a typo."
+            )
+        totals.append(total)
+    return totals[0], totals[1]
 
 
 def budget_prices(
@@ -275,12 +315,29 @@ def prune_dominated(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable: 
 
     Returns:
         np.ndarray: ``(M, K)`` bool, the usable options no other option dominates.
+
+    Raises:
+        ValueError: an array is not a ``(tables, options)`` array of its kind (``usable``
+            a bool one shaped like ``cost``), naming the argument.
     """
+    hbm, ddr, cost = _checked_arrays(hbm, ddr, cost)
+    mask = np.asarray(usable)
+    if usable is None or mask.dtype != np.bool_ or mask.shape != cost.shape:
+        got = "None" if usable is None else f"{type(usable).__name__} of dtype {mask.dtype} and shape {mask.shape}"
+        raise ValueError(
+            f"`usable` must be a bool array shaped like `cost` {cost.shape} (True for the options allowed at all), "
+            f"got {got}; e.g. usable = np.isfinite(cost)."
+        )
+    return _prune_dominated(hbm, ddr, cost, mask)
+
+
+def _prune_dominated(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable: np.ndarray) -> np.ndarray:
+    """:func:`prune_dominated` on checked arrays."""
     M, K = cost.shape
     step = max(1, _PRUNE_CHUNK // max(K * K, 1))
     if M > step:
         return np.concatenate(
-            [prune_dominated(hbm[s : s + step], ddr[s : s + step], cost[s : s + step], usable[s : s + step])
+            [_prune_dominated(hbm[s : s + step], ddr[s : s + step], cost[s : s + step], usable[s : s + step])
              for s in range(0, M, step)]
         )
     h1, h2 = hbm[:, :, None], hbm[:, None, :]
@@ -405,7 +462,9 @@ class DynamicProgrammingProposer:
             the option pruning in ``recpipe._C`` (``torch.ops.recpipe.placement_dp``,
             ``placement_budget_prices``, ``placement_prune_dominated``), ``"numpy"``
             runs their NumPy twins (same plan), ``"auto"`` (default) uses the
-            compiled kernels when they load.
+            compiled kernels when they load. Tables whose largest options sum to 2^53
+            bytes (8 PiB, the kernels' exact range) or more on either axis are refused
+            (``ValueError``): a typo in their sizes.
 
     Example::
 
@@ -624,17 +683,15 @@ class DynamicProgrammingProposer:
         usable = np.isfinite(cost) & (hbm <= H) & (ddr <= D)
         if not usable.any(axis=1).all():
             return None
-        max_h = np.where(usable, hbm, 0).max(axis=1).sum()
-        max_d = np.where(usable, ddr, 0).max(axis=1).sum()
         # A budget past the kernel's exact byte range (2^53, kExactBytes in csrc/placement_dp.cpp;
-        # beyond int64 too) binds no plan: every plan fits the sum of each table's largest option,
-        # so the solve at that sum is the same. Budgets below keep their value (and the DP its plans).
-        if H >= EXACT_BYTES:
-            H = int(max_h)
-        if D >= EXACT_BYTES:
-            D = int(max_d)
-        keep = (prune_dominated if self.backend == "numpy" else _prune_dominated_cpp)(hbm, ddr, cost, usable)
-        nh, nd = self._grid(keep.sum(axis=1), bool(max_h > H), bool(max_d > D))
+        # beyond int64 too) binds no plan: every plan fits the sum of each table's largest option
+        # (below 2^53, _byte_totals), so the solve at that sum is the same. Budgets below keep
+        # their value (and the DP its plans).
+        max_h, max_d = _byte_totals(hbm, ddr, usable)
+        H = max_h if H >= EXACT_BYTES else H
+        D = max_d if D >= EXACT_BYTES else D
+        keep = (_prune_dominated if self.backend == "numpy" else _prune_dominated_cpp)(hbm, ddr, cost, usable)
+        nh, nd = self._grid(keep.sum(axis=1), max_h > H, max_d > D)
         self.last_bins = (nh, nd)
 
         # Plans sharing a cell are compared on cost + budget prices x bytes (the
@@ -746,6 +803,10 @@ class BruteForceProposer:
             )
         if M == 0:
             return np.zeros(0, dtype=np.int64)
+        usable = np.isfinite(cost) & (hbm <= hbm_budget) & (ddr <= ddr_budget)
+        if not usable.any(axis=1).all():
+            return None
+        _byte_totals(hbm, ddr, usable)  # int64 sums of the combinations below cannot wrap
         opts: List[np.ndarray] = []
         for t in range(M):
             ok = np.flatnonzero(np.isfinite(cost[t]) & (hbm[t] <= hbm_budget) & (ddr[t] <= ddr_budget))

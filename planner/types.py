@@ -753,6 +753,9 @@ def check_topology_args(
             raise ValueError(f"{name} must be a positive size such as 80GiB, got {value} bytes.")
         if not value >= 0:  # also refuses nan
             raise ValueError(f"{name} must be a size >= 0 bytes, got {value}; give the memory in bytes, e.g. 80 * 2**30.")
+        if value == math.inf:  # the budgets are whole bytes: int(inf) was an OverflowError when planning
+            raise ValueError(f"{name} must be a finite size in bytes, got {value}; for memory that never binds, give "
+                             "a size past every table's bytes, e.g. 2**60.")
 
 
 def make_topology(

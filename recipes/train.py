@@ -488,6 +488,49 @@ def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> f
     return float(metric.compute())
 
 
+class _WarningsAboveBar:
+    """Routes Python warnings through ``tqdm.write`` while a drawn progress bar is open.
+
+    A warning printed by the default handler while the bar is drawn continued the bar's
+    line on the terminal (the bar has no newline until it closes). While open, this puts
+    a handler in ``warnings.showwarning`` that prints the usual warning text through
+    ``tqdm.write``, which clears the bar, prints the text on lines of its own and draws
+    the bar again below it. :meth:`close` puts the previous handler back (unless another
+    replaced this one meanwhile). A disabled bar (other ranks, ``--no-progress-bar``)
+    changes nothing.
+
+    Args:
+        bar (tqdm): the progress bar (drawn on ``sys.stderr``).
+    """
+
+    def __init__(self, bar: tqdm) -> None:
+        self._previous: Any = None
+        self._installed = False
+        if not bar.disable:
+            self._previous = warnings.showwarning
+            warnings.showwarning = self._show
+            self._installed = True
+
+    @staticmethod
+    def _show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: Any = None,
+        line: str | None = None,
+    ) -> None:
+        text = warnings.formatwarning(message, category, filename, lineno, line)
+        tqdm.write(text.rstrip("\n"), file=sys.stderr if file is None else file)
+
+    def close(self) -> None:
+        """Puts the previous ``warnings.showwarning`` back (idempotent)."""
+        if self._installed:
+            self._installed = False
+            if warnings.showwarning is self._show:
+                warnings.showwarning = self._previous
+
+
 def run(config: TrainConfig) -> TrainResult:
     """Trains with ``config`` on this process's rank.
 
@@ -510,6 +553,7 @@ def run(config: TrainConfig) -> TrainResult:
     rank, world = dist.get_rank(), dist.get_world_size()
     tb = RunLogger(None)  # opened once the first step is known (a resume purges what follows it)
     bar: tqdm | None = None  # closed on every exit path, so an error line starts on a line of its own
+    above_bar: _WarningsAboveBar | None = None  # warnings printed through the open bar, closed with it
     try:
         source = make_data_source(config, rank, world)
         total = source.total_steps()
@@ -556,6 +600,7 @@ def run(config: TrainConfig) -> TrainResult:
             mininterval=1.0,
             file=sys.stderr,
         )
+        above_bar = _WarningsAboveBar(bar)
         step = start
         pending: list[torch.Tensor] = []  # losses of the steps up to ``step`` not yet read
 
@@ -677,6 +722,7 @@ def run(config: TrainConfig) -> TrainResult:
                 guard.last_checkpoint = step
             tb.flush()
             interval_t0 += time.perf_counter() - paused_at
+        above_bar.close()  # warnings print as usual again
         bar.close()  # before the final lines below (closing again in ``finally`` is a no-op)
         result.train_seconds = time.perf_counter() - loop_t0
         if timed_steps:
@@ -688,6 +734,8 @@ def run(config: TrainConfig) -> TrainResult:
             Path(config.metrics_file).write_text(json.dumps(result.to_json(), indent=1, allow_nan=False))
         return result
     finally:
+        if above_bar is not None:
+            above_bar.close()
         if bar is not None:
             bar.close()
         tb.close()

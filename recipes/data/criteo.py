@@ -484,7 +484,17 @@ class CriteoTsvSource(BatchSource):
                         "least one)",
                     )
                 for path, size, rows in zip(self._paths, self._start_bytes, file_rows):
-                    now = os.path.getsize(path)
+                    try:
+                        now = os.path.getsize(path)
+                    except OSError as e:  # deleted (or moved) once read to its end
+                        raise CriteoDataChangedError(
+                            f"--data-path file {path} can no longer be read while this run reads it "
+                            f"({e.strerror or e}): it held {rows} rows when this run read it and holds none now, "
+                            f"so the first pass, which ended at step {step}, cannot be repeated. Fix: restore the "
+                            "file (do not move or delete the files of a running job), then resume from the last "
+                            "checkpoint (--resume)",
+                            path=path,
+                        ) from None
                     if now < size:  # this pass's length is not the files'
                         raise CriteoDataChangedError(
                             f"--data-path file {path} shrank while this run read it: it now holds {now} bytes "
