@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -112,6 +113,12 @@ def _size_of(flag: str) -> Callable[[str], int]:
     return parse
 
 
+def _expanded(number: str) -> str:
+    """``"1e6"`` -> ``"1000000"`` (digits of the value, for an error's example; ``"1.5e0"`` -> ``"2"``)."""
+    value = float(number)
+    return str(round(value)) if math.isfinite(value) else "1000000"
+
+
 def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
     """Read the YAML table list.
 
@@ -157,6 +164,13 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
                 example = {"name": "user_id", "dtype": "float32", "optimizer": "adam"}[key]
                 raise ValueError(f"{path}: table #{k}: {key} is {value!r} ({type(value).__name__}); it must be a "
                                  f"non-empty string (YAML: quote it, e.g. {key}: \"{example}\").")
+        for key in ("rows", "dim", "lookups_per_step"):
+            value = item.get(key)
+            if isinstance(value, str) and re.fullmatch(r"\s*[0-9.]+[eE][+-]?[0-9]+\s*", value):
+                # YAML 1.1 reads 1e6 (no dot, no sign) as a string: TableSpec's "got '1e6' (str)" hid why
+                raise ValueError(f"{path}: table #{k} ({item['name']}): {key}: {value} is a string to YAML (YAML 1.1 "
+                                 f"reads an exponent as a number only with a decimal point and a sign, 1.0e+6); "
+                                 f"write the whole number, e.g. {key}: {_expanded(value)}.")
         try:
             specs.append(
                 TableSpec(

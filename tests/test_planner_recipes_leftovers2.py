@@ -93,6 +93,28 @@ def test_cli_takes_explicit_bytes_and_large_bare_numbers_as_bytes(
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
 
 
+@pytest.mark.parametrize("text, key, example", [
+    ("rows: 1e6, dim: 8", "rows", "1000000"),
+    ("rows: 1000, dim: 1.6E1", "dim", "16"),
+])
+def test_cli_names_a_yaml_exponent_that_yaml_reads_as_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, key: str, example: str
+) -> None:
+    """``rows: 1e6`` is a string to YAML 1.1; the error said only "got '1e6' (str)"."""
+    import yaml
+
+    y = tmp_path / "t.yaml"
+    y.write_text(f"- {{name: t, {text}}}\n")
+    assert isinstance(yaml.safe_load(y.read_text())[0][key], str)  # the reference: PyYAML's own reading
+    assert cli_main(["--tables", str(y), "--world-size", "2", "--hbm", "1GiB", "--ddr", "1TiB"]) == 2
+    err = capsys.readouterr().err
+    assert f"table #0 (t): {key}: " in err and "is a string to YAML" in err, err
+    assert f"e.g. {key}: {example}." in err, err
+    # the number the hint writes is read as the int it names and plans
+    y.write_text(f"- {{name: t, {text.replace(text.split(key + ': ')[1].split(',')[0], example)}}}\n")
+    assert cli_main(["--tables", str(y), "--world-size", "2", "--hbm", "1GiB", "--ddr", "1TiB"]) == 0
+
+
 # ---------------------------------------------------------------- bins with a proposer
 @pytest.mark.parametrize("proposer", [BruteForceProposer(), DynamicProgrammingProposer(bins=(8, 4))])
 def test_planner_refuses_bins_together_with_a_proposer(proposer: Any) -> None:
