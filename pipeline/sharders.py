@@ -156,7 +156,8 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
         TieredOptimizerConfig: SGD / row-wise Adagrad / Adam with the same hyper-parameters.
 
     Raises:
-        ValueError: the optimizer is not one the tiered kernel runs, a fused param is a
+        ValueError: the optimizer is not one the tiered kernel runs (or one fbgemm's TBE refuses as
+            deprecated: ``EmbOptimType.SGD`` / ``ROWWISE_ADAGRAD``), a fused param is a
             torch optimizer argument fbgemm's TBE does not take (:data:`TORCH_OPTIMIZER_ONLY_KWARGS`,
             e.g. Adam's ``betas``), or a fused param changes fbgemm's update in a way the
             tiered kernel does not implement (:func:`_unsupported_update_params`).
@@ -165,6 +166,14 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
         raise ValueError(f"fused_params must be a dict (or None), got {type(fused_params).__name__} {fused_params!r}.")
     fp = dict(fused_params or {})
     opt = fp.get("optimizer", EmbOptimType.EXACT_SGD)
+    if opt in _DEPRECATED_OPTIMIZERS:
+        exact = _DEPRECATED_OPTIMIZERS[opt]
+        raise ValueError(
+            f"fused optimizer EmbOptimType.{opt.name} is deprecated in fbgemm, whose TBE refuses it (torchrec's "
+            f"FUSED tables fail with an AssertionError); tiered tables run the exact update only: use "
+            f"EmbOptimType.{exact.name} in the fused params (what apply_optimizer_in_backward with "
+            f"{'torch.optim.SGD' if exact is EmbOptimType.EXACT_SGD else 'torchrec RowWiseAdagrad'} gives)."
+        )
     try:
         fused = FusedOptimizer.parse(opt)
     except ValueError:
@@ -211,6 +220,14 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
         beta2=number("beta2", 0.999),
         weight_decay=number("weight_decay", 0.0) if fused is FusedOptimizer.ADAM else 0.0,
     )
+
+
+#: fbgemm's non-exact ``EmbOptimType`` members, which its TBE refuses ("deprecated in the CPU + GPU
+#: modes"), and their exact counterparts (the update the tiered kernel runs).
+_DEPRECATED_OPTIMIZERS: Dict[EmbOptimType, EmbOptimType] = {
+    EmbOptimType.SGD: EmbOptimType.EXACT_SGD,
+    EmbOptimType.ROWWISE_ADAGRAD: EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+}
 
 
 #: Keyword arguments of torch.optim.SGD / Adam / Adagrad and torchrec's RowWiseAdagrad that
@@ -370,7 +387,8 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
 
     One param group per table (key ``<table>.weight``, prefixed by the sharded
     collection like torchrec's), whose ``lr`` starts at the table's fused
-    ``learning_rate``. :meth:`step` and :meth:`zero_grad` push each group's
+    ``learning_rate`` as fbgemm holds it (float32, what torchrec's FUSED groups start from, so
+    a torch LR scheduler scales both alike). :meth:`step` and :meth:`zero_grad` push each group's
     ``lr`` into its shard (:meth:`TieredEmbeddingShard.set_learning_rate`), as
     torchrec's do into fbgemm's TBE, so an LR schedule on ``model.fused_optimizer``
     (e.g. torchrec's ``WarmupOptimizer``) reaches tiered tables at the same step
@@ -398,7 +416,10 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
         self._shards: List[TieredEmbeddingShard] = list(shards.values())
         # a key tensor per table: torchrec keys optimizer params (and their groups) by tensor
         keys = {f"{name}.weight": torch.empty(0) for name in shards}
-        groups = [{"params": [keys[f"{name}.weight"]], "lr": float(shard.optimizer.learning_rate)}
+        # fbgemm's float32 learning rate, as torchrec's FUSED groups start from its get_learning_rate():
+        # an LR scheduler scales the groups' lr, so both must start from the same value
+        groups = [{"params": [keys[f"{name}.weight"]],
+                   "lr": float(torch.tensor(shard.optimizer.learning_rate, dtype=torch.float32))}
                   for name, shard in shards.items()]
         super().__init__(params=keys, state={}, param_groups=groups)
 
@@ -941,8 +962,11 @@ class _TieredTablesMixin:
         """Loads tiered rows from ``state_dict``, then runs torchrec's hook.
 
         Consumes the ``...tiered.*`` export entries (:meth:`_load_tiered_entries`)
-        and full ``[num_embeddings, dim]`` weights (:func:`_load_full_tiered_weights`).
+        and full ``[num_embeddings, dim]`` weights (:func:`_load_full_tiered_weights`),
+        after :meth:`_check_entries_fit_tables` refused (before any table changed) entries
+        that a table's kernel cannot load.
         """
+        self._check_entries_fit_tables(state_dict, prefix)
         self._load_tiered_entries(state_dict, prefix)
         _load_full_tiered_weights(
             self, state_dict, f"{prefix}{self._TIERED_COLLECTION}.", self._tiered_names()
@@ -951,6 +975,64 @@ class _TieredTablesMixin:
         super(_TieredTablesMixin, type(self))._pre_load_state_dict_hook(  # type: ignore[misc]
             self, state_dict, prefix, *args
         )
+
+    def _check_entries_fit_tables(self, state_dict: Dict[str, Any], prefix: str) -> None:
+        """Refuses, naming the table and the fixes, the state dict entries of a table saved
+        under the other kernel (users migrating checkpoints between torchrec's FUSED tables and
+        tiered ones), before any table is loaded:
+
+        * a tiered table given a ``ShardedTensor`` / ``DTensor`` ``weight`` (a FUSED table's
+          shards: this rank holds a contiguous row range, the tiered shard hash-routed rows);
+        * a table that is not tiered here given a tiered export (``<table>.tiered.*``) or the
+          tiered tables' empty ``weight`` placeholder, which torchrec's hook failed on with
+          ``IndexError: too many indices for tensor of dimension 1`` (the export holds this
+          rank's hash-routed rows, not the table's shard).
+
+        Args:
+            state_dict (Dict[str, Any]): the state dict being loaded.
+            prefix (str): this module's key prefix in it.
+
+        Raises:
+            ValueError: naming the table, the entries and the possible solutions.
+        """
+        tiered = set(self._tiered_names())
+        plan = self.module_sharding_plan  # type: ignore[attr-defined]
+        collection = f"{prefix}{self._TIERED_COLLECTION}."
+        for name in (n for n in plan if n in tiered):  # plan order: every rank names the same table
+            key = f"{collection}{name}.weight"
+            if isinstance(state_dict.get(key), (ShardedTensor, DTensor)):
+                raise ValueError(_sharded_weight_error(key, name, state_dict[key]))
+        local = getattr(self, "_model_parallel_name_to_local_shards", {})
+        wrappers = getattr(self, "_model_parallel_name_to_shards_wrapper", {})
+        for name, ps in plan.items():
+            if name in tiered:
+                continue
+            key = f"{collection}{name}.weight"
+            base = f"{collection}{name}.{TIERED_STATE_KEY}."
+            exported = sorted(k for k in state_dict if k.startswith(base))
+            value = state_dict.get(key)
+            has_shard = bool(local.get(name)) or bool((wrappers.get(name) or {}).get("local_tensors"))
+            placeholder = (isinstance(value, torch.Tensor) and not isinstance(value, (ShardedTensor, DTensor))
+                           and value.dim() != 2 and has_shard)
+            if not exported and not placeholder:
+                continue
+            found = (f"its tiered export {exported}" if exported else "") + (" and " if exported and placeholder
+                                                                              else "")
+            found += f"the tiered tables' empty placeholder {key} (shape {list(value.shape)})" if placeholder else ""
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: table {name!r} is planned {ps.sharding_type} "
+                f"{ps.compute_kernel} (not tiered) in this model, but the state dict holds it as a tiered model "
+                f"saved it: {found}. A tiered export is one rank's hash-routed rows (global ids, values, "
+                f"optimizer state), not this table's {ps.sharding_type} shard, so it cannot be loaded here. "
+                "Possible solutions:\n"
+                f"  1. load it into a model that plans {name!r} as it was saved (a tiered placement, "
+                "compute_kernel 'customized_kernel');\n"
+                "  2. move the saved rows as a full table: on every rank of the saving (tiered) model, "
+                f"st = <its sharded collection>.tiered_state()[{name!r}]; full = torch.zeros(num_embeddings, "
+                "dim); full[st.global_ids] = st.weights; torch.distributed.all_reduce(full); then pass "
+                f"{{{key!r}: full}} here instead of the tiered entries (the table's optimizer state then "
+                "starts from zero)."
+            )
 
     def _load_tiered_entries(self, state_dict: Dict[str, Any], prefix: str) -> None:
         """Loads and removes the ``...tiered.*`` entries written by the state_dict hook."""
@@ -1061,6 +1143,25 @@ class TieredShardedEmbeddingBagCollection(_TieredTablesMixin, RecpipeShardedEmbe
         return super().input_dist(ctx, features)
 
 
+def _sharded_weight_error(key: str, name: str, value: Any) -> str:
+    """The refusal of a ``ShardedTensor`` / ``DTensor`` weight (e.g. a torchrec FUSED table's
+    ``state_dict()``) given to tiered table ``name``, with the possible solutions."""
+    gather = ("full = value.full_tensor()" if isinstance(value, DTensor) else
+              "full = torch.zeros(num_embeddings, dim); for s in value.local_shards(): (r, c) = "
+              "s.metadata.shard_offsets; full[r:r + s.tensor.shape[0], c:c + s.tensor.shape[1]] = s.tensor; then "
+              "torch.distributed.all_reduce(full)")
+    return (
+        f"{key}: tiered table {name!r} cannot load a {type(value).__name__} (e.g. the state_dict() of a model "
+        "whose table is a torchrec FUSED table): this rank holds a contiguous range of its rows, while the "
+        "tiered shard owns hash-routed rows held by every rank. Possible solutions:\n"
+        f"  1. pass the full [num_embeddings, dim] tensor, gathered on every rank: {gather} (the table's "
+        "optimizer state then starts from zero: FUSED tables keep it in fused_optimizer.state_dict(), which tiered "
+        "tables do not load);\n"
+        "  2. load the state_dict() (or tiered_state() exports, with load_tiered_state()) of a model that planned "
+        "the table tiered."
+    )
+
+
 def _load_full_tiered_weights(
     module: Any, state_dict: Dict[str, Any], key_prefix: str, tiered_names: List[str]
 ) -> None:
@@ -1081,11 +1182,7 @@ def _load_full_tiered_weights(
             continue
         value = state_dict[key]
         if isinstance(value, (ShardedTensor, DTensor)):
-            raise ValueError(
-                f"{key}: tiered table {name!r} cannot load a {type(value).__name__}; load "
-                "its rows with load_tiered_state() (exports of tiered_state()) or pass the "
-                "full [num_embeddings, dim] tensor."
-            )
+            raise ValueError(_sharded_weight_error(key, name, value))
         if value.numel() == 0:
             continue
         tiered[name].load_global_weights(value.detach())

@@ -372,6 +372,7 @@ class TieredEmbeddingShard(nn.Module):
         # The step Adam's bias correction counts on (native and torch backends): fbgemm's host
         # counter iter_cpu, which follows step but re-reads it only while 0 (set_optimizer_step).
         self._opt_iter: int = 0
+        self._step_sets: int = 0  # loads that set the step (_set_step), for undo_lookup
         # Bulk writes of the rows (init, load_global_weights, load_states): lets the
         # fused pipeline see a table written between steps (train_pipeline.tables_version).
         self.rows_writes: int = 0
@@ -387,6 +388,16 @@ class TieredEmbeddingShard(nn.Module):
         # device-generic torch-op path below (_lookup_torch / _backward_torch), which is also
         # the reference the kernel is tested against.
         self._native: bool = self.backend == "native"
+        if self.backend == "fbgemm" and embedding_dim % 4:
+            # checked on every rank, also one holding no rows (it builds no fbgemm table),
+            # so no rank of a sharded model goes on while another refuses the table
+            raise ValueError(
+                f"tiered table {table_name!r}: embedding_dim={embedding_dim} is not a multiple of 4, which "
+                "fbgemm's TBE (backend 'fbgemm') needs, as torchrec's FUSED tables do. Possible solutions:\n"
+                "  1. use a dim that is a multiple of 4 in the table's config;\n"
+                "  2. run the table on another backend: backend='native' on CPU (the tiered sharders' backend= "
+                "argument), or 'torch' on other devices."
+            )
         if self.backend == "fbgemm" and R > 0:
             plan = plan_fbgemm_tier(num_rows=R, embedding_dim=embedding_dim, mode=self.mode,
                                     cache_load_factor=self.cache_load_factor, cache_policy=self.cache_policy,
@@ -638,6 +649,7 @@ class TieredEmbeddingShard(nn.Module):
     def _set_step(self, step: int) -> None:
         """Sets the optimizer step counter (Adam bias correction), in fbgemm's TBE too."""
         self.step = int(step)
+        self._step_sets += 1  # undo_lookup of a fbgemm shard without rows keeps a step set since the lookup
         self._opt_iter = 0  # the next update re-reads step, as a restored fbgemm TBE (set_optimizer_step)
         if self._fbgemm is not None:
             self._fbgemm.set_step(self.step)
@@ -646,15 +658,18 @@ class TieredEmbeddingShard(nn.Module):
         """The counters a lookup advances, for :meth:`undo_lookup` (host values only).
 
         The fbgemm backend counts optimizer steps in the lookup, as fbgemm's TBE does
-        (the TBE's ``step`` / ``iter``, ``FbgemmTier.step`` and this shard's ``step``);
-        the ``native`` and ``torch`` backends count them in the backward, so a lookup
+        (the TBE's ``step`` / ``iter``, ``FbgemmTier.step`` and this shard's ``step``; a
+        shard without rows, which has no TBE, counts its ``step`` alike); the ``native`` and ``torch`` backends count them in the backward, so a lookup
         whose backward never runs advanced nothing: None. ``TrainPipelineFusedSparseDist``
         reads them around every lookup it issues early, to take back a discarded one's.
 
         Returns:
             Optional[Any]: an opaque snapshot, or None when a lookup counts nothing.
         """
-        return self._fbgemm.lookup_counters() if self._fbgemm is not None else None
+        if self._fbgemm is not None:
+            return self._fbgemm.lookup_counters()
+        # a fbgemm shard without rows counts its lookups itself (_forward_fbgemm)
+        return (self.step, self._step_sets) if self.backend == "fbgemm" else None
 
     def undo_lookup(self, before: Optional[Any], after: Optional[Any]) -> None:
         """Takes back the counter increments of one discarded lookup (:meth:`lookup_counters`
@@ -667,7 +682,11 @@ class TieredEmbeddingShard(nn.Module):
             before (Optional[Any]): :meth:`lookup_counters` before the lookup.
             after (Optional[Any]): :meth:`lookup_counters` right after it.
         """
-        if self._fbgemm is None or before is None or after is None:
+        if before is None or after is None or self.backend != "fbgemm":
+            return
+        if self._fbgemm is None:  # a shard without rows: its own count, unless a load set the step since
+            if self._step_sets == after[1]:
+                self.step -= after[0] - before[0]
             return
         self._fbgemm.undo_lookup(before, after)
         self.step = self._fbgemm.step  # as _forward_fbgemm sets it
@@ -1012,9 +1031,18 @@ class TieredEmbeddingShard(nn.Module):
         self._check_psw_pooling(psw)  # also on CUDA, where _check_inputs is skipped
         self._flushed_rows = 0
         if self._fbgemm is None:  # a shard without rows (fewer rows than ranks): only empty bags
+            # counted as fbgemm's TBE counts the lookups of the table's other shards (FbgemmTier: SGD
+            # steps in lookups with grad enabled, the TBE's iter in every lookup), so that every rank
+            # exports the same step (loads and DCP refuse exports that disagree)
+            if torch.is_grad_enabled() or self.optimizer.optimizer is not FusedOptimizer.SGD:
+                self.step += 1
             k = len(TIERED_STATS)
             self._stats[:k].zero_()
-            return torch.zeros((offsets.numel() - 1, self.embedding_dim), dtype=self.dtype, device=self.device)
+            # requires grad as the other backends' outputs do (their anchor): a sharded model's
+            # loss.backward() on this rank then runs the output dist's backward collective with
+            # the other ranks (a rank whose lookups all came out without grad skipped it)
+            return torch.zeros((offsets.numel() - 1, self.embedding_dim), dtype=self.dtype, device=self.device,
+                               requires_grad=torch.is_grad_enabled())
         out = self._fbgemm(ids, offsets, psw)
         self.step = self._fbgemm.step  # training lookups; export_state reads fbgemm's own counter
         return out
