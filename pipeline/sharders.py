@@ -249,7 +249,10 @@ def _unsupported_update_params(fp: Dict[str, Any], optimizer: FusedOptimizer) ->
     * row-wise Adagrad's ``weight_decay_mode`` (``L2`` / ``DECOUPLE`` with a nonzero
       ``weight_decay``, or ``COUNTER`` / ``COWCLIP`` / ``DECOUPLE_GLOBAL``) and ``max_norm > 0``
       (fbgemm's CUDA update decays / renormalizes the rows; fbgemm-gpu-cpu 1.9's CPU update
-      ignores them, newer CPU builds apply the weight decay).
+      ignores them, newer CPU builds apply the weight decay);
+    * ``extra_optimizer_config`` with ``use_rowwise_bias_correction`` (fbgemm's CUDA Adam then
+      corrects each row's moments by that row's own update count; the tiered kernel by the
+      table's step).
 
     Their defaults (fbgemm's: ``False``, ``WeightDecayMode.NONE``, ``0.0``) are accepted, so
     is a ``weight_decay`` that fbgemm ignores (row-wise Adagrad without a mode, SGD).
@@ -262,6 +265,9 @@ def _unsupported_update_params(fp: Dict[str, Any], optimizer: FusedOptimizer) ->
         Dict[str, Any]: name -> value of each unsupported non-default param (empty if none).
     """
     out: Dict[str, Any] = {}
+    extra = fp.get("extra_optimizer_config")
+    if getattr(extra, "use_rowwise_bias_correction", False):  # fbgemm's per-row Adam step counts
+        out["extra_optimizer_config"] = extra
     if fp.get("gradient_clipping", False):
         out["gradient_clipping"] = fp["gradient_clipping"]
         out["max_gradient"] = fp.get("max_gradient", 1.0)  # fbgemm's default

@@ -392,3 +392,23 @@ def test_deprecated_non_exact_fbgemm_optimizers_refused_as_by_torchrec(name: str
         assert res["tiered"].startswith(f"ValueError: tiered table 't0': fused optimizer EmbOptimType.{name} is "
                                         "deprecated in fbgemm"), f"rank {rank}: {res['tiered']}"
         assert f"use EmbOptimType.{exact} in the fused params" in res["tiered"], res["tiered"]
+
+
+def test_adam_rowwise_bias_correction_refused_for_tiered_tables() -> None:
+    """fbgemm's ``extra_optimizer_config`` with ``use_rowwise_bias_correction`` makes its Adam
+    correct each row's moments by that row's own update count (fbgemm's TBE takes the knob and
+    keeps it: the reference below); the tiered kernel corrects by the table's step and took the
+    config silently. It is refused, naming it; the knob off is accepted and changes nothing."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.tbe.config.optimizer_config import UserEnabledConfigDefinition
+
+    from recpipe.pipeline.sharders import tiered_optimizer_from_fused_params
+
+    on = UserEnabledConfigDefinition(use_rowwise_bias_correction=True)
+    assert on.use_rowwise_bias_correction  # fbgemm's own definition of the knob
+    with pytest.raises(ValueError, match=r"fused params \{'extra_optimizer_config': .*use_rowwise_bias_correction=True"
+                       r".*change fbgemm's adam update"):
+        tiered_optimizer_from_fused_params({"optimizer": EmbOptimType.ADAM, "extra_optimizer_config": on})
+    off = UserEnabledConfigDefinition(use_rowwise_bias_correction=False)
+    assert tiered_optimizer_from_fused_params({"optimizer": EmbOptimType.ADAM, "extra_optimizer_config": off}) == \
+        tiered_optimizer_from_fused_params({"optimizer": EmbOptimType.ADAM})
