@@ -16,7 +16,7 @@ stream on the results; on CPU it makes no stream call at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.profiler import record_function
@@ -27,6 +27,17 @@ from torchrec.distributed.train_pipeline.types import CallArgs
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from recpipe.pipeline._pipeline_stats import PipelineStageStats, time_awaitable_tree
+
+
+class PipelinedLookupUnavailableError(RuntimeError, AssertionError):
+    """A pipelined embedding module found no lookup (or input dist) for the batch in forward.
+
+    torchrec's ``PipelinedForward`` raises an ``AssertionError`` in the same
+    situations (a module called twice in one forward; a ``progress()`` retried
+    after a step that raised once its forward had called the module), so this
+    error is both a ``RuntimeError`` and an ``AssertionError``: code written
+    against torchrec's pipeline catches it unchanged.
+    """
 
 
 @dataclass
@@ -63,6 +74,23 @@ class FusedLookupPipelineContext(EmbeddingTrainPipelineContext):
     were written since (``load_state_dict``, in-place edits) or whose fused
     learning rate changed (an LR scheduler stepped between two ``progress()``
     calls) is looked up again."""
+
+    lookup_errors: Dict[str, Exception] = field(default_factory=dict)
+    """Module name -> the exception its lookup raised (e.g. an id out of range with
+    fbgemm's ``BoundsCheckMode.FATAL``). torchrec looks a batch up inside its
+    forward, so the exception is raised when the forward calls the module, in the
+    ``progress()`` of this batch, not in the one that issued the lookup early."""
+
+    deferred_lookups: Set[str] = field(default_factory=set)
+    """Modules whose lookup was not issued because an earlier lookup of this batch
+    raised (``lookup_errors``): looked up inside the forward, as torchrec's pipeline
+    does, if the forward calls them before the module whose lookup raised (no
+    collective runs that torchrec's pipeline would not run)."""
+
+    forward_started: bool = False
+    """True once the forward called a pipelined module for this batch: its
+    lookups are being consumed, so a retried ``progress()`` on this batch fails on
+    a consumed module as torchrec's does instead of looking it up again."""
 
 
 def record_on_stream(result: Any, stream: torch.Stream) -> None:
@@ -116,6 +144,7 @@ class FusedLookupPipelinedForward(InSyncEmbeddingPipelinedForward):
         # without a stream we are on a stream-less device (CPU).
         self._device = stream.device if stream is not None else torch.device("cpu")
         self._stats: Optional[PipelineStageStats] = None
+        self._lookup: Optional[Callable[[ShardedModule, FusedLookupPipelineContext], None]] = None
 
     def bind(self, stats: PipelineStageStats, device: torch.device) -> None:
         """Attaches the pipeline's stage stats and device.
@@ -127,18 +156,42 @@ class FusedLookupPipelinedForward(InSyncEmbeddingPipelinedForward):
         self._stats = stats
         self._device = device
 
+    def bind_lookup(self, lookup: Callable[[ShardedModule, "FusedLookupPipelineContext"], None]) -> None:
+        """Attaches the pipeline's lookup, run by the forward for a module in the
+        context's ``deferred_lookups`` (its exceptions propagate from the forward).
+
+        Args:
+            lookup (Callable): issues the module's lookup into the context.
+        """
+        self._lookup = lookup
+
     def _uses_streams(self) -> bool:
         return self._stream is not None and self._device.type in ("cuda", "mtia")
 
     def __call__(self, *input: Any, **kwargs: Any) -> Any:
         context = self._context
+        if isinstance(context, FusedLookupPipelineContext):
+            context.forward_started = True
+            error = context.lookup_errors.pop(self._name, None)
+            if error is not None:
+                # torchrec's forward runs this lookup here and raises (its input dist consumed)
+                context.module_contexts.pop(self._name, None)
+                raise error
+            if self._name in context.deferred_lookups and self._lookup is not None:
+                context.deferred_lookups.discard(self._name)
+                self._lookup(self._module, context)
         if self._name not in context.embedding_a2a_requests:
-            raise RuntimeError(
+            raise PipelinedLookupUnavailableError(
                 f"TrainPipelineFusedSparseDist: the embedding lookup of module {self._name!r} "
-                f"was not issued for batch {context.index} (issued for: "
-                f"{sorted(context.embedding_a2a_requests)}). Each pipelined embedding module "
-                "may be called once per forward; call the model only through "
-                "pipeline.progress()."
+                f"is not available for batch {context.index} (available for: "
+                f"{sorted(context.embedding_a2a_requests)}): it was consumed already. Either the "
+                "model's forward calls this module more than once (each pipelined embedding "
+                "module may be called once per forward: call it once and reuse its output), or "
+                "the model was called outside pipeline.progress(), or an earlier progress() "
+                "raised after its forward had called this module and progress() is being "
+                "retried on the same batch (torchrec's TrainPipelineSparseDist cannot rerun "
+                "that batch either: call pipeline.reset() to drop the in-flight batches, "
+                "then continue with progress())."
             )
         context.module_contexts.pop(self._name, None)
         awaitable = context.embedding_a2a_requests.pop(self._name)

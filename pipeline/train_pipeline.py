@@ -22,7 +22,11 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForwar
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.types import PipelineState
 
-from recpipe.pipeline._pipeline_forward import FusedLookupPipelineContext, FusedLookupPipelinedForward
+from recpipe.pipeline._pipeline_forward import (
+    FusedLookupPipelineContext,
+    FusedLookupPipelinedForward,
+    PipelinedLookupUnavailableError,
+)
 from recpipe.pipeline._pipeline_stats import (
     STAGE_LOOKUP,
     STAGE_OPTIMIZER,
@@ -39,6 +43,7 @@ __all__ = [
     "FusedLookupExactnessError",
     "FusedLookupPipelineContext",
     "PipelineStageStats",
+    "PipelinedLookupUnavailableError",
     "TrainPipelineFusedSparseDist",
     "fused_tbes",
     "lookup_counter_sources",
@@ -263,6 +268,16 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     which keeps them exact but removes their overlap; the other modules keep
     theirs (``after_optimizer_modules`` lists the late ones).
 
+    Failures: when a step raises (forward, backward, optimizer, dataloader), the
+    lookups issued early that torchrec (which looks a batch up in its forward) had
+    not run yet are taken back (TBE ``step`` / ``iter``); a retried ``progress()``
+    on a batch whose forward had started raises ``PipelinedLookupUnavailableError``
+    (an ``AssertionError``, as torchrec's ``PipelinedForward``), also after
+    ``attach()``; ``reset()`` drops every in-flight batch. A lookup that raises
+    keeps its exception in the batch's context (``lookup_errors``): the forward
+    of that batch raises it where the module is called, as torchrec does, and
+    the lookups after it are issued from the forward (``deferred_lookups``).
+
     Contexts: every batch's context must be a ``FusedLookupPipelineContext``
     (``context_type``); create them with ``_create_context()``, torchrec's
     extension point, never by appending a plain ``TrainPipelineContext`` to
@@ -431,6 +446,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             forward = module.forward
             if isinstance(forward, FusedLookupPipelinedForward):
                 forward.bind(self.stats, self._device)
+                forward.bind_lookup(self._lookup_in_forward)
 
     def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
         """Re-attaches the model after ``detach()`` (torchrec), discarding the lookup
@@ -447,6 +463,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         ``sparse_dist=False`` the old input dist is kept if the lookup had not
         consumed it, else it is redone at the next ``progress()``. Tiered
         tables count the discarded lookup in ``tier_stats()`` (it was served).
+        A batch whose forward started in a ``progress()`` that raised keeps its
+        state: retrying it fails as in torchrec (call ``reset()``).
 
         Args:
             model (Optional[torch.nn.Module]): the model to attach (default: the
@@ -455,7 +473,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                 (torchrec); False defers it to ``progress()``.
         """
         super().attach(model, sparse_dist)
-        if self.contexts:
+        if self.contexts and not self._fused_context(0).forward_started:
+            # (a batch whose forward ran and raised keeps its state: torchrec's
+            # pipeline fails on its consumed input dist when progress() retries it)
             self._drop_issued_lookup(self._fused_context(0), input_dist_restarted=sparse_dist)
 
     def detach(self) -> torch.nn.Module:
@@ -477,10 +497,58 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
 
     def reset(self) -> None:
         """Drops the in-flight batches (torchrec), first completing and taking back
-        the lookup issued for the next one (its TBE counters), as if it never ran."""
-        if self.contexts and isinstance(self.contexts[0], FusedLookupPipelineContext):
-            self._drop_issued_lookup(self.contexts[0], input_dist_restarted=False, relookup=False)
+        every lookup issued for them that no forward consumed (its TBE counters),
+        as if it never ran: the next batch's, and after a ``progress()`` that raised
+        (e.g. in the optimizer step with ``embedding_lookup_after_opt=False``) the
+        one issued for the batch after it."""
+        for context in self.contexts:
+            if isinstance(context, FusedLookupPipelineContext):
+                self._drop_issued_lookup(context, input_dist_restarted=False, relookup=False)
         super().reset()
+
+    def _take_back_after_failure(self) -> None:
+        """Called when a step raised: takes back the lookups torchrec's pipeline,
+        which looks a batch up inside its forward, would not have run by then.
+
+        A context whose forward has not started (the next batch after an
+        optimizer or backward failure; the current one when its forward was not
+        reached, e.g. the dataloader raised) is dropped as after ``reset()``
+        (``progress()`` looks it up again if it resumes that batch, as torchrec's
+        forward would). A context whose forward started before it raised keeps
+        its state (a retried ``progress()`` fails on the first consumed module
+        as torchrec's does) and only the lookups its forward did not reach are
+        taken back.
+        """
+        for context in self.contexts:
+            if not isinstance(context, FusedLookupPipelineContext) or not (
+                context.embedding_a2a_requests or context.lookup_errors
+            ):
+                continue
+            if context.forward_started:
+                self._take_back_pending(context)
+            else:
+                self._drop_issued_lookup(context, input_dist_restarted=False, relookup=False)
+
+    def _take_back_pending(self, context: FusedLookupPipelineContext) -> List[str]:
+        """Completes the lookups of ``context`` no forward consumed (its
+        ``embedding_a2a_requests``), drops their results and takes back the
+        counters they advanced (:func:`lookup_counter_sources`,
+        :func:`mch_counter_sources`).
+
+        Returns:
+            List[str]: the modules whose lookup was taken back.
+        """
+        pending = list(context.embedding_a2a_requests) + list(context.lookup_errors)
+        context.lookup_errors.clear()  # a lookup that raised is taken back too (counters)
+        context.deferred_lookups.clear()
+        self._wait_and_drop(context.embedding_a2a_requests, self._lookup_stream)
+        self._main_waits_for_lookups()  # the undos below write counters the lookup advanced
+        for name in pending:
+            moves = context.lookup_counters.pop(name, ())
+            for (_, undo), (before, after) in zip(self._counter_sources.get(name, ()), moves):
+                undo(before, after)
+            context.lookup_events.pop(name, None)
+        return pending
 
     def _drop_issued_lookup(
         self, context: FusedLookupPipelineContext, input_dist_restarted: bool, relookup: bool = True
@@ -497,14 +565,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         # Only lookups no forward consumed are taken back: a forward that ran
         # (e.g. before StopIteration with enqueue_batch_after_forward=True) did
         # its lookup in torchrec's pipeline too.
-        pending = set(context.embedding_a2a_requests)
-        self._wait_and_drop(context.embedding_a2a_requests, self._lookup_stream)
-        self._main_waits_for_lookups()  # the undos below write counters the lookup advanced
-        for name, moves in context.lookup_counters.items():
-            if name not in pending:
-                continue
-            for (_, undo), (before, after) in zip(self._counter_sources.get(name, ()), moves):
-                undo(before, after)
+        self._take_back_pending(context)
+        context.forward_started = False
         context.lookup_counters.clear()
         context.lookup_events.clear()
         context.lookup_inputs.clear()
@@ -557,10 +619,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         module: ShardedModule,
         context: FusedLookupPipelineContext,
         tables_ready: Optional[torch.Event],
+        defer_errors: bool = True,
     ) -> None:
         name: str = module.forward.name  # pyre-ignore[16]
         if name not in context.input_dist_tensors_requests:
-            raise RuntimeError(
+            raise PipelinedLookupUnavailableError(
                 f"TrainPipelineFusedSparseDist: the input dist of module {name!r} for batch "
                 f"{context.index} is not available for its lookup (available: "
                 f"{sorted(context.input_dist_tensors_requests)}): it was consumed already. This "
@@ -575,7 +638,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         if self._lookup_stream is None:
             # CPU: no streams; the all-to-all runs on gloo's worker thread.
             kjt = request.wait()
-            context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
+            self._compute_and_output_dist(module, context, module_ctx, kjt, defer_errors)
             self._record_lookup(context, module, counters_before)
             return
         dev = torch.get_device_module(self._device)
@@ -602,9 +665,29 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                 if consumer != dist_stream:
                     kjt.record_stream(consumer)
                     module_ctx.record_stream(consumer)
-            context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
+            self._compute_and_output_dist(module, context, module_ctx, kjt, defer_errors)
             context.lookup_events[name] = lookup.record_event()
         self._record_lookup(context, module, counters_before)
+
+    @staticmethod
+    def _compute_and_output_dist(
+        module: ShardedModule,
+        context: FusedLookupPipelineContext,
+        module_ctx: Any,
+        kjt: Any,
+        defer_errors: bool = True,
+    ) -> None:
+        """Issues ``module``'s lookup and output all-to-all into ``context``; with
+        ``defer_errors`` an exception it raises is kept in ``context.lookup_errors``
+        and raised by the module's pipelined forward, where torchrec's pipeline
+        looks it up."""
+        name: str = module.forward.name  # pyre-ignore[16]
+        try:
+            context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
+        except Exception as error:  # noqa: BLE001 - raised again by the module's forward
+            if not defer_errors:
+                raise
+            context.lookup_errors[name] = error
 
     def _record_lookup(
         self,
@@ -651,7 +734,24 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
                          for m in modules]
             now = self._main_stream_event() if any(waits_now) else None
             for module, wait_now in zip(modules, waits_now):
+                if context.lookup_errors:
+                    # an earlier lookup of this batch raised: torchrec's forward
+                    # stops there, so no further lookup (nor its all-to-all) is issued
+                    context.deferred_lookups.add(module.forward.name)  # pyre-ignore[16]
+                    continue
                 self._issue_module_lookup(module, context, now if wait_now else tables_updated)
+
+    def _lookup_in_forward(self, module: ShardedModule, context: FusedLookupPipelineContext) -> None:
+        """Looks ``module`` up from inside the forward (a lookup deferred because an
+        earlier one of the batch raised), as torchrec's pipeline does: its
+        exceptions propagate from the forward.
+
+        Args:
+            module (ShardedModule): the pipelined module the forward calls.
+            context (FusedLookupPipelineContext): the batch's context.
+        """
+        with StageTimer(self.stats, STAGE_LOOKUP, f"## embedding_lookup_in_forward {context.index} ##"):
+            self._issue_module_lookup(module, context, self._main_stream_event(), defer_errors=False)
 
     def _lookup_mode(self) -> Tuple[bool, bool]:
         """(grad enabled, model.training): what a lookup's result depends on
@@ -668,6 +768,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         if context.lookup_mode != self._lookup_mode():
             return "mode"
         for m in self._pipelined_modules:
+            if m.forward.name in context.deferred_lookups:  # pyre-ignore[16]
+                continue  # looked up in the forward
             then = context.lookup_inputs.get(m.forward.name)  # pyre-ignore[16]
             now = self._lookup_inputs(m)
             if then is None or then[0] != now[0]:
@@ -802,13 +904,25 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         current = self._fused_context(0)
         for position in range(1, len(self.contexts)):
             self._fused_context(position)
+        try:
+            return self._step(dataloader_iter, current)
+        except Exception:
+            # torchrec looks a batch up inside its forward: lookups issued early
+            # that its pipeline would not have run by now are taken back.
+            self._take_back_after_failure()
+            raise
+
+    def _step(self, dataloader_iter: Iterator[Any], current: FusedLookupPipelineContext) -> Any:
+        """The stages of one ``progress()`` call (see the class docstring)."""
         self._set_module_context(current)
         if self._model.training:
             # torchrec's fused optimizers hand the learning rate to the TBEs here,
             # before the lookup of this batch (inside the forward in torchrec).
             with record_function("## zero_grad ##"):
                 self._optimizer.zero_grad()
-        if current.lookup_started:
+        if current.lookup_started and not current.forward_started:
+            # (a batch whose forward already ran and raised is not looked up again:
+            # torchrec's retried forward fails on its consumed input dist)
             reason = self._stale_lookup_reason(current)
             if reason is not None:
                 self._note_relookup(reason)
