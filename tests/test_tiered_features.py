@@ -52,7 +52,6 @@ def _ebc_body(rank: int, world: int, fused_params: Dict[str, Any], batch_sizes: 
     dtype, the output as float32)."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -70,9 +69,7 @@ def _ebc_body(rank: int, world: int, fused_params: Dict[str, Any], batch_sizes: 
             plan = pooled._tiered_plan(ebc, sharder, world, {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3)})
         else:
             sharder = EmbeddingBagCollectionSharder(fused_params=dict(fused_params))
-            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-                                                  sharder=sharder, local_size=world, world_size=world,
-                                                  device_type="cpu")
+            plan = pooled._table_wise_plan(ebc, sharder, world)
         model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],
                                          device=torch.device("cpu"))
         pooled._copy_state_dict(model.module.state_dict(), global_weights)

@@ -182,7 +182,6 @@ def _scheduler_body(rank: int, world: int) -> Dict[str, Any]:
     torchrec's own TABLE_WISE FUSED EBC; per step every param group's lr and the output."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -197,9 +196,7 @@ def _scheduler_body(rank: int, world: int) -> Dict[str, Any]:
             ebc = pooled._ebc()
             apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": pooled.LR})
             sharder = EmbeddingBagCollectionSharder()
-            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-                                                  sharder=sharder, local_size=world, world_size=world,
-                                                  device_type="cpu")
+            plan = pooled._table_wise_plan(ebc, sharder, world)
             model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
                                              device=torch.device("cpu"))
             pooled._copy_state_dict(model.module.state_dict(), weights)

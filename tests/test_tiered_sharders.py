@@ -76,6 +76,14 @@ def _copy_state_dict(local: Dict[str, Any], global_weights: Dict[str, torch.Tens
                 shard.tensor.copy_(global_weights[name][r0:r0 + rows, c0:c0 + cols])
 
 
+def _table_wise_plan(ebc: Any, sharder: Any, world: int) -> Any:
+    """torchrec's reference plan of the two tables: t0 TABLE_WISE on rank 0, t1 on rank 1."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+
+    return construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
+                                          sharder=sharder, local_size=world, world_size=world, device_type="cpu")
+
+
 def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
     """Row-wise plan of the EBC's tables; the tables in ``placements`` become tiered
     (CUSTOMIZED_KERNEL, hash_roundrobin) with the given mode / load factor / seed."""
@@ -105,7 +113,6 @@ def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[
 def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) -> Dict[str, List[Any]]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -124,9 +131,7 @@ def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) ->
             plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3)})
         else:
             sharder = EmbeddingBagCollectionSharder()
-            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-                                                  sharder=sharder, local_size=world, world_size=world,
-                                                  device_type="cpu")
+            plan = _table_wise_plan(ebc, sharder, world)
         model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
                                          device=device)
         _copy_state_dict(model.module.state_dict(), global_weights)
@@ -564,7 +569,6 @@ LR_SCHEDULE = [0.05, 0.2, 0.01, 0.5]  # the lr set before each step's backward
 def _lr_schedule_body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -582,9 +586,7 @@ def _lr_schedule_body(rank: int, world: int) -> Dict[str, Any]:
             plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)})
         else:  # torchrec's own sharder, TABLE_WISE FUSED
             sharder = EmbeddingBagCollectionSharder()
-            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-                                                  sharder=sharder, local_size=world, world_size=world,
-                                                  device_type="cpu")
+            plan = _table_wise_plan(ebc, sharder, world)
         model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
                                          device=torch.device("cpu"))
         _copy_state_dict(model.module.state_dict(), global_weights)
@@ -643,7 +645,6 @@ def _warmup_model(world: int, placements: Any, backend: Optional[str] = None,
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -655,9 +656,7 @@ def _warmup_model(world: int, placements: Any, backend: Optional[str] = None,
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
     if placements is None:
         sharder: Any = EmbeddingBagCollectionSharder()
-        plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-                                              sharder=sharder, local_size=world, world_size=world,
-                                              device_type="cpu")
+        plan = _table_wise_plan(ebc, sharder, world)
     else:
         sharder = TieredEmbeddingBagCollectionSharder(backend=backend, fused_params=fused_params)
         plan = _tiered_plan(ebc, sharder, world, placements)
@@ -803,7 +802,6 @@ def _clipping_body(rank: int, world: int) -> Dict[str, Any]:
     from torch.distributed._shard.sharded_tensor import ShardedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -818,9 +816,7 @@ def _clipping_body(rank: int, world: int) -> Dict[str, Any]:
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         if kind == "ref":
             sharder: Any = EmbeddingBagCollectionSharder(fused_params=dict(CLIPPING))
-            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-                                                  sharder=sharder, local_size=world, world_size=world,
-                                                  device_type="cpu")
+            plan = _table_wise_plan(ebc, sharder, world)
         else:
             sharder = TieredEmbeddingBagCollectionSharder(fused_params=dict(CLIPPING))
             plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
