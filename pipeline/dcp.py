@@ -196,12 +196,17 @@ class CheckpointSaveError(_DCPFailure):
     Args:
         where (str): the checkpoint, for the message.
         problems (Sequence[Tuple[str, Sequence[int]]]): see :func:`dcp_failures`.
+        fixes (Sequence[str] | None): the possible solutions (default: those of a
+            failed write).
     """
 
-    def __init__(self, where: str, problems: Sequence[Tuple[str, Sequence[int]]]) -> None:
+    def __init__(
+        self, where: str, problems: Sequence[Tuple[str, Sequence[int]]], fixes: Optional[Sequence[str]] = None
+    ) -> None:
         super().__init__(
             f"{where} was not saved:",
             problems,
+            fixes if fixes is not None else
             ("check the free space and permissions of the checkpoint directory, then save again",
              "save into another directory"),
         )
@@ -280,6 +285,21 @@ def remove_rank_files(checkpoint_id: PathLike, rank: int) -> None:
     for name in names:
         m = _DCP_RANK_FILE.match(name)
         if (m is not None and int(m.group(1)) == rank) or (rank == 0 and name == _DCP_METADATA_NAME + ".tmp"):
+            try:
+                (directory / name).unlink()
+            except OSError:
+                pass
+
+
+def _remove_dcp_files(directory: Path) -> None:
+    """Removes DCP's files (``.metadata``, ``__R_N.distcp``) of an uncommitted directory;
+    errors are ignored (DCP's write reports an unwritable directory itself)."""
+    try:
+        names = [p.name for p in directory.iterdir()]
+    except OSError:
+        return
+    for name in names:
+        if _DCP_RANK_FILE.match(name) or name == _DCP_METADATA_NAME:
             try:
                 (directory / name).unlink()
             except OSError:
@@ -754,7 +774,9 @@ def load_dcp_state_dict(
         TieredCheckpointError: a table is tiered in the model but not in the
             checkpoint or (``strict``) the other way round (on every rank, before
             anything is read), a tiered table's exports are incomplete, or they
-            disagree with the table (names it).
+            disagree with the table (names it); or, on every rank once the rest was
+            loaded, some rank's rows are refused (NaN / inf values, rows missing from
+            a checkpoint :func:`save` did not write): the model is then partly loaded.
         CheckpointLoadError: DCP refused the regular part, e.g. a torchrec table or
             dense layer of another shape, or (``strict``) the checkpoint holds no
             fused optimizer state (on every rank, before anything is read).
@@ -789,8 +811,40 @@ def load_dcp_state_dict(
     model.load_state_dict(state, strict=strict)
     if optimizer_state is not None:
         model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr, operator]
-    for fqn, shard in tiered.items():
-        _load_tiered_table(shard, heads[fqn], reader, metadata, fqn, where)
+    # The rows themselves are checked while they load (e.g. NaN / inf rows of a checkpoint
+    # not written by save): every rank learns any rank's refusal, so none goes on alone.
+    problem = None
+    try:
+        for fqn, shard in tiered.items():
+            _load_tiered_table(shard, heads[fqn], reader, metadata, fqn, where)
+    except (TieredCheckpointError, CheckpointLoadError) as e:
+        problem = str(e)
+    problems = [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
+    if problems:
+        raise TieredCheckpointError(
+            "\n".join(f"rank {r}: {p}" for r, p in problems)
+            + f"\nThe model is partly loaded from {where}: load another checkpoint into it, or rebuild it."
+        )
+
+
+def _non_finite_tiered_rows(state: Dict[str, Any]) -> List[str]:
+    """This rank's tiered exports in ``state`` (:func:`dcp_state_dict`) whose rows hold
+    NaN or inf values or optimizer state, one line per table: ``load_states`` refuses
+    such rows, so a checkpoint holding them could not be loaded back."""
+    problems: List[str] = []
+    for key, value in state.items():
+        m = _TIERED_KEY.match(key)
+        if m is None or not key.endswith(".weights"):
+            continue
+        opt = state.get(key[: -len("weights")] + "optimizer_state")
+        bad = ~torch.isfinite(value).all(dim=1) if value.numel() else torch.zeros(value.shape[0], dtype=torch.bool)
+        if isinstance(opt, torch.Tensor) and opt.numel():
+            bad |= ~torch.isfinite(opt).all(dim=1)
+        n = int(bad.sum())
+        if n:
+            problems.append(f"tiered table {m.group(1)!r}: {n} of the rank's {value.shape[0]} rows hold NaN or "
+                            "inf values or optimizer state (load would refuse them)")
+    return problems
 
 
 def save(
@@ -818,13 +872,27 @@ def save(
             removed first, :func:`remove_rank_files`), rank 0 could not remove an older
             save's digests record, or the digests record could not be written (on
             every rank; no digests record is written, so :func:`load` refuses what
-            was written).
+            was written); or a tiered table's rows hold NaN / inf on some rank
+            (naming the table and rank; nothing is written and the directory's older
+            save keeps its record).
     """
     # checked before anything is touched: a bad argument must not cost the old save its record
     _check_path(checkpoint_id, "checkpoint_id")
     thread_count = check_int(thread_count, "thread_count", 1)
     state = dcp_state_dict(model)
     rank, world = _rank_world(process_group)
+    # Tiered rows holding NaN / inf cannot be loaded back (load refuses them, on the ranks
+    # owning them only, after the rest of the model was loaded): refused on every rank
+    # before anything is written, so the directory keeps its older save.
+    non_finite = [(p, [r]) for r, part in enumerate(_all_gather(_non_finite_tiered_rows(state), world,
+                                                                 process_group)) for p in part]
+    if non_finite:
+        raise CheckpointSaveError(
+            f"checkpoint {os.fspath(checkpoint_id)}", non_finite,
+            ("training diverged (or the rows were set so): find the first non-finite loss, lower the learning "
+             "rate, and save from a model whose tables are finite",
+             "load the last good checkpoint instead (this save wrote nothing: the directory keeps its older save)"),
+        )
     failed: Optional[str] = None
     if rank == 0:  # an older save's record no longer describes the files
         record = Path(checkpoint_id, DIGESTS_NAME)
@@ -832,6 +900,10 @@ def save(
             record.unlink(missing_ok=True)
         except OSError as e:
             failed = f"removing the old record {record} failed ({type(e).__name__}: {e})"
+        if failed is None:
+            # The older save is no longer committed: its DCP files go too, or those this save
+            # does not overwrite (of a larger world or more writer threads) would stay for good.
+            _remove_dcp_files(Path(checkpoint_id))
     # every rank learns it before any enters DCP's save, a collective the others would wait in
     failed = _all_gather(failed, world, process_group)[0]
     if failed is not None:
@@ -863,9 +935,20 @@ def load(
         process_group (dist.ProcessGroup | None): group of the regular DCP load.
         strict (bool): see :func:`load_dcp_state_dict`.
         verify (bool): verify the files against :data:`DIGESTS_NAME` first.
+
+    Raises:
+        FileNotFoundError: ``checkpoint_id`` does not exist.
+        NotADirectoryError: ``checkpoint_id`` is a file (e.g. the checkpoint's
+            ``.metadata``), not the checkpoint directory.
+        CheckpointIntegrityError, TieredCheckpointError, CheckpointLoadError: see
+            :func:`load_dcp_state_dict`.
     """
     _check_path(checkpoint_id, "checkpoint_id")
     _check_model(model, "load")
+    if os.path.exists(checkpoint_id) and not os.path.isdir(checkpoint_id):
+        raise NotADirectoryError(f"DCP checkpoint {os.fspath(checkpoint_id)!r} is a file, not a directory; pass the "
+                                 "directory given to recpipe.pipeline.dcp.save (the one holding .metadata and "
+                                 f"{DIGESTS_NAME}), not one of its files.")
     if not os.path.isdir(checkpoint_id):
         raise FileNotFoundError(f"DCP checkpoint directory {os.fspath(checkpoint_id)!r} does not exist; "
                                 "pass the directory given to recpipe.pipeline.dcp.save.")

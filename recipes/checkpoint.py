@@ -689,6 +689,14 @@ def _save_pt_checkpoint(
         if rank == 0:
             # An older save of this step is no longer the commit record of these files.
             (step_dir / MANIFEST_NAME).unlink(missing_ok=True)
+            # Its files that no rank of this save writes (DCP's of a ``dcp`` save, rank files
+            # of a larger world) would stay for good, and reseal_checkpoint would take DCP's
+            # stale .metadata for a ``dcp`` checkpoint.
+            for p in step_dir.iterdir():
+                stale_rank = re.fullmatch(r"rank(\d+)\.pt", p.name)
+                if p.is_file() and (p.name == DCP_METADATA_NAME or _DCP_DATA_FILE.match(p.name)
+                                    or (stale_rank is not None and int(stale_rank.group(1)) >= world)):
+                    p.unlink()
         written: Any = _write_rank_file(path, payload)
     except OSError as e:
         written = f"rank {rank}: writing {path} failed ({type(e).__name__}: {e})"

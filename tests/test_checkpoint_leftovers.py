@@ -1,0 +1,301 @@
+"""Checkpoint gaps found late (recpipe.pipeline.dcp, recipes.checkpoint).
+
+* A tiered table whose rows hold NaN / inf (a diverged run) used to save without a word,
+  and the checkpoint could not be loaded back: ``load`` refused those rows only on the
+  rank owning them, after the rest of the model had been loaded there and on every other
+  rank, and the other ranks returned as if the load had worked (they would then wait in
+  the next collective). Now ``save`` refuses such rows on every rank before it writes
+  anything (the directory keeps its older save), and ``load`` of a checkpoint holding
+  them (written by hand: ``torch.distributed.checkpoint.save(dcp_state_dict(model))``)
+  raises on every rank.
+* Saving again into a directory left the older save's DCP files that the new save does
+  not overwrite (e.g. those of more writer threads or a larger world) for good.
+* ``load`` of a file (e.g. the checkpoint's ``.metadata``) said the directory "does not
+  exist".
+* The recipe's ``pt`` save into a step directory of an earlier ``dcp`` (or larger) run left
+  that run's files there.
+
+Also pinned (correct already): ``async_save`` of tiered tables loads back what was saved;
+resuming fused Adam tiered tables from a DCP checkpoint equals the uninterrupted run.
+
+The models and batches are those of ``tests/test_dcp.py`` (tiered t0 HYBRID, t1 CACHING,
+a torchrec ROW_WISE FUSED t2, row-wise Adagrad, a dense head; 2 gloo ranks).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import pytest
+import torch
+
+from gloo_harness import run_gloo
+from test_dcp import SAVE_PLACEMENTS, TABLES, TRAIN_STEPS, _dense_opt, _step, _tiered_model
+
+
+def _poison_a_row_of_rank1(model: Any) -> int:
+    """Sets one row of tiered table t1 that rank 1 owns to NaN (public API: the full
+    table through ``load_global_weights``, whose other rows keep their values);
+    returns its global id."""
+    import torch.distributed as dist
+
+    shard = model.module.ebc.tiered_tables()["t1"]
+    mine = shard.global_ids()
+    ids: List[Any] = [None, None]
+    dist.all_gather_object(ids, int(mine[0]))
+    gid = ids[1]
+    full = torch.zeros(shard.num_embeddings, shard.embedding_dim)
+    st = shard.export_state()
+    full[st.global_ids] = st.weights
+    parts: List[Any] = [None, None]
+    dist.all_gather_object(parts, (st.global_ids, st.weights))
+    for g, w in parts:
+        full[g] = w
+    full[gid] = float("nan")
+    shard.load_global_weights(full)
+    return gid
+
+
+def _tiered_rows(model: Any) -> Dict[str, Any]:
+    return {name: (st.global_ids.numpy().copy(), st.weights.numpy().copy(), st.optimizer_state.numpy().copy(),
+                   st.step)
+            for name, st in model.module.ebc.tiered_state().items()}
+
+
+def _nan_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    model = _tiered_model(world, SAVE_PLACEMENTS)
+    opt = _dense_opt(model)
+    for step in range(TRAIN_STEPS):
+        _step(model, opt, TABLES, step, [rank])
+    recpipe_dcp.save(model, root)
+    good = _tiered_rows(model)
+    head = model.module.head.weight.detach().numpy().copy()
+    gid = _poison_a_row_of_rank1(model)
+    out: Dict[str, Any] = {"gid": gid, "good": good, "head": head}
+    try:
+        recpipe_dcp.save(model, root)
+        out["error"] = None
+    except recpipe_dcp.CheckpointSaveError as e:
+        out["error"] = str(e)
+    fresh = _tiered_model(world, SAVE_PLACEMENTS)
+    recpipe_dcp.load(fresh, root)  # the older save is still there and committed
+    out["loaded"] = _tiered_rows(fresh)
+    out["loaded_head"] = fresh.module.head.weight.detach().numpy().copy()
+    return out
+
+
+def test_dcp_save_refuses_nan_tiered_rows_on_every_rank_and_keeps_the_older_save(tmp_path: Path) -> None:
+    for rank, out in enumerate(run_gloo(2, _nan_save_body, str(tmp_path / "ckpt"))):
+        assert out["error"] is not None, f"rank {rank}: a tiered row holding NaN was saved"
+        assert "'module.ebc.embedding_bags.t1'" in out["error"] and "(rank 1)" in out["error"], out["error"]
+        assert "NaN" in out["error"] and "Possible solutions" in out["error"], out["error"]
+        assert "t0" not in out["error"], out["error"]  # only the poisoned table is named
+        # the directory still holds the first save: what the model held then, bit for bit
+        assert sorted(out["loaded"]) == sorted(out["good"])
+        for name, saved in out["good"].items():
+            for a, b in zip(out["loaded"][name], saved):
+                np.testing.assert_array_equal(a, b, err_msg=f"rank {rank} {name}")
+        np.testing.assert_array_equal(out["loaded_head"], out["head"])
+
+
+def _nan_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    model = _tiered_model(world, SAVE_PLACEMENTS)
+    opt = _dense_opt(model)
+    for step in range(TRAIN_STEPS):
+        _step(model, opt, TABLES, step, [rank])
+    _poison_a_row_of_rank1(model)
+    # the README's by-hand save, which does not check the rows
+    dcp.save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=root)
+    recpipe_dcp.write_digests(root)
+    fresh = _tiered_model(world, SAVE_PLACEMENTS)
+    try:
+        recpipe_dcp.load(fresh, root)
+    except recpipe_dcp.TieredCheckpointError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_dcp_load_refusing_one_ranks_tiered_rows_raises_on_every_rank(tmp_path: Path) -> None:
+    outs = run_gloo(2, _nan_load_body, str(tmp_path / "ckpt"))
+    for rank, out in enumerate(outs):
+        assert out["error"] is not None, f"rank {rank} returned from a load another rank refused"
+        assert "rank 1:" in out["error"] and "'t1'" in out["error"] and "NaN" in out["error"], out["error"]
+        assert "partly loaded" in out["error"], out["error"]
+
+
+def _resave_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    model = _tiered_model(world, SAVE_PLACEMENTS)
+    opt = _dense_opt(model)
+    _step(model, opt, TABLES, 0, [rank])
+    recpipe_dcp.save(model, root, thread_count=2)
+    first = sorted(p.name for p in Path(root).iterdir())
+    _step(model, opt, TABLES, 1, [rank])
+    recpipe_dcp.save(model, root, thread_count=1)
+    md = FileSystemReader(root).read_metadata()
+    referenced = sorted({info.relative_path for info in md.storage_data.values()})
+    fresh = _tiered_model(world, SAVE_PLACEMENTS)
+    recpipe_dcp.load(fresh, root)
+    return {"first": first, "after": sorted(p.name for p in Path(root).iterdir()), "referenced": referenced,
+            "saved": _tiered_rows(model), "loaded": _tiered_rows(fresh)}
+
+
+def test_dcp_save_into_an_older_saves_directory_leaves_none_of_its_files(tmp_path: Path) -> None:
+    from recpipe.pipeline.dcp import DIGESTS_NAME
+
+    for rank, out in enumerate(run_gloo(2, _resave_body, str(tmp_path / "ckpt"))):
+        assert len([n for n in out["first"] if n.endswith(".distcp")]) == 4, out["first"]  # 2 threads x 2 ranks
+        # the directory holds exactly what DCP's metadata of the new save references
+        assert out["after"] == sorted(out["referenced"] + [".metadata", DIGESTS_NAME]), out
+        for name, saved in out["saved"].items():
+            for a, b in zip(out["loaded"][name], saved):
+                np.testing.assert_array_equal(a, b, err_msg=f"rank {rank} {name}")
+
+
+def test_dcp_load_of_a_file_says_it_is_not_the_directory(tmp_path: Path) -> None:
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    f = tmp_path / ".metadata"
+    f.write_bytes(b"x")
+    with pytest.raises(NotADirectoryError, match=r"is a file, not a directory.*pass the directory"):
+        recpipe_dcp.load(torch.nn.Linear(1, 1), f)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        recpipe_dcp.load(torch.nn.Linear(1, 1), tmp_path / "absent")
+
+
+def _async_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    every_table_tiered = dict(SAVE_PLACEMENTS, t2=dict(mode="HYBRID", cache_load_factor=0.5, seed=3))
+    model = _tiered_model(world, every_table_tiered)
+    opt = _dense_opt(model)
+    for step in range(TRAIN_STEPS):
+        _step(model, opt, TABLES, step, [rank])
+    saved = _tiered_rows(model)
+    head = model.module.head.weight.detach().numpy().copy()
+    group = dist.new_group(backend="gloo")  # the save's collectives stay off the training's group
+    future = dcp.async_save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=root, process_group=group)
+    _step(model, opt, TABLES, TRAIN_STEPS, [rank])  # training goes on while it writes
+    future.result()
+    recpipe_dcp.write_digests(root, process_group=group)
+    fresh = _tiered_model(world, every_table_tiered)
+    recpipe_dcp.load(fresh, root)
+    return {"saved": saved, "loaded": _tiered_rows(fresh), "head": head,
+            "loaded_head": fresh.module.head.weight.detach().numpy().copy()}
+
+
+def test_async_save_of_tiered_tables_loads_back_what_was_saved(tmp_path: Path) -> None:
+    """The README's async_save recipe: the state of the moment it was called, bit for bit."""
+    for rank, out in enumerate(run_gloo(2, _async_body, str(tmp_path / "ckpt"))):
+        assert sorted(out["loaded"]) == ["t0", "t1", "t2"]
+        for name, saved in out["saved"].items():
+            for a, b in zip(out["loaded"][name], saved):
+                np.testing.assert_array_equal(a, b, err_msg=f"rank {rank} {name}")
+        np.testing.assert_array_equal(out["loaded_head"], out["head"])
+
+
+def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
+    """``test_dcp``'s model with every table tiered and fused Adam (fbgemm's CPU TBE has no
+    Adam, so FUSED tables cannot run it here)."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from test_dcp import _Model, _ebc
+
+    ebc = _ebc(TABLES)
+    apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": 0.05})
+    sharder = TieredEmbeddingBagCollectionSharder()
+    plan = construct_module_sharding_plan(ebc, {n: row_wise() for n, *_ in TABLES}, sharder=sharder,  # type: ignore[arg-type]
+                                          local_size=world, world_size=world, device_type="cpu")
+    for name, rows, dim, _ in TABLES:
+        plan[name] = PlacementParameterSharding(
+            sharding_type=ShardingType.ROW_WISE.value, compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+            ranks=list(range(world)), sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
+            dist_type="hash_roundrobin", **placements[name])
+    model = DistributedModelParallel(_Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
+                                     plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
+                                     device=torch.device("cpu"))
+    for name, shard in model.module.ebc.tiered_tables().items():
+        shard.load_global_weights(_ebc(TABLES).embedding_bags[name].weight.detach())
+    return model
+
+
+def _adam_resume_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    import copy
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+    from test_dcp import SWAPPED_PLACEMENTS
+
+    saving = dict(SAVE_PLACEMENTS, t2=dict(mode="HYBRID", cache_load_factor=0.5, seed=3))
+    loading = dict(SWAPPED_PLACEMENTS, t2=dict(mode="CACHING", cache_load_factor=0.3, seed=3))
+
+    def dense_adam(model: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for n, p in model.named_parameters() if "head" in n], lr=0.01)
+
+    model = _adam_model(world, saving)
+    opt = dense_adam(model)
+    for step in range(TRAIN_STEPS):
+        _step(model, opt, TABLES, step, [rank])
+    recpipe_dcp.save(model, root)
+    dense_state = copy.deepcopy(opt.state_dict())  # the dense optimizer is the caller's to save
+    uninterrupted = [_step(model, opt, TABLES, step, [rank]) for step in range(TRAIN_STEPS, TRAIN_STEPS + 3)]
+    fresh = _adam_model(world, loading)
+    fresh_opt = dense_adam(fresh)
+    fresh_opt.load_state_dict(dense_state)
+    recpipe_dcp.load(fresh, root)
+    resumed = [_step(fresh, fresh_opt, TABLES, step, [rank]) for step in range(TRAIN_STEPS, TRAIN_STEPS + 3)]
+    return {"uninterrupted": uninterrupted, "resumed": resumed,
+            "steps": {n: s.step for n, s in fresh.module.ebc.tiered_state().items()},
+            "steps_ref": {n: s.step for n, s in model.module.ebc.tiered_state().items()}}
+
+
+def test_adam_resume_from_a_dcp_checkpoint_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    """Adam's moments and step counter (its bias correction) come back, under the other
+    tier placement: the next steps' outputs equal the run that never stopped, bit for bit."""
+    for rank, out in enumerate(run_gloo(2, _adam_resume_body, str(tmp_path / "ckpt"))):
+        assert out["steps"] == out["steps_ref"] == {"t0": TRAIN_STEPS + 3, "t1": TRAIN_STEPS + 3,
+                                                    "t2": TRAIN_STEPS + 3}, out
+        for i, (a, b) in enumerate(zip(out["resumed"], out["uninterrupted"])):
+            for key in ("emb", "pred"):
+                np.testing.assert_array_equal(a[key], b[key], err_msg=f"rank {rank} step {TRAIN_STEPS + i} {key}")
+
+
+def test_a_pt_save_over_a_dcp_step_directory_leaves_only_its_own_files(tmp_path: Path) -> None:
+    """A fresh ``pt`` run saving into the ``--checkpoint-dir`` of an earlier ``dcp`` run used to
+    leave DCP's ``.metadata`` and ``.distcp`` files in the step directory (the model's size on
+    disk for good), and those of a run with more ranks their ``rankR.pt``; ``reseal_checkpoint``
+    then took the step for a ``dcp`` checkpoint of stale weights (or of another world size).
+    The step directory must hold what a ``pt`` save writes, and nothing else."""
+    from recpipe.recipes.checkpoint import read_manifest, reseal_checkpoint
+    from recpipe.recipes.config import TrainConfig
+    from recpipe.recipes.train import run
+    from test_recipes_dist import SMALL_SYNTHETIC
+
+    root = tmp_path / "ckpt"
+    run(TrainConfig(**SMALL_SYNTHETIC, max_steps=4, checkpoint_dir=str(root), checkpoint_format="dcp"))
+    step = root / "step_00000004"
+    assert (step / ".metadata").is_file()
+    (step / "rank1.pt").write_bytes(b"left by an earlier 2-rank run")  # not this 1-rank run's to write
+    run(TrainConfig(**SMALL_SYNTHETIC, max_steps=4, checkpoint_dir=str(root), checkpoint_format="pt"))
+    assert sorted(p.name for p in step.iterdir()) == ["manifest.json", "rank0.pt"]
+    assert read_manifest(step)["checkpoint_format"] == "pt"
+    assert reseal_checkpoint(step)["checkpoint_format"] == "pt"
