@@ -73,6 +73,7 @@ from torchrec.distributed.types import (
     ShardingEnv,
     ShardingType,
 )
+from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -582,9 +583,104 @@ class _RoutedShardedMixin:
 
 
 class RecpipeShardedEmbeddingBagCollection(_RoutedShardedMixin, ShardedEmbeddingBagCollection):
-    """ShardedEmbeddingBagCollection whose ROW_WISE shardings route with recpipe's op."""
+    """ShardedEmbeddingBagCollection whose ROW_WISE shardings route with recpipe's op.
+
+    Row-wise MEAN tables are pooled as SUM and divided by the bag lengths afterwards
+    (torchrec's mean-pooling callback, which divides every feature of the output).
+    torchrec 1.9.2 sets the divisor to 1 only for the features of row-wise SUM tables,
+    so in a collection holding a row-wise (or table-row-wise) MEAN table, the features of
+    its TABLE_WISE / COLUMN_WISE / DATA_PARALLEL tables were divided by their bag
+    lengths too (SUM tables came out as means, MEAN tables divided twice). Here those
+    features get a divisor of 1, so every table pools as the unsharded module does.
+
+    Args: as torchrec's ``ShardedEmbeddingBagCollection``.
+
+    Raises:
+        ValueError: a feature read both by a row-wise MEAN table and by a table that is
+            not one (the callback has one divisor per feature).
+    """
 
     _ROW_WISE_SHARDING: ClassVar[type] = RecpipeRwPooledEmbeddingSharding
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._divide_only_row_wise_mean_features()
+
+    def _divide_only_row_wise_mean_features(self) -> None:
+        """Gives the mean-pooling callback a divisor of 1 for every feature that is not
+        of a row-wise MEAN table (see the class docstring)."""
+        if not self._has_mean_pooling_callback:
+            return
+        rs = self._pooling_type_to_rs_features
+        divided = set(rs.get(PoolingType.MEAN.value, []))
+        readers: Dict[str, List[str]] = {}
+        for config in self._embedding_bag_configs:
+            for feature in config.feature_names:
+                readers.setdefault(feature, []).append(config.name)
+        summed = list(rs.get(PoolingType.SUM.value, []))
+        for feature, tables in readers.items():
+            row_wise_mean = [t for t in tables if self._table_name_to_config[t].pooling == PoolingType.MEAN
+                             and feature in divided and self._is_row_wise(t)]
+            if feature in divided and len(row_wise_mean) != len(tables):
+                others = [t for t in tables if t not in row_wise_mean]
+                raise ValueError(
+                    f"recpipe: feature {feature!r} is read by the row-wise MEAN table(s) {row_wise_mean} and by "
+                    f"{others}, which are not row-wise MEAN tables: torchrec divides a row-wise MEAN feature's "
+                    "pooled sums by its bag lengths after the output dist, one divisor per feature, so the other "
+                    "tables' output would be divided too. Possible solutions:\n  1) give each of these tables its "
+                    "own feature name, or\n  2) give them the same pooling and sharding (all row-wise MEAN, or "
+                    "none)."
+                )
+            if feature not in divided and feature not in summed:
+                summed.append(feature)
+        rs[PoolingType.SUM.value] = summed
+
+    def input_dist(self, ctx: Any, features: Any) -> Awaitable[Awaitable[Any]]:
+        """torchrec's input dist; a VBE KJT's ``inverse_indices`` first put in the shardings'
+        feature order when the collection has a row-wise MEAN table.
+
+        torchrec 1.9.2 builds the mean-pooling divisor of a VBE batch from the rows of
+        ``inverse_indices`` in the KJT's key order but the lengths in the shardings'
+        feature order, so a KJT whose keys came in another order (and no extra keys)
+        failed ("index out of range") or divided by other features' lengths.
+
+        Args:
+            ctx (EmbeddingBagCollectionContext): the batch's context.
+            features (KeyedJaggedTensor): the batch.
+
+        Returns:
+            Awaitable[Awaitable[KJTList]]: as torchrec's.
+        """
+        if (self._has_mean_pooling_callback and isinstance(features, KeyedJaggedTensor)
+                and features.variable_stride_per_key() and features.inverse_indices_or_none() is not None):
+            features = self._vbe_in_feature_order(features)
+        return super().input_dist(ctx, features)
+
+    def _vbe_in_feature_order(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``features`` with its ``inverse_indices`` rows (and names) in the shardings' feature
+        order; keys, values and lengths untouched (so every batch keeps the key order
+        torchrec's input dist was built for)."""
+        names = [f for sharding in self._embedding_shardings for f in sharding.feature_names()]
+        inverse_keys, inverse = features.inverse_indices()
+        if len(set(names)) != len(names) or list(inverse_keys) == names or not set(names) <= set(inverse_keys):
+            return features  # torchrec's own path (shared features, or rows it cannot name)
+        position = {k: i for i, k in enumerate(inverse_keys)}
+        rows = torch.tensor([position[n] for n in names], device=inverse.device)
+        return KeyedJaggedTensor(
+            keys=features.keys(),
+            values=features.values(),
+            weights=features.weights_or_none(),
+            lengths=features.lengths_or_none(),
+            offsets=features.offsets_or_none(),
+            stride_per_key_per_rank=features.stride_per_key_per_rank(),
+            inverse_indices=(names, inverse.index_select(0, rows)),
+        )
+
+    def _is_row_wise(self, table: str) -> bool:
+        """True for a ROW_WISE / TABLE_ROW_WISE table (pooled by torchrec's mean callback)."""
+        return self.module_sharding_plan[table].sharding_type in (
+            ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value
+        )
 
     @classmethod
     def create_embedding_bag_sharding(
