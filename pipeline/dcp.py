@@ -54,7 +54,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -277,29 +277,24 @@ def remove_rank_files(checkpoint_id: PathLike, rank: int) -> None:
     """
     _check_path(checkpoint_id, "checkpoint_id")
     rank = check_int(rank, "rank", 0)
-    directory = Path(checkpoint_id)
-    try:
-        names = [p.name for p in directory.iterdir()]
-    except OSError:
-        return
-    for name in names:
+
+    def of_rank(name: str) -> bool:
         m = _DCP_RANK_FILE.match(name)
-        if (m is not None and int(m.group(1)) == rank) or (rank == 0 and name == _DCP_METADATA_NAME + ".tmp"):
-            try:
-                (directory / name).unlink()
-            except OSError:
-                pass
+        return (m is not None and int(m.group(1)) == rank) or (rank == 0 and name == _DCP_METADATA_NAME + ".tmp")
+
+    _remove_files(Path(checkpoint_id), of_rank)
 
 
-def _remove_dcp_files(directory: Path) -> None:
-    """Removes DCP's files (``.metadata``, ``__R_N.distcp``) of an uncommitted directory;
-    errors are ignored (DCP's write reports an unwritable directory itself)."""
+def _remove_files(directory: Path, doomed: Callable[[str], bool]) -> None:
+    """Removes the files of ``directory`` whose name ``doomed`` accepts (DCP's files of a
+    directory that holds no committed checkpoint). Errors are ignored: DCP's write, or the
+    save's own failure, is the one to report."""
     try:
         names = [p.name for p in directory.iterdir()]
     except OSError:
         return
     for name in names:
-        if _DCP_RANK_FILE.match(name) or name == _DCP_METADATA_NAME:
+        if doomed(name):
             try:
                 (directory / name).unlink()
             except OSError:
@@ -837,10 +832,12 @@ def _non_finite_tiered_rows(state: Dict[str, Any]) -> List[str]:
         if m is None or not key.endswith(".weights"):
             continue
         opt = state.get(key[: -len("weights")] + "optimizer_state")
-        bad = ~torch.isfinite(value).all(dim=1) if value.numel() else torch.zeros(value.shape[0], dtype=torch.bool)
-        if isinstance(opt, torch.Tensor) and opt.numel():
-            bad |= ~torch.isfinite(opt).all(dim=1)
-        n = int(bad.sum())
+        parts = [t for t in (value, opt) if isinstance(t, torch.Tensor) and t.numel()]
+        # amax / amin propagate NaN and reach +-inf: two reductions per tensor, no full-size
+        # temporary; rows are counted only when one is not finite
+        if all(bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all()) for t in parts):
+            continue
+        n = int(sum((~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1) for t in parts).count_nonzero())
         if n:
             problems.append(f"tiered table {m.group(1)!r}: {n} of the rank's {value.shape[0]} rows hold NaN or "
                             "inf values or optimizer state (load would refuse them)")
@@ -903,7 +900,8 @@ def save(
         if failed is None:
             # The older save is no longer committed: its DCP files go too, or those this save
             # does not overwrite (of a larger world or more writer threads) would stay for good.
-            _remove_dcp_files(Path(checkpoint_id))
+            _remove_files(Path(checkpoint_id),
+                          lambda name: _DCP_RANK_FILE.match(name) is not None or name == _DCP_METADATA_NAME)
     # every rank learns it before any enters DCP's save, a collective the others would wait in
     failed = _all_gather(failed, world, process_group)[0]
     if failed is not None:

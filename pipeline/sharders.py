@@ -1178,8 +1178,8 @@ def _load_full_tiered_weights(
     shard (rows picked by global id, whatever the routing) and replaced by the
     empty placeholder, so torchrec's own hook and the strict key check see what
     they expect; an empty tensor (the sharded ``state_dict`` of a tiered table) is
-    left alone. Sharded inputs are refused: tiered rows travel through
-    ``tiered_state()`` / ``load_tiered_state()``.
+    left alone. Sharded inputs were refused before any table loaded
+    (:meth:`_TieredTablesMixin._check_entries_fit_tables`).
     """
     tiered = module.tiered_tables()
     for name in tiered_names:
@@ -1187,8 +1187,6 @@ def _load_full_tiered_weights(
         if key not in state_dict or name not in tiered:
             continue
         value = state_dict[key]
-        if isinstance(value, (ShardedTensor, DTensor)):
-            raise ValueError(_sharded_weight_error(key, name, value))
         if value.numel() == 0:
             continue
         tiered[name].load_global_weights(value.detach())
