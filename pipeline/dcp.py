@@ -19,7 +19,9 @@ the table. This module writes one DCP checkpoint holding:
   placement metadata as JSON). Only that rank writes them (replicas of the same
   shard write identical keys, which DCP stores once).
 
-Loading (any world size, routing and placement): the regular part goes through
+Loading (any world size, routing and placement; a roundrobin / hash_roundrobin
+FUSED table only into its own routing, world size and seed, as its shards hold
+routed rows: see ``recpipe.pipeline.sharding.RowOrder``): the regular part goes through
 ``dcp.load`` (collective); then every rank reads the checkpoint metadata to find
 every saving rank's export of each of its tiered tables, reads their routing
 metadata and steps (checked for consistency), and then the exports themselves one
@@ -64,10 +66,13 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline._integrity import atomic_write_bytes, file_entry, file_problem, is_file_entry, json_digest
 from recpipe.pipeline.ops import ROUTING_VERSION, check_int, route_ids
 from recpipe.pipeline.sharders import _TieredTablesMixin, state_dict_without_tiered_rows
+from recpipe.pipeline.sharding import ROW_ORDER_KEY, RowOrder, describe_row_order, row_order_refusal
 from recpipe.pipeline.tiered import TieredCheckpointError, TieredEmbeddingShard, TieredShardState
 
 __all__ = [
@@ -587,6 +592,43 @@ def _check_fused_optimizer(
     )
 
 
+def _check_row_orders(
+    metadata: Metadata,
+    state: Dict[str, Any],
+    reader: FileSystemReader,
+    where: str,
+    process_group: Optional[dist.ProcessGroup],
+) -> None:
+    """Refuses, on every rank and before any row is read, sharded weights saved in
+    another row order than this model's tables (``RowOrder``: a roundrobin /
+    hash_roundrobin FUSED table's shards hold routed rows while DCP reshards them as
+    contiguous blocks): DCP would write them into the model in place, on other ids,
+    before ``load_state_dict`` could look at their record.
+
+    Raises:
+        RowOrderMismatchError: naming each such table and both row orders.
+    """
+    saved_keys = metadata.state_dict_metadata
+    fields = (*RowOrder._fields, "routing_version")
+    weights = [k for k, v in state.items() if k.endswith(".weight") and isinstance(v, (ShardedTensor, DTensor))
+               and k in saved_keys]
+    bases = [k[: -len("weight")] + ROW_ORDER_KEY for k in weights]
+    saved_bases = [b for b in bases if any(f"{b}.{f}" in saved_keys for f in fields)]
+    saved: Dict[str, Any] = {f"{b}.{f}": None for b in saved_bases for f in fields if f"{b}.{f}" in saved_keys}
+    if saved:
+        _dcp_load(saved, reader, where, no_dist=True)
+    problems: List[str] = []
+    for weight, base in zip(weights, bases):
+        theirs = {f: saved[f"{base}.{f}"] for f in fields if f"{base}.{f}" in saved} if base in saved_bases else None
+        if theirs != state.get(base):
+            problems.append(f"table {weight[: -len('.weight')]!r}: the checkpoint holds "
+                            f"{describe_row_order(theirs)}, this model {describe_row_order(state.get(base))}")
+    world = _rank_world(process_group)[1]
+    everyone = sorted({p for part in _all_gather(problems, world, process_group) for p in part})
+    if everyone:
+        raise row_order_refusal(f"recpipe.pipeline.dcp.load of {where}", everyone)
+
+
 def _read_fields(
     reader: FileSystemReader, metadata: Metadata, table_fqn: str, rank: int, fields: Tuple[str, ...], where: str
 ) -> Dict[str, Any]:
@@ -775,6 +817,9 @@ def load_dcp_state_dict(
         CheckpointLoadError: DCP refused the regular part, e.g. a torchrec table or
             dense layer of another shape, or (``strict``) the checkpoint holds no
             fused optimizer state (on every rank, before anything is read).
+        RowOrderMismatchError: a roundrobin / hash_roundrobin FUSED table saved or
+            loaded in another routing, world size or seed (its shards hold routed
+            rows, which DCP cannot reshard; on every rank, before any row is read).
     """
     _check_model(model, "load_dcp_state_dict")
     if not isinstance(checkpoint, FileSystemReader):
@@ -788,6 +833,7 @@ def load_dcp_state_dict(
     tiered = _tiered_tables(found)
     _check_table_kinds(metadata, state, list(tiered), where, strict, process_group)
     _check_fused_optimizer(metadata, state, where, strict, process_group)
+    _check_row_orders(metadata, state, reader, where, process_group)
     # Every tiered export's metadata is checked on every rank before anything is loaded,
     # so a table of another size, dim or optimizer leaves the whole model untouched.
     heads: Dict[str, Dict[int, Dict[str, Any]]] = {}

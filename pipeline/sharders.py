@@ -115,7 +115,9 @@ from recpipe.pipeline.sharding import (
     RecpipeRwSequenceEmbeddingSharding,
     RecpipeShardedEmbeddingBagCollection,
     RecpipeShardedEmbeddingCollection,
+    ROW_ORDER_KEY,
     RoutingOverrides,
+    RowOrder,
 )
 from recpipe.pipeline.tiered import (
     BACKENDS,
@@ -137,6 +139,7 @@ __all__ = [
     "TieredRwSequenceEmbeddingSharding",
     "TieredShardedEmbeddingBagCollection",
     "TieredShardedEmbeddingCollection",
+    "gather_full_weights",
     "state_dict_without_tiered_rows",
     "tiered_optimizer_from_fused_params",
     "tiered_output_dtype",
@@ -1033,11 +1036,9 @@ class _TieredTablesMixin:
                 "Possible solutions:\n"
                 f"  1. load it into a model that plans {name!r} as it was saved (a tiered placement, "
                 "compute_kernel 'customized_kernel');\n"
-                "  2. move the saved rows as a full table: on every rank of the saving (tiered) model, "
-                f"st = <its sharded collection>.tiered_state()[{name!r}]; full = torch.zeros(num_embeddings, "
-                "dim); full[st.global_ids] = st.weights; torch.distributed.all_reduce(full); then pass "
-                f"{{{key!r}: full}} here instead of the tiered entries (the table's optimizer state then "
-                "starts from zero)."
+                "  2. move the saved rows as a full table: full = recpipe.pipeline.sharders.gather_full_weights("
+                "<the saving (tiered) model>) on every rank, then pass the state dict with full["
+                f"{key!r}] instead of the tiered entries (the table's optimizer state then starts from zero)."
             )
 
     def _load_tiered_entries(self, state_dict: Dict[str, Any], prefix: str) -> None:
@@ -1152,15 +1153,12 @@ class TieredShardedEmbeddingBagCollection(_TieredTablesMixin, RecpipeShardedEmbe
 def _sharded_weight_error(key: str, name: str, value: Any) -> str:
     """The refusal of a ``ShardedTensor`` / ``DTensor`` weight (e.g. a torchrec FUSED table's
     ``state_dict()``) given to tiered table ``name``, with the possible solutions."""
-    gather = ("full = value.full_tensor()" if isinstance(value, DTensor) else
-              "full = torch.zeros(num_embeddings, dim); for s in value.local_shards(): (r, c) = "
-              "s.metadata.shard_offsets; full[r:r + s.tensor.shape[0], c:c + s.tensor.shape[1]] = s.tensor; then "
-              "torch.distributed.all_reduce(full)")
     return (
         f"{key}: tiered table {name!r} cannot load a {type(value).__name__} (e.g. the state_dict() of a model "
         "whose table is a torchrec FUSED table): this rank holds a contiguous range of its rows, while the "
         "tiered shard owns hash-routed rows held by every rank. Possible solutions:\n"
-        f"  1. pass the full [num_embeddings, dim] tensor, gathered on every rank: {gather} (the table's "
+        "  1. pass the full [num_embeddings, dim] tensor: full = recpipe.pipeline.sharders.gather_full_weights("
+        f"<the saving model>) on every rank, then load_state_dict(full, strict=False) (the table's "
         "optimizer state then starts from zero: FUSED tables keep it in fused_optimizer.state_dict(), which tiered "
         "tables do not load);\n"
         "  2. load the state_dict() (or tiered_state() exports, with load_tiered_state()) of a model that planned "
@@ -1340,3 +1338,82 @@ def state_dict_without_tiered_rows(model: nn.Module) -> Iterator[Dict[str, "_Tie
     finally:
         for m in modules:
             m._tiered_state_dict_sink = None
+
+
+def gather_full_weights(
+    model: nn.Module, *, process_group: Optional[dist.ProcessGroup] = None
+) -> Dict[str, torch.Tensor]:
+    """Every sharded embedding table of ``model`` as one full tensor in global row order.
+
+    The way to move tables between layouts that their sharded ``state_dict()`` cannot
+    cross: another world size or routing of a roundrobin / hash_roundrobin FUSED table
+    (whose shards hold routed rows, see ``recpipe.pipeline.sharding.RowOrder``), tiered
+    <-> torchrec tables, or an unsharded module. ``model.load_state_dict(full,
+    strict=False)`` then loads each table by global row id into any of them (torchrec
+    slices a full tensor by its shards' offsets; recpipe's routed and tiered tables pick
+    their own rows). Optimizer state is not included.
+
+    Collective over ``process_group``: every rank calls it and gets every table
+    (``[num_embeddings, dim]`` on CPU each, so it needs that much host memory): each rank
+    writes its rows (ShardedTensor local shards at their offsets, or at their routed
+    global ids; tiered exports at their global ids) into zeros, then the tensors are
+    summed over ranks (exact: every row has one owner; a ``-0.0`` comes back ``0.0``).
+
+    Args:
+        model (nn.Module): the (DMP-wrapped) sharded model.
+        process_group (dist.ProcessGroup | None): the group the tables are sharded over
+            (default: the world, when torch.distributed is initialized).
+
+    Returns:
+        Dict[str, torch.Tensor]: ``{<collection>.<table>.weight key of model.state_dict():
+        full table}``; tables that are plain tensors already (data-parallel) are left out.
+
+    Raises:
+        ValueError: a DTensor weight of a routed table (torchrec's DTensor state_dict
+            option): use its ShardedTensor state_dict.
+
+    Example::
+
+        full = gather_full_weights(model)          # every rank, in the saving job's sharding
+        other_model.load_state_dict(full, strict=False)
+    """
+    state = model.state_dict()
+    tiered_suffix = f".{TIERED_STATE_KEY}.global_ids"
+    full: Dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        if key.endswith(tiered_suffix):
+            base = key[: -len(tiered_suffix)]
+            md = state[f"{base}.{TIERED_STATE_KEY}._extra_state"]
+            weights = state[f"{base}.{TIERED_STATE_KEY}.weights"]
+            out = torch.zeros(int(md["num_embeddings"]), int(md["embedding_dim"]), dtype=weights.dtype)
+            out[value.cpu()] = weights.cpu()
+            full[f"{base}.weight"] = out
+        elif not key.endswith(".weight") or not isinstance(value, (ShardedTensor, DTensor)):
+            continue
+        else:
+            record = state.get(key[: -len("weight")] + ROW_ORDER_KEY)
+            order = RowOrder(*(record[f] for f in RowOrder._fields)) if record is not None else None
+            if isinstance(value, DTensor):
+                if order is not None:
+                    raise ValueError(f"gather_full_weights: {key} is a DTensor of a routed table; gather the "
+                                     "model's ShardedTensor state_dict (torchrec's default) instead.")
+                full[key] = value.full_tensor().cpu()
+                continue
+            out = torch.zeros(tuple(value.size()), dtype=value.dtype)
+            for shard in value.local_shards():
+                r0, c0 = shard.metadata.shard_offsets
+                t = shard.tensor.detach().cpu()
+                cols = slice(c0, c0 + t.shape[1])
+                if order is not None:
+                    out[order.global_ids(shard.metadata.placement.rank()), cols] = t
+                else:
+                    out[r0:r0 + t.shape[0], cols] = t
+            full[key] = out
+    if dist.is_initialized():
+        nccl = dist.get_backend(process_group) == "nccl"
+        for key in sorted(full):  # same order on every rank (DTensors are complete already)
+            if not isinstance(state.get(key), DTensor):
+                summed = full[key].cuda() if nccl else full[key]
+                dist.all_reduce(summed, group=process_group)
+                full[key] = summed.cpu()
+    return full

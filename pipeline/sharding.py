@@ -39,6 +39,8 @@ from typing import Any, ClassVar, Dict, List, Mapping, NamedTuple, Optional, Tup
 
 import torch
 import torch.distributed as dist
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 from torchrec.distributed.embedding import (
     EmbeddingCollectionSharder,
     ShardedEmbeddingCollection,
@@ -98,7 +100,10 @@ __all__ = [
     "RecpipeRwSparseFeaturesDist",
     "RecpipeShardedEmbeddingBagCollection",
     "RecpipeShardedEmbeddingCollection",
+    "ROW_ORDER_KEY",
     "RoutingOverrides",
+    "RowOrder",
+    "RowOrderMismatchError",
     "FeatureRouting",
     "feature_routing",
     "recpipe_sharders",
@@ -412,6 +417,73 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
         return self._dist(bucketized)
 
 
+#: state_dict key suffix of a routed FUSED table's :class:`RowOrder` record:
+#: ``<collection>.<table>.row_order`` beside its ``<collection>.<table>.weight``.
+ROW_ORDER_KEY: str = "row_order"
+
+
+class RowOrderMismatchError(ValueError):
+    """A sharded weight saved in another row order than the routed table it is loaded into."""
+
+
+class RowOrder(NamedTuple):
+    """Which global rows a roundrobin / hash_roundrobin FUSED table's shards hold.
+
+    Such a table keeps rank ``r``'s rows in local-id order (global id
+    ``ops.global_row_ids(local, N, W, r, dist_type, seed)``) while its ShardedTensor
+    offsets name contiguous rows, so its ``state_dict()`` records this beside the
+    weight (:data:`ROW_ORDER_KEY`) and a load checks it (see
+    :meth:`RecpipeShardedEmbeddingBagCollection._pre_load_state_dict_hook`).
+
+    Attributes:
+        dist_type (str): ``roundrobin`` or ``hash_roundrobin``.
+        world_size (int): ranks the rows are routed over.
+        routing_seed (int): the hash_roundrobin seed (0 for roundrobin, which has none).
+        num_embeddings (int): rows of the whole table.
+    """
+
+    dist_type: str
+    world_size: int
+    routing_seed: int
+    num_embeddings: int
+
+    def record(self) -> Dict[str, Any]:
+        """The state_dict record: these fields and ``routing_version`` (plain Python values)."""
+        return {**self._asdict(), "routing_version": ops.ROUTING_VERSION}
+
+    def global_ids(self, rank: int) -> torch.Tensor:
+        """int64 global ids of rank ``rank``'s rows, in local-id order."""
+        local = torch.arange(ops.local_rows(self.num_embeddings, self.world_size, rank), dtype=torch.int64)
+        return ops.global_row_ids(local, self.num_embeddings, self.world_size, rank, self.dist_type,
+                                  self.routing_seed)
+
+
+def describe_row_order(record: Any) -> str:
+    """A :meth:`RowOrder.record` (or None: contiguous rows) in words, for errors."""
+    if record is None:
+        return "contiguous row blocks (torchrec's row-wise layout, a continuous table, or an older recpipe)"
+    if not isinstance(record, Mapping):
+        return f"an unreadable row-order record {record!r}"
+    fields = ", ".join(f"{k}={record.get(k)!r}" for k in (*RowOrder._fields, "routing_version"))
+    return f"rows routed with {fields}"
+
+
+def row_order_refusal(where: str, problems: List[str]) -> RowOrderMismatchError:
+    """The refusal of sharded weights saved in another row order than the tables they
+    would load into (``problems``: one line per table), with the possible solutions."""
+    return RowOrderMismatchError(
+        f"{where}: the rows of a roundrobin / hash_roundrobin table are kept in routed order, so a sharded "
+        "weight loads only into the same routing: " + "; ".join(problems) + ". Loading it would put rows "
+        "on other ids. Possible solutions:\n"
+        "  1. shard these tables as the state was saved (the same table_dist_types= / placement plan, world "
+        "size and seed);\n"
+        "  2. move the rows as full tables: in a job sharded as the state was saved, load it and call "
+        "full = recpipe.pipeline.sharders.gather_full_weights(model) on every rank (torch.save(full) there), "
+        "then model.load_state_dict(full, strict=False) here: full tables load by global row id into any "
+        "routing, world size or kernel (the tables' optimizer state is not moved)."
+    )
+
+
 class _RoutedInputDistMixin:
     """Gives a torchrec row-wise sharding recpipe's routed input distribution.
 
@@ -424,6 +496,22 @@ class _RoutedInputDistMixin:
     def __init__(self, *args: Any, routing: Optional[RoutingOverrides] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self._routing = routing
+
+    def row_orders(self) -> Dict[str, RowOrder]:
+        """:class:`RowOrder` of each roundrobin / hash_roundrobin table of this sharding
+        that torchrec's kernels hold (tiered tables export global row ids instead)."""
+        base: Any = self
+        out: Dict[str, RowOrder] = {}
+        for group in base._grouped_embedding_configs:
+            for table in group.embedding_tables:
+                if table.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
+                    continue
+                dt, seed = table_routing(table.fused_params, table.name, self._routing)
+                if dt is not DistType.CONTINUOUS:
+                    out[table.name] = RowOrder(dt.value, int(base._world_size),
+                                               seed if dt is DistType.HASH_ROUNDROBIN else 0,
+                                               int(table.num_embeddings))
+        return out
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> RecpipeRwSparseFeaturesDist:
         base: Any = self
@@ -575,11 +663,91 @@ class _RoutedShardedMixin:
 
     _routing: ClassVar[Optional[RoutingOverrides]] = None
     _ROW_WISE_SHARDING: ClassVar[type]
+    #: attribute (and state_dict key part) holding the tables: ``embedding_bags`` / ``embeddings``
+    _COLLECTION: ClassVar[str]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self._register_state_dict_hook(_RoutedShardedMixin._row_order_post_state_dict_hook)  # type: ignore[attr-defined]
 
     @classmethod
     def with_routing(cls, routing: Optional[RoutingOverrides]) -> type:
         """A subclass whose shardings use ``routing``."""
         return type(cls.__name__, (cls,), {"_routing": routing})
+
+    def _shardings(self) -> List[EmbeddingSharding]:
+        raise NotImplementedError
+
+    def row_orders(self) -> Dict[str, RowOrder]:
+        """:class:`RowOrder` of each roundrobin / hash_roundrobin table held by torchrec's
+        kernels (FUSED, ...) in this module, by table name."""
+        out: Dict[str, RowOrder] = {}
+        for sharding in self._shardings():
+            if isinstance(sharding, _RoutedInputDistMixin):
+                out.update(sharding.row_orders())
+        return out
+
+    @staticmethod
+    def _row_order_post_state_dict_hook(
+        module: "_RoutedShardedMixin", destination: Dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        for name, order in module.row_orders().items():
+            destination[f"{prefix}{module._COLLECTION}.{name}.{ROW_ORDER_KEY}"] = order.record()
+
+    @staticmethod
+    def _pre_load_state_dict_hook(
+        self: "_RoutedShardedMixin",
+        state_dict: Dict[str, Any],
+        prefix: str,
+        *args: Any,
+    ) -> None:
+        """Checks and places routed tables' rows, then runs torchrec's hook.
+
+        torchrec loads a ShardedTensor ``weight`` by taking this rank's local shard
+        as it is, and a full ``[num_embeddings, dim]`` tensor by slicing the shard's
+        contiguous offsets. A roundrobin / hash_roundrobin table holds other rows
+        (:class:`RowOrder`), so here:
+
+        * a ShardedTensor / DTensor ``weight`` loads only when the state's
+          :data:`ROW_ORDER_KEY` record equals this table's (same dist type, world size,
+          seed and size); a record on a table that is not routed so, or none on one
+          that is, is refused (before any table changes), as the rows would land on
+          other global ids;
+        * a full tensor (global row order: an unsharded module's weights,
+          :func:`recpipe.pipeline.sharders.gather_full_weights`) gives each rank its routed rows.
+
+        Args:
+            state_dict (Dict[str, Any]): the state dict being loaded.
+            prefix (str): this module's key prefix in it.
+
+        Raises:
+            RowOrderMismatchError: naming each refused table, both row orders and the
+                possible solutions.
+        """
+        orders = self.row_orders()
+        rank = int(self._env.rank)  # type: ignore[attr-defined]
+        collection = f"{prefix}{self._COLLECTION}."
+        problems: List[str] = []
+        routed_full: Dict[str, torch.Tensor] = {}
+        for name in self.module_sharding_plan:  # type: ignore[attr-defined]  # plan order: same on every rank
+            key = f"{collection}{name}.weight"
+            saved = state_dict.pop(f"{collection}{name}.{ROW_ORDER_KEY}", None)
+            value = state_dict.get(key)
+            order = orders.get(name)
+            mine = order.record() if order is not None else None
+            if isinstance(value, (ShardedTensor, DTensor)):
+                if saved != mine:
+                    problems.append(f"table {name!r} ({key}): the state holds {describe_row_order(saved)}, "
+                                    f"this model {describe_row_order(mine)}")
+            elif (order is not None and isinstance(value, torch.Tensor) and value.dim() == 2
+                  and value.shape[0] == order.num_embeddings):
+                routed_full[key] = value.index_select(0, order.global_ids(rank).to(value.device))
+        if problems:
+            raise row_order_refusal(f"{type(self).__name__}.load_state_dict", problems)
+        super(_RoutedShardedMixin, type(self))._pre_load_state_dict_hook(  # type: ignore[misc]
+            self, state_dict, prefix, *args
+        )
+        state_dict.update(routed_full)  # over torchrec's slice of the full tensor at the contiguous offsets
 
 
 class RecpipeShardedEmbeddingBagCollection(_RoutedShardedMixin, ShardedEmbeddingBagCollection):
@@ -601,6 +769,10 @@ class RecpipeShardedEmbeddingBagCollection(_RoutedShardedMixin, ShardedEmbedding
     """
 
     _ROW_WISE_SHARDING: ClassVar[type] = RecpipeRwPooledEmbeddingSharding
+    _COLLECTION: ClassVar[str] = "embedding_bags"
+
+    def _shardings(self) -> List[EmbeddingSharding]:
+        return list(self._embedding_shardings)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -712,6 +884,10 @@ class RecpipeShardedEmbeddingCollection(_RoutedShardedMixin, ShardedEmbeddingCol
     """ShardedEmbeddingCollection whose ROW_WISE shardings route with recpipe's op."""
 
     _ROW_WISE_SHARDING: ClassVar[type] = RecpipeRwSequenceEmbeddingSharding
+    _COLLECTION: ClassVar[str] = "embeddings"
+
+    def _shardings(self) -> List[EmbeddingSharding]:
+        return list(self._sharding_type_to_sharding.values())
 
     @classmethod
     def create_embedding_sharding(

@@ -77,7 +77,7 @@ def _full(model: Any, name: str) -> torch.Tensor:
 
 
 def _migration_body(rank: int, world: int) -> Dict[str, Any]:
-    import torch.distributed as dist
+    from recpipe.pipeline.sharders import gather_full_weights
 
     fused, tiered = _model(world, tiered=False), _model(world, tiered=True)
     _train(fused, rank, 0)
@@ -94,12 +94,10 @@ def _migration_body(rank: int, world: int) -> Dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - the message is the result
         out["to_tiered_error"] = (type(e).__name__, str(e))
     out["to_tiered_unchanged"] = bool(torch.equal(_full(tiered, "t0"), before))
-    full = torch.zeros(97, 8)
-    for s in fused_state["embedding_bags.t0.weight"].local_shards():
-        r, c = s.metadata.shard_offsets
-        full[r:r + s.tensor.shape[0], c:c + s.tensor.shape[1]] = s.tensor
-    dist.all_reduce(full)
-    tiered.module.load_state_dict({"embedding_bags.t0.weight": full}, strict=False)
+    full = gather_full_weights(fused)  # the fix the refusal names
+    out["gathered_fused"] = {n: (full[f"embedding_bags.{n}.weight"].numpy(), _full(fused, n).numpy())
+                             for n in ("t0", "t1")}
+    tiered.module.load_state_dict({"embedding_bags.t0.weight": full["embedding_bags.t0.weight"]}, strict=False)
     out["to_tiered_fixed"] = (_full(tiered, "t0").numpy(), _full(fused, "t0").numpy())
 
     # tiered -> FUSED: refused, nothing changed; the fix (the tiered rows gathered by global id)
@@ -113,12 +111,11 @@ def _migration_body(rank: int, world: int) -> Dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         out["to_fused_error"] = (type(e).__name__, str(e))
     out["to_fused_unchanged"] = bool(torch.equal(_full(fused, "t0"), before))
-    st = tiered.module.tiered_state()["t0"]
-    full = torch.zeros(97, 8)
-    full[st.global_ids] = st.weights
-    dist.all_reduce(full)
+    full = gather_full_weights(tiered)
+    out["gathered_tiered"] = {n: (full[f"embedding_bags.{n}.weight"].numpy(), _full(tiered, n).numpy())
+                              for n in ("t0", "t1")}
     state = {k: v for k, v in tiered_state.items() if ".tiered." not in k}
-    state["embedding_bags.t0.weight"] = full
+    state["embedding_bags.t0.weight"] = full["embedding_bags.t0.weight"]
     fused.load_state_dict(state)  # strict: every key of the FUSED model
     out["to_fused_fixed"] = {n: (_full(fused, n).numpy(), _full(tiered, n).numpy()) for n in ("t0", "t1")}
     return out
@@ -134,7 +131,7 @@ def test_checkpoint_migration_between_fused_and_tiered_tables_refused_with_worki
         assert kind == "ValueError", (kind, msg)
         assert "tiered table 't0' cannot load a ShardedTensor" in msg, msg
         assert "Possible solutions:\n  1. pass the full [num_embeddings, dim] tensor" in msg, msg
-        assert "torch.distributed.all_reduce(full)" in msg and "optimizer state then starts from zero" in msg, msg
+        assert "gather_full_weights(<the saving model>)" in msg and "optimizer state then starts from zero" in msg, msg
         assert res["to_tiered_unchanged"], f"rank {rank}"
         got, want = res["to_tiered_fixed"]
         np.testing.assert_array_equal(got, want, err_msg=f"rank {rank}: FUSED t0 -> tiered t0")
@@ -146,10 +143,15 @@ def test_checkpoint_migration_between_fused_and_tiered_tables_refused_with_worki
                               "fused (not tiered) in this model"), msg
         assert "'embedding_bags.t0.tiered.weights'" in msg and "placeholder embedding_bags.t0.weight" in msg, msg
         assert "Possible solutions:\n  1. load it into a model that plans 't0' as it was saved" in msg, msg
-        assert "\n  2. move the saved rows as a full table" in msg and "tiered_state()['t0']" in msg, msg
+        assert "\n  2. move the saved rows as a full table" in msg and "gather_full_weights(" in msg, msg
         assert res["to_fused_unchanged"], f"rank {rank}"
         for name, (got, want) in res["to_fused_fixed"].items():
             np.testing.assert_array_equal(got, want, err_msg=f"rank {rank}: tiered {name} -> FUSED {name}")
+        # gather_full_weights (FUSED shards at their offsets, tiered rows by global id) against
+        # the hand gather of _full
+        for which in ("gathered_fused", "gathered_tiered"):
+            for name, (got, want) in res[which].items():
+                np.testing.assert_array_equal(got, want, err_msg=f"rank {rank}: {which} {name}")
 
 
 @pytest.mark.parametrize("rank", [0, 1])
