@@ -190,3 +190,37 @@ def test_dcp_load_refuses_another_hash_seed(tmp_path: Any) -> None:
         assert "routing_seed=17" in r["other_seed"] and "routing_seed=18" in r["other_seed"], r
         assert r["continuous"] and r["continuous_unchanged"] and r["other_seed_unchanged"], r
         assert r["same"] == "" and r["same_exact"], r
+
+
+def _torchrec_layouts_body(rank: int, world: int) -> Dict[str, Any]:
+    """t0 TABLE_WISE on rank 1, t1 COLUMN_WISE (two column shards) on ranks 0 and 1."""
+    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
+
+    from recpipe.pipeline.sharders import gather_full_weights
+    from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder
+
+    ref = _reference("ebc")
+    module = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs)
+                for t, n, d, fs in TABLES], device=torch.device("meta"))
+    sharder = RecpipeEmbeddingBagCollectionSharder(
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
+    plan = construct_module_sharding_plan(module, {"t0": table_wise(rank=1), "t1": column_wise(ranks=[0, 1])},
+                                          sharder=sharder, local_size=world, world_size=world, device_type="cpu")
+    model = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                                     device=torch.device("cpu"), plan=ShardingPlan({"": plan}),
+                                     sharders=[sharder], init_data_parallel=False)
+    model.load_state_dict({_key("ebc", t): ref[t] for t in ref}, strict=False)  # torchrec slices by offsets
+    full = gather_full_weights(model)
+    routed = _model("ebc", "hash_roundrobin", world)
+    routed.load_state_dict(full, strict=False)
+    mine = _rows_of("hash_roundrobin", world, rank)
+    return {
+        "gather_exact": all(torch.equal(full[_key("ebc", t)], ref[t]) for t in ref),
+        "into_routed_exact": all(torch.equal(w, ref[t][mine[t]]) for t, w in _locals(routed, "ebc").items()),
+    }
+
+
+def test_gather_full_weights_of_table_and_column_wise_tables_loads_into_a_routed_model() -> None:
+    for rank, r in enumerate(run_gloo(2, _torchrec_layouts_body, timeout_s=300)):
+        assert r["gather_exact"] and r["into_routed_exact"], (rank, r)
