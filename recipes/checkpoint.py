@@ -281,15 +281,21 @@ def _noted(config: TrainConfig) -> dict[str, Any]:
     return {k: d[k] for k in RESUME_NOTED_FIELDS}
 
 
-def _changed_since(meta: dict[str, Any], config: TrainConfig) -> str:
+def _changed_since(meta: dict[str, Any], config: TrainConfig, world: int) -> str:
     """``"; changed since it was saved: dense_lr 0.01 -> 0.02 (...)"`` or ``""``.
 
-    Checkpoints written before the fields were recorded note nothing.
+    Also names a world size change (a ``dcp`` checkpoint resumed on another number of
+    ranks): the global batch is ``batch_size * world_size`` samples per step, so it
+    changes with it. Checkpoints written before the fields were recorded note nothing.
     """
     saved = meta.get("noted")
     if not isinstance(saved, dict):
         saved = {}
     changes = [f"{k} {saved[k]!r} -> {v!r}" for k, v in _noted(config).items() if k in saved and saved[k] != v]
+    saved_world = meta.get("world_size")
+    if isinstance(saved_world, int) and saved_world != world:
+        changes.append(f"world size {saved_world} -> {world} (global batch {config.batch_size * saved_world} -> "
+                       f"{config.batch_size * world} samples per step)")
     if not changes:
         return ""
     return (f"; changed since it was saved: {', '.join(changes)} "
@@ -1139,7 +1145,7 @@ def load_checkpoint(
                 raise CheckpointCorruptError(*damaged[0])
             skipped.append(f"{step_dir.name} ({'; '.join(f'{p}: {why}' for p, why in damaged)})")
             continue
-        changed = _changed_since(payload["meta"], config)
+        changed = _changed_since(payload["meta"], config, world)
         if skipped or notes:
             why = "; ".join(notes + ([f"damaged checkpoint {s}" for s in skipped]))
             if rank == 0:

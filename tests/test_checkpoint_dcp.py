@@ -379,8 +379,16 @@ def test_two_ranks_resume_exactly_and_a_one_rank_job_loads_their_checkpoint(tmp_
     for table, rows in saved.items():
         assert sorted(loaded[table]) == sorted(rows), table
         assert all(loaded[table][gid] == row for gid, row in rows.items()), table
-    # ... and the 1-rank job trains on from it and saves in its own world size
-    result, lines = _resume(root, base, 16)
+    # ... and the 1-rank job trains on from it, saying the global batch changed, and saves in
+    # its own world size
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        result = run(TrainConfig(**base, max_steps=16, checkpoint_dir=str(root), checkpoint_every=4, resume=True))
+    lines = _resume_lines(out.getvalue())
+    batch = base.get("batch_size", TrainConfig.batch_size)
+    assert (f"[recpipe] resumed from {step_dir(root, 12)}; changed since it was saved: world size 2 -> 1 "
+            f"(global batch {2 * batch} -> {batch} samples per step) (training continues with the new values, so "
+            "losses differ from an uninterrupted run's)") in out.getvalue().splitlines(), out.getvalue()
     assert result.start_step == 12 and len(result.losses) == 4 and lines == []
     assert all(torch.isfinite(torch.tensor(result.losses)))
     assert json.loads((step_dir(root, 16) / "manifest.json").read_text())["world_size"] == 1
