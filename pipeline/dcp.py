@@ -62,14 +62,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem as _LocalFileSystem
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from recpipe.pipeline._integrity import atomic_write_bytes, file_entry, file_problem, is_file_entry, json_digest
+from recpipe.pipeline._integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_lock, atomic_write_bytes, file_entry,
+                                         file_problem, is_file_entry, json_digest, release_save_lock)
 from recpipe.pipeline.ops import ROUTING_VERSION, check_int, route_ids
 from recpipe.pipeline.sharders import _TieredTablesMixin, state_dict_without_tiered_rows
 from recpipe.pipeline.sharding import ROW_ORDER_KEY, RowOrder, describe_row_order, row_order_refusal
@@ -79,8 +81,11 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointLoadError",
     "CheckpointSaveError",
+    "DCP_DATA_FILE",
+    "DCP_METADATA_NAME",
     "DIGESTS_NAME",
     "FUSED_OPTIMIZER_KEY",
+    "SAVE_LOCK_NAME",
     "TIERED_DCP_PREFIX",
     "TieredCheckpointError",
     "dcp_failures",
@@ -106,7 +111,9 @@ _FIELDS: Tuple[str, ...] = ("global_ids", "weights", "optimizer_state", "step", 
 DIGESTS_NAME: str = "recpipe_digests.json"
 _DIGESTS_FORMAT: str = "recpipe-dcp-digests/1"
 #: DCP's metadata file (``torch.distributed.checkpoint.filesystem._metadata_fn``).
-_DCP_METADATA_NAME: str = ".metadata"
+DCP_METADATA_NAME: str = ".metadata"
+#: The data files of DCP's ``FileSystemWriter``: ``__<rank>_<n>.distcp`` (group 1: the rank).
+DCP_DATA_FILE: "re.Pattern[str]" = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -219,11 +226,20 @@ class CheckpointSaveError(_DCPFailure):
 
 def _dcp_load(state: Dict[str, Any], reader: FileSystemReader, where: str, **kwargs: Any) -> None:
     """``dcp.load(state, storage_reader=reader, **kwargs)``, DCP's failure raised as a
-    :class:`CheckpointLoadError`."""
+    :class:`CheckpointLoadError` (an entry the checkpoint lacks also suggests ``strict=False``)."""
     try:
         dcp.load(state, storage_reader=reader, **kwargs)
     except CheckpointException as e:
-        raise CheckpointLoadError(where, dcp_failures(e)) from None
+        problems = dcp_failures(e)
+        planner = kwargs.get("planner")
+        fixes = None
+        if any("Missing key in checkpoint" in p for p, _ in problems) and not getattr(
+                planner, "allow_partial_load", False):
+            fixes = ("build the model as the saving job did (the same modules, tables and optimizer)",
+                     "pass strict=False to load the entries the checkpoint holds and keep this model's own "
+                     "values of the others (e.g. a layer added since the save)",
+                     "start from fresh weights instead of this checkpoint")
+        raise CheckpointLoadError(where, problems, fixes) from None
 
 
 _CORRUPT_FIXES: Tuple[str, ...] = (
@@ -248,10 +264,8 @@ def _all_gather(obj: Any, world: int, process_group: Optional[dist.ProcessGroup]
 
 def _referenced_files(metadata: Metadata) -> List[str]:
     """DCP's metadata file and the data files its entries point into."""
-    return sorted({info.relative_path for info in (metadata.storage_data or {}).values()} | {_DCP_METADATA_NAME})
+    return sorted({info.relative_path for info in (metadata.storage_data or {}).values()} | {DCP_METADATA_NAME})
 
-
-_DCP_RANK_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def _check_path(value: Any, argument: str) -> None:
@@ -266,6 +280,32 @@ def _check_model(model: Any, where: str) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"{where}: `model` must be a torch.nn.Module (e.g. the DistributedModelParallel), got "
                          f"{type(model).__name__}.")
+
+
+def _check_directory(directory: PathLike, argument: str, process_group: Optional[dist.ProcessGroup]) -> None:
+    """Raises, on every rank of ``process_group``, ``FileNotFoundError`` /
+    ``NotADirectoryError`` naming ``argument`` when ``directory`` is missing or a file on
+    some rank (collective: a rank that cannot see the directory must not leave the
+    others waiting in the load's first collective)."""
+    problem: Optional[Tuple[str, str]] = None
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        problem = ("NotADirectoryError",
+                   f"DCP checkpoint {os.fspath(directory)!r} (`{argument}`) is a file, not a directory; pass the "
+                   "directory given to recpipe.pipeline.dcp.save (the one holding .metadata and "
+                   f"{DIGESTS_NAME}), not one of its files.")
+    elif not os.path.isdir(directory):
+        problem = ("FileNotFoundError",
+                   f"DCP checkpoint directory {os.fspath(directory)!r} (`{argument}`) does not exist; pass the "
+                   "directory given to recpipe.pipeline.dcp.save (on a file system every loading rank sees).")
+    rank, world = _rank_world(process_group)
+    everyone = _all_gather(problem, world, process_group)
+    bad = [r for r, p in enumerate(everyone) if p is not None]
+    if not bad:
+        return
+    kind, message = problem if problem is not None else everyone[bad[0]]
+    if len(bad) < world:
+        message += f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of {world})"
+    raise (NotADirectoryError if kind == "NotADirectoryError" else FileNotFoundError)(message)
 
 
 def remove_rank_files(checkpoint_id: PathLike, rank: int) -> None:
@@ -284,8 +324,8 @@ def remove_rank_files(checkpoint_id: PathLike, rank: int) -> None:
     rank = check_int(rank, "rank", 0)
 
     def of_rank(name: str) -> bool:
-        m = _DCP_RANK_FILE.match(name)
-        return (m is not None and int(m.group(1)) == rank) or (rank == 0 and name == _DCP_METADATA_NAME + ".tmp")
+        m = DCP_DATA_FILE.match(name)
+        return (m is not None and int(m.group(1)) == rank) or (rank == 0 and name == DCP_METADATA_NAME + ".tmp")
 
     _remove_files(Path(checkpoint_id), of_rank)
 
@@ -395,10 +435,17 @@ def verify_checkpoint(checkpoint_id: PathLike, *, process_group: Optional[dist.P
         process_group (dist.ProcessGroup | None): group of the load (default: the world).
 
     Raises:
+        FileNotFoundError: ``checkpoint_id`` does not exist (on every rank).
+        NotADirectoryError: ``checkpoint_id`` is a file (on every rank).
         CheckpointIntegrityError: on every rank, naming each bad file and the problem.
     """
     _check_path(checkpoint_id, "checkpoint_id")
-    directory = Path(checkpoint_id)
+    _check_directory(checkpoint_id, "checkpoint_id", process_group)
+    _verify(Path(checkpoint_id), process_group)
+
+
+def _verify(directory: Path, process_group: Optional[dist.ProcessGroup]) -> None:
+    """:func:`verify_checkpoint` of an existing directory."""
     rank, world = _rank_world(process_group)
     problems: List[Tuple[str, str]] = []
     fixes: Tuple[str, ...] = _CORRUPT_FIXES
@@ -417,7 +464,7 @@ def verify_checkpoint(checkpoint_id: PathLike, *, process_group: Optional[dist.P
     unrecorded = sorted(set(_referenced_files(FileSystemReader(directory).read_metadata())) - set(files))
     if unrecorded:
         raise CheckpointIntegrityError(
-            [(str(directory / _DCP_METADATA_NAME), f"references {unrecorded}, which {DIGESTS_NAME} does not list "
+            [(str(directory / DCP_METADATA_NAME), f"references {unrecorded}, which {DIGESTS_NAME} does not list "
                                                    "(files of another save)")],
             _CORRUPT_FIXES,
         )
@@ -517,7 +564,7 @@ def _check_table_kinds(
     where: str,
     strict: bool,
     process_group: Optional[dist.ProcessGroup],
-) -> None:
+) -> List[str]:
     """Refuses, on every rank and before anything is read, a checkpoint whose tables
     are tiered where this model's are torchrec tables or the other way round (a
     checkpoint saved with another kind of plan): DCP itself would fail mid-load with
@@ -530,8 +577,13 @@ def _check_table_kinds(
         tiered_here (List[str]): fqns of this rank's tiered tables.
         where (str): the checkpoint, for messages.
         strict (bool): also refuse tiered tables of the checkpoint that this model
-            does not tier at all (``load_state_dict``'s ``strict``).
+            does not tier at all, and this model's tiered tables the checkpoint does not
+            hold at all (``load_state_dict``'s ``strict``).
         process_group (dist.ProcessGroup | None): group of the load.
+
+    Returns:
+        List[str]: without ``strict``, this rank's tiered tables the checkpoint does not
+        hold at all (no tiered rows, no weight entry): they keep their rows.
 
     Raises:
         TieredCheckpointError: naming every such table, with possible solutions.
@@ -540,9 +592,13 @@ def _check_table_kinds(
     tiered_anywhere = {fqn for part in _all_gather(sorted(tiered_here), world, process_group) for fqn in part}
     saved_tiered = {m.group(1) for key in metadata.state_dict_metadata if (m := _TIERED_KEY.match(key))}
     problems: List[str] = []
+    absent: List[str] = []
     for fqn in sorted(set(tiered_here) - saved_tiered):
         key = _weight_key(fqn, state)
         weight = metadata.state_dict_metadata.get(key) if key is not None else None
+        if weight is None and not strict:  # not in the checkpoint at all: the table keeps its rows
+            absent.append(fqn)
+            continue
         held = (f"it as a torchrec table (weight {list(weight.size)})"
                 if isinstance(weight, TensorStorageMetadata) and weight.size.numel() > 0 else "no rows of it")
         problems.append(f"table {fqn!r} is tiered in this model, but the checkpoint holds {held}")
@@ -559,6 +615,7 @@ def _check_table_kinds(
             "  2. a module or table was renamed: load with the names it was saved under\n"
             "  3. start from fresh tables instead of this checkpoint"
         )
+    return absent
 
 
 def _check_fused_optimizer(
@@ -589,6 +646,39 @@ def _check_fused_optimizer(
          "accumulators: training goes on, but not exactly as the saving job's would)",
          f"save with recpipe.pipeline.dcp.save, or add model.fused_optimizer.state_dict() under the key "
          f"{FUSED_OPTIMIZER_KEY!r} of the state dict you save"),
+    )
+
+
+def _check_unexpected_entries(
+    metadata: Metadata, state: Dict[str, Any], where: str, strict: bool, process_group: Optional[dist.ProcessGroup]
+) -> None:
+    """With ``strict``, refuses (on every rank, before anything is read) a checkpoint
+    holding regular entries this model does not have, e.g. a table or layer the saving
+    model had: ``dcp.load`` reads only the model's keys and would drop them silently,
+    where ``load_state_dict(strict=True)`` refuses unexpected keys.
+
+    Raises:
+        CheckpointLoadError: naming (up to 5 of) the entries and their number.
+    """
+    if not strict:
+        return
+    expected = set(flatten_state_dict(state)[0])
+    unexpected = [k for k in metadata.state_dict_metadata if k not in expected and not _TIERED_KEY.match(k)]
+    world = _rank_world(process_group)[1]
+    # A rank's state holds only its own shards' optimizer entries (e.g. of a TABLE_WISE
+    # table another rank owns): an entry is the model's when any rank has it.
+    parts = _all_gather(unexpected, world, process_group)
+    names = sorted(set(parts[0]).intersection(*parts[1:]))
+    if not names:
+        return
+    listed = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
+    raise CheckpointLoadError(
+        where,
+        [(f"it holds entries this model does not have: {listed} (saved by a model with other modules or tables)",
+          list(range(world)))],
+        ("build the model as the saving job did (the same modules, tables and optimizer)",
+         "pass strict=False to load the entries this model has and ignore the others",
+         "start from fresh weights instead of this checkpoint"),
     )
 
 
@@ -722,6 +812,77 @@ def _tiered_heads(
     return heads
 
 
+def _non_finite_rows(weights: torch.Tensor, optimizer_state: torch.Tensor) -> Optional[torch.Tensor]:
+    """Which rows hold a NaN / inf value or optimizer state (a bool per row), or None when
+    none does (two reductions per tensor: the usual case allocates nothing row-sized)."""
+    parts = [t for t in (weights, optimizer_state) if t.numel()]
+    if all(bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all()) for t in parts):
+        return None
+    bad = torch.zeros(weights.shape[0], dtype=torch.bool)
+    for t in parts:
+        bad |= (~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1)
+    return bad
+
+
+_NON_FINITE_FIXES: Tuple[str, ...] = (
+    "the saving run diverged (or the rows were set so) and the checkpoint was written without "
+    "recpipe.pipeline.dcp.save's check: load an earlier checkpoint",
+    "re-save the table from a healthy run",
+)
+
+
+@torch.no_grad()
+def _check_tiered_rows(
+    shard: TieredEmbeddingShard,
+    heads: Dict[int, Dict[str, Any]],
+    reader: FileSystemReader,
+    metadata: Metadata,
+    table_fqn: str,
+    where: str,
+) -> None:
+    """Refuses what ``load_states`` would refuse of the rows :func:`_load_tiered_table`
+    loads into ``shard`` (rows missing or repeated, global ids that disagree with their
+    metadata, NaN / inf values or optimizer state), before anything is written into the
+    model. Reads the same exports, one at a time and keeps none: extra memory is one
+    export plus a count per row of this rank.
+
+    Raises:
+        TieredCheckpointError: naming the table and the problem.
+    """
+    if _same_layout(shard, heads[shard.rank]["metadata"] if shard.rank in heads else {}):
+        st = _read_export(reader, metadata, table_fqn, shard.rank, where)
+        # row count and global ids: exactly this rank's rows under its own routing
+        shard._validate_state(st)
+        bad = _non_finite_rows(st.weights, st.optimizer_state)
+        non_finite = 0 if bad is None else int(bad.sum())
+    else:
+        count = torch.zeros(shard.num_rows, dtype=torch.int64)
+        non_finite = 0
+        for rank in sorted(heads):
+            st = _read_export(reader, metadata, table_fqn, rank, where)
+            shard._validate_state(st)
+            owner, local = route_ids(st.global_ids, shard.num_embeddings, shard.world_size,
+                                     shard.dist_type, shard.routing_seed)
+            sel = (owner == shard.rank).nonzero().squeeze(1)
+            mine = local.index_select(0, sel)
+            count.index_add_(0, mine, torch.ones_like(mine))
+            bad = _non_finite_rows(st.weights, st.optimizer_state)
+            if bad is not None:  # only the rows this rank loads count (as in load_states)
+                non_finite += int(bad.index_select(0, sel).sum())
+            del st, owner, local, sel, mine, bad
+        if bool((count != 1).any()):
+            bad = shard.global_ids().index_select(0, (count != 1).nonzero().squeeze(1)[:5])
+            raise TieredCheckpointError(
+                f"{where}: table {table_fqn!r}: {int((count == 0).sum())} rows of rank {shard.rank}/"
+                f"{shard.world_size} are missing and {int((count > 1).sum())} appear more than once (e.g. global "
+                f"ids {bad.tolist()}); the exports do not partition the table: re-save the checkpoint."
+            )
+    if non_finite:
+        raise shard._ckpt_error(
+            f"{non_finite} of the rows it would load from {where} (table {table_fqn!r}) hold NaN or inf values "
+            "or optimizer state", _NON_FINITE_FIXES)
+
+
 @torch.no_grad()
 def _load_tiered_table(
     shard: TieredEmbeddingShard,
@@ -790,7 +951,9 @@ def load_dcp_state_dict(
     through ``torch.distributed.checkpoint.load`` (which reshards torchrec's
     ShardedTensors / DTensors) and ``model.load_state_dict``; the fused optimizer
     state through ``model.fused_optimizer.load_state_dict``; each tiered table is
-    streamed from every saving rank's export, one at a time.
+    streamed from every saving rank's export, one at a time (read twice: first checked
+    on every rank before anything is written into the model, then loaded, so a refused
+    load changes nothing).
 
     Args:
         model (nn.Module): the model to load into (sharded for the loading job).
@@ -798,25 +961,36 @@ def load_dcp_state_dict(
             or a reader of it.
         process_group (dist.ProcessGroup | None): group of the regular DCP load
             (default: the world, when torch.distributed is initialized).
-        strict (bool): passed to ``model.load_state_dict``; False also loads a
-            checkpoint without fused optimizer state (torchrec's own
-            ``torch.distributed.checkpoint.save(model.state_dict(), ...)``), keeping
-            the model's.
+        strict (bool): ``model.load_state_dict``'s: True refuses (on every rank,
+            before anything is read) a checkpoint holding entries this model lacks
+            (another layer, table or optimizer) or lacking entries it has; False keeps
+            the model's own values of entries the checkpoint lacks, e.g. of a checkpoint
+            without fused optimizer state (torchrec's own
+            ``torch.distributed.checkpoint.save(model.state_dict(), ...)``) or of a
+            (tiered) table the checkpoint does not hold at all, and ignores the
+            checkpoint's entries (and tiered tables) this model lacks.
         verify (bool): verify the files' sizes and sha256 first (False: load a
             checkpoint without a digests record, or one verified by other means).
 
     Raises:
         CheckpointIntegrityError: with ``verify``, a file differs from the record, or
             the record is missing or damaged (before anything is loaded).
+        ValueError: ``verify`` with a reader of another file system than the local
+            one (e.g. torch's ``FsspecReader``), whose files it cannot verify.
+        FileNotFoundError: the checkpoint directory does not exist (on every rank).
+        NotADirectoryError: ``checkpoint`` is a file, not the checkpoint directory.
         TieredCheckpointError: a table is tiered in the model but not in the
             checkpoint or (``strict``) the other way round (on every rank, before
             anything is read), a tiered table's exports are incomplete, or they
-            disagree with the table (names it); or, on every rank once the rest was
-            loaded, some rank's rows are refused (NaN / inf values, rows missing from
-            a checkpoint :func:`save` did not write): the model is then partly loaded.
+            disagree with the table (names it); or some rank's rows are refused (NaN /
+            inf values, rows missing from a checkpoint :func:`save` did not write).
+            Every tiered export is read and checked (one at a time) before anything is
+            written into the model, so each of these leaves the model unchanged, on
+            every rank.
         CheckpointLoadError: DCP refused the regular part, e.g. a torchrec table or
             dense layer of another shape, or (``strict``) the checkpoint holds no
-            fused optimizer state (on every rank, before anything is read).
+            fused optimizer state, holds entries this model lacks, or lacks one of its
+            entries (on every rank, before anything is read).
         RowOrderMismatchError: a roundrobin / hash_roundrobin FUSED table saved or
             loaded in another routing, world size or seed (its shards hold routed
             rows, which DCP cannot reshard; on every rank, before any row is read).
@@ -826,14 +1000,24 @@ def load_dcp_state_dict(
         _check_path(checkpoint, "checkpoint")
     reader = checkpoint if isinstance(checkpoint, FileSystemReader) else FileSystemReader(checkpoint)
     where = f"checkpoint {os.fspath(reader.path)}"
+    local = isinstance(getattr(reader, "fs", None), _LocalFileSystem)  # not e.g. an fsspec reader's URL
+    if verify and not local:
+        raise ValueError(
+            f"`checkpoint` is a {type(reader).__name__} of {os.fspath(reader.path)!r}, but verify=True checks the "
+            f"files against {DIGESTS_NAME} on the local file system only; pass a local directory (or a "
+            "FileSystemReader of one), or verify=False to load it unverified.")
+    if local:
+        _check_directory(reader.path, "checkpoint", process_group)
     if verify:
-        verify_checkpoint(reader.path, process_group=process_group)
+        _verify(Path(reader.path), process_group)
     metadata = reader.read_metadata()
     state, found = _regular_state_dict(model)
     tiered = _tiered_tables(found)
-    _check_table_kinds(metadata, state, list(tiered), where, strict, process_group)
+    for fqn in _check_table_kinds(metadata, state, list(tiered), where, strict, process_group):
+        del tiered[fqn]
     _check_fused_optimizer(metadata, state, where, strict, process_group)
     _check_row_orders(metadata, state, reader, where, process_group)
+    _check_unexpected_entries(metadata, state, where, strict, process_group)
     # Every tiered export's metadata is checked on every rank before anything is loaded,
     # so a table of another size, dim or optimizer leaves the whole model untouched.
     heads: Dict[str, Dict[int, Dict[str, Any]]] = {}
@@ -846,14 +1030,33 @@ def load_dcp_state_dict(
     problems = [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
     if problems:
         raise TieredCheckpointError(problem if problem is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
+    # Then the rows themselves (e.g. NaN / inf rows of a checkpoint not written by save, rows
+    # missing): one export at a time, nothing kept; every rank learns any rank's refusal
+    # before anything is written into the model, so a refused load changes nothing.
+    problem = None
+    try:
+        for fqn, shard in tiered.items():
+            _check_tiered_rows(shard, heads[fqn], reader, metadata, fqn, where)
+    except (TieredCheckpointError, CheckpointLoadError) as e:
+        problem = str(e)
+    problems = [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
+    if problems:
+        raise TieredCheckpointError(
+            "\n".join(f"rank {r}: {p}" for r, p in problems)
+            + f"\nNothing was loaded from {where}: the model is unchanged."
+        )
     no_dist = not dist.is_initialized()
-    _dcp_load(state, reader, where, process_group=process_group, no_dist=no_dist)
+    # strict=False: entries the checkpoint lacks keep the model's values (load_state_dict's
+    # strict=False); DCP alone refuses them ("Missing key in checkpoint state_dict").
+    _dcp_load(state, reader, where, process_group=process_group, no_dist=no_dist,
+              planner=DefaultLoadPlanner(allow_partial_load=not strict))
     optimizer_state = state.pop(FUSED_OPTIMIZER_KEY, None)
     model.load_state_dict(state, strict=strict)
     if optimizer_state is not None:
         model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr, operator]
-    # The rows themselves are checked while they load (e.g. NaN / inf rows of a checkpoint
-    # not written by save): every rank learns any rank's refusal, so none goes on alone.
+    # The rows were checked above; load_states checks them again while they load (only a
+    # file changed since then fails here): every rank learns any rank's refusal, so none
+    # goes on alone.
     problem = None
     try:
         for fqn, shard in tiered.items():
@@ -911,7 +1114,10 @@ def save(
         thread_count (int): writer threads per rank (``FileSystemWriter``).
 
     Raises:
-        CheckpointSaveError: DCP failed to write (each rank's partial data files are
+        CheckpointSaveError: another save (another job, or a concurrent call) holds
+            the directory's lock ``checkpoint_id/SAVE_LOCK_NAME`` (rank 0 holds it for
+            the whole save; the message names the holder; nothing was written), or
+            ``checkpoint_id`` is a file or cannot be created; DCP failed to write (each rank's partial data files are
             removed first, :func:`remove_rank_files`), rank 0 could not remove an older
             save's digests record, or the digests record could not be written (on
             every rank; no digests record is written, so :func:`load` refuses what
@@ -937,30 +1143,52 @@ def save(
              "load the last good checkpoint instead (this save wrote nothing: the directory keeps its older save)"),
         )
     failed: Optional[str] = None
-    if rank == 0:  # an older save's record no longer describes the files
-        record = Path(checkpoint_id, DIGESTS_NAME)
-        try:
-            record.unlink(missing_ok=True)
-        except OSError as e:
-            failed = f"removing the old record {record} failed ({type(e).__name__}: {e})"
-        if failed is None:
-            # The older save is no longer committed: its DCP files go too, or those this save
-            # does not overwrite (of a larger world or more writer threads) would stay for good.
-            _remove_files(Path(checkpoint_id),
-                          lambda name: _DCP_RANK_FILE.match(name) is not None or name == _DCP_METADATA_NAME)
-    # every rank learns it before any enters DCP's save, a collective the others would wait in
-    failed = _all_gather(failed, world, process_group)[0]
-    if failed is not None:
-        raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", [(failed, [0])])
-    writer = FileSystemWriter(checkpoint_id, thread_count=thread_count)
+    fixes: Optional[Tuple[str, ...]] = None
+    lock: Optional[SaveLock] = None
+    if rank == 0:
+        # Another job (or call) saving into this directory now would mix its files with this
+        # save's and remove them as an older save's: refused before anything is touched.
+        if os.path.exists(checkpoint_id) and not os.path.isdir(checkpoint_id):
+            failed = f"{os.fspath(checkpoint_id)!r} is a file, not a directory"
+            fixes = ("pass a directory (created if missing) as checkpoint_id, e.g. 'ckpt/step_100'",)
+        else:
+            lock = acquire_save_lock(Path(checkpoint_id))
+            if lock.error is not None:
+                failed = f"creating {lock.path} failed ({type(lock.error).__name__}: {lock.error})"
+            elif lock.holder is not None:
+                failed = (f"another save ({lock.holder}) is writing into {os.fspath(checkpoint_id)} at this moment "
+                          f"(it holds {lock.path}); two saves into one directory would mix their files")
+                fixes = ("give each job (and each concurrent save) its own checkpoint directory",
+                         "wait until the other save has returned, then save again (this save wrote nothing: the "
+                         "directory keeps what the other save writes)")
     try:
-        dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
-    except CheckpointException as e:
-        remove_rank_files(checkpoint_id, rank)  # uncommitted: the old record is gone
-        raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", dcp_failures(e)) from None
-    problems = _write_digests(checkpoint_id, process_group)
-    if problems:  # e.g. the disk filled up or the directory became read-only after DCP's write
-        raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", problems)
+        if failed is None and rank == 0:  # an older save's record no longer describes the files
+            record = Path(checkpoint_id, DIGESTS_NAME)
+            try:
+                record.unlink(missing_ok=True)
+            except OSError as e:
+                failed = f"removing the old record {record} failed ({type(e).__name__}: {e})"
+            if failed is None:
+                # The older save is no longer committed: its DCP files go too, or those this save
+                # does not overwrite (of a larger world or more writer threads) would stay for good.
+                _remove_files(Path(checkpoint_id),
+                              lambda name: DCP_DATA_FILE.match(name) is not None or name == DCP_METADATA_NAME)
+        # every rank learns it before any enters DCP's save, a collective the others would wait in
+        failed, fixes = _all_gather((failed, fixes), world, process_group)[0]
+        if failed is not None:
+            raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", [(failed, [0])], fixes)
+        writer = FileSystemWriter(checkpoint_id, thread_count=thread_count)
+        try:
+            dcp.save(state, storage_writer=writer, process_group=process_group, no_dist=not dist.is_initialized())
+        except CheckpointException as e:
+            remove_rank_files(checkpoint_id, rank)  # uncommitted: the old record is gone
+            raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", dcp_failures(e)) from None
+        problems = _write_digests(checkpoint_id, process_group)
+        if problems:  # e.g. the disk filled up or the directory became read-only after DCP's write
+            raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", problems)
+    finally:
+        if lock is not None:  # held until the record is written (every rank returned from _write_digests)
+            release_save_lock(lock, remove=True)
 
 
 def load(
@@ -989,12 +1217,6 @@ def load(
     """
     _check_path(checkpoint_id, "checkpoint_id")
     _check_model(model, "load")
-    if os.path.exists(checkpoint_id) and not os.path.isdir(checkpoint_id):
-        raise NotADirectoryError(f"DCP checkpoint {os.fspath(checkpoint_id)!r} is a file, not a directory; pass the "
-                                 "directory given to recpipe.pipeline.dcp.save (the one holding .metadata and "
-                                 f"{DIGESTS_NAME}), not one of its files.")
-    if not os.path.isdir(checkpoint_id):
-        raise FileNotFoundError(f"DCP checkpoint directory {os.fspath(checkpoint_id)!r} does not exist; "
-                                "pass the directory given to recpipe.pipeline.dcp.save.")
+    _check_directory(checkpoint_id, "checkpoint_id", process_group)
     load_dcp_state_dict(model, FileSystemReader(checkpoint_id), process_group=process_group, strict=strict,
                         verify=verify)

@@ -50,12 +50,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
 import re
-import socket
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -68,8 +66,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline import dcp as recpipe_dcp
-from recpipe.pipeline._integrity import (atomic_file, atomic_write_bytes, file_entry, file_problem, is_file_entry,
-                                         json_digest)
+from recpipe.pipeline._integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_lock, atomic_file, atomic_write_bytes,
+                                         file_entry, file_problem, is_file_entry, json_digest, release_save_lock)
 from recpipe.pipeline.ops import ROUTING_VERSION
 from recpipe.pipeline.sharders import TIERED_STATE_KEY
 from recpipe.recipes.config import CHECKPOINT_FORMATS, STEP_DIR_PATTERN, TrainConfig, checkpoint_steps
@@ -97,12 +95,13 @@ MANIFEST_NAME: str = "manifest.json"
 """The commit record of a step directory: size and sha256 of every rank file."""
 LATEST_NAME: str = "latest"
 """The marker naming the newest committed step."""
-SAVE_LOCK_NAME: str = ".recpipe_save.lock"
-"""The file rank 0 holds an exclusive ``flock`` on while it saves (it names the holder)."""
+# SAVE_LOCK_NAME (imported above, recpipe.pipeline._integrity): the file rank 0 holds an
+# exclusive ``flock`` on while it saves (it names the holder); recpipe.pipeline.dcp.save
+# takes the same lock in its checkpoint directory.
 MANIFEST_FORMAT: str = "recpipe-checkpoint/1"
-DCP_METADATA_NAME: str = ".metadata"
+DCP_METADATA_NAME: str = recpipe_dcp.DCP_METADATA_NAME
 """The metadata file torch.distributed.checkpoint writes into a ``dcp`` step directory."""
-_DCP_DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+_DCP_DATA_FILE = recpipe_dcp.DCP_DATA_FILE
 _SHARDED = "__sharded_local_shards__"
 # What a rank file holds, per checkpoint format ("dcp": the model and fused optimizer
 # state live in the DCP files; the rank file keeps the metadata and dense optimizer).
@@ -626,44 +625,25 @@ def _save_lock(root: Path, step: int) -> Iterator[None]:
             without ``flock`` saves unlocked.
     """
     rank, world = _rank_world()
-    path = root / SAVE_LOCK_NAME
-    fd: int | None = None
+    lock: SaveLock | None = None
     problem: str | None = None
     if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # the directory cannot be written: neither can the checkpoint
-            problem = (f"rank 0: creating {path} failed ({type(e).__name__}: {e}). Fix: check the free space and "
-                       "permissions of --checkpoint-dir")
-        if fd is not None:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                with contextlib.suppress(OSError):  # names the holder for the other run's message
-                    os.ftruncate(fd, 0)
-                    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode())
-            except BlockingIOError:
-                holder = "another process"
-                with contextlib.suppress(OSError, UnicodeDecodeError):
-                    holder = path.read_text().strip() or holder
-                problem = (f"another run ({holder}) is saving into {root} at the same time (it holds {path}); "
-                           "two runs writing one --checkpoint-dir would mix their files. Fix: give each run its "
-                           "own --checkpoint-dir")
-                os.close(fd)
-                fd = None
-            except OSError:
-                # a file system without flock (ENOLCK / EOPNOTSUPP on some NFS or Lustre mounts):
-                # the guard is lost, not the checkpoint; save unlocked
-                os.close(fd)
-                fd = None
+        lock = acquire_save_lock(root)
+        if lock.error is not None:  # the directory cannot be written: neither can the checkpoint
+            problem = (f"rank 0: creating {lock.path} failed ({type(lock.error).__name__}: {lock.error}). Fix: check "
+                       "the free space and permissions of --checkpoint-dir")
+        elif lock.holder is not None:
+            problem = (f"another run ({lock.holder}) is saving into {root} at the same time (it holds {lock.path}); "
+                       "two runs writing one --checkpoint-dir would mix their files. Fix: give each run its "
+                       "own --checkpoint-dir")
     problem = _broadcast(problem, world)
     if problem is not None:
         raise CheckpointWriteError(f"checkpoint of step {step} was not committed: {problem}")
     try:
         yield
     finally:
-        if fd is not None:
-            os.close(fd)  # releases the lock
+        if lock is not None:
+            release_save_lock(lock)
 
 
 def _save_pt_checkpoint(

@@ -308,7 +308,7 @@ def test_a_file_system_without_flock_saves_unlocked(tmp_path: Path, monkeypatch:
     import errno
     import types
 
-    from recpipe.recipes import checkpoint as checkpoint_module
+    from recpipe.pipeline import _integrity as checkpoint_module  # the save lock lives there
 
     def no_flock(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
