@@ -124,6 +124,7 @@ from recpipe.pipeline.tiered import (
     TieredEmbeddingShard,
     TieredOptimizerConfig,
     TieredShardState,
+    bounds_check_mode_of,
     resolve_backend,
 )
 
@@ -527,6 +528,8 @@ class _TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
                 backend=backend,
                 weight_init_min=table.get_weight_init_min(),  # torchrec's fused kernels' init range
                 weight_init_max=table.get_weight_init_max(),
+                # fbgemm's rule for torchrec's FUSED tables: the fused param, default WARNING
+                bounds_check_mode=bounds_check_mode_of(table.fused_params, table.name),
             )
             self.tables[table.name] = shard
             self._feature_table += [table.name] * table.num_features()

@@ -68,12 +68,15 @@ import copy
 import dataclasses
 import math
 import numbers
+import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 
 from recpipe.pipeline._tiered_fbgemm import FbgemmTier, plan_fbgemm_tier, split_tier
@@ -109,6 +112,7 @@ __all__ = [
     "TieredOptimizerConfig",
     "TieredShardState",
     "TieredCheckpointError",
+    "bounds_check_mode_of",
     "global_row_ids",
     "resolve_backend",
     "shard_num_rows",
@@ -122,6 +126,61 @@ LOAD_CHUNK_ROWS: int = 1 << 20
 #: 2 adds ``routing_version`` (``recpipe.pipeline.ops.ROUTING_VERSION``); version 1
 #: exports lack it and were routed by hash_roundrobin version 1.
 CHECKPOINT_VERSION: int = 2
+
+
+#: fused param naming how a lookup treats ids outside the table (fbgemm's, torchrec's).
+FUSED_PARAM_BOUNDS_CHECK_MODE: str = "bounds_check_mode"
+
+#: fbgemm's ``V2_*`` modes and the mode each checks as (its TBE maps them so too).
+_V2_BOUNDS_CHECK_MODES: Dict[str, str] = {"V2_IGNORE": "IGNORE", "V2_WARNING": "WARNING", "V2_FATAL": "FATAL"}
+
+
+def bounds_check_mode_of(fused_params: Optional[Mapping[str, Any]], table_name: str) -> BoundsCheckMode:
+    """The ``bounds_check_mode`` a table's lookups apply, as fbgemm's TBE resolves it.
+
+    fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen`` (torchrec's FUSED tables) takes the
+    fused param ``bounds_check_mode`` (default ``BoundsCheckMode.WARNING``), overridden by
+    the environment variable ``FBGEMM_TBE_BOUNDS_CHECK_MODE`` (an int), with the ``V2_*``
+    modes checking as the mode they name.
+
+    Args:
+        fused_params (Mapping[str, Any] | None): the table's fused params.
+        table_name (str): the table, for errors.
+
+    Returns:
+        BoundsCheckMode: ``FATAL``, ``WARNING``, ``IGNORE`` or ``NONE``.
+
+    Raises:
+        ValueError: naming the table and the fix, for a value that is not a ``BoundsCheckMode``.
+    """
+    value: Any = (fused_params or {}).get(FUSED_PARAM_BOUNDS_CHECK_MODE, BoundsCheckMode.WARNING)
+    where = f"fused param {FUSED_PARAM_BOUNDS_CHECK_MODE!r}"
+    env = os.environ.get("FBGEMM_TBE_BOUNDS_CHECK_MODE")
+    if env is not None:
+        value, where = env, "environment variable FBGEMM_TBE_BOUNDS_CHECK_MODE"
+    return _parse_bounds_check_mode(value, where, table_name)
+
+
+def _parse_bounds_check_mode(value: Any, where: str, table_name: str) -> BoundsCheckMode:
+    """``value`` (a ``BoundsCheckMode`` or its int value) as the mode it checks as (``V2_*``
+    as the mode they name); ``where`` names the argument in the error."""
+    try:
+        if isinstance(value, BoundsCheckMode):
+            mode = value
+        elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            mode = BoundsCheckMode(int(value))
+        elif isinstance(value, int) and not isinstance(value, bool):
+            mode = BoundsCheckMode(value)
+        else:
+            raise ValueError(value)
+    except ValueError:
+        raise ValueError(
+            f"tiered table {table_name!r}: {where} must be an fbgemm BoundsCheckMode (or its int value), got "
+            f"{type(value).__name__} {value!r}; pass e.g. fused_params={{'bounds_check_mode': "
+            "BoundsCheckMode.WARNING}} (from fbgemm_gpu.split_table_batched_embeddings_ops_common), as for "
+            "torchrec's FUSED tables."
+        ) from None
+    return BoundsCheckMode[_V2_BOUNDS_CHECK_MODES.get(mode.name, mode.name)]
 
 
 class TieredCheckpointError(ValueError):
@@ -247,6 +306,13 @@ class TieredEmbeddingShard(nn.Module):
         weight_init_min (float | None): low end of the uniform initial rows (default
             ``-sqrt(1 / num_embeddings)``, torchrec's ``get_weight_init_min``).
         weight_init_max (float | None): high end (default ``sqrt(1 / num_embeddings)``).
+        bounds_check_mode (BoundsCheckMode | None): what a lookup does with a local id
+            ``>= num_rows``, as fbgemm's TBE on CPU: ``FATAL`` (default; the tiered
+            sharders pass the table's fused param, default ``WARNING`` as fbgemm's) and
+            ``NONE`` raise an ``IndexError`` naming the table (fbgemm's CPU kernel raises
+            under ``NONE`` too); ``WARNING`` (with a warning) and ``IGNORE`` look local
+            row 0 up in its place (its gradient updates row 0), the id's per-sample weight
+            kept. A negative local id raises under every mode, as in fbgemm's CPU TBE.
 
     Example::
 
@@ -278,9 +344,13 @@ class TieredEmbeddingShard(nn.Module):
         backend: Optional[str] = None,
         weight_init_min: Optional[float] = None,
         weight_init_max: Optional[float] = None,
+        bounds_check_mode: Optional[BoundsCheckMode] = None,
     ) -> None:
         super().__init__()
         self.mode: Mode = Mode.parse(mode)
+        self.bounds_check_mode: BoundsCheckMode = (
+            BoundsCheckMode.FATAL if bounds_check_mode is None
+            else _parse_bounds_check_mode(bounds_check_mode, "bounds_check_mode", table_name))
         x = cache_load_factor
         if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 < float(x) <= 1.0:
             raise ValueError(
@@ -845,7 +915,12 @@ class TieredEmbeddingShard(nn.Module):
                     f"  1. route global ids with recpipe.pipeline.ops.route_ids / bucketize_kjt "
                     f"(dist_type={self.dist_type!r}, world_size={self.world_size}) before the lookup.\n"
                     f"  2. check num_embeddings={self.num_embeddings} matches the feature's id space (global ids "
-                    f"in [0, {self.num_embeddings}); a negative id of a continuous table arrives as a huge local id)."
+                    f"in [0, {self.num_embeddings}); recpipe's row-wise sharding sends a global id v >= "
+                    f"{self.num_embeddings} (or negative, read as unsigned) to rank v % world_size as local id "
+                    "v // world_size, as torchrec's does).\n"
+                    f"  3. to look ids past the shard's rows up as local row 0 instead of raising, as fbgemm's TBE "
+                    f"does, give the table the fused param bounds_check_mode=BoundsCheckMode.WARNING or IGNORE "
+                    f"(now {self.bounds_check_mode.name})."
                 )
         self._check_psw_pooling(psw)
         if psw is not None and psw.shape != ids.shape:
@@ -1012,10 +1087,38 @@ class TieredEmbeddingShard(nn.Module):
                 )
         if per_sample_weights is not None:  # fbgemm's TBE casts them to float32 too (autograd sees the cast)
             per_sample_weights = per_sample_weights.float()
+        ids = self._bounds_check(ids)
         if self.backend == "fbgemm":
             return self._forward_fbgemm(ids, offsets, per_sample_weights)
         anchor = torch.empty(0, device=self.device, requires_grad=torch.is_grad_enabled())
         return _TieredLookup.apply(anchor, self, ids, offsets, per_sample_weights)
+
+    def _bounds_check(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids`` with local ids ``>= num_rows`` replaced by 0 under ``WARNING`` / ``IGNORE``
+        (fbgemm's ``bounds_check_indices`` on CPU; ``WARNING`` also warns, on the CPU).
+
+        Under ``FATAL`` / ``NONE``, and for negative ids, ``ids`` is returned as given: the
+        lookup's checks raise for them.
+        """
+        if (self.bounds_check_mode not in (BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE)
+                or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.numel() == 0):
+            return ids
+        past = ids >= self.num_rows
+        if ids.device.type == "cpu":  # a host check: a CUDA batch is replaced without a sync
+            if not bool(past.any()):
+                return ids
+            if self.bounds_check_mode is BoundsCheckMode.WARNING:
+                first = int(past.nonzero()[0, 0])
+                warnings.warn(
+                    f"tiered table {self.table_name!r} shard {self.rank}: {int(past.sum())} id(s) past the shard's "
+                    f"{self.num_rows} local rows (first: local id {int(ids[first])} at position {first}) are looked "
+                    "up as local row 0 (bounds_check_mode=WARNING, as fbgemm's TBE); the global ids of the feature "
+                    f"must lie in [0, {self.num_embeddings}). Set bounds_check_mode=BoundsCheckMode.FATAL to raise "
+                    "instead, or IGNORE to silence this.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+        return torch.where(past, torch.zeros_like(ids), ids)
 
     def _forward_fbgemm(
         self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]
