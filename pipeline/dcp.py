@@ -1021,25 +1021,19 @@ def load_dcp_state_dict(
     # Every tiered export's metadata is checked on every rank before anything is loaded,
     # so a table of another size, dim or optimizer leaves the whole model untouched.
     heads: Dict[str, Dict[int, Dict[str, Any]]] = {}
-    problem: Optional[str] = None
-    try:
-        heads = {fqn: _tiered_heads(shard, reader, metadata, fqn, where) for fqn, shard in tiered.items()}
-    except TieredCheckpointError as e:
-        problem = str(e)
-    world = _rank_world(process_group)[1]
-    problems = [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
+
+    def read_heads() -> None:
+        heads.update({fqn: _tiered_heads(shard, reader, metadata, fqn, where) for fqn, shard in tiered.items()})
+
+    problems = _refusals(read_heads, process_group)
     if problems:
-        raise TieredCheckpointError(problem if problem is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
+        mine = dict(problems).get(_rank_world(process_group)[0])
+        raise TieredCheckpointError(mine if mine is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
     # Then the rows themselves (e.g. NaN / inf rows of a checkpoint not written by save, rows
     # missing): one export at a time, nothing kept; every rank learns any rank's refusal
     # before anything is written into the model, so a refused load changes nothing.
-    problem = None
-    try:
-        for fqn, shard in tiered.items():
-            _check_tiered_rows(shard, heads[fqn], reader, metadata, fqn, where)
-    except (TieredCheckpointError, CheckpointLoadError) as e:
-        problem = str(e)
-    problems = [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
+    problems = _refusals(lambda: [_check_tiered_rows(shard, heads[fqn], reader, metadata, fqn, where)
+                                  for fqn, shard in tiered.items()], process_group)
     if problems:
         raise TieredCheckpointError(
             "\n".join(f"rank {r}: {p}" for r, p in problems)
@@ -1057,18 +1051,26 @@ def load_dcp_state_dict(
     # The rows were checked above; load_states checks them again while they load (only a
     # file changed since then fails here): every rank learns any rank's refusal, so none
     # goes on alone.
-    problem = None
-    try:
-        for fqn, shard in tiered.items():
-            _load_tiered_table(shard, heads[fqn], reader, metadata, fqn, where)
-    except (TieredCheckpointError, CheckpointLoadError) as e:
-        problem = str(e)
-    problems = [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
+    problems = _refusals(lambda: [_load_tiered_table(shard, heads[fqn], reader, metadata, fqn, where)
+                                  for fqn, shard in tiered.items()], process_group)
     if problems:
         raise TieredCheckpointError(
             "\n".join(f"rank {r}: {p}" for r, p in problems)
             + f"\nThe model is partly loaded from {where}: load another checkpoint into it, or rebuild it."
         )
+
+
+def _refusals(action: Callable[[], Any], process_group: Optional[dist.ProcessGroup]) -> List[Tuple[int, str]]:
+    """Runs ``action`` on this rank and returns every rank's refusal (``(rank, message)``
+    of a ``TieredCheckpointError`` / ``CheckpointLoadError``), so that all ranks raise
+    together instead of one raising while the others wait in the next collective."""
+    problem: Optional[str] = None
+    try:
+        action()
+    except (TieredCheckpointError, CheckpointLoadError) as e:
+        problem = str(e)
+    world = _rank_world(process_group)[1]
+    return [(r, p) for r, p in enumerate(_all_gather(problem, world, process_group)) if p is not None]
 
 
 def _non_finite_tiered_rows(state: Dict[str, Any]) -> List[str]:

@@ -187,18 +187,9 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
 
 
 def _refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    import torch.distributed.checkpoint as dcp
-
     from recpipe.pipeline import dcp as recpipe_dcp
 
-    model = _tiered_model(world, SAVE_PLACEMENTS)
-    opt = _dense_opt(model)
-    for step in range(TRAIN_STEPS):
-        _step(model, opt, TABLES, step, [rank])
-    _poison_a_row_of_rank1(model)
-    # the README's by-hand save, which does not check the rows
-    dcp.save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=root)
-    recpipe_dcp.write_digests(root)
+    model = _saved_poisoned_model(rank, world, root)
     out: Dict[str, Any] = {}
     # t1's placement swapped (the same routing: only this rank's own export is read)
     for label, placements in {"same": SAVE_PLACEMENTS, "swapped": dict(SAVE_PLACEMENTS, t1=dict(
@@ -243,7 +234,9 @@ def _one_rank_refused_rows_body(rank: int, world: int, root: str) -> Dict[str, A
     return {"error": error, "before": before, "after": _snapshot(fresh)}
 
 
-def _save_poisoned_body(rank: int, world: int, root: str) -> None:
+def _saved_poisoned_model(rank: int, world: int, root: str) -> Any:
+    """Trains a tiered model, puts a NaN into a row rank 1 holds and saves it by hand (the
+    README's save, which does not check the rows); returns the model."""
     import torch.distributed.checkpoint as dcp
 
     from recpipe.pipeline import dcp as recpipe_dcp
@@ -255,6 +248,11 @@ def _save_poisoned_body(rank: int, world: int, root: str) -> None:
     _poison_a_row_of_rank1(model)
     dcp.save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=root)
     recpipe_dcp.write_digests(root)
+    return model
+
+
+def _save_poisoned_body(rank: int, world: int, root: str) -> None:
+    _saved_poisoned_model(rank, world, root)
 
 
 def test_dcp_load_on_another_world_size_refusing_rows_leaves_the_model_unchanged(tmp_path: Path) -> None:
