@@ -366,11 +366,17 @@ def write_digests(checkpoint_id: PathLike, *, process_group: Optional[dist.Proce
         raise OSError("; ".join(describe_failures(problems)))
 
 
+#: Key of the digests record set by :func:`save`, which refused NaN / inf tiered rows before
+#: writing complete exports: a verified load need not read the exports twice to check them.
+_ROWS_CHECKED_KEY: str = "tiered_rows_checked"
+
+
 def _write_digests(
-    checkpoint_id: PathLike, process_group: Optional[dist.ProcessGroup]
+    checkpoint_id: PathLike, process_group: Optional[dist.ProcessGroup], rows_checked: bool = False
 ) -> List[Tuple[str, List[int]]]:
     """:func:`write_digests`: returns its failures as ``(problem, ranks)``, the same on
-    every rank (empty when the record was written)."""
+    every rank (empty when the record was written); ``rows_checked`` (:func:`save`) is
+    recorded under :data:`_ROWS_CHECKED_KEY`."""
     directory = Path(checkpoint_id)
     rank, world = _rank_world(process_group)
     mine: Dict[str, Any] = {}
@@ -384,7 +390,9 @@ def _write_digests(
     problems = [(err, [r]) for r, (_, err) in enumerate(parts) if err is not None]
     if rank == 0 and not problems:
         files = {name: entry for part, _ in parts for name, entry in part.items()}
-        body = {"format": _DIGESTS_FORMAT, "files": files}
+        body: Dict[str, Any] = {"format": _DIGESTS_FORMAT, "files": files}
+        if rows_checked:
+            body[_ROWS_CHECKED_KEY] = True
         text = json.dumps(dict(body, digests_sha256=json_digest(body)), indent=1, sort_keys=True)
         try:
             atomic_write_bytes(directory / DIGESTS_NAME, (text + "\n").encode())
@@ -396,7 +404,7 @@ def _write_digests(
 
 
 def _read_digests(directory: Path) -> Dict[str, Any]:
-    """The files table of :data:`DIGESTS_NAME` (checked against its own digest)."""
+    """The record :data:`DIGESTS_NAME` (``files`` table and flags), checked against its own digest."""
     path = directory / DIGESTS_NAME
     if not path.is_file():
         raise CheckpointIntegrityError(
@@ -421,7 +429,7 @@ def _read_digests(directory: Path) -> Dict[str, Any]:
         raise CheckpointIntegrityError(
             [(str(path), "its content does not match its own sha256 (altered after the save)")], _CORRUPT_FIXES
         )
-    return files
+    return body
 
 
 def verify_checkpoint(checkpoint_id: PathLike, *, process_group: Optional[dist.ProcessGroup] = None) -> None:
@@ -444,14 +452,17 @@ def verify_checkpoint(checkpoint_id: PathLike, *, process_group: Optional[dist.P
     _verify(Path(checkpoint_id), process_group)
 
 
-def _verify(directory: Path, process_group: Optional[dist.ProcessGroup]) -> None:
-    """:func:`verify_checkpoint` of an existing directory."""
+def _verify(directory: Path, process_group: Optional[dist.ProcessGroup]) -> bool:
+    """:func:`verify_checkpoint` of an existing directory; True when :func:`save` wrote it
+    (its record says the tiered rows were checked before they were written)."""
     rank, world = _rank_world(process_group)
     problems: List[Tuple[str, str]] = []
     fixes: Tuple[str, ...] = _CORRUPT_FIXES
+    record: Dict[str, Any] = {}
     files: Dict[str, Any] = {}
     try:
-        files = _read_digests(directory)
+        record = _read_digests(directory)
+        files = record["files"]
     except CheckpointIntegrityError as e:  # every rank reads the record: rank 0 reports it
         problems, fixes = (e.problems if rank == 0 else []), e.fixes
     for name in sorted(files)[rank::world]:
@@ -468,6 +479,7 @@ def _verify(directory: Path, process_group: Optional[dist.ProcessGroup]) -> None
                                                    "(files of another save)")],
             _CORRUPT_FIXES,
         )
+    return record.get(_ROWS_CHECKED_KEY) is True
 
 
 def tiered_dcp_key(table_fqn: str, rank: int, field: str) -> str:
@@ -941,6 +953,7 @@ def load_dcp_state_dict(
     process_group: Optional[dist.ProcessGroup] = None,
     strict: bool = True,
     verify: bool = True,
+    check_rows: Optional[bool] = None,
 ) -> None:
     """Loads a checkpoint written by :func:`save` into ``model`` (any world size,
     routing and placement).
@@ -971,6 +984,13 @@ def load_dcp_state_dict(
             checkpoint's entries (and tiered tables) this model lacks.
         verify (bool): verify the files' sizes and sha256 first (False: load a
             checkpoint without a digests record, or one verified by other means).
+        check_rows (bool | None): read and check every tiered export before anything is
+            written into the model (NaN / inf, rows missing), so a refused load leaves it
+            unchanged; it reads the exports twice. None (default): unless the verified
+            record says :func:`save` wrote the checkpoint (it refused such rows before
+            writing them). False: skip it (e.g. the recipe, whose save checked the rows
+            and whose manifest verified the files); a refusal then comes after the rest
+            was loaded.
 
     Raises:
         CheckpointIntegrityError: with ``verify``, a file differs from the record, or
@@ -1008,8 +1028,7 @@ def load_dcp_state_dict(
             "FileSystemReader of one), or verify=False to load it unverified.")
     if local:
         _check_directory(reader.path, "checkpoint", process_group)
-    if verify:
-        _verify(Path(reader.path), process_group)
+    rows_checked = _verify(Path(reader.path), process_group) if verify else False
     metadata = reader.read_metadata()
     state, found = _regular_state_dict(model)
     tiered = _tiered_tables(found)
@@ -1032,8 +1051,12 @@ def load_dcp_state_dict(
     # Then the rows themselves (e.g. NaN / inf rows of a checkpoint not written by save, rows
     # missing): one export at a time, nothing kept; every rank learns any rank's refusal
     # before anything is written into the model, so a refused load changes nothing.
+    if check_rows is False or (check_rows is None and rows_checked):
+        tiered_to_check: Dict[str, TieredEmbeddingShard] = {}
+    else:
+        tiered_to_check = tiered
     problems = _refusals(lambda: [_check_tiered_rows(shard, heads[fqn], reader, metadata, fqn, where)
-                                  for fqn, shard in tiered.items()], process_group)
+                                  for fqn, shard in tiered_to_check.items()], process_group)
     if problems:
         raise TieredCheckpointError(
             "\n".join(f"rank {r}: {p}" for r, p in problems)
@@ -1185,7 +1208,7 @@ def save(
         except CheckpointException as e:
             remove_rank_files(checkpoint_id, rank)  # uncommitted: the old record is gone
             raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", dcp_failures(e)) from None
-        problems = _write_digests(checkpoint_id, process_group)
+        problems = _write_digests(checkpoint_id, process_group, rows_checked=True)
         if problems:  # e.g. the disk filled up or the directory became read-only after DCP's write
             raise CheckpointSaveError(f"checkpoint {os.fspath(checkpoint_id)}", problems)
     finally:
@@ -1200,6 +1223,7 @@ def load(
     process_group: Optional[dist.ProcessGroup] = None,
     strict: bool = True,
     verify: bool = True,
+    check_rows: Optional[bool] = None,
 ) -> None:
     """Loads a checkpoint written by :func:`save` (see :func:`load_dcp_state_dict`).
 
@@ -1209,6 +1233,7 @@ def load(
         process_group (dist.ProcessGroup | None): group of the regular DCP load.
         strict (bool): see :func:`load_dcp_state_dict`.
         verify (bool): verify the files against :data:`DIGESTS_NAME` first.
+        check_rows (bool | None): see :func:`load_dcp_state_dict`.
 
     Raises:
         FileNotFoundError: ``checkpoint_id`` does not exist.
@@ -1221,4 +1246,4 @@ def load(
     _check_model(model, "load")
     _check_directory(checkpoint_id, "checkpoint_id", process_group)
     load_dcp_state_dict(model, FileSystemReader(checkpoint_id), process_group=process_group, strict=strict,
-                        verify=verify)
+                        verify=verify, check_rows=check_rows)

@@ -394,3 +394,48 @@ def test_dcp_load_strict_false_keeps_a_tiered_table_the_checkpoint_lacks(tmp_pat
         assert t2, sorted(saved)
         for key in t2:  # the torchrec table and its fused optimizer state
             _assert_same(loaded[key], saved[key], f"rank {rank} {key}")
+
+
+def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
+    """Which loads read the tiered exports a first time to check them: counted by wrapping
+    ``_check_tiered_rows`` in this (spawned) process."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    model = _tiered_model(world, SAVE_PLACEMENTS)
+    opt = _dense_opt(model)
+    for step in range(TRAIN_STEPS):
+        _step(model, opt, TABLES, step, [rank])
+    saved, by_hand = os.path.join(root, "saved"), os.path.join(root, "by_hand")
+    recpipe_dcp.save(model, saved)
+    dcp.save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=by_hand)  # the README's by-hand save
+    recpipe_dcp.write_digests(by_hand)
+    calls = []
+    original = recpipe_dcp._check_tiered_rows
+    recpipe_dcp._check_tiered_rows = lambda *a, **k: (calls.append(a[4]), original(*a, **k))[1]
+    out: Dict[str, Any] = {"flags": {name: json.loads(Path(d, recpipe_dcp.DIGESTS_NAME).read_text()).get(
+        "tiered_rows_checked") for name, d in (("saved", saved), ("by_hand", by_hand))}}
+    for label, path, kwargs in (("saved", saved, {}), ("saved_forced", saved, {"check_rows": True}),
+                                ("saved_unverified", saved, {"verify": False}), ("by_hand", by_hand, {})):
+        fresh = _tiered_model(world, SAVE_PLACEMENTS)
+        calls.clear()
+        recpipe_dcp.load(fresh, path, **kwargs)
+        out[label] = {"checked": sorted(calls)}
+    return out
+
+
+def test_dcp_load_reads_rows_twice_only_when_save_did_not_check_them(tmp_path: Path) -> None:
+    """``save`` refuses NaN / inf tiered rows before it writes complete exports and records so
+    in its verified digests record: loading such a checkpoint skips the first read of the
+    exports (it could find nothing; it cost 0.6 s per GB of tiered rows per load). A by-hand
+    save (``write_digests`` records no such check), ``verify=False`` or ``check_rows=True``
+    keep it."""
+    for rank, out in enumerate(run_gloo(2, _rows_check_body, str(tmp_path))):
+        assert out["flags"] == {"saved": True, "by_hand": None}, out["flags"]
+        tables = [f"module.ebc.embedding_bags.{t}" for t in ("t0", "t1")]
+        assert out["saved"]["checked"] == [], (rank, out["saved"])
+        for label in ("saved_forced", "saved_unverified", "by_hand"):
+            assert out[label]["checked"] == tables, (rank, label, out[label])
