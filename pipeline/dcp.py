@@ -844,6 +844,44 @@ _NON_FINITE_FIXES: Tuple[str, ...] = (
 
 
 @torch.no_grad()
+def _for_rows_of_rank(
+    shard: TieredEmbeddingShard,
+    heads: Dict[int, Dict[str, Any]],
+    reader: FileSystemReader,
+    metadata: Metadata,
+    table_fqn: str,
+    where: str,
+    use: Callable[[TieredShardState, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Reads every saving rank's export of a table in turn (validated against ``shard``,
+    one held at a time) and calls ``use(export, sel, local)``: ``sel`` the positions of
+    the export's rows this rank owns under its own routing, ``local`` their local ids.
+
+    Raises:
+        TieredCheckpointError: the exports do not hold each of this rank's rows exactly
+            once (after the last export), or one disagrees with the table.
+    """
+    count = torch.zeros(shard.num_rows, dtype=torch.int64)
+    for rank in sorted(heads):
+        st = _read_export(reader, metadata, table_fqn, rank, where)
+        shard._validate_state(st)  # num_embeddings / dim / dtype / optimizer / routing, naming the table
+        owner, local = route_ids(st.global_ids, shard.num_embeddings, shard.world_size,
+                                 shard.dist_type, shard.routing_seed)
+        sel = (owner == shard.rank).nonzero().squeeze(1)
+        mine = local.index_select(0, sel)
+        count.index_add_(0, mine, torch.ones_like(mine))
+        use(st, sel, mine)
+        del st, owner, local, sel, mine
+    if bool((count != 1).any()):
+        bad = shard.global_ids().index_select(0, (count != 1).nonzero().squeeze(1)[:5])
+        raise TieredCheckpointError(
+            f"{where}: table {table_fqn!r}: {int((count == 0).sum())} rows of rank {shard.rank}/{shard.world_size} "
+            f"are missing and {int((count > 1).sum())} appear more than once (e.g. global ids {bad.tolist()}); "
+            "the exports do not partition the table: re-save the checkpoint."
+        )
+
+
+@torch.no_grad()
 def _check_tiered_rows(
     shard: TieredEmbeddingShard,
     heads: Dict[int, Dict[str, Any]],
@@ -868,27 +906,15 @@ def _check_tiered_rows(
         bad = _non_finite_rows(st.weights, st.optimizer_state)
         non_finite = 0 if bad is None else int(bad.sum())
     else:
-        count = torch.zeros(shard.num_rows, dtype=torch.int64)
-        non_finite = 0
-        for rank in sorted(heads):
-            st = _read_export(reader, metadata, table_fqn, rank, where)
-            shard._validate_state(st)
-            owner, local = route_ids(st.global_ids, shard.num_embeddings, shard.world_size,
-                                     shard.dist_type, shard.routing_seed)
-            sel = (owner == shard.rank).nonzero().squeeze(1)
-            mine = local.index_select(0, sel)
-            count.index_add_(0, mine, torch.ones_like(mine))
+        counts: List[int] = []
+
+        def count_non_finite(st: TieredShardState, sel: torch.Tensor, mine: torch.Tensor) -> None:
             bad = _non_finite_rows(st.weights, st.optimizer_state)
             if bad is not None:  # only the rows this rank loads count (as in load_states)
-                non_finite += int(bad.index_select(0, sel).sum())
-            del st, owner, local, sel, mine, bad
-        if bool((count != 1).any()):
-            bad = shard.global_ids().index_select(0, (count != 1).nonzero().squeeze(1)[:5])
-            raise TieredCheckpointError(
-                f"{where}: table {table_fqn!r}: {int((count == 0).sum())} rows of rank {shard.rank}/"
-                f"{shard.world_size} are missing and {int((count > 1).sum())} appear more than once (e.g. global "
-                f"ids {bad.tolist()}); the exports do not partition the table: re-save the checkpoint."
-            )
+                counts.append(int(bad.index_select(0, sel).sum()))
+
+        _for_rows_of_rank(shard, heads, reader, metadata, table_fqn, where, count_non_finite)
+        non_finite = sum(counts)
     if non_finite:
         raise shard._ckpt_error(
             f"{non_finite} of the rows it would load from {where} (table {table_fqn!r}) hold NaN or inf values "
@@ -921,25 +947,12 @@ def _load_tiered_table(
     R = shard.num_rows
     weights = torch.empty((R, shard.embedding_dim), dtype=shard.dtype)
     opt = torch.empty((R, shard.fast_state.shape[1]), dtype=torch.float32)
-    count = torch.zeros(R, dtype=torch.int64)
-    for rank in ranks:
-        st = _read_export(reader, metadata, table_fqn, rank, where)
-        shard._validate_state(st)  # num_embeddings / dim / dtype / optimizer / routing, naming the table
-        owner, local = route_ids(st.global_ids, shard.num_embeddings, shard.world_size,
-                                 shard.dist_type, shard.routing_seed)
-        sel = (owner == shard.rank).nonzero().squeeze(1)
-        mine = local.index_select(0, sel)
-        count.index_add_(0, mine, torch.ones_like(mine))
+
+    def gather(st: TieredShardState, sel: torch.Tensor, mine: torch.Tensor) -> None:
         weights.index_copy_(0, mine, st.weights.index_select(0, sel).to(shard.dtype))
         opt.index_copy_(0, mine, st.optimizer_state.index_select(0, sel).to(torch.float32))
-        del st, owner, local, sel, mine
-    if bool((count != 1).any()):
-        bad = shard.global_ids().index_select(0, (count != 1).nonzero().squeeze(1)[:5])
-        raise TieredCheckpointError(
-            f"{where}: table {table_fqn!r}: {int((count == 0).sum())} rows of rank {shard.rank}/{shard.world_size} "
-            f"are missing and {int((count > 1).sum())} appear more than once (e.g. global ids {bad.tolist()}); "
-            "the exports do not partition the table: re-save the checkpoint."
-        )
+
+    _for_rows_of_rank(shard, heads, reader, metadata, table_fqn, where, gather)
     # This rank's rows, as if exported by a shard of the loading layout: load_states
     # re-checks them (routing, non-finite values) and writes them to their tiers.
     shard.load_states([TieredShardState(global_ids=shard.global_ids(), weights=weights, optimizer_state=opt,
