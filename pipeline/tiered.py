@@ -1103,10 +1103,11 @@ class TieredEmbeddingShard(nn.Module):
         if (self.bounds_check_mode not in (BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE)
                 or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64) or ids.numel() == 0):
             return ids
-        past = ids >= self.num_rows
         if ids.device.type == "cpu":  # a host check: a CUDA batch is replaced without a sync
-            if not bool(past.any()):
+            if int(ids.max()) < self.num_rows:  # the usual batch: one reduction, nothing allocated
                 return ids
+        past = ids >= self.num_rows
+        if ids.device.type == "cpu":
             if self.bounds_check_mode is BoundsCheckMode.WARNING:
                 first = int(past.nonzero()[0, 0])
                 warnings.warn(
