@@ -255,8 +255,7 @@ void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_
                   int64_t* __restrict__ cur, index_t* __restrict__ out, index_t* __restrict__ dst,
                   index_t* __restrict__ pos, index_t* __restrict__ map) {
   using uindex_t = std::make_unsigned_t<index_t>;
-  FeatureRoute r = route;
-  r.table_size = 0;  // stage 1 checked every id against the table: no second check
+  const FeatureRoute r = route;  // stage 1 refused every id place() refuses: none here
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t s = off[b];
     const int64_t e = off[b + 1];
@@ -324,8 +323,9 @@ void bucketize(const BucketizeCall& call, Tensor& new_lengths, Tensor& new_indic
                         " (feature ", e.feature, ", ", r.dist == kRoundRobin ? "roundrobin" : "hash_roundrobin",
                         ") is outside [0, table_sizes[", e.feature, "] = ", r.table_size,
                         "); ids must lie in the table's range: hash or clamp raw ids upstream",
-                        r.dist == kRoundRobin ? ", or pass table_sizes 0 for raw ids." : ", or route this feature "
-                        "with roundrobin.");
+                        r.dist == kRoundRobin ? ", or pass table_sizes 0 for raw ids" : ", or route this feature "
+                        "with roundrobin", ", or pass route_bad_ids=True to send them past their owner's rows "
+                        "(its embedding kernel's bounds check then applies, as for torchrec's row-wise tables).");
     }
   }
 
@@ -401,11 +401,11 @@ BucketizeResult block_bucketize_sparse_features_cpu(
     const std::optional<Tensor>& table_sizes, int64_t seed, bool keep_orig_idx,
     const std::optional<Tensor>& batch_size_per_feature, int64_t /*max_B: unused, see BucketizeArgs*/,
     const std::optional<std::vector<Tensor>>& block_bucketize_pos, const std::optional<Tensor>& total_num_blocks,
-    const std::optional<Tensor>& keep_orig_idx_per_feature, bool return_bucket_mapping) {
+    const std::optional<Tensor>& keep_orig_idx_per_feature, bool return_bucket_mapping, bool route_bad_ids) {
   const BucketizeCall call = prepare_bucketize({lengths_in, indices_in, block_sizes, dist_types, my_size, sequence,
                                                  bucketize_pos, weights_in, table_sizes, seed, keep_orig_idx,
                                                  batch_size_per_feature, block_bucketize_pos, total_num_blocks,
-                                                 keep_orig_idx_per_feature, return_bucket_mapping});
+                                                 keep_orig_idx_per_feature, return_bucket_mapping, route_bad_ids});
   const BucketizeArgs& a = call.args;
   BucketizeOutputs out = allocate_bucketize_outputs(call, /*zero_lengths=*/false);  // bucketize clears its rows
   auto ptr = [](std::optional<Tensor>& t) { return t.has_value() ? &*t : nullptr; };

@@ -123,7 +123,7 @@ __global__ void count_kernel(const offset_t* __restrict__ lengths, const int64_t
       CUDA_KERNEL_ASSERT_PRINTF(ok,
                                 "recpipe: `indices[%lld]` = %lld (feature %lld, %s) is outside [0, table_sizes[%lld] "
                                 "= %llu); ids must lie in the table's range: hash or clamp raw ids upstream (a "
-                                "roundrobin feature of raw ids takes table_sizes 0).",
+                                "roundrobin feature of raw ids takes table_sizes 0; route_bad_ids=True routes them).",
                                 static_cast<long long>(i), static_cast<long long>(ids[i]),
                                 static_cast<long long>(f), r.dist == kRoundRobin ? "roundrobin" : "hash_roundrobin",
                                 static_cast<long long>(f), static_cast<unsigned long long>(r.table_size));
@@ -185,7 +185,7 @@ BucketizeResult block_bucketize_sparse_features_cuda(
     int64_t my_size, bool sequence, bool bucketize_pos, const OptTensor& weights, const OptTensor& table_sizes,
     int64_t seed, bool keep_orig_idx, const OptTensor& batch_size_per_feature, int64_t max_B,
     const std::optional<std::vector<Tensor>>& block_bucketize_pos, const OptTensor& total_num_blocks,
-    const OptTensor& keep_orig_idx_per_feature, bool return_bucket_mapping) {
+    const OptTensor& keep_orig_idx_per_feature, bool return_bucket_mapping, bool route_bad_ids) {
   // max_B is accepted for fbgemm compatibility and unused: the bag -> feature
   // mapping is a binary search in fbag, which needs no largest batch size.
   // Host metadata: no sync while every per-feature tensor (block_sizes, dist_types,
@@ -195,7 +195,7 @@ BucketizeResult block_bucketize_sparse_features_cuda(
   const BucketizeCall call = prepare_bucketize({lengths, indices, block_sizes, dist_types, my_size, sequence,
                                                  bucketize_pos, weights, table_sizes, seed, keep_orig_idx,
                                                  batch_size_per_feature, block_bucketize_pos, total_num_blocks,
-                                                 keep_orig_idx_per_feature, return_bucket_mapping});
+                                                 keep_orig_idx_per_feature, return_bucket_mapping, route_bad_ids});
   const BucketizeArgs& a = call.args;
   TORCH_CHECK(lengths.is_cuda(), "recpipe: `lengths` is on ", lengths.device(),
               " but the CUDA kernel was dispatched (another tensor argument is on a CUDA device); move lengths, "

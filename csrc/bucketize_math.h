@@ -266,6 +266,11 @@ RECPIPE_UNROLL
 //   (block == 0: local = uid / G)
 // roundrobin:       owner = uid % W,      local = uid / W  (uid < table_size if given)
 // hash_roundrobin:  h = H(uid): owner = h % W, local = h / W  (uid < table_size)
+// A roundrobin / hash_roundrobin id outside [0, table_size) is refused, or with
+// route_bad routed as fbgemm routes an id past a continuous table's blocks, so the
+// owner's TBE applies its bounds_check_mode (torchrec's row-wise behaviour):
+//   owner = uid % W, local = uid / W  (>= the owner's rows, as uid >= table_size);
+//   an owner without rows (table_size < W) becomes owner % table_size, local >= 1.
 // keep_orig: local = uid, whatever the rule.
 struct FeatureRoute {
   int64_t dist;                    // DistType
@@ -281,12 +286,13 @@ struct FeatureRoute {
   int64_t bounds_begin;            // this feature's bounds in the flat bounds array
   int64_t bounds_count;            // 0: uniform blocks
   uint64_t table_size;             // ids must be below it (0: unchecked)
+  bool route_bad;                  // route ids >= table_size (see above) instead of refusing them
   HashPermutation perm;            // H of [0, table_size) (hash_roundrobin)
 
   // Host-only construction from validated parameters (FastDivU64 divides 128-bit).
   static FeatureRoute make(int64_t dist, bool keep_orig, int index_bits, uint64_t world, uint64_t block,
                            uint64_t num_blocks, int64_t bounds_begin, int64_t bounds_count,
-                           uint64_t table_size, uint64_t seed) {
+                           uint64_t table_size, uint64_t seed, bool route_bad = false) {
     FeatureRoute r;
     r.dist = dist;
     r.keep_orig = keep_orig;
@@ -301,6 +307,7 @@ struct FeatureRoute {
     r.bounds_begin = bounds_begin;
     r.bounds_count = bounds_count;
     r.table_size = table_size;
+    r.route_bad = route_bad;
     r.perm = dist == kHashRoundRobin ? HashPermutation(table_size, seed) : HashPermutation();
     return r;
   }
@@ -313,7 +320,8 @@ struct FeatureRoute {
   }
 
   // Owner rank and local id of `uid`; false when the feature checks its ids
-  // (table_size > 0, roundrobin / hash_roundrobin) and uid is not below it.
+  // (table_size > 0, roundrobin / hash_roundrobin), uid is not below it and the
+  // feature does not route such ids (route_bad).
   // kDist >= 0 fixes the rule at compile time (it must equal `dist`).
   template <int kDist = -1>
   RECPIPE_HD bool route(uint64_t uid, const int64_t* bounds, uint64_t* owner, uint64_t* local) const {
@@ -362,11 +370,17 @@ struct FeatureRoute {
         p = div_blocks_per_rank.div(uid - l * div_num_blocks.d);
       }
     } else {
-      if (table_size != 0 && uid >= table_size) {
+      const bool bad = table_size != 0 && uid >= table_size;
+      if (bad && !route_bad) {
         return false;
       }
-      l = div_world.div(key);
-      p = key - l * world;
+      const uint64_t v = bad ? uid : key;
+      l = div_world.div(v);
+      p = v - l * world;
+      if (bad && p >= table_size) {  // an owner without rows: one that holds some
+        p %= table_size;
+        l = l > 1 ? l : 1;
+      }
     }
     *owner = p;
     *local = keep_orig ? uid : l;

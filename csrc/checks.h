@@ -58,6 +58,7 @@ struct BucketizeArgs {
   std::optional<at::Tensor> total_num_blocks;
   std::optional<at::Tensor> keep_orig_idx_per_feature;
   bool return_bucket_mapping;
+  bool route_bad_ids;  // recpipe's: route ids outside a routed table instead of refusing them
 
   bool has_bounds() const { return block_bucketize_pos.has_value() && !block_bucketize_pos->empty(); }
   // Entries of one weight: 1 for [n] weights, D for [n, D].
@@ -238,7 +239,7 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
     // nonzero, ids keyed by themselves); elsewhere a negative block of a routed feature is unused.
     const uint64_t route_block = count > 0 ? static_cast<uint64_t>(block) : static_cast<uint64_t>(block < 0 ? 0 : block);
     routes[f] = FeatureRoute::make(dist, keep_f, index_bits, W, route_block, num_blocks, bounds_at, count,
-                                   table_size, static_cast<uint64_t>(a.seed));
+                                   table_size, static_cast<uint64_t>(a.seed), a.route_bad_ids);
     bounds_at += count;
   }
   *bounds = parts.empty() ? at::zeros({1}, at::kLong) : at::cat(parts);

@@ -10,7 +10,8 @@
 TORCH_LIBRARY(recpipe, m) {
   // Routing: split a KJT's flat lengths/indices by owner rank (fbgemm's layout and
   // every argument of fbgemm's block_bucketize_sparse_features, its _inference
-  // variant (return_bucket_mapping) and its 2-D weights variant ([n, D] weights)).
+  // variant (return_bucket_mapping) and its 2-D weights variant ([n, D] weights));
+  // recpipe's own: per-feature dist_types, table_sizes, seed, route_bad_ids.
   // Returns (new_lengths, new_indices, new_weights?, new_pos?, unbucketize_permute?,
   // bucket_mapping?).
   m.def(
@@ -19,7 +20,8 @@ TORCH_LIBRARY(recpipe, m) {
       "Tensor? weights=None, Tensor? table_sizes=None, int seed=0, bool keep_orig_idx=False, "
       "Tensor? batch_size_per_feature=None, SymInt max_B=-1, Tensor[]? block_bucketize_pos=None, "
       "Tensor? total_num_blocks=None, Tensor? keep_orig_idx_per_feature=None, "
-      "bool return_bucket_mapping=False) -> (Tensor, Tensor, Tensor?, Tensor?, Tensor?, Tensor?)");
+      "bool return_bucket_mapping=False, bool route_bad_ids=False) -> (Tensor, Tensor, Tensor?, Tensor?, Tensor?, "
+      "Tensor?)");
   // Inverse of hash_roundrobin routing: (owner rank, local row) -> global id.
   m.def(
       "hash_roundrobin_global_ids(Tensor ranks, Tensor local_ids, int table_size, "

@@ -180,6 +180,7 @@ def _block_bucketize_fake(
     total_num_blocks: Optional[torch.Tensor] = None,
     keep_orig_idx_per_feature: Optional[torch.Tensor] = None,
     return_bucket_mapping: bool = False,
+    route_bad_ids: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
            Optional[torch.Tensor]]:
     torch._check(my_size > 0, lambda: f"recpipe: `my_size` (the world size W) must be >= 1, got {my_size}")
@@ -289,6 +290,7 @@ def block_bucketize_sparse_features(
     total_num_blocks: Optional[torch.Tensor] = None,
     keep_orig_idx_per_feature: Optional[torch.Tensor] = None,
     return_bucket_mapping: bool = False,
+    route_bad_ids: bool = False,
 ) -> BucketizeResult:
     """Splits every bag of a flat KJT by owner rank.
 
@@ -300,8 +302,8 @@ def block_bucketize_sparse_features(
     ``batch_size_per_feature``, ``total_num_blocks``, ``keep_orig_idx_per_feature``,
     ``block_bucketize_pos``) may stay on the CPU for CUDA inputs: the call then never
     synchronizes the host. Metadata on the GPU costs one device-to-host copy each.
-    On CUDA, bad values (negative lengths, ids outside a checked table) fail by a
-    device-side assert instead of a Python exception.
+    On CUDA, bad values (negative lengths, ids outside a checked table without
+    ``route_bad_ids``) fail by a device-side assert instead of a Python exception.
 
     Args:
         lengths: bag lengths (int32/int64), feature-major: ``[F * B]``, or
@@ -327,6 +329,14 @@ def block_bucketize_sparse_features(
             continuous features only.
         keep_orig_idx_per_feature: ``[F]`` bool, overrides ``keep_orig_idx``.
         return_bucket_mapping: also return each id's owner rank.
+        route_bad_ids: an id of a roundrobin / hash_roundrobin feature outside
+            ``[0, table_sizes[f])`` (read as unsigned ``u``, so negative ids too) is
+            routed as fbgemm routes an id past a continuous table: to rank ``u % W``
+            as local id ``u // W``, past that rank's rows (a rank without rows,
+            ``table_sizes[f] < W``, hands it to rank ``u % W % table_sizes[f]`` as a
+            local id >= 1), so the owner's embedding kernel applies its
+            ``bounds_check_mode``, as torchrec's row-wise input dist does. Default:
+            refused with ``IndexError`` naming the id and feature.
 
     Returns:
         :class:`BucketizeResult`.
@@ -358,6 +368,7 @@ def block_bucketize_sparse_features(
             total_num_blocks,
             keep_orig_idx_per_feature,
             return_bucket_mapping,
+            route_bad_ids,
         )
     )
 
@@ -713,6 +724,7 @@ def bucketize_kjt_by(
     bucketize_pos: bool = False,
     keep_orig_idx: bool = False,
     row_bounds: Optional[list[torch.Tensor]] = None,
+    route_bad_ids: bool = False,
 ) -> tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
     """:func:`bucketize_kjt` with the per-feature metadata as ``[F]`` tensors (kept on
     the CPU by callers such as the row-wise input dist, so no call syncs a device).
@@ -728,6 +740,9 @@ def bucketize_kjt_by(
         bucketize_pos: put bag positions in the result's weights.
         keep_orig_idx: keep raw ids instead of local ids.
         row_bounds: per feature, uneven shard bounds (empty for routed features), or None.
+        route_bad_ids: route ids outside their roundrobin / hash_roundrobin table
+            past their owner's rows instead of refusing them (see
+            :func:`block_bucketize_sparse_features`).
 
     Returns:
         ``(bucketized_kjt, unbucketize_permute or None)``.
@@ -751,6 +766,7 @@ def bucketize_kjt_by(
             batch_size_per_feature=torch.tensor(strides, dtype=torch.int64) if strides is not None else None,
             max_B=max(strides) if strides else -1,
             block_bucketize_pos=row_bounds,
+            route_bad_ids=route_bad_ids,
         )
     except IndexError as e:  # an id outside its table: the op numbers the feature, the KJT names it
         raise _with_feature_name(e, list(kjt.keys())) from None

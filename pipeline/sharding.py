@@ -402,21 +402,20 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
         Returns:
             Awaitable of awaitable of the features this rank owns.
         """
-        try:
-            bucketized, self.unbucketize_permute_tensor = self._bucketize(sparse_features, self._is_sequence)
-        except IndexError:
-            # an id outside its roundrobin / hash_roundrobin table (the op refuses it before
-            # anything is routed): routed as a continuous table's is, see _route_bad_ids
-            routed = self._route_bad_ids(sparse_features)
-            if routed is None:
-                raise
-            bucketized, self.unbucketize_permute_tensor = routed
+        bucketized, self.unbucketize_permute_tensor = self._bucketize(sparse_features, self._is_sequence)
         return self._dist(bucketized)
 
     def _bucketize(
         self, features: KeyedJaggedTensor, sequence: bool
     ) -> Tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
-        """``features`` bucketized by owner rank (and the unbucketize permutation if ``sequence``)."""
+        """``features`` bucketized by owner rank (and the unbucketize permutation if ``sequence``).
+
+        An id outside its roundrobin / hash_roundrobin table (or negative) goes to rank
+        ``u % W`` as a local id past that rank's rows (the op's ``route_bad_ids``), as
+        torchrec's row-wise routing sends an id past a table, so the owner's embedding
+        kernel applies the table's ``bounds_check_mode`` (fbgemm's default WARNING looks
+        row 0 up; FATAL raises on the owner), on CPU and CUDA alike.
+        """
         weights = features.weights_or_none()
         return ops.bucketize_kjt_by(
             features,
@@ -428,75 +427,8 @@ class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
             sequence=sequence,
             bucketize_pos=self._has_feature_processor if weights is None else self._need_pos,
             row_bounds=self._recpipe_row_bounds,
+            route_bad_ids=True,
         )
-
-    def _route_bad_ids(
-        self, features: KeyedJaggedTensor
-    ) -> Optional[Tuple[KeyedJaggedTensor, Optional[torch.Tensor]]]:
-        """Routes ids outside their roundrobin / hash_roundrobin table as torchrec routes
-        those of a continuous (row-wise) table, so the owner's kernel applies the table's
-        ``bounds_check_mode`` to them, as for torchrec's own tables.
-
-        fbgemm's ``block_bucketize_sparse_features`` (torchrec's row-wise input dist, and
-        recpipe's continuous routing) sends an id ``v`` past the blocks to rank ``u % W`` as
-        local id ``u // W``, with ``u`` the id read as unsigned (a negative id is a huge
-        one): a local id past the owner's rows, which fbgemm's TBE then checks by the
-        table's ``bounds_check_mode`` (FATAL raises on the owner, WARNING / IGNORE look
-        row 0 up, NONE: undefined). A roundrobin / hash_roundrobin id outside ``[0, N)``
-        is sent the same way: each is replaced by a valid id of the owner ``u % W`` (its
-        local row 0) for the routing op, whose unbucketize permutation then locates it
-        among the routed ids, where its local id is set to ``u // W`` (at least the
-        owner's rows). Only on the CPU (on CUDA the op's device-side check stands).
-
-        Args:
-            features (KeyedJaggedTensor): the batch the routing op refused.
-
-        Returns:
-            ``(bucketized, unbucketize_permute or None)``, or None when no routed id is
-            outside its table (the op's error then stands).
-        """
-        values = features.values()
-        codes = self._recpipe_dist_types
-        if values.device.type != "cpu" or not bool((codes != 0).any()) or values.numel() == 0:
-            return None
-        per_key = torch.tensor(features.length_per_key(), dtype=torch.int64)
-        feature = torch.repeat_interleave(torch.arange(per_key.numel()), per_key)
-        size = self._recpipe_table_sizes.index_select(0, feature)
-        bad = (codes.index_select(0, feature) != 0) & ((values < 0) | (values >= size))
-        positions = bad.nonzero().view(-1)
-        if positions.numel() == 0:
-            return None
-        world = int(self._world_size)
-        bits = values.element_size() * 8
-        wrap = 1 << bits
-        fixed = values.clone()
-        locals_: List[int] = []
-        for pos, v, f in zip(positions.tolist(), values[positions].tolist(), feature[positions].tolist()):
-            n = int(self._recpipe_table_sizes[f])
-            u = v + wrap if v < 0 else v
-            owner, local = u % world, u // world
-            if ops.local_rows(n, world, owner) == 0:  # fewer rows than ranks: a rank holding rows
-                owner = owner % n
-            local = max(local, ops.local_rows(n, world, owner))  # past the owner's rows
-            local = (local + wrap // 2) % wrap - wrap // 2  # stored in the ids' signed dtype, as fbgemm's
-            dist_type = "roundrobin" if int(codes[f]) == 1 else "hash_roundrobin"
-            fixed[pos] = int(ops.global_row_ids(torch.zeros(1, dtype=torch.int64), n, world, owner, dist_type,
-                                                self._seed)[0])
-            locals_.append(local)
-        replaced = KeyedJaggedTensor(
-            keys=features.keys(),
-            values=fixed,
-            weights=features.weights_or_none(),
-            lengths=features.lengths(),
-            stride_per_key_per_rank=features.stride_per_key_per_rank() if features.variable_stride_per_key()
-            else None,
-            stride=None if features.variable_stride_per_key() else features.stride(),
-            inverse_indices=features.inverse_indices_or_none(),
-        )
-        bucketized, permute = self._bucketize(replaced, True)
-        assert permute is not None
-        bucketized.values()[permute.index_select(0, positions)] = torch.tensor(locals_, dtype=values.dtype)
-        return bucketized, permute if self._is_sequence else None
 
 
 #: state_dict key suffix of a routed FUSED table's :class:`RowOrder` record:

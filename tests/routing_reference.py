@@ -119,6 +119,23 @@ def route_one(
     raise ValueError(f"dist_type {dist_type}")
 
 
+def route_bad_one(raw_id: int, world: int, table_size: int, index_bits: int) -> tuple[int, int]:
+    """(owner, local) of an id outside its roundrobin / hash_roundrobin table of
+    ``table_size`` rows, with ``route_bad_ids``: as torchrec's row-wise routing sends an
+    id past a table (rank ``u % W``, local ``u // W``, ``u`` the id read unsigned), to a
+    rank that holds rows of the table and a local id at least its number of rows."""
+    uid = raw_id & ((1 << index_bits) - 1)
+
+    def rows_of(rank: int) -> int:  # rows of the table on `rank`: #{l >= 0 : l * W + rank < n}
+        return max(0, -(-(table_size - rank) // world))
+
+    owner = uid % world
+    if rows_of(owner) == 0:  # table_size < W: ranks >= table_size hold no rows
+        owner %= table_size
+    assert rows_of(owner) > 0
+    return owner, max(uid // world, rows_of(owner))
+
+
 def ref_bucketize(
     lengths: Sequence[int],
     indices: Sequence[int],
@@ -136,6 +153,7 @@ def ref_bucketize(
     batch_size_per_feature: Optional[Sequence[int]] = None,
     keep_orig_idx_per_feature: Optional[Sequence[bool]] = None,
     return_bucket_mapping: bool = False,
+    route_bad_ids: bool = False,
 ) -> dict[str, Optional[list]]:
     """Reference outputs as Python lists, fbgemm's layout (rank, feature, sample).
 
@@ -161,7 +179,11 @@ def ref_bucketize(
         for j in range(lengths[bt]):
             raw = indices[i]
             ts = table_sizes[f] if table_sizes is not None else 0
-            if dist_types[f] == 2:
+            if dist_types[f] != 0 and ts > 0 and not 0 <= raw < ts:
+                if not route_bad_ids:
+                    raise ValueError(f"id {raw} outside [0, {ts})")
+                owner, local = route_bad_one(raw, world, ts, index_bits)
+            elif dist_types[f] == 2:
                 perm = perms.setdefault(f, RefPermutation(ts, seed))
                 if raw < 0 or raw >= ts:
                     raise ValueError(f"id {raw} outside [0, {ts})")

@@ -920,6 +920,114 @@ def test_roundrobin_ids_checked_against_given_table_size() -> None:
             torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([1]), 2**63 - 1)
 
 
+def _bad_ids_case(rng: random.Random, W: int, index_dtype: torch.dtype, B: int, max_len: int) -> dict:
+    """Continuous, roundrobin and hash_roundrobin features (tables smaller and larger
+    than W) whose ids are in range, past the table, negative or near the dtype's ends."""
+    dist = [0, 1, 2, 1, 2, 2]
+    sizes = [50, 1, 2, 3, 7, 10_000]
+    F = len(dist)
+    lo, hi = (-(2**31), 2**31 - 1) if index_dtype == torch.int32 else (-(2**63), 2**63 - 1)
+    lengths = [rng.randrange(max_len + 1) for _ in range(F * B)]
+    indices: list[int] = []
+    for bt, ln in enumerate(lengths):
+        n = sizes[bt // B]
+        for _ in range(ln):
+            pick = rng.random()
+            indices.append(rng.randrange(n) if pick < 0.5 else n + rng.randrange(3 * W + 3) if pick < 0.7
+                           else -1 - rng.randrange(3 * W + 3) if pick < 0.85 else rng.choice([lo, hi, lo + 1, hi - 1]))
+    return dict(
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+        indices=torch.tensor(indices, dtype=index_dtype),
+        block_sizes=torch.tensor([max(1, -(-n // W)) for n in sizes], dtype=torch.int64),
+        dist_types=torch.tensor(dist, dtype=torch.int64),
+        table_sizes=torch.tensor(sizes, dtype=torch.int64),
+        W=W,
+    )
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("W", [1, 2, 3, 8, 64])
+@pytest.mark.parametrize("keep", [False, True])
+def test_route_bad_ids_match_reference(isa: str, index_dtype: torch.dtype, W: int, keep: bool) -> None:
+    """route_bad_ids: an id outside its roundrobin / hash_roundrobin table goes where
+    torchrec's row-wise routing sends an id past a table (rank u % W, local u // W, past
+    that rank's rows; a rank without rows hands it to one with rows), every output
+    against the reference; without the flag the same call is refused."""
+    rng = random.Random(W * 7 + (index_dtype == torch.int32) + 2 * keep)
+    case = _bad_ids_case(rng, W, index_dtype, B=40, max_len=12)
+    weights = torch.randn(case["indices"].numel(), 2)
+    args = (case["lengths"], case["indices"], case["block_sizes"], case["dist_types"], W)
+    kw = dict(sequence=True, bucketize_pos=True, weights=weights, table_sizes=case["table_sizes"], seed=77,
+              keep_orig_idx=keep, return_bucket_mapping=True)
+    got = ops.block_bucketize_sparse_features(*args, **kw, route_bad_ids=True)
+    want = ref_bucketize(*(t.tolist() if isinstance(t, torch.Tensor) else t for t in args), sequence=True,
+                         bucketize_pos=True, weights=weights.tolist(), table_sizes=case["table_sizes"].tolist(),
+                         seed=77, keep_orig_idx=keep, index_bits=32 if index_dtype == torch.int32 else 64,
+                         return_bucket_mapping=True, route_bad_ids=True)
+    for name in ("new_lengths", "new_indices", "new_weights", "new_pos", "unbucketize_permute", "bucket_mapping"):
+        assert getattr(got, name).tolist() == want[name], name
+    assert got.new_indices.dtype == index_dtype
+    with pytest.raises(IndexError, match=r"is outside \[0, table_sizes\[\d\] = \d+\).*route_bad_ids=True"):
+        ops.block_bucketize_sparse_features(*args, **kw)
+
+
+def test_route_bad_ids_sends_each_bad_id_past_its_owners_rows() -> None:
+    """The property the row-wise input dist relies on, from the routing's definition
+    (not the reference): every routed bad id lands on a rank holding rows of its table
+    at a local id that is not one of that rank's rows; good ids route as without the flag."""
+    W, n = 4, 10  # rank r holds the ids r, r + 4, ...: 3, 3, 2, 2 rows
+    rows = [len(range(r, n, W)) for r in range(W)]
+    good, bad = [0, 5, 9, 3], [10, 11, 12, 13, 14, 10**12, -1, -2, -7]
+    for dist in (1, 2):
+        out = ops.block_bucketize_sparse_features(
+            torch.tensor([len(good + bad)]), torch.tensor(good + bad), torch.tensor([3]), torch.tensor([dist]), W,
+            table_sizes=torch.tensor([n]), seed=3, return_bucket_mapping=True, sequence=True, route_bad_ids=True)
+        local = out.new_indices[out.unbucketize_permute].tolist()
+        owner = out.bucket_mapping.tolist()
+        ref = ops.block_bucketize_sparse_features(
+            torch.tensor([len(good)]), torch.tensor(good), torch.tensor([3]), torch.tensor([dist]), W,
+            table_sizes=torch.tensor([n]), seed=3, return_bucket_mapping=True, sequence=True)
+        assert owner[:len(good)] == ref.bucket_mapping.tolist()
+        assert local[:len(good)] == ref.new_indices[ref.unbucketize_permute].tolist()
+        for v, p, l in zip(bad, owner[len(good):], local[len(good):]):
+            u = v % 2**64
+            assert (p, l) == (u % W, u // W - (2**64 if u // W >= 2**63 else 0)), v
+            assert rows[p] > 0 and not 0 <= l < rows[p], v
+    # a table smaller than W: ranks 2, 3 hold no rows of a 2-row table
+    out = ops.block_bucketize_sparse_features(
+        torch.tensor([4]), torch.tensor([2, 3, 7, 1]), torch.tensor([1]), torch.tensor([1]), W,
+        table_sizes=torch.tensor([2]), return_bucket_mapping=True, sequence=True, route_bad_ids=True)
+    assert out.bucket_mapping.tolist() == [0, 1, 1, 1]
+    assert out.new_indices[out.unbucketize_permute].tolist() == [1, 1, 1, 0]
+
+
+def test_route_bad_ids_across_threads_and_chunks() -> None:
+    """A large input split over threads: bad ids in every chunk route as the reference."""
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            case = _bad_ids_case(random.Random(5), 8, torch.int64, B=3000, max_len=30)
+            args = (case["lengths"], case["indices"], case["block_sizes"], case["dist_types"], 8)
+            got = ops.block_bucketize_sparse_features(*args, table_sizes=case["table_sizes"], seed=9,
+                                                      sequence=True, route_bad_ids=True)
+            want = ref_bucketize(*(t.tolist() if isinstance(t, torch.Tensor) else t for t in args), sequence=True,
+                                 table_sizes=case["table_sizes"].tolist(), seed=9, route_bad_ids=True)
+            assert got.new_lengths.tolist() == want["new_lengths"]
+            assert got.new_indices.tolist() == want["new_indices"]
+            assert got.unbucketize_permute.tolist() == want["unbucketize_permute"]
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_opcheck_route_bad_ids() -> None:
+    case = _bad_ids_case(random.Random(2), 3, torch.int64, B=4, max_len=5)
+    args = (case["lengths"], case["indices"], case["block_sizes"], case["dist_types"], 3, True, True,
+            torch.rand(case["indices"].numel()), case["table_sizes"], 5, False, None, -1, None, None, None, True,
+            True)
+    torch.library.opcheck(OP, args)
+
+
 @pytest.mark.parametrize("dist_type", ["continuous", "roundrobin", "hash_roundrobin"])
 @pytest.mark.parametrize("W", [1, 3, 64])
 def test_route_ids_matches_reference_and_inverse(dist_type: str, W: int) -> None:

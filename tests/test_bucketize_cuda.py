@@ -30,11 +30,13 @@ def _random_case(
     num_blocks: bool = False,
     keep_per_feature: bool = False,
     weights_dim: int = 0,
+    bad_ids: bool = False,
 ) -> dict[str, Any]:
     """Keyword arguments of one block_bucketize_sparse_features call (all on the CPU).
 
     uneven / num_blocks make every feature continuous (the only rule they apply to);
-    weights_dim 0: no weights, 1: [n], D > 1: [n, D].
+    weights_dim 0: no weights, 1: [n], D > 1: [n, D]; bad_ids: roundrobin /
+    hash_roundrobin features get ids outside their table too, with route_bad_ids.
     """
     F = rng.randint(1, 4)
     W = rng.choice([1, 2, 3, 7, 8])
@@ -66,7 +68,7 @@ def _random_case(
         for _ in range(batch[f]):
             lengths.append(rng.randrange(8))
             for _ in range(lengths[-1]):
-                if (dist[f] == 0 or raw[f]) and rng.random() < 0.2:
+                if (dist[f] == 0 or raw[f] or bad_ids) and rng.random() < 0.2:
                     ids.append(rng.randrange(-hi, hi))  # raw ids, beyond the table, negative
                 else:
                     ids.append(rng.randrange(table[f]))
@@ -90,6 +92,8 @@ def _random_case(
         bucketize_pos=rng.random() < 0.5,
         return_bucket_mapping=rng.random() < 0.5,
     )
+    if bad_ids:
+        kw["route_bad_ids"] = True
     return kw
 
 
@@ -119,6 +123,16 @@ def test_cuda_matches_cpu(vbe: bool, uneven: bool, num_blocks: bool, weights_dim
             _random_case(rng, vbe=vbe, uneven=uneven, num_blocks=num_blocks, keep_per_feature=rng.random() < 0.5,
                          weights_dim=weights_dim)
         )
+
+
+@pytest.mark.parametrize("vbe", [False, True])
+def test_cuda_route_bad_ids_matches_cpu(vbe: bool) -> None:
+    """route_bad_ids: ids outside a roundrobin / hash_roundrobin table (negative, past
+    it, tables smaller than W) reach the same rank and local id on both devices
+    (without it the CUDA kernel stops on a device-side assert)."""
+    rng = random.Random(f"bad{vbe}")
+    for _ in range(25):
+        _assert_same(_random_case(rng, vbe=vbe, keep_per_feature=rng.random() < 0.5, weights_dim=1, bad_ids=True))
 
 
 def test_cuda_matches_cpu_large_bags() -> None:
