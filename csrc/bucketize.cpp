@@ -255,7 +255,10 @@ void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_
                   int64_t* __restrict__ cur, index_t* __restrict__ out, index_t* __restrict__ dst,
                   index_t* __restrict__ pos, index_t* __restrict__ map) {
   using uindex_t = std::make_unsigned_t<index_t>;
-  const FeatureRoute r = route;  // stage 1 refused every id place() refuses: none here
+  FeatureRoute r = route;
+  if (!r.route_bad) {
+    r.table_size = 0;  // stage 1 refused every id outside the table: no second check
+  }
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t s = off[b];
     const int64_t e = off[b + 1];

@@ -370,16 +370,19 @@ struct FeatureRoute {
         p = div_blocks_per_rank.div(uid - l * div_num_blocks.d);
       }
     } else {
-      const bool bad = table_size != 0 && uid >= table_size;
-      if (bad && !route_bad) {
-        return false;
-      }
-      const uint64_t v = bad ? uid : key;
-      l = div_world.div(v);
-      p = v - l * world;
-      if (bad && p >= table_size) {  // an owner without rows: one that holds some
-        p %= table_size;
-        l = l > 1 ? l : 1;
+      if (table_size != 0 && uid >= table_size) [[unlikely]] {
+        if (!route_bad) {
+          return false;
+        }
+        l = div_world.div(uid);
+        p = uid - l * world;
+        if (p >= table_size) {  // an owner without rows: one that holds some
+          p %= table_size;
+          l = l > 1 ? l : 1;
+        }
+      } else {
+        l = div_world.div(key);
+        p = key - l * world;
       }
     }
     *owner = p;
