@@ -633,6 +633,7 @@ def bucketize_kjt(
     bucketize_pos: bool = False,
     keep_orig_idx: bool = False,
     row_bounds: Optional[dict[str, list[int]]] = None,
+    route_bad_ids: bool = False,
 ) -> tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
     """Bucketizes a KJT by owner rank, feature by feature.
 
@@ -656,6 +657,9 @@ def bucketize_kjt(
         row_bounds: feature name -> uneven shard bounds of its (continuous) table:
             0, the first row of ranks 1..W-1, and the table's end. Continuous
             features without an entry keep the blocks of ``ceil(rows / W)``.
+        route_bad_ids: route ids outside their roundrobin / hash_roundrobin table
+            past their owner's rows (as torchrec's row-wise routing sends ids past a
+            table) instead of refusing them (see :func:`block_bucketize_sparse_features`).
 
     Returns:
         ``(bucketized_kjt, unbucketize_permute or None)``.
@@ -708,7 +712,7 @@ def bucketize_kjt(
         ]
     return bucketize_kjt_by(
         kjt, world_size, blocks, codes, sizes, seed=seed, sequence=sequence, bucketize_pos=bucketize_pos,
-        keep_orig_idx=keep_orig_idx, row_bounds=bounds,
+        keep_orig_idx=keep_orig_idx, row_bounds=bounds, route_bad_ids=route_bad_ids,
     )
 
 

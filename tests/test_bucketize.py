@@ -727,6 +727,13 @@ def test_bucketize_kjt_names_the_key_of_an_out_of_range_id() -> None:
         with pytest.raises(IndexError, match=rf"`indices\[2\]` = 500 \(feature 1, {dist}\) is outside "
                                              r"\[0, table_sizes\[1\] = 97\).* \(feature 1 is the KJT key 'item'\)$"):
             ops.bucketize_kjt(kjt, 2, {"user": "continuous", "item": dist}, {"user": 10, "item": 97})
+        # route_bad_ids: 500 goes to rank 500 % 2 = 0 as local id 250, past rank 0's 49 rows
+        routed, _ = ops.bucketize_kjt(kjt, 2, {"user": "continuous", "item": dist}, {"user": 10, "item": 97},
+                                      route_bad_ids=True)
+        lengths = routed.lengths().tolist()  # rank-major: rank 0's user, item bags, then rank 1's
+        rank0 = routed.values()[: sum(lengths[:4])].tolist()
+        assert lengths[:2] == [1, 1] and lengths[4:6] == [0, 0] and lengths[2] + lengths[6] == 2
+        assert rank0[2:].count(250) == 1 and 250 not in routed.values()[sum(lengths[:4]):].tolist()
 
 
 # ---------------------------------------------------------------------------
