@@ -24,6 +24,7 @@ from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 import numpy as np
 
 from recpipe.pipeline.ops import check_int
+from recpipe.planner.types import PlannerInputError
 
 # Per-axis bin cap of the 2-D DP grid, as in TorchEasyRec PR #508
 # (``_DP_AXIS_BIN_CAP``). Bins.
@@ -62,6 +63,26 @@ LADDER_LEVELS: int = 3
 EXACT_BYTES: int = 2**53
 # Tables above which the brute-force proposer refuses (19^8 ~ 1.7e10 combos).
 BRUTE_FORCE_MAX_TABLES: int = 8
+# Largest value of an ``int`` argument of the compiled planner kernels: their schemas'
+# ``int`` is int64, and torch refuses a larger Python int with a message naming no fix.
+_KERNEL_INT_MAX: int = 2**63 - 1
+# Most (HBM bins + 1) x (DDR bins + 1) cells the compiled DP kernel takes (kMaxCells in
+# csrc/placement_dp.cpp); the NumPy twin has no such limit. Cells.
+KERNEL_MAX_CELLS: int = 2**23
+
+
+def _kernel_budget_error(op: str, name: str, value: int, largest: int, largest_text: str) -> PlannerInputError:
+    """The error for a budget ``value`` past ``largest``, the largest ``torch.ops.recpipe.<op>`` takes."""
+    return PlannerInputError(
+        f"{name} is {value} bytes, past {largest} B ({largest_text}), the largest budget the compiled planner "
+        f"kernel torch.ops.recpipe.{op} takes (refused before calling it).\n"
+        "Possible solutions:\n"
+        f"  1) pass {name} below 2^53 bytes ({EXACT_BYTES} B = 8 PiB, the planner's exact byte range): no device "
+        "or machine holds more; for a budget that binds no plan, pass the sum of each table's largest option "
+        "(DynamicProgrammingProposer.solve passes that sum in place of a larger budget);\n"
+        "  2) use the NumPy twin (budget_prices, or DynamicProgrammingProposer(backend='numpy')), which takes "
+        "any budget."
+    )
 
 
 _CPP_OPS: Optional[Tuple[Any, Any]] = None
@@ -150,7 +171,8 @@ def _checked_arrays(hbm: Any, ddr: Any, cost: Any) -> Tuple[np.ndarray, np.ndarr
                    else f"{raw.dtype} values" if a is not None else "None")
             raise ValueError(f"`{name}` must hold whole byte counts >= 0 in a (tables, options) array (no fraction, "
                              f"nan or negative), got {got}; pass the enumerator's int64 arrays (OptionArrays).")
-        if raw.dtype.kind == "u" and raw.size and int(raw.max()) > np.iinfo(np.int64).max:
+        if raw.dtype.kind in "uf" and raw.size and int(raw.max()) > np.iinfo(np.int64).max:
+            # a float array's whole numbers past int64 were cast to -2^63 bytes: a plan "fitting" any budget
             raise ValueError(f"`{name}` holds {int(raw.max())} bytes, past int64 (2^63 - 1): no table option "
                              "is that large; pass the enumerator's int64 arrays (OptionArrays).")
         arrays.append(raw.astype(np.int64))
@@ -271,6 +293,17 @@ def _budget_prices_cpp(
     """``budget_prices`` through ``torch.ops.recpipe.placement_budget_prices`` (same steps, C++ loop)."""
     iters = check_int(iters, "iters", 1)
     hbm, ddr, cost = _validated(hbm, ddr, cost, hbm_budget, ddr_budget)
+    for name, budget in (("hbm_budget", hbm_budget), ("ddr_budget", ddr_budget)):
+        if budget > _KERNEL_INT_MAX:
+            raise _kernel_budget_error("placement_budget_prices", name, int(budget), _KERNEL_INT_MAX,
+                                       "2^63 - 1, the largest int64")
+    if iters > _KERNEL_INT_MAX:
+        raise PlannerInputError(
+            f"iters is {iters} subgradient steps, past int64 (2^63 - 1), the largest int the compiled planner "
+            "kernel torch.ops.recpipe.placement_budget_prices takes (refused before calling it).\n"
+            f"Possible solutions:\n  1) pass a few hundred steps at most (the DP prices with {PRICE_ITERS}; "
+            "more barely move the prices)."
+        )
     ops = _cpp_ops()
     assert ops is not None
     torch = ops[0]
@@ -350,6 +383,34 @@ def _prune_dominated(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable:
     lower_index = np.arange(K)[None, None, :] < np.arange(K)[None, :, None]
     dom = le & (strict | lower_index)
     return usable & ~dom.any(axis=2)
+
+
+def _check_kernel_grid(bins: Optional[Tuple[int, int]], nh: int, nd: int) -> None:
+    """Refuses a DP grid of ``(nh + 1) x (nd + 1)`` cells past the compiled kernel's
+    ``KERNEL_MAX_CELLS`` (which it refuses with a RuntimeError, and torch past int64), naming
+    the proposer's ``bins`` when they set it.
+
+    Raises:
+        PlannerInputError: the grid, its cell count, the limit and the fixes.
+    """
+    cells = (nh + 1) * (nd + 1)
+    if cells <= KERNEL_MAX_CELLS:
+        return
+    # the same HBM:DDR ratio, scaled into the limit
+    scale = math.sqrt(KERNEL_MAX_CELLS / cells)
+    b = max(1, int((nd + 1) * scale) - 1)
+    a = max(1, min(int((nh + 1) * scale) - 1, KERNEL_MAX_CELLS // (b + 1) - 1))
+    b = min(b, KERNEL_MAX_CELLS // (a + 1) - 1)
+    who = f"DynamicProgrammingProposer(bins={bins!r})" if bins is not None else "the DP grid"
+    raise PlannerInputError(
+        f"{who}: a grid of ({nh} + 1) x ({nd} + 1) = {cells} cells is past the {KERNEL_MAX_CELLS} cells (2^23) the "
+        "compiled DP kernel torch.ops.recpipe.placement_dp takes (refused before calling it).\n"
+        "Possible solutions:\n"
+        f"  1) pass fewer bins, e.g. bins=({a}, {b}) (the same HBM:DDR ratio within {KERNEL_MAX_CELLS} cells);\n"
+        f"  2) pass bins=None: the planner sizes the grid (at most {DP_AXIS_BIN_CAP} bins per axis);\n"
+        "  3) solve with the NumPy twin, DynamicProgrammingProposer(bins=..., backend='numpy'), which takes any "
+        "grid (slower)."
+    )
 
 
 def _repair(
@@ -649,7 +710,17 @@ class DynamicProgrammingProposer:
         ph: float = 0.0,
         pd: float = 0.0,
     ) -> Optional[Tuple[np.ndarray, float]]:
-        """One DP pass through ``torch.ops.recpipe.placement_dp`` (same result as ``_dp_numpy``)."""
+        """One DP pass through ``torch.ops.recpipe.placement_dp`` (same result as ``_dp_numpy``).
+
+        Raises:
+            PlannerInputError: a budget at or past 2^53 bytes or a grid past ``KERNEL_MAX_CELLS``
+                cells, which the kernel refuses (or, past int64, torch), named before the call.
+        """
+        for name, budget in (("hbm_budget", H), ("ddr_budget", D)):
+            if budget >= EXACT_BYTES:
+                raise _kernel_budget_error("placement_dp", name, int(budget), EXACT_BYTES - 1,
+                                           "2^53 - 1, its exact byte range")
+        _check_kernel_grid(None, nh, nd)
         ops = _cpp_ops()
         assert ops is not None
         torch = ops[0]
@@ -693,6 +764,8 @@ class DynamicProgrammingProposer:
         keep = (_prune_dominated if self.backend == "numpy" else _prune_dominated_cpp)(hbm, ddr, cost, usable)
         nh, nd = self._grid(keep.sum(axis=1), max_h > H, max_d > D)
         self.last_bins = (nh, nd)
+        if self.backend == "cpp":  # the finest grid of the ladder below; bins=None never comes near
+            _check_kernel_grid(self._bins, nh, nd)
 
         # Plans sharing a cell are compared on cost + budget prices x bytes (the
         # true cost is carried alongside): with one bin per byte this changes
@@ -846,6 +919,7 @@ __all__ = [
     "DP_MIN_BINS",
     "DP_WORK_TARGET",
     "DynamicProgrammingProposer",
+    "KERNEL_MAX_CELLS",
     "Proposer",
     "REPAIR_MAX_STEPS",
     "REPAIR_PAIR_LIMIT",

@@ -11,6 +11,7 @@ import json
 import math
 import numbers
 import os
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -29,12 +30,16 @@ from recpipe.pipeline.placement import (
     FusedOptimizer,
     Mode,
     PlacementParams,
+    ShardStorage,
     check_load_factor,
     check_load_factors,
     dtype_name,
+    machine_sum,
+    max_local_rows,
     parse_enum,
     resolve_dtype,
     row_bytes,
+    shard_storage,
 )
 from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
@@ -75,6 +80,20 @@ class PlannerError(_TorchrecPlannerError):
         # torchrec stores its own enum here; ours is richer, keep both readable.
         self.error_type = error_type  # type: ignore[assignment]
         self.planner_error_type: PlannerErrorType = error_type
+
+
+class PlannerInputError(PlannerError, ValueError):
+    """A ``PlannerError`` of type ``INPUT_VALIDATION`` that is also a ``ValueError``: an argument
+    the planner cannot take (the message names it, quotes its value and lists numbered
+    "Possible solutions"), caught by ``except ValueError`` as the planner's other argument
+    checks are.
+
+    Args:
+        message (str): the explanation, including numbered "Possible solutions".
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, PlannerErrorType.INPUT_VALIDATION)
 
 
 def format_bytes(num: float, round_up: bool = False) -> str:
@@ -481,8 +500,13 @@ class PlacementPlan:
         Returns:
             ShardingPlan: one ``PlacementParameterSharding`` per table, carrying
             :meth:`placement_params`.
+
+        Warns:
+            UserWarning: ``compute_device`` is given and the tiered sharders' default
+                backend there runs another layout than the plan's ``backend`` (see
+                :func:`to_sharding_plan`).
         """
-        return to_sharding_plan(self, compute_device=compute_device)
+        return _to_sharding_plan(self, compute_device)
 
     # ---- JSON ----------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
@@ -691,7 +715,23 @@ def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) 
     Returns:
         ShardingPlan: ``{module_path: {table: PlacementParameterSharding}}``, each
         carrying the table's ``plan.placement_params(...)``.
+
+    Warns:
+        UserWarning: ``compute_device`` is given (the device the tiered sharders will
+            build the tables on) and their default backend there runs the other layout
+            than the one the plan was sized in (``plan.backend``): an ``fbgemm`` plan on
+            ``cpu`` (recpipe's native kernel) or a ``native`` plan on ``cuda`` (fbgemm's
+            TBE). The warning names the tables whose bytes differ, both layouts, the
+            plan's bytes in each and their difference, and the fix.
     """
+    return _to_sharding_plan(plan, compute_device)
+
+
+def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> ShardingPlan:
+    """:func:`to_sharding_plan`, called by it and by :meth:`PlacementPlan.to_sharding_plan`
+    (one frame each: the warning points at the user's call)."""
+    if compute_device is not None:
+        _warn_layout_mismatch(plan, compute_device)
     device = compute_device or plan.compute_device
     modules: Dict[str, EmbeddingModuleShardingPlan] = {}
     for p in plan.placements:
@@ -704,6 +744,90 @@ def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) 
             sharding_spec=row_wise_sharding_spec(p.rows, p.dim, plan.world_size, plan.local_world_size, device),
         )
     return ShardingPlan(plan=dict(modules))
+
+
+#: The layout the tiered sharders' default backend runs on each compute device
+#: (``recpipe.pipeline.tiered.resolve_backend``: the native kernel on CPU, fbgemm's TBE
+#: on CUDA), as a :data:`STORAGE_BACKENDS` name.
+_DEVICE_LAYOUT: Dict[str, str] = {"cpu": "native", "cuda": "fbgemm"}
+#: What the tiered sharders are given to run each layout on a device whose default is the other.
+_LAYOUT_SHARDER_FIX: Dict[Tuple[str, str], str] = {
+    # fbgemm's backend on CPU builds HOST tables without a cache, not the layout the plan budgets
+    ("cpu", "fbgemm"): "",
+    ("cuda", "native"): "TieredEmbeddingBagCollectionSharder(backend='torch') / "
+                        "TieredEmbeddingCollectionSharder(backend='torch') (recpipe's layout on CUDA)",
+}
+
+
+def _layout_bytes(plan: PlacementPlan, layout: str) -> List[Optional[Tuple[int, int]]]:
+    """Each table's HBM bytes per rank and DDR bytes per machine in ``layout`` at its planned
+    mode and load factor (as the enumerator sizes them), or None for a table that layout
+    cannot hold (fbgemm's TBE needs a dim that is a multiple of 4)."""
+    from recpipe.pipeline._tiered_fbgemm import fbgemm_shard_storage  # the planner's fbgemm formula
+
+    W, L = plan.world_size, plan.local_world_size
+    out: List[Optional[Tuple[int, int]]] = []
+    for p in plan.placements:
+
+        def shard(rows: int, p: TablePlacement = p) -> ShardStorage:
+            if layout == "fbgemm":
+                return fbgemm_shard_storage(rows, p.dim, p.dtype, p.optimizer, p.mode, p.cache_load_factor,
+                                            plan.cache_policy)
+            return shard_storage(rows, p.dim, p.dtype, p.optimizer, p.mode, p.cache_load_factor)
+
+        try:
+            out.append((shard(max_local_rows(p.rows, W)).fast_bytes, machine_sum(p.rows, W, L, shard).slow_bytes))
+        except ValueError:
+            out.append(None)
+    return out
+
+
+def _warn_layout_mismatch(plan: PlacementPlan, compute_device: str) -> None:
+    """Warns when the tiered sharders' default backend on ``compute_device`` runs another
+    layout than the one ``plan`` was sized in (``plan.backend``), with the bytes of both."""
+    runs = _DEVICE_LAYOUT.get(compute_device)
+    if runs is None or runs == plan.backend:
+        return  # an unknown device is refused by row_wise_sharding_spec
+    sized = _layout_bytes(plan, runs)
+    cannot = [p.fqn for p, b in zip(plan.placements, sized) if b is None]
+    differ = [p.fqn for p, b in zip(plan.placements, sized)
+              if b is not None and b != (p.hbm_bytes_per_rank, p.ddr_bytes_per_machine)]
+    if not differ and not cannot:
+        return
+    held = [(p, b) for p, b in zip(plan.placements, sized) if b is not None]  # the tables both layouts hold
+    now_h, now_d = sum(p.hbm_bytes_per_rank for p, _ in held), sum(p.ddr_bytes_per_machine for p, _ in held)
+    hbm, ddr = sum(b[0] for _, b in held), sum(b[1] for _, b in held)
+    names = {"native": "recpipe's native layout", "fbgemm": "fbgemm's layout"}
+
+    def delta(now: int, then: int, budget: int) -> str:
+        over = f", over the budget of {format_bytes(budget)} ({budget} B)" if then > budget else ""
+        return (f"{format_bytes(now)} ({now} B) in {plan.backend} -> {format_bytes(then)} ({then} B) in {runs}, "
+                f"{then - now:+d} B{over}")
+
+    fixes = [f"re-plan with PlacementPlanner(topology, backend={runs!r}) to size the tables in the layout that "
+             f"runs on {compute_device}"]
+    sharder_fix = _LAYOUT_SHARDER_FIX.get((compute_device, plan.backend))
+    if sharder_fix:
+        fixes.append(f"run the plan's layout: give the tiered sharders {sharder_fix}")
+    some = f"{len(differ)} of its {len(plan.placements)} tables ({differ[:5]}{' ...' if len(differ) > 5 else ''})"
+    text = (
+        f"to_sharding_plan(compute_device={compute_device!r}): the plan was sized in {names[plan.backend]} "
+        f"(backend={plan.backend!r}), but on {compute_device} the tiered sharders run {names[runs]} (backend="
+        f"{runs!r}, their default there)"
+    )
+    if cannot:
+        text += f"; {runs} cannot hold {len(cannot)} table(s) {cannot[:5]} at all"
+    if differ:
+        text += (
+            f"; there {some} need other bytes: HBM per rank {delta(now_h, hbm, plan.hbm_budget_per_rank)}; "
+            f"DDR per machine {delta(now_d, ddr, plan.ddr_budget_per_machine)}"
+            + (" (the tables it cannot hold left out)" if cannot else "")
+        )
+    warnings.warn(
+        text + ".\nPossible solutions:\n" + "\n".join(f"  {k + 1}) {f}" for k, f in enumerate(fixes)),
+        UserWarning,
+        stacklevel=4,  # the user's call of to_sharding_plan (this, _to_sharding_plan, to_sharding_plan, user)
+    )
 
 
 def check_topology_args(
@@ -806,6 +930,7 @@ __all__ = [
     "PlacementPlan",
     "PlannerError",
     "PlannerErrorType",
+    "PlannerInputError",
     "TablePlacement",
     "TableSpec",
     "format_bytes",
