@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import numbers
 from contextlib import contextmanager
-from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -91,6 +91,7 @@ from torchrec.modules.embedding_configs import (
     pooling_type_to_pooling_mode,
 )
 from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
+from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 from torchrec.optim.fused import FusedOptimizer as TorchrecFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -140,7 +141,11 @@ __all__ = [
     "TieredRwSequenceEmbeddingSharding",
     "TieredShardedEmbeddingBagCollection",
     "TieredShardedEmbeddingCollection",
+    "OPTIMIZER_STATE_NAMES",
+    "OPTIMIZER_STEP_KEY",
+    "gather_full_optimizer_state",
     "gather_full_weights",
+    "load_full_optimizer_state",
     "state_dict_without_tiered_rows",
     "tiered_optimizer_from_fused_params",
     "tiered_output_dtype",
@@ -1041,7 +1046,9 @@ class _TieredTablesMixin:
                 "compute_kernel 'customized_kernel');\n"
                 "  2. move the saved rows as a full table: full = recpipe.pipeline.sharders.gather_full_weights("
                 "<the saving (tiered) model>) on every rank, then pass the state dict with full["
-                f"{key!r}] instead of the tiered entries (the table's optimizer state then starts from zero)."
+                f"{key!r}] instead of the tiered entries (the table's optimizer state then starts from zero: "
+                "migrate it with opt = gather_full_optimizer_state(<the saving model>) on every rank, then "
+                "load_full_optimizer_state(<this model>, opt) after the weights)."
             )
 
     def _load_tiered_entries(self, state_dict: Dict[str, Any], prefix: str) -> None:
@@ -1163,7 +1170,8 @@ def _sharded_weight_error(key: str, name: str, value: Any) -> str:
         "  1. pass the full [num_embeddings, dim] tensor: full = recpipe.pipeline.sharders.gather_full_weights("
         f"<the saving model>) on every rank, then load_state_dict(full, strict=False) (the table's "
         "optimizer state then starts from zero: FUSED tables keep it in fused_optimizer.state_dict(), which tiered "
-        "tables do not load);\n"
+        "tables do not load; migrate it with opt = recpipe.pipeline.sharders.gather_full_optimizer_state(<the "
+        "saving model>) on every rank, then load_full_optimizer_state(<this model>, opt) after the weights);\n"
         "  2. load the state_dict() (or tiered_state() exports, with load_tiered_state()) of a model that planned "
         "the table tiered."
     )
@@ -1301,7 +1309,8 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingColl
 
     Example::
 
-        plan = PlacementPlanner(topology).plan(ec).to_sharding_plan(compute_device="cpu")
+        # a CPU run: size the tables in the layout the CPU kernel runs (backend="native")
+        plan = PlacementPlanner(topology, backend="native").plan(ec).to_sharding_plan(compute_device="cpu")
         model = DistributedModelParallel(ec, plan=plan, device=torch.device("cpu"),
                                          sharders=[TieredEmbeddingCollectionSharder()])
         model.module.tier_stats()
@@ -1354,7 +1363,8 @@ def gather_full_weights(
     <-> torchrec tables, or an unsharded module. ``model.load_state_dict(full,
     strict=False)`` then loads each table by global row id into any of them (torchrec
     slices a full tensor by its shards' offsets; recpipe's routed and tiered tables pick
-    their own rows). Optimizer state is not included.
+    their own rows). Optimizer state is not included: migrate it with
+    :func:`gather_full_optimizer_state` / :func:`load_full_optimizer_state` (after the weights).
 
     Collective over ``process_group``: every rank calls it and gets every table
     (``[num_embeddings, dim]`` on CPU each, so it needs that much host memory): each rank
@@ -1394,8 +1404,7 @@ def gather_full_weights(
         elif not key.endswith(".weight") or not isinstance(value, (ShardedTensor, DTensor)):
             continue
         else:
-            record = state.get(key[: -len("weight")] + ROW_ORDER_KEY)
-            order = RowOrder(*(record[f] for f in RowOrder._fields)) if record is not None else None
+            order = _row_order(state, key[: -len(".weight")])
             if isinstance(value, DTensor):
                 if order is not None:
                     raise ValueError(f"gather_full_weights: {key} is a DTensor of a routed table; gather the "
@@ -1404,19 +1413,408 @@ def gather_full_weights(
                 continue
             out = torch.zeros(tuple(value.size()), dtype=value.dtype)
             for shard in value.local_shards():
-                r0, c0 = shard.metadata.shard_offsets
                 t = shard.tensor.detach().cpu()
-                cols = slice(c0, c0 + t.shape[1])
-                if order is not None:
-                    out[order.global_ids(shard.metadata.placement.rank()), cols] = t
-                else:
-                    out[r0:r0 + t.shape[0], cols] = t
+                c0 = shard.metadata.shard_offsets[1]
+                out[_shard_global_rows(shard.metadata, t.shape[0], order), c0:c0 + t.shape[1]] = t
             full[key] = out
     if dist.is_initialized():
-        nccl = dist.get_backend(process_group) == "nccl"
         for key in sorted(full):  # same order on every rank (DTensors are complete already)
             if not isinstance(state.get(key), DTensor):
-                summed = full[key].cuda() if nccl else full[key]
-                dist.all_reduce(summed, group=process_group)
-                full[key] = summed.cpu()
+                full[key] = _all_reduce_cpu(full[key], dist.ReduceOp.SUM, process_group)
     return full
+
+
+def _row_order(state: Mapping[str, Any], base: str) -> Optional[RowOrder]:
+    """The ``RowOrder`` recorded beside routed FUSED table ``base``'s weight in ``state``
+    (None: its shards hold contiguous rows at their offsets)."""
+    record = state.get(f"{base}.{ROW_ORDER_KEY}")
+    return RowOrder(*(record[f] for f in RowOrder._fields)) if record is not None else None
+
+
+def _shard_global_rows(metadata: Any, rows: int, order: Optional[RowOrder]) -> Any:
+    """The global rows of a ShardedTensor shard of ``rows`` rows (its ``ShardMetadata``):
+    its routed global ids (``order``), else the contiguous range at its row offset."""
+    if order is not None:
+        return order.global_ids(metadata.placement.rank())
+    r0 = int(metadata.shard_offsets[0])
+    return slice(r0, r0 + rows)
+
+
+def _all_reduce_cpu(t: torch.Tensor, op: Any, process_group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """``t`` all-reduced over ``process_group`` (through CUDA for nccl), on CPU."""
+    out = t.cuda() if dist.get_backend(process_group) == "nccl" else t
+    dist.all_reduce(out, op=op, group=process_group)
+    return out.cpu()
+
+
+#: torchrec's names of a table's fused optimizer state (``EmbeddingFusedOptimizer``: fbgemm's
+#: first state is named ``momentum1``, the others keep fbgemm's ``get_optimizer_state()`` names),
+#: per optimizer a migration carries; each entry of :func:`gather_full_optimizer_state` is
+#: ``<table>.<name>``, plus :data:`OPTIMIZER_STEP_KEY`.
+OPTIMIZER_STATE_NAMES: Dict[FusedOptimizer, Tuple[str, ...]] = {
+    FusedOptimizer.SGD: (),
+    FusedOptimizer.ROWWISE_ADAGRAD: ("momentum1",),
+    FusedOptimizer.ADAM: ("momentum1", "exp_avg_sq"),
+}
+#: The entry of a table's :func:`gather_full_optimizer_state` holding its optimizer step (fbgemm's
+#: ``iter``, a tiered table's ``step``): a 0-dim int64 tensor.
+OPTIMIZER_STEP_KEY = "step"
+
+
+class _OptTable(NamedTuple):
+    """A table's fused optimizer as the migration sees it: ``optimizer`` is a
+    :class:`FusedOptimizer` value the migration carries, else a description of another."""
+
+    optimizer: str
+    rows: int
+    dim: int
+
+
+def _state_shapes(table: str, desc: _OptTable) -> Dict[str, Tuple[int, ...]]:
+    """torchrec's name -> full shape of each optimizer state of ``table``."""
+    opt = FusedOptimizer(desc.optimizer)
+    row = opt is FusedOptimizer.ROWWISE_ADAGRAD  # one momentum per row; Adam: one per element
+    return {f"{table}.{n}": (desc.rows,) if row else (desc.rows, desc.dim) for n in OPTIMIZER_STATE_NAMES[opt]}
+
+
+def _fused_leaf_optimizer(leaf: Any) -> str:
+    """The optimizer of a torchrec fused optimizer (``EmbeddingFusedOptimizer``: its fbgemm TBE's)."""
+    tbe = getattr(leaf, "_emb_module", None)
+    opt = getattr(tbe, "optimizer", None)
+    if opt is None:
+        return f"the fused optimizer of a {type(leaf).__name__} (not an fbgemm TBE's)"
+    if getattr(tbe, "use_rowwise_bias_correction", False):
+        return "adam with use_rowwise_bias_correction"
+    try:
+        parsed = FusedOptimizer.parse(opt)
+    except ValueError:
+        return str(getattr(opt, "name", opt)).lower()
+    return parsed.value
+
+
+def _optimizer_tables(model: nn.Module) -> Dict[str, Tuple[Any, ...]]:
+    """This rank's embedding tables with a fused optimizer, by ``<collection>.<table>`` key (the
+    ``.weight`` key of ``model.state_dict()`` without ``.weight``), from ``model.fused_optimizer``:
+    ``("tiered", shard)``, ``("fused", leaf optimizer, ShardedTensor weight, table name)`` (torchrec
+    names the state of a table by its config name, the key's last part), or ``("unsupported",
+    reason, rows, dim)``."""
+    root = getattr(model, "fused_optimizer", None)
+    if not isinstance(root, KeyedOptimizer):
+        raise ValueError(
+            f"model must be a sharded model with a fused_optimizer (torchrec's DistributedModelParallel, or a "
+            f"sharded EmbeddingBagCollection / EmbeddingCollection), got a {type(model).__name__} whose "
+            f"fused_optimizer is {type(root).__name__}; pass the DistributedModelParallel-wrapped model.")
+    out: Dict[str, Tuple[Any, ...]] = {}
+
+    def walk(opt: KeyedOptimizer, prefix: str) -> None:
+        if isinstance(opt, CombinedOptimizer):
+            for key, sub in opt.optimizers:
+                walk(sub, CombinedOptimizer.prepend_opt_key(key, prefix))
+            return
+        shards = opt._shards if isinstance(opt, TieredFusedOptimizer) else None
+        for i, (param_key, param) in enumerate(opt.params.items()):
+            full_key = CombinedOptimizer.prepend_opt_key(param_key, prefix)
+            if not full_key.endswith(".weight"):
+                continue
+            base = full_key[: -len(".weight")]
+            if shards is not None:
+                out[base] = ("tiered", shards[i])
+            elif isinstance(param, DTensor):  # refused for every rank alike (_describe_tables)
+                out[base] = ("unsupported", "a DTensor weight and state (torchrec's DTensor state_dict option; "
+                             "use its ShardedTensor default)", *(int(x) for x in param.size()))
+            elif isinstance(param, ShardedTensor):
+                out[base] = ("fused", opt, param, base.rsplit(".", 1)[-1])
+
+    walk(root, "")
+    return out
+
+
+def _describe_tables(
+    tables: Dict[str, Tuple[Any, ...]], process_group: Optional[dist.ProcessGroup]
+) -> Dict[str, _OptTable]:
+    """Every table's optimizer and shape, the same on every rank (collective when
+    torch.distributed is initialized): a rank holding no shard of a TABLE_WISE table learns it
+    from the rank that does."""
+    local: Dict[str, _OptTable] = {}
+    for base, entry in tables.items():
+        if entry[0] == "tiered":
+            shard = entry[1]
+            local[base] = _OptTable(shard.optimizer.name, shard.num_embeddings, shard.embedding_dim)
+        elif entry[0] == "unsupported":
+            local[base] = _OptTable(*entry[1:])
+        else:
+            rows, dim = (int(x) for x in entry[2].size())
+            opt = _fused_leaf_optimizer(entry[1])
+            if any(int(w.tensor.shape[1]) != dim for w in entry[2].local_shards()):
+                opt = (f"{opt}, column-wise sharded (torchrec keeps its row-wise optimizer state per column "
+                       "shard; plan it TABLE_WISE or ROW_WISE)")
+            local[base] = _OptTable(opt, rows, dim)
+    if not dist.is_initialized():
+        return local
+    gathered: List[Dict[str, _OptTable]] = [{} for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather_object(gathered, {k: tuple(v) for k, v in local.items()}, group=process_group)
+    merged: Dict[str, _OptTable] = {}
+    for part in gathered:  # a column-wise table's description on a rank holding a column shard wins
+        merged.update({k: _OptTable(*v) for k, v in part.items() if k not in merged or "column-wise" in v[0]})
+    return dict(sorted(merged.items()))
+
+
+def _unsupported_error(where: str, unsupported: Dict[str, _OptTable]) -> ValueError:
+    named = ", ".join(f"{k!r} ({d.optimizer})" for k, d in unsupported.items())
+    return ValueError(
+        f"{where}: the fused optimizer state of tables {named} cannot be migrated (the migration carries the "
+        f"state of {sorted(o.value for o in OPTIMIZER_STATE_NAMES)}, what tiered tables run, from TABLE_WISE / "
+        "ROW_WISE ShardedTensor tables). Possible solutions:\n"
+        "  1. train them with SGD, row-wise Adagrad or Adam (apply_optimizer_in_backward), planned TABLE_WISE or "
+        "ROW_WISE;\n"
+        "  2. plan them data-parallel or without a fused optimizer, so that the migration leaves them out.")
+
+
+def gather_full_optimizer_state(
+    model: nn.Module, *, process_group: Optional[dist.ProcessGroup] = None
+) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Every sharded embedding table's fused optimizer state, full tables in global row order.
+
+    The optimizer-state counterpart of :func:`gather_full_weights`: torchrec FUSED tables
+    (their ``model.fused_optimizer`` ShardedTensor state, shards at their offsets or at their
+    routed global ids) and tiered tables (each row's state, by global id) give the same
+    entries, so :func:`load_full_optimizer_state` loads them into a model whose tables are
+    tiered, FUSED, of another world size or routing. Collective over ``process_group`` (every
+    rank calls it and gets every table, on CPU), as :func:`gather_full_weights`.
+
+    Args:
+        model (nn.Module): the (DMP-wrapped) sharded model.
+        process_group (dist.ProcessGroup | None): the group the tables are sharded over
+            (default: the world, when torch.distributed is initialized).
+
+    Returns:
+        Dict[str, Dict[str, torch.Tensor]]: ``{<collection>.<table> (the weight's key in
+        model.state_dict() without .weight): {<table>.<name>: full state, "step": step}}``, with
+        torchrec's names (:data:`OPTIMIZER_STATE_NAMES`): SGD none; row-wise Adagrad
+        ``<table>.momentum1`` ``[num_embeddings]``; Adam ``<table>.momentum1`` (``exp_avg``) and
+        ``<table>.exp_avg_sq``, ``[num_embeddings, dim]`` each; ``step`` (:data:`OPTIMIZER_STEP_KEY`)
+        a 0-dim int64 tensor, the optimizer step of the table (fbgemm's ``iter``, the tiered
+        table's ``step``; Adam's bias correction continues from it).
+
+    Raises:
+        ValueError: ``model`` has no ``fused_optimizer``; a table trains with another fused
+            optimizer (naming it), or is column-wise sharded (its row-wise state is per column
+            shard), or its state is a DTensor.
+
+    Example::
+
+        full = gather_full_weights(model)             # every rank, in the saving job's sharding
+        opt = gather_full_optimizer_state(model)
+        other_model.load_state_dict(full, strict=False)
+        load_full_optimizer_state(other_model, opt)   # after the weights
+    """
+    tables = _optimizer_tables(model)
+    desc = _describe_tables(tables, process_group)
+    unsupported = {k: d for k, d in desc.items() if d.optimizer not in {o.value for o in OPTIMIZER_STATE_NAMES}}
+    if unsupported:
+        raise _unsupported_error("gather_full_optimizer_state", unsupported)
+    with state_dict_without_tiered_rows(model):
+        state = model.state_dict()  # the row orders of routed FUSED tables
+    out: Dict[str, Dict[str, torch.Tensor]] = {}
+    steps = torch.full((len(desc),), -1, dtype=torch.int64)
+    for i, (base, d) in enumerate(desc.items()):
+        table = base.rsplit(".", 1)[-1]
+        full = {k: torch.zeros(shape, dtype=torch.float32) for k, shape in _state_shapes(table, d).items()}
+        entry = tables.get(base)
+        if entry is not None and entry[0] == "tiered":
+            st = entry[1].export_state()
+            cols = _named_to_columns(d, st.optimizer_state, table)
+            for k, v in cols.items():
+                full[k][st.global_ids] = v
+            steps[i] = st.step
+        elif entry is not None:
+            _, leaf, weight, name = entry
+            for k, src in _fused_state_shards(base, d, leaf, weight, name, _row_order(state, base)):
+                for rows, shard in src:
+                    full[k][rows] = shard.detach().cpu().to(torch.float32)
+            steps[i] = _fused_step(leaf)
+        out[base] = full
+    if dist.is_initialized():
+        for base in desc:  # sorted, the same on every rank
+            for k in sorted(out[base]):
+                out[base][k] = _all_reduce_cpu(out[base][k], dist.ReduceOp.SUM, process_group)
+        steps = _all_reduce_cpu(steps, dist.ReduceOp.MAX, process_group)
+    for i, base in enumerate(desc):
+        out[base][OPTIMIZER_STEP_KEY] = torch.tensor(max(int(steps[i]), 0), dtype=torch.int64)
+    return out
+
+
+def _named_to_columns(d: _OptTable, state: torch.Tensor, table: str) -> Dict[str, torch.Tensor]:
+    """A tiered table's ``[n, state_cols]`` rows of state as torchrec's named states
+    (row-wise Adagrad: the momentum column; Adam: ``exp_avg`` then ``exp_avg_sq`` columns)."""
+    names = list(_state_shapes(table, d))
+    if FusedOptimizer(d.optimizer) is FusedOptimizer.ROWWISE_ADAGRAD:
+        return {names[0]: state[:, 0]}
+    return {k: state[:, j * d.dim:(j + 1) * d.dim] for j, k in enumerate(names)}
+
+
+def _columns_from_named(d: _OptTable, table: str, given: Mapping[str, Any]) -> torch.Tensor:
+    """torchrec's named full states of a table as a tiered shard's ``[rows, state_cols]`` layout."""
+    names = list(_state_shapes(table, d))
+    if not names:
+        return torch.zeros((d.rows, 0), dtype=torch.float32)
+    return torch.cat([given[k].detach().reshape(d.rows, -1).to(torch.float32) for k in names], dim=1)
+
+
+def _fused_state_shards(
+    base: str, d: _OptTable, leaf: Any, weight: ShardedTensor, name: str, order: Optional[RowOrder]
+) -> Iterator[Tuple[str, List[Tuple[Any, torch.Tensor]]]]:
+    """For each named state of FUSED table ``base``: (global rows, local state tensor) of every
+    local shard (torchrec builds the state's local shards in the order of the weight's)."""
+    state = leaf.state.get(weight, {})
+    w_shards = weight.local_shards()  # whole rows: column-wise tables were refused (_describe_tables)
+    for k in _state_shapes(name, d):
+        st = state.get(k)
+        if not isinstance(st, ShardedTensor):
+            raise ValueError(f"{base}: the fused optimizer state of table {name!r} has no ShardedTensor {k!r} (it "
+                             f"has {sorted(state)}); migrate it from torchrec's ShardedTensor optimizer state.")
+        o_shards = st.local_shards()
+        if len(o_shards) != len(w_shards):
+            raise ValueError(f"{base}: {k!r} has {len(o_shards)} local shards, the weight {len(w_shards)}.")
+        yield k, [(_shard_global_rows(w.metadata, int(w.tensor.shape[0]), order), o.tensor)
+                  for w, o in zip(w_shards, o_shards)]
+
+
+def _fused_step(leaf: Any) -> int:
+    """The optimizer step of a torchrec fused optimizer's fbgemm TBE (``iter``, what its
+    ``set_optimizer_step`` sets)."""
+    it = getattr(getattr(leaf, "_emb_module", None), "iter", None)
+    return int(it.reshape(-1)[0]) if isinstance(it, torch.Tensor) and it.numel() else 0
+
+
+def _given_optimizer(table: str, given: Mapping[str, Any]) -> str:
+    """What optimizer's state ``given`` holds, for error messages."""
+    m1, m2 = given.get(f"{table}.momentum1"), given.get(f"{table}.exp_avg_sq")
+    dims = lambda t: t.dim() if isinstance(t, torch.Tensor) else None  # noqa: E731
+    if m1 is None and m2 is None:
+        return "sgd"
+    if dims(m1) == 1 and m2 is None:
+        return "rowwise_adagrad"
+    if dims(m1) == 2 and dims(m2) == 2:
+        return "adam"
+    return "unrecognised"
+
+
+def _check_table_state(base: str, d: _OptTable, given: Any) -> None:
+    """Refuses ``given`` (a :func:`gather_full_optimizer_state` entry) for table ``base``
+    unless it is the state of the table's optimizer and shape, naming both and the fixes."""
+    table = base.rsplit(".", 1)[-1]
+    shapes = _state_shapes(table, d)
+    want = {**{k: list(v) for k, v in shapes.items()}, OPTIMIZER_STEP_KEY: "int >= 0"}
+    if not isinstance(given, Mapping):
+        raise ValueError(f"load_full_optimizer_state: states[{base!r}] must be a dict {want} (an entry of "
+                         f"gather_full_optimizer_state), got {type(given).__name__}.")
+    got = {k: (list(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__) for k, v in given.items()}
+    step = given.get(OPTIMIZER_STEP_KEY)
+    step_ok = (isinstance(step, numbers.Integral) and not isinstance(step, bool)) or (
+        isinstance(step, torch.Tensor) and step.numel() == 1 and not step.is_floating_point()
+        and step.dtype is not torch.bool)
+    step_ok = step_ok and int(step) >= 0
+    ok = step_ok and set(given) == set(want) and all(
+        isinstance(given[k], torch.Tensor) and given[k].is_floating_point() and tuple(given[k].shape) == s
+        for k, s in shapes.items())
+    if not ok:
+        source = _given_optimizer(table, given)
+        raise ValueError(
+            f"load_full_optimizer_state: table {base!r} of the model trains with {d.optimizer} "
+            f"([{d.rows}, {d.dim}], optimizer state {want}), but states[{base!r}] holds {source} state {got}. "
+            "Possible solutions:\n"
+            f"  1. load the state gathered (gather_full_optimizer_state) from a model whose table {table!r} has "
+            f"the same shape and trains with {d.optimizer};\n"
+            f"  2. train this model's table with the saving model's optimizer ({source}: the optimizer of "
+            "apply_optimizer_in_backward, or the sharder's fused_params);\n"
+            f"  3. leave {base!r} out of states and pass strict=False (its optimizer state is then left as it is, "
+            "zero after loading its weights).")
+    bad = [k for k in shapes if not bool(torch.isfinite(given[k]).all())]
+    if bad:
+        raise ValueError(f"load_full_optimizer_state: states[{base!r}] {bad} hold NaN or inf values; load the "
+                         "state of a healthy run (an earlier checkpoint).")
+
+
+def load_full_optimizer_state(
+    model: nn.Module,
+    states: Mapping[str, Mapping[str, Any]],
+    *,
+    strict: bool = True,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> None:
+    """Loads full fused optimizer state (:func:`gather_full_optimizer_state`) into ``model``'s tables.
+
+    Each rank picks the rows it holds: a tiered table's rows by global id (their state moves
+    with them), a torchrec FUSED table's into its ``model.fused_optimizer`` ShardedTensor state
+    (fbgemm's buffers) at its shards' offsets or routed global ids. The step is set as
+    torchrec's ``set_optimizer_step`` sets it (a FUSED TBE's step is shared by its tables: it is
+    set to the largest of theirs); on a model that has not trained since it was built or its
+    weights were loaded, Adam's next update is step ``step + 1``, as in the saving run. Load the
+    weights first: ``load_state_dict`` of a full weight zeroes a tiered table's optimizer state.
+
+    Collective over ``process_group`` (the tables' optimizers and shapes are gathered, so every
+    rank refuses alike); every table is checked before any is loaded.
+
+    Args:
+        model (nn.Module): the (DMP-wrapped) sharded model to load into.
+        states (Mapping[str, Mapping[str, Any]]): :func:`gather_full_optimizer_state` of the saving
+            model (on every rank).
+        strict (bool): refuse a model table missing from ``states`` (default). With False, such
+            tables keep their state.
+        process_group (dist.ProcessGroup | None): the group the tables are sharded over
+            (default: the world, when torch.distributed is initialized).
+
+    Raises:
+        ValueError: naming the table, both optimizers and shapes and the fixes: a table's
+            entry is not the state of its optimizer and shape (e.g. row-wise Adagrad state for
+            an Adam table), a key names no table of the model, a table is missing (``strict``),
+            or a table trains with an optimizer the migration does not carry. Nothing is changed.
+
+    Example::
+
+        other_model.load_state_dict(gather_full_weights(model), strict=False)
+        load_full_optimizer_state(other_model, gather_full_optimizer_state(model))
+    """
+    tables = _optimizer_tables(model)
+    desc = _describe_tables(tables, process_group)
+    if not isinstance(states, Mapping):
+        raise ValueError(f"load_full_optimizer_state: states must be the dict gather_full_optimizer_state returns "
+                         f"({{<collection>.<table>: {{...}}}}), got {type(states).__name__}.")
+    unknown = sorted(k for k in states if k not in desc)
+    if unknown:
+        raise ValueError(f"load_full_optimizer_state: states has {unknown}, which are no table of the model with a "
+                         f"fused optimizer (its tables: {list(desc)}); pass the keys gather_full_optimizer_state "
+                         "gives (<collection>.<table>, as the weight keys of model.state_dict()), or remove them.")
+    missing = [k for k in desc if k not in states]
+    if strict and missing:
+        raise ValueError(f"load_full_optimizer_state: states has no entry for tables {missing} of the model; "
+                         "pass the whole gather_full_optimizer_state of the saving model, or strict=False to "
+                         "leave these tables' optimizer state as it is.")
+    unsupported = {k: desc[k] for k in states if desc[k].optimizer not in {o.value for o in OPTIMIZER_STATE_NAMES}}
+    if unsupported:
+        raise _unsupported_error("load_full_optimizer_state", unsupported)
+    for base in sorted(states):  # the same first refusal on every rank
+        _check_table_state(base, desc[base], states[base])
+    with state_dict_without_tiered_rows(model):
+        sd = model.state_dict()  # the row orders of routed FUSED tables
+    leaf_steps: Dict[int, Tuple[Any, int]] = {}
+    with torch.no_grad():
+        for base, entry in tables.items():
+            if base not in states:
+                continue
+            given, d = states[base], desc[base]
+            step = int(given[OPTIMIZER_STEP_KEY])
+            table = base.rsplit(".", 1)[-1]
+            if entry[0] == "tiered":
+                entry[1].load_global_optimizer_state(_columns_from_named(d, table, given), step)
+                continue
+            _, leaf, weight, name = entry
+            for k, dst in _fused_state_shards(base, d, leaf, weight, name, _row_order(sd, base)):
+                src = given[k].detach()
+                for rows, shard in dst:
+                    shard.copy_(src[rows].to(shard.device, shard.dtype))
+            prev = leaf_steps.get(id(leaf), (leaf, -1))[1]
+            leaf_steps[id(leaf)] = (leaf, max(prev, step))
+    for leaf, step in leaf_steps.values():
+        leaf.set_optimizer_step(step)

@@ -716,6 +716,46 @@ class TieredEmbeddingShard(nn.Module):
                               reset_cache=True)
         self._set_step(0)
 
+    @torch.no_grad()
+    def load_global_optimizer_state(self, state: torch.Tensor, step: int) -> None:
+        """Sets the optimizer state of this shard's rows from a full table's, keeping their values.
+
+        The counterpart of :meth:`load_global_weights` for the fused optimizer state (e.g.
+        a torchrec FUSED table's, gathered by ``recpipe.pipeline.sharders.gather_full_optimizer_state``):
+        the rows this shard owns are picked by global id. Call it after the weights were
+        loaded (:meth:`load_global_weights` zeroes the state). The step is set as after
+        :meth:`load_states`: the next update is step ``step + 1`` (Adam's bias correction).
+
+        Args:
+            state (torch.Tensor): ``[num_embeddings, state_cols]`` float optimizer state in
+                this shard's layout (row-wise Adagrad: the momentum; Adam: ``exp_avg`` then
+                ``exp_avg_sq``; SGD: no columns), in global row order.
+            step (int): the optimizer step the state was saved at, an int >= 0.
+
+        Raises:
+            ValueError: naming the table, for another shape, a non-finite value or a bad
+                step (nothing is changed).
+        """
+        shape = [self.num_embeddings, self.state_cols]
+        if not isinstance(state, torch.Tensor) or not state.is_floating_point() or list(state.shape) != shape:
+            got = (f"a {state.dtype} tensor of shape {list(state.shape)}" if isinstance(state, torch.Tensor)
+                   else type(state).__name__)
+            raise ValueError(
+                f"tiered table {self.table_name!r}: optimizer state must be a float tensor of shape {shape} "
+                f"([num_embeddings, state columns of {self.optimizer.name}]), got {got}; pass the state of a "
+                f"table with the same shape and optimizer.")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"tiered table {self.table_name!r}: optimizer step must be an int >= 0, got {step!r}: "
+                             "pass the step the state was saved at.")
+        gids = self.global_ids()
+        local = state.detach().index_select(0, gids.to(state.device)).to(torch.float32)
+        if not bool(torch.isfinite(local).all()):
+            raise ValueError(f"tiered table {self.table_name!r}: the optimizer state holds NaN or inf values; "
+                             "load the state of a healthy run.")
+        weights = self.export_state().weights  # flushes the cache: every value in local-id order
+        self._load_local_rows(weights.to(self.device, self.dtype), local.to(self.device), reset_cache=True)
+        self._set_step(int(step))
+
     def _set_step(self, step: int) -> None:
         """Sets the optimizer step counter (Adam bias correction), in fbgemm's TBE too."""
         self.step = int(step)
