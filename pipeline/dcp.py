@@ -35,6 +35,24 @@ own export is read. Peak extra memory per table: one saving rank's export plus
 two copies of this rank's rows (the gathered rows and ``load_states``' staging
 buffer); one export plus one copy when the routing is the same.
 
+Adopting tiered tables: a table tiered in the loading model but held by the checkpoint as
+a torchrec table (its ``weight`` a ``[num_embeddings, dim]`` ShardedTensor, e.g. of a plain
+torchrec job's ``torch.distributed.checkpoint.save({**model.state_dict(), "fused_optimizer":
+model.fused_optimizer.state_dict()})``) is loaded from it: each rank reads the full table and
+its fused optimizer state (torchrec's ``fused_optimizer.state.<weight key>.<table>.momentum1``
+..., :data:`~recpipe.pipeline.sharders.OPTIMIZER_STATE_NAMES`) into CPU tensors (DCP fills
+them from every saving rank's chunks) and keeps its own rows by global id
+(:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_global_weights`,
+:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_global_optimizer_state`). Peak extra
+memory: one full table and its state per rank, one table at a time. torchrec's checkpoint
+holds no optimizer step (fbgemm's ``iter`` is in neither its ``state_dict()`` nor its fused
+optimizer's), so the table keeps its own, as a torchrec table loading it keeps its TBE's.
+The reverse, a table tiered in the checkpoint that the loading model holds as a torchrec
+(ShardedTensor) table, is built whole on every rank from every saving rank's export (by global
+id; every such table at once) and loaded as ``gather_full_weights`` / ``gather_full_optimizer_state``
+would give it (``model.load_state_dict`` of the full weight, then
+:func:`~recpipe.pipeline.sharders.load_full_optimizer_state`, which sets its step).
+
 Integrity: :func:`save` writes :data:`DIGESTS_NAME` last (size and sha256 of DCP's
 ``.metadata`` and of every data file it references; each rank hashes a share), and
 :func:`load` verifies every file against it before anything reaches the model, so
@@ -56,7 +74,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -73,7 +91,10 @@ from torch.distributed.tensor import DTensor
 from recpipe.pipeline._integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_lock, atomic_write_bytes, file_entry,
                                          file_problem, is_file_entry, json_digest, release_save_lock)
 from recpipe.pipeline.ops import ROUTING_VERSION, check_int, route_ids
-from recpipe.pipeline.sharders import _TieredTablesMixin, state_dict_without_tiered_rows
+from recpipe.pipeline.placement import FusedOptimizer
+from recpipe.pipeline._tiered_optim import TieredOptimizerConfig
+from recpipe.pipeline.sharders import (OPTIMIZER_STATE_NAMES, OPTIMIZER_STEP_KEY, _TieredTablesMixin,
+                                       load_full_optimizer_state, state_dict_without_tiered_rows)
 from recpipe.pipeline.sharding import ROW_ORDER_KEY, RowOrder, describe_row_order, row_order_refusal
 from recpipe.pipeline.tiered import TieredCheckpointError, TieredEmbeddingShard, TieredShardState
 
@@ -569,24 +590,108 @@ def _weight_key(table_fqn: str, state: Dict[str, Any]) -> Optional[str]:
     return max(keys, key=len) if keys else None
 
 
+class _Adoption(NamedTuple):
+    """A tiered table of the model that the checkpoint holds as a torchrec table (a
+    ``[num_embeddings, dim]`` ShardedTensor ``weight``, e.g. a plain torchrec job's TABLE_WISE
+    / ROW_WISE FUSED table): :func:`load_dcp_state_dict` reads the full table (and its fused
+    optimizer state) and gives the tiered shard its rows by global id.
+
+    Attributes:
+        weight_key (str): the weight's key, in the checkpoint and in the model's state dict
+            (where the tiered table keeps an empty placeholder under it).
+        state_keys (Tuple[str, ...]): checkpoint keys of the table's fused optimizer state in
+            the tiered state's column order (torchrec's ``fused_optimizer.state.<weight_key>.
+            <table>.<name>``, :data:`~recpipe.pipeline.sharders.OPTIMIZER_STATE_NAMES`); empty
+            for SGD, or when the checkpoint holds no fused optimizer state (``strict=False``).
+        row_order (Optional[RowOrder]): the routed row order the saving table kept (a
+            roundrobin / hash_roundrobin FUSED table of recpipe's sharders), None for
+            torchrec's contiguous row blocks.
+    """
+
+    weight_key: str
+    state_keys: Tuple[str, ...]
+    row_order: Optional[RowOrder]
+
+
+def _fused_state_head(weight_key: str, table: str) -> str:
+    """The checkpoint key prefix of a torchrec table's fused optimizer state:
+    ``fused_optimizer.state.<weight key>.<table>.`` (torchrec names the state
+    ``<table config name>.<name>`` under the weight's key)."""
+    return f"{FUSED_OPTIMIZER_KEY}.state.{weight_key}.{table}."
+
+
+def _has_fused_state(metadata: Metadata) -> bool:
+    """Whether the checkpoint holds any fused optimizer state (``fused_optimizer.state.*``)."""
+    head = f"{FUSED_OPTIMIZER_KEY}.state."
+    return any(key.startswith(head) for key in metadata.state_dict_metadata)
+
+
+def _saved_optimizer(metadata: Metadata, head: str, rows: int, dim: int) -> Tuple[str, Dict[str, List[int]]]:
+    """What optimizer the checkpoint's fused state under ``head`` belongs to, by torchrec's
+    names and shapes (``momentum1`` ``[rows]``: row-wise Adagrad; ``momentum1`` and
+    ``exp_avg_sq`` ``[rows, dim]``: Adam; none: SGD), and the state's names and shapes."""
+    found = {key[len(head):]: list(md.size) for key, md in metadata.state_dict_metadata.items()
+             if key.startswith(head) and isinstance(md, TensorStorageMetadata)}
+    for opt, names in OPTIMIZER_STATE_NAMES.items():
+        row = opt is FusedOptimizer.ROWWISE_ADAGRAD
+        if found == {n: ([rows] if row else [rows, dim]) for n in names}:
+            return opt.value, found
+    return "an unrecognised optimizer", found
+
+
+def _saved_row_order(
+    metadata: Metadata, reader: FileSystemReader, weight_key: str, where: str
+) -> Tuple[Optional[RowOrder], Optional[str]]:
+    """The row order a routed FUSED table was saved in (its ``row_order`` record beside the
+    weight; None for contiguous rows), or why its rows cannot be put in global row order."""
+    base = weight_key[: -len("weight")] + ROW_ORDER_KEY
+    fields = (*RowOrder._fields, "routing_version")
+    saved: Dict[str, Any] = {f"{base}.{f}": None for f in fields if f"{base}.{f}" in metadata.state_dict_metadata}
+    if not saved:
+        return None, None
+    _dcp_load(saved, reader, where, no_dist=True)
+    record = {f: saved.get(f"{base}.{f}") for f in fields}
+    md = metadata.state_dict_metadata[weight_key]
+    try:
+        order = RowOrder(str(record["dist_type"]), int(record["world_size"]),  # type: ignore[arg-type]
+                         int(record["routing_seed"]), int(record["num_embeddings"]))  # type: ignore[arg-type]
+        chunks = sorted((int(c.offsets[0]), int(c.sizes[0])) for c in md.chunks)  # type: ignore[union-attr]
+        sizes = [len(order.global_ids(r)) for r in range(order.world_size)]
+        layout_ok = (chunks == [(sum(sizes[:r]), n) for r, n in enumerate(sizes)]
+                     and order.num_embeddings == int(md.size[0]))  # type: ignore[union-attr]
+    except (TypeError, ValueError, KeyError):
+        layout_ok = False
+    if not layout_ok or int(record.get("routing_version") or 0) != ROUTING_VERSION:
+        return None, (f"its weight was saved with {describe_row_order(record)} in a layout this recpipe "
+                      f"cannot put in global row order (routing version {ROUTING_VERSION})")
+    return order, None
+
+
 def _check_table_kinds(
     metadata: Metadata,
+    reader: FileSystemReader,
     state: Dict[str, Any],
-    tiered_here: List[str],
+    tiered_here: Dict[str, TieredEmbeddingShard],
     where: str,
     strict: bool,
     process_group: Optional[dist.ProcessGroup],
-) -> List[str]:
+) -> Tuple[List[str], Dict[str, _Adoption], List[str]]:
     """Refuses, on every rank and before anything is read, a checkpoint whose tables
-    are tiered where this model's are torchrec tables or the other way round (a
-    checkpoint saved with another kind of plan): DCP itself would fail mid-load with
-    "Missing key" or "Size mismatch" on some ranks only.
+    are tiered where this model's are torchrec tables, or tiered in this model where
+    the checkpoint holds no rows of them (a checkpoint saved with another kind of plan):
+    DCP itself would fail mid-load with "Missing key" or "Size mismatch" on some ranks only.
+
+    A tiered table the checkpoint holds as a torchrec table (a ``[num_embeddings, dim]``
+    weight, e.g. a plain torchrec job's FUSED table) is adopted: loaded from the full table
+    (:class:`_Adoption`), when its shape and fused optimizer state fit the tiered table
+    (another shape, or the state of another optimizer, is refused naming both).
 
     Args:
         metadata (Metadata): the checkpoint's DCP metadata.
+        reader (FileSystemReader): the checkpoint (row-order records of routed FUSED tables).
         state (Dict[str, Any]): the model's regular state dict (to name the weight
             key a torchrec table of the same name would have).
-        tiered_here (List[str]): fqns of this rank's tiered tables.
+        tiered_here (Dict[str, TieredEmbeddingShard]): this rank's tiered tables by fqn.
         where (str): the checkpoint, for messages.
         strict (bool): also refuse tiered tables of the checkpoint that this model
             does not tier at all, and this model's tiered tables the checkpoint does not
@@ -594,8 +699,9 @@ def _check_table_kinds(
         process_group (dist.ProcessGroup | None): group of the load.
 
     Returns:
-        List[str]: without ``strict``, this rank's tiered tables the checkpoint does not
-        hold at all (no tiered rows, no weight entry): they keep their rows.
+        Tuple[List[str], Dict[str, _Adoption]]: without ``strict``, this rank's tiered tables
+        the checkpoint does not hold at all (no tiered rows, no weight entry: they keep their
+        rows); and this rank's tiered tables to load from the checkpoint's torchrec tables.
 
     Raises:
         TieredCheckpointError: naming every such table, with possible solutions.
@@ -603,71 +709,270 @@ def _check_table_kinds(
     world = _rank_world(process_group)[1]
     tiered_anywhere = {fqn for part in _all_gather(sorted(tiered_here), world, process_group) for fqn in part}
     saved_tiered = {m.group(1) for key in metadata.state_dict_metadata if (m := _TIERED_KEY.match(key))}
+    fused_state = _has_fused_state(metadata)
     problems: List[str] = []
+    misfits: List[str] = []
     absent: List[str] = []
+    adopted: Dict[str, _Adoption] = {}
     for fqn in sorted(set(tiered_here) - saved_tiered):
         key = _weight_key(fqn, state)
         weight = metadata.state_dict_metadata.get(key) if key is not None else None
         if weight is None and not strict:  # not in the checkpoint at all: the table keeps its rows
             absent.append(fqn)
             continue
-        held = (f"it as a torchrec table (weight {list(weight.size)})"
-                if isinstance(weight, TensorStorageMetadata) and weight.size.numel() > 0 else "no rows of it")
-        problems.append(f"table {fqn!r} is tiered in this model, but the checkpoint holds {held}")
+        if not isinstance(weight, TensorStorageMetadata) or weight.size.numel() == 0 or len(weight.size) != 2:
+            problems.append(f"table {fqn!r} is tiered in this model, but the checkpoint holds no rows of it")
+            continue
+        assert key is not None
+        shard, table = tiered_here[fqn], fqn.rsplit(".", 1)[-1]
+        mine, theirs = [shard.num_embeddings, shard.embedding_dim], list(weight.size)
+        if theirs != mine:
+            misfits.append(f"table {fqn!r}: the checkpoint holds a torchrec table of [num_embeddings, dim] = "
+                           f"{theirs}, this model a tiered table of {mine}")
+            continue
+        saved_opt, names = _saved_optimizer(metadata, _fused_state_head(key, table), *mine)
+        want = shard.optimizer.name
+        if names or fused_state:  # the checkpoint holds fused optimizer state: this table's must be its optimizer's
+            if saved_opt != want:
+                got = f"{saved_opt} state {names}" if names else "no state (sgd)"
+                misfits.append(f"table {fqn!r}: the checkpoint holds fused optimizer state of {got} "
+                               f"(under {_fused_state_head(key, table)}*), this model's tiered table trains with "
+                               f"{want}")
+                continue
+        order, refusal = _saved_row_order(metadata, reader, key, where)
+        if refusal is not None:
+            misfits.append(f"table {fqn!r}: {refusal}")
+            continue
+        state_keys = tuple(_fused_state_head(key, table) + n for n in OPTIMIZER_STATE_NAMES[FusedOptimizer(want)]
+                           if _fused_state_head(key, table) + n in metadata.state_dict_metadata)
+        adopted[fqn] = _Adoption(key, state_keys, order)
+    # tiered when saved, a torchrec (ShardedTensor) table here: loaded from the exports (_check_unadoptions)
+    fused_here = sorted(fqn for fqn in saved_tiered - tiered_anywhere
+                        if isinstance(state.get(_weight_key(fqn, state) or ""), ShardedTensor))
+    fused_anywhere = {fqn for part in _all_gather(fused_here, world, process_group) for fqn in part}
     if strict:
         problems += [f"table {fqn!r} was tiered when saved, but this model does not tier it"
-                     for fqn in sorted(saved_tiered - tiered_anywhere)]
-    everyone = sorted({p for part in _all_gather(problems, world, process_group) for p in part})
+                     for fqn in sorted(saved_tiered - tiered_anywhere - fused_anywhere)]
+    parts = _all_gather((problems, misfits), world, process_group)
+    everyone = sorted({p for part, _ in parts for p in part})
     if everyone:
         raise TieredCheckpointError(
             f"{where} does not fit this model's tables: " + "; ".join(everyone) + ". Possible solutions:\n"
             "  1. shard every table as the saving job did: tables tiered there (recpipe's tiered sharders and "
-            "placement plan) tiered here, torchrec tables as torchrec tables (the recipe: resume with the "
-            "checkpoint's --placement)\n"
+            "placement plan) tiered here, torchrec tables as torchrec tables or tiered (a tiered table loads a "
+            "torchrec table's rows; the recipe: resume with the checkpoint's --placement)\n"
             "  2. a module or table was renamed: load with the names it was saved under\n"
             "  3. start from fresh tables instead of this checkpoint"
         )
-    return absent
+    everyone = sorted({p for _, part in parts for p in part})
+    if everyone:
+        raise TieredCheckpointError(
+            f"{where}: a tiered table of this model cannot load the torchrec table the checkpoint holds: "
+            + "; ".join(everyone) + ". Nothing was loaded: the model is unchanged. Possible solutions:\n"
+            "  1. build each such table as it was saved: the same num_embeddings and embedding_dim, and the same "
+            "fused optimizer (apply_optimizer_in_backward's, or the sharder's fused_params: SGD, RowWiseAdagrad "
+            "or Adam)\n"
+            "  2. load a checkpoint saved from this model's configuration\n"
+            "  3. start from fresh tables instead of this checkpoint"
+        )
+    return absent, adopted, sorted(fused_anywhere)
+
+
+class _Unadoption(NamedTuple):
+    """A table tiered in the checkpoint that this model holds as a torchrec (ShardedTensor)
+    table: its full weight and fused optimizer state, built from every saving rank's export
+    by global id (:func:`_check_unadoptions`).
+
+    Attributes:
+        weight_key (str): the table's weight key in the model's state dict.
+        weights (torch.Tensor): ``[num_embeddings, dim]`` in global row order.
+        state (Dict[str, torch.Tensor]): :func:`~recpipe.pipeline.sharders.gather_full_optimizer_state`'s
+            entry of the table (torchrec's names and ``step``).
+        fused_entry (Any): the table's entry of the model's own ``fused_optimizer.state_dict()``
+            (kept out of DCP's load, which would look for it in the checkpoint, and given back to
+            ``model.fused_optimizer.load_state_dict``, which wants every table's).
+        row_order (Any): the model's own row-order record of a routed table (kept out of DCP's
+            load, as the checkpoint has none, and given back to ``model.load_state_dict``).
+    """
+
+    weight_key: str
+    weights: torch.Tensor
+    state: Dict[str, torch.Tensor]
+    fused_entry: Any
+    row_order: Any
+
+
+@torch.no_grad()
+def _check_unadoptions(
+    model: nn.Module,
+    tables: Sequence[str],
+    state: Dict[str, Any],
+    reader: FileSystemReader,
+    metadata: Metadata,
+    where: str,
+    process_group: Optional[dist.ProcessGroup],
+) -> Dict[str, _Unadoption]:
+    """Reads the tiered exports of ``tables`` (tiered in the checkpoint, torchrec tables in this
+    model) into full tables (every rank: a full table and its state per table), refusing, on
+    every rank before anything is loaded, exports of another size or optimizer than the
+    table's, rows missing or repeated, and NaN / inf rows. Removes the tables' weight,
+    row-order record and fused optimizer state from ``state`` (the checkpoint holds a
+    placeholder / nothing under their keys): :func:`load_dcp_state_dict` loads the full tables
+    after DCP's load.
+
+    Args:
+        model (nn.Module): the model to load into (its tables' optimizers and shapes).
+        tables (Sequence[str]): fqns of such tables, the same on every rank.
+        state (Dict[str, Any]): the model's regular state dict for DCP's load (changed).
+        reader (FileSystemReader): the checkpoint.
+        metadata (Metadata): its DCP metadata.
+        where (str): the checkpoint, for messages.
+        process_group (dist.ProcessGroup | None): group of the load.
+
+    Returns:
+        Dict[str, _Unadoption]: by table fqn.
+
+    Raises:
+        TieredCheckpointError: naming the table, both shapes or optimizers and the fixes.
+    """
+    if not tables:
+        return {}
+    from recpipe.pipeline.sharders import _describe_tables, _optimizer_tables  # the migration's view of the tables
+
+    desc = _describe_tables(_optimizer_tables(model), process_group)  # collective
+    out: Dict[str, _Unadoption] = {}
+
+    def read() -> None:
+        for fqn in tables:
+            key = _weight_key(fqn, state)
+            assert key is not None
+            base, table = key[: -len(".weight")], fqn.rsplit(".", 1)[-1]
+            d = desc.get(base)
+            heads = _tiered_heads(None, reader, metadata, fqn, where)
+            md, step = heads[min(heads)]["metadata"], int(heads[min(heads)]["step"])
+            saved = [md.get("num_embeddings"), md.get("embedding_dim"), md.get("optimizer")]
+            if d is None or d.optimizer not in {o.value for o in OPTIMIZER_STATE_NAMES} or saved != [
+                    d.rows, d.dim, d.optimizer]:
+                mine = (f"[{d.rows}, {d.dim}] trained with {d.optimizer}" if d is not None
+                        else "without a fused optimizer")
+                raise TieredCheckpointError(
+                    f"{where}: table {fqn!r} was tiered when saved ([{md.get('num_embeddings')}, "
+                    f"{md.get('embedding_dim')}] trained with {md.get('optimizer')}), and this model's torchrec table "
+                    f"is {mine}. Nothing was loaded: the model is unchanged. Possible solutions:\n"
+                    "  1. build the table as it was saved (the same num_embeddings, embedding_dim and fused optimizer: "
+                    "SGD, RowWiseAdagrad or Adam, TABLE_WISE or ROW_WISE)\n"
+                    "  2. plan it tiered, as it was saved\n  3. start from fresh tables instead of this checkpoint")
+            n, dim = d.rows, d.dim
+            weights = torch.zeros((n, dim), dtype=torch.float32)
+            cols = TieredOptimizerConfig(optimizer=d.optimizer).state_cols(dim)
+            opt = torch.zeros((n, cols), dtype=torch.float32)
+            count = torch.zeros(n, dtype=torch.int64)
+            for r in sorted(heads):  # one saving rank's export at a time
+                st = _read_export(reader, metadata, fqn, r, where)
+                gids = st.global_ids.to(torch.int64)
+                if gids.numel() and (int(gids.min()) < 0 or int(gids.max()) >= n):
+                    raise TieredCheckpointError(
+                        f"{where}: table {fqn!r}: the tiered export of rank {r} holds global ids outside [0, {n}); "
+                        "the checkpoint is damaged or was edited: re-save it. Nothing was loaded: the model is "
+                        "unchanged.")
+                count.index_add_(0, gids, torch.ones_like(gids))
+                weights.index_copy_(0, gids, st.weights.to(torch.float32))
+                opt.index_copy_(0, gids, st.optimizer_state.to(torch.float32))
+                del st, gids
+            if bool((count != 1).any()):
+                raise TieredCheckpointError(
+                    f"{where}: table {fqn!r}: {int((count == 0).sum())} rows are missing from its tiered exports and "
+                    f"{int((count > 1).sum())} appear more than once; the exports do not partition the table: "
+                    "re-save the checkpoint. Nothing was loaded: the model is unchanged.")
+            bad = _non_finite_rows(weights, opt)
+            if bad is not None:
+                raise TieredCheckpointError(
+                    f"{where}: table {fqn!r}: {int(bad.sum())} rows of its tiered exports hold NaN or inf values or "
+                    "optimizer state. Nothing was loaded: the model is unchanged. Possible solutions:\n"
+                    + "\n".join(f"  {i}. {fix}" for i, fix in enumerate(_NON_FINITE_FIXES, 1)))
+            names = [f"{table}.{name}" for name in OPTIMIZER_STATE_NAMES[FusedOptimizer(d.optimizer)]]
+            named = ({names[0]: opt[:, 0].clone()} if d.optimizer == FusedOptimizer.ROWWISE_ADAGRAD.value
+                     else {k: opt[:, j * dim:(j + 1) * dim].clone() for j, k in enumerate(names)})
+            out[fqn] = _Unadoption(key, weights, {**named, OPTIMIZER_STEP_KEY: torch.tensor(step)}, None, None)
+
+    problems = _refusals(read, process_group)
+    if problems:
+        mine = dict(problems).get(_rank_world(process_group)[0])
+        raise TieredCheckpointError(mine if mine is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
+    fused = state.get(FUSED_OPTIMIZER_KEY)
+    for fqn, u in out.items():
+        state.pop(u.weight_key, None)
+        u = out[fqn] = u._replace(row_order=state.pop(u.weight_key[: -len("weight")] + ROW_ORDER_KEY, None))
+        if isinstance(fused, dict) and isinstance(fused.get("state"), dict):
+            out[fqn] = u._replace(fused_entry=fused["state"].pop(u.weight_key, None))
+    return out
 
 
 def _check_fused_optimizer(
-    metadata: Metadata, state: Dict[str, Any], where: str, strict: bool, process_group: Optional[dist.ProcessGroup]
+    metadata: Metadata,
+    state: Dict[str, Any],
+    where: str,
+    strict: bool,
+    process_group: Optional[dist.ProcessGroup],
+    adopted_without_state: Sequence[str] = (),
 ) -> None:
     """A checkpoint without fused optimizer state, e.g. torchrec's own
     ``torch.distributed.checkpoint.save(model.state_dict(), ...)``: refused with
-    ``strict`` (on every rank: all read the same metadata), else ``state`` loses its
-    :data:`FUSED_OPTIMIZER_KEY` entry so that the model keeps its own optimizer state.
-    DCP alone would fail with a "Missing key" of the first optimizer entry, even
-    without ``strict``.
+    ``strict`` (on every rank: the verdict is gathered, as a rank holding no FUSED shard
+    expects no state), else ``state`` loses its :data:`FUSED_OPTIMIZER_KEY` entry so that
+    the model keeps its own optimizer state. DCP alone would fail with a "Missing key" of
+    the first optimizer entry, even without ``strict``.
+
+    Args:
+        adopted_without_state (Sequence[str]): this rank's tiered tables loaded from the
+            checkpoint's torchrec tables whose optimizer keeps state the checkpoint lacks
+            (they keep zero state without ``strict``).
     """
-    if FUSED_OPTIMIZER_KEY not in state:
-        return
-    expected = flatten_state_dict({FUSED_OPTIMIZER_KEY: state[FUSED_OPTIMIZER_KEY]})[0]
-    if not expected or any(key in metadata.state_dict_metadata for key in expected):
-        return  # nothing to load, or (some of) it is there: DCP names any missing entry
-    head = FUSED_OPTIMIZER_KEY + "."
-    if not strict:
+    expected = (flatten_state_dict({FUSED_OPTIMIZER_KEY: state[FUSED_OPTIMIZER_KEY]})[0]
+                if FUSED_OPTIMIZER_KEY in state else {})
+    if FUSED_OPTIMIZER_KEY in state and not expected:
+        # nothing to load on this rank (e.g. it holds no FUSED shard: {"state": {}}), which DCP
+        # would look for as an entry of its own ("Missing key in checkpoint state_dict: fused_optimizer")
         del state[FUSED_OPTIMIZER_KEY]
+    found = any(key in metadata.state_dict_metadata for key in expected)
+    lacks = (bool(expected) and not found) or bool(adopted_without_state)
+    if not strict:
+        if expected and not found:
+            del state[FUSED_OPTIMIZER_KEY]
         return
     world = _rank_world(process_group)[1]
+    verdicts = _all_gather((lacks, found), world, process_group)
+    # refused only when no rank finds any of its state (a checkpoint holding some of it: DCP
+    # names each missing entry)
+    if not any(lack for lack, _ in verdicts) or any(f for _, f in verdicts):
+        return
+    head = FUSED_OPTIMIZER_KEY + "."
     raise CheckpointLoadError(
         where,
         [(f"it holds no fused optimizer state (no {head}* entry): it was saved from model.state_dict() alone, "
           "e.g. by torchrec's own torch.distributed.checkpoint.save(model.state_dict(), ...)", list(range(world)))],
         ("pass strict=False to load its weights and keep this model's fused optimizer state (e.g. fresh Adagrad "
-         "accumulators: training goes on, but not exactly as the saving job's would)",
+         "accumulators; a tiered table loading a torchrec table's rows starts from zero state: training goes on, "
+         "but not exactly as the saving job's would)",
          f"save with recpipe.pipeline.dcp.save, or add model.fused_optimizer.state_dict() under the key "
          f"{FUSED_OPTIMIZER_KEY!r} of the state dict you save"),
     )
 
 
 def _check_unexpected_entries(
-    metadata: Metadata, state: Dict[str, Any], where: str, strict: bool, process_group: Optional[dist.ProcessGroup]
+    metadata: Metadata,
+    state: Dict[str, Any],
+    where: str,
+    strict: bool,
+    process_group: Optional[dist.ProcessGroup],
+    adopted: Sequence[_Adoption] = (),
 ) -> None:
     """With ``strict``, refuses (on every rank, before anything is read) a checkpoint
     holding regular entries this model does not have, e.g. a table or layer the saving
     model had: ``dcp.load`` reads only the model's keys and would drop them silently,
-    where ``load_state_dict(strict=True)`` refuses unexpected keys.
+    where ``load_state_dict(strict=True)`` refuses unexpected keys. The entries of the
+    torchrec tables that tiered tables load (``adopted``: their fused optimizer state and
+    row-order record) are this model's.
 
     Raises:
         CheckpointLoadError: naming (up to 5 of) the entries and their number.
@@ -675,6 +980,11 @@ def _check_unexpected_entries(
     if not strict:
         return
     expected = set(flatten_state_dict(state)[0])
+    for a in adopted:
+        row_order = a.weight_key[: -len("weight")] + ROW_ORDER_KEY + "."
+        expected.update(a.state_keys)
+        expected.add(a.weight_key)
+        expected.update(k for k in metadata.state_dict_metadata if k.startswith(row_order))
     unexpected = [k for k in metadata.state_dict_metadata if k not in expected and not _TIERED_KEY.match(k)]
     world = _rank_world(process_group)[1]
     # A rank's state holds only its own shards' optimizer entries (e.g. of a TABLE_WISE
@@ -731,6 +1041,15 @@ def _check_row_orders(
         raise row_order_refusal(f"recpipe.pipeline.dcp.load of {where}", everyone)
 
 
+def _read_here(state: Dict[str, Any], reader: FileSystemReader, where: str) -> None:
+    """Fills ``state`` from the checkpoint in this process alone (``no_dist``: ranks read
+    different keys, or each the whole of a table); a regular tensor of a key saved as a
+    ShardedTensor is filled from every saving rank's chunks."""
+    with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": here, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        _dcp_load(state, reader, where, no_dist=True)
+
+
 def _read_fields(
     reader: FileSystemReader, metadata: Metadata, table_fqn: str, rank: int, fields: Tuple[str, ...], where: str
 ) -> Dict[str, Any]:
@@ -748,9 +1067,7 @@ def _read_fields(
                 "recpipe.pipeline.dcp.save (or was edited): re-save it."
             )
         state[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": here, on purpose
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        _dcp_load(state, reader, where, no_dist=True)
+    _read_here(state, reader, where)
     out = {field: state[tiered_dcp_key(table_fqn, rank, field)] for field in fields}
     if "metadata" in out:
         out["metadata"] = json.loads(out["metadata"])
@@ -776,11 +1093,12 @@ def _same_layout(shard: TieredEmbeddingShard, md: Dict[str, Any]) -> bool:
 
 
 def _tiered_heads(
-    shard: TieredEmbeddingShard, reader: FileSystemReader, metadata: Metadata, table_fqn: str, where: str
+    shard: Optional[TieredEmbeddingShard], reader: FileSystemReader, metadata: Metadata, table_fqn: str, where: str
 ) -> Dict[int, Dict[str, Any]]:
     """Reads and checks the metadata and step of every saving rank's export of one
     table (a few bytes each; nothing is loaded): complete, consistent with each
-    other and compatible with ``shard`` (``check_export_metadata``).
+    other and compatible with ``shard`` (``check_export_metadata``; None: a table this
+    model holds as a torchrec table, checked by :func:`_check_unadoptions`).
 
     Returns:
         Dict[int, Dict[str, Any]]: saving rank -> ``{"metadata", "step"}``.
@@ -820,7 +1138,8 @@ def _tiered_heads(
             f"of ranks {sorted(ranks)}; the checkpoint is incomplete: re-save it from every rank."
         )
     for head in heads.values():
-        shard.check_export_metadata(head["metadata"])
+        if shard is not None:
+            shard.check_export_metadata(head["metadata"])
     return heads
 
 
@@ -959,6 +1278,76 @@ def _load_tiered_table(
                                         step=step, metadata=shard.metadata())])
 
 
+@torch.no_grad()
+def _read_adopted(
+    shard: TieredEmbeddingShard, adoption: _Adoption, reader: FileSystemReader, metadata: Metadata, where: str
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Reads a torchrec table of the checkpoint whole (this process alone, every saving rank's
+    chunks), in global row order: ``[num_embeddings, dim]`` weights and, when ``adoption``
+    names its fused optimizer state, ``[num_embeddings, state_cols]`` fp32 state in the
+    tiered shard's column layout (row-wise Adagrad: the momentum; Adam: ``exp_avg`` then
+    ``exp_avg_sq``)."""
+    keys = (adoption.weight_key, *adoption.state_keys)
+    state: Dict[str, Any] = {}
+    for key in keys:
+        md = metadata.state_dict_metadata[key]
+        assert isinstance(md, TensorStorageMetadata)  # checked by _check_table_kinds
+        state[key] = torch.empty(md.size, dtype=md.properties.dtype)
+    _read_here(state, reader, where)
+    weights = state.pop(adoption.weight_key)
+    n = shard.num_embeddings
+    opt = (torch.cat([state.pop(k).reshape(n, -1).to(torch.float32) for k in adoption.state_keys], dim=1)
+           if adoption.state_keys else None)
+    if adoption.row_order is not None:  # saved rank r's rows (in rank order) hold its routed global ids
+        order = adoption.row_order
+        gids = torch.cat([order.global_ids(r) for r in range(order.world_size)])
+        weights = torch.empty_like(weights).index_copy_(0, gids, weights)
+        opt = torch.empty_like(opt).index_copy_(0, gids, opt) if opt is not None else None
+    return weights, opt
+
+
+def _check_adopted_rows(
+    shard: TieredEmbeddingShard, adoption: _Adoption, reader: FileSystemReader, metadata: Metadata, fqn: str,
+    where: str,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Reads a torchrec table a tiered table loads (:func:`_read_adopted`) and refuses NaN /
+    inf rows (the tiered table could not be saved, nor its export loaded, with them).
+
+    Raises:
+        TieredCheckpointError: naming the table and the number of such rows.
+    """
+    weights, opt = _read_adopted(shard, adoption, reader, metadata, where)
+    bad = _non_finite_rows(weights, opt if opt is not None else torch.empty((weights.shape[0], 0)))
+    if bad is not None:
+        raise shard._ckpt_error(
+            f"{int(bad.sum())} of the {shard.num_embeddings} rows of the torchrec table it would load from {where} "
+            f"(table {fqn!r}, {adoption.weight_key}) hold NaN or inf values or optimizer state", _NON_FINITE_FIXES)
+    return weights, opt
+
+
+@torch.no_grad()
+def _load_adopted_table(
+    shard: TieredEmbeddingShard, adoption: _Adoption, reader: FileSystemReader, metadata: Metadata, fqn: str,
+    where: str,
+) -> None:
+    """Loads a tiered table from the full torchrec table the checkpoint holds: this rank's
+    rows by global id (``load_global_weights``), then their fused optimizer state
+    (``load_global_optimizer_state``). torchrec's checkpoint holds no optimizer step (fbgemm's
+    ``iter`` is in neither its ``state_dict()`` nor its fused optimizer's), so the table keeps
+    its own step, as a torchrec table loading that checkpoint keeps its TBE's."""
+    weights, opt = _check_adopted_rows(shard, adoption, reader, metadata, fqn, where)
+    step = shard._fbgemm.get_step() if shard._fbgemm is not None else int(shard.step)  # as export_state reads it
+    try:
+        shard.load_global_weights(weights)
+        del weights
+        if opt is not None:
+            shard.load_global_optimizer_state(opt, step)
+        else:
+            shard.set_optimizer_step(step)
+    except ValueError as e:  # e.g. a file changed since the checks: every rank learns it (_refusals)
+        raise TieredCheckpointError(f"table {fqn!r}: {e}") from None
+
+
 def load_dcp_state_dict(
     model: nn.Module,
     checkpoint: Union[PathLike, FileSystemReader],
@@ -979,7 +1368,15 @@ def load_dcp_state_dict(
     state through ``model.fused_optimizer.load_state_dict``; each tiered table is
     streamed from every saving rank's export, one at a time (read twice: first checked
     on every rank before anything is written into the model, then loaded, so a refused
-    load changes nothing).
+    load changes nothing). A tiered table the checkpoint holds as a torchrec table (a
+    ``[num_embeddings, dim]`` ShardedTensor weight, e.g. a plain torchrec job's
+    ``torch.distributed.checkpoint.save({**model.state_dict(), "fused_optimizer":
+    model.fused_optimizer.state_dict()})``) is loaded from the full table and its fused
+    optimizer state, read whole on every rank (a full table per rank, one at a time, also
+    read twice unless ``check_rows`` is off); it keeps its own optimizer step (torchrec's
+    checkpoint records none). A table tiered in the checkpoint that this model holds as a
+    torchrec table is built whole from the exports on every rank (every such table at once,
+    checked before anything is loaded) and loaded with its optimizer state and step.
 
     Args:
         model (nn.Module): the model to load into (sharded for the loading job).
@@ -1012,18 +1409,24 @@ def load_dcp_state_dict(
             one (e.g. torch's ``FsspecReader``), whose files it cannot verify.
         FileNotFoundError: the checkpoint directory does not exist (on every rank).
         NotADirectoryError: ``checkpoint`` is a file, not the checkpoint directory.
-        TieredCheckpointError: a table is tiered in the model but not in the
-            checkpoint or (``strict``) the other way round (on every rank, before
-            anything is read), a tiered table's exports are incomplete, or they
-            disagree with the table (names it); or some rank's rows are refused (NaN /
-            inf values, rows missing from a checkpoint :func:`save` did not write).
+        TieredCheckpointError: a table is tiered in the model but the checkpoint holds
+            no rows of it, or (``strict``) tiered in the checkpoint but not in the model,
+            nor a torchrec table there (on every rank, before anything is read); a table
+            tiered in the checkpoint and a torchrec table here of another shape or
+            optimizer, or whose exports miss rows or hold NaN / inf; a tiered table the
+            checkpoint holds as a torchrec table of another ``[num_embeddings, dim]``, or
+            with fused optimizer state of another optimizer (naming the table and both); a tiered
+            table's exports are incomplete, or they disagree with the table (names it);
+            or some rank's rows are refused (NaN / inf values, rows missing from a
+            checkpoint :func:`save` did not write).
             Every tiered export is read and checked (one at a time) before anything is
             written into the model, so each of these leaves the model unchanged, on
             every rank.
         CheckpointLoadError: DCP refused the regular part, e.g. a torchrec table or
             dense layer of another shape, or (``strict``) the checkpoint holds no
-            fused optimizer state, holds entries this model lacks, or lacks one of its
-            entries (on every rank, before anything is read).
+            fused optimizer state (also for a tiered table loading a torchrec table:
+            ``strict=False`` loads its weights with zero state), holds entries this model
+            lacks, or lacks one of its entries (on every rank, before anything is read).
         RowOrderMismatchError: a roundrobin / hash_roundrobin FUSED table saved or
             loaded in another routing, world size or seed (its shards hold routed
             rows, which DCP cannot reshard; on every rank, before any row is read).
@@ -1045,11 +1448,18 @@ def load_dcp_state_dict(
     metadata = reader.read_metadata()
     state, found = _regular_state_dict(model)
     tiered = _tiered_tables(found)
-    for fqn in _check_table_kinds(metadata, state, list(tiered), where, strict, process_group):
+    absent, adopted, fused_tiered = _check_table_kinds(metadata, reader, state, tiered, where, strict, process_group)
+    # tables tiered in the checkpoint, torchrec tables here: read whole from the exports first
+    unadopted = _check_unadoptions(model, fused_tiered, state, reader, metadata, where, process_group)
+    # tiered tables the checkpoint holds as torchrec tables: loaded from the full tables
+    adopters = {fqn: tiered.pop(fqn) for fqn in adopted}
+    for fqn in absent:
         del tiered[fqn]
-    _check_fused_optimizer(metadata, state, where, strict, process_group)
+    _check_fused_optimizer(metadata, state, where, strict, process_group,
+                           [fqn for fqn, a in adopted.items() if not a.state_keys and adopters[fqn].state_cols])
     _check_row_orders(metadata, state, reader, where, process_group)
-    _check_unexpected_entries(metadata, state, where, strict, process_group)
+    _check_unexpected_entries(metadata, state, where, strict, process_group,
+                              [*adopted.values(), *(_Adoption(u.weight_key, (), None) for u in unadopted.values())])
     # Every tiered export's metadata is checked on every rank before anything is loaded,
     # so a table of another size, dim or optimizer leaves the whole model untouched.
     heads: Dict[str, Dict[int, Dict[str, Any]]] = {}
@@ -1066,10 +1476,17 @@ def load_dcp_state_dict(
     # before anything is written into the model, so a refused load changes nothing.
     if check_rows is False or (check_rows is None and rows_checked):
         tiered_to_check: Dict[str, TieredEmbeddingShard] = {}
+        adopters_to_check: Dict[str, TieredEmbeddingShard] = {}
     else:
-        tiered_to_check = tiered
-    problems = _refusals(lambda: [_check_tiered_rows(shard, heads[fqn], reader, metadata, fqn, where)
-                                  for fqn, shard in tiered_to_check.items()], process_group)
+        tiered_to_check, adopters_to_check = tiered, adopters
+
+    def check_rows_first() -> None:
+        for fqn, shard in tiered_to_check.items():
+            _check_tiered_rows(shard, heads[fqn], reader, metadata, fqn, where)
+        for fqn, shard in adopters_to_check.items():  # one full table at a time, nothing kept
+            _check_adopted_rows(shard, adopted[fqn], reader, metadata, fqn, where)
+
+    problems = _refusals(check_rows_first, process_group)
     if problems:
         raise TieredCheckpointError(
             "\n".join(f"rank {r}: {p}" for r, p in problems)
@@ -1078,17 +1495,34 @@ def load_dcp_state_dict(
     no_dist = not dist.is_initialized()
     # strict=False: entries the checkpoint lacks keep the model's values (load_state_dict's
     # strict=False); DCP alone refuses them ("Missing key in checkpoint state_dict").
+    # an adopted table's weight key holds the tiered table's empty placeholder here and the
+    # full table in the checkpoint: read whole by _load_adopted_table, not resharded by DCP
+    placeholders = {a.weight_key: state.pop(a.weight_key) for a in adopted.values()}
     _dcp_load(state, reader, where, process_group=process_group, no_dist=no_dist,
               planner=DefaultLoadPlanner(allow_partial_load=not strict))
     optimizer_state = state.pop(FUSED_OPTIMIZER_KEY, None)
+    state.update(placeholders)
+    if optimizer_state is not None:  # the unadopted tables' own state (torchrec's load wants every table)
+        optimizer_state["state"].update({u.weight_key: u.fused_entry for u in unadopted.values()
+                                         if u.fused_entry is not None})
+    for u in unadopted.values():  # full tables: torchrec slices them by its shards' offsets, routed tables pick rows
+        state[u.weight_key] = u.weights
+        if u.row_order is not None:
+            state[u.weight_key[: -len("weight")] + ROW_ORDER_KEY] = u.row_order
     model.load_state_dict(state, strict=strict)
     if optimizer_state is not None:
         model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr, operator]
+    if unadopted:  # collective; sets each table's step as torchrec's set_optimizer_step
+        load_full_optimizer_state(model, {u.weight_key[: -len(".weight")]: u.state for u in unadopted.values()},
+                                  strict=False, process_group=process_group)
+    del unadopted
     # The rows were checked above; load_states checks them again while they load (only a
     # file changed since then fails here): every rank learns any rank's refusal, so none
     # goes on alone.
-    problems = _refusals(lambda: [_load_tiered_table(shard, heads[fqn], reader, metadata, fqn, where)
-                                  for fqn, shard in tiered.items()], process_group)
+    problems = _refusals(lambda: ([_load_tiered_table(shard, heads[fqn], reader, metadata, fqn, where)
+                                   for fqn, shard in tiered.items()],
+                                  [_load_adopted_table(shard, adopted[fqn], reader, metadata, fqn, where)
+                                   for fqn, shard in adopters.items()]), process_group)
     if problems:
         raise TieredCheckpointError(
             "\n".join(f"rank {r}: {p}" for r, p in problems)
