@@ -90,7 +90,7 @@ FINGERPRINT_FIELDS: tuple[str, ...] = (
 )
 # Config fields a resumed run may change that make its losses differ from an uninterrupted
 # run's: each checkpoint records them and the resume line names every change.
-RESUME_NOTED_FIELDS: tuple[str, ...] = ("embedding_lr", "dense_lr", "data_path")
+RESUME_NOTED_FIELDS: tuple[str, ...] = ("embedding_lr", "dense_lr", "data_path", "placement")
 MANIFEST_NAME: str = "manifest.json"
 """The commit record of a step directory: size and sha256 of every rank file."""
 LATEST_NAME: str = "latest"
@@ -905,7 +905,9 @@ def _check_fit(
     """Raises :class:`CheckpointMismatchError` when a verified file does not fit this run.
 
     A ``dcp`` checkpoint may have another world size and placement (DCP and the
-    tiered exports reshard on load); the config fingerprint and routing still apply.
+    tiered exports reshard on load, and ``recpipe.pipeline.dcp.load`` moves tables
+    between tiered and torchrec placements, ``--placement planned`` <-> ``table_wise``);
+    the config fingerprint and routing still apply.
     """
     problems = []
     resharding = meta.get("checkpoint_format", "pt") == "dcp"
@@ -919,15 +921,6 @@ def _check_fit(
             + "; ".join(f"{t} {saved_ranks.get(t, 'absent')} -> {table_ranks.get(t, 'absent')}" for t in differ)
             + "; resume with the checkpoint's --placement and sizes"
         )
-    # a planned placement records {mode, ...} per table (tiered), table_wise the owning rank
-    kinds = {t: ("planned (tiered)" if isinstance(saved_ranks[t], dict) else "table_wise",
-                 "planned (tiered)" if isinstance(where, dict) else "table_wise")
-             for t, where in table_ranks.items() if t in saved_ranks}
-    changed = {t: k for t, k in kinds.items() if k[0] != k[1]}
-    if resharding and changed:
-        problems.append("tables placed another way (checkpoint -> now): "
-                        + ", ".join(f"{t} {a} -> {b}" for t, (a, b) in sorted(changed.items()))
-                        + "; resume with the checkpoint's --placement")
     saved_routing = meta.get("routing_version", 1)  # checkpoints before version 2 lack the key
     if saved_routing != ROUTING_VERSION:
         problems.append(
