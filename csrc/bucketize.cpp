@@ -255,23 +255,30 @@ void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_
                   int64_t* __restrict__ cur, index_t* __restrict__ out, index_t* __restrict__ dst,
                   index_t* __restrict__ pos, index_t* __restrict__ map) {
   using uindex_t = std::make_unsigned_t<index_t>;
-  FeatureRoute r = route;
-  if (!r.route_bad) {
-    r.table_size = 0;  // stage 1 refused every id outside the table: no second check
-  }
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t s = off[b];
-    const int64_t e = off[b + 1];
-    for (int64_t i = s; i < e; ++i) {
-      const uint64_t uid = static_cast<uindex_t>(ids[i]);
-      uint64_t p = 0;
-      uint64_t l = 0;
-      r.template place<kDist, kBounds>(uid, kDist == kHashRoundRobin ? keys[i] : uid, bounds, &p, &l);
-      const int64_t at = cur[p]++;
-      __builtin_prefetch(out + at + kPrefetchAhead, 1, 1);  // the rank's output line 4 ahead (speed only)
-      constexpr index_t* kNone = nullptr;
-      store_routed(at, i, s, p, l, out, kExtra ? dst : kNone, kExtra ? pos : kNone, kExtra ? map : kNone);
+  auto run = [&](const FeatureRoute& r) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t s = off[b];
+      const int64_t e = off[b + 1];
+      for (int64_t i = s; i < e; ++i) {
+        const uint64_t uid = static_cast<uindex_t>(ids[i]);
+        uint64_t p = 0;
+        uint64_t l = 0;
+        r.template place<kDist, kBounds>(uid, kDist == kHashRoundRobin ? keys[i] : uid, bounds, &p, &l);
+        const int64_t at = cur[p]++;
+        __builtin_prefetch(out + at + kPrefetchAhead, 1, 1);  // the rank's output line 4 ahead (speed only)
+        constexpr index_t* kNone = nullptr;
+        store_routed(at, i, s, p, l, out, kExtra ? dst : kNone, kExtra ? pos : kNone, kExtra ? map : kNone);
+      }
     }
+  };
+  if (route.route_bad) {
+    run(route);  // ids outside the table were counted at their routed owner: route them again
+  } else {
+    // stage 1 refused every id outside the table: the same loop without the check (the
+    // compiler drops it for table_size 0: speed only, the routing is the same)
+    FeatureRoute r = route;
+    r.table_size = 0;
+    run(r);
   }
 }
 
