@@ -255,7 +255,9 @@ void scatter_bags(const FeatureRoute& route, const int64_t* bounds, const index_
                   int64_t* __restrict__ cur, index_t* __restrict__ out, index_t* __restrict__ dst,
                   index_t* __restrict__ pos, index_t* __restrict__ map) {
   using uindex_t = std::make_unsigned_t<index_t>;
-  auto run = [&](const FeatureRoute& r) {
+  // r by value and inlined at both calls: its fields stay in registers (a reference could
+  // alias the output stores), and the copy with table_size 0 loses the check
+  auto run = [&](const FeatureRoute r) __attribute__((always_inline)) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t s = off[b];
       const int64_t e = off[b + 1];
