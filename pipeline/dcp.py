@@ -837,7 +837,8 @@ def _check_unadoptions(
     """
     if not tables:
         return {}
-    from recpipe.pipeline.sharders import _describe_tables, _optimizer_tables  # the migration's view of the tables
+    from recpipe.pipeline.sharders import (  # the migration's view of the tables and of their state
+        _describe_tables, _named_to_columns, _optimizer_tables)
 
     desc = _describe_tables(_optimizer_tables(model), process_group)  # collective
     out: Dict[str, _Unadoption] = {}
@@ -890,9 +891,7 @@ def _check_unadoptions(
                     f"{where}: table {fqn!r}: {int(bad.sum())} rows of its tiered exports hold NaN or inf values or "
                     "optimizer state. Nothing was loaded: the model is unchanged. Possible solutions:\n"
                     + "\n".join(f"  {i}. {fix}" for i, fix in enumerate(_NON_FINITE_FIXES, 1)))
-            names = [f"{table}.{name}" for name in OPTIMIZER_STATE_NAMES[FusedOptimizer(d.optimizer)]]
-            named = ({names[0]: opt[:, 0].clone()} if d.optimizer == FusedOptimizer.ROWWISE_ADAGRAD.value
-                     else {k: opt[:, j * dim:(j + 1) * dim].clone() for j, k in enumerate(names)})
+            named = {k: v.clone() for k, v in _named_to_columns(d, opt, table).items()}
             out[fqn] = _Unadoption(key, weights, {**named, OPTIMIZER_STEP_KEY: torch.tensor(step)}, None, None)
 
     problems = _refusals(read, process_group)
@@ -1338,11 +1337,10 @@ def _load_adopted_table(
     weights, opt = _check_adopted_rows(shard, adoption, reader, metadata, fqn, where)
     step = shard._fbgemm.get_step() if shard._fbgemm is not None else int(shard.step)  # as export_state reads it
     try:
-        shard.load_global_weights(weights)
-        del weights
-        if opt is not None:
-            shard.load_global_optimizer_state(opt, step)
+        if opt is not None:  # rows and their state in one write
+            shard.load_global_optimizer_state(opt, step, weights=weights)
         else:
+            shard.load_global_weights(weights)
             shard.set_optimizer_step(step)
     except ValueError as e:  # e.g. a file changed since the checks: every rank learns it (_refusals)
         raise TieredCheckpointError(f"table {fqn!r}: {e}") from None

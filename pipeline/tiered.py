@@ -702,6 +702,12 @@ class TieredEmbeddingShard(nn.Module):
         Args:
             weights (torch.Tensor): the global table.
         """
+        self._load_local_rows(self._own_rows(weights), None, reset_cache=True)
+        self._set_step(0)
+
+    def _own_rows(self, weights: Any) -> torch.Tensor:
+        """This shard's rows (local-id order, its device and dtype) of a full ``[num_embeddings,
+        dim]`` table, refused naming the table unless it is one."""
         if not isinstance(weights, torch.Tensor):
             raise ValueError(f"tiered table {self.table_name!r}: weights must be a torch.Tensor of shape "
                              f"[{self.num_embeddings}, {self.embedding_dim}], got {type(weights).__name__}; "
@@ -711,13 +717,11 @@ class TieredEmbeddingShard(nn.Module):
                 f"weights must have shape [num_embeddings={self.num_embeddings}, "
                 f"embedding_dim={self.embedding_dim}], got {list(weights.shape)}."
             )
-        gids = self.global_ids()
-        self._load_local_rows(weights.index_select(0, gids.to(weights.device)).to(self.device, self.dtype), None,
-                              reset_cache=True)
-        self._set_step(0)
+        return weights.index_select(0, self.global_ids().to(weights.device)).to(self.device, self.dtype)
 
     @torch.no_grad()
-    def load_global_optimizer_state(self, state: torch.Tensor, step: int) -> None:
+    def load_global_optimizer_state(self, state: torch.Tensor, step: int,
+                                    weights: Optional[torch.Tensor] = None) -> None:
         """Sets the optimizer state of this shard's rows from a full table's, keeping their values.
 
         The counterpart of :meth:`load_global_weights` for the fused optimizer state (e.g.
@@ -731,6 +735,9 @@ class TieredEmbeddingShard(nn.Module):
                 this shard's layout (row-wise Adagrad: the momentum; Adam: ``exp_avg`` then
                 ``exp_avg_sq``; SGD: no columns), in global row order.
             step (int): the optimizer step the state was saved at, an int >= 0.
+            weights (torch.Tensor | None): the full ``[num_embeddings, dim]`` table whose rows
+                to load with the state, in one write (as :meth:`load_global_weights`, then
+                this); None keeps the shard's values.
 
         Raises:
             ValueError: naming the table, for another shape, a non-finite value or a bad
@@ -752,8 +759,9 @@ class TieredEmbeddingShard(nn.Module):
         if not bool(torch.isfinite(local).all()):
             raise ValueError(f"tiered table {self.table_name!r}: the optimizer state holds NaN or inf values; "
                              "load the state of a healthy run.")
-        weights = self.export_state().weights  # flushes the cache: every value in local-id order
-        self._load_local_rows(weights.to(self.device, self.dtype), local.to(self.device), reset_cache=True)
+        # the shard's values: export_state flushes the cache, every value in local-id order
+        values = self._own_rows(weights) if weights is not None else self.export_state().weights
+        self._load_local_rows(values.to(self.device, self.dtype), local.to(self.device), reset_cache=True)
         self._set_step(int(step))
 
     def _set_step(self, step: int) -> None:
