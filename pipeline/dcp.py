@@ -38,13 +38,14 @@ buffer); one export plus one copy when the routing is the same.
 Adopting tiered tables: a table tiered in the loading model but held by the checkpoint as
 a torchrec table (its ``weight`` a ``[num_embeddings, dim]`` ShardedTensor, e.g. of a plain
 torchrec job's ``torch.distributed.checkpoint.save({**model.state_dict(), "fused_optimizer":
-model.fused_optimizer.state_dict()})``) is loaded from it: each rank reads the full table and
+model.fused_optimizer.state_dict()})``) is loaded from it: each rank streams the table and
 its fused optimizer state (torchrec's ``fused_optimizer.state.<weight key>.<table>.momentum1``
-..., :data:`~recpipe.pipeline.sharders.OPTIMIZER_STATE_NAMES`) into CPU tensors (DCP fills
-them from every saving rank's chunks) and keeps its own rows by global id
-(:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_global_weights`,
-:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_global_optimizer_state`). Peak extra
-memory: one full table and its state per rank, one table at a time. torchrec's checkpoint
+..., :data:`~recpipe.pipeline.sharders.OPTIMIZER_STATE_NAMES`) one saved row block at a time
+(a saving rank's ROW_WISE chunk; a TABLE_WISE table is one block) into CPU tensors and keeps
+its own rows by global id, then writes them with
+:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_states`. Peak extra memory: the
+rank's own rows plus one saved block (which DCP's reader holds twice while it reads it), one
+table at a time (it used to be a whole table per rank). torchrec's checkpoint
 holds no optimizer step (fbgemm's ``iter`` is in neither its ``state_dict()`` nor its fused
 optimizer's), so the table keeps its own, as a torchrec table loading it keeps its TBE's.
 The reverse, a table tiered in the checkpoint that the loading model holds as a torchrec
@@ -74,7 +75,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -84,19 +85,22 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalFileSystem
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline._integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_lock, atomic_write_bytes, file_entry,
                                          file_problem, is_file_entry, json_digest, release_save_lock)
-from recpipe.pipeline.ops import ROUTING_VERSION, check_int, route_ids
+from recpipe.pipeline.ops import ROUTING_VERSION, check_int, local_rows, route_ids
 from recpipe.pipeline.placement import FusedOptimizer
 from recpipe.pipeline._tiered_optim import TieredOptimizerConfig
 from recpipe.pipeline.sharders import (OPTIMIZER_STATE_NAMES, OPTIMIZER_STEP_KEY, _TieredTablesMixin,
                                        load_full_optimizer_state, state_dict_without_tiered_rows)
 from recpipe.pipeline.sharding import ROW_ORDER_KEY, RowOrder, describe_row_order, row_order_refusal
-from recpipe.pipeline.tiered import TieredCheckpointError, TieredEmbeddingShard, TieredShardState
+from recpipe.pipeline.tiered import (TieredCheckpointError, TieredEmbeddingShard, TieredShardState,
+                                     non_finite_rows as _non_finite_rows)
 
 __all__ = [
     "CheckpointIntegrityError",
@@ -593,8 +597,8 @@ def _weight_key(table_fqn: str, state: Dict[str, Any]) -> Optional[str]:
 class _Adoption(NamedTuple):
     """A tiered table of the model that the checkpoint holds as a torchrec table (a
     ``[num_embeddings, dim]`` ShardedTensor ``weight``, e.g. a plain torchrec job's TABLE_WISE
-    / ROW_WISE FUSED table): :func:`load_dcp_state_dict` reads the full table (and its fused
-    optimizer state) and gives the tiered shard its rows by global id.
+    / ROW_WISE FUSED table): :func:`load_dcp_state_dict` streams the table (and its fused
+    optimizer state) one saved block at a time and gives the tiered shard its rows by global id.
 
     Attributes:
         weight_key (str): the weight's key, in the checkpoint and in the model's state dict
@@ -682,7 +686,7 @@ def _check_table_kinds(
     DCP itself would fail mid-load with "Missing key" or "Size mismatch" on some ranks only.
 
     A tiered table the checkpoint holds as a torchrec table (a ``[num_embeddings, dim]``
-    weight, e.g. a plain torchrec job's FUSED table) is adopted: loaded from the full table
+    weight, e.g. a plain torchrec job's FUSED table) is adopted: loaded from the torchrec table
     (:class:`_Adoption`), when its shape and fused optimizer state fit the tiered table
     (another shape, or the state of another optimizer, is refused naming both).
 
@@ -1040,13 +1044,13 @@ def _check_row_orders(
         raise row_order_refusal(f"recpipe.pipeline.dcp.load of {where}", everyone)
 
 
-def _read_here(state: Dict[str, Any], reader: FileSystemReader, where: str) -> None:
+def _read_here(state: Dict[str, Any], reader: FileSystemReader, where: str, **kwargs: Any) -> None:
     """Fills ``state`` from the checkpoint in this process alone (``no_dist``: ranks read
     different keys, or each the whole of a table); a regular tensor of a key saved as a
-    ShardedTensor is filled from every saving rank's chunks."""
+    ShardedTensor is filled from every saving rank's chunks. ``kwargs``: DCP's (a planner)."""
     with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": here, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        _dcp_load(state, reader, where, no_dist=True)
+        _dcp_load(state, reader, where, no_dist=True, **kwargs)
 
 
 def _read_fields(
@@ -1082,13 +1086,6 @@ def _read_export(
     f = _read_fields(reader, metadata, table_fqn, rank, _FIELDS, where)
     return TieredShardState(global_ids=f["global_ids"], weights=f["weights"], optimizer_state=f["optimizer_state"],
                             step=f["step"], metadata=f["metadata"])
-
-
-def _same_layout(shard: TieredEmbeddingShard, md: Dict[str, Any]) -> bool:
-    """True when the saving job routed the table's rows exactly as ``shard``'s job does."""
-    return (md.get("num_embeddings") == shard.num_embeddings and md.get("world_size") == shard.world_size
-            and md.get("dist_type") == shard.dist_type and md.get("routing_seed") == shard.routing_seed
-            and int(md.get("routing_version", 1)) == ROUTING_VERSION)
 
 
 def _tiered_heads(
@@ -1140,18 +1137,6 @@ def _tiered_heads(
         if shard is not None:
             shard.check_export_metadata(head["metadata"])
     return heads
-
-
-def _non_finite_rows(weights: torch.Tensor, optimizer_state: torch.Tensor) -> Optional[torch.Tensor]:
-    """Which rows hold a NaN / inf value or optimizer state (a bool per row), or None when
-    none does (two reductions per tensor: the usual case allocates nothing row-sized)."""
-    parts = [t for t in (weights, optimizer_state) if t.numel()]
-    if all(bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all()) for t in parts):
-        return None
-    bad = torch.zeros(weights.shape[0], dtype=torch.bool)
-    for t in parts:
-        bad |= (~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1)
-    return bad
 
 
 _NON_FINITE_FIXES: Tuple[str, ...] = (
@@ -1217,7 +1202,7 @@ def _check_tiered_rows(
     Raises:
         TieredCheckpointError: naming the table and the problem.
     """
-    if _same_layout(shard, heads[shard.rank]["metadata"] if shard.rank in heads else {}):
+    if shard.routes_as(heads[shard.rank]["metadata"] if shard.rank in heads else {}):
         st = _read_export(reader, metadata, table_fqn, shard.rank, where)
         # row count and global ids: exactly this rank's rows under its own routing
         shard._validate_state(st)
@@ -1258,7 +1243,7 @@ def _load_tiered_table(
     """
     ranks = sorted(heads)
     step = heads[ranks[0]]["step"]
-    if _same_layout(shard, heads[shard.rank]["metadata"] if shard.rank in heads else {}):
+    if shard.routes_as(heads[shard.rank]["metadata"] if shard.rank in heads else {}):
         # load_states validates it (table, routing, row count, non-finite values)
         shard.load_states([_read_export(reader, metadata, table_fqn, shard.rank, where)])
         return
@@ -1277,51 +1262,113 @@ def _load_tiered_table(
                                         step=step, metadata=shard.metadata())])
 
 
-@torch.no_grad()
-def _read_adopted(
+_COPY_ROWS: int = 1 << 16
+"""Rows an adopted table copies at a time from a saved block (64 Ki rows: 16 MiB of fp32
+temporaries at dim 64), so the copy adds little to the block's memory."""
+
+
+class _RowBlockLoadPlanner(DefaultLoadPlanner):
+    """Reads rows ``[start, start + rows)`` (first dimension) of each key of the state dict from a
+    checkpoint of any sharding into the state dict's ``[rows, ...]`` tensors: the reads DCP's
+    resharding plans for a chunk at ``start`` (``create_read_items_for_chunk_list``), so only
+    the saved chunks that overlap the block are read.
+
+    Args:
+        start (int): the block's first row.
+    """
+
+    def __init__(self, start: int) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._start = start
+
+    def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None
+        items: List[ReadItem] = []
+        for key, rows in self.state_dict.items():
+            md = self.metadata.state_dict_metadata[key]
+            assert isinstance(md, TensorStorageMetadata)
+            chunk = ChunkStorageMetadata(offsets=torch.Size([self._start] + [0] * (rows.dim() - 1)),
+                                         sizes=rows.size())
+            items += create_read_items_for_chunk_list(key, md, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self.state_dict[index.fqn]  # the block's own tensor (DCP's default looks the chunk up by offset)
+
+
+def _saved_blocks(adoption: _Adoption, metadata: Metadata, n: int) -> List[Tuple[int, int]]:
+    """The row blocks ``[start, stop)`` a torchrec table of the checkpoint was saved in (its
+    chunks' row ranges, cut where any chunk starts or ends; a TABLE_WISE table: one block,
+    ROW_WISE: one per saving rank), in row order, empty ones left out."""
+    md = metadata.state_dict_metadata[adoption.weight_key]
+    assert isinstance(md, TensorStorageMetadata)  # checked by _check_table_kinds
+    bounds = sorted({0, n} | {int(c.offsets[0]) + e for c in md.chunks for e in (0, int(c.sizes[0]))})
+    return [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
+
+
+def _adopted_blocks(
     shard: TieredEmbeddingShard, adoption: _Adoption, reader: FileSystemReader, metadata: Metadata, where: str
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Reads a torchrec table of the checkpoint whole (this process alone, every saving rank's
-    chunks), in global row order: ``[num_embeddings, dim]`` weights and, when ``adoption``
-    names its fused optimizer state, ``[num_embeddings, state_cols]`` fp32 state in the
+) -> Iterator[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """Reads a torchrec table of the checkpoint one saved row block (:func:`_saved_blocks`) at
+    a time (this process alone): yields each block's ``[rows, dim]`` weights and, when
+    ``adoption`` names its fused optimizer state, ``[rows, state_cols]`` fp32 state in the
     tiered shard's column layout (row-wise Adagrad: the momentum; Adam: ``exp_avg`` then
-    ``exp_avg_sq``)."""
-    keys = (adoption.weight_key, *adoption.state_keys)
-    state: Dict[str, Any] = {}
-    for key in keys:
-        md = metadata.state_dict_metadata[key]
-        assert isinstance(md, TensorStorageMetadata)  # checked by _check_table_kinds
-        state[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    _read_here(state, reader, where)
-    weights = state.pop(adoption.weight_key)
-    n = shard.num_embeddings
-    opt = (torch.cat([state.pop(k).reshape(n, -1).to(torch.float32) for k in adoption.state_keys], dim=1)
-           if adoption.state_keys else None)
-    if adoption.row_order is not None:  # saved rank r's rows (in rank order) hold its routed global ids
-        order = adoption.row_order
-        gids = torch.cat([order.global_ids(r) for r in range(order.world_size)])
-        weights = torch.empty_like(weights).index_copy_(0, gids, weights)
-        opt = torch.empty_like(opt).index_copy_(0, gids, opt) if opt is not None else None
-    return weights, opt
+    ``exp_avg_sq``), else None. Memory: one saved chunk at a time, as DCP's own load (which
+    reads a whole saved chunk for any part of it) needs for a torchrec table."""
+    for start, stop in _saved_blocks(adoption, metadata, shard.num_embeddings):
+        state: Dict[str, Any] = {}
+        for key in (adoption.weight_key, *adoption.state_keys):
+            kmd = metadata.state_dict_metadata[key]
+            assert isinstance(kmd, TensorStorageMetadata)
+            state[key] = torch.empty((stop - start, *kmd.size[1:]), dtype=kmd.properties.dtype)
+        _read_here(state, reader, where, planner=_RowBlockLoadPlanner(start))
+        weights = state.pop(adoption.weight_key)
+        opt = (torch.cat([state.pop(k).reshape(stop - start, -1).to(torch.float32) for k in adoption.state_keys],
+                         dim=1) if adoption.state_keys else None)
+        yield weights, opt
+        del state, weights, opt
 
 
+def _saved_places(adoption: _Adoption, metadata: Metadata, n: int, gids: torch.Tensor) -> Tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """Where each of ``gids`` (int64 global ids) is in the checkpoint's torchrec table: the index
+    of its saved block (:func:`_saved_blocks`) and its row in that block. A routed FUSED
+    table's block of saving rank ``r`` holds ``r``'s routed rows in local-id order
+    (:func:`_saved_row_order` checked that its chunks are the ranks' blocks)."""
+    blocks = _saved_blocks(adoption, metadata, n)
+    order = adoption.row_order
+    if order is None:
+        starts = torch.tensor([a for a, _ in blocks], dtype=torch.int64)
+        block = torch.searchsorted(starts, gids, right=True) - 1
+        return block, gids - starts.index_select(0, block)
+    rank, local = route_ids(gids, order.num_embeddings, order.world_size, order.dist_type, order.routing_seed)
+    nonempty = [r for r in range(order.world_size) if local_rows(order.num_embeddings, order.world_size, r) > 0]
+    block_of_rank = torch.full((order.world_size,), -1, dtype=torch.int64)
+    block_of_rank[torch.tensor(nonempty, dtype=torch.int64)] = torch.arange(len(nonempty), dtype=torch.int64)
+    assert len(nonempty) == len(blocks)
+    return block_of_rank.index_select(0, rank), local
+
+
+@torch.no_grad()
 def _check_adopted_rows(
     shard: TieredEmbeddingShard, adoption: _Adoption, reader: FileSystemReader, metadata: Metadata, fqn: str,
     where: str,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Reads a torchrec table a tiered table loads (:func:`_read_adopted`) and refuses NaN /
-    inf rows (the tiered table could not be saved, nor its export loaded, with them).
+) -> None:
+    """Reads a torchrec table a tiered table loads (:func:`_adopted_blocks`, keeping none) and
+    refuses NaN / inf rows (the tiered table could not be saved, nor its export loaded, with them).
 
     Raises:
         TieredCheckpointError: naming the table and the number of such rows.
     """
-    weights, opt = _read_adopted(shard, adoption, reader, metadata, where)
-    bad = _non_finite_rows(weights, opt if opt is not None else torch.empty((weights.shape[0], 0)))
-    if bad is not None:
+    non_finite = 0
+    for weights, opt in _adopted_blocks(shard, adoption, reader, metadata, where):
+        bad = _non_finite_rows(weights, opt if opt is not None else torch.empty((weights.shape[0], 0)))
+        non_finite += 0 if bad is None else int(bad.sum())
+        del weights, opt  # before the next block is read
+    if non_finite:
         raise shard._ckpt_error(
-            f"{int(bad.sum())} of the {shard.num_embeddings} rows of the torchrec table it would load from {where} "
+            f"{non_finite} of the {shard.num_embeddings} rows of the torchrec table it would load from {where} "
             f"(table {fqn!r}, {adoption.weight_key}) hold NaN or inf values or optimizer state", _NON_FINITE_FIXES)
-    return weights, opt
 
 
 @torch.no_grad()
@@ -1329,21 +1376,33 @@ def _load_adopted_table(
     shard: TieredEmbeddingShard, adoption: _Adoption, reader: FileSystemReader, metadata: Metadata, fqn: str,
     where: str,
 ) -> None:
-    """Loads a tiered table from the full torchrec table the checkpoint holds: this rank's
-    rows by global id (``load_global_weights``), then their fused optimizer state
-    (``load_global_optimizer_state``). torchrec's checkpoint holds no optimizer step (fbgemm's
-    ``iter`` is in neither its ``state_dict()`` nor its fused optimizer's), so the table keeps
-    its own step, as a torchrec table loading that checkpoint keeps its TBE's."""
-    weights, opt = _check_adopted_rows(shard, adoption, reader, metadata, fqn, where)
+    """Loads a tiered table from the torchrec table the checkpoint holds: streams its saved row
+    blocks (:func:`_adopted_blocks`) and copies the rows this rank owns, with their fused
+    optimizer state (zero without it), into its local rows, then writes them in one
+    ``load_states``. Extra memory: this rank's rows plus one saved block. torchrec's checkpoint
+    holds no optimizer step (fbgemm's ``iter`` is in neither its ``state_dict()`` nor its fused
+    optimizer's), so the table keeps its own step, as a torchrec table loading that checkpoint
+    keeps its TBE's."""
+    own = shard.global_ids()
+    block_of, pos = _saved_places(adoption, metadata, shard.num_embeddings, own)
+    weights = torch.empty((shard.num_rows, shard.embedding_dim), dtype=shard.dtype)
+    opt = torch.zeros((shard.num_rows, shard.fast_state.shape[1]), dtype=torch.float32)
+    b = 0  # the block's index (no enumerate: its cached tuple would hold the last block during the next read)
+    for block, block_opt in _adopted_blocks(shard, adoption, reader, metadata, where):
+        mine = (block_of == b).nonzero().squeeze(1)
+        b += 1
+        for lo in range(0, mine.numel(), _COPY_ROWS):  # bounded temporaries
+            local = mine[lo:lo + _COPY_ROWS]
+            rows = pos.index_select(0, local)
+            weights.index_copy_(0, local, block.index_select(0, rows).to(shard.dtype))
+            if block_opt is not None:
+                opt.index_copy_(0, local, block_opt.index_select(0, rows))
+        del block, block_opt  # before the next block is read: one held at a time
     step = shard._fbgemm.get_step() if shard._fbgemm is not None else int(shard.step)  # as export_state reads it
-    try:
-        if opt is not None:  # rows and their state in one write
-            shard.load_global_optimizer_state(opt, step, weights=weights)
-        else:
-            shard.load_global_weights(weights)
-            shard.set_optimizer_step(step)
-    except ValueError as e:  # e.g. a file changed since the checks: every rank learns it (_refusals)
-        raise TieredCheckpointError(f"table {fqn!r}: {e}") from None
+    # This rank's rows, as exported by this shard: load_states re-checks them (non-finite
+    # values) and writes rows and state to their tiers in one write.
+    shard.load_states([TieredShardState(global_ids=own, weights=weights, optimizer_state=opt,
+                                        step=step, metadata=shard.metadata())])
 
 
 def load_dcp_state_dict(
@@ -1369,10 +1428,11 @@ def load_dcp_state_dict(
     load changes nothing). A tiered table the checkpoint holds as a torchrec table (a
     ``[num_embeddings, dim]`` ShardedTensor weight, e.g. a plain torchrec job's
     ``torch.distributed.checkpoint.save({**model.state_dict(), "fused_optimizer":
-    model.fused_optimizer.state_dict()})``) is loaded from the full table and its fused
-    optimizer state, read whole on every rank (a full table per rank, one at a time, also
-    read twice unless ``check_rows`` is off); it keeps its own optimizer step (torchrec's
-    checkpoint records none). A table tiered in the checkpoint that this model holds as a
+    model.fused_optimizer.state_dict()})``) is loaded from the torchrec table and its fused
+    optimizer state, streamed on every rank one saved chunk at a time (a TABLE_WISE table's
+    chunk is the table; extra memory: a chunk plus the rank's own rows; read twice unless
+    ``check_rows`` is off); it keeps its own optimizer step (torchrec's checkpoint records
+    none). A table tiered in the checkpoint that this model holds as a
     torchrec table is built whole from the exports on every rank (every such table at once,
     checked before anything is loaded) and loaded with its optimizer state and step.
 
@@ -1449,7 +1509,7 @@ def load_dcp_state_dict(
     absent, adopted, fused_tiered = _check_table_kinds(metadata, reader, state, tiered, where, strict, process_group)
     # tables tiered in the checkpoint, torchrec tables here: read whole from the exports first
     unadopted = _check_unadoptions(model, fused_tiered, state, reader, metadata, where, process_group)
-    # tiered tables the checkpoint holds as torchrec tables: loaded from the full tables
+    # tiered tables the checkpoint holds as torchrec tables: streamed from them by saved block
     adopters = {fqn: tiered.pop(fqn) for fqn in adopted}
     for fqn in absent:
         del tiered[fqn]
@@ -1481,7 +1541,7 @@ def load_dcp_state_dict(
     def check_rows_first() -> None:
         for fqn, shard in tiered_to_check.items():
             _check_tiered_rows(shard, heads[fqn], reader, metadata, fqn, where)
-        for fqn, shard in adopters_to_check.items():  # one full table at a time, nothing kept
+        for fqn, shard in adopters_to_check.items():  # one saved chunk at a time, nothing kept
             _check_adopted_rows(shard, adopted[fqn], reader, metadata, fqn, where)
 
     problems = _refusals(check_rows_first, process_group)
@@ -1494,7 +1554,7 @@ def load_dcp_state_dict(
     # strict=False: entries the checkpoint lacks keep the model's values (load_state_dict's
     # strict=False); DCP alone refuses them ("Missing key in checkpoint state_dict").
     # an adopted table's weight key holds the tiered table's empty placeholder here and the
-    # full table in the checkpoint: read whole by _load_adopted_table, not resharded by DCP
+    # torchrec table in the checkpoint: streamed by _load_adopted_table, not resharded by DCP
     placeholders = {a.weight_key: state.pop(a.weight_key) for a in adopted.values()}
     _dcp_load(state, reader, where, process_group=process_group, no_dist=no_dist,
               planner=DefaultLoadPlanner(allow_partial_load=not strict))

@@ -122,6 +122,10 @@ __all__ = [
 #: (bounds the load's extra memory to the shard's own rows plus one chunk).
 LOAD_CHUNK_ROWS: int = 1 << 20
 
+#: Rows written to the tiers at a time when a shard's rows are set whole (loads): 64 Ki rows,
+#: 16 MiB of copies at dim 64 fp32, however large the shard.
+WRITE_CHUNK_ROWS: int = 1 << 16
+
 #: Version of the export format written in ``TieredShardState.metadata``.
 #: 2 adds ``routing_version`` (``recpipe.pipeline.ops.ROUTING_VERSION``); version 1
 #: exports lack it and were routed by hash_roundrobin version 1.
@@ -235,6 +239,18 @@ class TieredShardState:
     optimizer_state: torch.Tensor
     step: int
     metadata: Dict[str, Any] = field(default_factory=dict)
+
+
+def non_finite_rows(weights: torch.Tensor, optimizer_state: torch.Tensor) -> Optional[torch.Tensor]:
+    """Which rows hold a NaN / inf value or optimizer state (a bool per row), or None when
+    none does (two reductions per tensor: the usual case allocates nothing row-sized)."""
+    parts = [t for t in (weights, optimizer_state) if t.numel()]
+    if all(bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all()) for t in parts):
+        return None
+    bad = torch.zeros(weights.shape[0], dtype=torch.bool, device=weights.device)
+    for t in parts:
+        bad |= (~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1)
+    return bad
 
 
 def _bag_lengths_and_ids(offsets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -835,12 +851,13 @@ class TieredEmbeddingShard(nn.Module):
             return
         if reset_cache:
             self._reset_cache()
-        rows = torch.arange(self.num_rows, dtype=torch.int64, device=self.device)
-        in_fast, idx = self._locate(rows)
-        self._write(in_fast, idx, weights, state=False)
-        if state is None:
-            state = torch.zeros((self.num_rows, self.fast_state.shape[1]), dtype=torch.float32, device=self.device)
-        self._write(in_fast, idx, state, state=True)
+        for lo in range(0, self.num_rows, WRITE_CHUNK_ROWS):  # bounded temporaries (the tiers' row copies)
+            hi = min(lo + WRITE_CHUNK_ROWS, self.num_rows)
+            in_fast, idx = self._locate(torch.arange(lo, hi, dtype=torch.int64, device=self.device))
+            self._write(in_fast, idx, weights[lo:hi], state=False)
+            part = (state[lo:hi] if state is not None else
+                    torch.zeros((hi - lo, self.fast_state.shape[1]), dtype=torch.float32, device=self.device))
+            self._write(in_fast, idx, part, state=True)
 
     # ----------------------------------------------------------------- cache
     def _prefetch(self, uniq: torch.Tensor, counts: torch.Tensor) -> None:
@@ -1402,9 +1419,19 @@ class TieredEmbeddingShard(nn.Module):
         if len(steps) != 1:
             raise self._ckpt_error(f"exports disagree on the optimizer step {sorted(steps)}",
                                    ["load exports written at the same training step"])
+        R = self.num_rows
+        if len(states) == 1 and states[0].metadata["rank"] == self.rank and self.routes_as(states[0].metadata):
+            # this shard's own rows in local-id order (validated above): written as they are
+            st = states[0]
+            bad = non_finite_rows(st.weights, st.optimizer_state)
+            if bad is not None:
+                raise self._non_finite_error(int(bad.sum()))
+            self._load_local_rows(st.weights.to(self.device, self.dtype),
+                                  st.optimizer_state.to(self.device, torch.float32), reset_cache=True)
+            self._set_step(steps.pop())
+            return
         # Stream the exports in chunks: extra memory is this shard's R rows plus one chunk
         # (O(N / W) per rank), whatever the saving job's world size.
-        R = self.num_rows
         weights = torch.empty((R, self.embedding_dim), dtype=self.dtype)
         opt = torch.empty((R, self.fast_state.shape[1]), dtype=torch.float32)
         count = torch.zeros(R, dtype=torch.int64)
@@ -1437,12 +1464,26 @@ class TieredEmbeddingShard(nn.Module):
                 ["pass the exports of ALL ranks of the saving job (rows are resharded by global id)",
                  "check that the saving job used the same num_embeddings"])
         if non_finite:
-            raise self._ckpt_error(
-                f"{non_finite} of the rows it would load hold NaN or inf values or optimizer state",
-                ["the saving run diverged or the export is damaged: load an earlier checkpoint",
-                 "re-export the table from a healthy run"])
+            raise self._non_finite_error(non_finite)
         self._load_local_rows(weights.to(self.device), opt.to(self.device), reset_cache=True)
         self._set_step(steps.pop())
+
+    def _non_finite_error(self, rows: int) -> TieredCheckpointError:
+        return self._ckpt_error(f"{rows} of the rows it would load hold NaN or inf values or optimizer state",
+                                ["the saving run diverged or the export is damaged: load an earlier checkpoint",
+                                 "re-export the table from a healthy run"])
+
+    def routes_as(self, metadata: Dict[str, Any]) -> bool:
+        """Whether an export with ``metadata`` (:meth:`metadata`) holds rows routed as this
+        shard's job routes them (the same table size, world size, dist_type, seed and routing
+        version): its rank ``r``'s export then holds exactly rank ``r``'s rows, in local-id order.
+
+        Args:
+            metadata (Dict[str, Any]): an export's metadata.
+        """
+        return (metadata.get("num_embeddings") == self.num_embeddings and metadata.get("world_size") == self.world_size
+                and metadata.get("dist_type") == self.dist_type and metadata.get("routing_seed") == self.routing_seed
+                and int(metadata.get("routing_version", 1)) == ROUTING_VERSION)
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
         st = self.export_state()

@@ -5,7 +5,7 @@ sharders, TABLE_WISE / ROW_WISE ShardedTensors) as
 ``torch.distributed.checkpoint.save({**model.state_dict(), "fused_optimizer":
 model.fused_optimizer.state_dict()})``. A model whose tables recpipe's planner made tiered
 (HYBRID / CACHING) loads such a checkpoint with ``recpipe.pipeline.dcp.load(..., verify=False)``:
-each tiered table reads the full torchrec table and its row-wise Adagrad momentum. Reference:
+each tiered table streams the torchrec table (one saved chunk at a time) and its row-wise Adagrad momentum. Reference:
 the saving torchrec model trained on without interruption (every step's outputs and the final
 tables must match with the tiered-vs-FUSED tolerance). Without the optimizer state
 (``strict=False``) the run diverges, so the state is really carried; a table of another size,
@@ -93,6 +93,26 @@ def _refused(model: Any, root: str, error: type, **kwargs: Any) -> str:
     return str(err.value)
 
 
+def _reads_of(load: Any) -> List[List[Any]]:
+    """Runs ``load()`` and returns every read of a row block it made: ``[key, rows]`` of each
+    tensor recpipe's loader asked DCP to fill (its ``_read_here``, wrapped for the call)."""
+    from recpipe.pipeline import dcp as recpipe_dcp
+
+    reads: List[List[Any]] = []
+    read_here = recpipe_dcp._read_here
+
+    def spy(state: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        reads.extend([key, int(t.shape[0])] for key, t in state.items() if isinstance(t, torch.Tensor) and t.dim())
+        read_here(state, *args, **kwargs)
+
+    recpipe_dcp._read_here = spy  # type: ignore[assignment]
+    try:
+        load()
+    finally:
+        recpipe_dcp._read_here = read_here  # type: ignore[assignment]
+    return reads
+
+
 def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline import dcp as recpipe_dcp
     from recpipe.pipeline.tiered import TieredCheckpointError
@@ -100,7 +120,7 @@ def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {"errors": {}}
     adopted = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
     assert set(adopted.module.tiered_tables()) == {"t0", "t1"}
-    recpipe_dcp.load(adopted, f"{root}/with_optimizer", verify=False)
+    out["reads"] = _reads_of(lambda: recpipe_dcp.load(adopted, f"{root}/with_optimizer", verify=False))
     out["loaded"] = _full(adopted)
     out["steps"] = {n: s.step for n, s in adopted.module.tiered_tables().items()}
 
@@ -160,6 +180,15 @@ def test_tiered_tables_adopt_a_plain_torchrec_checkpoint_and_train_on_as_torchre
             _close(res["final"]["adopted"][key], want, f"rank {rank} final {key}")
         gap = mig._diverges(res["outputs"]["weights_only"], src[rank]["outputs"])
         assert gap > 1e-3, f"rank {rank}: the weights-only load matches torchrec without the momentum ({gap})"
+        # each rank streams the torchrec tables one saved chunk at a time (checked, then loaded), never
+        # a whole ROW_WISE table: t0 was saved TABLE_WISE (one chunk, 97 rows), t1 ROW_WISE (2 x 25 rows)
+        reads = {}
+        for key, rows in res["reads"]:
+            reads.setdefault(key, []).append(rows)
+        assert reads == {"embedding_bags.t0.weight": [97, 97],
+                         "fused_optimizer.state.embedding_bags.t0.weight.t0.momentum1": [97, 97],
+                         "embedding_bags.t1.weight": [25, 25, 25, 25],
+                         "fused_optimizer.state.embedding_bags.t1.weight.t1.momentum1": [25, 25, 25, 25]}, reads
     errors = out[0]["errors"]
     assert errors == out[1]["errors"], "every rank gives the same refusal"
     msg = errors["no_state_strict"]
@@ -323,8 +352,13 @@ def _routed_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         mig._step(ref, step, rank)
     tdcp.save({**ref.state_dict(), "fused_optimizer": ref.fused_optimizer.state_dict()}, checkpoint_id=root)
     adopted = mig._tiered(world, "rowwise_adagrad", PLACEMENTS, backend="fbgemm")  # fbgemm's CPU TBE holds the rows
-    recpipe_dcp.load(adopted, root, verify=False)  # strict: the row-order records are the tables' own
-    out: Dict[str, Any] = {"saved": _full(ref), "loaded": _full(adopted)}
+    # strict: the row-order records are the tables' own; rows copied 5 at a time from each block
+    copy_rows, recpipe_dcp._COPY_ROWS = recpipe_dcp._COPY_ROWS, 5
+    try:
+        reads = _reads_of(lambda: recpipe_dcp.load(adopted, root, verify=False))
+    finally:
+        recpipe_dcp._COPY_ROWS = copy_rows
+    out: Dict[str, Any] = {"saved": _full(ref), "loaded": _full(adopted), "reads": reads}
     out["outputs"] = {name: [mig._step(m, step, rank) for step in range(K, K + K2)]
                       for name, m in (("ref", ref), ("adopted", adopted))}
     return out
@@ -332,11 +366,14 @@ def _routed_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 def test_tiered_tables_adopt_routed_fused_tables_of_recpipe_sharders(tmp_path: Path) -> None:
     """A routed FUSED table's shards hold hash_roundrobin / roundrobin rows, not their offsets' range:
-    the full table DCP reads is put in global row order by the checkpoint's row-order record, so the
-    adopted tiered tables (on the fbgemm backend) hold the saved rows and momentum and train on as the
-    uninterrupted run."""
+    each saved block (a saving rank's shard) is read in turn and its rows placed by the checkpoint's
+    row-order record, so the adopted tiered tables (on the fbgemm backend) hold the saved rows and
+    momentum and train on as the uninterrupted run."""
     for rank, res in enumerate(run_gloo(2, _routed_body, str(tmp_path))):
         assert _same(res["saved"], res["loaded"]), f"rank {rank}: adopted rows differ from the saved tables"
+        # one saving rank's routed block at a time (t0: 97 rows, t1: 50, over 2 ranks), checked then loaded
+        weight_reads = sorted(rows for key, rows in res["reads"] if key.endswith(".weight"))
+        assert weight_reads == sorted([49, 48] * 2 + [25, 25] * 2), res["reads"]
         for step, (got, want) in enumerate(zip(res["outputs"]["adopted"], res["outputs"]["ref"])):
             _close(got, want, f"rank {rank} adopted step {K + step}")
 

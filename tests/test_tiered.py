@@ -493,3 +493,38 @@ def test_load_streams_exports_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None
     for s in results[1]:
         for g, w in zip(s.global_ids, s.weights):
             assert torch.equal(w, src_rows[int(g)])
+
+
+@pytest.mark.parametrize("mode,x", [("HYBRID", 0.4), ("CACHING", 0.3), ("HYBRID", 1.0)])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_own_export_loads_whole_in_write_chunks(monkeypatch: pytest.MonkeyPatch, mode: str, x: float,
+                                                 optimizer: str, chunk: Optional[int]) -> None:
+    """A shard's own export (one export, this rank's routing) loads as it is, written to the tiers
+    7 rows at a time or in one chunk: the shard then exports exactly those rows, state and step; a
+    NaN row in it is refused naming the count, and the shard keeps its rows."""
+    import recpipe.pipeline.tiered as tiered
+
+    if chunk is not None:
+        monkeypatch.setattr(tiered, "WRITE_CHUNK_ROWS", chunk)
+    g = torch.Generator().manual_seed(7)
+    for rank in range(2):
+        shard = TieredEmbeddingShard(num_embeddings=101, embedding_dim=D, mode=mode, cache_load_factor=x,
+                                     optimizer=TieredOptimizerConfig(optimizer=optimizer), rank=rank, world_size=2,
+                                     dist_type="hash_roundrobin", routing_seed=5)
+        st = shard.export_state()
+        want = TieredShardState(global_ids=st.global_ids, weights=torch.randn(st.weights.shape, generator=g),
+                                optimizer_state=torch.rand(st.optimizer_state.shape, generator=g), step=11,
+                                metadata=st.metadata)
+        shard.load_states([want])
+        got = shard.export_state()
+        assert torch.equal(got.global_ids, want.global_ids) and got.step == 11
+        assert torch.equal(got.weights, want.weights) and torch.equal(got.optimizer_state, want.optimizer_state)
+        bad = TieredShardState(global_ids=want.global_ids, weights=want.weights.clone(),
+                               optimizer_state=want.optimizer_state, step=12, metadata=want.metadata)
+        bad.weights[3, 1] = float("nan")
+        bad.weights[5, 0] = float("inf")
+        with pytest.raises(TieredCheckpointError, match="2 of the rows it would load hold NaN or inf"):
+            shard.load_states([bad])
+        kept = shard.export_state()
+        assert torch.equal(kept.weights, want.weights) and kept.step == 11
