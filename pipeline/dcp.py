@@ -49,8 +49,9 @@ table at a time (it used to be a whole table per rank). torchrec's checkpoint
 holds no optimizer step (fbgemm's ``iter`` is in neither its ``state_dict()`` nor its fused
 optimizer's), so the table keeps its own, as a torchrec table loading it keeps its TBE's.
 The reverse, a table tiered in the checkpoint that the loading model holds as a torchrec
-(ShardedTensor) table, is built whole on every rank from every saving rank's export (by global
-id; every such table at once) and loaded as ``gather_full_weights`` / ``gather_full_optimizer_state``
+(ShardedTensor) table, is checked first (every export read once, none kept), then built whole on
+every rank from every saving rank's export (by global id; one table at a time, after the rest of
+the model loaded) and loaded as ``gather_full_weights`` / ``gather_full_optimizer_state``
 would give it (``model.load_state_dict`` of the full weight, then
 :func:`~recpipe.pipeline.sharders.load_full_optimizer_state`, which sets its step).
 
@@ -784,14 +785,18 @@ def _check_table_kinds(
 
 class _Unadoption(NamedTuple):
     """A table tiered in the checkpoint that this model holds as a torchrec (ShardedTensor)
-    table: its full weight and fused optimizer state, built from every saving rank's export
-    by global id (:func:`_check_unadoptions`).
+    table, checked by :func:`_check_unadoptions`; :func:`_read_unadopted` builds its full weight
+    and fused optimizer state from every saving rank's export by global id, one table at a time.
 
     Attributes:
+        fqn (str): the table's fqn (``<collection>.<table>``).
         weight_key (str): the table's weight key in the model's state dict.
-        weights (torch.Tensor): ``[num_embeddings, dim]`` in global row order.
-        state (Dict[str, torch.Tensor]): :func:`~recpipe.pipeline.sharders.gather_full_optimizer_state`'s
-            entry of the table (torchrec's names and ``step``).
+        heads (Dict[int, Dict[str, Any]]): every saving rank's export metadata and step.
+        desc (Any): the model's table as the optimizer-state migration describes it (rows, dim,
+            fused optimizer; ``recpipe.pipeline.sharders``' gathered description).
+        own_weight (Any): the model's own weight (its ShardedTensor, kept out of DCP's load, as
+            the checkpoint holds a placeholder, and given back to ``model.load_state_dict``, which
+            loads it onto itself: the table's rows come after, by :func:`_read_unadopted`).
         fused_entry (Any): the table's entry of the model's own ``fused_optimizer.state_dict()``
             (kept out of DCP's load, which would look for it in the checkpoint, and given back to
             ``model.fused_optimizer.load_state_dict``, which wants every table's).
@@ -799,11 +804,30 @@ class _Unadoption(NamedTuple):
             load, as the checkpoint has none, and given back to ``model.load_state_dict``).
     """
 
+    fqn: str
     weight_key: str
-    weights: torch.Tensor
-    state: Dict[str, torch.Tensor]
+    heads: Dict[int, Dict[str, Any]]
+    desc: Any
+    own_weight: Any
     fused_entry: Any
     row_order: Any
+
+
+def _unadopted_exports(
+    u: _Unadoption, reader: FileSystemReader, metadata: Metadata, n: int, where: str
+) -> Iterator[Tuple[torch.Tensor, TieredShardState]]:
+    """Every saving rank's export of an unadopted table in turn (one held at a time): its global
+    ids as int64 and the export, refusing ids outside ``[0, n)``."""
+    for r in sorted(u.heads):
+        st = _read_export(reader, metadata, u.fqn, r, where)
+        gids = st.global_ids.to(torch.int64)
+        if gids.numel() and (int(gids.min()) < 0 or int(gids.max()) >= n):
+            raise TieredCheckpointError(
+                f"{where}: table {u.fqn!r}: the tiered export of rank {r} holds global ids outside [0, {n}); "
+                "the checkpoint is damaged or was edited: re-save it. Nothing was loaded: the model is "
+                "unchanged.")
+        yield gids, st
+        del st, gids
 
 
 @torch.no_grad()
@@ -816,13 +840,13 @@ def _check_unadoptions(
     where: str,
     process_group: Optional[dist.ProcessGroup],
 ) -> Dict[str, _Unadoption]:
-    """Reads the tiered exports of ``tables`` (tiered in the checkpoint, torchrec tables in this
-    model) into full tables (every rank: a full table and its state per table), refusing, on
-    every rank before anything is loaded, exports of another size or optimizer than the
-    table's, rows missing or repeated, and NaN / inf rows. Removes the tables' weight,
-    row-order record and fused optimizer state from ``state`` (the checkpoint holds a
-    placeholder / nothing under their keys): :func:`load_dcp_state_dict` loads the full tables
-    after DCP's load.
+    """Checks the tiered exports of ``tables`` (tiered in the checkpoint, torchrec tables in this
+    model), refusing, on every rank before anything is loaded, exports of another size or
+    optimizer than the table's, rows missing or repeated, and NaN / inf rows. Reads every export
+    once and keeps none (extra memory: one export and a count per row of the table). Removes the
+    tables' weight, row-order record and fused optimizer state from ``state`` (the checkpoint
+    holds a placeholder / nothing under their keys): :func:`load_dcp_state_dict` loads the tables
+    after DCP's load, one at a time (:func:`_read_unadopted`).
 
     Args:
         model (nn.Module): the model to load into (its tables' optimizers and shapes).
@@ -841,20 +865,18 @@ def _check_unadoptions(
     """
     if not tables:
         return {}
-    from recpipe.pipeline.sharders import (  # the migration's view of the tables and of their state
-        _describe_tables, _named_to_columns, _optimizer_tables)
+    from recpipe.pipeline.sharders import _describe_tables, _optimizer_tables  # the migration's view of the tables
 
     desc = _describe_tables(_optimizer_tables(model), process_group)  # collective
     out: Dict[str, _Unadoption] = {}
 
-    def read() -> None:
+    def check() -> None:
         for fqn in tables:
             key = _weight_key(fqn, state)
             assert key is not None
-            base, table = key[: -len(".weight")], fqn.rsplit(".", 1)[-1]
-            d = desc.get(base)
+            d = desc.get(key[: -len(".weight")])
             heads = _tiered_heads(None, reader, metadata, fqn, where)
-            md, step = heads[min(heads)]["metadata"], int(heads[min(heads)]["step"])
+            md = heads[min(heads)]["metadata"]
             saved = [md.get("num_embeddings"), md.get("embedding_dim"), md.get("optimizer")]
             if d is None or d.optimizer not in {o.value for o in OPTIMIZER_STATE_NAMES} or saved != [
                     d.rows, d.dim, d.optimizer]:
@@ -867,48 +889,57 @@ def _check_unadoptions(
                     "  1. build the table as it was saved (the same num_embeddings, embedding_dim and fused optimizer: "
                     "SGD, RowWiseAdagrad or Adam, TABLE_WISE or ROW_WISE)\n"
                     "  2. plan it tiered, as it was saved\n  3. start from fresh tables instead of this checkpoint")
-            n, dim = d.rows, d.dim
-            weights = torch.zeros((n, dim), dtype=torch.float32)
-            cols = TieredOptimizerConfig(optimizer=d.optimizer).state_cols(dim)
-            opt = torch.zeros((n, cols), dtype=torch.float32)
-            count = torch.zeros(n, dtype=torch.int64)
-            for r in sorted(heads):  # one saving rank's export at a time
-                st = _read_export(reader, metadata, fqn, r, where)
-                gids = st.global_ids.to(torch.int64)
-                if gids.numel() and (int(gids.min()) < 0 or int(gids.max()) >= n):
-                    raise TieredCheckpointError(
-                        f"{where}: table {fqn!r}: the tiered export of rank {r} holds global ids outside [0, {n}); "
-                        "the checkpoint is damaged or was edited: re-save it. Nothing was loaded: the model is "
-                        "unchanged.")
+            u = _Unadoption(fqn, key, heads, d, None, None, None)
+            count = torch.zeros(d.rows, dtype=torch.int64)
+            non_finite = 0
+            for gids, st in _unadopted_exports(u, reader, metadata, d.rows, where):
                 count.index_add_(0, gids, torch.ones_like(gids))
-                weights.index_copy_(0, gids, st.weights.to(torch.float32))
-                opt.index_copy_(0, gids, st.optimizer_state.to(torch.float32))
-                del st, gids
+                bad = _non_finite_rows(st.weights, st.optimizer_state)
+                non_finite += 0 if bad is None else int(bad.sum())
             if bool((count != 1).any()):
                 raise TieredCheckpointError(
                     f"{where}: table {fqn!r}: {int((count == 0).sum())} rows are missing from its tiered exports and "
                     f"{int((count > 1).sum())} appear more than once; the exports do not partition the table: "
                     "re-save the checkpoint. Nothing was loaded: the model is unchanged.")
-            bad = _non_finite_rows(weights, opt)
-            if bad is not None:
+            if non_finite:
                 raise TieredCheckpointError(
-                    f"{where}: table {fqn!r}: {int(bad.sum())} rows of its tiered exports hold NaN or inf values or "
+                    f"{where}: table {fqn!r}: {non_finite} rows of its tiered exports hold NaN or inf values or "
                     "optimizer state. Nothing was loaded: the model is unchanged. Possible solutions:\n"
                     + "\n".join(f"  {i}. {fix}" for i, fix in enumerate(_NON_FINITE_FIXES, 1)))
-            named = {k: v.clone() for k, v in _named_to_columns(d, opt, table).items()}
-            out[fqn] = _Unadoption(key, weights, {**named, OPTIMIZER_STEP_KEY: torch.tensor(step)}, None, None)
+            out[fqn] = u
 
-    problems = _refusals(read, process_group)
+    problems = _refusals(check, process_group)
     if problems:
         mine = dict(problems).get(_rank_world(process_group)[0])
         raise TieredCheckpointError(mine if mine is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
     fused = state.get(FUSED_OPTIMIZER_KEY)
     for fqn, u in out.items():
-        state.pop(u.weight_key, None)
-        u = out[fqn] = u._replace(row_order=state.pop(u.weight_key[: -len("weight")] + ROW_ORDER_KEY, None))
+        u = u._replace(own_weight=state.pop(u.weight_key, None),
+                       row_order=state.pop(u.weight_key[: -len("weight")] + ROW_ORDER_KEY, None))
         if isinstance(fused, dict) and isinstance(fused.get("state"), dict):
-            out[fqn] = u._replace(fused_entry=fused["state"].pop(u.weight_key, None))
+            u = u._replace(fused_entry=fused["state"].pop(u.weight_key, None))
+        out[fqn] = u
     return out
+
+
+@torch.no_grad()
+def _read_unadopted(
+    u: _Unadoption, reader: FileSystemReader, metadata: Metadata, where: str
+) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Builds an unadopted table whole (checked by :func:`_check_unadoptions`) from every saving
+    rank's export: ``[num_embeddings, dim]`` weights in global row order and its fused optimizer
+    state as :func:`~recpipe.pipeline.sharders.gather_full_optimizer_state` gives it (torchrec's
+    names and ``step``)."""
+    from recpipe.pipeline.sharders import _named_to_columns  # the migration's view of the state
+
+    n, dim = u.desc.rows, u.desc.dim
+    weights = torch.zeros((n, dim), dtype=torch.float32)
+    opt = torch.zeros((n, TieredOptimizerConfig(optimizer=u.desc.optimizer).state_cols(dim)), dtype=torch.float32)
+    for gids, st in _unadopted_exports(u, reader, metadata, n, where):
+        weights.index_copy_(0, gids, st.weights.to(torch.float32))
+        opt.index_copy_(0, gids, st.optimizer_state.to(torch.float32))
+    named = {k: v.clone() for k, v in _named_to_columns(u.desc, opt, u.fqn.rsplit(".", 1)[-1]).items()}
+    return weights, {**named, OPTIMIZER_STEP_KEY: torch.tensor(int(u.heads[min(u.heads)]["step"]))}
 
 
 def _check_fused_optimizer(
@@ -1433,8 +1464,8 @@ def load_dcp_state_dict(
     chunk is the table; extra memory: a chunk plus the rank's own rows; read twice unless
     ``check_rows`` is off); it keeps its own optimizer step (torchrec's checkpoint records
     none). A table tiered in the checkpoint that this model holds as a
-    torchrec table is built whole from the exports on every rank (every such table at once,
-    checked before anything is loaded) and loaded with its optimizer state and step.
+    torchrec table is checked before anything is loaded, then built whole from the exports on
+    every rank (one table at a time) and loaded with its optimizer state and step.
 
     Args:
         model (nn.Module): the model to load into (sharded for the loading job).
@@ -1507,7 +1538,7 @@ def load_dcp_state_dict(
     state, found = _regular_state_dict(model)
     tiered = _tiered_tables(found)
     absent, adopted, fused_tiered = _check_table_kinds(metadata, reader, state, tiered, where, strict, process_group)
-    # tables tiered in the checkpoint, torchrec tables here: read whole from the exports first
+    # tables tiered in the checkpoint, torchrec tables here: their exports checked first
     unadopted = _check_unadoptions(model, fused_tiered, state, reader, metadata, where, process_group)
     # tiered tables the checkpoint holds as torchrec tables: streamed from them by saved block
     adopters = {fqn: tiered.pop(fqn) for fqn in adopted}
@@ -1563,16 +1594,25 @@ def load_dcp_state_dict(
     if optimizer_state is not None:  # the unadopted tables' own state (torchrec's load wants every table)
         optimizer_state["state"].update({u.weight_key: u.fused_entry for u in unadopted.values()
                                          if u.fused_entry is not None})
-    for u in unadopted.values():  # full tables: torchrec slices them by its shards' offsets, routed tables pick rows
-        state[u.weight_key] = u.weights
+    for u in unadopted.values():  # the model's own entries, loaded onto themselves (the rows come below)
+        state[u.weight_key] = u.own_weight
         if u.row_order is not None:
             state[u.weight_key[: -len("weight")] + ROW_ORDER_KEY] = u.row_order
     model.load_state_dict(state, strict=strict)
     if optimizer_state is not None:
         model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr, operator]
-    if unadopted:  # collective; sets each table's step as torchrec's set_optimizer_step
-        load_full_optimizer_state(model, {u.weight_key[: -len(".weight")]: u.state for u in unadopted.values()},
-                                  strict=False, process_group=process_group)
+    for u in unadopted.values():  # one full table at a time, in the same order on every rank (collective)
+        weights, table_state = _read_unadopted(u, reader, metadata, where)
+        # torchrec slices a full weight by its shards' offsets, routed tables pick their rows
+        own = {u.weight_key: weights}
+        if u.row_order is not None:
+            own[u.weight_key[: -len("weight")] + ROW_ORDER_KEY] = u.row_order
+        model.load_state_dict(own, strict=False)
+        del weights, own
+        # sets the table's step as torchrec's set_optimizer_step
+        load_full_optimizer_state(model, {u.weight_key[: -len(".weight")]: table_state}, strict=False,
+                                  process_group=process_group)
+        del table_state
     del unadopted
     # The rows were checked above; load_states checks them again while they load (only a
     # file changed since then fails here): every rank learns any rank's refusal, so none

@@ -14,7 +14,11 @@ Then 2 ranks load it, each run in fresh processes (so no run inherits another's 
   ``recpipe.pipeline.dcp.load(model, dir, verify=False)`` (torchrec writes no digests): each
   rank streams the torchrec tables one saved chunk at a time, checks them, then keeps its rows
   (so its extra memory is its own rows plus a saved chunk, where it used to be a whole table);
-* recpipe, check_rows=False: the same without the first (checking) read.
+* recpipe, check_rows=False: the same without the first (checking) read;
+* leaving recpipe: the torchrec model loads a checkpoint of the same tables tiered (HYBRID,
+  ``recpipe.pipeline.dcp.save`` of a 2-rank tiered model) with ``recpipe.pipeline.dcp.load``: each
+  table is checked, then built whole from the tiered exports on every rank, one table at a time
+  (it used to be every such table at once).
 
 Per run: wall seconds of the slower rank between two barriers, and each rank's peak RSS growth
 during the load (``VmHWM`` reset through ``/proc/self/clear_refs`` just before, minus ``VmRSS``
@@ -46,9 +50,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_checkpoint import WORLD, _model as tiered_model, _parse_set  # noqa: E402
 from benchutil import hardware_line, iter_reports, positive_int, print_table, writable_dir  # noqa: E402
 
-RUNS = ("torchrec", "recpipe", "recpipe_unchecked")
+RUNS = ("torchrec", "recpipe", "recpipe_unchecked", "leave")
 LABELS = {"torchrec": "torchrec FUSED, torch dcp.load", "recpipe": "recpipe tiered, dcp.load",
-          "recpipe_unchecked": "recpipe tiered, check_rows=False"}
+          "recpipe_unchecked": "recpipe tiered, check_rows=False",
+          "leave": "torchrec FUSED, recpipe dcp.load of tiered"}
 
 
 def _torchrec_model(n_tables: int, rows: int, dim: int, world: int = WORLD) -> Any:
@@ -103,7 +108,16 @@ def _worker(rank: int, world: int, port: int, run: str, table_set: Tuple[int, in
             tdcp.save(_torchrec_state(_torchrec_model(*table_set, world=world)), checkpoint_id=checkpoint)
             queue.put((rank, None, None))
             return
-        if run == "torchrec":
+        if run == "save_tiered":  # the same tables tiered, saved by recpipe
+            recpipe_dcp.save(tiered_model(*table_set, "HYBRID", 0.5), checkpoint + "_tiered")
+            queue.put((rank, None, None))
+            return
+        if run == "leave":
+            model = _torchrec_model(*table_set)
+
+            def load() -> None:
+                recpipe_dcp.load(model, checkpoint + "_tiered")
+        elif run == "torchrec":
             model = _torchrec_model(*table_set)
 
             def load() -> None:
@@ -174,6 +188,7 @@ def main() -> None:
     results: Dict[str, List[Dict[int, Any]]] = {run: [] for run in RUNS}
     try:
         _spawn("save", args.tables, checkpoint, world=args.save_world)
+        _spawn("save_tiered", args.tables, checkpoint)
         for i in range(args.repeat):
             for run in RUNS[i % len(RUNS):] + RUNS[: i % len(RUNS)]:  # rotate which goes first
                 results[run].append(_spawn(run, args.tables, checkpoint))

@@ -398,6 +398,22 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         out["size_error"] = _refused(_torchrec_model(world), root, TieredCheckpointError)
     finally:
         pooled.TABLES = saved_tables
+    # checkpoints damaged past save's checks (torch's dcp.save of dcp_state_dict, rank 0's export of t1 edited)
+    import torch.distributed.checkpoint as tdcp
+
+    out["damaged"] = {}
+    for damage in ("nan", "repeated", "outside"):
+        state = recpipe_dcp.dcp_state_dict(src)
+        if rank == 0:
+            ids_key, rows_key = (recpipe_dcp.tiered_dcp_key("embedding_bags.t1", 0, f) for f in ("global_ids", "weights"))
+            ids, rows = state[ids_key].clone(), state[rows_key].clone()
+            if damage == "nan":
+                rows[2, 0] = float("nan")
+            else:
+                ids[0] = ids[1] if damage == "repeated" else 10**6
+            state[ids_key], state[rows_key] = ids, rows
+        tdcp.save(state, checkpoint_id=f"{root}_{damage}")
+        out["damaged"][damage] = _refused(_torchrec_model(world), f"{root}_{damage}", TieredCheckpointError)
     models = {"src": src, **targets}
     out["outputs"] = {name: [mig._step(m, step, rank) for step in range(K, K + K2)] for name, m in models.items()}
     return out
@@ -407,13 +423,22 @@ def test_fused_tables_load_a_recpipe_checkpoint_of_tiered_tables(tmp_path: Path)
     """A user dropping recpipe's tiered plan: the tiered exports of a recpipe checkpoint load into torchrec
     FUSED tables (rows and momentum by global id; it used to be refused, "was tiered when saved, but this
     model does not tier it"), which then train on as the uninterrupted tiered run. A table of another size
-    is refused on every rank naming both, the model unchanged."""
+    is refused on every rank naming both, and exports with a NaN row, a repeated row or a global id past
+    the table are refused on every rank naming the table and the problem; the model unchanged."""
     out = run_gloo(2, _reverse_body, str(tmp_path))
     msg = out[0]["size_error"]
     assert msg == out[1]["size_error"], "every rank gives the same refusal"
     assert ("table 'embedding_bags.t0' was tiered when saved ([97, 8] trained with rowwise_adagrad), and this "
             "model's torchrec table is [98, 8] trained with rowwise_adagrad") in msg, msg
     assert "the model is unchanged" in msg and "Possible solutions:" in msg, msg
+    damaged = out[0]["damaged"]
+    assert damaged == out[1]["damaged"], "every rank gives the same refusal"
+    assert "table 'embedding_bags.t1': 1 rows of its tiered exports hold NaN or inf values" in damaged["nan"], damaged
+    assert ("table 'embedding_bags.t1': 1 rows are missing from its tiered exports and 1 appear more than once"
+            in damaged["repeated"]), damaged
+    assert ("table 'embedding_bags.t1': the tiered export of rank 0 holds global ids outside [0, 50)"
+            in damaged["outside"]), damaged
+    assert all("the model is unchanged" in m for m in damaged.values()), damaged
     for rank, res in enumerate(out):
         for name in ("torchrec", "routed"):
             assert _same(res["saved"], res["loaded"][name]), f"rank {rank} {name}: loaded tables differ"
