@@ -227,3 +227,13 @@ def test_float_option_bytes_past_int64_are_refused(backend: str) -> None:
     # whole floats within int64 stay accepted: the plan of the int64 arrays
     assert DynamicProgrammingProposer(backend=backend).solve(hbm.astype(np.float64), ddr, cost, H, D).tolist() == \
         BruteForceProposer().solve(hbm, ddr, cost, H, D).tolist()
+
+
+@pytest.mark.parametrize("path", [None, 3, True, b"tables.yaml"])
+def test_load_tables_refuses_a_path_that_is_not_one(path: Any) -> None:
+    """``load_tables`` names the argument and the fix for a value that is not a path (None used
+    to raise a bare TypeError from pathlib)."""
+    from recpipe.planner.__main__ import load_tables
+
+    with pytest.raises(ValueError, match=r"--tables: expected the path of a YAML table list, got .*Path\('tables.yaml'\)"):
+        load_tables(path, "rowwise_adagrad")
