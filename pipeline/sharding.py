@@ -482,9 +482,10 @@ def describe_row_order(record: Any) -> str:
     return f"rows routed with {fields}"
 
 
-def row_order_refusal(where: str, problems: List[str]) -> RowOrderMismatchError:
+def row_order_refusal(where: str, problems: List[str], after: str = "") -> RowOrderMismatchError:
     """The refusal of sharded weights saved in another row order than the tables they
-    would load into (``problems``: one line per table), with the possible solutions."""
+    would load into (``problems``: one line per table), with the possible solutions;
+    ``after``: a last paragraph (e.g. what a caller may already have changed)."""
     return RowOrderMismatchError(
         f"{where}: the rows of a roundrobin / hash_roundrobin table are kept in routed order, so a sharded "
         "weight loads only into the same routing: " + "; ".join(problems) + ". Loading it would put rows "
@@ -494,7 +495,7 @@ def row_order_refusal(where: str, problems: List[str]) -> RowOrderMismatchError:
         "  2. move the rows as full tables: in a job sharded as the state was saved, load it and call "
         "full = recpipe.pipeline.sharders.gather_full_weights(model) on every rank (torch.save(full) there), "
         "then model.load_state_dict(full, strict=False) here: full tables load by global row id into any "
-        "routing, world size or kernel (the tables' optimizer state is not moved)."
+        "routing, world size or kernel (the tables' optimizer state is not moved)." + after
     )
 
 
@@ -757,7 +758,12 @@ class _RoutedShardedMixin:
                   and value.shape[0] == order.num_embeddings):
                 routed_full[key] = value.index_select(0, order.global_ids(rank).to(value.device))
         if problems:
-            raise row_order_refusal(f"{type(self).__name__}.load_state_dict", problems)
+            raise row_order_refusal(
+                f"{type(self).__name__}.load_state_dict", problems,
+                "\nIf torch.distributed.checkpoint.load filled this state dict in place (dcp.load(model.state_dict(), "
+                "...)), it has already written the saved rows into these tables' shards: rebuild the model or load a "
+                "checkpoint of this routing before training on. recpipe.pipeline.dcp.load checks the routing "
+                "before it reads any row.")
         super(_RoutedShardedMixin, type(self))._pre_load_state_dict_hook(  # type: ignore[misc]
             self, state_dict, prefix, *args
         )
