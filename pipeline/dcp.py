@@ -49,11 +49,12 @@ table at a time (it used to be a whole table per rank). torchrec's checkpoint
 holds no optimizer step (fbgemm's ``iter`` is in neither its ``state_dict()`` nor its fused
 optimizer's), so the table keeps its own, as a torchrec table loading it keeps its TBE's.
 The reverse, a table tiered in the checkpoint that the loading model holds as a torchrec
-(ShardedTensor) table, is checked first (every export read once, none kept), then built whole on
-every rank from every saving rank's export (by global id; one table at a time, after the rest of
-the model loaded) and loaded as ``gather_full_weights`` / ``gather_full_optimizer_state``
-would give it (``model.load_state_dict`` of the full weight, then
-:func:`~recpipe.pipeline.sharders.load_full_optimizer_state`, which sets its step).
+(ShardedTensor) table, is checked first (every export read once, none kept); then each rank
+gathers only the rows its shards hold from every saving rank's export (by global id, one table
+at a time), writes them into the weight's local shards (given to ``model.load_state_dict``) and
+their fused optimizer state into torchrec's optimizer state after its load, with the exports'
+step (as :func:`~recpipe.pipeline.sharders.load_full_optimizer_state` sets it). Extra memory:
+the rank's rows of one table and one export.
 
 Integrity: :func:`save` writes :data:`DIGESTS_NAME` last (size and sha256 of DCP's
 ``.metadata`` and of every data file it references; each rank hashes a share), and
@@ -97,8 +98,9 @@ from recpipe.pipeline._integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_
 from recpipe.pipeline.ops import ROUTING_VERSION, check_int, local_rows, route_ids
 from recpipe.pipeline.placement import FusedOptimizer
 from recpipe.pipeline._tiered_optim import TieredOptimizerConfig
-from recpipe.pipeline.sharders import (OPTIMIZER_STATE_NAMES, OPTIMIZER_STEP_KEY, _TieredTablesMixin,
-                                       load_full_optimizer_state, state_dict_without_tiered_rows)
+from recpipe.pipeline.sharders import (  # the optimizer-state migration's views of the tables, shared
+    OPTIMIZER_STATE_NAMES, OPTIMIZER_STEP_KEY, _describe_tables, _named_to_columns, _optimizer_tables,
+    _shard_global_rows, _TieredTablesMixin, _write_optimizer_rows, state_dict_without_tiered_rows)
 from recpipe.pipeline.sharding import ROW_ORDER_KEY, RowOrder, describe_row_order, row_order_refusal
 from recpipe.pipeline.tiered import (TieredCheckpointError, TieredEmbeddingShard, TieredShardState,
                                      non_finite_rows as _non_finite_rows)
@@ -865,8 +867,6 @@ def _check_unadoptions(
     """
     if not tables:
         return {}
-    from recpipe.pipeline.sharders import _describe_tables, _optimizer_tables  # the migration's view of the tables
-
     desc = _describe_tables(_optimizer_tables(model), process_group)  # collective
     out: Dict[str, _Unadoption] = {}
 
@@ -896,6 +896,7 @@ def _check_unadoptions(
                 count.index_add_(0, gids, torch.ones_like(gids))
                 bad = _non_finite_rows(st.weights, st.optimizer_state)
                 non_finite += 0 if bad is None else int(bad.sum())
+                del gids, st  # before the next export is read
             if bool((count != 1).any()):
                 raise TieredCheckpointError(
                     f"{where}: table {fqn!r}: {int((count == 0).sum())} rows are missing from its tiered exports and "
@@ -922,24 +923,46 @@ def _check_unadoptions(
     return out
 
 
-@torch.no_grad()
-def _read_unadopted(
-    u: _Unadoption, reader: FileSystemReader, metadata: Metadata, where: str
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Builds an unadopted table whole (checked by :func:`_check_unadoptions`) from every saving
-    rank's export: ``[num_embeddings, dim]`` weights in global row order and its fused optimizer
-    state as :func:`~recpipe.pipeline.sharders.gather_full_optimizer_state` gives it (torchrec's
-    names and ``step``)."""
-    from recpipe.pipeline.sharders import _named_to_columns  # the migration's view of the state
+def _global_rows(rows: Any) -> torch.Tensor:
+    """A shard's global rows (a contiguous ``slice`` or int64 routed ids) as int64 ids."""
+    return torch.arange(rows.start, rows.stop, dtype=torch.int64) if isinstance(rows, slice) else rows
 
-    n, dim = u.desc.rows, u.desc.dim
-    weights = torch.zeros((n, dim), dtype=torch.float32)
-    opt = torch.zeros((n, TieredOptimizerConfig(optimizer=u.desc.optimizer).state_cols(dim)), dtype=torch.float32)
-    for gids, st in _unadopted_exports(u, reader, metadata, n, where):
-        weights.index_copy_(0, gids, st.weights.to(torch.float32))
-        opt.index_copy_(0, gids, st.optimizer_state.to(torch.float32))
-    named = {k: v.clone() for k, v in _named_to_columns(u.desc, opt, u.fqn.rsplit(".", 1)[-1]).items()}
-    return weights, {**named, OPTIMIZER_STEP_KEY: torch.tensor(int(u.heads[min(u.heads)]["step"]))}
+
+@torch.no_grad()
+def _fill_unadopted(
+    u: _Unadoption, reader: FileSystemReader, metadata: Metadata, where: str
+) -> Callable[[str, Any], torch.Tensor]:
+    """Writes an unadopted table's rows (checked by :func:`_check_unadoptions`) into the model's
+    own weight shards (``u.own_weight``, which ``model.load_state_dict`` is given after): only
+    the rows this rank's shards hold are gathered from every saving rank's export, by global id.
+    Returns where :func:`~recpipe.pipeline.sharders._write_optimizer_rows` reads the table's
+    fused optimizer state of those rows (torchrec's names). Extra memory: this rank's rows of the
+    table (values and state) and one export."""
+    order = RowOrder(*(u.row_order[f] for f in RowOrder._fields)) if u.row_order is not None else None
+    shards = u.own_weight.local_shards()
+    rows = [_shard_global_rows(s.metadata, int(s.tensor.shape[0]), order) for s in shards]
+    needed = torch.unique(torch.cat([_global_rows(r) for r in rows])) if rows else torch.empty(0, dtype=torch.int64)
+    m = needed.numel()
+    weights = torch.zeros((m, u.desc.dim), dtype=torch.float32)
+    opt = torch.zeros((m, TieredOptimizerConfig(optimizer=u.desc.optimizer).state_cols(u.desc.dim)),
+                      dtype=torch.float32)
+    for gids, st in (_unadopted_exports(u, reader, metadata, u.desc.rows, where) if m else ()):
+        pos = torch.searchsorted(needed, gids).clamp_(max=m - 1)
+        hit = (needed.index_select(0, pos) == gids).nonzero().squeeze(1)
+        at = pos.index_select(0, hit)
+        weights.index_copy_(0, at, st.weights.index_select(0, hit).to(torch.float32))
+        opt.index_copy_(0, at, st.optimizer_state.index_select(0, hit).to(torch.float32))
+        del pos, hit, at, gids, st  # before the next export is read
+
+    def positions(r: Any) -> torch.Tensor:
+        return torch.searchsorted(needed, _global_rows(r))
+
+    for shard, r in zip(shards, rows):  # whole rows, or a column-wise shard's columns
+        c0, t = int(shard.metadata.shard_offsets[1]), shard.tensor
+        t.copy_(weights.index_select(0, positions(r))[:, c0:c0 + t.shape[1]].to(t.device, t.dtype))
+    del weights
+    named = _named_to_columns(u.desc, opt, u.fqn.rsplit(".", 1)[-1])
+    return lambda k, r: named[k].index_select(0, positions(r))
 
 
 def _check_fused_optimizer(
@@ -1464,8 +1487,9 @@ def load_dcp_state_dict(
     chunk is the table; extra memory: a chunk plus the rank's own rows; read twice unless
     ``check_rows`` is off); it keeps its own optimizer step (torchrec's checkpoint records
     none). A table tiered in the checkpoint that this model holds as a
-    torchrec table is checked before anything is loaded, then built whole from the exports on
-    every rank (one table at a time) and loaded with its optimizer state and step.
+    torchrec table is checked before anything is loaded, then each rank gathers the rows its
+    shards hold from the exports (one table at a time) and loads them with their optimizer
+    state and step.
 
     Args:
         model (nn.Module): the model to load into (sharded for the loading job).
@@ -1594,26 +1618,23 @@ def load_dcp_state_dict(
     if optimizer_state is not None:  # the unadopted tables' own state (torchrec's load wants every table)
         optimizer_state["state"].update({u.weight_key: u.fused_entry for u in unadopted.values()
                                          if u.fused_entry is not None})
-    for u in unadopted.values():  # the model's own entries, loaded onto themselves (the rows come below)
+    # tables tiered in the checkpoint: this rank's rows written into the model's own weight shards,
+    # one table at a time (model.load_state_dict copies them in, onto themselves where they alias
+    # the TBE's rows); their optimizer state after torchrec's optimizer load, which would reload it
+    unadopted_state = {u.weight_key[: -len(".weight")]: (_fill_unadopted(u, reader, metadata, where),
+                                                         int(u.heads[min(u.heads)]["step"]))
+                       for u in unadopted.values()}
+    for u in unadopted.values():
         state[u.weight_key] = u.own_weight
         if u.row_order is not None:
             state[u.weight_key[: -len("weight")] + ROW_ORDER_KEY] = u.row_order
     model.load_state_dict(state, strict=strict)
     if optimizer_state is not None:
         model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr, operator]
-    for u in unadopted.values():  # one full table at a time, in the same order on every rank (collective)
-        weights, table_state = _read_unadopted(u, reader, metadata, where)
-        # torchrec slices a full weight by its shards' offsets, routed tables pick their rows
-        own = {u.weight_key: weights}
-        if u.row_order is not None:
-            own[u.weight_key[: -len("weight")] + ROW_ORDER_KEY] = u.row_order
-        model.load_state_dict(own, strict=False)
-        del weights, own
-        # sets the table's step as torchrec's set_optimizer_step
-        load_full_optimizer_state(model, {u.weight_key[: -len(".weight")]: table_state}, strict=False,
-                                  process_group=process_group)
-        del table_state
-    del unadopted
+    if unadopted_state:  # sets each TBE's step as torchrec's set_optimizer_step
+        tables = _optimizer_tables(model)
+        _write_optimizer_rows(model, tables, _describe_tables(tables, process_group), unadopted_state)
+    del unadopted, unadopted_state
     # The rows were checked above; load_states checks them again while they load (only a
     # file changed since then fails here): every rank learns any rank's refusal, so none
     # goes on alone.

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import numbers
 from contextlib import contextmanager
-from typing import Any, ClassVar, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -1796,25 +1796,41 @@ def load_full_optimizer_state(
         raise _unsupported_error("load_full_optimizer_state", unsupported)
     for base in sorted(states):  # the same first refusal on every rank
         _check_table_state(base, desc[base], states[base])
+    _write_optimizer_rows(model, tables, desc, {
+        base: (lambda k, rows, given=given: given[k].detach()[rows], int(given[OPTIMIZER_STEP_KEY]))
+        for base, given in states.items()})
+
+
+#: Where :func:`_write_optimizer_rows` reads a table's state: ``rows_of(name, rows)`` gives the
+#: named state (torchrec's name) of ``rows`` (a slice or int64 global ids), and the step.
+_StateSource = Tuple[Callable[[str, Any], torch.Tensor], int]
+
+
+@torch.no_grad()
+def _write_optimizer_rows(model: nn.Module, tables: Dict[str, Tuple[Any, ...]], desc: Dict[str, _OptTable],
+                          sources: Mapping[str, _StateSource]) -> None:
+    """Writes the fused optimizer state of the tables named in ``sources`` (checked by the caller)
+    into ``model``: a tiered table's rows by global id (it asks for every row), a FUSED table's
+    into its ``model.fused_optimizer`` ShardedTensor state (fbgemm's buffers) at its shards'
+    offsets or routed global ids (only those rows are asked for); then sets each FUSED TBE's
+    step to the largest of its tables' (torchrec's ``set_optimizer_step``)."""
     with state_dict_without_tiered_rows(model):
         sd = model.state_dict()  # the row orders of routed FUSED tables
     leaf_steps: Dict[int, Tuple[Any, int]] = {}
-    with torch.no_grad():
-        for base, entry in tables.items():
-            if base not in states:
-                continue
-            given, d = states[base], desc[base]
-            step = int(given[OPTIMIZER_STEP_KEY])
-            table = base.rsplit(".", 1)[-1]
-            if entry[0] == "tiered":
-                entry[1].load_global_optimizer_state(_columns_from_named(d, table, given), step)
-                continue
-            _, leaf, weight, name = entry
-            for k, dst in _fused_state_shards(base, d, leaf, weight, name, _row_order(sd, base)):
-                src = given[k].detach()
-                for rows, shard in dst:
-                    shard.copy_(src[rows].to(shard.device, shard.dtype))
-            prev = leaf_steps.get(id(leaf), (leaf, -1))[1]
-            leaf_steps[id(leaf)] = (leaf, max(prev, step))
+    for base, entry in tables.items():
+        if base not in sources:
+            continue
+        rows_of, step = sources[base]
+        d, table = desc[base], base.rsplit(".", 1)[-1]
+        if entry[0] == "tiered":
+            every = {k: rows_of(k, slice(None)) for k in _state_shapes(table, d)}
+            entry[1].load_global_optimizer_state(_columns_from_named(d, table, every), step)
+            continue
+        _, leaf, weight, name = entry
+        for k, dst in _fused_state_shards(base, d, leaf, weight, name, _row_order(sd, base)):
+            for rows, shard in dst:
+                shard.copy_(rows_of(k, rows).to(shard.device, shard.dtype))
+        prev = leaf_steps.get(id(leaf), (leaf, -1))[1]
+        leaf_steps[id(leaf)] = (leaf, max(prev, step))
     for leaf, step in leaf_steps.values():
         leaf.set_optimizer_step(step)

@@ -17,8 +17,8 @@ Then 2 ranks load it, each run in fresh processes (so no run inherits another's 
 * recpipe, check_rows=False: the same without the first (checking) read;
 * leaving recpipe: the torchrec model loads a checkpoint of the same tables tiered (HYBRID,
   ``recpipe.pipeline.dcp.save`` of a 2-rank tiered model) with ``recpipe.pipeline.dcp.load``: each
-  table is checked, then built whole from the tiered exports on every rank, one table at a time
-  (it used to be every such table at once).
+  table is checked, then each rank gathers the rows its shards hold from the tiered exports, one
+  table at a time (it used to build every such table whole on every rank at once).
 
 Per run: wall seconds of the slower rank between two barriers, and each rank's peak RSS growth
 during the load (``VmHWM`` reset through ``/proc/self/clear_refs`` just before, minus ``VmRSS``

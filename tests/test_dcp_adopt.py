@@ -31,21 +31,25 @@ PLACEMENTS = {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3),
               "t1": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
 
 
-def _torchrec_model(world: int) -> Any:
-    """Plain torchrec: t0 TABLE_WISE on rank 1, t1 ROW_WISE, FUSED row-wise Adagrad, torchrec's own sharder."""
+def _torchrec_model(world: int, dtensor: bool = False) -> Any:
+    """Plain torchrec: t0 TABLE_WISE on rank 1, t1 ROW_WISE, FUSED row-wise Adagrad, torchrec's own sharder
+    (``dtensor``: its state_dict gives DTensor weights, torchrec's ``output_dtensor`` option)."""
+    import torch.distributed as dist
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     ebc = pooled._ebc()
     mig._apply_optimizer(ebc, "rowwise_adagrad")
     sharder = EmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=1), "t1": row_wise()}, sharder=sharder,
                                           local_size=world, world_size=world, device_type="cpu")
+    env = ShardingEnv(world, dist.get_rank(), dist.group.WORLD, output_dtensor=True) if dtensor else None
     model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
-    model.load_state_dict(mig._initial_weights(), strict=False)
+                                     device=torch.device("cpu"), env=env)
+    if not dtensor:
+        model.load_state_dict(mig._initial_weights(), strict=False)
     return model
 
 
@@ -398,6 +402,13 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         out["size_error"] = _refused(_torchrec_model(world), root, TieredCheckpointError)
     finally:
         pooled.TABLES = saved_tables
+    dtensor = _torchrec_model(world, dtensor=True)
+    before = {k: v.full_tensor().clone() for k, v in dtensor.state_dict().items() if k.endswith(".weight")}
+    with pytest.raises(TieredCheckpointError) as err:
+        recpipe_dcp.load(dtensor, root)
+    out["dtensor_error"] = str(err.value)
+    out["dtensor_unchanged"] = all(torch.equal(before[k], v.full_tensor()) for k, v in dtensor.state_dict().items()
+                                   if k.endswith(".weight"))
     # checkpoints damaged past save's checks (torch's dcp.save of dcp_state_dict, rank 0's export of t1 edited)
     import torch.distributed.checkpoint as tdcp
 
@@ -424,13 +435,18 @@ def test_fused_tables_load_a_recpipe_checkpoint_of_tiered_tables(tmp_path: Path)
     FUSED tables (rows and momentum by global id; it used to be refused, "was tiered when saved, but this
     model does not tier it"), which then train on as the uninterrupted tiered run. A table of another size
     is refused on every rank naming both, and exports with a NaN row, a repeated row or a global id past
-    the table are refused on every rank naming the table and the problem; the model unchanged."""
+    the table are refused on every rank naming the table and the problem, as is a model whose torchrec
+    weights are DTensors (torchrec's output_dtensor); the model unchanged."""
     out = run_gloo(2, _reverse_body, str(tmp_path))
     msg = out[0]["size_error"]
     assert msg == out[1]["size_error"], "every rank gives the same refusal"
     assert ("table 'embedding_bags.t0' was tiered when saved ([97, 8] trained with rowwise_adagrad), and this "
             "model's torchrec table is [98, 8] trained with rowwise_adagrad") in msg, msg
     assert "the model is unchanged" in msg and "Possible solutions:" in msg, msg
+    msg = out[0]["dtensor_error"]
+    assert msg == out[1]["dtensor_error"] and out[0]["dtensor_unchanged"] and out[1]["dtensor_unchanged"], out
+    # a DTensor weight (torchrec's output_dtensor) is not taken for a torchrec table here: refused before any read
+    assert "table 'embedding_bags.t0' was tiered when saved, but this model does not tier it" in msg, msg
     damaged = out[0]["damaged"]
     assert damaged == out[1]["damaged"], "every rank gives the same refusal"
     assert "table 'embedding_bags.t1': 1 rows of its tiered exports hold NaN or inf values" in damaged["nan"], damaged
