@@ -787,8 +787,9 @@ def _check_table_kinds(
 
 class _Unadoption(NamedTuple):
     """A table tiered in the checkpoint that this model holds as a torchrec (ShardedTensor)
-    table, checked by :func:`_check_unadoptions`; :func:`_read_unadopted` builds its full weight
-    and fused optimizer state from every saving rank's export by global id, one table at a time.
+    table, checked by :func:`_check_unadoptions`; :func:`_fill_unadopted` gathers the rows this
+    rank's shards hold (values and fused optimizer state) from every saving rank's export by
+    global id, one table at a time.
 
     Attributes:
         fqn (str): the table's fqn (``<collection>.<table>``).
@@ -798,7 +799,7 @@ class _Unadoption(NamedTuple):
             fused optimizer; ``recpipe.pipeline.sharders``' gathered description).
         own_weight (Any): the model's own weight (its ShardedTensor, kept out of DCP's load, as
             the checkpoint holds a placeholder, and given back to ``model.load_state_dict``, which
-            loads it onto itself: the table's rows come after, by :func:`_read_unadopted`).
+            copies it in: :func:`_fill_unadopted` writes the table's rows into it first).
         fused_entry (Any): the table's entry of the model's own ``fused_optimizer.state_dict()``
             (kept out of DCP's load, which would look for it in the checkpoint, and given back to
             ``model.fused_optimizer.load_state_dict``, which wants every table's).
@@ -848,7 +849,7 @@ def _check_unadoptions(
     once and keeps none (extra memory: one export and a count per row of the table). Removes the
     tables' weight, row-order record and fused optimizer state from ``state`` (the checkpoint
     holds a placeholder / nothing under their keys): :func:`load_dcp_state_dict` loads the tables
-    after DCP's load, one at a time (:func:`_read_unadopted`).
+    after DCP's load, one at a time (:func:`_fill_unadopted`).
 
     Args:
         model (nn.Module): the model to load into (its tables' optimizers and shapes).

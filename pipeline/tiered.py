@@ -114,6 +114,7 @@ __all__ = [
     "TieredCheckpointError",
     "bounds_check_mode_of",
     "global_row_ids",
+    "non_finite_rows",
     "resolve_backend",
     "shard_num_rows",
 ]

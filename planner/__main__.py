@@ -136,7 +136,7 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
         ValueError: the file cannot be read or parsed, or a table is malformed; the
             message names the file and the table.
     """
-    if isinstance(path, bool) or not isinstance(path, (str, os.PathLike)):
+    if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"--tables: expected the path of a YAML table list, got {type(path).__name__} {path!r}; "
                          "pass e.g. Path('tables.yaml').")
     try:
