@@ -566,9 +566,12 @@ class FbgemmTier(nn.Module):
         states = self.tbe.split_optimizer_states() if self.plan.optimizer is not FusedOptimizer.SGD else []
         return [[weights[t]] + (list(states[t]) if states else []) for t in range(len(self.plan.tables))]
 
-    def _table_rows(self) -> Iterator[Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]]:
-        """Per table: the local rows it holds, their rows within it, and its :meth:`_states` views."""
-        rows = torch.arange(self.plan.num_rows, dtype=torch.int64, device=self.device)
+    def _table_rows(self, rows: Optional[torch.Tensor] = None
+                    ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, List[torch.Tensor]]]:
+        """Per table: the positions in ``rows`` (local rows; None: every row, in local-id order) of
+        the rows it holds, their rows within it, and its :meth:`_states` views."""
+        if rows is None:
+            rows = torch.arange(self.plan.num_rows, dtype=torch.int64, device=self.device)
         table, idx = self.locate(rows)
         for t, parts in enumerate(self._states()):
             sel = (table == t).nonzero().squeeze(1)
@@ -599,24 +602,30 @@ class FbgemmTier(nn.Module):
         return w, s
 
     @torch.no_grad()
-    def write_rows(self, weights: torch.Tensor, state: Optional[torch.Tensor]) -> None:
-        """Sets every local row's value and optimizer state; empties the cache.
+    def write_rows(self, weights: torch.Tensor, state: Optional[torch.Tensor],
+                   rows: Optional[torch.Tensor] = None) -> None:
+        """Sets local rows' values and optimizer state; empties the cache without writing it
+        back (a caller setting only some rows flushes first).
 
         Args:
-            weights (torch.Tensor): ``[R, D]`` values in local-id order.
-            state (torch.Tensor | None): ``[R, state_cols]`` fp32 state (None: zeros).
+            weights (torch.Tensor): ``[n, D]`` values of ``rows``.
+            state (torch.Tensor | None): ``[n, state_cols]`` fp32 state (None: zeros).
+            rows (torch.Tensor | None): int64 local rows (None: every row, ``n = R``, in
+                local-id order).
         """
         weights = weights.to(self.device)
         if state is not None:
             state = state.to(self.device)
-        for sel, dst, parts in self._table_rows():
+        if rows is not None:
+            rows = rows.to(self.device)
+        for sel, dst, parts in self._table_rows(rows):
             parts[0].index_copy_(0, dst, weights.index_select(0, sel).to(parts[0].dtype))
             table_state = state.index_select(0, sel) if state is not None else None  # this table's rows
             col = 0
             for p in parts[1:]:
                 width = 1 if p.dim() == 1 else p.shape[1]
                 if table_state is None:
-                    p.zero_()
+                    p.index_fill_(0, dst, 0)
                 else:
                     v = table_state[:, col:col + width]
                     p.index_copy_(0, dst, v.reshape((-1,) + tuple(p.shape[1:])).to(p.dtype))

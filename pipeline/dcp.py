@@ -41,11 +41,11 @@ torchrec job's ``torch.distributed.checkpoint.save({**model.state_dict(), "fused
 model.fused_optimizer.state_dict()})``) is loaded from it: each rank streams the table and
 its fused optimizer state (torchrec's ``fused_optimizer.state.<weight key>.<table>.momentum1``
 ..., :data:`~recpipe.pipeline.sharders.OPTIMIZER_STATE_NAMES`) one saved row block at a time
-(a saving rank's ROW_WISE chunk; a TABLE_WISE table is one block) into CPU tensors and keeps
-its own rows by global id, then writes them with
-:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_states`. Peak extra memory: the
-rank's own rows plus one saved block (which DCP's reader holds twice while it reads it), one
-table at a time (it used to be a whole table per rank). torchrec's checkpoint
+(a saving rank's ROW_WISE chunk; a TABLE_WISE table is one block) into CPU tensors, and
+:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_row_blocks` writes the block's rows
+this rank owns (by global id) to their tiers as it comes. Peak extra memory: one saved block
+(which DCP's reader holds twice while it reads it), one table at a time (it used to be a whole
+table per rank). torchrec's checkpoint
 holds no optimizer step (fbgemm's ``iter`` is in neither its ``state_dict()`` nor its fused
 optimizer's), so the table keeps its own, as a torchrec table loading it keeps its TBE's.
 The reverse, a table tiered in the checkpoint that the loading model holds as a torchrec
@@ -1317,11 +1317,6 @@ def _load_tiered_table(
                                         step=step, metadata=shard.metadata())])
 
 
-_COPY_ROWS: int = 1 << 16
-"""Rows an adopted table copies at a time from a saved block (64 Ki rows: 16 MiB of fp32
-temporaries at dim 64), so the copy adds little to the block's memory."""
-
-
 class _RowBlockLoadPlanner(DefaultLoadPlanner):
     """Reads rows ``[start, start + rows)`` (first dimension) of each key of the state dict from a
     checkpoint of any sharding into the state dict's ``[rows, ...]`` tensors: the reads DCP's
@@ -1363,13 +1358,24 @@ def _saved_blocks(adoption: _Adoption, metadata: Metadata, n: int) -> List[Tuple
 
 def _adopted_blocks(
     shard: TieredEmbeddingShard, adoption: _Adoption, reader: FileSystemReader, metadata: Metadata, where: str
-) -> Iterator[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+) -> Iterator[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
     """Reads a torchrec table of the checkpoint one saved row block (:func:`_saved_blocks`) at
-    a time (this process alone): yields each block's ``[rows, dim]`` weights and, when
-    ``adoption`` names its fused optimizer state, ``[rows, state_cols]`` fp32 state in the
-    tiered shard's column layout (row-wise Adagrad: the momentum; Adam: ``exp_avg`` then
-    ``exp_avg_sq``), else None. Memory: one saved chunk at a time, as DCP's own load (which
-    reads a whole saved chunk for any part of it) needs for a torchrec table."""
+    a time (this process alone): yields each block's int64 global ids, ``[rows, dim]`` weights
+    and, when ``adoption`` names its fused optimizer state, ``[rows, state_cols]`` fp32 state in
+    the tiered shard's column layout (row-wise Adagrad: the momentum; Adam: ``exp_avg`` then
+    ``exp_avg_sq``), else None. A routed FUSED table's block of saving rank ``r`` holds ``r``'s
+    routed rows in local-id order (:func:`_saved_row_order` checked that its chunks are the
+    ranks' blocks). Memory: one saved chunk at a time, as DCP's own load (which reads a whole
+    saved chunk for any part of it) needs for a torchrec table."""
+    order = adoption.row_order
+    routed: Dict[int, torch.Tensor] = {}
+    if order is not None:
+        start = 0
+        for r in range(order.world_size):
+            rows = local_rows(order.num_embeddings, order.world_size, r)
+            if rows:
+                routed[start] = order.global_ids(r)
+            start += rows
     for start, stop in _saved_blocks(adoption, metadata, shard.num_embeddings):
         state: Dict[str, Any] = {}
         for key in (adoption.weight_key, *adoption.state_keys):
@@ -1380,28 +1386,10 @@ def _adopted_blocks(
         weights = state.pop(adoption.weight_key)
         opt = (torch.cat([state.pop(k).reshape(stop - start, -1).to(torch.float32) for k in adoption.state_keys],
                          dim=1) if adoption.state_keys else None)
-        yield weights, opt
-        del state, weights, opt
-
-
-def _saved_places(adoption: _Adoption, metadata: Metadata, n: int, gids: torch.Tensor) -> Tuple[torch.Tensor,
-                                                                                               torch.Tensor]:
-    """Where each of ``gids`` (int64 global ids) is in the checkpoint's torchrec table: the index
-    of its saved block (:func:`_saved_blocks`) and its row in that block. A routed FUSED
-    table's block of saving rank ``r`` holds ``r``'s routed rows in local-id order
-    (:func:`_saved_row_order` checked that its chunks are the ranks' blocks)."""
-    blocks = _saved_blocks(adoption, metadata, n)
-    order = adoption.row_order
-    if order is None:
-        starts = torch.tensor([a for a, _ in blocks], dtype=torch.int64)
-        block = torch.searchsorted(starts, gids, right=True) - 1
-        return block, gids - starts.index_select(0, block)
-    rank, local = route_ids(gids, order.num_embeddings, order.world_size, order.dist_type, order.routing_seed)
-    nonempty = [r for r in range(order.world_size) if local_rows(order.num_embeddings, order.world_size, r) > 0]
-    block_of_rank = torch.full((order.world_size,), -1, dtype=torch.int64)
-    block_of_rank[torch.tensor(nonempty, dtype=torch.int64)] = torch.arange(len(nonempty), dtype=torch.int64)
-    assert len(nonempty) == len(blocks)
-    return block_of_rank.index_select(0, rank), local
+        gids = routed[start] if order is not None else torch.arange(start, stop, dtype=torch.int64)
+        assert gids.numel() == stop - start
+        yield gids, weights, opt
+        del state, weights, opt, gids
 
 
 @torch.no_grad()
@@ -1416,7 +1404,7 @@ def _check_adopted_rows(
         TieredCheckpointError: naming the table and the number of such rows.
     """
     non_finite = 0
-    for weights, opt in _adopted_blocks(shard, adoption, reader, metadata, where):
+    for _, weights, opt in _adopted_blocks(shard, adoption, reader, metadata, where):
         bad = _non_finite_rows(weights, opt if opt is not None else torch.empty((weights.shape[0], 0)))
         non_finite += 0 if bad is None else int(bad.sum())
         del weights, opt  # before the next block is read
@@ -1426,38 +1414,18 @@ def _check_adopted_rows(
             f"(table {fqn!r}, {adoption.weight_key}) hold NaN or inf values or optimizer state", _NON_FINITE_FIXES)
 
 
-@torch.no_grad()
 def _load_adopted_table(
     shard: TieredEmbeddingShard, adoption: _Adoption, reader: FileSystemReader, metadata: Metadata, fqn: str,
     where: str,
 ) -> None:
     """Loads a tiered table from the torchrec table the checkpoint holds: streams its saved row
-    blocks (:func:`_adopted_blocks`) and copies the rows this rank owns, with their fused
-    optimizer state (zero without it), into its local rows, then writes them in one
-    ``load_states``. Extra memory: this rank's rows plus one saved block. torchrec's checkpoint
-    holds no optimizer step (fbgemm's ``iter`` is in neither its ``state_dict()`` nor its fused
-    optimizer's), so the table keeps its own step, as a torchrec table loading that checkpoint
-    keeps its TBE's."""
-    own = shard.global_ids()
-    block_of, pos = _saved_places(adoption, metadata, shard.num_embeddings, own)
-    weights = torch.empty((shard.num_rows, shard.embedding_dim), dtype=shard.dtype)
-    opt = torch.zeros((shard.num_rows, shard.fast_state.shape[1]), dtype=torch.float32)
-    b = 0  # the block's index (no enumerate: its cached tuple would hold the last block during the next read)
-    for block, block_opt in _adopted_blocks(shard, adoption, reader, metadata, where):
-        mine = (block_of == b).nonzero().squeeze(1)
-        b += 1
-        for lo in range(0, mine.numel(), _COPY_ROWS):  # bounded temporaries
-            local = mine[lo:lo + _COPY_ROWS]
-            rows = pos.index_select(0, local)
-            weights.index_copy_(0, local, block.index_select(0, rows).to(shard.dtype))
-            if block_opt is not None:
-                opt.index_copy_(0, local, block_opt.index_select(0, rows))
-        del block, block_opt  # before the next block is read: one held at a time
+    blocks (:func:`_adopted_blocks`) into ``load_row_blocks``, which writes the rows this rank
+    owns, with their fused optimizer state (zero without it), as each block comes. Extra memory:
+    one saved block. torchrec's checkpoint holds no optimizer step (fbgemm's ``iter`` is in
+    neither its ``state_dict()`` nor its fused optimizer's), so the table keeps its own step, as a
+    torchrec table loading that checkpoint keeps its TBE's."""
     step = shard._fbgemm.get_step() if shard._fbgemm is not None else int(shard.step)  # as export_state reads it
-    # This rank's rows, as exported by this shard: load_states re-checks them (non-finite
-    # values) and writes rows and state to their tiers in one write.
-    shard.load_states([TieredShardState(global_ids=own, weights=weights, optimizer_state=opt,
-                                        step=step, metadata=shard.metadata())])
+    shard.load_row_blocks(_adopted_blocks(shard, adoption, reader, metadata, where), step)
 
 
 def load_dcp_state_dict(

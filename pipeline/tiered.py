@@ -71,7 +71,7 @@ import numbers
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -844,17 +844,24 @@ class TieredEmbeddingShard(nn.Module):
             self.slot_row.fill_(-1)
             self.slot_score.zero_()
 
-    def _load_local_rows(self, weights: torch.Tensor, state: Optional[torch.Tensor], reset_cache: bool) -> None:
+    def _load_local_rows(self, weights: torch.Tensor, state: Optional[torch.Tensor], reset_cache: bool,
+                         rows: Optional[torch.Tensor] = None) -> None:
+        """Writes ``weights`` / ``state`` (None: zeros) of local ``rows`` (None: every row, in
+        local-id order) to their tiers. Only with the cache empty (``reset_cache``, or emptied by
+        the caller): a cached row would be written to its slot unmarked."""
         self.rows_writes += 1
         if self.backend == "fbgemm":
             if self._fbgemm is not None:
-                self._fbgemm.write_rows(weights, state)  # empties the cache
+                self._fbgemm.write_rows(weights, state, rows)  # empties the cache
             return
         if reset_cache:
             self._reset_cache()
-        for lo in range(0, self.num_rows, WRITE_CHUNK_ROWS):  # bounded temporaries (the tiers' row copies)
-            hi = min(lo + WRITE_CHUNK_ROWS, self.num_rows)
-            in_fast, idx = self._locate(torch.arange(lo, hi, dtype=torch.int64, device=self.device))
+        n = self.num_rows if rows is None else int(rows.numel())
+        for lo in range(0, n, WRITE_CHUNK_ROWS):  # bounded temporaries (the tiers' row copies)
+            hi = min(lo + WRITE_CHUNK_ROWS, n)
+            part_rows = (torch.arange(lo, hi, dtype=torch.int64, device=self.device) if rows is None
+                         else rows[lo:hi].to(self.device))
+            in_fast, idx = self._locate(part_rows)
             self._write(in_fast, idx, weights[lo:hi], state=False)
             part = (state[lo:hi] if state is not None else
                     torch.zeros((hi - lo, self.fast_state.shape[1]), dtype=torch.float32, device=self.device))
@@ -1468,6 +1475,67 @@ class TieredEmbeddingShard(nn.Module):
             raise self._non_finite_error(non_finite)
         self._load_local_rows(weights.to(self.device), opt.to(self.device), reset_cache=True)
         self._set_step(steps.pop())
+
+    @torch.no_grad()
+    def load_row_blocks(self, blocks: Iterable[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]],
+                        step: int) -> None:
+        """Sets every row of this shard from blocks of a table's rows by global id, streamed:
+        each block's rows this shard owns (under its routing) are written to their tiers as the
+        block comes, so extra memory is one block, not the shard (:meth:`load_states` gathers
+        the shard's rows first and refuses before it writes). Empties the cache first (written
+        back, then every row is overwritten); records ``step`` as :meth:`load_states` does.
+
+        Args:
+            blocks (Iterable[Tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]): ``(global
+                ids [n] int64, values [n, dim], fp32 optimizer state [n, state_cols] or None:
+                zeros)`` of any rows of the table (e.g. a torchrec checkpoint's saved chunks);
+                every row of this shard in exactly one block.
+            step (int): the optimizer step to record, an int >= 0.
+
+        Raises:
+            TieredCheckpointError: naming the table: a block of another shape, a row of this
+                shard holding NaN / inf (its block is not written), or rows of this shard missing
+                or repeated (after the last block). The blocks before are written: the shard is
+                then partly loaded.
+        """
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(f"tiered table {self.table_name!r}: optimizer step must be an int >= 0, got {step!r}: "
+                             "pass the step the rows were saved at.")
+        self.flush()
+        if self._fbgemm is not None:
+            self._fbgemm.tbe.reset_cache_states()
+        elif self.backend != "fbgemm":
+            self._reset_cache()
+        cols = self.fast_state.shape[1]
+        count = torch.zeros(self.num_rows, dtype=torch.int64)
+        for gids, weights, state in blocks:
+            n = int(gids.numel())
+            if (gids.dim() != 1 or tuple(weights.shape) != (n, self.embedding_dim)
+                    or (state is not None and tuple(state.shape) != (n, cols))):
+                got = [list(gids.shape), list(weights.shape), None if state is None else list(state.shape)]
+                raise self._ckpt_error(
+                    f"a block of rows has shapes (global ids, values, state) {got}, expected [{n}], "
+                    f"[{n}, {self.embedding_dim}] and [{n}, {cols}] or None", ["pass blocks of this table's rows"])
+            owner, local = route_ids(gids.to(torch.int64).cpu(), self.num_embeddings, self.world_size,
+                                     self.dist_type, self.routing_seed)
+            sel = (owner == self.rank).nonzero().squeeze(1)
+            mine = local.index_select(0, sel)
+            values = weights.index_select(0, sel.to(weights.device))
+            opt = state.index_select(0, sel.to(state.device)) if state is not None else None
+            bad = non_finite_rows(values, opt if opt is not None else values.new_empty((sel.numel(), 0)))
+            if bad is not None:
+                raise self._non_finite_error(int(bad.sum()))
+            count.index_add_(0, mine, torch.ones_like(mine))
+            if mine.numel():
+                self._load_local_rows(values.to(self.device, self.dtype),
+                                      opt.to(self.device, torch.float32) if opt is not None else None,
+                                      reset_cache=False, rows=mine)
+            del owner, local, sel, mine, values, opt
+        if bool((count != 1).any()):
+            raise self._ckpt_error(
+                f"{int((count == 0).sum())} of its {self.num_rows} rows are missing from the blocks and "
+                f"{int((count > 1).sum())} appear more than once", ["pass every row of the table exactly once"])
+        self._set_step(int(step))
 
     def _non_finite_error(self, rows: int) -> TieredCheckpointError:
         return self._ckpt_error(f"{rows} of the rows it would load hold NaN or inf values or optimizer state",

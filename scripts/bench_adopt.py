@@ -12,8 +12,9 @@ Then 2 ranks load it, each run in fresh processes (so no run inherits another's 
   ``fused_optimizer.load_state_dict``): the baseline a torchrec user has today;
 * recpipe: a model whose tables are tiered (HYBRID, hash_roundrobin) loads it with
   ``recpipe.pipeline.dcp.load(model, dir, verify=False)`` (torchrec writes no digests): each
-  rank streams the torchrec tables one saved chunk at a time, checks them, then keeps its rows
-  (so its extra memory is its own rows plus a saved chunk, where it used to be a whole table);
+  rank streams the torchrec tables one saved chunk at a time, checks them, then writes the rows
+  it owns chunk by chunk (so its extra memory is about a saved chunk, where it used to be a
+  whole table);
 * recpipe, check_rows=False: the same without the first (checking) read;
 * leaving recpipe: the torchrec model loads a checkpoint of the same tables tiered (HYBRID,
   ``recpipe.pipeline.dcp.save`` of a 2-rank tiered model) with ``recpipe.pipeline.dcp.load``: each

@@ -124,7 +124,13 @@ def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {"errors": {}}
     adopted = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
     assert set(adopted.module.tiered_tables()) == {"t0", "t1"}
-    out["reads"] = _reads_of(lambda: recpipe_dcp.load(adopted, f"{root}/with_optimizer", verify=False))
+    import recpipe.pipeline.tiered as tiered
+
+    write_rows, tiered.WRITE_CHUNK_ROWS = tiered.WRITE_CHUNK_ROWS, 5  # each block's rows written 5 at a time
+    try:
+        out["reads"] = _reads_of(lambda: recpipe_dcp.load(adopted, f"{root}/with_optimizer", verify=False))
+    finally:
+        tiered.WRITE_CHUNK_ROWS = write_rows
     out["loaded"] = _full(adopted)
     out["steps"] = {n: s.step for n, s in adopted.module.tiered_tables().items()}
 
@@ -356,12 +362,8 @@ def _routed_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         mig._step(ref, step, rank)
     tdcp.save({**ref.state_dict(), "fused_optimizer": ref.fused_optimizer.state_dict()}, checkpoint_id=root)
     adopted = mig._tiered(world, "rowwise_adagrad", PLACEMENTS, backend="fbgemm")  # fbgemm's CPU TBE holds the rows
-    # strict: the row-order records are the tables' own; rows copied 5 at a time from each block
-    copy_rows, recpipe_dcp._COPY_ROWS = recpipe_dcp._COPY_ROWS, 5
-    try:
-        reads = _reads_of(lambda: recpipe_dcp.load(adopted, root, verify=False))
-    finally:
-        recpipe_dcp._COPY_ROWS = copy_rows
+    # strict: the row-order records are the tables' own
+    reads = _reads_of(lambda: recpipe_dcp.load(adopted, root, verify=False))
     out: Dict[str, Any] = {"saved": _full(ref), "loaded": _full(adopted), "reads": reads}
     out["outputs"] = {name: [mig._step(m, step, rank) for step in range(K, K + K2)]
                       for name, m in (("ref", ref), ("adopted", adopted))}

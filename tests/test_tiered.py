@@ -528,3 +528,59 @@ def test_own_export_loads_whole_in_write_chunks(monkeypatch: pytest.MonkeyPatch,
             shard.load_states([bad])
         kept = shard.export_state()
         assert torch.equal(kept.weights, want.weights) and kept.step == 11
+
+
+@pytest.mark.parametrize("backend", ["native", "fbgemm"])
+@pytest.mark.parametrize("mode,x", [("HYBRID", 0.4), ("CACHING", 0.3), ("HYBRID", 1.0)])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+def test_load_row_blocks_streams_a_table_in_blocks(monkeypatch: pytest.MonkeyPatch, backend: str, mode: str,
+                                                   x: float, optimizer: str) -> None:
+    """Every shard of a W = 2 hash_roundrobin table loads a global table given as blocks of rows in
+    shuffled order (each block mixes both shards' rows; written 7 rows at a time): each then exports
+    exactly its rows of the table and their state, and the step; a block without state gives zero
+    state. Missing rows, a NaN row of the shard and a block of another shape are refused naming the
+    table."""
+    import recpipe.pipeline.tiered as tiered
+
+    monkeypatch.setattr(tiered, "WRITE_CHUNK_ROWS", 7)
+    n = 101
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn((n, D), generator=g)
+    cols = TieredOptimizerConfig(optimizer=optimizer).state_cols(D)
+    state = torch.rand((n, cols), generator=g)
+    order = torch.randperm(n, generator=g)
+    cuts = [0, 13, 14, 60, n]  # uneven blocks, one of a single row
+
+    def blocks(with_state: bool = True, drop: int = -1) -> Any:
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            if i != drop:
+                ids = order[a:b]
+                yield ids, table.index_select(0, ids), state.index_select(0, ids) if with_state else None
+
+    for rank in range(2):
+        def make() -> TieredEmbeddingShard:
+            shard = TieredEmbeddingShard(num_embeddings=n, embedding_dim=D, mode=mode, cache_load_factor=x,
+                                         optimizer=TieredOptimizerConfig(optimizer=optimizer), rank=rank, world_size=2,
+                                         dist_type="hash_roundrobin", routing_seed=5, backend=backend, table_name="tb")
+            shard.load_states([shard.export_state()])  # a loaded shard (its step set)
+            return shard
+
+        shard = make()
+        shard.load_row_blocks(blocks(), 9)
+        got = shard.export_state()
+        assert got.step == 9
+        assert torch.equal(got.weights, table.index_select(0, got.global_ids))
+        assert torch.equal(got.optimizer_state, state.index_select(0, got.global_ids))
+        shard.load_row_blocks(blocks(with_state=False), 4)
+        got = shard.export_state()
+        assert torch.equal(got.weights, table.index_select(0, got.global_ids)) and not got.optimizer_state.any()
+        assert got.step == 4
+        with pytest.raises(TieredCheckpointError, match=r"cannot load table 'tb' into shard rank .* rows are missing from the blocks"):
+            make().load_row_blocks(blocks(drop=2), 1)
+        mine = make().global_ids()
+        table[mine[3], 1] = float("nan")
+        with pytest.raises(TieredCheckpointError, match="1 of the rows it would load hold NaN or inf"):
+            make().load_row_blocks(blocks(), 1)
+        table[mine[3], 1] = 0.5
+        with pytest.raises(TieredCheckpointError, match=r"a block of rows has shapes .* expected \[3\]"):
+            make().load_row_blocks(iter([(order[:3], table[:3, :2], None)]), 1)
