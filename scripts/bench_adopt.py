@@ -48,8 +48,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint import WORLD, _model as tiered_model, _parse_set  # noqa: E402
-from benchutil import hardware_line, iter_reports, positive_int, print_table, writable_dir  # noqa: E402
+from bench_checkpoint import WORLD, _model as tiered_model, _parse_set, adagrad_ebc  # noqa: E402
+from benchutil import hardware_line, positive_int, print_table, run_workers, writable_dir  # noqa: E402
 
 RUNS = ("torchrec", "recpipe", "recpipe_unchecked", "leave")
 LABELS = {"torchrec": "torchrec FUSED, torch dcp.load", "recpipe": "recpipe tiered, dcp.load",
@@ -63,18 +63,8 @@ def _torchrec_model(n_tables: int, rows: int, dim: int, world: int = WORLD) -> A
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    names = [f"t{i}" for i in range(n_tables)]
-    ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=dim, feature_names=[f"f_{n}"])
-                for n in names],
-        device=torch.device("meta"),
-    )
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
+    ebc, names = adagrad_ebc(n_tables, rows, dim)
     sharder = EmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(ebc, {n: row_wise() for n in names}, sharder=sharder,  # type: ignore[arg-type]
                                           local_size=world, world_size=world, device_type="cpu")
@@ -157,21 +147,7 @@ def _spawn(run: str, table_set: Tuple[int, int, int], checkpoint: str, world: in
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, world, port, run, table_set, checkpoint, queue))
              for r in range(world)]
-    out: Dict[int, Any] = {}
-    try:
-        for p in procs:
-            p.start()
-        for rank, result, error in iter_reports(queue, procs):
-            if error:
-                raise SystemExit(f"{run}: rank {rank} failed: {error}")
-            out[rank] = result
-        for p in procs:
-            p.join()
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return out
+    return run_workers(procs, queue, run)
 
 
 def main() -> None:

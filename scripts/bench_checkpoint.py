@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchutil import hardware_line, iter_reports, positive_int, print_table, unit_fraction, writable_dir  # noqa: E402
+from benchutil import hardware_line, positive_int, print_table, run_workers, unit_fraction, writable_dir  # noqa: E402
 
 WORLD = 2
 OPS = ("ours_save", "ours_load", "ours_reshard", "pt_save", "pt_load", "pt_reshard")
@@ -57,18 +57,13 @@ def _parse_set(text: str) -> Tuple[int, int, int]:
     return tables, rows, dim
 
 
-def _model(n_tables: int, rows: int, dim: int, mode: str, x: float, seed: int = 1) -> Any:
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan, ShardingType
+def adagrad_ebc(n_tables: int, rows: int, dim: int) -> Tuple[Any, List[str]]:
+    """A meta-device EBC of ``n_tables`` tables ``t<i>`` (``rows x dim``, one feature each) with
+    torchrec's fused row-wise Adagrad (lr 0.05), and the tables' names."""
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     names = [f"t{i}" for i in range(n_tables)]
     ebc = EmbeddingBagCollection(
@@ -77,6 +72,19 @@ def _model(n_tables: int, rows: int, dim: int, mode: str, x: float, seed: int = 
         device=torch.device("meta"),
     )
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
+    return ebc, names
+
+
+def _model(n_tables: int, rows: int, dim: int, mode: str, x: float, seed: int = 1) -> Any:
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan, ShardingType
+
+    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+
+    ebc, names = adagrad_ebc(n_tables, rows, dim)
     sharder = TieredEmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(ebc, {n: row_wise() for n in names}, sharder=sharder,  # type: ignore[arg-type]
                                           local_size=WORLD, world_size=WORLD, device_type="cpu")
@@ -185,19 +193,8 @@ def main() -> None:
     queue = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(r, port, args, root, queue)) for r in range(WORLD)]
     try:
-        for p in procs:
-            p.start()
-        out: Dict[int, Any] = {}
-        for rank, results, error in iter_reports(queue, procs):
-            if error:
-                raise SystemExit(f"rank {rank} failed: {error}")
-            out[rank] = results
-        for p in procs:
-            p.join()
+        out = run_workers(procs, queue)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
         shutil.rmtree(root, ignore_errors=True)
 
     print(hardware_line(threads=1) + f"; {WORLD} gloo ranks; checkpoints in {os.path.dirname(root)}")

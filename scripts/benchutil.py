@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence
 
 import torch
 
@@ -114,6 +114,31 @@ def iter_reports(q: Any, procs: Sequence[Any], timeout_s: float = 1800.0) -> Ite
         got += 1
         deadline = time.time() + timeout_s
         yield report
+
+
+def run_workers(procs: Sequence[Any], q: Any, what: str = "") -> Dict[int, Any]:
+    """Starts the spawned workers ``procs``, collects each one's ``(rank, result, error)``
+    report from ``q`` (:func:`iter_reports`) and joins them; stops with ``SystemExit`` at the
+    first error (``what``: the run, for the message). Workers still alive are killed.
+
+    Returns:
+        Dict[int, Any]: each rank's result.
+    """
+    out: Dict[int, Any] = {}
+    try:
+        for p in procs:
+            p.start()
+        for rank, result, error in iter_reports(q, procs):
+            if error:
+                raise SystemExit(f"{what + ': ' if what else ''}rank {rank} failed: {error}")
+            out[rank] = result
+        for p in procs:
+            p.join()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    return out
 
 
 # ---------------------------------------------------------------- report
