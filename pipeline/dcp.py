@@ -663,7 +663,7 @@ def _saved_row_order(
         order = RowOrder(str(record["dist_type"]), int(record["world_size"]),  # type: ignore[arg-type]
                          int(record["routing_seed"]), int(record["num_embeddings"]))  # type: ignore[arg-type]
         chunks = sorted((int(c.offsets[0]), int(c.sizes[0])) for c in md.chunks)  # type: ignore[union-attr]
-        sizes = [len(order.global_ids(r)) for r in range(order.world_size)]
+        sizes = [local_rows(order.num_embeddings, order.world_size, r) for r in range(order.world_size)]
         layout_ok = (chunks == [(sum(sizes[:r]), n) for r, n in enumerate(sizes)]
                      and order.num_embeddings == int(md.size[0]))  # type: ignore[union-attr]
     except (TypeError, ValueError, KeyError):
@@ -1368,13 +1368,13 @@ def _adopted_blocks(
     ranks' blocks). Memory: one saved chunk at a time, as DCP's own load (which reads a whole
     saved chunk for any part of it) needs for a torchrec table."""
     order = adoption.row_order
-    routed: Dict[int, torch.Tensor] = {}
+    rank_at: Dict[int, int] = {}  # a routed table's saving rank by its block's first row
     if order is not None:
         start = 0
         for r in range(order.world_size):
             rows = local_rows(order.num_embeddings, order.world_size, r)
             if rows:
-                routed[start] = order.global_ids(r)
+                rank_at[start] = r
             start += rows
     for start, stop in _saved_blocks(adoption, metadata, shard.num_embeddings):
         state: Dict[str, Any] = {}
@@ -1386,7 +1386,7 @@ def _adopted_blocks(
         weights = state.pop(adoption.weight_key)
         opt = (torch.cat([state.pop(k).reshape(stop - start, -1).to(torch.float32) for k in adoption.state_keys],
                          dim=1) if adoption.state_keys else None)
-        gids = routed[start] if order is not None else torch.arange(start, stop, dtype=torch.int64)
+        gids = order.global_ids(rank_at[start]) if order is not None else torch.arange(start, stop, dtype=torch.int64)
         assert gids.numel() == stop - start
         yield gids, weights, opt
         del state, weights, opt, gids
@@ -1601,8 +1601,9 @@ def load_dcp_state_dict(
     if optimizer_state is not None:
         model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr, operator]
     if unadopted_state:  # sets each TBE's step as torchrec's set_optimizer_step
-        tables = _optimizer_tables(model)
-        _write_optimizer_rows(model, tables, _describe_tables(tables, process_group), unadopted_state)
+        # the tables' descriptions gathered by _check_unadoptions (the other tables' are not read)
+        desc = {u.weight_key[: -len(".weight")]: u.desc for u in unadopted.values()}
+        _write_optimizer_rows(model, _optimizer_tables(model), desc, unadopted_state)
     del unadopted, unadopted_state
     # The rows were checked above; load_states checks them again while they load (only a
     # file changed since then fails here): every rank learns any rank's refusal, so none

@@ -1502,9 +1502,7 @@ class TieredEmbeddingShard(nn.Module):
             raise ValueError(f"tiered table {self.table_name!r}: optimizer step must be an int >= 0, got {step!r}: "
                              "pass the step the rows were saved at.")
         self.flush()
-        if self._fbgemm is not None:
-            self._fbgemm.tbe.reset_cache_states()
-        elif self.backend != "fbgemm":
+        if self.backend != "fbgemm":  # fbgemm's write_rows empties its cache at every write
             self._reset_cache()
         cols = self.fast_state.shape[1]
         count = torch.zeros(self.num_rows, dtype=torch.int64)
