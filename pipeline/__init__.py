@@ -1,6 +1,6 @@
 """recpipe.pipeline: TrainPipelineFusedSparseDist, op wrappers, tiered storage, sharders.
 
-Public names are resolved lazily (PEP 562) so ``import recpipe.pipeline.ops``
+Public names are resolved lazily (PEP 562) so ``import recpipe.pipeline.routing.ops``
 does not pull in the training pipeline and vice versa.
 """
 
@@ -10,11 +10,11 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "TrainPipelineFusedSparseDist": "recpipe.pipeline.train_pipeline",
-    "block_bucketize_sparse_features": "recpipe.pipeline.ops",
-    "bucketize_kjt": "recpipe.pipeline.ops",
-    "hash_roundrobin_global_ids": "recpipe.pipeline.ops",
-    "route_ids": "recpipe.pipeline.ops",
+    "TrainPipelineFusedSparseDist": "recpipe.pipeline.train.pipeline",
+    "block_bucketize_sparse_features": "recpipe.pipeline.routing.ops",
+    "bucketize_kjt": "recpipe.pipeline.routing.ops",
+    "hash_roundrobin_global_ids": "recpipe.pipeline.routing.ops",
+    "route_ids": "recpipe.pipeline.routing.ops",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -4,12 +4,12 @@
 :class:`PlacementParams` into each table's torchrec ``ParameterSharding``
 (``recpipe.planner.sharding.PlacementParameterSharding``); torchrec merges it into
 the table's fused params (``get_additional_fused_params``) and the sharders
-(``recpipe.pipeline.sharding`` / ``recpipe.pipeline.sharders``) read it back with
+(``recpipe.pipeline.routing.sharding`` / ``recpipe.pipeline.tiered.sharders``) read it back with
 :meth:`PlacementParams.from_fused_params`, validating every value, and check it
 against what the model actually trains (:meth:`PlacementParams.check_runtime`).
 
-This module is the bottom of ``recpipe.pipeline`` next to ``ops``: it imports
-nothing from recpipe but the routing constants of :mod:`recpipe.pipeline.ops`.
+This module is the bottom of ``recpipe.pipeline``: it imports nothing else of
+recpipe (not even the extension), so the planner can load it without the kernels.
 Everything that crosses the contract is defined here, once:
 
 * the enums :class:`Mode`, :class:`DistType`, :class:`CachePolicy`,
@@ -47,13 +47,13 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
+import operator
 from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, Callable, Dict, FrozenSet, Mapping, Optional, Tuple, Type, TypeVar, Union
 
 import torch
-
-from recpipe.pipeline.ops import DIST_TYPES, check_int, local_rows
 
 __all__ = [
     "CACHE_ROW_MAP_BYTES",
@@ -71,6 +71,7 @@ __all__ = [
     "FUSED_PARAM_SEED",
     "ROUTED_DIST_TYPES",
     "TIERED_DTYPES",
+    "DIST_TYPES",
     "CachePolicy",
     "DistType",
     "FusedOptimizer",
@@ -84,6 +85,7 @@ __all__ = [
     "decimal_ratio",
     "dtype_itemsize",
     "dtype_name",
+    "check_int",
     "floor_fraction",
     "local_rows",
     "machine_storage",
@@ -96,6 +98,80 @@ __all__ = [
     "shard_storage",
     "tier_rows",
 ]
+
+#: Name -> code of the routing op's ``dist_types`` tensor (csrc/bucketize_math.h
+#: ``DistType``; :mod:`recpipe.pipeline.routing.ops` checks the extension agrees).
+DIST_TYPES: Dict[str, int] = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}
+
+
+def check_int(value: Any, argument: str, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
+    """``value`` as a Python int, or a ValueError naming ``argument``.
+
+    The one check every count / size / rank argument of the routing and storage
+    helpers goes through: a whole number (Python or numpy int, not a bool, a float
+    or a string) in ``[minimum, maximum]``.
+
+    Args:
+        value: the argument's value.
+        argument (str): the argument's name, for the message.
+        minimum (Optional[int]): smallest accepted value, or None.
+        maximum (Optional[int]): largest accepted value, or None.
+
+    Returns:
+        int: ``operator.index(value)``.
+
+    Raises:
+        ValueError: ``value`` is not an int in range; the message names ``argument`` and the fix.
+    """
+    if isinstance(value, bool) or isinstance(value, torch.Tensor):
+        n = None
+    else:
+        try:
+            n = operator.index(value)
+        except TypeError:
+            n = None
+    if n is None:
+        hint = ""
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            hint = f" (write {int(value)}, without a decimal point)"
+        elif isinstance(value, str):
+            hint = " (pass a number, not a string)"
+        raise ValueError(
+            f"`{argument}` must be an int, got {type(value).__name__} {value!r}; pass a whole number{hint}."
+        )
+    if minimum is not None and n < minimum:
+        raise ValueError(f"`{argument}` must be >= {minimum}, got {n}.")
+    if maximum is not None and n > maximum:
+        raise ValueError(f"`{argument}` must be <= {maximum}, got {n}.")
+    return n
+
+
+def local_rows(num_embeddings: int, world_size: int, rank: int) -> int:
+    """Rows rank ``rank`` owns under roundrobin / hash_roundrobin routing.
+
+    Global id ``h`` lives on rank ``h % W`` at local id ``h // W``, so rank ``r``
+    owns ``ceil((N - r) / W)`` rows; the counts sum to ``N`` over all ranks.
+
+    Args:
+        num_embeddings (int): rows of the whole table ``N``.
+        world_size (int): number of ranks ``W``.
+        rank (int): rank in ``[0, W)``.
+
+    Returns:
+        int: ``(N - rank + W - 1) // W``.
+
+    Example::
+
+        [local_rows(10, 4, r) for r in range(4)]  # [3, 3, 2, 2]
+    """
+    world_size = check_int(world_size, "world_size", 1)
+    rank = check_int(rank, "rank")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
+    return max(0, (num_embeddings - rank + world_size - 1) // world_size)
+
+
 
 
 # ------------------------------------------------------------------ enums ----
@@ -165,7 +241,7 @@ class DistType(enum.StrEnum):
     CONTINUOUS: fbgemm's contiguous blocks of ``ceil(N / W)`` rows. ROUNDROBIN:
     owner ``id % W``. HASH_ROUNDROBIN: roundrobin over a seeded bijection of
     ``[0, N)`` (recpipe's default for tiered tables). :attr:`code` is the integer
-    of the op's ``dist_types`` tensor (``recpipe.pipeline.ops.DIST_TYPES``, read
+    of the op's ``dist_types`` tensor (``recpipe.pipeline.routing.ops.DIST_TYPES``, read
     from the extension).
     """
 
@@ -200,11 +276,8 @@ class DistType(enum.StrEnum):
             ) from None
 
 
-if {m.value for m in DistType} != set(DIST_TYPES):  # pragma: no cover - guards the extension's table
-    raise ImportError(
-        f"recpipe.pipeline.placement.DistType {sorted(m.value for m in DistType)} disagrees with the routing "
-        f"op's dist types {sorted(DIST_TYPES)} (recpipe._C): rebuild recpipe so the extension matches the sources."
-    )
+if {m.value for m in DistType} != set(DIST_TYPES):  # pragma: no cover - guards the two tables above
+    raise ImportError(f"DistType {sorted(m.value for m in DistType)} disagrees with DIST_TYPES {sorted(DIST_TYPES)}.")
 
 #: Dist types whose shards hold ``local_rows(N, W, r)`` rows, the layout the byte
 #: formulas and ``recpipe.planner.sharding.row_wise_sharding_spec`` describe.
@@ -246,7 +319,7 @@ class FusedOptimizer(enum.StrEnum):
     """Fused (in-backward) optimizer of a table; sets the optimizer-state bytes per row.
 
     The byte formulas know all four; the tiered kernel runs SGD, ROWWISE_ADAGRAD and
-    ADAM (``recpipe.pipeline._tiered_optim.SUPPORTED_OPTIMIZERS``). :meth:`parse`
+    ADAM (``recpipe.pipeline.tiered.optim.SUPPORTED_OPTIMIZERS``). :meth:`parse`
     also reads fbgemm's ``EmbOptimType`` (``EXACT_SGD`` -> SGD,
     ``EXACT_ROWWISE_ADAGRAD`` -> ROWWISE_ADAGRAD, ``EXACT_ADAGRAD`` -> ADAGRAD).
     """
@@ -672,7 +745,7 @@ _FIELD_KEYS: Dict[str, str] = {
 #: Every key of the contract, in :class:`PlacementParams` field order.
 FUSED_PARAM_KEYS: Tuple[str, ...] = tuple(_FIELD_KEYS.values())
 #: Tiered kernel backend (``"native"`` / ``"fbgemm"`` / ``"torch"``, see
-#: ``recpipe.pipeline.tiered.TieredEmbeddingShard``); absent: the device's default.
+#: ``recpipe.pipeline.tiered.shard.TieredEmbeddingShard``); absent: the device's default.
 #: Not planned (not in :data:`FUSED_PARAM_KEYS`): the tiered sharders' ``backend=``
 #: argument writes it into their tiered tables' fused params; the tiered kernel reads it.
 FUSED_PARAM_BACKEND: str = "recpipe_backend"

@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
-from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
+from recpipe.pipeline.tiered.optim import SUPPORTED_OPTIMIZERS
 from recpipe.pipeline.placement import FusedOptimizer, check_load_factors
 from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
 from recpipe.planner.types import (

@@ -7,9 +7,9 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from recpipe.pipeline._tiered_fbgemm import FBGEMM_CACHE_ASSOC, SPLIT_MAP_BYTES, fbgemm_shard_storage
-from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
-from recpipe.pipeline.ops import check_int
+from recpipe.pipeline.tiered.fbgemm import FBGEMM_CACHE_ASSOC, SPLIT_MAP_BYTES, fbgemm_shard_storage
+from recpipe.pipeline.tiered.optim import SUPPORTED_OPTIMIZERS
+from recpipe.pipeline.routing.ops import check_int
 from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
@@ -48,7 +48,7 @@ class GridPlacementEnumerator:
 
     Bytes are those the tiered tables of ``backend`` allocate under row-wise sharding
     over all ``world_size`` ranks (``recpipe.pipeline.placement.shard_storage`` for
-    ``native``, ``recpipe.pipeline._tiered_fbgemm.fbgemm_shard_storage`` for
+    ``native``, ``recpipe.pipeline.tiered.fbgemm.fbgemm_shard_storage`` for
     ``fbgemm``); costs come from the cost model. Pinned constraints narrow a table's
     options.
 

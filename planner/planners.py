@@ -14,7 +14,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from recpipe.pipeline.ops import check_int
+from recpipe.pipeline.routing.ops import check_int
 from recpipe.pipeline.placement import (
     ROUTED_DIST_TYPES,
     CachePolicy,

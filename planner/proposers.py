@@ -23,7 +23,7 @@ from typing import Any, List, Optional, Protocol, Tuple, runtime_checkable
 
 import numpy as np
 
-from recpipe.pipeline.ops import check_int
+from recpipe.pipeline.routing.ops import check_int
 from recpipe.planner.types import PlannerInputError
 
 # Per-axis bin cap of the 2-D DP grid, as in TorchEasyRec PR #508

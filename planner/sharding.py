@@ -19,7 +19,7 @@ from torchrec.distributed.types import (
     ShardMetadata,
 )
 
-from recpipe.pipeline.ops import check_int
+from recpipe.pipeline.routing.ops import check_int
 from recpipe.pipeline.placement import (
     FUSED_PARAM_CACHE_LOAD_FACTOR,
     FUSED_PARAM_CACHE_POLICY,

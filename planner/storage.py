@@ -3,7 +3,7 @@
 The formulas live in :mod:`recpipe.pipeline.placement` (the bottom of the
 runtime, which sizes its tiers with them); the planner budgets with the same
 functions (and, for fbgemm's CUDA tables, with
-``recpipe.pipeline._tiered_fbgemm.fbgemm_shard_storage``). This module keeps the
+``recpipe.pipeline.tiered.fbgemm.fbgemm_shard_storage``). This module keeps the
 ``recpipe.planner.storage`` names importable.
 """
 

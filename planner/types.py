@@ -23,7 +23,7 @@ from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyF
 from torchrec.distributed.planner.types import PlannerError as _TorchrecPlannerError
 from torchrec.distributed.types import CacheStatistics, EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
 
-from recpipe.pipeline.ops import check_int
+from recpipe.pipeline.routing.ops import check_int
 from recpipe.pipeline.placement import (
     CachePolicy,
     DistType,
@@ -52,7 +52,7 @@ DEFAULT_LOAD_FACTORS: Tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range
 #: Tiered-table backends whose byte layouts the planner budgets: ``native`` (recpipe's
 #: own layout, ``recpipe.pipeline.placement.shard_storage``: the CPU kernel and the
 #: torch backend) and ``fbgemm`` (fbgemm's TBE on CUDA,
-#: ``recpipe.pipeline._tiered_fbgemm.fbgemm_shard_storage``).
+#: ``recpipe.pipeline.tiered.fbgemm.fbgemm_shard_storage``).
 STORAGE_BACKENDS: Tuple[str, ...] = ("native", "fbgemm")
 
 
@@ -747,7 +747,7 @@ def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> Sha
 
 
 #: The layout the tiered sharders' default backend runs on each compute device
-#: (``recpipe.pipeline.tiered.resolve_backend``: the native kernel on CPU, fbgemm's TBE
+#: (``recpipe.pipeline.tiered.shard.resolve_backend``: the native kernel on CPU, fbgemm's TBE
 #: on CUDA), as a :data:`STORAGE_BACKENDS` name.
 _DEVICE_LAYOUT: Dict[str, str] = {"cpu": "native", "cuda": "fbgemm"}
 #: What the tiered sharders are given to run each layout on a device whose default is the other.
@@ -763,7 +763,7 @@ def _layout_bytes(plan: PlacementPlan, layout: str) -> List[Optional[Tuple[int, 
     """Each table's HBM bytes per rank and DDR bytes per machine in ``layout`` at its planned
     mode and load factor (as the enumerator sizes them), or None for a table that layout
     cannot hold (fbgemm's TBE needs a dim that is a multiple of 4)."""
-    from recpipe.pipeline._tiered_fbgemm import fbgemm_shard_storage  # the planner's fbgemm formula
+    from recpipe.pipeline.tiered.fbgemm import fbgemm_shard_storage  # the planner's fbgemm formula
 
     W, L = plan.world_size, plan.local_world_size
     out: List[Optional[Tuple[int, int]]] = []

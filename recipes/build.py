@@ -76,7 +76,7 @@ def shard_model(
     chooses HYBRID / CACHING and a cache load factor per table under the fast-tier
     (``fast_tier_mb`` per device) and slow-tier (``slow_tier_mb`` per machine)
     budgets; the plan shards every table ROW_WISE with hash routing into tiered
-    storage (:class:`recpipe.pipeline.sharders.TieredEmbeddingBagCollectionSharder`).
+    storage (:class:`recpipe.pipeline.tiered.sharders.TieredEmbeddingBagCollectionSharder`).
     ``"table_wise"``: torchrec's own sharder places whole tables greedily.
 
     Args:
@@ -199,7 +199,7 @@ def _shard_planned(
     plan is sized for the optimizer the tables train with; the sharders refuse a
     table whose optimizer differs from its plan.
     """
-    from recpipe.pipeline.sharders import (
+    from recpipe.pipeline.tiered.sharders import (
         TieredEmbeddingBagCollectionSharder,
         TieredEmbeddingCollectionSharder,
     )
@@ -294,10 +294,10 @@ def make_pipeline(
     if config.pipeline == "sparse":
         return TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
     try:
-        from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+        from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
     except ImportError as e:
         raise ImportError(
-            "pipeline='fused' needs recpipe.pipeline.train_pipeline.TrainPipelineFusedSparseDist, "
+            "pipeline='fused' needs recpipe.pipeline.train.pipeline.TrainPipelineFusedSparseDist, "
             f"which failed to import ({e}). Fix: pass --pipeline sparse, or install a recpipe "
             "that includes the fused pipeline"
         ) from e

@@ -16,7 +16,7 @@ Layout::
 
 With ``config.checkpoint_format == "dcp"`` the model (tiered tables included) and
 its fused optimizer are written by torch.distributed.checkpoint
-(:mod:`recpipe.pipeline.dcp`) into the same step directory (``.metadata``,
+(:mod:`recpipe.pipeline.checkpoint.dcp`) into the same step directory (``.metadata``,
 ``__R_N.distcp``); each ``rankR.pt`` then holds the metadata and the dense optimizer
 state, and the manifest records every file of the directory. The integrity checks and
 the resume fallback are the same; such a checkpoint also loads under another world size
@@ -65,11 +65,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from recpipe.pipeline import dcp as recpipe_dcp
-from recpipe.pipeline._integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_lock, atomic_file, atomic_write_bytes,
+from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+from recpipe.pipeline.checkpoint.integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_lock, atomic_file, atomic_write_bytes,
                                          file_entry, file_problem, is_file_entry, json_digest, release_save_lock)
-from recpipe.pipeline.ops import ROUTING_VERSION
-from recpipe.pipeline.sharders import TIERED_STATE_KEY
+from recpipe.pipeline.routing.ops import ROUTING_VERSION
+from recpipe.pipeline.tiered.sharders import TIERED_STATE_KEY
 from recpipe.recipes.config import CHECKPOINT_FORMATS, STEP_DIR_PATTERN, TrainConfig, checkpoint_steps
 
 # Config fields that change the state's shapes or the data order: a resumed run must match.
@@ -95,8 +95,8 @@ MANIFEST_NAME: str = "manifest.json"
 """The commit record of a step directory: size and sha256 of every rank file."""
 LATEST_NAME: str = "latest"
 """The marker naming the newest committed step."""
-# SAVE_LOCK_NAME (imported above, recpipe.pipeline._integrity): the file rank 0 holds an
-# exclusive ``flock`` on while it saves (it names the holder); recpipe.pipeline.dcp.save
+# SAVE_LOCK_NAME (imported above, recpipe.pipeline.checkpoint.integrity): the file rank 0 holds an
+# exclusive ``flock`` on while it saves (it names the holder); recpipe.pipeline.checkpoint.dcp.save
 # takes the same lock in its checkpoint directory.
 MANIFEST_FORMAT: str = "recpipe-checkpoint/1"
 DCP_METADATA_NAME: str = recpipe_dcp.DCP_METADATA_NAME
@@ -589,7 +589,7 @@ def save_checkpoint(
 
     With ``config.checkpoint_format == "dcp"`` the model (tiered tables included) and
     its fused optimizer state are written by torch.distributed.checkpoint
-    (:func:`recpipe.pipeline.dcp.dcp_state_dict`), each rank's ``rankR.pt`` holds the
+    (:func:`recpipe.pipeline.checkpoint.dcp.dcp_state_dict`), each rank's ``rankR.pt`` holds the
     metadata and the dense optimizer state, and rank 0 records every file of the step
     directory (DCP's too) in the manifest: the same commit protocol. Rank 0 holds an
     exclusive lock on ``directory/SAVE_LOCK_NAME`` for the whole save, so a second run
@@ -754,7 +754,7 @@ def _commit(
 def _dense_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[Any]:
     """State dicts of the parts of ``optimizer`` a DCP checkpoint of ``model`` does not hold.
 
-    :func:`recpipe.pipeline.dcp.dcp_state_dict` saves ``model.fused_optimizer``; the
+    :func:`recpipe.pipeline.checkpoint.dcp.dcp_state_dict` saves ``model.fused_optimizer``; the
     recipe's ``CombinedOptimizer([fused, dense])`` adds the dense Adagrad, which the
     rank files carry.
     """
@@ -778,7 +778,7 @@ def _save_dcp_checkpoint(
     rank, world = _rank_world()
     root = Path(directory)
     step_dir = root / step_dir_name(step)
-    # What recpipe.pipeline.dcp.save writes, built once so it is checked for NaN / inf first.
+    # What recpipe.pipeline.checkpoint.dcp.save writes, built once so it is checked for NaN / inf first.
     state = recpipe_dcp.dcp_state_dict(model)
     payload = {
         "meta": _meta(step, rank, world, config, table_ranks),
@@ -905,7 +905,7 @@ def _check_fit(
     """Raises :class:`CheckpointMismatchError` when a verified file does not fit this run.
 
     A ``dcp`` checkpoint may have another world size and placement (DCP and the
-    tiered exports reshard on load, and ``recpipe.pipeline.dcp.load`` moves tables
+    tiered exports reshard on load, and ``recpipe.pipeline.checkpoint.dcp.load`` moves tables
     between tiered and torchrec placements, ``--placement planned`` <-> ``table_wise``);
     the config fingerprint and routing still apply.
     """

@@ -357,7 +357,7 @@ class TrainConfig:
     checkpoint_format: str = "pt"
     """How checkpoints are written: ``pt`` (one ``rankR.pt`` per rank; resume needs the
     same world size and placement) or ``dcp`` (torch.distributed.checkpoint files via
-    ``recpipe.pipeline.dcp`` plus a small ``rankR.pt`` per rank; resumable under another
+    ``recpipe.pipeline.checkpoint.dcp`` plus a small ``rankR.pt`` per rank; resumable under another
     world size). Both are verified by the same sha256 manifest and resume exactly;
     ``--resume`` reads whichever format the checkpoint was written in."""
 

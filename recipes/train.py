@@ -33,8 +33,8 @@ from torchrec.distributed.types import ShardingEnv
 from tqdm import tqdm
 
 from recpipe.recipes.build import make_optimizer, make_pipeline, shard_model
-from recpipe.pipeline.dcp import CheckpointLoadError
-from recpipe.pipeline.tiered import TieredCheckpointError
+from recpipe.pipeline.checkpoint.dcp import CheckpointLoadError
+from recpipe.pipeline.tiered.shard import TieredCheckpointError
 from recpipe.planner.types import PlannerError
 from recpipe.recipes.checkpoint import (
     CheckpointError,
@@ -753,7 +753,7 @@ USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
     CriteoFormatError,
     CriteoDataChangedError,  # a Criteo file shrank or vanished while the run read it
     TieredCheckpointError,
-    CheckpointLoadError,  # DCP refused a dcp checkpoint's regular state (see recpipe.pipeline.dcp)
+    CheckpointLoadError,  # DCP refused a dcp checkpoint's regular state (see recpipe.pipeline.checkpoint.dcp)
     PlannerError,  # the planned placement does not fit the budgets (--fast-tier-mb / --slow-tier-mb)
     BatchCountError,  # a data source gave a rank fewer batches than the steps asked for
 )

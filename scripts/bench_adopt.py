@@ -11,13 +11,13 @@ Then 2 ranks load it, each run in fresh processes (so no run inherits another's 
 * torchrec: the same torchrec model on 2 ranks loads it (``dcp.load`` of that dict, then
   ``fused_optimizer.load_state_dict``): the baseline a torchrec user has today;
 * recpipe: a model whose tables are tiered (HYBRID, hash_roundrobin) loads it with
-  ``recpipe.pipeline.dcp.load(model, dir, verify=False)`` (torchrec writes no digests): each
+  ``recpipe.pipeline.checkpoint.dcp.load(model, dir, verify=False)`` (torchrec writes no digests): each
   rank streams the torchrec tables one saved chunk at a time, checks them, then writes the rows
   it owns chunk by chunk (so its extra memory is about a saved chunk, where it used to be a
   whole table);
 * recpipe, check_rows=False: the same without the first (checking) read;
 * leaving recpipe: the torchrec model loads a checkpoint of the same tables tiered (HYBRID,
-  ``recpipe.pipeline.dcp.save`` of a 2-rank tiered model) with ``recpipe.pipeline.dcp.load``: each
+  ``recpipe.pipeline.checkpoint.dcp.save`` of a 2-rank tiered model) with ``recpipe.pipeline.checkpoint.dcp.load``: each
   table is checked, then each rank gathers the rows its shards hold from the tiered exports, one
   table at a time (it used to build every such table whole on every rank at once).
 
@@ -93,7 +93,7 @@ def _worker(rank: int, world: int, port: int, run: str, table_set: Tuple[int, in
         dist.init_process_group("gloo", rank=rank, world_size=world)
         import torch.distributed.checkpoint as tdcp
 
-        from recpipe.pipeline import dcp as recpipe_dcp
+        from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
         if run == "save":  # the torchrec user's checkpoint (random init is enough: rows are copied, not trained)
             tdcp.save(_torchrec_state(_torchrec_model(*table_set, world=world)), checkpoint_id=checkpoint)

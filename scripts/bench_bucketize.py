@@ -53,7 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchutil import hardware_line, int_at_least, positive_int, print_table  # noqa: E402
 
 import fbgemm_gpu  # noqa: E402,F401
-from recpipe.pipeline import ops  # noqa: E402
+from recpipe.pipeline.routing import ops  # noqa: E402
 
 F = 8
 TABLE_ROWS = 10_000_000  # rows per feature table

@@ -1,10 +1,10 @@
-"""DCP checkpoints (recpipe.pipeline.dcp) vs the recipe's per-rank ``.pt`` exports.
+"""DCP checkpoints (recpipe.pipeline.checkpoint.dcp) vs the recipe's per-rank ``.pt`` exports.
 
 Two gloo CPU ranks hold a DMP EBC whose tables are tiered (ROW_WISE, hash_roundrobin,
 fused row-wise Adagrad; placement ``--mode`` / ``--load-factor``). Per table set:
 
-* ours, save: ``recpipe.pipeline.dcp.save(model, dir)`` (export, DCP write, fsync);
-* ours, load: ``recpipe.pipeline.dcp.load(model, dir)`` (each rank streams every saving
+* ours, save: ``recpipe.pipeline.checkpoint.dcp.save(model, dir)`` (export, DCP write, fsync);
+* ours, load: ``recpipe.pipeline.checkpoint.dcp.load(model, dir)`` (each rank streams every saving
   rank's export, keeps its own rows by global id);
 * .pt, save: each rank ``torch.save`` s its ``tiered_state()`` to ``rank<r>.pt`` and fsyncs
   (what the recipe's checkpoint writes for tiered tables, without its sha256);
@@ -81,7 +81,7 @@ def _model(n_tables: int, rows: int, dim: int, mode: str, x: float, seed: int = 
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan, ShardingType
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     ebc, names = adagrad_ebc(n_tables, rows, dim)
@@ -127,7 +127,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
     try:  # everything inside: a failure always reaches the parent
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        from recpipe.pipeline import dcp as recpipe_dcp
+        from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
         results: List[Dict[str, Any]] = []
         for n_tables, rows, dim in args.sets:

@@ -40,7 +40,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E4
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig  # noqa: E402
+from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig  # noqa: E402
 
 # Zipf exponent of the synthetic ids (issue 5 / TorchEasyRec PR #508: alpha = 1.05).
 ZIPF_ALPHA: float = 1.05

@@ -7,7 +7,7 @@ thread taken inside a training step (a ``progress()`` call of the train loop, no
 the evaluation). Each sample goes to the first category that matches its stack:
 
 * ``tiered kernel``: ``torch.ops.recpipe.tiered_lookup`` / ``tiered_backward`` and their
-  Python wrappers (any frame of ``pipeline/tiered.py`` or ``csrc/tiered.cpp``).
+  Python wrappers (any frame of ``pipeline/tiered/shard.py`` or ``csrc/tiered.cpp``).
 * ``data path``: batch building (any frame of ``recipes/data/``: the source, the
   ``IdTransform`` / ``VirtualTableProjector`` hashing, the KJT construction).
 * ``collectives``: all-to-all / all-reduce issue and wait (torchrec ``comm_ops`` /

@@ -77,8 +77,8 @@ def _model(rank: int, world: int, kind: str, dist_type: str, mode: Optional[str]
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.routing.sharding import RecpipeEmbeddingBagCollectionSharder
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     torch.manual_seed(0)
@@ -248,7 +248,7 @@ def test_tiered_shard_warning_mode_matches_fbgemm_tbe() -> None:
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     for mode in (BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE):
         tbe = SplitTableBatchedEmbeddingBagsCodegen([(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)],
@@ -280,7 +280,7 @@ def test_tiered_shard_warning_mode_matches_fbgemm_tbe() -> None:
 
 def test_bad_bounds_check_mode_refused_naming_the_table() -> None:
     """A value fbgemm's TBE could not take (a string) is refused, naming the table and the fix."""
-    from recpipe.pipeline.tiered import TieredEmbeddingShard, bounds_check_mode_of
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, bounds_check_mode_of
 
     with pytest.raises(ValueError, match=r"tiered table 't0': fused param 'bounds_check_mode' must be an fbgemm "
                                          r"BoundsCheckMode.*BoundsCheckMode.WARNING"):

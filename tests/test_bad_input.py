@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from recpipe.pipeline import ops, placement as pl
+from recpipe.pipeline import placement as pl
+from recpipe.pipeline.routing import ops
 from recpipe.planner import AnalyticCostModel, BruteForceProposer, EmpiricalCostModel, make_topology
 from recpipe.planner.types import check_topology_args
 from routing_reference import RefPermutation
@@ -194,7 +195,7 @@ def test_brute_force_max_tables_named(value: object) -> None:
 
 
 # ------------------------------------------------------------------ tiered shard
-from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig, TieredShardState  # noqa: E402
+from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig, TieredShardState  # noqa: E402
 
 _SHARD = dict(num_embeddings=40, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5, rank=1, world_size=2,
               table_name="t")
@@ -441,9 +442,9 @@ def test_cost_model_class_instead_of_instance_named(build) -> None:
 
 
 # ------------------------------------------------------------------ sharders, routing, DCP
-from recpipe.pipeline import dcp as recpipe_dcp  # noqa: E402
-from recpipe.pipeline.sharders import TieredFusedOptimizer, tiered_optimizer_from_fused_params  # noqa: E402
-from recpipe.pipeline.sharding import (  # noqa: E402
+from recpipe.pipeline.checkpoint import dcp as recpipe_dcp  # noqa: E402
+from recpipe.pipeline.tiered.sharders import TieredFusedOptimizer, tiered_optimizer_from_fused_params  # noqa: E402
+from recpipe.pipeline.routing.sharding import (  # noqa: E402
     RecpipeEmbeddingBagCollectionSharder,
     RecpipeEmbeddingCollectionSharder,
     RoutingOverrides,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
-from recpipe.pipeline import ops
+from recpipe.pipeline.routing import ops
 from routing_reference import DIST_CODES, ROUTING_VERSION, RefPermutation, ref_bucketize, route_one
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -1050,7 +1050,7 @@ def test_route_ids_matches_reference_and_inverse(dist_type: str, W: int) -> None
         assert owner.dtype == torch.int64 and local.dtype == dtype
         want = [route_one(int(g), code, W, max(1, -(-N // W)), N, 9, 64) for g in ids.tolist()]
         assert owner.tolist() == [w[0] for w in want] and local.tolist() == [w[1] for w in want]
-    from recpipe.pipeline.tiered import global_row_ids
+    from recpipe.pipeline.tiered.shard import global_row_ids
 
     for r in range(W):
         mine = owner == r

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from recpipe.pipeline import ops
+from recpipe.pipeline.routing import ops
 
 CUDA = torch.cuda.is_available()
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="no CUDA device on this machine")]
@@ -210,7 +210,7 @@ def test_cuda_route_ids_and_global_ids_match_cpu() -> None:
 
 _ASSERT_SCRIPT = """
 import torch
-from recpipe.pipeline import ops
+from recpipe.pipeline.routing import ops
 lengths, indices = {lengths}, {indices}
 ops.block_bucketize_sparse_features(torch.tensor(lengths, device="cuda"), torch.tensor(indices, device="cuda"),
     torch.tensor([4]), torch.tensor([2]), 3, table_sizes=torch.tensor([10]))

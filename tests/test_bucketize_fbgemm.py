@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
-from recpipe.pipeline import ops
+from recpipe.pipeline.routing import ops
 
 
 def _case(rng: random.Random, F: int, W: int, dtype: torch.dtype, *, vbe: bool, bounds: bool, blocks_total: bool,

@@ -1,7 +1,7 @@
 """Recipe checkpoints in the ``dcp`` format (``--checkpoint-format dcp``).
 
 The model (tiered tables included) and fused optimizer go through
-torch.distributed.checkpoint (``recpipe.pipeline.dcp``); the rank files carry the
+torch.distributed.checkpoint (``recpipe.pipeline.checkpoint.dcp``); the rank files carry the
 metadata and the dense optimizer. Checked here: the manifest records every file
 (DCP's ``.metadata`` and ``.distcp`` too); resume is exact (losses bit-identical to
 an uninterrupted run) on 1 and 2 gloo ranks with planned (tiered) and table_wise
@@ -313,7 +313,7 @@ def test_a_file_system_without_flock_saves_unlocked(tmp_path: Path, monkeypatch:
     import errno
     import types
 
-    from recpipe.pipeline import _integrity as checkpoint_module  # the save lock lives there
+    from recpipe.pipeline.checkpoint import integrity as checkpoint_module  # the save lock lives there
 
     def no_flock(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")

@@ -453,7 +453,7 @@ def test_a_full_disk_during_a_pt_save_is_a_checkpoint_write_error(tmp_path: Path
     good checkpoint, which loads, and no partial file is left."""
     import builtins
 
-    from recpipe.pipeline import _integrity  # opens the rank file's temporary file (atomic_file)
+    from recpipe.pipeline.checkpoint import integrity as _integrity  # opens the rank file's temporary file (atomic_file)
     from recpipe.recipes.checkpoint import CheckpointWriteError
 
     def full_disk_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:

@@ -1,8 +1,8 @@
-"""DCP checkpoints (recpipe.pipeline.dcp) of models with tiered tables, across world sizes.
+"""DCP checkpoints (recpipe.pipeline.checkpoint.dcp) of models with tiered tables, across world sizes.
 
 A DMP model (EBC with tiered tables t0, t1 and a plain torchrec ROW_WISE FUSED table
 t2, fused row-wise Adagrad; a dense head under DDP) trains 3 steps on 2 gloo ranks
-and is saved with ``recpipe.pipeline.dcp.save``. It is loaded on 1 rank and on 2
+and is saved with ``recpipe.pipeline.checkpoint.dcp.save``. It is loaded on 1 rank and on 2
 ranks with the tiered placements swapped (HYBRID <-> CACHING); every table's
 (global id -> row, optimizer state) must equal what was saved bit for bit, and the
 next step's outputs must equal those of the saving model (which never went through
@@ -91,7 +91,7 @@ def _tiered_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     ebc = _ebc(TABLES)
@@ -217,7 +217,7 @@ def _assemble(views: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
 
 
 def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     out: Dict[str, Any] = {}
     for kind, model, tables in (("tiered", _tiered_model(world, SAVE_PLACEMENTS), TABLES),
@@ -232,7 +232,7 @@ def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 
 def _load_body(rank: int, world: int, root: str, placements: Dict[str, Dict[str, Any]], table_wise: bool) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     ranks = list(range(2)) if world == 1 else [rank]
     model = _tiered_model(world, placements)
@@ -260,8 +260,8 @@ def _assert_same_tables(saved: Dict[str, np.ndarray], loaded: Dict[str, np.ndarr
 
 
 def _wrong_size_body(rank: int, world: int, root: str) -> str:
-    from recpipe.pipeline import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered import TieredCheckpointError
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline.tiered.shard import TieredCheckpointError
 
     global TABLES
     TABLES = [("t0", 98, 8, ["f0", "f1"])] + TABLES[1:]  # t0 has one row more than saved
@@ -312,7 +312,7 @@ def test_dcp_refuses_a_table_of_another_size(tmp_path: Path) -> None:
 
 
 def _torchrec_size_body(rank: int, world: int, root: str) -> str:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     global TABLES
     TABLES = TABLES[:2] + [("t2", 51, 4, ["f3"])]  # the plain torchrec table has one row more than saved
@@ -349,7 +349,7 @@ def test_dcp_save_failure_is_an_error_and_leaves_no_loadable_checkpoint(tmp_path
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = torch.nn.Linear(3, 2)
 
@@ -371,7 +371,7 @@ def test_dcp_save_failure_is_an_error_and_leaves_no_loadable_checkpoint(tmp_path
 
 
 def _record_not_removable_body(rank: int, world: int, root: str) -> str:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     try:
         recpipe_dcp.save(torch.nn.Linear(3, 2), root)
@@ -385,7 +385,7 @@ def test_dcp_save_that_cannot_replace_the_old_record_fails_on_every_rank(tmp_pat
     read-only directory, here a record that is a directory) it raised a bare OSError on
     rank 0 alone while the other ranks entered DCP's save and waited there for it. Now
     every rank raises CheckpointSaveError naming the record before any rank writes."""
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     root = tmp_path / "ckpt"
     (root / recpipe_dcp.DIGESTS_NAME / "x").mkdir(parents=True)  # unlink(2) fails: EISDIR
@@ -399,7 +399,7 @@ def test_dcp_save_that_cannot_replace_the_old_record_fails_on_every_rank(tmp_pat
 
 def _damaged_load_body(rank: int, world: int, root: str, cases: List[str]) -> Dict[str, Any]:
     """Loads every damaged copy into one model; each must fail before the model changes."""
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     before = _view(model)
@@ -427,7 +427,7 @@ def _flip(path: Path, at: float = 0.5) -> None:
 
 
 def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> None:
-    from recpipe.pipeline.dcp import DIGESTS_NAME
+    from recpipe.pipeline.checkpoint.dcp import DIGESTS_NAME
 
     saved = run_gloo(2, _save_body, str(tmp_path))
     good = tmp_path / "tiered"
@@ -466,8 +466,8 @@ def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> Non
 
 
 def _table_kinds_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
-    from recpipe.pipeline.sharders import gather_full_weights
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline.tiered.sharders import gather_full_weights
 
     plain = _tiered_model(world, {})  # t0, t1, t2 all torchrec ROW_WISE FUSED tables
     _step(plain, _dense_opt(plain), TABLES, 0, [rank])
@@ -509,7 +509,7 @@ def _plain_torchrec_model(world: int, owners: Dict[str, int], recpipe_sharder: b
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     ebc = _ebc(IO_TABLES, seed=seed)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
@@ -525,10 +525,10 @@ def _plain_torchrec_model(world: int, owners: Dict[str, int], recpipe_sharder: b
 
 def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     """A plain torchrec model, trained, saved as torchrec users do (DCP of its state_dict,
-    without and with the fused optimizer) and by recpipe.pipeline.dcp.save."""
+    without and with the fused optimizer) and by recpipe.pipeline.checkpoint.dcp.save."""
     import torch.distributed.checkpoint as tdcp
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = _plain_torchrec_model(world, {"a0": 0, "a1": 1}, recpipe_sharder=False, seed=2)
     opt = _dense_opt(model)
@@ -544,7 +544,7 @@ def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 def _torchrec_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed.checkpoint as tdcp
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     moved = {"a0": 1, "a1": 0}  # each TABLE_WISE table on the other rank, other initial weights
     out: Dict[str, Any] = {}
@@ -608,7 +608,7 @@ def _digests_fail_body(rank: int, world: int, root: str, failing_rank: int) -> D
     write of the record (a full disk), or another rank's hashing (an I/O error)."""
     import errno
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = torch.nn.Linear(3, 2)
     if rank == failing_rank:
@@ -634,7 +634,7 @@ def test_dcp_save_whose_digests_record_fails_is_a_save_error_on_every_rank(tmp_p
     """The digests record is part of the save: its failure (after DCP's write) used to be
     a bare OSError, which ``except CheckpointSaveError`` missed; now every rank raises
     CheckpointSaveError naming the failing rank and the OS error."""
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     root = tmp_path / "ckpt"
     out = run_gloo(2, _digests_fail_body, str(root), failing_rank)
@@ -653,7 +653,7 @@ def _partial_write_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     write_data = FileSystemWriter.write_data
 

@@ -1,10 +1,10 @@
-"""Adopting tiered tables from a plain torchrec DCP checkpoint (recpipe.pipeline.dcp.load).
+"""Adopting tiered tables from a plain torchrec DCP checkpoint (recpipe.pipeline.checkpoint.dcp.load).
 
 torchrec users checkpoint a DistributedModelParallel with FUSED tables (torchrec's own
 sharders, TABLE_WISE / ROW_WISE ShardedTensors) as
 ``torch.distributed.checkpoint.save({**model.state_dict(), "fused_optimizer":
 model.fused_optimizer.state_dict()})``. A model whose tables recpipe's planner made tiered
-(HYBRID / CACHING) loads such a checkpoint with ``recpipe.pipeline.dcp.load(..., verify=False)``:
+(HYBRID / CACHING) loads such a checkpoint with ``recpipe.pipeline.checkpoint.dcp.load(..., verify=False)``:
 each tiered table streams the torchrec table (one saved chunk at a time) and its row-wise Adagrad momentum. Reference:
 the saving torchrec model trained on without interruption (every step's outputs and the final
 tables must match with the tiered-vs-FUSED tolerance). Without the optimizer state
@@ -55,7 +55,7 @@ def _torchrec_model(world: int, dtensor: bool = False) -> Any:
 
 def _full(model: Any) -> Dict[str, Dict[str, np.ndarray]]:
     """Every table's full weight and optimizer state (collective)."""
-    from recpipe.pipeline.sharders import gather_full_optimizer_state, gather_full_weights
+    from recpipe.pipeline.tiered.sharders import gather_full_optimizer_state, gather_full_weights
 
     return {"weights": {k: v.numpy() for k, v in gather_full_weights(model).items()},
             "state": {k: {n: t.numpy() for n, t in v.items() if n != "step"}
@@ -88,7 +88,7 @@ def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 def _refused(model: Any, root: str, error: type, **kwargs: Any) -> str:
     """The message of a load that must be refused, checking that it changed nothing."""
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     before = _full(model)
     with pytest.raises(error) as err:
@@ -100,7 +100,7 @@ def _refused(model: Any, root: str, error: type, **kwargs: Any) -> str:
 def _reads_of(load: Any) -> List[List[Any]]:
     """Runs ``load()`` and returns every read of a row block it made: ``[key, rows]`` of each
     tensor recpipe's loader asked DCP to fill (its ``_read_here``, wrapped for the call)."""
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     reads: List[List[Any]] = []
     read_here = recpipe_dcp._read_here
@@ -118,13 +118,13 @@ def _reads_of(load: Any) -> List[List[Any]]:
 
 
 def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered import TieredCheckpointError
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline.tiered.shard import TieredCheckpointError
 
     out: Dict[str, Any] = {"errors": {}}
     adopted = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
     assert set(adopted.module.tiered_tables()) == {"t0", "t1"}
-    import recpipe.pipeline.tiered as tiered
+    import recpipe.pipeline.tiered.shard as tiered
 
     write_rows, tiered.WRITE_CHUNK_ROWS = tiered.WRITE_CHUNK_ROWS, 5  # each block's rows written 5 at a time
     try:
@@ -234,7 +234,7 @@ def _mixed_model(world: int) -> Any:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     ebc = td._ebc(td.IO_TABLES, seed=9)
@@ -268,7 +268,7 @@ def _mixed_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 
 def _mixed_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     out: Dict[str, Any] = {}
     model = _mixed_model(world)
@@ -300,12 +300,12 @@ def test_mixed_model_adopts_torchrec_tables_beside_fused_ones_under_strict(tmp_p
 
 
 def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    """The mixed model (rank 1 holds no FUSED shard) saved by recpipe.pipeline.dcp.save, and without
+    """The mixed model (rank 1 holds no FUSED shard) saved by recpipe.pipeline.checkpoint.dcp.save, and without
     its fused optimizer state; loaded into a fresh model built alike."""
     import torch.distributed.checkpoint as tdcp
 
-    from recpipe.pipeline import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered import TieredCheckpointError
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline.tiered.shard import TieredCheckpointError
 
     model = _mixed_model(world)
     opt = td._dense_opt(model)
@@ -331,7 +331,7 @@ def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 def test_dcp_round_trip_of_a_model_with_a_rank_holding_no_fused_shard(tmp_path: Path) -> None:
     """A model whose only torchrec FUSED table is TABLE_WISE on rank 0 (rank 1's fused optimizer state
-    is empty) loads its own recpipe.pipeline.dcp.save: it used to fail on rank 1 with DCP's "Missing key
+    is empty) loads its own recpipe.pipeline.checkpoint.dcp.save: it used to fail on rank 1 with DCP's "Missing key
     in checkpoint state_dict: fused_optimizer." (the empty state looked up as an entry); the next steps
     equal the saving model's. A checkpoint without fused optimizer state is refused under strict on
     every rank, the model unchanged (rank 1, expecting no state, used to go on alone while rank 0 raised);
@@ -355,7 +355,7 @@ def _routed_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     routed rows, recorded beside the weight) saved with plain DCP, adopted by tiered tables."""
     import torch.distributed.checkpoint as tdcp
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     ref = mig._fused(world, "rowwise_adagrad", "row_wise_routed")
     for step in range(K):
@@ -387,8 +387,8 @@ def test_tiered_tables_adopt_routed_fused_tables_of_recpipe_sharders(tmp_path: P
 def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     """The reverse: recpipe's checkpoint of HYBRID / CACHING tiered tables loaded into torchrec FUSED
     tables (torchrec's TABLE_WISE / ROW_WISE, and recpipe's routed ROW_WISE)."""
-    from recpipe.pipeline import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered import TieredCheckpointError
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline.tiered.shard import TieredCheckpointError
 
     src = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
     for step in range(K):

@@ -154,8 +154,8 @@ def test_placement_contract_is_a_bottom_module() -> None:
     # nothing else of recpipe
     names = _all_imports()["recpipe.pipeline.placement"]
     assert {n for n in names if n.startswith("recpipe")} <= {
-        "recpipe.pipeline.ops", "recpipe.pipeline.ops.DIST_TYPES", "recpipe.pipeline.ops.local_rows",
-        "recpipe.pipeline.ops.check_int"}
+        "recpipe.pipeline.routing.ops", "recpipe.pipeline.routing.ops.DIST_TYPES", "recpipe.pipeline.routing.ops.local_rows",
+        "recpipe.pipeline.routing.ops.check_int"}
 
 
 def test_no_import_cycles_among_recpipe_modules() -> None:

@@ -36,7 +36,7 @@ def _probe(body: str) -> dict:
 def test_route_ids_memory_is_linear_in_ids() -> None:
     """4M ids at W = 128: owner + local are 64 MiB; a W x n length matrix would be 4 GiB."""
     res = _probe("""
-        from recpipe.pipeline import ops
+        from recpipe.pipeline.routing import ops
         ids = torch.randint(0, 10**9, (4_000_000,))
         ops.route_ids(ids[:10], 10**9, 128, "hash_roundrobin", 3)  # load the op
         before = peak_bytes()
@@ -52,7 +52,7 @@ def test_tiered_load_memory_is_per_shard() -> None:
     (128 MiB of rows): it keeps ~62k rows; the earlier load concatenated every export
     (+128 MiB) and routed through a W x N length matrix (+2 GiB)."""
     res = _probe("""
-        from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredShardState
+        from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredShardState
         N, D, W = 4_000_000, 8, 64
         shard = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5,
                                      rank=0, world_size=W, dist_type="roundrobin")

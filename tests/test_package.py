@@ -35,7 +35,7 @@ def test_tests_import_the_installed_package_not_the_sources() -> None:
 
 
 def test_ops_are_registered_with_cpu_and_fake_kernels() -> None:
-    import recpipe.pipeline.ops  # noqa: F401  (registers the fake kernels)
+    import recpipe.pipeline.routing.ops  # noqa: F401  (registers the fake kernels)
     from recpipe.planner import proposers
 
     assert proposers._cpp_ops() is not None  # loads the planner kernels, registers their fakes

@@ -52,7 +52,7 @@ def _tensors(trace: Tuple[List[Any], ...]) -> Tuple[List[torch.Tensor], ...]:
 def _parity_body(rank: int, world_size: int, sharding: str, use_cuda: bool) -> Dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     device, pg = _device(rank, use_cuda)
     batches = make_batches(rank)
@@ -140,7 +140,7 @@ def test_fused_pipeline_parity_cuda(sharding: str) -> None:
 def _overlap_body(rank: int, world_size: int, use_emb_lookup_stream: bool) -> List[bool]:
     """Per step: whether batch i+1's lookup had finished while the optimizer of batch i
     (a 0.5 s GPU sleep on the default stream) still ran."""
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     device, pg = _device(rank, True)
     model, opt = build_dmp("table_wise", device, pg=pg)
@@ -183,7 +183,7 @@ def test_next_lookup_overlaps_the_optimizer_cuda(use_emb_lookup_stream: bool) ->
 def _edge_body(rank: int, world_size: int) -> Dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     device = torch.device("cpu")
     out: Dict[str, Any] = {}
@@ -249,7 +249,7 @@ TORCHREC_OPTIONS: Tuple[Dict[str, Any], ...] = (
 
 
 def _options_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     device = torch.device("cpu")
     batches = make_batches(rank)

@@ -222,7 +222,7 @@ def build_breadth(
         data_type (DataType): ebc1 / ebc2 table weights.
         postproc (bool): build ``PostprocBreadthModel``.
     """
-    from recpipe.pipeline.sharding import recpipe_sharders  # ROW_WISE on CPU
+    from recpipe.pipeline.routing.sharding import recpipe_sharders  # ROW_WISE on CPU
 
     world_size = dist.get_world_size()
     torch.manual_seed(0)
@@ -371,7 +371,7 @@ def _scenario_body(rank: int, world_size: int, name: str) -> Dict[str, Any]:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     sc = SCENARIOS[name]
     fused_params = dict(sc["fused_params"], optimizer=EmbOptimType[sc["fused_params"]["optimizer"]])
@@ -447,7 +447,7 @@ def _epochs_body(rank: int, world_size: int, enqueue_after: bool, reset: bool, s
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     fused_params = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
     shardings = {"ta": "column_wise", "tb": "row_wise", "ts": "row_wise"}
@@ -632,7 +632,7 @@ def _mc_run(pipeline: Any, dmp: DistributedModelParallel, rank: int, event: str)
 def _mc_body(rank: int, world_size: int, event: str) -> Dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     device = torch.device("cpu")
     dmp, opt = build_mc()

@@ -37,7 +37,7 @@ from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimi
 
 # Sharding types exercised by the parity tests: the one place to extend.
 # torchrec 1.9.2's sharders offer row_wise only for compute device cuda; row_wise
-# runs through recpipe's sharders (recpipe.pipeline.sharding), on CPU too.
+# runs through recpipe's sharders (recpipe.pipeline.routing.sharding), on CPU too.
 SHARDING_TYPES: Tuple[str, ...] = ("table_wise", "column_wise", "row_wise")
 
 EMB_DIM = 8  # embedding dim of every table (divisible by 2 ranks for column_wise)
@@ -193,7 +193,7 @@ def build_dmp(
     )
     ec_sharder: ModuleSharder[nn.Module] = EmbeddingCollectionSharder()
     if sharding == "row_wise" and not position_weighted:
-        from recpipe.pipeline.sharding import (
+        from recpipe.pipeline.routing.sharding import (
             RecpipeEmbeddingBagCollectionSharder,
             RecpipeEmbeddingCollectionSharder,
         )

@@ -25,7 +25,7 @@ from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipelin
 
 def _tbe_counters(model: Any) -> List[Any]:
     """(step, iter) of every fbgemm TBE of the model's sharded modules."""
-    from recpipe.pipeline.train_pipeline import fused_tbes, tbe_counters
+    from recpipe.pipeline.train.pipeline import fused_tbes, tbe_counters
 
     return [tbe_counters(t) for mod in (model.module.ebc, model.module.ec) for t in fused_tbes(mod)]
 
@@ -38,7 +38,7 @@ def _runs(device: torch.device) -> List[Tuple[str, Callable[[Any, Any], Any]]]:
     """(name in RUN_NAMES, pipeline factory(model, optimizer))."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     runs: List[Tuple[str, Callable[[Any, Any], Any]]] = [
         ("torchrec", lambda m, o: TrainPipelineSparseDist(m, o, device))
@@ -449,7 +449,7 @@ def test_discarded_lookup_takes_back_adam_iteration(loaded_iter: int, first: boo
     """A discarded lookup, then another lookup in between (an eval forward of the
     detached model), then the redone lookup: the counters end as if the discarded
     one never ran, also when it was the first after a checkpoint load."""
-    from recpipe.pipeline.train_pipeline import tbe_counters, undo_tbe_lookup
+    from recpipe.pipeline.train.pipeline import tbe_counters, undo_tbe_lookup
 
     ours, plain = _AdamTbeCounters(loaded_iter), _AdamTbeCounters(loaded_iter)
     if not first:

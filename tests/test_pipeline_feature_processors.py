@@ -85,7 +85,7 @@ def _record_recpipe(out: Dict[str, Any], key: str, pipe: Any, model: torch.nn.Mo
 
 def _stale_pipeline_type() -> type:
     """The fused pipeline with the after-optimizer ordering switched off (control only)."""
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     class StaleFeatureProcessorPipeline(TrainPipelineFusedSparseDist):
         def _pipeline_model(self, *args: Any, **kwargs: Any) -> None:
@@ -102,8 +102,8 @@ def _two_module_body(rank: int, world_size: int) -> Dict[str, Any]:
     from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline._pipeline_validation import FusedLookupExactnessChecker
-    from recpipe.pipeline.train_pipeline import FusedLookupExactnessError, TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.validation import FusedLookupExactnessChecker
+    from recpipe.pipeline.train.pipeline import FusedLookupExactnessError, TrainPipelineFusedSparseDist
 
     device = torch.device("cpu")
     batches = make_batches(rank, seed=3)
@@ -366,7 +366,7 @@ class LossAndPrediction:
 def _tsnn_body(rank: int, world_size: int) -> Dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     device = torch.device("cpu")
     batches = _tsnn_batches(rank, world_size)

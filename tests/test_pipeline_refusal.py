@@ -20,12 +20,12 @@ from gloo_harness import run_gloo
 from torchrec.streamable import Pipelineable
 from test_pipeline_common import TwoModuleModel, TwoSparseBatch, build_dmp, make_batches, run_pipeline, run_reference
 
-from recpipe.pipeline._pipeline_stats import (
+from recpipe.pipeline.train.stats import (
     STAGE_OUTPUT_DIST_WAIT,
     PipelineStageStats,
     TimedLazyAwaitable,
 )
-from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
 DENSE_T1 = {"t1": ("table_wise", "dense")}  # table t1 of module "ebc": dense kernel
 DP_T1 = {"t1": ("data_parallel", None)}  # table t1 of module "ebc": replicated
@@ -45,7 +45,7 @@ class _EbcTwiceModel(TwoModuleModel):
 
 
 def _refusal_body(rank: int, world_size: int) -> Dict[str, Any]:
-    from recpipe.pipeline.train_pipeline import FusedLookupExactnessError
+    from recpipe.pipeline.train.pipeline import FusedLookupExactnessError
 
     device = torch.device("cpu")
     batches = make_batches(rank, seed=2)
@@ -242,7 +242,7 @@ def test_foreign_pipeline_context_raises_type_error_naming_the_fix() -> None:
             f"pipeline.contexts[{bad_position}] (batch {10 + bad_position}) is a "
             "torchrec.distributed.train_pipeline.pipeline_context.TrainPipelineContext" in msg
         ), msg
-        assert "expected a recpipe.pipeline.train_pipeline.FusedLookupPipelineContext" in msg
+        assert "expected a recpipe.pipeline.train.pipeline.FusedLookupPipelineContext" in msg
         assert "pipeline._create_context()" in msg
         # nothing of the step ran
         assert len(pipe.batches) == 3 and pipe.stats.steps == 0

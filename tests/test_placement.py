@@ -31,7 +31,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection, Embedding
 from torchrec.optim.optimizers import SGD as TorchrecSGD
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from recpipe.pipeline import ops, placement
+from recpipe.pipeline import placement
+from recpipe.pipeline.routing import ops
 from recpipe.pipeline.placement import (
     FUSED_PARAM_CACHE_LOAD_FACTOR,
     FUSED_PARAM_DIST_TYPE,
@@ -50,12 +51,12 @@ from recpipe.pipeline.placement import (
     row_bytes,
     shard_storage,
 )
-from recpipe.pipeline.sharders import (
+from recpipe.pipeline.tiered.sharders import (
     TieredEmbeddingBagCollectionSharder,
     TieredEmbeddingCollectionSharder,
     tiered_optimizer_from_fused_params,
 )
-from recpipe.pipeline.sharding import recpipe_sharders
+from recpipe.pipeline.routing.sharding import recpipe_sharders
 from recpipe.planner import (
     PlacementConstraints,
     PlacementParameterSharding,
@@ -233,9 +234,9 @@ def test_dist_type_codes_are_the_routing_ops() -> None:
 
 
 def test_old_import_paths_are_aliases_of_the_one_definition() -> None:
-    import recpipe.pipeline._tiered_optim as tiered_optim
-    import recpipe.pipeline.sharding as rt_sharding
-    import recpipe.pipeline.tiered as tiered
+    import recpipe.pipeline.tiered.optim as tiered_optim
+    import recpipe.pipeline.routing.sharding as rt_sharding
+    import recpipe.pipeline.tiered.shard as tiered
     import recpipe.planner.sharding as pl_sharding
     import recpipe.planner.storage as storage
     import recpipe.planner.types as types
@@ -351,7 +352,7 @@ def test_non_tiered_sharders_refuse_tiered_tables_naming_the_tiered_sharders() -
     for sharder in recpipe_sharders():
         with pytest.raises(ValueError, match=r"table 'a' has compute_kernel customized_kernel .* which "
                            f"{type(sharder).__name__} does not run: shard with "
-                           r"recpipe\.pipeline\.sharders\.TieredEmbeddingBagCollectionSharder\(\)"):
+                           r"recpipe\.pipeline\.tiered\.sharders\.TieredEmbeddingBagCollectionSharder\(\)"):
             sharder.shard(_ebc("cpu"), params, env=None, device=torch.device("cpu"))  # type: ignore[arg-type]
     for tiered in (TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()):
         tiered._check_kernels(params, torch.device("cpu"))  # runs them: no error

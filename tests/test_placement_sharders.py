@@ -52,7 +52,7 @@ def _planner(world: int) -> Any:
 def _shard(ebc: Any, sharding_plan: Any) -> Any:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     return DistributedModelParallel(ebc, plan=sharding_plan, sharders=[TieredEmbeddingBagCollectionSharder()],  # type: ignore[list-item]
                                     device=torch.device("cpu"))

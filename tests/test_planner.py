@@ -52,7 +52,7 @@ from recpipe.planner import (
     shard_storage,
     tier_rows,
 )
-from recpipe.pipeline._tiered_fbgemm import fbgemm_shard_storage
+from recpipe.pipeline.tiered.fbgemm import fbgemm_shard_storage
 from recpipe.planner.__main__ import main as cli_main
 from recpipe.planner.cost_models import generalized_harmonic
 from recpipe.planner.enumerators import options_to_arrays

@@ -160,7 +160,7 @@ def test_layout_lists_every_kernel_source() -> None:
 
 
 def _resolves(dotted: str) -> bool:
-    """``recpipe.pipeline.dcp.save`` names an importable module and its attributes."""
+    """``recpipe.pipeline.checkpoint.dcp.save`` names an importable module and its attributes."""
     import importlib
 
     parts = dotted.split(".")
@@ -250,7 +250,7 @@ def _dcp_snippet_body(rank: int, world: int, root: str, code: str) -> List[str]:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner import PlacementPlanner, make_topology
 
     ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=100,
@@ -267,7 +267,7 @@ def _dcp_snippet_body(rank: int, world: int, root: str, code: str) -> List[str]:
 def test_dcp_snippet_runs_on_two_ranks(tmp_path: Path) -> None:
     from gloo_harness import run_gloo
 
-    from recpipe.pipeline.dcp import DIGESTS_NAME
+    from recpipe.pipeline.checkpoint.dcp import DIGESTS_NAME
 
     body = README.split("\n### DCP checkpoints\n", 1)[1]
     code = re.search(r"```python\n(.*?)```", body, flags=re.S).group(1)  # type: ignore[union-attr]

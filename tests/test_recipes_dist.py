@@ -9,7 +9,7 @@ import pytest
 import torch
 from gloo_harness import run_gloo
 
-from recpipe.pipeline.ops import ROUTING_VERSION
+from recpipe.pipeline.routing.ops import ROUTING_VERSION
 from recpipe.recipes.checkpoint import CheckpointMismatchError, reseal_checkpoint
 from recpipe.recipes.config import ConfigPathError, TrainConfig
 from recpipe.recipes.train import run
@@ -102,9 +102,9 @@ def _pipelines_body(rank: int, world_size: int) -> dict[str, list[float]]:
 
 def test_fused_pipeline_matches_torchrec_sparse_dist() -> None:
     try:
-        from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist  # noqa: F401
+        from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist  # noqa: F401
     except ImportError as e:
-        pytest.skip(f"recpipe.pipeline.train_pipeline does not import yet: {e}")
+        pytest.skip(f"recpipe.pipeline.train.pipeline does not import yet: {e}")
     for out in run_gloo(2, _pipelines_body, timeout_s=300):
         assert len(out["sparse"]) == 24
         assert out["fused"] == out["sparse"]

@@ -467,7 +467,7 @@ def test_pt_placement_mismatch_names_only_the_tables_that_differ(tmp_path: Path)
     """A ``pt`` checkpoint placed otherwise: the error lists the differing tables
     (saved -> now), not the two whole placements."""
     from recpipe.recipes.checkpoint import CheckpointMismatchError, _check_fit
-    from recpipe.pipeline.ops import ROUTING_VERSION
+    from recpipe.pipeline.routing.ops import ROUTING_VERSION
 
     config = TrainConfig(dataset="synthetic", max_steps=4)
     now = {f"t{i}": i % 2 for i in range(26)}

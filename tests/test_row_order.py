@@ -31,7 +31,7 @@ EC_DIM = 4
 
 
 def _model(kind: str, dist_type: str, world: int, seed: int = SEED) -> DistributedModelParallel:
-    from recpipe.pipeline.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     if kind == "ebc":
         module: Any = EmbeddingBagCollection(
@@ -73,7 +73,7 @@ def _rows_of(dist_type: str, world: int, rank: int) -> Dict[str, torch.Tensor]:
 
 
 def _refusal(model: DistributedModelParallel, state: Dict[str, Any], **kwargs: Any) -> str:
-    from recpipe.pipeline.sharding import RowOrderMismatchError
+    from recpipe.pipeline.routing.sharding import RowOrderMismatchError
 
     try:
         model.load_state_dict(state, **kwargs)
@@ -83,7 +83,7 @@ def _refusal(model: DistributedModelParallel, state: Dict[str, Any], **kwargs: A
 
 
 def _state_dict_body(rank: int, world: int, kind: str, dist_type: str) -> Dict[str, Any]:
-    from recpipe.pipeline.sharders import gather_full_weights
+    from recpipe.pipeline.tiered.sharders import gather_full_weights
 
     ref = _reference(kind)
     routed = _model(kind, dist_type, world)
@@ -126,7 +126,7 @@ def _state_dict_body(rank: int, world: int, kind: str, dist_type: str) -> Dict[s
 @pytest.mark.parametrize("kind", ["ebc", "ec"])
 def test_routed_fused_state_dict_keeps_rows_on_their_ids(kind: str, dist_type: str) -> None:
     results = run_gloo(2, _state_dict_body, kind, dist_type, timeout_s=300)
-    from recpipe.pipeline import ops
+    from recpipe.pipeline.routing import ops
 
     for rank, r in enumerate(results):
         assert r["full_load_exact"], (rank, r)
@@ -143,7 +143,7 @@ def test_routed_fused_state_dict_keeps_rows_on_their_ids(kind: str, dist_type: s
             assert "table 't0'" in msg and "table 't1'" in msg, (case, msg)
             # load_state_dict cannot tell whether torch's dcp.load already wrote the rows in place: it says so
             assert "If torch.distributed.checkpoint.load filled this state dict in place" in msg, (case, msg)
-            assert "recpipe.pipeline.dcp.load checks the routing before it reads any row" in msg, (case, msg)
+            assert "recpipe.pipeline.checkpoint.dcp.load checks the routing before it reads any row" in msg, (case, msg)
         assert "contiguous row blocks" in r["routed_into_continuous"]
         assert "contiguous row blocks" in r["continuous_into_routed"]
         assert r["continuous_unchanged"] and r["routed_unchanged"], (rank, r)
@@ -152,8 +152,8 @@ def test_routed_fused_state_dict_keeps_rows_on_their_ids(kind: str, dist_type: s
 
 
 def _dcp_body(rank: int, world: int, kind: str, dist_type: str, path: str) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
-    from recpipe.pipeline.sharding import RowOrderMismatchError
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline.routing.sharding import RowOrderMismatchError
 
     ref = _reference(kind)
     routed = _model(kind, dist_type, world)
@@ -180,7 +180,7 @@ def _dcp_body(rank: int, world: int, kind: str, dist_type: str, path: str) -> Di
 def test_dcp_load_refuses_routed_rows_before_writing_them(kind: str, tmp_path: Any) -> None:
     results = run_gloo(2, _dcp_body, kind, "roundrobin", os.fspath(tmp_path / "ckpt"), timeout_s=300)
     for r in results:
-        assert "recpipe.pipeline.dcp.load" in r["continuous"] and "contiguous row blocks" in r["continuous"], r
+        assert "recpipe.pipeline.checkpoint.dcp.load" in r["continuous"] and "contiguous row blocks" in r["continuous"], r
         assert "filled this state dict in place" not in r["continuous"], r  # refused before any row was read
         assert r["continuous_unchanged"], r
         # roundrobin has no seed (recorded as 0): another sharder seed loads exactly
@@ -200,8 +200,8 @@ def _torchrec_layouts_body(rank: int, world: int) -> Dict[str, Any]:
     """t0 TABLE_WISE on rank 1, t1 COLUMN_WISE (two column shards) on ranks 0 and 1."""
     from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
 
-    from recpipe.pipeline.sharders import gather_full_weights
-    from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import gather_full_weights
+    from recpipe.pipeline.routing.sharding import RecpipeEmbeddingBagCollectionSharder
 
     ref = _reference("ebc")
     module = EmbeddingBagCollection(

@@ -103,7 +103,7 @@ def _batch(rank: int, step: int, features: list[str], n_of: dict[str, int], B: i
 
 
 def _body(rank: int, world: int, kind: str, dist_type: str, uneven: bool = False, vbe: bool = False) -> dict[str, Any]:
-    from recpipe.pipeline.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     torch.manual_seed(0)
     features = [f for *_, fs in TABLES for f in fs]
@@ -219,7 +219,7 @@ def test_variable_batch_per_feature_matches_unsharded_reference(dist_type: str) 
 
 def test_routed_table_with_torchrec_block_layout_is_refused() -> None:
     """hash routing on torchrec's contiguous shards would index past the last rank's shard."""
-    from recpipe.pipeline.sharding import _check_routed_layout
+    from recpipe.pipeline.routing.sharding import _check_routed_layout
 
     class _Spec:
         shards_metadata = [
@@ -242,8 +242,8 @@ def test_fused_row_wise_table_with_an_empty_shard_is_refused_on_cpu() -> None:
     """fbgemm-gpu-cpu's fused TBE backward mis-updates the table after a 0-row one (another
     dim) and can corrupt the heap: recpipe's sharders refuse such a plan on CPU, naming
     the table and the empty ranks; tiered tables (recpipe's own CPU kernel) are not refused."""
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
-    from recpipe.pipeline.sharding import recpipe_sharders
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     params = _row_wise_plan(2, routed=False)
     t0 = params["t0"]
@@ -272,8 +272,8 @@ def test_dense_sequence_table_is_refused_on_cpu() -> None:
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 
-    from recpipe.pipeline.sharders import TieredEmbeddingCollectionSharder
-    from recpipe.pipeline.sharding import recpipe_sharders
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     # the upstream behaviour the refusal is for: 5 ids in 3 bags come back as 3 rows
     tbe = DenseTableBatchedEmbeddingBagsCodegen([(30, 8)], pooling_mode=PoolingMode.NONE, use_cpu=True)
@@ -299,14 +299,14 @@ def test_dense_sequence_table_is_refused_on_cpu() -> None:
 
 
 def test_sharder_rejects_unknown_dist_type() -> None:
-    from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder
+    from recpipe.pipeline.routing.sharding import RecpipeEmbeddingBagCollectionSharder
 
     with pytest.raises(ValueError, match=r"`table_dist_types\['t0'\]`: unknown dist_type 'hash'"):
         RecpipeEmbeddingBagCollectionSharder(table_dist_types={"t0": "hash"})
 
 
 def test_row_wise_offered_on_cpu() -> None:
-    from recpipe.pipeline.sharding import RecpipeEmbeddingBagCollectionSharder, RecpipeEmbeddingCollectionSharder
+    from recpipe.pipeline.routing.sharding import RecpipeEmbeddingBagCollectionSharder, RecpipeEmbeddingCollectionSharder
 
     for s in (RecpipeEmbeddingBagCollectionSharder(), RecpipeEmbeddingCollectionSharder()):
         assert ShardingType.ROW_WISE.value in s.sharding_types("cpu")
@@ -316,7 +316,7 @@ def _output_dist_body(rank: int, world: int) -> dict[str, Any]:
     from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
     from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 
-    from recpipe.pipeline.sharding import RecpipeRwPooledEmbeddingDist
+    from recpipe.pipeline.routing.sharding import RecpipeRwPooledEmbeddingDist
 
     pg = dist.group.WORLD
     dims = [4, 3]

@@ -23,8 +23,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
     SplitTableBatchedEmbeddingBagsCodegen,
 )
 
-from recpipe.pipeline.ops import ROUTING_VERSION, route_ids
-from recpipe.pipeline.tiered import (
+from recpipe.pipeline.routing.ops import ROUTING_VERSION, route_ids
+from recpipe.pipeline.tiered.shard import (
     TieredCheckpointError,
     TieredEmbeddingShard,
     TieredOptimizerConfig,
@@ -467,7 +467,7 @@ def test_load_refuses_non_finite_rows() -> None:
 def test_load_streams_exports_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading W = 3 exports into W = 2 shards gives the same rows whether each export
     is routed whole or 7 rows at a time (the chunked path, crossing export boundaries)."""
-    import recpipe.pipeline.tiered as tiered
+    import recpipe.pipeline.tiered.shard as tiered
 
     N = 101
     srcs = [TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.4,
@@ -503,7 +503,7 @@ def test_own_export_loads_whole_in_write_chunks(monkeypatch: pytest.MonkeyPatch,
     """A shard's own export (one export, this rank's routing) loads as it is, written to the tiers
     7 rows at a time or in one chunk: the shard then exports exactly those rows, state and step; a
     NaN row in it is refused naming the count, and the shard keeps its rows."""
-    import recpipe.pipeline.tiered as tiered
+    import recpipe.pipeline.tiered.shard as tiered
 
     if chunk is not None:
         monkeypatch.setattr(tiered, "WRITE_CHUNK_ROWS", chunk)
@@ -540,7 +540,7 @@ def test_load_row_blocks_streams_a_table_in_blocks(monkeypatch: pytest.MonkeyPat
     exactly its rows of the table and their state, and the step; a block without state gives zero
     state. Missing rows, a NaN row of the shard and a block of another shape are refused naming the
     table."""
-    import recpipe.pipeline.tiered as tiered
+    import recpipe.pipeline.tiered.shard as tiered
 
     monkeypatch.setattr(tiered, "WRITE_CHUNK_ROWS", 7)
     n = 101

@@ -1,7 +1,7 @@
 """The CUDA path of tiered tables: fbgemm's TBE, no host sync per training step.
 
 On CUDA a ``TieredEmbeddingShard`` runs fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``
-(``recpipe.pipeline._tiered_fbgemm``): CACHING as a MANAGED_CACHING table, HYBRID as
+(``recpipe.pipeline.tiered.fbgemm``): CACHING as a MANAGED_CACHING table, HYBRID as
 a DEVICE + MANAGED pair split by the shard's hash.
 
 Run here (CPU only):
@@ -42,8 +42,8 @@ from typing import Any, Iterator, List, Optional, Tuple
 import pytest
 import torch
 
-from recpipe.pipeline import ops  # noqa: F401  (registers the fake kernels)
-from recpipe.pipeline._tiered_fbgemm import (
+from recpipe.pipeline.routing import ops  # noqa: F401  (registers the fake kernels)
+from recpipe.pipeline.tiered.fbgemm import (
     FBGEMM_CACHE_ASSOC,
     FbgemmTable,
     Layout,
@@ -52,7 +52,7 @@ from recpipe.pipeline._tiered_fbgemm import (
     plan_fbgemm_tier,
 )
 from recpipe.pipeline.placement import FusedOptimizer, shard_storage
-from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig
+from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
 D = 8
 ATOL = 2e-5
@@ -329,7 +329,7 @@ def test_fbgemm_step_code_makes_no_host_read(
     input checks, FbgemmTier.forward, and the backward) calls nothing that reads a tensor
     back: checked on CPU by failing every such call made from recpipe's pipeline files.
     (The CACHING branch that reads fbgemm's cache state runs on CUDA only.)"""
-    import recpipe.pipeline._tiered_fbgemm as fbgemm_module
+    import recpipe.pipeline.tiered.fbgemm as fbgemm_module
 
     fb = _shard("fbgemm", mode, x, optimizer, pooling, "lfu", 97)
     native = _shard(None, mode, x, optimizer, pooling, "lfu", 97)
@@ -566,8 +566,8 @@ def test_cuda_fused_pipeline_issues_no_host_sync_from_recpipe() -> None:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     import recpipe.pipeline as pipeline_pkg
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
     from test_pipeline_common import EMB_DIM, TwoModuleModel, make_batches
 

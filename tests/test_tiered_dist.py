@@ -1,7 +1,7 @@
 """Tiered shards on 2 gloo ranks: routed row-wise lookups equal one untiered FUSED table.
 
 Each rank owns one shard of a hash_roundrobin-routed table (rank 0 HYBRID 0.3,
-rank 1 CACHING 0.5). Ids are routed with ``recpipe.pipeline.ops.bucketize_kjt``
+rank 1 CACHING 0.5). Ids are routed with ``recpipe.pipeline.routing.ops.bucketize_kjt``
 and exchanged with ``all_to_all_single``; pooled partial embeddings come back
 the same way and are summed (row-wise sharding), gradients travel to the owners.
 The reference is fbgemm's CPU TBE (torchrec's FUSED kernel) over the global batch.
@@ -41,8 +41,8 @@ def _initial_weights() -> torch.Tensor:
 def _body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from recpipe.pipeline.ops import bucketize_kjt
-    from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig
+    from recpipe.pipeline.routing.ops import bucketize_kjt
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     mode, x = PLACEMENTS[rank]
     shard = TieredEmbeddingShard(

@@ -56,7 +56,7 @@ def _ebc_body(rank: int, world: int, fused_params: Dict[str, Any], batch_sizes: 
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     global_weights = {f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone()
                       for n, *_ in pooled.TABLES}
@@ -127,7 +127,7 @@ def _output_dtype_ec_body(rank: int, world: int) -> Dict[str, List[Any]]:
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recpipe.pipeline.sharders import TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingCollectionSharder
 
     fused_params = {"output_dtype": SparseType.FP16}
     results: Dict[str, List[Any]] = {}
@@ -173,7 +173,7 @@ def test_unsupported_output_dtype_refused_naming_the_table() -> None:
     from fbgemm_gpu.split_embedding_configs import SparseType
     from torchrec.modules.embedding_configs import DataType
 
-    from recpipe.pipeline.sharders import tiered_output_dtype
+    from recpipe.pipeline.tiered.sharders import tiered_output_dtype
 
     assert tiered_output_dtype(None, "t") == torch.float32
     assert tiered_output_dtype({"output_dtype": DataType.FP16}, "t") == torch.float16  # torchrec's DataType too
@@ -190,7 +190,7 @@ def _refused_body(rank: int, world: int, fused_params: Dict[str, Any], optimizer
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     ebc = pooled._ebc()
     optimizer_class = RowWiseAdagrad if optimizer == "RowWiseAdagrad" else getattr(torch.optim, optimizer)

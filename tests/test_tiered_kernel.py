@@ -16,8 +16,8 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from recpipe.pipeline import ops  # noqa: F401  (registers the fake kernels)
-from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig
+from recpipe.pipeline.routing import ops  # noqa: F401  (registers the fake kernels)
+from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
 D = 8
 ATOL = 2e-5

@@ -53,7 +53,7 @@ def _fused(world: int, optimizer: str, kind: str = "table_wise") -> Any:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingPlan
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     ebc = pooled._ebc()
     _apply_optimizer(ebc, optimizer)
@@ -76,7 +76,7 @@ def _tiered(world: int, optimizer: str, placements: Dict[str, Dict[str, Any]], b
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingPlan
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     ebc = pooled._ebc()
     _apply_optimizer(ebc, optimizer)
@@ -97,7 +97,7 @@ def _step(model: Any, step: int, rank: int) -> np.ndarray:
 
 def _migrated(make: Any, weights: Dict[str, torch.Tensor], opt: Any) -> Any:
     """A fresh model from ``make()`` given the full weights, then (unless None) the optimizer state."""
-    from recpipe.pipeline.sharders import load_full_optimizer_state
+    from recpipe.pipeline.tiered.sharders import load_full_optimizer_state
 
     model = make()
     model.load_state_dict(weights, strict=False)
@@ -108,7 +108,7 @@ def _migrated(make: Any, weights: Dict[str, torch.Tensor], opt: Any) -> Any:
 
 def _continue(models: Dict[str, Any], rank: int) -> Dict[str, Any]:
     """Trains every model K2 more steps on the same batches: outputs per step, final full tables."""
-    from recpipe.pipeline.sharders import gather_full_weights
+    from recpipe.pipeline.tiered.sharders import gather_full_weights
 
     outs: Dict[str, List[np.ndarray]] = {name: [] for name in models}
     for step in range(K, K + K2):
@@ -119,7 +119,7 @@ def _continue(models: Dict[str, Any], rank: int) -> Dict[str, Any]:
 
 
 def _adagrad_body(rank: int, world: int, fused: str, backend: str) -> Dict[str, Any]:
-    from recpipe.pipeline.sharders import gather_full_optimizer_state, gather_full_weights
+    from recpipe.pipeline.tiered.sharders import gather_full_optimizer_state, gather_full_weights
 
     opt = "rowwise_adagrad"
     ref, src = _fused(world, opt, fused), _tiered(world, opt, SOURCE, backend)
@@ -182,7 +182,7 @@ def test_rowwise_adagrad_state_migrates_fused_to_tiered_and_back_as_uninterrupte
 
 
 def _adam_body(rank: int, world: int) -> Dict[str, Any]:
-    from recpipe.pipeline.sharders import (
+    from recpipe.pipeline.tiered.sharders import (
         gather_full_optimizer_state,
         gather_full_weights,
         load_full_optimizer_state,
@@ -265,7 +265,7 @@ def _ec_model(world: int, tiered: bool) -> Any:
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    from recpipe.pipeline.sharders import TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingCollectionSharder
     from recpipe.planner import PlacementPlanner
     from recpipe.planner.types import PlacementConstraints
 
@@ -298,7 +298,7 @@ def _ec_step(model: Any, step: int, rank: int) -> np.ndarray:
 
 
 def _ec_body(rank: int, world: int) -> Dict[str, List[np.ndarray]]:
-    from recpipe.pipeline.sharders import gather_full_optimizer_state, gather_full_weights
+    from recpipe.pipeline.tiered.sharders import gather_full_optimizer_state, gather_full_weights
 
     ref = _ec_model(world, tiered=False)
     for step in range(K):
@@ -331,7 +331,7 @@ def _column_wise_body(rank: int, world: int) -> Tuple[str, str]:
     from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    from recpipe.pipeline.sharders import gather_full_optimizer_state
+    from recpipe.pipeline.tiered.sharders import gather_full_optimizer_state
 
     ebc = pooled._ebc()
     _apply_optimizer(ebc, "rowwise_adagrad")
@@ -362,8 +362,8 @@ def test_shard_load_global_optimizer_state_updates_as_rowwise_adagrad_from_the_l
     the load): the next update is row-wise Adagrad's (plain torch math) from the loaded momentum,
     the values kept, the step the loaded one + 1; a state of another width is refused naming the
     table, nothing changed."""
-    from recpipe.pipeline._tiered_optim import TieredOptimizerConfig
-    from recpipe.pipeline.tiered import TieredEmbeddingShard
+    from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
     n, dim, lr, eps = 20, 4, 0.1, 1e-8
     shard = TieredEmbeddingShard(num_embeddings=n, embedding_dim=dim, mode="CACHING", cache_load_factor=0.25,

@@ -87,7 +87,7 @@ def test_set_optimizer_step_on_fused_optimizer_reaches_tiered_tables() -> None:
 def _adam_rows(backend: str, sets: List[Optional[int]]) -> List[np.ndarray]:
     """An all-fast Adam shard (lr 0.1) updated once per entry of ``sets`` (each first
     ``set_optimizer_step(entry)`` unless None), with gradients ``g_k``; its rows after each."""
-    from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     torch.manual_seed(0)
     shard = TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=1.0,
@@ -167,7 +167,7 @@ def test_set_optimizer_step_after_load_restores_bias_correction(backend: str) ->
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     def shard() -> TieredEmbeddingShard:
         return TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="CACHING", cache_load_factor=0.5,
@@ -210,7 +210,7 @@ def test_fbgemm_backend_set_optimizer_step_after_load_as_fused_tbe() -> None:
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     def shard() -> TieredEmbeddingShard:
         return TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
@@ -233,7 +233,7 @@ def test_fbgemm_backend_set_optimizer_step_after_load_as_fused_tbe() -> None:
 
 
 def test_set_optimizer_step_refuses_bad_step_naming_table() -> None:
-    from recpipe.pipeline.tiered import TieredEmbeddingShard
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
     shard = TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
                                  table_name="clicks")
@@ -281,7 +281,7 @@ def test_set_learning_rate_refuses_what_fbgemm_cannot_take_naming_table() -> Non
     """Accepted as fbgemm's TBE accepts: numbers and 0-dim real tensors; refused with the table
     named: a 1-element 1-d tensor (fbgemm's ``fill_`` refuses it too), complex and bool values,
     and values that are not finite or are negative."""
-    from recpipe.pipeline.tiered import TieredEmbeddingShard
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
     shard = TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
                                  table_name="clicks")

@@ -45,7 +45,7 @@ def _build(world: int, backend: Optional[str] = None, fused: Optional[Dict[str, 
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     torch.manual_seed(SEED)
@@ -100,7 +100,7 @@ def _stats(dmp: Any) -> Dict[str, Any]:
 def _body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     batches = make_batches(rank, n=N_BATCHES, seed=3)
     device = torch.device("cpu")
@@ -189,7 +189,7 @@ def _write(kind: str, model: Any, other: Any) -> None:
 def _detach_body(rank: int, world: int) -> Dict[str, Any]:
     """Reference and fused pipelines, each writing the tables between steps 3 and 4."""
     global SEED
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     batches = make_batches(rank, n=N_BATCHES, seed=3)
     device = torch.device("cpu")
@@ -297,7 +297,7 @@ def _fbgemm_body(rank: int, world: int) -> Dict[str, Any]:
     interventions of :func:`_between_steps`."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     batches = make_batches(rank, n=N_BATCHES, seed=3)
     device = torch.device("cpu")

@@ -117,7 +117,7 @@ def _body(rank: int, world: int, vbe: bool) -> Dict[str, Any]:
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recpipe.pipeline.sharders import (
+    from recpipe.pipeline.tiered.sharders import (
         TieredBatchedEmbedding,
         TieredEmbeddingCollectionSharder,
         TieredShardedEmbeddingCollection,

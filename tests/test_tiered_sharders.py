@@ -117,7 +117,7 @@ def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) ->
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     global_weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone()
                       for n, *_ in TABLES}
@@ -185,7 +185,7 @@ def _fp_body(rank: int, world: int, backend: Optional[str]) -> Dict[str, List[An
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     prefix = "_embedding_bag_collection.embedding_bags."
@@ -255,7 +255,7 @@ def _init_body(rank: int, world: int, init: Optional[Sequence[float]]) -> Dict[s
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingPlan
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     ebc = _ebc(init=init)
     sharder = TieredEmbeddingBagCollectionSharder()
@@ -272,7 +272,7 @@ def test_tiered_tables_initialize_in_the_configs_range_as_torchrec(init: Optiona
     """A tiered table draws its rows from the table config's ``weight_init_min`` /
     ``weight_init_max`` (default +-sqrt(1 / rows)), the range torchrec's FUSED table t1
     beside it uses; bad ranges are refused naming the table."""
-    from recpipe.pipeline.tiered import TieredEmbeddingShard
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
     for res in run_gloo(2, _init_body, init):
         for name, rows in (("tiered", 97), ("fused", 50)):
@@ -312,7 +312,7 @@ def test_sharder_backend_is_validated() -> None:
     """An unknown ``backend`` is refused by the sharders' constructors, and one the device
     cannot run by ``shard()`` before anything is built, each naming the sharder and the
     argument; None is the device's default."""
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
 
     for cls in (TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder):
         with pytest.raises(ValueError, match=rf"^{cls.__name__}: backend must be one of \['native', 'fbgemm', "
@@ -348,7 +348,7 @@ def _pipeline_body(rank: int, world: int) -> Dict[str, List[float]]:
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     batches = []
     for step in range(STEPS + 1):
@@ -408,7 +408,7 @@ def _state_dict_body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     def build(seed: int) -> Any:
         torch.manual_seed(seed)
@@ -500,7 +500,7 @@ def _vbe_body(rank: int, world: int, case: str) -> Dict[str, Any]:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     tables, tiered_tables = VBE_CASES[case]
     features = [f for n, _, _, fs in TABLES if n in tables for f in fs]
@@ -573,7 +573,7 @@ def _lr_schedule_body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     global_weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone()
                       for n, *_ in TABLES}
@@ -649,7 +649,7 @@ def _warmup_model(world: int, placements: Any, backend: Optional[str] = None,
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
     ebc = _ebc()
@@ -806,7 +806,7 @@ def _clipping_body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
     out: Dict[str, Any] = {}

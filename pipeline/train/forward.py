@@ -26,7 +26,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbedding
 from torchrec.distributed.train_pipeline.types import CallArgs
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
-from recpipe.pipeline._pipeline_stats import PipelineStageStats, time_awaitable_tree
+from recpipe.pipeline.train.stats import PipelineStageStats, time_awaitable_tree
 
 
 class PipelinedLookupUnavailableError(RuntimeError, AssertionError):

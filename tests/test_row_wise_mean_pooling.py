@@ -83,7 +83,7 @@ def _batch(rank: int, step: int, keys: list[str], rows: dict[str, int], vbe: boo
 
 
 def _mixed_pooling_body(rank: int, world: int, tables: str = "mixed", vbe: bool = False) -> dict[str, float]:
-    from recpipe.pipeline.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     MIXED = TABLES[tables]
 
@@ -160,7 +160,7 @@ def test_vbe_kjt_in_another_key_order_with_row_wise_mean_matches_unsharded(table
 
 
 def _shared_feature_body(rank: int, world: int) -> str:
-    from recpipe.pipeline.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     tables = [("ta", 10, 4, ["f"], PoolingType.MEAN, "row_wise"), ("tb", 12, 4, ["f"], PoolingType.SUM, "row_wise")]
     configs = [EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=p)

@@ -79,7 +79,7 @@ from torchrec.modules.embedding_configs import PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.pipeline import ops
+from recpipe.pipeline.routing import ops
 from recpipe.pipeline.placement import (
     FUSED_PARAM_DIST_TYPE,
     FUSED_PARAM_MODE,
@@ -493,7 +493,7 @@ def row_order_refusal(where: str, problems: List[str], after: str = "") -> RowOr
         "  1. shard these tables as the state was saved (the same table_dist_types= / placement plan, world "
         "size and seed);\n"
         "  2. move the rows as full tables: in a job sharded as the state was saved, load it and call "
-        "full = recpipe.pipeline.sharders.gather_full_weights(model) on every rank (torch.save(full) there), "
+        "full = recpipe.pipeline.tiered.sharders.gather_full_weights(model) on every rank (torch.save(full) there), "
         "then model.load_state_dict(full, strict=False) here: full tables load by global row id into any "
         "routing, world size or kernel (the tables' optimizer state is not moved)." + after
     )
@@ -729,7 +729,7 @@ class _RoutedShardedMixin:
           that is, is refused (before any table changes), as the rows would land on
           other global ids;
         * a full tensor (global row order: an unsharded module's weights,
-          :func:`recpipe.pipeline.sharders.gather_full_weights`) gives each rank its routed rows.
+          :func:`recpipe.pipeline.tiered.sharders.gather_full_weights`) gives each rank its routed rows.
 
         Args:
             state_dict (Dict[str, Any]): the state dict being loaded.
@@ -762,7 +762,7 @@ class _RoutedShardedMixin:
                 f"{type(self).__name__}.load_state_dict", problems,
                 "\nIf torch.distributed.checkpoint.load filled this state dict in place (dcp.load(model.state_dict(), "
                 "...)), it has already written the saved rows into these tables' shards: rebuild the model or load a "
-                "checkpoint of this routing before training on. recpipe.pipeline.dcp.load checks the routing "
+                "checkpoint of this routing before training on. recpipe.pipeline.checkpoint.dcp.load checks the routing "
                 "before it reads any row.")
         super(_RoutedShardedMixin, type(self))._pre_load_state_dict_hook(  # type: ignore[misc]
             self, state_dict, prefix, *args
@@ -1002,7 +1002,7 @@ class _RoutedSharderMixin:
                 raise ValueError(
                     f"table {name!r} has compute_kernel {kernel} (a recpipe tiered table, as "
                     f"recpipe.planner's plans make them), which {type(self).__name__} does not run: shard with "
-                    "recpipe.pipeline.sharders.TieredEmbeddingBagCollectionSharder() / "
+                    "recpipe.pipeline.tiered.sharders.TieredEmbeddingBagCollectionSharder() / "
                     "TieredEmbeddingCollectionSharder(), which take the same arguments and shard every other "
                     "table as this sharder does."
                 )

@@ -1,6 +1,6 @@
 """torchrec sharders that run recpipe tiered tables behind row-wise sharding.
 
-Built on ``recpipe.pipeline.sharding`` (recpipe's routed row-wise sharders: ROW_WISE
+Built on ``recpipe.pipeline.routing.sharding`` (recpipe's routed row-wise sharders: ROW_WISE
 on CPU and CUDA, input dist through ``torch.ops.recpipe.block_bucketize_sparse_features``
 with a per-table dist_type), extending torchrec's public extension points further:
 
@@ -14,7 +14,7 @@ with a per-table dist_type), extending torchrec's public extension points furthe
   resolve each tiered table's routing (default ``hash_roundrobin``; plain torchrec
   tables keep ``continuous``) and build a lookup whose CUSTOMIZED_KERNEL groups run
   :class:`TieredBatchedEmbeddingBag` (pooled) or :class:`TieredBatchedEmbedding`
-  (sequence), one :class:`~recpipe.pipeline.tiered.TieredEmbeddingShard` per table;
+  (sequence), one :class:`~recpipe.pipeline.tiered.shard.TieredEmbeddingShard` per table;
   other groups keep torchrec's kernels.
 
 The sequence kernel reuses the pooled shard with one id per bag (offsets
@@ -97,7 +97,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from recpipe.pipeline._tiered_optim import SUPPORTED_OPTIMIZERS
+from recpipe.pipeline.tiered.optim import SUPPORTED_OPTIMIZERS
 from recpipe.pipeline.placement import (
     FUSED_PARAM_BACKEND,
     FUSED_PARAM_DIST_TYPE,
@@ -109,7 +109,7 @@ from recpipe.pipeline.placement import (
     PlacementParams,
     dtype_name,
 )
-from recpipe.pipeline.sharding import (
+from recpipe.pipeline.routing.sharding import (
     RecpipeEmbeddingBagCollectionSharder,
     RecpipeEmbeddingCollectionSharder,
     RecpipeRwPooledEmbeddingSharding,
@@ -120,7 +120,7 @@ from recpipe.pipeline.sharding import (
     RoutingOverrides,
     RowOrder,
 )
-from recpipe.pipeline.tiered import (
+from recpipe.pipeline.tiered.shard import (
     BACKENDS,
     TieredEmbeddingShard,
     TieredOptimizerConfig,
@@ -833,7 +833,7 @@ class _TieredRoutingMixin:
     """Completes the placement of tiered tables before the row-wise sharding is built.
 
     The routing of a tiered table is resolved once, here, and written into its
-    fused params so the input dist (``recpipe.pipeline.sharding.feature_routing``)
+    fused params so the input dist (``recpipe.pipeline.routing.sharding.feature_routing``)
     and the tiered kernel agree: the table's own ``recpipe_dist_type`` /
     ``recpipe_seed``, else the sharder's ``RoutingOverrides``, else
     ``hash_roundrobin`` with seed 0 (recpipe's default for its tables). See
@@ -921,7 +921,7 @@ class _TieredTablesMixin:
     @classmethod
     def with_backend(cls, backend: str) -> type:
         """A subclass whose tiered tables run ``backend`` (the sharders' ``backend=``;
-        see ``recpipe.pipeline.tiered.TieredEmbeddingShard``), as ``with_routing``
+        see ``recpipe.pipeline.tiered.shard.TieredEmbeddingShard``), as ``with_routing``
         carries the sharder's routing."""
         sharding = type(cls._ROW_WISE_SHARDING.__name__, (cls._ROW_WISE_SHARDING,), {"_backend": backend})
         return type(cls.__name__, (cls,), {"_ROW_WISE_SHARDING": sharding})
@@ -1044,7 +1044,7 @@ class _TieredTablesMixin:
                 "Possible solutions:\n"
                 f"  1. load it into a model that plans {name!r} as it was saved (a tiered placement, "
                 "compute_kernel 'customized_kernel');\n"
-                "  2. move the saved rows as a full table: full = recpipe.pipeline.sharders.gather_full_weights("
+                "  2. move the saved rows as a full table: full = recpipe.pipeline.tiered.sharders.gather_full_weights("
                 "<the saving (tiered) model>) on every rank, then pass the state dict with full["
                 f"{key!r}] instead of the tiered entries (the table's optimizer state then starts from zero: "
                 "migrate it with opt = gather_full_optimizer_state(<the saving model>) on every rank, then "
@@ -1167,10 +1167,10 @@ def _sharded_weight_error(key: str, name: str, value: Any) -> str:
         f"{key}: tiered table {name!r} cannot load a {type(value).__name__} (e.g. the state_dict() of a model "
         "whose table is a torchrec FUSED table): this rank holds a contiguous range of its rows, while the "
         "tiered shard owns hash-routed rows held by every rank. Possible solutions:\n"
-        "  1. pass the full [num_embeddings, dim] tensor: full = recpipe.pipeline.sharders.gather_full_weights("
+        "  1. pass the full [num_embeddings, dim] tensor: full = recpipe.pipeline.tiered.sharders.gather_full_weights("
         f"<the saving model>) on every rank, then load_state_dict(full, strict=False) (the table's "
         "optimizer state then starts from zero: FUSED tables keep it in fused_optimizer.state_dict(), which tiered "
-        "tables do not load; migrate it with opt = recpipe.pipeline.sharders.gather_full_optimizer_state(<the "
+        "tables do not load; migrate it with opt = recpipe.pipeline.tiered.sharders.gather_full_optimizer_state(<the "
         "saving model>) on every rank, then load_full_optimizer_state(<this model>, opt) after the weights);\n"
         "  2. load the state_dict() (or tiered_state() exports, with load_tiered_state()) of a model that planned "
         "the table tiered."
@@ -1262,7 +1262,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingB
     """recpipe's EBC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
     CUSTOMIZED_KERNEL row-wise tables run the tiered kernel.
 
-    Args: as ``recpipe.pipeline.sharding.RecpipeEmbeddingBagCollectionSharder``, plus
+    Args: as ``recpipe.pipeline.routing.sharding.RecpipeEmbeddingBagCollectionSharder``, plus
         ``backend`` (keyword-only, see :class:`_TieredSharderMixin`).
 
     Example::
@@ -1304,7 +1304,7 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingColl
     """recpipe's EC sharder (ROW_WISE on CPU and CUDA, routed by recpipe's op) whose
     CUSTOMIZED_KERNEL row-wise tables run the tiered sequence kernel.
 
-    Args: as ``recpipe.pipeline.sharding.RecpipeEmbeddingCollectionSharder``, plus
+    Args: as ``recpipe.pipeline.routing.sharding.RecpipeEmbeddingCollectionSharder``, plus
         ``backend`` (keyword-only, see :class:`_TieredSharderMixin`).
 
     Example::
@@ -1327,7 +1327,7 @@ def state_dict_without_tiered_rows(model: nn.Module) -> Iterator[Dict[str, "_Tie
     tables records the prefix its entries take in the state dict (DMP strips its
     own wrapper prefix, so a module's prefix is only known from a ``state_dict()``
     call). Checkpoint formats that store tiered rows their own way (e.g.
-    :mod:`recpipe.pipeline.dcp`) use it.
+    :mod:`recpipe.pipeline.checkpoint.dcp`) use it.
 
     Args:
         model (nn.Module): the (DMP-wrapped) model.
@@ -1359,7 +1359,7 @@ def gather_full_weights(
 
     The way to move tables between layouts that their sharded ``state_dict()`` cannot
     cross: another world size or routing of a roundrobin / hash_roundrobin FUSED table
-    (whose shards hold routed rows, see ``recpipe.pipeline.sharding.RowOrder``), tiered
+    (whose shards hold routed rows, see ``recpipe.pipeline.routing.sharding.RowOrder``), tiered
     <-> torchrec tables, or an unsharded module. ``model.load_state_dict(full,
     strict=False)`` then loads each table by global row id into any of them (torchrec
     slices a full tensor by its shards' offsets; recpipe's routed and tiered tables pick

@@ -25,7 +25,7 @@ from typing import FrozenSet, Union
 
 import torch
 
-from recpipe.pipeline.ops import check_int
+from recpipe.pipeline.routing.ops import check_int
 from recpipe.pipeline.placement import FusedOptimizer
 
 __all__ = ["FusedOptimizer", "SUPPORTED_OPTIMIZERS", "TieredOptimizerConfig"]

@@ -1,6 +1,6 @@
 """The CUDA realization of a tiered shard: fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``.
 
-On CUDA a :class:`~recpipe.pipeline.tiered.TieredEmbeddingShard` hands its rows to
+On CUDA a :class:`~recpipe.pipeline.tiered.shard.TieredEmbeddingShard` hands its rows to
 fbgemm's TBE, which already offers the tiers, the UVM cache and the fused
 optimizers, all without host syncs in a training step:
 
@@ -41,7 +41,7 @@ A lookup advances counters, which a pipeline that discards a lookup takes back
 any fbgemm TBE (torchrec's FUSED tables' too), :meth:`FbgemmTier.lookup_counters` /
 :meth:`FbgemmTier.undo_lookup` for a tier's TBE and its own SGD step count.
 
-Statistics (``recpipe.pipeline.ops.TIERED_STATS`` layout) are counted with device
+Statistics (``recpipe.pipeline.routing.ops.TIERED_STATS`` layout) are counted with device
 ops into an int64 tensor and read on the host only by ``tier_stats()``: ids and
 unique rows of each lookup; for CACHING the ids already cached before the step's
 loads (``fbgemm.lxu_cache_lookup``), the ids served from the cache
@@ -59,8 +59,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from recpipe.pipeline._tiered_optim import TieredOptimizerConfig
-from recpipe.pipeline.ops import TIERED_STATS
+from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
+from recpipe.pipeline.routing.ops import TIERED_STATS
 from recpipe.pipeline.placement import (
     CachePolicy,
     FusedOptimizer,

@@ -26,7 +26,7 @@ READ_CHUNK_BYTES: int = 1 << 22
 
 #: The file a saving process holds an exclusive ``flock`` on (it names the holder):
 #: ``<checkpoint-dir>/.recpipe_save.lock`` for the recipe, ``<checkpoint_id>/.recpipe_save.lock``
-#: for :func:`recpipe.pipeline.dcp.save`.
+#: for :func:`recpipe.pipeline.checkpoint.dcp.save`.
 SAVE_LOCK_NAME: str = ".recpipe_save.lock"
 
 FileEntry = Dict[str, Any]

@@ -150,7 +150,7 @@ def _body(rank: int, world_size: int, name: str) -> Dict[Any, Any]:
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train_pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
 
     scenario = SCENARIOS[name]
     fused_params: Dict[str, Any] = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}

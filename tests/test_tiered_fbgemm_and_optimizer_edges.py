@@ -36,7 +36,7 @@ def _model(world: int, tiered: bool) -> Any:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     weights = {f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone()
                for n, *_ in pooled.TABLES}
@@ -77,7 +77,7 @@ def _full(model: Any, name: str) -> torch.Tensor:
 
 
 def _migration_body(rank: int, world: int) -> Dict[str, Any]:
-    from recpipe.pipeline.sharders import gather_full_weights
+    from recpipe.pipeline.tiered.sharders import gather_full_weights
 
     fused, tiered = _model(world, tiered=False), _model(world, tiered=True)
     _train(fused, rank, 0)
@@ -160,7 +160,7 @@ def test_fbgemm_backend_refuses_dim_not_multiple_of_4_on_every_rank(rank: int) -
     tables refuse a dim that is not a multiple of 4 (fbgemm's TBE needs one); the tiered
     table on backend ``fbgemm`` is refused on both ranks, naming the table, with the fixes
     (the rank without rows used to build its shard and go on)."""
-    from recpipe.pipeline.tiered import TieredEmbeddingShard
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
     with pytest.raises(ValueError) as info:
         TieredEmbeddingShard(num_embeddings=1, embedding_dim=6, mode="HYBRID", cache_load_factor=0.5, rank=rank,
@@ -255,7 +255,7 @@ def _tiny_body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
 
     out: Dict[str, Any] = {}
@@ -322,7 +322,7 @@ def test_fbgemm_backend_shard_without_rows_undoes_a_discarded_lookup_as_fbgemm(o
     """``lookup_counters`` / ``undo_lookup`` (TrainPipelineFusedSparseDist takes back a
     discarded early lookup) of a fbgemm shard without rows move its step as those of the
     table's shard with rows (fbgemm's TBE): a lookup, its undo, and an undo after a load."""
-    from recpipe.pipeline.tiered import TieredEmbeddingShard, TieredOptimizerConfig
+    from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     steps: Dict[int, List[int]] = {}
     for rank in (0, 1):
@@ -356,7 +356,7 @@ def _deprecated_body(rank: int, world: int, name: str) -> Dict[str, str]:
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     fused_params = {"optimizer": EmbOptimType[name], "learning_rate": 0.05}
     out: Dict[str, str] = {}
@@ -401,7 +401,7 @@ def test_adam_rowwise_bias_correction_refused_for_tiered_tables() -> None:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.tbe.config.optimizer_config import UserEnabledConfigDefinition
 
-    from recpipe.pipeline.sharders import tiered_optimizer_from_fused_params
+    from recpipe.pipeline.tiered.sharders import tiered_optimizer_from_fused_params
 
     on = UserEnabledConfigDefinition(use_rowwise_bias_correction=True)
     assert on.use_rowwise_bias_correction  # fbgemm's own definition of the knob

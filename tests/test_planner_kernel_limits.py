@@ -65,7 +65,7 @@ def _planner(world: int, **kwargs: Any) -> PlacementPlanner:
 def _sharded_bytes(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     ebc = _ebc()
     plan = _planner(world).plan(ebc)  # a cuda topology: fbgemm's layout by default
@@ -100,7 +100,7 @@ def test_fbgemm_plan_sharded_for_cpu_warns_with_the_bytes_the_native_tables_allo
         assert len(r["warnings"]) == 1, r["warnings"]
         kind, msg, filename = r["warnings"][0]
         assert kind == "UserWarning"
-        assert filename.endswith("test_planner_leftovers3.py")  # points at the caller's line
+        assert filename.endswith("test_planner_kernel_limits.py")  # points at the caller's line
         assert "to_sharding_plan(compute_device='cpu'): the plan was sized in fbgemm's layout (backend='fbgemm')" in msg
         assert "on cpu the tiered sharders run recpipe's native layout (backend='native', their default there)" in msg
         assert "2 of its 2 tables (['t0', 't1']) need other bytes" in msg

@@ -2,7 +2,7 @@
 
 A :class:`TieredEmbeddingShard` owns the ``R`` local rows a rank holds of one
 table under row-wise sharding (roundrobin / hash_roundrobin / continuous routing,
-see :mod:`recpipe.pipeline.ops`). Its rows live in two tiers:
+see :mod:`recpipe.pipeline.routing.ops`). Its rows live in two tiers:
 
 * **fast tier**: HBM on CUDA (``device``); on CPU a separate host buffer.
 * **slow tier**: host DDR (pinned when ``device`` is CUDA).
@@ -37,7 +37,7 @@ Backends (``backend=``; the default follows the device):
 * ``native`` (CPU): each step runs in the compiled ops ``torch.ops.recpipe.tiered_lookup``
   and ``tiered_backward`` (``csrc/tiered.cpp``).
 * ``fbgemm`` (CUDA): fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``
-  (:mod:`recpipe.pipeline._tiered_fbgemm`): CACHING as a ``MANAGED_CACHING`` table
+  (:mod:`recpipe.pipeline.tiered.fbgemm`): CACHING as a ``MANAGED_CACHING`` table
   (fbgemm's set-associative UVM cache, LRU / LFU), HYBRID as a ``DEVICE`` +
   ``MANAGED`` table pair split by the same hash, the fused optimizer fbgemm's. No
   host sync in a training step. fbgemm's cache admission and byte layout differ
@@ -79,9 +79,9 @@ import torch.nn.functional as F
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 
-from recpipe.pipeline._tiered_fbgemm import FbgemmTier, plan_fbgemm_tier, split_tier
-from recpipe.pipeline._tiered_optim import FusedOptimizer, TieredOptimizerConfig
-from recpipe.pipeline.ops import (
+from recpipe.pipeline.tiered.fbgemm import FbgemmTier, plan_fbgemm_tier, split_tier
+from recpipe.pipeline.tiered.optim import FusedOptimizer, TieredOptimizerConfig
+from recpipe.pipeline.routing.ops import (
     ROUTING_VERSION,
     TIERED_MODES,
     TIERED_OPTIMIZERS,
@@ -128,7 +128,7 @@ LOAD_CHUNK_ROWS: int = 1 << 20
 WRITE_CHUNK_ROWS: int = 1 << 16
 
 #: Version of the export format written in ``TieredShardState.metadata``.
-#: 2 adds ``routing_version`` (``recpipe.pipeline.ops.ROUTING_VERSION``); version 1
+#: 2 adds ``routing_version`` (``recpipe.pipeline.routing.ops.ROUTING_VERSION``); version 1
 #: exports lack it and were routed by hash_roundrobin version 1.
 CHECKPOINT_VERSION: int = 2
 
@@ -316,7 +316,7 @@ class TieredEmbeddingShard(nn.Module):
         device (torch.device | str | None): fast-tier device (default CPU).
         table_name (str): name recorded in exports and errors.
         backend (str | None): ``native`` (the compiled CPU kernel), ``fbgemm``
-            (fbgemm's TBE, :mod:`recpipe.pipeline._tiered_fbgemm`; on CPU its tables
+            (fbgemm's TBE, :mod:`recpipe.pipeline.tiered.fbgemm`; on CPU its tables
             are HOST tables without a cache, for tests) or ``torch`` (device-generic
             torch ops, the kernel's test reference). Default: ``native`` on CPU,
             ``fbgemm`` on CUDA, ``torch`` elsewhere.
@@ -535,7 +535,7 @@ class TieredEmbeddingShard(nn.Module):
             ShardStorage: equals ``recpipe.pipeline.placement.shard_storage(num_rows,
             embedding_dim, dtype, optimizer, mode, cache_load_factor)`` for the
             ``native`` and ``torch`` backends; for ``fbgemm`` on CUDA,
-            ``recpipe.pipeline._tiered_fbgemm.fbgemm_tier_bytes`` of the shard's plan.
+            ``recpipe.pipeline.tiered.fbgemm.fbgemm_tier_bytes`` of the shard's plan.
         """
         tiers = self.tier_tensors()
         return ShardStorage(
@@ -593,7 +593,7 @@ class TieredEmbeddingShard(nn.Module):
         torchrec's fused optimizers do the same from ``step()`` / ``zero_grad()``
         (``set_learning_rate`` of fbgemm's TBE), which is how an LR schedule on
         ``model.fused_optimizer`` reaches a table (see
-        ``recpipe.pipeline.sharders.TieredFusedOptimizer``). As fbgemm's TBE (which fills
+        ``recpipe.pipeline.tiered.sharders.TieredFusedOptimizer``). As fbgemm's TBE (which fills
         its learning-rate tensor with it, ``fill_``), a 0-dim tensor is accepted, e.g. a
         param group's tensor ``lr``; its value is read once here (on CUDA a device sync).
 
@@ -742,7 +742,7 @@ class TieredEmbeddingShard(nn.Module):
         """Sets the optimizer state of this shard's rows from a full table's, keeping their values.
 
         The counterpart of :meth:`load_global_weights` for the fused optimizer state (e.g.
-        a torchrec FUSED table's, gathered by ``recpipe.pipeline.sharders.gather_full_optimizer_state``):
+        a torchrec FUSED table's, gathered by ``recpipe.pipeline.tiered.sharders.gather_full_optimizer_state``):
         the rows this shard owns are picked by global id. Call it after the weights were
         loaded (:meth:`load_global_weights` zeroes the state). The step is set as after
         :meth:`load_states`: the next update is step ``step + 1`` (Adam's bias correction).
@@ -985,7 +985,7 @@ class TieredEmbeddingShard(nn.Module):
                 raise IndexError(
                     f"ids out of range for table {self.table_name!r} shard {self.rank}: got ids in "
                     f"[{lo}, {hi}] but the shard has {self.num_rows} local rows. Possible solutions:\n"
-                    f"  1. route global ids with recpipe.pipeline.ops.route_ids / bucketize_kjt "
+                    f"  1. route global ids with recpipe.pipeline.routing.ops.route_ids / bucketize_kjt "
                     f"(dist_type={self.dist_type!r}, world_size={self.world_size}) before the lookup.\n"
                     f"  2. check num_embeddings={self.num_embeddings} matches the feature's id space (global ids "
                     f"in [0, {self.num_embeddings}); recpipe's row-wise sharding sends a global id v >= "

@@ -373,7 +373,7 @@ def _edge_body(rank: int, world: int) -> dict[str, float]:
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
     from recpipe.planner import PlacementConstraints
 
     lr = 0.1

@@ -12,7 +12,7 @@ the table. This module writes one DCP checkpoint holding:
   fused optimizer state of the non-tiered tables, ShardedTensors too), when the
   model has one;
 * for every tiered table, each owning rank's export
-  (:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.export_state`) under
+  (:meth:`~recpipe.pipeline.tiered.shard.TieredEmbeddingShard.export_state`) under
   per-rank keys ``tiered.<table fqn>.rank<r>.{global_ids, weights,
   optimizer_state, step, metadata}`` (``<table fqn>`` as in the model's state
   dict, e.g. ``ebc.embedding_bags.t0``; ``metadata`` is the export's routing and
@@ -21,14 +21,14 @@ the table. This module writes one DCP checkpoint holding:
 
 Loading (any world size, routing and placement; a roundrobin / hash_roundrobin
 FUSED table only into its own routing, world size and seed, as its shards hold
-routed rows: see ``recpipe.pipeline.sharding.RowOrder``): the regular part goes through
+routed rows: see ``recpipe.pipeline.routing.sharding.RowOrder``): the regular part goes through
 ``dcp.load`` (collective); then every rank reads the checkpoint metadata to find
 every saving rank's export of each of its tiered tables, reads their routing
 metadata and steps (checked for consistency), and then the exports themselves one
 saving rank at a time (``no_dist``: ranks read different keys). Each is validated
 against the table (num_embeddings, dim, dtype, optimizer, routing; errors name the
 table) and the rows this rank owns under its own routing are kept (by global id);
-:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_states` writes them to
+:meth:`~recpipe.pipeline.tiered.shard.TieredEmbeddingShard.load_states` writes them to
 their tiers. When the saving job routed the table exactly as the loading job
 (same world size, dist_type and seed; the placement may differ), only this rank's
 own export is read. Peak extra memory per table: one saving rank's export plus
@@ -40,9 +40,9 @@ a torchrec table (its ``weight`` a ``[num_embeddings, dim]`` ShardedTensor, e.g.
 torchrec job's ``torch.distributed.checkpoint.save({**model.state_dict(), "fused_optimizer":
 model.fused_optimizer.state_dict()})``) is loaded from it: each rank streams the table and
 its fused optimizer state (torchrec's ``fused_optimizer.state.<weight key>.<table>.momentum1``
-..., :data:`~recpipe.pipeline.sharders.OPTIMIZER_STATE_NAMES`) one saved row block at a time
+..., :data:`~recpipe.pipeline.tiered.sharders.OPTIMIZER_STATE_NAMES`) one saved row block at a time
 (a saving rank's ROW_WISE chunk; a TABLE_WISE table is one block) into CPU tensors, and
-:meth:`~recpipe.pipeline.tiered.TieredEmbeddingShard.load_row_blocks` writes the block's rows
+:meth:`~recpipe.pipeline.tiered.shard.TieredEmbeddingShard.load_row_blocks` writes the block's rows
 this rank owns (by global id) to their tiers as it comes. Peak extra memory: one saved block
 (which DCP's reader holds twice while it reads it), one table at a time (it used to be a whole
 table per rank). torchrec's checkpoint
@@ -53,7 +53,7 @@ The reverse, a table tiered in the checkpoint that the loading model holds as a 
 gathers only the rows its shards hold from every saving rank's export (by global id, one table
 at a time), writes them into the weight's local shards (given to ``model.load_state_dict``) and
 their fused optimizer state into torchrec's optimizer state after its load, with the exports'
-step (as :func:`~recpipe.pipeline.sharders.load_full_optimizer_state` sets it). Extra memory:
+step (as :func:`~recpipe.pipeline.tiered.sharders.load_full_optimizer_state` sets it). Extra memory:
 the rank's rows of one table and one export.
 
 Integrity: :func:`save` writes :data:`DIGESTS_NAME` last (size and sha256 of DCP's
@@ -64,7 +64,7 @@ naming the file on every rank, never silently wrong weights.
 
 Example::
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     recpipe_dcp.save(model, "ckpt/step_100")          # every rank
     recpipe_dcp.load(model, "ckpt/step_100")          # any world size / placement
@@ -93,16 +93,16 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
-from recpipe.pipeline._integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_lock, atomic_write_bytes, file_entry,
+from recpipe.pipeline.checkpoint.integrity import (SAVE_LOCK_NAME, SaveLock, acquire_save_lock, atomic_write_bytes, file_entry,
                                          file_problem, is_file_entry, json_digest, release_save_lock)
-from recpipe.pipeline.ops import ROUTING_VERSION, check_int, local_rows, route_ids
+from recpipe.pipeline.routing.ops import ROUTING_VERSION, check_int, local_rows, route_ids
 from recpipe.pipeline.placement import FusedOptimizer
-from recpipe.pipeline._tiered_optim import TieredOptimizerConfig
-from recpipe.pipeline.sharders import (  # the optimizer-state migration's views of the tables, shared
+from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
+from recpipe.pipeline.tiered.sharders import (  # the optimizer-state migration's views of the tables, shared
     OPTIMIZER_STATE_NAMES, OPTIMIZER_STEP_KEY, _describe_tables, _named_to_columns, _optimizer_tables,
     _shard_global_rows, _TieredTablesMixin, _write_optimizer_rows, state_dict_without_tiered_rows)
-from recpipe.pipeline.sharding import ROW_ORDER_KEY, RowOrder, describe_row_order, row_order_refusal
-from recpipe.pipeline.tiered import (TieredCheckpointError, TieredEmbeddingShard, TieredShardState,
+from recpipe.pipeline.routing.sharding import ROW_ORDER_KEY, RowOrder, describe_row_order, row_order_refusal
+from recpipe.pipeline.tiered.shard import (TieredCheckpointError, TieredEmbeddingShard, TieredShardState,
                                      non_finite_rows as _non_finite_rows)
 
 __all__ = [
@@ -319,12 +319,12 @@ def _check_directory(directory: PathLike, argument: str, process_group: Optional
     if os.path.exists(directory) and not os.path.isdir(directory):
         problem = ("NotADirectoryError",
                    f"DCP checkpoint {os.fspath(directory)!r} (`{argument}`) is a file, not a directory; pass the "
-                   "directory given to recpipe.pipeline.dcp.save (the one holding .metadata and "
+                   "directory given to recpipe.pipeline.checkpoint.dcp.save (the one holding .metadata and "
                    f"{DIGESTS_NAME}), not one of its files.")
     elif not os.path.isdir(directory):
         problem = ("FileNotFoundError",
                    f"DCP checkpoint directory {os.fspath(directory)!r} (`{argument}`) does not exist; pass the "
-                   "directory given to recpipe.pipeline.dcp.save (on a file system every loading rank sees).")
+                   "directory given to recpipe.pipeline.checkpoint.dcp.save (on a file system every loading rank sees).")
     rank, world = _rank_world(process_group)
     everyone = _all_gather(problem, world, process_group)
     bad = [r for r, p in enumerate(everyone) if p is not None]
@@ -436,10 +436,10 @@ def _read_digests(directory: Path) -> Dict[str, Any]:
     path = directory / DIGESTS_NAME
     if not path.is_file():
         raise CheckpointIntegrityError(
-            [(str(path), "missing: the checkpoint was not written by recpipe.pipeline.dcp.save, or its save "
+            [(str(path), "missing: the checkpoint was not written by recpipe.pipeline.checkpoint.dcp.save, or its save "
                          "did not finish")],
             ("if the save finished (e.g. your own torch.distributed.checkpoint.save of dcp_state_dict(model)), "
-             "call recpipe.pipeline.dcp.write_digests(checkpoint_id) once on the saving ranks' files",
+             "call recpipe.pipeline.checkpoint.dcp.write_digests(checkpoint_id) once on the saving ranks' files",
              "pass verify=False to load it without an integrity check",
              "load an older checkpoint"),
         )
@@ -608,7 +608,7 @@ class _Adoption(NamedTuple):
             (where the tiered table keeps an empty placeholder under it).
         state_keys (Tuple[str, ...]): checkpoint keys of the table's fused optimizer state in
             the tiered state's column order (torchrec's ``fused_optimizer.state.<weight_key>.
-            <table>.<name>``, :data:`~recpipe.pipeline.sharders.OPTIMIZER_STATE_NAMES`); empty
+            <table>.<name>``, :data:`~recpipe.pipeline.tiered.sharders.OPTIMIZER_STATE_NAMES`); empty
             for SGD, or when the checkpoint holds no fused optimizer state (``strict=False``).
         row_order (Optional[RowOrder]): the routed row order the saving table kept (a
             roundrobin / hash_roundrobin FUSED table of recpipe's sharders), None for
@@ -796,7 +796,7 @@ class _Unadoption(NamedTuple):
         weight_key (str): the table's weight key in the model's state dict.
         heads (Dict[int, Dict[str, Any]]): every saving rank's export metadata and step.
         desc (Any): the model's table as the optimizer-state migration describes it (rows, dim,
-            fused optimizer; ``recpipe.pipeline.sharders``' gathered description).
+            fused optimizer; ``recpipe.pipeline.tiered.sharders``' gathered description).
         own_weight (Any): the model's own weight (its ShardedTensor, kept out of DCP's load, as
             the checkpoint holds a placeholder, and given back to ``model.load_state_dict``, which
             copies it in: :func:`_fill_unadopted` writes the table's rows into it first).
@@ -936,7 +936,7 @@ def _fill_unadopted(
     """Writes an unadopted table's rows (checked by :func:`_check_unadoptions`) into the model's
     own weight shards (``u.own_weight``, which ``model.load_state_dict`` is given after): only
     the rows this rank's shards hold are gathered from every saving rank's export, by global id.
-    Returns where :func:`~recpipe.pipeline.sharders._write_optimizer_rows` reads the table's
+    Returns where :func:`~recpipe.pipeline.tiered.sharders._write_optimizer_rows` reads the table's
     fused optimizer state of those rows (torchrec's names). Extra memory: this rank's rows of the
     table (values and state) and one export."""
     order = RowOrder(*(u.row_order[f] for f in RowOrder._fields)) if u.row_order is not None else None
@@ -1012,7 +1012,7 @@ def _check_fused_optimizer(
         ("pass strict=False to load its weights and keep this model's fused optimizer state (e.g. fresh Adagrad "
          "accumulators; a tiered table loading a torchrec table's rows starts from zero state: training goes on, "
          "but not exactly as the saving job's would)",
-         f"save with recpipe.pipeline.dcp.save, or add model.fused_optimizer.state_dict() under the key "
+         f"save with recpipe.pipeline.checkpoint.dcp.save, or add model.fused_optimizer.state_dict() under the key "
          f"{FUSED_OPTIMIZER_KEY!r} of the state dict you save"),
     )
 
@@ -1096,7 +1096,7 @@ def _check_row_orders(
     world = _rank_world(process_group)[1]
     everyone = sorted({p for part in _all_gather(problems, world, process_group) for p in part})
     if everyone:
-        raise row_order_refusal(f"recpipe.pipeline.dcp.load of {where}", everyone)
+        raise row_order_refusal(f"recpipe.pipeline.checkpoint.dcp.load of {where}", everyone)
 
 
 def _read_here(state: Dict[str, Any], reader: FileSystemReader, where: str, **kwargs: Any) -> None:
@@ -1122,7 +1122,7 @@ def _read_fields(
         if not isinstance(md, TensorStorageMetadata):
             raise TieredCheckpointError(
                 f"{where}: {key} is not a tensor; the checkpoint was not written by "
-                "recpipe.pipeline.dcp.save (or was edited): re-save it."
+                "recpipe.pipeline.checkpoint.dcp.save (or was edited): re-save it."
             )
         state[key] = torch.empty(md.size, dtype=md.properties.dtype)
     _read_here(state, reader, where)
@@ -1166,7 +1166,7 @@ def _tiered_heads(
     if incomplete:
         raise TieredCheckpointError(
             f"{where}: table {table_fqn!r}: exports lack fields {incomplete} (rank: missing fields); "
-            "the checkpoint is incomplete: re-save it with recpipe.pipeline.dcp.save."
+            "the checkpoint is incomplete: re-save it with recpipe.pipeline.checkpoint.dcp.save."
         )
     heads = {r: _read_fields(reader, metadata, table_fqn, r, ("metadata", "step"), where) for r in sorted(ranks)}
     r0 = min(heads)
@@ -1196,7 +1196,7 @@ def _tiered_heads(
 
 _NON_FINITE_FIXES: Tuple[str, ...] = (
     "the saving run diverged (or the rows were set so) and the checkpoint was written without "
-    "recpipe.pipeline.dcp.save's check: load an earlier checkpoint",
+    "recpipe.pipeline.checkpoint.dcp.save's check: load an earlier checkpoint",
     "re-save the table from a healthy run",
 )
 

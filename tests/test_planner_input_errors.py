@@ -18,8 +18,8 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel, compute_kernel_to_embedding_location
 from torchrec.distributed.planner.types import Topology
 
-from recpipe.pipeline._tiered_fbgemm import plan_fbgemm_tier
-from recpipe.pipeline._tiered_optim import TieredOptimizerConfig
+from recpipe.pipeline.tiered.fbgemm import plan_fbgemm_tier
+from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
 from recpipe.planner import (
     DEFAULT_LOAD_FACTORS,
     Mode,
@@ -340,7 +340,7 @@ def test_cli_can_follow_the_advice_to_add_smaller_load_factors(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     # The planner advises smaller load factors than 0.1; before, the CLI had no flag to give them
     # (and its errors named the Python arguments only).
-    from recpipe.pipeline._tiered_fbgemm import fbgemm_shard_storage
+    from recpipe.pipeline.tiered.fbgemm import fbgemm_shard_storage
     from recpipe.planner.__main__ import main as cli_main
 
     y = tmp_path / "big.yaml"

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 import recpipe._C  # registers torch.ops.recpipe.*; holds the routing constants
+from recpipe.pipeline.placement import DIST_TYPES, check_int, local_rows
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -61,56 +62,16 @@ __all__ = [
 #: routing that wrote them.
 ROUTING_VERSION: int = recpipe._C.ROUTING_VERSION
 
-#: Name -> code of the ``dist_types`` tensor, read from the extension
-#: (csrc/bucketize_math.h ``DistType``).
-DIST_TYPES: dict[str, int] = {
+_EXTENSION_DIST_TYPES = {
     "continuous": recpipe._C.DIST_CONTINUOUS,
     "roundrobin": recpipe._C.DIST_ROUNDROBIN,
     "hash_roundrobin": recpipe._C.DIST_HASH_ROUNDROBIN,
 }
-
-
-def check_int(value: Any, argument: str, minimum: Optional[int] = None, maximum: Optional[int] = None) -> int:
-    """``value`` as a Python int, or a ValueError naming ``argument``.
-
-    The one check every count / size / rank argument of the routing and storage
-    helpers goes through: a whole number (Python or numpy int, not a bool, a float
-    or a string) in ``[minimum, maximum]``.
-
-    Args:
-        value: the argument's value.
-        argument (str): the argument's name, for the message.
-        minimum (Optional[int]): smallest accepted value, or None.
-        maximum (Optional[int]): largest accepted value, or None.
-
-    Returns:
-        int: ``operator.index(value)``.
-
-    Raises:
-        ValueError: ``value`` is not an int in range; the message names ``argument`` and the fix.
-    """
-    if isinstance(value, bool) or isinstance(value, torch.Tensor):
-        n = None
-    else:
-        try:
-            n = operator.index(value)
-        except TypeError:
-            n = None
-    if n is None:
-        hint = ""
-        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-            hint = f" (write {int(value)}, without a decimal point)"
-        elif isinstance(value, str):
-            hint = " (pass a number, not a string)"
-        raise ValueError(
-            f"`{argument}` must be an int, got {type(value).__name__} {value!r}; pass a whole number{hint}."
-        )
-    if minimum is not None and n < minimum:
-        raise ValueError(f"`{argument}` must be >= {minimum}, got {n}.")
-    if maximum is not None and n > maximum:
-        raise ValueError(f"`{argument}` must be <= {maximum}, got {n}.")
-    return n
-
+if _EXTENSION_DIST_TYPES != DIST_TYPES:  # pragma: no cover - guards the extension's table
+    raise ImportError(
+        f"recpipe._C's dist type codes {_EXTENSION_DIST_TYPES} differ from the placement contract's {DIST_TYPES}: "
+        "rebuild recpipe so the extension matches the sources."
+    )
 
 def dist_type_code(name: str) -> int:
     """Code of a distribution type name.
@@ -445,32 +406,6 @@ def route_ids(
     table_size = check_int(table_size, "table_size")
     world_size = check_int(world_size, "world_size")
     return torch.ops.recpipe.route_ids(ids, table_size, world_size, dist_type_code(dist_type), seed)
-
-
-def local_rows(num_embeddings: int, world_size: int, rank: int) -> int:
-    """Rows rank ``rank`` owns under roundrobin / hash_roundrobin routing.
-
-    Global id ``h`` lives on rank ``h % W`` at local id ``h // W``, so rank ``r``
-    owns ``ceil((N - r) / W)`` rows; the counts sum to ``N`` over all ranks.
-
-    Args:
-        num_embeddings (int): rows of the whole table ``N``.
-        world_size (int): number of ranks ``W``.
-        rank (int): rank in ``[0, W)``.
-
-    Returns:
-        int: ``(N - rank + W - 1) // W``.
-
-    Example::
-
-        [local_rows(10, 4, r) for r in range(4)]  # [3, 3, 2, 2]
-    """
-    world_size = check_int(world_size, "world_size", 1)
-    rank = check_int(rank, "rank")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}.")
-    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
-    return max(0, (num_embeddings - rank + world_size - 1) // world_size)
 
 
 def continuous_block_rows(num_embeddings: int, world_size: int) -> int:

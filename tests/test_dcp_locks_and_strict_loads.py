@@ -1,10 +1,10 @@
-"""Checkpoint gaps found late, third round (recpipe.pipeline.dcp).
+"""Checkpoint gaps found late, third round (recpipe.pipeline.checkpoint.dcp).
 
-* ``recpipe.pipeline.dcp.save`` had no guard against a second save (another job, or a
+* ``recpipe.pipeline.checkpoint.dcp.save`` had no guard against a second save (another job, or a
   concurrent call) writing into the same directory: rank 0 removed the other save's
   record and files and both wrote the same file names. It now holds the recipe's
   exclusive ``flock`` on ``<checkpoint_id>/.recpipe_save.lock`` for the whole save
-  (one mechanism, ``recpipe.pipeline._integrity.acquire_save_lock``); a save finding it
+  (one mechanism, ``recpipe.pipeline.checkpoint.integrity.acquire_save_lock``); a save finding it
   held raises ``CheckpointSaveError`` on every rank, naming the holder and the fix, and
   writes nothing (the directory keeps its older save).
 * ``load_dcp_state_dict(model, "missing_dir")`` (and ``verify_checkpoint``) said the
@@ -38,10 +38,10 @@ import pytest
 import torch
 
 from gloo_harness import run_gloo
-from test_checkpoint_leftovers import _poison_a_row_of_rank1
+from test_dcp_save_and_resume import _poison_a_row_of_rank1
 from test_dcp import SAVE_PLACEMENTS, TABLES, TRAIN_STEPS, _dense_opt, _shards, _step, _tiered_model
 
-LOCK = ".recpipe_save.lock"  # recpipe.pipeline._integrity.SAVE_LOCK_NAME, the recipe's lock file too
+LOCK = ".recpipe_save.lock"  # recpipe.pipeline.checkpoint.integrity.SAVE_LOCK_NAME, the recipe's lock file too
 
 
 def _hold_lock(directory: Path) -> int:
@@ -63,7 +63,7 @@ def _linear(seed: int) -> torch.nn.Module:
 def _lock_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     directory = Path(root)
     model = _linear(0)
@@ -110,7 +110,7 @@ def test_dcp_save_refuses_a_directory_another_save_holds_on_every_rank(tmp_path:
 
 
 def test_dcp_save_outside_torch_distributed_refuses_a_held_directory(tmp_path: Path) -> None:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     directory = tmp_path / "ckpt"
     fd = _hold_lock(directory)
@@ -129,7 +129,7 @@ def test_dcp_save_outside_torch_distributed_refuses_a_held_directory(tmp_path: P
 
 
 def test_dcp_save_into_a_file_names_it(tmp_path: Path) -> None:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     f = tmp_path / "ckpt"
     f.write_bytes(b"x")
@@ -140,7 +140,7 @@ def test_dcp_save_into_a_file_names_it(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_load_dcp_state_dict_of_a_missing_directory_says_so(tmp_path: Path, verify: bool) -> None:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     missing = tmp_path / "missing_dir"
     model = _linear(0)
@@ -187,7 +187,7 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
 
 
 def _refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = _saved_poisoned_model(rank, world, root)
     out: Dict[str, Any] = {}
@@ -222,7 +222,7 @@ def test_dcp_load_refusing_tiered_rows_leaves_the_model_unchanged_on_every_rank(
 
 
 def _one_rank_refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     fresh = _tiered_model(world, SAVE_PLACEMENTS)  # another routing than the 2 saving ranks': every export is read
     before = _snapshot(fresh)
@@ -239,7 +239,7 @@ def _saved_poisoned_model(rank: int, world: int, root: str) -> Any:
     README's save, which does not check the rows); returns the model."""
     import torch.distributed.checkpoint as dcp
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -282,7 +282,7 @@ def _values(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 def test_dcp_load_strict_false_keeps_entries_the_checkpoint_lacks(tmp_path: Path) -> None:
     """``strict=False`` is ``load_state_dict``'s: it used to be refused by DCP's "Missing key"
     as soon as the model had an entry the checkpoint lacks (e.g. a layer added since)."""
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     saved = _Net(0)
     recpipe_dcp.save(saved, tmp_path / "ckpt")
@@ -306,7 +306,7 @@ def test_dcp_load_strict_refuses_entries_the_model_lacks(tmp_path: Path) -> None
     silently dropped the entries this model lacks (DCP reads only the model's keys), where
     ``load_state_dict(strict=True)`` refuses unexpected keys: now refused by name, before
     anything is read; ``strict=False`` loads the rest as torch's would."""
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     saved = _Net(0, extra=True)
     recpipe_dcp.save(saved, tmp_path / "ckpt")
@@ -332,7 +332,7 @@ def test_load_dcp_state_dict_of_an_fsspec_reader_with_verify_names_the_limit(tmp
     ``verify`` and the fix, and ``verify=False`` loads it (no local directory check)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     saved = _Net(0)
     recpipe_dcp.save(saved, tmp_path / "ckpt")
@@ -351,7 +351,7 @@ def test_load_dcp_state_dict_of_an_fsspec_reader_with_verify_names_the_limit(tmp
 def _tiered_table_added_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -403,7 +403,7 @@ def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     import torch.distributed.checkpoint as dcp
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)

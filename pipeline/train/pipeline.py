@@ -22,22 +22,22 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForwar
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.types import PipelineState
 
-from recpipe.pipeline._pipeline_forward import (
+from recpipe.pipeline.train.forward import (
     FusedLookupPipelineContext,
     FusedLookupPipelinedForward,
     PipelinedLookupUnavailableError,
 )
-from recpipe.pipeline._pipeline_stats import (
+from recpipe.pipeline.train.stats import (
     STAGE_LOOKUP,
     STAGE_OPTIMIZER,
     PipelineStageStats,
     StageTimer,
 )
-from recpipe.pipeline._pipeline_validation import (
+from recpipe.pipeline.train.validation import (
     FusedLookupExactnessChecker,
     FusedLookupExactnessError,
 )
-from recpipe.pipeline._tiered_fbgemm import tbe_counters, undo_tbe_lookup
+from recpipe.pipeline.tiered.fbgemm import tbe_counters, undo_tbe_lookup
 
 __all__ = [
     "FusedLookupExactnessError",
@@ -361,7 +361,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             raise TypeError(
                 f"TrainPipelineFusedSparseDist: context_type must subclass "
                 f"FusedLookupPipelineContext, got {context_type!r}; derive your context from "
-                "recpipe.pipeline.train_pipeline.FusedLookupPipelineContext."
+                "recpipe.pipeline.train.pipeline.FusedLookupPipelineContext."
             )
         for arg, value in (
             ("use_emb_lookup_stream", use_emb_lookup_stream),
@@ -839,7 +839,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             raise TypeError(
                 f"TrainPipelineFusedSparseDist: pipeline.contexts[{position}] (batch "
                 f"{getattr(context, 'index', '?')}) is a {got.__module__}.{got.__qualname__}; "
-                "expected a recpipe.pipeline.train_pipeline.FusedLookupPipelineContext (this "
+                "expected a recpipe.pipeline.train.pipeline.FusedLookupPipelineContext (this "
                 f"pipeline's context_type is {self._context_type.__qualname__}), which records "
                 "whether the batch's embedding lookup was issued. Create contexts with "
                 "pipeline._create_context() (it builds context_type) instead of constructing "

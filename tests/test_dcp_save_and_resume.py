@@ -1,4 +1,4 @@
-"""Checkpoint gaps found late (recpipe.pipeline.dcp, recipes.checkpoint).
+"""Checkpoint gaps found late (recpipe.pipeline.checkpoint.dcp, recipes.checkpoint).
 
 * A tiered table whose rows hold NaN / inf (a diverged run) used to save without a word,
   and the checkpoint could not be loaded back: ``load`` refused those rows only on the
@@ -6,7 +6,7 @@
   rank, and the other ranks returned as if the load had worked (they would then wait in
   the next collective). Now ``save`` refuses such rows on every rank before it writes
   anything (the directory keeps its older save); ``load`` of a checkpoint holding them
-  (written by hand) is tested in ``tests/test_checkpoint_leftovers3.py``.
+  (written by hand) is tested in ``tests/test_dcp_locks_and_strict_loads.py``.
 * Saving again into a directory left the older save's DCP files that the new save does
   not overwrite (e.g. those of more writer threads or a larger world) for good.
 * ``load`` of a file (e.g. the checkpoint's ``.metadata``) said the directory "does not
@@ -64,7 +64,7 @@ def _tiered_rows(model: Any) -> Dict[str, Any]:
 
 
 def _nan_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -104,7 +104,7 @@ def test_dcp_save_refuses_nan_tiered_rows_on_every_rank_and_keeps_the_older_save
 def _resave_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -122,7 +122,7 @@ def _resave_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 
 def test_dcp_save_into_an_older_saves_directory_leaves_none_of_its_files(tmp_path: Path) -> None:
-    from recpipe.pipeline.dcp import DIGESTS_NAME
+    from recpipe.pipeline.checkpoint.dcp import DIGESTS_NAME
 
     for rank, out in enumerate(run_gloo(2, _resave_body, str(tmp_path / "ckpt"))):
         assert len([n for n in out["first"] if n.endswith(".distcp")]) == 4, out["first"]  # 2 threads x 2 ranks
@@ -134,7 +134,7 @@ def test_dcp_save_into_an_older_saves_directory_leaves_none_of_its_files(tmp_pat
 
 
 def test_dcp_load_of_a_file_says_it_is_not_the_directory(tmp_path: Path) -> None:
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     f = tmp_path / ".metadata"
     f.write_bytes(b"x")
@@ -148,7 +148,7 @@ def _async_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
 
     every_table_tiered = dict(SAVE_PLACEMENTS, t2=dict(mode="HYBRID", cache_load_factor=0.5, seed=3))
     model = _tiered_model(world, every_table_tiered)
@@ -187,7 +187,7 @@ def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
     from torchrec.distributed.types import ShardingPlan, ShardingType
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recpipe.pipeline.sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
     from test_dcp import _Model, _ebc
 
@@ -212,7 +212,7 @@ def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
 def _adam_resume_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import copy
 
-    from recpipe.pipeline import dcp as recpipe_dcp
+    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
     from test_dcp import SWAPPED_PLACEMENTS
 
     saving = dict(SAVE_PLACEMENTS, t2=dict(mode="HYBRID", cache_load_factor=0.5, seed=3))
