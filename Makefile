@@ -1,6 +1,7 @@
 # recpipe: every set-up step lives here. A fresh machine needs only python3.11.
 #   make venv   create .venv, install the pinned stack, build + install recpipe
-#   make test   venv + pytest (CI: .ci/run)
+#   make lint   ruff check + ruff format --check (configured in ruff.toml)
+#   make test   venv + pytest (CI: .ci/run runs lint, then test)
 #   make bench  venv + every scripts/bench_*.py
 #   make run    venv + the default recipe through torchx (2 local CPU processes)
 #   make dev    build the extension in place and lay out build/dev for PYTHONPATH
@@ -12,7 +13,7 @@ STAMP  := $(VENV)/.stack-installed
 SRCS   := $(shell find csrc pipeline planner recipes -type f \( -name '*.py' -o -name '*.cpp' -o -name '*.cu' -o -name '*.h' -o -name '*.yaml' \) 2>/dev/null) setup.py
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
-.PHONY: venv test bench run dev clean
+.PHONY: venv lint test bench run dev clean
 
 $(STAMP): requirements.txt requirements-nodeps.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +26,12 @@ $(VENV)/.recpipe-installed: $(STAMP) $(SRCS)
 	touch $@
 
 venv: $(VENV)/.recpipe-installed
+
+LINTED := pipeline planner recipes scripts tests setup.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 test: venv
 	cd tests && ../$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -62,12 +62,7 @@ def _extension():
     cpp = sorted(glob.glob("csrc/*.cpp"))
     cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
     if not _want_cuda():
-        return CppExtension(
-            "recpipe._C",
-            cpp,
-            extra_compile_args={"cxx": cxx_flags},
-            extra_link_args=["-fopenmp"],
-        )
+        return CppExtension("recpipe._C", cpp, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
     # CUDA build. CUDAContext.h pulls in cusparse.h, which pip-installed torch
     # keeps under site-packages/nvidia/cu13/include (measured on the project machines).
     include_dirs = [str(Path(_cuda_home, "include"))]
@@ -115,11 +110,6 @@ setup(
     package_data={"recpipe.recipes": ["configs/*.yaml"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    entry_points={
-        "torchx.components": [
-            "recpipe = recpipe.recipes.components",
-            "dist = torchx.components.dist",
-        ],
-    },
+    entry_points={"torchx.components": ["recpipe = recpipe.recipes.components", "dist = torchx.components.dist"]},
     zip_safe=False,
 )

@@ -211,8 +211,11 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
                                    : "pass fewer `total_num_blocks` or smaller shard bounds.");
       parts.push_back(b);
     } else if (dist == kContinuous && !a.has_bounds()) {
-      TORCH_CHECK(block > 0, "recpipe: `block_sizes[", f, "]` is ", block, " but feature ", f,
-                  " is continuous, which needs rows-per-rank >= 1; pass ceil(table_rows / world_size).");
+      // block 0 (fbgemm's raw-id rule): no id falls in a block, every id goes to
+      // rank (id % G) / (G / W) with local id id / G.
+      TORCH_CHECK(block >= 0, "recpipe: `block_sizes[", f, "]` is ", block, " but feature ", f,
+                  " is continuous, which needs rows-per-rank >= 0; pass ceil(table_rows / world_size) "
+                  "(or 0 to route every id by id % total_num_blocks).");
     }
     const bool keep_f = keep.defined() ? keep.const_data_ptr<bool>()[f] : a.keep_orig_idx;
     uint64_t table_size = 0;

@@ -1,28 +1,19 @@
 """recpipe.planner: the embedded placement planner (HYBRID / CACHING per table).
 
-``PlacementPlanner(topology).plan(ebc) -> PlacementPlan``; ``plan.report()`` and
-``plan.to_sharding_plan()`` (torchrec ``ShardingPlan``, ROW_WISE +
-CUSTOMIZED_KERNEL), each table's ``ParameterSharding`` carrying its
-``PlacementParams``. The placement contract (enums, fused-param keys,
-``PlacementParams``) and the byte formulas shared with the tiered-storage runtime
-live in ``recpipe.pipeline.placement``; ``recpipe.planner.storage`` re-exports the
-formulas.
+``PlacementPlanner(topology).plan(ebc) -> PlacementPlan``; ``plan.to_sharding_plan()`` gives the torchrec
+``ShardingPlan``. The contract and byte formulas shared with the runtime live in
+``recpipe.pipeline.placement`` (re-exported here). May import ``recpipe.pipeline.placement`` and public
+names of the pipeline packages (never ``recpipe.pipeline.train``, never a private name).
 """
 
-from recpipe.pipeline.placement import CachePolicy, DistType, FusedOptimizer, PlacementParams
-from recpipe.planner.cost_models import (
-    AnalyticCostModel,
-    CostModel,
-    EmpiricalCostModel,
-    fast_tier_hit_rate,
-)
-from recpipe.planner.enumerators import GridPlacementEnumerator
-from recpipe.planner.planners import PlacementPlanner, table_fused_optimizer, tables_from_module
-from recpipe.planner.proposers import BruteForceProposer, DynamicProgrammingProposer, Proposer
-from recpipe.planner.sharding import PlacementParameterSharding, placements_from_sharding_plan
-from recpipe.planner.storage import (
+from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
+    CachePolicy,
+    DistType,
+    FusedOptimizer,
+    Mode,
+    PlacementParams,
     ShardStorage,
     local_rows,
     machine_storage,
@@ -32,21 +23,24 @@ from recpipe.planner.storage import (
     shard_storage,
     tier_rows,
 )
-from recpipe.planner.types import (
+from recpipe.planner.brute_force import BruteForceProposer
+from recpipe.planner.cost_models import AnalyticCostModel, EmpiricalCostModel, fast_tier_hit_rate
+from recpipe.planner.enumerators import GridPlacementEnumerator
+from recpipe.planner.errors import PlannerError, PlannerErrorType, PlannerInputError
+from recpipe.planner.plan import PlacementPlan, TablePlacement, to_sharding_plan
+from recpipe.planner.planners import PlacementPlanner
+from recpipe.planner.proposers import DynamicProgrammingProposer
+from recpipe.planner.sharding_plan import PlacementParameterSharding, placements_from_sharding_plan
+from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
     STORAGE_BACKENDS,
-    Mode,
     PlacementConstraints,
     PlacementOption,
-    PlacementPlan,
-    PlannerError,
-    PlannerErrorType,
-    PlannerInputError,
-    TablePlacement,
     TableSpec,
     make_topology,
-    to_sharding_plan,
 )
+from recpipe.planner.tables import table_fused_optimizer, tables_from_module
+from recpipe.planner.types import CostModel, Proposer
 
 __all__ = [
     "AnalyticCostModel",

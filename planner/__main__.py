@@ -1,14 +1,8 @@
 """Dry-run CLI: ``python -m recpipe.planner --tables tables.yaml --world-size 16
 --local-world-size 8 --hbm 80GiB --ddr 1TiB`` prints the placement plan.
 
-``tables.yaml`` is a YAML list of tables::
-
-    - {name: user_id, rows: 100000000, dim: 128, dtype: float32, optimizer: adam,
-       lookups_per_step: 65536, zipf_alpha: 1.1}
-
-``--hbm`` is per device, ``--ddr`` is host memory per machine (shared by the
-``--local-world-size`` ranks). Bytes are those of fbgemm's CUDA tables unless
-``--backend native``. No GPU is needed.
+``--hbm`` is per device, ``--ddr`` host memory per machine (shared by its ranks); bytes are those of
+fbgemm's CUDA tables unless ``--backend native``. No GPU is needed. The tables file format: ``--help``.
 """
 
 from __future__ import annotations
@@ -23,24 +17,31 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
-from recpipe.pipeline.tiered.optim import SUPPORTED_OPTIMIZERS
-from recpipe.pipeline.placement import FusedOptimizer, check_load_factors
+from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizer, check_load_factors
+from recpipe.planner.errors import PlannerError
 from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
-from recpipe.planner.types import (
+from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
     DEFAULT_ZIPF_ALPHA,
     STORAGE_BACKENDS,
-    PlannerError,
     TableSpec,
     check_topology_args,
     make_topology,
 )
 
 _UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "pb": 10**15, "pib": 2**50,
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "pb": 10**15,
+    "pib": 2**50,
 }
 _TABLES_HELP = f"""tables file (--tables): a YAML list, one mapping per table:
   - {{name: user_id, rows: 100000000, dim: 128, dtype: float32, optimizer: adam,
@@ -50,8 +51,7 @@ _TABLES_HELP = f"""tables file (--tables): a YAML list, one mapping per table:
   (ids per step per rank, default 512) and zipf_alpha (access skew, default {DEFAULT_ZIPF_ALPHA})
   are optional."""
 _TABLE_KEYS = {"name", "rows", "dim", "dtype", "optimizer", "lookups_per_step", "zipf_alpha"}
-# The planner's errors name its Python arguments; the flag that sets each here (the words
-# are matched as they appear in the messages of recpipe.planner.planners / enumerators).
+# Words of the planner's messages that name a Python argument -> the flag that sets it here.
 _FLAG_OF = (
     ("hbm_cap", "--hbm (HBM per device)"),
     ("DDR per machine", "--ddr (host DDR per machine)"),
@@ -66,26 +66,16 @@ _FLAG_OF = (
 _REQUIRED_KEYS = ("name", "rows", "dim")
 
 
-# A size written without a unit is bytes; a memory budget below this many bytes is
-# taken for a forgotten unit (``--hbm 80`` meant 80 GiB, not 80 bytes) and refused. Bytes.
+# A bare number below this many bytes is taken for a forgotten unit (``--hbm 80`` meant 80 GiB). Bytes.
 MIN_BARE_SIZE: int = 2**20
 
 
 def parse_size(text: str, flag: Optional[str] = None) -> int:
     """Bytes from a size such as ``80GiB``, ``1TiB``, ``512MB``, ``80B`` or ``1073741824``.
 
-    A number without a unit is bytes; one other than 0 below ``MIN_BARE_SIZE`` (1 MiB)
-    is refused as a forgotten unit (``--hbm 80`` used to be a budget of 80 bytes).
-
-    Args:
-        text (str): the size.
-        flag (Optional[str]): the flag the size was given to, for messages (e.g. ``--hbm``).
-
-    Returns:
-        int: bytes.
-
     Raises:
-        argparse.ArgumentTypeError: not a size, or a bare number below 1 MiB other than 0.
+        argparse.ArgumentTypeError: not a size, or a bare number other than 0 below ``MIN_BARE_SIZE``;
+            ``flag`` (e.g. ``--hbm``) is named in the fix.
     """
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
@@ -114,31 +104,22 @@ def _size_of(flag: str) -> Callable[[str], int]:
 
 
 def _expanded(number: str) -> str:
-    """``"1e6"`` -> ``"1000000"`` (digits of the value, for an error's example; ``"1.5e0"`` -> ``"2"``)."""
+    """``"1e6"`` -> ``"1000000"`` (the value's digits, for an error's example)."""
     value = float(number)
     return str(round(value)) if math.isfinite(value) else "1000000"
 
 
 def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
-    """Read the YAML table list.
-
-    Every table needs ``name``, ``rows`` and ``dim``; values keep their YAML types
-    (``rows: 10.7`` or ``rows: true`` is an error, never a silent 10 or 1).
-
-    Args:
-        path (Path): YAML file holding a list of table mappings.
-        default_optimizer (str): optimizer for tables without one.
-
-    Returns:
-        List[TableSpec]: the tables.
+    """Read the YAML table list; values keep their YAML types (``rows: 10.7`` is an error, never 10).
 
     Raises:
-        ValueError: the file cannot be read or parsed, or a table is malformed; the
-            message names the file and the table.
+        ValueError: the file cannot be read or parsed, or a table is malformed; names the file and table.
     """
     if not isinstance(path, (str, os.PathLike)):
-        raise ValueError(f"--tables: expected the path of a YAML table list, got {type(path).__name__} {path!r}; "
-                         "pass e.g. Path('tables.yaml').")
+        raise ValueError(
+            f"--tables: expected the path of a YAML table list, got {type(path).__name__} {path!r}; "
+            "pass e.g. Path('tables.yaml')."
+        )
     try:
         data = yaml.safe_load(Path(path).read_text())
     except OSError as e:
@@ -159,21 +140,27 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
             raise ValueError(f"{path}: table #{k} has unknown keys {sorted(extra)}; allowed: {sorted(_TABLE_KEYS)}.")
         missing = [key for key in _REQUIRED_KEYS if key not in item]
         if missing:
-            raise ValueError(f"{path}: table #{k} ({item.get('name', 'unnamed')}) lacks {missing}; every table "
-                             f"needs {list(_REQUIRED_KEYS)}.")
+            raise ValueError(
+                f"{path}: table #{k} ({item.get('name', 'unnamed')}) lacks {missing}; every table "
+                f"needs {list(_REQUIRED_KEYS)}."
+            )
         for key in ("name", "dtype", "optimizer"):
             value = item.get(key, "")
             if not isinstance(value, str) or (key == "name" and not value.strip()):
                 example = {"name": "user_id", "dtype": "float32", "optimizer": "adam"}[key]
-                raise ValueError(f"{path}: table #{k}: {key} is {value!r} ({type(value).__name__}); it must be a "
-                                 f"non-empty string (YAML: quote it, e.g. {key}: \"{example}\").")
+                raise ValueError(
+                    f"{path}: table #{k}: {key} is {value!r} ({type(value).__name__}); it must be a "
+                    f'non-empty string (YAML: quote it, e.g. {key}: "{example}").'
+                )
         for key in ("rows", "dim", "lookups_per_step"):
             value = item.get(key)
             if isinstance(value, str) and re.fullmatch(r"\s*[0-9.]+[eE][+-]?[0-9]+\s*", value):
-                # YAML 1.1 reads 1e6 (no dot, no sign) as a string: TableSpec's "got '1e6' (str)" hid why
-                raise ValueError(f"{path}: table #{k} ({item['name']}): {key}: {value} is a string to YAML (YAML 1.1 "
-                                 f"reads an exponent as a number only with a decimal point and a sign, 1.0e+6); "
-                                 f"write the whole number, e.g. {key}: {_expanded(value)}.")
+                # YAML 1.1 reads 1e6 (no dot, no sign) as a string: say so rather than "got '1e6' (str)"
+                raise ValueError(
+                    f"{path}: table #{k} ({item['name']}): {key}: {value} is a string to YAML (YAML 1.1 "
+                    f"reads an exponent as a number only with a decimal point and a sign, 1.0e+6); "
+                    f"write the whole number, e.g. {key}: {_expanded(value)}."
+                )
         try:
             specs.append(
                 TableSpec(
@@ -190,15 +177,16 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
             raise ValueError(f"{path}: table #{k}: {e}") from e
         first = index_of.setdefault(specs[-1].name, k)
         if first != k:
-            raise ValueError(f"{path}: table #{k} is named {specs[-1].name!r} like table #{first}; every table "
-                             "needs its own name (rename one, or drop the duplicate entry).")
+            raise ValueError(
+                f"{path}: table #{k} is named {specs[-1].name!r} like table #{first}; every table "
+                "needs its own name (rename one, or drop the duplicate entry)."
+            )
     return specs
 
 
 def _attach_negative_sizes(argv: Sequence[str]) -> List[str]:
-    """``--hbm -1GiB`` -> ``--hbm=-1GiB``: argparse reads a value that starts with
-    ``-`` and is not a plain number as the next flag ("expected one argument");
-    attached, it reaches ``parse_size`` and the size checks, which name the fix."""
+    """``--hbm -1GiB`` -> ``--hbm=-1GiB``: argparse takes a detached ``-`` value for a flag; attached, it
+    reaches the size checks, which name the fix."""
     out: List[str] = []
     for arg in argv:
         if out and out[-1] in ("--hbm", "--ddr") and re.fullmatch(r"-[0-9.].*", arg):
@@ -209,11 +197,7 @@ def _attach_negative_sizes(argv: Sequence[str]) -> List[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The CLI's argument parser (``python -m recpipe.planner --help``).
-
-    Returns:
-        argparse.ArgumentParser: the parser :func:`main` uses.
-    """
+    """The CLI's argument parser."""
     ap = argparse.ArgumentParser(
         prog="python -m recpipe.planner",
         description=__doc__.split("\n\n")[0],
@@ -225,43 +209,70 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--local-world-size", type=int, default=None, help="ranks per machine (default world size)")
     ap.add_argument("--hbm", type=_size_of("--hbm"), required=True, help="HBM per device, e.g. 80GiB")
     ap.add_argument("--ddr", type=_size_of("--ddr"), required=True, help="host DDR per machine, e.g. 1TiB")
-    ap.add_argument("--cost-model", choices=("analytic", "empirical"), default="analytic",
-                    help="analytic (torchrec's bandwidths, default) or empirical (TorchEasyRec's fitted hit rates)")
-    ap.add_argument("--optimizer", default=FusedOptimizer.ADAM.value,
-                    choices=sorted(o.value for o in SUPPORTED_OPTIMIZERS),
-                    help="optimizer of tables that do not name one (the ones tiered tables run; default adam)")
-    ap.add_argument("--hbm-reservation", type=float, default=DEFAULT_HBM_RESERVATION,
-                    help=f"fraction of --hbm kept free, in [0, 1) (default {DEFAULT_HBM_RESERVATION:g})")
-    ap.add_argument("--ddr-reservation", type=float, default=DEFAULT_DDR_RESERVATION,
-                    help=f"fraction of --ddr kept free, in [0, 1) (default {DEFAULT_DDR_RESERVATION:g})")
-    ap.add_argument("--backend", choices=STORAGE_BACKENDS, default="fbgemm",
-                    help="tiered-table layout whose bytes are budgeted: fbgemm (CUDA, default) or native "
-                         "(recpipe's CPU layout)")
-    ap.add_argument("--load-factors", type=float, nargs="+", default=None, metavar="X",
-                    help="cache load factors to choose from, each in (0, 1] (default "
-                         f"{' '.join(f'{x:g}' for x in DEFAULT_LOAD_FACTORS)}); smaller ones need less HBM")
-    ap.add_argument("--bins", type=int, nargs=2, default=None, metavar=("HBM", "DDR"),
-                    help="DP grid: HBM and DDR bins, each >= 1 (default: sized by the planner)")
+    ap.add_argument(
+        "--cost-model",
+        choices=("analytic", "empirical"),
+        default="analytic",
+        help="analytic (torchrec's bandwidths, default) or empirical (TorchEasyRec's fitted hit rates)",
+    )
+    ap.add_argument(
+        "--optimizer",
+        default=FusedOptimizer.ADAM.value,
+        choices=sorted(o.value for o in SUPPORTED_OPTIMIZERS),
+        help="optimizer of tables that do not name one (the ones tiered tables run; default adam)",
+    )
+    ap.add_argument(
+        "--hbm-reservation",
+        type=float,
+        default=DEFAULT_HBM_RESERVATION,
+        help=f"fraction of --hbm kept free, in [0, 1) (default {DEFAULT_HBM_RESERVATION:g})",
+    )
+    ap.add_argument(
+        "--ddr-reservation",
+        type=float,
+        default=DEFAULT_DDR_RESERVATION,
+        help=f"fraction of --ddr kept free, in [0, 1) (default {DEFAULT_DDR_RESERVATION:g})",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=STORAGE_BACKENDS,
+        default="fbgemm",
+        help="tiered-table layout whose bytes are budgeted: fbgemm (CUDA, default) or native (recpipe's CPU layout)",
+    )
+    ap.add_argument(
+        "--load-factors",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="X",
+        help="cache load factors to choose from, each in (0, 1] (default "
+        f"{' '.join(f'{x:g}' for x in DEFAULT_LOAD_FACTORS)}); smaller ones need less HBM",
+    )
+    ap.add_argument(
+        "--bins",
+        type=int,
+        nargs=2,
+        default=None,
+        metavar=("HBM", "DDR"),
+        help="DP grid: HBM and DDR bins, each >= 1 (default: sized by the planner)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     return ap
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """CLI entry point.
-
-    Args:
-        argv (Optional[Sequence[str]]): arguments (default ``sys.argv[1:]``).
-
-    Returns:
-        int: exit code (0 ok, 2 planner error).
-    """
+    """CLI entry point; returns the exit code (0 ok, 2 planner error)."""
     ap = build_parser()
     args = ap.parse_args(_attach_negative_sizes(sys.argv[1:] if argv is None else argv))
     lws = args.world_size if args.local_world_size is None else args.local_world_size
     try:
         check_topology_args(
-            args.world_size, lws, args.hbm, args.ddr,
-            names=("--world-size", "--local-world-size", "--hbm", "--ddr"), positive_sizes=True,
+            args.world_size,
+            lws,
+            args.hbm,
+            args.ddr,
+            names=("--world-size", "--local-world-size", "--hbm", "--ddr"),
+            positive_sizes=True,
         )
     except ValueError as e:
         # only --local-world-size may be omitted (--world-size is required)
@@ -306,8 +317,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if word in str(e):
                 named.setdefault(flag, word)
         if named:
-            print("(set here by flags: " + "; ".join(f"{word} = {flag}" for flag, word in named.items()) + ")",
-                  file=sys.stderr)
+            print(
+                "(set here by flags: " + "; ".join(f"{word} = {flag}" for flag, word in named.items()) + ")",
+                file=sys.stderr,
+            )
         return 2
     except ValueError as e:  # bad tables file: one message, no traceback
         print(f"error: {e}", file=sys.stderr)

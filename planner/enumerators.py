@@ -7,65 +7,56 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from recpipe.pipeline.tiered.fbgemm import FBGEMM_CACHE_ASSOC, SPLIT_MAP_BYTES, fbgemm_shard_storage
-from recpipe.pipeline.tiered.optim import SUPPORTED_OPTIMIZERS
-from recpipe.pipeline.routing.ops import check_int
 from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
-    CACHE_SLOT_BYTES,
+    FBGEMM_CACHE_ASSOC,
+    SPLIT_MAP_BYTES,
+    SUPPORTED_OPTIMIZERS,
     TIERED_DTYPES,
     CachePolicy,
     FusedOptimizer,
     Mode,
     ShardStorage,
+    cache_policy_spec,
+    check_int,
     check_load_factors,
     decimal_ratio,
     dtype_itemsize,
     dtype_name,
+    fbgemm_bytes,
+    fbgemm_cache_sets,
+    machine_split,
     machine_sum,
     max_local_rows,
+    native_tier_bytes,
+    optimizer_state_bytes_per_row,
     row_bytes,
-    shard_storage,
+    tier_split,
 )
-from recpipe.planner.cost_models import CostModel
-from recpipe.planner.types import (
+from recpipe.planner.errors import PlannerError, PlannerErrorType
+from recpipe.planner.specs import (
+    BACKEND_SHARD_STORAGE,
     DEFAULT_LOAD_FACTORS,
     STORAGE_BACKENDS,
     PlacementConstraints,
     PlacementOption,
-    PlannerError,
-    PlannerErrorType,
     TableSpec,
 )
+from recpipe.planner.types import CostModel
 
 
-def _constraint_for(table: TableSpec, constraints: Mapping[str, PlacementConstraints]) -> Optional[PlacementConstraints]:
+def _constraint_for(
+    table: TableSpec, constraints: Mapping[str, PlacementConstraints]
+) -> Optional[PlacementConstraints]:
     return constraints.get(table.fqn) or constraints.get(table.name)
 
 
 class GridPlacementEnumerator:
     """Enumerates ``{HYBRID, CACHING} x load_factors`` per table (``x = 1`` once).
 
-    Bytes are those the tiered tables of ``backend`` allocate under row-wise sharding
-    over all ``world_size`` ranks (``recpipe.pipeline.placement.shard_storage`` for
-    ``native``, ``recpipe.pipeline.tiered.fbgemm.fbgemm_shard_storage`` for
-    ``fbgemm``); costs come from the cost model. Pinned constraints narrow a table's
-    options.
-
-    Args:
-        world_size (int): ranks ``W``.
-        local_world_size (int): ranks per machine ``L``.
-        cost_model (CostModel): prices options.
-        load_factors (Sequence[float]): x grid in (0, 1].
-        constraints (Optional[Mapping[str, PlacementConstraints]]): pins keyed by
-            table name or FQN.
-        backend (str): byte layout, one of :data:`STORAGE_BACKENDS`.
-        cache_policy (CachePolicy | str): eviction policy of CACHING tables (fbgemm's
-            cache metadata depends on it).
-
-    Example::
-
-        options = GridPlacementEnumerator(8, 8, AnalyticCostModel()).enumerate(tables)
+    Bytes are those ``backend``'s tiered tables allocate under row-wise sharding over all ``world_size``
+    ranks (``BACKEND_SHARD_STORAGE``); costs come from the cost model; ``constraints`` (keyed by table name
+    or FQN) narrow a table's options; ``cache_policy`` sets fbgemm's cache metadata bytes.
     """
 
     def __init__(
@@ -100,7 +91,11 @@ class GridPlacementEnumerator:
         self.load_factors: Tuple[float, ...] = tuple(sorted({float(x) for x in load_factors}))
         for key, pin in (constraints or {}).items():
             if not isinstance(key, str) or not isinstance(pin, PlacementConstraints):
-                example = f"PlacementConstraints(**{pin!r})" if isinstance(pin, dict) else "PlacementConstraints(mode=Mode.CACHING)"
+                example = (
+                    f"PlacementConstraints(**{pin!r})"
+                    if isinstance(pin, dict)
+                    else "PlacementConstraints(mode=Mode.CACHING)"
+                )
                 raise PlannerError(
                     f"constraints[{key!r}] is a {type(pin).__name__} under a {type(key).__name__} key: constraints "
                     "must map a table name or FQN (str) to a PlacementConstraints.\n"
@@ -112,31 +107,13 @@ class GridPlacementEnumerator:
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy, "cache_policy")
 
     def shard_bytes(self, table: TableSpec, rows: int, mode: Mode, x: float) -> ShardStorage:
-        """Bytes of one shard of ``table`` with ``rows`` local rows, in this backend's layout.
-
-        Args:
-            table (TableSpec): the table (dim, dtype, optimizer).
-            rows (int): local rows of the shard.
-            mode (Mode): placement mode.
-            x (float): cache load factor.
-
-        Returns:
-            ShardStorage: fast and slow bytes.
-        """
-        if self.backend == "fbgemm":
-            return fbgemm_shard_storage(rows, table.dim, table.dtype, table.optimizer, mode, x, self.cache_policy)
-        return shard_storage(rows, table.dim, table.dtype, table.optimizer, mode, x)
+        """Bytes of one shard of ``table`` with ``rows`` local rows, in this backend's layout."""
+        return BACKEND_SHARD_STORAGE[self.backend](
+            rows, table.dim, table.dtype, table.optimizer, mode, x, self.cache_policy
+        )
 
     def candidates(self, table: TableSpec) -> List[Tuple[Mode, float]]:
-        """The (mode, x) pairs allowed for ``table``.
-
-        Args:
-            table (TableSpec): the table.
-
-        Returns:
-            List[Tuple[Mode, float]]: candidates; ``x = 1`` appears once, as HYBRID, even
-            when the table is pinned to CACHING.
-        """
+        """The (mode, x) pairs allowed for ``table``; ``x = 1`` appears once, as HYBRID, even if pinned to CACHING."""
         pin = _constraint_for(table, self.constraints)
         xs: Sequence[float] = self.load_factors
         modes: Sequence[Mode] = (Mode.HYBRID, Mode.CACHING)
@@ -150,11 +127,8 @@ class GridPlacementEnumerator:
         out: List[Tuple[Mode, float]] = []
         for x in xs:
             if x >= 1.0:
-                # Both modes collapse to "all in HBM" (tier_rows: every row fast, no slow
-                # copy; fbgemm: one DEVICE table), which is HYBRID at x = 1 (all rows on the
-                # fast side of the split, none on the slow side). CACHING would read as a
-                # cache over a full slow-tier copy, as torchrec's FUSED_UVM_CACHING at
-                # cache_load_factor 1.0 is (a MANAGED_CACHING table in UVM), which it is not.
+                # Both modes collapse to "all in HBM" (fbgemm: one DEVICE table), which is HYBRID at x = 1;
+                # CACHING would read as a cache over a full slow-tier copy (torchrec's FUSED_UVM_CACHING at 1.0).
                 out.append((Mode.HYBRID, 1.0))
             else:
                 out.extend((m, x) for m in modes)
@@ -168,8 +142,7 @@ class GridPlacementEnumerator:
                 f"Possible solutions:\n  1) key constraints by one of {[t.fqn for t in tables][:20]}.",
                 PlannerErrorType.INPUT_VALIDATION,
             )
-        # A key is a table's FQN or its bare name; a bare name two tables share (a.t, b.t)
-        # would pin both at once, which a FQN key never does.
+        # A bare name two tables share (a.t, b.t) would pin both at once, which a FQN key never does.
         by_name: Dict[str, List[str]] = {}
         for t in tables:
             by_name.setdefault(t.name, []).append(t.fqn)
@@ -182,34 +155,25 @@ class GridPlacementEnumerator:
                     f"constraints[{key!r}] is ambiguous: the name {key!r} matches {len(pinned)} tables {pinned}.\n"
                     "Possible solutions:\n"
                     f"  1) key the constraint by each table's full name (module path + '.' + table): "
-                    + ", ".join(f"{fqn!r}" for fqn in pinned) + ".",
+                    + ", ".join(f"{fqn!r}" for fqn in pinned)
+                    + ".",
                     PlannerErrorType.INPUT_VALIDATION,
                 )
 
     def enumerate_arrays(self, tables: Sequence[TableSpec]) -> "OptionArrays":
-        """Options of every table as ``(tables, options)`` arrays, computed in bulk.
+        """Options of every table as ``(tables, options)`` arrays (``cost = inf`` pads short rows).
 
-        Bytes are the backend's formulas evaluated with NumPy over all tables sharing
-        a candidate list at once (exact integers, equal to :meth:`shard_bytes` of the
-        largest shard and its ``machine_sum``); costs come from the cost model.
-
-        Args:
-            tables (Sequence[TableSpec]): the tables.
-
-        Returns:
-            OptionArrays: the packed options (``cost = inf`` pads short rows).
-
-        Example::
-
-            arrays = GridPlacementEnumerator(8, 8, AnalyticCostModel()).enumerate_arrays(tables)
-            hbm, ddr, cost = arrays.hbm_bytes_per_rank, arrays.ddr_bytes_per_machine, arrays.cost
+        Bytes are the backend's formulas evaluated with NumPy over all tables sharing a candidate list at
+        once (exact integers, equal to :meth:`shard_bytes` of the largest shard and its ``machine_sum``).
         """
         if isinstance(tables, (str, bytes)) or not isinstance(tables, Sequence):
             raise ValueError(f"tables must be a list of TableSpec, got {type(tables).__name__} {tables!r:.80}.")
         for k, t in enumerate(tables):
             if not isinstance(t, TableSpec):
-                raise ValueError(f"tables[{k}] must be a TableSpec, got {type(t).__name__} {t!r:.80}; e.g. "
-                                 "TableSpec(name='t0', rows=1000, dim=64).")
+                raise ValueError(
+                    f"tables[{k}] must be a TableSpec, got {type(t).__name__} {t!r:.80}; e.g. "
+                    "TableSpec(name='t0', rows=1000, dim=64)."
+                )
         self._check_constraints(tables)
         _check_tiered_tables(tables, self.backend)
         W, L = self.world_size, self.local_world_size
@@ -217,6 +181,7 @@ class GridPlacementEnumerator:
         cands = [self.candidates(t) for t in tables]
         K = max((len(c) for c in cands), default=0)
         out = OptionArrays.empty(M, K)
+        dsts = out.byte_arrays
         groups: Dict[Tuple[Tuple[Mode, float], ...], List[int]] = {}
         for i, c in enumerate(cands):
             groups.setdefault(tuple(c), []).append(i)
@@ -233,25 +198,17 @@ class GridPlacementEnumerator:
                     for j, (mode, x) in enumerate(cand):
                         rank = self.shard_bytes(t, rows, mode, x)
                         mach = machine_sum(t.rows, W, L, lambda r: self.shard_bytes(t, r, mode, x))  # noqa: B023
-                        out.hbm_bytes_per_rank[i, j] = rank.fast_bytes
-                        out.ddr_bytes_per_rank[i, j] = rank.slow_bytes
-                        out.hbm_bytes_per_machine[i, j] = mach.fast_bytes
-                        out.ddr_bytes_per_machine[i, j] = mach.slow_bytes
+                        for dst, v in zip(dsts, (rank.fast_bytes, rank.slow_bytes, mach.fast_bytes, mach.slow_bytes)):
+                            dst[i, j] = v
             else:
-                for dst, src in zip(
-                    (out.hbm_bytes_per_rank, out.ddr_bytes_per_rank, out.hbm_bytes_per_machine, out.ddr_bytes_per_machine),
-                    bytes_,
-                ):
+                for dst, src in zip(dsts, bytes_):
                     dst[ii, :k] = src
             for i in idx:
                 out.cost[i, :k] = self._checked_costs(tables[i], cand)
         return out
 
     def _checked_costs(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
-        """``cost_model.costs(table, options)``, or a ValueError naming the cost model, the table
-        and the fix when it is not one finite number >= 0 per option (a user's CostModel: a
-        wrong length used to be a numpy broadcast error, nan a proposer error naming neither,
-        and inf a "does not fit anywhere" PlannerError blaming the budgets)."""
+        """``cost_model.costs(table, options)``, refused unless one finite number >= 0 per option."""
         got = self.cost_model.costs(table, options)
         who = f"cost_model {type(self.cost_model).__name__}.costs(table {table.fqn!r}, {len(options)} options)"
         want = f"it must return one finite cost >= 0 (modelled ms per step) per option, {len(options)} in all"
@@ -271,47 +228,48 @@ class GridPlacementEnumerator:
         return costs
 
     def enumerate(self, tables: Sequence[TableSpec]) -> List[List[PlacementOption]]:
-        """Options of every table with per-rank / per-machine bytes and cost.
-
-        Args:
-            tables (Sequence[TableSpec]): the tables.
-
-        Returns:
-            List[List[PlacementOption]]: options per table, in input order.
-        """
+        """:meth:`enumerate_arrays` as ``PlacementOption`` lists per table, in input order."""
         return self.enumerate_arrays(tables).to_options()
 
 
 # Mode <-> int8 code in ``OptionArrays.modes`` (-1 = no option).
 _MODE_CODE: Dict[Mode, int] = {Mode.HYBRID: 0, Mode.CACHING: 1}
 _CODE_MODE: Tuple[Mode, Mode] = (Mode.HYBRID, Mode.CACHING)
-# Largest exact intermediate product of the bulk byte formulas: numerator x rows
-# and rows x bytes per row must stay below it to be exact in int64. Bytes.
+# Bound on the bulk formulas' intermediate products (numerator x rows, rows x bytes/row) to stay exact in int64.
 _INT64_SAFE: int = 2**62
 
 
 def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:
-    """Refuses tables no tiered table of ``backend`` can run: a plan is only useful
-    if the sharders can build it (``TieredEmbeddingShard`` takes ``TIERED_DTYPES``
-    rows and ``SUPPORTED_OPTIMIZERS`` on every backend; fbgemm's TBE, in
-    ``plan_fbgemm_tier``, also needs a dim that is a multiple of 4)."""
+    """Refuses tables no tiered table of ``backend`` can run (dtype, optimizer; fbgemm: dim a multiple of 4)."""
     optimizers = sorted(o.value for o in SUPPORTED_OPTIMIZERS)
     dtypes = sorted(dtype_name(d) for d in TIERED_DTYPES)
     for t in tables:
         found = []  # (problem, its solution)
         if t.dtype not in TIERED_DTYPES:
-            found.append((f"its dtype {dtype_name(t.dtype)} is not one tiered tables hold ({dtypes})",
-                          f"give the table {dtypes[0]} rows (EmbeddingBagConfig data_type=DataType.FP32, or "
-                          f"dtype: {dtypes[0]} in a tables file)"))
+            found.append(
+                (
+                    f"its dtype {dtype_name(t.dtype)} is not one tiered tables hold ({dtypes})",
+                    f"give the table {dtypes[0]} rows (EmbeddingBagConfig data_type=DataType.FP32, or "
+                    f"dtype: {dtypes[0]} in a tables file)",
+                )
+            )
         if t.optimizer not in SUPPORTED_OPTIMIZERS:
-            found.append((f"its fused optimizer {t.optimizer.value} is not one tiered tables run ({optimizers})",
-                          f"train it with one of {optimizers} (apply_optimizer_in_backward with SGD, RowWiseAdagrad "
-                          "or Adam, or the sharders' fused_params)"))
+            found.append(
+                (
+                    f"its fused optimizer {t.optimizer.value} is not one tiered tables run ({optimizers})",
+                    f"train it with one of {optimizers} (apply_optimizer_in_backward with SGD, RowWiseAdagrad "
+                    "or Adam, or the sharders' fused_params)",
+                )
+            )
         if backend == "fbgemm" and t.dim % 4 != 0:
-            found.append((f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)",
-                          f"use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}), or plan recpipe's own "
-                          "layout with backend='native' (CPU training, or the torch backend on other devices), which "
-                          "takes any dim"))
+            found.append(
+                (
+                    f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)",
+                    f"use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}), or plan recpipe's own "
+                    "layout with backend='native' (CPU training, or the torch backend on other devices), which "
+                    "takes any dim",
+                )
+            )
         if not found:
             continue
         raise PlannerError(
@@ -330,12 +288,8 @@ def _bulk_storage(
     backend: str,
     cache_policy: CachePolicy,
 ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """Bytes of many tables x one candidate list in ``backend``'s layout.
-
-    Mirrors ``shard_storage`` (``native``) or ``fbgemm_shard_storage`` (``fbgemm``)
-    and ``machine_sum`` term by term: rank 0 owns ``big = ceil(N / W)`` rows; machine
-    0 has ``n_big`` ranks of ``big`` rows and ``L - n_big`` of ``big - 1``; ``k =
-    floor(num * rows / den)`` with ``x = num / den`` its shortest decimal. Returns
+    """Bytes of many tables x one candidate list, as ``(tables, options)`` int64 arrays: the contract's
+    array-generic formulas, equal to :meth:`GridPlacementEnumerator.shard_bytes` and its ``machine_sum``.
     None when a product could overflow int64.
     """
     N = np.array([t.rows for t in tables], dtype=np.int64)
@@ -343,51 +297,36 @@ def _bulk_storage(
     ratios = [decimal_ratio(x) for _, x in cand]
     num = np.array([r[0] for r in ratios], dtype=np.int64)[None, :]
     den = np.array([r[1] for r in ratios], dtype=np.int64)[None, :]
-    big = (N + W - 1) // W
-    per_row = int(rb.max()) + CACHE_ROW_MAP_BYTES + CACHE_SLOT_BYTES + SPLIT_MAP_BYTES + 8
+    spec = cache_policy_spec(cache_policy)
+    big, n_big, n_small = machine_split(N, W, L)
+    per_row = int(rb.max()) + CACHE_ROW_MAP_BYTES + spec.slot_bytes + SPLIT_MAP_BYTES + 8
     if int(big.max()) * max(int(num.max()), per_row) * max(L, 1) >= _INT64_SAFE:
         return None
     caching = np.array([m is Mode.CACHING for m, _ in cand])[None, :]
-    full = np.array([float(x) == 1.0 for _, x in cand])[None, :]
-    meta = caching & ~full
+    cached = caching & (num < den)  # CACHING with x < 1
     if backend == "fbgemm":
-        # row-wise state (one fp32 per row) stays in HBM for every row; other state
-        # lives with the row's table (UVM rows: in UVM, never cached).
         v = np.array([t.dim * dtype_itemsize(t.dtype) for t in tables], dtype=np.int64)[:, None]
-        state = rb - v
+        state = np.array([optimizer_state_bytes_per_row(t.optimizer, t.dim) for t in tables], dtype=np.int64)[:, None]
         rowwise = np.array([t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD for t in tables])[:, None]
-        s_fast = np.where(rowwise, state, 0)
-        lru = cache_policy is CachePolicy.LRU
 
         def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
             r = rows[:, None]
-            k = np.where(full, r, (num * r) // den)
-            fast_rows = np.where(meta, 0, k)
-            slow_rows = r - fast_rows  # CACHING (x < 1): every row in UVM
-            sets = np.maximum(1, k // FBGEMM_CACHE_ASSOC)
-            slots = np.where(meta & (r > 0), sets * FBGEMM_CACHE_ASSOC, 0)
-            fast = fast_rows * (v + state) + slow_rows * s_fast
-            fast = fast + np.where(~caching & (slow_rows > 0), r * SPLIT_MAP_BYTES, 0)
-            cache_meta = slots * (v + 8) + r * 4 + (slots * 8 if lru else (r + 1) * 8)
-            fast = fast + np.where(meta & (r > 0), cache_meta, 0)
-            return fast, slow_rows * (v + state - s_fast)
+            fast_rows, slow_rows, slots = tier_split(r, num, den, caching)
+            with_cache = cached & (r > 0)
+            S = np.where(with_cache, fbgemm_cache_sets(slots) * FBGEMM_CACHE_ASSOC, 0)
+            split_map = (slow_rows > 0) & ~cached
+            return fbgemm_bytes(r, fast_rows, S, v, state, rowwise, split_map, spec.fbgemm_state_bytes(r, S))
 
     else:
 
         def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
             r = rows[:, None]
-            k = np.where(full, r, (num * r) // den)
-            fast_rows = np.where(meta, 0, k)
-            slots = np.where(meta, k, 0)
-            slow_rows = np.where(full, 0, np.where(caching, r, r - k))
-            fast = (fast_rows + slots) * rb + np.where(meta, r * CACHE_ROW_MAP_BYTES + slots * CACHE_SLOT_BYTES, 0)
-            return fast, slow_rows * rb
+            fast_rows, slow_rows, slots = tier_split(r, num, den, caching)
+            return native_tier_bytes(r, fast_rows, slow_rows, slots, rb, cached, spec.slot_bytes)
 
     fb, sb = shard(big)
-    rem = N % W
-    n_big = np.where(rem == 0, L, np.minimum(rem, L))[:, None]
-    n_small = L - n_big
     fs, ss = shard(np.maximum(big - 1, 0))
+    n_big, n_small = n_big[:, None], n_small[:, None]
     return fb, sb, n_big * fb + n_small * fs, n_big * sb + n_small * ss
 
 
@@ -395,14 +334,8 @@ def _bulk_storage(
 class OptionArrays:
     """Every table's options packed as ``(tables, options)`` arrays.
 
-    Args:
-        modes (np.ndarray): int8 mode codes (0 HYBRID, 1 CACHING, -1 no option).
-        load_factors (np.ndarray): float64 x.
-        hbm_bytes_per_rank (np.ndarray): int64 fast-tier bytes, most loaded rank.
-        ddr_bytes_per_rank (np.ndarray): int64 slow-tier bytes, most loaded rank.
-        hbm_bytes_per_machine (np.ndarray): int64 fast-tier bytes, most loaded machine.
-        ddr_bytes_per_machine (np.ndarray): int64 slow-tier bytes, most loaded machine.
-        cost (np.ndarray): float64 modelled ms, ``inf`` where a table has fewer options.
+    ``modes`` are int8 codes (0 HYBRID, 1 CACHING, -1 no option); bytes are int64 of the most loaded rank /
+    machine; ``cost`` is float64 modelled ms, ``inf`` where a table has fewer options.
     """
 
     modes: np.ndarray
@@ -415,64 +348,35 @@ class OptionArrays:
 
     @classmethod
     def empty(cls, num_tables: int, num_options: int) -> "OptionArrays":
-        """All-padding arrays of shape ``(num_tables, num_options)``.
-
-        Args:
-            num_tables (int): rows.
-            num_options (int): columns.
-
-        Returns:
-            OptionArrays: modes -1, bytes 0, cost inf.
-        """
+        """All-padding arrays of shape ``(num_tables, num_options)``: modes -1, bytes 0, cost inf."""
         shape = (num_tables, num_options)
         z = lambda: np.zeros(shape, dtype=np.int64)  # noqa: E731
         return cls(np.full(shape, -1, dtype=np.int8), np.zeros(shape), z(), z(), z(), z(), np.full(shape, np.inf))
 
+    @property
+    def byte_arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """HBM / DDR bytes per rank, then HBM / DDR bytes per machine (``PlacementOption`` field order)."""
+        return self.hbm_bytes_per_rank, self.ddr_bytes_per_rank, self.hbm_bytes_per_machine, self.ddr_bytes_per_machine
+
     def option(self, table: int, index: int) -> PlacementOption:
-        """The ``PlacementOption`` at ``(table, index)``.
-
-        Args:
-            table (int): table position.
-            index (int): option position.
-
-        Returns:
-            PlacementOption: the option.
-        """
+        """The ``PlacementOption`` at ``(table, index)`` (IndexError for padding)."""
         code = int(self.modes[table, index])
         if code < 0:
             raise IndexError(f"table {table} has no option {index}.")
         return PlacementOption(
-            mode=_CODE_MODE[code],
-            cache_load_factor=float(self.load_factors[table, index]),
-            hbm_bytes_per_rank=int(self.hbm_bytes_per_rank[table, index]),
-            ddr_bytes_per_rank=int(self.ddr_bytes_per_rank[table, index]),
-            hbm_bytes_per_machine=int(self.hbm_bytes_per_machine[table, index]),
-            ddr_bytes_per_machine=int(self.ddr_bytes_per_machine[table, index]),
+            _CODE_MODE[code],
+            float(self.load_factors[table, index]),
+            *(int(a[table, index]) for a in self.byte_arrays),
             cost=float(self.cost[table, index]),
         )
 
     def to_options(self) -> List[List[PlacementOption]]:
-        """Options per table as ``PlacementOption`` lists (padding dropped).
-
-        Returns:
-            List[List[PlacementOption]]: options per table, in input order.
-        """
-        return [
-            [self.option(i, j) for j in np.flatnonzero(self.modes[i] >= 0)] for i in range(self.modes.shape[0])
-        ]
+        """Options per table as ``PlacementOption`` lists, in input order (padding dropped)."""
+        return [[self.option(i, j) for j in np.flatnonzero(self.modes[i] >= 0)] for i in range(self.modes.shape[0])]
 
 
 def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pack options into the ``(M, K)`` arrays the proposers take.
-
-    Args:
-        options (Sequence[Sequence[PlacementOption]]): options per table.
-
-    Returns:
-        Tuple[np.ndarray, np.ndarray, np.ndarray]: HBM bytes per rank, DDR bytes
-        per machine (int64) and cost (float64, ``inf`` where a table has fewer
-        options).
-    """
+    """Pack options into ``(M, K)`` arrays: HBM bytes per rank, DDR bytes per machine, cost (``inf`` pads)."""
     M = len(options)
     K = max((len(o) for o in options), default=0)
     hbm = np.zeros((M, K), dtype=np.int64)
@@ -487,4 +391,3 @@ def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.
 
 
 __all__ = ["GridPlacementEnumerator", "OptionArrays", "options_to_arrays"]
-

@@ -1,8 +1,8 @@
 """recpipe.recipes: DLRM training entry points, data, models, torchx components, TensorBoard.
 
-* ``python -m recpipe.recipes.train`` - the train entry point (:mod:`.train`, :mod:`.config`)
-* ``python -m recpipe.recipes.launch`` - ``make run``: the default recipe via torchx
-* :mod:`.components` - torchx components (entry point ``recpipe``)
-* :mod:`.build` - sharding and pipeline selection (the one place placements are decided)
+* :mod:`.train` (``python -m``), :mod:`.loop`, :mod:`.faults` - a run, its loop, what stops it
+* :mod:`.config`, :mod:`.cli` - :class:`~.config.TrainConfig`, its command line and YAML
+* :mod:`.checkpoint` - the recipe's checkpoints; :mod:`.build` - sharding and pipeline
+* :mod:`.launch` (``make run``), :mod:`.components` - torchx
 * :mod:`.data` - MovieLens-100k, synthetic Criteo-like stream, Criteo TSV
 """

@@ -2,24 +2,11 @@
 
 ``torchx run -s local_cwd recpipe.train -j 1x2 -- --config default --tb-dir runs/x``
 
-Multi-node: ``-j {nnodes}x{nproc_per_node}``. Every node runs one torchrun agent; the
-agents meet at a c10d rendezvous on node 0 (``rdzv_port``), whose host each scheduler
-names (``local_cwd``: ``localhost``, so ``-j 2x1`` runs two one-rank "nodes" on this
-host; Slurm: the first node of the job; Kubernetes/Volcano: the pod of replica 0).
-``-s kubernetes`` needs ``--image`` (an image with recpipe installed) and the
-``kubernetes`` Python package; ``-s slurm`` runs the workers in the submit directory.
-
-Each component validates the training arguments *before* returning the AppDef, so a
-bad value (an unknown flag, a NaN / inf / out-of-range number, a missing input file or
-an output path that cannot be written) fails in the launching process with the
-config's message and no worker starts. The file-system checks run on the launching
-machine, which for ``local_cwd`` is the workers' machine; when the paths exist only on
-the cluster (a Kubernetes volume, a Slurm node's local disk), pass ``--check_paths
-False``: the values are still checked here, and each worker checks the paths at start.
-Workers run ``python -m recpipe.recipes.train`` through
-:func:`torchx.components.dist.ddp` (``m=``, so any working directory works); every
-training flag, e.g. ``--timeout-s 300`` (how long a collective may wait for a dead or
-frozen rank before the job fails), reaches them unchanged.
+Each component validates the training arguments before returning the AppDef, so a bad
+value fails in the launching process and no worker starts. The file-system checks run
+on the launching machine; when the paths exist only on the cluster, pass
+``--check_paths False`` (each worker checks them at start). Workers run
+``python -m recpipe.recipes.train`` through :func:`torchx.components.dist.ddp`.
 """
 
 # No ``from __future__ import annotations``: torchx reads the parameters' annotations
@@ -32,24 +19,16 @@ from typing import Dict, Optional
 import torchx.specs as specs
 from torchx.components.dist import ddp
 
-from recpipe.recipes.config import ConfigError, ConfigMachineError, ConfigPathError, parse_config
+from recpipe.recipes.cli import parse_config
+from recpipe.recipes.config import ConfigError, ConfigMachineError, ConfigPathError
 
 TRAIN_MODULE: str = "recpipe.recipes.train"
-# Image of container schedulers (kubernetes, docker, ...) unless ``image`` is given. No
-# such public image exists: build one with recpipe installed and pass ``--image``.
-# local_cwd and slurm ignore it (they run the workers in the current directory).
+# Image of container schedulers unless ``image`` is given (no public one: build it with recpipe).
 DEFAULT_IMAGE: str = "recpipe:latest"
 
 
 def _check_j(j: str) -> str:
-    """Refuses a ``-j`` torchrun cannot start (torchx passes it on unchecked).
-
-    Forms: ``{nproc}``, ``{nnodes}x{nproc}`` or ``{min_nnodes}:{max_nnodes}x{nproc}``,
-    every number >= 1 (and min <= max), with optional surrounding whitespace.
-
-    Returns:
-        ``j`` without the surrounding whitespace (torchx's parser refuses it).
-    """
+    """``j`` stripped, refused unless torchrun can start it (every number >= 1, min <= max)."""
     m = re.fullmatch(r"(?:(\d+)(?::(\d+))?x)?(\d+)", j.strip()) if isinstance(j, str) else None
     numbers = [int(g) for g in m.groups() if g is not None] if m else []
     if not m or min(numbers) < 1 or (m.group(2) is not None and int(m.group(1)) > int(m.group(2))):
@@ -62,11 +41,7 @@ def _check_j(j: str) -> str:
 
 
 def _check_resources(*, cpu: int, memMB: int, max_retries: int, rdzv_port: int, tee: int) -> None:
-    """Refuses the integer arguments torchx passes on unchecked (``cpu=0`` even becomes 2).
-
-    Raises:
-        ConfigError: naming the argument, its range and a valid value.
-    """
+    """Refuses the integer arguments torchx passes on unchecked (``cpu=0`` even becomes 2)."""
     rules = (  # flag, value, lowest, highest (None: no bound), a valid value
         ("--cpu", cpu, 1, None, "--cpu 2 (CPUs per replica)"),
         ("--memMB", memMB, 1, None, "--memMB 8192 (MB per replica)"),
@@ -83,12 +58,7 @@ def _check_resources(*, cpu: int, memMB: int, max_retries: int, rdzv_port: int, 
 
 
 def _port_in_use(port: int) -> Optional[str]:
-    """Why the rendezvous store could not listen on ``port`` on this machine, or None.
-
-    Binds ``port`` on every address as torchrun's c10d store does (``SO_REUSEADDR``:
-    only a socket that is listening on it, not one in TIME_WAIT, makes it busy), then
-    closes it.
-    """
+    """Why torchrun's c10d store could not listen on ``port`` here (bound as it does), or None."""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -108,13 +78,8 @@ def _free_port() -> int:
 def _check_rdzv_port(j: str, rdzv_port: int) -> None:
     """Refuses a multi-node ``-j`` whose ``rdzv_port`` is already listened on here.
 
-    With ``local_cwd`` node 0 is this machine: every torchrun agent then fails to host
-    the c10d store, connects to the other process as a store client instead, and
-    waits for its reply forever (torch's TCPStore client ignores its timeout there),
-    so the job would hang before any worker starts.
-
-    Raises:
-        ConfigError: naming ``--rdzv_port``, the problem and a free port.
+    With ``local_cwd`` node 0 is this machine: the agents would connect to the other
+    process as store clients and wait forever (TCPStore ignores its timeout there).
     """
     max_nnodes = int(j.split("x")[0].split(":")[-1]) if "x" in j else 1
     if max_nnodes <= 1:
@@ -156,25 +121,15 @@ def train(
         memMB: memory per replica (node) in MB.
         env: extra environment variables for the workers.
         max_retries: scheduler retries.
-        rdzv_port: rendezvous port on node 0 (multi-node only); with ``check_paths``
-            a multi-node job refuses a port already in use on this machine (node 0 of
-            ``local_cwd``, where a busy port would hang the rendezvous forever).
+        rdzv_port: rendezvous port on node 0 (multi-node only; with ``check_paths`` refused if busy here).
         tee: which worker streams torchrun tees to the console (3: both).
         check_paths: check on this machine that the input files exist and the output
-            paths can be written. False when they exist only on the cluster's
-            machines (the workers check them at start).
-
-    Returns:
-        The torchx AppDef.
+            paths can be written (False when they exist only on the cluster).
 
     Raises:
-        ConfigError: a training argument or a component argument (``j``, ``cpu``,
-            ``memMB``, ``max_retries``, ``rdzv_port``, ``tee``) is invalid, or, with
-            ``check_paths``, a multi-node job's ``rdzv_port`` is in use on this machine
-            (before any process starts).
-        ConfigPathError: with ``check_paths``, an input file is missing or an output
-            path cannot be written on this machine (``ConfigMachineError``: a value this
-            machine cannot run, such as ``--num-threads`` above its CPUs).
+        ConfigError: a training or component argument is invalid.
+        ConfigPathError: with ``check_paths``, a path (or, ``ConfigMachineError``, a value)
+            this machine cannot use.
     """
     j = _check_j(j)
     _check_resources(cpu=cpu, memMB=memMB, max_retries=max_retries, rdzv_port=rdzv_port, tee=tee)
@@ -221,19 +176,13 @@ def default_recipe(
     Args:
         script_args: extra training flags, applied after the packaged ``default`` config.
         j: ``{nnodes}x{nproc_per_node}``.
-        tb_dir: TensorBoard directory (resolved by the workers in the launch directory);
-            default ``runs/recpipe/<launch time>``: one TensorBoard run per job, as
-            ``make run`` / ``recpipe.recipes.launch`` lay them out.
+        tb_dir: TensorBoard directory; default ``runs/recpipe/<launch time>``.
         name: job name.
         env: extra environment variables for the workers.
         check_paths: check the output paths on this machine (see :func:`train`).
-
-    Returns:
-        The torchx AppDef.
     """
     if tb_dir is None:
         tb_dir = f"runs/recpipe/{time.strftime('%Y%m%d-%H%M%S')}"
     return train(
-        "--config", "default", "--tb-dir", tb_dir, *script_args, j=j, name=name, env=env,
-        check_paths=check_paths,
+        "--config", "default", "--tb-dir", tb_dir, *script_args, j=j, name=name, env=env, check_paths=check_paths
     )

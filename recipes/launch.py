@@ -22,12 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from torchx.runner import get_runner
 from torchx.runner import config as torchx_config
+from torchx.runner import get_runner
 from torchx.specs import AppDef, AppState, AppStatus
 
+from recpipe.recipes.cli import parse_config
 from recpipe.recipes.components import default_recipe
-from recpipe.recipes.config import ConfigError, parse_config
+from recpipe.recipes.config import ConfigError
 
 SCHEDULER: str = "local_cwd"
 # Used when no .torchxconfig sets [local_cwd] log_dir.
@@ -41,15 +42,10 @@ class LaunchResult:
     """Outcome of one torchx job."""
 
     state: AppState
-    """Final torchx state (SUCCEEDED, FAILED, ...)."""
-    status: AppStatus | None
-    """Full torchx status (its ``structured_error_msg`` names a worker's error)."""
-    log_lines: list[str]
-    """Combined worker output (replica 0)."""
+    status: AppStatus | None  # its structured_error_msg names a worker's error
+    log_lines: list[str]  # combined worker output (replica 0)
     app_handle: str
-    """torchx handle, e.g. ``local_cwd://torchx/recpipe-default-abc``."""
-    log_dir: str
-    """torchx log directory of the job."""
+    log_dir: str  # torchx log directory of the job
 
 
 def ensure_torchrun_on_path() -> None:
@@ -70,13 +66,9 @@ def run_app(
     """Runs ``app`` with the local_cwd scheduler in-process and waits for it.
 
     Args:
-        app: the AppDef (e.g. from :mod:`recpipe.recipes.components`).
         cfg_dirs: directories searched for ``.torchxconfig`` (default: the cwd).
         log_dir: torchx log directory (overrides ``.torchxconfig``).
         on_line: called with every worker output line as it appears.
-
-    Returns:
-        The :class:`LaunchResult`.
     """
     ensure_torchrun_on_path()
     cfg: dict[str, object] = {}
@@ -110,9 +102,7 @@ def run_app(
         status = runner.wait(handle, wait_interval=1)
         reader.join(timeout=10)
     state = status.state if status is not None else AppState.UNKNOWN
-    return LaunchResult(
-        state=state, status=status, log_lines=lines, app_handle=handle, log_dir=str(cfg["log_dir"])
-    )
+    return LaunchResult(state=state, status=status, log_lines=lines, app_handle=handle, log_dir=str(cfg["log_dir"]))
 
 
 def _print_progress(line: str) -> None:
@@ -121,14 +111,7 @@ def _print_progress(line: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Launches the default recipe and reports where its results are.
-
-    Args:
-        argv: ``--tb-dir``, ``--nproc`` and any training flags (default ``sys.argv[1:]``).
-
-    Returns:
-        0 on success, 1 when the job failed, 2 on a bad argument.
-    """
+    """Launches the default recipe and reports its results; returns 0, 1 (job failed) or 2 (bad argument)."""
     parser = argparse.ArgumentParser(
         prog="python -m recpipe.recipes.launch",
         description=__doc__,

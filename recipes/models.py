@@ -1,11 +1,8 @@
 """Models: torchrec's DLRM and the micro-DLRM-DRAM configuration.
 
-Both are :class:`torchrec.models.dlrm.DLRM` wrapped in :class:`DLRMTrain` (BCE loss).
-They differ only in their tables: ``dlrm`` has one table per feature sized to its
-vocabulary (or ``num_embeddings``), ``micro_dlrm_dram`` one large virtual table per
-feature (``virtual_rows`` x ``embedding_dim``) into which the data's
-:class:`~recpipe.recipes.data.base.IdTransform` hashes every id ``hash_k`` times.
-Tables are created on the meta device; DMP materialises only each rank's shards.
+Both are :class:`DLRMTrain` (BCE loss) and differ only in table sizes (see
+:func:`~recpipe.recipes.data.base.table_rows`). Tables are created on the meta device;
+DMP materialises only each rank's shards.
 """
 
 from __future__ import annotations
@@ -23,15 +20,7 @@ EBC_PATH: str = "model.sparse_arch.embedding_bag_collection"
 
 
 def table_configs(config: TrainConfig, spec: DatasetSpec) -> list[EmbeddingBagConfig]:
-    """One sum-pooled table per sparse feature, named ``t_<feature>``.
-
-    Args:
-        config: model choice and sizes.
-        spec: the data source's features.
-
-    Returns:
-        The tables' configs.
-    """
+    """One sum-pooled table per sparse feature, named ``t_<feature>``."""
     return [
         EmbeddingBagConfig(
             name=f"t_{feat}",
@@ -45,21 +34,7 @@ def table_configs(config: TrainConfig, spec: DatasetSpec) -> list[EmbeddingBagCo
 
 
 def build_model(config: TrainConfig, spec: DatasetSpec, dense_device: torch.device) -> DLRMTrain:
-    """Builds the unsharded model: tables on meta, dense layers on ``dense_device``.
-
-    Args:
-        config: the run's config (seeded by the caller for identical dense init on all ranks).
-        spec: the data source's spec.
-        dense_device: device of the dense MLPs.
-
-    Returns:
-        ``DLRMTrain`` whose forward takes a torchrec ``Batch`` and returns
-        ``(loss, (loss, logits, labels))``.
-
-    Example::
-
-        model = build_model(TrainConfig(), source.spec, torch.device("cpu"))
-    """
+    """The unsharded ``DLRMTrain``: tables on meta, dense layers on ``dense_device`` (caller seeds)."""
     ebc = EmbeddingBagCollection(tables=table_configs(config, spec), device=torch.device("meta"))
     dlrm = DLRM(
         embedding_bag_collection=ebc,

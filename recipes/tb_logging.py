@@ -1,15 +1,8 @@
 """TensorBoard logging on rank 0, including per-table tier statistics.
 
-Tags written by a training run:
-
-* ``train/loss`` (mean over ranks and the logging interval's steps),
-  ``train/samples_per_s`` (global samples / s of training time: evaluations and
-  checkpoint saves excluded), ``train/step_ms`` (that time per step, in ms)
-* ``eval/auroc`` (over all ranks' eval batches)
-* ``tier/<table>/<stat>`` for every table whose sharded module exposes
-  :class:`TierStatsProvider` (e.g. ``tier/t_user_id/hit_rate``,
-  ``tier/t_user_id/fast_bytes``); nothing is written while no module provides them
-* ``placement/plan`` (text): the placement table
+Tags: ``train/loss``, ``train/samples_per_s``, ``train/step_ms`` (training time only),
+``eval/auroc``, ``tier/<table>/<stat>`` (from every :class:`TierStatsProvider`) and
+``placement/plan`` (text).
 """
 
 from __future__ import annotations
@@ -26,21 +19,14 @@ TierStats = dict[str, dict[str, float]]
 
 @runtime_checkable
 class TierStatsProvider(Protocol):
-    """Any (sharded) table module that reports per-table tier statistics.
-
-    ``tier_stats()`` returns ``{table_name: {stat_name: value}}``. Stats whose name
-    ends in ``rate`` or ``fraction`` (e.g. ``hit_rate``) are ratios, averaged when
-    several providers or ranks report the same table (weighted by their ``lookups``,
-    see :func:`merge_tier_stats`); all others (bytes, row counts) are summed.
-    """
+    """Any (sharded) table module reporting ``{table_name: {stat_name: value}}`` tier statistics."""
 
     def tier_stats(self) -> TierStats:
         """Per-table statistics since the last call (or since start)."""
         ...
 
 
-# Ratio stats and the count each one is a fraction of (``TieredEmbeddingShard.tier_stats``):
-# merged as the weighted mean, i.e. the ratio of the summed counts.
+# Ratio stats and the count each one is a fraction of (merged as the weighted mean).
 RATIO_WEIGHTS: Mapping[str, str] = {
     "hit_rate": "lookups",
     "fast_fraction": "lookups",
@@ -55,16 +41,8 @@ def _is_ratio(name: str) -> bool:
 def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> TierStats:
     """Merges several providers' or ranks' stats of the same tables.
 
-    Ratios (``RATIO_WEIGHTS``, and any other stat whose name ends in ``rate`` or
-    ``fraction``) are averaged, weighted by the count they are a fraction of when
-    every part reports it (``hit_rate`` over 2 ranks = all hits / all lookups), else
-    unweighted; all other stats (bytes, row counts) are summed.
-
-    Args:
-        parts: stats dicts.
-
-    Returns:
-        One merged ``{table: {stat: value}}``.
+    Ratios (names ending in ``rate`` / ``fraction``) are averaged, weighted by their
+    :data:`RATIO_WEIGHTS` count when every part reports it; other stats are summed.
     """
     merged: dict[str, dict[str, list[tuple[float, float | None]]]] = {}
     for part in parts:
@@ -87,11 +65,7 @@ def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> Tier
 
 
 def collect_tier_stats(model: nn.Module) -> TierStats:
-    """Stats of the outermost :class:`TierStatsProvider` modules in ``model`` on this rank.
-
-    A provider nested inside another provider (e.g. a per-table kernel inside the
-    sharded collection that already reports it) is skipped, so nothing is counted twice.
-    """
+    """Stats of the outermost :class:`TierStatsProvider` modules in ``model`` (nested ones would count twice)."""
     providers: list[tuple[str, TierStatsProvider]] = []
     for name, m in model.named_modules():
         if not isinstance(m, TierStatsProvider):
@@ -105,10 +79,7 @@ def collect_tier_stats(model: nn.Module) -> TierStats:
 
 
 def gather_tier_stats(model: nn.Module) -> TierStats:
-    """:func:`collect_tier_stats` merged over all ranks (a collective when distributed).
-
-    Every rank must call it at the same step.
-    """
+    """:func:`collect_tier_stats` merged over all ranks (a collective: every rank calls it at the same step)."""
     local = collect_tier_stats(model)
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return local
@@ -121,18 +92,8 @@ class RunLogger:
     """Writes a run's scalars and text to TensorBoard (a no-op when ``log_dir`` is None).
 
     Args:
-        log_dir: event file directory, or None to log nothing.
-        purge_step: a resumed run's first step to log again (the checkpoint's step + 1):
-            TensorBoard then drops the events at this step and later that an earlier run
-            wrote into ``log_dir`` after that checkpoint (a run that failed or was stopped
-            there), so every tag's steps stay increasing without duplicates. ``None``:
-            a fresh run, nothing dropped.
-
-    Example::
-
-        log = RunLogger("runs/x")
-        log.scalars(10, {"train/loss": 0.6})
-        log.close()
+        purge_step: a resumed run's first step: TensorBoard drops the events an earlier
+            run wrote from there on, so no tag has duplicate steps (``None``: fresh run).
     """
 
     def __init__(self, log_dir: str | None, purge_step: int | None = None) -> None:
@@ -150,10 +111,7 @@ class RunLogger:
 
     def tier_stats(self, step: int, stats: TierStats) -> None:
         """Writes ``tier/<table>/<stat>`` scalars."""
-        self.scalars(
-            step,
-            {f"tier/{table}/{name}": v for table, s in sorted(stats.items()) for name, v in s.items()},
-        )
+        self.scalars(step, {f"tier/{table}/{name}": v for table, s in sorted(stats.items()) for name, v in s.items()})
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes a text entry (rendered as markdown; indented as a code block)."""

@@ -11,13 +11,13 @@ Then 2 ranks load it, each run in fresh processes (so no run inherits another's 
 * torchrec: the same torchrec model on 2 ranks loads it (``dcp.load`` of that dict, then
   ``fused_optimizer.load_state_dict``): the baseline a torchrec user has today;
 * recpipe: a model whose tables are tiered (HYBRID, hash_roundrobin) loads it with
-  ``recpipe.pipeline.checkpoint.dcp.load(model, dir, verify=False)`` (torchrec writes no digests): each
+  ``recpipe.pipeline.checkpoint.load(model, dir, verify=False)`` (torchrec writes no digests): each
   rank streams the torchrec tables one saved chunk at a time, checks them, then writes the rows
   it owns chunk by chunk (so its extra memory is about a saved chunk, where it used to be a
   whole table);
 * recpipe, check_rows=False: the same without the first (checking) read;
 * leaving recpipe: the torchrec model loads a checkpoint of the same tables tiered (HYBRID,
-  ``recpipe.pipeline.checkpoint.dcp.save`` of a 2-rank tiered model) with ``recpipe.pipeline.checkpoint.dcp.load``: each
+  ``recpipe.pipeline.checkpoint.save`` of a 2-rank tiered model) with ``recpipe.pipeline.checkpoint.load``: each
   table is checked, then each rank gathers the rows its shards hold from the tiered exports, one
   table at a time (it used to build every such table whole on every rank at once).
 
@@ -48,13 +48,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_checkpoint import WORLD, _model as tiered_model, _parse_set, adagrad_ebc  # noqa: E402
+from bench_checkpoint import WORLD, _parse_set, adagrad_ebc  # noqa: E402
+from bench_checkpoint import _model as tiered_model
 from benchutil import hardware_line, positive_int, print_table, run_workers, writable_dir  # noqa: E402
 
 RUNS = ("torchrec", "recpipe", "recpipe_unchecked", "leave")
-LABELS = {"torchrec": "torchrec FUSED, torch dcp.load", "recpipe": "recpipe tiered, dcp.load",
-          "recpipe_unchecked": "recpipe tiered, check_rows=False",
-          "leave": "torchrec FUSED, recpipe dcp.load of tiered"}
+LABELS = {
+    "torchrec": "torchrec FUSED, torch dcp.load",
+    "recpipe": "recpipe tiered, dcp.load",
+    "recpipe_unchecked": "recpipe tiered, check_rows=False",
+    "leave": "torchrec FUSED, recpipe dcp.load of tiered",
+}
 
 
 def _torchrec_model(n_tables: int, rows: int, dim: int, world: int = WORLD) -> Any:
@@ -66,10 +70,20 @@ def _torchrec_model(n_tables: int, rows: int, dim: int, world: int = WORLD) -> A
 
     ebc, names = adagrad_ebc(n_tables, rows, dim)
     sharder = EmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(ebc, {n: row_wise() for n in names}, sharder=sharder,  # type: ignore[arg-type]
-                                          local_size=world, world_size=world, device_type="cpu")
-    return DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                    device=torch.device("cpu"))
+    plan = construct_module_sharding_plan(
+        ebc,
+        {n: row_wise() for n in names},
+        sharder=sharder,  # type: ignore[arg-type]
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
+    return DistributedModelParallel(
+        ebc,
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
 
 
 def _torchrec_state(model: Any) -> Dict[str, Any]:
@@ -84,8 +98,9 @@ def _memory_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _worker(rank: int, world: int, port: int, run: str, table_set: Tuple[int, int, int], checkpoint: str,
-            queue: Any) -> None:
+def _worker(
+    rank: int, world: int, port: int, run: str, table_set: Tuple[int, int, int], checkpoint: str, queue: Any
+) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")  # torchrec's deprecation warnings, once per rank
     try:  # everything inside: a failure always reaches the parent
@@ -93,7 +108,7 @@ def _worker(rank: int, world: int, port: int, run: str, table_set: Tuple[int, in
         dist.init_process_group("gloo", rank=rank, world_size=world)
         import torch.distributed.checkpoint as tdcp
 
-        from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+        from recpipe.pipeline import checkpoint as recpipe_dcp
 
         if run == "save":  # the torchrec user's checkpoint (random init is enough: rows are copied, not trained)
             tdcp.save(_torchrec_state(_torchrec_model(*table_set, world=world)), checkpoint_id=checkpoint)
@@ -119,8 +134,10 @@ def _worker(rank: int, world: int, port: int, run: str, table_set: Tuple[int, in
             model = tiered_model(*table_set, "HYBRID", 0.5)
 
             def load() -> None:
-                recpipe_dcp.load(model, checkpoint, verify=False,
-                                 check_rows=False if run == "recpipe_unchecked" else None)
+                recpipe_dcp.load(
+                    model, checkpoint, verify=False, check_rows=False if run == "recpipe_unchecked" else None
+                )
+
         dist.barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS
@@ -145,20 +162,33 @@ def _spawn(run: str, table_set: Tuple[int, int, int], checkpoint: str, world: in
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, run, table_set, checkpoint, queue))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, run, table_set, checkpoint, queue)) for r in range(world)
+    ]
     return run_workers(procs, queue, run)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tables", type=_parse_set, default=_parse_set("2x2097152x64"),
-                        help="table set TABLESxROWSxDIM (default 2x2097152x64: 1 GB of fp32 weights)")
-    parser.add_argument("--save-world", type=positive_int, default=8,
-                        help="ranks of the saving torchrec job (its ROW_WISE chunks: a table / this; default 8)")
+    parser.add_argument(
+        "--tables",
+        type=_parse_set,
+        default=_parse_set("2x2097152x64"),
+        help="table set TABLESxROWSxDIM (default 2x2097152x64: 1 GB of fp32 weights)",
+    )
+    parser.add_argument(
+        "--save-world",
+        type=positive_int,
+        default=8,
+        help="ranks of the saving torchrec job (its ROW_WISE chunks: a table / this; default 8)",
+    )
     parser.add_argument("--repeat", type=positive_int, default=2, help="runs of each load (best of; default 2)")
-    parser.add_argument("--dir", type=writable_dir, default=None,
-                        help="existing directory to checkpoint into (default: a temporary one on /tmp's disk)")
+    parser.add_argument(
+        "--dir",
+        type=writable_dir,
+        default=None,
+        help="existing directory to checkpoint into (default: a temporary one on /tmp's disk)",
+    )
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="bench_adopt_", dir=args.dir)
     checkpoint = os.path.join(root, "torchrec")
@@ -167,7 +197,7 @@ def main() -> None:
         _spawn("save", args.tables, checkpoint, world=args.save_world)
         _spawn("save_tiered", args.tables, checkpoint)
         for i in range(args.repeat):
-            for run in RUNS[i % len(RUNS):] + RUNS[: i % len(RUNS)]:  # rotate which goes first
+            for run in RUNS[i % len(RUNS) :] + RUNS[: i % len(RUNS)]:  # rotate which goes first
                 results[run].append(_spawn(run, args.tables, checkpoint))
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -176,10 +206,12 @@ def main() -> None:
     weights_mb = n_tables * rows * dim * 4 / 2**20
     table_mb = rows * dim * 4 / 2**20
     print(hardware_line(threads=1) + f"; {WORLD} gloo ranks; checkpoint in {os.path.dirname(root)}")
-    print(f"checkpoint of {args.save_world} ranks: {n_tables} x {rows:,} x {dim} ROW_WISE FUSED row-wise Adagrad fp32 "
-          f"tables ({weights_mb:,.0f} MB of weights; one table {table_mb:,.0f} MB, one saved chunk "
-          f"{table_mb / args.save_world:,.0f} MB, one loading rank's rows {table_mb / WORLD:,.0f} MB); best of "
-          f"{args.repeat}; s = slower rank between barriers; peak = the larger rank's RSS growth")
+    print(
+        f"checkpoint of {args.save_world} ranks: {n_tables} x {rows:,} x {dim} ROW_WISE FUSED row-wise Adagrad fp32 "
+        f"tables ({weights_mb:,.0f} MB of weights; one table {table_mb:,.0f} MB, one saved chunk "
+        f"{table_mb / args.save_world:,.0f} MB, one loading rank's rows {table_mb / WORLD:,.0f} MB); best of "
+        f"{args.repeat}; s = slower rank between barriers; peak = the larger rank's RSS growth"
+    )
     base = {k: min(max(r[k] for r in res.values()) for res in results["torchrec"]) for k in ("s", "peak_mb")}
     table = []
     for run in RUNS:

@@ -50,9 +50,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fbgemm_gpu  # noqa: E402,F401
 from benchutil import hardware_line, int_at_least, positive_int, print_table  # noqa: E402
 
-import fbgemm_gpu  # noqa: E402,F401
 from recpipe.pipeline.routing import ops  # noqa: E402
 
 F = 8
@@ -123,8 +123,9 @@ def best_times(fns: dict[str, Callable[[], object]], *, repeat: int, warmup: int
     return best
 
 
-def vbe_inputs(lengths: torch.Tensor, indices: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                    torch.Tensor]:
+def vbe_inputs(
+    lengths: torch.Tensor, indices: torch.Tensor, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The plain inputs with each feature keeping its first 50-100% of bags (VBE)."""
     g = torch.Generator().manual_seed(seed)
     B = lengths.numel() // F
@@ -136,7 +137,7 @@ def vbe_inputs(lengths: torch.Tensor, indices: torch.Tensor, seed: int = 1) -> t
         b = int(keep[f])
         start = int(offsets[f * B])
         new_lengths.append(per_feature[f, :b])
-        new_indices.append(indices[start:start + int(per_feature[f, :b].sum())])
+        new_indices.append(indices[start : start + int(per_feature[f, :b].sum())])
     return torch.cat(new_lengths), torch.cat(new_indices), keep
 
 
@@ -152,15 +153,29 @@ def uneven_bounds(W: int, seed: int = 2) -> list[torch.Tensor]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--keys", type=int_at_least(F * 64), default=1_000_000,
-                    help=f"ids per call (>= {F * 64}; default 1M)")
+    ap.add_argument(
+        "--keys", type=int_at_least(F * 64), default=1_000_000, help=f"ids per call (>= {F * 64}; default 1M)"
+    )
     ap.add_argument("--repeat", type=positive_int, default=15, help="timed rounds per cell, best of (default 15)")
-    ap.add_argument("--worlds", type=positive_int, nargs="+", default=[2, 8, 64],
-                    help="world sizes W, one row group each (default 2 8 64)")
-    ap.add_argument("--isa", choices=["auto", "avx512", "avx2", "baseline"], default="auto",
-                    help="build of recpipe's hash-key loop (sets RECPIPE_ISA)")
-    ap.add_argument("--heap", choices=["steady", "default"], default="steady",
-                    help="steady: freed outputs stay in the heap (see the module docstring); default: glibc's")
+    ap.add_argument(
+        "--worlds",
+        type=positive_int,
+        nargs="+",
+        default=[2, 8, 64],
+        help="world sizes W, one row group each (default 2 8 64)",
+    )
+    ap.add_argument(
+        "--isa",
+        choices=["auto", "avx512", "avx2", "baseline"],
+        default="auto",
+        help="build of recpipe's hash-key loop (sets RECPIPE_ISA)",
+    )
+    ap.add_argument(
+        "--heap",
+        choices=["steady", "default"],
+        default="steady",
+        help="steady: freed outputs stay in the heap (see the module docstring); default: glibc's",
+    )
     args = ap.parse_args()
     os.environ["RECPIPE_ISA"] = args.isa
     heap = steady_heap() if args.heap == "steady" else "heap: glibc defaults (freed outputs may be returned to the OS)"
@@ -170,12 +185,16 @@ def main() -> None:
     v_lengths, v_indices, v_batch = vbe_inputs(lengths, indices)
     print(hardware_line())
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"recpipe hash-key build: RECPIPE_ISA={args.isa}; 1-min load average before the run: {load:.2f} "
-          f"(other jobs on the {all_threads} cores make the {all_threads}-thread rows noisy)")
+    print(
+        f"recpipe hash-key build: RECPIPE_ISA={args.isa}; 1-min load average before the run: {load:.2f} "
+        f"(other jobs on the {all_threads} cores make the {all_threads}-thread rows noisy)"
+    )
     print(heap)
-    print(f"fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}; {args.keys} keys, F={F}, "
-          f"B={lengths.numel() // F}, int64 ids over {TABLE_ROWS} rows/table; vbe: {v_indices.numel()} keys, "
-          f"batch per feature {v_batch.tolist()}")
+    print(
+        f"fbgemm_gpu {getattr(fbgemm_gpu, '__version__', '?')}; {args.keys} keys, F={F}, "
+        f"B={lengths.numel() // F}, int64 ids over {TABLE_ROWS} rows/table; vbe: {v_indices.numel()} keys, "
+        f"batch per feature {v_batch.tolist()}"
+    )
     rows = []
     sizes = torch.full((F,), TABLE_ROWS, dtype=torch.int64)
     for threads in sorted({1, all_threads}):
@@ -210,20 +229,30 @@ def main() -> None:
                     fns["hash"] = ours(2)
                 t = best_times(fns, repeat=args.repeat)
                 mk = ids.numel() / 1e6
-                rows.append([
-                    threads, W, kind, "on" if seq else "off",
-                    mk / t["fbgemm"], mk / t["cont"], t["fbgemm"] / t["cont"],
-                    mk / t["rr"] if "rr" in t else "-", mk / t["hash"] if "hash" in t else "-",
-                    t["hash"] / t["cont"] if "hash" in t else "-",
-                ])
+                rows.append(
+                    [
+                        threads,
+                        W,
+                        kind,
+                        "on" if seq else "off",
+                        mk / t["fbgemm"],
+                        mk / t["cont"],
+                        t["fbgemm"] / t["cont"],
+                        mk / t["rr"] if "rr" in t else "-",
+                        mk / t["hash"] if "hash" in t else "-",
+                        t["hash"] / t["cont"] if "hash" in t else "-",
+                    ]
+                )
     print_table(
         ["threads", "W", "input", "seq", "fbgemm Mk/s", "cont Mk/s", "x fbgemm", "rr Mk/s", "hash Mk/s", "hash/cont"],
         rows,
     )
     worst = min(r[6] for r in rows)
     worst_hash = max(r[9] for r in rows if r[9] != "-")
-    print(f"targets: x fbgemm >= 3 in every cell (worst {worst:.2f}, {sum(r[6] >= 3 for r in rows)}/{len(rows)} "
-          f"cells meet it); hash/cont <= 1.3 (worst {worst_hash:.2f})")
+    print(
+        f"targets: x fbgemm >= 3 in every cell (worst {worst:.2f}, {sum(r[6] >= 3 for r in rows)}/{len(rows)} "
+        f"cells meet it); hash/cont <= 1.3 (worst {worst_hash:.2f})"
+    )
 
 
 if __name__ == "__main__":

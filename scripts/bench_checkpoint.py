@@ -1,15 +1,14 @@
-"""DCP checkpoints (recpipe.pipeline.checkpoint.dcp) vs the recipe's per-rank ``.pt`` exports.
+"""DCP checkpoints (recpipe.pipeline.checkpoint) vs per-rank ``.pt`` exports (a torch.save baseline).
 
 Two gloo CPU ranks hold a DMP EBC whose tables are tiered (ROW_WISE, hash_roundrobin,
 fused row-wise Adagrad; placement ``--mode`` / ``--load-factor``). Per table set:
 
-* ours, save: ``recpipe.pipeline.checkpoint.dcp.save(model, dir)`` (export, DCP write, fsync);
-* ours, load: ``recpipe.pipeline.checkpoint.dcp.load(model, dir)`` (each rank streams every saving
+* ours, save: ``recpipe.pipeline.checkpoint.save(model, dir)`` (export, DCP write, fsync);
+* ours, load: ``recpipe.pipeline.checkpoint.load(model, dir)`` (each rank streams every saving
   rank's export, keeps its own rows by global id);
 * .pt, save: each rank ``torch.save`` s its ``tiered_state()`` to ``rank<r>.pt`` and fsyncs
-  (what the recipe's checkpoint writes for tiered tables, without its sha256);
-* .pt, load: each rank ``torch.load`` s every rank's file and calls ``load_tiered_state``
-  (what the recipe does when resharding).
+  (no digests);
+* .pt, load: each rank ``torch.load`` s every rank's file and calls ``load_tiered_state``.
 * reshard: the same loads into a model whose tables are routed with another seed
   (every row changes owner: each rank reads every saving rank's export and keeps
   its rows by global id, as for another world size); timed in the last run only.
@@ -67,8 +66,9 @@ def adagrad_ebc(n_tables: int, rows: int, dim: int) -> Tuple[Any, List[str]]:
 
     names = [f"t{i}" for i in range(n_tables)]
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=dim, feature_names=[f"f_{n}"])
-                for n in names],
+        tables=[
+            EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=dim, feature_names=[f"f_{n}"]) for n in names
+        ],
         device=torch.device("meta"),
     )
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
@@ -82,22 +82,35 @@ def _model(n_tables: int, rows: int, dim: int, mode: str, x: float, seed: int = 
     from torchrec.distributed.types import ShardingPlan, ShardingType
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     ebc, names = adagrad_ebc(n_tables, rows, dim)
     sharder = TieredEmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(ebc, {n: row_wise() for n in names}, sharder=sharder,  # type: ignore[arg-type]
-                                          local_size=WORLD, world_size=WORLD, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        ebc,
+        {n: row_wise() for n in names},
+        sharder=sharder,  # type: ignore[arg-type]
+        local_size=WORLD,
+        world_size=WORLD,
+        device_type="cpu",
+    )
     for n in names:
         plan[n] = PlacementParameterSharding(
             sharding_type=ShardingType.ROW_WISE.value,
             compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
             ranks=list(range(WORLD)),
             sharding_spec=row_wise_sharding_spec(rows, dim, WORLD, WORLD, "cpu"),
-            dist_type="hash_roundrobin", mode=mode, cache_load_factor=x, seed=seed,
+            dist_type="hash_roundrobin",
+            mode=mode,
+            cache_load_factor=x,
+            seed=seed,
         )
-    return DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                    device=torch.device("cpu"))
+    return DistributedModelParallel(
+        ebc,
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -127,7 +140,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
     try:  # everything inside: a failure always reaches the parent
         torch.set_num_threads(1)
         dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-        from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+        from recpipe.pipeline import checkpoint as recpipe_dcp
 
         results: List[Dict[str, Any]] = []
         for n_tables, rows, dim in args.sets:
@@ -141,12 +154,17 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
                 if rank == 0:
                     os.makedirs(pt_dir, exist_ok=True)
                 dist.barrier()
-                ours = [("ours_save", lambda: recpipe_dcp.save(model, dcp_dir)),
-                        ("ours_load", lambda: recpipe_dcp.load(model, dcp_dir)),
-                        ("ours_reshard", lambda: recpipe_dcp.load(other, dcp_dir))]
-                pt = [("pt_save", lambda: _pt_save(model, pt_dir, rank)), ("pt_load", lambda: _pt_load(model, pt_dir)),
-                      ("pt_reshard", lambda: _pt_load(other, pt_dir))]
-                for key, fn in (ours + pt if i % 2 == 0 else pt + ours):  # alternate which goes first
+                ours = [
+                    ("ours_save", lambda: recpipe_dcp.save(model, dcp_dir)),
+                    ("ours_load", lambda: recpipe_dcp.load(model, dcp_dir)),
+                    ("ours_reshard", lambda: recpipe_dcp.load(other, dcp_dir)),
+                ]
+                pt = [
+                    ("pt_save", lambda: _pt_save(model, pt_dir, rank)),
+                    ("pt_load", lambda: _pt_load(model, pt_dir)),
+                    ("pt_reshard", lambda: _pt_load(other, pt_dir)),
+                ]
+                for key, fn in ours + pt if i % 2 == 0 else pt + ours:  # alternate which goes first
                     if key.endswith("reshard") and i != args.repeat - 1:
                         continue  # once per set (keeps the default run near 2 minutes)
                     times[key].append(_timed(fn))
@@ -155,9 +173,10 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
                     shutil.rmtree(dcp_dir, ignore_errors=True)
                     shutil.rmtree(pt_dir, ignore_errors=True)
             shard = next(iter(model.module.tiered_tables().values()))
-            results.append({"set": (n_tables, rows, dim), "row_bytes": shard.row_bytes,
-                            **{k: min(v) for k, v in times.items()}})
-            del model, other
+            results.append(
+                {"set": (n_tables, rows, dim), "row_bytes": shard.row_bytes, **{k: min(v) for k, v in times.items()}}
+            )
+            model = other = None  # frees this set's tables before the next is built
         queue.put((rank, results, None))
     except BaseException as exc:  # noqa: BLE001 - reported by the parent
         import traceback
@@ -170,17 +189,37 @@ def _worker(rank: int, port: int, args: argparse.Namespace, root: str, queue: An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sets", type=_parse_set, nargs="+",
-                        default=[_parse_set("2x2097152x64"), _parse_set("2x1048576x64")],
-                        help="table sets TABLESxROWSxDIM (default: ~1 GB set, the default recipe's set)")
-    parser.add_argument("--mode", default="HYBRID", choices=["HYBRID", "CACHING"],
-                        help="tiered placement mode of the tables (default HYBRID)")
-    parser.add_argument("--load-factor", type=unit_fraction, default=0.5,
-                        help="cache load factor x in (0, 1] of the tiered tables (default 0.5)")
-    parser.add_argument("--repeat", type=positive_int, default=2,
-                        help="runs per set (best of; the order of DCP and .pt alternates; default 2)")
-    parser.add_argument("--dir", type=writable_dir, default=None,
-                        help="existing directory to checkpoint into (default: a temporary one on /tmp's disk)")
+    parser.add_argument(
+        "--sets",
+        type=_parse_set,
+        nargs="+",
+        default=[_parse_set("2x2097152x64"), _parse_set("2x1048576x64")],
+        help="table sets TABLESxROWSxDIM (default: ~1 GB set, the default recipe's set)",
+    )
+    parser.add_argument(
+        "--mode",
+        default="HYBRID",
+        choices=["HYBRID", "CACHING"],
+        help="tiered placement mode of the tables (default HYBRID)",
+    )
+    parser.add_argument(
+        "--load-factor",
+        type=unit_fraction,
+        default=0.5,
+        help="cache load factor x in (0, 1] of the tiered tables (default 0.5)",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=2,
+        help="runs per set (best of; the order of DCP and .pt alternates; default 2)",
+    )
+    parser.add_argument(
+        "--dir",
+        type=writable_dir,
+        default=None,
+        help="existing directory to checkpoint into (default: a temporary one on /tmp's disk)",
+    )
     args = parser.parse_args()
 
     import socket
@@ -198,8 +237,10 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
     print(hardware_line(threads=1) + f"; {WORLD} gloo ranks; checkpoints in {os.path.dirname(root)}")
-    print(f"tiered tables: ROW_WISE hash_roundrobin, {args.mode} {args.load_factor}, row-wise Adagrad fp32; "
-          f"best of {args.repeat}; seconds = slower rank between barriers")
+    print(
+        f"tiered tables: ROW_WISE hash_roundrobin, {args.mode} {args.load_factor}, row-wise Adagrad fp32; "
+        f"best of {args.repeat}; seconds = slower rank between barriers"
+    )
     rows_out = []
     for i, res in enumerate(out[0]):
         n_tables, rows, dim = res["set"]

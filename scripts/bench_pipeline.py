@@ -44,8 +44,7 @@ from typing import Any, Dict, Iterator, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from benchutil import iter_reports, hardware_line, nonneg_int, positive_int, positive_int_list
-
+from benchutil import hardware_line, iter_reports, nonneg_int, positive_int, positive_int_list
 
 
 def _rss_mb() -> float:
@@ -140,12 +139,9 @@ def _build(args: argparse.Namespace, device: torch.device) -> Tuple[torch.nn.Mod
                 for shard in t.local_shards():
                     off = shard.metadata.shard_offsets
                     gen = torch.Generator().manual_seed(zlib.crc32(name.encode()) + off[0] * 7 + off[1])
-                    shard.tensor.copy_(
-                        torch.rand(shard.tensor.shape, generator=gen).mul_(0.02).sub_(0.01)
-                    )
+                    shard.tensor.copy_(torch.rand(shard.tensor.shape, generator=gen).mul_(0.02).sub_(0.01))
     opt = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adam(params, lr=1e-3),
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adam(params, lr=1e-3)
     )
     return dmp, opt
 
@@ -155,12 +151,7 @@ def _measured_sparse_dist(model: torch.nn.Module, opt: torch.optim.Optimizer, de
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
-    from recpipe.pipeline.train.stats import (
-        STAGE_OPTIMIZER,
-        PipelineStageStats,
-        StageTimer,
-        time_awaitable_tree,
-    )
+    from recpipe.pipeline.train.stats import STAGE_OPTIMIZER, PipelineStageStats, StageTimer, time_awaitable_tree
 
     stats = PipelineStageStats()
 
@@ -260,7 +251,7 @@ def _body(rank: int, args: argparse.Namespace) -> Dict[str, Any]:
         run(name, args.warmup, record=False)
         variants[name].stats.reset()
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             run(name, args.steps, record=True)
     result["times"] = times
@@ -300,20 +291,28 @@ def main() -> None:
     ap.add_argument("--batch", type=positive_int, default=1024, help="samples per rank per step (default 1024)")
     ap.add_argument("--pooling", type=positive_int, default=10, help="mean ids per sample per feature (default 10)")
     ap.add_argument("--dense-in", type=positive_int, default=13, help="dense features (default 13, Criteo)")
-    ap.add_argument("--over-arch", type=positive_int_list, default=[1024, 1024, 512],
-                    help="over-arch widths, comma-separated (default 1024,1024,512)")
+    ap.add_argument(
+        "--over-arch",
+        type=positive_int_list,
+        default=[1024, 1024, 512],
+        help="over-arch widths, comma-separated (default 1024,1024,512)",
+    )
     ap.add_argument("--distinct-batches", type=positive_int, default=8, help="distinct batches cycled (default 8)")
     ap.add_argument("--warmup", type=nonneg_int, default=3, help="warm-up steps per variant (default 3)")
     ap.add_argument("--rounds", type=positive_int, default=20, help="interleaved rounds (default 20)")
     ap.add_argument("--steps", type=positive_int, default=3, help="steps per variant per round (default 3)")
-    ap.add_argument("--threads", type=positive_int, default=1,
-                    help="torch threads per rank (default 1: 2 ranks, 2 cores)")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="cpu (gloo, default) or cuda (nccl, 2 GPUs; adds peak CUDA memory)")
+    ap.add_argument(
+        "--threads", type=positive_int, default=1, help="torch threads per rank (default 1: 2 ranks, 2 cores)"
+    )
+    ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (gloo, default) or cuda (nccl, 2 GPUs; adds peak CUDA memory)",
+    )
     args = ap.parse_args()
     if args.device == "cuda" and torch.cuda.device_count() < 2:
-        ap.error(f"argument --device: cuda needs 2 CUDA devices, found {torch.cuda.device_count()}; "
-                 "use --device cpu")
+        ap.error(f"argument --device: cuda needs 2 CUDA devices, found {torch.cuda.device_count()}; use --device cpu")
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -383,8 +382,11 @@ def main() -> None:
         "issuing lookup + output all-to-all outside the forward (recpipe only; torchrec does it inside "
         "the forward).\nRSS MB: rank-0 resident set after that variant's steps (all variants' models "
         f"live in one process; peak {r0['peak_rss']:.0f} MB). "
-        + ("CUDA peak memory: per row above." if args.device == "cuda" else
-           "CUDA peak allocated/reserved memory: not measured on CPU (--device cuda needs 2 GPUs; none here).")
+        + (
+            "CUDA peak memory: per row above."
+            if args.device == "cuda"
+            else "CUDA peak allocated/reserved memory: not measured on CPU (--device cuda needs 2 GPUs; none here)."
+        )
     )
     base_wait = r0["stats"][base]["output_dist_wait"]
     for n in names[1:]:

@@ -28,6 +28,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 import torch
+from benchutil import hardware_line
 from torchrec.distributed.planner.types import Topology
 
 from recpipe.planner import (
@@ -40,8 +41,6 @@ from recpipe.planner import (
 )
 from recpipe.planner.cost_models import AnalyticCostModel
 from recpipe.planner.enumerators import options_to_arrays
-
-from benchutil import hardware_line
 
 GiB = 1024**3
 
@@ -60,8 +59,9 @@ def random_tables(n: int, rng: np.random.Generator) -> List[TableSpec]:
     ]
 
 
-def tight_topology(tables: List[TableSpec], world: int, local: int, hf: float = 0.6, df: float = 0.75,
-                   backend: str = "native") -> Topology:
+def tight_topology(
+    tables: List[TableSpec], world: int, local: int, hf: float = 0.6, df: float = 0.75, backend: str = "native"
+) -> Topology:
     """A topology where both budgets bind: HBM for ``hf`` of all-in-HBM, DDR for ``df`` of
     all-CACHING, in the bytes of ``backend`` (the planners' backend: the same instance)."""
     opts = GridPlacementEnumerator(world, local, AnalyticCostModel(backend=backend), backend=backend).enumerate(tables)
@@ -71,7 +71,9 @@ def tight_topology(tables: List[TableSpec], world: int, local: int, hf: float = 
     return Topology(world_size=world, local_world_size=local, compute_device="cuda", hbm_cap=h, ddr_cap=d)
 
 
-def seed_python_dp(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, H: int, D: int, nh: int, nd: int) -> Optional[List[int]]:
+def seed_python_dp(
+    hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, H: int, D: int, nh: int, nd: int
+) -> Optional[List[int]]:
     """PR #508's DP as a pure-Python triple loop (float bins carrying exact usage)."""
     M, K = cost.shape
     inf = float("inf")
@@ -128,13 +130,20 @@ def torchrec_planner_seconds(tables: List[TableSpec], world: int, local: int, to
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=[f"f_{t.name}"])
-                for t in tables],
+        tables=[
+            EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.rows, feature_names=[f"f_{t.name}"])
+            for t in tables
+        ],
         device=torch.device("meta"),
     )
     # Roomy budgets: we time torchrec's search, not its feasibility.
-    topo = Topology(world_size=world, local_world_size=local, compute_device="cuda",
-                    hbm_cap=64 * 1024 * GiB, ddr_cap=64 * 1024 * GiB)
+    topo = Topology(
+        world_size=world,
+        local_world_size=local,
+        compute_device="cuda",
+        hbm_cap=64 * 1024 * GiB,
+        ddr_cap=64 * 1024 * GiB,
+    )
     planner = EmbeddingShardingPlanner(topology=topo)
     t0 = time.perf_counter()
     planner.plan(ebc, [EmbeddingBagCollectionSharder()])
@@ -144,16 +153,19 @@ def torchrec_planner_seconds(tables: List[TableSpec], world: int, local: int, to
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer gap instances, skip 5000 tables")
-    ap.add_argument("--backend", choices=("native", "fbgemm"), default="native",
-                    help="tiered-table bytes the planners budget (native: the instances the targets were set on; "
-                         "fbgemm: a cuda topology's default)")
+    ap.add_argument(
+        "--backend",
+        choices=("native", "fbgemm"),
+        default="native",
+        help="tiered-table bytes the planners budget (native: the instances the targets were set on; "
+        "fbgemm: a cuda topology's default)",
+    )
     args = ap.parse_args()
     backend = args.backend
     logging.disable(logging.WARNING)
     torch.set_num_threads(1)
     rng = np.random.default_rng(0)
-    print(hardware_line() + f", numpy {np.__version__}, python {platform.python_version()}; "
-          f"planner backend {backend}")
+    print(hardware_line() + f", numpy {np.__version__}, python {platform.python_version()}; planner backend {backend}")
     rows: List[Tuple[str, str, str, str]] = []
 
     sizes = [(100, 8), (1000, 64)] + ([] if args.quick else [(5000, 128)])
@@ -172,10 +184,17 @@ def main() -> None:
             t_enum = min(t_enum, time.perf_counter() - t0)
         ok = plan.hbm_bytes_per_rank <= planner.hbm_budget and plan.ddr_bytes_per_machine <= planner.ddr_budget
         target = "< 1 s" if (m, w) == (1000, 64) else "-"
-        rows.append((f"plan {m} tables x {w} devices (bins {planner.proposer.last_bins})", f"{dt:.3f} s", target,
-                     ("ok" if ok else "BUDGET VIOLATION") + f", HBM {100 * plan.hbm_bytes_per_rank / planner.hbm_budget:.1f}%"
-                     f" DDR {100 * plan.ddr_bytes_per_machine / planner.ddr_budget:.1f}% used;"
-                     f" enumeration alone {t_enum:.3f} s ({arrays.cost.shape[1]} options/table)"))
+        rows.append(
+            (
+                f"plan {m} tables x {w} devices (bins {planner.proposer.last_bins})",
+                f"{dt:.3f} s",
+                target,
+                ("ok" if ok else "BUDGET VIOLATION")
+                + f", HBM {100 * plan.hbm_bytes_per_rank / planner.hbm_budget:.1f}%"
+                f" DDR {100 * plan.ddr_bytes_per_machine / planner.ddr_budget:.1f}% used;"
+                f" enumeration alone {t_enum:.3f} s ({arrays.cost.shape[1]} options/table)",
+            )
+        )
     # Known limitation: a sliver-thin feasible region (HBM 45% / DDR 60%) at 1000 tables.
     tables = random_tables(1000, rng)
     planner = PlacementPlanner(tight_topology(tables, 64, 8, 0.45, 0.60, backend=backend), backend=backend)
@@ -215,19 +234,38 @@ def main() -> None:
     def plan_cost(sol: Optional[np.ndarray]) -> float:
         return float(cost[r, sol].sum()) if sol is not None else float("inf")
 
-    rows.append(("seed pure-Python DP, 100 tables, bins (64, 32)", f"{t_seed:.3f} s", "baseline",
-                 f"cost {plan_cost(seed):.4f}"))
-    rows.append(("recpipe DP, C++ kernel (default backend), same input", f"{1e3 * t_cpp:.2f} ms", ">= 100x",
-                 f"{t_seed / t_cpp:.0f}x faster: {'MET' if t_seed / t_cpp >= 100 else 'NOT MET'}, "
-                 f"cost {plan_cost(ours):.4f}"))
-    rows.append(("recpipe DP, NumPy twin (backend='numpy'), same input", f"{1e3 * t_np:.2f} ms", "-",
-                 f"{t_seed / t_np:.0f}x faster, cost {plan_cost(ours_np):.4f}"))
+    rows.append(
+        ("seed pure-Python DP, 100 tables, bins (64, 32)", f"{t_seed:.3f} s", "baseline", f"cost {plan_cost(seed):.4f}")
+    )
+    rows.append(
+        (
+            "recpipe DP, C++ kernel (default backend), same input",
+            f"{1e3 * t_cpp:.2f} ms",
+            ">= 100x",
+            f"{t_seed / t_cpp:.0f}x faster: {'MET' if t_seed / t_cpp >= 100 else 'NOT MET'}, "
+            f"cost {plan_cost(ours):.4f}",
+        )
+    )
+    rows.append(
+        (
+            "recpipe DP, NumPy twin (backend='numpy'), same input",
+            f"{1e3 * t_np:.2f} ms",
+            "-",
+            f"{t_seed / t_np:.0f}x faster, cost {plan_cost(ours_np):.4f}",
+        )
+    )
     t0 = time.perf_counter()
     PlacementPlanner(topo, backend=backend).plan(tables)
     t_plan = time.perf_counter() - t0
     t_tr = torchrec_planner_seconds(tables, 8, 8, topo)
-    rows.append(("torchrec EmbeddingShardingPlanner, same 100 tables x 8", f"{t_tr:.3f} s", "reference",
-                 f"recpipe plan() {t_plan:.3f} s (default bins): {t_tr / t_plan:.0f}x faster"))
+    rows.append(
+        (
+            "torchrec EmbeddingShardingPlanner, same 100 tables x 8",
+            f"{t_tr:.3f} s",
+            "reference",
+            f"recpipe plan() {t_plan:.3f} s (default bins): {t_tr / t_plan:.0f}x faster",
+        )
+    )
 
     # optimality gap vs brute force
     n_inst = 40 if args.quick else 200
@@ -260,12 +298,22 @@ def main() -> None:
         gaps.append(float("inf") if dp is None else cost[r, dp].sum() / ref - 1.0)
         bare_gaps.append(float("inf") if bare is None else cost[r, bare].sum() / ref - 1.0)
     g, gb = np.array(gaps), np.array(bare_gaps)
-    rows.append((f"optimality gap vs brute force, {n_inst} x 6 tables ({infeasible} infeasible)",
-                 f"max {100 * g.max():.3f}% / mean {100 * g.mean():.4f}%", "<= 1%",
-                 f"exact on {int((g <= 1e-12).sum())}/{g.size}; DP {t_dp:.1f} s, brute force {t_bf:.1f} s"))
-    rows.append(("  same, DP alone (repair=False, default bins)",
-                 f"max {100 * gb.max():.3f}% / mean {100 * gb.mean():.4f}%", "<= 1%",
-                 f"exact on {int((gb <= 1e-12).sum())}/{gb.size}"))
+    rows.append(
+        (
+            f"optimality gap vs brute force, {n_inst} x 6 tables ({infeasible} infeasible)",
+            f"max {100 * g.max():.3f}% / mean {100 * g.mean():.4f}%",
+            "<= 1%",
+            f"exact on {int((g <= 1e-12).sum())}/{g.size}; DP {t_dp:.1f} s, brute force {t_bf:.1f} s",
+        )
+    )
+    rows.append(
+        (
+            "  same, DP alone (repair=False, default bins)",
+            f"max {100 * gb.max():.3f}% / mean {100 * gb.mean():.4f}%",
+            "<= 1%",
+            f"exact on {int((gb <= 1e-12).sum())}/{gb.size}",
+        )
+    )
     rows.append(("budget violations (all runs above)", str(viol), "0", "ok" if viol == 0 else "FAIL"))
 
     head = ("case", "result", "target", "note")

@@ -36,8 +36,10 @@ from benchutil import hardware_line, int_at_least, positive_int, print_table, re
 LOG_EVERY: int = 10
 #: name -> (extra CLI flags, label). The first is the baseline of the ratios.
 RUNS: dict[str, tuple[list[str], str]] = {
-    "torchrec": (["--placement", "table_wise", "--pipeline", "sparse"],
-                 "torchrec table-wise FUSED + TrainPipelineSparseDist"),
+    "torchrec": (
+        ["--placement", "table_wise", "--pipeline", "sparse"],
+        "torchrec table-wise FUSED + TrainPipelineSparseDist",
+    ),
     "planned_sparse": (["--pipeline", "sparse"], "recpipe planned tiered + TrainPipelineSparseDist"),
     "default": ([], "recpipe default (planned tiered + TrainPipelineFusedSparseDist)"),
 }
@@ -52,15 +54,23 @@ def run_once(name: str, steps: int, workdir: Path, nproc: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int_at_least(2 * LOG_EVERY), default=200,
-                        help=f"training steps per run (>= {2 * LOG_EVERY}: throughput is measured over the logging "
-                             f"intervals after the first {LOG_EVERY} steps; default 200)")
-    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per configuration (interleaved; default 3)")
+    parser.add_argument(
+        "--steps",
+        type=int_at_least(2 * LOG_EVERY),
+        default=200,
+        help=f"training steps per run (>= {2 * LOG_EVERY}: throughput is measured over the logging "
+        f"intervals after the first {LOG_EVERY} steps; default 200)",
+    )
+    parser.add_argument(
+        "--repeats", type=positive_int, default=3, help="runs per configuration (interleaved; default 3)"
+    )
     parser.add_argument("--nproc", type=positive_int, default=2, help="ranks (gloo, CPU; default 2)")
     args = parser.parse_args()
     print(hardware_line(threads=1))
-    print(f"default recipe (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 thread, "
-          f"{args.steps} steps per run, {args.repeats} interleaved runs per configuration")
+    print(
+        f"default recipe (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 thread, "
+        f"{args.steps} steps per run, {args.repeats} interleaved runs per configuration"
+    )
     sps: dict[str, list[float]] = {name: [] for name in RUNS}
     losses: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -83,11 +93,16 @@ def main() -> None:
     # so the ratio within a round is the steadier figure.
     for name, (_, label) in list(RUNS.items())[1:]:
         paired = [a / b for a, b in zip(sps[name], sps["torchrec"])]
-        print(f"paired ratio vs torchrec, {name} (per round): " + " ".join(f"{r:.3f}" for r in paired)
-              + f"; median {statistics.median(paired):.3f}")
+        print(
+            f"paired ratio vs torchrec, {name} (per round): "
+            + " ".join(f"{r:.3f}" for r in paired)
+            + f"; median {statistics.median(paired):.3f}"
+        )
     identical = losses["default"] == losses["planned_sparse"]
-    print(f"per-step losses of recpipe's fused pipeline identical to TrainPipelineSparseDist: {identical} "
-          f"({len(losses['default'])} steps)")
+    print(
+        f"per-step losses of recpipe's fused pipeline identical to TrainPipelineSparseDist: {identical} "
+        f"({len(losses['default'])} steps)"
+    )
     if not identical:
         sys.exit(1)
 

@@ -32,13 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import hardware_line, int_at_least, positive_int, print_table, time_it  # noqa: E402
-
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType  # noqa: E402
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode  # noqa: E402
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (  # noqa: E402
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen  # noqa: E402
 
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig  # noqa: E402
 
@@ -72,9 +68,7 @@ def zipf_stream(
     return true_freq, out
 
 
-def movielens_stream(
-    steps: int, bags: int, pooling: int, dim: int, seed: int
-) -> Tuple[torch.Tensor, List[Batch]]:
+def movielens_stream(steps: int, bags: int, pooling: int, dim: int, seed: int) -> Tuple[torch.Tensor, List[Batch]]:
     """Item ids of MovieLens-100k interactions in timestamp order, ``pooling`` per bag.
 
     Returns the true item frequencies (counts over all 100k interactions) and the batches."""
@@ -95,7 +89,7 @@ def movielens_stream(
     out = []
     for s in range(steps):
         start = (s * per) % max(1, ids_all.numel() - per)
-        ids = ids_all[start:start + per].clone()
+        ids = ids_all[start : start + per].clone()
         offsets = torch.arange(0, per + 1, pooling, dtype=torch.int64)
         out.append((ids, offsets, torch.randn(bags, dim, generator=gen)))
     return torch.bincount(ids_all, minlength=rows).to(torch.float64), out
@@ -104,13 +98,19 @@ def movielens_stream(
 def make_tbe(rows: int, dim: int) -> SplitTableBatchedEmbeddingBagsCodegen:
     return SplitTableBatchedEmbeddingBagsCodegen(
         [(rows, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=1e-8, pooling_mode=PoolingMode.SUM,
+        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LR,
+        eps=1e-8,
+        pooling_mode=PoolingMode.SUM,
     )
 
 
 def make_shard(rows: int, dim: int, mode: str, x: float) -> TieredEmbeddingShard:
     return TieredEmbeddingShard(
-        num_embeddings=rows, embedding_dim=dim, mode=mode, cache_load_factor=x,
+        num_embeddings=rows,
+        embedding_dim=dim,
+        mode=mode,
+        cache_load_factor=x,
         optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=LR),
         dist_type="roundrobin",  # W = 1: local id == global id
     )
@@ -138,9 +138,7 @@ def oracle_hit_rate(stream: List[Batch], freq: torch.Tensor, x: float) -> float:
     return float(counts[top].sum()) / float(counts.sum())
 
 
-def run_dataset(
-    name: str, freq: torch.Tensor, dim: int, stream: List[Batch], warm: List[Batch], repeat: int
-) -> None:
+def run_dataset(name: str, freq: torch.Tensor, dim: int, stream: List[Batch], warm: List[Batch], repeat: int) -> None:
     rows = freq.numel()
     ids_per_step = stream[0][0].numel()
     tbe = make_tbe(rows, dim)
@@ -164,49 +162,90 @@ def run_dataset(
             cache = mode == "CACHING" and x < 1.0
             oracle = oracle_hit_rate(stream, freq, x) if cache else float("nan")
             # hindsight: top rows by their counts in the measured stream itself (an upper bound)
-            hindsight = oracle_hit_rate(stream, sum(torch.bincount(b[0], minlength=rows) for b in stream).double(),
-                                        x) if cache else float("nan")
+            hindsight = (
+                oracle_hit_rate(stream, sum(torch.bincount(b[0], minlength=rows) for b in stream).double(), x)
+                if cache
+                else float("nan")
+            )
             gap = (oracle - hit) * 100 if cache else float("nan")
-            table.append([
-                f"{mode}", x, f"{ids_per_step / t / 1e6:.3f}", round(t / t_ref, 3),
-                f"{hit:.4f}", "-" if oracle != oracle else f"{oracle:.4f}",
-                "-" if gap != gap else f"{gap:+.2f}", "-" if hindsight != hindsight else f"{hindsight:.4f}",
-                f"{moved / len(stream) / 1024:.1f}",
-            ])
-    print(f"\n### {name}: R={rows} rows x dim {dim}, {ids_per_step} ids/step "
-          f"({len(stream[0][1]) - 1} bags), row-wise Adagrad, fwd+bwd")
-    print_table(["table", "x", "Mlookups/s", "time / FUSED", "hit rate", "LFU oracle", "oracle - hit (pts)",
-                 "hindsight oracle", "KiB moved/step"], table)
+            table.append(
+                [
+                    f"{mode}",
+                    x,
+                    f"{ids_per_step / t / 1e6:.3f}",
+                    round(t / t_ref, 3),
+                    f"{hit:.4f}",
+                    "-" if oracle != oracle else f"{oracle:.4f}",
+                    "-" if gap != gap else f"{gap:+.2f}",
+                    "-" if hindsight != hindsight else f"{hindsight:.4f}",
+                    f"{moved / len(stream) / 1024:.1f}",
+                ]
+            )
+    print(
+        f"\n### {name}: R={rows} rows x dim {dim}, {ids_per_step} ids/step "
+        f"({len(stream[0][1]) - 1} bags), row-wise Adagrad, fwd+bwd"
+    )
+    print_table(
+        [
+            "table",
+            "x",
+            "Mlookups/s",
+            "time / FUSED",
+            "hit rate",
+            "LFU oracle",
+            "oracle - hit (pts)",
+            "hindsight oracle",
+            "KiB moved/step",
+        ],
+        table,
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int_at_least(100), default=100_000,
-                    help="Zipf table rows (>= 100: the smallest cache, x = 0.1, needs 10 rows; default 100k)")
+    ap.add_argument(
+        "--rows",
+        type=int_at_least(100),
+        default=100_000,
+        help="Zipf table rows (>= 100: the smallest cache, x = 0.1, needs 10 rows; default 100k)",
+    )
     ap.add_argument("--dim", type=positive_int, default=64, help="embedding dim (default 64)")
-    ap.add_argument("--bags", type=int_at_least(8), default=1024,
-                    help="bags per Zipf step (>= 8: MovieLens steps take bags / 8; default 1024)")
+    ap.add_argument(
+        "--bags",
+        type=int_at_least(8),
+        default=1024,
+        help="bags per Zipf step (>= 8: MovieLens steps take bags / 8; default 1024)",
+    )
     ap.add_argument("--pooling", type=positive_int, default=16, help="ids per bag (default 16)")
-    ap.add_argument("--steps", type=positive_int, default=40,
-                    help="warm-up steps, then as many measured steps per stream (default 40)")
+    ap.add_argument(
+        "--steps",
+        type=positive_int,
+        default=40,
+        help="warm-up steps, then as many measured steps per stream (default 40)",
+    )
     ap.add_argument("--threads", type=positive_int, default=1, help="intra-op threads (default 1)")
     ap.add_argument("--repeat", type=positive_int, default=15, help="timed runs per cell, median (default 15)")
     args = ap.parse_args()
     if args.bags // 8 * args.pooling > MOVIELENS_INTERACTIONS:
-        ap.error(f"argument --pooling: a MovieLens step takes --bags / 8 x --pooling = "
-                 f"{args.bags // 8 * args.pooling} ids, more than its {MOVIELENS_INTERACTIONS} interactions; "
-                 "lower --bags or --pooling")
+        ap.error(
+            f"argument --pooling: a MovieLens step takes --bags / 8 x --pooling = "
+            f"{args.bags // 8 * args.pooling} ids, more than its {MOVIELENS_INTERACTIONS} interactions; "
+            "lower --bags or --pooling"
+        )
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(hardware_line())
-    print(f"fbgemm_gpu TBE on CPU as the untiered FUSED baseline; same process, same batches; "
-          f"hit rate measured after {args.steps} warm-up steps; time = median fwd+bwd step.")
+    print(
+        f"fbgemm_gpu TBE on CPU as the untiered FUSED baseline; same process, same batches; "
+        f"hit rate measured after {args.steps} warm-up steps; time = median fwd+bwd step."
+    )
     t0 = time.perf_counter()
     zfreq, zipf = zipf_stream(args.rows, 2 * args.steps, args.bags, args.pooling, args.dim, seed=1)
-    run_dataset(f"Zipf({ZIPF_ALPHA})", zfreq, args.dim, zipf[args.steps:], zipf[:args.steps], args.repeat)
+    run_dataset(f"Zipf({ZIPF_ALPHA})", zfreq, args.dim, zipf[args.steps :], zipf[: args.steps], args.repeat)
     mfreq, ml = movielens_stream(2 * args.steps, args.bags // 8, args.pooling, args.dim, seed=2)
-    run_dataset("MovieLens-100k item ids (timestamp order)", mfreq, args.dim, ml[args.steps:], ml[:args.steps],
-                args.repeat)
+    run_dataset(
+        "MovieLens-100k item ids (timestamp order)", mfreq, args.dim, ml[args.steps :], ml[: args.steps], args.repeat
+    )
     print(f"\nwall time {time.perf_counter() - t0:.1f} s")
 
 

@@ -159,9 +159,8 @@ def hardware_line(threads: Optional[int] = None) -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (
-        f"hardware: {model}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, "
-        + (f"intra-op threads {torch.get_num_threads()}" if threads is None else f"{threads} intra-op thread(s) per rank")
+    return f"hardware: {model}, {os.cpu_count()} cores, {gpu}; torch {torch.__version__}, " + (
+        f"intra-op threads {torch.get_num_threads()}" if threads is None else f"{threads} intra-op thread(s) per rank"
     )
 
 
@@ -178,9 +177,23 @@ def recipe_command(nproc: int, steps: int, log_every: int, *extra: str) -> list[
         list[str]: the command.
     """
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-        "-m", "recpipe.recipes.train", "--config", "default", "--max-steps", str(steps),
-        "--eval-every", "0", "--log-every", str(log_every), "--no-progress-bar", *extra,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "recpipe.recipes.train",
+        "--config",
+        "default",
+        "--max-steps",
+        str(steps),
+        "--eval-every",
+        "0",
+        "--log-every",
+        str(log_every),
+        "--no-progress-bar",
+        *extra,
     ]
 
 
@@ -201,7 +214,7 @@ def recipe_failure(cmd: Sequence[str], proc: subprocess.CompletedProcess[str]) -
     else its output's tail (torchrun's traceback would bury the recipe's message)."""
     errors = list(dict.fromkeys(ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.startswith("error:")))
     if errors:
-        return "the recipe failed: " + "\n".join(e[len("error: "):] for e in errors)
+        return "the recipe failed: " + "\n".join(e[len("error: ") :] for e in errors)
     return f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
 
 

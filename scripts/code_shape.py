@@ -66,7 +66,7 @@ def collect(packages: tuple[str, ...] = PACKAGES) -> list[Span]:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the tables; with ``--check`` return 1 when a limit is exceeded."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="exit 1 when a limit is exceeded")
     parser.add_argument("--top", type=int, default=5, help="rows per table (default 5)")
     args = parser.parse_args(argv)

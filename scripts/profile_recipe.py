@@ -7,7 +7,8 @@ thread taken inside a training step (a ``progress()`` call of the train loop, no
 the evaluation). Each sample goes to the first category that matches its stack:
 
 * ``tiered kernel``: ``torch.ops.recpipe.tiered_lookup`` / ``tiered_backward`` and their
-  Python wrappers (any frame of ``pipeline/tiered/shard.py`` or ``csrc/tiered.cpp``).
+  Python wrappers (any frame of ``pipeline/tiered/shard.py``,
+  ``pipeline/tiered/backends/`` or ``csrc/tiered.cpp``).
 * ``data path``: batch building (any frame of ``recipes/data/``: the source, the
   ``IdTransform`` / ``VirtualTableProjector`` hashing, the KJT construction).
 * ``collectives``: all-to-all / all-reduce issue and wait (torchrec ``comm_ops`` /
@@ -40,17 +41,31 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchutil import (hardware_line, positive_int, print_table, recipe_command, recipe_failure, run_recipe,
-                       writable_file)
+from benchutil import (
+    hardware_line,
+    positive_int,
+    print_table,
+    recipe_command,
+    recipe_failure,
+    run_recipe,
+    writable_file,
+)
 
 #: (category, predicate on one frame string "name (file:line)"), first match wins.
 CATEGORIES: list[tuple[str, re.Pattern[str]]] = [
-    ("tiered kernel", re.compile(r"pipeline/tiered\.py|csrc/tiered\.cpp|tiered_(lookup|backward)_cpu")),
+    (
+        "tiered kernel",
+        re.compile(r"pipeline/tiered/(shard\.py|backends/)|csrc/tiered\.cpp|tiered_(lookup|backward)_cpu"),
+    ),
     ("data path", re.compile(r"recipes/data/")),
-    ("collectives", re.compile(
-        r"torchrec/distributed/comm_ops\.py|_wait_impl \(.*torchrec/distributed/dist_data\.py"
-        r"|torch/distributed/distributed_c10d\.py|torch/distributed/c10d_logger\.py"
-        r"|^c10d::")),  # with --native: DDP's gradient all-reduce waits inside the autograd engine
+    (
+        "collectives",
+        re.compile(
+            r"torchrec/distributed/comm_ops\.py|_wait_impl \(.*torchrec/distributed/dist_data\.py"
+            r"|torch/distributed/distributed_c10d\.py|torch/distributed/c10d_logger\.py"
+            r"|^c10d::"
+        ),
+    ),  # with --native: DDP's gradient all-reduce waits inside the autograd engine
 ]
 _LINENO = re.compile(r":\d+\)$")
 
@@ -95,7 +110,7 @@ def parse_raw(path: Path) -> Profile:
         if not prog:
             continue
         prof.step += n
-        below = frames[prog[0] + 1:]
+        below = frames[prog[0] + 1 :]
         cat = next((c for c, rx in CATEGORIES if any(rx.search(f) for f in below)), "other")
         prof.categories[cat] += n
         if cat == "other":
@@ -118,10 +133,22 @@ def run_profile(args: argparse.Namespace, extra: list[str], out: Path) -> None:
     if spy is None:
         sys.exit("py-spy not found: pip install py-spy (a dev tool, not a dependency of recpipe)")
     cmd = [
-        spy, "record", "--subprocesses", "--idle", "--threads", "--full-filenames", "--format", "raw",
-        "--rate", str(args.rate), "-o", str(out),
-        *([] if args.native else ["--nonblocking"]), *(["--native"] if args.native else []),
-        "--", *recipe_command(args.nproc, args.steps, 50, *extra),
+        spy,
+        "record",
+        "--subprocesses",
+        "--idle",
+        "--threads",
+        "--full-filenames",
+        "--format",
+        "raw",
+        "--rate",
+        str(args.rate),
+        "-o",
+        str(out),
+        *([] if args.native else ["--nonblocking"]),
+        *(["--native"] if args.native else []),
+        "--",
+        *recipe_command(args.nproc, args.steps, 50, *extra),
     ]
     try:
         proc = run_recipe(cmd)
@@ -147,21 +174,23 @@ def main() -> None:
     parser.add_argument("--rate", type=positive_int, default=100, help="py-spy samples per second (default 100)")
     parser.add_argument("--nproc", type=positive_int, default=2, help="ranks (gloo, CPU; default 2)")
     parser.add_argument("--native", action="store_true", help="sample C/C++ frames too (blocking: inflates waits)")
-    parser.add_argument("--raw", type=_raw_path, default=None,
-                        help="keep (or, if it exists, only read) this raw file")
+    parser.add_argument("--raw", type=_raw_path, default=None, help="keep (or, if it exists, only read) this raw file")
     parser.add_argument("extra", nargs="*", help="more recipe flags, after --")
     args = parser.parse_args()
     if not (args.raw and args.raw.exists()):  # the recipe's flags, checked before py-spy starts
-        from recpipe.recipes.config import ConfigError, parse_config
+        from recpipe.recipes.cli import parse_config
+        from recpipe.recipes.config import ConfigError
 
         cmd = recipe_command(args.nproc, args.steps, 50, *args.extra)
         try:
-            parse_config(cmd[cmd.index("recpipe.recipes.train") + 1:])
+            parse_config(cmd[cmd.index("recpipe.recipes.train") + 1 :])
         except ConfigError as e:
             parser.error(f"argument extra (recipe flags after --): {e}")
     print(hardware_line(threads=1))
-    print(f"default recipe{''.join(' ' + a for a in args.extra)} (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 "
-          f"thread, {args.steps} steps, py-spy {args.rate} Hz{' --native' if args.native else ' non-blocking'}")
+    print(
+        f"default recipe{''.join(' ' + a for a in args.extra)} (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 "
+        f"thread, {args.steps} steps, py-spy {args.rate} Hz{' --native' if args.native else ' non-blocking'}"
+    )
     with tempfile.TemporaryDirectory() as d:
         raw = args.raw or Path(d) / "raw.txt"
         if not raw.exists():
@@ -172,16 +201,28 @@ def main() -> None:
     total = prof.step
     print(f"main-thread samples inside training steps (all ranks): {total}")
     busy = total - prof.categories["collectives"]  # the step without its collectives (mostly waits)
-    print_table(["category", "samples", "share of step", "share of step without collectives"],
-                [[c, prof.categories[c], f"{100 * prof.categories[c] / total:.1f}%",
-                  "" if c == "collectives" else f"{100 * prof.categories[c] / max(busy, 1):.1f}%"]
-                 for c in [*(c for c, _ in CATEGORIES), "other"]])
+    print_table(
+        ["category", "samples", "share of step", "share of step without collectives"],
+        [
+            [
+                c,
+                prof.categories[c],
+                f"{100 * prof.categories[c] / total:.1f}%",
+                "" if c == "collectives" else f"{100 * prof.categories[c] / max(busy, 1):.1f}%",
+            ]
+            for c in [*(c for c, _ in CATEGORIES), "other"]
+        ],
+    )
     print("\n'other' by pipeline stage (the function progress() called):")
-    print_table(["stage", "samples", "share of step"],
-                [[_short(s), n, f"{100 * n / total:.1f}%"] for s, n in prof.stages.most_common(8)])
+    print_table(
+        ["stage", "samples", "share of step"],
+        [[_short(s), n, f"{100 * n / total:.1f}%"] for s, n in prof.stages.most_common(8)],
+    )
     print("\n'other' by innermost Python function:")
-    print_table(["function", "samples", "share of step"],
-                [[_short(s), n, f"{100 * n / total:.1f}%"] for s, n in prof.other_leaves.most_common(12)])
+    print_table(
+        ["function", "samples", "share of step"],
+        [[_short(s), n, f"{100 * n / total:.1f}%"] for s, n in prof.other_leaves.most_common(12)],
+    )
 
 
 if __name__ == "__main__":

@@ -16,8 +16,8 @@ An exception on any rank is re-raised in the parent with that rank's traceback.
 from __future__ import annotations
 
 import os
-import socket
 import queue as queue_mod  # noqa: F401 - queue.Empty is raised by Queue.get
+import socket
 import traceback
 from typing import Any, Callable
 
@@ -34,13 +34,7 @@ def free_port() -> int:
 
 
 def _worker(
-    rank: int,
-    world_size: int,
-    port: int,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    queue: Any,
-    threads: int,
+    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple[Any, ...], queue: Any, threads: int
 ) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -70,11 +64,7 @@ def _worker(
 
 
 def run_gloo(
-    world_size: int,
-    fn: Callable[..., Any],
-    *args: Any,
-    threads_per_rank: int = 1,
-    timeout_s: float = 600.0,
+    world_size: int, fn: Callable[..., Any], *args: Any, threads_per_rank: int = 1, timeout_s: float = 600.0
 ) -> list[Any]:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -92,11 +82,7 @@ def run_gloo(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(
-            target=_worker,
-            args=(r, world_size, port, fn, args, queue, threads_per_rank),
-            daemon=False,
-        )
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, threads_per_rank), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

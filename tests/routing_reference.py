@@ -93,13 +93,7 @@ class RefPermutation:
 
 
 def route_one(
-    raw_id: int,
-    dist_type: int,
-    world: int,
-    block: int,
-    table_size: int,
-    seed: int,
-    index_bits: int,
+    raw_id: int, dist_type: int, world: int, block: int, table_size: int, seed: int, index_bits: int
 ) -> tuple[int, int]:
     """(owner, local) of one id; ``index_bits`` is 32 or 64 (the ids' dtype)."""
     umask = (1 << index_bits) - 1
@@ -168,9 +162,7 @@ def ref_bucketize(
     assert len(feature_of_bag) == FB
     perms: dict[int, RefPermutation] = {}
     # buckets[rank][bag] = list of (local, weight, pos, input_index)
-    buckets: list[list[list[tuple[int, Optional[float], int, int]]]] = [
-        [[] for _ in range(FB)] for _ in range(world)
-    ]
+    buckets: list[list[list[tuple[int, Optional[float], int, int]]]] = [[[] for _ in range(FB)] for _ in range(world)]
     mapping: list[int] = []
     i = 0
     for bt in range(FB):

@@ -8,10 +8,9 @@ look the owner's local row 0 up in its place (and train it). torchrec's row-wise
 (fbgemm's ``block_bucketize_sparse_features``) sends an id past the blocks, a negative
 one read as unsigned, to rank ``u % W`` as local id ``u // W``.
 
-recpipe's roundrobin / hash_roundrobin routing refused such an id on the rank that fed
-it, in the input dist, whatever the mode (``IndexError``, while the other ranks waited
-in the all-to-all), and tiered tables raised in every mode. Here, on 2 gloo ranks with
-one bad id on rank 1 at step 1:
+recpipe's roundrobin / hash_roundrobin routing sends such an id the same way, past the
+owner's rows, so the owner's table applies its mode (tiered tables too). Pinned on 2
+gloo ranks with one bad id on rank 1 at step 1:
 
 * ``WARNING`` / ``IGNORE``: outputs of every step equal those of torchrec's TABLE_WISE
   FUSED table fed the batch with the bad id replaced by the global id of local row 0 of
@@ -29,7 +28,6 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import pytest
 import torch
-
 from gloo_harness import run_gloo
 from routing_reference import DIST_CODES, route_one
 
@@ -48,8 +46,9 @@ def _owner(value: int, world: int) -> int:
 
 def _row_zero_of(owner: int, dist_type: str, world: int, seed: int) -> int:
     """Global id of local row 0 of ``owner`` (pure-Python routing reference)."""
-    return next(g for g in range(N) if route_one(g, DIST_CODES[dist_type], world, -(-N // world), N, seed, 64)
-                == (owner, 0))
+    return next(
+        g for g in range(N) if route_one(g, DIST_CODES[dist_type], world, -(-N // world), N, seed, 64) == (owner, 0)
+    )
 
 
 def _ids(step: int, rank: int) -> List[int]:
@@ -77,13 +76,15 @@ def _model(rank: int, world: int, kind: str, dist_type: str, mode: Optional[str]
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+    from recpipe.pipeline.routing.sharders import RecpipeEmbeddingBagCollectionSharder
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.pipeline.routing.sharding import RecpipeEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     torch.manual_seed(0)
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t0", num_embeddings=N, embedding_dim=DIM,
-                                                            feature_names=["f0"])], device=torch.device("cpu"))
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t0", num_embeddings=N, embedding_dim=DIM, feature_names=["f0"])],
+        device=torch.device("cpu"),
+    )
     weight = ebc.embedding_bags["t0"].weight.detach().clone()
     fp: Dict[str, Any] = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}
     if mode is not None:
@@ -92,26 +93,42 @@ def _model(rank: int, world: int, kind: str, dist_type: str, mode: Optional[str]
     sharder: Any
     if kind == "tw":
         sharder = EmbeddingBagCollectionSharder(fused_params=fp)
-        plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0, compute_kernel=fused)},
-                                              sharder=sharder, local_size=world, world_size=world, device_type="cpu")
+        plan = construct_module_sharding_plan(
+            ebc,
+            {"t0": table_wise(rank=0, compute_kernel=fused)},
+            sharder=sharder,
+            local_size=world,
+            world_size=world,
+            device_type="cpu",
+        )
     elif kind == "fused":
         sharder = RecpipeEmbeddingBagCollectionSharder(fused_params=fp, table_dist_types={"t0": dist_type}, seed=SEED)
-        plan = construct_module_sharding_plan(ebc, {"t0": row_wise(compute_kernel=fused)},
-                                              sharder=sharder, local_size=world, world_size=world, device_type="cpu")
+        plan = construct_module_sharding_plan(
+            ebc,
+            {"t0": row_wise(compute_kernel=fused)},
+            sharder=sharder,
+            local_size=world,
+            world_size=world,
+            device_type="cpu",
+        )
         plan["t0"].sharding_spec = row_wise_sharding_spec(N, DIM, world, world, "cpu")  # ceil((N - r) / W) rows
     else:
         _, tier_mode, backend = kind.split("_")
         sharder = TieredEmbeddingBagCollectionSharder(fused_params=fp, backend=backend)
-        plan = construct_module_sharding_plan(ebc, {"t0": row_wise()}, sharder=sharder, local_size=world,
-                                              world_size=world, device_type="cpu")
+        plan = construct_module_sharding_plan(
+            ebc, {"t0": row_wise()}, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+        )
         plan["t0"] = PlacementParameterSharding(
             sharding_type=ShardingType.ROW_WISE.value,
-            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value, ranks=list(range(world)),
-            sharding_spec=row_wise_sharding_spec(N, DIM, world, world, "cpu"), dist_type="hash_roundrobin",
-            mode=tier_mode, cache_load_factor=0.3, seed=SEED,
+            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+            ranks=list(range(world)),
+            sharding_spec=row_wise_sharding_spec(N, DIM, world, world, "cpu"),
+            dist_type="hash_roundrobin",
+            mode=tier_mode,
+            cache_load_factor=0.3,
+            seed=SEED,
         )
-    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],
-                                     device=torch.device("cpu"))
+    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu"))
     # the same initial rows in every model: by global id (tiered, routed) or by shard offset (TABLE_WISE)
     if kind != "tw":
         model.module.load_state_dict({"embedding_bags.t0.weight": weight}, strict=False)
@@ -139,8 +156,9 @@ def _run(model: Any, batches: List[List[int]], dtype: torch.dtype = torch.int64)
     return results, [str(w.message) for w in caught]
 
 
-def _substitute_body(rank: int, world: int, kind: str, dist_type: str, mode: Optional[str], bad: str,
-                     dtype: torch.dtype) -> Dict[str, Any]:
+def _substitute_body(
+    rank: int, world: int, kind: str, dist_type: str, mode: Optional[str], bad: str, dtype: torch.dtype
+) -> Dict[str, Any]:
     batches = [_ids(s, rank) for s in range(STEPS)]
     ref_batches = [list(b) for b in batches]
     if rank == BAD_RANK:
@@ -177,13 +195,20 @@ def test_routed_fused_table_int32_negative_id_default_mode() -> None:
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind,mode,bad", [
-    ("tiered_HYBRID_native", None, "oor"), ("tiered_HYBRID_native", "WARNING", "neg"),
-    ("tiered_HYBRID_native", "IGNORE", "oor"), ("tiered_CACHING_native", None, "neg"),
-    ("tiered_CACHING_native", "WARNING", "oor"), ("tiered_CACHING_native", "IGNORE", "neg"),
-    ("tiered_HYBRID_fbgemm", None, "neg"), ("tiered_HYBRID_fbgemm", "WARNING", "oor"),
-    ("tiered_HYBRID_fbgemm", "IGNORE", "neg"),
-])
+@pytest.mark.parametrize(
+    "kind,mode,bad",
+    [
+        ("tiered_HYBRID_native", None, "oor"),
+        ("tiered_HYBRID_native", "WARNING", "neg"),
+        ("tiered_HYBRID_native", "IGNORE", "oor"),
+        ("tiered_CACHING_native", None, "neg"),
+        ("tiered_CACHING_native", "WARNING", "oor"),
+        ("tiered_CACHING_native", "IGNORE", "neg"),
+        ("tiered_HYBRID_fbgemm", None, "neg"),
+        ("tiered_HYBRID_fbgemm", "WARNING", "oor"),
+        ("tiered_HYBRID_fbgemm", "IGNORE", "neg"),
+    ],
+)
 def test_tiered_table_looks_bad_id_up_as_owner_row_zero_as_torchrec(kind: str, mode: Optional[str], bad: str) -> None:
     """A tiered table under the default mode (WARNING, fbgemm's), WARNING or IGNORE: as a
     FUSED table, the owner looks its local row 0 up (tiered tables raised in every mode);
@@ -209,15 +234,21 @@ def _fatal_body(rank: int, world: int, kind: str, dist_type: str, mode: str, bad
     return [g if not isinstance(g, np.ndarray) else "ok" for g in got]
 
 
-@pytest.mark.parametrize("kind,dist_type,mode,bad", [
-    ("tw", "continuous", "FATAL", "oor"), ("tw", "continuous", "NONE", "neg"),
-    ("fused", "roundrobin", "FATAL", "neg"), ("fused", "roundrobin", "NONE", "oor"),
-    ("fused", "hash_roundrobin", "FATAL", "oor"), ("fused", "hash_roundrobin", "NONE", "neg"),
-    ("tiered_CACHING_native", "hash_roundrobin", "FATAL", "neg"),
-    ("tiered_HYBRID_native", "hash_roundrobin", "NONE", "oor"),
-    ("tiered_HYBRID_fbgemm", "hash_roundrobin", "FATAL", "oor"),
-    ("tiered_HYBRID_fbgemm", "hash_roundrobin", "NONE", "neg"),
-])
+@pytest.mark.parametrize(
+    "kind,dist_type,mode,bad",
+    [
+        ("tw", "continuous", "FATAL", "oor"),
+        ("tw", "continuous", "NONE", "neg"),
+        ("fused", "roundrobin", "FATAL", "neg"),
+        ("fused", "roundrobin", "NONE", "oor"),
+        ("fused", "hash_roundrobin", "FATAL", "oor"),
+        ("fused", "hash_roundrobin", "NONE", "neg"),
+        ("tiered_CACHING_native", "hash_roundrobin", "FATAL", "neg"),
+        ("tiered_HYBRID_native", "hash_roundrobin", "NONE", "oor"),
+        ("tiered_HYBRID_fbgemm", "hash_roundrobin", "FATAL", "oor"),
+        ("tiered_HYBRID_fbgemm", "hash_roundrobin", "NONE", "neg"),
+    ],
+)
 def test_fatal_bad_id_raises_on_the_owner_in_its_lookup(kind: str, dist_type: str, mode: str, bad: str) -> None:
     """FATAL / NONE: the rank owning the bad id raises in the lookup of that step, as
     torchrec's TABLE_WISE table does on its owner (rank 0 here); the feeding rank's router
@@ -251,12 +282,22 @@ def test_tiered_shard_warning_mode_matches_fbgemm_tbe() -> None:
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     for mode in (BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE):
-        tbe = SplitTableBatchedEmbeddingBagsCodegen([(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                                    optimizer=EmbOptimType.EXACT_SGD, learning_rate=0.1,
-                                                    bounds_check_mode=mode)
-        shard = TieredEmbeddingShard(num_embeddings=10, embedding_dim=8, mode="HYBRID", cache_load_factor=0.5,
-                                     optimizer=TieredOptimizerConfig(optimizer="sgd", learning_rate=0.1),
-                                     table_name="t0", bounds_check_mode=mode, dist_type="roundrobin")  # local = global
+        tbe = SplitTableBatchedEmbeddingBagsCodegen(
+            [(10, 8, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=EmbOptimType.EXACT_SGD,
+            learning_rate=0.1,
+            bounds_check_mode=mode,
+        )
+        shard = TieredEmbeddingShard(
+            num_embeddings=10,
+            embedding_dim=8,
+            mode="HYBRID",
+            cache_load_factor=0.5,
+            optimizer=TieredOptimizerConfig(optimizer="sgd", learning_rate=0.1),
+            table_name="t0",
+            bounds_check_mode=mode,
+            dist_type="roundrobin",
+        )  # local = global
         rows = torch.randn(10, 8)
         tbe.split_embedding_weights()[0].copy_(rows)
         shard.load_global_weights(rows)
@@ -270,8 +311,9 @@ def test_tiered_shard_warning_mode_matches_fbgemm_tbe() -> None:
         out.backward(grad)
         ref.backward(grad)
         state = shard.export_state()
-        torch.testing.assert_close(state.weights[torch.argsort(state.global_ids)], tbe.split_embedding_weights()[0],
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            state.weights[torch.argsort(state.global_ids)], tbe.split_embedding_weights()[0], rtol=0, atol=1e-6
+        )
         named = [str(w.message) for w in caught if "tiered table 't0'" in str(w.message)]
         assert len(named) == (1 if mode is BoundsCheckMode.WARNING else 0), named
         with pytest.raises(IndexError, match="ids out of range for table 't0'"):  # negative: raises, as fbgemm's
@@ -282,9 +324,18 @@ def test_bad_bounds_check_mode_refused_naming_the_table() -> None:
     """A value fbgemm's TBE could not take (a string) is refused, naming the table and the fix."""
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, bounds_check_mode_of
 
-    with pytest.raises(ValueError, match=r"tiered table 't0': fused param 'bounds_check_mode' must be an fbgemm "
-                                         r"BoundsCheckMode.*BoundsCheckMode.WARNING"):
+    with pytest.raises(
+        ValueError,
+        match=r"tiered table 't0': fused param 'bounds_check_mode' must be an fbgemm "
+        r"BoundsCheckMode.*BoundsCheckMode.WARNING",
+    ):
         bounds_check_mode_of({"bounds_check_mode": "WARNING"}, "t0")
     with pytest.raises(ValueError, match=r"tiered table 'tx': bounds_check_mode must be an fbgemm BoundsCheckMode"):
-        TieredEmbeddingShard(num_embeddings=10, embedding_dim=8, mode="HYBRID", cache_load_factor=0.5,
-                             table_name="tx", bounds_check_mode=7)  # type: ignore[arg-type]
+        TieredEmbeddingShard(
+            num_embeddings=10,
+            embedding_dim=8,
+            mode="HYBRID",
+            cache_load_factor=0.5,
+            table_name="tx",
+            bounds_check_mode=7,
+        )  # type: ignore[arg-type]

@@ -9,38 +9,53 @@ import math
 import numpy as np
 import pytest
 import torch
+from routing_reference import RefPermutation
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.pipeline import placement as pl
 from recpipe.pipeline.routing import ops
+from recpipe.pipeline.routing.kjt import bucketize_kjt, bucketize_kjt_by
+from recpipe.pipeline.routing.rows import check_dist_type, continuous_block_rows, global_row_ids, shard_num_rows
 from recpipe.planner import AnalyticCostModel, BruteForceProposer, EmpiricalCostModel, make_topology
-from recpipe.planner.types import check_topology_args
-from routing_reference import RefPermutation
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from recpipe.planner.specs import check_topology_args
 
 # (function, valid kwargs) of the int-argument helpers; every int argument goes through ops.check_int
 _INT_HELPERS = {
     "local_rows": (ops.local_rows, dict(num_embeddings=10, world_size=4, rank=1)),
-    "continuous_block_rows": (ops.continuous_block_rows, dict(num_embeddings=10, world_size=4)),
-    "shard_num_rows": (ops.shard_num_rows, dict(num_embeddings=10, world_size=4, rank=1, dist_type="continuous")),
+    "continuous_block_rows": (continuous_block_rows, dict(num_embeddings=10, world_size=4)),
+    "shard_num_rows": (shard_num_rows, dict(num_embeddings=10, world_size=4, rank=1, dist_type="continuous")),
     "max_local_rows": (pl.max_local_rows, dict(num_embeddings=10, world_size=4)),
     "optimizer_state_bytes_per_row": (pl.optimizer_state_bytes_per_row, dict(optimizer="adam", dim=8)),
     "row_bytes": (pl.row_bytes, dict(dim=8, dtype="float32", optimizer="adam")),
     "floor_fraction": (pl.floor_fraction, dict(x=0.3, rows=10)),
     "tier_rows": (pl.tier_rows, dict(rows=10, mode="CACHING", x=0.3)),
-    "shard_storage": (pl.shard_storage, dict(rows=10, dim=8, dtype="float32", optimizer="adam", mode="CACHING",
-                                              x=0.3)),
-    "machine_storage": (pl.machine_storage, dict(num_embeddings=10, world_size=4, local_world_size=2, dim=8,
-                                                  dtype="float32", optimizer="adam", mode="CACHING", x=0.3)),
-    "global_row_ids": (ops.global_row_ids, dict(local_ids=torch.tensor([0, 1]), num_embeddings=10, world_size=4,
-                                                rank=1, dist_type="roundrobin", seed=0)),
+    "shard_storage": (pl.shard_storage, dict(rows=10, dim=8, dtype="float32", optimizer="adam", mode="CACHING", x=0.3)),
+    "machine_storage": (
+        pl.machine_storage,
+        dict(
+            num_embeddings=10,
+            world_size=4,
+            local_world_size=2,
+            dim=8,
+            dtype="float32",
+            optimizer="adam",
+            mode="CACHING",
+            x=0.3,
+        ),
+    ),
+    "global_row_ids": (
+        global_row_ids,
+        dict(local_ids=torch.tensor([0, 1]), num_embeddings=10, world_size=4, rank=1, dist_type="roundrobin", seed=0),
+    ),
     "route_ids": (ops.route_ids, dict(ids=torch.tensor([1, 5]), table_size=10, world_size=2)),
-    "hash_roundrobin_global_ids": (ops.hash_roundrobin_global_ids, dict(ranks=torch.tensor([0, 1]),
-                                                                        local_ids=torch.tensor([1, 2]),
-                                                                        table_size=10, world_size=2)),
+    "hash_roundrobin_global_ids": (
+        ops.hash_roundrobin_global_ids,
+        dict(ranks=torch.tensor([0, 1]), local_ids=torch.tensor([1, 2]), table_size=10, world_size=2),
+    ),
 }
 _INT_ARGS = ("num_embeddings", "world_size", "rank", "dim", "rows", "local_world_size", "table_size")
-# wrong types for an int argument: before the fix these returned floats / bools-as-ints or raised
-# "'<' not supported between instances of ..." without naming the argument
+# wrong types for an int argument: refused naming the argument, never taken as floats /
+# bools-as-ints nor failing with "'<' not supported between instances of ..."
 _BAD_INTS = [None, "4", 4.0, 4.5, True, np.float64(4.0), float("nan"), [4]]
 
 
@@ -69,99 +84,124 @@ def test_numpy_ints_accepted_as_plain_ints(fn_name: str) -> None:
 
 
 def test_plain_math_of_int_helpers() -> None:
-    """The helpers against plain integer math, on the values the checks now let through."""
+    """The helpers against plain integer math, on the values the checks let through."""
     n, w = 10, 4
     assert [ops.local_rows(np.int64(n), w, r) for r in range(w)] == [math.ceil((n - r) / w) for r in range(w)]
-    assert ops.continuous_block_rows(np.int64(n), w) == math.ceil(n / w)
+    assert continuous_block_rows(np.int64(n), w) == math.ceil(n / w)
     assert pl.tier_rows(np.int64(10), "HYBRID", 0.3) == (3, 7, 0)
 
 
-@pytest.mark.parametrize("fn,kwargs,arg", [
-    (ops.continuous_block_rows, dict(num_embeddings=10, world_size=0), "world_size"),  # was ZeroDivisionError
-    (ops.continuous_block_rows, dict(num_embeddings=-1, world_size=2), "num_embeddings"),  # was 1
-    (ops.continuous_block_rows, dict(num_embeddings=10, world_size=-2), "world_size"),  # was 1
-    (pl.floor_fraction, dict(x=0.3, rows=-1), "rows"),  # was -1
-    (pl.floor_fraction, dict(x=-0.5, rows=10), "x"),  # was -5
-    (pl.floor_fraction, dict(x="0.5", rows=10), "x"),  # was 5
-    (pl.floor_fraction, dict(x=float("nan"), rows=10), "x"),  # was "Invalid literal for Fraction"
-    (pl.row_bytes, dict(dim=8, dtype=["float32"], optimizer="adam"), "dtype"),  # was "unhashable type"
-    (ops.check_dist_type, dict(dist_type=["roundrobin"]), "dist_type"),  # was "unhashable type"
-    (ops.dist_type_code, dict(name=["roundrobin"]), "dist_type"),  # was "unhashable type"
-    (ops.route_ids, dict(ids=torch.tensor([0]), table_size=10, world_size=True), "world_size"),  # was routed W=1
-    (ops.route_ids, dict(ids=torch.tensor([0]), table_size=True, world_size=2), "table_size"),
-])
+@pytest.mark.parametrize(
+    "fn,kwargs,arg",
+    [
+        (continuous_block_rows, dict(num_embeddings=10, world_size=0), "world_size"),
+        (continuous_block_rows, dict(num_embeddings=-1, world_size=2), "num_embeddings"),
+        (continuous_block_rows, dict(num_embeddings=10, world_size=-2), "world_size"),
+        (pl.floor_fraction, dict(x=0.3, rows=-1), "rows"),
+        (pl.floor_fraction, dict(x=-0.5, rows=10), "x"),
+        (pl.floor_fraction, dict(x="0.5", rows=10), "x"),
+        (pl.floor_fraction, dict(x=float("nan"), rows=10), "x"),
+        (pl.row_bytes, dict(dim=8, dtype=["float32"], optimizer="adam"), "dtype"),
+        (check_dist_type, dict(dist_type=["roundrobin"]), "dist_type"),
+        (ops.dist_type_code, dict(name=["roundrobin"]), "dist_type"),
+        (ops.route_ids, dict(ids=torch.tensor([0]), table_size=10, world_size=True), "world_size"),
+        (ops.route_ids, dict(ids=torch.tensor([0]), table_size=True, world_size=2), "table_size"),
+    ],
+)
 def test_out_of_range_and_wrong_type_named(fn, kwargs, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         fn(**kwargs)
 
 
-@pytest.mark.parametrize("local_ids", [
-    None, [0, 1], np.array([0, 1]), torch.tensor([0.5, 1.7]), torch.tensor([0.0, 1.0], dtype=torch.float64),
-    torch.tensor([True, False]),
-])
+@pytest.mark.parametrize(
+    "local_ids",
+    [
+        None,
+        [0, 1],
+        np.array([0, 1]),
+        torch.tensor([0.5, 1.7]),
+        torch.tensor([0.0, 1.0], dtype=torch.float64),
+        torch.tensor([True, False]),
+    ],
+)
 @pytest.mark.parametrize("dist_type", ["roundrobin", "continuous", "hash_roundrobin"])
 def test_global_row_ids_refuses_non_integer_local_ids(local_ids: object, dist_type: str) -> None:
-    """Before: AttributeError for a list / array, float ids silently truncated (0.5 -> row 0)."""
+    """A list / array or float ids (0.5 would truncate to row 0) are refused naming ``local_ids``."""
     with pytest.raises(ValueError, match="local_ids"):
-        ops.global_row_ids(local_ids, 10, 4, 1, dist_type, 0)
+        global_row_ids(local_ids, 10, 4, 1, dist_type, 0)
 
 
 @pytest.mark.parametrize("world_size", [4.5, 4.0])
 def test_global_row_ids_float_world_size_refused(world_size: float) -> None:
-    """Before: world_size=4.5 returned float 'global ids' [1.0, 5.5]."""
+    """A non-integer world_size (4.5 would give float 'global ids' [1.0, 5.5]) is refused."""
     with pytest.raises(ValueError, match="world_size"):
-        ops.global_row_ids(torch.tensor([0, 1]), 10, world_size, 1, "roundrobin", 0)
+        global_row_ids(torch.tensor([0, 1]), 10, world_size, 1, "roundrobin", 0)
 
 
 def test_global_row_ids_hash_keeps_shape_of_local_ids() -> None:
-    """Any shape, as the other routings and the docstring say; before, 2-D ids failed naming `ranks`,
-    an argument the caller never passed. Checked against the reference permutation's inverse."""
+    """Any shape, as the other routings and the docstring say (2-D ids too). Checked against the
+    reference permutation's inverse."""
     n, w, rank, seed = 10, 4, 1, 3
     local = torch.tensor([[0, 1], [2, 1]])
-    got = ops.global_row_ids(local, n, w, rank, "hash_roundrobin", seed)
+    got = global_row_ids(local, n, w, rank, "hash_roundrobin", seed)
     perm = RefPermutation(n, seed)
     inverse = {perm.forward(g): g for g in range(n)}
-    want = torch.tensor([[inverse[int(l) * w + rank] for l in row] for row in local])
+    want = torch.tensor([[inverse[int(loc) * w + rank] for loc in row] for row in local])
     assert got.shape == local.shape
     torch.testing.assert_close(got, want)
 
 
 def _kjt() -> KeyedJaggedTensor:
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=["a", "b"], values=torch.tensor([1, 5, 7, 3]), lengths=torch.tensor([2, 1, 0, 1]))
+        keys=["a", "b"], values=torch.tensor([1, 5, 7, 3]), lengths=torch.tensor([2, 1, 0, 1])
+    )
 
 
 _KJT_ARGS = dict(world_size=2, dist_types={"a": "hash_roundrobin", "b": "roundrobin"}, table_sizes={"a": 10, "b": 10})
 
 
-@pytest.mark.parametrize("override,arg", [
-    (dict(kjt=None), "kjt"),  # was AttributeError 'NoneType' object has no attribute 'keys'
-    (dict(kjt={"a": torch.tensor([1])}), "kjt"),  # was AttributeError
-    (dict(dist_types=None), "dist_types"),  # was "argument of type 'NoneType' is not iterable"
-    (dict(dist_types=["hash_roundrobin", "roundrobin"]), "dist_types"),
-    (dict(table_sizes=None), "table_sizes"),
-    (dict(table_sizes={"a": 2**70, "b": 10}), "table_sizes"),  # was "Overflow when unpacking long long"
-    (dict(world_size=2**40), "world_size"),  # was the op schema's error about `my_size`
-])
+@pytest.mark.parametrize(
+    "override,arg",
+    [
+        (dict(kjt=None), "kjt"),
+        (dict(kjt={"a": torch.tensor([1])}), "kjt"),
+        (dict(dist_types=None), "dist_types"),
+        (dict(dist_types=["hash_roundrobin", "roundrobin"]), "dist_types"),
+        (dict(table_sizes=None), "table_sizes"),
+        (dict(table_sizes={"a": 2**70, "b": 10}), "table_sizes"),
+        (dict(world_size=2**40), "world_size"),
+    ],
+)
 def test_bucketize_kjt_bad_arguments_named(override: dict, arg: str) -> None:
     kwargs = {"kjt": _kjt(), **_KJT_ARGS, **override}
     with pytest.raises(ValueError, match=f"`{arg}`"):
-        ops.bucketize_kjt(**kwargs)
+        bucketize_kjt(**kwargs)
 
 
 def test_bucketize_kjt_by_refuses_non_kjt() -> None:
     with pytest.raises(ValueError, match="`kjt`"):
-        ops.bucketize_kjt_by(None, 2, torch.tensor([5]), torch.tensor([1]), torch.tensor([10]))
+        bucketize_kjt_by(None, 2, torch.tensor([5]), torch.tensor([1]), torch.tensor([10]))
 
 
-@pytest.mark.parametrize("arg,value", [
-    ("world_size", 4.0), ("world_size", "4"), ("world_size", None), ("world_size", np.float64(4.0)),
-    ("local_world_size", 2.0), ("local_world_size", True), ("local_world_size", "2"),
-    ("hbm_cap", None), ("hbm_cap", "1GiB"), ("hbm_cap", True), ("ddr_cap", [1]),
-])
+@pytest.mark.parametrize(
+    "arg,value",
+    [
+        ("world_size", 4.0),
+        ("world_size", "4"),
+        ("world_size", None),
+        ("world_size", np.float64(4.0)),
+        ("local_world_size", 2.0),
+        ("local_world_size", True),
+        ("local_world_size", "2"),
+        ("hbm_cap", None),
+        ("hbm_cap", "1GiB"),
+        ("hbm_cap", True),
+        ("ddr_cap", [1]),
+    ],
+)
 def test_topology_args_named(arg: str, value: object) -> None:
-    """make_topology / check_topology_args: before, world_size=4.0 failed deep inside torchrec
-    ("can't multiply sequence by non-int"), 2.0 / True were accepted, None / str gave a bare TypeError."""
+    """make_topology / check_topology_args refuse a float, bool, None or str argument naming it
+    (not failing deep inside torchrec with "can't multiply sequence by non-int")."""
     kwargs = dict(world_size=4, local_world_size=2, hbm_cap=2**30, ddr_cap=2**32)
     kwargs[arg] = value
     with pytest.raises(ValueError, match=arg):
@@ -189,27 +229,41 @@ def test_cost_model_bandwidths_named(cls, arg: str, value: object) -> None:
 
 @pytest.mark.parametrize("value", [None, "4", 4.5, True, 0, -1, [4]])
 def test_brute_force_max_tables_named(value: object) -> None:
-    """Before: any value was stored and the solver failed later (or never refused anything)."""
+    """A bad ``max_tables`` is refused at construction, not stored for the solver."""
     with pytest.raises(ValueError, match="max_tables"):
         BruteForceProposer(max_tables=value)
 
 
 # ------------------------------------------------------------------ tiered shard
-from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig, TieredShardState  # noqa: E402
+from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig  # noqa: E402
 
-_SHARD = dict(num_embeddings=40, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5, rank=1, world_size=2,
-              table_name="t")
+_SHARD = dict(
+    num_embeddings=40, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5, rank=1, world_size=2, table_name="t"
+)
 
 
-@pytest.mark.parametrize("arg,value", [
-    ("routing_seed", 4.5), ("routing_seed", "4"), ("routing_seed", True), ("routing_seed", None),
-    ("routing_seed", 2**70), ("split_seed", 4.5), ("split_seed", "4"), ("split_seed", float("nan")),
-    ("optimizer", "adam"), ("optimizer", 3),  # was AttributeError: 'str' object has no attribute 'name'
-    ("embedding_dim", True), ("num_embeddings", True), ("rank", 1.0), ("world_size", "2"),
-])
+@pytest.mark.parametrize(
+    "arg,value",
+    [
+        ("routing_seed", 4.5),
+        ("routing_seed", "4"),
+        ("routing_seed", True),
+        ("routing_seed", None),
+        ("routing_seed", 2**70),
+        ("split_seed", 4.5),
+        ("split_seed", "4"),
+        ("split_seed", float("nan")),
+        ("optimizer", "adam"),
+        ("optimizer", 3),
+        ("embedding_dim", True),
+        ("num_embeddings", True),
+        ("rank", 1.0),
+        ("world_size", "2"),
+    ],
+)
 def test_tiered_shard_constructor_names_argument(arg: str, value: object) -> None:
-    """Before: seeds went through int() (4.5 -> 4, '4' -> 4, True -> 1: another routing than asked,
-    silently), a string optimizer raised AttributeError, bool sizes were taken as 1."""
+    """Non-integer seeds (int() would route 4.5 as 4, '4' as 4, True as 1), a string optimizer
+    and bool sizes are refused naming the argument."""
     with pytest.raises(ValueError, match=arg):
         TieredEmbeddingShard(**{**_SHARD, arg: value})
 
@@ -229,30 +283,40 @@ def shard(request) -> TieredEmbeddingShard:
     return TieredEmbeddingShard(**_SHARD, backend=request.param)
 
 
-@pytest.mark.parametrize("arg,value", [
-    ("ids", None), ("ids", [0, 3, 5]), ("ids", np.array([0, 3, 5])),
-    ("offsets", None), ("offsets", [0, 2, 3]), ("per_sample_weights", [1.0, 1.0, 1.0]),
-])
+@pytest.mark.parametrize(
+    "arg,value",
+    [
+        ("ids", None),
+        ("ids", [0, 3, 5]),
+        ("ids", np.array([0, 3, 5])),
+        ("offsets", None),
+        ("offsets", [0, 2, 3]),
+        ("per_sample_weights", [1.0, 1.0, 1.0]),
+    ],
+)
 def test_tiered_forward_non_tensor_named(shard: TieredEmbeddingShard, arg: str, value: object) -> None:
-    """Before: AttributeError: 'list' object has no attribute 'dim' (torch.nn.EmbeddingBag names the argument)."""
+    """A non-tensor input is refused naming the argument (as torch.nn.EmbeddingBag does)."""
     kwargs = dict(ids=torch.tensor([0, 3, 5]), offsets=torch.tensor([0, 2, 3]), per_sample_weights=None)
     kwargs[arg] = value
     with pytest.raises(ValueError, match=arg):
         shard(**kwargs)
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda s: s.load_global_weights(None), "weights"),
-    (lambda s: s.load_global_weights([[0.0] * 4] * 40), "weights"),
-    (lambda s: s.update_hyper_parameters(None), "params_dict"),
-    (lambda s: s.update_hyper_parameters([("lr", 0.1)]), "params_dict"),
-    (lambda s: s.load_states(None), "states"),
-    (lambda s: s.load_states([None]), "states"),
-    (lambda s: s.load_states(s.export_state()), "states"),  # one export, not a list of them
-    (lambda s: s.check_export_metadata(None), "metadata"),
-])
+@pytest.mark.parametrize(
+    "call,arg",
+    [
+        (lambda s: s.load_global_weights(None), "weights"),
+        (lambda s: s.load_global_weights([[0.0] * 4] * 40), "weights"),
+        (lambda s: s.update_hyper_parameters(None), "params_dict"),
+        (lambda s: s.update_hyper_parameters([("lr", 0.1)]), "params_dict"),
+        (lambda s: s.load_states(None), "states"),
+        (lambda s: s.load_states([None]), "states"),
+        (lambda s: s.load_states(s.export_state()), "states"),  # one export, not a list of them
+        (lambda s: s.check_export_metadata(None), "metadata"),
+    ],
+)
 def test_tiered_methods_name_argument(shard: TieredEmbeddingShard, call, arg: str) -> None:
-    """Before: AttributeError / TypeError ('NoneType' object is not iterable, has no len())."""
+    """Bad arguments are refused naming them, not with AttributeError / TypeError."""
     with pytest.raises(ValueError, match=arg):
         call(shard)
 
@@ -263,23 +327,31 @@ def test_load_states_list_of_one_export_still_loads(shard: TieredEmbeddingShard)
     other = TieredEmbeddingShard(**_SHARD, backend=shard.backend)
     other.load_states([shard.export_state()])
     bags = torch.arange(other.num_rows + 1)
-    torch.testing.assert_close(other(torch.arange(other.num_rows), bags),
-                               w.index_select(0, other.global_ids()))
+    torch.testing.assert_close(other(torch.arange(other.num_rows), bags), w.index_select(0, other.global_ids()))
 
 
 @pytest.mark.parametrize("dim", ["4", 4.0, True, None, [4]])
 def test_optimizer_state_cols_dim_named(dim: object) -> None:
-    """Before: state_cols('4') returned '44', state_cols([4]) returned [4, 4], 4.0 returned 8.0."""
+    """A non-integer ``dim`` ('4', [4], 4.0) is refused, not multiplied by the state width."""
     with pytest.raises(ValueError, match="dim"):
         TieredOptimizerConfig(optimizer="adam").state_cols(dim)
 
 
-@pytest.mark.parametrize("arg,value", [
-    ("grad", torch.zeros(2, 4)), ("grad", torch.zeros(3, 5)), ("state", torch.zeros(3, 4)), ("weights", None),
-    ("grad", torch.zeros(3, 4, dtype=torch.int64)), ("step", 4.5), ("step", 0), ("step", None),
-])
+@pytest.mark.parametrize(
+    "arg,value",
+    [
+        ("grad", torch.zeros(2, 4)),
+        ("grad", torch.zeros(3, 5)),
+        ("state", torch.zeros(3, 4)),
+        ("weights", None),
+        ("grad", torch.zeros(3, 4, dtype=torch.int64)),
+        ("step", 4.5),
+        ("step", 0),
+        ("step", None),
+    ],
+)
 def test_optimizer_update_names_argument(arg: str, value: object) -> None:
-    """Before: broadcasting errors without the argument name, or (step=4.5) a silent non-integer bias correction."""
+    """Bad shapes and a non-integer step (a non-integer bias correction) are refused naming the argument."""
     kwargs = dict(weights=torch.zeros(3, 4), state=torch.zeros(3, 8), grad=torch.zeros(3, 4), step=1)
     kwargs[arg] = value
     with pytest.raises(ValueError, match=arg):
@@ -309,21 +381,37 @@ from recpipe.planner import (  # noqa: E402
     fast_tier_hit_rate,
     tables_from_module,
 )
-from recpipe.planner.sharding import row_wise_sharding_spec  # noqa: E402
+from recpipe.planner.sharding_plan import row_wise_sharding_spec  # noqa: E402
 
 
 def _topology():
     return make_topology(world_size=2, local_world_size=2, hbm_cap=2**24, ddr_cap=2**28)
 
 
-@pytest.mark.parametrize("arg,value", [
-    ("load_factors", None), ("load_factors", 0.5), ("load_factors", "0.5"),  # was TypeError / a grid of '0', '.', '5'
-    ("batch_size", 4.5), ("batch_size", True), ("batch_size", None), ("batch_size", "512"),
-    ("hbm_reservation", None), ("hbm_reservation", "0.1"), ("ddr_reservation", True),
-    ("seed", 4.5), ("seed", "1"), ("seed", None), ("seed", 2**70),  # was stored, written to fused params later
-    ("constraints", "t0"), ("constraints", [1]), ("fused_params", "x"),
-    ("proposer", 3), ("proposer", DynamicProgrammingProposer),  # the class, not an instance
-])
+@pytest.mark.parametrize(
+    "arg,value",
+    [
+        ("load_factors", None),
+        ("load_factors", 0.5),
+        ("load_factors", "0.5"),
+        ("batch_size", 4.5),
+        ("batch_size", True),
+        ("batch_size", None),
+        ("batch_size", "512"),
+        ("hbm_reservation", None),
+        ("hbm_reservation", "0.1"),
+        ("ddr_reservation", True),
+        ("seed", 4.5),
+        ("seed", "1"),
+        ("seed", None),
+        ("seed", 2**70),
+        ("constraints", "t0"),
+        ("constraints", [1]),
+        ("fused_params", "x"),
+        ("proposer", 3),
+        ("proposer", DynamicProgrammingProposer),  # the class, not an instance
+    ],
+)
 def test_planner_constructor_names_argument(arg: str, value: object) -> None:
     with pytest.raises(ValueError, match=arg):
         PlacementPlanner(_topology(), **{arg: value})
@@ -338,44 +426,70 @@ def test_planner_seed_numpy_int_is_planned_as_int() -> None:
 
 @pytest.mark.parametrize("tables", [None, TableSpec(name="t", rows=10, dim=4), "t0"])
 def test_plan_tables_named(tables: object) -> None:
-    """Before: TypeError: 'NoneType' / 'TableSpec' object is not iterable."""
+    """``plan`` refuses None or a lone TableSpec naming ``tables``."""
     with pytest.raises(ValueError, match="tables must be"):
         PlacementPlanner(_topology()).plan(tables)
 
 
-@pytest.mark.parametrize("kwargs,arg", [
-    (dict(module=None), "module"), (dict(module="ebc"), "module"),  # was AttributeError
-    (dict(batch_size=4.5), "batch_size"), (dict(batch_size=True), "batch_size"), (dict(batch_size="4"), "batch_size"),
-    (dict(pooling_factor="0.5"), "pooling_factor"), (dict(pooling_factor=True), "pooling_factor"),
-    (dict(pooling_factor=None), "pooling_factor"), (dict(fused_params="x"), "fused_params"),
-])
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        (dict(module=None), "module"),
+        (dict(module="ebc"), "module"),
+        (dict(batch_size=4.5), "batch_size"),
+        (dict(batch_size=True), "batch_size"),
+        (dict(batch_size="4"), "batch_size"),
+        (dict(pooling_factor="0.5"), "pooling_factor"),
+        (dict(pooling_factor=True), "pooling_factor"),
+        (dict(pooling_factor=None), "pooling_factor"),
+        (dict(fused_params="x"), "fused_params"),
+    ],
+)
 def test_tables_from_module_names_argument(kwargs: dict, arg: str) -> None:
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100,
-                                                            feature_names=["f0"])], device=torch.device("meta"))
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100, feature_names=["f0"])],
+        device=torch.device("meta"),
+    )
     with pytest.raises(ValueError, match=arg):
         tables_from_module(**{"module": ebc, **kwargs})
 
 
-@pytest.mark.parametrize("kwargs,arg", [
-    (dict(world_size=None), "world_size"), (dict(world_size=2.0), "world_size"), (dict(world_size=0), "world_size"),
-    (dict(local_world_size=4), "local_world_size"), (dict(local_world_size="2"), "local_world_size"),
-    (dict(cost_model=None), "cost_model"), (dict(cost_model="analytic"), "cost_model"),
-    (dict(load_factors=0.5), "load_factors"), (dict(load_factors=None), "load_factors"),
-])
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        (dict(world_size=None), "world_size"),
+        (dict(world_size=2.0), "world_size"),
+        (dict(world_size=0), "world_size"),
+        (dict(local_world_size=4), "local_world_size"),
+        (dict(local_world_size="2"), "local_world_size"),
+        (dict(cost_model=None), "cost_model"),
+        (dict(cost_model="analytic"), "cost_model"),
+        (dict(load_factors=0.5), "load_factors"),
+        (dict(load_factors=None), "load_factors"),
+    ],
+)
 def test_enumerator_constructor_names_argument(kwargs: dict, arg: str) -> None:
-    """Before: every one of these was stored silently and failed (or planned garbage) later."""
+    """Every bad argument is refused at construction naming it, not stored for later."""
     base = dict(world_size=2, local_world_size=2, cost_model=AnalyticCostModel())
     with pytest.raises(ValueError, match=arg):
         GridPlacementEnumerator(**{**base, **kwargs})
 
 
-@pytest.mark.parametrize("mode,x,arg", [
-    ("bogus", 0.5, "mode"), (None, 0.5, "mode"), (3, 0.5, "mode"),  # was: silently read as CACHING
-    (Mode.CACHING, True, "x"), (Mode.CACHING, float("inf"), "x"), (Mode.CACHING, None, "x"),  # was 1.0 / TypeError
-    (Mode.CACHING, 0.0, "x"), (Mode.CACHING, -0.5, "x"),
-])
+@pytest.mark.parametrize(
+    "mode,x,arg",
+    [
+        ("bogus", 0.5, "mode"),
+        (None, 0.5, "mode"),
+        (3, 0.5, "mode"),
+        (Mode.CACHING, True, "x"),
+        (Mode.CACHING, float("inf"), "x"),
+        (Mode.CACHING, None, "x"),
+        (Mode.CACHING, 0.0, "x"),
+        (Mode.CACHING, -0.5, "x"),
+    ],
+)
 def test_fast_tier_hit_rate_names_argument(mode: object, x: object, arg: str) -> None:
     table = TableSpec(name="t", rows=100, dim=8)
     with pytest.raises(ValueError, match=arg):
@@ -385,19 +499,30 @@ def test_fast_tier_hit_rate_names_argument(mode: object, x: object, arg: str) ->
 
 
 def test_fast_tier_hit_rate_mode_string_is_the_mode() -> None:
-    """'HYBRID' (a string, as everywhere else) is HYBRID: hit rate x; before it was read as CACHING."""
+    """'HYBRID' (a string, as everywhere else) is HYBRID: hit rate x (not CACHING's)."""
     table = TableSpec(name="t", rows=100, dim=8, zipf_alpha=1.2)
     assert fast_tier_hit_rate(table, "HYBRID", 0.3) == 0.3
 
 
-@pytest.mark.parametrize("kwargs,arg", [
-    (dict(world_size=2.0), "world_size"), (dict(world_size=None), "world_size"), (dict(world_size=0), "world_size"),
-    (dict(dim=4.5), "dim"), (dict(dim=True), "dim"), (dict(dim=None), "dim"), (dict(dim=-1), "dim"),
-    (dict(num_embeddings=-1), "num_embeddings"), (dict(local_world_size=3), "local_world_size"),
-    (dict(compute_device="bogus"), "compute_device"), (dict(compute_device=None), "compute_device"),
-])
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        (dict(world_size=2.0), "world_size"),
+        (dict(world_size=None), "world_size"),
+        (dict(world_size=0), "world_size"),
+        (dict(dim=4.5), "dim"),
+        (dict(dim=True), "dim"),
+        (dict(dim=None), "dim"),
+        (dict(dim=-1), "dim"),
+        (dict(num_embeddings=-1), "num_embeddings"),
+        (dict(local_world_size=3), "local_world_size"),
+        (dict(compute_device="bogus"), "compute_device"),
+        (dict(compute_device=None), "compute_device"),
+    ],
+)
 def test_row_wise_sharding_spec_names_argument(kwargs: dict, arg: str) -> None:
-    """Before: errors deep inside torch (ShardMetadata, _remote_device) or a spec of 4.5-wide shards."""
+    """Bad arguments are refused naming them, not deep inside torch (ShardMetadata,
+    _remote_device) nor turned into a spec of 4.5-wide shards."""
     base = dict(num_embeddings=10, dim=4, world_size=2, local_world_size=2, compute_device="cuda")
     with pytest.raises(ValueError, match=arg):
         row_wise_sharding_spec(**{**base, **kwargs})
@@ -408,12 +533,20 @@ _C = np.array([[1.0, 0.5], [1.0, 0.5]])
 
 
 @pytest.mark.parametrize("proposer", [DynamicProgrammingProposer(), BruteForceProposer()], ids=["dp", "brute"])
-@pytest.mark.parametrize("arg,value", [
-    ("hbm", np.array([[1.5, 2.0], [1.0, 2.0]])),  # was truncated to 1 byte
-    ("hbm", -_H), ("ddr", np.full((2, 2), np.nan)), ("ddr", None),
-    ("cost", np.full((2, 2), np.nan)),  # was: "no plan fits" (None)
-    ("hbm_budget", 4.5), ("hbm_budget", None), ("ddr_budget", "10"), ("ddr_budget", float("nan")),
-])
+@pytest.mark.parametrize(
+    "arg,value",
+    [
+        ("hbm", np.array([[1.5, 2.0], [1.0, 2.0]])),
+        ("hbm", -_H),
+        ("ddr", np.full((2, 2), np.nan)),
+        ("ddr", None),
+        ("cost", np.full((2, 2), np.nan)),
+        ("hbm_budget", 4.5),
+        ("hbm_budget", None),
+        ("ddr_budget", "10"),
+        ("ddr_budget", float("nan")),
+    ],
+)
 def test_proposer_solve_names_argument(proposer, arg: str, value: object) -> None:
     kwargs = dict(hbm=_H, ddr=_H, cost=_C, hbm_budget=10, ddr_budget=10)
     kwargs[arg] = value
@@ -423,58 +556,75 @@ def test_proposer_solve_names_argument(proposer, arg: str, value: object) -> Non
 
 @pytest.mark.parametrize("proposer", [DynamicProgrammingProposer(), BruteForceProposer()], ids=["dp", "brute"])
 def test_proposer_whole_float_bytes_still_solve(proposer) -> None:
-    """Whole-number float byte arrays are taken (as before); the answer is the exhaustive optimum."""
+    """Whole-number float byte arrays are taken; the answer is the exhaustive optimum."""
     got = proposer.solve(_H.astype(np.float64), _H.astype(np.float64), _C, 3, 3)
     # reference: every combination by hand; budgets 3 fit option 1 (2 bytes) for one table only
-    best = min(((i, j) for i in range(2) for j in range(2) if _H[0, i] + _H[1, j] <= 3),
-               key=lambda ij: _C[0, ij[0]] + _C[1, ij[1]])
+    best = min(
+        ((i, j) for i in range(2) for j in range(2) if _H[0, i] + _H[1, j] <= 3),
+        key=lambda ij: _C[0, ij[0]] + _C[1, ij[1]],
+    )
     assert _C[0, got[0]] + _C[1, got[1]] == _C[0, best[0]] + _C[1, best[1]]
 
 
-@pytest.mark.parametrize("build", [
-    lambda: PlacementPlanner(_topology(), cost_model=AnalyticCostModel),
-    lambda: GridPlacementEnumerator(2, 2, AnalyticCostModel),
-], ids=["planner", "enumerator"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: PlacementPlanner(_topology(), cost_model=AnalyticCostModel),
+        lambda: GridPlacementEnumerator(2, 2, AnalyticCostModel),
+    ],
+    ids=["planner", "enumerator"],
+)
 def test_cost_model_class_instead_of_instance_named(build) -> None:
-    """Before: accepted, then plan() failed with "costs() missing 1 required positional argument"."""
+    """A cost model class (not an instance) is refused naming ``cost_model``."""
     with pytest.raises(ValueError, match="cost_model"):
         build()
 
 
 # ------------------------------------------------------------------ sharders, routing, DCP
-from recpipe.pipeline.checkpoint import dcp as recpipe_dcp  # noqa: E402
-from recpipe.pipeline.tiered.sharders import TieredFusedOptimizer, tiered_optimizer_from_fused_params  # noqa: E402
-from recpipe.pipeline.routing.sharding import (  # noqa: E402
+from recpipe.pipeline import checkpoint as recpipe_dcp  # noqa: E402
+from recpipe.pipeline.routing.features import RoutingOverrides, table_routing  # noqa: E402
+from recpipe.pipeline.routing.sharders import (  # noqa: E402
     RecpipeEmbeddingBagCollectionSharder,
     RecpipeEmbeddingCollectionSharder,
-    RoutingOverrides,
     recpipe_sharders,
-    table_routing,
 )
+from recpipe.pipeline.tiered.fused_optimizer import TieredFusedOptimizer  # noqa: E402
+from recpipe.pipeline.tiered.fused_params import tiered_optimizer_from_fused_params  # noqa: E402
 
 
-@pytest.mark.parametrize("build", [RecpipeEmbeddingBagCollectionSharder, RecpipeEmbeddingCollectionSharder,
-                                   lambda **kw: recpipe_sharders(**kw)], ids=["ebc", "ec", "recpipe_sharders"])
-@pytest.mark.parametrize("kwargs,arg", [
-    (dict(table_dist_types={"t0": "roundrobin"}, seed=4.5), "seed"),  # was int(4.5) = 4: another routing, silently
-    (dict(table_dist_types={"t0": "roundrobin"}, seed="4"), "seed"),
-    (dict(table_dist_types={"t0": "roundrobin"}, seed=2**70), "seed"),
-    (dict(seed=None), "seed"),  # was accepted (and ignored) without routed tables
-    (dict(table_dist_types="hash_roundrobin"), "table_dist_types"),  # was AttributeError: no attribute 'items'
-    (dict(table_dist_types=["t0"]), "table_dist_types"),
-    (dict(table_dist_types={3: "roundrobin"}), "table_dist_types"),
-])
+@pytest.mark.parametrize(
+    "build",
+    [RecpipeEmbeddingBagCollectionSharder, RecpipeEmbeddingCollectionSharder, lambda **kw: recpipe_sharders(**kw)],
+    ids=["ebc", "ec", "recpipe_sharders"],
+)
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        (dict(table_dist_types={"t0": "roundrobin"}, seed=4.5), "seed"),
+        (dict(table_dist_types={"t0": "roundrobin"}, seed="4"), "seed"),
+        (dict(table_dist_types={"t0": "roundrobin"}, seed=2**70), "seed"),
+        (dict(seed=None), "seed"),
+        (dict(table_dist_types="hash_roundrobin"), "table_dist_types"),
+        (dict(table_dist_types=["t0"]), "table_dist_types"),
+        (dict(table_dist_types={3: "roundrobin"}), "table_dist_types"),
+    ],
+)
 def test_sharder_routing_arguments_named(build, kwargs: dict, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         build(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs,arg", [
-    (dict(table_dist_types=None), "table_dist_types"), (dict(table_dist_types={"t": "bogus"}), "table_dist_types"),
-    (dict(seed=4.5), "seed"), (dict(seed=None), "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        (dict(table_dist_types=None), "table_dist_types"),
+        (dict(table_dist_types={"t": "bogus"}), "table_dist_types"),
+        (dict(seed=4.5), "seed"),
+        (dict(seed=None), "seed"),
+    ],
+)
 def test_routing_overrides_validated(kwargs: dict, arg: str) -> None:
-    """Before: stored as given; table_routing then handed 'bogus' / 4.5 to the routing."""
+    """Bad overrides are refused at construction, not handed to the routing."""
     with pytest.raises(ValueError, match=arg):
         RoutingOverrides(**kwargs)
 
@@ -483,25 +633,36 @@ def test_routing_overrides_parse_and_route_like_fused_params() -> None:
     """A string dist type and a numpy seed in the overrides give the same routing as the fused params."""
     over = RoutingOverrides(table_dist_types={"t": "hash_roundrobin"}, seed=np.int64(3))
     assert table_routing(None, "t", over) == table_routing(
-        {"recpipe_dist_type": "hash_roundrobin", "recpipe_seed": 3}, "t")
+        {"recpipe_dist_type": "hash_roundrobin", "recpipe_seed": 3}, "t"
+    )
 
 
-@pytest.mark.parametrize("kwargs,arg", [
-    (dict(fused_params="x"), "fused_params"), (dict(fused_params=[1]), "fused_params"),
-    (dict(overrides="x"), "overrides"), (dict(overrides={"t": "roundrobin"}), "overrides"),
-])
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        (dict(fused_params="x"), "fused_params"),
+        (dict(fused_params=[1]), "fused_params"),
+        (dict(overrides="x"), "overrides"),
+        (dict(overrides={"t": "roundrobin"}), "overrides"),
+    ],
+)
 def test_table_routing_arguments_named(kwargs: dict, arg: str) -> None:
-    """Before: "dictionary update sequence element #0 ..." / AttributeError."""
+    """Bad arguments are refused naming them, not with a bare dict / attribute error."""
     with pytest.raises(ValueError, match=arg):
         table_routing(**{"fused_params": None, "table_name": "t", **kwargs})
 
 
-@pytest.mark.parametrize("fused_params,arg", [
-    ("x", "fused_params"), ({"learning_rate": "x"}, "learning_rate"), ({"eps": None}, "eps"),
-    ({"optimizer": "adam", "beta1": [0.9]}, "beta1"),
-])
+@pytest.mark.parametrize(
+    "fused_params,arg",
+    [
+        ("x", "fused_params"),
+        ({"learning_rate": "x"}, "learning_rate"),
+        ({"eps": None}, "eps"),
+        ({"optimizer": "adam", "beta1": [0.9]}, "beta1"),
+    ],
+)
 def test_tiered_optimizer_fused_params_named(fused_params: object, arg: str) -> None:
-    """Before: "could not convert string to float: 'x'" / TypeError from float()."""
+    """Bad fused params are refused naming them, not with float()'s bare errors."""
     with pytest.raises(ValueError, match=arg):
         tiered_optimizer_from_fused_params(fused_params)
 
@@ -512,31 +673,34 @@ def test_tiered_fused_optimizer_shards_named(shards: object) -> None:
         TieredFusedOptimizer(shards)
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda d: recpipe_dcp.save(torch.nn.Linear(2, 2), d, thread_count=0), "thread_count"),
-    (lambda d: recpipe_dcp.save(torch.nn.Linear(2, 2), d, thread_count=2.0), "thread_count"),
-    (lambda d: recpipe_dcp.save(torch.nn.Linear(2, 2), d, thread_count=None), "thread_count"),
-    (lambda d: recpipe_dcp.save(None, d), "model"),
-    (lambda d: recpipe_dcp.save(torch.nn.Linear(2, 2), None), "checkpoint_id"),
-    (lambda d: recpipe_dcp.load(torch.nn.Linear(2, 2), None), "checkpoint_id"),
-    (lambda d: recpipe_dcp.load(None, d), "model"),
-    (lambda d: recpipe_dcp.load_dcp_state_dict(torch.nn.Linear(2, 2), 3), "checkpoint"),
-    (lambda d: recpipe_dcp.dcp_state_dict("model"), "model"),
-    (lambda d: recpipe_dcp.verify_checkpoint(None), "checkpoint_id"),
-    (lambda d: recpipe_dcp.write_digests(3), "checkpoint_id"),
-    (lambda d: recpipe_dcp.remove_rank_files(d, None), "rank"),
-    (lambda d: recpipe_dcp.remove_rank_files(d, "0"), "rank"),
-])
+@pytest.mark.parametrize(
+    "call,arg",
+    [
+        (lambda d: recpipe_dcp.save(torch.nn.Linear(2, 2), d, thread_count=0), "thread_count"),
+        (lambda d: recpipe_dcp.save(torch.nn.Linear(2, 2), d, thread_count=2.0), "thread_count"),
+        (lambda d: recpipe_dcp.save(torch.nn.Linear(2, 2), d, thread_count=None), "thread_count"),
+        (lambda d: recpipe_dcp.save(None, d), "model"),
+        (lambda d: recpipe_dcp.save(torch.nn.Linear(2, 2), None), "checkpoint_id"),
+        (lambda d: recpipe_dcp.load(torch.nn.Linear(2, 2), None), "checkpoint_id"),
+        (lambda d: recpipe_dcp.load(None, d), "model"),
+        (lambda d: recpipe_dcp.load_dcp_state_dict(torch.nn.Linear(2, 2), 3), "checkpoint"),
+        (lambda d: recpipe_dcp.dcp_state_dict("model"), "model"),
+        (lambda d: recpipe_dcp.verify_checkpoint(None), "checkpoint_id"),
+        (lambda d: recpipe_dcp.write_digests(3), "checkpoint_id"),
+        (lambda d: recpipe_dcp.remove_rank_files(d, None), "rank"),
+        (lambda d: recpipe_dcp.remove_rank_files(d, "0"), "rank"),
+    ],
+)
 def test_dcp_arguments_named(tmp_path, call, arg: str) -> None:
-    """Before: AttributeError / TypeError from pathlib, or a CheckpointSaveError blaming the disk."""
+    """Bad arguments are refused naming them, not by pathlib nor as a CheckpointSaveError
+    blaming the disk."""
     with pytest.raises(ValueError, match=arg):
         call(tmp_path)
 
 
 def test_dcp_save_bad_thread_count_keeps_previous_checkpoint(tmp_path) -> None:
-    """Before: save() first removed the older save's digests record, then failed on thread_count=0
-    ("min() arg is an empty sequence"): the old, complete checkpoint no longer loaded. Now the
-    old checkpoint still loads into a fresh module (reference: the saved weights)."""
+    """A save refused for ``thread_count=0`` leaves the previous checkpoint whole: it loads
+    into a fresh module (reference: the saved weights)."""
     src = torch.nn.Linear(2, 2)
     recpipe_dcp.save(src, tmp_path)
     with pytest.raises(ValueError, match="thread_count"):
@@ -547,13 +711,18 @@ def test_dcp_save_bad_thread_count_keeps_previous_checkpoint(tmp_path) -> None:
     torch.testing.assert_close(dst.bias, src.bias)
 
 
-@pytest.mark.parametrize("kwargs,arg", [
-    (dict(name=3), "name"), (dict(name=["t"]), "name"),  # was accepted: plans keyed by a non-str table name
-    (dict(module_path=None), "module_path"), (dict(module_path=3), "module_path"),
-    (dict(feature_names=None), "feature_names"),  # was TypeError: 'NoneType' object is not iterable
-    (dict(feature_names="f0"), "feature_names"),  # was silently ('f', '0')
-    (dict(feature_names=[3]), "feature_names"),
-])
+@pytest.mark.parametrize(
+    "kwargs,arg",
+    [
+        (dict(name=3), "name"),
+        (dict(name=["t"]), "name"),
+        (dict(module_path=None), "module_path"),
+        (dict(module_path=3), "module_path"),
+        (dict(feature_names=None), "feature_names"),
+        (dict(feature_names="f0"), "feature_names"),
+        (dict(feature_names=[3]), "feature_names"),
+    ],
+)
 def test_table_spec_names_argument(kwargs: dict, arg: str) -> None:
     with pytest.raises(ValueError, match=arg):
         TableSpec(**{"name": "t", "rows": 100, "dim": 8, **kwargs})
@@ -561,7 +730,7 @@ def test_table_spec_names_argument(kwargs: dict, arg: str) -> None:
 
 @pytest.mark.parametrize("value", [0.5, 1, "0.5"])
 def test_placement_constraints_load_factors_named(value: object) -> None:
-    """Before: TypeError: object of type 'float' has no len(); a string was read character by character."""
+    """A float or string ``load_factors`` (not a sequence of factors) is refused naming it."""
     from recpipe.planner import PlacementConstraints
 
     with pytest.raises(ValueError, match="load_factors"):

@@ -5,17 +5,18 @@ from __future__ import annotations
 import random
 from typing import Optional
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
-from recpipe.pipeline.routing import ops
 from routing_reference import DIST_CODES, ROUTING_VERSION, RefPermutation, ref_bucketize, route_one
-
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recpipe.pipeline.routing import ops
+from recpipe.pipeline.routing.kjt import bucketize_kjt
+from recpipe.pipeline.routing.rows import global_row_ids, shard_num_rows
 
 OP = torch.ops.recpipe.block_bucketize_sparse_features
 CUDA = torch.cuda.is_available()
@@ -132,7 +133,9 @@ def _check_against_reference(case: dict, *, sequence: bool, pos: bool, weights_d
     length_dtype=st.sampled_from([torch.int32, torch.int64]),
     case_seed=st.integers(0, 2**32),
 )
-def test_matches_python_reference(F, B, W, seed, sequence, pos, keep, weights_dtype, index_dtype, length_dtype, case_seed) -> None:
+def test_matches_python_reference(
+    F, B, W, seed, sequence, pos, keep, weights_dtype, index_dtype, length_dtype, case_seed
+) -> None:
     case = _random_case(
         random.Random(case_seed), F, B, W, index_dtype=index_dtype, length_dtype=length_dtype, raw_ids=True
     )
@@ -166,19 +169,41 @@ def test_vbe_keep_per_feature_2d_weights_mapping_match_reference(
     n = len(indices)
     w = None
     if weights_dim is not None:
-        w = torch.randn(n, dtype=torch.float64) if weights_dim == 0 else torch.randn(n, weights_dim, dtype=torch.float64)
+        w = (
+            torch.randn(n, dtype=torch.float64)
+            if weights_dim == 0
+            else torch.randn(n, weights_dim, dtype=torch.float64)
+        )
     got = ops.block_bucketize_sparse_features(
-        torch.tensor(lengths, dtype=torch.int64), torch.tensor(indices, dtype=index_dtype),
-        torch.tensor([max(1, -(-m // W)) for m in sizes]), torch.tensor(dist), W,
-        sequence=sequence, bucketize_pos=pos, weights=w, table_sizes=torch.tensor(sizes), seed=3,
-        batch_size_per_feature=torch.tensor(batch), keep_orig_idx_per_feature=torch.tensor(keep),
+        torch.tensor(lengths, dtype=torch.int64),
+        torch.tensor(indices, dtype=index_dtype),
+        torch.tensor([max(1, -(-m // W)) for m in sizes]),
+        torch.tensor(dist),
+        W,
+        sequence=sequence,
+        bucketize_pos=pos,
+        weights=w,
+        table_sizes=torch.tensor(sizes),
+        seed=3,
+        batch_size_per_feature=torch.tensor(batch),
+        keep_orig_idx_per_feature=torch.tensor(keep),
         return_bucket_mapping=mapping,
     )
     want = ref_bucketize(
-        lengths, indices, [max(1, -(-m // W)) for m in sizes], dist, W, sequence=sequence, bucketize_pos=pos,
-        weights=w.tolist() if w is not None else None, table_sizes=sizes, seed=3,
-        index_bits=32 if index_dtype == torch.int32 else 64, batch_size_per_feature=batch,
-        keep_orig_idx_per_feature=keep, return_bucket_mapping=mapping,
+        lengths,
+        indices,
+        [max(1, -(-m // W)) for m in sizes],
+        dist,
+        W,
+        sequence=sequence,
+        bucketize_pos=pos,
+        weights=w.tolist() if w is not None else None,
+        table_sizes=sizes,
+        seed=3,
+        index_bits=32 if index_dtype == torch.int32 else 64,
+        batch_size_per_feature=batch,
+        keep_orig_idx_per_feature=keep,
+        return_bucket_mapping=mapping,
     )
     for name in got._fields:
         g, r = getattr(got, name), want[name]
@@ -206,7 +231,10 @@ def test_large_input_multithreaded_matches_reference(threads: int) -> None:
 # Edge cases against the reference: hash windows of every width, world sizes,
 # bag lengths, raw ids around block * W, long same-rank runs.
 
-def _hash_case(rng: random.Random, W: int, index_dtype: torch.dtype, table_sizes: list[int], B: int, max_len: int) -> dict:
+
+def _hash_case(
+    rng: random.Random, W: int, index_dtype: torch.dtype, table_sizes: list[int], B: int, max_len: int
+) -> dict:
     F = len(table_sizes)
     lengths = [rng.randrange(max_len + 1) for _ in range(F * B)]
     hi = 2**31 - 1 if index_dtype == torch.int32 else 2**63 - 1
@@ -233,8 +261,16 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("RECPIPE_ISA", request.param)
     probe = _random_case(random.Random(0), 1, 2, 2, dist=[2])
     try:
-        OP(*_args(lengths=probe["lengths"], indices=probe["indices"], block_sizes=probe["block_sizes"],
-                  dist_types=probe["dist_types"], table_sizes=probe["table_sizes"], my_size=2))
+        OP(
+            *_args(
+                lengths=probe["lengths"],
+                indices=probe["indices"],
+                block_sizes=probe["block_sizes"],
+                dist_types=probe["dist_types"],
+                table_sizes=probe["table_sizes"],
+                my_size=2,
+            )
+        )
     except RuntimeError as e:
         if "this CPU lacks it" in str(e):
             pytest.skip(str(e))
@@ -264,7 +300,9 @@ def test_hash_windows_match_reference(isa: str, index_dtype: torch.dtype, W: int
     if W > 65536:  # new_lengths is W * F * B long, keep the reference quick
         sizes, B = sizes[4:], 1
     case = _hash_case(rng, W, index_dtype, sizes, B=B, max_len=1100)
-    _check_against_reference(case, sequence=True, pos=True, weights_dtype=torch.float32, seed=rng.randrange(2**63), keep=False)
+    _check_against_reference(
+        case, sequence=True, pos=True, weights_dtype=torch.float32, seed=rng.randrange(2**63), keep=False
+    )
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -304,8 +342,12 @@ def test_report_first_bad_id(isa: str, index_dtype: torch.dtype, where: int, val
     ids[where] = value
     ids[min(where + 50, n - 1)] = 5000  # a later bad id must not be the one reported
     args = _args(
-        lengths=torch.tensor([n]), indices=ids, block_sizes=torch.tensor([500]),
-        dist_types=torch.tensor([2]), table_sizes=torch.tensor([1000]), my_size=2,
+        lengths=torch.tensor([n]),
+        indices=ids,
+        block_sizes=torch.tensor([500]),
+        dist_types=torch.tensor([2]),
+        table_sizes=torch.tensor([1000]),
+        my_size=2,
     )
     with pytest.raises(IndexError, match=rf"`indices\[{where}\]` = {value} \(feature 0, hash_roundrobin\)"):
         OP(*args)
@@ -323,8 +365,12 @@ def test_first_bad_id_reported_across_chunks(threads: int) -> None:
         ids[150_001] = 1000
         ids[290_000] = -5
         args = _args(
-            lengths=torch.full((3000,), n // 3000), indices=ids, block_sizes=torch.tensor([500]),
-            dist_types=torch.tensor([2]), table_sizes=torch.tensor([1000]), my_size=2,
+            lengths=torch.full((3000,), n // 3000),
+            indices=ids,
+            block_sizes=torch.tensor([500]),
+            dist_types=torch.tensor([2]),
+            table_sizes=torch.tensor([1000]),
+            my_size=2,
         )
         with pytest.raises(IndexError, match=r"`indices\[150001\]` = 1000 \(feature 0"):
             OP(*args)
@@ -346,12 +392,23 @@ def test_owners_large_blocks_match_reference(W: int) -> None:
         blk = blocks[bt // B]
         for _ in range(ln):
             r = rng.random()
-            indices.append(rng.randrange(2**32) if r < 0.85 else
-                           rng.randrange(2**32, 2**40) if r < 0.95 else
-                           rng.randrange(blk * W - 3, blk * W + 3) if r < 0.98 else -rng.randrange(1, 2**40))
-    case = dict(lengths=torch.tensor(lengths), indices=torch.tensor(indices, dtype=torch.int64),
-                block_sizes=torch.tensor(blocks), dist_types=torch.tensor(dist), W=W,
-                table_sizes=torch.tensor([1, 1, 1, 0]))  # 0: the roundrobin raw ids are unchecked
+            indices.append(
+                rng.randrange(2**32)
+                if r < 0.85
+                else rng.randrange(2**32, 2**40)
+                if r < 0.95
+                else rng.randrange(blk * W - 3, blk * W + 3)
+                if r < 0.98
+                else -rng.randrange(1, 2**40)
+            )
+    case = dict(
+        lengths=torch.tensor(lengths),
+        indices=torch.tensor(indices, dtype=torch.int64),
+        block_sizes=torch.tensor(blocks),
+        dist_types=torch.tensor(dist),
+        W=W,
+        table_sizes=torch.tensor([1, 1, 1, 0]),
+    )  # 0: the roundrobin raw ids are unchecked
     _check_against_reference(case, sequence=True, pos=False, weights_dtype=None, seed=0, keep=False)
 
 
@@ -385,14 +442,14 @@ def _partition_case(rng: random.Random, W: int, index_dtype: torch.dtype, B: int
 @pytest.mark.parametrize("W", [1, 2, 3, 5, 8, 9])
 @pytest.mark.parametrize("sequence", [False, True])
 @pytest.mark.parametrize("keep", [False, True])
-def test_small_world_partition_matches_reference(
-    index_dtype: torch.dtype, W: int, sequence: bool, keep: bool
-) -> None:
+def test_small_world_partition_matches_reference(index_dtype: torch.dtype, W: int, sequence: bool, keep: bool) -> None:
     rng = random.Random(W * 7 + sequence * 3 + keep + (index_dtype == torch.int32) * 100)
     # bags up to 150 ids: several vectors per bag, tails of every length, and
     # features that end mid-vector
     case = _partition_case(rng, W, index_dtype, B=5, max_len=150)
-    _check_against_reference(case, sequence=sequence, pos=False, weights_dtype=None, seed=rng.randrange(2**63), keep=keep)
+    _check_against_reference(
+        case, sequence=sequence, pos=False, weights_dtype=None, seed=rng.randrange(2**63), keep=keep
+    )
 
 
 @pytest.mark.parametrize("W", [3, 4, 7, 8])
@@ -405,11 +462,14 @@ def test_count_bag_length_boundaries_match_reference(W: int) -> None:
     B = len(steps)
     sizes = [10_000, 997, 50_000]
     indices = [rng.randrange(sizes[bt // B]) for bt, n in enumerate(lengths) for _ in range(n)]
-    case = dict(lengths=torch.tensor(lengths, dtype=torch.int64),
-                indices=torch.tensor(indices, dtype=torch.int64),
-                block_sizes=torch.tensor([-(-n // W) for n in sizes], dtype=torch.int64),
-                dist_types=torch.tensor([0, 1, 2], dtype=torch.int64),
-                table_sizes=torch.tensor(sizes, dtype=torch.int64), W=W)
+    case = dict(
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+        indices=torch.tensor(indices, dtype=torch.int64),
+        block_sizes=torch.tensor([-(-n // W) for n in sizes], dtype=torch.int64),
+        dist_types=torch.tensor([0, 1, 2], dtype=torch.int64),
+        table_sizes=torch.tensor(sizes, dtype=torch.int64),
+        W=W,
+    )
     _check_against_reference(case, sequence=True, pos=False, weights_dtype=torch.float32, seed=5, keep=False)
 
 
@@ -436,11 +496,14 @@ def test_long_same_rank_runs_match_reference(W: int, pos: bool) -> None:
         bags += [[owned[dist](rng.choice([0, W - 1])) for _ in range(100)] for _ in range(3)]
     B = len(bags) // 2
     for index_dtype in (torch.int64, torch.int32):
-        case = dict(lengths=torch.tensor([len(b) for b in bags], dtype=torch.int64),
-                    indices=torch.tensor([i for b in bags for i in b], dtype=index_dtype),
-                    block_sizes=torch.tensor([block, block], dtype=torch.int64),
-                    dist_types=torch.tensor([0, 1], dtype=torch.int64),
-                    table_sizes=torch.tensor([rows, rows], dtype=torch.int64), W=W)
+        case = dict(
+            lengths=torch.tensor([len(b) for b in bags], dtype=torch.int64),
+            indices=torch.tensor([i for b in bags for i in b], dtype=index_dtype),
+            block_sizes=torch.tensor([block, block], dtype=torch.int64),
+            dist_types=torch.tensor([0, 1], dtype=torch.int64),
+            table_sizes=torch.tensor([rows, rows], dtype=torch.int64),
+            W=W,
+        )
         assert case["lengths"].numel() == 2 * B
         for weights_dtype in (None, torch.float32):
             _check_against_reference(case, sequence=True, pos=pos, weights_dtype=weights_dtype, seed=3, keep=False)
@@ -471,8 +534,14 @@ def test_continuous_bit_identical_to_fbgemm(F, B, W, sequence, pos, weighted, in
         lengths, case["indices"], pos, sequence, block_sizes, W, weights
     )
     got = ops.block_bucketize_sparse_features(
-        lengths, case["indices"], block_sizes, case["dist_types"], W,
-        sequence=sequence, bucketize_pos=pos, weights=weights,
+        lengths,
+        case["indices"],
+        block_sizes,
+        case["dist_types"],
+        W,
+        sequence=sequence,
+        bucketize_pos=pos,
+        weights=weights,
     )
     for name, g, w in zip(got._fields, got, want):
         if w is None:
@@ -483,6 +552,51 @@ def test_continuous_bit_identical_to_fbgemm(F, B, W, sequence, pos, weighted, in
             assert torch.equal(g, w), name
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("sequence, pos", [(False, False), (True, True)])
+def test_zero_block_size_matches_reference_opcheck_and_fake(
+    index_dtype: torch.dtype, sequence: bool, pos: bool
+) -> None:
+    """``block_sizes[f] == 0`` on a continuous feature without shard bounds routes every id
+    raw (rank ``id % W``, local ``id // W``): the kernel equals the Python reference, passes
+    opcheck, and the fake kernel gives the kernel's shapes."""
+    case = _random_case(random.Random(7), 3, 6, 3, dist=[0, 0, 1], index_dtype=index_dtype, raw_ids=True)
+    case["block_sizes"] = torch.tensor([0, 0, 4])
+    _check_against_reference(case, sequence=sequence, pos=pos, weights_dtype=torch.float32, seed=3, keep=False)
+    args = (
+        case["lengths"],
+        case["indices"],
+        case["block_sizes"],
+        case["dist_types"],
+        case["W"],
+        sequence,
+        pos,
+        None,
+        case["table_sizes"],
+        3,
+        False,
+    )
+    torch.library.opcheck(OP, args)
+    real = OP(*args)
+    with FakeTensorMode() as mode:
+        fake = OP(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    assert [None if t is None else t.shape for t in fake] == [None if t is None else t.shape for t in real]
+
+
+def test_sizes_past_int64_are_named_by_the_typed_wrappers() -> None:
+    """Sizes the ops' int64 arguments cannot hold are refused naming the argument (torch's
+    binder would say only "Expected a value of type 'int'")."""
+    lengths, indices = torch.tensor([1]), torch.tensor([5])
+    with pytest.raises(ValueError, match=r"`my_size` must be <= 9223372036854775807, got 18446744073709551616"):
+        ops.block_bucketize_sparse_features(lengths, indices, torch.tensor([4]), torch.tensor([0]), 2**64)
+    with pytest.raises(ValueError, match=r"`seed` must be an int in \[-2\*\*63, 2\*\*63\)"):
+        ops.block_bucketize_sparse_features(lengths, indices, torch.tensor([4]), torch.tensor([0]), 2, seed=2**64)
+    with pytest.raises(ValueError, match=r"`world_size` must be <= 9223372036854775807"):
+        ops.route_ids(indices, 10, 2**64, "roundrobin")
+    with pytest.raises(ValueError, match=r"`table_size` must be <= 9223372036854775807"):
+        ops.hash_roundrobin_global_ids(torch.tensor([0]), torch.tensor([0]), 2**64, 2)
+
+
 # ---------------------------------------------------------------------------
 # torch.library checks
 
@@ -490,11 +604,27 @@ def test_continuous_bit_identical_to_fbgemm(F, B, W, sequence, pos, weighted, in
 def _opcheck_cases() -> list[tuple]:
     rng = random.Random(3)
     out = []
-    for dist, seq, pos, w in [([0, 1], False, False, False), ([2, 0], True, True, True), ([1, 2, 2], True, False, True)]:
+    for dist, seq, pos, w in [
+        ([0, 1], False, False, False),
+        ([2, 0], True, True, True),
+        ([1, 2, 2], True, False, True),
+    ]:
         c = _random_case(rng, len(dist), 4, 3, dist=dist)
         weights = torch.rand(c["indices"].numel()) if w else None
         out.append(
-            (c["lengths"], c["indices"], c["block_sizes"], c["dist_types"], c["W"], seq, pos, weights, c["table_sizes"], 5, False)
+            (
+                c["lengths"],
+                c["indices"],
+                c["block_sizes"],
+                c["dist_types"],
+                c["W"],
+                seq,
+                pos,
+                weights,
+                c["table_sizes"],
+                5,
+                False,
+            )
         )
     return out
 
@@ -510,17 +640,44 @@ def test_opcheck_every_argument() -> None:
     lengths = torch.tensor([2, 0, 3, 1, 2, 1], dtype=torch.int64)  # features of 2, 3 and 1 bags
     indices = torch.tensor([1, 8, 5, 6, 7, 3, 9, 4, 2], dtype=torch.int64)
     weights = torch.rand(indices.numel(), 3)
-    common = (lengths, indices, torch.tensor([5, 5, 5]), torch.tensor([0, 0, 2]), 2, True, True, weights,
-              torch.tensor([10, 10, 10]), 7, False, torch.tensor([2, 3, 1]), 3)
-    with_bounds = common + ([torch.tensor([0, 3, 10]), torch.tensor([0, 6, 10]), torch.tensor([], dtype=torch.int64)],
-                            None, torch.tensor([True, False, False]), True)
-    with_blocks = common[:2] + (torch.tensor([5, 2, 5]), torch.tensor([0, 0, 0])) + common[4:] + (
-        None, torch.tensor([2, 4, 2]), None, True)
+    common = (
+        lengths,
+        indices,
+        torch.tensor([5, 5, 5]),
+        torch.tensor([0, 0, 2]),
+        2,
+        True,
+        True,
+        weights,
+        torch.tensor([10, 10, 10]),
+        7,
+        False,
+        torch.tensor([2, 3, 1]),
+        3,
+    )
+    with_bounds = common + (
+        [torch.tensor([0, 3, 10]), torch.tensor([0, 6, 10]), torch.tensor([], dtype=torch.int64)],
+        None,
+        torch.tensor([True, False, False]),
+        True,
+    )
+    with_blocks = (
+        common[:2]
+        + (torch.tensor([5, 2, 5]), torch.tensor([0, 0, 0]))
+        + common[4:]
+        + (None, torch.tensor([2, 4, 2]), None, True)
+    )
     for args in (with_bounds, with_blocks):
         torch.library.opcheck(OP, args)
     with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else
-                [mode.from_tensor(t) for t in a] if isinstance(a, list) else a for a in with_bounds]
+        fake = [
+            mode.from_tensor(a)
+            if isinstance(a, torch.Tensor)
+            else [mode.from_tensor(t) for t in a]
+            if isinstance(a, list)
+            else a
+            for a in with_bounds
+        ]
         out = OP(*fake)
         assert out[2].shape == weights.shape and out[5].shape == indices.shape
 
@@ -568,13 +725,32 @@ def test_fake_kernels_give_the_kernels_strides_for_strided_inputs() -> None:
     c = _random_case(random.Random(4), 2, 5, 3, dist=[0, 2])
     n = c["indices"].numel()
     weights = torch.randn(4, n, dtype=torch.float64).t()  # [n, 4], strides (1, n)
-    args = (c["lengths"], c["indices"], c["block_sizes"], c["dist_types"], c["W"], True, True, weights,
-            c["table_sizes"], 5, False)
+    args = (
+        c["lengths"],
+        c["indices"],
+        c["block_sizes"],
+        c["dist_types"],
+        c["W"],
+        True,
+        True,
+        weights,
+        c["table_sizes"],
+        5,
+        False,
+    )
     torch.library.opcheck(OP, args)
     got = OP(*args)
     want = ref_bucketize(
-        c["lengths"].tolist(), c["indices"].tolist(), c["block_sizes"].tolist(), c["dist_types"].tolist(), c["W"],
-        sequence=True, bucketize_pos=True, weights=weights.tolist(), table_sizes=c["table_sizes"].tolist(), seed=5,
+        c["lengths"].tolist(),
+        c["indices"].tolist(),
+        c["block_sizes"].tolist(),
+        c["dist_types"].tolist(),
+        c["W"],
+        sequence=True,
+        bucketize_pos=True,
+        weights=weights.tolist(),
+        table_sizes=c["table_sizes"].tolist(),
+        seed=5,
     )
     assert got[2].tolist() == want["new_weights"] and got[1].tolist() == want["new_indices"]
 
@@ -691,13 +867,20 @@ def test_bucketize_kjt_matches_op_and_keys() -> None:
         lengths=torch.tensor([2, 1, 0, 3, 1, 0]),
         weights=torch.rand(7),
     )
-    out, perm = ops.bucketize_kjt(
+    out, perm = bucketize_kjt(
         kjt, 2, {"a": "hash_roundrobin", "b": "continuous"}, {"a": 10, "b": 100}, seed=3, sequence=True
     )
     assert out.keys() == ["a", "b", "a", "b"]
     want = ref_bucketize(
-        kjt.lengths().tolist(), kjt.values().tolist(), [5, 50], [2, 0], 2,
-        sequence=True, weights=kjt.weights().tolist(), table_sizes=[10, 100], seed=3,
+        kjt.lengths().tolist(),
+        kjt.values().tolist(),
+        [5, 50],
+        [2, 0],
+        2,
+        sequence=True,
+        weights=kjt.weights().tolist(),
+        table_sizes=[10, 100],
+        seed=3,
     )
     assert out.lengths().tolist() == want["new_lengths"]
     assert out.values().tolist() == want["new_indices"]
@@ -708,32 +891,36 @@ def test_bucketize_kjt_matches_op_and_keys() -> None:
 def test_bucketize_kjt_names_missing_feature() -> None:
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=["a"], values=torch.tensor([1]), lengths=torch.tensor([1]))
     with pytest.raises(ValueError, match=r"`dist_types` has no entry for features \['a'\]"):
-        ops.bucketize_kjt(kjt, 2, {}, {"a": 4})
+        bucketize_kjt(kjt, 2, {}, {"a": 4})
     with pytest.raises(ValueError, match=r"`table_sizes` has no entry"):
-        ops.bucketize_kjt(kjt, 2, {"a": "roundrobin"}, {})
+        bucketize_kjt(kjt, 2, {"a": "roundrobin"}, {})
     with pytest.raises(ValueError, match="unknown dist_type 'hashed'"):
-        ops.bucketize_kjt(kjt, 2, {"a": "hashed"}, {"a": 4})
+        bucketize_kjt(kjt, 2, {"a": "hashed"}, {"a": 4})
     for bad in (True, 2.0, 0):
         with pytest.raises(ValueError, match=r"`world_size` must be an int >= 1 \(the number of ranks\)"):
-            ops.bucketize_kjt(kjt, bad, {"a": "roundrobin"}, {"a": 4})
+            bucketize_kjt(kjt, bad, {"a": "roundrobin"}, {"a": 4})
 
 
 def test_bucketize_kjt_names_the_key_of_an_out_of_range_id() -> None:
     """The op numbers the feature of an id outside its table; bucketize_kjt adds its KJT key."""
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=["user", "item"], values=torch.tensor([1, 3, 500, 2]), lengths=torch.tensor([1, 1, 2, 0]),
+        keys=["user", "item"], values=torch.tensor([1, 3, 500, 2]), lengths=torch.tensor([1, 1, 2, 0])
     )
     for dist in ("hash_roundrobin", "roundrobin"):
-        with pytest.raises(IndexError, match=rf"`indices\[2\]` = 500 \(feature 1, {dist}\) is outside "
-                                             r"\[0, table_sizes\[1\] = 97\).* \(feature 1 is the KJT key 'item'\)$"):
-            ops.bucketize_kjt(kjt, 2, {"user": "continuous", "item": dist}, {"user": 10, "item": 97})
+        with pytest.raises(
+            IndexError,
+            match=rf"`indices\[2\]` = 500 \(feature 1, {dist}\) is outside "
+            r"\[0, table_sizes\[1\] = 97\).* \(feature 1 is the KJT key 'item'\)$",
+        ):
+            bucketize_kjt(kjt, 2, {"user": "continuous", "item": dist}, {"user": 10, "item": 97})
         # route_bad_ids: 500 goes to rank 500 % 2 = 0 as local id 250, past rank 0's 49 rows
-        routed, _ = ops.bucketize_kjt(kjt, 2, {"user": "continuous", "item": dist}, {"user": 10, "item": 97},
-                                      route_bad_ids=True)
+        routed, _ = bucketize_kjt(
+            kjt, 2, {"user": "continuous", "item": dist}, {"user": 10, "item": 97}, route_bad_ids=True
+        )
         lengths = routed.lengths().tolist()  # rank-major: rank 0's user, item bags, then rank 1's
         rank0 = routed.values()[: sum(lengths[:4])].tolist()
         assert lengths[:2] == [1, 1] and lengths[4:6] == [0, 0] and lengths[2] + lengths[6] == 2
-        assert rank0[2:].count(250) == 1 and 250 not in routed.values()[sum(lengths[:4]):].tolist()
+        assert rank0[2:].count(250) == 1 and 250 not in routed.values()[sum(lengths[:4]) :].tolist()
 
 
 # ---------------------------------------------------------------------------
@@ -776,11 +963,14 @@ BAD_INPUT: list[tuple[dict, str]] = [
     (dict(dist_types=torch.tensor([0.0, 1.0])), r"`dist_types` must be int32 or int64"),
     (dict(my_size=0), r"`my_size` \(the world size W\) must be >= 1, got 0"),
     (dict(my_size=-3), r"`my_size` \(the world size W\) must be >= 1, got -3"),
-    (dict(block_sizes=torch.tensor([0, 4])), r"`block_sizes\[0\]` is 0"),
+    (dict(block_sizes=torch.tensor([-1, 4])), r"`block_sizes\[0\]` is -1 but feature 0 is continuous"),
     (dict(table_sizes=None), r"needs `table_sizes`"),
     (dict(table_sizes=torch.tensor([8, 0])), r"`table_sizes\[1\]` is 0"),
     (dict(table_sizes=torch.tensor([8])), r"`table_sizes` has 1 entries"),
-    (dict(indices=torch.tensor([0, 3, 2, 8])), r"`indices\[3\]` = 8 \(feature 1, hash_roundrobin\) is outside \[0, table_sizes\[1\] = 8\)"),
+    (
+        dict(indices=torch.tensor([0, 3, 2, 8])),
+        r"`indices\[3\]` = 8 \(feature 1, hash_roundrobin\) is outside \[0, table_sizes\[1\] = 8\)",
+    ),
     (dict(indices=torch.tensor([0, 3, 2, -1])), r"`indices\[3\]` = -1"),
     (dict(weights=torch.rand(3)), r"`weights` has 3 entries but `indices` has 4"),
     (dict(weights=torch.ones(4, dtype=torch.int64)), r"`weights` must be float16, bfloat16, float32 or float64"),
@@ -791,35 +981,63 @@ BAD_INPUT: list[tuple[dict, str]] = [
     (dict(batch_size_per_feature=torch.tensor([1, 2])), r"`batch_size_per_feature` sums to 3 but `lengths` has 4"),
     (dict(batch_size_per_feature=torch.tensor([2, -1])), r"`batch_size_per_feature\[1\]` is -1"),
     (dict(batch_size_per_feature=torch.tensor([4])), r"`batch_size_per_feature` has 1 entries but `dist_types` has 2"),
-    (dict(lengths=torch.tensor([1, 2, 1]), indices=torch.tensor([0, 3, 2, 5])),
-     r"or pass `batch_size_per_feature` for a variable batch per feature"),
-    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8])]),
-     r"`block_bucketize_pos` has 1 tensors but `dist_types` has 2"),
-    (dict(block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([0, 4, 8])]),
-     r"`block_bucketize_pos` \(uneven row-wise shards\) applies to continuous features only, but feature 1 is "
-     r"hash_roundrobin and `block_bucketize_pos\[1\]` has 3 bounds; pass an empty tensor for it"),
-    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([], dtype=torch.int64)]),
-     r"`block_bucketize_pos\[1\]` is empty but feature 1 is continuous"),
-    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([1, 4, 8]), torch.tensor([0, 4, 8])]),
-     r"`block_bucketize_pos\[0\]\[0\]` is 1; shard bounds start at row 0"),
-    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([0, 5, 3])]),
-     r"`block_bucketize_pos\[1\]` decreases at entry 2"),
-    (dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0.0, 4.0]), torch.tensor([0, 4])]),
-     r"`block_bucketize_pos\[0\]` must be a 1-D int32/int64 tensor"),
-    (dict(dist_types=torch.tensor([0, 0]), total_num_blocks=torch.tensor([4, 3])),
-     r"`total_num_blocks\[1\]` is 3; it must be a positive multiple of `my_size` = 2"),
-    (dict(total_num_blocks=torch.tensor([4, 4])), r"`total_num_blocks` applies to continuous features only, but feature 1"),
+    (
+        dict(lengths=torch.tensor([1, 2, 1]), indices=torch.tensor([0, 3, 2, 5])),
+        r"or pass `batch_size_per_feature` for a variable batch per feature",
+    ),
+    (
+        dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8])]),
+        r"`block_bucketize_pos` has 1 tensors but `dist_types` has 2",
+    ),
+    (
+        dict(block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([0, 4, 8])]),
+        r"`block_bucketize_pos` \(uneven row-wise shards\) applies to continuous features only, but feature 1 is "
+        r"hash_roundrobin and `block_bucketize_pos\[1\]` has 3 bounds; pass an empty tensor for it",
+    ),
+    (
+        dict(
+            dist_types=torch.tensor([0, 0]),
+            block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([], dtype=torch.int64)],
+        ),
+        r"`block_bucketize_pos\[1\]` is empty but feature 1 is continuous",
+    ),
+    (
+        dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([1, 4, 8]), torch.tensor([0, 4, 8])]),
+        r"`block_bucketize_pos\[0\]\[0\]` is 1; shard bounds start at row 0",
+    ),
+    (
+        dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0, 4, 8]), torch.tensor([0, 5, 3])]),
+        r"`block_bucketize_pos\[1\]` decreases at entry 2",
+    ),
+    (
+        dict(dist_types=torch.tensor([0, 0]), block_bucketize_pos=[torch.tensor([0.0, 4.0]), torch.tensor([0, 4])]),
+        r"`block_bucketize_pos\[0\]` must be a 1-D int32/int64 tensor",
+    ),
+    (
+        dict(dist_types=torch.tensor([0, 0]), total_num_blocks=torch.tensor([4, 3])),
+        r"`total_num_blocks\[1\]` is 3; it must be a positive multiple of `my_size` = 2",
+    ),
+    (
+        dict(total_num_blocks=torch.tensor([4, 4])),
+        r"`total_num_blocks` applies to continuous features only, but feature 1",
+    ),
     (dict(keep_orig_idx_per_feature=torch.tensor([1, 0])), r"`keep_orig_idx_per_feature` must be a bool tensor"),
     (dict(keep_orig_idx_per_feature=torch.tensor([True])), r"`keep_orig_idx_per_feature` has 1 entries"),
-    # int64 sums that wrap back to len(indices) / the bag count (a segfault / garbage before)
-    (dict(lengths=torch.tensor([2**63 - 1, 2**63 - 1, 2, 0]), indices=torch.zeros(0, dtype=torch.int64)),
-     r"`lengths` sums past the 0 entries of `indices` at bag 0 \(lengths\[0\] = 9223372036854775807\)"),
-    (dict(batch_size_per_feature=torch.tensor([2**63 - 1, 2**63 - 1 - 4 + 2])),
-     r"`batch_size_per_feature` sums past the 4 bags of `lengths` at feature 0"),
-    # int32 ids of a hash table whose local ids exceed int32 (they wrapped before)
-    (dict(indices=torch.tensor([0, 3, 2, 5], dtype=torch.int32), table_sizes=torch.tensor([8, 2**33])),
-     r"feature 1 is hash_roundrobin over `table_sizes\[1\]` = 8589934592 rows and 2 ranks, so its local ids "
-     r"reach 4294967295, which int32 `indices` cannot hold; pass int64 indices"),
+    # int64 sums that wrap back to len(indices) / the bag count
+    (
+        dict(lengths=torch.tensor([2**63 - 1, 2**63 - 1, 2, 0]), indices=torch.zeros(0, dtype=torch.int64)),
+        r"`lengths` sums past the 0 entries of `indices` at bag 0 \(lengths\[0\] = 9223372036854775807\)",
+    ),
+    (
+        dict(batch_size_per_feature=torch.tensor([2**63 - 1, 2**63 - 1 - 4 + 2])),
+        r"`batch_size_per_feature` sums past the 4 bags of `lengths` at feature 0",
+    ),
+    # int32 ids of a hash table whose local ids exceed int32
+    (
+        dict(indices=torch.tensor([0, 3, 2, 5], dtype=torch.int32), table_sizes=torch.tensor([8, 2**33])),
+        r"feature 1 is hash_roundrobin over `table_sizes\[1\]` = 8589934592 rows and 2 ranks, so its local ids "
+        r"reach 4294967295, which int32 `indices` cannot hold; pass int64 indices",
+    ),
 ]
 
 
@@ -836,10 +1054,16 @@ def test_block_zero_shard_bounds_refuse_a_wrapping_key(index_dtype: torch.dtype)
     def call(op, last_bound: int, with_dist: bool):
         kw = dict(dist_types=torch.tensor([0], dtype=torch.int32)) if with_dist else {}
         return op(
-            lengths=torch.tensor([len(ids)], dtype=index_dtype), indices=torch.tensor(ids, dtype=index_dtype),
-            bucketize_pos=False, sequence=False, block_sizes=torch.tensor([0], dtype=index_dtype), my_size=W,
+            lengths=torch.tensor([len(ids)], dtype=index_dtype),
+            indices=torch.tensor(ids, dtype=index_dtype),
+            bucketize_pos=False,
+            sequence=False,
+            block_sizes=torch.tensor([0], dtype=index_dtype),
+            my_size=W,
             block_bucketize_pos=[torch.tensor([0, last_bound // 2, last_bound], dtype=index_dtype)],
-            total_num_blocks=torch.tensor([G], dtype=index_dtype), **kw)
+            total_num_blocks=torch.tensor([G], dtype=index_dtype),
+            **kw,
+        )
 
     got = call(OP, last, True)
     want = call(torch.ops.fbgemm.block_bucketize_sparse_features, last, False)
@@ -847,18 +1071,33 @@ def test_block_zero_shard_bounds_refuse_a_wrapping_key(index_dtype: torch.dtype)
     # plain math: key = (id % G) * last // G, owner = last bound <= key (< W), local = id // G
     owners = [max(r for r, b in enumerate([0, last // 2, last][:W]) if b <= (i % G) * last // G) for i in ids]
     assert got[0].tolist() == [owners.count(0), owners.count(1)]
-    assert got[1].tolist() == [i // G for i, o in zip(ids, owners) if o == 0] + [i // G for i, o in zip(ids, owners) if o == 1]
-    with pytest.raises(RuntimeError, match=rf"feature 0 has `block_sizes\[0\]` = 0 with shard bounds.*G = 8 blocks, "
-                       rf"but \(G - 1\) \* {last + 1} exceeds {width_max}"):
+    assert got[1].tolist() == [i // G for i, o in zip(ids, owners) if o == 0] + [
+        i // G for i, o in zip(ids, owners) if o == 1
+    ]
+    with pytest.raises(
+        RuntimeError,
+        match=rf"feature 0 has `block_sizes\[0\]` = 0 with shard bounds.*G = 8 blocks, "
+        rf"but \(G - 1\) \* {last + 1} exceeds {width_max}",
+    ):
         call(OP, last + 1, True)
 
 
 # The shape / dtype errors among them, which the fake kernel raises too (the others
 # depend on values only the kernel reads).
-_STATIC_MARKS = ("must be int32 or int64", "entries but `dist_types` has", "tensors but `dist_types` has",
-                 "entries but `indices` has", "must be float16", "not a multiple of", "must be 1-D",
-                 r"must be \[n\] or", "must be a 1-D int32/int64 tensor", "must be a bool tensor",
-                 r"`my_size` \(the world size W\) must be >= 1", "has 1 entries")
+_STATIC_MARKS = (
+    "must be int32 or int64",
+    "entries but `dist_types` has",
+    "tensors but `dist_types` has",
+    "entries but `indices` has",
+    "must be float16",
+    "not a multiple of",
+    "must be 1-D",
+    r"must be \[n\] or",
+    "must be a 1-D int32/int64 tensor",
+    "must be a bool tensor",
+    r"`my_size` \(the world size W\) must be >= 1",
+    "has 1 entries",
+)
 STATIC_BAD_INPUT = [c for c in BAD_INPUT if any(m in c[1] for m in _STATIC_MARKS)]
 
 
@@ -874,8 +1113,14 @@ def test_fake_kernel_raises_the_kernels_shape_and_dtype_errors(over: dict, patte
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
-    args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else
-            [mode.from_tensor(t) for t in a] if isinstance(a, list) else a for a in _args(**over)]
+    args = [
+        mode.from_tensor(a)
+        if isinstance(a, torch.Tensor)
+        else [mode.from_tensor(t) for t in a]
+        if isinstance(a, list)
+        else a
+        for a in _args(**over)
+    ]
     with mode, pytest.raises(RuntimeError, match=pattern):
         OP(*args)
 
@@ -897,7 +1142,7 @@ def test_global_ids_bad_input() -> None:
         gid(torch.tensor([3]), torch.tensor([0]), 3, 4)  # rank 3 owns no row of a 3-row table
     with pytest.raises(RuntimeError, match=r"`world_size` must be at most 2147483647"):
         gid(torch.tensor([0]), torch.tensor([0]), 10, 2**62)
-    # int32 local ids of a table with global ids beyond int32 (returned truncated before)
+    # int32 local ids of a table with global ids beyond int32
     with pytest.raises(RuntimeError, match=r"`local_ids` are int32 but a table of `table_size` = 8589934592 rows"):
         gid(torch.tensor([0]), torch.tensor([0], dtype=torch.int32), 2**33, 4)
     assert gid(torch.tensor([1]), torch.tensor([3], dtype=torch.int32), 2**31, 4).dtype == torch.int32
@@ -909,22 +1154,36 @@ def test_roundrobin_ids_checked_against_given_table_size() -> None:
     """A roundrobin feature whose table size is given rejects ids outside it (the
     tiered table behind it has no such row); size 0 keeps raw ids (id % W)."""
     for bad in (-1, 15):
-        with pytest.raises(IndexError, match=rf"`indices\[1\]` = {bad} \(feature 0, roundrobin\) is outside "
-                                             r"\[0, table_sizes\[0\] = 10\)"):
+        with pytest.raises(
+            IndexError,
+            match=rf"`indices\[1\]` = {bad} \(feature 0, roundrobin\) is outside "
+            r"\[0, table_sizes\[0\] = 10\)",
+        ):
             ops.block_bucketize_sparse_features(
-                torch.tensor([2]), torch.tensor([3, bad]), torch.tensor([5]), torch.tensor([1]), 2,
-                table_sizes=torch.tensor([10]))
+                torch.tensor([2]),
+                torch.tensor([3, bad]),
+                torch.tensor([5]),
+                torch.tensor([1]),
+                2,
+                table_sizes=torch.tensor([10]),
+            )
     out = ops.block_bucketize_sparse_features(
-        torch.tensor([2]), torch.tensor([3, 15]), torch.tensor([5]), torch.tensor([1]), 2,
-        table_sizes=torch.tensor([0]))
+        torch.tensor([2]), torch.tensor([3, 15]), torch.tensor([5]), torch.tensor([1]), 2, table_sizes=torch.tensor([0])
+    )
     assert out.new_lengths.tolist() == [0, 2] and out.new_indices.tolist() == [1, 7]
     with pytest.raises(RuntimeError, match=r"`table_sizes\[0\]` is -1"):
         ops.block_bucketize_sparse_features(
-            torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([1]), 2,
-            table_sizes=torch.tensor([-1]))
+            torch.tensor([1]),
+            torch.tensor([3]),
+            torch.tensor([5]),
+            torch.tensor([1]),
+            2,
+            table_sizes=torch.tensor([-1]),
+        )
     with pytest.raises(RuntimeError, match=r"`my_size` \(the world size W\) must be at most 2147483647"):
         ops.block_bucketize_sparse_features(
-            torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([1]), 2**63 - 1)
+            torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([1]), 2**63 - 1
+        )
 
 
 def _bad_ids_case(rng: random.Random, W: int, index_dtype: torch.dtype, B: int, max_len: int) -> dict:
@@ -940,8 +1199,15 @@ def _bad_ids_case(rng: random.Random, W: int, index_dtype: torch.dtype, B: int, 
         n = sizes[bt // B]
         for _ in range(ln):
             pick = rng.random()
-            indices.append(rng.randrange(n) if pick < 0.5 else n + rng.randrange(3 * W + 3) if pick < 0.7
-                           else -1 - rng.randrange(3 * W + 3) if pick < 0.85 else rng.choice([lo, hi, lo + 1, hi - 1]))
+            indices.append(
+                rng.randrange(n)
+                if pick < 0.5
+                else n + rng.randrange(3 * W + 3)
+                if pick < 0.7
+                else -1 - rng.randrange(3 * W + 3)
+                if pick < 0.85
+                else rng.choice([lo, hi, lo + 1, hi - 1])
+            )
     return dict(
         lengths=torch.tensor(lengths, dtype=torch.int64),
         indices=torch.tensor(indices, dtype=index_dtype),
@@ -964,13 +1230,28 @@ def test_route_bad_ids_match_reference(isa: str, index_dtype: torch.dtype, W: in
     case = _bad_ids_case(rng, W, index_dtype, B=40, max_len=12)
     weights = torch.randn(case["indices"].numel(), 2)
     args = (case["lengths"], case["indices"], case["block_sizes"], case["dist_types"], W)
-    kw = dict(sequence=True, bucketize_pos=True, weights=weights, table_sizes=case["table_sizes"], seed=77,
-              keep_orig_idx=keep, return_bucket_mapping=True)
+    kw = dict(
+        sequence=True,
+        bucketize_pos=True,
+        weights=weights,
+        table_sizes=case["table_sizes"],
+        seed=77,
+        keep_orig_idx=keep,
+        return_bucket_mapping=True,
+    )
     got = ops.block_bucketize_sparse_features(*args, **kw, route_bad_ids=True)
-    want = ref_bucketize(*(t.tolist() if isinstance(t, torch.Tensor) else t for t in args), sequence=True,
-                         bucketize_pos=True, weights=weights.tolist(), table_sizes=case["table_sizes"].tolist(),
-                         seed=77, keep_orig_idx=keep, index_bits=32 if index_dtype == torch.int32 else 64,
-                         return_bucket_mapping=True, route_bad_ids=True)
+    want = ref_bucketize(
+        *(t.tolist() if isinstance(t, torch.Tensor) else t for t in args),
+        sequence=True,
+        bucketize_pos=True,
+        weights=weights.tolist(),
+        table_sizes=case["table_sizes"].tolist(),
+        seed=77,
+        keep_orig_idx=keep,
+        index_bits=32 if index_dtype == torch.int32 else 64,
+        return_bucket_mapping=True,
+        route_bad_ids=True,
+    )
     for name in ("new_lengths", "new_indices", "new_weights", "new_pos", "unbucketize_permute", "bucket_mapping"):
         assert getattr(got, name).tolist() == want[name], name
     assert got.new_indices.dtype == index_dtype
@@ -987,23 +1268,48 @@ def test_route_bad_ids_sends_each_bad_id_past_its_owners_rows() -> None:
     good, bad = [0, 5, 9, 3], [10, 11, 12, 13, 14, 10**12, -1, -2, -7]
     for dist in (1, 2):
         out = ops.block_bucketize_sparse_features(
-            torch.tensor([len(good + bad)]), torch.tensor(good + bad), torch.tensor([3]), torch.tensor([dist]), W,
-            table_sizes=torch.tensor([n]), seed=3, return_bucket_mapping=True, sequence=True, route_bad_ids=True)
+            torch.tensor([len(good + bad)]),
+            torch.tensor(good + bad),
+            torch.tensor([3]),
+            torch.tensor([dist]),
+            W,
+            table_sizes=torch.tensor([n]),
+            seed=3,
+            return_bucket_mapping=True,
+            sequence=True,
+            route_bad_ids=True,
+        )
         local = out.new_indices[out.unbucketize_permute].tolist()
         owner = out.bucket_mapping.tolist()
         ref = ops.block_bucketize_sparse_features(
-            torch.tensor([len(good)]), torch.tensor(good), torch.tensor([3]), torch.tensor([dist]), W,
-            table_sizes=torch.tensor([n]), seed=3, return_bucket_mapping=True, sequence=True)
-        assert owner[:len(good)] == ref.bucket_mapping.tolist()
-        assert local[:len(good)] == ref.new_indices[ref.unbucketize_permute].tolist()
-        for v, p, l in zip(bad, owner[len(good):], local[len(good):]):
+            torch.tensor([len(good)]),
+            torch.tensor(good),
+            torch.tensor([3]),
+            torch.tensor([dist]),
+            W,
+            table_sizes=torch.tensor([n]),
+            seed=3,
+            return_bucket_mapping=True,
+            sequence=True,
+        )
+        assert owner[: len(good)] == ref.bucket_mapping.tolist()
+        assert local[: len(good)] == ref.new_indices[ref.unbucketize_permute].tolist()
+        for v, p, loc in zip(bad, owner[len(good) :], local[len(good) :]):
             u = v % 2**64
-            assert (p, l) == (u % W, u // W - (2**64 if u // W >= 2**63 else 0)), v
-            assert rows[p] > 0 and not 0 <= l < rows[p], v
+            assert (p, loc) == (u % W, u // W - (2**64 if u // W >= 2**63 else 0)), v
+            assert rows[p] > 0 and not 0 <= loc < rows[p], v
     # a table smaller than W: ranks 2, 3 hold no rows of a 2-row table
     out = ops.block_bucketize_sparse_features(
-        torch.tensor([4]), torch.tensor([2, 3, 7, 1]), torch.tensor([1]), torch.tensor([1]), W,
-        table_sizes=torch.tensor([2]), return_bucket_mapping=True, sequence=True, route_bad_ids=True)
+        torch.tensor([4]),
+        torch.tensor([2, 3, 7, 1]),
+        torch.tensor([1]),
+        torch.tensor([1]),
+        W,
+        table_sizes=torch.tensor([2]),
+        return_bucket_mapping=True,
+        sequence=True,
+        route_bad_ids=True,
+    )
     assert out.bucket_mapping.tolist() == [0, 1, 1, 1]
     assert out.new_indices[out.unbucketize_permute].tolist() == [1, 1, 1, 0]
 
@@ -1016,10 +1322,16 @@ def test_route_bad_ids_across_threads_and_chunks() -> None:
             torch.set_num_threads(threads)
             case = _bad_ids_case(random.Random(5), 8, torch.int64, B=3000, max_len=30)
             args = (case["lengths"], case["indices"], case["block_sizes"], case["dist_types"], 8)
-            got = ops.block_bucketize_sparse_features(*args, table_sizes=case["table_sizes"], seed=9,
-                                                      sequence=True, route_bad_ids=True)
-            want = ref_bucketize(*(t.tolist() if isinstance(t, torch.Tensor) else t for t in args), sequence=True,
-                                 table_sizes=case["table_sizes"].tolist(), seed=9, route_bad_ids=True)
+            got = ops.block_bucketize_sparse_features(
+                *args, table_sizes=case["table_sizes"], seed=9, sequence=True, route_bad_ids=True
+            )
+            want = ref_bucketize(
+                *(t.tolist() if isinstance(t, torch.Tensor) else t for t in args),
+                sequence=True,
+                table_sizes=case["table_sizes"].tolist(),
+                seed=9,
+                route_bad_ids=True,
+            )
             assert got.new_lengths.tolist() == want["new_lengths"]
             assert got.new_indices.tolist() == want["new_indices"]
             assert got.unbucketize_permute.tolist() == want["unbucketize_permute"]
@@ -1029,9 +1341,26 @@ def test_route_bad_ids_across_threads_and_chunks() -> None:
 
 def test_opcheck_route_bad_ids() -> None:
     case = _bad_ids_case(random.Random(2), 3, torch.int64, B=4, max_len=5)
-    args = (case["lengths"], case["indices"], case["block_sizes"], case["dist_types"], 3, True, True,
-            torch.rand(case["indices"].numel()), case["table_sizes"], 5, False, None, -1, None, None, None, True,
-            True)
+    args = (
+        case["lengths"],
+        case["indices"],
+        case["block_sizes"],
+        case["dist_types"],
+        3,
+        True,
+        True,
+        torch.rand(case["indices"].numel()),
+        case["table_sizes"],
+        5,
+        False,
+        None,
+        -1,
+        None,
+        None,
+        None,
+        True,
+        True,
+    )
     torch.library.opcheck(OP, args)
 
 
@@ -1050,8 +1379,6 @@ def test_route_ids_matches_reference_and_inverse(dist_type: str, W: int) -> None
         assert owner.dtype == torch.int64 and local.dtype == dtype
         want = [route_one(int(g), code, W, max(1, -(-N // W)), N, 9, 64) for g in ids.tolist()]
         assert owner.tolist() == [w[0] for w in want] and local.tolist() == [w[1] for w in want]
-    from recpipe.pipeline.tiered.shard import global_row_ids
-
     for r in range(W):
         mine = owner == r
         back = global_row_ids(local[mine].to(torch.int64), N, W, r, dist_type, 9)
@@ -1065,15 +1392,15 @@ def test_global_row_ids_refuses_ids_outside_the_shard(dist_type: str) -> None:
     ids past the table's end, e.g. 10 of a 10-row table, or another rank's rows)."""
     N, W = 10, 3
     for r in range(W):
-        rows = ops.shard_num_rows(N, W, r, dist_type)
-        back = ops.global_row_ids(torch.arange(rows), N, W, r, dist_type, 5)
+        rows = shard_num_rows(N, W, r, dist_type)
+        back = global_row_ids(torch.arange(rows), N, W, r, dist_type, 5)
         owner, local = ops.route_ids(back, N, W, dist_type, seed=5)
         assert bool(owner.eq(r).all()) and torch.equal(local, torch.arange(rows))
         for bad in (-1, rows):
             with pytest.raises((ValueError, RuntimeError), match=r"not all rows of shard|is not a slot"):
-                ops.global_row_ids(torch.tensor([0, bad]), N, W, r, dist_type, 5)
+                global_row_ids(torch.tensor([0, bad]), N, W, r, dist_type, 5)
     with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=3\), got 3"):
-        ops.global_row_ids(torch.tensor([0]), N, W, W, dist_type, 5)
+        global_row_ids(torch.tensor([0]), N, W, W, dist_type, 5)
 
 
 def test_route_ids_bad_input() -> None:
@@ -1089,8 +1416,11 @@ def test_route_ids_bad_input() -> None:
         ops.route_ids(torch.tensor([1.0]), 10, 2, "roundrobin")
     with pytest.raises(RuntimeError, match=r"`table_size` must be >= 1"):
         ops.route_ids(torch.tensor([1]), 0, 2, "roundrobin")
-    with pytest.raises(RuntimeError, match=r"`ids` are int32 but hash_roundrobin over `table_size` = 1099511627776 "
-                       r"rows and 2 ranks gives local ids up to 549755813887"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"`ids` are int32 but hash_roundrobin over `table_size` = 1099511627776 "
+        r"rows and 2 ranks gives local ids up to 549755813887",
+    ):
         ops.route_ids(torch.tensor([1], dtype=torch.int32), 2**40, 2, "hash_roundrobin")
     # roundrobin / continuous local ids never exceed the id: int32 stays fine
     assert ops.route_ids(torch.tensor([7], dtype=torch.int32), 2**40, 2, "roundrobin")[1].tolist() == [3]
@@ -1100,8 +1430,14 @@ def test_route_ids_bad_input() -> None:
 def test_seed_outside_int64_names_the_argument(call: str) -> None:
     run = {
         "bucketize": lambda seed: ops.block_bucketize_sparse_features(
-            torch.tensor([1]), torch.tensor([3]), torch.tensor([5]), torch.tensor([2]), 2,
-            table_sizes=torch.tensor([10]), seed=seed),
+            torch.tensor([1]),
+            torch.tensor([3]),
+            torch.tensor([5]),
+            torch.tensor([2]),
+            2,
+            table_sizes=torch.tensor([10]),
+            seed=seed,
+        ),
         "global_ids": lambda seed: ops.hash_roundrobin_global_ids(torch.tensor([0]), torch.tensor([0]), 10, 2, seed),
         "route_ids": lambda seed: ops.route_ids(torch.tensor([1]), 10, 2, seed=seed),
     }[call]
@@ -1114,14 +1450,17 @@ def test_seed_outside_int64_names_the_argument(call: str) -> None:
 
 def test_bucketize_kjt_row_bounds_must_be_the_tables_shard_bounds() -> None:
     kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([0, 4, 8, 9]), lengths=torch.tensor([4]))
-    out, _ = ops.bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"a": [0, 5, 10]})
+    out, _ = bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"a": [0, 5, 10]})
     assert out.lengths().tolist() == [2, 2] and out.values().tolist() == [0, 4, 3, 4]
     for bad in ([0, 5], [0, 2, 5, 10], [0, 5, 7], [1, 5, 10], [0, 6, 5], [0, 5.0, 10]):
-        with pytest.raises(ValueError, match=r"`row_bounds\['a'\]` is .*; it must be 3 non-decreasing ints: 0, "
-                           r"the first row of each next rank, then the table's 10 rows \(e.g. \[0, 5, 10\]\)"):
-            ops.bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"a": bad})
+        with pytest.raises(
+            ValueError,
+            match=r"`row_bounds\['a'\]` is .*; it must be 3 non-decreasing ints: 0, "
+            r"the first row of each next rank, then the table's 10 rows \(e.g. \[0, 5, 10\]\)",
+        ):
+            bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"a": bad})
     with pytest.raises(ValueError, match=r"`row_bounds` names features \['b'\] the KJT does not have"):
-        ops.bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"b": [0, 5, 10]})
+        bucketize_kjt(kjt, 2, {"a": "continuous"}, {"a": 10}, row_bounds={"b": [0, 5, 10]})
 
 
 def test_route_ids_opcheck_and_fake_kernels_reject_what_the_kernels_reject() -> None:
@@ -1133,16 +1472,24 @@ def test_route_ids_opcheck_and_fake_kernels_reject_what_the_kernels_reject() -> 
         assert owner.shape == (6,) and owner.dtype == torch.int64 and local.dtype == torch.int32
         with pytest.raises(RuntimeError, match=r"`indices` must be int32 or int64"):
             torch.ops.recpipe.block_bucketize_sparse_features(
-                torch.ones(2, dtype=torch.int64), torch.empty(2), torch.ones(1, dtype=torch.int64),
-                torch.ones(1, dtype=torch.int64), 2)
+                torch.ones(2, dtype=torch.int64),
+                torch.empty(2),
+                torch.ones(1, dtype=torch.int64),
+                torch.ones(1, dtype=torch.int64),
+                2,
+            )
         with pytest.raises(RuntimeError, match=r"`ids` must be int32 or int64"):
             torch.ops.recpipe.route_ids(torch.empty(2), 10, 3, 2, 5)
-        with pytest.raises(RuntimeError, match=r"`ids` are int32 but hash_roundrobin over `table_size` = "
-                           r"1099511627776 rows and 2 ranks gives local ids up to 549755813887"):
+        with pytest.raises(
+            RuntimeError,
+            match=r"`ids` are int32 but hash_roundrobin over `table_size` = "
+            r"1099511627776 rows and 2 ranks gives local ids up to 549755813887",
+        ):
             torch.ops.recpipe.route_ids(torch.empty(2, dtype=torch.int32), 2**40, 2, 2, 0)
         with pytest.raises(RuntimeError, match=r"`local_ids` are int32 but a table of `table_size` = 8589934592"):
-            torch.ops.recpipe.hash_roundrobin_global_ids(torch.empty(2, dtype=torch.int64),
-                                                         torch.empty(2, dtype=torch.int32), 2**33, 4)
+            torch.ops.recpipe.hash_roundrobin_global_ids(
+                torch.empty(2, dtype=torch.int64), torch.empty(2, dtype=torch.int32), 2**33, 4
+            )
 
 
 # ---------------------------------------------------------------------------
@@ -1167,9 +1514,14 @@ def test_two_ranks_two_threads_match_reference(isa: str, sequence: bool, keep: b
         for _ in range(ln):
             raw = dist[f] != 2 and rng.random() < 0.05
             indices.append(rng.randrange(-(2**40), 2**40) if raw else rng.randrange(sizes[f]))
-    case = dict(lengths=torch.tensor(lengths), indices=torch.tensor(indices, dtype=torch.int64),
-                block_sizes=torch.tensor(blocks), dist_types=torch.tensor(dist), W=2,
-                table_sizes=torch.tensor([0 if d == 1 else n for d, n in zip(dist, sizes)]))  # 0: raw rr ids
+    case = dict(
+        lengths=torch.tensor(lengths),
+        indices=torch.tensor(indices, dtype=torch.int64),
+        block_sizes=torch.tensor(blocks),
+        dist_types=torch.tensor(dist),
+        W=2,
+        table_sizes=torch.tensor([0 if d == 1 else n for d, n in zip(dist, sizes)]),
+    )  # 0: raw rr ids
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

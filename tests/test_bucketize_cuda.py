@@ -104,8 +104,9 @@ def _on_cuda(kw: dict[str, Any]) -> dict[str, Any]:
 def _assert_same(kw: dict[str, Any]) -> None:
     cpu = ops.block_bucketize_sparse_features(**kw)
     gpu = ops.block_bucketize_sparse_features(**_on_cuda(kw))
-    for name, a, b in zip(("new_lengths", "new_indices", "new_weights", "new_pos", "unbucketize_permute",
-                           "bucket_mapping"), cpu, gpu):
+    for name, a, b in zip(
+        ("new_lengths", "new_indices", "new_weights", "new_pos", "unbucketize_permute", "bucket_mapping"), cpu, gpu
+    ):
         assert (a is None) == (b is None), name
         if a is not None:
             assert b.is_cuda and b.dtype == a.dtype, name
@@ -120,8 +121,14 @@ def test_cuda_matches_cpu(vbe: bool, uneven: bool, num_blocks: bool, weights_dim
     rng = random.Random(f"{vbe}{uneven}{num_blocks}{weights_dim}")
     for _ in range(25):
         _assert_same(
-            _random_case(rng, vbe=vbe, uneven=uneven, num_blocks=num_blocks, keep_per_feature=rng.random() < 0.5,
-                         weights_dim=weights_dim)
+            _random_case(
+                rng,
+                vbe=vbe,
+                uneven=uneven,
+                num_blocks=num_blocks,
+                keep_per_feature=rng.random() < 0.5,
+                weights_dim=weights_dim,
+            )
         )
 
 
@@ -141,21 +148,49 @@ def test_cuda_matches_cpu_large_bags() -> None:
     F, B, W = 3, 5000, 8
     lengths = torch.randint(0, 40, (F * B,))
     n = int(lengths.sum())
-    kw = dict(lengths=lengths, indices=torch.randint(0, 1000, (n,)), block_sizes=torch.tensor([125, 125, 125]),
-              dist_types=torch.tensor([0, 1, 2]), my_size=W, table_sizes=torch.tensor([1000] * F),
-              seed=rng.randrange(2**32), sequence=True, bucketize_pos=True, return_bucket_mapping=True,
-              weights=torch.rand(n, 2))
+    kw = dict(
+        lengths=lengths,
+        indices=torch.randint(0, 1000, (n,)),
+        block_sizes=torch.tensor([125, 125, 125]),
+        dist_types=torch.tensor([0, 1, 2]),
+        my_size=W,
+        table_sizes=torch.tensor([1000] * F),
+        seed=rng.randrange(2**32),
+        sequence=True,
+        bucketize_pos=True,
+        return_bucket_mapping=True,
+        weights=torch.rand(n, 2),
+    )
     _assert_same(kw)
 
 
 def test_cuda_empty() -> None:
-    base = dict(block_sizes=torch.tensor([4, 4]), dist_types=torch.tensor([0, 2]), my_size=3,
-                table_sizes=torch.tensor([10, 10]), sequence=True, bucketize_pos=True, return_bucket_mapping=True)
-    _assert_same(dict(base, lengths=torch.zeros(6, dtype=torch.int64), indices=torch.empty(0, dtype=torch.int64),
-                      weights=torch.empty(0, 4)))
+    base = dict(
+        block_sizes=torch.tensor([4, 4]),
+        dist_types=torch.tensor([0, 2]),
+        my_size=3,
+        table_sizes=torch.tensor([10, 10]),
+        sequence=True,
+        bucketize_pos=True,
+        return_bucket_mapping=True,
+    )
+    _assert_same(
+        dict(
+            base,
+            lengths=torch.zeros(6, dtype=torch.int64),
+            indices=torch.empty(0, dtype=torch.int64),
+            weights=torch.empty(0, 4),
+        )
+    )
     _assert_same(dict(base, lengths=torch.empty(0, dtype=torch.int32), indices=torch.empty(0, dtype=torch.int64)))
-    _assert_same(dict(base, lengths=torch.zeros(0, dtype=torch.int64), indices=torch.empty(0, dtype=torch.int32),
-                      batch_size_per_feature=torch.tensor([0, 0])))
+    _assert_same(
+        dict(
+            base,
+            lengths=torch.zeros(0, dtype=torch.int64),
+            indices=torch.empty(0, dtype=torch.int32),
+            batch_size_per_feature=torch.tensor([0, 0]),
+        )
+    )
 
 
 def test_cuda_no_host_sync_with_cpu_metadata() -> None:
@@ -183,8 +218,10 @@ def test_cuda_metadata_on_gpu() -> None:
     rng = random.Random(4)
     kw = _random_case(rng, vbe=True, uneven=True, num_blocks=True, keep_per_feature=True, weights_dim=1)
     cpu = ops.block_bucketize_sparse_features(**kw)
-    dev = {k: (v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] if isinstance(v, list) else v)
-           for k, v in kw.items()}
+    dev = {
+        k: (v.cuda() if isinstance(v, torch.Tensor) else [t.cuda() for t in v] if isinstance(v, list) else v)
+        for k, v in kw.items()
+    }
     for a, b in zip(cpu, ops.block_bucketize_sparse_features(**dev)):
         assert (a is None) == (b is None)
         if a is not None:

@@ -13,17 +13,27 @@ from __future__ import annotations
 import random
 from typing import Any, Optional
 
+import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fbgemm_gpu  # noqa: F401  (registers torch.ops.fbgemm.*)
 from recpipe.pipeline.routing import ops
+from recpipe.pipeline.routing.kjt import bucketize_kjt
 
 
-def _case(rng: random.Random, F: int, W: int, dtype: torch.dtype, *, vbe: bool, bounds: bool, blocks_total: bool,
-          zero_blocks: bool) -> dict[str, Any]:
+def _case(
+    rng: random.Random,
+    F: int,
+    W: int,
+    dtype: torch.dtype,
+    *,
+    vbe: bool,
+    bounds: bool,
+    blocks_total: bool,
+    zero_blocks: bool,
+) -> dict[str, Any]:
     """Random continuous features: sizes, ids (mostly in range, some raw), metadata."""
     B = rng.randrange(0, 8)
     batch = [rng.randrange(0, 8) if vbe else B for _ in range(F)]
@@ -82,11 +92,20 @@ def _assert_same(got: tuple, want: tuple, names: list[str]) -> None:
     case_seed=st.integers(0, 2**32),
 )
 def test_continuous_matches_fbgemm_every_argument(
-    F: int, W: int, dtype: torch.dtype, vbe: bool, bounds: bool, blocks_total: bool, zero_blocks: bool,
-    sequence: bool, bucketize_pos: bool, weights: Optional[str], keep: Any, mapping: bool, case_seed: int,
+    F: int,
+    W: int,
+    dtype: torch.dtype,
+    vbe: bool,
+    bounds: bool,
+    blocks_total: bool,
+    zero_blocks: bool,
+    sequence: bool,
+    bucketize_pos: bool,
+    weights: Optional[str],
+    keep: Any,
+    mapping: bool,
+    case_seed: int,
 ) -> None:
-    if zero_blocks and not bounds:
-        zero_blocks = False  # block size 0 is defined only with shard bounds (fbgemm divides by it)
     rng = random.Random(case_seed)
     c = _case(rng, F, W, dtype, vbe=vbe, bounds=bounds, blocks_total=blocks_total, zero_blocks=zero_blocks)
     n = c["indices"].numel()
@@ -94,22 +113,44 @@ def test_continuous_matches_fbgemm_every_argument(
     w = None if weights is None else torch.randn(n) if weights == "1d" else torch.randn(n, D)
     keep_all = keep is True
     keep_f = torch.tensor([rng.random() < 0.5 for _ in range(F)]) if keep == "per_feature" else None
-    common = dict(batch_size_per_feature=c["batch_size_per_feature"], max_B=c["max_B"],
-                  block_bucketize_pos=c["block_bucketize_pos"], keep_orig_idx=keep_all,
-                  total_num_blocks=c["total_num_blocks"], keep_orig_idx_per_feature=keep_f)
+    common = dict(
+        batch_size_per_feature=c["batch_size_per_feature"],
+        max_B=c["max_B"],
+        block_bucketize_pos=c["block_bucketize_pos"],
+        keep_orig_idx=keep_all,
+        total_num_blocks=c["total_num_blocks"],
+        keep_orig_idx_per_feature=keep_f,
+    )
     got = ops.block_bucketize_sparse_features(
-        c["lengths"], c["indices"], c["block_sizes"], torch.zeros(F, dtype=torch.int64), W,
-        sequence=sequence, bucketize_pos=bucketize_pos, weights=w, return_bucket_mapping=mapping, **common,
+        c["lengths"],
+        c["indices"],
+        c["block_sizes"],
+        torch.zeros(F, dtype=torch.int64),
+        W,
+        sequence=sequence,
+        bucketize_pos=bucketize_pos,
+        weights=w,
+        return_bucket_mapping=mapping,
+        **common,
     )
     names = list(got._fields)
     if weights == "2d":
         want = torch.ops.fbgemm.block_bucketize_sparse_features_2d_weights(
-            c["lengths"], c["indices"], bucketize_pos, sequence, c["block_sizes"], W, w, D, **common)
+            c["lengths"], c["indices"], bucketize_pos, sequence, c["block_sizes"], W, w, D, **common
+        )
         _assert_same(tuple(got)[:5], want, names)
     else:
         want = torch.ops.fbgemm.block_bucketize_sparse_features_inference(
-            c["lengths"], c["indices"], bucketize_pos, sequence, c["block_sizes"], W, w,
-            return_bucket_mapping=mapping, **common)
+            c["lengths"],
+            c["indices"],
+            bucketize_pos,
+            sequence,
+            c["block_sizes"],
+            W,
+            w,
+            return_bucket_mapping=mapping,
+            **common,
+        )
         # fbgemm fills the bucket mapping in sequence mode only (its other buffer is
         # uninitialized); recpipe always fills it, checked below.
         _assert_same(tuple(got)[:5], want[:5], names)
@@ -127,18 +168,58 @@ def test_continuous_matches_fbgemm_every_argument(
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(
+    "lengths, indices, W, total_num_blocks, new_lengths, new_indices",
+    [
+        # fbgemm's test_block_bucketize_sparse_features_total_num_blocks_raw_ids: every id is raw
+        ([1], [5], 3, [3], [0, 0, 1], [1]),
+        # without total_num_blocks: G = W
+        ([2], [5, 1], 2, None, [0, 2], [2, 0]),
+    ],
+)
+def test_zero_block_size_routes_every_id_raw_as_fbgemm(
+    dtype: torch.dtype,
+    lengths: list,
+    indices: list,
+    W: int,
+    total_num_blocks: Optional[list],
+    new_lengths: list,
+    new_indices: list,
+) -> None:
+    """``block_sizes[f] == 0`` without shard bounds: no id falls in a block, so every id goes
+    to rank ``(id % G) / (G / W)`` with local id ``id // G`` (G = total_num_blocks, else W)."""
+    tnb = None if total_num_blocks is None else torch.tensor(total_num_blocks, dtype=dtype)
+    args = (torch.tensor(lengths, dtype=dtype), torch.tensor(indices, dtype=dtype))
+    got = ops.block_bucketize_sparse_features(
+        *args, torch.tensor([0], dtype=dtype), torch.zeros(1, dtype=torch.int64), W, total_num_blocks=tnb
+    )
+    want = torch.ops.fbgemm.block_bucketize_sparse_features(
+        *args,
+        bucketize_pos=False,
+        sequence=False,
+        block_sizes=torch.tensor([0], dtype=dtype),
+        my_size=W,
+        total_num_blocks=tnb,
+    )
+    assert got.new_lengths.tolist() == new_lengths and got.new_indices.tolist() == new_indices
+    _assert_same(tuple(got)[:2], want[:2], ["new_lengths", "new_indices"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_fbgemm_vbe_example(dtype: torch.dtype) -> None:
     """fbgemm's own VBE example (3 features, batch sizes 3, 1, 2) through both ops."""
     lengths = torch.tensor([2, 1, 1, 2, 0, 2], dtype=dtype)
     indices = torch.tensor([1, 8, 5, 6, 7, 8, 8, 4], dtype=dtype)
     batch = torch.tensor([3, 1, 2], dtype=dtype)
     blocks = torch.tensor([5, 10, 8], dtype=dtype)
-    got = ops.block_bucketize_sparse_features(lengths, indices, blocks, torch.zeros(3, dtype=torch.int64), 2,
-                                              batch_size_per_feature=batch, max_B=3)
+    got = ops.block_bucketize_sparse_features(
+        lengths, indices, blocks, torch.zeros(3, dtype=torch.int64), 2, batch_size_per_feature=batch, max_B=3
+    )
     assert got.new_lengths.tolist() == [1, 0, 0, 2, 0, 1, 1, 1, 1, 0, 0, 1]
     assert got.new_indices.tolist() == [1, 7, 8, 4, 3, 0, 1, 0]
-    want = torch.ops.fbgemm.block_bucketize_sparse_features(lengths, indices, False, False, blocks, 2, None,
-                                                             batch_size_per_feature=batch, max_B=3)
+    want = torch.ops.fbgemm.block_bucketize_sparse_features(
+        lengths, indices, False, False, blocks, 2, None, batch_size_per_feature=batch, max_B=3
+    )
     _assert_same(tuple(got)[:5], want, list(got._fields))
 
 
@@ -167,10 +248,12 @@ def test_bucketize_kjt_equals_torchrec_bucketize(uneven: bool, vbe: bool, sequen
     if vbe:
         kw["stride_per_key_per_rank"] = [[strides[k]] for k in keys]
     kjt = KeyedJaggedTensor(**kw)
-    got, perm = ops.bucketize_kjt(kjt, W, {k: "continuous" for k in keys}, rows, sequence=sequence,
-                                  row_bounds=bounds)
+    got, perm = bucketize_kjt(kjt, W, {k: "continuous" for k in keys}, rows, sequence=sequence, row_bounds=bounds)
     want, want_perm = bucketize_kjt_before_all2all(
-        kjt, W, torch.tensor([-(-rows[k] // W) for k in keys]), output_permute=sequence,
+        kjt,
+        W,
+        torch.tensor([-(-rows[k] // W) for k in keys]),
+        output_permute=sequence,
         block_bucketize_row_pos=[torch.tensor(bounds[k]) for k in keys] if uneven else None,
     )
     assert got.keys() == want.keys()
@@ -190,29 +273,40 @@ def test_bucketize_kjt_equals_torchrec_bucketize(uneven: bool, vbe: bool, sequen
 @pytest.mark.parametrize("blocks_total", [False, True])
 def test_negative_block_sizes_with_shard_bounds_match_fbgemm(dtype: torch.dtype, blocks_total: bool) -> None:
     """With ``block_bucketize_pos`` fbgemm tests only ``block_sizes[f] == 0``: a negative
-    block keys ids by themselves like a positive one (recpipe read it as 0 before, the
-    scaled-key rule, and routed ids to other ranks)."""
+    block keys ids by themselves like a positive one (not as 0, the scaled-key rule)."""
     rng = random.Random(11 + blocks_total)
     F, W, B = 3, 3, 6
     lengths = [rng.randrange(0, 5) for _ in range(F * B)]
     bounds = [[0, 3, 5, 10], [0, 5, 6, 10], [0, 0, 40, 41]]
-    indices = [rng.randrange(50) if rng.random() < 0.8 else rng.randrange(-(2**31), 2**31 - 1)
-               for _ in range(sum(lengths))]
+    indices = [
+        rng.randrange(50) if rng.random() < 0.8 else rng.randrange(-(2**31), 2**31 - 1) for _ in range(sum(lengths))
+    ]
     blocks = torch.tensor([-1, -7, 4], dtype=dtype)
-    common = dict(block_bucketize_pos=[torch.tensor(b, dtype=dtype) for b in bounds],
-                  total_num_blocks=torch.tensor([3, 6, 9], dtype=dtype) if blocks_total else None)
+    common = dict(
+        block_bucketize_pos=[torch.tensor(b, dtype=dtype) for b in bounds],
+        total_num_blocks=torch.tensor([3, 6, 9], dtype=dtype) if blocks_total else None,
+    )
     lengths_t, indices_t = torch.tensor(lengths, dtype=dtype), torch.tensor(indices, dtype=dtype)
     w = torch.randn(len(indices))
-    got = ops.block_bucketize_sparse_features(lengths_t, indices_t, blocks, torch.zeros(F, dtype=torch.int64), W,
-                                              sequence=True, bucketize_pos=True, weights=w, **common)
+    got = ops.block_bucketize_sparse_features(
+        lengths_t,
+        indices_t,
+        blocks,
+        torch.zeros(F, dtype=torch.int64),
+        W,
+        sequence=True,
+        bucketize_pos=True,
+        weights=w,
+        **common,
+    )
     want = torch.ops.fbgemm.block_bucketize_sparse_features(lengths_t, indices_t, True, True, blocks, W, w, **common)
     _assert_same(tuple(got)[:5], want, list(got._fields))
 
 
 def test_bucketize_kjt_row_bounds_of_some_features_match_torchrec() -> None:
     """``row_bounds`` naming some continuous features: the others keep torchrec's blocks
-    (an empty bounds tensor reached the kernel before, an error about an argument the
-    caller never passed); bounds for a routed feature are refused naming ``row_bounds``."""
+    (no empty bounds tensor reaches the kernel); bounds for a routed feature are refused
+    naming ``row_bounds``."""
     from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -221,15 +315,21 @@ def test_bucketize_kjt_row_bounds_of_some_features_match_torchrec() -> None:
     lengths = {k: [rng.randrange(0, 5) for _ in range(B)] for k in rows}
     # ids of b include raw ids past W * ceil(31 / 3) = 33 (the block rule's id % W branch)
     values = {k: [rng.randrange(rows[k] + 10 * (k == "b")) for _ in range(sum(lengths[k]))] for k in rows}
-    kjt = KeyedJaggedTensor(keys=["a", "b"], values=torch.tensor(values["a"] + values["b"]),
-                            lengths=torch.tensor(lengths["a"] + lengths["b"]))
+    kjt = KeyedJaggedTensor(
+        keys=["a", "b"],
+        values=torch.tensor(values["a"] + values["b"]),
+        lengths=torch.tensor(lengths["a"] + lengths["b"]),
+    )
     bounds_a = [0, 7, 40, 50]
-    got, perm = ops.bucketize_kjt(kjt, W, {"a": "continuous", "b": "continuous"}, rows, sequence=True,
-                                  row_bounds={"a": bounds_a})
-    one = {k: KeyedJaggedTensor(keys=[k], values=torch.tensor(values[k]), lengths=torch.tensor(lengths[k]))
-           for k in rows}
-    want_a, _ = bucketize_kjt_before_all2all(one["a"], W, torch.tensor([-(-50 // W)]),
-                                             block_bucketize_row_pos=[torch.tensor(bounds_a)])
+    got, perm = bucketize_kjt(
+        kjt, W, {"a": "continuous", "b": "continuous"}, rows, sequence=True, row_bounds={"a": bounds_a}
+    )
+    one = {
+        k: KeyedJaggedTensor(keys=[k], values=torch.tensor(values[k]), lengths=torch.tensor(lengths[k])) for k in rows
+    }
+    want_a, _ = bucketize_kjt_before_all2all(
+        one["a"], W, torch.tensor([-(-50 // W)]), block_bucketize_row_pos=[torch.tensor(bounds_a)]
+    )
     want_b, _ = bucketize_kjt_before_all2all(one["b"], W, torch.tensor([-(-31 // W)]))
     got_lengths = got.lengths().view(W, 2, B)
     assert torch.equal(got_lengths[:, 0], want_a.lengths().view(W, B))
@@ -241,5 +341,6 @@ def test_bucketize_kjt_row_bounds_of_some_features_match_torchrec() -> None:
         assert torch.equal(got_values[2 * r + 1], want_values[1][r])
     assert perm is not None and sorted(perm.tolist()) == list(range(kjt.values().numel()))
     with pytest.raises(ValueError, match=r"`row_bounds` names features \['b'\] that are not continuous"):
-        ops.bucketize_kjt(kjt, W, {"a": "continuous", "b": "hash_roundrobin"}, rows,
-                          row_bounds={"a": bounds_a, "b": [0, 10, 20, 31]})
+        bucketize_kjt(
+            kjt, W, {"a": "continuous", "b": "hash_roundrobin"}, rows, row_bounds={"a": bounds_a, "b": [0, 10, 20, 31]}
+        )

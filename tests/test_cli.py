@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_recipes_dist import SMALL_SYNTHETIC
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchx.specs.builders import materialize_appdef
@@ -22,6 +23,7 @@ from recpipe.planner import PlacementPlanner
 from recpipe.recipes import components, launch
 from recpipe.recipes import train as train_module
 from recpipe.recipes.build import planner_topology
+from recpipe.recipes.cli import field_docs, parse_config
 from recpipe.recipes.config import (
     CHOICES,
     FLOAT_RULES,
@@ -32,11 +34,9 @@ from recpipe.recipes.config import (
     ConfigError,
     ConfigPathError,
     TrainConfig,
-    field_docs,
-    parse_config,
 )
-from recpipe.recipes.train import nothing_to_train, run
-from test_recipes_dist import SMALL_SYNTHETIC
+from recpipe.recipes.faults import nothing_to_train
+from recpipe.recipes.train import run
 
 FIELDS = dataclasses.fields(TrainConfig)
 HINTS = typing.get_type_hints(TrainConfig)
@@ -51,7 +51,11 @@ def _train(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[s
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "recpipe.recipes.train", *args],
-        capture_output=True, text=True, env=env, cwd=cwd, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=300,
     )
 
 
@@ -129,8 +133,16 @@ def test_float_fields_reject_nan_inf_and_negative(name: str, value: str) -> None
 
 @pytest.mark.parametrize(
     "name, value",
-    [("dense_lr", 0.0), ("embedding_lr", 0.0), ("timeout_s", 0.0), ("timeout_s", 0.5),
-     ("timeout_s", 1e9), ("eval_fraction", 1.0), ("zipf_alpha", 3.5), ("slow_tier_mb", True)],
+    [
+        ("dense_lr", 0.0),
+        ("embedding_lr", 0.0),
+        ("timeout_s", 0.0),
+        ("timeout_s", 0.5),
+        ("timeout_s", 1e9),
+        ("eval_fraction", 1.0),
+        ("zipf_alpha", 3.5),
+        ("slow_tier_mb", True),
+    ],
 )
 def test_float_fields_reject_out_of_range(name: str, value: object) -> None:
     with pytest.raises(ConfigError, match=f"invalid config value {name}="):
@@ -154,13 +166,15 @@ def test_yaml_floats(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", ["fast_tier_mb", "slow_tier_mb"])
 @pytest.mark.parametrize("value", ["1e15", "1e18", "1e20", "8589934592"])
 def test_tier_budgets_past_the_planners_byte_limit_are_refused(name: str, value: str) -> None:
-    # before, they passed validation and crashed in the planner's C++ kernel (int64 overflow)
+    # refused at validation: the planner's C++ kernel would overflow int64
     with pytest.raises(ConfigError) as e:
         parse_config([_flag(name), value])
     message = str(e.value)
-    assert message.startswith(f"invalid config value {name}={float(value)!r}: must be a finite number "
-                              "in [0, 8589934592) MiB (not nan or inf); the placement planner takes budgets "
-                              f"below 2^53 bytes (8 PiB). Fix: pass e.g. {_flag(name)} "), message
+    assert message.startswith(
+        f"invalid config value {name}={float(value)!r}: must be a finite number "
+        "in [0, 8589934592) MiB (not nan or inf); the placement planner takes budgets "
+        f"below 2^53 bytes (8 PiB). Fix: pass e.g. {_flag(name)} "
+    ), message
 
 
 def test_the_largest_tier_budgets_accepted_are_what_the_planner_takes() -> None:
@@ -196,23 +210,27 @@ def test_every_int_list_field_is_checked() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(INT_LISTS))
-@pytest.mark.parametrize("text", ['"64,64"', "64", "[64, a]", "[64.5, 64]", "[true, 64]", "[0, 64]", "[]",
-                                  "null", "{a: 1}"])
+@pytest.mark.parametrize(
+    "text", ['"64,64"', "64", "[64, a]", "[64.5, 64]", "[true, 64]", "[0, 64]", "[]", "null", "{a: 1}"]
+)
 def test_yaml_int_list_of_the_wrong_type_is_a_config_error(tmp_path: Path, name: str, text: str) -> None:
-    # before, these crashed with tracebacks (int(','), 'int' object is not iterable, or
-    # inside torch when the model was built)
+    # a ConfigError, not a traceback (int(','), 'int' object is not iterable, or inside
+    # torch when the model is built)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"{name}: {text}\n")
     with pytest.raises(ConfigError) as e:
         parse_config(["--config", str(cfg)])
     message = str(e.value)
     assert message.startswith(f"invalid config value {name}="), message
-    assert f"must be a non-empty list of positive integers. Fix: pass e.g. {_flag(name)} {INT_LISTS[name]} " \
+    assert (
+        f"must be a non-empty list of positive integers. Fix: pass e.g. {_flag(name)} {INT_LISTS[name]} "
         f"(in YAML: {name}: [" in message
+    )
 
 
-@pytest.mark.parametrize("name, text", [("data_path", "[a.tsv, b.tsv]"), ("eval_data_path", "5"),
-                                        ("resume", "5"), ("progress_bar", "maybe")])
+@pytest.mark.parametrize(
+    "name, text", [("data_path", "[a.tsv, b.tsv]"), ("eval_data_path", "5"), ("resume", "5"), ("progress_bar", "maybe")]
+)
 def test_yaml_path_and_flag_fields_of_the_wrong_type_are_config_errors(tmp_path: Path, name: str, text: str) -> None:
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"dataset: criteo_tsv\n{name}: {text}\n" if name == "data_path" else f"{name}: {text}\n")
@@ -222,9 +240,17 @@ def test_yaml_path_and_flag_fields_of_the_wrong_type_are_config_errors(tmp_path:
 
 @pytest.mark.parametrize(
     "text, why",
-    [("batch_size: [1\n", "while parsing a flow sequence, expected ',' or ']', but got '<stream end>' at line 2, column 1"),
-     ("seed: 1\nmodel: dlrm: x\n", "mapping values are not allowed here at line 2, column 12"),
-     ("seed: 1\n\tbatch_size: 2\n", "while scanning for the next token, found character '\\t' that cannot start any token at line 2, column 1")],
+    [
+        (
+            "batch_size: [1\n",
+            "while parsing a flow sequence, expected ',' or ']', but got '<stream end>' at line 2, column 1",
+        ),
+        ("seed: 1\nmodel: dlrm: x\n", "mapping values are not allowed here at line 2, column 12"),
+        (
+            "seed: 1\n\tbatch_size: 2\n",
+            "while scanning for the next token, found character '\\t' that cannot start any token at line 2, column 1",
+        ),
+    ],
 )
 def test_invalid_yaml_is_a_config_error_naming_file_and_place(tmp_path: Path, text: str, why: str) -> None:
     cfg = tmp_path / "c.yaml"
@@ -235,8 +261,10 @@ def test_invalid_yaml_is_a_config_error_naming_file_and_place(tmp_path: Path, te
 
 
 def test_entry_point_yaml_errors_are_one_line_exit_2(tmp_path: Path) -> None:
-    for text, message in (("dense_arch: 64\n", "error: invalid config value dense_arch=64: must be a non-empty list"),
-                          ("batch_size: [1\n", "error: config file ")):
+    for text, message in (
+        ("dense_arch: 64\n", "error: invalid config value dense_arch=64: must be a non-empty list"),
+        ("batch_size: [1\n", "error: config file "),
+    ):
         cfg = tmp_path / "c.yaml"
         cfg.write_text(text)
         proc = _train("--config", str(cfg), "--dataset", "synthetic", "--max-steps", "2")
@@ -284,9 +312,7 @@ def test_read_only_directory_is_refused(tmp_path: Path) -> None:
 
 def test_writable_output_paths_are_accepted_and_nothing_is_created(tmp_path: Path) -> None:
     TrainConfig(
-        metrics_file=str(tmp_path / "x" / "y" / "m.json"),
-        tb_dir=str(tmp_path / "tb"),
-        checkpoint_dir=str(tmp_path),
+        metrics_file=str(tmp_path / "x" / "y" / "m.json"), tb_dir=str(tmp_path / "tb"), checkpoint_dir=str(tmp_path)
     )
     assert list(tmp_path.iterdir()) == []
     existing = tmp_path / "m.json"
@@ -298,8 +324,9 @@ def test_writable_output_paths_are_accepted_and_nothing_is_created(tmp_path: Pat
 def test_entry_point_refuses_an_unwritable_metrics_file_before_training(tmp_path: Path) -> None:
     (tmp_path / "a_file").write_text("x")
     bad = tmp_path / "a_file" / "metrics.json"
-    proc = _train("--dataset", "synthetic", "--model", "dlrm", "--max-steps", "2", "--metrics-file", str(bad),
-                  cwd=tmp_path)
+    proc = _train(
+        "--dataset", "synthetic", "--model", "dlrm", "--max-steps", "2", "--metrics-file", str(bad), cwd=tmp_path
+    )
     assert proc.returncode != 0
     assert f"invalid config value metrics_file={str(bad)!r}" in proc.stderr
     assert "[recpipe] step" not in proc.stdout and "placement plan" not in proc.stdout
@@ -311,7 +338,9 @@ def test_launcher_and_component_validate_before_launching(tmp_path: Path, capsys
         components.train("--dataset", "synthetic", "--max-steps", "5", "--dense-lr", "inf")
     with pytest.raises(ConfigError, match="timeout_s=nan"):
         components.default_recipe("--timeout-s", "nan")
-    with pytest.raises(ConfigError, match=r"bad command line '--config default --tb-dir runs/recpipe/\d{8}-\d{6} --epoch 3'"):
+    with pytest.raises(
+        ConfigError, match=r"bad command line '--config default --tb-dir runs/recpipe/\d{8}-\d{6} --epoch 3'"
+    ):
         components.default_recipe("--epoch", "3")
     (tmp_path / "a_file").write_text("x")
     assert launch.main(["--tb-dir", str(tmp_path / "a_file" / "tb"), "--timeout-s", "30"]) == 2
@@ -324,14 +353,34 @@ def test_launcher_and_component_validate_before_launching(tmp_path: Path, capsys
     assert not (tmp_path / "tb").exists()
 
 
+@pytest.mark.parametrize("flag, name", [("--data-path", "data_path"), ("--eval-data-path", "eval_data_path")])
+def test_a_data_path_that_is_a_directory_is_named_as_one(tmp_path: Path, flag: str, name: str) -> None:
+    """A directory given as a Criteo input is refused as a directory (it exists), with the fix."""
+    (tmp_path / "day_0.tsv").write_text("")
+    args = ["--dataset", "criteo_tsv", "--data-path", str(tmp_path / "day_0.tsv"), "--max-steps", "5"]
+    args += [flag, str(tmp_path)]
+    with pytest.raises(
+        ConfigPathError,
+        match=rf"{name}: '{tmp_path}' is a directory, not a file\. Fix: pass the "
+        r"Criteo TSV files in it",
+    ):
+        parse_config(args)
+
+
 def test_component_path_checks_can_be_left_to_the_workers(tmp_path: Path) -> None:
     """Paths that exist only on the cluster: the component checks the file system on the
     launching machine unless ``check_paths`` is False; values are checked either way and
     the workers' own parse still checks the paths."""
     (tmp_path / "a_file").write_text("x")
     cluster_only = [
-        "--dataset", "criteo_tsv", "--data-path", str(tmp_path / "absent" / "day_0.tsv"),
-        "--tb-dir", str(tmp_path / "a_file" / "tb"), "--max-steps", "5",
+        "--dataset",
+        "criteo_tsv",
+        "--data-path",
+        str(tmp_path / "absent" / "day_0.tsv"),
+        "--tb-dir",
+        str(tmp_path / "a_file" / "tb"),
+        "--max-steps",
+        "5",
     ]
     with pytest.raises(ConfigPathError, match=r"data_path: file .*day_0.tsv' does not exist.*--check_paths False"):
         components.train(*cluster_only)
@@ -351,7 +400,7 @@ def test_component_path_checks_can_be_left_to_the_workers(tmp_path: Path) -> Non
 
 def test_timeout_flag_reaches_the_workers() -> None:
     # as `torchx run recpipe.train -j 1x2 -- ...` builds it: torchx decodes the CLI by the
-    # component's annotations (string annotations used to fail with "ValueError: Unknown")
+    # component's annotations (string annotations would fail with "ValueError: Unknown")
     app = materialize_appdef(
         components.train, ["-j", "1x2", "--", "--dataset", "synthetic", "--max-steps", "5", "--timeout-s", "30"]
     )
@@ -365,8 +414,10 @@ def test_timeout_flag_reaches_the_workers() -> None:
 def test_entry_point_user_errors_are_one_line_exit_2() -> None:
     """A bad value or flag at the entry point prints one ``error:`` line (no traceback)
     and exits 2 before anything else starts."""
-    for args, message in ((["--dense-lr", "inf"], "error: invalid config value dense_lr=inf"),
-                          (["--batch-sise", "3"], "error: bad command line '--batch-sise 3'")):
+    for args, message in (
+        (["--dense-lr", "inf"], "error: invalid config value dense_lr=inf"),
+        (["--batch-sise", "3"], "error: bad command line '--batch-sise 3'"),
+    ):
         proc = _train(*args)
         assert proc.returncode == 2, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
@@ -374,12 +425,14 @@ def test_entry_point_user_errors_are_one_line_exit_2() -> None:
 
 
 def test_num_threads_above_the_machines_cpus_is_refused_naming_the_flag(tmp_path: Path) -> None:
-    """``--num-threads 100000`` used to pass validation, then fail inside torch / gloo
-    ("RuntimeError: Resource temporarily unavailable" creating threads, with a traceback)."""
+    """``--num-threads`` above the machine's CPUs is refused at validation, before torch / gloo
+    would fail creating threads ("RuntimeError: Resource temporarily unavailable")."""
     cpus = os.cpu_count() or 1
     TrainConfig(dataset="synthetic", max_steps=1, num_threads=cpus)  # the machine's CPUs: accepted
     for value in (cpus + 1, 100_000):
-        with pytest.raises(ConfigError, match=rf"num_threads={value}: .*{cpus} logical CPU.*--num-threads between 1 and {cpus}"):
+        with pytest.raises(
+            ConfigError, match=rf"num_threads={value}: .*{cpus} logical CPU.*--num-threads between 1 and {cpus}"
+        ):
             TrainConfig(dataset="synthetic", max_steps=1, num_threads=value)
     # a job for other machines: left to the workers, which check at start
     TrainConfig(dataset="synthetic", max_steps=1, num_threads=100_000, check_paths=False)
@@ -396,8 +449,21 @@ def test_num_threads_above_the_machines_cpus_is_refused_naming_the_flag(tmp_path
 def test_a_plan_that_does_not_fit_is_one_error_line_and_exit_1() -> None:
     # The planner's typed error (numbered solutions with the real numbers) reaches the user
     # as the message, not a traceback; the bytes asked for are the table's HYBRID 0.1 option.
-    proc = _train("--dataset", "synthetic", "--model", "dlrm", "--num-embeddings", "20000", "--max-steps", "4",
-                  "--fast-tier-mb", "0.001", "--slow-tier-mb", "0.001", "--no-progress-bar")
+    proc = _train(
+        "--dataset",
+        "synthetic",
+        "--model",
+        "dlrm",
+        "--num-embeddings",
+        "20000",
+        "--max-steps",
+        "4",
+        "--fast-tier-mb",
+        "0.001",
+        "--slow-tier-mb",
+        "0.001",
+        "--no-progress-bar",
+    )
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
@@ -418,7 +484,7 @@ def saved_at_2_and_4(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_resume_at_or_past_the_last_step_is_refused_before_the_model_is_built(
     saved_at_2_and_4: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # before, such a run trained nothing, printed "final auroc nan" and exited 0
+    # refused: such a run would train nothing, print "final auroc nan" and exit 0
     root = tmp_path / "ckpt"
     shutil.copytree(saved_at_2_and_4, root)
 
@@ -436,8 +502,8 @@ def test_resume_at_or_past_the_last_step_is_refused_before_the_model_is_built(
                 "nothing. Fix: pass --max-steps greater than 4 to train further, or drop --resume"
             )
     # the loader's choice exactly: with step 4 damaged, resume falls back to step 2 and trains
-    rank_file = root / "step_00000004" / "rank0.pt"
-    rank_file.write_bytes(rank_file.read_bytes()[:-100])
+    data_file = root / "step_00000004" / "__0_0.distcp"
+    data_file.write_bytes(data_file.read_bytes()[:-100])
     result = run(TrainConfig(**SMALL_SYNTHETIC, max_steps=4, checkpoint_dir=str(root), resume=True))
     assert result.start_step == 2 and len(result.losses) == 2
     # a run of whole epochs names them
@@ -447,8 +513,11 @@ def test_resume_at_or_past_the_last_step_is_refused_before_the_model_is_built(
 
 
 def _criteo_file(path: Path, rows: int) -> str:
-    path.write_text("".join("\t".join([str(i % 2)] + ["3"] * 13 + ["%08x" % (i * 7 + k) for k in range(26)]) + "\n"
-                            for i in range(rows)))
+    path.write_text(
+        "".join(
+            "\t".join([str(i % 2)] + ["3"] * 13 + ["%08x" % (i * 7 + k) for k in range(26)]) + "\n" for i in range(rows)
+        )
+    )
     return str(path)
 
 
@@ -456,16 +525,39 @@ def test_entry_point_errors_found_at_start_are_one_line_exit_2(saved_at_2_and_4:
     """A data file smaller than one global batch and a resume with nothing left to train are
     found once the run reads its data or checkpoint: one ``error:`` line, exit 2, no training."""
     train_rows, eval_rows = _criteo_file(tmp_path / "tr.tsv", 64), _criteo_file(tmp_path / "ev.tsv", 10)
-    criteo = ["--dataset", "criteo_tsv", "--model", "dlrm", "--num-embeddings", "97", "--embedding-dim", "8",
-              "--dense-arch", "8", "--over-arch", "8,1", "--batch-size", "16", "--max-steps", "2"]
-    smalls = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
-              for k, v in SMALL_SYNTHETIC.items() if k != "progress_bar"]
+    criteo = [
+        "--dataset",
+        "criteo_tsv",
+        "--model",
+        "dlrm",
+        "--num-embeddings",
+        "97",
+        "--embedding-dim",
+        "8",
+        "--dense-arch",
+        "8",
+        "--over-arch",
+        "8,1",
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "2",
+    ]
+    smalls = [
+        f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+        for k, v in SMALL_SYNTHETIC.items()
+        if k != "progress_bar"
+    ]
     cases = [
-        ([*criteo, "--data-path", train_rows, "--eval-data-path", eval_rows],
-         f"error: ConfigError: invalid config value eval_data_path={eval_rows!r}: it holds 10 rows, fewer than one "
-         "global batch (batch_size 16 x 1 rank(s) = 16 rows)"),
-        ([*smalls, "--max-steps=3", f"--checkpoint-dir={saved_at_2_and_4}", "--resume"],
-         "error: ConfigError: invalid config value max_steps=3: --resume would continue from step 4"),
+        (
+            [*criteo, "--data-path", train_rows, "--eval-data-path", eval_rows],
+            f"error: ConfigError: invalid config value eval_data_path={eval_rows!r}: it holds 10 rows, fewer than one "
+            "global batch (batch_size 16 x 1 rank(s) = 16 rows)",
+        ),
+        (
+            [*smalls, "--max-steps=3", f"--checkpoint-dir={saved_at_2_and_4}", "--resume"],
+            "error: ConfigError: invalid config value max_steps=3: --resume would continue from step 4",
+        ),
     ]
     for args, message in cases:
         proc = _train(*args, "--no-progress-bar")

@@ -1,9 +1,9 @@
-"""Strict Criteo TSV parsing: valid files parse as before, every bad row names file:line.
+"""Strict Criteo TSV parsing: valid files parse exactly, every bad row names file:line.
 
 Criteo rows are a 0/1 label, 13 decimal integers and 26 categorical ids written as
-32-bit hex. Before, ``int(v, 16)`` accepted ``-1a``, ``0x1a``, ``1_a`` and ids of any
-width, a 45-digit integer became ``inf`` in the dense features, and errors named
-neither file nor line.
+32-bit hex. Refused: ids ``int(v, 16)`` would accept (``-1a``, ``0x1a``, ``1_a``, wider
+than 32 bits) and integers past int64 (a 45-digit one would be ``inf`` in the dense
+features).
 """
 
 from __future__ import annotations
@@ -16,12 +16,7 @@ import pytest
 import torch
 
 from recpipe.recipes.config import TrainConfig
-from recpipe.recipes.data.criteo import (
-    COLUMN_NAMES,
-    CriteoFormatError,
-    parse_criteo_row,
-    read_criteo_rows,
-)
+from recpipe.recipes.data.criteo import COLUMN_NAMES, CriteoFormatError, parse_criteo_row, read_criteo_rows
 from recpipe.recipes.data.registry import make_data_source
 
 INT_MAX = 2**63 - 1
@@ -31,11 +26,7 @@ INT_MIN = -(2**63)
 def _reference(line: str) -> tuple[int, list[int], list[int]]:
     """The values a valid row must give: Python's own int parsing of each cell."""
     cols = line.split("\t")
-    return (
-        int(cols[0]),
-        [int(v) if v else 0 for v in cols[1:14]],
-        [int(v, 16) if v else 0 for v in cols[14:]],
-    )
+    return (int(cols[0]), [int(v) if v else 0 for v in cols[1:14]], [int(v, 16) if v else 0 for v in cols[14:]])
 
 
 def _random_valid_line(rng: random.Random) -> str:
@@ -154,13 +145,21 @@ def test_data_source_fails_at_parse_time_instead_of_training_on_inf(tmp_path: Pa
     lines = [_good_line(i) for i in range(12)]
     lines[7] = "\t".join(cols)
     path.write_text("\n".join(lines) + "\n")
-    cfg = TrainConfig(dataset="criteo_tsv", data_path=str(path), model="dlrm", batch_size=2,
-                      num_embeddings=97, embedding_dim=8, dense_arch=(8,), over_arch=(8, 1))
+    cfg = TrainConfig(
+        dataset="criteo_tsv",
+        data_path=str(path),
+        model="dlrm",
+        batch_size=2,
+        num_embeddings=97,
+        embedding_dim=8,
+        dense_arch=(8,),
+        over_arch=(8, 1),
+    )
     src = make_data_source(cfg, 0, 2)
     batches = src.train_batches(0, 3)
     first = next(batches)  # rows 1-4 are valid
     assert torch.isfinite(first.dense_features).all()
-    with pytest.raises(CriteoFormatError, match=rf"day_0\.tsv:8: column 8 \(int_6\) .*45 digits"):
+    with pytest.raises(CriteoFormatError, match=r"day_0\.tsv:8: column 8 \(int_6\) .*45 digits"):
         next(batches)
     # the same row under the old parsing: float32 inf, so log1p(inf) and a NaN loss later
     assert math.isinf(torch.tensor([float(int("9" * 45))], dtype=torch.float32).item())

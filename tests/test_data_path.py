@@ -1,9 +1,9 @@
 """The vectorized recipe data path against straightforward per-feature / per-slot references.
 
-Batches must stay bit-identical to the loop implementation they replaced (resume and
-two-pipeline comparisons depend on it). The references below are independent of the
-code under test: MurmurHash3's fmix32 written out on Python ints, and the old tensor code
-(a loop over features and hash slots calling ``hash_ids``) copied here verbatim.
+Batches must be bit-identical to a per-feature, per-slot loop (resume and two-pipeline
+comparisons depend on it). The references below are independent of the code under test:
+MurmurHash3's fmix32 written out on Python ints, and a loop over features and hash slots
+calling ``hash_ids``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def ref_values(ids: torch.Tensor, config: TrainConfig, rows: tuple[int, ...]) ->
 
 # ---------------------------------------------------------------- the replaced tensor code
 def old_project(ids: torch.Tensor, feature: int, num_rows: int, k: int, seed: int) -> torch.Tensor:
-    """``VirtualTableProjector.__call__`` before vectorization (one hash per slot)."""
+    """``VirtualTableProjector.__call__`` as a loop (one hash per slot)."""
     cols = [hash_ids(ids, mix_seed(seed, feature, j)) % num_rows for j in range(k)]
     return torch.stack(cols, dim=1)
 
@@ -74,18 +74,13 @@ def old_project(ids: torch.Tensor, feature: int, num_rows: int, k: int, seed: in
 def old_to_kjt(
     config: TrainConfig, rows: tuple[int, ...], keys: tuple[str, ...], ids: torch.Tensor
 ) -> KeyedJaggedTensor:
-    """``IdTransform.to_kjt`` before vectorization (one loop over features)."""
+    """``IdTransform.to_kjt`` as a loop over features."""
     num_f, batch = ids.shape
     if config.model != "micro_dlrm_dram":
         r = torch.stack([ids[f] % rows[f] for f in range(num_f)])
         lengths = torch.ones(num_f * batch, dtype=torch.int32)
     else:
-        r = torch.stack(
-            [
-                old_project(ids[f], f, config.virtual_rows, config.hash_k, config.seed)
-                for f in range(num_f)
-            ]
-        )
+        r = torch.stack([old_project(ids[f], f, config.virtual_rows, config.hash_k, config.seed) for f in range(num_f)])
         lengths = torch.full((num_f * batch,), config.hash_k, dtype=torch.int32)
     return KeyedJaggedTensor.from_lengths_sync(keys=list(keys), values=r.reshape(-1), lengths=lengths)
 
@@ -93,7 +88,7 @@ def old_to_kjt(
 def old_hidden_logits(
     dense: torch.Tensor, ids: torch.Tensor, dense_w: torch.Tensor, bias: float, seed: int
 ) -> torch.Tensor:
-    """``SyntheticCriteoSource.hidden_logits`` before vectorization."""
+    """``SyntheticCriteoSource.hidden_logits`` as a loop."""
     logit = dense.double() @ dense_w + bias
     for f in range(NUM_SPARSE):
         u = hash_ids(ids[f], mix_seed(seed, 0x1D, f)).double() / 2.0**32

@@ -26,16 +26,19 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import pytest
 import torch
-
 from gloo_harness import run_gloo
 
 B, LR, TRAIN_STEPS = 4, 0.05, 3
 TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 61, 4, ["f2"]), ("t2", 50, 4, ["f3"])]
 TW_TABLES = [("u0", 40, 4, ["g0"]), ("u1", 30, 4, ["g1"])]
-SAVE_PLACEMENTS = {"t0": dict(mode="HYBRID", cache_load_factor=0.5, seed=3),
-                   "t1": dict(mode="CACHING", cache_load_factor=0.3, seed=3)}
-SWAPPED_PLACEMENTS = {"t0": dict(mode="CACHING", cache_load_factor=0.4, seed=3),
-                      "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
+SAVE_PLACEMENTS = {
+    "t0": dict(mode="HYBRID", cache_load_factor=0.5, seed=3),
+    "t1": dict(mode="CACHING", cache_load_factor=0.3, seed=3),
+}
+SWAPPED_PLACEMENTS = {
+    "t0": dict(mode="CACHING", cache_load_factor=0.4, seed=3),
+    "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3),
+}
 
 
 def _ebc(tables: List[Tuple[str, int, int, List[str]]], seed: int = 0) -> Any:
@@ -44,8 +47,9 @@ def _ebc(tables: List[Tuple[str, int, int, List[str]]], seed: int = 0) -> Any:
 
     torch.manual_seed(seed)
     return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f)
-                for n, r, d, f in tables],
+        tables=[
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in tables
+        ],
         device=torch.device("cpu"),
     )
 
@@ -92,13 +96,19 @@ def _tiered_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     ebc = _ebc(TABLES)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
     sharder = TieredEmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(ebc, {n: row_wise() for n, *_ in TABLES}, sharder=sharder,  # type: ignore[arg-type]
-                                          local_size=world, world_size=world, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        ebc,
+        {n: row_wise() for n, *_ in TABLES},
+        sharder=sharder,  # type: ignore[arg-type]
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
     shapes = {name: (rows, dim) for name, rows, dim, _ in TABLES}
     for name, placement in placements.items():
         rows, dim = shapes[name]
@@ -110,9 +120,12 @@ def _tiered_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
             dist_type="hash_roundrobin",
             **placement,
         )
-    model = DistributedModelParallel(_Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
-                                     plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+    model = DistributedModelParallel(
+        _Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
     tiered = model.module.ebc.tiered_tables()
     for name in placements:
         tiered[name].load_global_weights(_ebc(TABLES).embedding_bags[name].weight.detach())
@@ -130,11 +143,20 @@ def _table_wise_model(world: int, owners: Dict[str, int]) -> Any:
     ebc = _ebc(TW_TABLES, seed=2)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
     sharder = EmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(ebc, {n: table_wise(rank=owners[n]) for n in owners}, sharder=sharder,
-                                          local_size=world, world_size=world, device_type="cpu")
-    return DistributedModelParallel(_Model(ebc, sum(d * len(f) for _, _, d, f in TW_TABLES)),
-                                    plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                    device=torch.device("cpu"))
+    plan = construct_module_sharding_plan(
+        ebc,
+        {n: table_wise(rank=owners[n]) for n in owners},
+        sharder=sharder,
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
+    return DistributedModelParallel(
+        _Model(ebc, sum(d * len(f) for _, _, d, f in TW_TABLES)),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
 
 
 def _step(model: Any, opt: torch.optim.Optimizer, tables: List[Any], step: int, ranks: List[int]) -> Dict[str, Any]:
@@ -217,11 +239,13 @@ def _assemble(views: List[Dict[str, Any]]) -> Dict[str, np.ndarray]:
 
 
 def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     out: Dict[str, Any] = {}
-    for kind, model, tables in (("tiered", _tiered_model(world, SAVE_PLACEMENTS), TABLES),
-                                ("tw", _table_wise_model(world, {"u0": 0, "u1": 1}), TW_TABLES)):
+    for kind, model, tables in (
+        ("tiered", _tiered_model(world, SAVE_PLACEMENTS), TABLES),
+        ("tw", _table_wise_model(world, {"u0": 0, "u1": 1}), TW_TABLES),
+    ):
         opt = _dense_opt(model)
         for step in range(TRAIN_STEPS):
             _step(model, opt, tables, step, [rank])
@@ -231,20 +255,28 @@ def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     return out
 
 
-def _load_body(rank: int, world: int, root: str, placements: Dict[str, Dict[str, Any]], table_wise: bool) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+def _load_body(
+    rank: int, world: int, root: str, placements: Dict[str, Dict[str, Any]], table_wise: bool
+) -> Dict[str, Any]:
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     ranks = list(range(2)) if world == 1 else [rank]
     model = _tiered_model(world, placements)
     # placements really differ from the saving job's
     for name, shard in model.module.ebc.tiered_tables().items():
-        assert (shard.mode.name, shard.cache_load_factor) == (placements[name]["mode"], placements[name]["cache_load_factor"])
+        assert (shard.mode.name, shard.cache_load_factor) == (
+            placements[name]["mode"],
+            placements[name]["cache_load_factor"],
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         recpipe_dcp.load(model, f"{root}/tiered")
     # the per-export reads are single-process DCP loads on purpose: no "single process" warning
     assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)], caught
-    out: Dict[str, Any] = {"tiered": _view(model), "tiered_next": _step(model, _dense_opt(model), TABLES, TRAIN_STEPS, ranks)}
+    out: Dict[str, Any] = {
+        "tiered": _view(model),
+        "tiered_next": _step(model, _dense_opt(model), TABLES, TRAIN_STEPS, ranks),
+    }
     if table_wise:
         tw = _table_wise_model(world, {"u0": 1, "u1": 0})  # each table on the other rank
         recpipe_dcp.load(tw, f"{root}/tw")
@@ -260,8 +292,8 @@ def _assert_same_tables(saved: Dict[str, np.ndarray], loaded: Dict[str, np.ndarr
 
 
 def _wrong_size_body(rank: int, world: int, root: str) -> str:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered.shard import TieredCheckpointError
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+    from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     global TABLES
     TABLES = [("t0", 98, 8, ["f0", "f1"])] + TABLES[1:]  # t0 has one row more than saved
@@ -292,17 +324,22 @@ def test_dcp_tiered_and_table_wise_across_world_sizes_and_placements(tmp_path: P
     for rank in range(2):
         for kind in ("tiered_next", "tw_next"):
             for key in ("emb", "pred"):
-                np.testing.assert_array_equal(loaded[rank][kind][key], saved[rank][kind][key],
-                                              err_msg=f"rank {rank} {kind} {key}")
+                np.testing.assert_array_equal(
+                    loaded[rank][kind][key], saved[rank][kind][key], err_msg=f"rank {rank} {kind} {key}"
+                )
 
     # W = 1 (a 1-rank gloo group) holds every row; its next step sees both ranks' batches
     (single,) = run_gloo(1, _load_body, str(tmp_path), SAVE_PLACEMENTS, False)
     _assert_same_tables(saved_tiered, _assemble([single["tiered"]]), "W=1")
     for key in ("emb", "pred"):
         # pooled partial sums are added across 2 ranks when saved, in one bag on 1 rank
-        np.testing.assert_allclose(single["tiered_next"][key],
-                                   np.concatenate([saved[r]["tiered_next"][key] for r in range(2)]),
-                                   rtol=1e-6, atol=1e-6, err_msg=f"W=1 next step {key}")
+        np.testing.assert_allclose(
+            single["tiered_next"][key],
+            np.concatenate([saved[r]["tiered_next"][key] for r in range(2)]),
+            rtol=1e-6,
+            atol=1e-6,
+            err_msg=f"W=1 next step {key}",
+        )
 
 
 def test_dcp_refuses_a_table_of_another_size(tmp_path: Path) -> None:
@@ -312,7 +349,7 @@ def test_dcp_refuses_a_table_of_another_size(tmp_path: Path) -> None:
 
 
 def _torchrec_size_body(rank: int, world: int, root: str) -> str:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     global TABLES
     TABLES = TABLES[:2] + [("t2", 51, 4, ["f3"])]  # the plain torchrec table has one row more than saved
@@ -336,20 +373,23 @@ def test_dcp_refuses_a_torchrec_table_of_another_size_with_one_clear_error(tmp_p
     out = run_gloo(2, _torchrec_size_body, str(tmp_path))
     assert out[0] == out[1], out
     msg = out[0]
-    assert ("ValueError: Size mismatch between saved torch.Size([50, 4]) and current: torch.Size([51, 4]) for "
-            "ebc.embedding_bags.t2.weight (ranks 0, 1)") in msg, msg
+    assert (
+        "ValueError: Size mismatch between saved torch.Size([50, 4]) and current: torch.Size([51, 4]) for "
+        "ebc.embedding_bags.t2.weight (ranks 0, 1)"
+    ) in msg, msg
     assert msg.count("Size mismatch") == 1 and "Traceback" not in msg and "Possible solutions:" in msg, msg
 
 
-def test_dcp_save_failure_is_an_error_and_leaves_no_loadable_checkpoint(tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_dcp_save_failure_is_an_error_and_leaves_no_loadable_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A failed DCP write (here a full disk) is a CheckpointSaveError naming the OS error,
     and the partial directory has no digests record, so load refuses it."""
     import errno
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     model = torch.nn.Linear(3, 2)
 
@@ -370,8 +410,47 @@ def test_dcp_save_failure_is_an_error_and_leaves_no_loadable_checkpoint(tmp_path
         recpipe_dcp.load(model, tmp_path / "ckpt")
 
 
+def test_dcp_save_names_a_full_disk_under_a_short_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A disk that fills mid-file makes torch's zip writer fail with "unexpected pos" (a short
+    write), the ENOSPC only its context: the save error names "No space left on device"."""
+    import errno
+    import io
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+
+    class ShortWrites(io.RawIOBase):  # a file on a disk with `room` bytes left
+        def __init__(self, room: int) -> None:
+            self.room = room
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            if self.room <= 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            n = min(self.room, len(b))
+            self.room -= n
+            return n
+
+    def full_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+        torch.save(torch.zeros(1000), ShortWrites(600))
+
+    with monkeypatch.context() as m:
+        m.setattr(FileSystemWriter, "write_data", full_disk)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            with pytest.raises(recpipe_dcp.CheckpointSaveError) as err:
+                recpipe_dcp.save(torch.nn.Linear(3, 2), tmp_path / "ckpt")
+    msg = str(err.value)
+    assert "OSError: [Errno 28] No space left on device (RuntimeError: [enforce fail at inline_container.cc" in msg
+    assert "unexpected pos" in msg and "(rank 0)" in msg and "free space" in msg, msg
+    assert not (tmp_path / "ckpt" / recpipe_dcp.DIGESTS_NAME).exists()
+
+
 def _record_not_removable_body(rank: int, world: int, root: str) -> str:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     try:
         recpipe_dcp.save(torch.nn.Linear(3, 2), root)
@@ -385,7 +464,7 @@ def test_dcp_save_that_cannot_replace_the_old_record_fails_on_every_rank(tmp_pat
     read-only directory, here a record that is a directory) it raised a bare OSError on
     rank 0 alone while the other ranks entered DCP's save and waited there for it. Now
     every rank raises CheckpointSaveError naming the record before any rank writes."""
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     root = tmp_path / "ckpt"
     (root / recpipe_dcp.DIGESTS_NAME / "x").mkdir(parents=True)  # unlink(2) fails: EISDIR
@@ -399,7 +478,7 @@ def test_dcp_save_that_cannot_replace_the_old_record_fails_on_every_rank(tmp_pat
 
 def _damaged_load_body(rank: int, world: int, root: str, cases: List[str]) -> Dict[str, Any]:
     """Loads every damaged copy into one model; each must fail before the model changes."""
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     before = _view(model)
@@ -427,7 +506,7 @@ def _flip(path: Path, at: float = 0.5) -> None:
 
 
 def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> None:
-    from recpipe.pipeline.checkpoint.dcp import DIGESTS_NAME
+    from recpipe.pipeline.checkpoint import DIGESTS_NAME
 
     saved = run_gloo(2, _save_body, str(tmp_path))
     good = tmp_path / "tiered"
@@ -451,7 +530,10 @@ def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> Non
     expected = {
         damaged("flip", lambda d: _flip(d / biggest)): (biggest, "sha256"),
         damaged("flip_meta", lambda d: _flip(d / ".metadata")): (".metadata", "sha256"),
-        damaged("truncated", lambda d: (d / biggest).write_bytes((d / biggest).read_bytes()[:-100])): (biggest, "truncated"),
+        damaged("truncated", lambda d: (d / biggest).write_bytes((d / biggest).read_bytes()[:-100])): (
+            biggest,
+            "truncated",
+        ),
         damaged("missing", lambda d: (d / biggest).unlink()): (biggest, "missing"),
         damaged("edited_record", edit_record): (DIGESTS_NAME, "altered after the save"),
         damaged("no_record_strict", lambda d: (d / DIGESTS_NAME).unlink()): (DIGESTS_NAME, "verify=False"),
@@ -466,8 +548,8 @@ def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> Non
 
 
 def _table_kinds_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered.sharders import gather_full_weights
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+    from recpipe.pipeline.tiered.migration import gather_full_weights
 
     plain = _tiered_model(world, {})  # t0, t1, t2 all torchrec ROW_WISE FUSED tables
     _step(plain, _dense_opt(plain), TABLES, 0, [rank])
@@ -483,17 +565,17 @@ def _table_kinds_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 
 def test_dcp_loads_tables_of_another_kind_in_both_directions(tmp_path: Path) -> None:
-    """Tiered when saved, torchrec tables now, and the reverse (they used to be refused): a
-    torchrec model loading a tiered checkpoint runs its next step as the saving tiered model
-    did, and tiered tables loading a torchrec model's checkpoint hold that model's tables
-    (tests/test_dcp_adopt.py checks both against uninterrupted runs)."""
+    """Tiered when saved and torchrec tables when loaded, and the reverse: a torchrec model
+    loading a tiered checkpoint runs its next step as the saving tiered model did, and tiered
+    tables loading a torchrec model's checkpoint hold that model's tables."""
     saved = run_gloo(2, _save_body, str(tmp_path))
     out = run_gloo(2, _table_kinds_body, str(tmp_path))
     for rank in range(2):
         assert out[rank]["plain_into_tiered_equal"], rank
         for key in ("emb", "pred"):
-            np.testing.assert_allclose(out[rank]["tiered_into_plain_next"][key], saved[rank]["tiered_next"][key],
-                                       atol=2e-6, rtol=1e-5)
+            np.testing.assert_allclose(
+                out[rank]["tiered_into_plain_next"][key], saved[rank]["tiered_next"][key], atol=2e-6, rtol=1e-5
+            )
 
 
 IO_TABLES = [("a0", 40, 4, ["g0"]), ("a1", 30, 4, ["g1"]), ("a2", 50, 8, ["g2", "g3"])]
@@ -509,7 +591,7 @@ def _plain_torchrec_model(world: int, owners: Dict[str, int], recpipe_sharder: b
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    from recpipe.pipeline.routing.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharders import recpipe_sharders
 
     ebc = _ebc(IO_TABLES, seed=seed)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
@@ -517,10 +599,15 @@ def _plain_torchrec_model(world: int, owners: Dict[str, int], recpipe_sharder: b
     if recpipe_sharder:
         sharder = next(s for s in recpipe_sharders() if isinstance(s, EmbeddingBagCollectionSharder))
     per = {"a0": table_wise(rank=owners["a0"]), "a1": table_wise(rank=owners["a1"]), "a2": row_wise()}
-    plan = construct_module_sharding_plan(ebc, per, sharder=sharder, local_size=world, world_size=world,
-                                          device_type="cpu")
-    return DistributedModelParallel(_Model(ebc, sum(d * len(f) for _, _, d, f in IO_TABLES)),
-                                    plan=ShardingPlan({"ebc": plan}), sharders=[sharder], device=torch.device("cpu"))
+    plan = construct_module_sharding_plan(
+        ebc, per, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+    )
+    return DistributedModelParallel(
+        _Model(ebc, sum(d * len(f) for _, _, d, f in IO_TABLES)),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],
+        device=torch.device("cpu"),
+    )
 
 
 def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
@@ -528,15 +615,17 @@ def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     without and with the fused optimizer) and by recpipe.pipeline.checkpoint.dcp.save."""
     import torch.distributed.checkpoint as tdcp
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     model = _plain_torchrec_model(world, {"a0": 0, "a1": 1}, recpipe_sharder=False, seed=2)
     opt = _dense_opt(model)
     for step in range(TRAIN_STEPS):
         _step(model, opt, IO_TABLES, step, [rank])
     tdcp.save(model.state_dict(), checkpoint_id=f"{root}/torchrec")
-    tdcp.save(dict(model.state_dict(), fused_optimizer=model.fused_optimizer.state_dict()),
-              checkpoint_id=f"{root}/torchrec_with_optimizer")
+    tdcp.save(
+        dict(model.state_dict(), fused_optimizer=model.fused_optimizer.state_dict()),
+        checkpoint_id=f"{root}/torchrec_with_optimizer",
+    )
     recpipe_dcp.save(model, f"{root}/recpipe")
     return {"view": _view(model), "next": _step(model, opt, IO_TABLES, TRAIN_STEPS, [rank])}
 
@@ -544,7 +633,7 @@ def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 def _torchrec_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed.checkpoint as tdcp
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     moved = {"a0": 1, "a1": 0}  # each TABLE_WISE table on the other rank, other initial weights
     out: Dict[str, Any] = {}
@@ -576,10 +665,9 @@ def test_dcp_interoperates_with_plain_torchrec_checkpoints(tmp_path: Path) -> No
     saved with DCP of its state_dict loads into a recpipe model with its tables placed
     otherwise: every table equal to the source's; with the fused optimizer under
     ``fused_optimizer`` the optimizer state and the next step too. Without it, a strict
-    load used to fail with DCP's "Missing key ... fused_optimizer..." (even with
-    strict=False, so such a checkpoint could not be loaded at all); now it names the
-    cause on every rank and strict=False loads the weights. recpipe's own checkpoint of
-    that model loads into the plain torchrec model with DCP alone."""
+    load names the cause on every rank (instead of DCP's "Missing key ... fused_optimizer")
+    and strict=False loads the weights. recpipe's own checkpoint of that model loads into
+    the plain torchrec model with DCP alone."""
     src = run_gloo(2, _torchrec_save_body, str(tmp_path))
     out = run_gloo(2, _torchrec_load_body, str(tmp_path))
     source = _assemble([s["view"] for s in src])
@@ -599,8 +687,9 @@ def test_dcp_interoperates_with_plain_torchrec_checkpoints(tmp_path: Path) -> No
     for rank in range(2):
         for kind in ("with_optimizer_next", "reverse_next"):
             for key in ("emb", "pred"):
-                np.testing.assert_array_equal(out[rank][kind][key], src[rank]["next"][key],
-                                              err_msg=f"rank {rank} {kind} {key}")
+                np.testing.assert_array_equal(
+                    out[rank][kind][key], src[rank]["next"][key], err_msg=f"rank {rank} {kind} {key}"
+                )
 
 
 def _digests_fail_body(rank: int, world: int, root: str, failing_rank: int) -> Dict[str, Any]:
@@ -608,14 +697,17 @@ def _digests_fail_body(rank: int, world: int, root: str, failing_rank: int) -> D
     write of the record (a full disk), or another rank's hashing (an I/O error)."""
     import errno
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+    from recpipe.pipeline.checkpoint import digests, storage
 
     model = torch.nn.Linear(3, 2)
     if rank == failing_rank:
+
         def fail(*args: Any, **kwargs: Any) -> Any:
             raise OSError(errno.ENOSPC if rank == 0 else errno.EIO, "injected")
 
-        setattr(recpipe_dcp, "atomic_write_bytes" if rank == 0 else "file_entry", fail)
+        # rank 0 writes the record (storage), another rank hashes its share (digests)
+        setattr(storage if rank == 0 else digests, "atomic_write_bytes" if rank == 0 else "file_entry", fail)
     try:
         recpipe_dcp.save(model, root)
     except recpipe_dcp.CheckpointSaveError as e:
@@ -631,18 +723,20 @@ def _digests_fail_body(rank: int, world: int, root: str, failing_rank: int) -> D
 
 @pytest.mark.parametrize("failing_rank", [0, 1])
 def test_dcp_save_whose_digests_record_fails_is_a_save_error_on_every_rank(tmp_path: Path, failing_rank: int) -> None:
-    """The digests record is part of the save: its failure (after DCP's write) used to be
-    a bare OSError, which ``except CheckpointSaveError`` missed; now every rank raises
-    CheckpointSaveError naming the failing rank and the OS error."""
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    """The digests record is part of the save: when it fails (after DCP's write) every rank
+    raises CheckpointSaveError naming the failing rank and the OS error."""
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     root = tmp_path / "ckpt"
     out = run_gloo(2, _digests_fail_body, str(root), failing_rank)
     assert out[0]["error"] == out[1]["error"], out
     msg = out[0]["error"]
     assert msg.startswith(f"checkpoint {root} was not saved:"), msg
-    what = (f"writing {root / recpipe_dcp.DIGESTS_NAME} failed (OSError: [Errno 28] injected) (rank 0)" if failing_rank == 0
-            else f"hashing the files of {root} failed (OSError: [Errno 5] injected) (rank 1)")
+    what = (
+        f"writing {root / recpipe_dcp.DIGESTS_NAME} failed (OSError: [Errno 28] injected) (rank 0)"
+        if failing_rank == 0
+        else f"hashing the files of {root} failed (OSError: [Errno 5] injected) (rank 1)"
+    )
     assert what in msg and "free space" in msg, msg
     assert not (root / recpipe_dcp.DIGESTS_NAME).exists()
 
@@ -653,7 +747,7 @@ def _partial_write_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     write_data = FileSystemWriter.write_data
 
@@ -671,7 +765,7 @@ def _partial_write_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 def test_dcp_save_that_fills_the_disk_removes_its_partial_files(tmp_path: Path) -> None:
     """A failed save is not a checkpoint (no digests record, and the previous save's was
-    removed first): the data files it did write used to stay and keep the disk full."""
+    removed first): the data files it did write are removed, not left to keep the disk full."""
     root = tmp_path / "ckpt"
     out = run_gloo(2, _partial_write_body, str(root))
     assert "No space left on device (rank 1)" in out[0]["error"], out

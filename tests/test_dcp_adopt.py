@@ -19,16 +19,17 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-import torch
-
 import test_dcp as td
 import test_tiered_migration as mig
 import test_tiered_sharders as pooled
+import torch
 from gloo_harness import run_gloo
 
 K, K2 = mig.K, mig.K2  # steps before / after the checkpoint
-PLACEMENTS = {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3),
-              "t1": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
+PLACEMENTS = {
+    "t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3),
+    "t1": dict(mode="CACHING", cache_load_factor=0.2, seed=3),
+}
 
 
 def _torchrec_model(world: int, dtensor: bool = False) -> Any:
@@ -43,11 +44,22 @@ def _torchrec_model(world: int, dtensor: bool = False) -> Any:
     ebc = pooled._ebc()
     mig._apply_optimizer(ebc, "rowwise_adagrad")
     sharder = EmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=1), "t1": row_wise()}, sharder=sharder,
-                                          local_size=world, world_size=world, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        ebc,
+        {"t0": table_wise(rank=1), "t1": row_wise()},
+        sharder=sharder,
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
     env = ShardingEnv(world, dist.get_rank(), dist.group.WORLD, output_dtensor=True) if dtensor else None
-    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"), env=env)
+    model = DistributedModelParallel(
+        ebc,
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+        env=env,
+    )
     if not dtensor:
         model.load_state_dict(mig._initial_weights(), strict=False)
     return model
@@ -55,16 +67,21 @@ def _torchrec_model(world: int, dtensor: bool = False) -> Any:
 
 def _full(model: Any) -> Dict[str, Dict[str, np.ndarray]]:
     """Every table's full weight and optimizer state (collective)."""
-    from recpipe.pipeline.tiered.sharders import gather_full_optimizer_state, gather_full_weights
+    from recpipe.pipeline.tiered.migration import gather_full_optimizer_state, gather_full_weights
 
-    return {"weights": {k: v.numpy() for k, v in gather_full_weights(model).items()},
-            "state": {k: {n: t.numpy() for n, t in v.items() if n != "step"}
-                      for k, v in gather_full_optimizer_state(model).items()}}
+    return {
+        "weights": {k: v.numpy() for k, v in gather_full_weights(model).items()},
+        "state": {
+            k: {n: t.numpy() for n, t in v.items() if n != "step"}
+            for k, v in gather_full_optimizer_state(model).items()
+        },
+    }
 
 
 def _same(a: Dict[str, Dict[str, Any]], b: Dict[str, Dict[str, Any]]) -> bool:
     return all(np.array_equal(a["weights"][k], b["weights"][k]) for k in a["weights"]) and all(
-        np.array_equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k])
+        np.array_equal(a["state"][k][n], b["state"][k][n]) for k in a["state"] for n in a["state"][k]
+    )
 
 
 def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
@@ -74,8 +91,10 @@ def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     model = _torchrec_model(world)
     for step in range(K):
         mig._step(model, step, rank)
-    tdcp.save({**model.state_dict(), "fused_optimizer": model.fused_optimizer.state_dict()},
-              checkpoint_id=f"{root}/with_optimizer")
+    tdcp.save(
+        {**model.state_dict(), "fused_optimizer": model.fused_optimizer.state_dict()},
+        checkpoint_id=f"{root}/with_optimizer",
+    )
     tdcp.save(model.state_dict(), checkpoint_id=f"{root}/weights_only")
     saved = _full(model)
     bad = _torchrec_model(world)  # a diverged run: one row of t1 (ROW_WISE) is NaN
@@ -88,7 +107,7 @@ def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 def _refused(model: Any, root: str, error: type, **kwargs: Any) -> str:
     """The message of a load that must be refused, checking that it changed nothing."""
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     before = _full(model)
     with pytest.raises(error) as err:
@@ -99,32 +118,32 @@ def _refused(model: Any, root: str, error: type, **kwargs: Any) -> str:
 
 def _reads_of(load: Any) -> List[List[Any]]:
     """Runs ``load()`` and returns every read of a row block it made: ``[key, rows]`` of each
-    tensor recpipe's loader asked DCP to fill (its ``_read_here``, wrapped for the call)."""
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    tensor recpipe's loader asked DCP to fill (its ``layout.read_here``, wrapped for the call)."""
+    from recpipe.pipeline.checkpoint import layout
 
     reads: List[List[Any]] = []
-    read_here = recpipe_dcp._read_here
+    read_here = layout.read_here
 
     def spy(state: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
         reads.extend([key, int(t.shape[0])] for key, t in state.items() if isinstance(t, torch.Tensor) and t.dim())
         read_here(state, *args, **kwargs)
 
-    recpipe_dcp._read_here = spy  # type: ignore[assignment]
+    layout.read_here = spy  # type: ignore[assignment]
     try:
         load()
     finally:
-        recpipe_dcp._read_here = read_here  # type: ignore[assignment]
+        layout.read_here = read_here  # type: ignore[assignment]
     return reads
 
 
 def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered.shard import TieredCheckpointError
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+    from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     out: Dict[str, Any] = {"errors": {}}
     adopted = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
     assert set(adopted.module.tiered_tables()) == {"t0", "t1"}
-    import recpipe.pipeline.tiered.shard as tiered
+    import recpipe.pipeline.tiered.backends.buffers as tiered
 
     write_rows, tiered.WRITE_CHUNK_ROWS = tiered.WRITE_CHUNK_ROWS, 5  # each block's rows written 5 at a time
     try:
@@ -139,8 +158,9 @@ def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     recpipe_dcp.load(weights_only, f"{root}/weights_only", verify=False, strict=False)
     out["weights_only"] = _full(weights_only)
 
-    out["errors"]["nan"] = _refused(mig._tiered(world, "rowwise_adagrad", PLACEMENTS), f"{root}/nan",
-                                    TieredCheckpointError)
+    out["errors"]["nan"] = _refused(
+        mig._tiered(world, "rowwise_adagrad", PLACEMENTS), f"{root}/nan", TieredCheckpointError
+    )
     adam = mig._tiered(world, "adam", PLACEMENTS)
     out["errors"]["optimizer"] = _refused(adam, f"{root}/with_optimizer", TieredCheckpointError)
     saved_tables = list(pooled.TABLES)
@@ -158,16 +178,20 @@ def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 
 def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    torch.testing.assert_close(torch.from_numpy(np.asarray(got)), torch.from_numpy(np.asarray(want)),
-                               atol=mig.ATOL, rtol=mig.RTOL, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        torch.from_numpy(np.asarray(got)),
+        torch.from_numpy(np.asarray(want)),
+        atol=mig.ATOL,
+        rtol=mig.RTOL,
+        msg=lambda m: f"{what}: {m}",
+    )
 
 
 def test_tiered_tables_adopt_a_plain_torchrec_checkpoint_and_train_on_as_torchrec(tmp_path: Path) -> None:
     """A plain torchrec checkpoint (TABLE_WISE and ROW_WISE FUSED row-wise Adagrad tables, torchrec's
     own sharder, torch.distributed.checkpoint.save of state_dict + fused_optimizer) loads into HYBRID /
     CACHING tiered tables: weights and momentum equal torchrec's, and every following step's outputs
-    and the final tables equal the uninterrupted torchrec run (it used to be refused: "is tiered in this
-    model, but the checkpoint holds it as a torchrec table"). Weights only (strict=False): loaded, momentum
+    and the final tables equal the uninterrupted torchrec run. Weights only (strict=False): loaded, momentum
     zero, the run diverges; strict refuses it. Another size or optimizer: refused on every rank, naming
     the table and both, the model unchanged."""
     src = run_gloo(2, _save_body, str(tmp_path))
@@ -195,33 +219,43 @@ def test_tiered_tables_adopt_a_plain_torchrec_checkpoint_and_train_on_as_torchre
         reads = {}
         for key, rows in res["reads"]:
             reads.setdefault(key, []).append(rows)
-        assert reads == {"embedding_bags.t0.weight": [97, 97],
-                         "fused_optimizer.state.embedding_bags.t0.weight.t0.momentum1": [97, 97],
-                         "embedding_bags.t1.weight": [25, 25, 25, 25],
-                         "fused_optimizer.state.embedding_bags.t1.weight.t1.momentum1": [25, 25, 25, 25]}, reads
+        assert reads == {
+            "embedding_bags.t0.weight": [97, 97],
+            "fused_optimizer.state.embedding_bags.t0.weight.t0.momentum1": [97, 97],
+            "embedding_bags.t1.weight": [25, 25, 25, 25],
+            "fused_optimizer.state.embedding_bags.t1.weight.t1.momentum1": [25, 25, 25, 25],
+        }, reads
     errors = out[0]["errors"]
     assert errors == out[1]["errors"], "every rank gives the same refusal"
     msg = errors["no_state_strict"]
     assert "holds no fused optimizer state" in msg and "strict=False" in msg and "(ranks 0, 1)" in msg, msg
     msg = errors["size"]
-    assert ("table 'embedding_bags.t0': the checkpoint holds a torchrec table of [num_embeddings, dim] = [97, 8], "
-            "this model a tiered table of [98, 8]") in msg, msg
+    assert (
+        "table 'embedding_bags.t0': the checkpoint holds a torchrec table of [num_embeddings, dim] = [97, 8], "
+        "this model a tiered table of [98, 8]"
+    ) in msg, msg
     assert "the model is unchanged" in msg and "Possible solutions:" in msg and "embedding_dim" in msg, msg
     assert "'embedding_bags.t1'" not in msg, msg
     msg = errors["optimizer"]
     for t, rows in (("t0", 97), ("t1", 50)):
-        assert (f"table 'embedding_bags.{t}': the checkpoint holds fused optimizer state of rowwise_adagrad state "
-                f"{{'momentum1': [{rows}]}} (under fused_optimizer.state.embedding_bags.{t}.weight.{t}.*), this "
-                "model's tiered table trains with adam") in msg, msg
+        assert (
+            f"table 'embedding_bags.{t}': the checkpoint holds fused optimizer state of rowwise_adagrad state "
+            f"{{'momentum1': [{rows}]}} (under fused_optimizer.state.embedding_bags.{t}.weight.{t}.*), this "
+            "model's tiered table trains with adam"
+        ) in msg, msg
     assert "RowWiseAdagrad" in msg, msg
     msg = errors["nan"]
-    assert ("2 of the 50 rows of the torchrec table it would load from checkpoint" in msg  # one per rank's shard
-            and "(table 'embedding_bags.t1', embedding_bags.t1.weight) hold NaN or inf values" in msg), msg
+    assert (
+        "2 of the 50 rows of the torchrec table it would load from checkpoint" in msg  # one per rank's shard
+        and "(table 'embedding_bags.t1', embedding_bags.t1.weight) hold NaN or inf values" in msg
+    ), msg
     assert "Nothing was loaded" in msg and "embedding_bags.t0" not in msg, msg
 
 
-IO_PLACEMENTS = {"a1": dict(mode="CACHING", cache_load_factor=0.4, seed=5),
-                 "a2": dict(mode="HYBRID", cache_load_factor=0.5, seed=5)}
+IO_PLACEMENTS = {
+    "a1": dict(mode="CACHING", cache_load_factor=0.4, seed=5),
+    "a2": dict(mode="HYBRID", cache_load_factor=0.5, seed=5),
+}
 
 
 def _mixed_model(world: int) -> Any:
@@ -235,23 +269,35 @@ def _mixed_model(world: int) -> Any:
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     ebc = td._ebc(td.IO_TABLES, seed=9)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": td.LR})
     sharder = TieredEmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(ebc, {"a0": table_wise(rank=0), "a1": row_wise(), "a2": row_wise()},
-                                          sharder=sharder, local_size=world, world_size=world,  # type: ignore[arg-type]
-                                          device_type="cpu")
+    plan = construct_module_sharding_plan(
+        ebc,
+        {"a0": table_wise(rank=0), "a1": row_wise(), "a2": row_wise()},
+        sharder=sharder,
+        local_size=world,
+        world_size=world,  # type: ignore[arg-type]
+        device_type="cpu",
+    )
     shapes = {name: (rows, dim) for name, rows, dim, _ in td.IO_TABLES}
     for name, placement in IO_PLACEMENTS.items():
         plan[name] = PlacementParameterSharding(
-            sharding_type=ShardingType.ROW_WISE.value, compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-            ranks=list(range(world)), sharding_spec=row_wise_sharding_spec(*shapes[name], world, world, "cpu"),
-            dist_type="hash_roundrobin", **placement)
-    return DistributedModelParallel(td._Model(ebc, sum(d * len(f) for _, _, d, f in td.IO_TABLES)),
-                                    plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                    device=torch.device("cpu"))
+            sharding_type=ShardingType.ROW_WISE.value,
+            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+            ranks=list(range(world)),
+            sharding_spec=row_wise_sharding_spec(*shapes[name], world, world, "cpu"),
+            dist_type="hash_roundrobin",
+            **placement,
+        )
+    return DistributedModelParallel(
+        td._Model(ebc, sum(d * len(f) for _, _, d, f in td.IO_TABLES)),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
 
 
 def _mixed_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
@@ -261,14 +307,16 @@ def _mixed_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     opt = td._dense_opt(model)
     for step in range(td.TRAIN_STEPS):
         td._step(model, opt, td.IO_TABLES, step, [rank])
-    tdcp.save({**model.state_dict(), "fused_optimizer": model.fused_optimizer.state_dict()},
-              checkpoint_id=f"{root}/with_optimizer")
+    tdcp.save(
+        {**model.state_dict(), "fused_optimizer": model.fused_optimizer.state_dict()},
+        checkpoint_id=f"{root}/with_optimizer",
+    )
     tdcp.save(model.state_dict(), checkpoint_id=f"{root}/weights_only")
     return {"next": [td._step(model, opt, td.IO_TABLES, s, [rank]) for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)]}
 
 
 def _mixed_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     out: Dict[str, Any] = {}
     model = _mixed_model(world)
@@ -288,8 +336,8 @@ def test_mixed_model_adopts_torchrec_tables_beside_fused_ones_under_strict(tmp_p
     """A wrapped model (dense head, DMP prefix ``module.``) keeping one torchrec TABLE_WISE FUSED table
     on rank 0 and tiering the others loads a plain torchrec checkpoint with strict=True (the torchrec
     tables' optimizer entries are the tiered tables' now): the next steps equal the torchrec source's.
-    Without optimizer state, strict refuses on every rank (rank 1, holding no FUSED shard, used to go
-    on alone into the next collective while rank 0 raised)."""
+    Without optimizer state, strict refuses on every rank (rank 1, holding no FUSED shard, included:
+    none goes on alone into the next collective)."""
     src = run_gloo(2, _mixed_save_body, str(tmp_path))
     out = run_gloo(2, _mixed_load_body, str(tmp_path))
     assert out[0]["no_state"] == out[1]["no_state"] and "holds no fused optimizer state" in out[0]["no_state"]
@@ -304,8 +352,8 @@ def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     its fused optimizer state; loaded into a fresh model built alike."""
     import torch.distributed.checkpoint as tdcp
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered.shard import TieredCheckpointError
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+    from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     model = _mixed_model(world)
     opt = td._dense_opt(model)
@@ -315,15 +363,19 @@ def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     state = recpipe_dcp.dcp_state_dict(model)
     del state[recpipe_dcp.FUSED_OPTIMIZER_KEY]
     tdcp.save(state, checkpoint_id=f"{root}/no_optimizer")
-    tdcp.save({k: v for k, v in state.items() if not k.startswith(recpipe_dcp.TIERED_DCP_PREFIX + ".")},
-              checkpoint_id=f"{root}/no_rows")  # the tiered tables' empty placeholders only
-    out: Dict[str, Any] = {"next": [td._step(model, opt, td.IO_TABLES, s, [rank])
-                                    for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)]}
+    tdcp.save(
+        {k: v for k, v in state.items() if not k.startswith(recpipe_dcp.TIERED_DCP_PREFIX + ".")},
+        checkpoint_id=f"{root}/no_rows",
+    )  # the tiered tables' empty placeholders only
+    out: Dict[str, Any] = {
+        "next": [td._step(model, opt, td.IO_TABLES, s, [rank]) for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)]
+    }
     fresh = _mixed_model(world)
     recpipe_dcp.load(fresh, f"{root}/recpipe")
     opt = td._dense_opt(fresh)
-    out["loaded_next"] = [td._step(fresh, opt, td.IO_TABLES, s, [rank])
-                          for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)]
+    out["loaded_next"] = [
+        td._step(fresh, opt, td.IO_TABLES, s, [rank]) for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)
+    ]
     out["no_state"] = _refused(_mixed_model(world), f"{root}/no_optimizer", recpipe_dcp.CheckpointLoadError)
     out["no_rows"] = _refused(_mixed_model(world), f"{root}/no_rows", TieredCheckpointError, strict=False)
     return out
@@ -331,12 +383,11 @@ def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 def test_dcp_round_trip_of_a_model_with_a_rank_holding_no_fused_shard(tmp_path: Path) -> None:
     """A model whose only torchrec FUSED table is TABLE_WISE on rank 0 (rank 1's fused optimizer state
-    is empty) loads its own recpipe.pipeline.checkpoint.dcp.save: it used to fail on rank 1 with DCP's "Missing key
-    in checkpoint state_dict: fused_optimizer." (the empty state looked up as an entry); the next steps
-    equal the saving model's. A checkpoint without fused optimizer state is refused under strict on
-    every rank, the model unchanged (rank 1, expecting no state, used to go on alone while rank 0 raised);
+    is empty) loads its own recpipe.pipeline.checkpoint.save (rank 1's empty state is not looked up as
+    an entry); the next steps equal the saving model's. A checkpoint without fused optimizer state is
+    refused under strict on every rank, the model unchanged (rank 1, expecting no state, included);
     one holding no rows of the tiered tables (their placeholders only) is refused naming them."""
-    # a rank going on alone used to wait in the next collective: fail instead of waiting 600 s
+    # a rank going on alone would wait in the next collective: fail instead of waiting 600 s
     out = run_gloo(2, _no_fused_shard_body, str(tmp_path), timeout_s=180.0)
     assert out[0]["no_state"] == out[1]["no_state"], "every rank gives the same refusal"
     assert "holds no fused optimizer state" in out[0]["no_state"], out[0]["no_state"]
@@ -355,7 +406,7 @@ def _routed_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     routed rows, recorded beside the weight) saved with plain DCP, adopted by tiered tables."""
     import torch.distributed.checkpoint as tdcp
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     ref = mig._fused(world, "rowwise_adagrad", "row_wise_routed")
     for step in range(K):
@@ -365,8 +416,10 @@ def _routed_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     # strict: the row-order records are the tables' own
     reads = _reads_of(lambda: recpipe_dcp.load(adopted, root, verify=False))
     out: Dict[str, Any] = {"saved": _full(ref), "loaded": _full(adopted), "reads": reads}
-    out["outputs"] = {name: [mig._step(m, step, rank) for step in range(K, K + K2)]
-                      for name, m in (("ref", ref), ("adopted", adopted))}
+    out["outputs"] = {
+        name: [mig._step(m, step, rank) for step in range(K, K + K2)]
+        for name, m in (("ref", ref), ("adopted", adopted))
+    }
     return out
 
 
@@ -387,8 +440,8 @@ def test_tiered_tables_adopt_routed_fused_tables_of_recpipe_sharders(tmp_path: P
 def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     """The reverse: recpipe's checkpoint of HYBRID / CACHING tiered tables loaded into torchrec FUSED
     tables (torchrec's TABLE_WISE / ROW_WISE, and recpipe's routed ROW_WISE)."""
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
-    from recpipe.pipeline.tiered.shard import TieredCheckpointError
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+    from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     src = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
     for step in range(K):
@@ -409,8 +462,9 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     with pytest.raises(TieredCheckpointError) as err:
         recpipe_dcp.load(dtensor, root)
     out["dtensor_error"] = str(err.value)
-    out["dtensor_unchanged"] = all(torch.equal(before[k], v.full_tensor()) for k, v in dtensor.state_dict().items()
-                                   if k.endswith(".weight"))
+    out["dtensor_unchanged"] = all(
+        torch.equal(before[k], v.full_tensor()) for k, v in dtensor.state_dict().items() if k.endswith(".weight")
+    )
     # checkpoints damaged past save's checks (torch's dcp.save of dcp_state_dict, rank 0's export of t1 edited)
     import torch.distributed.checkpoint as tdcp
 
@@ -418,7 +472,9 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     for damage in ("nan", "repeated", "outside"):
         state = recpipe_dcp.dcp_state_dict(src)
         if rank == 0:
-            ids_key, rows_key = (recpipe_dcp.tiered_dcp_key("embedding_bags.t1", 0, f) for f in ("global_ids", "weights"))
+            ids_key, rows_key = (
+                recpipe_dcp.tiered_dcp_key("embedding_bags.t1", 0, f) for f in ("global_ids", "weights")
+            )
             ids, rows = state[ids_key].clone(), state[rows_key].clone()
             if damage == "nan":
                 rows[2, 0] = float("nan")
@@ -434,16 +490,18 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
 def test_fused_tables_load_a_recpipe_checkpoint_of_tiered_tables(tmp_path: Path) -> None:
     """A user dropping recpipe's tiered plan: the tiered exports of a recpipe checkpoint load into torchrec
-    FUSED tables (rows and momentum by global id; it used to be refused, "was tiered when saved, but this
-    model does not tier it"), which then train on as the uninterrupted tiered run. A table of another size
+    FUSED tables (rows and momentum by global id), which then train on as the uninterrupted tiered run.
+    A table of another size
     is refused on every rank naming both, and exports with a NaN row, a repeated row or a global id past
     the table are refused on every rank naming the table and the problem, as is a model whose torchrec
     weights are DTensors (torchrec's output_dtensor); the model unchanged."""
     out = run_gloo(2, _reverse_body, str(tmp_path))
     msg = out[0]["size_error"]
     assert msg == out[1]["size_error"], "every rank gives the same refusal"
-    assert ("table 'embedding_bags.t0' was tiered when saved ([97, 8] trained with rowwise_adagrad), and this "
-            "model's torchrec table is [98, 8] trained with rowwise_adagrad") in msg, msg
+    assert (
+        "table 'embedding_bags.t0' was tiered when saved ([97, 8] trained with rowwise_adagrad), and this "
+        "model's torchrec table is [98, 8] trained with rowwise_adagrad"
+    ) in msg, msg
     assert "the model is unchanged" in msg and "Possible solutions:" in msg, msg
     msg = out[0]["dtensor_error"]
     assert msg == out[1]["dtensor_error"] and out[0]["dtensor_unchanged"] and out[1]["dtensor_unchanged"], out
@@ -452,10 +510,13 @@ def test_fused_tables_load_a_recpipe_checkpoint_of_tiered_tables(tmp_path: Path)
     damaged = out[0]["damaged"]
     assert damaged == out[1]["damaged"], "every rank gives the same refusal"
     assert "table 'embedding_bags.t1': 1 rows of its tiered exports hold NaN or inf values" in damaged["nan"], damaged
-    assert ("table 'embedding_bags.t1': 1 rows are missing from its tiered exports and 1 appear more than once"
-            in damaged["repeated"]), damaged
-    assert ("table 'embedding_bags.t1': the tiered export of rank 0 holds global ids outside [0, 50)"
-            in damaged["outside"]), damaged
+    assert (
+        "table 'embedding_bags.t1': 1 rows are missing from its tiered exports and 1 appear more than once"
+        in damaged["repeated"]
+    ), damaged
+    assert (
+        "table 'embedding_bags.t1': the tiered export of rank 0 holds global ids outside [0, 50)" in damaged["outside"]
+    ), damaged
     assert all("the model is unchanged" in m for m in damaged.values()), damaged
     for rank, res in enumerate(out):
         for name in ("torchrec", "routed"):

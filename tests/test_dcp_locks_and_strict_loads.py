@@ -1,26 +1,17 @@
-"""Checkpoint gaps found late, third round (recpipe.pipeline.checkpoint.dcp).
+"""Save locks, argument checks and strict loads of recpipe.pipeline.checkpoint.
 
-* ``recpipe.pipeline.checkpoint.dcp.save`` had no guard against a second save (another job, or a
-  concurrent call) writing into the same directory: rank 0 removed the other save's
-  record and files and both wrote the same file names. It now holds the recipe's
-  exclusive ``flock`` on ``<checkpoint_id>/.recpipe_save.lock`` for the whole save
-  (one mechanism, ``recpipe.pipeline.checkpoint.integrity.acquire_save_lock``); a save finding it
-  held raises ``CheckpointSaveError`` on every rank, naming the holder and the fix, and
-  writes nothing (the directory keeps its older save).
-* ``load_dcp_state_dict(model, "missing_dir")`` (and ``verify_checkpoint``) said the
-  digests record was missing instead of the directory.
-* ``load_dcp_state_dict`` refused NaN / inf tiered rows only after the regular part and
-  the other tables had been written into the model ("the model is partly loaded").
-  Every tiered export is now read and checked (one at a time) on every rank before
-  anything is written: a refused load leaves the model as it was.
-* ``strict`` was not ``load_state_dict``'s: ``strict=False`` refused an entry (or a whole
-  tiered table) the checkpoint lacks, and ``strict=True`` silently dropped checkpoint
-  entries the model lacks. Now ``strict=False`` keeps the model's values of the former
-  and ``strict=True`` refuses the latter by name, before anything is read.
-* ``verify=True`` with an fsspec reader said the digests record was missing; it now
-  names the limit (local files only) and ``verify=False``.
-* ``save`` into a file said "removing the old record ... failed"; it now says the path
-  is a file.
+* ``save`` holds an exclusive ``flock`` on ``<checkpoint_id>/.recpipe_save.lock`` for the whole
+  save (``recpipe.pipeline.checkpoint.integrity.acquire_save_lock``, the recipe's lock too); a
+  save finding it held raises ``CheckpointSaveError`` on every rank, naming the holder and the
+  fix, and writes nothing (the directory keeps its older save).
+* ``load_dcp_state_dict`` / ``verify_checkpoint`` of a missing directory say so.
+* Every tiered export is read and checked (one at a time) on every rank before anything is
+  written: a load refusing NaN / inf rows leaves the model as it was.
+* ``strict`` is ``load_state_dict``'s: ``strict=False`` keeps the model's values of entries
+  (or a whole tiered table) the checkpoint lacks; ``strict=True`` refuses checkpoint entries
+  the model lacks by name, before anything is read.
+* ``verify=True`` with an fsspec reader names the limit (local files only) and ``verify=False``.
+* ``save`` into a file says the path is a file.
 
 The tiered model and batches are those of ``tests/test_dcp.py`` (tiered t0 HYBRID,
 t1 CACHING, a torchrec ROW_WISE FUSED t2, row-wise Adagrad, a dense head; 2 gloo ranks).
@@ -36,10 +27,9 @@ from typing import Any, Dict
 import numpy as np
 import pytest
 import torch
-
 from gloo_harness import run_gloo
-from test_dcp_save_and_resume import _poison_a_row_of_rank1
 from test_dcp import SAVE_PLACEMENTS, TABLES, TRAIN_STEPS, _dense_opt, _shards, _step, _tiered_model
+from test_dcp_save_and_resume import _poison_a_row_of_rank1
 
 LOCK = ".recpipe_save.lock"  # recpipe.pipeline.checkpoint.integrity.SAVE_LOCK_NAME, the recipe's lock file too
 
@@ -63,7 +53,7 @@ def _linear(seed: int) -> torch.nn.Module:
 def _lock_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed as dist
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     directory = Path(root)
     model = _linear(0)
@@ -110,7 +100,7 @@ def test_dcp_save_refuses_a_directory_another_save_holds_on_every_rank(tmp_path:
 
 
 def test_dcp_save_outside_torch_distributed_refuses_a_held_directory(tmp_path: Path) -> None:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     directory = tmp_path / "ckpt"
     fd = _hold_lock(directory)
@@ -129,7 +119,7 @@ def test_dcp_save_outside_torch_distributed_refuses_a_held_directory(tmp_path: P
 
 
 def test_dcp_save_into_a_file_names_it(tmp_path: Path) -> None:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     f = tmp_path / "ckpt"
     f.write_bytes(b"x")
@@ -140,7 +130,7 @@ def test_dcp_save_into_a_file_names_it(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("verify", [True, False])
 def test_load_dcp_state_dict_of_a_missing_directory_says_so(tmp_path: Path, verify: bool) -> None:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     missing = tmp_path / "missing_dir"
     model = _linear(0)
@@ -159,11 +149,14 @@ def test_load_dcp_state_dict_of_a_missing_directory_says_so(tmp_path: Path, veri
 def _snapshot(model: Any) -> Dict[str, Any]:
     """Everything a load writes: tiered rows, torchrec shards, fused optimizer state, head."""
     sd = model.state_dict()
-    out: Dict[str, Any] = {k: _shards(v) for k, v in sd.items()
-                           if isinstance(v, torch.Tensor) and "tiered" not in k}
+    out: Dict[str, Any] = {k: _shards(v) for k, v in sd.items() if isinstance(v, torch.Tensor) and "tiered" not in k}
     for name, st in model.module.ebc.tiered_state().items():
-        out[f"tiered/{name}"] = (st.global_ids.numpy().copy(), st.weights.numpy().copy(),
-                                 st.optimizer_state.numpy().copy(), st.step)
+        out[f"tiered/{name}"] = (
+            st.global_ids.numpy().copy(),
+            st.weights.numpy().copy(),
+            st.optimizer_state.numpy().copy(),
+            st.step,
+        )
     for param_key, states in model.fused_optimizer.state_dict()["state"].items():
         for state_key, value in states.items():
             if isinstance(value, torch.Tensor):
@@ -187,13 +180,15 @@ def _assert_same(a: Any, b: Any, where: str) -> None:
 
 
 def _refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     model = _saved_poisoned_model(rank, world, root)
     out: Dict[str, Any] = {}
     # t1's placement swapped (the same routing: only this rank's own export is read)
-    for label, placements in {"same": SAVE_PLACEMENTS, "swapped": dict(SAVE_PLACEMENTS, t1=dict(
-            mode="HYBRID", cache_load_factor=0.5, seed=3))}.items():
+    for label, placements in {
+        "same": SAVE_PLACEMENTS,
+        "swapped": dict(SAVE_PLACEMENTS, t1=dict(mode="HYBRID", cache_load_factor=0.5, seed=3)),
+    }.items():
         fresh = _tiered_model(world, placements)
         before = _snapshot(fresh)
         try:
@@ -204,8 +199,9 @@ def _refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         out[label]["before"] = before
         out[label]["after"] = _snapshot(fresh)
         # the trained model differs from a fresh one: a partial load would show
-        out[label]["differs"] = not np.array_equal(before["head.weight"][0][1],
-                                                   model.state_dict()["head.weight"].numpy())
+        out[label]["differs"] = not np.array_equal(
+            before["head.weight"][0][1], model.state_dict()["head.weight"].numpy()
+        )
     return out
 
 
@@ -222,7 +218,7 @@ def test_dcp_load_refusing_tiered_rows_leaves_the_model_unchanged_on_every_rank(
 
 
 def _one_rank_refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     fresh = _tiered_model(world, SAVE_PLACEMENTS)  # another routing than the 2 saving ranks': every export is read
     before = _snapshot(fresh)
@@ -239,7 +235,7 @@ def _saved_poisoned_model(rank: int, world: int, root: str) -> Any:
     README's save, which does not check the rows); returns the model."""
     import torch.distributed.checkpoint as dcp
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -280,9 +276,9 @@ def _values(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def test_dcp_load_strict_false_keeps_entries_the_checkpoint_lacks(tmp_path: Path) -> None:
-    """``strict=False`` is ``load_state_dict``'s: it used to be refused by DCP's "Missing key"
-    as soon as the model had an entry the checkpoint lacks (e.g. a layer added since)."""
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    """``strict=False`` is ``load_state_dict``'s: an entry the checkpoint lacks (e.g. a layer
+    added since) keeps the model's value instead of DCP's "Missing key" refusal."""
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     saved = _Net(0)
     recpipe_dcp.save(saved, tmp_path / "ckpt")
@@ -302,11 +298,11 @@ def test_dcp_load_strict_false_keeps_entries_the_checkpoint_lacks(tmp_path: Path
 
 
 def test_dcp_load_strict_refuses_entries_the_model_lacks(tmp_path: Path) -> None:
-    """A checkpoint of a model with another layer (or table) loaded with ``strict=True``
-    silently dropped the entries this model lacks (DCP reads only the model's keys), where
-    ``load_state_dict(strict=True)`` refuses unexpected keys: now refused by name, before
-    anything is read; ``strict=False`` loads the rest as torch's would."""
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    """A checkpoint of a model with another layer (or table) loaded with ``strict=True`` is
+    refused naming the entries this model lacks, before anything is read (DCP alone reads only
+    the model's keys and would drop them), as ``load_state_dict(strict=True)`` refuses unexpected
+    keys; ``strict=False`` loads the rest as torch's would."""
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     saved = _Net(0, extra=True)
     recpipe_dcp.save(saved, tmp_path / "ckpt")
@@ -314,8 +310,9 @@ def test_dcp_load_strict_refuses_entries_the_model_lacks(tmp_path: Path) -> None
     before = _values(model)
     with pytest.raises(RuntimeError, match="Unexpected key"):  # torch's verdict on the same state
         _Net(1).load_state_dict(saved.state_dict(), strict=True)
-    with pytest.raises(recpipe_dcp.CheckpointLoadError,
-                       match=r"(?s)entries this model does not have: b\.bias, b\.weight.*strict=False"):
+    with pytest.raises(
+        recpipe_dcp.CheckpointLoadError, match=r"(?s)entries this model does not have: b\.bias, b\.weight.*strict=False"
+    ):
         recpipe_dcp.load(model, tmp_path / "ckpt")
     for k, v in before.items():
         assert torch.equal(model.state_dict()[k], v), k
@@ -327,12 +324,11 @@ def test_dcp_load_strict_refuses_entries_the_model_lacks(tmp_path: Path) -> None
 
 
 def test_load_dcp_state_dict_of_an_fsspec_reader_with_verify_names_the_limit(tmp_path: Path) -> None:
-    """``verify`` checks files on the local file system only: an fsspec reader's checkpoint
-    used to be refused as if its digests record were missing; now the refusal names
-    ``verify`` and the fix, and ``verify=False`` loads it (no local directory check)."""
+    """``verify`` checks files on the local file system only: with an fsspec reader the
+    refusal names ``verify`` and the fix, and ``verify=False`` loads it (no local directory check)."""
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     saved = _Net(0)
     recpipe_dcp.save(saved, tmp_path / "ckpt")
@@ -351,7 +347,7 @@ def test_load_dcp_state_dict_of_an_fsspec_reader_with_verify_names_the_limit(tmp
 def _tiered_table_added_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -379,8 +375,8 @@ def _tiered_table_added_body(rank: int, world: int, root: str) -> Dict[str, Any]
 
 def test_dcp_load_strict_false_keeps_a_tiered_table_the_checkpoint_lacks(tmp_path: Path) -> None:
     """A tiered table added since the save (absent from the checkpoint: no rows, no weight
-    entry) was refused even with ``strict=False``; now it keeps its rows, as
-    ``load_state_dict(strict=False)`` keeps missing entries, and everything else loads.
+    entry) keeps its rows with ``strict=False``, as ``load_state_dict(strict=False)`` keeps
+    missing entries, and everything else loads.
     ``strict=True`` still refuses it by name, changing nothing."""
     for rank, out in enumerate(run_gloo(2, _tiered_table_added_body, str(tmp_path / "ckpt"))):
         msg = out["strict_error"]
@@ -398,12 +394,13 @@ def test_dcp_load_strict_false_keeps_a_tiered_table_the_checkpoint_lacks(tmp_pat
 
 def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     """Which loads read the tiered exports a first time to check them: counted by wrapping
-    ``_check_tiered_rows`` in this (spawned) process."""
+    ``exports.check_tiered_rows`` in this (spawned) process."""
     import json
 
     import torch.distributed.checkpoint as dcp
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+    from recpipe.pipeline.checkpoint import exports
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -414,12 +411,20 @@ def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     dcp.save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=by_hand)  # the README's by-hand save
     recpipe_dcp.write_digests(by_hand)
     calls = []
-    original = recpipe_dcp._check_tiered_rows
-    recpipe_dcp._check_tiered_rows = lambda *a, **k: (calls.append(a[4]), original(*a, **k))[1]
-    out: Dict[str, Any] = {"flags": {name: json.loads(Path(d, recpipe_dcp.DIGESTS_NAME).read_text()).get(
-        "tiered_rows_checked") for name, d in (("saved", saved), ("by_hand", by_hand))}}
-    for label, path, kwargs in (("saved", saved, {}), ("saved_forced", saved, {"check_rows": True}),
-                                ("saved_unverified", saved, {"verify": False}), ("by_hand", by_hand, {})):
+    original = exports.check_tiered_rows
+    exports.check_tiered_rows = lambda *a, **k: (calls.append(a[4]), original(*a, **k))[1]
+    out: Dict[str, Any] = {
+        "flags": {
+            name: json.loads(Path(d, recpipe_dcp.DIGESTS_NAME).read_text()).get("tiered_rows_checked")
+            for name, d in (("saved", saved), ("by_hand", by_hand))
+        }
+    }
+    for label, path, kwargs in (
+        ("saved", saved, {}),
+        ("saved_forced", saved, {"check_rows": True}),
+        ("saved_unverified", saved, {"verify": False}),
+        ("by_hand", by_hand, {}),
+    ):
         fresh = _tiered_model(world, SAVE_PLACEMENTS)
         calls.clear()
         recpipe_dcp.load(fresh, path, **kwargs)

@@ -1,21 +1,11 @@
-"""Checkpoint gaps found late (recpipe.pipeline.checkpoint.dcp, recipes.checkpoint).
+"""Saving and resuming through recpipe.pipeline.checkpoint.
 
-* A tiered table whose rows hold NaN / inf (a diverged run) used to save without a word,
-  and the checkpoint could not be loaded back: ``load`` refused those rows only on the
-  rank owning them, after the rest of the model had been loaded there and on every other
-  rank, and the other ranks returned as if the load had worked (they would then wait in
-  the next collective). Now ``save`` refuses such rows on every rank before it writes
-  anything (the directory keeps its older save); ``load`` of a checkpoint holding them
-  (written by hand) is tested in ``tests/test_dcp_locks_and_strict_loads.py``.
-* Saving again into a directory left the older save's DCP files that the new save does
-  not overwrite (e.g. those of more writer threads or a larger world) for good.
-* ``load`` of a file (e.g. the checkpoint's ``.metadata``) said the directory "does not
-  exist".
-* The recipe's ``pt`` save into a step directory of an earlier ``dcp`` (or larger) run left
-  that run's files there.
-
-Also pinned (correct already): ``async_save`` of tiered tables loads back what was saved;
-resuming fused Adam tiered tables from a DCP checkpoint equals the uninterrupted run.
+* ``save`` refuses tiered rows holding NaN / inf on every rank before it writes anything
+  (the directory keeps its older save, which loads back bit for bit).
+* Saving again into a directory leaves none of the older save's DCP files.
+* ``load`` of a file (e.g. the checkpoint's ``.metadata``) says it is not the directory.
+* ``async_save`` of tiered tables loads back what was saved.
+* Resuming fused Adam tiered tables equals the uninterrupted run.
 
 The models and batches are those of ``tests/test_dcp.py`` (tiered t0 HYBRID, t1 CACHING,
 a torchrec ROW_WISE FUSED t2, row-wise Adagrad, a dense head; 2 gloo ranks).
@@ -29,7 +19,6 @@ from typing import Any, Dict, List
 import numpy as np
 import pytest
 import torch
-
 from gloo_harness import run_gloo
 from test_dcp import SAVE_PLACEMENTS, TABLES, TRAIN_STEPS, _dense_opt, _step, _tiered_model
 
@@ -58,13 +47,14 @@ def _poison_a_row_of_rank1(model: Any) -> int:
 
 
 def _tiered_rows(model: Any) -> Dict[str, Any]:
-    return {name: (st.global_ids.numpy().copy(), st.weights.numpy().copy(), st.optimizer_state.numpy().copy(),
-                   st.step)
-            for name, st in model.module.ebc.tiered_state().items()}
+    return {
+        name: (st.global_ids.numpy().copy(), st.weights.numpy().copy(), st.optimizer_state.numpy().copy(), st.step)
+        for name, st in model.module.ebc.tiered_state().items()
+    }
 
 
 def _nan_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -104,7 +94,7 @@ def test_dcp_save_refuses_nan_tiered_rows_on_every_rank_and_keeps_the_older_save
 def _resave_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     model = _tiered_model(world, SAVE_PLACEMENTS)
     opt = _dense_opt(model)
@@ -117,12 +107,17 @@ def _resave_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     referenced = sorted({info.relative_path for info in md.storage_data.values()})
     fresh = _tiered_model(world, SAVE_PLACEMENTS)
     recpipe_dcp.load(fresh, root)
-    return {"first": first, "after": sorted(p.name for p in Path(root).iterdir()), "referenced": referenced,
-            "saved": _tiered_rows(model), "loaded": _tiered_rows(fresh)}
+    return {
+        "first": first,
+        "after": sorted(p.name for p in Path(root).iterdir()),
+        "referenced": referenced,
+        "saved": _tiered_rows(model),
+        "loaded": _tiered_rows(fresh),
+    }
 
 
 def test_dcp_save_into_an_older_saves_directory_leaves_none_of_its_files(tmp_path: Path) -> None:
-    from recpipe.pipeline.checkpoint.dcp import DIGESTS_NAME
+    from recpipe.pipeline.checkpoint import DIGESTS_NAME
 
     for rank, out in enumerate(run_gloo(2, _resave_body, str(tmp_path / "ckpt"))):
         assert len([n for n in out["first"] if n.endswith(".distcp")]) == 4, out["first"]  # 2 threads x 2 ranks
@@ -134,7 +129,7 @@ def test_dcp_save_into_an_older_saves_directory_leaves_none_of_its_files(tmp_pat
 
 
 def test_dcp_load_of_a_file_says_it_is_not_the_directory(tmp_path: Path) -> None:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     f = tmp_path / ".metadata"
     f.write_bytes(b"x")
@@ -148,7 +143,7 @@ def _async_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     every_table_tiered = dict(SAVE_PLACEMENTS, t2=dict(mode="HYBRID", cache_load_factor=0.5, seed=3))
     model = _tiered_model(world, every_table_tiered)
@@ -164,8 +159,12 @@ def _async_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     recpipe_dcp.write_digests(root, process_group=group)
     fresh = _tiered_model(world, every_table_tiered)
     recpipe_dcp.load(fresh, root)
-    return {"saved": saved, "loaded": _tiered_rows(fresh), "head": head,
-            "loaded_head": fresh.module.head.weight.detach().numpy().copy()}
+    return {
+        "saved": saved,
+        "loaded": _tiered_rows(fresh),
+        "head": head,
+        "loaded_head": fresh.module.head.weight.detach().numpy().copy(),
+    }
 
 
 def test_async_save_of_tiered_tables_loads_back_what_was_saved(tmp_path: Path) -> None:
@@ -181,6 +180,7 @@ def test_async_save_of_tiered_tables_loads_back_what_was_saved(tmp_path: Path) -
 def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
     """``test_dcp``'s model with every table tiered and fused Adam (fbgemm's CPU TBE has no
     Adam, so FUSED tables cannot run it here)."""
+    from test_dcp import _ebc, _Model
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
@@ -188,22 +188,34 @@ def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
-    from test_dcp import _Model, _ebc
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     ebc = _ebc(TABLES)
     apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": 0.05})
     sharder = TieredEmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(ebc, {n: row_wise() for n, *_ in TABLES}, sharder=sharder,  # type: ignore[arg-type]
-                                          local_size=world, world_size=world, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        ebc,
+        {n: row_wise() for n, *_ in TABLES},
+        sharder=sharder,  # type: ignore[arg-type]
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
     for name, rows, dim, _ in TABLES:
         plan[name] = PlacementParameterSharding(
-            sharding_type=ShardingType.ROW_WISE.value, compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-            ranks=list(range(world)), sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
-            dist_type="hash_roundrobin", **placements[name])
-    model = DistributedModelParallel(_Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
-                                     plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+            sharding_type=ShardingType.ROW_WISE.value,
+            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+            ranks=list(range(world)),
+            sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
+            dist_type="hash_roundrobin",
+            **placements[name],
+        )
+    model = DistributedModelParallel(
+        _Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
     for name, shard in model.module.ebc.tiered_tables().items():
         shard.load_global_weights(_ebc(TABLES).embedding_bags[name].weight.detach())
     return model
@@ -212,8 +224,9 @@ def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
 def _adam_resume_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import copy
 
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
     from test_dcp import SWAPPED_PLACEMENTS
+
+    from recpipe.pipeline import checkpoint as recpipe_dcp
 
     saving = dict(SAVE_PLACEMENTS, t2=dict(mode="HYBRID", cache_load_factor=0.5, seed=3))
     loading = dict(SWAPPED_PLACEMENTS, t2=dict(mode="CACHING", cache_load_factor=0.3, seed=3))
@@ -233,39 +246,21 @@ def _adam_resume_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     fresh_opt.load_state_dict(dense_state)
     recpipe_dcp.load(fresh, root)
     resumed = [_step(fresh, fresh_opt, TABLES, step, [rank]) for step in range(TRAIN_STEPS, TRAIN_STEPS + 3)]
-    return {"uninterrupted": uninterrupted, "resumed": resumed,
-            "steps": {n: s.step for n, s in fresh.module.ebc.tiered_state().items()},
-            "steps_ref": {n: s.step for n, s in model.module.ebc.tiered_state().items()}}
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "steps": {n: s.step for n, s in fresh.module.ebc.tiered_state().items()},
+        "steps_ref": {n: s.step for n, s in model.module.ebc.tiered_state().items()},
+    }
 
 
 def test_adam_resume_from_a_dcp_checkpoint_equals_the_uninterrupted_run(tmp_path: Path) -> None:
     """Adam's moments and step counter (its bias correction) come back, under the other
     tier placement: the next steps' outputs equal the run that never stopped, bit for bit."""
     for rank, out in enumerate(run_gloo(2, _adam_resume_body, str(tmp_path / "ckpt"))):
-        assert out["steps"] == out["steps_ref"] == {"t0": TRAIN_STEPS + 3, "t1": TRAIN_STEPS + 3,
-                                                    "t2": TRAIN_STEPS + 3}, out
+        assert (
+            out["steps"] == out["steps_ref"] == {"t0": TRAIN_STEPS + 3, "t1": TRAIN_STEPS + 3, "t2": TRAIN_STEPS + 3}
+        ), out
         for i, (a, b) in enumerate(zip(out["resumed"], out["uninterrupted"])):
             for key in ("emb", "pred"):
                 np.testing.assert_array_equal(a[key], b[key], err_msg=f"rank {rank} step {TRAIN_STEPS + i} {key}")
-
-
-def test_a_pt_save_over_a_dcp_step_directory_leaves_only_its_own_files(tmp_path: Path) -> None:
-    """A fresh ``pt`` run saving into the ``--checkpoint-dir`` of an earlier ``dcp`` run used to
-    leave DCP's ``.metadata`` and ``.distcp`` files in the step directory (the model's size on
-    disk for good), and those of a run with more ranks their ``rankR.pt``; ``reseal_checkpoint``
-    then took the step for a ``dcp`` checkpoint of stale weights (or of another world size).
-    The step directory must hold what a ``pt`` save writes, and nothing else."""
-    from recpipe.recipes.checkpoint import read_manifest, reseal_checkpoint
-    from recpipe.recipes.config import TrainConfig
-    from recpipe.recipes.train import run
-    from test_recipes_dist import SMALL_SYNTHETIC
-
-    root = tmp_path / "ckpt"
-    run(TrainConfig(**SMALL_SYNTHETIC, max_steps=4, checkpoint_dir=str(root), checkpoint_format="dcp"))
-    step = root / "step_00000004"
-    assert (step / ".metadata").is_file()
-    (step / "rank1.pt").write_bytes(b"left by an earlier 2-rank run")  # not this 1-rank run's to write
-    run(TrainConfig(**SMALL_SYNTHETIC, max_steps=4, checkpoint_dir=str(root), checkpoint_format="pt"))
-    assert sorted(p.name for p in step.iterdir()) == ["manifest.json", "rank0.pt"]
-    assert read_manifest(step)["checkpoint_format"] == "pt"
-    assert reseal_checkpoint(step)["checkpoint_format"] == "pt"

@@ -1,8 +1,12 @@
-"""Import layers of the sources (ARCHITECTURE.md "Layers"), checked statically with ``ast``.
+"""Import layers of the sources (docs/architecture.md "Layers"), checked statically with ``ast``.
 
-recipes/ -> planner/ -> pipeline/ -> recpipe._C: imports point downward only, and
-there is no import cycle among recpipe modules, not even through an import
-inside a function (a lazy import hides a cycle from Python, not from this test).
+recipes/ -> planner/ -> pipeline/ -> recpipe._C: imports point downward only. Inside
+pipeline/, placement (the plan -> runtime contract) is the bottom and imports nothing of
+recpipe; types (the extension points) sits on it; routing, tiered, checkpoint and train
+import only the layers below them (PIPELINE_LAYERS). A private name (``_x``) is never
+imported from another layer, and there is no import cycle among recpipe modules, not even
+through an import inside a function (a lazy import hides a cycle from Python, not from
+this test).
 
 The graph has one node per source module of pipeline/, planner/ and recipes/ and
 an edge for every ``import`` / ``from ... import`` naming another recpipe module,
@@ -14,12 +18,13 @@ is not an edge.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
-from typing import Dict, Iterable, List, Set
+from typing import Dict, Iterable, List, Set, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 FOLDERS = ("pipeline", "planner", "recipes")
-
 
 
 def module_name(folder: str, path: Path) -> str:
@@ -125,9 +130,10 @@ def _all_imports() -> Dict[str, Set[str]]:
 
 
 def _violations(prefix: str, forbidden: Iterable[str]) -> Dict[str, List[str]]:
+    """Modules under ``prefix`` importing a name under any of ``forbidden``."""
     bad: Dict[str, List[str]] = {}
     for module, names in _all_imports().items():
-        if not module.startswith(prefix):
+        if not (module == prefix or module.startswith(prefix + ".")):
             continue
         hits = sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
         if hits:
@@ -135,27 +141,116 @@ def _violations(prefix: str, forbidden: Iterable[str]) -> Dict[str, List[str]]:
     return bad
 
 
+def _outside(prefix: str, allowed: Iterable[str]) -> Dict[str, List[str]]:
+    """recpipe names imported by modules under ``prefix`` that lie outside ``allowed`` (and ``prefix``)."""
+    allow = (prefix, *allowed)
+    bad: Dict[str, List[str]] = {}
+    for module, names in _all_imports().items():
+        if not (module == prefix or module.startswith(prefix + ".")):
+            continue
+        hits = sorted(
+            n
+            for n in names
+            if n.startswith("recpipe")
+            and n not in ("recpipe", "recpipe.pipeline")
+            and not any(n == a or n.startswith(a + ".") for a in allow)
+        )
+        if hits:
+            bad[module] = hits
+    return bad
+
+
+#: Each part of ``recpipe.pipeline`` and what it may import besides itself (ARCHITECTURE.md, "Layers").
+PIPELINE_LAYERS: Dict[str, Tuple[str, ...]] = {
+    "recpipe.pipeline.placement": (),
+    "recpipe.pipeline.types": ("recpipe.pipeline.placement",),
+    "recpipe.pipeline.routing": ("recpipe.pipeline.placement", "recpipe.pipeline.types", "recpipe._C"),
+    "recpipe.pipeline.tiered": (
+        "recpipe.pipeline.placement",
+        "recpipe.pipeline.types",
+        "recpipe.pipeline.routing",
+        "recpipe._C",
+    ),
+    "recpipe.pipeline.checkpoint": (
+        "recpipe.pipeline.placement",
+        "recpipe.pipeline.types",
+        "recpipe.pipeline.routing",
+        "recpipe.pipeline.tiered",
+    ),
+    "recpipe.pipeline.train": (
+        "recpipe.pipeline.placement",
+        "recpipe.pipeline.types",
+        "recpipe.pipeline.routing",
+        "recpipe.pipeline.tiered",
+    ),
+}
+
+
+def _layer_of(module: str) -> str:
+    """The layer a module belongs to: a ``recpipe.pipeline`` part, else its top-level package."""
+    for layer in PIPELINE_LAYERS:
+        if module == layer or module.startswith(layer + "."):
+            return layer
+    return (
+        ".".join(module.split(".")[:3]) if module.startswith("recpipe.pipeline.") else ".".join(module.split(".")[:2])
+    )
+
+
+def _private_part(name: str) -> bool:
+    """Whether a dotted name has a private part (``_x``; ``recpipe._C`` and dunders excepted)."""
+    return any(p.startswith("_") and not p.startswith("__") and p != "_C" for p in name.split("."))
+
+
 def test_sources_are_found() -> None:
     mods = source_modules()
     assert "recpipe.pipeline.placement" in mods and "recpipe.planner.types" in mods
     assert "recpipe.recipes.build" in mods and "recpipe.planner" in mods
+    for layer in PIPELINE_LAYERS:
+        if layer != "recpipe.pipeline.types" or layer in mods:
+            assert layer in mods, layer
 
 
 def test_pipeline_imports_neither_planner_nor_recipes() -> None:
     assert _violations("recpipe.pipeline", ("recpipe.planner", "recpipe.recipes")) == {}
 
 
-def test_planner_does_not_import_recipes() -> None:
-    assert _violations("recpipe.planner", ("recpipe.recipes",)) == {}
+def test_planner_imports_only_the_placement_contract_of_the_runtime() -> None:
+    """The planner reads the plan -> runtime contract, never the runtime's modules or recipes."""
+    assert _outside("recpipe.planner", ("recpipe.pipeline.placement", "recpipe._C")) == {}
 
 
-def test_placement_contract_is_a_bottom_module() -> None:
-    # it may use the routing module's constants, rows-per-rank rule and int argument check, and
-    # nothing else of recpipe
-    names = _all_imports()["recpipe.pipeline.placement"]
-    assert {n for n in names if n.startswith("recpipe")} <= {
-        "recpipe.pipeline.routing.ops", "recpipe.pipeline.routing.ops.DIST_TYPES", "recpipe.pipeline.routing.ops.local_rows",
-        "recpipe.pipeline.routing.ops.check_int"}
+def test_each_pipeline_layer_imports_only_the_layers_below_it() -> None:
+    bad = {layer: _outside(layer, allowed) for layer, allowed in PIPELINE_LAYERS.items()}
+    assert {k: v for k, v in bad.items() if v} == {}
+
+
+def test_placement_contract_loads_without_the_extension() -> None:
+    """The planner reads the contract without loading the compiled kernels."""
+    code = (
+        "import sys, recpipe.pipeline.placement; "
+        "assert 'recpipe._C' not in sys.modules, sorted(m for m in sys.modules if m.startswith('recpipe'))"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_private_name_is_imported_across_layers() -> None:
+    bad: Dict[str, List[str]] = {}
+    for module, names in _all_imports().items():
+        hits = sorted(
+            n for n in names if n.startswith("recpipe.") and _private_part(n) and _layer_of(n) != _layer_of(module)
+        )
+        if hits:
+            bad[module] = hits
+    assert bad == {}
+
+
+def test_layer_checks_see_a_private_import_and_an_upward_import() -> None:
+    assert _private_part("recpipe.pipeline.tiered.shard._helper")
+    assert _private_part("recpipe.pipeline._old")
+    assert not _private_part("recpipe._C") and not _private_part("recpipe.pipeline.__init__")
+    assert _layer_of("recpipe.pipeline.routing.ops") == "recpipe.pipeline.routing"
+    assert _layer_of("recpipe.planner.types") == "recpipe.planner"
+    assert _layer_of("recpipe.recipes.data.base") == "recpipe.recipes"
 
 
 def test_no_import_cycles_among_recpipe_modules() -> None:

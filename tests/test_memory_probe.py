@@ -3,8 +3,7 @@
 Each probe runs in its own interpreter and reports how far the process's peak RSS
 (``ru_maxrss``) rose during the call under test, over the peak reached while its
 inputs were built. Routing is O(n) and a tiered load O(N / W) per rank: the bounds
-below sit far under what the earlier W x n / O(N) implementations needed (quoted
-per test), so each test fails on them.
+below sit far under what a W x n / O(N) implementation needs (quoted per test).
 """
 
 from __future__ import annotations
@@ -27,8 +26,9 @@ def peak_bytes():
 
 def _probe(body: str) -> dict:
     code = _PRELUDE + textwrap.dedent(body)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ),
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -49,10 +49,11 @@ def test_route_ids_memory_is_linear_in_ids() -> None:
 
 def test_tiered_load_memory_is_per_shard() -> None:
     """Rank 0 of 64 loads its rows of a 4M-row, dim-8 table from one W = 1 export
-    (128 MiB of rows): it keeps ~62k rows; the earlier load concatenated every export
-    (+128 MiB) and routed through a W x N length matrix (+2 GiB)."""
+    (128 MiB of rows): it keeps ~62k rows; concatenating every export would add 128 MiB,
+    routing through a W x N length matrix 2 GiB."""
     res = _probe("""
-        from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredShardState
+        from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
+        from recpipe.pipeline.tiered.state import TieredShardState
         N, D, W = 4_000_000, 8, 64
         shard = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5,
                                      rank=0, world_size=W, dist_type="roundrobin")

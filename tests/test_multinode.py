@@ -16,6 +16,7 @@ import pytest
 from torchx.runner import get_runner
 from torchx.specs import AppState
 
+from recpipe.pipeline.checkpoint import DIGESTS_NAME, read_extra_state
 from recpipe.planner import PlacementPlanner
 from recpipe.recipes import components, launch
 from recpipe.recipes.build import local_world_size_from_env, planner_topology
@@ -55,10 +56,7 @@ def test_local_world_size_comes_from_torchrun(monkeypatch: pytest.MonkeyPatch) -
             local_world_size_from_env(8)
 
 
-@pytest.mark.parametrize(
-    "world, local, machines",
-    [(2, 2, 1), (2, 1, 2), (8, 4, 2), (8, 1, 8), (1, 1, 1)],
-)
+@pytest.mark.parametrize("world, local, machines", [(2, 2, 1), (2, 1, 2), (8, 4, 2), (8, 1, 8), (1, 1, 1)])
 def test_slow_tier_budget_is_per_machine(world: int, local: int, machines: int) -> None:
     config = TrainConfig(slow_tier_mb=1024.0)
     topology = planner_topology(config, world_size=world, local_world_size=local, fast_bytes=MiB)
@@ -68,17 +66,14 @@ def test_slow_tier_budget_is_per_machine(world: int, local: int, machines: int) 
     assert {d.storage.ddr for d in topology.devices} == {1024 * MiB // local}
     assert {d.storage.hbm for d in topology.devices} == {MiB}
     # ... so every one of the `machines` machines has slow_tier_mb, whatever the shape
-    per_machine = [
-        sum(d.storage.ddr for d in topology.devices[m * local : (m + 1) * local])
-        for m in range(machines)
-    ]
+    per_machine = [sum(d.storage.ddr for d in topology.devices[m * local : (m + 1) * local]) for m in range(machines)]
     assert per_machine == [1024 * MiB] * machines
     planner = PlacementPlanner(topology, batch_size=128, hbm_reservation=0.0)
     assert planner.ddr_budget == int(1024 * MiB * (1.0 - planner.ddr_reservation))
 
 
 def test_one_machine_topology_unchanged() -> None:
-    """1 node: the budgets the recipes used before multi-node (``slow_tier_mb // world``)."""
+    """1 node: each rank's DDR budget is ``slow_tier_mb // world``."""
     config = TrainConfig(slow_tier_mb=16384.0)
     topology = planner_topology(config, world_size=2, local_world_size=2, fast_bytes=7)
     assert {d.storage.ddr for d in topology.devices} == {int(16384.0 * MiB) // 2}
@@ -110,10 +105,12 @@ def test_two_nodes_of_one_rank_train_on_one_host(tmp_path: Path) -> None:
     assert len(metrics["losses"]) == 10 and all(math.isfinite(v) for v in metrics["losses"])
     # both "nodes" trained all 10 steps: each wrote its own shard of the step-10 checkpoint
     step_dir = tmp_path / "ckpt" / "step_00000010"
-    manifest = json.loads((step_dir / "manifest.json").read_text())
-    assert manifest["world_size"] == 2 and manifest["step"] == 10
-    assert set(manifest["files"]) == {"rank0.pt", "rank1.pt"}
-    assert all((step_dir / name).stat().st_size > 0 for name in manifest["files"])
+    record = json.loads((step_dir / DIGESTS_NAME).read_text())
+    assert set(record["files"]) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert all((step_dir / name).stat().st_size > 0 for name in record["files"])
+    for rank in (0, 1):
+        meta = read_extra_state(step_dir, rank).value["meta"]  # type: ignore[union-attr]
+        assert (meta["world_size"], meta["step"], meta["rank"]) == (2, 10, rank)
 
     # the planner saw 2 machines of 1 rank, each with the whole 64 MiB slow tier
     plan = metrics["plan_text"]
@@ -136,7 +133,9 @@ def test_busy_rdzv_port_is_refused_before_any_process() -> None:
         busy.bind(("", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        with pytest.raises(ConfigError, match=rf"--rdzv_port {port}: the port is already in use.*Fix: pass a free port"):
+        with pytest.raises(
+            ConfigError, match=rf"--rdzv_port {port}: the port is already in use.*Fix: pass a free port"
+        ):
             components.train(*SMALL, j="2x1", rdzv_port=port)
         # node 0 elsewhere (kubernetes, slurm): the local port does not matter
         app = components.train(*SMALL, j="2x1", rdzv_port=port, check_paths=False)

@@ -2,9 +2,9 @@
 before any checkpoint of the bad weights is written, and the CLI exits non-zero.
 
 Two causes: a diverging dense learning rate (the real path, end to end through the
-CLI), and a batch whose dense features hold inf on one rank only (what a 45-digit
-integer in a Criteo column used to become; the Criteo reader now refuses such rows,
-so the test puts the inf into rank 1's batch of step 3 as the source yields it) to
+CLI), and a batch whose dense features hold inf on one rank only (the Criteo reader
+refuses the 45-digit integers that would become one, so the test puts the inf into
+rank 1's batch of step 3 as the source yields it) to
 show that the other rank stops too and the error names the right rank, step and rows.
 """
 
@@ -22,11 +22,12 @@ import pytest
 from gloo_harness import run_gloo
 
 import recpipe.recipes.train as train_module
-from recpipe.recipes.checkpoint import verify_checkpoint
+from recpipe.pipeline.checkpoint import verify_checkpoint
 from recpipe.recipes.config import TrainConfig
 from recpipe.recipes.data import registry
 from recpipe.recipes.data.base import BatchSource
-from recpipe.recipes.train import NonFiniteLossError, run
+from recpipe.recipes.faults import NonFiniteLossError
+from recpipe.recipes.train import run
 
 CRITEO: dict[str, Any] = dict(
     dataset="criteo_tsv",
@@ -104,7 +105,7 @@ def test_inf_on_one_rank_stops_every_rank(tmp_path: Path, checkpoints: bool, log
         assert error is not None, f"rank {rank} finished: {out['losses']}"
         assert error.startswith("non-finite training loss at step 3 on rank 1 (dataset criteo_tsv)"), error
         assert f"stopped at step {stop}, before any checkpoint" in error
-        assert f"rank 1: loss nan first at step 3; batch: dataset criteo_tsv, rank 1's slice of global batch 2" in error
+        assert "rank 1: loss nan first at step 3; batch: dataset criteo_tsv, rank 1's slice of global batch 2" in error
         assert f"{data} lines 81-96" in error
     if ckpt is not None:
         assert "the newest checkpoint in" in outs[0]["error"] and "is step 2" in outs[0]["error"]
@@ -117,12 +118,28 @@ def test_cli_exits_non_zero_on_divergence_without_saving_bad_weights(tmp_path: P
     data = tmp_path / "day_0.tsv"
     write_criteo(data, 320)
     ckpt = tmp_path / "ckpt"
-    flags = [f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
-             for k, v in CRITEO.items() if k != "progress_bar"]
+    flags = [
+        f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+        for k, v in CRITEO.items()
+        if k != "progress_bar"
+    ]
     proc = subprocess.run(
-        [sys.executable, "-m", "recpipe.recipes.train", *flags, "--no-progress-bar", f"--data-path={data}",
-         "--dense-lr=1e30", "--log-every=10", f"--checkpoint-dir={ckpt}", "--checkpoint-every=1"],
-        capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "recpipe.recipes.train",
+            *flags,
+            "--no-progress-bar",
+            f"--data-path={data}",
+            "--dense-lr=1e30",
+            "--log-every=10",
+            f"--checkpoint-dir={ckpt}",
+            "--checkpoint-every=1",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=600,
     )
     assert proc.returncode == 1, proc.stdout[-2000:]
     err = proc.stderr

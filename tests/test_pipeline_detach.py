@@ -25,7 +25,8 @@ from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipelin
 
 def _tbe_counters(model: Any) -> List[Any]:
     """(step, iter) of every fbgemm TBE of the model's sharded modules."""
-    from recpipe.pipeline.train.pipeline import fused_tbes, tbe_counters
+    from recpipe.pipeline.tiered.fbgemm import tbe_counters
+    from recpipe.pipeline.train.take_back import fused_tbes
 
     return [tbe_counters(t) for mod in (model.module.ebc, model.module.ec) for t in fused_tbes(mod)]
 
@@ -255,8 +256,8 @@ def test_train_eval_train_switch_between_steps(sharding: str, no_grad: bool) -> 
     """``model.eval()`` (under ``torch.no_grad()`` or not) for steps 3-5 of one
     dataloader, then ``model.train()``: every loss and eval prediction equals the
     loop and torchrec's pipeline. The lookup issued for step 6 during eval step 5
-    has no autograd graph under no_grad; it is redone (it used to be kept, so
-    step 6 updated no table and every later step differed)."""
+    has no autograd graph under no_grad; it is redone (kept, step 6 would update
+    no table)."""
     for rank, res in enumerate(run_gloo(2, _switch_body, sharding, no_grad, timeout_s=300)):
         want = res["reference"]
         assert len(want) == N_BATCHES
@@ -264,7 +265,9 @@ def test_train_eval_train_switch_between_steps(sharding: str, no_grad: bool) -> 
             got = res[name]
             assert len(got) == N_BATCHES, name
             for step, (a, b) in enumerate(zip(got, want)):
-                assert (a == b).all(), f"rank {rank} {sharding} {name}: step {step} differs (eval steps {list(EVAL_STEPS)})"
+                assert (a == b).all(), (
+                    f"rank {rank} {sharding} {name}: step {step} differs (eval steps {list(EVAL_STEPS)})"
+                )
             if name != "torchrec":
                 # one redone lookup per switch (train -> eval, eval -> train)
                 assert res[name + " relookups"] == 2, (name, res[name + " relookups"])
@@ -388,9 +391,7 @@ def _schedule_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
             out[f"{kind} {name}"] = [t.numpy() for t in losses]
             out[f"{kind} {name} relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
             out[f"{kind} {name} counters"] = _tbe_counters(model)
-            out[f"{kind} {name} warnings"] = [
-                str(w.message) for w in caught if "learning rate" in str(w.message)
-            ]
+            out[f"{kind} {name} warnings"] = [str(w.message) for w in caught if "learning rate" in str(w.message)]
     return out
 
 
@@ -399,8 +400,7 @@ def test_fused_learning_rate_changes_between_steps(sharding: str) -> None:
     """fbgemm's TBE takes the learning rate its backward applies at lookup time,
     and torchrec's fused optimizers set it in zero_grad() / step(). A batch looked
     up early under the old rate is looked up again, so every step equals the loop
-    and torchrec's pipeline (it used to differ from the first rate change on);
-    changes at consecutive steps warn once."""
+    and torchrec's pipeline; changes at consecutive steps warn once."""
     # LR of step i's batch: StepLR changes at steps 3, 6, 9; LambdaLR at 1, 2, 3.
     expected = {"step_lr": (3, False), "lambda_warmup": (3, True)}
     for rank, res in enumerate(run_gloo(2, _schedule_body, sharding, timeout_s=300)):
@@ -449,7 +449,7 @@ def test_discarded_lookup_takes_back_adam_iteration(loaded_iter: int, first: boo
     """A discarded lookup, then another lookup in between (an eval forward of the
     detached model), then the redone lookup: the counters end as if the discarded
     one never ran, also when it was the first after a checkpoint load."""
-    from recpipe.pipeline.train.pipeline import tbe_counters, undo_tbe_lookup
+    from recpipe.pipeline.tiered.fbgemm import tbe_counters, undo_tbe_lookup
 
     ours, plain = _AdamTbeCounters(loaded_iter), _AdamTbeCounters(loaded_iter)
     if not first:

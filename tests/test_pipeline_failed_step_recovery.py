@@ -24,8 +24,8 @@ import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import pytest
-import torch
 import test_pipeline_breadth as breadth
+import torch
 from gloo_harness import run_gloo
 
 FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
@@ -95,39 +95,57 @@ class FlakyIterator:
 #   ("eval_inference",) / ("train",): model.eval() under torch.inference_mode() / model.train()
 SCENARIOS: Dict[str, Dict[str, Any]] = {
     "optimizer_fails_then_reset": {
-        "actions": [("steps", 2), ("fail_optimizer",), ("steps", 1), ("counters",), ("reset",), ("steps", 5)],
+        "actions": [("steps", 2), ("fail_optimizer",), ("steps", 1), ("counters",), ("reset",), ("steps", 5)]
     },
     "optimizer_fails_then_retry": {"actions": [("steps", 2), ("fail_optimizer",), ("steps", 3), ("counters",)]},
     "forward_fails_midway_then_retry": {
-        "actions": [("steps", 2), ("fail_forward", "ec"), ("steps", 1), ("counters",), ("steps", 2)],
+        "actions": [("steps", 2), ("fail_forward", "ec"), ("steps", 1), ("counters",), ("steps", 2)]
     },
     "forward_fails_midway_retry_then_reset": {
-        "actions": [("steps", 2), ("fail_forward", "ec"), ("steps", 2), ("reset",), ("steps", 5)],
+        "actions": [("steps", 2), ("fail_forward", "ec"), ("steps", 2), ("reset",), ("steps", 5)]
     },
     "forward_fails_first_then_retry": {
-        "actions": [("steps", 2), ("fail_forward", "ebc1"), ("steps", 1), ("counters",), ("steps", 7)],
+        "actions": [("steps", 2), ("fail_forward", "ebc1"), ("steps", 1), ("counters",), ("steps", 7)]
     },
     # detach() / attach() (re-attaching after a failure) does not make the failed batch rerun
     "forward_fails_midway_then_detach_attach": {
-        "actions": [("steps", 2), ("fail_forward", "ec"), ("steps", 1), ("detach_attach",), ("steps", 2),
-                    ("counters",), ("reset",), ("steps", 5)],
+        "actions": [
+            ("steps", 2),
+            ("fail_forward", "ec"),
+            ("steps", 1),
+            ("detach_attach",),
+            ("steps", 2),
+            ("counters",),
+            ("reset",),
+            ("steps", 5),
+        ]
     },
     # the dataloader raises once instead of yielding batch 4 (in the third step)
     "dataloader_fails_then_retry": {"fail_at": 4, "actions": [("steps", 3), ("counters",), ("steps", 7)]},
     # fbgemm's training TBE cannot run under inference_mode: the lookup raises
     # NotImplementedError, in the forward of the first such step in torchrec
     "eval_under_inference_mode_then_reset": {
-        "actions": [("steps", 2), ("eval_inference",), ("steps", 2), ("train",), ("steps", 1), ("counters",),
-                    ("reset",), ("steps", 5)],
+        "actions": [
+            ("steps", 2),
+            ("eval_inference",),
+            ("steps", 2),
+            ("train",),
+            ("steps", 1),
+            ("counters",),
+            ("reset",),
+            ("steps", 5),
+        ]
     },
     # one process: an out-of-range id with fbgemm's BoundsCheckMode.FATAL makes the
     # lookup of that batch raise (in its own step, in torchrec)
     "out_of_range_id_in_batch_3_then_reset": {
-        "world_size": 1, "bad_id_batch": 3,
+        "world_size": 1,
+        "bad_id_batch": 3,
         "actions": [("steps", 5), ("counters",), ("reset",), ("steps", 5)],
     },
     "out_of_range_id_in_batch_0_then_reset": {
-        "world_size": 1, "bad_id_batch": 0,
+        "world_size": 1,
+        "bad_id_batch": 0,
         "actions": [("steps", 2), ("counters",), ("reset",), ("steps", 7)],
     },
 }
@@ -175,9 +193,7 @@ def _body(rank: int, world_size: int, name: str) -> Dict[Any, Any]:
                 raise InjectedFailure(f"forward failed in {module_name}")
 
         for module_name in ("ebc1", "ec"):
-            getattr(dmp.module, module_name).register_forward_pre_hook(
-                lambda m, a, n=module_name: pre_hook(m, a, n)
-            )
+            getattr(dmp.module, module_name).register_forward_pre_hook(lambda m, a, n=module_name: pre_hook(m, a, n))
         batches = breadth.make_breadth_batches(rank, [8] * 9, seed=3)
         if "bad_id_batch" in scenario:
             _with_bad_id(batches[scenario["bad_id_batch"]])
@@ -243,15 +259,13 @@ def test_failed_step_then_retry_or_reset_matches_torchrec(name: str) -> None:
     ``reset()``: same outputs, same exceptions in the same ``progress()`` calls (a
     retried batch whose forward already called a module raises an
     ``AssertionError``, as torchrec's ``PipelinedForward``), same parameters and
-    TBE counters (at the failure and at the end) as torchrec. Before the fix, a
-    lookup issued early for the next batch (before an optimizer that raised) or
-    for modules the failed forward never reached stayed counted (TBE step / iter
-    one ahead of torchrec's, also after ``reset()``); a retry raised a plain
-    ``RuntimeError``; and a lookup that raises (an out-of-range id with
-    ``BoundsCheckMode.FATAL``, a training TBE under ``inference_mode``) raised in
-    the ``progress()`` before that batch's (losing that step's output), or at the
-    start of its step before the next batch was loaded, so a ``reset()`` then
-    resumed the dataloader at another batch than torchrec."""
+    TBE counters (at the failure and at the end) as torchrec: a lookup issued
+    early for the next batch (before an optimizer that raised) or for modules the
+    failed forward never reached is taken back (also by ``reset()``), and a
+    lookup that raises (an out-of-range id with ``BoundsCheckMode.FATAL``, a
+    training TBE under ``inference_mode``) raises in that batch's own
+    ``progress()``, where its forward calls the module, so a ``reset()`` resumes
+    the dataloader at the same batch as torchrec."""
     for rank, res in enumerate(run_gloo(SCENARIOS[name].get("world_size", 2), _body, name, timeout_s=300)):
         w_trace = res["torchrec"][0]
         assert any(e[0] == "raised" for e in w_trace), "the scenario must fail somewhere"

@@ -102,8 +102,8 @@ def _two_module_body(rank: int, world_size: int) -> Dict[str, Any]:
     from torchrec.distributed.fp_embeddingbag import ShardedFeatureProcessedEmbeddingBagCollection
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline.train.validation import FusedLookupExactnessChecker
-    from recpipe.pipeline.train.pipeline import FusedLookupExactnessError, TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train.validation import FusedLookupExactnessChecker, FusedLookupExactnessError
 
     device = torch.device("cpu")
     batches = make_batches(rank, seed=3)
@@ -115,9 +115,7 @@ def _two_module_body(rank: int, world_size: int) -> Dict[str, Any]:
     out["torchrec"] = _run(pipe, batches)
     out["torchrec state"] = final_state(model)
     out["torchrec fp module"] = [
-        m.forward.name
-        for m in pipe._pipelined_modules
-        if isinstance(m, ShardedFeatureProcessedEmbeddingBagCollection)
+        m.forward.name for m in pipe._pipelined_modules if isinstance(m, ShardedFeatureProcessedEmbeddingBagCollection)
     ]
 
     for stream, after_opt in FLAG_COMBOS:
@@ -135,9 +133,7 @@ def _two_module_body(rank: int, world_size: int) -> Dict[str, Any]:
         out[key + " steps"] = pipe.stats.steps
 
     model, opt = build_dmp("table_wise", device, position_weighted=True)
-    stale = _stale_pipeline_type()(
-        model, opt, device, embedding_lookup_after_opt=False, allow_dense_tables=True
-    )
+    stale = _stale_pipeline_type()(model, opt, device, embedding_lookup_after_opt=False, allow_dense_tables=True)
     out["stale"] = _run(stale, batches)
     out["stale late"] = list(stale.after_optimizer_modules)
     out["stale relookups"] = stale.stats.relookups
@@ -158,18 +154,14 @@ def _two_module_body(rank: int, world_size: int) -> Dict[str, Any]:
     out["mixed torchrec"] = _run(TrainPipelineSparseDist(model, opt, device), batches)
     out["mixed torchrec state"] = final_state(model)
     model, opt = build_dmp("table_wise", device, position_weighted=True, overrides=overrides)
-    pipe = TrainPipelineFusedSparseDist(
-        model, opt, device, embedding_lookup_after_opt=False, allow_dense_tables=True
-    )
+    pipe = TrainPipelineFusedSparseDist(model, opt, device, embedding_lookup_after_opt=False, allow_dense_tables=True)
     out["mixed recpipe"] = _run(pipe, batches)
     out["mixed recpipe state"] = final_state(model)
     out["mixed late"] = list(pipe.after_optimizer_modules)
     modules = {m.forward.name: m for m in pipe._pipelined_modules}
     checker = FusedLookupExactnessChecker(allow_dense_tables=True)
     out["mixed dense tables"] = [(d.module, d.table, d.reason) for d in checker.dense_updated_tables(modules)]
-    out["mixed fp modules"] = [
-        (f.module, f.tables, f.parameters) for f in checker.feature_processed_modules(modules)
-    ]
+    out["mixed fp modules"] = [(f.module, f.tables, f.parameters) for f in checker.feature_processed_modules(modules)]
     out["cuda_initialized"] = torch.cuda.is_initialized()
     return out
 
@@ -183,9 +175,7 @@ def _assert_trace_equal(label: str, got: Trace, want: Trace, n_steps: int) -> No
     for part, g, w in (("loss", got[0], want[0]), ("predictions", got[1], want[1])):
         assert len(g) == len(w) == n_steps, f"{label}: {len(g)} {part} steps, torchrec {len(w)}"
         for step, (a, b) in enumerate(zip(g, w)):
-            assert np.array_equal(a, b), (
-                f"{label}: {part} differ at step {step}, max |diff| {np.abs(a - b).max()}"
-            )
+            assert np.array_equal(a, b), f"{label}: {part} differ at step {step}, max |diff| {np.abs(a - b).max()}"
 
 
 def _assert_state_equal(label: str, got: State, want: State) -> None:
@@ -200,9 +190,7 @@ def _position_weight_keys(state: State) -> List[str]:
     return sorted(k for k in state if "position_weights" in k)
 
 
-def test_feature_processed_ebc_is_exact_for_every_flag_combination(
-    two_module_results: List[Dict[str, Any]],
-) -> None:
+def test_feature_processed_ebc_is_exact_for_every_flag_combination(two_module_results: List[Dict[str, Any]]) -> None:
     for rank, res in enumerate(two_module_results):
         assert not res["cuda_initialized"], f"rank {rank}: a CPU run initialised CUDA"
         ref, ref_state = res["torchrec"], res["torchrec state"]
@@ -210,7 +198,10 @@ def test_feature_processed_ebc_is_exact_for_every_flag_combination(
         # The comparison has teeth: losses vary and the position weights trained.
         assert len({float(x) for x in ref[0]}) > 1
         pw = _position_weight_keys(ref_state)
-        assert pw == ["ebc._feature_processors.position_weights.f_t0", "ebc._feature_processors.position_weights.f_t1"], pw
+        assert pw == [
+            "ebc._feature_processors.position_weights.f_t0",
+            "ebc._feature_processors.position_weights.f_t1",
+        ], pw
         for key in pw:
             assert not np.array_equal(ref_state[key][0], res["initial"][key][0]), f"{key} did not train"
         for stream, after_opt in FLAG_COMBOS:
@@ -237,23 +228,17 @@ def test_without_the_flag_feature_processor_is_refused_naming_tables_and_paramet
         assert "3) Pass allow_dense_tables=True: the lookup of ['ebc']" in msg
 
 
-def test_feature_processed_ebc_with_a_dense_table_is_exact(
-    two_module_results: List[Dict[str, Any]],
-) -> None:
+def test_feature_processed_ebc_with_a_dense_table_is_exact(two_module_results: List[Dict[str, Any]]) -> None:
     for rank, res in enumerate(two_module_results):
         assert res["mixed dense tables"] == [("ebc", "t1", "compute_kernel='dense'")]
-        assert res["mixed fp modules"] == [
-            ("ebc", ("t0", "t1"), ("position_weights.f_t0", "position_weights.f_t1"))
-        ]
+        assert res["mixed fp modules"] == [("ebc", ("t0", "t1"), ("position_weights.f_t0", "position_weights.f_t1"))]
         assert res["mixed late"] == ["ebc"]
         label = f"rank {rank} FP-EBC with a dense table"
         _assert_trace_equal(label, res["mixed recpipe"], res["mixed torchrec"], N_BATCHES)
         _assert_state_equal(label, res["mixed recpipe state"], res["mixed torchrec state"])
 
 
-def test_feature_processed_lookup_before_optimizer_is_redone(
-    two_module_results: List[Dict[str, Any]],
-) -> None:
+def test_feature_processed_lookup_before_optimizer_is_redone(two_module_results: List[Dict[str, Any]]) -> None:
     """Control: the same pipeline with the FP module's lookup issued before the
     optimizer. The optimizer step then writes the position weights that lookup
     read; the pipeline sees the write (tensor versions) and redoes the batch's

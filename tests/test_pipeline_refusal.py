@@ -17,15 +17,11 @@ import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
-from torchrec.streamable import Pipelineable
 from test_pipeline_common import TwoModuleModel, TwoSparseBatch, build_dmp, make_batches, run_pipeline, run_reference
+from torchrec.streamable import Pipelineable
 
-from recpipe.pipeline.train.stats import (
-    STAGE_OUTPUT_DIST_WAIT,
-    PipelineStageStats,
-    TimedLazyAwaitable,
-)
 from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
+from recpipe.pipeline.train.stats import STAGE_OUTPUT_DIST_WAIT, PipelineStageStats, TimedLazyAwaitable
 
 DENSE_T1 = {"t1": ("table_wise", "dense")}  # table t1 of module "ebc": dense kernel
 DP_T1 = {"t1": ("data_parallel", None)}  # table t1 of module "ebc": replicated
@@ -45,7 +41,7 @@ class _EbcTwiceModel(TwoModuleModel):
 
 
 def _refusal_body(rank: int, world_size: int) -> Dict[str, Any]:
-    from recpipe.pipeline.train.pipeline import FusedLookupExactnessError
+    from recpipe.pipeline.train.validation import FusedLookupExactnessError
 
     device = torch.device("cpu")
     batches = make_batches(rank, seed=2)
@@ -160,8 +156,6 @@ def test_bad_arguments_name_the_argument() -> None:
         TrainPipelineFusedSparseDist(model, opt, torch.device("cpu"), True, False, *([None] * 9), True)  # type: ignore[misc]
 
 
-
-
 def test_timed_lazy_awaitable_is_lazy_and_times_the_wait() -> None:
     from torchrec.distributed.types import Awaitable
 
@@ -180,9 +174,7 @@ def test_timed_lazy_awaitable_is_lazy_and_times_the_wait() -> None:
     assert len(calls) == 1 and float(total) == 3.0
     assert 0.05 <= stats.seconds[STAGE_OUTPUT_DIST_WAIT] < 1.0
     stats.steps = 2
-    assert stats.per_step_ms()[STAGE_OUTPUT_DIST_WAIT] == pytest.approx(
-        1e3 * stats.seconds[STAGE_OUTPUT_DIST_WAIT] / 2
-    )
+    assert stats.per_step_ms()[STAGE_OUTPUT_DIST_WAIT] == pytest.approx(1e3 * stats.seconds[STAGE_OUTPUT_DIST_WAIT] / 2)
     with pytest.raises(KeyError, match="unknown pipeline stage"):
         stats.add("nope", 1.0)
 
@@ -242,7 +234,7 @@ def test_foreign_pipeline_context_raises_type_error_naming_the_fix() -> None:
             f"pipeline.contexts[{bad_position}] (batch {10 + bad_position}) is a "
             "torchrec.distributed.train_pipeline.pipeline_context.TrainPipelineContext" in msg
         ), msg
-        assert "expected a recpipe.pipeline.train.pipeline.FusedLookupPipelineContext" in msg
+        assert "expected a recpipe.pipeline.train.context.FusedLookupPipelineContext" in msg
         assert "pipeline._create_context()" in msg
         # nothing of the step ran
         assert len(pipe.batches) == 3 and pipe.stats.steps == 0

@@ -4,7 +4,7 @@
   through torchrec fused params (and torchrec's own ``add_params_from_parameter_sharding``),
   every ``from_fused_params`` error naming the table and the key, ``check_runtime``.
 * Keys and enums defined once: the fused-param key strings appear as literals only
-  in placement.py; the old import paths are aliases of the one definition.
+  in the contract's params module; every re-export is the one definition.
 * The planner sizes each table with the optimizer the model fuses into it
   (``apply_optimizer_in_backward``), falling back to the sharders' fused params and
   then to its ``optimizer=`` argument, and records it (and the dtype) in the plan.
@@ -32,7 +32,6 @@ from torchrec.optim.optimizers import SGD as TorchrecSGD
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from recpipe.pipeline import placement
-from recpipe.pipeline.routing import ops
 from recpipe.pipeline.placement import (
     FUSED_PARAM_CACHE_LOAD_FACTOR,
     FUSED_PARAM_DIST_TYPE,
@@ -51,12 +50,10 @@ from recpipe.pipeline.placement import (
     row_bytes,
     shard_storage,
 )
-from recpipe.pipeline.tiered.sharders import (
-    TieredEmbeddingBagCollectionSharder,
-    TieredEmbeddingCollectionSharder,
-    tiered_optimizer_from_fused_params,
-)
-from recpipe.pipeline.routing.sharding import recpipe_sharders
+from recpipe.pipeline.routing import ops
+from recpipe.pipeline.routing.sharders import recpipe_sharders
+from recpipe.pipeline.tiered.fused_params import tiered_optimizer_from_fused_params
+from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
 from recpipe.planner import (
     PlacementConstraints,
     PlacementParameterSharding,
@@ -90,16 +87,26 @@ def _params(**kw: Any) -> PlacementParams:
 def test_round_trip_through_fused_params_and_torchrec() -> None:
     for p in (
         _params(),
-        _params(mode=Mode.HYBRID, cache_load_factor=1.0, dist_type=DistType.ROUNDROBIN, seed=-3,
-                cache_policy=CachePolicy.LFU, optimizer=FusedOptimizer.ROWWISE_ADAGRAD, dtype=torch.float16),
+        _params(
+            mode=Mode.HYBRID,
+            cache_load_factor=1.0,
+            dist_type=DistType.ROUNDROBIN,
+            seed=-3,
+            cache_policy=CachePolicy.LFU,
+            optimizer=FusedOptimizer.ROWWISE_ADAGRAD,
+            dtype=torch.float16,
+        ),
         _params(dist_type=DistType.CONTINUOUS, seed=2**63 - 1, optimizer=FusedOptimizer.SGD, dtype=torch.bfloat16),
     ):
         fused = p.to_fused_params()
         assert list(fused) == list(FUSED_PARAM_KEYS)
         # plain values only: torchrec deep-copies and compares fused params
         assert {type(v) for v in fused.values()} <= {str, float, int}
-        assert all(type(fused[k]) is str for k in FUSED_PARAM_KEYS if k not in
-                   (FUSED_PARAM_CACHE_LOAD_FACTOR, FUSED_PARAM_SEED))
+        assert all(
+            type(fused[k]) is str
+            for k in FUSED_PARAM_KEYS
+            if k not in (FUSED_PARAM_CACHE_LOAD_FACTOR, FUSED_PARAM_SEED)
+        )
         assert PlacementParams.from_fused_params(fused, "t") == p
         # through a ParameterSharding and torchrec's own merge, next to torchrec's keys
         ps = PlacementParameterSharding.from_params(p, sharding_type="row_wise", compute_kernel="customized_kernel")
@@ -107,21 +114,37 @@ def test_round_trip_through_fused_params_and_torchrec() -> None:
         merged = add_params_from_parameter_sharding({"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1}, ps)
         assert PlacementParams.from_fused_params(merged, "t") == p
     assert _params().to_fused_params() == {
-        "recpipe_mode": "CACHING", "recpipe_cache_load_factor": 0.2, "recpipe_dist_type": "hash_roundrobin",
-        "recpipe_seed": 7, "recpipe_cache_policy": "lru", "recpipe_optimizer": "adam", "recpipe_dtype": "float32",
+        "recpipe_mode": "CACHING",
+        "recpipe_cache_load_factor": 0.2,
+        "recpipe_dist_type": "hash_roundrobin",
+        "recpipe_seed": 7,
+        "recpipe_cache_policy": "lru",
+        "recpipe_optimizer": "adam",
+        "recpipe_dtype": "float32",
     }
 
 
 def test_strings_and_fbgemm_spellings_are_normalized() -> None:
-    p = PlacementParams(mode="caching", cache_load_factor=0.2, dist_type="HASH_ROUNDROBIN", seed=7,
-                        cache_policy="LRU", optimizer=EmbOptimType.ADAM, dtype="torch.float32")
+    p = PlacementParams(
+        mode="caching",
+        cache_load_factor=0.2,
+        dist_type="HASH_ROUNDROBIN",
+        seed=7,
+        cache_policy="LRU",
+        optimizer=EmbOptimType.ADAM,
+        dtype="torch.float32",
+    )
     assert p == _params()
     assert isinstance(p.mode, Mode) and isinstance(p.dist_type, DistType) and p.dtype is torch.float32
     assert _params(optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD).optimizer is FusedOptimizer.ROWWISE_ADAGRAD
     assert _params(optimizer=EmbOptimType.EXACT_SGD).optimizer is FusedOptimizer.SGD
     assert _params(dtype="fp16").dtype is torch.float16
-    assert PlacementParams(mode="HYBRID", cache_load_factor=1, dist_type="roundrobin", optimizer="sgd",
-                           dtype=torch.float32).cache_policy is CachePolicy.LFU  # defaults: lfu, seed 0
+    assert (
+        PlacementParams(
+            mode="HYBRID", cache_load_factor=1, dist_type="roundrobin", optimizer="sgd", dtype=torch.float32
+        ).cache_policy
+        is CachePolicy.LFU
+    )  # defaults: lfu, seed 0
     # str enums: members equal their values (code passing strings keeps working)
     assert DistType.HASH_ROUNDROBIN == "hash_roundrobin" and f"{Mode.CACHING}" == "CACHING"
 
@@ -139,8 +162,12 @@ def test_strings_and_fbgemm_spellings_are_normalized() -> None:
         ("seed", True, r"PlacementParams\.seed must be an int64"),
         ("seed", 2**63, r"PlacementParams\.seed must be an int64"),
         ("cache_policy", "fifo", r"PlacementParams\.cache_policy must be one of \['lfu', 'lru'\], got 'fifo'"),
-        ("optimizer", "lamb", r"PlacementParams\.optimizer must be one of \['sgd', 'rowwise_adagrad', "
-                              r"'adagrad', 'adam'\], got 'lamb'"),
+        (
+            "optimizer",
+            "lamb",
+            r"PlacementParams\.optimizer must be one of \['sgd', 'rowwise_adagrad', "
+            r"'adagrad', 'adam'\], got 'lamb'",
+        ),
         ("optimizer", EmbOptimType.LAMB, r"PlacementParams\.optimizer must be one of"),
         ("dtype", "float33", r"PlacementParams\.dtype 'float33' is not a torch dtype: use e\.g\. 'float32'"),
         ("dtype", 4, r"PlacementParams\.dtype 4 is not a torch dtype"),
@@ -194,7 +221,9 @@ def test_from_fused_params_bad_value_names_table_and_key(key: str, value: Any, m
 
 def test_from_fused_params_refuses_unknown_recpipe_keys() -> None:
     fused = {**_params().to_fused_params(), "recpipe_seeed": 3, "learning_rate": 0.1}
-    with pytest.raises(PlacementContractError, match=r"table 't0': unknown placement fused param\(s\) \['recpipe_seeed'\]"):
+    with pytest.raises(
+        PlacementContractError, match=r"table 't0': unknown placement fused param\(s\) \['recpipe_seeed'\]"
+    ):
         PlacementParams.from_fused_params(fused, "t0")
 
 
@@ -205,19 +234,30 @@ def test_check_runtime_names_table_planned_and_actual_and_the_fix() -> None:
         p.check_runtime("t0", optimizer=EmbOptimType.ADAM, dtype=torch.float32, dim=16)
     msg = str(e.value)
     assert "table 't0' was planned for fused optimizer sgd, but the model trains it with adam" in msg
-    assert f"allocate {row_bytes(16, torch.float32, 'adam')} bytes per row where the plan budgeted " \
-           f"{row_bytes(16, torch.float32, 'sgd')}" in msg
+    assert (
+        f"allocate {row_bytes(16, torch.float32, 'adam')} bytes per row where the plan budgeted "
+        f"{row_bytes(16, torch.float32, 'sgd')}" in msg
+    )
     assert "1) re-plan with the model" in msg and "2) train the table with the planned sgd instead" in msg
     assert "apply_optimizer_in_backward" in msg
-    with pytest.raises(PlacementMismatchError, match=r"(?s)row dtype float32, but the table's data_type is float16.*"
-                                                     r"set the table config's data_type to the planned float32"):
+    with pytest.raises(
+        PlacementMismatchError,
+        match=r"(?s)row dtype float32, but the table's data_type is float16.*"
+        r"set the table config's data_type to the planned float32",
+    ):
         p.check_runtime("t0", optimizer="sgd", dtype=torch.float16)
     assert issubclass(PlacementMismatchError, PlacementContractError) and issubclass(PlacementContractError, ValueError)
 
 
 def test_parameter_sharding_without_optimizer_leaves_it_to_the_model() -> None:
-    ps = PlacementParameterSharding(sharding_type="row_wise", compute_kernel="customized_kernel",
-                                    mode="CACHING", cache_load_factor=0.3, dist_type="roundrobin", seed=2)
+    ps = PlacementParameterSharding(
+        sharding_type="row_wise",
+        compute_kernel="customized_kernel",
+        mode="CACHING",
+        cache_load_factor=0.3,
+        dist_type="roundrobin",
+        seed=2,
+    )
     fused = ps.get_additional_fused_params()
     assert FUSED_PARAM_OPTIMIZER not in fused and "recpipe_dtype" not in fused
     assert fused[FUSED_PARAM_MODE] == "CACHING" and fused[FUSED_PARAM_DIST_TYPE] == "roundrobin"
@@ -233,23 +273,25 @@ def test_dist_type_codes_are_the_routing_ops() -> None:
     assert [ops.dist_type_code(d) for d in DistType] == [d.code for d in DistType]
 
 
-def test_old_import_paths_are_aliases_of_the_one_definition() -> None:
+def test_reexports_are_the_one_definition() -> None:
+    import recpipe.pipeline.routing.features as rt_sharding
     import recpipe.pipeline.tiered.optim as tiered_optim
-    import recpipe.pipeline.routing.sharding as rt_sharding
     import recpipe.pipeline.tiered.shard as tiered
-    import recpipe.planner.sharding as pl_sharding
-    import recpipe.planner.storage as storage
-    import recpipe.planner.types as types
+    import recpipe.planner as planner_pkg
+    import recpipe.planner.sharding_plan as pl_sharding
+    from recpipe.pipeline.placement import values
 
     assert rt_sharding.DIST_TYPE_KEY is placement.FUSED_PARAM_DIST_TYPE
     assert rt_sharding.SEED_KEY is placement.FUSED_PARAM_SEED
-    for name in ("FUSED_PARAM_MODE", "FUSED_PARAM_CACHE_LOAD_FACTOR", "FUSED_PARAM_DIST_TYPE", "FUSED_PARAM_SEED"):
+    for name in ("FUSED_PARAM_OPTIMIZER", "FUSED_PARAM_DTYPE"):
         assert getattr(pl_sharding, name) is getattr(placement, name)
-    assert types.Mode is placement.Mode and types.parse_enum is placement.parse_enum
+    assert planner_pkg.Mode is placement.Mode and values.parse_enum is placement.parse_enum
     assert tiered.CachePolicy is placement.CachePolicy and tiered.Mode is placement.Mode
     assert tiered.FusedOptimizer is tiered_optim.FusedOptimizer is placement.FusedOptimizer
-    for name in storage.__all__:
-        assert getattr(storage, name) is getattr(placement, name), name
+    shared = set(planner_pkg.__all__) & set(placement.__all__)
+    assert {"ShardStorage", "shard_storage", "machine_storage", "tier_rows", "row_bytes"} <= shared
+    for name in shared:
+        assert getattr(planner_pkg, name) is getattr(placement, name), name
 
 
 def _string_constants(path: Path) -> set[str]:
@@ -257,18 +299,22 @@ def _string_constants(path: Path) -> set[str]:
     return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
 
 
+#: The module of the placement contract that spells the fused-param keys.
+CONTRACT_KEYS_MODULE = REPO / "pipeline" / "placement" / "params.py"
+
+
 def test_fused_param_keys_are_spelled_only_in_the_contract() -> None:
     keys = set(FUSED_PARAM_KEYS)
     offenders = {}
     for folder in ("pipeline", "planner", "recipes"):
         for path in sorted((REPO / folder).rglob("*.py")):
-            if path == REPO / "pipeline" / "placement.py":
+            if path == CONTRACT_KEYS_MODULE:
                 continue
             found = keys & _string_constants(path)
             if found:
                 offenders[str(path.relative_to(REPO))] = sorted(found)
-    assert offenders == {}, f"fused-param keys spelled outside pipeline/placement.py: {offenders}"
-    assert keys <= _string_constants(REPO / "pipeline" / "placement.py")
+    assert offenders == {}, f"fused-param keys spelled outside pipeline/placement/params.py: {offenders}"
+    assert keys <= _string_constants(CONTRACT_KEYS_MODULE)
 
 
 # ------------------------------------------------- the planner writes it ----
@@ -278,8 +324,10 @@ def _topology(world: int = 4) -> Topology:
 
 def _ebc(device: str = "meta") -> EmbeddingBagCollection:
     return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, embedding_dim=32, num_embeddings=1001, feature_names=[f"f_{n}"])
-                for n in ("a", "b", "c")],
+        tables=[
+            EmbeddingBagConfig(name=n, embedding_dim=32, num_embeddings=1001, feature_names=[f"f_{n}"])
+            for n in ("a", "b", "c")
+        ],
         device=torch.device(device),
     )
 
@@ -306,8 +354,13 @@ def test_planner_sizes_each_table_with_the_models_fused_optimizer() -> None:
     assert by["b"] == rows * (128 + 4) and by["c"] == rows * 128
     # recorded in the plan's PlacementParams, carried by the torchrec plan
     assert plan.placement_params("a") == PlacementParams(
-        mode=Mode.HYBRID, cache_load_factor=0.5, dist_type=DistType.HASH_ROUNDROBIN, seed=0,
-        optimizer=FusedOptimizer.ADAM, dtype=torch.float32)
+        mode=Mode.HYBRID,
+        cache_load_factor=0.5,
+        dist_type=DistType.HASH_ROUNDROBIN,
+        seed=0,
+        optimizer=FusedOptimizer.ADAM,
+        dtype=torch.float32,
+    )
     sp = plan.to_sharding_plan().plan["sparse"]
     for table, opt in want.items():
         assert sp[table].params == plan.placement_params(table)
@@ -327,10 +380,15 @@ def test_planner_optimizer_fallbacks_follow_torchrecs_precedence() -> None:
     plan = PlacementPlanner(_topology(), fused_params=fused).plan(ebc)
     assert [p.optimizer for p in plan.placements] == ["rowwise_adagrad", "adam", "adam"]
     # an explicit EmbOptimType in the optimizer kwargs wins over the class, as in torchrec's sharder
-    ec = EmbeddingCollection(tables=[EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=50,
-                                                     feature_names=["fs"])], device=torch.device("meta"))
-    apply_optimizer_in_backward(TorchrecSGD, ec.parameters(),  # torchrec's wrappers take fbgemm kwargs
-                                {"lr": 0.1, "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD})
+    ec = EmbeddingCollection(
+        tables=[EmbeddingConfig(name="s", embedding_dim=8, num_embeddings=50, feature_names=["fs"])],
+        device=torch.device("meta"),
+    )
+    apply_optimizer_in_backward(
+        TorchrecSGD,
+        ec.parameters(),  # torchrec's wrappers take fbgemm kwargs
+        {"lr": 0.1, "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD},
+    )
     assert [t.optimizer for t in tables_from_module(ec)] == [FusedOptimizer.ROWWISE_ADAGRAD]
 
 
@@ -350,9 +408,12 @@ def test_non_tiered_sharders_refuse_tiered_tables_naming_the_tiered_sharders() -
     plan = PlacementPlanner(_topology(2), backend="native").plan(_ebc("cpu")).to_sharding_plan(compute_device="cpu")
     params = plan.plan[""]
     for sharder in recpipe_sharders():
-        with pytest.raises(ValueError, match=r"table 'a' has compute_kernel customized_kernel .* which "
-                           f"{type(sharder).__name__} does not run: shard with "
-                           r"recpipe\.pipeline\.tiered\.sharders\.TieredEmbeddingBagCollectionSharder\(\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"table 'a' has compute_kernel customized_kernel .* which "
+            f"{type(sharder).__name__} does not run: shard with "
+            r"recpipe\.pipeline\.tiered\.sharders\.TieredEmbeddingBagCollectionSharder\(\)",
+        ):
             sharder.shard(_ebc("cpu"), params, env=None, device=torch.device("cpu"))  # type: ignore[arg-type]
     for tiered in (TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()):
         tiered._check_kernels(params, torch.device("cpu"))  # runs them: no error
@@ -373,14 +434,19 @@ def test_planner_refuses_an_optimizer_it_cannot_size() -> None:
     for name in offered:
         fixed = _ebc()
         apply_optimizer_in_backward(getattr(torchrec.optim, name), [fixed.embedding_bags["b"].weight], {"lr": 0.01})
-        expected = {"SGD": FusedOptimizer.SGD, "RowWiseAdagrad": FusedOptimizer.ROWWISE_ADAGRAD,
-                    "Adam": FusedOptimizer.ADAM}[name]
+        expected = {
+            "SGD": FusedOptimizer.SGD,
+            "RowWiseAdagrad": FusedOptimizer.ROWWISE_ADAGRAD,
+            "Adam": FusedOptimizer.ADAM,
+        }[name]
         assert PlacementPlanner(_topology()).plan(fixed).placement("b").optimizer is expected
 
 
 def test_plan_json_keeps_optimizer_and_dtype(tmp_path: Path) -> None:
-    tables = [TableSpec(name="x", rows=5000, dim=16, optimizer="rowwise_adagrad"),
-              TableSpec(name="y", rows=3000, dim=8, optimizer=EmbOptimType.EXACT_SGD)]
+    tables = [
+        TableSpec(name="x", rows=5000, dim=16, optimizer="rowwise_adagrad"),
+        TableSpec(name="y", rows=3000, dim=8, optimizer=EmbOptimType.EXACT_SGD),
+    ]
     plan = PlacementPlanner(_topology(2), dist_type="roundrobin", seed=3, cache_policy="lru").plan(tables)
     # The planner plans float32 rows only (TIERED_DTYPES); the JSON keeps any dtype a plan
     # records, so x's is set by hand to one that is not the default.
@@ -389,8 +455,14 @@ def test_plan_json_keeps_optimizer_and_dtype(tmp_path: Path) -> None:
     back = PlacementPlan.load(tmp_path / "p.json")
     assert back == plan
     assert back.placement_params("x") == PlacementParams(
-        mode=back.placement("x").mode, cache_load_factor=back.placement("x").cache_load_factor,
-        dist_type="roundrobin", seed=3, cache_policy="lru", optimizer="rowwise_adagrad", dtype=torch.float16)
+        mode=back.placement("x").mode,
+        cache_load_factor=back.placement("x").cache_load_factor,
+        dist_type="roundrobin",
+        seed=3,
+        cache_policy="lru",
+        optimizer="rowwise_adagrad",
+        dtype=torch.float16,
+    )
     raw = json.loads((tmp_path / "p.json").read_text())
     assert raw["placements"][0]["optimizer"] == "rowwise_adagrad" and raw["placements"][0]["dtype"] == "float16"
     for p in raw["placements"]:

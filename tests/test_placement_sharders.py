@@ -19,7 +19,6 @@ import re
 from typing import Any, Dict, List, Tuple
 
 import torch
-
 from gloo_harness import run_gloo
 
 TABLES = [("t0", 301, 8), ("t1", 120, 8)]  # name, rows, dim
@@ -32,8 +31,10 @@ def _ebc() -> Any:
 
     torch.manual_seed(0)
     return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f_{n}"])
-                for n, r, d in TABLES],
+        tables=[
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f_{n}"])
+            for n, r, d in TABLES
+        ],
         device=torch.device("cpu"),
     )
 
@@ -44,8 +45,10 @@ def _planner(world: int) -> Any:
     from recpipe.planner import PlacementConstraints, PlacementPlanner
 
     topo = Topology(world_size=world, local_world_size=world, compute_device="cuda", hbm_cap=GiB, ddr_cap=GiB)
-    pins = {"t0": PlacementConstraints(mode="CACHING", cache_load_factor=0.3),
-            "t1": PlacementConstraints(mode="HYBRID", cache_load_factor=0.5)}
+    pins = {
+        "t0": PlacementConstraints(mode="CACHING", cache_load_factor=0.3),
+        "t1": PlacementConstraints(mode="HYBRID", cache_load_factor=0.5),
+    }
     return PlacementPlanner(topo, constraints=pins, seed=4, backend="native")  # the CPU tables
 
 
@@ -54,8 +57,12 @@ def _shard(ebc: Any, sharding_plan: Any) -> Any:
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
-    return DistributedModelParallel(ebc, plan=sharding_plan, sharders=[TieredEmbeddingBagCollectionSharder()],  # type: ignore[list-item]
-                                    device=torch.device("cpu"))
+    return DistributedModelParallel(
+        ebc,
+        plan=sharding_plan,
+        sharders=[TieredEmbeddingBagCollectionSharder()],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
 
 
 def _refusal(fn: Any) -> Tuple[str, str]:
@@ -86,8 +93,7 @@ def _body(rank: int, world: int) -> Dict[str, Any]:
     allocated: List[bool] = []
     for p in plan.placements:
         shard = tiered[p.table]
-        want = shard_storage(local_rows(p.rows, world, rank), p.dim, p.dtype, p.optimizer, p.mode,
-                             p.cache_load_factor)
+        want = shard_storage(local_rows(p.rows, world, rank), p.dim, p.dtype, p.optimizer, p.mode, p.cache_load_factor)
         got = shard.tier_bytes()
         allocated.append(got == want and shard.optimizer.name == p.optimizer.value)
         if rank == 0:  # the most loaded rank: the plan's per-rank bytes
@@ -116,8 +122,10 @@ def _body(rank: int, world: int) -> Dict[str, Any]:
     good = plan.to_sharding_plan(compute_device="cpu")
     ps = good.plan[""]["t1"]
     good.plan[""]["t1"] = ParameterSharding(
-        sharding_type=ps.sharding_type, compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-        ranks=ps.ranks, sharding_spec=ps.sharding_spec,
+        sharding_type=ps.sharding_type,
+        compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+        ranks=ps.ranks,
+        sharding_spec=ps.sharding_spec,
     )
     fresh = _ebc()
     apply_optimizer_in_backward(torch.optim.Adam, fresh.parameters(), {"lr": 0.01})
@@ -132,8 +140,11 @@ def test_sharders_build_planned_tables_and_refuse_disagreeing_ones() -> None:
 
         kind, msg = res["optimizer_mismatch"]
         assert kind == "PlacementMismatchError", (kind, msg)
-        assert re.search(r"table 't[01]' was planned for fused optimizer rowwise_adagrad, but the model trains "
-                         r"it with adam", msg), msg
+        assert re.search(
+            r"table 't[01]' was planned for fused optimizer rowwise_adagrad, but the model trains "
+            r"it with adam",
+            msg,
+        ), msg
         # dim 8, fp32: 32 + 4 bytes planned, 32 + 64 allocated
         assert "would allocate 96 bytes per row where the plan budgeted 36" in msg
         assert "Possible solutions" in msg and "re-plan with the model" in msg
@@ -141,8 +152,9 @@ def test_sharders_build_planned_tables_and_refuse_disagreeing_ones() -> None:
 
         kind, msg = res["dtype_mismatch"]
         assert kind == "PlacementMismatchError", (kind, msg)
-        assert re.search(r"table 't[01]' was planned for row dtype float16, but the table's data_type is float32",
-                         msg), msg
+        assert re.search(
+            r"table 't[01]' was planned for row dtype float16, but the table's data_type is float32", msg
+        ), msg
 
         kind, msg = res["no_placement"]
         assert kind == "PlacementContractError", (kind, msg)

@@ -23,6 +23,7 @@ from torchrec.distributed.utils import add_params_from_parameter_sharding
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from recpipe.pipeline.placement import fbgemm_shard_storage
 from recpipe.planner import (
     CACHE_ROW_MAP_BYTES,
     CACHE_SLOT_BYTES,
@@ -52,7 +53,6 @@ from recpipe.planner import (
     shard_storage,
     tier_rows,
 )
-from recpipe.pipeline.tiered.fbgemm import fbgemm_shard_storage
 from recpipe.planner.__main__ import main as cli_main
 from recpipe.planner.cost_models import generalized_harmonic
 from recpipe.planner.enumerators import options_to_arrays
@@ -76,7 +76,12 @@ def test_local_rows_sum_and_values() -> None:
 
 
 def test_optimizer_and_row_bytes() -> None:
-    assert [optimizer_state_bytes_per_row(o, 16) for o in ("sgd", "rowwise_adagrad", "adagrad", "adam")] == [0, 4, 64, 128]
+    assert [optimizer_state_bytes_per_row(o, 16) for o in ("sgd", "rowwise_adagrad", "adagrad", "adam")] == [
+        0,
+        4,
+        64,
+        128,
+    ]
     assert row_bytes(128, torch.float32, "adam") == 512 + 1024
     assert row_bytes(64, torch.float16, "rowwise_adagrad") == 128 + 4
     assert row_bytes(8, "bfloat16", "sgd") == 16
@@ -135,7 +140,9 @@ def test_generalized_harmonic_and_zipf_hit() -> None:
 def test_empirical_model_reproduces_seed_sweep_ratios() -> None:
     # PR #508 A10 sweep: HBM-only 0.80 ms, CACHING@<1 2.63 ms, HYBRID@<1 5.44 ms.
     t = TableSpec(name="t", rows=4_000_000, dim=128, optimizer="adam")
-    c_hbm, c_cache, c_hyb = EmpiricalCostModel().costs(t, [(Mode.HYBRID, 1.0), (Mode.CACHING, 0.0001), (Mode.HYBRID, 0.0001)])
+    c_hbm, c_cache, c_hyb = EmpiricalCostModel().costs(
+        t, [(Mode.HYBRID, 1.0), (Mode.CACHING, 0.0001), (Mode.HYBRID, 0.0001)]
+    )
     assert c_cache / c_hbm == pytest.approx(2.63 / 0.80, rel=0.05)
     assert c_hyb / c_hbm == pytest.approx(5.44 / 0.80, rel=0.05)
     # tie-break: larger x cheaper within a mode
@@ -188,20 +195,34 @@ def test_dp_equals_brute_force_random(inst) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 2**31), st.integers(2, 12), st.floats(0.15, 0.9), st.floats(0.15, 0.9),
-       st.sampled_from(["native", "fbgemm"]))
+@given(
+    st.integers(0, 2**31),
+    st.integers(2, 12),
+    st.floats(0.15, 0.9),
+    st.floats(0.15, 0.9),
+    st.sampled_from(["native", "fbgemm"]),
+)
 def test_planner_never_exceeds_budgets_coarse_bins(seed: int, m: int, hf: float, df: float, backend: str) -> None:
     rng = np.random.default_rng(seed)
     tables = [
-        TableSpec(name=f"t{i}", rows=int(rng.integers(10**5, 10**8)), dim=int(rng.choice([16, 64, 128])),
-                  optimizer=str(rng.choice(["sgd", "adam", "rowwise_adagrad"])),
-                  lookups_per_step=float(rng.integers(100, 10**5)), zipf_alpha=float(rng.uniform(0.5, 1.5)))
+        TableSpec(
+            name=f"t{i}",
+            rows=int(rng.integers(10**5, 10**8)),
+            dim=int(rng.choice([16, 64, 128])),
+            optimizer=str(rng.choice(["sgd", "adam", "rowwise_adagrad"])),
+            lookups_per_step=float(rng.integers(100, 10**5)),
+            zipf_alpha=float(rng.uniform(0.5, 1.5)),
+        )
         for i in range(m)
     ]
-    full = sum(shard_storage(max_local_rows(t.rows, 8), t.dim, t.dtype, t.optimizer, Mode.HYBRID, 1.0).fast_bytes for t in tables)
+    full = sum(
+        shard_storage(max_local_rows(t.rows, 8), t.dim, t.dtype, t.optimizer, Mode.HYBRID, 1.0).fast_bytes
+        for t in tables
+    )
     mach = sum(machine_storage(t.rows, 8, 8, t.dim, t.dtype, t.optimizer, Mode.CACHING, 0.5).slow_bytes for t in tables)
-    planner = PlacementPlanner(topo(hbm=int(full * hf / 0.85) + 1, ddr_per_rank=int(mach * df) // 8 + 1), bins=(20, 10),
-                               backend=backend)
+    planner = PlacementPlanner(
+        topo(hbm=int(full * hf / 0.85) + 1, ddr_per_rank=int(mach * df) // 8 + 1), bins=(20, 10), backend=backend
+    )
     try:
         plan = planner.plan(tables)
     except PlannerError:
@@ -224,8 +245,15 @@ def test_dp_default_bins_close_to_brute_force() -> None:
     model = AnalyticCostModel()
     gaps = []
     for _ in range(5):
-        tables = [TableSpec(name=f"t{i}", rows=int(rng.integers(10**6, 10**8)), dim=64,
-                            lookups_per_step=float(rng.integers(1000, 10**5))) for i in range(4)]
+        tables = [
+            TableSpec(
+                name=f"t{i}",
+                rows=int(rng.integers(10**6, 10**8)),
+                dim=64,
+                lookups_per_step=float(rng.integers(1000, 10**5)),
+            )
+            for i in range(4)
+        ]
         opts = GridPlacementEnumerator(8, 8, model, (0.25, 0.5, 0.75, 1.0)).enumerate(tables)
         hbm, ddr, cost = options_to_arrays(opts)
         H, D = int(hbm.max(axis=1).sum() * 0.5), int(ddr.max(axis=1).sum() * 0.6)
@@ -241,9 +269,14 @@ def test_dp_default_bins_close_to_brute_force() -> None:
 
 def _random_tables(rng: np.random.Generator, m: int) -> List[TableSpec]:
     return [
-        TableSpec(name=f"t{i}", rows=int(rng.integers(10**5, 2 * 10**8)), dim=int(rng.choice([32, 64, 128, 256])),
-                  optimizer=str(rng.choice(["adam", "rowwise_adagrad", "sgd"])),
-                  lookups_per_step=float(rng.integers(10**3, 10**6)), zipf_alpha=float(rng.uniform(0.6, 1.4)))
+        TableSpec(
+            name=f"t{i}",
+            rows=int(rng.integers(10**5, 2 * 10**8)),
+            dim=int(rng.choice([32, 64, 128, 256])),
+            optimizer=str(rng.choice(["adam", "rowwise_adagrad", "sgd"])),
+            lookups_per_step=float(rng.integers(10**3, 10**6)),
+            zipf_alpha=float(rng.uniform(0.6, 1.4)),
+        )
         for i in range(m)
     ]
 
@@ -297,10 +330,14 @@ def test_bulk_enumeration_equals_storage_formulas(backend: str, policy: str) -> 
 
     xs = (0.01, 0.1, 0.25, 0.3, 0.7, 0.3333333333333333, 1.0)  # 1/3: int64 products overflow -> scalar path
     for world, local in [(8, 8), (64, 8), (12, 4)]:
-        cons = {"t1": PlacementConstraints(mode="CACHING"), "t2": PlacementConstraints(load_factors=[0.5, 1.0]),
-                "sets": PlacementConstraints(mode="CACHING")}
-        enum = GridPlacementEnumerator(world, local, AnalyticCostModel(backend=backend), xs, cons, backend=backend,
-                                       cache_policy=policy)
+        cons = {
+            "t1": PlacementConstraints(mode="CACHING"),
+            "t2": PlacementConstraints(load_factors=[0.5, 1.0]),
+            "sets": PlacementConstraints(mode="CACHING"),
+        }
+        enum = GridPlacementEnumerator(
+            world, local, AnalyticCostModel(backend=backend), xs, cons, backend=backend, cache_policy=policy
+        )
         arrays = enum.enumerate_arrays(tables)
         for i, t in enumerate(tables):
             cands = enum.candidates(t)
@@ -329,8 +366,10 @@ def test_bulk_enumeration_equals_storage_formulas(backend: str, policy: str) -> 
                 elif backend == "fbgemm" and mode is Mode.CACHING and x < 1:
                     state_hit = 0.0
                 hbm_bw, h2d_bw = enum.cost_model.hbm_mem_bw, enum.cost_model.hbm_to_ddr_mem_bw
-                ref = t.lookups_per_step * (value / (hit * hbm_bw + (1 - hit) * h2d_bw)
-                                            + state / (state_hit * hbm_bw + (1 - state_hit) * h2d_bw))
+                ref = t.lookups_per_step * (
+                    value / (hit * hbm_bw + (1 - hit) * h2d_bw)
+                    + state / (state_hit * hbm_bw + (1 - state_hit) * h2d_bw)
+                )
                 assert o.cost == pytest.approx(ref, rel=1e-12)
         assert arrays.to_options() == enum.enumerate(tables)
 
@@ -338,7 +377,7 @@ def test_bulk_enumeration_equals_storage_formulas(backend: str, policy: str) -> 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(knapsacks())
 def test_prune_dominated_keeps_the_optimum(inst) -> None:
-    from recpipe.planner.proposers import prune_dominated
+    from recpipe.planner.knapsack import prune_dominated
 
     hbm, ddr, cost, H, D = inst
     usable = np.isfinite(cost)
@@ -381,14 +420,21 @@ def test_large_instance_plans_within_budgets() -> None:
     tables = _random_tables(rng, 300)
     enum = GridPlacementEnumerator(64, 8, AnalyticCostModel())
     hbm, ddr, _ = options_to_arrays(enum.enumerate(tables))
-    t = Topology(world_size=64, local_world_size=8, compute_device="cuda",
-                 hbm_cap=int(hbm.max(axis=1).sum() * 0.6 / 0.85), ddr_cap=int(ddr.max(axis=1).sum() * 0.75) // 8)
+    t = Topology(
+        world_size=64,
+        local_world_size=8,
+        compute_device="cuda",
+        hbm_cap=int(hbm.max(axis=1).sum() * 0.6 / 0.85),
+        ddr_cap=int(ddr.max(axis=1).sum() * 0.75) // 8,
+    )
     planner = PlacementPlanner(t)
     plan = planner.plan(tables)
     assert plan.hbm_bytes_per_rank <= planner.hbm_budget and plan.ddr_bytes_per_machine <= planner.ddr_budget
     assert plan.hbm_bytes_per_rank > 0.9 * planner.hbm_budget  # the tight HBM budget is used, not wasted
     # an independent feasible plan (every table HYBRID at x = 0.5) is never cheaper
-    half = [next(o for o in opts if o.mode is Mode.HYBRID and o.cache_load_factor == 0.5) for opts in enum.enumerate(tables)]
+    half = [
+        next(o for o in opts if o.mode is Mode.HYBRID and o.cache_load_factor == 0.5) for opts in enum.enumerate(tables)
+    ]
     assert sum(o.hbm_bytes_per_rank for o in half) <= planner.hbm_budget
     assert sum(o.ddr_bytes_per_machine for o in half) <= planner.ddr_budget
     assert plan.total_cost < sum(o.cost for o in half)
@@ -460,13 +506,17 @@ def test_infeasible_raises_typed_error_with_numbers() -> None:
     assert e.value.planner_error_type is PlannerErrorType.TABLE_DOES_NOT_FIT
     msg = str(e.value)
     assert "'t'" in msg and "Possible solutions" in msg and "1)" in msg and "2)" in msg
-    small = [_one_table(rows=10**7) for _ in range(1)] + [TableSpec(**{**_one_table(rows=10**7).__dict__, "name": f"x{i}"}) for i in range(30)]
+    small = [_one_table(rows=10**7) for _ in range(1)] + [
+        TableSpec(**{**_one_table(rows=10**7).__dict__, "name": f"x{i}"}) for i in range(30)
+    ]
     with pytest.raises(PlannerError) as e:
         PlacementPlanner(topo(hbm=GiB, ddr_per_rank=64 * GiB)).plan(small)
     assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_HBM
     # a cuda topology budgets fbgemm's tables (the default backend there)
-    min_h = sum(fbgemm_shard_storage(max_local_rows(10**7, 8), 64, torch.float32, "sgd", Mode.HYBRID, 0.1, "lfu").fast_bytes
-                for _ in small)
+    min_h = sum(
+        fbgemm_shard_storage(max_local_rows(10**7, 8), 64, torch.float32, "sgd", Mode.HYBRID, 0.1, "lfu").fast_bytes
+        for _ in small
+    )
     assert f"({min_h} B)" in str(e.value)
 
 
@@ -486,8 +536,9 @@ def test_infeasible_solutions_quote_the_smallest_capacities_that_work() -> None:
     H0, D0 = 10 * 2**20, 50 * 2**20
 
     def plan(hbm: int, ddr: int, pin: Optional[PlacementConstraints] = None) -> None:
-        PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=ddr), backend="native",
-                         constraints={"t": pin} if pin else None).plan([t])
+        PlacementPlanner(
+            topo(2, 2, hbm=hbm, ddr_per_rank=ddr), backend="native", constraints={"t": pin} if pin else None
+        ).plan([t])
 
     with pytest.raises(PlannerError) as e:
         plan(H0, D0)
@@ -583,7 +634,7 @@ def test_cuda_plans_budget_fbgemm_bytes_and_cpu_plans_native_bytes() -> None:
     assert planner.backend == "fbgemm"
     plan = planner.plan([t])
     p = plan.placements[0]
-    assert (plan.backend, p.cache_load_factor) == ("fbgemm", 0.4)  # 0.5 no longer fits
+    assert (plan.backend, p.cache_load_factor) == ("fbgemm", 0.4)  # 0.5 does not fit
     got = fbgemm_shard_storage(rows, 64, torch.float32, "rowwise_adagrad", Mode.HYBRID, 0.4, "lfu")
     assert p.hbm_bytes_per_rank == got.fast_bytes <= planner.hbm_budget < fbgemm.fast_bytes
     assert "backend=fbgemm" in plan.report()
@@ -606,11 +657,13 @@ def test_cuda_plans_price_optimizer_state_where_fbgemm_keeps_it() -> None:
     rows = max_local_rows(8_000_000, 8)
 
     def plan(optimizer: str, backend: str) -> Tuple[Mode, float]:
-        t = TableSpec(name="t", rows=8_000_000, dim=64, optimizer=optimizer, lookups_per_step=10_000,
-                      zipf_alpha=1.05)
+        t = TableSpec(name="t", rows=8_000_000, dim=64, optimizer=optimizer, lookups_per_step=10_000, zipf_alpha=1.05)
         full = fbgemm_shard_storage(rows, 64, torch.float32, optimizer, Mode.HYBRID, 1.0, "lfu").fast_bytes
-        p = PlacementPlanner(topo(hbm=int(full * 0.45 / 0.85), ddr_per_rank=full * 4),
-                             backend=backend).plan([t]).placements[0]
+        p = (
+            PlacementPlanner(topo(hbm=int(full * 0.45 / 0.85), ddr_per_rank=full * 4), backend=backend)
+            .plan([t])
+            .placements[0]
+        )
         assert p.cache_load_factor < 1
         return p.mode, p.cache_load_factor
 
@@ -627,8 +680,11 @@ def test_cuda_plans_price_optimizer_state_where_fbgemm_keeps_it() -> None:
     assert caching == pytest.approx(10_000 * (256 / bw + 512 / model.hbm_to_ddr_mem_bw), rel=1e-12)
     assert hybrid == pytest.approx(AnalyticCostModel().costs(t, [(Mode.HYBRID, 0.3)])[0], rel=1e-12)
     assert PlacementPlanner(topo()).cost_model.backend == "fbgemm"  # type: ignore[attr-defined]
-    with pytest.raises(ValueError, match=r"cost_model prices the 'native' layout but backend is 'fbgemm': "
-                       r"build it with the same backend, e.g. AnalyticCostModel\(backend='fbgemm'\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"cost_model prices the 'native' layout but backend is 'fbgemm': "
+        r"build it with the same backend, e.g. AnalyticCostModel\(backend='fbgemm'\)",
+    ):
         GridPlacementEnumerator(8, 8, AnalyticCostModel(), backend="fbgemm")
     with pytest.raises(ValueError, match="backend must be one of"):
         AnalyticCostModel(backend="torch")
@@ -640,10 +696,20 @@ def test_planner_refuses_tables_no_tiered_table_runs() -> None:
     # build is refused at plan time, naming the table, not later at sharding.
     cases = [
         (dict(dim=6, optimizer="sgd"), ("fbgemm",), r"dim 6 is not a multiple of 4", "backend='native'"),
-        (dict(dim=8, optimizer="adagrad"), ("fbgemm", "native"), r"fused optimizer adagrad is not one tiered tables "
-         r"run \(\['adam', 'rowwise_adagrad', 'sgd'\]\)", "apply_optimizer_in_backward"),
-        (dict(dim=8, optimizer="sgd", dtype="float16"), ("fbgemm", "native"), r"dtype float16 is not one tiered "
-         r"tables hold \(\['float32'\]\)", "DataType.FP32"),
+        (
+            dict(dim=8, optimizer="adagrad"),
+            ("fbgemm", "native"),
+            r"fused optimizer adagrad is not one tiered tables "
+            r"run \(\['adam', 'rowwise_adagrad', 'sgd'\]\)",
+            "apply_optimizer_in_backward",
+        ),
+        (
+            dict(dim=8, optimizer="sgd", dtype="float16"),
+            ("fbgemm", "native"),
+            r"dtype float16 is not one tiered "
+            r"tables hold \(\['float32'\]\)",
+            "DataType.FP32",
+        ),
     ]
     for spec, backends, why, fix in cases:
         t = TableSpec(name="odd", rows=1000, **spec)
@@ -712,13 +778,29 @@ def _write_tables(path: Path) -> None:
 def test_cli_prints_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     y = tmp_path / "tables.yaml"
     _write_tables(y)
-    rc = cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "80GiB",
-                   "--ddr", "1TiB", "--json", str(tmp_path / "p.json")])
+    rc = cli_main(
+        [
+            "--tables",
+            str(y),
+            "--world-size",
+            "16",
+            "--local-world-size",
+            "8",
+            "--hbm",
+            "80GiB",
+            "--ddr",
+            "1TiB",
+            "--json",
+            str(tmp_path / "p.json"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "users" in out and "items" in out and "DDR per machine" in out
     plan = PlacementPlan.load(tmp_path / "p.json")
     assert plan.world_size == 16 and plan.ddr_budget_per_machine == 2**40
-    rc = cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "1GiB", "--ddr", "1GiB"])
+    rc = cli_main(
+        ["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "1GiB", "--ddr", "1GiB"]
+    )
     assert rc == 2 and "Possible solutions" in capsys.readouterr().err
     # fbgemm's CUDA tables by default; --backend native for recpipe's CPU layout
     odd = tmp_path / "odd.yaml"
@@ -734,9 +816,24 @@ def test_cli_module_entry_point(tmp_path: Path) -> None:
     y = tmp_path / "tables.yaml"
     _write_tables(y)
     res = subprocess.run(
-        [sys.executable, "-m", "recpipe.planner", "--tables", str(y), "--world-size", "16",
-         "--local-world-size", "8", "--hbm", "80GiB", "--ddr", "1TiB"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "recpipe.planner",
+            "--tables",
+            str(y),
+            "--world-size",
+            "16",
+            "--local-world-size",
+            "8",
+            "--hbm",
+            "80GiB",
+            "--ddr",
+            "1TiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 0, res.stderr
     assert "recpipe placement plan: world_size=16 local_world_size=8" in res.stdout
@@ -747,11 +844,20 @@ def test_cli_module_entry_point(tmp_path: Path) -> None:
 def test_make_topology_equals_a_direct_topology() -> None:
     made = make_topology(world_size=16, local_world_size=8, hbm_cap=80 * GiB, ddr_cap=128 * GiB)
     direct = topo(16, 8, 80 * GiB, 128 * GiB)
-    for attr in ("world_size", "local_world_size", "compute_device", "hbm_mem_bw", "ddr_mem_bw",
-                 "hbm_to_ddr_mem_bw", "intra_host_bw", "inter_host_bw"):
+    for attr in (
+        "world_size",
+        "local_world_size",
+        "compute_device",
+        "hbm_mem_bw",
+        "ddr_mem_bw",
+        "hbm_to_ddr_mem_bw",
+        "intra_host_bw",
+        "inter_host_bw",
+    ):
         assert getattr(made, attr) == getattr(direct, attr), attr
-    assert [(d.storage.hbm, d.storage.ddr) for d in made.devices] == [(d.storage.hbm, d.storage.ddr)
-                                                                       for d in direct.devices]
+    assert [(d.storage.hbm, d.storage.ddr) for d in made.devices] == [
+        (d.storage.hbm, d.storage.ddr) for d in direct.devices
+    ]
 
 
 def test_bad_input_errors_name_the_argument() -> None:
@@ -766,24 +872,40 @@ def test_bad_input_errors_name_the_argument() -> None:
     assert PlacementPlanner(topo()).plan(tables).placements == []
 
 
-@pytest.mark.parametrize("table,message", [
-    ("{name: a, rows: 10.7, dim: 8}", r"table #0: TableSpec\(a\)\.rows must be a positive int, got 10\.7 \(float\)"),
-    ("{name: a, rows: true, dim: 8}", r"table #0: TableSpec\(a\)\.rows must be a positive int, got True \(bool\)"),
-    ("{name: a, rows: '100', dim: 8}", r"TableSpec\(a\)\.rows must be a positive int, got '100' \(str\)"),
-    ("{name: a, dim: 8}", r"table #0 \(a\) lacks \['rows'\]; every table needs \['name', 'rows', 'dim'\]"),
-    ("{name: a, rows: 1000000000000000000, dim: 8}", r"TableSpec\(a\) needs 96000000000000000000 bytes \(1000000000000000000 rows x 96 bytes per row\), above "
-                                                     r"the planner's limit of 2\^62 bytes"),
-    ("{name: a, rows: 100, dim: 8, zipf_alpha: .nan}", r"zipf_alpha must be a finite number >= 0"),
-    ("{name: a, rows: 100, dim: 8, lookups_per_step: .inf}", r"lookups_per_step must be a finite number >= 0"),
-    ("{name: null, rows: 100, dim: 8}", r"table #0: name is None \(NoneType\); it must be a non-empty string "
-                                        r"\(YAML: quote it, e.g. name: \"user_id\"\)"),
-    ("{name: 123, rows: 100, dim: 8}", r"table #0: name is 123 \(int\); it must be a non-empty string"),
-    ("{name: ' ', rows: 100, dim: 8}", r"table #0: name is ' ' \(str\); it must be a non-empty string"),
-    ("{name: a, rows: 100, dim: 8, optimizer: null}", r"table #0: optimizer is None \(NoneType\).*optimizer: \"adam\""),
-    ("{name: a, rows: 100, dim: 8, dtype: 16}", r"table #0: dtype is 16 \(int\).*dtype: \"float32\""),
-])
-def test_cli_bad_tables_print_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str,
-                                          message: str) -> None:
+@pytest.mark.parametrize(
+    "table,message",
+    [
+        (
+            "{name: a, rows: 10.7, dim: 8}",
+            r"table #0: TableSpec\(a\)\.rows must be a positive int, got 10\.7 \(float\)",
+        ),
+        ("{name: a, rows: true, dim: 8}", r"table #0: TableSpec\(a\)\.rows must be a positive int, got True \(bool\)"),
+        ("{name: a, rows: '100', dim: 8}", r"TableSpec\(a\)\.rows must be a positive int, got '100' \(str\)"),
+        ("{name: a, dim: 8}", r"table #0 \(a\) lacks \['rows'\]; every table needs \['name', 'rows', 'dim'\]"),
+        (
+            "{name: a, rows: 1000000000000000000, dim: 8}",
+            r"TableSpec\(a\) needs 96000000000000000000 bytes \(1000000000000000000 rows x 96 bytes per row\), above "
+            r"the planner's limit of 2\^62 bytes",
+        ),
+        ("{name: a, rows: 100, dim: 8, zipf_alpha: .nan}", r"zipf_alpha must be a finite number >= 0"),
+        ("{name: a, rows: 100, dim: 8, lookups_per_step: .inf}", r"lookups_per_step must be a finite number >= 0"),
+        (
+            "{name: null, rows: 100, dim: 8}",
+            r"table #0: name is None \(NoneType\); it must be a non-empty string "
+            r"\(YAML: quote it, e.g. name: \"user_id\"\)",
+        ),
+        ("{name: 123, rows: 100, dim: 8}", r"table #0: name is 123 \(int\); it must be a non-empty string"),
+        ("{name: ' ', rows: 100, dim: 8}", r"table #0: name is ' ' \(str\); it must be a non-empty string"),
+        (
+            "{name: a, rows: 100, dim: 8, optimizer: null}",
+            r"table #0: optimizer is None \(NoneType\).*optimizer: \"adam\"",
+        ),
+        ("{name: a, rows: 100, dim: 8, dtype: 16}", r"table #0: dtype is 16 \(int\).*dtype: \"float32\""),
+    ],
+)
+def test_cli_bad_tables_print_one_message(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str, message: str
+) -> None:
     """Bad table files exit 2 with one line naming the file and the table (no traceback);
     YAML values keep their types (10.7 is not 10, true is not 1)."""
     y = tmp_path / "tables.yaml"
@@ -806,9 +928,15 @@ def test_cli_bad_files_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "not valid YAML" in capsys.readouterr().err
     for flags, message in (
         (["--world-size", "0"], r"--world-size must be >= 1 \(the number of ranks\), got 0"),
-        (["--world-size", "4", "--local-world-size", "0"], r"--local-world-size must be >= 1 \(ranks per machine\), got 0"),
+        (
+            ["--world-size", "4", "--local-world-size", "0"],
+            r"--local-world-size must be >= 1 \(ranks per machine\), got 0",
+        ),
         (["--world-size", "4", "--local-world-size", "3"], r"--local-world-size \(3\) must divide --world-size \(4\)"),
-        (["--world-size", "4", "--hbm-reservation", "nan"], r"--hbm-reservation must be a fraction in \[0, 1\), got nan"),
+        (
+            ["--world-size", "4", "--hbm-reservation", "nan"],
+            r"--hbm-reservation must be a fraction in \[0, 1\), got nan",
+        ),
         (["--world-size", "4", "--bins", "0", "8"], r"--bins must be two positive ints"),
         (["--world-size", "4", "--hbm", "0"], r"--hbm must be a positive size"),
         # a negative size is a bad size, not "expected one argument" (argparse read -1GiB as a flag)
@@ -822,8 +950,22 @@ def test_cli_bad_files_and_flags(tmp_path: Path, capsys: pytest.CaptureFixture[s
     # a bad --json path is refused before planning (nothing printed, nothing planned)
     for bad in (tmp_path / "missing-dir" / "p.json", tmp_path):
         with pytest.raises(SystemExit) as exc:
-            cli_main(["--tables", str(y), "--world-size", "16", "--local-world-size", "8", "--hbm", "80GiB",
-                      "--ddr", "1TiB", "--json", str(bad)])
+            cli_main(
+                [
+                    "--tables",
+                    str(y),
+                    "--world-size",
+                    "16",
+                    "--local-world-size",
+                    "8",
+                    "--hbm",
+                    "80GiB",
+                    "--ddr",
+                    "1TiB",
+                    "--json",
+                    str(bad),
+                ]
+            )
         out = capsys.readouterr()
         assert exc.value.code == 2 and f"--json {bad}: not a writable file path" in out.err and out.out == ""
     # per-element Adagrad is not offered (the planner refuses it for every tiered table)
@@ -846,8 +988,10 @@ def test_cli_duplicate_table_names_name_the_file_and_both_tables(
     out = capsys.readouterr()
     lines = out.err.strip().splitlines()
     assert out.out == "" and len(lines) == 1, out.err
-    assert lines[0] == f"error: {y}: table #2 is named 'a' like table #0; every table needs its own name " \
-                       "(rename one, or drop the duplicate entry).", lines[0]
+    assert (
+        lines[0] == f"error: {y}: table #2 is named 'a' like table #0; every table needs its own name "
+        "(rename one, or drop the duplicate entry)."
+    ), lines[0]
 
 
 def test_cli_omit_hint_is_only_given_for_the_optional_local_world_size(
@@ -895,7 +1039,9 @@ def test_insufficient_hbm_also_names_the_ddr_the_least_hbm_plan_needs() -> None:
 
 
 def test_module_without_embedding_collections_is_refused() -> None:
-    with pytest.raises(PlannerError, match=r"torch\.nn\.modules\.linear\.Linear\) holds no EmbeddingBagCollection") as e:
+    with pytest.raises(
+        PlannerError, match=r"torch\.nn\.modules\.linear\.Linear\) holds no EmbeddingBagCollection"
+    ) as e:
         PlacementPlanner(topo()).plan(torch.nn.Linear(3, 3))
     assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
     assert "pass the model that holds the embedding collections" in str(e.value)
@@ -904,9 +1050,16 @@ def test_module_without_embedding_collections_is_refused() -> None:
 def _two_modules_one_name() -> torch.nn.Module:
     model = torch.nn.Module()
     for path, rows in (("a", 1000), ("b", 2000)):
-        setattr(model, path, EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=rows, feature_names=[f"f_{path}"])],
-            device=torch.device("meta")))
+        setattr(
+            model,
+            path,
+            EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=rows, feature_names=[f"f_{path}"])
+                ],
+                device=torch.device("meta"),
+            ),
+        )
     return model
 
 
@@ -923,8 +1076,9 @@ def test_table_name_shared_by_two_modules_is_ambiguous() -> None:
     # keyed by full name, or a name one table keeps once the other has its own key: not ambiguous
     pinned = PlacementPlanner(topo(), constraints={"a.t": PlacementConstraints(mode="CACHING", cache_load_factor=0.5)})
     assert pinned.plan(model).placement("t", module_path="a").cache_load_factor == 0.5
-    PlacementPlanner(topo(), constraints={"t": PlacementConstraints(mode="CACHING"),
-                                          "b.t": PlacementConstraints(mode="HYBRID")}).plan(model)
+    PlacementPlanner(
+        topo(), constraints={"t": PlacementConstraints(mode="CACHING"), "b.t": PlacementConstraints(mode="HYBRID")}
+    ).plan(model)
 
 
 @pytest.mark.parametrize(
@@ -959,7 +1113,9 @@ def test_cache_stats_miss_rate_out_of_range_is_refused(miss: float) -> None:
             return 1.0
 
     t = TableSpec(name="t", rows=1000, dim=8, cache_stats=Stats())
-    with pytest.raises(ValueError, match=r"TableSpec\(t\)\.cache_stats\.expected_miss_rate\(0\.5\) returned .*\[0, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"TableSpec\(t\)\.cache_stats\.expected_miss_rate\(0\.5\) returned .*\[0, 1\]"
+    ):
         fast_tier_hit_rate(t, Mode.CACHING, 0.5)
 
 
@@ -993,6 +1149,8 @@ def test_planner_checks_a_directly_built_topology() -> None:
 
 
 def test_constraints_must_be_placement_constraints() -> None:
-    with pytest.raises(PlannerError, match=r"(?s)constraints\['big'\] is a dict.*PlacementConstraints\(\*\*\{'mode': 'CACHING'\}\)") as e:
+    with pytest.raises(
+        PlannerError, match=r"(?s)constraints\['big'\] is a dict.*PlacementConstraints\(\*\*\{'mode': 'CACHING'\}\)"
+    ) as e:
         PlacementPlanner(topo(), constraints={"big": {"mode": "CACHING"}})  # type: ignore[dict-item]
     assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION

@@ -1,15 +1,12 @@
-"""Planner and recipe defects of a later session, each checked against an independent reference.
+"""Planner and recipe input limits, each checked against an independent reference.
 
-* planner CLI: ``--hbm 80`` (a size without a unit) meant 80 bytes and ended in a
-  confusing "no combination" error; a bare number below 1 MiB is now refused naming the
-  flag and the fix;
-* ``PlacementPlanner(bins=..., proposer=...)`` ignored ``bins`` silently;
-* the proposers' helpers gave bare errors on bad input (``prune_dominated(..., None)``),
-  and byte sums past the DP kernel's range (2^53) or past int64 crashed the planner with a
-  kernel RuntimeError (or returned a plan over a binding budget): refused by size now;
-* recipes: Python warnings emitted while the progress bar is drawn continued the bar's line;
-* recipes: a Criteo file deleted right at the end of the first pass gave a raw
-  ``FileNotFoundError``.
+* planner CLI: a bare size below 1 MiB (``--hbm 80``: a forgotten unit) is refused,
+  naming the flag and the fix;
+* ``PlacementPlanner(bins=..., proposer=...)`` is refused (``bins`` sizes only the default proposer);
+* the proposers' helpers name a bad argument (``prune_dominated(..., None)``), and byte
+  sums past the DP kernel's range (2^53) or past int64 are refused by size;
+* recipes: Python warnings emitted while the progress bar is drawn start on a line of their own;
+* recipes: a Criteo file deleted at the end of the first pass is named in one error line.
 """
 
 from __future__ import annotations
@@ -29,14 +26,8 @@ import torch
 from gloo_harness import run_gloo
 from test_nonfinite import CRITEO, write_criteo
 
-from recpipe.planner import (
-    BruteForceProposer,
-    DynamicProgrammingProposer,
-    PlacementPlanner,
-    TableSpec,
-    make_topology,
-)
-from recpipe.planner import proposers as P
+from recpipe.planner import BruteForceProposer, DynamicProgrammingProposer, PlacementPlanner, TableSpec, make_topology
+from recpipe.planner import knapsack as P
 from recpipe.planner.__main__ import main as cli_main
 from recpipe.recipes.config import TrainConfig
 from recpipe.recipes.data.registry import make_data_source
@@ -46,8 +37,10 @@ GiB = 2**30
 
 def _exhaustive(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, H: int, D: int) -> Optional[float]:
     """The cheapest plan's cost over every combination, bytes summed as Python ints (no wrap)."""
-    rows = [[(int(hbm[i, j]), int(ddr[i, j]), float(cost[i, j])) for j in range(cost.shape[1])
-             if np.isfinite(cost[i, j])] for i in range(cost.shape[0])]
+    rows = [
+        [(int(hbm[i, j]), int(ddr[i, j]), float(cost[i, j])) for j in range(cost.shape[1]) if np.isfinite(cost[i, j])]
+        for i in range(cost.shape[0])
+    ]
     best: Optional[float] = None
     for combo in itertools.product(*rows):
         if sum(o[0] for o in combo) <= H and sum(o[1] for o in combo) <= D:
@@ -57,15 +50,18 @@ def _exhaustive(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, H: int, D: i
 
 
 # ---------------------------------------------------------------- planner CLI sizes
-@pytest.mark.parametrize("flags, flag, value", [
-    (["--hbm", "80", "--ddr", "1TiB"], "--hbm", "80"),
-    (["--hbm", "80GiB", "--ddr", "1024"], "--ddr", "1024"),
-    (["--hbm", "0.5", "--ddr", "1TiB"], "--hbm", "0.5"),
-])
+@pytest.mark.parametrize(
+    "flags, flag, value",
+    [
+        (["--hbm", "80", "--ddr", "1TiB"], "--hbm", "80"),
+        (["--hbm", "80GiB", "--ddr", "1024"], "--ddr", "1024"),
+        (["--hbm", "0.5", "--ddr", "1TiB"], "--hbm", "0.5"),
+    ],
+)
 def test_cli_refuses_a_size_without_a_unit_below_1_mib(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], flag: str, value: str
 ) -> None:
-    """``--hbm 80`` used to plan with an HBM budget of 80 bytes and fail with "does not fit"."""
+    """A bare size below 1 MiB (``--hbm 80``, 80 bytes) is refused as a forgotten unit, naming the flag."""
     y = tmp_path / "t.yaml"
     y.write_text("- {name: t, rows: 1000, dim: 8}\n")
     with pytest.raises(SystemExit) as exc:
@@ -93,10 +89,9 @@ def test_cli_takes_explicit_bytes_and_large_bare_numbers_as_bytes(
     assert (tmp_path / "a.json").read_text() == (tmp_path / "b.json").read_text()
 
 
-@pytest.mark.parametrize("text, key, example", [
-    ("rows: 1e6, dim: 8", "rows", "1000000"),
-    ("rows: 1000, dim: 1.6E1", "dim", "16"),
-])
+@pytest.mark.parametrize(
+    "text, key, example", [("rows: 1e6, dim: 8", "rows", "1000000"), ("rows: 1000, dim: 1.6E1", "dim", "16")]
+)
 def test_cli_names_a_yaml_exponent_that_yaml_reads_as_text(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, key: str, example: str
 ) -> None:
@@ -120,8 +115,11 @@ def test_cli_names_a_yaml_exponent_that_yaml_reads_as_text(
 def test_planner_refuses_bins_together_with_a_proposer(proposer: Any) -> None:
     """``bins`` only builds the default proposer: with a proposer of one's own it was ignored."""
     topo = make_topology(world_size=2, local_world_size=2, hbm_cap=GiB, ddr_cap=GiB)
-    with pytest.raises(ValueError, match=rf"bins=\(100, 50\) and proposer={type(proposer).__name__}\(\.\.\.\) were "
-                       r"both given.*drop bins, or pass proposer=DynamicProgrammingProposer\(bins=\(100, 50\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"bins=\(100, 50\) and proposer={type(proposer).__name__}\(\.\.\.\) were "
+        r"both given.*drop bins, or pass proposer=DynamicProgrammingProposer\(bins=\(100, 50\)\)",
+    ):
         PlacementPlanner(topo, bins=(100, 50), proposer=proposer)
     # either alone is fine, and the given proposer's own bins are the ones used
     dp = DynamicProgrammingProposer(bins=(8, 4))
@@ -133,11 +131,14 @@ def test_planner_refuses_bins_together_with_a_proposer(proposer: Any) -> None:
 
 
 # ---------------------------------------------------------------- proposer helpers' input
-@pytest.mark.parametrize("args, match", [
-    ((None,), r"`usable` must be a bool array shaped like `cost` \(2, 3\).*got None; e\.g\. usable = np\.isfinite"),
-    ((np.ones((2, 2), bool),), r"`usable` must be a bool array shaped like `cost` \(2, 3\).*shape \(2, 2\)"),
-    ((np.ones((2, 3), int),), r"`usable` must be a bool array .*of dtype int64"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((None,), r"`usable` must be a bool array shaped like `cost` \(2, 3\).*got None; e\.g\. usable = np\.isfinite"),
+        ((np.ones((2, 2), bool),), r"`usable` must be a bool array shaped like `cost` \(2, 3\).*shape \(2, 2\)"),
+        ((np.ones((2, 3), int),), r"`usable` must be a bool array .*of dtype int64"),
+    ],
+)
 def test_prune_dominated_names_a_bad_usable_mask(args: Sequence[Any], match: str) -> None:
     hbm = np.array([[1, 2, 3], [3, 2, 1]], dtype=np.int64)
     cost = np.array([[1.0, 2.0, 3.0], [1.0, 1.0, 1.0]])
@@ -147,28 +148,36 @@ def test_prune_dominated_names_a_bad_usable_mask(args: Sequence[Any], match: str
         P.prune_dominated(hbm, hbm, None, np.ones((2, 3), bool))  # type: ignore[arg-type]
     # the check keeps the result: option 0 of table 0 dominates the others; table 1's options tie
     # on cost and trade HBM for nothing (ddr = hbm), so the leanest survives
-    assert P.prune_dominated(hbm, hbm, cost, np.ones((2, 3), bool)).tolist() == [[True, False, False],
-                                                                                 [False, False, True]]
+    assert P.prune_dominated(hbm, hbm, cost, np.ones((2, 3), bool)).tolist() == [
+        [True, False, False],
+        [False, False, True],
+    ]
 
 
-@pytest.mark.parametrize("rows, n, hbm_cap", [
-    (2**55, 3, 2**70),  # 2^61 bytes per table: the options' int64 sum wrapped, then a kernel RuntimeError
-    (2**50, 1, 2**56),  # one 2^56-byte table under a binding budget: the kernel's bare "< 2^53 bytes" error
-    (2**46, 4, 2**70),  # each table below 2^53 bytes, together past it
-])
+@pytest.mark.parametrize(
+    "rows, n, hbm_cap",
+    [
+        (2**55, 3, 2**70),  # 2^61 bytes per table: the options' int64 sum wrapped, then a kernel RuntimeError
+        (2**50, 1, 2**56),  # one 2^56-byte table under a binding budget: the kernel's bare "< 2^53 bytes" error
+        (2**46, 4, 2**70),  # each table below 2^53 bytes, together past it
+    ],
+)
 def test_tables_past_the_planners_byte_range_are_refused_by_size(rows: int, n: int, hbm_cap: int) -> None:
-    """Before: ``RuntimeError: recpipe.placement_dp: budgets must be >= 0 bytes`` / ``< 2^53 bytes``."""
+    """Byte sums past 2^53 (the DP kernel's range) are refused by size, not by a kernel RuntimeError."""
     tables = [TableSpec(name=f"t{i}", rows=rows, dim=16, optimizer="sgd") for i in range(n)]
-    planner = PlacementPlanner(make_topology(world_size=1, local_world_size=1, hbm_cap=hbm_cap, ddr_cap=2**70),
-                               backend="native")
+    planner = PlacementPlanner(
+        make_topology(world_size=1, local_world_size=1, hbm_cap=hbm_cap, ddr_cap=2**70), backend="native"
+    )
     opts = planner.enumerator.enumerate_arrays(tables)
     fits = np.isfinite(opts.cost) & (opts.hbm_bytes_per_rank <= planner.hbm_budget)
     # the independent reference: Python-int bytes of every table's largest option within the budget
-    total = sum(max(int(h) for h, ok in zip(row, ok_row) if ok)
-                for row, ok_row in zip(opts.hbm_bytes_per_rank, fits))
+    total = sum(max(int(h) for h, ok in zip(row, ok_row) if ok) for row, ok_row in zip(opts.hbm_bytes_per_rank, fits))
     assert total >= 2**53
-    with pytest.raises(ValueError, match=rf"largest options need {total} bytes of HBM per device in all, at or "
-                       r"past 2\^53 bytes \(8 PiB\).*check the tables' sizes"):
+    with pytest.raises(
+        ValueError,
+        match=rf"largest options need {total} bytes of HBM per device in all, at or "
+        r"past 2\^53 bytes \(8 PiB\).*check the tables' sizes",
+    ):
         planner.plan(tables)
 
 
@@ -203,13 +212,22 @@ class _ListCostModel:
         return self.make(len(options))
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda k: np.ones(k - 1), r"returned shape \(18,\); it must return one finite cost >= 0"),  # numpy broadcast error
-    (lambda k: np.full(k, np.nan), r"returned nan for option 0 \(HYBRID, x=0\.1\)"),  # a proposer error naming neither
-    (lambda k: np.full(k, np.inf), r"returned inf for option 0"),  # "does not fit anywhere", blaming the budgets
-    (lambda k: -np.ones(k), r"returned -1\.0 for option 0"),  # planned silently
-    (lambda k: None, r"returned NoneType None"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (
+            lambda k: np.ones(k - 1),
+            r"returned shape \(18,\); it must return one finite cost >= 0",
+        ),  # numpy broadcast error
+        (
+            lambda k: np.full(k, np.nan),
+            r"returned nan for option 0 \(HYBRID, x=0\.1\)",
+        ),  # a proposer error naming neither
+        (lambda k: np.full(k, np.inf), r"returned inf for option 0"),  # "does not fit anywhere", blaming the budgets
+        (lambda k: -np.ones(k), r"returned -1\.0 for option 0"),  # planned silently
+        (lambda k: None, r"returned NoneType None"),
+    ],
+)
 def test_a_user_cost_model_returning_bad_costs_is_named(make: Any, match: str) -> None:
     topo = make_topology(world_size=2, local_world_size=2, hbm_cap=GiB, ddr_cap=GiB)
     tables = [TableSpec(name="a", rows=1000, dim=4)]
@@ -225,10 +243,12 @@ def test_proposers_refuse_a_cost_of_minus_inf() -> None:
     """-inf was taken for "no option" (as inf is): the cheapest option was dropped silently."""
     hbm = np.ones((2, 2), dtype=np.int64)
     cost = np.array([[-np.inf, 1.0], [1.0, 1.0]])
-    for solve in (BruteForceProposer().solve, DynamicProgrammingProposer().solve,
-                  lambda *a: P.budget_prices(*a)):
-        with pytest.raises(ValueError, match=r"`cost` holds -inf at \(table 0, option 0\): a cost is a finite number, "
-                           r"or inf to mark no option"):
+    for solve in (BruteForceProposer().solve, DynamicProgrammingProposer().solve, lambda *a: P.budget_prices(*a)):
+        with pytest.raises(
+            ValueError,
+            match=r"`cost` holds -inf at \(table 0, option 0\): a cost is a finite number, "
+            r"or inf to mark no option",
+        ):
             solve(hbm, hbm, cost, 3, 3)
 
 
@@ -274,14 +294,30 @@ sys.exit(code)
 
 
 def test_warnings_during_training_do_not_continue_the_progress_bar_line(tmp_path: Path) -> None:
-    """Stdout and stderr on one terminal, the bar drawn: a warning used to be printed right
-    after the bar's text, on the bar's line."""
-    flags = ["--dataset=synthetic", "--model=dlrm", "--num-embeddings=500", "--synthetic-id-space=5000",
-             "--embedding-dim=8", "--dense-arch=16,8", "--over-arch=16,1", "--batch-size=32",
-             "--eval-batches=2", "--max-steps=8", "--log-every=4", "--eval-every=0"]
+    """Stdout and stderr on one terminal, the bar drawn: a warning starts on a line of its
+    own, not after the bar's text on the bar's line."""
+    flags = [
+        "--dataset=synthetic",
+        "--model=dlrm",
+        "--num-embeddings=500",
+        "--synthetic-id-space=5000",
+        "--embedding-dim=8",
+        "--dense-arch=16,8",
+        "--over-arch=16,1",
+        "--batch-size=32",
+        "--eval-batches=2",
+        "--max-steps=8",
+        "--log-every=4",
+        "--eval-every=0",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="always")
-    proc = subprocess.run([sys.executable, "-c", _WARN_RUN, *flags], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _WARN_RUN, *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        timeout=300,
+    )
     text = proc.stdout.decode()  # bytes: text mode would turn the bar's '\r' into '\n'
     assert proc.returncode == 0, text[-3000:]
     assert "\rtrain:" in text, text  # the bar was drawn
@@ -299,7 +335,7 @@ def test_warnings_during_training_do_not_continue_the_progress_bar_line(tmp_path
 # ---------------------------------------------------------------- recipes: a file deleted at a pass end
 def test_a_data_file_deleted_at_the_end_of_the_first_pass_is_named(tmp_path: Path) -> None:
     """With ``--max-steps`` the first pass checks the files' sizes where it ends; a file deleted
-    just then used to raise a bare FileNotFoundError from os.path.getsize."""
+    just then is named in a CriteoDataChangedError, not a bare FileNotFoundError."""
     from recpipe.recipes.data.criteo import CriteoDataChangedError
 
     data = tmp_path / "day_0.tsv"
@@ -315,8 +351,10 @@ def test_a_data_file_deleted_at_the_end_of_the_first_pass_is_named(tmp_path: Pat
     assert e.value.path == str(data)
     message = str(e.value)
     assert "\n" not in message
-    assert message.startswith(f"--data-path file {data} can no longer be read while this run reads it (No such file "
-                              "or directory): it held 64 rows when this run read it and holds none now"), message
+    assert message.startswith(
+        f"--data-path file {data} can no longer be read while this run reads it (No such file "
+        "or directory): it held 64 rows when this run read it and holds none now"
+    ), message
     assert "resume from the last checkpoint (--resume)" in message
 
 
@@ -329,18 +367,28 @@ def _edge_models() -> dict[str, Any]:
 
     cpu = torch.device("cpu")
     return {
-        "tiny_and_multi": lambda: EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name="t0", num_embeddings=1, embedding_dim=4, feature_names=["f0"]),
-            EmbeddingBagConfig(name="t1", num_embeddings=40, embedding_dim=8, feature_names=["f1", "f2", "f3"]),
-        ], device=cpu),
-        "weighted": lambda: EmbeddingBagCollection(tables=[
-            EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=4, feature_names=["f0"]),
-            EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=["f1", "f2"]),
-        ], is_weighted=True, device=cpu),
-        "ec": lambda: EmbeddingCollection(tables=[
-            EmbeddingConfig(name="t0", num_embeddings=40, embedding_dim=4, feature_names=["f0", "f1"]),
-            EmbeddingConfig(name="t1", num_embeddings=1, embedding_dim=4, feature_names=["f2"]),
-        ], device=cpu),
+        "tiny_and_multi": lambda: EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name="t0", num_embeddings=1, embedding_dim=4, feature_names=["f0"]),
+                EmbeddingBagConfig(name="t1", num_embeddings=40, embedding_dim=8, feature_names=["f1", "f2", "f3"]),
+            ],
+            device=cpu,
+        ),
+        "weighted": lambda: EmbeddingBagCollection(
+            tables=[
+                EmbeddingBagConfig(name="t0", num_embeddings=40, embedding_dim=4, feature_names=["f0"]),
+                EmbeddingBagConfig(name="t1", num_embeddings=30, embedding_dim=4, feature_names=["f1", "f2"]),
+            ],
+            is_weighted=True,
+            device=cpu,
+        ),
+        "ec": lambda: EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(name="t0", num_embeddings=40, embedding_dim=4, feature_names=["f0", "f1"]),
+                EmbeddingConfig(name="t1", num_embeddings=1, embedding_dim=4, feature_names=["f2"]),
+            ],
+            device=cpu,
+        ),
     }
 
 
@@ -358,8 +406,12 @@ def _edge_features(module: Any, rank: int, weighted: bool) -> Any:
             lengths.append(n)
             values.append(torch.randint(0, c.num_embeddings, (int(n.sum()),), generator=gen))
     ids = torch.cat(values)
-    return KeyedJaggedTensor(keys=keys, values=ids, lengths=torch.cat(lengths),
-                             weights=torch.rand(ids.numel(), generator=gen) if weighted else None)
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=ids,
+        lengths=torch.cat(lengths),
+        weights=torch.rand(ids.numel(), generator=gen) if weighted else None,
+    )
 
 
 def _edge_outputs(out: Any) -> dict[str, torch.Tensor]:
@@ -398,12 +450,16 @@ def _edge_body(rank: int, world: int) -> dict[str, float]:
         # the planner's plan, each table pinned to a cache over a slow-tier copy
         module = make()
         apply_optimizer_in_backward(torch.optim.SGD, module.parameters(), {"lr": lr})
-        cfgs = module.embedding_bag_configs() if isinstance(module, EmbeddingBagCollection) else module.embedding_configs()
+        cfgs = (
+            module.embedding_bag_configs() if isinstance(module, EmbeddingBagCollection) else module.embedding_configs()
+        )
         pins = {c.name: PlacementConstraints(mode="CACHING", cache_load_factor=0.3) for c in cfgs}
         topo = make_topology(world_size=world, local_world_size=world, hbm_cap=GiB, ddr_cap=GiB)
         plan = PlacementPlanner(topo, constraints=pins, backend="native").plan(module)
         dmp = DistributedModelParallel(
-            module, plan=plan.to_sharding_plan(compute_device="cpu"), device=torch.device("cpu"),
+            module,
+            plan=plan.to_sharding_plan(compute_device="cpu"),
+            device=torch.device("cpu"),
             sharders=[TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()],  # type: ignore[list-item]
         )
         dmp.load_state_dict(weights)  # the full tables, as the unsharded module holds them
@@ -412,7 +468,8 @@ def _edge_body(rank: int, world: int) -> dict[str, float]:
         second = _edge_outputs(dmp(kjts[rank]))
         worst[kind] = max(
             float((got[k].detach() - want[k].detach()).abs().max()) if want[k].numel() else 0.0
-            for got, want in ((first, first_ref), (second, second_ref)) for k in want
+            for got, want in ((first, first_ref), (second, second_ref))
+            for k in want
         )
     return worst
 

@@ -1,5 +1,5 @@
-"""The planner's leftovers: bad input to its helpers and plan files, the quoted budgets
-of an infeasible pair of budgets, the label of an all-HBM table, one rounding per message."""
+"""Bad input to the planner's helpers and plan files, the quoted budgets of an infeasible
+pair of budgets, the label of an all-HBM table, and one rounding per byte figure in a message."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from recpipe.pipeline.tiered.fbgemm import plan_fbgemm_tier
 from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
 from recpipe.planner import (
     DEFAULT_LOAD_FACTORS,
+    BruteForceProposer,
+    DynamicProgrammingProposer,
     Mode,
     PlacementConstraints,
     PlacementPlan,
@@ -34,9 +36,9 @@ from recpipe.planner import (
     max_local_rows,
     shard_storage,
 )
-from recpipe.planner import proposers as P
+from recpipe.planner import knapsack as P
 from recpipe.planner.cost_models import generalized_harmonic
-from recpipe.planner.types import format_bytes
+from recpipe.planner.errors import format_bytes
 
 GiB = 2**30
 MiB = 2**20
@@ -59,6 +61,7 @@ def _set(path: Tuple[Any, ...], value: Any) -> Callable[[Dict[str, Any]], Any]:
             node = node[key]
         node[path[-1]] = value
         return d
+
     return edit
 
 
@@ -69,6 +72,7 @@ def _drop(path: Tuple[Any, ...]) -> Callable[[Dict[str, Any]], Any]:
             node = node[key]
         del node[path[-1]]
         return d
+
     return edit
 
 
@@ -101,7 +105,10 @@ BAD_PLAN_DICTS = [
     (_set(("placements", 0, "hbm_bytes_per_rank"), -5), r"\['hbm_bytes_per_rank'\]` must be >= 0"),
     (_set(("placements", 0, "cost"), float("nan")), r"\['cost'\] must be a finite number >= 0"),
     (_set(("placements", 0, "optimizer"), "lion"), r"\['optimizer'\] must be one of"),
-    (_set(("placements", 1, "table"), "a"), r"data\['placements'\]\[1\] places table 'a' like data\['placements'\]\[0\]"),
+    (
+        _set(("placements", 1, "table"), "a"),
+        r"data\['placements'\]\[1\] places table 'a' like data\['placements'\]\[0\]",
+    ),
 ]
 
 
@@ -113,14 +120,17 @@ def test_from_dict_refuses_what_is_not_a_plan(edit: Callable[[Dict[str, Any]], A
         PlacementPlan.from_dict(edit(copy.deepcopy(good)))
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"", r"the file is empty"),
-    (b"placements: []\n", r"the file is not JSON \(Expecting value at line 1 column 1\)"),
-    (b"\xff\xfe{}", r"the file is not UTF-8 text"),
-    (b"[1, 2]", r"the file holds a JSON list, not a plan"),
-    (b"null", r"the file holds a JSON NoneType, not a plan"),
-    (b'{"placements": []}', r"the file is not a valid plan: data has no \['world_size'"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"", r"the file is empty"),
+        (b"placements: []\n", r"the file is not JSON \(Expecting value at line 1 column 1\)"),
+        (b"\xff\xfe{}", r"the file is not UTF-8 text"),
+        (b"[1, 2]", r"the file holds a JSON list, not a plan"),
+        (b"null", r"the file holds a JSON NoneType, not a plan"),
+        (b'{"placements": []}', r"the file is not a valid plan: data has no \['world_size'"),
+    ],
+)
 def test_load_refuses_files_that_are_not_plans(tmp_path: Path, content: bytes, match: str) -> None:
     path = tmp_path / "plan.json"
     path.write_bytes(content)
@@ -148,37 +158,46 @@ def _prices_instance() -> Tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
 
 
 @pytest.mark.parametrize("twin", [P.budget_prices, P._budget_prices_cpp], ids=["numpy", "cpp"])
-@pytest.mark.parametrize("iters, match", [
-    (0, r"`iters` must be >= 1, got 0"), (-1, r"`iters` must be >= 1, got -1"),
-    (1.5, r"`iters` must be an int, got float 1\.5"), (True, r"`iters` must be an int, got bool True"),
-    (None, r"`iters` must be an int, got NoneType None"),
-])
+@pytest.mark.parametrize(
+    "iters, match",
+    [
+        (0, r"`iters` must be >= 1, got 0"),
+        (-1, r"`iters` must be >= 1, got -1"),
+        (1.5, r"`iters` must be an int, got float 1\.5"),
+        (True, r"`iters` must be an int, got bool True"),
+        (None, r"`iters` must be an int, got NoneType None"),
+    ],
+)
 def test_budget_prices_refuses_bad_iters(twin: Callable[..., Any], iters: Any, match: str) -> None:
     hbm, ddr, cost, H, D = _prices_instance()
-    # the compiled kernel refuses iters < 1 (independent reference); both twins now say so
+    # the compiled kernel refuses iters < 1 (independent reference); both twins say so
     with pytest.raises(RuntimeError, match="`iters` must be >= 1"):
-        torch.ops.recpipe.placement_budget_prices(torch.from_numpy(hbm), torch.from_numpy(ddr),
-                                                  torch.from_numpy(cost), H, D, 0)
+        torch.ops.recpipe.placement_budget_prices(
+            torch.from_numpy(hbm), torch.from_numpy(ddr), torch.from_numpy(cost), H, D, 0
+        )
     with pytest.raises(ValueError, match=match):
         twin(hbm, ddr, cost, H, D, iters=iters)
     assert twin(hbm, ddr, cost, H, D, iters=np.int64(3)) == pytest.approx(P.budget_prices(hbm, ddr, cost, H, D, 3))
 
 
-@pytest.mark.parametrize("n, alpha, match", [
-    (-1, 1.0, r"n must hold whole numbers >= 0 .*got -1 in"),  # before: 8.895..., the sum of 4096 terms
-    (np.array([3, -2]), 1.0, r"got -2 in"),
-    (np.array([1.5]), 1.0, r"got 1\.5 in"),
-    (np.array([np.nan]), 1.0, r"got nan in"),
-    (np.array([np.inf]), 1.0, r"got inf in"),
-    (np.array([True]), 1.0, r"got True in an array of dtype bool"),
-    (None, 1.0, r"n must hold whole numbers >= 0 .*got None in an array of dtype object"),
-    (np.array(["3"]), 1.0, r"n must hold whole numbers >= 0 .*got '3' in"),
-    (np.array([3]), -1.0, r"alpha must be a finite number >= 0 .*got float -1\.0"),
-    (np.array([3]), float("nan"), r"alpha must be a finite number >= 0 .*got float nan"),
-    (np.array([3]), float("inf"), r"alpha must be a finite number >= 0 .*got float inf"),
-    (np.array([3]), None, r"alpha must be a finite number >= 0 .*got NoneType None"),
-    (np.array([3]), True, r"alpha must be a finite number >= 0 .*got bool True"),
-])
+@pytest.mark.parametrize(
+    "n, alpha, match",
+    [
+        (-1, 1.0, r"n must hold whole numbers >= 0 .*got -1 in"),  # before: 8.895..., the sum of 4096 terms
+        (np.array([3, -2]), 1.0, r"got -2 in"),
+        (np.array([1.5]), 1.0, r"got 1\.5 in"),
+        (np.array([np.nan]), 1.0, r"got nan in"),
+        (np.array([np.inf]), 1.0, r"got inf in"),
+        (np.array([True]), 1.0, r"got True in an array of dtype bool"),
+        (None, 1.0, r"n must hold whole numbers >= 0 .*got None in an array of dtype object"),
+        (np.array(["3"]), 1.0, r"n must hold whole numbers >= 0 .*got '3' in"),
+        (np.array([3]), -1.0, r"alpha must be a finite number >= 0 .*got float -1\.0"),
+        (np.array([3]), float("nan"), r"alpha must be a finite number >= 0 .*got float nan"),
+        (np.array([3]), float("inf"), r"alpha must be a finite number >= 0 .*got float inf"),
+        (np.array([3]), None, r"alpha must be a finite number >= 0 .*got NoneType None"),
+        (np.array([3]), True, r"alpha must be a finite number >= 0 .*got bool True"),
+    ],
+)
 def test_generalized_harmonic_refuses_bad_n_and_alpha(n: Any, alpha: Any, match: str) -> None:
     with pytest.raises(ValueError, match=r"generalized_harmonic\((n|alpha)\): .*" + match):
         generalized_harmonic(n, alpha)
@@ -216,8 +235,15 @@ def _least_by_brute_force(tables: List[TableSpec], W: int, L: int, H: int, D: in
     for t in tables:
         rows = max_local_rows(t.rows, W)
         cand = [(m, x) for x in DEFAULT_LOAD_FACTORS for m in (Mode.HYBRID, Mode.CACHING)]
-        opts.append([(shard_storage(rows, t.dim, t.dtype, t.optimizer, m, x).fast_bytes,
-                      machine_storage(t.rows, W, L, t.dim, t.dtype, t.optimizer, m, x).slow_bytes) for m, x in cand])
+        opts.append(
+            [
+                (
+                    shard_storage(rows, t.dim, t.dtype, t.optimizer, m, x).fast_bytes,
+                    machine_storage(t.rows, W, L, t.dim, t.dtype, t.optimizer, m, x).slow_bytes,
+                )
+                for m, x in cand
+            ]
+        )
     least_d = least_h = math.inf
     for combo in itertools.product(*opts):
         h, d = sum(c[0] for c in combo), sum(c[1] for c in combo)
@@ -229,9 +255,9 @@ def _least_by_brute_force(tables: List[TableSpec], W: int, L: int, H: int, D: in
 
 
 def test_no_plan_at_both_budgets_quotes_the_least_raise_of_each() -> None:
-    # Each budget alone can be met, not both. Before, the DDR line quoted the DDR of the
-    # lowest-HBM plan (131.84 MiB here) although the HBM budget leaves room for plans with
-    # far less DDR: following it overshot, and 1 byte less per rank still planned.
+    # Each budget alone can be met, not both. Each line quotes the least budget that plans
+    # with the other kept (not the DDR of the lowest-HBM plan, 131.84 MiB here, which the
+    # HBM budget does not force): 1 byte less per rank does not plan.
     tables = [TableSpec(name=n, rows=100_000, dim=64, optimizer="adam") for n in ("a", "b")]
     W = L = 2
 
@@ -270,16 +296,23 @@ def test_a_table_pinned_to_caching_at_x_one_is_not_labelled_caching() -> None:
     managed_caching = compute_kernel_to_embedding_location(EmbeddingComputeKernel.FUSED_UVM_CACHING)
     assert managed_caching is EmbeddingLocation.MANAGED_CACHING
     t = TableSpec(name="t", rows=100_000, dim=64, optimizer="sgd")
-    for pin, roomy in ((PlacementConstraints(mode="CACHING"), True),
-                       (PlacementConstraints(mode="CACHING", cache_load_factor=1.0), True),
-                       (PlacementConstraints(mode="CACHING", cache_load_factor=0.5), True),
-                       (PlacementConstraints(mode="CACHING"), False)):
+    for pin, roomy in (
+        (PlacementConstraints(mode="CACHING"), True),
+        (PlacementConstraints(mode="CACHING", cache_load_factor=1.0), True),
+        (PlacementConstraints(mode="CACHING", cache_load_factor=0.5), True),
+        (PlacementConstraints(mode="CACHING"), False),
+    ):
         hbm = 80 * GiB if roomy else 8 * MiB
         plan = PlacementPlanner(_topo(2, 2, hbm, GiB), constraints={"t": pin}).plan([t])
         p = plan.placement("t")
-        built = plan_fbgemm_tier(num_rows=max_local_rows(t.rows, 2), embedding_dim=t.dim, mode=p.mode,
-                                 cache_load_factor=p.cache_load_factor, cache_policy=plan.cache_policy,
-                                 optimizer=TieredOptimizerConfig())
+        built = plan_fbgemm_tier(
+            num_rows=max_local_rows(t.rows, 2),
+            embedding_dim=t.dim,
+            mode=p.mode,
+            cache_load_factor=p.cache_load_factor,
+            cache_policy=plan.cache_policy,
+            optimizer=TieredOptimizerConfig(),
+        )
         locations = {EmbeddingLocation[table.location] for table in built.tables}
         assert (p.mode is Mode.CACHING) == (managed_caching in locations), (pin, p, locations)
         assert (p.cache_load_factor == 1.0) == (locations == {EmbeddingLocation.DEVICE}) == (p.ddr_bytes_per_rank == 0)
@@ -308,11 +341,13 @@ def _errors() -> List[str]:
     many = [TableSpec(name=f"x{i}", rows=10**6, dim=64, optimizer="sgd") for i in range(8)]
     one = [TableSpec(name="t", rows=4 * 10**6, dim=64, optimizer="adam")]
     pair = [TableSpec(name=n, rows=100_000, dim=64, optimizer="adam") for n in ("a", "b")]
-    for tables, hbm, ddr in ((many, 150 * MiB + 12345, 64 * GiB),  # INSUFFICIENT_HBM
-                             (many, 150 * MiB + 12345, 1000 * MiB + 7),  # INSUFFICIENT_HBM and DDR
-                             (one, MiB, MiB),  # TABLE_DOES_NOT_FIT
-                             (pair, 20 * MiB + 5, 20 * MiB + 3),  # TABLE_DOES_NOT_FIT, with "for all 2 tables"
-                             (pair, 40 * MiB, 40 * MiB)):  # INSUFFICIENT_STORAGE
+    for tables, hbm, ddr in (
+        (many, 150 * MiB + 12345, 64 * GiB),  # INSUFFICIENT_HBM
+        (many, 150 * MiB + 12345, 1000 * MiB + 7),  # INSUFFICIENT_HBM and DDR
+        (one, MiB, MiB),  # TABLE_DOES_NOT_FIT
+        (pair, 20 * MiB + 5, 20 * MiB + 3),  # TABLE_DOES_NOT_FIT, with "for all 2 tables"
+        (pair, 40 * MiB, 40 * MiB),
+    ):  # INSUFFICIENT_STORAGE
         with pytest.raises(PlannerError) as e:
             PlacementPlanner(_topo(1, 1, hbm, ddr), backend="native", hbm_reservation=0.0).plan(tables)
         out.append(str(e.value))
@@ -320,8 +355,8 @@ def _errors() -> List[str]:
 
 
 def test_one_byte_count_reads_the_same_everywhere_in_a_message() -> None:
-    # Before, a rounded-up capacity was printed next to the plain figure of the same bytes
-    # ("raise hbm_cap to at least 28.62 MiB (30000000 B): ... needs at least 28.61 MiB (30000000 B)").
+    # A byte count is rounded one way wherever it is quoted (never "raise hbm_cap to at least
+    # 28.62 MiB (30000000 B): ... needs at least 28.61 MiB (30000000 B)").
     repeated = 0
     for msg in _errors():
         figures = _figures(msg)
@@ -336,11 +371,12 @@ def test_one_byte_count_reads_the_same_everywhere_in_a_message() -> None:
 
 
 # ------------------------------------------------------------------------ CLI
-def test_cli_can_follow_the_advice_to_add_smaller_load_factors(tmp_path: Path,
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    # The planner advises smaller load factors than 0.1; before, the CLI had no flag to give them
-    # (and its errors named the Python arguments only).
-    from recpipe.pipeline.tiered.fbgemm import fbgemm_shard_storage
+def test_cli_can_follow_the_advice_to_add_smaller_load_factors(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The planner advises smaller load factors than 0.1: the CLI has a flag to give them,
+    # and its errors name the flags.
+    from recpipe.pipeline.placement import fbgemm_shard_storage
     from recpipe.planner.__main__ import main as cli_main
 
     y = tmp_path / "big.yaml"
@@ -364,10 +400,11 @@ def test_cli_can_follow_the_advice_to_add_smaller_load_factors(tmp_path: Path,
 
 @pytest.mark.parametrize("x, shown", [(0.045, "0.045"), (0.125, "0.125"), (0.3, "0.30"), (0.5, "0.50")])
 def test_report_shows_the_load_factor_planned(x: float, shown: str) -> None:
-    # Before, every x was printed with 2 decimals: a pinned 0.045 read 0.04 (and 0.125 read 0.12).
+    # x is printed with every decimal it has past 2: a pinned 0.045 reads 0.045, not 0.04.
     t = TableSpec(name="t", rows=100_000, dim=8, optimizer="sgd")
-    plan = PlacementPlanner(_topo(2, 2, GiB, GiB), constraints={"t": PlacementConstraints(mode="HYBRID",
-                                                                                       cache_load_factor=x)}).plan([t])
+    plan = PlacementPlanner(
+        _topo(2, 2, GiB, GiB), constraints={"t": PlacementConstraints(mode="HYBRID", cache_load_factor=x)}
+    ).plan([t])
     assert plan.placement("t").cache_load_factor == x
     row = next(line for line in plan.report().splitlines() if line.startswith("t "))
     assert [c.strip() for c in row.split("|")][1:3] == ["HYBRID", shown], row
@@ -387,7 +424,8 @@ def _plain_cost(t: TableSpec, mode: str, x: float, empirical: bool) -> float:
     else:
         k = math.floor(x * t.rows + 1e-9)
         hit = math.fsum(i**-t.zipf_alpha for i in range(1, k + 1)) / math.fsum(
-            i**-t.zipf_alpha for i in range(1, t.rows + 1))
+            i**-t.zipf_alpha for i in range(1, t.rows + 1)
+        )
     bw = hit * HBM_MEM_BW + (1 - hit) * HBM_TO_DDR_MEM_BW
     return t.lookups_per_step * (t.dim * 4 + 2 * t.dim * 4) / bw
 
@@ -395,8 +433,8 @@ def _plain_cost(t: TableSpec, mode: str, x: float, empirical: bool) -> float:
 @pytest.mark.parametrize("name", ["HYBRID", "hybrid", "CACHING", "caching"])
 @pytest.mark.parametrize("model", ["analytic", "empirical"])
 def test_cost_models_price_a_mode_given_by_name_as_that_mode(name: str, model: str) -> None:
-    # Before, the models compared modes by identity: "HYBRID" was priced as CACHING by the
-    # analytic model and "CACHING" as HYBRID by the empirical one.
+    # A mode given by name is priced as that mode (not compared by identity, which would
+    # price "HYBRID" as CACHING in the analytic model and "CACHING" as HYBRID in the empirical one).
     from recpipe.planner import AnalyticCostModel, EmpiricalCostModel
 
     t = TableSpec(name="t", rows=1000, dim=4, optimizer="adam", lookups_per_step=512)
@@ -406,13 +444,16 @@ def test_cost_models_price_a_mode_given_by_name_as_that_mode(name: str, model: s
     assert cm.costs(t, [(Mode.parse(name), 0.3)])[0] == got[0]
 
 
-@pytest.mark.parametrize("options, match", [
-    ([(Mode.CACHING, 1.5)], r"options\[0\] x must be in \(0, 1\], got 1\.5"),  # before: priced as x = 1
-    ([(Mode.HYBRID, 0.5), (Mode.CACHING, True)], r"options\[1\] x must be in \(0, 1\], got True"),
-    ([("LRU", 0.5)], r"options\[0\] mode must be one of \['HYBRID', 'CACHING'\], got 'LRU'"),
-    ([(Mode.HYBRID,)], r"options\[0\] must be a \(mode, x\) pair"),
-    ("CACHING", r"options must be a list of \(mode, x\) pairs"),
-])
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ([(Mode.CACHING, 1.5)], r"options\[0\] x must be in \(0, 1\], got 1\.5"),  # before: priced as x = 1
+        ([(Mode.HYBRID, 0.5), (Mode.CACHING, True)], r"options\[1\] x must be in \(0, 1\], got True"),
+        ([("LRU", 0.5)], r"options\[0\] mode must be one of \['HYBRID', 'CACHING'\], got 'LRU'"),
+        ([(Mode.HYBRID,)], r"options\[0\] must be a \(mode, x\) pair"),
+        ("CACHING", r"options must be a list of \(mode, x\) pairs"),
+    ],
+)
 def test_cost_models_refuse_bad_options(options: Any, match: str) -> None:
     from recpipe.planner import AnalyticCostModel, EmpiricalCostModel
 
@@ -424,25 +465,34 @@ def test_cost_models_refuse_bad_options(options: Any, match: str) -> None:
             cm.costs(None, [(Mode.HYBRID, 0.5)])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(bins=5), r"bins must be a pair of positive ints .*got int 5"),  # before: TypeError (no len())
-    (dict(bins=(True, 4)), r"bins must be a pair of positive ints"),  # before: one HBM bin
-    (dict(bins="ab"), r"bins must be a pair of positive ints .*got str"),
-    (dict(repair="no"), r"repair must be True or False, got str 'no'"),  # before: truthy, repaired
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(bins=5), r"bins must be a pair of positive ints .*got int 5"),  # before: TypeError (no len())
+        (dict(bins=(True, 4)), r"bins must be a pair of positive ints"),  # before: one HBM bin
+        (dict(bins="ab"), r"bins must be a pair of positive ints .*got str"),
+        (dict(repair="no"), r"repair must be True or False, got str 'no'"),  # before: truthy, repaired
+    ],
+)
 def test_dp_proposer_names_bad_arguments(kwargs: Dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        P.DynamicProgrammingProposer(**kwargs)
+        DynamicProgrammingProposer(**kwargs)
     if "bins" in kwargs:  # the planner's own bins= builds that proposer
         with pytest.raises(ValueError, match=match):
             PlacementPlanner(_topo(2, 2, GiB, GiB), **kwargs)
 
 
-@pytest.mark.parametrize("tables, match", [
-    (None, r"tables must be a list of TableSpec, got NoneType"),  # before: TypeError
-    ([TableSpec(name="t", rows=10, dim=4), None], r"tables\[1\] must be a TableSpec, got NoneType"),  # AttributeError
-    ([{"name": "t", "rows": 10, "dim": 4}], r"tables\[0\] must be a TableSpec, got dict"),
-])
+@pytest.mark.parametrize(
+    "tables, match",
+    [
+        (None, r"tables must be a list of TableSpec, got NoneType"),  # before: TypeError
+        (
+            [TableSpec(name="t", rows=10, dim=4), None],
+            r"tables\[1\] must be a TableSpec, got NoneType",
+        ),  # AttributeError
+        ([{"name": "t", "rows": 10, "dim": 4}], r"tables\[0\] must be a TableSpec, got dict"),
+    ],
+)
 def test_enumerator_names_bad_tables(tables: Any, match: str) -> None:
     from recpipe.planner import AnalyticCostModel, GridPlacementEnumerator
 
@@ -455,22 +505,26 @@ def test_enumerator_names_bad_tables(tables: Any, match: str) -> None:
 # ------------------------------------------------------- budgets past 2^53 bytes
 @pytest.mark.parametrize("hbm, ddr", [(2**70, 2**70), (2**54, 2**40), (40 * MiB, 2**64), (40 * MiB, 2**53 + 1)])
 def test_budgets_past_the_kernels_exact_range_plan_as_unbounded(hbm: int, ddr: int) -> None:
-    # Before, the DP kernel refused a budget of 2^53 bytes or more (RuntimeError) and pybind could
-    # not pass one past int64 (a cast error), a traceback in the CLI (--hbm 99999999TiB). Such a
-    # budget binds no plan: the plan is the exact optimum (brute force over every combination).
+    # A budget of 2^53 bytes or more (past the DP kernel's range, or past int64, e.g. the CLI's
+    # --hbm 99999999TiB) binds no plan: the plan is the exact optimum (brute force over every
+    # combination).
     tables = [TableSpec(name=n, rows=100_000, dim=64, optimizer="adam") for n in ("a", "b", "c")]
-    planner = PlacementPlanner(make_topology(world_size=2, local_world_size=2, hbm_cap=hbm, ddr_cap=ddr),
-                               backend="native")
+    planner = PlacementPlanner(
+        make_topology(world_size=2, local_world_size=2, hbm_cap=hbm, ddr_cap=ddr), backend="native"
+    )
     plan = planner.plan(tables)
     opts = planner.enumerator.enumerate_arrays(tables)
-    best = P.BruteForceProposer().solve(opts.hbm_bytes_per_rank, opts.ddr_bytes_per_machine, opts.cost,
-                                        planner.hbm_budget, planner.ddr_budget)
+    best = BruteForceProposer().solve(
+        opts.hbm_bytes_per_rank, opts.ddr_bytes_per_machine, opts.cost, planner.hbm_budget, planner.ddr_budget
+    )
     assert plan.total_cost == pytest.approx(float(opts.cost[np.arange(3), best].sum()), rel=1e-12)
     assert plan.hbm_bytes_per_rank <= planner.hbm_budget and plan.ddr_bytes_per_machine <= planner.ddr_budget
     if hbm >= 2**53:  # HBM for everything: every table all in HBM (the cheapest option of each)
         rows = max_local_rows(100_000, 2)
         assert all(p.cache_load_factor == 1.0 for p in plan.placements)
-        assert plan.hbm_bytes_per_rank == 3 * shard_storage(rows, 64, torch.float32, "adam", Mode.HYBRID, 1.0).fast_bytes
+        assert (
+            plan.hbm_bytes_per_rank == 3 * shard_storage(rows, 64, torch.float32, "adam", Mode.HYBRID, 1.0).fast_bytes
+        )
 
 
 def test_cli_takes_a_huge_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,26 +1,26 @@
-"""The planner's leftovers, third round.
+"""The planner at the edges of its layouts and kernels.
 
 * A plan sized in fbgemm's layout (the default of a ``cuda`` topology) turned into a
   sharding plan for CPU, where the tiered sharders run recpipe's native kernel, warns,
   naming the tables, both layouts and the bytes the native tables then allocate: the
-  reference is what the tiered sharders really allocate under DMP on 2 gloo ranks.
+  reference is what the tiered sharders allocate under DMP on 2 gloo ranks.
 * Arguments the compiled planner kernels cannot take (a budget or ``iters`` past int64,
   a budget past their 2^53-byte range, a DP grid past their cell limit) get the planner's
   typed error, naming the argument, before the C++ call; option bytes past int64 given
-  as floats are refused (they were cast to -2^63 bytes and "fitted" any budget).
+  as floats are refused.
 """
 
 from __future__ import annotations
 
 import re
 import warnings
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Tuple
 
 import numpy as np
 import pytest
 import torch
-
 from gloo_harness import run_gloo
+
 from recpipe.planner import (
     BruteForceProposer,
     DynamicProgrammingProposer,
@@ -31,7 +31,7 @@ from recpipe.planner import (
     TableSpec,
     make_topology,
 )
-from recpipe.planner import proposers as P
+from recpipe.planner import knapsack as P
 
 GiB = 2**30
 MiB = 2**20
@@ -46,8 +46,10 @@ def _ebc() -> Any:
 
     torch.manual_seed(0)
     ebc = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f_{n}"])
-                for n, r, d in TABLES],
+        tables=[
+            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"f_{n}"])
+            for n, r, d in TABLES
+        ],
         device=torch.device("cpu"),
     )
     apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": 0.01})
@@ -56,8 +58,10 @@ def _ebc() -> Any:
 
 def _planner(world: int, **kwargs: Any) -> PlacementPlanner:
     # Adam CACHING: fbgemm's cache holds values only, the native cache holds values + moments
-    pins = {"t0": PlacementConstraints(mode="CACHING", cache_load_factor=0.5),
-            "t1": PlacementConstraints(mode="HYBRID", cache_load_factor=0.5)}
+    pins = {
+        "t0": PlacementConstraints(mode="CACHING", cache_load_factor=0.5),
+        "t1": PlacementConstraints(mode="HYBRID", cache_load_factor=0.5),
+    }
     topo = make_topology(world_size=world, local_world_size=world, hbm_cap=GiB, ddr_cap=GiB)  # compute_device cuda
     return PlacementPlanner(topo, constraints=pins, **kwargs)
 
@@ -72,17 +76,24 @@ def _sharded_bytes(rank: int, world: int) -> Dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         sharding_plan = plan.to_sharding_plan(compute_device="cpu")
-    model = DistributedModelParallel(ebc, plan=sharding_plan, sharders=[TieredEmbeddingBagCollectionSharder()],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+    model = DistributedModelParallel(
+        ebc,
+        plan=sharding_plan,
+        sharders=[TieredEmbeddingBagCollectionSharder()],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
     tiered = model.module.tiered_tables()
     return {
         "backend": plan.backend,
         "planned": {p.table: (p.hbm_bytes_per_rank, p.ddr_bytes_per_machine) for p in plan.placements},
-        "allocated": {p.table: (tiered[p.table].tier_bytes().fast_bytes, tiered[p.table].tier_bytes().slow_bytes)
-                      for p in plan.placements},
+        "allocated": {
+            p.table: (tiered[p.table].tier_bytes().fast_bytes, tiered[p.table].tier_bytes().slow_bytes)
+            for p in plan.placements
+        },
         "kernels": sorted({tiered[p.table].backend for p in plan.placements}),
-        "warnings": [(w.category.__name__, str(w.message), w.filename) for w in caught
-                     if "to_sharding_plan" in str(w.message)],
+        "warnings": [
+            (w.category.__name__, str(w.message), w.filename) for w in caught if "to_sharding_plan" in str(w.message)
+        ],
     }
 
 
@@ -104,15 +115,19 @@ def test_fbgemm_plan_sharded_for_cpu_warns_with_the_bytes_the_native_tables_allo
         assert "to_sharding_plan(compute_device='cpu'): the plan was sized in fbgemm's layout (backend='fbgemm')" in msg
         assert "on cpu the tiered sharders run recpipe's native layout (backend='native', their default there)" in msg
         assert "2 of its 2 tables (['t0', 't1']) need other bytes" in msg
-        assert (f"HBM per rank {_fmt(hbm_now)} ({hbm_now} B) in fbgemm -> {_fmt(hbm_run)} ({hbm_run} B) in native, "
-                f"{hbm_run - hbm_now:+d} B") in msg, msg
-        assert (f"DDR per machine {_fmt(ddr_now)} ({ddr_now} B) in fbgemm -> {_fmt(ddr_run)} ({ddr_run} B) in native, "
-                f"{ddr_run - ddr_now:+d} B") in msg, msg
+        assert (
+            f"HBM per rank {_fmt(hbm_now)} ({hbm_now} B) in fbgemm -> {_fmt(hbm_run)} ({hbm_run} B) in native, "
+            f"{hbm_run - hbm_now:+d} B"
+        ) in msg, msg
+        assert (
+            f"DDR per machine {_fmt(ddr_now)} ({ddr_now} B) in fbgemm -> {_fmt(ddr_run)} ({ddr_run} B) in native, "
+            f"{ddr_run - ddr_now:+d} B"
+        ) in msg, msg
         assert "Possible solutions:\n  1) re-plan with PlacementPlanner(topology, backend='native')" in msg
 
 
 def _fmt(num: int) -> str:
-    from recpipe.planner.types import format_bytes
+    from recpipe.planner.errors import format_bytes
 
     return format_bytes(num)
 
@@ -129,8 +144,10 @@ def test_layout_warning_only_where_the_device_runs_the_other_layout() -> None:
     with pytest.warns(UserWarning) as caught:
         native.to_sharding_plan(compute_device="cuda")
     msg = str(caught[0].message)
-    assert "sized in recpipe's native layout (backend='native'), but on cuda the tiered sharders run fbgemm's " \
-           "layout (backend='fbgemm', their default there)" in msg, msg
+    assert (
+        "sized in recpipe's native layout (backend='native'), but on cuda the tiered sharders run fbgemm's "
+        "layout (backend='fbgemm', their default there)" in msg
+    ), msg
     assert "re-plan with PlacementPlanner(topology, backend='fbgemm')" in msg
     assert "TieredEmbeddingBagCollectionSharder(backend='torch')" in msg  # recpipe's layout on CUDA
 
@@ -155,7 +172,7 @@ def _input_error(e: BaseException) -> str:
 def test_budget_prices_kernel_budget_past_int64_is_a_typed_error(name: str) -> None:
     hbm, ddr, cost, H, D = _instance()
     budgets = {"hbm_budget": H, "ddr_budget": D, name: 2**64}
-    # torch used to refuse it: "Expected a value of type 'int' ... but instead found type 'int'"
+    # refused before torch's own "Expected a value of type 'int' ... but instead found type 'int'"
     with pytest.raises(PlannerError) as info:
         P._budget_prices_cpp(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50)
     msg = _input_error(info.value)
@@ -164,8 +181,9 @@ def test_budget_prices_kernel_budget_past_int64_is_a_typed_error(name: str) -> N
     # the NumPy twin takes it, and the kernel takes the largest int64 (the limit quoted)
     P.budget_prices(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50)
     budgets[name] = 2**63 - 1
-    assert P._budget_prices_cpp(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50) == \
-        pytest.approx(P.budget_prices(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50))
+    assert P._budget_prices_cpp(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50) == pytest.approx(
+        P.budget_prices(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50)
+    )
     with pytest.raises(PlannerError, match=r"^iters is 9223372036854775808 subgradient steps, past int64") as info:
         P._budget_prices_cpp(hbm, ddr, cost, H, D, 2**63)
     _input_error(info.value)
@@ -181,8 +199,10 @@ def test_dp_kernel_budget_past_its_range_is_a_typed_error(budget: int) -> None:
     assert msg.startswith(f"ddr_budget is {budget} bytes, past {2**53 - 1} B (2^53 - 1"), msg
     assert "torch.ops.recpipe.placement_dp" in msg
     # solve() passes such a budget as the sum of the largest options (it binds no plan)
-    assert DynamicProgrammingProposer(backend="cpp").solve(hbm, ddr, cost, H, budget).tolist() == \
-        BruteForceProposer().solve(hbm, ddr, cost, H, budget).tolist()
+    assert (
+        DynamicProgrammingProposer(backend="cpp").solve(hbm, ddr, cost, H, budget).tolist()
+        == BruteForceProposer().solve(hbm, ddr, cost, H, budget).tolist()
+    )
 
 
 def test_dp_grid_past_the_kernel_cells_names_bins_and_the_suggested_bins_plan() -> None:
@@ -190,8 +210,10 @@ def test_dp_grid_past_the_kernel_cells_names_bins_and_the_suggested_bins_plan() 
     with pytest.raises(PlannerError) as info:  # was the kernel's RuntimeError, a traceback in the CLI
         DynamicProgrammingProposer(bins=(5000, 5000), backend="cpp").solve(hbm, ddr, cost, H, D)
     msg = _input_error(info.value)
-    assert msg.startswith("DynamicProgrammingProposer(bins=(5000, 5000)): a grid of (5000 + 1) x (5000 + 1) = "
-                          "25010001 cells is past the 8388608 cells (2^23)"), msg
+    assert msg.startswith(
+        "DynamicProgrammingProposer(bins=(5000, 5000)): a grid of (5000 + 1) x (5000 + 1) = "
+        "25010001 cells is past the 8388608 cells (2^23)"
+    ), msg
     m = re.search(r"pass fewer bins, e\.g\. bins=\((\d+), (\d+)\)", msg)
     assert m, msg
     bins = (int(m.group(1)), int(m.group(2)))
@@ -208,8 +230,10 @@ def test_dp_grid_past_the_kernel_cells_names_bins_and_the_suggested_bins_plan() 
     topo = make_topology(world_size=2, local_world_size=2, hbm_cap=400 * 1024, ddr_cap=400 * 1024)
     with pytest.raises(PlannerError, match=r"DynamicProgrammingProposer\(bins=\(5000, 5000\)\)"):
         PlacementPlanner(topo, backend="native", bins=(5000, 5000)).plan(tables)
-    assert PlacementPlanner(topo, backend="native", bins=bins).plan(tables).total_cost == \
-        PlacementPlanner(topo, backend="native", proposer=BruteForceProposer()).plan(tables).total_cost
+    assert (
+        PlacementPlanner(topo, backend="native", bins=bins).plan(tables).total_cost
+        == PlacementPlanner(topo, backend="native", proposer=BruteForceProposer()).plan(tables).total_cost
+    )
 
 
 @pytest.mark.parametrize("backend", ["cpp", "numpy"])
@@ -219,14 +243,18 @@ def test_float_option_bytes_past_int64_are_refused(backend: str) -> None:
     huge[0, 0] = 1e20  # was cast to -2^63 bytes: "fits" every budget
     with pytest.raises(ValueError, match=r"^`hbm` holds 100000000000000000000 bytes, past int64"):
         DynamicProgrammingProposer(backend=backend).solve(huge, ddr, cost, H, D)
-    for fn in (lambda: P.budget_prices(huge, ddr, cost, H, D),
-               lambda: P.prune_dominated(huge, ddr, cost, np.isfinite(cost)),
-               lambda: BruteForceProposer().solve(huge, ddr, cost, H, D)):
+    for fn in (
+        lambda: P.budget_prices(huge, ddr, cost, H, D),
+        lambda: P.prune_dominated(huge, ddr, cost, np.isfinite(cost)),
+        lambda: BruteForceProposer().solve(huge, ddr, cost, H, D),
+    ):
         with pytest.raises(ValueError, match=r"^`hbm` holds 100000000000000000000 bytes, past int64"):
             fn()
     # whole floats within int64 stay accepted: the plan of the int64 arrays
-    assert DynamicProgrammingProposer(backend=backend).solve(hbm.astype(np.float64), ddr, cost, H, D).tolist() == \
-        BruteForceProposer().solve(hbm, ddr, cost, H, D).tolist()
+    assert (
+        DynamicProgrammingProposer(backend=backend).solve(hbm.astype(np.float64), ddr, cost, H, D).tolist()
+        == BruteForceProposer().solve(hbm, ddr, cost, H, D).tolist()
+    )
 
 
 @pytest.mark.parametrize("path", [None, 3, True, b"tables.yaml"])
@@ -235,5 +263,7 @@ def test_load_tables_refuses_a_path_that_is_not_one(path: Any) -> None:
     to raise a bare TypeError from pathlib)."""
     from recpipe.planner.__main__ import load_tables
 
-    with pytest.raises(ValueError, match=r"--tables: expected the path of a YAML table list, got .*Path\('tables.yaml'\)"):
+    with pytest.raises(
+        ValueError, match=r"--tables: expected the path of a YAML table list, got .*Path\('tables.yaml'\)"
+    ):
         load_tables(path, "rowwise_adagrad")

@@ -1,8 +1,9 @@
-"""The planner's compiled kernels (torch.ops.recpipe.placement_dp / placement_budget_prices).
+"""The planner's compiled kernels (torch.ops.recpipe.placement_dp / placement_budget_prices /
+placement_prune_dominated).
 
-Each is checked against its NumPy twin in recpipe.planner.proposers (the same
-recurrence written as array operations), against brute force where the DP is
-exact, with torch.library.opcheck and FakeTensor shapes, and on bad input.
+Each is checked against its NumPy twin (recpipe.planner.knapsack / proposers: the same
+recurrence written as array operations), against brute force where the DP is exact,
+with torch.library.opcheck and FakeTensor shapes, and on bad input.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from recpipe.planner import BruteForceProposer, DynamicProgrammingProposer
-from recpipe.planner import proposers as P
-
 import recpipe._C  # noqa: F401,E402  (registers torch.ops.recpipe.*)
+from recpipe.planner import BruteForceProposer, DynamicProgrammingProposer
+from recpipe.planner import knapsack as P
 
 OPS = P._cpp_ops()
 assert OPS is not None, "recpipe._C must provide the planner kernels"
@@ -80,9 +80,7 @@ def test_dp_kernel_equals_numpy_twin(seed: int, simd: str, monkeypatch: pytest.M
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    st.integers(1, 5), st.integers(1, 4), st.integers(0, 2**32 - 1), st.integers(0, 60), st.integers(0, 60)
-)
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(0, 2**32 - 1), st.integers(0, 60), st.integers(0, 60))
 @example(2, 2, 5, 0, 30)  # zero HBM budget
 def test_dp_kernel_one_byte_bins_equals_brute_force(m: int, k: int, seed: int, H: int, D: int) -> None:
     rng = np.random.default_rng(seed)
@@ -145,7 +143,9 @@ def test_prune_kernel_equals_numpy_twin(seed: int) -> None:
     ddr[:, k // 2] = ddr[:, 0]
     cost[:, k // 2] = cost[:, 0]
     usable = np.isfinite(cost) & (hbm <= H) & (ddr <= D)
-    np.testing.assert_array_equal(P._prune_dominated_cpp(hbm, ddr, cost, usable), P.prune_dominated(hbm, ddr, cost, usable))
+    np.testing.assert_array_equal(
+        P._prune_dominated_cpp(hbm, ddr, cost, usable), P.prune_dominated(hbm, ddr, cost, usable)
+    )
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -214,7 +214,9 @@ def test_bad_input_errors_name_the_argument() -> None:
     ]
     big = hbm.clone()
     big[0, 0] = 1 << 60
-    cases.append(((big, ddr, cost, priced, torch.ones_like(keep), H, D, 4, 4, math.inf, ph, pd), "must be in [0, 2^53)"))
+    cases.append(
+        ((big, ddr, cost, priced, torch.ones_like(keep), H, D, 4, 4, math.inf, ph, pd), "must be in [0, 2^53)")
+    )
     for args, msg in cases:
         with pytest.raises(RuntimeError) as e:
             op(*args)

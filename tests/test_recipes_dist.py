@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from gloo_harness import run_gloo
 
 from recpipe.pipeline.routing.ops import ROUTING_VERSION
-from recpipe.recipes.checkpoint import CheckpointMismatchError, reseal_checkpoint
+from recpipe.recipes import checkpoint as recipe_checkpoint
+from recpipe.recipes.checkpoint import CheckpointMismatchError
 from recpipe.recipes.config import ConfigPathError, TrainConfig
 from recpipe.recipes.train import run
 
@@ -36,8 +36,12 @@ def _resume_body(rank: int, world_size: int, root: str) -> dict[str, list[float]
     whole = run(TrainConfig(**base, max_steps=16, checkpoint_dir=f"{root}/a", checkpoint_every=8))
     first = run(TrainConfig(**base, max_steps=8, checkpoint_dir=f"{root}/b"))
     second = run(TrainConfig(**base, max_steps=16, checkpoint_dir=f"{root}/b", resume=True))
-    return {"whole": whole.losses, "first": first.losses, "second": second.losses,
-            "second_start": [float(second.start_step)]}
+    return {
+        "whole": whole.losses,
+        "first": first.losses,
+        "second": second.losses,
+        "second_start": [float(second.start_step)],
+    }
 
 
 def test_resume_gives_the_same_losses(tmp_path: Path) -> None:
@@ -47,27 +51,28 @@ def test_resume_gives_the_same_losses(tmp_path: Path) -> None:
         assert out["first"] == out["whole"][:8], f"rank {rank}"
         # bit-identical after restoring tables, fused row-wise Adagrad state and dense Adagrad
         assert out["second"] == out["whole"][8:], f"rank {rank}"
-    assert (tmp_path / "b" / "step_00000016" / "rank1.pt").is_file()
+    assert (tmp_path / "b" / "step_00000016" / "__1_0.distcp").is_file()
 
 
-def test_resume_rejects_a_different_model(tmp_path: Path) -> None:
+def test_resume_rejects_a_different_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     base = dict(SMALL_SYNTHETIC, pipeline="sparse")
     run(TrainConfig(**base, max_steps=2, checkpoint_dir=str(tmp_path)))
     changed = dict(base, embedding_dim=16, dense_arch=(16, 16))
     with pytest.raises(CheckpointMismatchError, match="embedding_dim"):
         run(TrainConfig(**changed, max_steps=4, checkpoint_dir=str(tmp_path), resume=True))
-    # a checkpoint of the version 1 hash_roundrobin routing (no routing_version key):
-    # its row-wise shards are in another local-id order, so resuming is refused
-    saved = tmp_path / "step_00000002" / "rank0.pt"
-    payload = torch.load(saved, weights_only=False)
-    assert payload["meta"].pop("routing_version") == ROUTING_VERSION
-    torch.save(payload, saved)
-    reseal_checkpoint(saved.parent)  # an edit on purpose: record the new digest
+    # a checkpoint of the version 1 hash_roundrobin routing: its row-wise shards are in
+    # another local-id order, so resuming is refused
+    assert ROUTING_VERSION == 2
+    with monkeypatch.context() as m:
+        m.setattr(recipe_checkpoint, "ROUTING_VERSION", 1)
+        run(TrainConfig(**base, max_steps=2, checkpoint_dir=str(tmp_path / "v1")))
     with pytest.raises(CheckpointMismatchError, match=r"routing version 1 \(checkpoint\) != 2"):
-        run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path), resume=True))
+        run(TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "v1"), resume=True))
     # a directory with no checkpoint: refused with the config (before any process starts),
     # and by the loader when the paths were not checked (check_paths=False)
-    with pytest.raises(ConfigPathError, match=r"checkpoint_dir=.*empty.*holds no checkpoint \(no step_\* directory\).*drop --resume"):
+    with pytest.raises(
+        ConfigPathError, match=r"checkpoint_dir=.*empty.*holds no checkpoint \(no step_\* directory\).*drop --resume"
+    ):
         TrainConfig(**base, max_steps=4, checkpoint_dir=str(tmp_path / "empty"), resume=True)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "latest").write_text("4\n")  # a marker without its step directory: the loader's rule

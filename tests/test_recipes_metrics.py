@@ -86,8 +86,14 @@ def _auroc_body(rank: int, world: int, root: str) -> dict[str, Any]:
     # placement planned, fused pipeline (the defaults); the eval split holds 1050
     # ratings: 5 global batches of 200 and a short one of 50 (all of them rank 0's)
     cfg = TrainConfig(
-        **MOVIELENS, max_steps=12, eval_every=6, eval_batches=20, eval_fraction=0.0105, log_every=4,
-        checkpoint_dir=f"{root}/ck", tb_dir=f"{root}/tb",
+        **MOVIELENS,
+        max_steps=12,
+        eval_every=6,
+        eval_batches=20,
+        eval_fraction=0.0105,
+        log_every=4,
+        checkpoint_dir=f"{root}/ck",
+        tb_dir=f"{root}/tb",
     )
     result = run(cfg)
     # the reference: the saved model loaded into a fresh DMP, plain forward (no pipeline)
@@ -96,7 +102,7 @@ def _auroc_body(rank: int, world: int, root: str) -> dict[str, Any]:
     source = make_data_source(cfg, rank, world)
     model = build_model(cfg, source.spec, torch.device("cpu"))
     sharded = shard_model(cfg, model, ShardingEnv.from_process_group(dist.group.WORLD), torch.device("cpu"))
-    load_checkpoint(cfg.checkpoint_dir, sharded.model, make_optimizer(cfg, sharded.model), cfg, sharded.table_ranks)
+    load_checkpoint(cfg.checkpoint_dir, sharded.model, make_optimizer(cfg, sharded.model), cfg)
     sharded.model.eval()
     ratings = source._eval_idx  # noqa: SLF001 - the held-out ratings
     assert ratings.numel() == 1050
@@ -198,18 +204,17 @@ def test_throughput_counts_every_step_of_an_interval_an_eval_falls_into(
     logged = scalars(tmp_path)
     # steps 9..16 are 8 steps that each waited SLEEP_S for their batch (at most 2 of
     # them prefetched before the interval began): at least 6 sleeps over 8 steps
-    (step, step_ms), = [e for e in logged["train/step_ms"] if e[0] == 16]
+    ((step, step_ms),) = [e for e in logged["train/step_ms"] if e[0] == 16]
     assert step_ms >= 1000 * SLEEP_S * 6 / 8, step_ms
-    (_, sps), = [e for e in logged["train/samples_per_s"] if e[0] == 16]
+    ((_, sps),) = [e for e in logged["train/samples_per_s"] if e[0] == 16]
     assert sps <= SYNTHETIC["batch_size"] / (SLEEP_S * 6 / 8)
     # the run's throughput excludes the first (warm-up) interval: it is this interval's
     assert result.samples_per_s == pytest.approx(sps, rel=1e-4)
 
 
 def test_an_eval_split_smaller_than_a_global_batch_is_evaluated_whole(tmp_path: Path) -> None:
-    """Its samples used to be skipped: no evaluation at all (``final auroc nan``, exit 0)
-    when the split held less than one global batch; and a training split smaller than
-    one raised a bare ValueError with a traceback (exit 1)."""
+    """An eval split of less than one global batch is evaluated (a finite final AUROC); a
+    training split smaller than one global batch is one error line, not a traceback."""
     from recpipe.recipes.data.movielens import MovieLens100kSource, load_movielens100k
 
     ratings = load_movielens100k()["rating"].numel()
@@ -222,14 +227,25 @@ def test_an_eval_split_smaller_than_a_global_batch_is_evaluated_whole(tmp_path: 
             assert [b.labels.numel() for b in batches] == [batch], (batch, world)  # same size on every rank
             labels = batches[0].labels
             assert int((labels >= 0).sum()) == real[rank]
-            assert set(labels[real[rank]:].tolist()) <= {-1.0}
+            assert set(labels[real[rank] :].tolist()) <= {-1.0}
             held_out.append(labels[: real[rank]])
         # each held-out rating once: the labels are the split's own
         assert torch.equal(torch.cat(held_out), source._labels[source._eval_idx])  # noqa: SLF001
     proc = subprocess.run(
-        [sys.executable, "-m", "recpipe.recipes.train", "--dataset", "movielens100k",
-         "--batch-size", str(ratings), "--no-progress-bar"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "recpipe.recipes.train",
+            "--dataset",
+            "movielens100k",
+            "--batch-size",
+            str(ratings),
+            "--no-progress-bar",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]
@@ -239,16 +255,22 @@ def test_an_eval_split_smaller_than_a_global_batch_is_evaluated_whole(tmp_path: 
 def test_criteo_eval_covers_every_row_of_a_file_not_divisible_by_the_global_batch(tmp_path: Path) -> None:
     import csv
 
-    from recpipe.recipes.data.criteo import CriteoTsvSource
     from test_nonfinite import write_criteo
+
+    from recpipe.recipes.data.criteo import CriteoTsvSource
 
     path = tmp_path / "eval.tsv"
     write_criteo(path, 100)  # 3 global batches of 32 and 4 rows
     with open(path, newline="") as f:
         file_labels = [float(row[0]) for row in csv.reader(f, delimiter="\t")]
     cfg = TrainConfig(
-        dataset="criteo_tsv", model="dlrm", num_embeddings=500, data_path=str(path), batch_size=16,
-        eval_batches=10, max_steps=1,
+        dataset="criteo_tsv",
+        model="dlrm",
+        num_embeddings=500,
+        data_path=str(path),
+        batch_size=16,
+        eval_batches=10,
+        max_steps=1,
     )
     per_rank = [list(CriteoTsvSource(cfg, rank, 2).eval_batches()) for rank in range(2)]
     assert [[b.labels.numel() for b in batches] for batches in per_rank] == [[16] * 4, [16] * 4]
@@ -257,7 +279,7 @@ def test_criteo_eval_covers_every_row_of_a_file_not_divisible_by_the_global_batc
         for rank in range(2):
             labels = per_rank[rank][i].labels
             seen += [v for v in labels.tolist() if v >= 0]
-            assert set(labels[(labels >= 0).sum():].tolist()) <= {-1.0}
+            assert set(labels[(labels >= 0).sum() :].tolist()) <= {-1.0}
     assert seen == file_labels
     # --eval-batches still caps the evaluation, in whole global batches first
     capped = dict(cfg.to_dict(), eval_batches=2)
@@ -266,11 +288,24 @@ def test_criteo_eval_covers_every_row_of_a_file_not_divisible_by_the_global_batc
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_a_gpu_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
-    """It used to end in a RuntimeError traceback (exit 1)."""
+    """One ``error:`` line naming the fix and exit 2, not a RuntimeError traceback."""
     proc = subprocess.run(
-        [sys.executable, "-m", "recpipe.recipes.train", "--dataset", "synthetic", "--max-steps", "1",
-         "--device", "cuda", "--no-progress-bar"],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "recpipe.recipes.train",
+            "--dataset",
+            "synthetic",
+            "--max-steps",
+            "1",
+            "--device",
+            "cuda",
+            "--no-progress-bar",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=300,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr[-2000:]

@@ -1,15 +1,14 @@
-"""Recipe defects left by earlier sessions, each checked against an independent reference.
+"""Recipe progress output, truncated data and batch-count agreement, each checked against
+an independent reference.
 
-* a failing run closes its tqdm progress bar before the error line (the line used to be
-  printed on the bar's last line), and log lines no longer continue the bar's line;
-* Criteo files that shrink while a run reads them give one error line naming the file
-  (it used to be a bare ``ValueError`` traceback);
+* a failing run closes its tqdm progress bar before the error line, and log lines do not
+  continue the bar's line;
+* Criteo files that shrink while a run reads them give one error line naming the file;
 * ranks given different numbers of batches (e.g. each node reading its own copy of
-  ``--data-path``) are refused at start naming each rank's count (gloo used to abort on a
-  mismatched collective: "Received data size doesn't match expected size");
+  ``--data-path``) are refused at start naming each rank's count;
 * a resumed run's TensorBoard holds the steps and values of an uninterrupted run, also
   when the checkpoint step is not a multiple of ``--log-every``;
-* ``--checkpoint-every`` without ``--checkpoint-dir`` is refused (it saved nothing, silently).
+* ``--checkpoint-every`` without ``--checkpoint-dir`` is refused.
 """
 
 from __future__ import annotations
@@ -30,14 +29,9 @@ from test_recipes_metrics import SYNTHETIC, scalars
 import recpipe.recipes.train as train_module
 from recpipe.recipes.config import ConfigError, TrainConfig
 from recpipe.recipes.data.registry import make_data_source
-from recpipe.recipes.train import (
-    BatchCountError,
-    CollectiveFailureError,
-    TrainResult,
-    explain_collective_failure,
-    main,
-    run,
-)
+from recpipe.recipes.faults import BatchCountError, CollectiveFailureError, explain_collective_failure
+from recpipe.recipes.loop import TrainResult
+from recpipe.recipes.train import main, run
 
 
 def scalars_of(result: TrainResult, tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -70,8 +64,8 @@ def test_a_failing_run_closes_the_progress_bar_before_its_error_line(tmp_path: P
 
 
 def test_log_lines_do_not_continue_the_progress_bar_line(tmp_path: Path) -> None:
-    """Stdout and stderr on one terminal: each ``[recpipe] step`` / ``eval`` line used to be
-    printed right after the bar's text, on the bar's line."""
+    """Stdout and stderr on one terminal: each ``[recpipe] step`` / ``eval`` line starts on a
+    line of its own, not after the bar's text on the bar's line."""
     both = io.StringIO()
     with contextlib.redirect_stderr(both), contextlib.redirect_stdout(both):
         run(TrainConfig(**dict(SYNTHETIC, progress_bar=True), max_steps=8, log_every=4, eval_every=4))
@@ -85,9 +79,9 @@ def test_log_lines_do_not_continue_the_progress_bar_line(tmp_path: Path) -> None
 
 # ---------------------------------------------------------------- resume between two logs
 def test_resume_at_a_step_between_two_logs_logs_what_an_uninterrupted_run_logs(tmp_path: Path) -> None:
-    """Checkpoint every 6 steps, log every 4: the resumed run's first interval (steps 7-8) used
-    to be logged at step 8 as if it were the uninterrupted run's interval 5-8, and the losses of
-    steps 5-6 were in no event at all. A checkpoint step now ends a logging interval."""
+    """Checkpoint every 6 steps, log every 4: a checkpoint step ends a logging interval, so the
+    resumed run's first interval (steps 7-8) is logged as the uninterrupted run logs it and the
+    losses of steps 5-6 are in the event at step 6."""
     cfg = dict(SYNTHETIC, log_every=4, eval_every=0, checkpoint_every=6)
     # the reference: every step's loss, one event per step
     per_step = scalars_of(
@@ -123,7 +117,9 @@ def test_resume_at_a_step_between_two_logs_logs_what_an_uninterrupted_run_logs(t
         for (_, sps), (_, ms) in zip(events["train/samples_per_s"], events["train/step_ms"]):
             assert sps * ms / 1000 == pytest.approx(SYNTHETIC["batch_size"], rel=1e-4)
     # the console names the same steps and losses
-    printed = [(int(m[1]), float(m[2])) for m in re.finditer(r"\[recpipe\] step (\d+)/12 loss ([0-9.]+) ", out.getvalue())]
+    printed = [
+        (int(m[1]), float(m[2])) for m in re.finditer(r"\[recpipe\] step (\d+)/12 loss ([0-9.]+) ", out.getvalue())
+    ]
     assert printed == [(s, pytest.approx(v, abs=1e-4)) for s, v in expected[2:]]
 
 
@@ -148,7 +144,7 @@ def _lines(path: Path) -> int:
 def test_a_data_file_truncated_during_a_run_is_named(tmp_path: Path, max_steps: int | None) -> None:
     """2 files of 64 rows, one rank, global batches of 16: 8 steps per pass. The second file
     loses 40 rows during the second pass (``max_steps``: the pass length was learned from the
-    first pass; without it, counted at start). It used to be a ValueError naming no file."""
+    first pass; without it, counted at start). The error names the file and both row counts."""
     from recpipe.recipes.data.criteo import CriteoDataChangedError
 
     a, b = tmp_path / "a.tsv", tmp_path / "b.tsv"
@@ -179,16 +175,22 @@ def test_a_data_file_deleted_or_an_eval_file_truncated_during_a_run_is_named(tmp
     source = make_data_source(cfg, 1, 2)  # rank 1 of 2: global batches of 32
     assert len(list(source.eval_batches())) == 2  # 60 rows: 32 + a short 28
     _truncate_lines(ev, 20)  # less than one global batch left
-    with pytest.raises(CriteoDataChangedError, match=rf"--eval-data-path file {re.escape(str(ev))} shrank while "
-                       r"this run read it: it now holds 20 rows, at least 60 when the run counted them, so the "
-                       r"evaluation got 1 global batches, not the 2"):
+    with pytest.raises(
+        CriteoDataChangedError,
+        match=rf"--eval-data-path file {re.escape(str(ev))} shrank while "
+        r"this run read it: it now holds 20 rows, at least 60 when the run counted them, so the "
+        r"evaluation got 1 global batches, not the 2",
+    ):
         list(source.eval_batches())
     batches = source.train_batches(0, 4)
     next(batches)
     data.unlink()  # the next pass reopens the file
     next(batches)
-    with pytest.raises(CriteoDataChangedError, match=rf"--data-path file {re.escape(str(data))} can no longer be "
-                       r"read while this run reads it \(No such file or directory\)"):
+    with pytest.raises(
+        CriteoDataChangedError,
+        match=rf"--data-path file {re.escape(str(data))} can no longer be "
+        r"read while this run reads it \(No such file or directory\)",
+    ):
         next(batches)
 
 
@@ -216,14 +218,18 @@ def test_the_cli_reports_a_truncated_file_in_one_line(tmp_path: Path, monkeypatc
         code = main([*_flags(dict(CRITEO, max_steps=None)), f"--data-path={data}", "--no-progress-bar"])
     assert code == 1  # as a malformed row (CriteoFormatError)
     (line,) = err.getvalue().strip().splitlines()
-    assert line.startswith(f"error: CriteoDataChangedError: --data-path file {data} shrank while this run read it: "
-                           "it now holds 40 rows, 96 when the run counted them"), line
+    assert line.startswith(
+        f"error: CriteoDataChangedError: --data-path file {data} shrank while this run read it: "
+        "it now holds 40 rows, 96 when the run counted them"
+    ), line
 
 
 # ---------------------------------------------------------------- ranks with unequal batch counts
 def _own_files_body(rank: int, world: int, root: str, case: str) -> str:
     """Each rank reads its own copy of the data (as each node of a multi-node job does)."""
-    kwargs: dict[str, Any] = {"max_steps": None, "epochs": 1} if case == "train" else {"max_steps": 2, "eval_batches": 5}
+    kwargs: dict[str, Any] = (
+        {"max_steps": None, "epochs": 1} if case == "train" else {"max_steps": 2, "eval_batches": 5}
+    )
     cfg = TrainConfig(**{**CRITEO, **kwargs, "data_path": f"{root}/rank{rank}.tsv", "timeout_s": 60.0})
     try:
         run(cfg)
@@ -234,8 +240,9 @@ def _own_files_body(rank: int, world: int, root: str, case: str) -> str:
 
 @pytest.mark.parametrize("case", ["train", "eval"])
 def test_ranks_whose_files_give_different_batch_counts_are_refused_at_start(tmp_path: Path, case: str) -> None:
-    """It used to abort in gloo ("Received data size doesn't match expected size") once the
-    rank with fewer batches left the step's collectives."""
+    """Refused on every rank before training, naming each rank's count, instead of a gloo
+    abort ("Received data size doesn't match expected size") once the rank with fewer
+    batches leaves the step's collectives."""
     rows = (64, 96)
     for rank, n in enumerate(rows):
         write_criteo(tmp_path / f"rank{rank}.tsv", n)
@@ -280,17 +287,20 @@ def _short_source_body(rank: int, world: int) -> str:
 
 def test_a_source_that_gives_a_rank_fewer_batches_stops_that_rank_with_its_counts() -> None:
     out = run_gloo(2, _short_source_body, timeout_s=120)
-    assert out[1].startswith(
-        "BatchCountError: rank 1, training steps 1..4: the data source gave 3 batches, not 4"
-    ), out[1]
+    assert out[1].startswith("BatchCountError: rank 1, training steps 1..4: the data source gave 3 batches, not 4"), (
+        out[1]
+    )
     assert out[0].startswith("CollectiveFailureError: rank 0: a collective "), out[0]  # lost its peer (or timed out)
 
 
 # ---------------------------------------------------------------- flags that did nothing
 def test_checkpoint_every_without_a_checkpoint_dir_is_refused(tmp_path: Path) -> None:
-    """``--checkpoint-every 2`` without ``--checkpoint-dir`` used to train and save nothing."""
-    with pytest.raises(ConfigError, match=r"invalid config value checkpoint_every=2: checkpoints are saved into "
-                       r"--checkpoint-dir, which is unset.*Fix: pass --checkpoint-dir DIR, or drop --checkpoint-every"):
+    """``--checkpoint-every 2`` without ``--checkpoint-dir`` is refused (it would save nothing)."""
+    with pytest.raises(
+        ConfigError,
+        match=r"invalid config value checkpoint_every=2: checkpoints are saved into "
+        r"--checkpoint-dir, which is unset.*Fix: pass --checkpoint-dir DIR, or drop --checkpoint-every",
+    ):
         TrainConfig(dataset="synthetic", max_steps=4, checkpoint_every=2)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -299,11 +309,9 @@ def test_checkpoint_every_without_a_checkpoint_dir_is_refused(tmp_path: Path) ->
     TrainConfig(dataset="synthetic", max_steps=4, checkpoint_every=2, checkpoint_dir=str(tmp_path))  # with one: fine
 
 
-def test_a_file_truncated_at_a_line_end_during_the_first_pass_is_not_taken_for_the_pass_length(
-    tmp_path: Path,
-) -> None:
+def test_a_file_truncated_at_a_line_end_during_the_first_pass_is_not_taken_for_the_pass_length(tmp_path: Path) -> None:
     """With ``--max-steps`` the pass length is learned where the first pass ends: a file cut at
-    a line end during that pass used to set a shorter pass silently (later steps took other
+    a line end during that pass is an error, not a shorter pass (later steps would take other
     batches than an uninterrupted run's)."""
     from recpipe.recipes.data.criteo import CriteoDataChangedError
 
@@ -316,7 +324,10 @@ def test_a_file_truncated_at_a_line_end_during_the_first_pass_is_not_taken_for_t
         next(batches)
     _truncate_lines(data, 96)  # at a line end, past the reader's buffer: no malformed row
     assert _lines(data) == 96 and data.stat().st_size < size
-    with pytest.raises(CriteoDataChangedError, match=rf"--data-path file {re.escape(str(data))} shrank while this run "
-                       rf"read it: it now holds {data.stat().st_size} bytes \(96 rows read\), {size} bytes when the "
-                       r"run started, so the first pass ended early at step 6"):
+    with pytest.raises(
+        CriteoDataChangedError,
+        match=rf"--data-path file {re.escape(str(data))} shrank while this run "
+        rf"read it: it now holds {data.stat().st_size} bytes \(96 rows read\), {size} bytes when the "
+        r"run started, so the first pass ended early at step 6",
+    ):
         list(batches)

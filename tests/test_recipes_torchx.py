@@ -26,13 +26,40 @@ def synthetic_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict,
     root = tmp_path_factory.mktemp("e2e")
     os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]])
     app = components.train(
-        "--dataset", "synthetic", "--model", "dlrm", "--pipeline", "sparse",
-        "--num-embeddings", "5000", "--synthetic-id-space", "100000",
-        "--embedding-dim", "16", "--dense-arch", "32,16", "--over-arch", "32,1",
-        "--batch-size", "256", "--max-steps", "40", "--log-every", "5",
-        "--eval-every", "20", "--eval-batches", "4",
-        "--embedding-lr", "0.1", "--dense-lr", "0.05",
-        "--tb-dir", str(root / "tb"), "--metrics-file", str(root / "metrics.json"),
+        "--dataset",
+        "synthetic",
+        "--model",
+        "dlrm",
+        "--pipeline",
+        "sparse",
+        "--num-embeddings",
+        "5000",
+        "--synthetic-id-space",
+        "100000",
+        "--embedding-dim",
+        "16",
+        "--dense-arch",
+        "32,16",
+        "--over-arch",
+        "32,1",
+        "--batch-size",
+        "256",
+        "--max-steps",
+        "40",
+        "--log-every",
+        "5",
+        "--eval-every",
+        "20",
+        "--eval-batches",
+        "4",
+        "--embedding-lr",
+        "0.1",
+        "--dense-lr",
+        "0.05",
+        "--tb-dir",
+        str(root / "tb"),
+        "--metrics-file",
+        str(root / "metrics.json"),
         j="1x2",
     )
     result = launch.run_app(app, log_dir=str(root / "torchx"))
@@ -81,9 +108,7 @@ def test_tensorboard_server_serves_the_scalars(synthetic_run) -> None:
         q = urllib.parse.urlencode({"run": ".", "tag": tag})
         with urllib.request.urlopen(f"{url.rstrip('/')}/data/plugin/scalars/scalars?{q}", timeout=30) as r:
             served = json.loads(r.read())
-        assert [(s, v) for _, s, v in served] == [
-            (e.step, pytest.approx(e.value)) for e in acc.Scalars(tag)
-        ]
+        assert [(s, v) for _, s, v in served] == [(e.step, pytest.approx(e.value)) for e in acc.Scalars(tag)]
 
 
 def test_crashing_worker_fails_the_job_with_its_error(tmp_path: Path) -> None:
@@ -92,9 +117,25 @@ def test_crashing_worker_fails_the_job_with_its_error(tmp_path: Path) -> None:
     data = tmp_path / "broken.tsv"
     data.write_text("\n".join([good] * 40 + [bad] + [good] * 40) + "\n")
     app = components.train(
-        "--dataset", "criteo_tsv", "--data-path", str(data), "--model", "dlrm",
-        "--num-embeddings", "100", "--embedding-dim", "8", "--dense-arch", "8",
-        "--over-arch", "8,1", "--batch-size", "8", "--pipeline", "sparse", "--no-progress-bar",
+        "--dataset",
+        "criteo_tsv",
+        "--data-path",
+        str(data),
+        "--model",
+        "dlrm",
+        "--num-embeddings",
+        "100",
+        "--embedding-dim",
+        "8",
+        "--dense-arch",
+        "8",
+        "--over-arch",
+        "8,1",
+        "--batch-size",
+        "8",
+        "--pipeline",
+        "sparse",
+        "--no-progress-bar",
         j="1x2",
     )
     result = launch.run_app(app, log_dir=str(tmp_path / "torchx"))

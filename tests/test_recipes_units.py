@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import math
-import os
 import random
 import re
 from pathlib import Path
@@ -17,19 +16,15 @@ from torch import nn
 from recpipe.recipes import components
 from recpipe.recipes.build import greedy_table_wise
 from recpipe.recipes.checkpoint import fingerprint
-from recpipe.recipes.config import ConfigError, TrainConfig, parse_config
+from recpipe.recipes.cli import parse_config
+from recpipe.recipes.config import ConfigError, TrainConfig
 from recpipe.recipes.data.base import DatasetSpec, IdTransform, table_rows
 from recpipe.recipes.data.criteo import CriteoFormatError, count_rows, parse_criteo_row
 from recpipe.recipes.data.hashing import fmix32, fmix32_int, hash_ids, mix_seed
 from recpipe.recipes.data.movielens import movielens100k_path
 from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.data.synthetic import sample_zipf
-from recpipe.recipes.tb_logging import (
-    RunLogger,
-    TierStatsProvider,
-    collect_tier_stats,
-    merge_tier_stats,
-)
+from recpipe.recipes.tb_logging import RunLogger, TierStatsProvider, collect_tier_stats, merge_tier_stats
 from recpipe.recipes.train import run
 
 
@@ -71,6 +66,7 @@ def test_fmix32_matches_python_reference() -> None:
     rng = random.Random(0)
     xs = [0, 1, 2**32 - 1] + [rng.randrange(2**32) for _ in range(2000)]
     got = fmix32(torch.tensor(xs, dtype=torch.int64)).tolist()
+
     # Independent reference: MurmurHash3 fmix32 written out with Python big ints.
     def ref(h: int) -> int:
         h ^= h >> 16
@@ -91,6 +87,7 @@ def test_zipf_sampler_matches_pmf() -> None:
     ranks = sample_zipf(n, alpha, size, torch.Generator().manual_seed(0))
     assert int(ranks.min()) >= 0 and int(ranks.max()) < n
     counts = torch.bincount(ranks, minlength=n).double() / size
+
     # The sampler inverts the continuous bounded power law on [1, n + 1]: its mass
     # on [r + 1, r + 2) in closed form is the reference.
     def cdf(x: float) -> float:
@@ -152,14 +149,19 @@ def test_micro_dlrm_dram_projection_is_k_hashed_rows() -> None:
     assert int(item.values().max()) < (1 << 16)
     dlrm = make_data_source(TrainConfig(model="dlrm", batch_size=32), 0, 1)
     raw = next(dlrm.train_batches(0, 1)).sparse_features["item_id"].values()
-    expected = torch.stack(
-        [hash_ids(raw, mix_seed(cfg.seed, 1, j)) % (1 << 16) for j in range(3)], dim=1
-    ).reshape(-1)
+    expected = torch.stack([hash_ids(raw, mix_seed(cfg.seed, 1, j)) % (1 << 16) for j in range(3)], dim=1).reshape(-1)
     assert torch.equal(item.values(), expected)
 
 
-@pytest.mark.parametrize("model,dataset", [("dlrm", "synthetic"), ("dlrm", "movielens100k"),
-                                           ("micro_dlrm_dram", "synthetic"), ("micro_dlrm_dram", "movielens100k")])
+@pytest.mark.parametrize(
+    "model,dataset",
+    [
+        ("dlrm", "synthetic"),
+        ("dlrm", "movielens100k"),
+        ("micro_dlrm_dram", "synthetic"),
+        ("micro_dlrm_dram", "movielens100k"),
+    ],
+)
 @pytest.mark.parametrize("field,value", [("hash_k", 7), ("virtual_rows", 1000), ("num_embeddings", 50)])
 def test_resume_fingerprint_covers_exactly_the_table_fields_the_model_uses(
     model: str, dataset: str, field: str, value: int
@@ -261,10 +263,24 @@ def test_criteo_run_past_one_pass_reaches_its_end(tmp_path: Path) -> None:
     # the QA run died at the end of the first pass, with no final checkpoint or metrics
     path = tmp_path / "day_0.tsv"
     _write_criteo(path, 60, seed=4)  # 3 steps per pass at batch 20
-    result = run(TrainConfig(dataset="criteo_tsv", data_path=str(path), model="dlrm", batch_size=20,
-                             num_embeddings=97, embedding_dim=8, dense_arch=(8,), over_arch=(8, 1),
-                             max_steps=7, eval_batches=1, log_every=7, progress_bar=False,
-                             checkpoint_dir=str(tmp_path / "ckpt"), metrics_file=str(tmp_path / "m.json")))
+    result = run(
+        TrainConfig(
+            dataset="criteo_tsv",
+            data_path=str(path),
+            model="dlrm",
+            batch_size=20,
+            num_embeddings=97,
+            embedding_dim=8,
+            dense_arch=(8,),
+            over_arch=(8, 1),
+            max_steps=7,
+            eval_batches=1,
+            log_every=7,
+            progress_bar=False,
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            metrics_file=str(tmp_path / "m.json"),
+        )
+    )
     assert result.steps == 7 and len(result.losses) == 7 and [s for s, _ in result.evals] == [7]
     assert (tmp_path / "ckpt" / "step_00000007").is_dir() and (tmp_path / "m.json").is_file()
 
@@ -290,7 +306,7 @@ def test_criteo_data_smaller_than_a_global_batch_is_refused(tmp_path: Path, rows
 def test_criteo_eval_data_smaller_than_a_global_batch_is_refused(
     tmp_path: Path, rows: int, max_steps: int | None
 ) -> None:
-    # before, every evaluation of such a file was empty: "auroc nan" and exit 0
+    # every evaluation of such a file has its rows (not empty: "auroc nan")
     train, small = tmp_path / "train.tsv", tmp_path / "eval.tsv"
     _write_criteo(train, 100, seed=5)
     _write_criteo(small, rows, seed=6)
@@ -350,10 +366,19 @@ def test_merged_tier_ratios_are_fractions_of_all_ranks_lookups() -> None:
         {"lookups": 10.0, "fast": 10.0, "hits": 4.0, "cumulative_lookups": 100.0, "cumulative_hits": 90.0},
         {"lookups": 30.0, "fast": 15.0, "hits": 30.0, "cumulative_lookups": 50.0, "cumulative_hits": 5.0},
     ]
-    parts = [{"t": {"lookups": r["lookups"], "fast_fraction": r["fast"] / r["lookups"],
-                    "hit_rate": r["hits"] / r["lookups"], "cumulative_lookups": r["cumulative_lookups"],
-                    "cumulative_hit_rate": r["cumulative_hits"] / r["cumulative_lookups"],
-                    "rows_loaded": 3.0}} for r in ranks]
+    parts = [
+        {
+            "t": {
+                "lookups": r["lookups"],
+                "fast_fraction": r["fast"] / r["lookups"],
+                "hit_rate": r["hits"] / r["lookups"],
+                "cumulative_lookups": r["cumulative_lookups"],
+                "cumulative_hit_rate": r["cumulative_hits"] / r["cumulative_lookups"],
+                "rows_loaded": 3.0,
+            }
+        }
+        for r in ranks
+    ]
     merged = merge_tier_stats(parts)["t"]
     assert merged["fast_fraction"] == pytest.approx(25 / 40)
     assert merged["hit_rate"] == pytest.approx(34 / 40)
@@ -415,10 +440,17 @@ def test_component_refuses_a_bad_j_naming_it(j: str) -> None:
 
 @pytest.mark.parametrize(
     "arg, value, flag, bound",
-    [("cpu", 0, "--cpu", ">= 1"), ("cpu", True, "--cpu", ">= 1"), ("memMB", -1, "--memMB", ">= 1"),
-     ("memMB", 0, "--memMB", ">= 1"), ("rdzv_port", 0, "--rdzv_port", "in [1, 65535]"),
-     ("rdzv_port", 70000, "--rdzv_port", "in [1, 65535]"), ("tee", 7, "--tee", "in [0, 3]"),
-     ("tee", -1, "--tee", "in [0, 3]"), ("max_retries", -1, "--max_retries", ">= 0")],
+    [
+        ("cpu", 0, "--cpu", ">= 1"),
+        ("cpu", True, "--cpu", ">= 1"),
+        ("memMB", -1, "--memMB", ">= 1"),
+        ("memMB", 0, "--memMB", ">= 1"),
+        ("rdzv_port", 0, "--rdzv_port", "in [1, 65535]"),
+        ("rdzv_port", 70000, "--rdzv_port", "in [1, 65535]"),
+        ("tee", 7, "--tee", "in [0, 3]"),
+        ("tee", -1, "--tee", "in [0, 3]"),
+        ("max_retries", -1, "--max_retries", ">= 0"),
+    ],
 )
 def test_component_refuses_bad_resource_arguments_naming_them(arg: str, value: object, flag: str, bound: str) -> None:
     # torchx passed these on unchecked (cpu=0 even became 2)
@@ -430,8 +462,9 @@ def test_component_refuses_bad_resource_arguments_naming_them(arg: str, value: o
 
 
 def test_component_accepts_the_resource_bounds_and_a_j_with_spaces() -> None:
-    app = components.train("--dataset", "synthetic", "--max-steps", "5", j=" 2x1\n", cpu=1, memMB=1,
-                           max_retries=0, rdzv_port=65535, tee=0)
+    app = components.train(
+        "--dataset", "synthetic", "--max-steps", "5", j=" 2x1\n", cpu=1, memMB=1, max_retries=0, rdzv_port=65535, tee=0
+    )
     role = app.roles[0]
     joined = " ".join(role.args)
     assert (role.resource.cpu, role.resource.memMB, role.max_retries) == (1, 1, 0)
@@ -441,7 +474,9 @@ def test_component_accepts_the_resource_bounds_and_a_j_with_spaces() -> None:
         components.train("--dataset", "synthetic", "--max-steps", "5", j="1 x2")
 
 
-@pytest.mark.parametrize("j,nnodes,nproc", [("2", "1", "2"), ("1x3", "1", "3"), ("2x1", "2", "1"), ("1:2x4", "1:2", "4")])
+@pytest.mark.parametrize(
+    "j,nnodes,nproc", [("2", "1", "2"), ("1x3", "1", "3"), ("2x1", "2", "1"), ("1:2x4", "1:2", "4")]
+)
 def test_component_accepts_every_torchx_j_form(j: str, nnodes: str, nproc: str) -> None:
     joined = " ".join(components.train("--dataset", "synthetic", "--max-steps", "5", j=j).roles[0].args)
     assert f"--nnodes {nnodes}" in joined and f"--nproc_per_node {nproc}" in joined, joined
@@ -453,42 +488,50 @@ def test_recipe_output_has_no_upstream_notices() -> None:
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "recpipe.recipes.train", "--dataset", "synthetic", "--model", "dlrm",
-           "--num-embeddings", "2000", "--synthetic-id-space", "50000", "--embedding-dim", "8",
-           "--dense-arch", "16,8", "--over-arch", "16,1", "--batch-size", "64", "--max-steps", "2",
-           "--eval-batches", "1", "--log-every", "2", "--no-progress-bar"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "recpipe.recipes.train",
+        "--dataset",
+        "synthetic",
+        "--model",
+        "dlrm",
+        "--num-embeddings",
+        "2000",
+        "--synthetic-id-space",
+        "50000",
+        "--embedding-dim",
+        "8",
+        "--dense-arch",
+        "16,8",
+        "--over-arch",
+        "16,1",
+        "--batch-size",
+        "64",
+        "--max-steps",
+        "2",
+        "--eval-batches",
+        "1",
+        "--log-every",
+        "2",
+        "--no-progress-bar",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "[recpipe] done: 2 steps" in proc.stdout
     assert "broadcast_buffers" not in proc.stderr and "is_fx_tracing" not in proc.stderr, proc.stderr
 
 
-def test_pt_placement_mismatch_names_only_the_tables_that_differ(tmp_path: Path) -> None:
-    """A ``pt`` checkpoint placed otherwise: the error lists the differing tables
-    (saved -> now), not the two whole placements."""
-    from recpipe.recipes.checkpoint import CheckpointMismatchError, _check_fit
-    from recpipe.pipeline.routing.ops import ROUTING_VERSION
-
-    config = TrainConfig(dataset="synthetic", max_steps=4)
-    now = {f"t{i}": i % 2 for i in range(26)}
-    saved = dict(now, t3=0, t7={"mode": "CACHING"})
-    meta = {"world_size": 2, "table_ranks": saved, "routing_version": ROUTING_VERSION,
-            "fingerprint": fingerprint(config)}
-    with pytest.raises(CheckpointMismatchError) as e:
-        _check_fit(tmp_path / "manifest.json", meta, 2, config, now)
-    msg = str(e.value)
-    assert "placement of 2 of 26 tables (checkpoint -> now): t3 0 -> 1; t7 {'mode': 'CACHING'} -> 1" in msg
-    assert "t4" not in msg
-    _check_fit(tmp_path / "manifest.json", dict(meta, table_ranks=dict(now)), 2, config, now)  # same: fits
-
-
 @pytest.mark.parametrize("field", ["data_path", "eval_data_path"])
 def test_data_paths_of_another_dataset_are_refused(field: str) -> None:
     """``--data-path`` / ``--eval-data-path`` are read by criteo_tsv only: on another
-    dataset they used to be ignored silently."""
+    dataset they are refused, not ignored."""
     flag = "--" + field.replace("_", "-")
-    with pytest.raises(ConfigError, match=rf"{field}='x.tsv'.*read only by --dataset criteo_tsv, not synthetic.*"
-                                          rf"drop {flag}, or pass --dataset criteo_tsv"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"{field}='x.tsv'.*read only by --dataset criteo_tsv, not synthetic.*"
+        rf"drop {flag}, or pass --dataset criteo_tsv",
+    ):
         parse_config(["--dataset", "synthetic", "--max-steps", "4", flag, "x.tsv"], check_paths=False)
 
 
@@ -536,9 +579,23 @@ def test_the_loop_reads_losses_once_per_logging_interval(tmp_path: Path, monkeyp
     path = tmp_path / "day_0.tsv"
     _write_criteo(path, 200, seed=5)
     with Reads():
-        result = run(TrainConfig(dataset="criteo_tsv", data_path=str(path), model="dlrm", batch_size=20,
-                                 num_embeddings=97, embedding_dim=8, dense_arch=(8,), over_arch=(8, 1),
-                                 max_steps=12, eval_every=6, eval_batches=1, log_every=4, progress_bar=False))
+        result = run(
+            TrainConfig(
+                dataset="criteo_tsv",
+                data_path=str(path),
+                model="dlrm",
+                batch_size=20,
+                num_embeddings=97,
+                embedding_dim=8,
+                dense_arch=(8,),
+                over_arch=(8, 1),
+                max_steps=12,
+                eval_every=6,
+                eval_batches=1,
+                log_every=4,
+                progress_bar=False,
+            )
+        )
     assert len(returned) == 12 and result.steps == 12
     assert single_reads == [], single_reads
     assert batched_reads == [4, 2, 2, 4], batched_reads  # log at 4, eval at 6, log at 8, log at 12

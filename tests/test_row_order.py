@@ -1,13 +1,11 @@
 """Row order of roundrobin / hash_roundrobin FUSED tables in state dicts and checkpoints.
 
 Such a table's shard on rank r holds the global rows routing gives r, in local-id
-order, while its ShardedTensor offsets name contiguous rows. torchrec's load hook
-takes a ShardedTensor's local shard as it is and slices a full tensor by those
-offsets, so before recpipe recorded the row order, a routed state loaded into a
-continuous (torchrec) table of the same shard sizes, a continuous state into a
-routed table, and an unsharded module's weights into a routed table all put rows
-on other ids without a word. 2-rank gloo runs, checked against the pure-Python
-reference routing (``routing_reference.route_one``) and plain full tensors.
+order, while its ShardedTensor offsets name contiguous rows. Pinned: a routed state
+is refused by a continuous (torchrec) table of the same shard sizes and a continuous
+state by a routed table, naming both row orders; an unsharded module's weights load
+into a routed table by global row id. 2-rank gloo runs, checked against the
+pure-Python reference routing (``routing_reference.route_one``) and plain full tensors.
 """
 
 from __future__ import annotations
@@ -18,10 +16,9 @@ from typing import Any, Dict
 import pytest
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from gloo_harness import run_gloo
 from test_sharding import SEED, TABLES, _owner_rows, _row_wise_plan
-
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
@@ -31,27 +28,39 @@ EC_DIM = 4
 
 
 def _model(kind: str, dist_type: str, world: int, seed: int = SEED) -> DistributedModelParallel:
-    from recpipe.pipeline.routing.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharders import recpipe_sharders
 
     if kind == "ebc":
         module: Any = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs)
-                    for t, n, d, fs in TABLES], device=torch.device("meta"))
+            tables=[
+                EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs)
+                for t, n, d, fs in TABLES
+            ],
+            device=torch.device("meta"),
+        )
     else:
         module = EmbeddingCollection(
-            tables=[EmbeddingConfig(name=t, num_embeddings=n, embedding_dim=EC_DIM, feature_names=fs)
-                    for t, n, _, fs in TABLES], device=torch.device("meta"))
+            tables=[
+                EmbeddingConfig(name=t, num_embeddings=n, embedding_dim=EC_DIM, feature_names=fs)
+                for t, n, _, fs in TABLES
+            ],
+            device=torch.device("meta"),
+        )
     routed = dist_type != "continuous"
     sharders = recpipe_sharders(
         fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1},
         table_dist_types={t: dist_type for t, *_ in TABLES} if routed else None,
         seed=seed,
     )
-    plan = ShardingPlan({"": EmbeddingModuleShardingPlan(
-        _row_wise_plan(world, routed, EC_DIM if kind == "ec" else 0))})
-    return DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                    device=torch.device("cpu"), plan=plan, sharders=sharders,
-                                    init_data_parallel=False)
+    plan = ShardingPlan({"": EmbeddingModuleShardingPlan(_row_wise_plan(world, routed, EC_DIM if kind == "ec" else 0))})
+    return DistributedModelParallel(
+        module,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=sharders,
+        init_data_parallel=False,
+    )
 
 
 def _reference(kind: str) -> Dict[str, torch.Tensor]:
@@ -73,7 +82,7 @@ def _rows_of(dist_type: str, world: int, rank: int) -> Dict[str, torch.Tensor]:
 
 
 def _refusal(model: DistributedModelParallel, state: Dict[str, Any], **kwargs: Any) -> str:
-    from recpipe.pipeline.routing.sharding import RowOrderMismatchError
+    from recpipe.pipeline.routing.row_order import RowOrderMismatchError
 
     try:
         model.load_state_dict(state, **kwargs)
@@ -83,7 +92,7 @@ def _refusal(model: DistributedModelParallel, state: Dict[str, Any], **kwargs: A
 
 
 def _state_dict_body(rank: int, world: int, kind: str, dist_type: str) -> Dict[str, Any]:
-    from recpipe.pipeline.tiered.sharders import gather_full_weights
+    from recpipe.pipeline.tiered.migration import gather_full_weights
 
     ref = _reference(kind)
     routed = _model(kind, dist_type, world)
@@ -96,7 +105,8 @@ def _state_dict_body(rank: int, world: int, kind: str, dist_type: str) -> Dict[s
     out["records"] = {t: state[_key(kind, t, "row_order")] for t in ref}
     full = gather_full_weights(routed)
     out["gather_exact"] = sorted(full) == sorted(_key(kind, t) for t in ref) and all(
-        torch.equal(full[_key(kind, t)], ref[t]) for t in ref)
+        torch.equal(full[_key(kind, t)], ref[t]) for t in ref
+    )
 
     # continuous (torchrec's layout, same shard sizes) <-> routed: refused, nothing changed
     cont = _model(kind, "continuous", world)
@@ -107,8 +117,11 @@ def _state_dict_body(rank: int, world: int, kind: str, dist_type: str) -> Dict[s
     out["continuous_into_routed"] = _refusal(routed, cont.state_dict())
     out["routed_unchanged"] = all(torch.equal(routed_before[t], w) for t, w in _locals(routed, kind).items())
     # another routing or seed: refused
-    other = (_model(kind, "hash_roundrobin", world) if dist_type == "roundrobin"
-             else _model(kind, "hash_roundrobin", world, seed=SEED + 1))
+    other = (
+        _model(kind, "hash_roundrobin", world)
+        if dist_type == "roundrobin"
+        else _model(kind, "hash_roundrobin", world, seed=SEED + 1)
+    )
     out["into_other_routing"] = _refusal(other, state)
     # the same routing: loads exactly
     same = _model(kind, dist_type, world)
@@ -117,8 +130,7 @@ def _state_dict_body(rank: int, world: int, kind: str, dist_type: str) -> Dict[s
     # full tables gathered from the routed model load into the continuous one by global id
     cont.load_state_dict(full, strict=False)
     blocks = _rows_of("continuous", world, rank)
-    out["full_into_continuous_exact"] = all(
-        torch.equal(w, ref[t][blocks[t]]) for t, w in _locals(cont, kind).items())
+    out["full_into_continuous_exact"] = all(torch.equal(w, ref[t][blocks[t]]) for t, w in _locals(cont, kind).items())
     return out
 
 
@@ -133,9 +145,11 @@ def test_routed_fused_state_dict_keeps_rows_on_their_ids(kind: str, dist_type: s
         assert r["gather_exact"], (rank, r)
         for t, n, *_ in TABLES:
             assert r["records"][t] == {
-                "dist_type": dist_type, "world_size": 2,
+                "dist_type": dist_type,
+                "world_size": 2,
                 "routing_seed": SEED if dist_type == "hash_roundrobin" else 0,
-                "num_embeddings": n, "routing_version": ops.ROUTING_VERSION,
+                "num_embeddings": n,
+                "routing_version": ops.ROUTING_VERSION,
             }
         for case in ("routed_into_continuous", "continuous_into_routed", "into_other_routing"):
             msg = r[case]
@@ -152,8 +166,8 @@ def test_routed_fused_state_dict_keeps_rows_on_their_ids(kind: str, dist_type: s
 
 
 def _dcp_body(rank: int, world: int, kind: str, dist_type: str, path: str) -> Dict[str, Any]:
-    from recpipe.pipeline.checkpoint import dcp as recpipe_dcp
-    from recpipe.pipeline.routing.sharding import RowOrderMismatchError
+    from recpipe.pipeline import checkpoint as recpipe_dcp
+    from recpipe.pipeline.routing.row_order import RowOrderMismatchError
 
     ref = _reference(kind)
     routed = _model(kind, dist_type, world)
@@ -161,9 +175,11 @@ def _dcp_body(rank: int, world: int, kind: str, dist_type: str, path: str) -> Di
     recpipe_dcp.save(routed, path)
     out: Dict[str, Any] = {}
     mine = _rows_of(dist_type, world, rank)
-    for name, target in (("continuous", _model(kind, "continuous", world)),
-                         ("other_seed", _model(kind, dist_type, world, seed=SEED + 1)),
-                         ("same", _model(kind, dist_type, world))):
+    for name, target in (
+        ("continuous", _model(kind, "continuous", world)),
+        ("other_seed", _model(kind, dist_type, world, seed=SEED + 1)),
+        ("same", _model(kind, dist_type, world)),
+    ):
         before = _locals(target, kind)
         try:
             recpipe_dcp.load(target, path)
@@ -180,7 +196,9 @@ def _dcp_body(rank: int, world: int, kind: str, dist_type: str, path: str) -> Di
 def test_dcp_load_refuses_routed_rows_before_writing_them(kind: str, tmp_path: Any) -> None:
     results = run_gloo(2, _dcp_body, kind, "roundrobin", os.fspath(tmp_path / "ckpt"), timeout_s=300)
     for r in results:
-        assert "recpipe.pipeline.checkpoint.dcp.load" in r["continuous"] and "contiguous row blocks" in r["continuous"], r
+        assert (
+            "recpipe.pipeline.checkpoint.dcp.load" in r["continuous"] and "contiguous row blocks" in r["continuous"]
+        ), r
         assert "filled this state dict in place" not in r["continuous"], r  # refused before any row was read
         assert r["continuous_unchanged"], r
         # roundrobin has no seed (recorded as 0): another sharder seed loads exactly
@@ -200,20 +218,35 @@ def _torchrec_layouts_body(rank: int, world: int) -> Dict[str, Any]:
     """t0 TABLE_WISE on rank 1, t1 COLUMN_WISE (two column shards) on ranks 0 and 1."""
     from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
 
-    from recpipe.pipeline.tiered.sharders import gather_full_weights
-    from recpipe.pipeline.routing.sharding import RecpipeEmbeddingBagCollectionSharder
+    from recpipe.pipeline.routing.sharders import RecpipeEmbeddingBagCollectionSharder
+    from recpipe.pipeline.tiered.migration import gather_full_weights
 
     ref = _reference("ebc")
     module = EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs)
-                for t, n, d, fs in TABLES], device=torch.device("meta"))
+        tables=[
+            EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs) for t, n, d, fs in TABLES
+        ],
+        device=torch.device("meta"),
+    )
     sharder = RecpipeEmbeddingBagCollectionSharder(
-        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1})
-    plan = construct_module_sharding_plan(module, {"t0": table_wise(rank=1), "t1": column_wise(ranks=[0, 1])},
-                                          sharder=sharder, local_size=world, world_size=world, device_type="cpu")
-    model = DistributedModelParallel(module, env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                     device=torch.device("cpu"), plan=ShardingPlan({"": plan}),
-                                     sharders=[sharder], init_data_parallel=False)
+        fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.1}
+    )
+    plan = construct_module_sharding_plan(
+        module,
+        {"t0": table_wise(rank=1), "t1": column_wise(ranks=[0, 1])},
+        sharder=sharder,
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
+    model = DistributedModelParallel(
+        module,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],
+        init_data_parallel=False,
+    )
     model.load_state_dict({_key("ebc", t): ref[t] for t in ref}, strict=False)  # torchrec slices by offsets
     full = gather_full_weights(model)
     routed = _model("ebc", "hash_roundrobin", world)

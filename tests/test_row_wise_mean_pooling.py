@@ -1,9 +1,9 @@
-"""Row-wise sharding on CPU (recpipe's sharders) against unsharded torchrec modules: leftovers.
+"""Row-wise MEAN pooling on CPU (recpipe's sharders) equals the unsharded torchrec module.
 
-* A collection mixing a ROW_WISE MEAN table with TABLE_WISE tables: torchrec's
-  mean-pooling callback divided the TABLE_WISE tables' features by their bag lengths.
+* A collection mixing a ROW_WISE MEAN table with TABLE_WISE tables: only the row-wise
+  MEAN table's features are divided by their bag lengths.
 * VBE KJTs whose keys are not in the shardings' feature order, with a row-wise MEAN
-  table: torchrec's divisor took the wrong features' lengths (or failed).
+  table: each feature is divided by its own bag lengths.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_harness import run_gloo
-
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from gloo_harness import run_gloo
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import (
@@ -57,15 +56,21 @@ def _plan(world: int, tables: list[tuple[Any, ...]]) -> dict[str, ParameterShard
         if kind == "row_wise":
             block = -(-n // world)
             sizes = [max(0, min(block, n - r * block)) for r in range(world)]
-            shards = [ShardMetadata(shard_offsets=[sum(sizes[:r]), 0], shard_sizes=[sizes[r], dim],
-                                    placement=f"rank:{r}/cpu") for r in range(world)]
+            shards = [
+                ShardMetadata(shard_offsets=[sum(sizes[:r]), 0], shard_sizes=[sizes[r], dim], placement=f"rank:{r}/cpu")
+                for r in range(world)
+            ]
             ranks, st = list(range(world)), ShardingType.ROW_WISE.value
         else:
             r = (i + 1) % world
             shards = [ShardMetadata(shard_offsets=[0, 0], shard_sizes=[n, dim], placement=f"rank:{r}/cpu")]
             ranks, st = [r], ShardingType.TABLE_WISE.value
-        out[name] = ParameterSharding(sharding_type=st, compute_kernel=EmbeddingComputeKernel.FUSED.value,
-                                      ranks=ranks, sharding_spec=EnumerableShardingSpec(shards))
+        out[name] = ParameterSharding(
+            sharding_type=st,
+            compute_kernel=EmbeddingComputeKernel.FUSED.value,
+            ranks=ranks,
+            sharding_spec=EnumerableShardingSpec(shards),
+        )
     return out
 
 
@@ -78,22 +83,30 @@ def _batch(rank: int, step: int, keys: list[str], rows: dict[str, int], vbe: boo
     if not vbe:
         return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
     inverse = torch.stack([torch.randint(0, b, (B,), generator=g) for b in bags])
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths),
-                             stride_per_key_per_rank=[[b] for b in bags], inverse_indices=(keys, inverse))
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        stride_per_key_per_rank=[[b] for b in bags],
+        inverse_indices=(keys, inverse),
+    )
 
 
 def _mixed_pooling_body(rank: int, world: int, tables: str = "mixed", vbe: bool = False) -> dict[str, float]:
-    from recpipe.pipeline.routing.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharders import recpipe_sharders
 
     MIXED = TABLES[tables]
 
-    configs = [EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=p)
-               for t, n, d, fs, p, _ in MIXED]
+    configs = [
+        EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=p)
+        for t, n, d, fs, p, _ in MIXED
+    ]
     torch.manual_seed(0)
     ref = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
     model = DistributedModelParallel(
         EmbeddingBagCollection(tables=configs, device=torch.device("meta")),
-        env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
         plan=ShardingPlan({"": EmbeddingModuleShardingPlan(_plan(world, MIXED))}),
         sharders=recpipe_sharders(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}),
         init_data_parallel=False,
@@ -107,7 +120,7 @@ def _mixed_pooling_body(rank: int, world: int, tables: str = "mixed", vbe: bool 
     for t, shard_list in shards().items():
         for s in shard_list:
             o, n = s.metadata.shard_offsets[0], s.metadata.shard_sizes[0]
-            s.tensor.copy_(ref_w[t][o:o + n])
+            s.tensor.copy_(ref_w[t][o : o + n])
     rows = {f: n for _, n, _, fs, _, _ in MIXED for f in fs}
     keys = ["f3", "f2", "f0", "f1"]  # not the config's order
     out_err, w_err = 0.0, 0.0
@@ -136,15 +149,14 @@ def _mixed_pooling_body(rank: int, world: int, tables: str = "mixed", vbe: bool 
         for t, shard_list in shards().items():
             for s in shard_list:
                 o, n = s.metadata.shard_offsets[0], s.metadata.shard_sizes[0]
-                w_err = max(w_err, float((s.tensor - ref_w[t][o:o + n]).abs().max()))
+                w_err = max(w_err, float((s.tensor - ref_w[t][o : o + n]).abs().max()))
     return {"out_err": out_err, "w_err": w_err}
 
 
 def test_row_wise_mean_table_next_to_table_wise_tables_matches_unsharded() -> None:
     """An EBC with a ROW_WISE MEAN table and TABLE_WISE SUM and MEAN tables, KJT keys in
     another order than the config: 2 gloo ranks give the unsharded module's outputs and
-    trained weights (torchrec's mean-pooling callback used to divide the TABLE_WISE
-    features by their bag lengths as well)."""
+    trained weights: only the row-wise MEAN table's features are divided by bag lengths."""
     for r in run_gloo(2, _mixed_pooling_body, timeout_s=300):
         assert r["out_err"] < 1e-5 and r["w_err"] < 1e-5, r
 
@@ -153,22 +165,25 @@ def test_row_wise_mean_table_next_to_table_wise_tables_matches_unsharded() -> No
 def test_vbe_kjt_in_another_key_order_with_row_wise_mean_matches_unsharded(tables: str) -> None:
     """VBE KJTs (each key its own batch, expanded by inverse_indices) whose keys are not in
     the shardings' order, through row-wise MEAN tables: 2 gloo ranks give the unsharded
-    module's outputs and trained weights (torchrec paired the inverse_indices rows with
-    other features' lengths in the MEAN divisor: an IndexError or wrong means)."""
+    module's outputs and trained weights: each inverse_indices row is paired with its own
+    feature's lengths in the MEAN divisor."""
     for r in run_gloo(2, _mixed_pooling_body, tables, True, timeout_s=300):
         assert r["out_err"] < 1e-5 and r["w_err"] < 1e-5, r
 
 
 def _shared_feature_body(rank: int, world: int) -> str:
-    from recpipe.pipeline.routing.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharders import recpipe_sharders
 
     tables = [("ta", 10, 4, ["f"], PoolingType.MEAN, "row_wise"), ("tb", 12, 4, ["f"], PoolingType.SUM, "row_wise")]
-    configs = [EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=p)
-               for t, n, d, fs, p, _ in tables]
+    configs = [
+        EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs, pooling=p)
+        for t, n, d, fs, p, _ in tables
+    ]
     try:
         DistributedModelParallel(
             EmbeddingBagCollection(tables=configs, device=torch.device("meta")),
-            env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            device=torch.device("cpu"),
             plan=ShardingPlan({"": EmbeddingModuleShardingPlan(_plan(world, tables))}),
             sharders=recpipe_sharders(fused_params={"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": LR}),
             init_data_parallel=False,

@@ -35,8 +35,7 @@ CASES = [
     ("bench_recipe.py", ["--nproc", "0"], "--nproc: must be an int >= 1, got 0"),
     ("profile_recipe.py", ["--rate", "0"], "--rate: must be an int >= 1, got 0"),
     ("profile_recipe.py", ["--raw", "/nonexistent/dir/raw.txt"], "--raw: /nonexistent/dir/raw.txt is not a writable"),
-    ("profile_recipe.py", ["--steps", "20", "--", "--bogus-flag"],
-     "extra (recipe flags after --): bad command line"),
+    ("profile_recipe.py", ["--steps", "20", "--", "--bogus-flag"], "extra (recipe flags after --): bad command line"),
 ]
 if Path("/proc").is_dir():  # a directory even root cannot create files in
     CASES.append(("bench_checkpoint.py", ["--dir", "/proc"], "--dir: /proc is not writable"))
@@ -45,8 +44,7 @@ if Path("/proc").is_dir():  # a directory even root cannot create files in
 @pytest.mark.parametrize("script, args, message", CASES, ids=[f"{c[0]}{' '.join(c[1])}" for c in CASES])
 def test_bad_option_is_one_line_and_exit_2(script: str, args: list[str], message: str) -> None:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, str(SCRIPTS / script), *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1, proc.stderr
@@ -89,8 +87,9 @@ def test_help_shows_the_whole_docstring(script: str) -> None:
 
     doc = ast.get_docstring(ast.parse((SCRIPTS / script).read_text()))
     assert doc
-    proc = subprocess.run([sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / script), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     help_lines = [ln.strip() for ln in proc.stdout.splitlines()]
     missing = [ln.strip() for ln in doc.splitlines() if ln.strip() and ln.strip() not in help_lines]

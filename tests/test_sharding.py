@@ -9,26 +9,24 @@ reference weights updated with the gradient of both ranks' losses.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from gloo_harness import run_gloo
 from routing_reference import route_one
-
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
     EnumerableShardingSpec,
     ParameterSharding,
     ShardingEnv,
     ShardingPlan,
     ShardingType,
     ShardMetadata,
-    EmbeddingModuleShardingPlan,
 )
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
@@ -75,12 +73,13 @@ def _owner_rows(n: int, world: int, rank: int, dist_type: str, sizes: Optional[l
     block = -(-n // world)
     pairs = [route_one(g, code, world, block, n, SEED, 64) for g in range(n)]
     mine = sorted((local, g) for g, (owner, local) in enumerate(pairs) if owner == rank)
-    assert [l for l, _ in mine] == list(range(len(mine)))  # dense local ids
+    assert [loc for loc, _ in mine] == list(range(len(mine)))  # dense local ids
     return torch.tensor([g for _, g in mine], dtype=torch.int64)
 
 
-def _batch(rank: int, step: int, features: list[str], n_of: dict[str, int], B: int = 6,
-           vbe: bool = False) -> KeyedJaggedTensor:
+def _batch(
+    rank: int, step: int, features: list[str], n_of: dict[str, int], B: int = 6, vbe: bool = False
+) -> KeyedJaggedTensor:
     """A random batch of B samples; ``vbe``: each feature has its own number of
     distinct bags (1..B), expanded to the B samples by ``inverse_indices``."""
     g = torch.Generator().manual_seed(1000 * step + rank)
@@ -93,28 +92,33 @@ def _batch(rank: int, step: int, features: list[str], n_of: dict[str, int], B: i
         strides.append([b])
         inverse.append(torch.randint(0, b, (B,), generator=g))
     if not vbe:
-        return KeyedJaggedTensor.from_lengths_sync(
-            keys=features, values=torch.cat(values), lengths=torch.cat(lengths)
-        )
+        return KeyedJaggedTensor.from_lengths_sync(keys=features, values=torch.cat(values), lengths=torch.cat(lengths))
     return KeyedJaggedTensor(
-        keys=features, values=torch.cat(values), lengths=torch.cat(lengths),
-        stride_per_key_per_rank=strides, inverse_indices=(features, torch.stack(inverse)),
+        keys=features,
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        stride_per_key_per_rank=strides,
+        inverse_indices=(features, torch.stack(inverse)),
     )
 
 
 def _body(rank: int, world: int, kind: str, dist_type: str, uneven: bool = False, vbe: bool = False) -> dict[str, Any]:
-    from recpipe.pipeline.routing.sharding import recpipe_sharders
+    from recpipe.pipeline.routing.sharders import recpipe_sharders
 
     torch.manual_seed(0)
     features = [f for *_, fs in TABLES for f in fs]
     n_of = {f: n for _, n, _, fs in TABLES for f in fs}
     if kind == "ebc":
-        configs = [EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs) for t, n, d, fs in TABLES]
+        configs = [
+            EmbeddingBagConfig(name=t, num_embeddings=n, embedding_dim=d, feature_names=fs) for t, n, d, fs in TABLES
+        ]
         ref = EmbeddingBagCollection(tables=configs, device=torch.device("cpu"))
         module = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
         prefix = "embedding_bags"
     else:
-        configs = [EmbeddingConfig(name=t, num_embeddings=n, embedding_dim=4, feature_names=fs) for t, n, _, fs in TABLES]
+        configs = [
+            EmbeddingConfig(name=t, num_embeddings=n, embedding_dim=4, feature_names=fs) for t, n, _, fs in TABLES
+        ]
         ref = EmbeddingCollection(tables=configs, device=torch.device("cpu"))
         module = EmbeddingCollection(tables=configs, device=torch.device("meta"))
         prefix = "embeddings"
@@ -129,8 +133,12 @@ def _body(rank: int, world: int, kind: str, dist_type: str, uneven: bool = False
         {"": EmbeddingModuleShardingPlan(_row_wise_plan(world, routed, 4 if kind == "ec" else 0, uneven))}
     )
     model = DistributedModelParallel(
-        module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-        plan=plan, sharders=sharders, init_data_parallel=False,
+        module,
+        env=ShardingEnv.from_process_group(dist.group.WORLD),
+        device=torch.device("cpu"),
+        plan=plan,
+        sharders=sharders,
+        init_data_parallel=False,
     )
     # Put the reference weights into the shards, row by row where routing says.
     ref_w = {t: getattr(ref, prefix)[t].weight.detach().clone() for t, *_ in TABLES}
@@ -219,7 +227,7 @@ def test_variable_batch_per_feature_matches_unsharded_reference(dist_type: str) 
 
 def test_routed_table_with_torchrec_block_layout_is_refused() -> None:
     """hash routing on torchrec's contiguous shards would index past the last rank's shard."""
-    from recpipe.pipeline.routing.sharding import _check_routed_layout
+    from recpipe.pipeline.routing.features import check_routed_layout
 
     class _Spec:
         shards_metadata = [
@@ -231,35 +239,44 @@ def test_routed_table_with_torchrec_block_layout_is_refused() -> None:
         name = "t"
         global_metadata = _Spec()
 
-    _check_routed_layout(_Table(), 7, 2, "hash_roundrobin")  # 4 + 3 is the routed layout
+    check_routed_layout(_Table(), 7, 2, "hash_roundrobin")  # 4 + 3 is the routed layout
     _Spec.shards_metadata[0].shard_sizes = [5, 2]
     _Spec.shards_metadata[1].shard_sizes = [2, 2]
     with pytest.raises(ValueError, match=r"puts \[4, 3\] rows .* shards of \[5, 2\] rows"):
-        _check_routed_layout(_Table(), 7, 2, "hash_roundrobin")
+        check_routed_layout(_Table(), 7, 2, "hash_roundrobin")
 
 
 def test_fused_row_wise_table_with_an_empty_shard_is_refused_on_cpu() -> None:
     """fbgemm-gpu-cpu's fused TBE backward mis-updates the table after a 0-row one (another
     dim) and can corrupt the heap: recpipe's sharders refuse such a plan on CPU, naming
     the table and the empty ranks; tiered tables (recpipe's own CPU kernel) are not refused."""
+    from recpipe.pipeline.routing.sharders import recpipe_sharders
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
-    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     params = _row_wise_plan(2, routed=False)
     t0 = params["t0"]
     t0.sharding_spec.shards[0].shard_sizes = [37, 8]  # t0 (37 rows) all on rank 0
     t0.sharding_spec.shards[1].shard_offsets = [37, 0]
     t0.sharding_spec.shards[1].shard_sizes = [0, 8]
-    cfg = [EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=dim, feature_names=fs)
-           for n, rows, dim, fs in TABLES]
+    cfg = [
+        EmbeddingBagConfig(name=n, num_embeddings=rows, embedding_dim=dim, feature_names=fs)
+        for n, rows, dim, fs in TABLES
+    ]
     for sharder in (*recpipe_sharders(), TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()):
-        with pytest.raises(ValueError, match=r"table 't0' is ROW_WISE with row-wise shards of \[37, 0\] rows: "
-                           r"rank\(s\) \[1\] hold 0 rows.*Possible solutions:\n  1\) .*\n  2\) shard it TABLE_WISE"):
+        with pytest.raises(
+            ValueError,
+            match=r"table 't0' is ROW_WISE with row-wise shards of \[37, 0\] rows: "
+            r"rank\(s\) \[1\] hold 0 rows.*Possible solutions:\n  1\) .*\n  2\) shard it TABLE_WISE",
+        ):
             sharder._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]
         sharder._check_kernels(params, torch.device("cuda"))  # type: ignore[attr-defined]  # CPU only
     with pytest.raises(ValueError, match="table 't0' is ROW_WISE"):  # through shard(), before any collective
-        recpipe_sharders()[0].shard(EmbeddingBagCollection(tables=cfg, device=torch.device("meta")), params,
-                                    env=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+        recpipe_sharders()[0].shard(
+            EmbeddingBagCollection(tables=cfg, device=torch.device("meta")),
+            params,
+            env=None,
+            device=torch.device("cpu"),
+        )  # type: ignore[arg-type]
     t0.compute_kernel = EmbeddingComputeKernel.DENSE.value  # the dense TBE backward is right
     recpipe_sharders()[0]._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]
 
@@ -272,8 +289,8 @@ def test_dense_sequence_table_is_refused_on_cpu() -> None:
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import DenseTableBatchedEmbeddingBagsCodegen
 
+    from recpipe.pipeline.routing.sharders import recpipe_sharders
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingCollectionSharder
-    from recpipe.pipeline.routing.sharding import recpipe_sharders
 
     # the upstream behaviour the refusal is for: 5 ids in 3 bags come back as 3 rows
     tbe = DenseTableBatchedEmbeddingBagsCodegen([(30, 8)], pooling_mode=PoolingMode.NONE, use_cpu=True)
@@ -286,27 +303,33 @@ def test_dense_sequence_table_is_refused_on_cpu() -> None:
         params["t1"].sharding_type = kind.value
         params["t1"].compute_kernel = EmbeddingComputeKernel.DENSE.value
         for sharder in (ec_sharder, TieredEmbeddingCollectionSharder()):
-            with pytest.raises(ValueError, match=rf"EmbeddingCollection table 't1' is {kind.value} with "
-                               r"compute_kernel dense on CPU.*Possible solutions:\n  1\) .*fused.*\n  2\) .*tiered"):
+            with pytest.raises(
+                ValueError,
+                match=rf"EmbeddingCollection table 't1' is {kind.value} with "
+                r"compute_kernel dense on CPU.*Possible solutions:\n  1\) .*fused.*\n  2\) .*tiered",
+            ):
                 sharder._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]
             sharder._check_kernels(params, torch.device("cuda"))  # type: ignore[attr-defined]  # CPU only
         ebc_sharder._check_kernels(params, torch.device("cpu"))  # type: ignore[attr-defined]  # pooled: fine
-    cfg = [EmbeddingConfig(name=n, num_embeddings=rows, embedding_dim=8, feature_names=fs)
-           for n, rows, _, fs in TABLES]
+    cfg = [EmbeddingConfig(name=n, num_embeddings=rows, embedding_dim=8, feature_names=fs) for n, rows, _, fs in TABLES]
     with pytest.raises(ValueError, match="EmbeddingCollection table 't1'"):  # through shard(), before any collective
-        ec_sharder.shard(EmbeddingCollection(tables=cfg, device=torch.device("meta")), params, env=None,
-                         device=torch.device("cpu"))  # type: ignore[arg-type]
+        ec_sharder.shard(
+            EmbeddingCollection(tables=cfg, device=torch.device("meta")), params, env=None, device=torch.device("cpu")
+        )  # type: ignore[arg-type]
 
 
 def test_sharder_rejects_unknown_dist_type() -> None:
-    from recpipe.pipeline.routing.sharding import RecpipeEmbeddingBagCollectionSharder
+    from recpipe.pipeline.routing.sharders import RecpipeEmbeddingBagCollectionSharder
 
     with pytest.raises(ValueError, match=r"`table_dist_types\['t0'\]`: unknown dist_type 'hash'"):
         RecpipeEmbeddingBagCollectionSharder(table_dist_types={"t0": "hash"})
 
 
 def test_row_wise_offered_on_cpu() -> None:
-    from recpipe.pipeline.routing.sharding import RecpipeEmbeddingBagCollectionSharder, RecpipeEmbeddingCollectionSharder
+    from recpipe.pipeline.routing.sharders import (
+        RecpipeEmbeddingBagCollectionSharder,
+        RecpipeEmbeddingCollectionSharder,
+    )
 
     for s in (RecpipeEmbeddingBagCollectionSharder(), RecpipeEmbeddingCollectionSharder()):
         assert ShardingType.ROW_WISE.value in s.sharding_types("cpu")
@@ -316,7 +339,7 @@ def _output_dist_body(rank: int, world: int) -> dict[str, Any]:
     from torchrec.distributed.embedding_sharding import EmbeddingShardingContext
     from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist
 
-    from recpipe.pipeline.routing.sharding import RecpipeRwPooledEmbeddingDist
+    from recpipe.pipeline.routing.dists import RecpipeRwPooledEmbeddingDist
 
     pg = dist.group.WORLD
     dims = [4, 3]
@@ -325,12 +348,14 @@ def _output_dist_body(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"uses_all_to_all": ours._a2a is not None}
     for splits in ([5, 5], [3, 6]):  # even, and uneven batch sizes per rank
         # every rank can rebuild every rank's partial sums and output gradient (seeded)
-        partials = [torch.randn(sum(splits), sum(dims), generator=torch.Generator().manual_seed(100 + r))
-                    for r in range(world)]
-        grads = [torch.randn(splits[r], sum(dims), generator=torch.Generator().manual_seed(200 + r))
-                 for r in range(world)]
+        partials = [
+            torch.randn(sum(splits), sum(dims), generator=torch.Generator().manual_seed(100 + r)) for r in range(world)
+        ]
+        grads = [
+            torch.randn(splits[r], sum(dims), generator=torch.Generator().manual_seed(200 + r)) for r in range(world)
+        ]
         lo = sum(splits[:rank])
-        want_y = partials[0][lo:lo + splits[rank]] + partials[1][lo:lo + splits[rank]]
+        want_y = partials[0][lo : lo + splits[rank]] + partials[1][lo : lo + splits[rank]]
         want_grad = torch.cat(grads) / world  # torchrec divides sharded gradients by W
         ctx = EmbeddingShardingContext(batch_size_per_rank=splits)
         modules = [ours, theirs] if splits[0] == splits[1] else [ours]  # gloo's all-gather needs even splits
@@ -347,5 +372,9 @@ def test_gloo_output_dist_all_to_all_equals_reduce_scatter() -> None:
     gradient bit-identical to the sum of the ranks' partial sums and to torchrec's
     reduce-scatter (W = 2), for uneven batches per rank too."""
     for res in run_gloo(2, _output_dist_body, timeout_s=120):
-        assert res == {"uses_all_to_all": True, "ours [5, 5]": [True, True], "torchrec [5, 5]": [True, True],
-                       "ours [3, 6]": [True, True]}
+        assert res == {
+            "uses_all_to_all": True,
+            "ours [5, 5]": [True, True],
+            "torchrec [5, 5]": [True, True],
+            "ours [3, 6]": [True, True],
+        }

@@ -1,4 +1,4 @@
-"""Tiered embedding storage (issue 5, phase 1): exactness, memory, checkpoints, errors.
+"""Tiered embedding storage: exactness, memory, checkpoints, errors.
 
 References are independent of the code under test:
 * fbgemm's CPU TBE ``SplitTableBatchedEmbeddingBagsCodegen`` (torchrec's FUSED kernel)
@@ -6,33 +6,25 @@ References are independent of the code under test:
 * for Adam (fbgemm-gpu-cpu has no CPU Adam) a dense table whose gradient comes
   from torch autograd through ``F.embedding_bag``, updated with fbgemm's Adam
   formula on the rows the batch touched;
-* ``recpipe.planner.storage.shard_storage`` for bytes.
+* ``recpipe.pipeline.placement.shard_storage`` for bytes.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import pytest
 import torch
 import torch.nn.functional as F
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 
+from recpipe.pipeline.placement import local_rows, shard_storage
 from recpipe.pipeline.routing.ops import ROUTING_VERSION, route_ids
-from recpipe.pipeline.tiered.shard import (
-    TieredCheckpointError,
-    TieredEmbeddingShard,
-    TieredOptimizerConfig,
-    TieredShardState,
-    global_row_ids,
-)
-from recpipe.planner.storage import local_rows, shard_storage
-
+from recpipe.pipeline.routing.rows import global_row_ids
+from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
+from recpipe.pipeline.tiered.state import TieredCheckpointError, TieredShardState
 
 N, D, B = 240, 8, 12
 LR = 0.05
@@ -40,9 +32,7 @@ LR = 0.05
 # (fbgemm accumulates the row mean of g^2 in a different order).
 ATOL, RTOL = 2e-6, 1e-5
 
-MODES_X: List[Tuple[str, float]] = [
-    (m, x) for m in ("HYBRID", "CACHING") for x in (0.1, 0.5, 1.0)
-]
+MODES_X: List[Tuple[str, float]] = [(m, x) for m in ("HYBRID", "CACHING") for x in (0.1, 0.5, 1.0)]
 
 
 def _batch(gen: torch.Generator, n_rows: int = N, batch: int = B) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -70,8 +60,13 @@ def _tbe(optimizer: str, pooling: str, w0: torch.Tensor) -> SplitTableBatchedEmb
 def _shard(mode: str, x: float, optimizer: str, pooling: str = "sum", **kw: object) -> TieredEmbeddingShard:
     kw.setdefault("dist_type", "roundrobin")  # W = 1 roundrobin: local id == global id
     return TieredEmbeddingShard(
-        num_embeddings=N, embedding_dim=D, mode=mode, cache_load_factor=x,
-        optimizer=TieredOptimizerConfig(optimizer=optimizer, learning_rate=LR), pooling=pooling, **kw,  # type: ignore[arg-type]
+        num_embeddings=N,
+        embedding_dim=D,
+        mode=mode,
+        cache_load_factor=x,
+        optimizer=TieredOptimizerConfig(optimizer=optimizer, learning_rate=LR),
+        pooling=pooling,
+        **kw,  # type: ignore[arg-type]
     )
 
 
@@ -91,7 +86,10 @@ def test_tier_bytes_equal_planner_estimate(optimizer: str, mode: str) -> None:
     for rows in (1, 7, 240, 1000):
         for x in (0.1, 0.2, 0.3, 0.5, 0.7, 1.0):
             shard = TieredEmbeddingShard(
-                num_embeddings=rows, embedding_dim=D, mode=mode, cache_load_factor=x,
+                num_embeddings=rows,
+                embedding_dim=D,
+                mode=mode,
+                cache_load_factor=x,
                 optimizer=TieredOptimizerConfig(optimizer=optimizer),
             )
             got = shard.tier_bytes()
@@ -106,8 +104,9 @@ def test_tier_bytes_equal_planner_estimate(optimizer: str, mode: str) -> None:
 def test_tier_bytes_sharded_match_planner_per_rank() -> None:
     for world in (2, 3):
         for rank in range(world):
-            shard = TieredEmbeddingShard(num_embeddings=1001, embedding_dim=4, mode="CACHING",
-                                         cache_load_factor=0.3, rank=rank, world_size=world)
+            shard = TieredEmbeddingShard(
+                num_embeddings=1001, embedding_dim=4, mode="CACHING", cache_load_factor=0.3, rank=rank, world_size=world
+            )
             want = shard_storage(local_rows(1001, world, rank), 4, torch.float32, "sgd", "CACHING", 0.3)
             assert shard.tier_bytes() == want
 
@@ -149,8 +148,11 @@ def test_per_sample_weights_get_fbgemms_gradient(backend: str, mode: str, x: flo
     torch.manual_seed(0)
     w0 = torch.randn(N, D)
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
-        [(N, D, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
-        learning_rate=LR, eps=1e-8, pooling_mode=PoolingMode.SUM,
+        [(N, D, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LR,
+        eps=1e-8,
+        pooling_mode=PoolingMode.SUM,
     )
     with torch.no_grad():
         tbe.split_embedding_weights()[0].copy_(w0)
@@ -170,9 +172,19 @@ def test_per_sample_weights_get_fbgemms_gradient(backend: str, mode: str, x: flo
         torch.testing.assert_close(_global_table(shard)[0], tbe.split_embedding_weights()[0], atol=ATOL, rtol=RTOL)
 
 
-def _adam_reference(w: torch.Tensor, m1: torch.Tensor, m2: torch.Tensor, ids: torch.Tensor,
-                    offsets: torch.Tensor, grad_out: torch.Tensor, t: int,
-                    b1: float, b2: float, eps: float, wd: float) -> torch.Tensor:
+def _adam_reference(
+    w: torch.Tensor,
+    m1: torch.Tensor,
+    m2: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    grad_out: torch.Tensor,
+    t: int,
+    b1: float,
+    b2: float,
+    eps: float,
+    wd: float,
+) -> torch.Tensor:
     """fbgemm ADAM on the rows the batch touched; gradient from torch autograd."""
     wv = w.clone().requires_grad_(True)
     out = F.embedding_bag(ids, wv, offsets, mode="sum", include_last_offset=True)
@@ -194,8 +206,9 @@ def test_adam_matches_fbgemm_formula(mode: str, x: float) -> None:
     m1 = torch.zeros(N, D)
     m2 = torch.zeros(N, D)
     cfg = TieredOptimizerConfig(optimizer="adam", learning_rate=LR, weight_decay=0.01)
-    shard = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode=mode, cache_load_factor=x,
-                                 optimizer=cfg, dist_type="roundrobin")
+    shard = TieredEmbeddingShard(
+        num_embeddings=N, embedding_dim=D, mode=mode, cache_load_factor=x, optimizer=cfg, dist_type="roundrobin"
+    )
     shard.load_global_weights(w_ref)
     gen = torch.Generator().manual_seed(2)
     for t in range(1, 5):
@@ -246,9 +259,15 @@ def test_per_sample_weights_and_hashed_local_ids() -> None:
     torch.manual_seed(0)
     w0 = torch.randn(N, D)
     tbe = _tbe("sgd", "sum", w0)
-    shard = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.3,
-                                 optimizer=TieredOptimizerConfig(optimizer="sgd", learning_rate=LR),
-                                 routing_seed=7, split_seed=11)
+    shard = TieredEmbeddingShard(
+        num_embeddings=N,
+        embedding_dim=D,
+        mode="HYBRID",
+        cache_load_factor=0.3,
+        optimizer=TieredOptimizerConfig(optimizer="sgd", learning_rate=LR),
+        routing_seed=7,
+        split_seed=11,
+    )
     shard.load_global_weights(w0)
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
@@ -278,17 +297,19 @@ def test_lfu_cache_keeps_hot_rows_and_writes_back() -> None:
         out.sum().backward()
     stats = shard.tier_stats()
     assert stats["hit_rate"] == pytest.approx(48 / 56)  # every hot id cached, cold ones not
-    assert shard.row_map is not None
-    assert bool((shard.row_map[hot] >= 0).all())
-    before = shard.slow_weights[hot].clone()
+    assert shard.tiers.row_map is not None
+    assert bool((shard.tiers.row_map[hot] >= 0).all())
+    before = shard.tiers.slow_weights[hot].clone()
     flushed = shard.flush()
     assert flushed == 24  # every hot slot was dirty
-    assert not torch.equal(before, shard.slow_weights[hot])
+    assert not torch.equal(before, shard.tiers.slow_weights[hot])
     assert shard.flush() == 0  # clean after a flush
 
 
 # -------------------------------------------------------------- checkpoints
-def _route_batch(ids: torch.Tensor, offsets: torch.Tensor, world: int, seed: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def _route_batch(
+    ids: torch.Tensor, offsets: torch.Tensor, world: int, seed: int
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     owner, local = route_ids(ids, N, world, "hash_roundrobin", seed=seed)
     lengths = offsets[1:] - offsets[:-1]
     bag = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
@@ -304,9 +325,20 @@ def test_checkpoint_reshards_w2_hybrid_to_w1_caching() -> None:
     torch.manual_seed(0)
     w0 = torch.randn(N, D)
     cfg = TieredOptimizerConfig(optimizer="adam", learning_rate=LR)
-    src = [TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.3,
-                                optimizer=cfg, rank=r, world_size=2, routing_seed=5, split_seed=r)
-           for r in range(2)]
+    src = [
+        TieredEmbeddingShard(
+            num_embeddings=N,
+            embedding_dim=D,
+            mode="HYBRID",
+            cache_load_factor=0.3,
+            optimizer=cfg,
+            rank=r,
+            world_size=2,
+            routing_seed=5,
+            split_seed=r,
+        )
+        for r in range(2)
+    ]
     for s in src:
         s.load_global_weights(w0)
     gen = torch.Generator().manual_seed(6)
@@ -317,8 +349,9 @@ def test_checkpoint_reshards_w2_hybrid_to_w1_caching() -> None:
         sum(o.sum() for o in outs).backward()  # type: ignore[union-attr]
     exports = [s.export_state() for s in src]
     assert {e.metadata["placement"]["mode"] for e in exports} == {"HYBRID"}
-    dst = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="CACHING", cache_load_factor=0.5,
-                               optimizer=cfg, routing_seed=99)
+    dst = TieredEmbeddingShard(
+        num_embeddings=N, embedding_dim=D, mode="CACHING", cache_load_factor=0.5, optimizer=cfg, routing_seed=99
+    )
     dst.load_states(exports)
     assert dst.step == src[0].step == 4
     for _ in range(3):  # identical lookups AND identical training afterwards
@@ -341,6 +374,60 @@ def test_checkpoint_reshards_w2_hybrid_to_w1_caching() -> None:
     torch.testing.assert_close(sa, sb, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.parametrize("backend", ["native", "torch", "fbgemm"])
+def test_whole_table_routing_holds_every_row_as_its_global_id(backend: str) -> None:
+    """A shard given ``WholeTableRouting`` (a table-wise shard) holds every row at local id =
+    global id: it looks global ids up directly, equals a W = 1 roundrobin shard step by step, and
+    its export reshards into W = 2 hash_roundrobin shards and back by global id."""
+    from recpipe.pipeline.tiered.routing import WholeTableRouting
+
+    def make(**kw: object) -> TieredEmbeddingShard:
+        torch.manual_seed(4)
+        return TieredEmbeddingShard(
+            num_embeddings=N,
+            embedding_dim=D,
+            mode="CACHING",
+            cache_load_factor=0.3,
+            optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=LR),
+            backend=backend,
+            **kw,
+        )  # type: ignore[arg-type]
+
+    whole, rr = make(routing=WholeTableRouting(N)), make(dist_type="roundrobin")
+    assert (whole.num_rows, whole.rank, whole.world_size) == (N, 0, 1)
+    assert torch.equal(whole.global_ids(), torch.arange(N))
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        ids, offsets = _batch(gen)
+        out_w, out_r = whole(ids, offsets), rr(ids, offsets)
+        torch.testing.assert_close(out_w, out_r, atol=0, rtol=0)
+        out_w.sum().backward()
+        out_r.sum().backward()
+    st = whole.export_state()
+    assert torch.equal(st.weights, rr.export_state().weights) and st.step == 3
+    split = [
+        TieredEmbeddingShard(
+            num_embeddings=N,
+            embedding_dim=D,
+            mode="HYBRID",
+            cache_load_factor=0.5,
+            optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad"),
+            rank=r,
+            world_size=2,
+            routing_seed=3,
+        )
+        for r in range(2)
+    ]
+    for shard in split:
+        shard.load_states([st])
+    back = make(routing=WholeTableRouting(N))
+    back.load_states([shard.export_state() for shard in split])
+    again = back.export_state()
+    assert torch.equal(again.weights, st.weights) and torch.equal(again.optimizer_state, st.optimizer_state)
+    with pytest.raises(ValueError, match="routing is of a table of 7 rows"):
+        make(routing=WholeTableRouting(7))
+
+
 def test_state_dict_round_trip_and_validation() -> None:
     torch.manual_seed(0)
     a = _shard("CACHING", 0.2, "rowwise_adagrad")
@@ -350,16 +437,25 @@ def test_state_dict_round_trip_and_validation() -> None:
         a(ids, offsets).sum().backward()
     sd = a.state_dict()
     assert sd["_extra_state"]["dist_type"] == "roundrobin"
-    assert sd["_extra_state"]["placement"] == {"mode": "CACHING", "cache_load_factor": 0.2,
-                                              "cache_policy": "lfu", "split_seed": 0}
+    assert sd["_extra_state"]["placement"] == {
+        "mode": "CACHING",
+        "cache_load_factor": 0.2,
+        "cache_policy": "lfu",
+        "split_seed": 0,
+    }
     b = _shard("HYBRID", 0.7, "rowwise_adagrad")
     b.load_state_dict(sd)
     ids, offsets = _batch(gen)
     torch.testing.assert_close(b(ids, offsets), a(ids, offsets))
 
     with pytest.raises(TieredCheckpointError, match="embedding_dim"):
-        TieredEmbeddingShard(num_embeddings=N, embedding_dim=D + 1, mode="HYBRID", cache_load_factor=1.0,
-                             optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad")).load_state_dict(sd)
+        TieredEmbeddingShard(
+            num_embeddings=N,
+            embedding_dim=D + 1,
+            mode="HYBRID",
+            cache_load_factor=1.0,
+            optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad"),
+        ).load_state_dict(sd)
     with pytest.raises(TieredCheckpointError, match="optimizer"):
         _shard("HYBRID", 1.0, "sgd").load_state_dict(sd)
     bad = dict(sd)
@@ -369,8 +465,12 @@ def test_state_dict_round_trip_and_validation() -> None:
 
 
 def test_checkpoint_refuses_missing_or_duplicate_rows() -> None:
-    src = [TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.3,
-                                rank=r, world_size=2) for r in range(2)]
+    src = [
+        TieredEmbeddingShard(
+            num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.3, rank=r, world_size=2
+        )
+        for r in range(2)
+    ]
     exports = [s.export_state() for s in src]
     dst = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="CACHING", cache_load_factor=0.5)
     with pytest.raises(TieredCheckpointError, match=r"120 of its 240 rows are missing"):
@@ -379,12 +479,47 @@ def test_checkpoint_refuses_missing_or_duplicate_rows() -> None:
         dst.load_states([exports[0], exports[0], exports[1]])
     dst.load_states(exports)  # complete: fine
     # a W=2 shard loading the full W=1 export keeps only its own rows, none lost
-    half = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5,
-                                rank=1, world_size=2, routing_seed=1)
+    half = TieredEmbeddingShard(
+        num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5, rank=1, world_size=2, routing_seed=1
+    )
     half.load_states([dst.export_state()])
     w_dst, _ = _global_table(dst)
     st = half.export_state()
     torch.testing.assert_close(st.weights, w_dst[st.global_ids])
+
+
+@pytest.mark.parametrize("field", ["weights", "optimizer_state", "global_ids"])
+def test_checkpoint_refusal_names_the_short_tensor_of_an_export(field: str) -> None:
+    """An export with one tensor a row short is refused naming that tensor and its row count
+    against the rows its routing gives the rank."""
+    src = [
+        TieredEmbeddingShard(
+            num_embeddings=N,
+            embedding_dim=D,
+            mode="HYBRID",
+            cache_load_factor=0.3,
+            optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=LR),
+            rank=r,
+            world_size=2,
+        )
+        for r in range(2)
+    ]
+    exports = [s.export_state() for s in src]
+    rows = exports[1].global_ids.numel()
+    setattr(exports[1], field, getattr(exports[1], field)[:-1])
+    dst = TieredEmbeddingShard(
+        num_embeddings=N,
+        embedding_dim=D,
+        mode="CACHING",
+        cache_load_factor=0.5,
+        optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=LR),
+    )
+    with pytest.raises(
+        TieredCheckpointError,
+        match=rf"export of rank 1/2 \(hash_roundrobin\) must hold {rows} "
+        rf"rows \(its routing of {N} rows\), but {field} has {rows - 1}\. Possible",
+    ):
+        dst.load_states(exports)
 
 
 def test_checkpoint_loads_exports_of_the_version_1_hash() -> None:
@@ -400,28 +535,53 @@ def test_checkpoint_loads_exports_of_the_version_1_hash() -> None:
     # in an order today's routing does not produce.
     order = torch.randperm(N, generator=torch.Generator().manual_seed(3))
     v1 = []
-    for r, rows in enumerate((order[: N // 2], order[N // 2:])):
+    for r, rows in enumerate((order[: N // 2], order[N // 2 :])):
         md = {k: v for k, v in st.metadata.items() if k != "routing_version"}
         md.update(version=1, world_size=2, rank=r, num_rows=N // 2, routing_seed=5)
-        v1.append(TieredShardState(global_ids=st.global_ids[rows], weights=st.weights[rows],
-                                   optimizer_state=st.optimizer_state[rows], step=st.step, metadata=md))
-    assert not torch.equal(v1[0].global_ids.sort().values,
-                           global_row_ids(torch.arange(N // 2), N, 2, 0, "hash_roundrobin", 5).sort().values)
+        v1.append(
+            TieredShardState(
+                global_ids=st.global_ids[rows],
+                weights=st.weights[rows],
+                optimizer_state=st.optimizer_state[rows],
+                step=st.step,
+                metadata=md,
+            )
+        )
+    assert not torch.equal(
+        v1[0].global_ids.sort().values,
+        global_row_ids(torch.arange(N // 2), N, 2, 0, "hash_roundrobin", 5).sort().values,
+    )
     for rank in range(2):  # today's W = 2 shards pick their rows out of the version 1 exports
-        dst = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="CACHING", cache_load_factor=0.5,
-                                   rank=rank, world_size=2, routing_seed=5)
+        dst = TieredEmbeddingShard(
+            num_embeddings=N,
+            embedding_dim=D,
+            mode="CACHING",
+            cache_load_factor=0.5,
+            rank=rank,
+            world_size=2,
+            routing_seed=5,
+        )
         dst.load_states(v1)
         got = dst.export_state()
         assert got.metadata["routing_version"] == ROUTING_VERSION
         torch.testing.assert_close(got.weights, w0[got.global_ids], atol=0, rtol=0)
-    dup = TieredShardState(global_ids=v1[0].global_ids.clone(), weights=v1[0].weights,
-                           optimizer_state=v1[0].optimizer_state, step=st.step, metadata=v1[0].metadata)
+    dup = TieredShardState(
+        global_ids=v1[0].global_ids.clone(),
+        weights=v1[0].weights,
+        optimizer_state=v1[0].optimizer_state,
+        step=st.step,
+        metadata=v1[0].metadata,
+    )
     dup.global_ids[1] = dup.global_ids[0]
     with pytest.raises(TieredCheckpointError, match="1 repeated"):
         dst.load_states([dup, v1[1]])
-    newer = TieredShardState(global_ids=v1[0].global_ids, weights=v1[0].weights,
-                             optimizer_state=v1[0].optimizer_state, step=st.step,
-                             metadata=dict(v1[0].metadata, routing_version=ROUTING_VERSION + 1))
+    newer = TieredShardState(
+        global_ids=v1[0].global_ids,
+        weights=v1[0].weights,
+        optimizer_state=v1[0].optimizer_state,
+        step=st.step,
+        metadata=dict(v1[0].metadata, routing_version=ROUTING_VERSION + 1),
+    )
     with pytest.raises(TieredCheckpointError, match="newer than this recpipe"):
         dst.load_states([newer, v1[1]])
 
@@ -431,8 +591,11 @@ def test_bad_input_errors() -> None:
     shard = _shard("CACHING", 0.5, "sgd")
     # the kernel's range check, re-raised naming the table and shard, with the fixes
     for ids, lo, hi in (([0, 240], 0, 240), ([-1, 3], -1, 3)):
-        with pytest.raises(IndexError, match=rf"ids out of range for table {shard.table_name!r} shard 0: got ids in "
-                                             rf"\[{lo}, {hi}\] but the shard has 240 local rows\. Possible solutions"):
+        with pytest.raises(
+            IndexError,
+            match=rf"ids out of range for table {shard.table_name!r} shard 0: got ids in "
+            rf"\[{lo}, {hi}\] but the shard has 240 local rows\. Possible solutions",
+        ):
             shard(torch.tensor(ids), torch.tensor([0, 2]))
     with pytest.raises(ValueError, match="offsets must start at 0"):
         shard(torch.tensor([1, 3]), torch.tensor([0, 1]))
@@ -467,20 +630,36 @@ def test_load_refuses_non_finite_rows() -> None:
 def test_load_streams_exports_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Loading W = 3 exports into W = 2 shards gives the same rows whether each export
     is routed whole or 7 rows at a time (the chunked path, crossing export boundaries)."""
-    import recpipe.pipeline.tiered.shard as tiered
+    import recpipe.pipeline.tiered.state as tiered
 
     N = 101
-    srcs = [TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="HYBRID", cache_load_factor=0.4,
-                                 optimizer=TieredOptimizerConfig(optimizer="adam"), rank=r, world_size=3)
-            for r in range(3)]
+    srcs = [
+        TieredEmbeddingShard(
+            num_embeddings=N,
+            embedding_dim=D,
+            mode="HYBRID",
+            cache_load_factor=0.4,
+            optimizer=TieredOptimizerConfig(optimizer="adam"),
+            rank=r,
+            world_size=3,
+        )
+        for r in range(3)
+    ]
     states = [s.export_state() for s in srcs]
     results = []
     for chunk in (tiered.LOAD_CHUNK_ROWS, 7):
         monkeypatch.setattr(tiered, "LOAD_CHUNK_ROWS", chunk)
         got = []
         for r in range(2):
-            dst = TieredEmbeddingShard(num_embeddings=N, embedding_dim=D, mode="CACHING", cache_load_factor=0.3,
-                                       optimizer=TieredOptimizerConfig(optimizer="adam"), rank=r, world_size=2)
+            dst = TieredEmbeddingShard(
+                num_embeddings=N,
+                embedding_dim=D,
+                mode="CACHING",
+                cache_load_factor=0.3,
+                optimizer=TieredOptimizerConfig(optimizer="adam"),
+                rank=r,
+                world_size=2,
+            )
             dst.load_states(states)
             got.append(dst.export_state())
         results.append(got)
@@ -498,30 +677,48 @@ def test_load_streams_exports_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize("mode,x", [("HYBRID", 0.4), ("CACHING", 0.3), ("HYBRID", 1.0)])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 @pytest.mark.parametrize("chunk", [None, 7])
-def test_own_export_loads_whole_in_write_chunks(monkeypatch: pytest.MonkeyPatch, mode: str, x: float,
-                                                 optimizer: str, chunk: Optional[int]) -> None:
+def test_own_export_loads_whole_in_write_chunks(
+    monkeypatch: pytest.MonkeyPatch, mode: str, x: float, optimizer: str, chunk: Optional[int]
+) -> None:
     """A shard's own export (one export, this rank's routing) loads as it is, written to the tiers
     7 rows at a time or in one chunk: the shard then exports exactly those rows, state and step; a
     NaN row in it is refused naming the count, and the shard keeps its rows."""
-    import recpipe.pipeline.tiered.shard as tiered
+    import recpipe.pipeline.tiered.backends.buffers as tiered
 
     if chunk is not None:
         monkeypatch.setattr(tiered, "WRITE_CHUNK_ROWS", chunk)
     g = torch.Generator().manual_seed(7)
     for rank in range(2):
-        shard = TieredEmbeddingShard(num_embeddings=101, embedding_dim=D, mode=mode, cache_load_factor=x,
-                                     optimizer=TieredOptimizerConfig(optimizer=optimizer), rank=rank, world_size=2,
-                                     dist_type="hash_roundrobin", routing_seed=5)
+        shard = TieredEmbeddingShard(
+            num_embeddings=101,
+            embedding_dim=D,
+            mode=mode,
+            cache_load_factor=x,
+            optimizer=TieredOptimizerConfig(optimizer=optimizer),
+            rank=rank,
+            world_size=2,
+            dist_type="hash_roundrobin",
+            routing_seed=5,
+        )
         st = shard.export_state()
-        want = TieredShardState(global_ids=st.global_ids, weights=torch.randn(st.weights.shape, generator=g),
-                                optimizer_state=torch.rand(st.optimizer_state.shape, generator=g), step=11,
-                                metadata=st.metadata)
+        want = TieredShardState(
+            global_ids=st.global_ids,
+            weights=torch.randn(st.weights.shape, generator=g),
+            optimizer_state=torch.rand(st.optimizer_state.shape, generator=g),
+            step=11,
+            metadata=st.metadata,
+        )
         shard.load_states([want])
         got = shard.export_state()
         assert torch.equal(got.global_ids, want.global_ids) and got.step == 11
         assert torch.equal(got.weights, want.weights) and torch.equal(got.optimizer_state, want.optimizer_state)
-        bad = TieredShardState(global_ids=want.global_ids, weights=want.weights.clone(),
-                               optimizer_state=want.optimizer_state, step=12, metadata=want.metadata)
+        bad = TieredShardState(
+            global_ids=want.global_ids,
+            weights=want.weights.clone(),
+            optimizer_state=want.optimizer_state,
+            step=12,
+            metadata=want.metadata,
+        )
         bad.weights[3, 1] = float("nan")
         bad.weights[5, 0] = float("inf")
         with pytest.raises(TieredCheckpointError, match="2 of the rows it would load hold NaN or inf"):
@@ -533,14 +730,15 @@ def test_own_export_loads_whole_in_write_chunks(monkeypatch: pytest.MonkeyPatch,
 @pytest.mark.parametrize("backend", ["native", "fbgemm"])
 @pytest.mark.parametrize("mode,x", [("HYBRID", 0.4), ("CACHING", 0.3), ("HYBRID", 1.0)])
 @pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
-def test_load_row_blocks_streams_a_table_in_blocks(monkeypatch: pytest.MonkeyPatch, backend: str, mode: str,
-                                                   x: float, optimizer: str) -> None:
+def test_load_row_blocks_streams_a_table_in_blocks(
+    monkeypatch: pytest.MonkeyPatch, backend: str, mode: str, x: float, optimizer: str
+) -> None:
     """Every shard of a W = 2 hash_roundrobin table loads a global table given as blocks of rows in
     shuffled order (each block mixes both shards' rows; written 7 rows at a time): each then exports
     exactly its rows of the table and their state, and the step; a block without state gives zero
     state. Missing rows, a NaN row of the shard and a block of another shape are refused naming the
     table."""
-    import recpipe.pipeline.tiered.shard as tiered
+    import recpipe.pipeline.tiered.backends.buffers as tiered
 
     monkeypatch.setattr(tiered, "WRITE_CHUNK_ROWS", 7)
     n = 101
@@ -558,10 +756,21 @@ def test_load_row_blocks_streams_a_table_in_blocks(monkeypatch: pytest.MonkeyPat
                 yield ids, table.index_select(0, ids), state.index_select(0, ids) if with_state else None
 
     for rank in range(2):
+
         def make() -> TieredEmbeddingShard:
-            shard = TieredEmbeddingShard(num_embeddings=n, embedding_dim=D, mode=mode, cache_load_factor=x,
-                                         optimizer=TieredOptimizerConfig(optimizer=optimizer), rank=rank, world_size=2,
-                                         dist_type="hash_roundrobin", routing_seed=5, backend=backend, table_name="tb")
+            shard = TieredEmbeddingShard(
+                num_embeddings=n,
+                embedding_dim=D,
+                mode=mode,
+                cache_load_factor=x,
+                optimizer=TieredOptimizerConfig(optimizer=optimizer),
+                rank=rank,
+                world_size=2,
+                dist_type="hash_roundrobin",
+                routing_seed=5,
+                backend=backend,
+                table_name="tb",
+            )
             shard.load_states([shard.export_state()])  # a loaded shard (its step set)
             return shard
 
@@ -575,7 +784,9 @@ def test_load_row_blocks_streams_a_table_in_blocks(monkeypatch: pytest.MonkeyPat
         got = shard.export_state()
         assert torch.equal(got.weights, table.index_select(0, got.global_ids)) and not got.optimizer_state.any()
         assert got.step == 4
-        with pytest.raises(TieredCheckpointError, match=r"cannot load table 'tb' into shard rank .* rows are missing from the blocks"):
+        with pytest.raises(
+            TieredCheckpointError, match=r"cannot load table 'tb' into shard rank .* rows are missing from the blocks"
+        ):
             make().load_row_blocks(blocks(drop=2), 1)
         mine = make().global_ids()
         table[mine[3], 1] = float("nan")

@@ -1,7 +1,7 @@
 """The CUDA path of tiered tables: fbgemm's TBE, no host sync per training step.
 
 On CUDA a ``TieredEmbeddingShard`` runs fbgemm's ``SplitTableBatchedEmbeddingBagsCodegen``
-(``recpipe.pipeline.tiered.fbgemm``): CACHING as a MANAGED_CACHING table, HYBRID as
+(the ``fbgemm`` tier backend): CACHING as a MANAGED_CACHING table, HYBRID as
 a DEVICE + MANAGED pair split by the shard's hash.
 
 Run here (CPU only):
@@ -42,16 +42,9 @@ from typing import Any, Iterator, List, Optional, Tuple
 import pytest
 import torch
 
-from recpipe.pipeline.routing import ops  # noqa: F401  (registers the fake kernels)
-from recpipe.pipeline.tiered.fbgemm import (
-    FBGEMM_CACHE_ASSOC,
-    FbgemmTable,
-    Layout,
-    fbgemm_tbe_kwargs,
-    fbgemm_tier_bytes,
-    plan_fbgemm_tier,
-)
-from recpipe.pipeline.placement import FusedOptimizer, shard_storage
+from recpipe.pipeline.placement import FBGEMM_CACHE_ASSOC, FusedOptimizer, fbgemm_tier_bytes, shard_storage
+from recpipe.pipeline.tiered import ops  # noqa: F401  (registers the fake kernels)
+from recpipe.pipeline.tiered.fbgemm import FbgemmTable, Layout, fbgemm_tbe_kwargs, plan_fbgemm_tier
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
 D = 8
@@ -79,11 +72,18 @@ def _opt(name: str = "sgd", **kw: Any) -> TieredOptimizerConfig:
     ],
 )
 def test_plan_maps_placement_to_fbgemm_tables(
-    rows: int, mode: str, x: float, policy: str, layout: Layout, tables: List[Tuple[int, str, bool]],
-    sets: int, algorithm: Optional[str],
+    rows: int,
+    mode: str,
+    x: float,
+    policy: str,
+    layout: Layout,
+    tables: List[Tuple[int, str, bool]],
+    sets: int,
+    algorithm: Optional[str],
 ) -> None:
-    plan = plan_fbgemm_tier(num_rows=rows, embedding_dim=D, mode=mode, cache_load_factor=x,
-                            cache_policy=policy, optimizer=_opt())
+    plan = plan_fbgemm_tier(
+        num_rows=rows, embedding_dim=D, mode=mode, cache_load_factor=x, cache_policy=policy, optimizer=_opt()
+    )
     assert plan.layout is layout
     assert plan.tables == tuple(FbgemmTable(*t) for t in tables)
     assert (plan.cache_sets, plan.cache_algorithm) == (sets, algorithm)
@@ -91,21 +91,34 @@ def test_plan_maps_placement_to_fbgemm_tables(
     # the HYBRID split keeps the placement's fast rows
     assert sum(t.rows for t in plan.tables) == rows
     # CPU plans: the same tables as HOST tables, without a cache
-    cpu = plan_fbgemm_tier(num_rows=rows, embedding_dim=D, mode=mode, cache_load_factor=x,
-                           cache_policy=policy, optimizer=_opt(), compute_device="cpu")
+    cpu = plan_fbgemm_tier(
+        num_rows=rows,
+        embedding_dim=D,
+        mode=mode,
+        cache_load_factor=x,
+        cache_policy=policy,
+        optimizer=_opt(),
+        compute_device="cpu",
+    )
     assert [(t.rows, t.location, t.fast) for t in cpu.tables] == [(r, "HOST", f) for r, _, f in tables]
     assert cpu.cache_sets == 0
 
 
 @pytest.mark.parametrize(
-    "optimizer, optim_type",
-    [("sgd", "EXACT_SGD"), ("rowwise_adagrad", "EXACT_ROWWISE_ADAGRAD"), ("adam", "ADAM")],
+    "optimizer, optim_type", [("sgd", "EXACT_SGD"), ("rowwise_adagrad", "EXACT_ROWWISE_ADAGRAD"), ("adam", "ADAM")]
 )
 def test_plan_maps_fused_optimizer_and_hyper_parameters(optimizer: str, optim_type: str) -> None:
-    cfg = TieredOptimizerConfig(optimizer=optimizer, learning_rate=0.03, eps=1e-6, beta1=0.8, beta2=0.95,
-                                weight_decay=0.01 if optimizer == "adam" else 0.0)
-    plan = plan_fbgemm_tier(num_rows=100, embedding_dim=D, mode="CACHING", cache_load_factor=0.5,
-                            cache_policy="lfu", optimizer=cfg)
+    cfg = TieredOptimizerConfig(
+        optimizer=optimizer,
+        learning_rate=0.03,
+        eps=1e-6,
+        beta1=0.8,
+        beta2=0.95,
+        weight_decay=0.01 if optimizer == "adam" else 0.0,
+    )
+    plan = plan_fbgemm_tier(
+        num_rows=100, embedding_dim=D, mode="CACHING", cache_load_factor=0.5, cache_policy="lfu", optimizer=cfg
+    )
     assert plan.optim_type == optim_type and plan.optimizer is FusedOptimizer(optimizer)
     kw = fbgemm_tbe_kwargs(plan, torch.device("cuda"))
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -129,8 +142,15 @@ def test_cpu_plan_builds_the_mapped_tbe(optimizer: str) -> None:
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
     cfg = TieredOptimizerConfig(optimizer=optimizer, learning_rate=0.07, eps=1e-5)
-    plan = plan_fbgemm_tier(num_rows=101, embedding_dim=D, mode="HYBRID", cache_load_factor=0.4,
-                            cache_policy="lfu", optimizer=cfg, compute_device="cpu")
+    plan = plan_fbgemm_tier(
+        num_rows=101,
+        embedding_dim=D,
+        mode="HYBRID",
+        cache_load_factor=0.4,
+        cache_policy="lfu",
+        optimizer=cfg,
+        compute_device="cpu",
+    )
     tbe = SplitTableBatchedEmbeddingBagsCodegen(**fbgemm_tbe_kwargs(plan))
     assert [tuple(w.shape) for w in tbe.split_embedding_weights()] == [(40, D), (61, D)]
     assert tbe.optimizer == EmbOptimType[plan.optim_type]
@@ -140,28 +160,43 @@ def test_cpu_plan_builds_the_mapped_tbe(optimizer: str) -> None:
 
 def test_plan_refuses_what_fbgemm_cannot_build() -> None:
     with pytest.raises(ValueError, match="multiple of 4"):
-        plan_fbgemm_tier(num_rows=10, embedding_dim=6, mode="CACHING", cache_load_factor=0.5,
-                         cache_policy="lfu", optimizer=_opt())
+        plan_fbgemm_tier(
+            num_rows=10, embedding_dim=6, mode="CACHING", cache_load_factor=0.5, cache_policy="lfu", optimizer=_opt()
+        )
     with pytest.raises(ValueError, match="num_rows"):
-        plan_fbgemm_tier(num_rows=0, embedding_dim=D, mode="CACHING", cache_load_factor=0.5,
-                         cache_policy="lfu", optimizer=_opt())
+        plan_fbgemm_tier(
+            num_rows=0, embedding_dim=D, mode="CACHING", cache_load_factor=0.5, cache_policy="lfu", optimizer=_opt()
+        )
     with pytest.raises(ValueError, match="compute_device"):
-        plan_fbgemm_tier(num_rows=10, embedding_dim=D, mode="CACHING", cache_load_factor=0.5,
-                         cache_policy="lfu", optimizer=_opt(), compute_device="mps")
+        plan_fbgemm_tier(
+            num_rows=10,
+            embedding_dim=D,
+            mode="CACHING",
+            cache_load_factor=0.5,
+            cache_policy="lfu",
+            optimizer=_opt(),
+            compute_device="mps",
+        )
     with pytest.raises(ValueError, match="backend 'native'"):
-        TieredEmbeddingShard(num_embeddings=10, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5,
-                             device="meta", backend="native")
+        TieredEmbeddingShard(
+            num_embeddings=10, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5, device="meta", backend="native"
+        )
     with pytest.raises(ValueError, match="backend must be one of"):
-        TieredEmbeddingShard(num_embeddings=10, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5,
-                             backend="uvm")
+        TieredEmbeddingShard(num_embeddings=10, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5, backend="uvm")
 
 
 # ---------------------------------------------------------------- memory
 def test_fbgemm_bytes_hand_computed() -> None:
     # R = 1000, D = 16 fp32 (v = 64 bytes), x = 0.2: 200 planned slots -> 6 sets = 192 slots
     def plan(mode: str, x: float, policy: str, optimizer: str) -> Any:
-        return plan_fbgemm_tier(num_rows=1000, embedding_dim=16, mode=mode, cache_load_factor=x,
-                                cache_policy=policy, optimizer=_opt(optimizer))
+        return plan_fbgemm_tier(
+            num_rows=1000,
+            embedding_dim=16,
+            mode=mode,
+            cache_load_factor=x,
+            cache_policy=policy,
+            optimizer=_opt(optimizer),
+        )
 
     got = fbgemm_tier_bytes(plan("CACHING", 0.2, "lru", "sgd"))
     assert (got.fast_bytes, got.slow_bytes) == (192 * 64 + 192 * 8 + 1000 * 4 + 192 * 8, 1000 * 64)
@@ -186,8 +221,14 @@ def test_fbgemm_bytes_agree_with_planner_where_state_moves_with_rows(optimizer: 
     """x = 1 (one DEVICE table) equals shard_storage; HYBRID differs by the 4-byte split map only."""
     for rows in (1, 7, 240, 1000):
         for x in (0.1, 0.5, 1.0):
-            plan = plan_fbgemm_tier(num_rows=rows, embedding_dim=D, mode=mode, cache_load_factor=x,
-                                    cache_policy="lfu", optimizer=_opt(optimizer))
+            plan = plan_fbgemm_tier(
+                num_rows=rows,
+                embedding_dim=D,
+                mode=mode,
+                cache_load_factor=x,
+                cache_policy="lfu",
+                optimizer=_opt(optimizer),
+            )
             got = fbgemm_tier_bytes(plan)
             want = shard_storage(rows, D, torch.float32, optimizer, mode, x)
             if x == 1.0:
@@ -202,8 +243,14 @@ def test_cpu_fbgemm_backend_holds_every_row_once() -> None:
     """On CPU every fbgemm buffer is HOST memory: their total is the planner's fast + slow bytes."""
     for mode, x in (("HYBRID", 0.3), ("CACHING", 0.2), ("HYBRID", 1.0)):
         for optimizer in ("sgd", "rowwise_adagrad"):
-            shard = TieredEmbeddingShard(num_embeddings=240, embedding_dim=D, mode=mode, cache_load_factor=x,
-                                         optimizer=_opt(optimizer), backend="fbgemm")
+            shard = TieredEmbeddingShard(
+                num_embeddings=240,
+                embedding_dim=D,
+                mode=mode,
+                cache_load_factor=x,
+                optimizer=_opt(optimizer),
+                backend="fbgemm",
+            )
             got = shard.tier_bytes()
             want = shard_storage(240, D, torch.float32, optimizer, "HYBRID", x)  # no cache metadata on CPU
             split_map = 4 * 240 if mode == "HYBRID" and x < 1 else 0
@@ -211,8 +258,9 @@ def test_cpu_fbgemm_backend_holds_every_row_once() -> None:
 
 
 # ------------------------------------------------- fbgemm backend on CPU
-def _batches(rows: int, steps: int, seed: int, weighted: bool, sequence: bool
-             ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
+def _batches(
+    rows: int, steps: int, seed: int, weighted: bool, sequence: bool
+) -> Iterator[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     probs = torch.arange(1, rows + 1, dtype=torch.float64).pow(-1.1)
     for _ in range(steps):
@@ -225,14 +273,31 @@ def _batches(rows: int, steps: int, seed: int, weighted: bool, sequence: bool
         yield ids, offsets, psw, torch.randn(bags, D, generator=gen)
 
 
-def _shard(backend: Optional[str], mode: str, x: float, optimizer: str, pooling: str, policy: str,
-           rows: int, device: str = "cpu", **kw: Any) -> TieredEmbeddingShard:
+def _shard(
+    backend: Optional[str],
+    mode: str,
+    x: float,
+    optimizer: str,
+    pooling: str,
+    policy: str,
+    rows: int,
+    device: str = "cpu",
+    **kw: Any,
+) -> TieredEmbeddingShard:
     torch.manual_seed(3)
     return TieredEmbeddingShard(
-        num_embeddings=rows, embedding_dim=D, mode=mode, cache_load_factor=x,
+        num_embeddings=rows,
+        embedding_dim=D,
+        mode=mode,
+        cache_load_factor=x,
         optimizer=TieredOptimizerConfig(optimizer=optimizer, learning_rate=0.05),
-        pooling=pooling, cache_policy=policy, dist_type="roundrobin", split_seed=11,
-        device=device, backend=backend, **kw,
+        pooling=pooling,
+        cache_policy=policy,
+        dist_type="roundrobin",
+        split_seed=11,
+        device=device,
+        backend=backend,
+        **kw,
     )
 
 
@@ -261,10 +326,9 @@ def test_fbgemm_backend_on_cpu_equals_native_kernel(
     rows = 97
     native = _shard(None, mode, x, optimizer, pooling, policy, rows)
     fb = _shard("fbgemm", mode, x, optimizer, pooling, policy, rows)
-    assert native.backend == "native" and fb.backend == "fbgemm" and fb._fbgemm is not None
+    assert native.backend == "native" and fb.backend == "fbgemm" and fb.tiers.fbgemm is not None
     torch.testing.assert_close(_export(fb)[0], _export(native)[0], atol=0, rtol=0)  # same initial rows
-    for step, (ids, offsets, psw, grad) in enumerate(_batches(rows, 8, seed=17, weighted=weighted,
-                                                              sequence=sequence)):
+    for step, (ids, offsets, psw, grad) in enumerate(_batches(rows, 8, seed=17, weighted=weighted, sequence=sequence)):
         out_n, out_f = native(ids, offsets, psw), fb(ids, offsets, psw)
         torch.testing.assert_close(out_f, out_n, atol=ATOL, rtol=RTOL, msg=lambda m: f"step {step}: {m}")
         stats_n, stats_f = native.tier_stats(), fb.tier_stats()
@@ -284,8 +348,19 @@ def test_fbgemm_backend_on_cpu_equals_native_kernel(
 
 
 # Calls that read a CUDA tensor back on the host (or need its data-dependent size).
-_HOST_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
-               "nonzero", "unique", "masked_select")
+_HOST_READS = (
+    "item",
+    "tolist",
+    "cpu",
+    "numpy",
+    "__bool__",
+    "__int__",
+    "__float__",
+    "__index__",
+    "nonzero",
+    "unique",
+    "masked_select",
+)
 _TORCH_HOST_READS = ("nonzero", "unique", "masked_select", "repeat_interleave")
 
 
@@ -313,15 +388,23 @@ def _tripwire(monkeypatch: pytest.MonkeyPatch, code_dirs: Tuple[str, ...]) -> Li
     for name in _TORCH_HOST_READS:
         # repeat_interleave syncs unless output_size is given
         wrap(torch, name, (lambda a, k: "output_size" not in k) if name == "repeat_interleave" else None)
-    wrap(torch.Tensor, "__getitem__",  # boolean-mask indexing has a data-dependent size
-         lambda a, k: isinstance(a[1], torch.Tensor) and a[1].dtype == torch.bool)
+    wrap(
+        torch.Tensor,
+        "__getitem__",  # boolean-mask indexing has a data-dependent size
+        lambda a, k: isinstance(a[1], torch.Tensor) and a[1].dtype == torch.bool,
+    )
     return hits
 
 
-@pytest.mark.parametrize("mode, x, optimizer, pooling", [
-    ("HYBRID", 0.3, "rowwise_adagrad", "sum"), ("HYBRID", 0.05, "sgd", "mean"), ("HYBRID", 1.0, "sgd", "sum"),
-    ("CACHING", 0.2, "rowwise_adagrad", "mean"),
-])
+@pytest.mark.parametrize(
+    "mode, x, optimizer, pooling",
+    [
+        ("HYBRID", 0.3, "rowwise_adagrad", "sum"),
+        ("HYBRID", 0.05, "sgd", "mean"),
+        ("HYBRID", 1.0, "sgd", "sum"),
+        ("CACHING", 0.2, "rowwise_adagrad", "mean"),
+    ],
+)
 def test_fbgemm_step_code_makes_no_host_read(
     monkeypatch: pytest.MonkeyPatch, mode: str, x: float, optimizer: str, pooling: str
 ) -> None:
@@ -333,7 +416,7 @@ def test_fbgemm_step_code_makes_no_host_read(
 
     fb = _shard("fbgemm", mode, x, optimizer, pooling, "lfu", 97)
     native = _shard(None, mode, x, optimizer, pooling, "lfu", 97)
-    assert fb._fbgemm is not None
+    assert fb.tiers.fbgemm is not None
     pkg_dir = os.path.dirname(os.path.realpath(fbgemm_module.__file__))
     batches = list(_batches(97, 3, seed=2, weighted=False, sequence=False))
     monkeypatch.setattr(fb, "_check_inputs", lambda *a: None)  # CPU-only host checks (error messages)
@@ -356,8 +439,15 @@ def test_tripwire_catches_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
     here = os.path.dirname(os.path.realpath(__file__))
     hits = _tripwire(monkeypatch, (here,))
     t = torch.tensor([1, 0, 2])
-    for read in (lambda: t.sum().item(), lambda: t.tolist(), lambda: bool(t.any()), lambda: t[t > 0],
-                 lambda: torch.unique(t), lambda: t.nonzero(), lambda: torch.repeat_interleave(t, t)):
+    for read in (
+        lambda: t.sum().item(),
+        lambda: t.tolist(),
+        lambda: bool(t.any()),
+        lambda: t[t > 0],
+        lambda: torch.unique(t),
+        lambda: t.nonzero(),
+        lambda: torch.repeat_interleave(t, t),
+    ):
         with pytest.raises(AssertionError, match="host read"):
             read()
     torch.repeat_interleave(t, t, output_size=3)  # sized: no read
@@ -413,9 +503,9 @@ def test_fbgemm_backend_undo_lookup_takes_back_its_counters(optimizer: str) -> N
     native.undo_lookup(None, None)
 
     def counters() -> Tuple[int, int, int, int, int]:
-        assert fb._fbgemm is not None
-        tbe = fb._fbgemm.tbe
-        return fb.step, fb._fbgemm.step, tbe.step, int(tbe.iter), int(tbe.iter_cpu)
+        assert fb.tiers.fbgemm is not None
+        tbe = fb.tiers.fbgemm.tbe
+        return fb.step, fb.tiers.fbgemm.step, tbe.step, int(tbe.iter), int(tbe.iter_cpu)
 
     batches = list(_batches(97, 3, seed=4, weighted=False, sequence=False))
     ids, offsets, psw, grad = batches[0]
@@ -447,9 +537,17 @@ def test_fbgemm_backend_rejects_ids_outside_the_shard() -> None:
 
 def test_fbgemm_backend_empty_shard() -> None:
     """A rank owning no rows (fewer rows than ranks) has no fbgemm table: empty bags pool to zeros."""
-    shard = TieredEmbeddingShard(num_embeddings=2, embedding_dim=D, mode="CACHING", cache_load_factor=0.5,
-                                 world_size=4, rank=3, dist_type="roundrobin", backend="fbgemm")
-    assert shard.num_rows == 0 and shard._fbgemm is None
+    shard = TieredEmbeddingShard(
+        num_embeddings=2,
+        embedding_dim=D,
+        mode="CACHING",
+        cache_load_factor=0.5,
+        world_size=4,
+        rank=3,
+        dist_type="roundrobin",
+        backend="fbgemm",
+    )
+    assert shard.num_rows == 0 and shard.tiers.fbgemm is None
     out = shard(torch.zeros(0, dtype=torch.int64), torch.zeros(4, dtype=torch.int64))
     assert torch.equal(out, torch.zeros(3, D))
     assert shard.export_state().weights.shape == (0, D)
@@ -458,15 +556,21 @@ def test_fbgemm_backend_empty_shard() -> None:
 # ------------------------------------------------------------------- CUDA
 CUDA_CASES = [
     (mode, x, optimizer, policy)
-    for mode, x, policy in (("CACHING", 0.1, "lru"), ("CACHING", 0.1, "lfu"), ("HYBRID", 0.3, "lfu"),
-                            ("HYBRID", 1.0, "lfu"))
+    for mode, x, policy in (
+        ("CACHING", 0.1, "lru"),
+        ("CACHING", 0.1, "lfu"),
+        ("HYBRID", 0.3, "lfu"),
+        ("HYBRID", 1.0, "lfu"),
+    )
     for optimizer in ("sgd", "rowwise_adagrad", "adam")
 ]
 
 
 def _cuda_batches(rows: int, steps: int, seed: int) -> List[Tuple[torch.Tensor, torch.Tensor, None, torch.Tensor]]:
-    return [(i.cuda(), o.cuda(), None, g.cuda())
-            for i, o, _, g in _batches(rows, steps, seed=seed, weighted=False, sequence=False)]
+    return [
+        (i.cuda(), o.cuda(), None, g.cuda())
+        for i, o, _, g in _batches(rows, steps, seed=seed, weighted=False, sequence=False)
+    ]
 
 
 @needs_cuda
@@ -486,7 +590,7 @@ def test_cuda_training_step_has_no_host_sync(mode: str, x: float, optimizer: str
         torch.cuda.set_sync_debug_mode("default")
     assert shard.tier_stats()["lookups"] == batches[-1][0].numel()  # the host read, after the steps
     k = len(ops.TIERED_STATS)
-    total = dict(zip(ops.TIERED_STATS, shard._stats[k:].tolist()))  # counted on the device
+    total = dict(zip(ops.TIERED_STATS, shard.tiers.stats[k:].tolist()))  # counted on the device
     assert total["lookups"] == sum(b[0].numel() for b in batches)
     if mode == "CACHING":
         assert total["rows_loaded"] > 0 and 0 < total["hits"] < total["lookups"]
@@ -523,8 +627,8 @@ def test_cuda_caching_equals_all_in_hbm(optimizer: str, policy: str) -> None:
     rows = 5003
     cached = _shard(None, "CACHING", 0.05, optimizer, "mean", policy, rows, device="cuda")
     hbm = _shard(None, "CACHING", 1.0, optimizer, "mean", policy, rows, device="cuda")
-    assert cached._fbgemm is not None and cached._fbgemm.plan.layout is Layout.CACHING
-    assert hbm._fbgemm is not None and hbm._fbgemm.plan.layout is Layout.ALL_FAST
+    assert cached.tiers.fbgemm is not None and cached.tiers.fbgemm.plan.layout is Layout.CACHING
+    assert hbm.tiers.fbgemm is not None and hbm.tiers.fbgemm.plan.layout is Layout.ALL_FAST
     for ids, offsets, psw, grad in _cuda_batches(rows, 12, seed=4):
         out_c, out_h = cached(ids, offsets, psw), hbm(ids, offsets, psw)
         torch.testing.assert_close(out_c, out_h, atol=ATOL, rtol=RTOL)
@@ -539,8 +643,8 @@ def test_cuda_caching_equals_all_in_hbm(optimizer: str, policy: str) -> None:
 @pytest.mark.parametrize("mode, x, optimizer, policy", CUDA_CASES)
 def test_cuda_tier_bytes_equal_fbgemm_formula(mode: str, x: float, optimizer: str, policy: str) -> None:
     shard = _shard(None, mode, x, optimizer, "sum", policy, 4099, device="cuda")
-    assert shard._fbgemm is not None
-    assert shard.tier_bytes() == fbgemm_tier_bytes(shard._fbgemm.plan)
+    assert shard.tiers.fbgemm is not None
+    assert shard.tier_bytes() == fbgemm_tier_bytes(shard.tiers.fbgemm.plan)
 
 
 def _free_port() -> int:
@@ -558,6 +662,7 @@ def test_cuda_fused_pipeline_issues_no_host_sync_from_recpipe() -> None:
     pipeline package (torchrec's KJT all-to-all reads its splits on the host).
     """
     import torch.distributed as dist
+    from test_pipeline_common import EMB_DIM, TwoModuleModel, make_batches
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -568,11 +673,9 @@ def test_cuda_fused_pipeline_issues_no_host_sync_from_recpipe() -> None:
     import recpipe.pipeline as pipeline_pkg
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
     from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
-    from test_pipeline_common import EMB_DIM, TwoModuleModel, make_batches
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
-    tiered = {"t0": ("ebc", 300, "CACHING", 0.2), "t1": ("ebc", 200, "HYBRID", 0.5),
-              "s0": ("ec", 100, "CACHING", 0.3)}
+    tiered = {"t0": ("ebc", 300, "CACHING", 0.2), "t1": ("ebc", 200, "HYBRID", 0.5), "s0": ("ec", 100, "CACHING", 0.3)}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
     dist.init_process_group("nccl", rank=0, world_size=1)
@@ -591,16 +694,22 @@ def test_cuda_fused_pipeline_issues_no_host_sync_from_recpipe() -> None:
             plan[module][table] = PlacementParameterSharding(
                 sharding_type=ShardingType.ROW_WISE.value,
                 compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-                ranks=[0], sharding_spec=row_wise_sharding_spec(rows, EMB_DIM, 1, 1, "cuda"),
-                mode=mode, cache_load_factor=x, dist_type="hash_roundrobin", seed=7,
+                ranks=[0],
+                sharding_spec=row_wise_sharding_spec(rows, EMB_DIM, 1, 1, "cuda"),
+                mode=mode,
+                cache_load_factor=x,
+                dist_type="hash_roundrobin",
+                seed=7,
             )
         dmp = DistributedModelParallel(
-            module=model, device=device,
+            module=model,
+            device=device,
             plan=ShardingPlan({k: EmbeddingModuleShardingPlan(v) for k, v in plan.items()}),
             sharders=[TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()],  # type: ignore[list-item]
         )
-        opt = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
-                                    lambda params: torch.optim.Adam(params, lr=0.01))
+        opt = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adam(params, lr=0.01)
+        )
         pipe = TrainPipelineFusedSparseDist(dmp, opt, device)
         it = iter(make_batches(0, n=8, seed=3))
         for _ in range(3):  # warm-up: pipeline fill, fbgemm's first-step counter read
@@ -615,8 +724,11 @@ def test_cuda_fused_pipeline_issues_no_host_sync_from_recpipe() -> None:
                     pipe.progress(it)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        ours = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
-                if "synchroniz" in str(w.message) and os.path.realpath(w.filename).startswith(pkg_dir)]
+        ours = [
+            f"{w.filename}:{w.lineno}: {w.message}"
+            for w in caught
+            if "synchroniz" in str(w.message) and os.path.realpath(w.filename).startswith(pkg_dir)
+        ]
         assert not ours, "host syncs issued by recpipe's pipeline:\n" + "\n".join(ours)
         assert all(s.backend == "fbgemm" for s in dmp.module.ebc.tiered_tables().values())
     finally:

@@ -1,7 +1,7 @@
 """Tiered shards on 2 gloo ranks: routed row-wise lookups equal one untiered FUSED table.
 
 Each rank owns one shard of a hash_roundrobin-routed table (rank 0 HYBRID 0.3,
-rank 1 CACHING 0.5). Ids are routed with ``recpipe.pipeline.routing.ops.bucketize_kjt``
+rank 1 CACHING 0.5). Ids are routed with ``recpipe.pipeline.routing.kjt.bucketize_kjt``
 and exchanged with ``all_to_all_single``; pooled partial embeddings come back
 the same way and are summed (row-wise sharding), gradients travel to the owners.
 The reference is fbgemm's CPU TBE (torchrec's FUSED kernel) over the global batch.
@@ -15,11 +15,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType as OptimType
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-    ComputeDevice,
-    SplitTableBatchedEmbeddingBagsCodegen,
-)
-
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
 from gloo_harness import run_gloo
 
 N, D, B, STEPS, SEED, LR = 301, 8, 6, 4, 5, 0.05
@@ -41,14 +37,21 @@ def _initial_weights() -> torch.Tensor:
 def _body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from recpipe.pipeline.routing.ops import bucketize_kjt
+    from recpipe.pipeline.routing.kjt import bucketize_kjt
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     mode, x = PLACEMENTS[rank]
     shard = TieredEmbeddingShard(
-        num_embeddings=N, embedding_dim=D, mode=mode, cache_load_factor=x,
+        num_embeddings=N,
+        embedding_dim=D,
+        mode=mode,
+        cache_load_factor=x,
         optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=LR),
-        rank=rank, world_size=world, dist_type="hash_roundrobin", routing_seed=SEED, split_seed=rank,
+        rank=rank,
+        world_size=world,
+        dist_type="hash_roundrobin",
+        routing_seed=SEED,
+        split_seed=rank,
     )
     shard.load_global_weights(_initial_weights())
     outs: List[torch.Tensor] = []
@@ -75,15 +78,23 @@ def _body(rank: int, world: int) -> Dict[str, Any]:
     st = shard.export_state()
     # numpy arrays pickle by value (torch tensors would travel as shared memory
     # handles that die with the rank process)
-    return {"outs": [o.numpy() for o in outs], "gids": st.global_ids.numpy(), "weights": st.weights.numpy(),
-            "state": st.optimizer_state.numpy(), "stats": shard.tier_stats()}
+    return {
+        "outs": [o.numpy() for o in outs],
+        "gids": st.global_ids.numpy(),
+        "weights": st.weights.numpy(),
+        "state": st.optimizer_state.numpy(),
+        "stats": shard.tier_stats(),
+    }
 
 
 def test_two_rank_tiered_rowwise_equals_fused_reference() -> None:
     results = run_gloo(2, _body)
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(N, D, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD, learning_rate=LR, eps=1e-8, pooling_mode=PoolingMode.SUM,
+        optimizer=OptimType.EXACT_ROWWISE_ADAGRAD,
+        learning_rate=LR,
+        eps=1e-8,
+        pooling_mode=PoolingMode.SUM,
     )
     with torch.no_grad():
         tbe.split_embedding_weights()[0].copy_(_initial_weights())
@@ -94,7 +105,9 @@ def test_two_rank_tiered_rowwise_equals_fused_reference() -> None:
         offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
         ref = tbe(ids, offsets)
         for r in range(2):
-            torch.testing.assert_close(torch.from_numpy(results[r]["outs"][step]), ref[r * B:(r + 1) * B], atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(
+                torch.from_numpy(results[r]["outs"][step]), ref[r * B : (r + 1) * B], atol=2e-6, rtol=1e-5
+            )
         ref.backward(torch.cat([b[2] for b in batches]))
     w = torch.full((N, D), float("nan"))
     mom = torch.full((N,), float("nan"))

@@ -5,11 +5,11 @@
   contiguous ShardedTensor range per rank, so neither loads the other's entries: both are
   refused before anything changes, naming the table, with fixes that the test then runs
   (a full ``[num_embeddings, dim]`` table gathered on every rank), checked against torchrec's
-  own FUSED table (its ShardedTensor). A FUSED table given a tiered model's entries failed
-  in torchrec's hook with ``IndexError: too many indices for tensor of dimension 1``.
+  own FUSED table (its ShardedTensor).
 * backend ``fbgemm`` with a dim that is not a multiple of 4 (fbgemm's TBE, as torchrec's FUSED
-  tables, needs one) is refused on every rank, also on a rank holding none of the table's rows
-  (which used to build its empty shard and go on while the other ranks refused).
+  tables, needs one) is refused on every rank, also on a rank holding none of the table's rows.
+* the fused optimizer's learning rates under torch LR schedulers, fbgemm's step counter on a
+  rank without rows, and fused params the tiered kernel refuses.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-import torch
-
 import test_tiered_sharders as pooled
+import torch
 from gloo_harness import run_gloo
 
 STEPS = 2
@@ -38,14 +37,19 @@ def _model(world: int, tiered: bool) -> Any:
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
-    weights = {f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone()
-               for n, *_ in pooled.TABLES}
+    weights = {
+        f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone() for n, *_ in pooled.TABLES
+    }
     ebc = pooled._ebc()
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": pooled.LR})
     sharder = TieredEmbeddingBagCollectionSharder()
     plan = pooled._tiered_plan(ebc, sharder, world, PLACEMENT if tiered else {})
-    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+    model = DistributedModelParallel(
+        ebc,
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
     pooled._copy_state_dict(model.module.state_dict(), weights)
     for name, shard in model.module.tiered_tables().items():
         shard.load_global_weights(weights[f"embedding_bags.{name}.weight"])
@@ -71,13 +75,13 @@ def _full(model: Any, name: str) -> torch.Tensor:
     else:
         for shard in model.module.state_dict()[f"embedding_bags.{name}.weight"].local_shards():
             r0, c0 = shard.metadata.shard_offsets
-            full[r0:r0 + shard.tensor.shape[0], c0:c0 + shard.tensor.shape[1]] = shard.tensor
+            full[r0 : r0 + shard.tensor.shape[0], c0 : c0 + shard.tensor.shape[1]] = shard.tensor
     dist.all_reduce(full)
     return full
 
 
 def _migration_body(rank: int, world: int) -> Dict[str, Any]:
-    from recpipe.pipeline.tiered.sharders import gather_full_weights
+    from recpipe.pipeline.tiered.migration import gather_full_weights
 
     fused, tiered = _model(world, tiered=False), _model(world, tiered=True)
     _train(fused, rank, 0)
@@ -95,8 +99,9 @@ def _migration_body(rank: int, world: int) -> Dict[str, Any]:
         out["to_tiered_error"] = (type(e).__name__, str(e))
     out["to_tiered_unchanged"] = bool(torch.equal(_full(tiered, "t0"), before))
     full = gather_full_weights(fused)  # the fix the refusal names
-    out["gathered_fused"] = {n: (full[f"embedding_bags.{n}.weight"].numpy(), _full(fused, n).numpy())
-                             for n in ("t0", "t1")}
+    out["gathered_fused"] = {
+        n: (full[f"embedding_bags.{n}.weight"].numpy(), _full(fused, n).numpy()) for n in ("t0", "t1")
+    }
     tiered.module.load_state_dict({"embedding_bags.t0.weight": full["embedding_bags.t0.weight"]}, strict=False)
     out["to_tiered_fixed"] = (_full(tiered, "t0").numpy(), _full(fused, "t0").numpy())
 
@@ -112,8 +117,9 @@ def _migration_body(rank: int, world: int) -> Dict[str, Any]:
         out["to_fused_error"] = (type(e).__name__, str(e))
     out["to_fused_unchanged"] = bool(torch.equal(_full(fused, "t0"), before))
     full = gather_full_weights(tiered)
-    out["gathered_tiered"] = {n: (full[f"embedding_bags.{n}.weight"].numpy(), _full(tiered, n).numpy())
-                              for n in ("t0", "t1")}
+    out["gathered_tiered"] = {
+        n: (full[f"embedding_bags.{n}.weight"].numpy(), _full(tiered, n).numpy()) for n in ("t0", "t1")
+    }
     state = {k: v for k, v in tiered_state.items() if ".tiered." not in k}
     state["embedding_bags.t0.weight"] = full["embedding_bags.t0.weight"]
     fused.load_state_dict(state)  # strict: every key of the FUSED model
@@ -139,8 +145,10 @@ def test_checkpoint_migration_between_fused_and_tiered_tables_refused_with_worki
         assert res["to_fused_error"] is not None, f"rank {rank}: tiered entries loaded into a FUSED table"
         kind, msg = res["to_fused_error"]
         assert kind == "ValueError", f"rank {rank}: {kind}: {msg}"  # was IndexError in torchrec's hook
-        assert msg.startswith("TieredShardedEmbeddingBagCollection.load_state_dict: table 't0' is planned row_wise "
-                              "fused (not tiered) in this model"), msg
+        assert msg.startswith(
+            "TieredShardedEmbeddingBagCollection.load_state_dict: table 't0' is planned row_wise "
+            "fused (not tiered) in this model"
+        ), msg
         assert "'embedding_bags.t0.tiered.weights'" in msg and "placeholder embedding_bags.t0.weight" in msg, msg
         assert "Possible solutions:\n  1. load it into a model that plans 't0' as it was saved" in msg, msg
         assert "\n  2. move the saved rows as a full table" in msg and "gather_full_weights(" in msg, msg
@@ -158,19 +166,34 @@ def test_checkpoint_migration_between_fused_and_tiered_tables_refused_with_worki
 def test_fbgemm_backend_refuses_dim_not_multiple_of_4_on_every_rank(rank: int) -> None:
     """A 1-row table on 2 ranks: one rank holds its row, the other none. torchrec's FUSED
     tables refuse a dim that is not a multiple of 4 (fbgemm's TBE needs one); the tiered
-    table on backend ``fbgemm`` is refused on both ranks, naming the table, with the fixes
-    (the rank without rows used to build its shard and go on)."""
+    table on backend ``fbgemm`` is refused on both ranks (the rank without rows too), naming
+    the table, with the fixes."""
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
     with pytest.raises(ValueError) as info:
-        TieredEmbeddingShard(num_embeddings=1, embedding_dim=6, mode="HYBRID", cache_load_factor=0.5, rank=rank,
-                             world_size=2, backend="fbgemm", table_name="tiny")
+        TieredEmbeddingShard(
+            num_embeddings=1,
+            embedding_dim=6,
+            mode="HYBRID",
+            cache_load_factor=0.5,
+            rank=rank,
+            world_size=2,
+            backend="fbgemm",
+            table_name="tiny",
+        )
     msg = str(info.value)
     assert msg.startswith("tiered table 'tiny': embedding_dim=6 is not a multiple of 4"), msg
     assert "1. use a dim that is a multiple of 4" in msg and "backend='native'" in msg, msg
     # the native kernel takes the dim on both ranks
-    shard = TieredEmbeddingShard(num_embeddings=1, embedding_dim=6, mode="HYBRID", cache_load_factor=0.5, rank=rank,
-                                 world_size=2, table_name="tiny")
+    shard = TieredEmbeddingShard(
+        num_embeddings=1,
+        embedding_dim=6,
+        mode="HYBRID",
+        cache_load_factor=0.5,
+        rank=rank,
+        world_size=2,
+        table_name="tiny",
+    )
     assert shard.num_rows in (0, 1)
 
 
@@ -182,8 +205,8 @@ def _scheduler_body(rank: int, world: int) -> Dict[str, Any]:
     """torch's StepLR over ``model.fused_optimizer`` (``step()`` then the scheduler's ``step()``
     after each backward) on the tiered model (t0 tiered CACHING, t1 FUSED, row-wise) and on
     torchrec's own TABLE_WISE FUSED EBC; per step every param group's lr and the output."""
-    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
@@ -193,14 +216,20 @@ def _scheduler_body(rank: int, world: int) -> Dict[str, Any]:
         if kind == "tiered":
             model = _model(world, tiered=True)
         else:
-            weights = {f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone()
-                       for n, *_ in pooled.TABLES}
+            weights = {
+                f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone()
+                for n, *_ in pooled.TABLES
+            }
             ebc = pooled._ebc()
             apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": pooled.LR})
             sharder = EmbeddingBagCollectionSharder()
             plan = pooled._table_wise_plan(ebc, sharder, world)
-            model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                             device=torch.device("cpu"))
+            model = DistributedModelParallel(
+                ebc,
+                plan=ShardingPlan({"": plan}),
+                sharders=[sharder],  # type: ignore[list-item]
+                device=torch.device("cpu"),
+            )
             pooled._copy_state_dict(model.module.state_dict(), weights)
         scheduler = torch.optim.lr_scheduler.StepLR(model.fused_optimizer, step_size=1, gamma=GAMMA)
         lrs, outs = [], []
@@ -219,9 +248,8 @@ def _scheduler_body(rank: int, world: int) -> Dict[str, Any]:
 def test_torch_lr_scheduler_over_fused_optimizer_gives_tiered_tables_torchrecs_lrs() -> None:
     """A torch LR scheduler over ``model.fused_optimizer`` starts from each param group's
     ``lr``: torchrec's FUSED groups hold fbgemm's float32 learning rate (``get_learning_rate``),
-    so the tiered groups hold it too, and the schedule gives every tiered table torchrec's
-    learning rates exactly (they started from the float64 fused param, so the scheduled lrs
-    differed in the last float32 bit, and so did the updates); outputs equal torchrec's."""
+    so the tiered groups hold it too (not the float64 fused param), and the schedule gives
+    every tiered table torchrec's learning rates bit for bit; outputs equal torchrec's."""
     for rank, res in enumerate(run_gloo(2, _scheduler_body)):
         (lrs, outs), (ref_lrs, ref_outs) = res["tiered"], res["ref"]
         for step, (got, want) in enumerate(zip(lrs, ref_lrs)):
@@ -237,8 +265,10 @@ def _tiny_ebc() -> Any:
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     torch.manual_seed(0)
-    return EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="tiny", num_embeddings=1, embedding_dim=8,
-                                                             feature_names=["f0"])], device=torch.device("cpu"))
+    return EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="tiny", num_embeddings=1, embedding_dim=8, feature_names=["f0"])],
+        device=torch.device("cpu"),
+    )
 
 
 def _tiny_body(rank: int, world: int) -> Dict[str, Any]:
@@ -256,7 +286,7 @@ def _tiny_body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     out: Dict[str, Any] = {}
     for kind in ("tiered", "ref"):
@@ -264,19 +294,38 @@ def _tiny_body(rank: int, world: int) -> Dict[str, Any]:
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.1})
         if kind == "tiered":
             sharder: Any = TieredEmbeddingBagCollectionSharder(backend="fbgemm")
-            plan = {"tiny": PlacementParameterSharding(
-                sharding_type="row_wise", compute_kernel="customized_kernel", ranks=list(range(world)),
-                sharding_spec=row_wise_sharding_spec(1, 8, world, world, "cpu"), dist_type="hash_roundrobin",
-                mode="HYBRID", cache_load_factor=0.5, seed=0)}
+            plan = {
+                "tiny": PlacementParameterSharding(
+                    sharding_type="row_wise",
+                    compute_kernel="customized_kernel",
+                    ranks=list(range(world)),
+                    sharding_spec=row_wise_sharding_spec(1, 8, world, world, "cpu"),
+                    dist_type="hash_roundrobin",
+                    mode="HYBRID",
+                    cache_load_factor=0.5,
+                    seed=0,
+                )
+            }
         else:
             sharder = EmbeddingBagCollectionSharder()
-            plan = construct_module_sharding_plan(ebc, {"tiny": table_wise(rank=0)}, sharder=sharder,
-                                                  local_size=world, world_size=world, device_type="cpu")
-        model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                         device=torch.device("cpu"))
+            plan = construct_module_sharding_plan(
+                ebc,
+                {"tiny": table_wise(rank=0)},
+                sharder=sharder,
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+            )
+        model = DistributedModelParallel(
+            ebc,
+            plan=ShardingPlan({"": plan}),
+            sharders=[sharder],  # type: ignore[list-item]
+            device=torch.device("cpu"),
+        )
         for step in range(4):
-            kjt = KeyedJaggedTensor(keys=["f0"], values=torch.zeros(2, dtype=torch.int64),
-                                    lengths=torch.tensor([1, 0, 1]))
+            kjt = KeyedJaggedTensor(
+                keys=["f0"], values=torch.zeros(2, dtype=torch.int64), lengths=torch.tensor([1, 0, 1])
+            )
             if step == 3:
                 with torch.no_grad():
                     model(kjt)
@@ -285,8 +334,12 @@ def _tiny_body(rank: int, world: int) -> Dict[str, Any]:
         if kind == "ref":  # fbgemm's step counter of the FUSED table (on rank 0, its owner)
             from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-            tbes = [m.emb_module for lookup in model.module._lookups for m in lookup.modules()
-                    if isinstance(getattr(m, "emb_module", None), SplitTableBatchedEmbeddingBagsCodegen)]
+            tbes = [
+                m.emb_module
+                for lookup in model.module._lookups
+                for m in lookup.modules()
+                if isinstance(getattr(m, "emb_module", None), SplitTableBatchedEmbeddingBagsCodegen)
+            ]
             out["ref_iter"] = int(tbes[0].iter.item()) if tbes else None
             continue
         shard = model.module.tiered_tables()["tiny"]
@@ -304,10 +357,9 @@ def _tiny_body(rank: int, world: int) -> Dict[str, Any]:
 
 
 def test_fbgemm_backend_shard_without_rows_counts_steps_as_fbgemm() -> None:
-    """The rank holding none of a 1-row tiered table's rows on the fbgemm backend exported step
-    0 while the other exported fbgemm's count, so reloading every rank's export (a resharding
-    load, recpipe's DCP load) refused the checkpoint ("exports disagree on the optimizer
-    step"). Both ranks now export torchrec's FUSED table's fbgemm step counter, and it reloads."""
+    """On the fbgemm backend, both ranks of a 1-row tiered table (one holding none of its rows)
+    export torchrec's FUSED table's fbgemm step counter, so reloading every rank's export (a
+    resharding load, recpipe's DCP load) agrees on the optimizer step and succeeds."""
     results = run_gloo(2, _tiny_body)
     want = results[0]["ref_iter"]
     assert want == 4, want  # fbgemm's iter counts every lookup of a row-wise Adagrad table
@@ -326,9 +378,16 @@ def test_fbgemm_backend_shard_without_rows_undoes_a_discarded_lookup_as_fbgemm(o
 
     steps: Dict[int, List[int]] = {}
     for rank in (0, 1):
-        shard = TieredEmbeddingShard(num_embeddings=1, embedding_dim=8, mode="HYBRID", cache_load_factor=0.5,
-                                     rank=rank, world_size=2, backend="fbgemm",
-                                     optimizer=TieredOptimizerConfig(optimizer=optimizer))
+        shard = TieredEmbeddingShard(
+            num_embeddings=1,
+            embedding_dim=8,
+            mode="HYBRID",
+            cache_load_factor=0.5,
+            rank=rank,
+            world_size=2,
+            backend="fbgemm",
+            optimizer=TieredOptimizerConfig(optimizer=optimizer),
+        )
         ids, offsets = torch.zeros(shard.num_rows, dtype=torch.int64), torch.tensor([0, shard.num_rows])
         seen = []
         for undo, load in ((False, False), (True, False), (True, True)):
@@ -342,7 +401,6 @@ def test_fbgemm_backend_shard_without_rows_undoes_a_discarded_lookup_as_fbgemm(o
             seen.append(shard.export_state().step)
         steps[shard.num_rows] = seen
     assert steps[0] == steps[1], steps
-
 
 
 # --- fbgemm's deprecated non-exact optimizers ----------------------------------------------------
@@ -364,17 +422,26 @@ def _deprecated_body(rank: int, world: int, name: str) -> Dict[str, str]:
         ebc = pooled._ebc()
         if kind == "tiered":
             sharder: Any = TieredEmbeddingBagCollectionSharder(fused_params=dict(fused_params))
-            plan = pooled._tiered_plan(ebc, sharder, world, {**PLACEMENT, "t1": dict(mode="HYBRID",
-                                                                                     cache_load_factor=0.5, seed=3)})
+            plan = pooled._tiered_plan(
+                ebc, sharder, world, {**PLACEMENT, "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
+            )
         else:
             sharder = EmbeddingBagCollectionSharder(fused_params=dict(fused_params))
-            plan = construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0, compute_kernel="fused"),
-                                                        "t1": table_wise(rank=1, compute_kernel="fused")},
-                                                  sharder=sharder, local_size=world, world_size=world,
-                                                  device_type="cpu")
+            plan = construct_module_sharding_plan(
+                ebc,
+                {"t0": table_wise(rank=0, compute_kernel="fused"), "t1": table_wise(rank=1, compute_kernel="fused")},
+                sharder=sharder,
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+            )
         try:
-            DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+            DistributedModelParallel(
+                ebc,
+                plan=ShardingPlan({"": plan}),
+                sharders=[sharder],  # type: ignore[list-item]
+                device=torch.device("cpu"),
+            )
             out[kind] = "accepted"
         except (AssertionError, ValueError) as e:
             out[kind] = f"{type(e).__name__}: {e}"
@@ -384,30 +451,35 @@ def _deprecated_body(rank: int, world: int, name: str) -> Dict[str, str]:
 @pytest.mark.parametrize("name, exact", [("SGD", "EXACT_SGD"), ("ROWWISE_ADAGRAD", "EXACT_ROWWISE_ADAGRAD")])
 def test_deprecated_non_exact_fbgemm_optimizers_refused_as_by_torchrec(name: str, exact: str) -> None:
     """fbgemm's TBE refuses ``EmbOptimType.SGD`` / ``ROWWISE_ADAGRAD`` (deprecated), so torchrec's
-    FUSED tables fail on them; tiered tables silently trained the exact optimizer instead. They
-    are refused too, naming the table and the exact optimizer to use."""
+    FUSED tables fail on them; tiered tables refuse them too (rather than train the exact
+    optimizer), naming the table and the exact optimizer to use."""
     for rank, res in enumerate(run_gloo(2, _deprecated_body, name)):
         assert res["ref"].startswith("AssertionError") and "deprecated" in res["ref"], res["ref"]
-        assert res["tiered"].startswith(f"ValueError: tiered table 't0': fused optimizer EmbOptimType.{name} is "
-                                        "deprecated in fbgemm"), f"rank {rank}: {res['tiered']}"
+        assert res["tiered"].startswith(
+            f"ValueError: tiered table 't0': fused optimizer EmbOptimType.{name} is deprecated in fbgemm"
+        ), f"rank {rank}: {res['tiered']}"
         assert f"use EmbOptimType.{exact} in the fused params" in res["tiered"], res["tiered"]
 
 
 def test_adam_rowwise_bias_correction_refused_for_tiered_tables() -> None:
     """fbgemm's ``extra_optimizer_config`` with ``use_rowwise_bias_correction`` makes its Adam
     correct each row's moments by that row's own update count (fbgemm's TBE takes the knob and
-    keeps it: the reference below); the tiered kernel corrects by the table's step and took the
-    config silently. It is refused, naming it; the knob off is accepted and changes nothing."""
+    keeps it: the reference below); the tiered kernel corrects by the table's step, so the
+    config is refused, naming it; the knob off is accepted and changes nothing."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.tbe.config.optimizer_config import UserEnabledConfigDefinition
 
-    from recpipe.pipeline.tiered.sharders import tiered_optimizer_from_fused_params
+    from recpipe.pipeline.tiered.fused_params import tiered_optimizer_from_fused_params
 
     on = UserEnabledConfigDefinition(use_rowwise_bias_correction=True)
     assert on.use_rowwise_bias_correction  # fbgemm's own definition of the knob
-    with pytest.raises(ValueError, match=r"fused params \{'extra_optimizer_config': .*use_rowwise_bias_correction=True"
-                       r".*change fbgemm's adam update"):
+    with pytest.raises(
+        ValueError,
+        match=r"fused params \{'extra_optimizer_config': .*use_rowwise_bias_correction=True"
+        r".*change fbgemm's adam update",
+    ):
         tiered_optimizer_from_fused_params({"optimizer": EmbOptimType.ADAM, "extra_optimizer_config": on})
     off = UserEnabledConfigDefinition(use_rowwise_bias_correction=False)
-    assert tiered_optimizer_from_fused_params({"optimizer": EmbOptimType.ADAM, "extra_optimizer_config": off}) == \
-        tiered_optimizer_from_fused_params({"optimizer": EmbOptimType.ADAM})
+    assert tiered_optimizer_from_fused_params(
+        {"optimizer": EmbOptimType.ADAM, "extra_optimizer_config": off}
+    ) == tiered_optimizer_from_fused_params({"optimizer": EmbOptimType.ADAM})

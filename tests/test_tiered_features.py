@@ -20,10 +20,9 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
-import torch
-
 import test_tiered_sequence as seq
 import test_tiered_sharders as pooled
+import torch
 from gloo_harness import run_gloo
 
 STEPS = 3
@@ -37,12 +36,15 @@ def _batch(step: int, rank: int, batch_size: int) -> Any:
     gen = torch.Generator().manual_seed(100 * step + rank)
     rows = {f: r for _, r, _, fs in pooled.TABLES for f in fs}
     lengths = torch.randint(0, 5, (len(pooled.FEATURES) * batch_size,), generator=gen)
-    values = torch.cat([
-        torch.randint(0, rows[f], (int(lengths[i * batch_size:(i + 1) * batch_size].sum()),), generator=gen)
-        for i, f in enumerate(pooled.FEATURES)
-    ])
-    return KeyedJaggedTensor(keys=pooled.FEATURES, values=values, lengths=lengths), torch.randn(batch_size, 20,
-                                                                                                 generator=gen)
+    values = torch.cat(
+        [
+            torch.randint(0, rows[f], (int(lengths[i * batch_size : (i + 1) * batch_size].sum()),), generator=gen)
+            for i, f in enumerate(pooled.FEATURES)
+        ]
+    )
+    return KeyedJaggedTensor(keys=pooled.FEATURES, values=values, lengths=lengths), torch.randn(
+        batch_size, 20, generator=gen
+    )
 
 
 def _ebc_body(rank: int, world: int, fused_params: Dict[str, Any], batch_sizes: List[int]) -> Dict[str, List[Any]]:
@@ -58,8 +60,9 @@ def _ebc_body(rank: int, world: int, fused_params: Dict[str, Any], batch_sizes: 
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
-    global_weights = {f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone()
-                      for n, *_ in pooled.TABLES}
+    global_weights = {
+        f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone() for n, *_ in pooled.TABLES
+    }
     results: Dict[str, List[Any]] = {}
     for kind in ("tiered", "ref"):
         ebc = pooled._ebc()
@@ -70,13 +73,15 @@ def _ebc_body(rank: int, world: int, fused_params: Dict[str, Any], batch_sizes: 
         else:
             sharder = EmbeddingBagCollectionSharder(fused_params=dict(fused_params))
             plan = pooled._table_wise_plan(ebc, sharder, world)
-        model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],
-                                         device=torch.device("cpu"))
+        model = DistributedModelParallel(
+            ebc, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu")
+        )
         pooled._copy_state_dict(model.module.state_dict(), global_weights)
         if kind == "tiered":
             assert set(model.module.tiered_tables()) == {"t0"}
-            model.module.load_state_dict({"embedding_bags.t0.weight": global_weights["embedding_bags.t0.weight"]},
-                                         strict=False)
+            model.module.load_state_dict(
+                {"embedding_bags.t0.weight": global_weights["embedding_bags.t0.weight"]}, strict=False
+            )
         outs = []
         for step, batch_size in enumerate(batch_sizes):
             kjt, grad = _batch(step, rank, batch_size)
@@ -140,8 +145,13 @@ def _output_dtype_ec_body(rank: int, world: int) -> Dict[str, List[Any]]:
         else:
             sharder = EmbeddingCollectionSharder(fused_params=fused_params)
             per = {t: table_wise(rank=i % world) for i, (t, _, _) in enumerate(seq.TABLES)}
-            plan = ShardingPlan({"": construct_module_sharding_plan(ec, per, sharder=sharder, local_size=world,
-                                                                     world_size=world, device_type="cpu")})
+            plan = ShardingPlan(
+                {
+                    "": construct_module_sharding_plan(
+                        ec, per, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+                    )
+                }
+            )
         model = DistributedModelParallel(ec, plan=plan, sharders=[sharder], device=torch.device("cpu"))
         outs = []
         for step in range(STEPS):
@@ -173,7 +183,7 @@ def test_unsupported_output_dtype_refused_naming_the_table() -> None:
     from fbgemm_gpu.split_embedding_configs import SparseType
     from torchrec.modules.embedding_configs import DataType
 
-    from recpipe.pipeline.tiered.sharders import tiered_output_dtype
+    from recpipe.pipeline.tiered.fused_params import tiered_output_dtype
 
     assert tiered_output_dtype(None, "t") == torch.float32
     assert tiered_output_dtype({"output_dtype": DataType.FP16}, "t") == torch.float16  # torchrec's DataType too
@@ -181,8 +191,13 @@ def test_unsupported_output_dtype_refused_naming_the_table() -> None:
         tiered_output_dtype({"output_dtype": SparseType.INT8}, "t0")
 
 
-def _refused_body(rank: int, world: int, fused_params: Dict[str, Any], optimizer: str = "RowWiseAdagrad",
-                  optimizer_kwargs: Optional[Dict[str, Any]] = None) -> str:
+def _refused_body(
+    rank: int,
+    world: int,
+    fused_params: Dict[str, Any],
+    optimizer: str = "RowWiseAdagrad",
+    optimizer_kwargs: Optional[Dict[str, Any]] = None,
+) -> str:
     """The error sharding t0 tiered with ``fused_params`` and in-backward ``optimizer``
     (``torch.optim.<name>`` or torchrec's ``RowWiseAdagrad``) raises on this rank."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -204,15 +219,24 @@ def _refused_body(rank: int, world: int, fused_params: Dict[str, Any], optimizer
     return "accepted"
 
 
-@pytest.mark.parametrize("params, named", [
-    ({"weight_decay": 0.1, "weight_decay_mode": "L2"}, "{'weight_decay_mode': <WeightDecayMode.L2: 1>, "
-                                                       "'weight_decay': 0.1}"),
-    ({"weight_decay": 0.1, "weight_decay_mode": "DECOUPLE"}, "{'weight_decay_mode': <WeightDecayMode.DECOUPLE: 2>, "
-                                                             "'weight_decay': 0.1}"),
-    ({"max_norm": 0.5}, "{'max_norm': 0.5}"),
-], ids=["l2", "decouple", "max_norm"])
-def test_rowwise_adagrad_weight_decay_mode_and_max_norm_refused_for_tiered_tables(params: Dict[str, Any],
-                                                                                  named: str) -> None:
+@pytest.mark.parametrize(
+    "params, named",
+    [
+        (
+            {"weight_decay": 0.1, "weight_decay_mode": "L2"},
+            "{'weight_decay_mode': <WeightDecayMode.L2: 1>, 'weight_decay': 0.1}",
+        ),
+        (
+            {"weight_decay": 0.1, "weight_decay_mode": "DECOUPLE"},
+            "{'weight_decay_mode': <WeightDecayMode.DECOUPLE: 2>, 'weight_decay': 0.1}",
+        ),
+        ({"max_norm": 0.5}, "{'max_norm': 0.5}"),
+    ],
+    ids=["l2", "decouple", "max_norm"],
+)
+def test_rowwise_adagrad_weight_decay_mode_and_max_norm_refused_for_tiered_tables(
+    params: Dict[str, Any], named: str
+) -> None:
     """fbgemm's row-wise Adagrad decays rows by ``weight_decay_mode`` (L2 / DECOUPLE) and
     renormalizes them to ``max_norm`` (fbgemm's CUDA update, the one torchrec's FUSED tables
     train with on GPUs; its ``optimizers.py`` template); the tiered kernel does neither, and
@@ -222,8 +246,9 @@ def test_rowwise_adagrad_weight_decay_mode_and_max_norm_refused_for_tiered_table
 
     fused_params = {k: WeightDecayMode[v] if k == "weight_decay_mode" else v for k, v in params.items()}
     for rank, msg in enumerate(run_gloo(2, _refused_body, fused_params)):
-        assert msg.startswith(f"tiered table 't0': fused params {named} change fbgemm's rowwise_adagrad update"), \
+        assert msg.startswith(f"tiered table 't0': fused params {named} change fbgemm's rowwise_adagrad update"), (
             f"rank {rank}: {msg}"
+        )
         assert "Possible solutions:\n  1. remove them" in msg and "\n  2. plan this table as a torchrec FUSED" in msg
 
 
@@ -235,13 +260,18 @@ def test_weight_decay_fbgemm_ignores_is_accepted_and_equals_torchrec() -> None:
             np.testing.assert_allclose(got, want, atol=2e-6, rtol=1e-5, err_msg=f"rank {rank} step {step}")
 
 
-@pytest.mark.parametrize("optimizer, kwargs", [
-    ("Adam", {"betas": (0.5, 0.75)}),
-    ("RowWiseAdagrad", {"initial_accumulator_value": 0.1}),
-    ("SGD", {"momentum": 0.9, "nesterov": True}),
-], ids=["adam_betas", "rowwise_adagrad_initial_accumulator", "sgd_nesterov"])
-def test_torch_optimizer_kwargs_fbgemm_does_not_take_refused_for_tiered_tables(optimizer: str,
-                                                                               kwargs: Dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "optimizer, kwargs",
+    [
+        ("Adam", {"betas": (0.5, 0.75)}),
+        ("RowWiseAdagrad", {"initial_accumulator_value": 0.1}),
+        ("SGD", {"momentum": 0.9, "nesterov": True}),
+    ],
+    ids=["adam_betas", "rowwise_adagrad_initial_accumulator", "sgd_nesterov"],
+)
+def test_torch_optimizer_kwargs_fbgemm_does_not_take_refused_for_tiered_tables(
+    optimizer: str, kwargs: Dict[str, Any]
+) -> None:
     """``apply_optimizer_in_backward`` hands a torch optimizer's kwargs to the fused params;
     those fbgemm's TBE does not take (Adam's ``betas``, Adagrad's ``initial_accumulator_value``,
     SGD's ``nesterov``) make torchrec's FUSED tables fail (fbgemm's TypeError), while tiered
@@ -251,8 +281,9 @@ def test_torch_optimizer_kwargs_fbgemm_does_not_take_refused_for_tiered_tables(o
     with pytest.raises(TypeError, match=f"unexpected keyword argument '{next(iter(only))}'"):
         _fbgemm_tbe(optimizer, kwargs)
     for rank, msg in enumerate(run_gloo(2, _refused_body, {}, optimizer, kwargs)):
-        assert msg.startswith(f"tiered table 't0': fused params {only} are torch optimizer arguments that "
-                              "fbgemm's TBE does not take"), f"rank {rank}: {msg}"
+        assert msg.startswith(
+            f"tiered table 't0': fused params {only} are torch optimizer arguments that fbgemm's TBE does not take"
+        ), f"rank {rank}: {msg}"
         assert "Possible solutions:\n  1. remove them" in msg and "beta1 / beta2 for Adam's betas" in msg
 
 
@@ -266,7 +297,11 @@ def _fbgemm_tbe(optimizer: str, kwargs: Dict[str, Any]) -> Any:
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    opt = {"Adam": EmbOptimType.ADAM, "RowWiseAdagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
-           "SGD": EmbOptimType.EXACT_SGD}[optimizer]
-    return SplitTableBatchedEmbeddingBagsCodegen([(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                                 optimizer=opt, learning_rate=0.1, **kwargs)
+    opt = {
+        "Adam": EmbOptimType.ADAM,
+        "RowWiseAdagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+        "SGD": EmbOptimType.EXACT_SGD,
+    }[optimizer]
+    return SplitTableBatchedEmbeddingBagsCodegen(
+        [(10, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=opt, learning_rate=0.1, **kwargs
+    )

@@ -1,7 +1,7 @@
 """The compiled tiered kernel (csrc/tiered.cpp) against the device-generic torch path.
 
-The torch-op path of ``TieredEmbeddingShard`` (``_lookup_torch`` / ``_backward_torch``,
-what non-CPU devices run) is an independent implementation of the same placement,
+The ``torch`` tier backend (``recpipe.pipeline.tiered.backends.reference``, what non-CPU
+devices run) is an independent implementation of the same placement,
 cache and optimizer rules. Two shards with the same rows, one on each path, see the
 same batches (including a lookup issued before the previous batch's backward, as the
 fused pipeline does): the cache maps must agree exactly and every row, optimizer
@@ -16,7 +16,7 @@ from typing import List, Optional, Tuple
 import pytest
 import torch
 
-from recpipe.pipeline.routing import ops  # noqa: F401  (registers the fake kernels)
+from recpipe.pipeline.tiered import ops  # noqa: F401  (registers the fake kernels)
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
 D = 8
@@ -24,24 +24,34 @@ ATOL = 2e-5
 RTOL = 2e-5
 
 
-def _pair(mode: str, x: float, optimizer: str, pooling: str, policy: str, rows: int,
-          world: int = 1, rank: int = 0) -> Tuple[TieredEmbeddingShard, TieredEmbeddingShard]:
-    def make() -> TieredEmbeddingShard:
+def _pair(
+    mode: str, x: float, optimizer: str, pooling: str, policy: str, rows: int, world: int = 1, rank: int = 0
+) -> Tuple[TieredEmbeddingShard, TieredEmbeddingShard]:
+    def make(backend: str) -> TieredEmbeddingShard:
         torch.manual_seed(3)
         return TieredEmbeddingShard(
-            num_embeddings=rows, embedding_dim=D, mode=mode, cache_load_factor=x,
+            num_embeddings=rows,
+            embedding_dim=D,
+            mode=mode,
+            cache_load_factor=x,
             optimizer=TieredOptimizerConfig(optimizer=optimizer, learning_rate=0.05),
-            pooling=pooling, cache_policy=policy, dist_type="roundrobin", world_size=world, rank=rank,
+            pooling=pooling,
+            cache_policy=policy,
+            dist_type="roundrobin",
+            world_size=world,
+            rank=rank,
             split_seed=11,
+            backend=backend,
         )
-    native, reference = make(), make()
-    reference._native = False
-    assert native._native
+
+    native, reference = make("native"), make("torch")
+    assert native.backend == "native" and reference.backend == "torch"
     return native, reference
 
 
-def _batches(rows: int, steps: int, weighted: bool, seed: int) -> List[Tuple[torch.Tensor, torch.Tensor,
-                                                                               Optional[torch.Tensor], torch.Tensor]]:
+def _batches(
+    rows: int, steps: int, weighted: bool, seed: int
+) -> List[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], torch.Tensor]]:
     gen = torch.Generator().manual_seed(seed)
     probs = torch.arange(1, rows + 1, dtype=torch.float64).pow(-1.1)
     out = []
@@ -57,13 +67,14 @@ def _batches(rows: int, steps: int, weighted: bool, seed: int) -> List[Tuple[tor
 
 
 def _assert_same_state(a: TieredEmbeddingShard, b: TieredEmbeddingShard, where: str) -> None:
-    if a.caching:
+    if a.tiers.caching:
         for name in ("row_map", "slot_row", "slot_score"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), f"{name} differs {where}"
+            assert torch.equal(getattr(a.tiers, name), getattr(b.tiers, name)), f"{name} differs {where}"
     for name in ("fast_weights", "fast_state", "slow_weights", "slow_state"):
-        torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=ATOL, rtol=RTOL,
-                                   msg=lambda m: f"{name} {where}: {m}")
-    assert a._stats.tolist() == b._stats.tolist(), f"stats differ {where}"
+        torch.testing.assert_close(
+            getattr(a.tiers, name), getattr(b.tiers, name), atol=ATOL, rtol=RTOL, msg=lambda m: f"{name} {where}: {m}"
+        )
+    assert a.tiers.stats.tolist() == b.tiers.stats.tolist(), f"stats differ {where}"
 
 
 CASES = [
@@ -119,39 +130,90 @@ def test_kernel_cache_counts_and_write_back() -> None:
     assert st["lookups"] == 6 and st["unique_rows"] == 3 and st["hit_rate"] == 1.0
     assert native.tier_stats()["cumulative_hit_rate"] == pytest.approx(12 / 18)
     # rows 3, 7, 9 were admitted on the first lookup (cache of 10 slots); the updates stay dirty
-    assert sorted(native.slot_row[native.slot_row >= 0].tolist()) == [3, 7, 9]
-    assert int((native.slot_score & 1).sum()) == 3
-    before = native.slow_weights[[3, 7, 9]].clone()
+    tiers = native.tiers
+    assert sorted(tiers.slot_row[tiers.slot_row >= 0].tolist()) == [3, 7, 9]
+    assert int((tiers.slot_score & 1).sum()) == 3
+    before = tiers.slow_weights[[3, 7, 9]].clone()
     assert native.flush() == 3 and reference.flush() == 3
-    assert not torch.equal(before, native.slow_weights[[3, 7, 9]])  # the updates reached the slow tier
-    torch.testing.assert_close(native.slow_weights, reference.slow_weights)
+    assert not torch.equal(before, tiers.slow_weights[[3, 7, 9]])  # the updates reached the slow tier
+    torch.testing.assert_close(tiers.slow_weights, reference.tiers.slow_weights)
 
 
 def _op_args(shard: TieredEmbeddingShard, ids: torch.Tensor, offsets: torch.Tensor) -> tuple:
-    return (ids, offsets, None, shard.fast_weights.clone(), shard.fast_state.clone(), shard.slow_weights.clone(),
-            shard.slow_state.clone(), shard._op_row_map.clone(), shard._op_slot_row.clone(),
-            shard._op_slot_score.clone(), torch.zeros_like(shard._stats), shard.num_rows, shard.fast_rows,
-            shard.split_seed, shard._op_mode, shard._op_policy, 1, shard._op_pooling)
+    t = shard.tiers
+    return (
+        ids,
+        offsets,
+        None,
+        t.fast_weights.clone(),
+        t.fast_state.clone(),
+        t.slow_weights.clone(),
+        t.slow_state.clone(),
+        t._op_row_map.clone(),
+        t._op_slot_row.clone(),
+        t._op_slot_score.clone(),
+        torch.zeros_like(t.stats),
+        shard.num_rows,
+        shard.fast_rows,
+        shard.split_seed,
+        t._op_mode,
+        t._op_policy,
+        1,
+        t._op_pooling,
+    )
 
 
 @pytest.mark.parametrize("mode,x", [("HYBRID", 0.4), ("CACHING", 0.3), ("HYBRID", 1.0)])
 def test_opcheck_and_fake_shapes(mode: str, x: float) -> None:
-    shard = TieredEmbeddingShard(num_embeddings=40, embedding_dim=D, mode=mode, cache_load_factor=x,
-                                 optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad"))
+    shard = TieredEmbeddingShard(
+        num_embeddings=40,
+        embedding_dim=D,
+        mode=mode,
+        cache_load_factor=x,
+        optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad"),
+    )
     ids = torch.tensor([1, 5, 5, 39, 0, 1])
     offsets = torch.tensor([0, 2, 2, 6])
     args = _op_args(shard, ids, offsets)
-    torch.library.opcheck(torch.ops.recpipe.tiered_lookup.default, args,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.recpipe.tiered_lookup.default,
+        args,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
     out, uniq, inverse = torch.ops.recpipe.tiered_lookup(*_op_args(shard, ids, offsets))
     assert uniq.tolist() == [0, 1, 5, 39]
     assert torch.equal(uniq[inverse], ids)
     grad = torch.randn(3, D)
-    bargs = (grad, uniq, inverse, offsets, None, args[3], args[4], args[5], args[6], args[7], args[9],
-             shard.num_rows, shard.fast_rows, shard.split_seed, shard._op_mode, shard._op_pooling, 1,
-             0.1, 1e-8, 0.9, 0.999, 0.0, 1)
-    torch.library.opcheck(torch.ops.recpipe.tiered_backward.default, bargs,
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    bargs = (
+        grad,
+        uniq,
+        inverse,
+        offsets,
+        None,
+        args[3],
+        args[4],
+        args[5],
+        args[6],
+        args[7],
+        args[9],
+        shard.num_rows,
+        shard.fast_rows,
+        shard.split_seed,
+        shard.tiers._op_mode,
+        shard.tiers._op_pooling,
+        1,
+        0.1,
+        1e-8,
+        0.9,
+        0.999,
+        0.0,
+        1,
+    )
+    torch.library.opcheck(
+        torch.ops.recpipe.tiered_backward.default,
+        bargs,
+        test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+    )
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
@@ -172,8 +234,9 @@ def test_kernel_bad_inputs_name_the_argument() -> None:
         shard(torch.tensor([1, 2]), torch.tensor([0, 2, 1, 2]))
     with pytest.raises(ValueError, match="per_sample_weights must have the shape of ids"):
         shard(torch.tensor([1, 2]), torch.tensor([0, 2]), torch.ones(3))
-    mean = TieredEmbeddingShard(num_embeddings=10, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5,
-                                pooling="mean")
+    mean = TieredEmbeddingShard(
+        num_embeddings=10, embedding_dim=D, mode="HYBRID", cache_load_factor=0.5, pooling="mean"
+    )
     with pytest.raises(ValueError, match="per_sample_weights need pooling='sum'"):
         mean(torch.tensor([1, 2]), torch.tensor([0, 2]), torch.ones(2))
     args = list(_op_args(shard, torch.tensor([1]), torch.tensor([0, 1])))

@@ -8,8 +8,8 @@ migrates its weights as full tables (``gather_full_weights``) and its fused opti
 so for Adam the uninterrupted tiered run, whose updates are tested against fbgemm's formula
 in ``test_tiered_optim.py``); after the migration both train on the same batches and must
 agree step by step, with the tolerance of the tiered-vs-FUSED tests. Without the optimizer
-state (what the README described before: "starts from zero") the run diverges, which the
-tests assert too, so they cannot pass without the migration.
+state (from zero) the run diverges, which the tests assert too, so they cannot pass without
+the migration.
 """
 
 from __future__ import annotations
@@ -18,23 +18,27 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pytest
-import torch
-
 import test_tiered_sequence as seq
 import test_tiered_sharders as pooled
+import torch
 from gloo_harness import run_gloo
 
 K, K2 = 3, 4  # steps before / after the migration
 ATOL, RTOL = 2e-6, 1e-5  # test_tiered_sharders' tiered-vs-FUSED tolerance
-SOURCE = {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3),
-          "t1": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
-TARGET = {"t0": dict(mode="CACHING", cache_load_factor=0.5, seed=7, cache_policy="lru"),
-          "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=7)}
+SOURCE = {
+    "t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3),
+    "t1": dict(mode="CACHING", cache_load_factor=0.2, seed=3),
+}
+TARGET = {
+    "t0": dict(mode="CACHING", cache_load_factor=0.5, seed=7, cache_policy="lru"),
+    "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=7),
+}
 
 
 def _initial_weights() -> Dict[str, torch.Tensor]:
-    return {f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone()
-            for n, *_ in pooled.TABLES}
+    return {
+        f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone() for n, *_ in pooled.TABLES
+    }
 
 
 def _apply_optimizer(ebc: Any, optimizer: str) -> None:
@@ -62,10 +66,15 @@ def _fused(world: int, optimizer: str, kind: str = "table_wise") -> Any:
         plan = pooled._table_wise_plan(ebc, sharder, world)
     else:
         sharder = TieredEmbeddingBagCollectionSharder(
-            table_dist_types={"t0": "hash_roundrobin", "t1": "roundrobin"}, seed=11)
+            table_dist_types={"t0": "hash_roundrobin", "t1": "roundrobin"}, seed=11
+        )
         plan = pooled._tiered_plan(ebc, sharder, world, {})
-    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+    model = DistributedModelParallel(
+        ebc,
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
     model.load_state_dict(_initial_weights(), strict=False)  # torchrec slices, routed tables pick their rows
     return model
 
@@ -82,8 +91,12 @@ def _tiered(world: int, optimizer: str, placements: Dict[str, Dict[str, Any]], b
     _apply_optimizer(ebc, optimizer)
     sharder = TieredEmbeddingBagCollectionSharder(backend=backend)
     plan = pooled._tiered_plan(ebc, sharder, world, placements)
-    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+    model = DistributedModelParallel(
+        ebc,
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
     model.load_state_dict(_initial_weights(), strict=False)
     return model
 
@@ -97,7 +110,7 @@ def _step(model: Any, step: int, rank: int) -> np.ndarray:
 
 def _migrated(make: Any, weights: Dict[str, torch.Tensor], opt: Any) -> Any:
     """A fresh model from ``make()`` given the full weights, then (unless None) the optimizer state."""
-    from recpipe.pipeline.tiered.sharders import load_full_optimizer_state
+    from recpipe.pipeline.tiered.migration import load_full_optimizer_state
 
     model = make()
     model.load_state_dict(weights, strict=False)
@@ -108,7 +121,7 @@ def _migrated(make: Any, weights: Dict[str, torch.Tensor], opt: Any) -> Any:
 
 def _continue(models: Dict[str, Any], rank: int) -> Dict[str, Any]:
     """Trains every model K2 more steps on the same batches: outputs per step, final full tables."""
-    from recpipe.pipeline.tiered.sharders import gather_full_weights
+    from recpipe.pipeline.tiered.migration import gather_full_weights
 
     outs: Dict[str, List[np.ndarray]] = {name: [] for name in models}
     for step in range(K, K + K2):
@@ -119,7 +132,7 @@ def _continue(models: Dict[str, Any], rank: int) -> Dict[str, Any]:
 
 
 def _adagrad_body(rank: int, world: int, fused: str, backend: str) -> Dict[str, Any]:
-    from recpipe.pipeline.tiered.sharders import gather_full_optimizer_state, gather_full_weights
+    from recpipe.pipeline.tiered.migration import gather_full_optimizer_state, gather_full_weights
 
     opt = "rowwise_adagrad"
     ref, src = _fused(world, opt, fused), _tiered(world, opt, SOURCE, backend)
@@ -147,16 +160,27 @@ def _diverges(got: List[np.ndarray], want: List[np.ndarray]) -> float:
 
 def _assert_run_matches(res: Dict[str, Any], name: str, ref: str, rank: int) -> None:
     for step, (got, want) in enumerate(zip(res["outputs"][name], res["outputs"][ref])):
-        torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), atol=ATOL, rtol=RTOL,
-                                   msg=lambda m: f"rank {rank} {name} step {K + step}: {m}")
+        torch.testing.assert_close(
+            torch.from_numpy(got),
+            torch.from_numpy(want),
+            atol=ATOL,
+            rtol=RTOL,
+            msg=lambda m: f"rank {rank} {name} step {K + step}: {m}",
+        )
     for key, want in res["weights"][ref].items():
-        torch.testing.assert_close(torch.from_numpy(res["weights"][name][key]), torch.from_numpy(want),
-                                   atol=ATOL, rtol=RTOL, msg=lambda m: f"rank {rank} {name} {key}: {m}")
+        torch.testing.assert_close(
+            torch.from_numpy(res["weights"][name][key]),
+            torch.from_numpy(want),
+            atol=ATOL,
+            rtol=RTOL,
+            msg=lambda m: f"rank {rank} {name} {key}: {m}",
+        )
 
 
 @pytest.mark.parametrize("fused,backend", [("table_wise", "native"), ("row_wise_routed", "fbgemm")])
 def test_rowwise_adagrad_state_migrates_fused_to_tiered_and_back_as_uninterrupted_torchrec(
-        fused: str, backend: str) -> None:
+    fused: str, backend: str
+) -> None:
     """torchrec FUSED tables (row-wise Adagrad; TABLE_WISE, or ROW_WISE with routed rows) ->
     tiered HYBRID / CACHING tables (recpipe's kernel, or fbgemm's TBE holding the state in its
     layout), and tiered -> FUSED: after the migration of weights and momentum, every step's
@@ -172,8 +196,12 @@ def test_rowwise_adagrad_state_migrates_fused_to_tiered_and_back_as_uninterrupte
                 assert st[f"{name}.momentum1"].shape == (rows,) and (st[f"{name}.momentum1"] > 0).sum() > 5
                 assert int(st["step"]) == K, (which, key, st["step"])
             # the tiered run trained on the same batches as torchrec's: the same momentum
-            np.testing.assert_allclose(res["tiered_states"][key][f"{name}.momentum1"],
-                                       res["states"][key][f"{name}.momentum1"], rtol=RTOL, atol=ATOL)
+            np.testing.assert_allclose(
+                res["tiered_states"][key][f"{name}.momentum1"],
+                res["states"][key][f"{name}.momentum1"],
+                rtol=RTOL,
+                atol=ATOL,
+            )
         _assert_run_matches(res, "to_tiered", "ref", rank)
         _assert_run_matches(res, "to_fused", "ref", rank)
         for name in ("to_tiered_no_state", "to_fused_no_state"):
@@ -182,7 +210,7 @@ def test_rowwise_adagrad_state_migrates_fused_to_tiered_and_back_as_uninterrupte
 
 
 def _adam_body(rank: int, world: int) -> Dict[str, Any]:
-    from recpipe.pipeline.tiered.sharders import (
+    from recpipe.pipeline.tiered.migration import (
         gather_full_optimizer_state,
         gather_full_weights,
         load_full_optimizer_state,
@@ -213,7 +241,8 @@ def _adam_body(rank: int, world: int) -> Dict[str, Any]:
     after = (gather_full_weights(target), gather_full_optimizer_state(target))
     res["errors"] = errors
     res["unchanged"] = all(torch.equal(before[0][k], after[0][k]) for k in before[0]) and all(
-        torch.equal(before[1][k][n], after[1][k][n]) for k in before[1] for n in before[1][k])
+        torch.equal(before[1][k][n], after[1][k][n]) for k in before[1] for n in before[1][k]
+    )
 
     zero_step = {k: {**v, "step": torch.tensor(0)} for k, v in o_src.items()}
     models = {
@@ -239,9 +268,11 @@ def test_adam_moments_and_step_migrate_between_tiered_placements_as_uninterrupte
 
         (kind, msg), (kind2, msg2), (kind3, msg3), (kind4, msg4) = res["errors"]
         assert kind == "ValueError", msg
-        assert ("load_full_optimizer_state: table 'embedding_bags.t0' of the model trains with adam ([97, 8], "
-                "optimizer state {'t0.momentum1': [97, 8], 't0.exp_avg_sq': [97, 8], 'step': 'int >= 0'}), but "
-                "states['embedding_bags.t0'] holds rowwise_adagrad state {'t0.momentum1': [97], 'step': []}") in msg, msg
+        assert (
+            "load_full_optimizer_state: table 'embedding_bags.t0' of the model trains with adam ([97, 8], "
+            "optimizer state {'t0.momentum1': [97, 8], 't0.exp_avg_sq': [97, 8], 'step': 'int >= 0'}), but "
+            "states['embedding_bags.t0'] holds rowwise_adagrad state {'t0.momentum1': [97], 'step': []}"
+        ) in msg, msg
         assert "Possible solutions:\n  1. load the state gathered (gather_full_optimizer_state)" in msg, msg
         assert kind2 == "ValueError" and "holds adam state {'t0.momentum1': [97, 8], 't0.exp_avg_sq': [97, 8]}" in msg2
         assert kind3 == "ValueError" and "states has ['embedding_bags.t9'], which are no table of the model" in msg3
@@ -267,23 +298,32 @@ def _ec_model(world: int, tiered: bool) -> Any:
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingCollectionSharder
     from recpipe.planner import PlacementPlanner
-    from recpipe.planner.types import PlacementConstraints
+    from recpipe.planner.specs import PlacementConstraints
 
     ec = seq._ec()
     weights = {f"embeddings.{t}.weight": ec.embeddings[t].weight.detach().clone() for t, _, _ in seq.TABLES}
     _apply_optimizer(ec, "rowwise_adagrad")
     if tiered:
         sharder: Any = TieredEmbeddingCollectionSharder()
-        topo = Topology(world_size=world, local_world_size=world, compute_device="cuda",
-                        hbm_cap=1 << 30, ddr_cap=1 << 32)
+        topo = Topology(
+            world_size=world, local_world_size=world, compute_device="cuda", hbm_cap=1 << 30, ddr_cap=1 << 32
+        )
         constraints = {t: PlacementConstraints(mode=m, cache_load_factor=x) for t, (m, x) in seq.PLACEMENT.items()}
-        plan = PlacementPlanner(topo, constraints=constraints, optimizer="rowwise_adagrad",
-                                backend="native").plan(ec).to_sharding_plan(compute_device="cpu")
+        plan = (
+            PlacementPlanner(topo, constraints=constraints, optimizer="rowwise_adagrad", backend="native")
+            .plan(ec)
+            .to_sharding_plan(compute_device="cpu")
+        )
     else:
         sharder = EmbeddingCollectionSharder()
         per = {t: table_wise(rank=i % world) for i, (t, _, _) in enumerate(seq.TABLES)}
-        plan = ShardingPlan({"": construct_module_sharding_plan(ec, per, sharder=sharder, local_size=world,
-                                                                 world_size=world, device_type="cpu")})
+        plan = ShardingPlan(
+            {
+                "": construct_module_sharding_plan(
+                    ec, per, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+                )
+            }
+        )
     model = DistributedModelParallel(ec, plan=plan, sharders=[sharder], device=torch.device("cpu"))
     model.load_state_dict(weights, strict=False)
     return model
@@ -298,14 +338,17 @@ def _ec_step(model: Any, step: int, rank: int) -> np.ndarray:
 
 
 def _ec_body(rank: int, world: int) -> Dict[str, List[np.ndarray]]:
-    from recpipe.pipeline.tiered.sharders import gather_full_optimizer_state, gather_full_weights
+    from recpipe.pipeline.tiered.migration import gather_full_optimizer_state, gather_full_weights
 
     ref = _ec_model(world, tiered=False)
     for step in range(K):
         _ec_step(ref, step, rank)
     w, o = gather_full_weights(ref), gather_full_optimizer_state(ref)
-    models = {"ref": ref, "migrated": _migrated(lambda: _ec_model(world, True), w, o),
-              "no_state": _migrated(lambda: _ec_model(world, True), w, None)}
+    models = {
+        "ref": ref,
+        "migrated": _migrated(lambda: _ec_model(world, True), w, o),
+        "no_state": _migrated(lambda: _ec_model(world, True), w, None),
+    }
     outs: Dict[str, List[np.ndarray]] = {name: [] for name in models}
     for step in range(K, K + K2):
         for name, model in models.items():
@@ -319,8 +362,13 @@ def test_rowwise_adagrad_state_migrates_from_fused_ec_to_tiered_ec_as_uninterrup
     run, and diverges from it without the momentum."""
     for rank, outs in enumerate(run_gloo(2, _ec_body)):
         for step, (got, want) in enumerate(zip(outs["migrated"], outs["ref"])):
-            torch.testing.assert_close(torch.from_numpy(got), torch.from_numpy(want), atol=ATOL, rtol=RTOL,
-                                       msg=lambda m: f"rank {rank} step {K + step}: {m}")
+            torch.testing.assert_close(
+                torch.from_numpy(got),
+                torch.from_numpy(want),
+                atol=ATOL,
+                rtol=RTOL,
+                msg=lambda m: f"rank {rank} step {K + step}: {m}",
+            )
         gap = _diverges(outs["no_state"], outs["ref"])
         assert gap > 1e-3, f"rank {rank}: the EC matches torchrec without the optimizer state ({gap})"
 
@@ -331,15 +379,25 @@ def _column_wise_body(rank: int, world: int) -> Tuple[str, str]:
     from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, table_wise
     from torchrec.distributed.types import ShardingPlan
 
-    from recpipe.pipeline.tiered.sharders import gather_full_optimizer_state
+    from recpipe.pipeline.tiered.migration import gather_full_optimizer_state
 
     ebc = pooled._ebc()
     _apply_optimizer(ebc, "rowwise_adagrad")
     sharder = EmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(ebc, {"t0": column_wise(ranks=[0, 1]), "t1": table_wise(rank=1)},
-                                          sharder=sharder, local_size=world, world_size=world, device_type="cpu")
-    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+    plan = construct_module_sharding_plan(
+        ebc,
+        {"t0": column_wise(ranks=[0, 1]), "t1": table_wise(rank=1)},
+        sharder=sharder,
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
+    model = DistributedModelParallel(
+        ebc,
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
     try:
         gather_full_optimizer_state(model)
     except ValueError as e:
@@ -366,10 +424,15 @@ def test_shard_load_global_optimizer_state_updates_as_rowwise_adagrad_from_the_l
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
     n, dim, lr, eps = 20, 4, 0.1, 1e-8
-    shard = TieredEmbeddingShard(num_embeddings=n, embedding_dim=dim, mode="CACHING", cache_load_factor=0.25,
-                                 optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=lr,
-                                                                 eps=eps),
-                                 dist_type="continuous", table_name="t")
+    shard = TieredEmbeddingShard(
+        num_embeddings=n,
+        embedding_dim=dim,
+        mode="CACHING",
+        cache_load_factor=0.25,
+        optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=lr, eps=eps),
+        dist_type="continuous",
+        table_name="t",
+    )
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, dim, generator=gen)
     shard.load_global_weights(w)

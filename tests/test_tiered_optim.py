@@ -18,10 +18,8 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import pytest
 import torch
-
 from gloo_harness import run_gloo
 from test_tiered_sharders import _kjt, _warmup_batches, _warmup_model
-
 
 _model = _warmup_model  # torchrec FUSED (placements None) or tiered on a backend, same initial tables
 
@@ -34,8 +32,9 @@ def _fused_tbes(model: Any) -> Dict[str, Any]:
     out = {}
     for lookup in model.module.ebc._lookups:  # torchrec keeps them in a plain list
         for m in lookup.modules():
-            if isinstance(m, BaseBatchedEmbeddingBag) and isinstance(m.emb_module,
-                                                                      SplitTableBatchedEmbeddingBagsCodegen):
+            if isinstance(m, BaseBatchedEmbeddingBag) and isinstance(
+                m.emb_module, SplitTableBatchedEmbeddingBagsCodegen
+            ):
                 for table in m.config.embedding_tables:
                     out[table.name] = m.emb_module
     return out
@@ -49,8 +48,10 @@ STEP_RESTORE, STEP_MIDRUN = 10, 100
 def _set_step_body(rank: int, world: int) -> Dict[str, Any]:
     """Per run: the recorded step of every table after the restore + 2 steps and after the
     mid-run set + 2 steps (torchrec: its TBE's ``iter``; tiered: the exported step)."""
-    both = {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3),
-            "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
+    both = {
+        "t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3),
+        "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3),
+    }
     out: Dict[str, Any] = {}
     for kind, placements, backend in (("ref", None, None), ("native", both, "native"), ("fbgemm", both, "fbgemm")):
         model = _model(world, placements, backend)
@@ -58,7 +59,7 @@ def _set_step_body(rank: int, world: int) -> Dict[str, Any]:
         recorded: List[Dict[str, int]] = []
         for when, step in ((0, STEP_RESTORE), (2, STEP_MIDRUN)):
             model.fused_optimizer.set_optimizer_step(step)
-            for batch in batches[when:when + 2]:
+            for batch in batches[when : when + 2]:
                 loss, _ = model(batch)
                 loss.backward()
             if kind == "ref":
@@ -90,9 +91,14 @@ def _adam_rows(backend: str, sets: List[Optional[int]]) -> List[np.ndarray]:
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     torch.manual_seed(0)
-    shard = TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=1.0,
-                                 optimizer=TieredOptimizerConfig(optimizer="adam", learning_rate=0.1),
-                                 backend=backend)
+    shard = TieredEmbeddingShard(
+        num_embeddings=6,
+        embedding_dim=4,
+        mode="HYBRID",
+        cache_load_factor=1.0,
+        optimizer=TieredOptimizerConfig(optimizer="adam", learning_rate=0.1),
+        backend=backend,
+    )
     rows = [shard.export_state().weights.numpy().copy()]
     for k, step in enumerate(sets):
         if step is not None:
@@ -118,8 +124,9 @@ def _fbgemm_iters(sets: List[Optional[int]]) -> List[int]:
         SplitTableBatchedEmbeddingBagsCodegen,
     )
 
-    tbe = SplitTableBatchedEmbeddingBagsCodegen([(6, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                                optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(6, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    )
     iters = []
     for step in sets:
         if step is not None:
@@ -148,9 +155,10 @@ def test_set_optimizer_step_sets_adam_bias_correction_as_fbgemm(backend: str) ->
         g = _adam_grad(k).double()
         m1 = b1 * m1 + (1 - b1) * g
         m2 = b2 * m2 + (1 - b2) * g * g
-        w = w - lr * (m1 / (1 - b1 ** t)) / ((m2 / (1 - b2 ** t)).sqrt() + eps)
-        torch.testing.assert_close(torch.from_numpy(rows[k + 1]).double(), w, atol=1e-5, rtol=1e-5,
-                                   msg=f"update {k} (step {t})")
+        w = w - lr * (m1 / (1 - b1**t)) / ((m2 / (1 - b2**t)).sqrt() + eps)
+        torch.testing.assert_close(
+            torch.from_numpy(rows[k + 1]).double(), w, atol=1e-5, rtol=1e-5, msg=f"update {k} (step {t})"
+        )
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
@@ -159,7 +167,7 @@ def test_set_optimizer_step_after_load_restores_bias_correction(backend: str) ->
     table trained 3 updates (step 3), loaded into a fresh table (``load_states``, which sets
     step 3) then given ``set_optimizer_step(20)``, updates with step 21, as a restored fbgemm TBE
     (``iter_cpu`` 0 re-reads ``iter``; the reference TBE shows it) and fbgemm ADAM's formula in plain
-    math from the loaded moments. It used to keep counting from the loaded step (4)."""
+    math from the loaded moments."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -170,17 +178,23 @@ def test_set_optimizer_step_after_load_restores_bias_correction(backend: str) ->
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     def shard() -> TieredEmbeddingShard:
-        return TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="CACHING", cache_load_factor=0.5,
-                                    optimizer=TieredOptimizerConfig(optimizer="adam", learning_rate=0.1),
-                                    backend=backend)
+        return TieredEmbeddingShard(
+            num_embeddings=6,
+            embedding_dim=4,
+            mode="CACHING",
+            cache_load_factor=0.5,
+            optimizer=TieredOptimizerConfig(optimizer="adam", learning_rate=0.1),
+            backend=backend,
+        )
 
     trained = shard()
     for k in range(3):
         trained(torch.arange(6), torch.arange(7)).backward(_adam_grad(k))
     saved = trained.export_state()
     assert saved.step == 3
-    ref = SplitTableBatchedEmbeddingBagsCodegen([(6, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                                optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    ref = SplitTableBatchedEmbeddingBagsCodegen(
+        [(6, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    )
     ref.set_optimizer_step(20)  # torchrec restores a FUSED table's step so (its rows load elsewhere)
     ref(torch.arange(6), torch.arange(7)).sum().backward()
     t = int(ref.iter_cpu)
@@ -193,7 +207,7 @@ def test_set_optimizer_step_after_load_restores_bias_correction(backend: str) ->
     w, st, g = saved.weights.double(), saved.optimizer_state.double(), _adam_grad(3).double()
     m1 = 0.9 * st[:, :4] + 0.1 * g
     m2 = 0.999 * st[:, 4:] + 0.001 * g * g
-    want = w - 0.1 * (m1 / (1 - 0.9 ** t)) / ((m2 / (1 - 0.999 ** t)).sqrt() + 1e-8)
+    want = w - 0.1 * (m1 / (1 - 0.9**t)) / ((m2 / (1 - 0.999**t)).sqrt() + 1e-8)
     torch.testing.assert_close(got.weights.double(), want, atol=1e-5, rtol=1e-5)
     assert got.step == 21
 
@@ -201,8 +215,7 @@ def test_set_optimizer_step_after_load_restores_bias_correction(backend: str) ->
 def test_fbgemm_backend_set_optimizer_step_after_load_as_fused_tbe() -> None:
     """The fbgemm backend's TBE after ``load_states`` then ``set_optimizer_step(20)`` counts its
     next update as step 21 (``iter_cpu``, the counter fbgemm's optimizers read) and records 21
-    (``iter``), as a FUSED TBE given ``set_optimizer_step(20)`` after a restore. Loads used to set
-    ``iter_cpu`` to the loaded step, so the restored step was ignored (4)."""
+    (``iter``), as a FUSED TBE given ``set_optimizer_step(20)`` after a restore."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -213,21 +226,28 @@ def test_fbgemm_backend_set_optimizer_step_after_load_as_fused_tbe() -> None:
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, TieredOptimizerConfig
 
     def shard() -> TieredEmbeddingShard:
-        return TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
-                                    optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad"), backend="fbgemm")
+        return TieredEmbeddingShard(
+            num_embeddings=6,
+            embedding_dim=4,
+            mode="HYBRID",
+            cache_load_factor=0.5,
+            optimizer=TieredOptimizerConfig(optimizer="rowwise_adagrad"),
+            backend="fbgemm",
+        )
 
     trained = shard()
     for k in range(3):
         trained(torch.arange(6), torch.arange(7)).backward(_adam_grad(k))
-    ref = SplitTableBatchedEmbeddingBagsCodegen([(6, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-                                                optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD)
+    ref = SplitTableBatchedEmbeddingBagsCodegen(
+        [(6, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD
+    )
     restored = shard()
     restored.load_states([trained.export_state()])
     ref.set_optimizer_step(20)  # torchrec restores a FUSED table's step so
     restored.set_optimizer_step(20)
     ref(torch.arange(6), torch.arange(7)).sum().backward()
     restored(torch.arange(6), torch.arange(7)).backward(_adam_grad(3))
-    tbe = restored._fbgemm.tbe  # type: ignore[union-attr]
+    tbe = restored.tiers.fbgemm.tbe  # type: ignore[union-attr]
     assert (int(tbe.iter_cpu), int(tbe.iter)) == (int(ref.iter_cpu), int(ref.iter)) == (21, 21)
     assert restored.export_state().step == 21
 
@@ -235,8 +255,9 @@ def test_fbgemm_backend_set_optimizer_step_after_load_as_fused_tbe() -> None:
 def test_set_optimizer_step_refuses_bad_step_naming_table() -> None:
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
-    shard = TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
-                                 table_name="clicks")
+    shard = TieredEmbeddingShard(
+        num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5, table_name="clicks"
+    )
     for bad in (-1, 2.5, True, "3"):
         with pytest.raises(ValueError, match=r"^tiered table 'clicks': optimizer step must be an int >= 0, got "):
             shard.set_optimizer_step(bad)  # type: ignore[arg-type]
@@ -268,13 +289,17 @@ def _tensor_lr_body(rank: int, world: int) -> Dict[str, Any]:
 def test_tensor_learning_rate_reaches_tiered_tables_as_fbgemm() -> None:
     """A 0-dim tensor ``lr`` in ``model.fused_optimizer``'s param groups (fbgemm's TBE takes it:
     ``set_learning_rate`` fills its lr tensor with it) trains tiered tables as torchrec's own
-    TABLE_WISE FUSED tables, step by step. It used to be refused ("learning rate must be a
-    finite number"), failing the step."""
+    TABLE_WISE FUSED tables, step by step."""
     for rank, res in enumerate(run_gloo(2, _tensor_lr_body)):
         for kind in ("native", "fbgemm"):
             for step, want in enumerate(res["ref"]):
-                torch.testing.assert_close(torch.from_numpy(res[kind][step]), torch.from_numpy(want),
-                                           atol=2e-6, rtol=1e-5, msg=f"rank {rank} {kind} step {step}")
+                torch.testing.assert_close(
+                    torch.from_numpy(res[kind][step]),
+                    torch.from_numpy(want),
+                    atol=2e-6,
+                    rtol=1e-5,
+                    msg=f"rank {rank} {kind} step {step}",
+                )
 
 
 def test_set_learning_rate_refuses_what_fbgemm_cannot_take_naming_table() -> None:
@@ -283,10 +308,16 @@ def test_set_learning_rate_refuses_what_fbgemm_cannot_take_naming_table() -> Non
     and values that are not finite or are negative."""
     from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 
-    shard = TieredEmbeddingShard(num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
-                                 table_name="clicks")
-    for good, value in ((torch.tensor(0.25), 0.25), (torch.tensor(2), 2.0), (torch.tensor(0.5, dtype=torch.float64),
-                                                                             0.5), (np.float32(0.125), 0.125), (3, 3.0)):
+    shard = TieredEmbeddingShard(
+        num_embeddings=6, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5, table_name="clicks"
+    )
+    for good, value in (
+        (torch.tensor(0.25), 0.25),
+        (torch.tensor(2), 2.0),
+        (torch.tensor(0.5, dtype=torch.float64), 0.5),
+        (np.float32(0.125), 0.125),
+        (3, 3.0),
+    ):
         shard.set_learning_rate(good)  # type: ignore[arg-type]
         assert shard.optimizer.learning_rate == value and isinstance(shard.optimizer.learning_rate, float)
     for bad in (torch.tensor([0.1]), torch.tensor(1 + 1j), torch.tensor(True), True, math.nan, -0.1, "0.1"):
@@ -320,14 +351,15 @@ def _four_steps(model: Any, rank: int) -> List[np.ndarray]:
 
 def test_bad_recpipe_backend_fused_param_refused_naming_table() -> None:
     """A table's ``recpipe_backend`` fused param (here from the sharder's ``fused_params``) that
-    is not a backend is refused on every rank naming the table, the param and the fix. The
-    message used to be the shard's "backend must be one of ..." without the table or the key."""
+    is not a backend is refused on every rank naming the table, the param and the fix."""
     for msg in run_gloo(2, _backend_param_body, "uvm"):
-        assert msg == ("ValueError: tiered table 't0': fused param 'recpipe_backend'='uvm' is refused: backend must "
-                       "be one of ['native', 'fbgemm', 'torch'] or None (the device's default), got 'uvm'. Set the "
-                       "backend with the tiered sharders' backend= argument (e.g. TieredEmbeddingBagCollectionSharder("
-                       "backend='fbgemm')), or fix or remove 'recpipe_backend' in the fused params of the sharder / "
-                       "the table's ParameterSharding."), msg
+        assert msg == (
+            "ValueError: tiered table 't0': fused param 'recpipe_backend'='uvm' is refused: backend must "
+            "be one of ['native', 'fbgemm', 'torch'] or None (the device's default), got 'uvm'. Set the "
+            "backend with the tiered sharders' backend= argument (e.g. TieredEmbeddingBagCollectionSharder("
+            "backend='fbgemm')), or fix or remove 'recpipe_backend' in the fused params of the sharder / "
+            "the table's ParameterSharding."
+        ), msg
 
 
 def _ref_outputs_body(rank: int, world: int) -> List[np.ndarray]:
@@ -337,14 +369,18 @@ def _ref_outputs_body(rank: int, world: int) -> List[np.ndarray]:
 def test_recpipe_backend_in_sharder_fused_params_reaches_only_tiered_tables() -> None:
     """``TieredEmbeddingBagCollectionSharder(fused_params={"recpipe_backend": "fbgemm"})`` runs the
     tiered table t0 on fbgemm while the FUSED table t1 beside it trains as usual: every step's
-    outputs equal torchrec's own TABLE_WISE FUSED EBC's. The key used to reach t1's fbgemm TBE,
-    which failed with "SplitTableBatchedEmbeddingBagsCodegen.__init__() got an unexpected keyword
-    argument 'recpipe_backend'" (no table named)."""
+    outputs equal torchrec's own TABLE_WISE FUSED EBC's: the key never reaches t1's fbgemm TBE
+    (whose constructor takes no such argument)."""
     refs = run_gloo(2, _ref_outputs_body)
     for rank, (res, ref) in enumerate(zip(run_gloo(2, _backend_param_body, "fbgemm"), refs)):
         assert not isinstance(res, str), res
         backend, outputs = res
         assert backend == "fbgemm"
         for step, want in enumerate(ref):
-            torch.testing.assert_close(torch.from_numpy(outputs[step]), torch.from_numpy(want), atol=2e-6, rtol=1e-5,
-                                       msg=f"rank {rank} step {step}")
+            torch.testing.assert_close(
+                torch.from_numpy(outputs[step]),
+                torch.from_numpy(want),
+                atol=2e-6,
+                rtol=1e-5,
+                msg=f"rank {rank} step {step}",
+            )

@@ -1,6 +1,6 @@
 """TrainPipelineFusedSparseDist over tiered tables: bit-identical to torchrec's TrainPipelineSparseDist.
 
-The pipeline tests' two-module model (tests/test_pipeline_common.py: an EBC with
+The pipeline tests' two-module model (``test_pipeline_common``: an EBC with
 tables t0, t1 and an EC with table s0) with every table a recpipe tiered table,
 ROW_WISE + CUSTOMIZED_KERNEL, hash_roundrobin routing: t0 CACHING 0.2, t1 HYBRID
 0.5 (TieredEmbeddingBagCollectionSharder) and s0 CACHING 0.3
@@ -28,8 +28,9 @@ TIERED = {"t0": ("ebc", 300, "CACHING", 0.2), "t1": ("ebc", 200, "HYBRID", 0.5),
 SEED = 5  # model init seed (same for every copy)
 
 
-def _build(world: int, backend: Optional[str] = None, fused: Optional[Dict[str, str]] = None,
-           combined: bool = False) -> Tuple[Any, Any]:
+def _build(
+    world: int, backend: Optional[str] = None, fused: Optional[Dict[str, str]] = None, combined: bool = False
+) -> Tuple[Any, Any]:
     """A DMP of TwoModuleModel with all tables tiered, its dense optimizer.
 
     ``backend``: the tiered sharders' ``backend=`` (None: the device's default, native
@@ -46,13 +47,16 @@ def _build(world: int, backend: Optional[str] = None, fused: Optional[Dict[str, 
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     torch.manual_seed(SEED)
     model = TwoModuleModel()
     ebc_weights = {t: model.ebc.embedding_bags[t].weight.detach().clone() for t in ("t0", "t1")}
-    weights = {"t0": model.ebc.embedding_bags["t0"].weight, "t1": model.ebc.embedding_bags["t1"].weight,
-               "s0": model.ec.embeddings["s0"].weight}
+    weights = {
+        "t0": model.ebc.embedding_bags["t0"].weight,
+        "t1": model.ebc.embedding_bags["t1"].weight,
+        "s0": model.ec.embeddings["s0"].weight,
+    }
     if fused is None:
         apply_optimizer_in_backward(torch.optim.Adam, list(weights.values()), {"lr": 0.02})
     else:
@@ -67,21 +71,25 @@ def _build(world: int, backend: Optional[str] = None, fused: Optional[Dict[str, 
             compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
             ranks=list(range(world)),
             sharding_spec=row_wise_sharding_spec(rows, EMB_DIM, world, world, "cpu"),
-            mode=mode, cache_load_factor=x, dist_type="hash_roundrobin", seed=7,
+            mode=mode,
+            cache_load_factor=x,
+            dist_type="hash_roundrobin",
+            seed=7,
         )
     dmp = DistributedModelParallel(
         module=model,
         device=torch.device("cpu"),
         plan=ShardingPlan({k: EmbeddingModuleShardingPlan(v) for k, v in plan.items()}),
-        sharders=[TieredEmbeddingBagCollectionSharder(backend=backend),  # type: ignore[list-item]
-                  TieredEmbeddingCollectionSharder(backend=backend)],
+        sharders=[
+            TieredEmbeddingBagCollectionSharder(backend=backend),  # type: ignore[list-item]
+            TieredEmbeddingCollectionSharder(backend=backend),
+        ],
     )
     # EC tiered tables were set from the module's weights when sharded; set the EBC's too
     for t, w in ebc_weights.items():
         dmp.module.ebc.tiered_tables()[t].load_global_weights(w)
     opt: Any = KeyedOptimizerWrapper(
-        dict(in_backward_optimizer_filter(dmp.named_parameters())),
-        lambda params: torch.optim.Adam(params, lr=0.01),
+        dict(in_backward_optimizer_filter(dmp.named_parameters())), lambda params: torch.optim.Adam(params, lr=0.01)
     )
     if combined:
         opt = CombinedOptimizer([dmp.fused_optimizer, opt])
@@ -145,10 +153,11 @@ def _equal(name: str, got: List[List[np.ndarray]], want: List[List[np.ndarray]])
     assert len(got[0]) == len(want[0]) == N_BATCHES, f"{name}: {len(got[0])} steps, want {len(want[0])}"
     for step in range(N_BATCHES):
         assert np.array_equal(got[0][step], want[0][step]), (
-            f"{name}: loss differs at step {step}: {got[0][step]!r} vs {want[0][step]!r}")
+            f"{name}: loss differs at step {step}: {got[0][step]!r} vs {want[0][step]!r}"
+        )
         assert np.array_equal(got[1][step], want[1][step]), (
-            f"{name}: predictions differ at step {step}, max |diff| "
-            f"{np.abs(got[1][step] - want[1][step]).max()}")
+            f"{name}: predictions differ at step {step}, max |diff| {np.abs(got[1][step] - want[1][step]).max()}"
+        )
 
 
 def test_fused_pipeline_over_tiered_tables_bit_identical_to_torchrec() -> None:
@@ -271,7 +280,7 @@ def _counters(model: Any) -> Dict[str, Tuple[str, int, int, Any]]:
     tables = {**model.module.ebc.tiered_tables(), **model.module.ec.tiered_tables()}
     out = {}
     for name, shard in sorted(tables.items()):
-        fb = shard._fbgemm
+        fb = getattr(shard.tiers, "fbgemm", None)  # the fbgemm backend's FbgemmTier (None: another backend)
         tbe = (fb.step, fb.tbe.step, int(fb.tbe.iter), int(fb.tbe.iter_cpu)) if fb is not None else None
         out[name] = (shard.backend, shard.step, shard.export_state().step, tbe)
     return out
@@ -302,8 +311,12 @@ def _fbgemm_body(rank: int, world: int) -> Dict[str, Any]:
     batches = make_batches(rank, n=N_BATCHES, seed=3)
     device = torch.device("cpu")
     out: Dict[str, Any] = {}
-    runs = [("torchrec native", "native", None), ("torchrec fbgemm", "fbgemm", None),
-            ("fused fbgemm after_opt=True", "fbgemm", True), ("fused fbgemm after_opt=False", "fbgemm", False)]
+    runs = [
+        ("torchrec native", "native", None),
+        ("torchrec fbgemm", "fbgemm", None),
+        ("fused fbgemm after_opt=True", "fbgemm", True),
+        ("fused fbgemm after_opt=False", "fbgemm", False),
+    ]
     for key, backend, after_opt in runs:
         model, opt = _build(world, backend=backend, fused=FBGEMM_FUSED, combined=True)
         if after_opt is None:
@@ -339,9 +352,8 @@ def test_fused_pipeline_over_fbgemm_tiered_tables_equals_torchrec_with_relookups
     that resets the step, an lr change through ``model.fused_optimizer``): every step's loss
     and predictions equal torchrec's TrainPipelineSparseDist on the same model bit for bit,
     and so do the counters the discarded lookups advanced: each shard's ``step`` and
-    exported step, FbgemmTier.step, the TBE's ``step``, ``iter`` and ``iter_cpu``. The
-    pipeline used to take back only the counters of TBEs in the module tree, not those of
-    a tiered shard's TBE (kept outside it), so every relookup left them one ahead."""
+    exported step, FbgemmTier.step, the TBE's ``step``, ``iter`` and ``iter_cpu`` (a tiered
+    shard's TBE, kept outside the module tree, included)."""
     for rank, res in enumerate(_fbgemm_runs()):
         ref = res["torchrec fbgemm"]
         assert len({float(x) for x in ref[0]}) > 1, "constant losses: the comparison has no teeth"
@@ -374,10 +386,16 @@ def test_fbgemm_backend_tiered_tables_equal_native_backend() -> None:
         for key in ("torchrec fbgemm", "fused fbgemm after_opt=True", "fused fbgemm after_opt=False"):
             for part, what in ((0, "loss"), (1, "predictions")):
                 for step in range(N_BATCHES):
-                    np.testing.assert_allclose(res[key][part][step], native[part][step], rtol=1e-5, atol=1e-6,
-                                               err_msg=f"rank {rank} {key} {what} step {step}")
+                    np.testing.assert_allclose(
+                        res[key][part][step],
+                        native[part][step],
+                        rtol=1e-5,
+                        atol=1e-6,
+                        err_msg=f"rank {rank} {key} {what} step {step}",
+                    )
             for name, rows in res["torchrec native rows"].items():
-                np.testing.assert_allclose(res[key + " rows"][name], rows, rtol=1e-5, atol=1e-6,
-                                           err_msg=f"rank {rank} {key} table {name}")
+                np.testing.assert_allclose(
+                    res[key + " rows"][name], rows, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {key} table {name}"
+                )
             steps = {n: c[1:3] for n, c in res[key + " counters"].items()}
             assert steps == {n: c[1:3] for n, c in native_counters.items()}, (f"rank {rank} {key}", steps)

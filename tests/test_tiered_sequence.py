@@ -21,7 +21,6 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 import pytest
 import torch
-
 from gloo_harness import run_gloo
 
 B, STEPS, LR, DIM = 4, 5, 0.125, 8  # samples per rank, steps, SGD lr (a power of two), embedding dim
@@ -49,13 +48,18 @@ def _batch(step: int, rank: int) -> Tuple[Any, Dict[str, torch.Tensor]]:
 
     gen = torch.Generator().manual_seed(100 * step + rank)
     lengths = torch.randint(0, 5, (len(FEATURES) * B,), generator=gen)
-    counts = [int(lengths[i * B:(i + 1) * B].sum()) for i in range(len(FEATURES))]
+    counts = [int(lengths[i * B : (i + 1) * B].sum()) for i in range(len(FEATURES))]
     # a few hot ids per table so rows repeat within and across ranks (cache hits, summed grads)
-    values = torch.cat([
-        torch.where(torch.rand(n, generator=gen) < 0.4, torch.randint(0, 6, (n,), generator=gen),
-                    torch.randint(0, ROWS[FEATURE_TABLE[f]], (n,), generator=gen))
-        for f, n in zip(FEATURES, counts)
-    ])
+    values = torch.cat(
+        [
+            torch.where(
+                torch.rand(n, generator=gen) < 0.4,
+                torch.randint(0, 6, (n,), generator=gen),
+                torch.randint(0, ROWS[FEATURE_TABLE[f]], (n,), generator=gen),
+            )
+            for f, n in zip(FEATURES, counts)
+        ]
+    )
     grads = {f: torch.randint(-8, 8, (n, DIM), generator=gen).float() / 16.0 for f, n in zip(FEATURES, counts)}
     kjt = KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths)
     return kjt, grads
@@ -84,9 +88,13 @@ def _vbe_batch(step: int, rank: int) -> Tuple[Any, Any, Dict[str, torch.Tensor]]
         wide_values.extend(bag_ids[int(b)] for b in inverse[i])
         n = int(bag_lengths[inverse[i]].sum())
         grads[f] = torch.randint(-8, 8, (n, DIM), generator=gen).float() / 16.0
-    vbe = KeyedJaggedTensor(keys=FEATURES, values=torch.cat(values), lengths=torch.cat(lengths),
-                            stride_per_key_per_rank=[[VBE_BAGS[f]] for f in FEATURES],
-                            inverse_indices=(FEATURES, inverse))
+    vbe = KeyedJaggedTensor(
+        keys=FEATURES,
+        values=torch.cat(values),
+        lengths=torch.cat(lengths),
+        stride_per_key_per_rank=[[VBE_BAGS[f]] for f in FEATURES],
+        inverse_indices=(FEATURES, inverse),
+    )
     wide = KeyedJaggedTensor(keys=FEATURES, values=torch.cat(wide_values), lengths=torch.cat(wide_lengths))
     return vbe, wide, grads
 
@@ -103,25 +111,22 @@ def _plan(ec: Any, world: int) -> Any:
     from torchrec.distributed.planner.types import Topology
 
     from recpipe.planner import PlacementPlanner
-    from recpipe.planner.types import PlacementConstraints
+    from recpipe.planner.specs import PlacementConstraints
 
-    topo = Topology(world_size=world, local_world_size=world, compute_device="cuda",
-                    hbm_cap=1 << 30, ddr_cap=1 << 32)
+    topo = Topology(world_size=world, local_world_size=world, compute_device="cuda", hbm_cap=1 << 30, ddr_cap=1 << 32)
     constraints = {t: PlacementConstraints(mode=m, cache_load_factor=x) for t, (m, x) in PLACEMENT.items()}
     placement = PlacementPlanner(topo, constraints=constraints, optimizer="sgd", backend="native").plan(ec)
     return placement.to_sharding_plan(compute_device="cpu")
 
 
 def _body(rank: int, world: int, vbe: bool) -> Dict[str, Any]:
-    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    from recpipe.pipeline.tiered.sharders import (
-        TieredBatchedEmbedding,
-        TieredEmbeddingCollectionSharder,
-        TieredShardedEmbeddingCollection,
-    )
+    from recpipe.pipeline.tiered.kernels import TieredBatchedEmbedding
+    from recpipe.pipeline.tiered.sharded import TieredShardedEmbeddingCollection
+    from recpipe.pipeline.tiered.sharders import TieredEmbeddingCollectionSharder
 
     ec = _ec()
     reference = {t: ec.embeddings[t].weight.detach().clone() for t, _, _ in TABLES}
@@ -130,19 +135,30 @@ def _body(rank: int, world: int, vbe: bool) -> Dict[str, Any]:
     plan = _plan(ec, world)
     ps = plan.plan[""]
     out: Dict[str, Any] = {
-        "plan": {t: (p.sharding_type, p.compute_kernel, p.mode, p.cache_load_factor, p.dist_type)
-                 for t, p in ps.items()},
+        "plan": {
+            t: (p.sharding_type, p.compute_kernel, p.mode, p.cache_load_factor, p.dist_type) for t, p in ps.items()
+        },
         "kernels_cpu": sharder.compute_kernels("row_wise", "cpu"),
     }
     model = DistributedModelParallel(ec, plan=plan, sharders=[sharder], device=torch.device("cpu"))  # type: ignore[list-item]
     sharded = model.module
     assert isinstance(sharded, TieredShardedEmbeddingCollection), type(sharded)
     tiered = sharded.tiered_tables()
-    out["tiered"] = {n: (s.mode.name, s.cache_load_factor, s.dist_type, s.num_rows, s.cache_slots, s.fast_rows)
-                     for n, s in sorted(tiered.items())}
-    out["kernel_types"] = sorted({type(m).__name__ for lookup in sharded._lookups for m in lookup.modules()
-                                  if isinstance(m, TieredBatchedEmbedding)})
-    out["plan_kernel"] = sharded.module_sharding_plan["s0"].compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+    out["tiered"] = {
+        n: (s.mode.name, s.cache_load_factor, s.dist_type, s.num_rows, s.cache_slots, s.fast_rows)
+        for n, s in sorted(tiered.items())
+    }
+    out["kernel_types"] = sorted(
+        {
+            type(m).__name__
+            for lookup in sharded._lookups
+            for m in lookup.modules()
+            if isinstance(m, TieredBatchedEmbedding)
+        }
+    )
+    out["plan_kernel"] = (
+        sharded.module_sharding_plan["s0"].compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+    )
     # VBE: torchrec's own sharded EC (TABLE_WISE FUSED, torchrec's sharder) on the same
     # batches is the reference: its backward of a VBE lookup is not that of the expanded
     # KJT (measured: the two differ from step 1 on), so the plain-SGD reference is not
@@ -189,8 +205,10 @@ def _body(rank: int, world: int, vbe: bool) -> Dict[str, Any]:
     out["rows_loaded"] = loaded
     out["hit_rate"] = hits
     # updated weights: every rank exports its rows (global ids, values) after a flush
-    out["export"] = {n: (st.global_ids.numpy(), st.weights.numpy(), st.metadata["placement"]["mode"])
-                     for n, st in sharded.tiered_state().items()}
+    out["export"] = {
+        n: (st.global_ids.numpy(), st.weights.numpy(), st.metadata["placement"]["mode"])
+        for n, st in sharded.tiered_state().items()
+    }
     out["reference"] = {t: w.numpy() for t, w in reference.items()}
     # torchrec's own state_dict keeps an empty placeholder for tiered tables
     out["state_dict_weight"] = list(model.state_dict()["embeddings.s0.weight"].shape)
@@ -248,8 +266,13 @@ def _torchrec_table_wise(world: int) -> Any:
     apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": LR})
     sharder = EmbeddingCollectionSharder()
     per = {t: table_wise(rank=i % world) for i, (t, _, _) in enumerate(TABLES)}
-    plan = ShardingPlan({"": construct_module_sharding_plan(ec, per, sharder=sharder, local_size=world,
-                                                             world_size=world, device_type="cpu")})
+    plan = ShardingPlan(
+        {
+            "": construct_module_sharding_plan(
+                ec, per, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
+            )
+        }
+    )
     return DistributedModelParallel(ec, plan=plan, sharders=[sharder], device=torch.device("cpu"))  # type: ignore[list-item]
 
 

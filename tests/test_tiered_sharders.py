@@ -21,7 +21,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import numpy as np
 import pytest
 import torch
-
 from gloo_harness import run_gloo
 
 B, STEPS, LR = 4, 4, 0.05
@@ -29,17 +28,30 @@ TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 50, 4, ["f2"])]
 FEATURES = ["f0", "f1", "f2"]
 
 
-def _ebc(pooling: str = "SUM", tables: Sequence[str] = ("t0", "t1"), is_weighted: bool = False,
-         init: Optional[Sequence[float]] = None) -> Any:
+def _ebc(
+    pooling: str = "SUM",
+    tables: Sequence[str] = ("t0", "t1"),
+    is_weighted: bool = False,
+    init: Optional[Sequence[float]] = None,
+) -> Any:
     from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     torch.manual_seed(0)
     return EmbeddingBagCollection(
-        tables=[EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f,
-                                   pooling=PoolingType[pooling],
-                                   weight_init_min=init[0] if init else None, weight_init_max=init[1] if init else None)
-                for n, r, d, f in TABLES if n in tables],
+        tables=[
+            EmbeddingBagConfig(
+                name=n,
+                num_embeddings=r,
+                embedding_dim=d,
+                feature_names=f,
+                pooling=PoolingType[pooling],
+                weight_init_min=init[0] if init else None,
+                weight_init_max=init[1] if init else None,
+            )
+            for n, r, d, f in TABLES
+            if n in tables
+        ],
         device=torch.device("cpu"),
         is_weighted=is_weighted,
     )
@@ -51,10 +63,12 @@ def _kjt(step: int, rank: int) -> Any:
     gen = torch.Generator().manual_seed(100 * step + rank)
     sizes = {"f0": 97, "f1": 97, "f2": 50}
     lengths = torch.randint(0, 5, (len(FEATURES) * B,), generator=gen)
-    values = torch.cat([
-        torch.randint(0, sizes[f], (int(lengths[i * B:(i + 1) * B].sum()),), generator=gen)
-        for i, f in enumerate(FEATURES)
-    ])
+    values = torch.cat(
+        [
+            torch.randint(0, sizes[f], (int(lengths[i * B : (i + 1) * B].sum()),), generator=gen)
+            for i, f in enumerate(FEATURES)
+        ]
+    )
     return KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths), torch.randn(B, 20, generator=gen)
 
 
@@ -73,15 +87,21 @@ def _copy_state_dict(local: Dict[str, Any], global_weights: Dict[str, torch.Tens
             r0, c0 = shard.metadata.shard_offsets
             rows, cols = shard.tensor.shape
             with torch.no_grad():
-                shard.tensor.copy_(global_weights[name][r0:r0 + rows, c0:c0 + cols])
+                shard.tensor.copy_(global_weights[name][r0 : r0 + rows, c0 : c0 + cols])
 
 
 def _table_wise_plan(ebc: Any, sharder: Any, world: int) -> Any:
     """torchrec's reference plan of the two tables: t0 TABLE_WISE on rank 0, t1 on rank 1."""
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 
-    return construct_module_sharding_plan(ebc, {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-                                          sharder=sharder, local_size=world, world_size=world, device_type="cpu")
+    return construct_module_sharding_plan(
+        ebc,
+        {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
+        sharder=sharder,
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
 
 
 def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
@@ -91,11 +111,16 @@ def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingType
 
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
-    plan = construct_module_sharding_plan(ebc, {name: row_wise() for name in ebc.embedding_bags},
-                                          sharder=sharder,  # type: ignore[arg-type]
-                                          local_size=world, world_size=world, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        ebc,
+        {name: row_wise() for name in ebc.embedding_bags},
+        sharder=sharder,  # type: ignore[arg-type]
+        local_size=world,
+        world_size=world,
+        device_type="cpu",
+    )
     shapes = {name: (rows, dim) for name, rows, dim, _ in TABLES}
     for name, placement in placements.items():
         rows, dim = shapes[name]
@@ -111,16 +136,17 @@ def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[
 
 
 def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) -> Dict[str, List[Any]]:
-    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
-    global_weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone()
-                      for n, *_ in TABLES}
+    global_weights = {
+        f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES
+    }
     device = torch.device("cpu")
     results: Dict[str, List[Any]] = {"tiered": [], "ref": [], "stats": [], "backend": []}
     for kind in ("tiered", "ref"):
@@ -132,8 +158,12 @@ def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) ->
         else:
             sharder = EmbeddingBagCollectionSharder()
             plan = _table_wise_plan(ebc, sharder, world)
-        model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                         device=device)
+        model = DistributedModelParallel(
+            ebc,
+            plan=ShardingPlan({"": plan}),
+            sharders=[sharder],  # type: ignore[list-item]
+            device=device,
+        )
         _copy_state_dict(model.module.state_dict(), global_weights)
         if kind == "tiered":
             tiered = model.module.tiered_tables()
@@ -163,8 +193,11 @@ def test_dmp_row_wise_tiered_equals_torchrec_table_wise_fused(pooling: str) -> N
     for rank, res in enumerate(results):
         for step in range(STEPS):
             torch.testing.assert_close(
-                torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
-                atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}",
+                torch.from_numpy(res["tiered"][step]),
+                torch.from_numpy(res["ref"][step]),
+                atol=2e-6,
+                rtol=1e-5,
+                msg=f"rank {rank} step {step}",
             )
         assert res["stats"][0]["lookups"] > 0
 
@@ -186,7 +219,7 @@ def _fp_body(rank: int, world: int, backend: Optional[str]) -> Dict[str, List[An
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     prefix = "_embedding_bag_collection.embedding_bags."
     global_weights = {f"{prefix}{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
@@ -195,27 +228,47 @@ def _fp_body(rank: int, world: int, backend: Optional[str]) -> Dict[str, List[An
         ebc = _ebc(is_weighted=True)
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": LR})
         module = FeatureProcessedEmbeddingBagCollection(
-            ebc, PositionWeightedModuleCollection(max_feature_lengths={f: 5 for f in FEATURES}))
+            ebc, PositionWeightedModuleCollection(max_feature_lengths={f: 5 for f in FEATURES})
+        )
         if kind == "ref" and world == 1:
             sharder: Any = FeatureProcessedEmbeddingBagCollectionSharder()
-            plan = construct_module_sharding_plan(module, {"t0": table_wise(rank=0), "t1": table_wise(rank=0)},
-                                                  sharder=sharder, local_size=1, world_size=1, device_type="cpu")
+            plan = construct_module_sharding_plan(
+                module,
+                {"t0": table_wise(rank=0), "t1": table_wise(rank=0)},
+                sharder=sharder,
+                local_size=1,
+                world_size=1,
+                device_type="cpu",
+            )
         else:
             sharder = FeatureProcessedEmbeddingBagCollectionSharder(
-                ebc_sharder=TieredEmbeddingBagCollectionSharder(backend=backend))  # type: ignore[arg-type]
-            plan = construct_module_sharding_plan(module, {"t0": row_wise(), "t1": row_wise()}, sharder=sharder,
-                                                  local_size=world, world_size=world, device_type="cpu")
+                ebc_sharder=TieredEmbeddingBagCollectionSharder(backend=backend)
+            )  # type: ignore[arg-type]
+            plan = construct_module_sharding_plan(
+                module,
+                {"t0": row_wise(), "t1": row_wise()},
+                sharder=sharder,
+                local_size=world,
+                world_size=world,
+                device_type="cpu",
+            )
             if kind == "tiered":
                 plan["t0"] = PlacementParameterSharding(
                     sharding_type=ShardingType.ROW_WISE.value,
-                    compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value, ranks=list(range(world)),
-                    sharding_spec=row_wise_sharding_spec(97, 8, world, world, "cpu"), dist_type="continuous",
-                    mode="CACHING", cache_load_factor=0.3, seed=3,
+                    compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+                    ranks=list(range(world)),
+                    sharding_spec=row_wise_sharding_spec(97, 8, world, world, "cpu"),
+                    dist_type="continuous",
+                    mode="CACHING",
+                    cache_load_factor=0.3,
+                    seed=3,
                 )
-        model = DistributedModelParallel(module, plan=ShardingPlan({"": plan}), sharders=[sharder],
-                                         device=torch.device("cpu"))
-        _copy_state_dict({k: v for k, v in model.module.state_dict().items() if "position_weight" not in k},
-                         global_weights)
+        model = DistributedModelParallel(
+            module, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu")
+        )
+        _copy_state_dict(
+            {k: v for k, v in model.module.state_dict().items() if "position_weight" not in k}, global_weights
+        )
         if kind == "tiered":
             model.module.load_state_dict({f"{prefix}t0.weight": global_weights[f"{prefix}t0.weight"]}, strict=False)
             assert set(model.module._embedding_bag_collection.tiered_tables()) == {"t0"}
@@ -243,8 +296,11 @@ def test_feature_processed_ebc_trains_position_weights_on_tiered_tables(world: i
     for rank, res in enumerate(run_gloo(world, _fp_body, backend)):
         for step in range(STEPS):
             torch.testing.assert_close(
-                torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
-                atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}",
+                torch.from_numpy(res["tiered"][step]),
+                torch.from_numpy(res["ref"][step]),
+                atol=2e-6,
+                rtol=1e-5,
+                msg=f"rank {rank} step {step}",
             )
         assert any(not np.array_equal(w, np.ones_like(w)) for w in res["pos_ref"])  # they did train
         for got, want in zip(res["pos_tiered"], res["pos_ref"]):
@@ -260,11 +316,17 @@ def _init_body(rank: int, world: int, init: Optional[Sequence[float]]) -> Dict[s
     ebc = _ebc(init=init)
     sharder = TieredEmbeddingBagCollectionSharder()
     plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.3, seed=3)})
-    model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
+    model = DistributedModelParallel(
+        ebc,
+        plan=ShardingPlan({"": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
     fused = model.module.state_dict()["embedding_bags.t1.weight"].local_shards()[0].tensor
-    return {"tiered": model.module.tiered_tables()["t0"].export_state().weights.numpy().copy(),
-            "fused": fused.detach().numpy().copy()}
+    return {
+        "tiered": model.module.tiered_tables()["t0"].export_state().weights.numpy().copy(),
+        "fused": fused.detach().numpy().copy(),
+    }
 
 
 @pytest.mark.parametrize("init", [None, (0.5, 0.75)])
@@ -276,20 +338,39 @@ def test_tiered_tables_initialize_in_the_configs_range_as_torchrec(init: Optiona
 
     for res in run_gloo(2, _init_body, init):
         for name, rows in (("tiered", 97), ("fused", 50)):
-            lo, hi = init or (-(1 / rows) ** 0.5, (1 / rows) ** 0.5)
+            lo, hi = init or (-((1 / rows) ** 0.5), (1 / rows) ** 0.5)
             values = res[name]
             assert values.size > 0 and lo <= values.min() and values.max() <= hi, (name, values.min(), values.max())
             assert values.max() - values.min() > 0.8 * (hi - lo), name  # the whole range, not a corner of it
     with pytest.raises(ValueError, match=r"tiered table 't': weight_init_min=1.0 exceeds weight_init_max=0.5; swap"):
-        TieredEmbeddingShard(num_embeddings=10, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
-                             table_name="t", weight_init_min=1.0, weight_init_max=0.5)
-    shard = TieredEmbeddingShard(num_embeddings=10, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
-                                 weight_init_min=np.float32(0.5), weight_init_max=np.float32(0.75))  # numpy reals too
+        TieredEmbeddingShard(
+            num_embeddings=10,
+            embedding_dim=4,
+            mode="HYBRID",
+            cache_load_factor=0.5,
+            table_name="t",
+            weight_init_min=1.0,
+            weight_init_max=0.5,
+        )
+    shard = TieredEmbeddingShard(
+        num_embeddings=10,
+        embedding_dim=4,
+        mode="HYBRID",
+        cache_load_factor=0.5,
+        weight_init_min=np.float32(0.5),
+        weight_init_max=np.float32(0.75),
+    )  # numpy reals too
     rows = shard.export_state().weights
     assert shard.weight_init_range == (0.5, 0.75) and 0.5 <= rows.min() and rows.max() <= 0.75
     with pytest.raises(ValueError, match=r"tiered table 't': weight_init_max must be a finite number or None, got nan"):
-        TieredEmbeddingShard(num_embeddings=10, embedding_dim=4, mode="HYBRID", cache_load_factor=0.5,
-                             table_name="t", weight_init_max=float("nan"))
+        TieredEmbeddingShard(
+            num_embeddings=10,
+            embedding_dim=4,
+            mode="HYBRID",
+            cache_load_factor=0.5,
+            table_name="t",
+            weight_init_max=float("nan"),
+        )
 
 
 def test_sharder_backend_fbgemm_runs_tiered_tables_on_fbgemm_tbe() -> None:
@@ -302,8 +383,11 @@ def test_sharder_backend_fbgemm_runs_tiered_tables_on_fbgemm_tbe() -> None:
         assert res["backend"] == ["fbgemm"], res["backend"]
         for step in range(STEPS):
             torch.testing.assert_close(
-                torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
-                atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}",
+                torch.from_numpy(res["tiered"][step]),
+                torch.from_numpy(res["ref"][step]),
+                atol=2e-6,
+                rtol=1e-5,
+                msg=f"rank {rank} step {step}",
             )
         assert res["stats"][0]["lookups"] > 0
 
@@ -315,12 +399,18 @@ def test_sharder_backend_is_validated() -> None:
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
 
     for cls in (TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder):
-        with pytest.raises(ValueError, match=rf"^{cls.__name__}: backend must be one of \['native', 'fbgemm', "
-                                             r"'torch'\] or None \(the device's default\), got 'uvm'\."):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{cls.__name__}: backend must be one of \['native', 'fbgemm', "
+            r"'torch'\] or None \(the device's default\), got 'uvm'\.",
+        ):
             cls(backend="uvm")
         sharder = cls(backend="native")
-        with pytest.raises(ValueError, match=rf"^{cls.__name__}\(backend='native'\): backend 'native' \(the "
-                                             r"compiled CPU kernel\) cannot run on meta"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{cls.__name__}\(backend='native'\): backend 'native' \(the "
+            r"compiled CPU kernel\) cannot run on meta",
+        ):
             sharder.shard(torch.nn.Module(), {}, None, torch.device("meta"))  # type: ignore[arg-type]
         assert cls().sharded_module_type is cls(backend="fbgemm").sharded_module_type
 
@@ -360,12 +450,21 @@ def _pipeline_body(rank: int, world: int) -> Dict[str, List[float]]:
         ebc = _ebc()
         apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": LR})
         sharder = TieredEmbeddingBagCollectionSharder()
-        plan = _tiered_plan(ebc, sharder, world, {  # both tiered: CACHING on t0, HYBRID on t1
-            "t0": dict(mode="CACHING", cache_load_factor=0.2, seed=11),
-            "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=11),
-        })
-        model = DistributedModelParallel(_Model(ebc), plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                         device=torch.device("cpu"))
+        plan = _tiered_plan(
+            ebc,
+            sharder,
+            world,
+            {  # both tiered: CACHING on t0, HYBRID on t1
+                "t0": dict(mode="CACHING", cache_load_factor=0.2, seed=11),
+                "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=11),
+            },
+        )
+        model = DistributedModelParallel(
+            _Model(ebc),
+            plan=ShardingPlan({"ebc": plan}),
+            sharders=[sharder],  # type: ignore[list-item]
+            device=torch.device("cpu"),
+        )
         tiered = model.module.ebc.tiered_tables()
         for name, *_ in TABLES:
             tiered[name].load_global_weights(_ebc().embedding_bags[name].weight.detach())
@@ -397,8 +496,9 @@ def test_train_pipeline_sparse_dist_with_tiered_tables_matches_plain_loop() -> N
     results = run_gloo(2, _pipeline_body)
     for rank, res in enumerate(results):
         assert len(res["plain"]) == len(res["pipelined"]) == STEPS + 1
-        torch.testing.assert_close(torch.tensor(res["pipelined"]), torch.tensor(res["plain"]),
-                                   atol=1e-5, rtol=1e-5, msg=f"rank {rank}")
+        torch.testing.assert_close(
+            torch.tensor(res["pipelined"]), torch.tensor(res["plain"]), atol=1e-5, rtol=1e-5, msg=f"rank {rank}"
+        )
         assert res["pipelined_adam_step"] == [float(STEPS + 1)]
 
 
@@ -416,8 +516,12 @@ def _state_dict_body(rank: int, world: int) -> Dict[str, Any]:
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         sharder = TieredEmbeddingBagCollectionSharder()
         plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=5)})
-        return DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                        device=torch.device("cpu"))
+        return DistributedModelParallel(
+            ebc,
+            plan=ShardingPlan({"": plan}),
+            sharders=[sharder],  # type: ignore[list-item]
+            device=torch.device("cpu"),
+        )
 
     trained = build(0)
     trained.module.load_state_dict(
@@ -439,16 +543,21 @@ def _state_dict_body(rank: int, world: int) -> Dict[str, Any]:
         "keys": keys,
         "equal_out": bool((a == b).all()),
         "differed_before": bool((a != before).any()),
-        "equal_rows": bool(torch.equal(ta.global_ids, tb.global_ids) and torch.equal(ta.weights, tb.weights)
-                           and torch.equal(ta.optimizer_state, tb.optimizer_state)),
+        "equal_rows": bool(
+            torch.equal(ta.global_ids, tb.global_ids)
+            and torch.equal(ta.weights, tb.weights)
+            and torch.equal(ta.optimizer_state, tb.optimizer_state)
+        ),
     }
 
 
 def test_state_dict_round_trip_carries_tiered_rows() -> None:
     """model.state_dict() holds tiered tables' rows; load_state_dict(strict=True) restores them."""
     for res in run_gloo(2, _state_dict_body):
-        assert res["keys"] == [f"embedding_bags.t0.tiered.{f}" for f in
-                               ("_extra_state", "global_ids", "optimizer_state", "step", "weights")]
+        assert res["keys"] == [
+            f"embedding_bags.t0.tiered.{f}"
+            for f in ("_extra_state", "global_ids", "optimizer_state", "step", "weights")
+        ]
         assert res["differed_before"], "the fresh model must start from other weights"
         assert res["equal_out"] and res["equal_rows"], res
 
@@ -456,8 +565,8 @@ def test_state_dict_round_trip_carries_tiered_rows() -> None:
 # --- VBE refusal ---------------------------------------------------------------------------
 VBE_SIZES = {"f0": B, "f1": 2, "f2": 3}  # batch size per feature of the VBE batches
 VBE_CASES = {  # case -> (the EBC's tables, its tiered tables)
-    "one_table": (("t0",), ("t0",)),  # one kernel group: the old kernel ValueError
-    "tiered_and_fused": (("t0", "t1"), ("t0",)),  # two groups: the old TypeError
+    "one_table": (("t0",), ("t0",)),  # one kernel group
+    "tiered_and_fused": (("t0", "t1"), ("t0",)),  # two groups
     "two_tables": (("t0", "t1"), ("t0", "t1")),  # two tiered tables
 }
 
@@ -472,9 +581,13 @@ def _vbe_kjt(rank: int, features: Sequence[str]) -> Any:
     lengths = [torch.randint(0, 5, (VBE_SIZES[f],), generator=gen) for f in features]
     values = torch.cat([torch.randint(0, sizes[f], (int(n.sum()),), generator=gen) for f, n in zip(features, lengths)])
     inverse = torch.stack([torch.randint(0, VBE_SIZES[f], (B,), generator=gen) for f in features])
-    return KeyedJaggedTensor(keys=list(features), values=values, lengths=torch.cat(lengths),
-                             stride_per_key_per_rank=[[VBE_SIZES[f]] for f in features],
-                             inverse_indices=(list(features), inverse))
+    return KeyedJaggedTensor(
+        keys=list(features),
+        values=values,
+        lengths=torch.cat(lengths),
+        stride_per_key_per_rank=[[VBE_SIZES[f]] for f in features],
+        inverse_indices=(list(features), inverse),
+    )
 
 
 def _expand_vbe(kjt: Any) -> Any:
@@ -489,7 +602,7 @@ def _expand_vbe(kjt: Any) -> Any:
         offsets = jt.offsets()
         for i in inverse[f].tolist():
             lengths.append(offsets[i + 1] - offsets[i])
-            values.append(jt.values()[offsets[i]:offsets[i + 1]])
+            values.append(jt.values()[offsets[i] : offsets[i + 1]])
     return KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(values), lengths=torch.stack(lengths))
 
 
@@ -511,12 +624,20 @@ def _vbe_body(rank: int, world: int, case: str) -> Dict[str, Any]:
         ebc = _ebc(tables=tables)
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         sharder = TieredEmbeddingBagCollectionSharder()
-        placements = {n: dict(mode="HYBRID" if n == "t0" else "CACHING", cache_load_factor=0.3, seed=3)
-                      for n in (tiered_tables if kind == "tiered" else ())}
-        model = DistributedModelParallel(ebc, plan=ShardingPlan({"": _tiered_plan(ebc, sharder, world, placements)}),
-                                         sharders=[sharder], device=torch.device("cpu"))  # type: ignore[list-item]
-        _copy_state_dict({k: v for k, v in model.module.state_dict().items() if isinstance(v, ShardedTensor)},
-                         {f"embedding_bags.{n}.weight": w for n, w in global_weights.items()})
+        placements = {
+            n: dict(mode="HYBRID" if n == "t0" else "CACHING", cache_load_factor=0.3, seed=3)
+            for n in (tiered_tables if kind == "tiered" else ())
+        }
+        model = DistributedModelParallel(
+            ebc,
+            plan=ShardingPlan({"": _tiered_plan(ebc, sharder, world, placements)}),
+            sharders=[sharder],
+            device=torch.device("cpu"),
+        )  # type: ignore[list-item]
+        _copy_state_dict(
+            {k: v for k, v in model.module.state_dict().items() if isinstance(v, ShardedTensor)},
+            {f"embedding_bags.{n}.weight": w for n, w in global_weights.items()},
+        )
         for name, shard in model.module.tiered_tables().items():
             shard.load_global_weights(global_weights[name])
         if kind == "tiered":
@@ -547,8 +668,10 @@ def test_vbe_kjt_refused_for_tiered_tables_with_possible_solutions(case: str) ->
         assert res["error"] is not None, f"rank {rank}: the VBE KJT was accepted"
         kind, msg = res["error"]
         assert kind == "ValueError", f"rank {rank}: {kind}: {msg}"
-        assert msg.startswith("TieredShardedEmbeddingBagCollection.input_dist: features is a KeyedJaggedTensor "
-                              "with a variable batch size per feature (VBE"), msg
+        assert msg.startswith(
+            "TieredShardedEmbeddingBagCollection.input_dist: features is a KeyedJaggedTensor "
+            "with a variable batch size per feature (VBE"
+        ), msg
         for name, _, _, feats in TABLES:
             named = f"{name!r} (features {feats})"
             assert (named in msg) == (name in tiered_tables), (name, msg)
@@ -558,8 +681,13 @@ def test_vbe_kjt_refused_for_tiered_tables_with_possible_solutions(case: str) ->
         assert "\n  2. place these tables as torchrec FUSED tables with recpipe's row-wise sharding" in msg
         dims = sum(d * len(fs) for n, _, d, fs in TABLES if n in tables)
         assert res["expanded"].shape == res["fused_vbe"].shape == (B, dims)
-        torch.testing.assert_close(torch.from_numpy(res["expanded"]), torch.from_numpy(res["fused_vbe"]),
-                                   atol=2e-6, rtol=1e-5, msg=f"rank {rank}")
+        torch.testing.assert_close(
+            torch.from_numpy(res["expanded"]),
+            torch.from_numpy(res["fused_vbe"]),
+            atol=2e-6,
+            rtol=1e-5,
+            msg=f"rank {rank}",
+        )
 
 
 # --- learning rate schedule through model.fused_optimizer ----------------------------------
@@ -575,8 +703,9 @@ def _lr_schedule_body(rank: int, world: int) -> Dict[str, Any]:
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
-    global_weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone()
-                      for n, *_ in TABLES}
+    global_weights = {
+        f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES
+    }
     out: Dict[str, Any] = {"tiered": [], "ref": []}
     for kind in ("tiered", "ref"):
         ebc = _ebc()
@@ -587,8 +716,12 @@ def _lr_schedule_body(rank: int, world: int) -> Dict[str, Any]:
         else:  # torchrec's own sharder, TABLE_WISE FUSED
             sharder = EmbeddingBagCollectionSharder()
             plan = _table_wise_plan(ebc, sharder, world)
-        model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                         device=torch.device("cpu"))
+        model = DistributedModelParallel(
+            ebc,
+            plan=ShardingPlan({"": plan}),
+            sharders=[sharder],  # type: ignore[list-item]
+            device=torch.device("cpu"),
+        )
         _copy_state_dict(model.module.state_dict(), global_weights)
         if kind == "tiered":
             for name, shard in model.module.tiered_tables().items():
@@ -610,14 +743,16 @@ def test_lr_schedule_on_fused_optimizer_reaches_tiered_tables() -> None:
     """An LR schedule applied to ``model.fused_optimizer`` (param groups' ``lr``, then
     ``step()``, as torchrec's ``WarmupOptimizer`` does) changes the tiered tables'
     learning rate at the same step as torchrec's FUSED tables': every step's outputs
-    equal torchrec's own TABLE_WISE FUSED EBC. Tiered tables used to sit behind an
-    ``EmptyFusedOptimizer`` with no param group, so they silently kept their initial lr."""
+    equal torchrec's own TABLE_WISE FUSED EBC (the tiered table has a param group of its own)."""
     for rank, res in enumerate(run_gloo(2, _lr_schedule_body)):
         assert len(res["lrs"]) >= 2, res["lrs"]  # the tiered table's group next to the FUSED table's
         for step in range(len(LR_SCHEDULE)):
             torch.testing.assert_close(
-                torch.from_numpy(res["tiered"][step]), torch.from_numpy(res["ref"][step]),
-                atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step} (lr {LR_SCHEDULE[step]})",
+                torch.from_numpy(res["tiered"][step]),
+                torch.from_numpy(res["ref"][step]),
+                atol=2e-6,
+                rtol=1e-5,
+                msg=f"rank {rank} step {step} (lr {LR_SCHEDULE[step]})",
             )
 
 
@@ -636,8 +771,9 @@ def _warmup_batches(rank: int) -> List[Any]:
     return batches
 
 
-def _warmup_model(world: int, placements: Any, backend: Optional[str] = None,
-                  fused_params: Optional[Dict[str, Any]] = None) -> Any:
+def _warmup_model(
+    world: int, placements: Any, backend: Optional[str] = None, fused_params: Optional[Dict[str, Any]] = None
+) -> Any:
     """``_Model`` over the EBC with row-wise Adagrad (lr 0.05): ``placements`` None is
     torchrec's own TABLE_WISE FUSED sharding (the reference; t0 on rank 0, t1 on rank 1),
     else recpipe's row-wise plan with those tables tiered (on ``backend``, with the tiered
@@ -660,10 +796,20 @@ def _warmup_model(world: int, placements: Any, backend: Optional[str] = None,
     else:
         sharder = TieredEmbeddingBagCollectionSharder(backend=backend, fused_params=fused_params)
         plan = _tiered_plan(ebc, sharder, world, placements)
-    model = DistributedModelParallel(_Model(ebc), plan=ShardingPlan({"ebc": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                     device=torch.device("cpu"))
-    _copy_state_dict({k[len("ebc."):]: v for k, v in model.module.state_dict().items()
-                      if k.startswith("ebc.") and isinstance(v, ShardedTensor)}, weights)
+    model = DistributedModelParallel(
+        _Model(ebc),
+        plan=ShardingPlan({"ebc": plan}),
+        sharders=[sharder],  # type: ignore[list-item]
+        device=torch.device("cpu"),
+    )
+    _copy_state_dict(
+        {
+            k[len("ebc.") :]: v
+            for k, v in model.module.state_dict().items()
+            if k.startswith("ebc.") and isinstance(v, ShardedTensor)
+        },
+        weights,
+    )
     for name, shard in getattr(model.module.ebc, "tiered_tables", dict)().items():
         shard.load_global_weights(weights[f"embedding_bags.{name}.weight"])
     return model
@@ -676,10 +822,14 @@ def _warmup_optimizer(model: Any) -> Any:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
     from torchrec.optim.warmup import WarmupOptimizer, WarmupPolicy, WarmupStage
 
-    dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                  lambda params: torch.optim.SGD(params, lr=0.05))
-    return WarmupOptimizer(CombinedOptimizer([model.fused_optimizer, dense]),
-                           [WarmupStage(WarmupPolicy.LINEAR, max_iters=4, value=0.1)], lr=0.3)
+    dense = KeyedOptimizerWrapper(
+        dict(in_backward_optimizer_filter(model.named_parameters())), lambda params: torch.optim.SGD(params, lr=0.05)
+    )
+    return WarmupOptimizer(
+        CombinedOptimizer([model.fused_optimizer, dense]),
+        [WarmupStage(WarmupPolicy.LINEAR, max_iters=4, value=0.1)],
+        lr=0.3,
+    )
 
 
 def _full_tables(model: Any) -> Dict[str, np.ndarray]:
@@ -696,7 +846,7 @@ def _full_tables(model: Any) -> Dict[str, np.ndarray]:
         else:
             for shard in ebc.state_dict()[f"embedding_bags.{name}.weight"].local_shards():
                 r0, c0 = shard.metadata.shard_offsets
-                full[r0:r0 + shard.tensor.shape[0], c0:c0 + shard.tensor.shape[1]] = shard.tensor
+                full[r0 : r0 + shard.tensor.shape[0], c0 : c0 + shard.tensor.shape[1]] = shard.tensor
         dist.all_reduce(full)
         out[name] = full.numpy().copy()  # tensors do not cross the harness's queue
     return out
@@ -759,11 +909,17 @@ def _assert_runs_equal_torchrec(rank: int, res: Dict[str, Any], relookups: int) 
     for ref, got in (("ref_loop", "tiered_loop"), ("ref_pipeline", "tiered_pipeline")):
         (ref_losses, ref_tables), (losses, tables) = res[ref], res[got]
         assert len(losses) == len(ref_losses) == WARMUP_STEPS
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), atol=1e-6, rtol=1e-6,
-                                   msg=f"rank {rank} {got}")
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(ref_losses), atol=1e-6, rtol=1e-6, msg=f"rank {rank} {got}"
+        )
         for name in ref_tables:
-            torch.testing.assert_close(torch.from_numpy(tables[name]), torch.from_numpy(ref_tables[name]),
-                                       atol=1e-6, rtol=1e-6, msg=f"rank {rank} {got} table {name}")
+            torch.testing.assert_close(
+                torch.from_numpy(tables[name]),
+                torch.from_numpy(ref_tables[name]),
+                atol=1e-6,
+                rtol=1e-6,
+                msg=f"rank {rank} {got} table {name}",
+            )
     assert res["relookups"] == relookups, res["relookups"]
 
 
@@ -787,9 +943,8 @@ def test_lr_changed_between_lookup_and_backward_applies_from_next_lookup() -> No
     a loop calling ``zero_grad()`` after the forward (the warm-up's lr is pushed then) and
     ``TrainPipelineFusedSparseDist`` with every table tiered (its early lookup precedes the
     warm-up's new lr: redone) give every loss and final table of torchrec's own TABLE_WISE FUSED
-    EBC (in a plain loop / torchrec's TrainPipelineSparseDist). Tiered tables used to read the lr
-    in the backward, so the loop's tiered table stepped one warm-up step ahead, and the
-    pipeline, which did not compare tiered lrs, would have kept the early lookup's stale lr."""
+    EBC (in a plain loop / torchrec's TrainPipelineSparseDist): the lr is read at the lookup,
+    not in the backward, and the pipeline redoes an early lookup whose tiered lr changed."""
     for rank, res in enumerate(run_gloo(2, _lookup_lr_body)):
         _assert_runs_equal_torchrec(rank, res, relookups=4)  # the 4 warm-up lr changes after step 1
 
@@ -819,11 +974,19 @@ def _clipping_body(rank: int, world: int) -> Dict[str, Any]:
             plan = _table_wise_plan(ebc, sharder, world)
         else:
             sharder = TieredEmbeddingBagCollectionSharder(fused_params=dict(CLIPPING))
-            plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
-                                if kind == "tiered" else {})
+            plan = _tiered_plan(
+                ebc,
+                sharder,
+                world,
+                {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)} if kind == "tiered" else {},
+            )
         try:
-            model = DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder],  # type: ignore[list-item]
-                                             device=torch.device("cpu"))
+            model = DistributedModelParallel(
+                ebc,
+                plan=ShardingPlan({"": plan}),
+                sharders=[sharder],  # type: ignore[list-item]
+                device=torch.device("cpu"),
+            )
         except ValueError as e:
             out[kind] = str(e)
             continue
@@ -841,19 +1004,25 @@ def _clipping_body(rank: int, world: int) -> Dict[str, Any]:
 def test_gradient_clipping_fused_params_refused_for_tiered_tables() -> None:
     """fbgemm clips the gradients of torchrec's FUSED tables given ``gradient_clipping`` in the
     fused params (CPU too); the tiered kernel does not, so a tiered table given it is refused on
-    every rank when sharded, naming the table, the params and the possible solutions (it used
-    to train silently without clipping, far from torchrec's outputs). Solution 2, the table as a
-    recpipe ROW_WISE FUSED table with the same fused params, equals torchrec's own TABLE_WISE
-    FUSED EBC step by step (outputs depend on every earlier clipped update)."""
+    every rank when sharded, naming the table, the params and the possible solutions. Solution
+    2, the table as a recpipe ROW_WISE FUSED table with the same fused params, equals torchrec's
+    own TABLE_WISE FUSED EBC step by step (outputs depend on every earlier clipped update)."""
     for rank, res in enumerate(run_gloo(2, _clipping_body)):
         msg = res["tiered"]
         assert isinstance(msg, str), f"rank {rank}: the tiered table with gradient clipping was accepted"
-        assert msg.startswith("tiered table 't0': fused params {'gradient_clipping': True, 'max_gradient': 0.01} "
-                              "change fbgemm's rowwise_adagrad update"), msg
+        assert msg.startswith(
+            "tiered table 't0': fused params {'gradient_clipping': True, 'max_gradient': 0.01} "
+            "change fbgemm's rowwise_adagrad update"
+        ), msg
         assert "Possible solutions:\n  1. remove them" in msg and "\n  2. plan this table as a torchrec FUSED" in msg
         for step in range(STEPS):
-            torch.testing.assert_close(torch.from_numpy(res["fused"][step]), torch.from_numpy(res["ref"][step]),
-                                       atol=2e-6, rtol=1e-5, msg=f"rank {rank} step {step}")
+            torch.testing.assert_close(
+                torch.from_numpy(res["fused"][step]),
+                torch.from_numpy(res["ref"][step]),
+                atol=2e-6,
+                rtol=1e-5,
+                msg=f"rank {rank} step {step}",
+            )
 
 
 # --- update_hyper_parameters through model.fused_optimizer ---------------------------------
@@ -865,8 +1034,10 @@ def _hyper_body(rank: int, world: int) -> Dict[str, Any]:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     def optimizer(model: Any) -> Any:
-        dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(model.named_parameters())),
-                                      lambda params: torch.optim.SGD(params, lr=0.05))
+        dense = KeyedOptimizerWrapper(
+            dict(in_backward_optimizer_filter(model.named_parameters())),
+            lambda params: torch.optim.SGD(params, lr=0.05),
+        )
         return CombinedOptimizer([model.fused_optimizer, dense])
 
     def set_after_zero_grad(step: int, model: Any, opt: Any, batch: Any) -> Any:
@@ -893,7 +1064,6 @@ def test_update_hyper_parameters_on_fused_optimizer_reaches_tiered_tables() -> N
     ``CombinedOptimizer`` API, which sets them in fbgemm's TBE) reaches tiered tables too: in a
     plain loop and in ``TrainPipelineFusedSparseDist`` (every table tiered, its early lookup
     redone once), every loss and final table equal torchrec's own TABLE_WISE FUSED EBC's (in a
-    loop / torchrec's TrainPipelineSparseDist). ``TieredFusedOptimizer`` had no
-    ``update_hyper_parameters``, so ``CombinedOptimizer`` silently skipped tiered tables."""
+    loop / torchrec's TrainPipelineSparseDist)."""
     for rank, res in enumerate(run_gloo(2, _hyper_body)):
         _assert_runs_equal_torchrec(rank, res, relookups=1)

@@ -4,7 +4,7 @@ Two ranks of the real recipe run under torchrun; once training is under way one
 worker is frozen with SIGSTOP. The other must fail in its next collective (gloo
 honours the process group's timeout on all-to-all, all-reduce and barrier) with an
 error that names the timeout and points at a dead or frozen rank, and the job must
-exit non-zero. Before the fix it sat in the collective for gloo's default 30 minutes.
+exit non-zero, not sit in the collective for gloo's default 30 minutes.
 """
 
 from __future__ import annotations
@@ -29,11 +29,31 @@ SLACK_S: int = 30
 START_LIMIT_S: int = 300
 
 RECIPE_ARGS: list[str] = [
-    "--dataset", "synthetic", "--model", "dlrm", "--pipeline", "fused",
-    "--num-embeddings", "2000", "--synthetic-id-space", "50000",
-    "--embedding-dim", "8", "--dense-arch", "16,8", "--over-arch", "16,1",
-    "--batch-size", "64", "--max-steps", "1000000", "--log-every", "2",
-    "--no-progress-bar", "--timeout-s", str(TIMEOUT_S),
+    "--dataset",
+    "synthetic",
+    "--model",
+    "dlrm",
+    "--pipeline",
+    "fused",
+    "--num-embeddings",
+    "2000",
+    "--synthetic-id-space",
+    "50000",
+    "--embedding-dim",
+    "8",
+    "--dense-arch",
+    "16,8",
+    "--over-arch",
+    "16,1",
+    "--batch-size",
+    "64",
+    "--max-steps",
+    "1000000",
+    "--log-every",
+    "2",
+    "--no-progress-bar",
+    "--timeout-s",
+    str(TIMEOUT_S),
 ]
 
 
@@ -84,11 +104,21 @@ def _has_exited(pid: int) -> bool:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads worker processes from /proc")
 def test_frozen_rank_fails_the_job_within_the_timeout() -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "recpipe.recipes.train", *RECIPE_ARGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "recpipe.recipes.train",
+        *RECIPE_ARGS,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     lines: list[str] = []
     training = threading.Event()
 
@@ -133,8 +163,9 @@ def test_frozen_rank_fails_the_job_within_the_timeout() -> None:
         assert "CollectiveFailureError: rank 0: a collective did not complete" in out, out[-4000:]
         assert f"--timeout-s {TIMEOUT_S}" in out and "dead or frozen" in out
         # gloo's own message is kept (which one depends on where the timeout caught the pair)
-        assert (f"Timed out waiting {TIMEOUT_S * 1000}ms" in out
-                or "Application timeout caused pair closure" in out), out[-4000:]
+        assert f"Timed out waiting {TIMEOUT_S * 1000}ms" in out or "Application timeout caused pair closure" in out, (
+            out[-4000:]
+        )
     finally:
         # nothing may outlive the test: torchrun's workers run in their own sessions
         leftovers = set(_children(proc.pid)) if proc.poll() is None else set()
@@ -154,7 +185,7 @@ def test_frozen_rank_fails_the_job_within_the_timeout() -> None:
 
 def test_collective_errors_are_explained_and_others_left_alone() -> None:
     from recpipe.recipes.config import TrainConfig
-    from recpipe.recipes.train import CollectiveFailureError, explain_collective_failure
+    from recpipe.recipes.faults import CollectiveFailureError, explain_collective_failure
 
     cfg = TrainConfig(timeout_s=45)
     gloo_timeout = RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 45000ms for recv")

@@ -1,10 +1,8 @@
-"""recpipe.pipeline.checkpoint: the one DCP checkpoint path.
+"""recpipe.pipeline.checkpoint: the one DCP checkpoint path (save and load through
+``torch.distributed.checkpoint``, digests, key layout, tiered exports, adoption both ways).
 
-Owns save and load through ``torch.distributed.checkpoint``, file digests and the
-atomic ``latest`` record, adoption of torchrec tables into tiered tables and back,
-and tiered-table exports. May import every other part of ``recpipe.pipeline``
-except ``train``. Public names resolve lazily (PEP 562), so importing the
-integrity helpers does not import the DCP machinery.
+May import every other part of ``recpipe.pipeline`` except ``train``. Public names resolve
+lazily (PEP 562), so importing the integrity helpers does not import the DCP machinery.
 """
 
 from __future__ import annotations
@@ -13,14 +11,27 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "CheckpointIntegrityError": "recpipe.pipeline.checkpoint.dcp",
-    "CheckpointLoadError": "recpipe.pipeline.checkpoint.dcp",
-    "CheckpointSaveError": "recpipe.pipeline.checkpoint.dcp",
-    "dcp_state_dict": "recpipe.pipeline.checkpoint.dcp",
+    "CheckpointIntegrityError": "recpipe.pipeline.checkpoint.errors",
+    "CheckpointLoadError": "recpipe.pipeline.checkpoint.errors",
+    "CheckpointSaveError": "recpipe.pipeline.checkpoint.errors",
+    "DCP_METADATA_NAME": "recpipe.pipeline.checkpoint.digests",
+    "DIGESTS_NAME": "recpipe.pipeline.checkpoint.digests",
+    "ExtraState": "recpipe.pipeline.checkpoint.layout",
+    "FUSED_OPTIMIZER_KEY": "recpipe.pipeline.checkpoint.layout",
+    "SAVE_LOCK_NAME": "recpipe.pipeline.checkpoint.integrity",
+    "TIERED_DCP_PREFIX": "recpipe.pipeline.checkpoint.layout",
+    "TieredCheckpointError": "recpipe.pipeline.tiered.state",
+    "dcp_failures": "recpipe.pipeline.checkpoint.errors",
+    "dcp_state_dict": "recpipe.pipeline.checkpoint.layout",
+    "describe_failures": "recpipe.pipeline.checkpoint.errors",
     "load": "recpipe.pipeline.checkpoint.dcp",
     "load_dcp_state_dict": "recpipe.pipeline.checkpoint.dcp",
+    "read_extra_state": "recpipe.pipeline.checkpoint.layout",
+    "remove_rank_files": "recpipe.pipeline.checkpoint.digests",
     "save": "recpipe.pipeline.checkpoint.dcp",
-    "verify_checkpoint": "recpipe.pipeline.checkpoint.dcp",
+    "tiered_dcp_key": "recpipe.pipeline.checkpoint.layout",
+    "verify_checkpoint": "recpipe.pipeline.checkpoint.digests",
+    "write_digests": "recpipe.pipeline.checkpoint.digests",
 }
 
 __all__ = sorted(_EXPORTS)

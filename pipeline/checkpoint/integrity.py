@@ -1,11 +1,8 @@
-"""File integrity helpers shared by recpipe's checkpoint writers and readers.
+"""File integrity helpers of recpipe's checkpoints: digests, atomic writes, the save lock.
 
-A checkpoint records each file's size and sha256 in a JSON record that carries its
-own digest (``json_digest`` of the record without it); readers compare both before
-they unpickle or load anything. Records and markers are written atomically
-(temporary file, fsync, ``os.replace``, fsync of the directory). A save holds an
-exclusive ``flock`` on ``<directory>/SAVE_LOCK_NAME`` (:func:`acquire_save_lock`), so a
-second job saving into the same directory at the same time is refused, not mixed in.
+Records carry each file's size and sha256 and their own digest; records and markers are
+written atomically. A save holds an exclusive ``flock`` on ``<directory>/SAVE_LOCK_NAME``, so
+a second job saving into the same directory is refused, not mixed in. Imports nothing of recpipe.
 """
 
 from __future__ import annotations
@@ -19,18 +16,10 @@ import socket
 from pathlib import Path
 from typing import Any, BinaryIO, Dict, Iterator, NamedTuple, Optional
 
-#: Bytes read per ``read`` call while hashing: 4 MiB, the recipe manifest's value since it
-#: was written; the hashing itself (sha256 ~1.7 GB/s on one core of the development
-#: machine, measured 2026-11-24) bounds the rate, not the number of reads.
-READ_CHUNK_BYTES: int = 1 << 22
-
-#: The file a saving process holds an exclusive ``flock`` on (it names the holder):
-#: ``<checkpoint-dir>/.recpipe_save.lock`` for the recipe, ``<checkpoint_id>/.recpipe_save.lock``
-#: for :func:`recpipe.pipeline.checkpoint.dcp.save`.
+READ_CHUNK_BYTES: int = 1 << 22  # bytes per read while hashing (4 MiB); sha256 itself bounds the rate
+# the file a saving process holds an exclusive flock on (its content names the holder)
 SAVE_LOCK_NAME: str = ".recpipe_save.lock"
-
-FileEntry = Dict[str, Any]
-"""``{"bytes": int, "sha256": str}`` of one file."""
+FileEntry = Dict[str, Any]  # {"bytes": int, "sha256": str} of one file
 
 
 def file_sha256(path: Path) -> str:
@@ -65,17 +54,7 @@ def is_file_entry(entry: Any) -> bool:
 
 
 def file_problem(path: Path, entry: FileEntry, record: str) -> Optional[str]:
-    """Why the file at ``path`` does not match its ``entry`` in ``record``, or None.
-
-    Args:
-        path (Path): the file.
-        entry (FileEntry): its recorded size and sha256.
-        record (str): the record's name, quoted in the problem.
-
-    Returns:
-        Optional[str]: ``None`` when size and sha256 match; else the problem (missing,
-        other size, other digest, unreadable).
-    """
+    """Why the file at ``path`` does not match its ``entry`` in the record named ``record``, or None."""
     if not path.is_file():
         return f"missing ({record} lists it)"
     try:
@@ -109,14 +88,9 @@ def fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """Writes ``path`` atomically: yields a temporary file in the same directory, then
-    fsyncs it, ``os.replace``-s it into place and fsyncs the directory. When the block or
-    any of that fails, the temporary file is removed (a partial file only takes space)
-    and the error propagates; ``path`` is untouched.
-
-    Args:
-        path (Path): the file to write.
-    """
+    """Writes ``path`` atomically: yields a temporary file beside it, then fsyncs it, replaces
+    ``path`` with it and fsyncs the directory. On failure the temporary file is removed and
+    ``path`` is untouched."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
@@ -141,16 +115,13 @@ class SaveLock(NamedTuple):
     """The outcome of :func:`acquire_save_lock`.
 
     Attributes:
-        fd (Optional[int]): the locked file's descriptor (pass the lock to
-            :func:`release_save_lock`); None when not held.
-        holder (Optional[str]): when another process holds the lock, what its lock
-            file says of it (``"pid N on HOST"``, or ``"another process"``).
-        error (Optional[OSError]): the lock file (or its directory) could not be
-            created: the directory cannot be written.
-        path (Path): the lock file.
+        fd: the locked file's descriptor; None when not held.
+        holder: when another process holds the lock, what its file says of it (``"pid N on HOST"``).
+        error: the lock file (or its directory) could not be created.
+        path: the lock file.
 
-    ``fd``, ``holder`` and ``error`` all None: the file system has no ``flock``
-    (ENOLCK / EOPNOTSUPP on some NFS or Lustre mounts); the save goes on unlocked.
+    All of ``fd``, ``holder``, ``error`` None: the file system has no ``flock`` (some NFS or
+    Lustre mounts); the save goes on unlocked.
     """
 
     fd: Optional[int]
@@ -160,18 +131,8 @@ class SaveLock(NamedTuple):
 
 
 def acquire_save_lock(directory: Path) -> SaveLock:
-    """Takes an exclusive, non-blocking ``flock`` on ``directory/SAVE_LOCK_NAME``
-    (creating the directory and the file) and writes ``"pid N on HOST"`` into it, so
-    that another process refused the lock can name its holder. One process (e.g. the
-    saving job's rank 0) calls it; it does not wait.
-
-    Args:
-        directory (Path): the directory being saved into.
-
-    Returns:
-        SaveLock: held (``fd``), busy (``holder``), unwritable (``error``) or, on a
-        file system without ``flock``, none of them.
-    """
+    """Takes an exclusive, non-blocking ``flock`` on ``directory/SAVE_LOCK_NAME`` (creating both)
+    and writes ``"pid N on HOST"`` into it for a refused process to name. One process calls it."""
     path = Path(directory) / SAVE_LOCK_NAME
     while True:
         try:
@@ -206,12 +167,10 @@ def acquire_save_lock(directory: Path) -> SaveLock:
 
 
 def release_save_lock(lock: SaveLock, remove: bool = False) -> None:
-    """Releases a lock :func:`acquire_save_lock` took (no-op when it was not held).
+    """Releases a lock :func:`acquire_save_lock` took (no-op when not held).
 
     Args:
-        lock (SaveLock): the lock.
-        remove (bool): also remove the lock file (before unlocking, so that no other
-            process can lock the removed file), leaving the directory as the save wrote it.
+        remove: also remove the lock file (before unlocking, so no process locks the removed file).
     """
     if lock.fd is None:
         return

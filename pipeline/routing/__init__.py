@@ -1,7 +1,9 @@
 """recpipe.pipeline.routing: which rank owns which row, and moving ids there.
 
-Owns the ``torch.ops.recpipe`` routing op wrappers and their fake kernels, KJT
-bucketization, row order records, and the row-wise input/output dists, shardings,
-sharded modules and sharders of routed (roundrobin / hash_roundrobin) tables. May
-import ``recpipe.pipeline.placement`` and ``recpipe._C`` only.
+Modules, lowest first: ``ops`` (routing op wrappers and fakes), ``rows`` (row math),
+``kjt`` (KJT bucketization), ``features`` (per-table / per-feature routing), ``row_order``
+(row-order record of routed FUSED tables), ``dists``, ``shardings``, ``sharded``,
+``sharders`` (row-wise torchrec components with routed input).
+
+May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.types`` and ``recpipe._C`` only.
 """

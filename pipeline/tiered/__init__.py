@@ -1,8 +1,9 @@
 """recpipe.pipeline.tiered: embedding tables split over a fast and a slow tier.
 
-Owns the tiered shard (one class over a tier-backend interface), its backends
-(native CPU op, fbgemm TBE, torch reference), the kernel modules and sharders that
-put tiered tables behind torchrec's shardings, fused-parameter parsing, the fused
-optimizer, and migration of table state to and from torchrec tables. May import
-``recpipe.pipeline.placement`` and ``recpipe.pipeline.routing``.
+Modules: ``shard`` (TieredEmbeddingShard), ``state`` (export / load), ``routing``
+(shard routings), ``optim`` (fused optimizers), ``fbgemm`` (TBE plans), ``ops`` (kernel
+constants), ``backends`` (tier backends), ``kernels`` / ``sharders`` / ``sharded``
+(torchrec integration), ``fused_params``, ``fused_optimizer`` and ``migration``.
+May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.types`` and
+``recpipe.pipeline.routing``.
 """

@@ -1,63 +1,42 @@
-"""Fused (in-backward) row optimizers of the tiered embedding shard.
+"""Fused (in-backward) row optimizers of the tiered shard, with fbgemm TBE's math.
 
-The math follows fbgemm_gpu's TBE optimizers (``EmbOptimType`` / ``OptimType``),
-applied to the rows of one batch after their gradients were summed per unique
-row ("exact" optimizers in fbgemm's naming):
-
-* ``sgd`` (fbgemm ``EXACT_SGD``): ``w -= lr * g``.
-* ``rowwise_adagrad`` (fbgemm ``EXACT_ROWWISE_ADAGRAD``, weight decay NONE):
-  ``m += mean(g * g)``; ``w -= lr / (sqrt(m) + eps) * g``. One fp32 state per row.
-* ``adam`` (fbgemm ``ADAM``): with the step counter ``t`` (1 on the first step),
-  ``m1 = b1 * m1 + (1 - b1) * g``; ``m2 = b2 * m2 + (1 - b2) * g * g``;
-  ``w -= lr * (m1 / (1 - b1**t) / (sqrt(m2 / (1 - b2**t)) + eps) + wd * w)``.
-  Two fp32 states per element (``exp_avg`` then ``exp_avg_sq``). Only rows looked
-  up in the step are updated (fbgemm semantics, not dense ``torch.optim.Adam``).
-
-The optimizer state of a row is stored in a ``[rows, state_cols]`` fp32 tensor
-next to the row's values, in the same tier, and moves with the row.
+Applied to a batch's rows after their gradients were summed per unique row ("exact"):
+``sgd`` (``w -= lr * g``), ``rowwise_adagrad`` (one fp32 state per row) and ``adam``
+(``exp_avg`` then ``exp_avg_sq`` per element; only looked-up rows are updated). A row's
+state lives next to its values, in the same tier. :class:`OptimizerControlMixin` gives a
+shard fbgemm TBE's controls. May import ``recpipe.pipeline.placement`` and ``recpipe.pipeline.types``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
-from typing import FrozenSet, Union
+from typing import Any, Dict, Mapping, Optional, Union
 
+import numpy as np
 import torch
 
-from recpipe.pipeline.routing.ops import check_int
-from recpipe.pipeline.placement import FusedOptimizer
+from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizer, check_int
+from recpipe.pipeline.types import TierBackend
 
-__all__ = ["FusedOptimizer", "SUPPORTED_OPTIMIZERS", "TieredOptimizerConfig"]
-
-#: The fused optimizers the tiered kernel runs (the placement contract also names
-#: ADAGRAD, which the planner can size but the kernel does not implement).
-SUPPORTED_OPTIMIZERS: FrozenSet[FusedOptimizer] = frozenset(
-    {FusedOptimizer.SGD, FusedOptimizer.ROWWISE_ADAGRAD, FusedOptimizer.ADAM}
-)
+__all__ = ["FusedOptimizer", "OptimizerControlMixin", "TieredOptimizerConfig"]
 
 
 @dataclass(kw_only=True)
 class TieredOptimizerConfig:
-    """Fused optimizer of a tiered table (torchrec ``fused_params`` style).
-
-    Example::
-
-        TieredOptimizerConfig(optimizer="rowwise_adagrad", learning_rate=0.05)
-    """
+    """Fused optimizer of a tiered table (torchrec ``fused_params`` style; fbgemm's defaults)."""
 
     optimizer: Union[FusedOptimizer, str] = FusedOptimizer.SGD
     """``sgd``, ``rowwise_adagrad`` or ``adam``."""
     learning_rate: float = 0.01
-    """Learning rate (fbgemm default 0.01)."""
     eps: float = 1.0e-8
-    """Denominator epsilon of Adagrad / Adam (fbgemm default 1e-8)."""
+    """Denominator epsilon of Adagrad / Adam."""
     beta1: float = 0.9
-    """Adam first-moment decay (fbgemm default 0.9)."""
     beta2: float = 0.999
-    """Adam second-moment decay (fbgemm default 0.999)."""
     weight_decay: float = 0.0
-    """Adam decoupled-in-update weight decay (fbgemm ``ADAM`` ``weight_decay``); must be 0 otherwise."""
+    """Adam's in-update weight decay (fbgemm ``ADAM``); must be 0 otherwise."""
 
     def __post_init__(self) -> None:
         self.optimizer = FusedOptimizer.parse(self.optimizer)
@@ -70,9 +49,7 @@ class TieredOptimizerConfig:
         for name in ("learning_rate", "eps", "weight_decay"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(
-                    f"TieredOptimizerConfig.{name} must be a finite number >= 0, got {value!r}."
-                )
+                raise ValueError(f"TieredOptimizerConfig.{name} must be a finite number >= 0, got {value!r}.")
         for name in ("beta1", "beta2"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
@@ -90,14 +67,7 @@ class TieredOptimizerConfig:
         return self.optimizer.value
 
     def state_cols(self, dim: int) -> int:
-        """fp32 state columns per row: sgd 0, rowwise_adagrad 1, adam ``2 * dim``.
-
-        Args:
-            dim (int): embedding dimension.
-
-        Returns:
-            int: columns of the ``[rows, cols]`` fp32 state tensor.
-        """
+        """fp32 state columns per row of width ``dim``: sgd 0, rowwise_adagrad 1, adam ``2 * dim``."""
         dim = check_int(dim, "dim", 1)
         if self.optimizer is FusedOptimizer.SGD:
             return 0
@@ -106,14 +76,8 @@ class TieredOptimizerConfig:
         return 2 * dim
 
     def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        """Applies one update in place to gathered rows.
-
-        Args:
-            weights (torch.Tensor): ``[n, dim]`` fp32 rows (updated in place).
-            state (torch.Tensor): ``[n, state_cols]`` fp32 optimizer state (in place).
-            grad (torch.Tensor): ``[n, dim]`` gradient summed per unique row.
-            step (int): 1-based step counter (Adam bias correction).
-        """
+        """Applies one update in place to gathered ``[n, dim]`` rows and their state; ``grad`` is
+        summed per unique row, ``step`` is 1-based."""
         opt = self.optimizer
         step = check_int(step, "step", 1)
         for name, t in (("weights", weights), ("state", state), ("grad", grad)):
@@ -124,8 +88,10 @@ class TieredOptimizerConfig:
         cols = self.state_cols(dim)
         for name, t, want in (("grad", grad, [n, dim]), ("state", state, [n, cols])):
             if list(t.shape) != want:
-                raise ValueError(f"TieredOptimizerConfig.update: `{name}` must have shape {want} (`weights` is "
-                                 f"[{n}, {dim}], {opt.value} keeps {cols} state columns), got {list(t.shape)}.")
+                raise ValueError(
+                    f"TieredOptimizerConfig.update: `{name}` must have shape {want} (`weights` is "
+                    f"[{n}, {dim}], {opt.value} keeps {cols} state columns), got {list(t.shape)}."
+                )
         lr = float(self.learning_rate)
         if opt is FusedOptimizer.SGD:
             weights.sub_(grad, alpha=lr)
@@ -147,3 +113,104 @@ class TieredOptimizerConfig:
         if self.weight_decay:
             upd.add_(weights, alpha=self.weight_decay)
         weights.sub_(upd, alpha=lr)
+
+
+class OptimizerControlMixin:
+    """Fused-optimizer controls of a tiered shard, as fbgemm's TBE offers them."""
+
+    table_name: str
+    optimizer: TieredOptimizerConfig
+    tiers: TierBackend
+
+    @property
+    def step(self) -> int:
+        """The optimizer step the table records (and exports)."""
+        return self.tiers.step
+
+    def set_learning_rate(self, lr: Union[float, torch.Tensor]) -> None:
+        """Sets the learning rate of the following lookups, as fbgemm TBE's ``set_learning_rate``.
+
+        Args:
+            lr (float | torch.Tensor): a finite number >= 0, or a 0-dim real tensor holding one
+                (read once here: on CUDA a device sync).
+        """
+        self.optimizer.learning_rate = self._check_lr(lr)
+        self.tiers.set_learning_rate(self.optimizer.learning_rate)
+
+    def _check_lr(self, lr: Any) -> float:
+        """``lr`` as a float, or a ValueError naming the table."""
+        value: Optional[float] = None
+        if isinstance(lr, torch.Tensor):
+            if lr.dim() == 0 and not lr.is_complex() and lr.dtype is not torch.bool:
+                value = float(lr.detach().item())
+        elif isinstance(lr, numbers.Real) and not isinstance(lr, (bool, np.bool_)):
+            value = float(lr)
+        if value is None or not math.isfinite(value) or value < 0:
+            what = (
+                f"a tensor of shape {list(lr.shape)} and dtype {lr.dtype}" if isinstance(lr, torch.Tensor) else repr(lr)
+            )
+            raise ValueError(
+                f"tiered table {self.table_name!r}: learning rate must be a finite real number >= 0 or a 0-dim "
+                f"real tensor holding one (as fbgemm's TBE takes), got {what}: pass e.g. 0.01 or "
+                "torch.tensor(0.01) (a 1-element tensor: lr.reshape(()))."
+            )
+        return value
+
+    def set_optimizer_step(self, step: int) -> None:
+        """Sets the recorded step, as fbgemm TBE's ``set_optimizer_step``.
+
+        As fbgemm's ``iter_cpu``, Adam's bias-correction counter takes the step only while it
+        is 0: on a fresh or just loaded table the next update is step ``step + 1``; a running
+        table keeps its bias correction and records ``step``.
+        """
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+            raise ValueError(
+                f"tiered table {self.table_name!r}: optimizer step must be an int >= 0, got {step!r}: "
+                "pass the number of optimizer steps taken (e.g. the checkpoint's step)."
+            )
+        self.tiers.set_optimizer_step(int(step))
+
+    def update_hyper_parameters(self, params_dict: Dict[str, float]) -> None:
+        """Sets ``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay`` for the following lookups,
+        as fbgemm TBE's ``update_hyper_parameters`` (``weight_decay`` is ignored except for Adam).
+
+        Raises:
+            NotImplementedError: for another name, as fbgemm.
+            ValueError: for a value out of range (nothing is set).
+        """
+        names = ("lr", "eps", "beta1", "beta2", "weight_decay")
+        if not isinstance(params_dict, Mapping):
+            raise ValueError(
+                f"tiered table {self.table_name!r}: params_dict must be a dict of hyper-parameter "
+                f"name -> value, got {type(params_dict).__name__}; pass e.g. {{'lr': 0.01}}."
+            )
+        for name in params_dict:
+            if name not in names:
+                raise NotImplementedError(
+                    f"tiered table {self.table_name!r}: setting hyper-parameter {name!r} is "
+                    f"not supported (supported: {list(names)})."
+                )
+        adam = self.optimizer.optimizer is FusedOptimizer.ADAM
+        fields = ("eps", "beta1", "beta2") + (("weight_decay",) if adam else ())
+        updates = {k: float(v) for k, v in params_dict.items() if k in fields}
+        try:  # validated on a copy: nothing is set when a value is refused
+            dataclasses.replace(self.optimizer, **updates)
+        except ValueError as e:
+            raise ValueError(f"tiered table {self.table_name!r}: {e}") from None
+        if "lr" in params_dict:
+            self.set_learning_rate(params_dict["lr"])
+        for key, value in updates.items():
+            setattr(self.optimizer, key, value)
+        self.tiers.update_hyper_parameters(
+            {k: float(v) for k, v in params_dict.items() if k != "weight_decay" or "weight_decay" in fields}
+        )
+
+    def lookup_counters(self) -> Optional[Any]:
+        """Opaque host snapshot of the counters a lookup advances (fbgemm counts steps in the
+        lookup), for :meth:`undo_lookup`; None when a lookup advances none."""
+        return self.tiers.lookup_counters()
+
+    def undo_lookup(self, before: Optional[Any], after: Optional[Any]) -> None:
+        """Takes back one discarded lookup's counter increments (:meth:`lookup_counters` ``before`` /
+        ``after`` it), keeping those of later lookups."""
+        self.tiers.undo_lookup(before, after)

@@ -1,13 +1,8 @@
-"""Per-stage timing of a sparse-dist train pipeline (host wall clock).
+"""Per-stage host wall-clock timing of a sparse-dist train pipeline.
 
-``PipelineStageStats`` accumulates, per training step, how long the host spends in
-the stages the fused pipeline re-orders: issuing the embedding lookup and its
-output all-to-all, blocking in the forward until the output all-to-all has
-landed, and the dense optimizer step. ``TimedLazyAwaitable`` wraps a sharded
-module's output-dist awaitable so the forward's blocking wait is measured where
-it really happens (the model's first use of the embeddings), without changing
-when that wait happens. The bench uses the same wrapper for torchrec's
-``TrainPipelineSparseDist`` so both pipelines are measured the same way.
+Owns ``PipelineStageStats``, ``StageTimer`` and ``TimedLazyAwaitable``, which times an
+output-dist wait where the model first uses the embeddings (the bench wraps torchrec's
+``TrainPipelineSparseDist`` the same way). Imports no recpipe module.
 """
 
 from __future__ import annotations
@@ -21,8 +16,7 @@ from torchrec.distributed.types import Awaitable, LazyAwaitable, LazyGetItemMixi
 
 W = TypeVar("W")
 
-# Stage names, in the order one step runs them; also the keys of
-# ``PipelineStageStats.seconds``.
+# Stage names, in step order; the keys of ``PipelineStageStats.seconds``.
 STAGE_LOOKUP = "embedding_lookup"
 STAGE_OUTPUT_DIST_WAIT = "output_dist_wait"
 STAGE_OPTIMIZER = "optimizer"
@@ -33,16 +27,8 @@ STAGES = (STAGE_LOOKUP, STAGE_OUTPUT_DIST_WAIT, STAGE_OPTIMIZER)
 class PipelineStageStats:
     """Host wall-clock seconds spent per stage, summed over ``steps`` steps.
 
-    On CPU these are the real stage costs. On CUDA they are host-side times
-    (kernel enqueue, plus any host synchronisation the stage performs): the
-    output-dist wait then measures how long the host blocks on the collective.
-
-    Example::
-
-        pipeline = TrainPipelineFusedSparseDist(model, optimizer, device)
-        for _ in range(10):
-            pipeline.progress(it)
-        print(pipeline.stats.per_step_ms())
+    On CUDA these are host-side times (kernel enqueue plus any host synchronisation):
+    the output-dist wait measures how long the host blocks on the collective.
     """
 
     steps: int = 0
@@ -52,17 +38,10 @@ class PipelineStageStats:
     """Summed seconds per stage name (keys: ``STAGES``)."""
 
     relookups: int = 0
-    """Batches whose early lookup was discarded and issued again (``attach()``,
-    a train/eval or grad-mode switch, tables written or a new fused learning
-    rate between steps); 0 in uninterrupted training."""
+    """Batches whose early lookup was discarded and issued again; 0 in uninterrupted training."""
 
     def add(self, stage: str, seconds: float) -> None:
-        """Adds ``seconds`` to ``stage``.
-
-        Args:
-            stage (str): one of ``STAGES``.
-            seconds (float): wall-clock seconds to add.
-        """
+        """Adds ``seconds`` to ``stage`` (one of ``STAGES``)."""
         if stage not in self.seconds:
             raise KeyError(f"unknown pipeline stage {stage!r}; expected one of {STAGES}")
         self.seconds[stage] += seconds
@@ -75,29 +54,14 @@ class PipelineStageStats:
             self.seconds[stage] = 0.0
 
     def per_step_ms(self) -> Dict[str, float]:
-        """Mean milliseconds per step for every stage.
-
-        Returns:
-            Dict[str, float]: stage name -> ms per step (0.0 before any step).
-        """
+        """Stage name -> mean milliseconds per step (0.0 before any step)."""
         n = max(self.steps, 1)
         return {stage: 1e3 * s / n for stage, s in self.seconds.items()}
 
 
 class StageTimer:
-    """Context manager: a ``record_function`` label plus a perf_counter accumulator.
-
-    Args:
-        stats (Optional[PipelineStageStats]): where to add the elapsed time; None
-            only labels the region for the profiler.
-        stage (str): stage name (one of ``STAGES``) to accumulate into.
-        label (str): the ``record_function`` label shown in profiler traces.
-
-    Example::
-
-        with StageTimer(stats, STAGE_OPTIMIZER, "## optimizer 3 ##"):
-            optimizer.step()
-    """
+    """Context manager: a ``record_function(label)`` whose elapsed time is added to
+    ``stats`` (None: label only) under ``stage``."""
 
     def __init__(self, stats: Optional[PipelineStageStats], stage: str, label: str) -> None:
         self._stats = stats
@@ -118,23 +82,9 @@ class StageTimer:
 
 
 class TimedLazyAwaitable(LazyGetItemMixin[Any, Any], LazyAwaitable[W], Generic[W]):
-    """Wraps an output-dist awaitable; times its ``wait()`` into the stats.
+    """Wraps an output-dist awaitable, still lazy; times its ``wait()`` into ``STAGE_OUTPUT_DIST_WAIT``.
 
-    The wrapper stays lazy: the wait happens when the model first uses the
-    embeddings (exactly as with the wrapped awaitable), and the blocking time is
-    added to ``STAGE_OUTPUT_DIST_WAIT``.
-
-    Args:
-        inner (Awaitable[W]): the awaitable returned by
-            ``ShardedModule.compute_and_output_dist``.
-        stats (Optional[PipelineStageStats]): accumulator (None: label only).
-        label (str): ``record_function`` label of the wait.
-        on_ready (Optional[Callable[[W], None]]): called with the result once it
-            is available (the pipeline registers the consumer stream there).
-
-    Example::
-
-        out = TimedLazyAwaitable(module.compute_and_output_dist(ctx, kjt), stats, "## wait ##")
+    ``on_ready`` is called with the result (the pipeline registers the consumer stream there).
     """
 
     def __init__(
@@ -159,28 +109,14 @@ class TimedLazyAwaitable(LazyGetItemMixin[Any, Any], LazyAwaitable[W], Generic[W
 
 
 def time_awaitable_tree(
-    awaitable: Any,
-    stats: Optional[PipelineStageStats],
-    label: str,
-    on_ready: Optional[Callable[[Any], None]] = None,
+    awaitable: Any, stats: Optional[PipelineStageStats], label: str, on_ready: Optional[Callable[[Any], None]] = None
 ) -> Any:
-    """Wraps an awaitable (or a tuple of them, as managed-collision modules return).
-
-    Args:
-        awaitable (Any): an ``Awaitable`` or a tuple/list of ``Awaitable``.
-        stats (Optional[PipelineStageStats]): accumulator.
-        label (str): ``record_function`` label of the wait.
-        on_ready (Optional[Callable[[Any], None]]): see ``TimedLazyAwaitable``.
-
-    Returns:
-        Any: the same structure with every awaitable wrapped.
-    """
+    """Wraps an awaitable, or each of a tuple/list of them (managed-collision modules),
+    in ``TimedLazyAwaitable``; returns the same structure."""
     if isinstance(awaitable, (tuple, list)):
         return type(awaitable)(time_awaitable_tree(a, stats, label, on_ready) for a in awaitable)
     if isinstance(awaitable, Awaitable):
         return TimedLazyAwaitable(awaitable, stats, label, on_ready)
     raise TypeError(
-        f"expected an Awaitable (or a tuple of them) from compute_and_output_dist, got "
-        f"{type(awaitable).__name__}"
+        f"expected an Awaitable (or a tuple of them) from compute_and_output_dist, got {type(awaitable).__name__}"
     )
-

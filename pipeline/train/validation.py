@@ -1,58 +1,39 @@
 """Exactness check of the fused pipeline: which lookups may run before the optimizer.
 
-``TrainPipelineFusedSparseDist`` issues batch i+1's embedding lookup before (or
-concurrently with) batch i's dense optimizer step. That is exact only when
-nothing the lookup reads is written by that optimizer step: every table must be
-updated by its fused in-backward optimizer (compute kernels FUSED, FUSED_UVM,
-FUSED_UVM_CACHING, KEY_VALUE, CUSTOMIZED_KERNEL, ...), and no feature processor
-(e.g. the position weights of a ``FeatureProcessedEmbeddingBagCollection``,
-which the dense optimizer steps) may sit inside the pipelined module.
-
-``FusedLookupExactnessChecker`` inspects the pipelined modules when the model is
-attached and either raises ``FusedLookupExactnessError`` or, with
-``allow_dense_tables=True``, returns the modules whose lookup must be ordered
-after the optimizer (modules holding dense-updated tables or feature
-processors).
+Batch i+1's lookup, issued before batch i's dense optimizer step, is exact only when
+that step writes nothing it reads: every table updated by its fused in-backward
+optimizer and no feature processor (stepped by the dense optimizer) inside the pipelined
+module. Owns ``FusedLookupExactnessChecker`` and ``FusedLookupExactnessError``.
+Imports no recpipe module.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.types import ParameterSharding, ShardingType
 
-# Compute kernels whose weights are plain parameters stepped by the user's
-# (dense) optimizer rather than by an optimizer fused into the TBE backward
-# (torchrec.distributed.embedding_types.EmbeddingComputeKernel).
+# Compute kernels whose weights the dense optimizer steps (not fused into the TBE backward).
 DENSE_UPDATED_KERNELS = frozenset({EmbeddingComputeKernel.DENSE.value})
-# Sharding types whose tables are replicated and updated after the gradient
-# all-reduce by the dense optimizer (torchrec.distributed.types.ShardingType).
+# Sharding types whose replicated tables the dense optimizer updates after the all-reduce.
 DENSE_UPDATED_SHARDINGS = frozenset({ShardingType.DATA_PARALLEL.value})
 
 
 class FusedLookupExactnessError(ValueError):
-    """A pipelined module reads weights the dense optimizer writes.
-
-    Raised by ``TrainPipelineFusedSparseDist`` when the model is attached; the
-    message names the module, the table or parameter, and numbered solutions.
-    """
+    """A pipelined module reads weights the dense optimizer writes (raised on attach)."""
 
 
 @dataclass(frozen=True)
 class DenseUpdatedTable:
-    """One table (or parameter) of a pipelined module stepped by the dense optimizer."""
+    """One table of a pipelined module stepped by the dense optimizer: the module's name, the
+    table's (a parameter's without a sharding plan) and why, e.g. ``compute_kernel='dense'``."""
 
     module: str
-    """Fully qualified name of the pipelined sharded module."""
-
     table: str
-    """Table name (or parameter name when the module has no sharding plan)."""
-
     reason: str
-    """Why it counts as dense-updated, e.g. ``compute_kernel='dense'``."""
 
 
 def _dense_tables_from_plan(module_name: str, plan: Mapping[str, ParameterSharding]) -> List[DenseUpdatedTable]:
@@ -69,8 +50,7 @@ def _dense_tables_from_plan(module_name: str, plan: Mapping[str, ParameterShardi
 
 
 def _dense_params_without_plan(module_name: str, module: torch.nn.Module) -> List[DenseUpdatedTable]:
-    # Fused TBE weights carry `_in_backward_optimizers` (set by torchrec's
-    # batched embedding kernels); anything else is stepped by the dense optimizer.
+    # Fused TBE weights carry `_in_backward_optimizers`; anything else is dense-updated.
     return [
         DenseUpdatedTable(module_name, name, "parameter without an in-backward optimizer")
         for name, p in module.named_parameters()
@@ -79,8 +59,7 @@ def _dense_params_without_plan(module_name: str, module: torch.nn.Module) -> Lis
 
 
 def _sharding_plan_of(module: torch.nn.Module) -> Optional[Mapping[str, ParameterSharding]]:
-    # Sharded EBC / EC carry `module_sharding_plan`; a sharded
-    # FeatureProcessedEmbeddingBagCollection wraps a sharded EBC that carries it.
+    # A sharded FeatureProcessedEmbeddingBagCollection wraps a sharded EBC that carries it.
     plan = getattr(module, "module_sharding_plan", None)
     if plan is None:
         inner = getattr(module, "_embedding_bag_collection", None)
@@ -89,9 +68,6 @@ def _sharding_plan_of(module: torch.nn.Module) -> Optional[Mapping[str, Paramete
 
 
 def _feature_processor_of(module: torch.nn.Module) -> Optional[torch.nn.Module]:
-    # ShardedFeatureProcessedEmbeddingBagCollection keeps its processors in
-    # `_feature_processors` (a FeatureProcessorsCollection such as
-    # PositionWeightedModuleCollection, or a ModuleDict of per-feature modules).
     for attr in ("_feature_processors", "_feature_processor"):
         fp = getattr(module, attr, None)
         if fp is not None:
@@ -101,59 +77,27 @@ def _feature_processor_of(module: torch.nn.Module) -> Optional[torch.nn.Module]:
 
 @dataclass(frozen=True)
 class FeatureProcessedModule:
-    """A pipelined module that applies a feature processor inside its lookup."""
+    """A pipelined module applying a feature processor inside its lookup: its name, its plan's
+    tables and the processor's trainable parameters, e.g. ``position_weights.f_t0``."""
 
     module: str
-    """Fully qualified name of the pipelined sharded module."""
-
     tables: Tuple[str, ...]
-    """Tables of the module (from its sharding plan; empty without a plan)."""
-
     parameters: Tuple[str, ...]
-    """Trainable feature-processor parameters (stepped by the dense optimizer),
-    relative to the processor, e.g. ``position_weights.f_t0``."""
 
 
 class FusedLookupExactnessChecker:
     """Decides, per pipelined module, whether its lookup may precede the optimizer.
 
     Args:
-        allow_dense_tables (bool): False: any dense-updated table or feature
-            processor raises. True: modules holding one are reported as "after
-            optimizer".
-
-    Example::
-
-        checker = FusedLookupExactnessChecker(allow_dense_tables=False)
-        late = checker.check({"sparse.ebc": sharded_ebc})   # raises or returns []
+        allow_dense_tables (bool): report modules holding a dense-updated table or feature
+            processor as "after optimizer" instead of raising.
     """
 
     def __init__(self, allow_dense_tables: bool) -> None:
         self._allow_dense_tables = allow_dense_tables
 
-    def feature_processor_modules(self, modules: Mapping[str, torch.nn.Module]) -> List[str]:
-        """Names of the modules that apply a feature processor inside the lookup.
-
-        Args:
-            modules (Mapping[str, torch.nn.Module]): pipelined module name -> module.
-
-        Returns:
-            List[str]: offending module names, in input order.
-        """
-        return [name for name, m in modules.items() if _feature_processor_of(m) is not None]
-
-    def feature_processed_modules(
-        self, modules: Mapping[str, torch.nn.Module]
-    ) -> List[FeatureProcessedModule]:
-        """The modules of ``feature_processor_modules`` with their tables and parameters.
-
-        Args:
-            modules (Mapping[str, torch.nn.Module]): pipelined module name -> module.
-
-        Returns:
-            List[FeatureProcessedModule]: one entry per feature-processed module,
-            in input order.
-        """
+    def feature_processed_modules(self, modules: Mapping[str, torch.nn.Module]) -> List[FeatureProcessedModule]:
+        """The modules (name -> module) applying a feature processor inside the lookup, in order."""
         found: List[FeatureProcessedModule] = []
         for name, m in modules.items():
             fp = _feature_processor_of(m)
@@ -161,27 +105,16 @@ class FusedLookupExactnessChecker:
                 continue
             plan = _sharding_plan_of(m)
             params = (
-                tuple(n for n, p in fp.named_parameters() if p.requires_grad)
-                if isinstance(fp, torch.nn.Module)
-                else ()
+                tuple(n for n, p in fp.named_parameters() if p.requires_grad) if isinstance(fp, torch.nn.Module) else ()
             )
             found.append(FeatureProcessedModule(name, tuple(plan or ()), params))
         return found
 
     def dense_updated_tables(self, modules: Mapping[str, torch.nn.Module]) -> List[DenseUpdatedTable]:
-        """Every table of the pipelined modules stepped by the dense optimizer.
+        """Every table of the pipelined modules (name -> module) stepped by the dense optimizer.
 
-        Decided from the module's sharding plan (identical on every rank, so all
-        ranks take the same schedule; a feature-processed EBC's is its inner EBC's,
-        its feature processor is reported by ``feature_processed_modules``);
-        modules without a plan fall back to their parameters'
-        ``_in_backward_optimizers`` marker.
-
-        Args:
-            modules (Mapping[str, torch.nn.Module]): pipelined module name -> module.
-
-        Returns:
-            List[DenseUpdatedTable]: offending tables, module by module.
+        Decided from the sharding plan (identical on every rank, so all ranks take the same
+        schedule); a module without a plan by its parameters' ``_in_backward_optimizers``.
         """
         found: List[DenseUpdatedTable] = []
         for name, m in modules.items():
@@ -193,26 +126,21 @@ class FusedLookupExactnessChecker:
         return found
 
     def check(self, modules: Mapping[str, torch.nn.Module]) -> Sequence[str]:
-        """Validates the pipelined modules.
-
-        Args:
-            modules (Mapping[str, torch.nn.Module]): pipelined module name -> module.
+        """Validates the pipelined modules (name -> module).
 
         Returns:
-            Sequence[str]: sorted names of the modules whose lookup must be issued
-            after the optimizer step: those holding a dense-updated table or a
-            feature processor (empty unless ``allow_dense_tables=True``).
+            Sequence[str]: sorted names of the modules whose lookup must follow the optimizer
+            step (empty unless ``allow_dense_tables=True``).
 
         Raises:
-            FusedLookupExactnessError: a module has a feature processor, or a table
-                is dense-updated, and ``allow_dense_tables`` is False.
+            FusedLookupExactnessError: a feature processor or dense-updated table, and
+                ``allow_dense_tables`` is False.
         """
         fp_modules = self.feature_processed_modules(modules)
         fp = [f.module for f in fp_modules]
         if fp and not self._allow_dense_tables:
             details = "; ".join(
-                f"module {f.module!r} tables {list(f.tables)} feature-processor parameters "
-                f"{list(f.parameters)}"
+                f"module {f.module!r} tables {list(f.tables)} feature-processor parameters {list(f.parameters)}"
                 for f in fp_modules
             )
             raise FusedLookupExactnessError(
@@ -234,9 +162,7 @@ class FusedLookupExactnessChecker:
         dense = self.dense_updated_tables(modules)
         if dense and not self._allow_dense_tables:
             listed = "; ".join(f"module {d.module!r} table {d.table!r} ({d.reason})" for d in dense)
-            per_module: Dict[str, int] = {}
-            for d in dense:
-                per_module[d.module] = per_module.get(d.module, 0) + 1
+            per_module = {d.module for d in dense}
             raise FusedLookupExactnessError(
                 f"TrainPipelineFusedSparseDist: {len(dense)} table(s) in {len(per_module)} "
                 f"pipelined module(s) are updated by the dense optimizer, not by a fused "

@@ -1,6 +1,5 @@
-"""Data sources for recpipe recipes: MovieLens-100k, a synthetic Criteo-like stream, Criteo TSV."""
+"""Data sources of the recipes: MovieLens-100k, a synthetic Criteo-like stream, Criteo TSV.
 
-from recpipe.recipes.data.base import BatchSource, DatasetSpec
-from recpipe.recipes.data.registry import DATA_SOURCES, make_data_source
-
-__all__ = ["BatchSource", "DATA_SOURCES", "DatasetSpec", "make_data_source"]
+:mod:`.base` declares :class:`~.base.BatchSource`; :mod:`.registry` maps ``--dataset``
+names to sources. May import :mod:`recpipe.recipes.config`.
+"""

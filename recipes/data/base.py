@@ -1,12 +1,8 @@
 """The contract every data source meets, and the id -> KJT step shared by all.
 
-A :class:`BatchSource` gives deterministic batches addressed by global step: the
-batch of rank ``r`` at step ``s`` depends only on (config, world size, r, s). That
-makes resume exact (restart at step ``s``) and lets two pipelines see identical data.
-Every feature carries one raw id per sample; the model decides how ids become table
-rows (:class:`IdTransform`). The sources themselves and the dispatch
-:func:`~recpipe.recipes.data.registry.make_data_source` live in their own modules:
-this one imports none of them.
+A :class:`BatchSource`'s batch of rank ``r`` at step ``s`` depends only on (config,
+world size, r, s): resume is exact and two pipelines see identical data. Imports no
+source (the sources import it).
 """
 
 from __future__ import annotations
@@ -25,37 +21,43 @@ from recpipe.recipes.data.hashing import VirtualTableProjector
 
 @dataclass(frozen=True, kw_only=True)
 class DatasetSpec:
-    """Shape of a data source's samples.
+    """Shape of a data source's samples."""
 
-    Example::
+    name: str  # TrainConfig.dataset
+    dense_in_features: int
+    feature_names: tuple[str, ...]  # in KJT key order
+    cardinalities: tuple[int, ...]  # raw id space per feature
 
-        DatasetSpec(name="movielens100k", dense_in_features=5,
-                    feature_names=("user_id", "item_id"), cardinalities=(944, 1683))
+
+class DataFormatError(ValueError):
+    """A data file's row breaks its dataset's format; the message names file, line, column and value.
+
+    Attributes:
+        path, line: the file and 1-based line (``None`` when a row was parsed on its own).
+        column, value: the 1-based column and bad value (``None`` for a row-level problem).
     """
 
-    name: str
-    """Data source name (``TrainConfig.dataset``)."""
-    dense_in_features: int
-    """Dense features per sample."""
-    feature_names: tuple[str, ...]
-    """Sparse feature names, in KJT key order."""
-    cardinalities: tuple[int, ...]
-    """Raw id space per feature (ids lie in ``[0, cardinality)``)."""
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        line: int | None = None,
+        column: int | None = None,
+        value: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.line = line
+        self.column = column
+        self.value = value
 
 
 class IdTransform:
-    """Maps raw ids to table rows, as the model's tables expect, for all features at once.
+    """Maps raw ids to table rows for all features at once (a few vectorized ops per batch).
 
-    ``dlrm``: ``id mod rows`` (one row per id, pooling factor 1).
-    ``micro_dlrm_dram``: ``k`` hashed rows in a virtual table (pooling factor ``k``).
-
-    A batch costs a few vectorized ops whatever the number of features and ``k``
-    (one broadcast ``%`` for ``dlrm``, one
-    :func:`~recpipe.recipes.data.hashing.hash_ids_grid` for micro-DLRM).
-
-    Args:
-        config: the run's config (model, virtual_rows, hash_k, seed).
-        spec: the data source's spec (table sizes for ``dlrm``).
+    ``dlrm``: ``id mod rows`` (pooling factor 1); ``micro_dlrm_dram``: ``k`` hashed rows
+    in a virtual table (pooling factor ``k``).
     """
 
     def __init__(self, config: TrainConfig, spec: DatasetSpec) -> None:
@@ -74,18 +76,10 @@ class IdTransform:
         return self.projector.k if self.projector is not None else 1
 
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """The table rows of raw ids, for all features at once.
+        """int64 ``(F, N, per_sample)`` table rows of int64 ``(F, N)`` raw ids.
 
-        A source whose ids repeat (MovieLens) maps its whole dataset once with this and
-        builds each batch with :meth:`kjt_of_rows` from a gather of the result: the same
-        KJT as :meth:`to_kjt` of the batch's ids, without hashing every batch.
-
-        Args:
-            ids: int64 ``(F, N)`` raw ids, row ``f`` for feature ``f``.
-
-        Returns:
-            int64 ``(F, N, per_sample)`` rows: ``[f, n, j]`` is hash slot ``j`` of
-            ``ids[f, n]`` (micro-DLRM) or ``ids[f, n] mod rows[f]`` (``j = 0``).
+        A source whose ids repeat maps its whole dataset once and builds batches with
+        :meth:`kjt_of_rows` (the same KJT as :meth:`to_kjt`, without hashing per batch).
         """
         if ids.dtype != torch.int64:
             raise TypeError(f"IdTransform: ids must be int64, got {ids.dtype}; convert with ids.long()")
@@ -99,36 +93,17 @@ class IdTransform:
         return self.projector.project(ids)
 
     def kjt_of_rows(self, keys: tuple[str, ...], rows: torch.Tensor) -> KeyedJaggedTensor:
-        """Builds the KJT of one batch from its table rows.
-
-        Args:
-            keys: feature names.
-            rows: int64 ``(F, B, per_sample)`` rows, as :meth:`rows_of` returns them.
-
-        Returns:
-            KJT with ``F`` keys, ``B`` samples each, values grouped by key (then sample,
-            then hash slot for micro-DLRM).
-        """
+        """The KJT of one batch from its ``(F, B, per_sample)`` rows (values by key, sample, slot)."""
         if rows.dim() != 3 or rows.shape[0] != len(keys) or rows.shape[2] != self.per_sample:
             raise ValueError(
-                f"IdTransform.kjt_of_rows: rows must be (F={len(keys)}, B, {self.per_sample}), "
-                f"got {tuple(rows.shape)}"
+                f"IdTransform.kjt_of_rows: rows must be (F={len(keys)}, B, {self.per_sample}), got {tuple(rows.shape)}"
             )
         num_f, batch, per_sample = rows.shape
         lengths = torch.full((num_f * batch,), per_sample, dtype=torch.int32, device=rows.device)
         return KeyedJaggedTensor.from_lengths_sync(keys=list(keys), values=rows.reshape(-1), lengths=lengths)
 
     def to_kjt(self, keys: tuple[str, ...], ids: torch.Tensor) -> KeyedJaggedTensor:
-        """Builds the KJT of one batch.
-
-        Args:
-            keys: feature names.
-            ids: int64 ``(F, B)`` raw ids, row ``f`` for ``keys[f]``.
-
-        Returns:
-            KJT with ``F`` keys, ``B`` samples each, values grouped by key (then sample,
-            then hash slot for micro-DLRM).
-        """
+        """The KJT of one batch from int64 ``(F, B)`` raw ids, row ``f`` for ``keys[f]``."""
         if ids.dtype != torch.int64:
             raise TypeError(f"IdTransform.to_kjt: ids must be int64, got {ids.dtype}; convert with ids.long()")
         if ids.dim() != 2 or ids.shape[0] != len(keys) or len(keys) != len(self.rows):
@@ -139,25 +114,15 @@ class IdTransform:
         return self.kjt_of_rows(keys, self.rows_of(ids))
 
 
-# Label of the padding samples of an eval split's last, short global batch: every rank
-# evaluates a full ``batch_size`` batch (the sharded tables need the same batch size on
-# every rank) and the evaluation drops the samples with this label.
+# Label of the padding of an eval split's short last batch (sharded tables need equal batch
+# sizes on every rank); the evaluation drops these samples.
 EVAL_PAD_LABEL: float = -1.0
 
 
 def pad_rank_slice(rows: list | torch.Tensor, rank: int, batch_size: int) -> tuple[list | torch.Tensor, int]:
-    """Rank ``rank``'s ``batch_size`` rows of a global batch, padded when it is short.
+    """``(mine, real)``: rank ``rank``'s ``batch_size`` rows of a non-empty global batch.
 
-    Args:
-        rows: the global batch's rows (a list, or a tensor of row indices); at most
-            ``batch_size * world_size``, at least one.
-        rank: this rank.
-        batch_size: rows per rank.
-
-    Returns:
-        ``(mine, real)``: exactly ``batch_size`` rows, whose first ``real`` are this
-        rank's share and the rest copies of the global batch's first row (padding; its
-        labels are to be set to :data:`EVAL_PAD_LABEL`).
+    The first ``real`` are this rank's share, the rest copies of the first row (padding).
     """
     mine = rows[rank * batch_size : (rank + 1) * batch_size]
     real = len(mine)
@@ -187,13 +152,7 @@ def table_rows(config: TrainConfig, spec: DatasetSpec) -> tuple[int, ...]:
 
 
 class BatchSource(abc.ABC):
-    """Deterministic per-rank batches addressed by global step.
-
-    Args:
-        config: the run's config.
-        rank: this process's rank.
-        world_size: number of ranks.
-    """
+    """Deterministic per-rank batches addressed by global step."""
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         if not 0 <= rank < world_size:
@@ -220,15 +179,11 @@ class BatchSource(abc.ABC):
     def eval_batches(self) -> Iterator[Batch]:
         """This rank's evaluation batches (the same count and size on every rank).
 
-        The eval split's last global batch may be short: each rank's batch is then
-        padded to ``batch_size`` with samples labelled :data:`EVAL_PAD_LABEL`, which the
-        evaluation leaves out, so every sample of the split is evaluated exactly once.
+        A short last batch is padded with samples labelled :data:`EVAL_PAD_LABEL`.
         """
 
     def eval_batch_count(self) -> int | None:
-        """This rank's number of evaluation batches, known before any is read (``None``:
-        unknown until :meth:`eval_batches` ends). Every rank must report the same count:
-        the training loop compares them at start."""
+        """This rank's evaluation batch count, known up front (``None``: unknown); equal on every rank."""
         return None
 
     def total_steps(self) -> int:

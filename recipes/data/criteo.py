@@ -1,18 +1,11 @@
-"""Criteo TSV files (label, 13 integer, 26 hex categorical columns) for users with real data.
+"""Criteo TSV files (label, 13 integer, 26 hex categorical columns), read strictly.
 
-Rows are read strictly (torchrec's default Criteo row mapper silently turns bad
-values into 0): every row must have 40 tab-separated columns, a ``0`` / ``1``
-label, decimal integers that fit in 64 bits (Criteo's are small counts; a longer
-number would become ``inf`` in the float32 dense features) and categorical ids of
-at most 32 bits written in hex without sign or prefix (the Criteo release's ids are
-8 hex digits). Empty cells are 0. A row that breaks a rule raises
-:class:`CriteoFormatError` naming ``file:line``, the column and the value; no row is
-skipped silently. Dense values become ``log(1 + max(x, 0))``, as in torchrec's DLRM
-recipe. Order is the file order (no shuffling); global step ``s`` takes the ``s``-th
-run of ``batch_size * world_size`` rows and rank ``r`` its slice; a pass ends at the last
-full run and the next pass starts again at the first row (``max_steps`` past one pass
-trains further epochs, as on MovieLens). A file that shrinks (is truncated) or vanishes
-while a run reads it raises :class:`CriteoDataChangedError` naming it, not a row error.
+Unlike torchrec's row mapper (bad values become 0), a bad row raises
+:class:`CriteoFormatError` naming ``file:line``, column and value; empty cells are 0.
+Dense values become ``log(1 + max(x, 0))``. Rows are taken in file order: global step
+``s`` takes the ``s``-th run of ``batch_size * world_size`` rows, rank ``r`` its slice,
+and a pass wraps at the last full run. A file that shrinks or vanishes mid-run raises
+:class:`CriteoDataChangedError`.
 """
 
 from __future__ import annotations
@@ -27,7 +20,14 @@ from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 
 from recpipe.recipes.config import ConfigError, TrainConfig, split_paths
-from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform, mark_padding, pad_rank_slice
+from recpipe.recipes.data.base import (
+    BatchSource,
+    DataFormatError,
+    DatasetSpec,
+    IdTransform,
+    mark_padding,
+    pad_rank_slice,
+)
 
 FEATURES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(CAT_FEATURE_COUNT))
 NUM_COLUMNS: int = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
@@ -37,59 +37,25 @@ CAT_ID_SPACE: int = 2**32
 INT_MIN: int = -(2**63)
 INT_MAX: int = 2**63 - 1
 # Column names, as torchrec's Criteo datasets call them (label, int_0.., cat_0..).
-COLUMN_NAMES: tuple[str, ...] = (
-    ("label",) + tuple(f"int_{i}" for i in range(INT_FEATURE_COUNT)) + FEATURES
-)
+COLUMN_NAMES: tuple[str, ...] = ("label",) + tuple(f"int_{i}" for i in range(INT_FEATURE_COUNT)) + FEATURES
 
 Row = tuple[int, list[int], list[int]]
 
 _DECIMAL = re.compile(r"-?[0-9]+")
 _HEX = re.compile(r"[0-9a-fA-F]+")
-# One whole valid row whose values need no range check: up to 18 decimal digits
-# (always within int64), up to 8 hex digits (always below 2**32). Rows that fail it
-# go through parse_criteo_row, which accepts the rest of the valid rows (19-digit
-# integers within int64, hex ids with leading zeros) and names the first bad field.
+# A valid row needing no range check (<= 18 decimal digits, <= 8 hex digits); other rows
+# go through parse_criteo_row, which accepts the remaining valid ones and names a bad field.
 _FAST_ROW = re.compile(
-    rb"[01]"
-    + rb"\t(?:-?[0-9]{1,18})?" * INT_FEATURE_COUNT
-    + rb"\t[0-9a-fA-F]{0,8}" * CAT_FEATURE_COUNT
+    rb"[01]" + rb"\t(?:-?[0-9]{1,18})?" * INT_FEATURE_COUNT + rb"\t[0-9a-fA-F]{0,8}" * CAT_FEATURE_COUNT
 )
 
 
-class CriteoFormatError(ValueError):
-    """A Criteo TSV row breaks the (label, 13 ints, 26 hex ids) format.
-
-    Attributes:
-        path: the file (``None`` when a row was parsed on its own).
-        line: the 1-based line number in ``path`` (``None`` likewise).
-        column: the 1-based column of the bad value (``None`` for a row-level problem).
-        value: the bad value (``None`` for a row-level problem).
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        path: str | None = None,
-        line: int | None = None,
-        column: int | None = None,
-        value: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.path = path
-        self.line = line
-        self.column = column
-        self.value = value
+class CriteoFormatError(DataFormatError):
+    """A Criteo TSV row breaks the (label, 13 ints, 26 hex ids) format."""
 
 
 class CriteoDataChangedError(ValueError):
-    """Criteo files changed while a run read them: a file shrank (was truncated or replaced
-    by a shorter one) or can no longer be read, so the run cannot take the batches it
-    planned at start (an uninterrupted run's batches).
-
-    Attributes:
-        path: the file that shrank or cannot be read (the first one, if several did).
-    """
+    """A Criteo file shrank or can no longer be read mid-run (``path``: the first such file)."""
 
     def __init__(self, message: str, *, path: str) -> None:
         super().__init__(message)
@@ -135,8 +101,7 @@ def _parse_hex(column: int, v: str) -> int:
         raise _bad_value(
             column,
             v,
-            "not a hexadecimal id (Criteo ids are unsigned 32-bit hex, e.g. '68fd1e64': "
-            "no sign, no '0x', no spaces)",
+            "not a hexadecimal id (Criteo ids are unsigned 32-bit hex, e.g. '68fd1e64': no sign, no '0x', no spaces)",
         )
     x = int(v, 16)
     if x >= CAT_ID_SPACE:
@@ -145,18 +110,10 @@ def _parse_hex(column: int, v: str) -> int:
 
 
 def parse_criteo_row(cols: list[str]) -> Row:
-    """Strictly parses one split TSV row.
-
-    Args:
-        cols: the row's 40 columns as strings.
-
-    Returns:
-        ``(label, ints, cats)``; empty integer cells are 0, empty categorical cells 0.
+    """Strictly parses one split TSV row into ``(label, ints, cats)`` (empty cells are 0).
 
     Raises:
-        CriteoFormatError: wrong column count, or a value breaking the format (the
-            message names the column and the value; :func:`read_criteo_rows` adds
-            ``file:line``).
+        CriteoFormatError: wrong column count or a bad value (naming the column and value).
     """
     if len(cols) != NUM_COLUMNS:
         raise CriteoFormatError(
@@ -172,18 +129,10 @@ def parse_criteo_row(cols: list[str]) -> Row:
 
 
 def read_criteo_rows(paths: Iterable[str], file_rows: list[int] | None = None) -> Iterator[Row]:
-    """Streams the rows of Criteo TSV files in order, strictly parsed.
-
-    Lines end in ``\\n`` (or ``\\r\\n``); every line is a row (a blank line is an
-    error), as :func:`count_rows` counts them.
+    """Streams the rows of Criteo TSV files in order, strictly parsed (every line is a row).
 
     Args:
-        paths: the files, read one after the other.
-        file_rows: if given, each file's number of rows is appended to it once the file
-            has been read to its end.
-
-    Yields:
-        ``(label, ints, cats)`` per line, as :func:`parse_criteo_row` returns them.
+        file_rows: if given, receives each file's row count once it is read to its end.
 
     Raises:
         CriteoFormatError: the first bad row, its message starting with ``file:line:``.
@@ -225,16 +174,7 @@ def read_criteo_rows(paths: Iterable[str], file_rows: list[int] | None = None) -
 
 
 def count_rows(paths: list[str], limit: int | None = None) -> int:
-    """Number of lines over all files.
-
-    Args:
-        paths: the files.
-        limit: stop counting at this many lines (``None``: count them all), so that
-            deciding whether the files hold one batch reads one batch, not the files.
-
-    Returns:
-        The number of lines, at most ``limit``.
-    """
+    """Number of lines over all files, counting at most ``limit`` (``None``: all)."""
     total = 0
     for p in paths:
         if limit is not None and total >= limit:
@@ -245,17 +185,7 @@ def count_rows(paths: list[str], limit: int | None = None) -> int:
 
 
 def count_file_rows(paths: list[str], limit: int | None = None) -> list[int]:
-    """Number of lines of each file, as :func:`count_rows` counts them.
-
-    Args:
-        paths: the files.
-        limit: stop counting once the files counted hold this many lines (``None``:
-            count them all); the files after that point are left out of the result.
-
-    Returns:
-        One count per file counted (a prefix of ``paths``), the last one at most what
-        reaching ``limit`` took.
-    """
+    """Lines per file for a prefix of ``paths``, stopping once ``limit`` lines (``None``: all) are counted."""
     counts: list[int] = []
     for p in paths:
         total = sum(counts)
@@ -268,18 +198,12 @@ def count_file_rows(paths: list[str], limit: int | None = None) -> list[int]:
 class CriteoTsvSource(BatchSource):
     """Batches streamed from Criteo TSV files (``data_path``, ``eval_data_path``).
 
-    Without ``max_steps`` the training rows are counted up front (``epochs`` passes of
-    ``steps_per_epoch`` steps); with it they are not, and ``steps_per_epoch`` is learned
-    from the first pass that reaches the files' end, so training wraps into the next
-    pass at ``step % steps_per_epoch``, the batch an uninterrupted run takes there.
-    The rows the evaluation reads (at most ``eval_batches`` global batches) are counted
-    up front too, so every rank knows its number of eval batches before training.
+    Without ``max_steps`` the training rows are counted up front; with it,
+    ``steps_per_epoch`` is learned from the first pass that reaches the files' end. The
+    evaluation's rows are counted up front, so every rank knows its eval batch count.
 
     Raises:
-        ConfigError: the training files, or the ``eval_data_path`` files, hold fewer rows
-            than one global batch (the message names the flag and the fix).
-        CriteoDataChangedError: (while batches are read) a file shrank or can no longer
-            be read since the run counted it.
+        ConfigError: the training or eval files hold fewer rows than one global batch.
     """
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
@@ -295,11 +219,9 @@ class CriteoTsvSource(BatchSource):
         self._transform = IdTransform(config, self._spec)
         self._global_batch = config.batch_size * world_size
         self._spe: int | None = None
-        # rows of each data_path file in a full pass (counted up front, or at the end of the
-        # first pass when max_steps is set): a pass that ends early names the file that shrank
+        # rows of each data_path file in a full pass: a pass that ends early names the file that shrank
         self._file_rows: list[int] | None = None
-        # the files' sizes at start: a first pass (max_steps set) that ends on a file smaller
-        # than it was is a truncation, not the pass length
+        # sizes at start: a first pass ending on a smaller file is a truncation, not the pass length
         self._start_bytes = [os.path.getsize(p) for p in self._paths]
         # with max_steps set, one global batch of rows is enough to decide
         if config.max_steps is None:
@@ -345,17 +267,9 @@ class CriteoTsvSource(BatchSource):
     def _changed(
         self, name: str, paths: list[str], before: list[int] | None, now: list[int], what: str, exact: bool = True
     ) -> CriteoDataChangedError:
-        """The error of files of field ``name`` that hold fewer rows than the run counted.
+        """The error of field ``name``'s files holding fewer rows (``now``) than counted (``before``).
 
-        Args:
-            name: ``data_path`` or ``eval_data_path``.
-            paths: its files.
-            before: rows per file counted earlier in the run (a prefix of ``paths``), or
-                ``None`` if unknown.
-            now: rows per file just read to their end.
-            what: what the run needed the rows for.
-            exact: ``before`` holds whole files' counts (``False``: the counting stopped at
-                the rows needed, so the last count is a lower bound).
+        ``exact=False``: the last count of ``before`` is a lower bound.
         """
         flag = "--" + name.replace("_", "-")
         fix = _changed_fix(flag)
@@ -382,20 +296,11 @@ class CriteoTsvSource(BatchSource):
     def _rows(
         self, name: str, paths: list[str], file_rows: list[int], counted: list[int] | None, exact: bool
     ) -> Iterator[Row]:
-        """:func:`read_criteo_rows` of field ``name``'s files, telling a file changed under
-        the run from a bad file.
+        """:func:`read_criteo_rows` of field ``name``'s files, telling a file changed mid-run from a bad file.
 
-        A file that cannot be opened any more (the run checked it exists at start), or a
-        malformed row of a file that now holds fewer rows than counted or than the row's
-        line number (the file was truncated while it was read, often mid-line), is a
+        An unreadable file, or a malformed row of a file that now holds fewer rows than
+        counted or than the row's line number (truncated mid-read), is a
         :class:`CriteoDataChangedError`; other malformed rows stay :class:`CriteoFormatError`.
-
-        Args:
-            name: ``data_path`` or ``eval_data_path``.
-            paths: its files.
-            file_rows: receives each file's rows as it is read to its end.
-            counted: rows per file counted earlier in the run (a prefix of ``paths``), or ``None``.
-            exact: ``counted`` holds whole files' counts (else the last one is a lower bound).
         """
         flag = "--" + name.replace("_", "-")
         try:
@@ -420,8 +325,12 @@ class CriteoTsvSource(BatchSource):
             if e.line <= now and (had is None or now >= had):
                 raise  # the file holds this row: it is malformed
             raise self._changed(
-                name, [e.path], None if had is None else [had], [now],
-                f"line {e.line}, which the run was reading, was cut or is past the file's end", exact,
+                name,
+                [e.path],
+                None if had is None else [had],
+                [now],
+                f"line {e.line}, which the run was reading, was cut or is past the file's end",
+                exact,
             ) from None
 
     def _global_batches(
@@ -448,11 +357,7 @@ class CriteoTsvSource(BatchSource):
         labels = torch.tensor([r[0] for r in mine], dtype=torch.float32)
         dense = torch.tensor([r[1] for r in mine], dtype=torch.float32).clamp_(min=0).log1p_()
         ids = torch.tensor([r[2] for r in mine], dtype=torch.int64).t().contiguous()
-        return Batch(
-            dense_features=dense,
-            sparse_features=self._transform.to_kjt(FEATURES, ids),
-            labels=labels,
-        )
+        return Batch(dense_features=dense, sparse_features=self._transform.to_kjt(FEATURES, ids), labels=labels)
 
     def train_batches(self, start: int, stop: int) -> Iterator[Batch]:
         step = start
@@ -472,16 +377,21 @@ class CriteoTsvSource(BatchSource):
             else:  # the files ended: this pass held `passed` steps, the next one wraps
                 if self._spe is not None:  # fewer than the pass the run counted
                     raise self._changed(
-                        "data_path", self._paths, self._file_rows, file_rows,
+                        "data_path",
+                        self._paths,
+                        self._file_rows,
+                        file_rows,
                         f"its pass holds {passed} global batches of {self._global_batch} rows, not the "
                         f"{self._spe} counted before (step {step + 1} cannot take the batch an uninterrupted "
                         "run takes)",
                     )
                 if passed == 0:  # the run started with at least one global batch
                     raise self._changed(
-                        "data_path", self._paths, None, file_rows,
-                        f"they hold no global batch of {self._global_batch} rows (the run started with at "
-                        "least one)",
+                        "data_path",
+                        self._paths,
+                        None,
+                        file_rows,
+                        f"they hold no global batch of {self._global_batch} rows (the run started with at least one)",
                     )
                 for path, size, rows in zip(self._paths, self._start_bytes, file_rows):
                     try:
@@ -521,7 +431,10 @@ class CriteoTsvSource(BatchSource):
             count += 1
         if count < self._eval_count:  # every rank must evaluate the same number of batches
             raise self._changed(
-                name, self._eval_paths, self._eval_file_rows, file_rows,
+                name,
+                self._eval_paths,
+                self._eval_file_rows,
+                file_rows,
                 f"the evaluation got {count} global batches, not the {self._eval_count} of its "
                 f"{self._eval_rows} rows counted at start",
                 exact=False,

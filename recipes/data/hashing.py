@@ -1,14 +1,8 @@
 """Deterministic 32-bit hashing in int64 tensor arithmetic (no overflow).
 
-``fmix32`` is MurmurHash3's 32-bit finaliser. Each 32x32-bit multiply is split
-into two 32x16-bit products so every intermediate stays below 2**49 and int64
-never overflows: results are identical on every platform and in pure Python.
-
-:func:`hash_ids_grid` hashes a batch of ids of ``F`` features against ``k`` seeds
-per feature in one broadcast (``ids[F, N, 1]`` against ``seeds[F, 1, k]``). On CPU
-it runs the same function in numpy ``uint32`` arithmetic, whose multiplies wrap
-modulo ``2**32`` by definition, so the 32x16-bit split is unnecessary there: a
-handful of array ops per batch instead of ~15 int64 tensor ops per (feature, slot).
+``fmix32`` is MurmurHash3's 32-bit finaliser; each 32x32-bit multiply is split into
+two 32x16-bit products so intermediates stay below 2**49. On CPU, :func:`hash_ids_grid`
+runs the same function in numpy ``uint32`` arithmetic (multiplies wrap by definition).
 """
 
 from __future__ import annotations
@@ -32,14 +26,7 @@ def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3 finaliser on int64 tensors holding values in ``[0, 2**32)``.
-
-    Args:
-        x: int64 tensor, values in ``[0, 2**32)``.
-
-    Returns:
-        int64 tensor of hashes in ``[0, 2**32)``.
-    """
+    """MurmurHash3 finaliser on int64 tensors holding values in ``[0, 2**32)``."""
     x = x ^ (x >> 16)
     x = _mul32(x, _C1)
     x = x ^ (x >> 13)
@@ -66,15 +53,7 @@ def mix_seed(*parts: int) -> int:
 
 
 def hash_ids(ids: torch.Tensor, seed: int) -> torch.Tensor:
-    """Hashes non-negative int64 ids with a seed to 32-bit values.
-
-    Args:
-        ids: int64 tensor of ids ``>= 0`` (any size; high 32 bits are folded in).
-        seed: 32-bit seed, e.g. from :func:`mix_seed`.
-
-    Returns:
-        int64 tensor of the same shape, values in ``[0, 2**32)``.
-    """
+    """Hashes non-negative int64 ids (high 32 bits folded in) with a 32-bit seed to ``[0, 2**32)``."""
     if ids.dtype != torch.int64:
         raise TypeError(f"hash_ids: ids must be int64, got {ids.dtype}; convert with ids.long()")
     return fmix32(_fold(ids) ^ (seed & _MASK32))
@@ -102,34 +81,20 @@ def _fmix32_np_(x: np.ndarray) -> np.ndarray:
 
 
 def hash_ids_grid(ids: torch.Tensor, seeds: torch.Tensor, modulus: int | None = None) -> torch.Tensor:
-    """Hashes each feature's ids against each of that feature's seeds, in one broadcast.
-
-    ``out[f, n, j] == hash_ids(ids[f, n], seeds[f, j]) % modulus`` exactly, for every
-    ``f``, ``n``, ``j``: the same values a loop over features and seeds computes.
+    """int64 ``(F, N, k)``: ``out[f, n, j] == hash_ids(ids[f, n], seeds[f, j]) % modulus``, in one broadcast.
 
     Args:
-        ids: int64 ``(F, N)`` ids ``>= 0`` (high 32 bits are folded in, as in :func:`hash_ids`).
-        seeds: int64 ``(F, k)`` 32-bit seeds, e.g. ``mix_seed(base, f, j)``.
+        ids: int64 ``(F, N)`` ids ``>= 0``.
+        seeds: int64 ``(F, k)`` 32-bit seeds.
         modulus: if given (``> 0``), the hashes are reduced modulo it.
-
-    Returns:
-        int64 ``(F, N, k)`` on ``ids``' device; values in ``[0, 2**32)``, or
-        ``[0, modulus)`` with a modulus.
-
-    Example::
-
-        seeds = torch.tensor([[mix_seed(0, f, j) for j in range(4)] for f in range(2)])
-        rows = hash_ids_grid(ids, seeds, modulus=1 << 20)  # ids (2, B) -> rows (2, B, 4)
     """
     if ids.dtype != torch.int64 or seeds.dtype != torch.int64:
         raise TypeError(
-            f"hash_ids_grid: ids and seeds must be int64, got {ids.dtype} and {seeds.dtype}; "
-            "convert with .long()"
+            f"hash_ids_grid: ids and seeds must be int64, got {ids.dtype} and {seeds.dtype}; convert with .long()"
         )
     if ids.dim() != 2 or seeds.dim() != 2 or ids.shape[0] != seeds.shape[0]:
         raise ValueError(
-            f"hash_ids_grid: ids (F, N) and seeds (F, k) must share F, got {tuple(ids.shape)} "
-            f"and {tuple(seeds.shape)}"
+            f"hash_ids_grid: ids (F, N) and seeds (F, k) must share F, got {tuple(ids.shape)} and {tuple(seeds.shape)}"
         )
     if modulus is not None and modulus <= 0:
         raise ValueError(f"hash_ids_grid: modulus={modulus} must be > 0")
@@ -164,21 +129,8 @@ def _hash_grid_numpy(ids: torch.Tensor, seeds: torch.Tensor, modulus: int | None
 class VirtualTableProjector:
     """Projects each sparse feature's ids into a large virtual table (micro-DLRM-DRAM).
 
-    Every id of feature ``f`` becomes ``k`` rows ``hash(id, seed_f_j) mod num_rows``,
-    ``j < k``: the same data drives ``k`` wide-row lookups per feature, so embedding
-    lookups dominate the step (the mlperf-edu micro-DLRM idea). All features and
-    slots of a batch are hashed in one :func:`hash_ids_grid` call.
-
-    Args:
-        num_rows: rows of every virtual table.
-        k: rows per id (pooling factor of the projected feature).
-        seed: base seed; feature ``f`` slot ``j`` uses ``mix_seed(seed, f, j)``.
-
-    Example::
-
-        proj = VirtualTableProjector(num_rows=1 << 18, k=4, seed=0)
-        rows = proj.project(torch.tensor([[3, 5], [7, 9]]))  # 2 features: shape (2, 2, 4)
-        rows0 = proj(torch.tensor([3, 5]), feature=0)       # one feature: rows[0], shape (2, 4)
+    Every id of feature ``f`` becomes ``k`` rows ``hash(id, mix_seed(seed, f, j)) mod num_rows``,
+    so embedding lookups dominate the step (the mlperf-edu micro-DLRM idea).
     """
 
     def __init__(self, num_rows: int, k: int, seed: int) -> None:
@@ -193,20 +145,12 @@ class VirtualTableProjector:
         """int64 ``(num_features, k)`` seeds: ``[f, j] = mix_seed(seed, f, j)`` (computed once)."""
         if self._seeds.shape[0] < num_features:
             self._seeds = torch.tensor(
-                [[mix_seed(self.seed, f, j) for j in range(self.k)] for f in range(num_features)],
-                dtype=torch.int64,
+                [[mix_seed(self.seed, f, j) for j in range(self.k)] for f in range(num_features)], dtype=torch.int64
             ).reshape(num_features, self.k)
         return self._seeds[:num_features]
 
     def project(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of all features' ids.
-
-        Args:
-            ids: int64 ``(F, N)``, row ``f`` the ids of feature ``f``.
-
-        Returns:
-            int64 ``(F, N, k)``: ``[f, n, j] = hash_ids(ids[f, n], mix_seed(seed, f, j)) % num_rows``.
-        """
+        """int64 ``(F, N, k)`` rows of int64 ``(F, N)`` ids, row ``f`` those of feature ``f``."""
         if ids.dim() != 2:
             raise ValueError(f"VirtualTableProjector.project: ids must be (F, N), got {tuple(ids.shape)}")
         return hash_ids_grid(ids, self.slot_seeds(ids.shape[0]), self.num_rows)

@@ -18,7 +18,14 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from recpipe.recipes.config import ConfigError, TrainConfig
-from recpipe.recipes.data.base import BatchSource, DatasetSpec, IdTransform, mark_padding, pad_rank_slice
+from recpipe.recipes.data.base import (
+    BatchSource,
+    DataFormatError,
+    DatasetSpec,
+    IdTransform,
+    mark_padding,
+    pad_rank_slice,
+)
 from recpipe.recipes.data.hashing import mix_seed
 
 # Facts of the MovieLens-100k release (GroupLens README): 943 users, 1682 items, 100k ratings.
@@ -32,14 +39,7 @@ DENSE_FEATURES: int = 5
 
 
 def movielens100k_path() -> Path:
-    """Locates ``ml-100k.inter`` inside the installed recbole wheel.
-
-    Returns:
-        Path of the tab-separated file.
-
-    Raises:
-        FileNotFoundError: recbole is missing; the message says how to install it.
-    """
+    """Path of ``ml-100k.inter`` inside the installed recbole wheel (FileNotFoundError without it)."""
     try:
         root = importlib.resources.files("recbole")
     except ModuleNotFoundError as e:
@@ -53,27 +53,74 @@ def movielens100k_path() -> Path:
     return path
 
 
-@lru_cache(maxsize=1)
-def load_movielens100k() -> dict[str, torch.Tensor]:
-    """Reads all ratings once per process.
+class MovieLensFormatError(DataFormatError):
+    """A row of ``ml-100k.inter`` holds an id outside the release or a non-finite rating / timestamp."""
+
+
+#: Columns of ``ml-100k.inter`` (1-based column = index + 1) and the ids each may hold.
+COLUMNS: tuple[str, ...] = ("user_id", "item_id", "rating", "timestamp")
+_ID_RANGES: dict[int, int] = {0: ML100K_USERS, 1: ML100K_ITEMS}
+
+
+def _check_rows(path: Path, table: np.ndarray) -> None:
+    """Raises :class:`MovieLensFormatError` for the first bad row of ``table``: an id that is not
+    a whole number in ``[1, count]``, or a rating / timestamp that is NaN or infinite."""
+    if table.ndim != 2 or table.shape[1] != len(COLUMNS):
+        raise MovieLensFormatError(
+            f"{path}: rows must hold {len(COLUMNS)} tab-separated columns {COLUMNS}, "
+            f"got an array of shape {tuple(table.shape)}",
+            path=str(path),
+        )
+    bad = ~np.isfinite(table)
+    for col, count in _ID_RANGES.items():
+        ids = table[:, col]
+        with np.errstate(invalid="ignore"):
+            bad[:, col] |= (ids != np.floor(ids)) | (ids < 1) | (ids > count)
+    rows, cols = np.nonzero(bad)
+    if rows.size == 0:
+        return
+    row, col = int(rows[0]), int(cols[0])
+    value = repr(float(table[row, col]))
+    line = row + 2  # the header is line 1
+    want = f"a whole number in [1, {_ID_RANGES[col]}]" if col in _ID_RANGES else "a finite number"
+    raise MovieLensFormatError(
+        f"{path}:{line}: column {col + 1} ({COLUMNS[col]}) holds {value}, but it must be {want}. "
+        "Fix: repair or remove that row (reinstall recbole==1.2.1 for the original file)",
+        path=str(path),
+        line=line,
+        column=col + 1,
+        value=value,
+    )
+
+
+def read_ratings(path: Path) -> dict[str, torch.Tensor]:
+    """Every rating of a MovieLens ``.inter`` file, each row validated (:class:`MovieLensFormatError`).
 
     Returns:
-        ``user``, ``item`` (int64 ids, 1-based as in the file), ``rating`` (float32),
-        ``timestamp`` (int64 seconds).
+        ``user``, ``item`` (int64 ids, 1-based), ``rating`` (float32), ``timestamp`` (int64 s).
     """
-    path = movielens100k_path()
     with path.open() as f:
         header = f.readline().rstrip("\n").split("\t")
         expected = ["user_id:token", "item_id:token", "rating:float", "timestamp:float"]
         if header != expected:
-            raise ValueError(f"{path}: header {header} differs from {expected}")
-        table = np.loadtxt(f, delimiter="\t", dtype=np.float64)
+            raise MovieLensFormatError(f"{path}:1: header {header} differs from {expected}", path=str(path), line=1)
+        try:
+            table = np.loadtxt(f, delimiter="\t", dtype=np.float64, ndmin=2)
+        except ValueError as e:  # text that is not a number, or a short row
+            raise MovieLensFormatError(f"{path}: {e} (row 1 is the line after the header)", path=str(path)) from e
+    _check_rows(path, table)
     return {
         "user": torch.from_numpy(table[:, 0].astype(np.int64)),
         "item": torch.from_numpy(table[:, 1].astype(np.int64)),
         "rating": torch.from_numpy(table[:, 2].astype(np.float32)),
         "timestamp": torch.from_numpy(table[:, 3].astype(np.int64)),
     }
+
+
+@lru_cache(maxsize=1)
+def load_movielens100k() -> dict[str, torch.Tensor]:
+    """All ratings of the wheel's MovieLens-100k, read and validated once per process (:func:`read_ratings`)."""
+    return read_ratings(movielens100k_path())
 
 
 def _dense_from_timestamp(ts: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
@@ -96,15 +143,11 @@ def _dense_from_timestamp(ts: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
 class MovieLens100kSource(BatchSource):
     """MovieLens-100k batches; a seeded split holds out ``eval_fraction`` of the ratings.
 
-    Each epoch reshuffles the training ratings with ``mix_seed(seed, epoch)``; global
-    step ``s`` takes ``batch_size * world_size`` ratings and rank ``r`` its slice.
-
-    Evaluation covers every held-out rating: the last global batch may be short, and
-    each rank's part of it is padded (see :meth:`BatchSource.eval_batches`).
+    Each epoch reshuffles the training ratings; global step ``s`` takes
+    ``batch_size * world_size`` ratings and rank ``r`` its slice.
 
     Raises:
-        ConfigError: the training split holds fewer ratings than one global batch (the
-            message names the flags and the fix).
+        ConfigError: the training split holds fewer ratings than one global batch.
     """
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:

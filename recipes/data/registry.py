@@ -1,8 +1,4 @@
-"""Dataset name -> :class:`~recpipe.recipes.data.base.BatchSource` class, and the dispatch.
-
-This module imports every source; :mod:`recpipe.recipes.data.base` (which the sources
-import) imports none of them, so there is no import cycle.
-"""
+"""Dataset name -> :class:`~recpipe.recipes.data.base.BatchSource` class (imports every source)."""
 
 from __future__ import annotations
 
@@ -21,19 +17,7 @@ DATA_SOURCES: dict[str, type[BatchSource]] = {
 
 
 def make_data_source(config: TrainConfig, rank: int, world_size: int) -> BatchSource:
-    """The configured data source for one rank.
-
-    Args:
-        config: the run's config (``dataset`` selects the source).
-        rank: this process's rank.
-        world_size: number of ranks.
-
-    Returns:
-        A :class:`~recpipe.recipes.data.base.BatchSource`.
-
-    Raises:
-        ValueError: ``config.dataset`` names no source.
-    """
+    """The ``config.dataset`` source for one rank (ValueError for an unknown name)."""
     try:
         source = DATA_SOURCES[config.dataset]
     except KeyError:

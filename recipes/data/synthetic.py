@@ -1,11 +1,9 @@
 """A deterministic synthetic Criteo-like stream, generated on the fly.
 
 13 dense and 26 sparse features. Feature ``f`` draws ids from a bounded Zipf law over
-its own id space (sizes halve from ``synthetic_id_space`` down to a floor, exponents
-steepen with ``f``); ranks are scattered over the space by a bijection so hot ids are
-not small integers. Labels come from a hidden logistic model: a fixed dense weight
-vector plus a hashed per-id weight for every sparse feature, so a model that learns
-hot ids' embeddings lowers the loss. Nothing is materialised beyond one batch.
+its own id space, scattered by a bijection so hot ids are not small integers. Labels
+come from a hidden logistic model (dense weights plus a hashed per-id weight per
+feature), so learning hot ids' embeddings lowers the loss.
 """
 
 from __future__ import annotations
@@ -47,17 +45,7 @@ def zipf_exponents(alpha: float) -> tuple[float, ...]:
 
 
 def sample_zipf(n: int, alpha: float, size: int, gen: torch.Generator) -> torch.Tensor:
-    """Zipf-like ranks in ``[0, n)`` by inverting the bounded power-law CDF.
-
-    Args:
-        n: number of distinct ranks.
-        alpha: exponent (> 0); rank ``r`` has probability about ``(r + 1) ** -alpha``.
-        size: samples.
-        gen: random generator.
-
-    Returns:
-        int64 ranks, 0 the most frequent.
-    """
+    """``size`` int64 Zipf-like ranks in ``[0, n)`` (P(r) ~ ``(r + 1) ** -alpha``), by inverting the CDF."""
     u = torch.rand(size, generator=gen, dtype=torch.float64)
     if abs(alpha - 1.0) < 1e-9:
         x = torch.exp(u * math.log(n + 1))
@@ -76,19 +64,14 @@ class SyntheticCriteoSource(BatchSource):
         self._spaces = id_spaces(config.synthetic_id_space)
         self._alphas = zipf_exponents(config.zipf_alpha)
         self._spec = DatasetSpec(
-            name="synthetic",
-            dense_in_features=NUM_DENSE,
-            feature_names=FEATURES,
-            cardinalities=self._spaces,
+            name="synthetic", dense_in_features=NUM_DENSE, feature_names=FEATURES, cardinalities=self._spaces
         )
         self._transform = IdTransform(config, self._spec)
         gen = torch.Generator().manual_seed(mix_seed(config.seed, 0xD15E))
         self._dense_w = torch.randn(NUM_DENSE, generator=gen, dtype=torch.float64) / math.sqrt(NUM_DENSE)
         self._bias = -0.5
         # Seed of feature f's hidden per-id weights, as an (F, 1) column for hash_ids_grid.
-        self._id_seeds = torch.tensor(
-            [[mix_seed(config.seed, 0x1D, f)] for f in range(NUM_SPARSE)], dtype=torch.int64
-        )
+        self._id_seeds = torch.tensor([[mix_seed(config.seed, 0x1D, f)] for f in range(NUM_SPARSE)], dtype=torch.int64)
 
     @property
     def spec(self) -> DatasetSpec:
@@ -101,10 +84,8 @@ class SyntheticCriteoSource(BatchSource):
     def hidden_logits(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The hidden model's logits for dense ``(B, 13)`` and raw ids ``(26, B)``.
 
-        ``dense @ w + bias`` plus, feature by feature in order ``0 .. 25``, the per-id
-        weight ``SPARSE_WEIGHT * (2 u - 1)`` with ``u = hash_ids(id, seed_f) / 2**32``.
-        All 26 features are hashed in one :func:`hash_ids_grid` call, and the sum runs
-        as a ``cumsum`` over features, which adds in exactly that order.
+        ``dense @ w + bias`` plus ``SPARSE_WEIGHT * (2 u - 1)`` per feature, ``u`` the id's
+        hash / 2**32; the ``cumsum`` adds the features in order 0..25.
         """
         logit = dense.double() @ self._dense_w + self._bias
         u = hash_ids_grid(ids, self._id_seeds)[:, :, 0].double() / 2.0**32  # (26, B) in [0, 1)
@@ -116,23 +97,14 @@ class SyntheticCriteoSource(BatchSource):
         b = self.config.batch_size
         gen = torch.Generator().manual_seed(mix_seed(self.config.seed, split, step, self.rank))
         dense = torch.randn(b, NUM_DENSE, generator=gen)
-        ids = torch.stack(
-            [
-                (sample_zipf(n, a, b, gen) * SCATTER_PRIME) % n
-                for n, a in zip(self._spaces, self._alphas)
-            ]
-        )
+        ids = torch.stack([(sample_zipf(n, a, b, gen) * SCATTER_PRIME) % n for n, a in zip(self._spaces, self._alphas)])
         p = torch.sigmoid(self.hidden_logits(dense, ids))
         labels = (torch.rand(b, generator=gen, dtype=torch.float64) < p).float()
         return dense, ids, labels
 
     def _batch(self, split: int, step: int) -> Batch:
         dense, ids, labels = self.raw_batch(split, step)
-        return Batch(
-            dense_features=dense,
-            sparse_features=self._transform.to_kjt(FEATURES, ids),
-            labels=labels,
-        )
+        return Batch(dense_features=dense, sparse_features=self._transform.to_kjt(FEATURES, ids), labels=labels)
 
     def eval_batch_count(self) -> int:
         return self.config.eval_batches

@@ -1,0 +1,110 @@
+"""The ``native`` tier backend: recpipe's compiled CPU kernel (``csrc/tiered.cpp``).
+
+The ``torch`` backend is its bit-for-bit reference. May import ``recpipe.pipeline.placement``,
+``recpipe.pipeline.types`` and ``recpipe.pipeline.tiered.ops``.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, FrozenSet, Optional
+
+import torch
+
+from recpipe.pipeline.placement import cache_policy_spec
+from recpipe.pipeline.tiered.backends.buffers import BufferedTier, Lookup
+from recpipe.pipeline.tiered.ops import TIERED_MODES, TIERED_OPTIMIZERS, TIERED_POOLINGS
+from recpipe.pipeline.types import InputCheck, RowOptimizer, TierSpec
+
+__all__ = ["NativeBackend"]
+
+
+class NativeBackend(BufferedTier):
+    """Tiers in host buffers, stepped by the compiled CPU kernel."""
+
+    name: ClassVar[str] = "native"
+    default_devices: ClassVar[FrozenSet[str]] = frozenset({"cpu"})
+
+    @classmethod
+    def check_device(cls, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(
+                f"backend 'native' (the compiled CPU kernel) cannot run on {device}: use backend=None "
+                "('fbgemm' on CUDA) or 'torch'."
+            )
+
+    def __init__(self, spec: TierSpec) -> None:
+        super().__init__(spec)
+        self._op_row_map = self.row_map if self.row_map is not None else self.no_cache
+        self._op_slot_row = self.slot_row if self.slot_row is not None else self.no_cache
+        self._op_slot_score = self.slot_score if self.slot_score is not None else self.no_cache
+        self._op_mode: int = TIERED_MODES["ALL_FAST" if self.all_fast else ("CACHING" if self.caching else "HYBRID")]
+        self._op_policy: int = cache_policy_spec(spec.cache_policy).kernel_code
+        self._op_pooling: int = TIERED_POOLINGS[spec.pooling]
+
+    def forward_lookup(
+        self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor], check: InputCheck
+    ) -> Lookup:
+        self.flushed_rows = 0
+        self._clock += 1
+        try:
+            return torch.ops.recpipe.tiered_lookup(
+                ids,
+                offsets,
+                psw,
+                self.fast_weights,
+                self.fast_state,
+                self.slow_weights,
+                self.slow_state,
+                self._op_row_map,
+                self._op_slot_row,
+                self._op_slot_score,
+                self.stats,
+                self.spec.num_rows,
+                self.fast_rows,
+                self.spec.split_seed,
+                self._op_mode,
+                self._op_policy,
+                self._clock,
+                self._op_pooling,
+            )
+        except (IndexError, ValueError):
+            # the kernel's checks cannot name the table: the host checks say the same, naming it
+            check(ids, offsets, psw)
+            raise
+
+    @torch.no_grad()
+    def backward_update(
+        self,
+        grad_out: torch.Tensor,
+        uniq: torch.Tensor,
+        inverse: torch.Tensor,
+        offsets: torch.Tensor,
+        psw: Optional[torch.Tensor],
+        opt: RowOptimizer,
+    ) -> None:
+        step = self.next_optimizer_step()
+        torch.ops.recpipe.tiered_backward(
+            grad_out,
+            uniq,
+            inverse,
+            offsets,
+            psw,
+            self.fast_weights,
+            self.fast_state,
+            self.slow_weights,
+            self.slow_state,
+            self._op_row_map,
+            self._op_slot_score,
+            self.spec.num_rows,
+            self.fast_rows,
+            self.spec.split_seed,
+            self._op_mode,
+            self._op_pooling,
+            TIERED_OPTIMIZERS[opt.name],
+            float(opt.learning_rate),
+            float(opt.eps),
+            float(opt.beta1),
+            float(opt.beta2),
+            float(opt.weight_decay),
+            step,
+        )

@@ -1,0 +1,509 @@
+"""The planner's answer: :class:`PlacementPlan` (a :class:`TablePlacement` per table), its report, JSON
+form and torchrec ``ShardingPlan``."""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
+
+from recpipe.pipeline.placement import (
+    CachePolicy,
+    DistType,
+    FusedOptimizer,
+    Mode,
+    PlacementParams,
+    ShardStorage,
+    check_int,
+    check_load_factor,
+    dtype_name,
+    machine_sum,
+    max_local_rows,
+    resolve_dtype,
+)
+from recpipe.planner.errors import format_bytes
+from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
+from recpipe.planner.specs import BACKEND_SHARD_STORAGE, STORAGE_BACKENDS
+
+
+def _load_factor_text(x: float) -> str:
+    """``x`` with 2 decimals (``0.20``), or every decimal it has when 2 would change it (``0.125``)."""
+    two = f"{x:.2f}"
+    return two if float(two) == x else repr(float(x))
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """The chosen placement of one table.
+
+    ``*_per_rank`` / ``*_per_machine`` bytes are those of the most loaded rank / machine; ``cost`` is the
+    modelled step cost in ms; ``optimizer`` and ``dtype`` are what the bytes were sized for.
+    """
+
+    table: str
+    module_path: str
+    rows: int
+    dim: int
+    mode: Mode
+    cache_load_factor: float
+    hbm_bytes_per_rank: int
+    ddr_bytes_per_rank: int
+    hbm_bytes_per_machine: int
+    ddr_bytes_per_machine: int
+    cost: float
+    optimizer: FusedOptimizer
+    dtype: torch.dtype
+
+    @property
+    def fqn(self) -> str:
+        """``module_path.table``."""
+        return f"{self.module_path}.{self.table}" if self.module_path else self.table
+
+
+@dataclass
+class PlacementPlan:
+    """A placement for every table (in input order) plus the budgets it was planned against.
+
+    The budgets are usable bytes after reservation; ``dist_type``, ``seed`` and ``cache_policy`` are carried
+    to the sharders; ``backend`` is the layout (``fbgemm`` / ``native``) whose bytes the plan budgets.
+    """
+
+    placements: List[TablePlacement]
+    world_size: int
+    local_world_size: int
+    compute_device: str
+    hbm_budget_per_rank: int
+    ddr_budget_per_machine: int
+    cost_model: str = "analytic"
+    dist_type: DistType = DistType.HASH_ROUNDROBIN
+    seed: int = 0
+    cache_policy: CachePolicy = CachePolicy.LFU
+    backend: str = "native"
+
+    def __post_init__(self) -> None:
+        self.dist_type = DistType.parse(self.dist_type, "PlacementPlan.dist_type")
+        self.cache_policy = CachePolicy.parse(self.cache_policy, "PlacementPlan.cache_policy")
+        if self.backend not in STORAGE_BACKENDS:
+            raise ValueError(f"PlacementPlan.backend must be one of {list(STORAGE_BACKENDS)}, got {self.backend!r}.")
+
+    @property
+    def hbm_bytes_per_rank(self) -> int:
+        """Total fast-tier bytes on the most loaded rank."""
+        return sum(p.hbm_bytes_per_rank for p in self.placements)
+
+    @property
+    def ddr_bytes_per_machine(self) -> int:
+        """Total slow-tier bytes on the most loaded machine."""
+        return sum(p.ddr_bytes_per_machine for p in self.placements)
+
+    @property
+    def total_cost(self) -> float:
+        """Modelled step cost (ms) summed over tables."""
+        return float(sum(p.cost for p in self.placements))
+
+    def placement(self, table: str, module_path: Optional[str] = None) -> TablePlacement:
+        """The placement of ``table``; ``module_path`` disambiguates a name several modules hold.
+
+        Raises:
+            KeyError: no table matches, or several do and ``module_path`` is None.
+        """
+        found = [
+            p for p in self.placements if p.table == table and (module_path is None or p.module_path == module_path)
+        ]
+        if len(found) > 1:
+            raise KeyError(
+                f"table {table!r} is ambiguous: {len(found)} modules hold a table of that name "
+                f"{[p.fqn for p in found]}; pass module_path, one of {[p.module_path for p in found]} "
+                f"(e.g. placement({table!r}, module_path={found[0].module_path!r}))."
+            )
+        if found:
+            return found[0]
+        raise KeyError(f"table {table!r} is not in this plan: {[p.fqn for p in self.placements]}")
+
+    def placement_params(self, table: Union[str, TablePlacement], module_path: Optional[str] = None) -> PlacementParams:
+        """The placement contract of one table, as the sharders will read it."""
+        p = table if isinstance(table, TablePlacement) else self.placement(table, module_path)
+        return PlacementParams(
+            mode=p.mode,
+            cache_load_factor=p.cache_load_factor,
+            dist_type=self.dist_type,
+            seed=self.seed,
+            cache_policy=self.cache_policy,
+            optimizer=p.optimizer,
+            dtype=p.dtype,
+        )
+
+    def report(self) -> str:
+        """The plan as text: one row per table, then totals against the budgets."""
+        head = ("table", "mode", "x", "optimizer", "HBM/rank", "DDR/rank", "DDR/machine", "cost ms")
+        rows = [
+            (
+                p.fqn,
+                p.mode.name if p.cache_load_factor < 1.0 else "HBM",
+                _load_factor_text(p.cache_load_factor),
+                p.optimizer.value,
+                format_bytes(p.hbm_bytes_per_rank),
+                format_bytes(p.ddr_bytes_per_rank),
+                format_bytes(p.ddr_bytes_per_machine),
+                f"{p.cost:.4f}",
+            )
+            for p in self.placements
+        ]
+        widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+        fmt = " | ".join("{:<%d}" % w for w in widths)
+        lines = [
+            f"recpipe placement plan: world_size={self.world_size} "
+            f"local_world_size={self.local_world_size} device={self.compute_device} "
+            f"backend={self.backend} cost_model={self.cost_model}",
+            fmt.format(*head),
+            "-+-".join("-" * w for w in widths),
+        ]
+        lines += [fmt.format(*r) for r in rows]
+        hbm_pct = 100.0 * self.hbm_bytes_per_rank / max(self.hbm_budget_per_rank, 1)
+        ddr_pct = 100.0 * self.ddr_bytes_per_machine / max(self.ddr_budget_per_machine, 1)
+        lines += [
+            "",
+            f"HBM per rank:    {format_bytes(self.hbm_bytes_per_rank)} ({self.hbm_bytes_per_rank} B)"
+            f" of {format_bytes(self.hbm_budget_per_rank)} ({hbm_pct:.1f}%)",
+            f"DDR per machine: {format_bytes(self.ddr_bytes_per_machine)} ({self.ddr_bytes_per_machine} B)"
+            f" of {format_bytes(self.ddr_budget_per_machine)} ({ddr_pct:.1f}%)",
+            f"modelled cost:   {self.total_cost:.4f} ms/step; "
+            f"modes: {sum(p.mode is Mode.HYBRID and p.cache_load_factor < 1 for p in self.placements)} HYBRID, "
+            f"{sum(p.mode is Mode.CACHING and p.cache_load_factor < 1 for p in self.placements)} CACHING, "
+            f"{sum(p.cache_load_factor >= 1 for p in self.placements)} all-HBM",
+        ]
+        return "\n".join(lines)
+
+    def to_sharding_plan(self, compute_device: Optional[str] = None) -> ShardingPlan:
+        """:func:`to_sharding_plan` of this plan."""
+        return _to_sharding_plan(self, compute_device)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-serialisable dict of the plan (read back by :meth:`from_dict`)."""
+        d = asdict(self)
+        for p in d["placements"]:
+            p["mode"] = p["mode"].name
+            p["optimizer"] = p["optimizer"].value
+            p["dtype"] = dtype_name(p["dtype"])
+        d["dist_type"] = self.dist_type.value
+        d["cache_policy"] = self.cache_policy.value
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "PlacementPlan":
+        """Inverse of :meth:`to_dict`; a ValueError names the bad key and the fix."""
+        try:
+            return cls._from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"PlacementPlan.from_dict(data): {e}") from None
+
+    @classmethod
+    def _from_dict(cls, data: Any) -> "PlacementPlan":
+        fix = (
+            "pass the dict PlacementPlan.to_dict() returns (or json.load of a file PlacementPlan.save wrote); "
+            "re-plan with PlacementPlanner(topology).plan(model) and save it again if the file was edited"
+        )
+        _check_keys(data, "data", _PLAN_REQUIRED_KEYS, _PLAN_OPTIONAL_KEYS, fix)
+        placements_data = data["placements"]
+        if isinstance(placements_data, (str, bytes)) or not isinstance(placements_data, Sequence):
+            raise ValueError(
+                f"data['placements'] must be a list of table placements, got "
+                f"{type(placements_data).__name__} {placements_data!r:.80}; {fix}."
+            )
+        placements = [_placement_from_dict(p, k, fix) for k, p in enumerate(placements_data)]
+        seen: Dict[str, int] = {}
+        for k, p in enumerate(placements):
+            first = seen.setdefault(p.fqn, k)
+            if first != k:
+                raise ValueError(
+                    f"data['placements'][{k}] places table {p.fqn!r} like data['placements'][{first}]: "
+                    f"a plan places each table once; {fix}."
+                )
+        values = {key: data[key] for key in _PLAN_REQUIRED_KEYS + _PLAN_OPTIONAL_KEYS if key in data}
+        for key in ("world_size", "local_world_size"):
+            values[key] = check_int(values[key], f"data[{key!r}]", 1)
+        if values["world_size"] % values["local_world_size"]:
+            raise ValueError(
+                f"data['local_world_size'] ({values['local_world_size']}) must divide data['world_size'] "
+                f"({values['world_size']}); {fix}."
+            )
+        for key in ("hbm_budget_per_rank", "ddr_budget_per_machine"):
+            values[key] = check_int(values[key], f"data[{key!r}]", 0)
+        for key in ("compute_device", "cost_model", "backend"):
+            if key in values and (not isinstance(values[key], str) or not values[key]):
+                raise ValueError(
+                    f"data[{key!r}] must be a non-empty string, got {type(values[key]).__name__} "
+                    f"{values[key]!r}; {fix}."
+                )
+        if "seed" in values:
+            values["seed"] = check_int(values["seed"], "data['seed']", -(2**63), 2**63 - 1)
+        for key, parse in (("dist_type", DistType.parse), ("cache_policy", CachePolicy.parse)):
+            if key in values:
+                values[key] = parse(values[key], f"data[{key!r}]")
+        if values.get("backend", "native") not in STORAGE_BACKENDS:
+            raise ValueError(f"data['backend'] must be one of {list(STORAGE_BACKENDS)}, got {values['backend']!r}.")
+        values["placements"] = placements
+        return cls(**values)
+
+    def save(self, path: Union[str, Path]) -> None:
+        """Write the plan as JSON to ``path``."""
+        _check_path(path, "PlacementPlan.save")
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True))
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "PlacementPlan":
+        """Read a plan written by :meth:`save`.
+
+        Raises:
+            ValueError: ``path`` is not a path, or the file is not a plan; the message names the file.
+            OSError: the file cannot be read.
+        """
+        _check_path(path, "PlacementPlan.load")
+        text = Path(path).read_bytes()
+        if not text.strip():
+            raise ValueError(
+                f"PlacementPlan.load({str(path)!r}): the file is empty; expected a JSON placement plan "
+                "as PlacementPlan.save writes it."
+            )
+        what = "a JSON placement plan as PlacementPlan.save writes it"
+        try:
+            data = json.loads(text.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(
+                f"PlacementPlan.load({str(path)!r}): the file is not UTF-8 text (byte {e.start}); expected {what}."
+            ) from None
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"PlacementPlan.load({str(path)!r}): the file is not JSON ({e.msg} at line {e.lineno} "
+                f"column {e.colno}); expected {what}."
+            ) from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"PlacementPlan.load({str(path)!r}): the file holds a JSON {type(data).__name__}, not a "
+                f"plan; expected {what} (a JSON object with keys {list(_PLAN_REQUIRED_KEYS)})."
+            )
+        try:
+            return cls._from_dict(data)
+        except ValueError as e:
+            raise ValueError(f"PlacementPlan.load({str(path)!r}): the file is not a valid plan: {e}") from None
+
+
+#: Keys of a plan dict (``PlacementPlan.to_dict``): always written / optional on reading.
+_PLAN_REQUIRED_KEYS: Tuple[str, ...] = (
+    "placements",
+    "world_size",
+    "local_world_size",
+    "compute_device",
+    "hbm_budget_per_rank",
+    "ddr_budget_per_machine",
+)
+_PLAN_OPTIONAL_KEYS: Tuple[str, ...] = ("cost_model", "dist_type", "seed", "cache_policy", "backend")
+_PLACEMENT_KEYS: Tuple[str, ...] = (
+    "table",
+    "module_path",
+    "rows",
+    "dim",
+    "mode",
+    "cache_load_factor",
+    "hbm_bytes_per_rank",
+    "ddr_bytes_per_rank",
+    "hbm_bytes_per_machine",
+    "ddr_bytes_per_machine",
+    "cost",
+    "optimizer",
+    "dtype",
+)
+
+
+def _check_path(path: Any, caller: str) -> None:
+    if not isinstance(path, (str, os.PathLike)) or os.fspath(path) in ("", b""):
+        raise ValueError(
+            f"{caller}(path): path must be a plan file's path (a str or pathlib.Path, e.g. "
+            f"'plan.json'), got {type(path).__name__} {path!r}."
+        )
+
+
+def _check_keys(data: Any, where: str, required: Sequence[str], optional: Sequence[str], fix: str) -> None:
+    """Refuses ``data`` unless it is a dict with every ``required`` key and none outside ``required + optional``."""
+    if not isinstance(data, Mapping):
+        raise ValueError(
+            f"{where} must be a dict with keys {list(required)}, got {type(data).__name__} {data!r:.80}; {fix}."
+        )
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ValueError(f"{where} has no {missing}; {fix}.")
+    unknown = sorted(str(k) for k in data if k not in required and k not in optional)
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown} (allowed: {list(required) + list(optional)}); {fix}.")
+
+
+def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
+    """One ``TablePlacement`` from ``data['placements'][k]``, every value checked."""
+    where = f"data['placements'][{k}]"
+    if isinstance(p, Mapping) and "table" in p:
+        where += f" (table {p['table']!r})"
+        absent = [key for key in ("optimizer", "dtype") if key not in p]
+        if absent:
+            raise ValueError(
+                f"plan entry for table {p.get('table')!r} has no {absent}: the plan was written before plans "
+                "recorded the optimizer and dtype each table is sized for. Re-plan the model with "
+                "PlacementPlanner(topology).plan(model) and save it again."
+            )
+    _check_keys(p, where, _PLACEMENT_KEYS, (), fix)
+    for key in ("table", "module_path"):
+        if not isinstance(p[key], str) or (key == "table" and not p[key]):
+            raise ValueError(
+                f"{where}[{key!r}] must be a{' non-empty' if key == 'table' else ''} string, got "
+                f"{type(p[key]).__name__} {p[key]!r}; {fix}."
+            )
+    ints = {
+        key: check_int(p[key], f"{where}[{key!r}]", 1 if key in ("rows", "dim") else 0)
+        for key in (
+            "rows",
+            "dim",
+            "hbm_bytes_per_rank",
+            "ddr_bytes_per_rank",
+            "hbm_bytes_per_machine",
+            "ddr_bytes_per_machine",
+        )
+    }
+    check_load_factor(p["cache_load_factor"], f"{where}['cache_load_factor']")
+    cost = p["cost"]
+    if isinstance(cost, bool) or not isinstance(cost, numbers.Real) or not 0 <= cost < math.inf:
+        raise ValueError(
+            f"{where}['cost'] must be a finite number >= 0 (modelled ms), got {type(cost).__name__} {cost!r}; {fix}."
+        )
+    return TablePlacement(
+        table=p["table"],
+        module_path=p["module_path"],
+        mode=Mode.parse(p["mode"], f"{where}['mode']"),
+        cache_load_factor=float(p["cache_load_factor"]),
+        cost=float(cost),
+        optimizer=FusedOptimizer.parse(p["optimizer"], f"{where}['optimizer']"),
+        dtype=resolve_dtype(p["dtype"], f"{where}['dtype']"),
+        **ints,
+    )
+
+
+def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:
+    """torchrec ``ShardingPlan`` for a placement plan (ROW_WISE, CUSTOMIZED_KERNEL).
+
+    Each table gets a ``PlacementParameterSharding`` carrying ``plan.placement_params(...)``. Warns when
+    ``compute_device`` is given and the tiered sharders' default backend there runs another layout than
+    ``plan.backend``, with the bytes of both.
+    """
+    return _to_sharding_plan(plan, compute_device)
+
+
+def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> ShardingPlan:
+    """:func:`to_sharding_plan` (one frame below each public entry: the warning points at the user's call)."""
+    if compute_device is not None:
+        _warn_layout_mismatch(plan, compute_device)
+    device = compute_device or plan.compute_device
+    modules: Dict[str, EmbeddingModuleShardingPlan] = {}
+    for p in plan.placements:
+        module_plan = modules.setdefault(p.module_path, EmbeddingModuleShardingPlan())
+        module_plan[p.table] = PlacementParameterSharding.from_params(
+            plan.placement_params(p),
+            sharding_type=ShardingType.ROW_WISE.value,
+            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
+            ranks=list(range(plan.world_size)),
+            sharding_spec=row_wise_sharding_spec(p.rows, p.dim, plan.world_size, plan.local_world_size, device),
+        )
+    return ShardingPlan(plan=dict(modules))
+
+
+# Layout the tiered sharders' default backend runs per device (``tiered.backends.resolve_backend``), and
+# what the sharders are given to run the other one there.
+_DEVICE_LAYOUT: Dict[str, str] = {"cpu": "native", "cuda": "fbgemm"}
+_LAYOUT_SHARDER_FIX: Dict[Tuple[str, str], str] = {
+    # fbgemm's backend on CPU builds HOST tables without a cache, not the layout the plan budgets
+    ("cpu", "fbgemm"): "",
+    ("cuda", "native"): "TieredEmbeddingBagCollectionSharder(backend='torch') / "
+    "TieredEmbeddingCollectionSharder(backend='torch') (recpipe's layout on CUDA)",
+}
+
+
+def _layout_bytes(plan: PlacementPlan, layout: str) -> List[Optional[Tuple[int, int]]]:
+    """Each table's (HBM bytes per rank, DDR bytes per machine) in ``layout`` at its planned mode and load
+    factor, or None where that layout cannot hold it (fbgemm needs a dim multiple of 4)."""
+    W, L = plan.world_size, plan.local_world_size
+    out: List[Optional[Tuple[int, int]]] = []
+    for p in plan.placements:
+
+        def shard(rows: int, p: TablePlacement = p) -> ShardStorage:
+            return BACKEND_SHARD_STORAGE[layout](
+                rows, p.dim, p.dtype, p.optimizer, p.mode, p.cache_load_factor, plan.cache_policy
+            )
+
+        try:
+            out.append((shard(max_local_rows(p.rows, W)).fast_bytes, machine_sum(p.rows, W, L, shard).slow_bytes))
+        except ValueError:
+            out.append(None)
+    return out
+
+
+def _warn_layout_mismatch(plan: PlacementPlan, compute_device: str) -> None:
+    """Warns when the sharders' default backend on ``compute_device`` runs another layout than ``plan.backend``."""
+    runs = _DEVICE_LAYOUT.get(compute_device)
+    if runs is None or runs == plan.backend:
+        return  # an unknown device is refused by row_wise_sharding_spec
+    sized = _layout_bytes(plan, runs)
+    cannot = [p.fqn for p, b in zip(plan.placements, sized) if b is None]
+    differ = [
+        p.fqn
+        for p, b in zip(plan.placements, sized)
+        if b is not None and b != (p.hbm_bytes_per_rank, p.ddr_bytes_per_machine)
+    ]
+    if not differ and not cannot:
+        return
+    held = [(p, b) for p, b in zip(plan.placements, sized) if b is not None]  # the tables both layouts hold
+    now_h, now_d = sum(p.hbm_bytes_per_rank for p, _ in held), sum(p.ddr_bytes_per_machine for p, _ in held)
+    hbm, ddr = sum(b[0] for _, b in held), sum(b[1] for _, b in held)
+    names = {"native": "recpipe's native layout", "fbgemm": "fbgemm's layout"}
+
+    def delta(now: int, then: int, budget: int) -> str:
+        over = f", over the budget of {format_bytes(budget)} ({budget} B)" if then > budget else ""
+        return (
+            f"{format_bytes(now)} ({now} B) in {plan.backend} -> {format_bytes(then)} ({then} B) in {runs}, "
+            f"{then - now:+d} B{over}"
+        )
+
+    fixes = [
+        f"re-plan with PlacementPlanner(topology, backend={runs!r}) to size the tables in the layout that "
+        f"runs on {compute_device}"
+    ]
+    sharder_fix = _LAYOUT_SHARDER_FIX.get((compute_device, plan.backend))
+    if sharder_fix:
+        fixes.append(f"run the plan's layout: give the tiered sharders {sharder_fix}")
+    some = f"{len(differ)} of its {len(plan.placements)} tables ({differ[:5]}{' ...' if len(differ) > 5 else ''})"
+    text = (
+        f"to_sharding_plan(compute_device={compute_device!r}): the plan was sized in {names[plan.backend]} "
+        f"(backend={plan.backend!r}), but on {compute_device} the tiered sharders run {names[runs]} (backend="
+        f"{runs!r}, their default there)"
+    )
+    if cannot:
+        text += f"; {runs} cannot hold {len(cannot)} table(s) {cannot[:5]} at all"
+    if differ:
+        text += (
+            f"; there {some} need other bytes: HBM per rank {delta(now_h, hbm, plan.hbm_budget_per_rank)}; "
+            f"DDR per machine {delta(now_d, ddr, plan.ddr_budget_per_machine)}"
+            + (" (the tables it cannot hold left out)" if cannot else "")
+        )
+    warnings.warn(
+        text + ".\nPossible solutions:\n" + "\n".join(f"  {k + 1}) {f}" for k, f in enumerate(fixes)),
+        UserWarning,
+        stacklevel=4,  # the user's call of to_sharding_plan (this, _to_sharding_plan, to_sharding_plan, user)
+    )
+
+
+__all__ = ["PlacementPlan", "TablePlacement", "to_sharding_plan"]

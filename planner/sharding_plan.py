@@ -1,0 +1,123 @@
+"""The torchrec side of a placement plan: the ``ParameterSharding`` that carries a table's placement,
+and the row-wise sharding spec ``PlacementPlan.to_sharding_plan`` builds with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torchrec.distributed.sharding_plan import placement
+from torchrec.distributed.types import EnumerableShardingSpec, ParameterSharding, ShardingPlan, ShardMetadata
+
+from recpipe.pipeline.placement import (
+    FUSED_PARAM_DTYPE,
+    FUSED_PARAM_OPTIMIZER,
+    CachePolicy,
+    DistType,
+    FusedOptimizer,
+    Mode,
+    PlacementParams,
+    check_int,
+    local_rows,
+)
+
+# The placement fields, shared with ``PlacementParams``.
+_FIELDS = ("mode", "cache_load_factor", "dist_type", "seed", "cache_policy", "optimizer", "dtype")
+
+
+@dataclass
+class PlacementParameterSharding(ParameterSharding):
+    """torchrec ``ParameterSharding`` carrying a recpipe tiered placement (a ``PlacementParams``).
+
+    torchrec merges :meth:`get_additional_fused_params` into the table's fused params, where the tiered
+    sharders read it back. ``optimizer`` / ``dtype`` left None (a hand-written placement not sized for one)
+    are not written: the sharders then take the table's own; planner-made plans always set both.
+    """
+
+    mode: Mode = Mode.HYBRID
+    cache_load_factor: float = 1.0
+    dist_type: DistType = DistType.HASH_ROUNDROBIN
+    seed: int = 0
+    cache_policy: CachePolicy = CachePolicy.LFU
+    optimizer: Optional[FusedOptimizer] = None
+    dtype: Optional[torch.dtype] = None
+
+    def __post_init__(self) -> None:
+        full = self._complete()  # validates and normalizes every field
+        for name in _FIELDS:
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(full, name))
+
+    def _complete(self) -> PlacementParams:
+        # Unset optimizer / dtype are stood in for (and left out of the fused params).
+        return PlacementParams(
+            **{name: getattr(self, name) for name in _FIELDS[:5]},
+            optimizer=self.optimizer if self.optimizer is not None else FusedOptimizer.SGD,
+            dtype=self.dtype if self.dtype is not None else torch.float32,
+        )
+
+    @classmethod
+    def from_params(cls, params: PlacementParams, **parameter_sharding: Any) -> "PlacementParameterSharding":
+        """A parameter sharding carrying ``params``; ``parameter_sharding`` are torchrec's own fields."""
+        return cls(**parameter_sharding, **{name: getattr(params, name) for name in _FIELDS})
+
+    @property
+    def params(self) -> PlacementParams:
+        """The placement as a ``PlacementParams`` (needs ``optimizer`` and ``dtype``)."""
+        unset = [name for name in ("optimizer", "dtype") if getattr(self, name) is None]
+        if unset:
+            raise ValueError(
+                f"PlacementParameterSharding.{' and '.join(unset)} is not set, so it holds no complete "
+                "PlacementParams: set it, or build the sharding with PlacementParameterSharding.from_params."
+            )
+        return self._complete()
+
+    def get_additional_fused_params(self) -> Dict[str, Any]:
+        """Fused params torchrec merges into the table's kernel config (unset optimizer / dtype left out)."""
+        fused = self._complete().to_fused_params()
+        if self.optimizer is None:
+            del fused[FUSED_PARAM_OPTIMIZER]
+        if self.dtype is None:
+            del fused[FUSED_PARAM_DTYPE]
+        return fused
+
+
+def row_wise_sharding_spec(
+    num_embeddings: int, dim: int, world_size: int, local_world_size: int, compute_device: str
+) -> EnumerableShardingSpec:
+    """Shard ``r`` holds ``local_rows(N, W, r)`` rows at contiguous offsets, placed on ``compute_device``."""
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
+    dim = check_int(dim, "dim", 1)
+    world_size = check_int(world_size, "world_size", 1)
+    local_world_size = check_int(local_world_size, "local_world_size", 1, world_size)
+    if compute_device not in ("cuda", "cpu"):
+        raise ValueError(
+            f"compute_device must be 'cuda' or 'cpu' (a torchrec Topology's compute_device), got {compute_device!r}."
+        )
+    shards = []
+    offset = 0
+    for r in range(world_size):
+        n = local_rows(num_embeddings, world_size, r)
+        shards.append(
+            ShardMetadata(
+                shard_offsets=[offset, 0],
+                shard_sizes=[n, dim],
+                placement=placement(compute_device, r, local_world_size),
+            )
+        )
+        offset += n
+    return EnumerableShardingSpec(shards)
+
+
+def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str, str], Tuple[Mode, float]]:
+    """``(module_path, table) -> (mode, x)`` of every ``PlacementParameterSharding`` in a torchrec plan."""
+    out: Dict[Tuple[str, str], Tuple[Mode, float]] = {}
+    for path, module_plan in sharding_plan.plan.items():
+        for table, ps in module_plan.items():  # type: ignore[union-attr]
+            if isinstance(ps, PlacementParameterSharding):
+                out[(path, table)] = (Mode.parse(ps.mode), float(ps.cache_load_factor))
+    return out
+
+
+__all__ = ["PlacementParameterSharding", "placements_from_sharding_plan", "row_wise_sharding_spec"]

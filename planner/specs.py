@@ -1,0 +1,265 @@
+"""What the planner is given: table specs, per-table pins, placement options, and the
+topology's shape and budgets."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyFactory, TrainerConfig
+from torchrec.distributed.types import CacheStatistics
+
+from recpipe.pipeline.placement import (
+    FusedOptimizer,
+    Mode,
+    ShardStorage,
+    check_load_factor,
+    check_load_factors,
+    fbgemm_shard_storage,
+    resolve_dtype,
+    row_bytes,
+    shard_storage,
+)
+
+#: Zipf exponent of a table's access when no measurement is given (TorchEasyRec PR #508's sweep).
+DEFAULT_ZIPF_ALPHA: float = 1.05
+#: Default cache load factor grid (PR #508): 0.1, 0.2, ..., 1.0.
+DEFAULT_LOAD_FACTORS: Tuple[float, ...] = tuple(round(0.1 * i, 1) for i in range(1, 11))
+
+#: Tiered-table backend -> byte formula of its layout: ``native`` (recpipe's own: the CPU kernel and the
+#: torch backend) and ``fbgemm`` (fbgemm's TBE on CUDA).
+BACKEND_SHARD_STORAGE: Dict[str, Callable[..., ShardStorage]] = {
+    "native": shard_storage,
+    "fbgemm": fbgemm_shard_storage,
+}
+#: Tiered-table backends whose byte layouts the planner budgets.
+STORAGE_BACKENDS: Tuple[str, ...] = tuple(BACKEND_SHARD_STORAGE)
+
+#: Largest table the planner accepts, in bytes (values + optimizer state): keeps its int64 byte
+#: arithmetic clear of overflow after sums over a few tables.
+MAX_TABLE_BYTES: int = 2**62
+
+
+@dataclass(kw_only=True)
+class TableSpec:
+    """One embedding table to place."""
+
+    name: str
+    """Table name (unique within a module)."""
+    rows: int
+    """Rows of the whole table (``num_embeddings``)."""
+    dim: int
+    """Embedding dimension."""
+    dtype: Union[torch.dtype, str] = torch.float32
+    """Dtype of the embedding values (or its name); the planner plans only ``TIERED_DTYPES``."""
+    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.ADAM
+    """Fused optimizer (sets state bytes); the planner plans only ``SUPPORTED_OPTIMIZERS``."""
+    lookups_per_step: float = 512.0
+    """Expected rows looked up per rank per training step (batch x pooling factor)."""
+    zipf_alpha: float = DEFAULT_ZIPF_ALPHA
+    """Skew of the access distribution (Zipf exponent) when no measurement is given."""
+    access_counts: Optional[Sequence[float]] = None
+    """Measured per-row access counts; overrides ``zipf_alpha`` when given."""
+    cache_stats: Optional[CacheStatistics] = None
+    """torchrec ``CacheStatistics``; overrides the other access models when given."""
+    module_path: str = ""
+    """FQN of the embedding module holding the table ("" for a bare EBC/EC)."""
+    feature_names: Tuple[str, ...] = ()
+    """Features looking the table up (informational)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TableSpec.name must be a non-empty string (the table's name), got {self.name!r}.")
+        if not isinstance(self.module_path, str):
+            raise ValueError(
+                f"TableSpec({self.name}).module_path must be a string (the FQN of the embedding module, "
+                f"'' for a bare EBC / EC), got {self.module_path!r}."
+            )
+        if (
+            isinstance(self.feature_names, (str, bytes))
+            or not hasattr(self.feature_names, "__iter__")
+            or not all(isinstance(f, str) for f in self.feature_names)
+        ):
+            raise ValueError(
+                f"TableSpec({self.name}).feature_names must be a list of feature names (str), got "
+                f"{self.feature_names!r}; e.g. ['f0'] for one feature."
+            )
+        for field_name in ("rows", "dim"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"TableSpec({self.name}).{field_name} must be a positive int, got {value!r} "
+                    f"({type(value).__name__}); write a whole number, without a decimal point or quotes."
+                )
+        self.dtype = resolve_dtype(self.dtype, f"TableSpec({self.name}).dtype")
+        self.optimizer = FusedOptimizer.parse(self.optimizer, f"TableSpec({self.name}).optimizer")
+        table_bytes = self.rows * row_bytes(self.dim, self.dtype, self.optimizer)
+        if table_bytes > MAX_TABLE_BYTES:
+            raise ValueError(
+                f"TableSpec({self.name}) needs {table_bytes} bytes ({self.rows} rows x "
+                f"{row_bytes(self.dim, self.dtype, self.optimizer)} bytes per row), above the planner's "
+                f"limit of 2^62 bytes per table; check rows={self.rows} (a typo?) or split the table."
+            )
+        for field_name in ("lookups_per_step", "zipf_alpha"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"TableSpec({self.name}).{field_name} must be a number, got {value!r}.")
+        if not (self.lookups_per_step >= 0 and math.isfinite(self.lookups_per_step)):
+            raise ValueError(
+                f"TableSpec({self.name}).lookups_per_step must be a finite number >= 0, got {self.lookups_per_step!r}."
+            )
+        if not (self.zipf_alpha >= 0 and math.isfinite(self.zipf_alpha)):
+            raise ValueError(
+                f"TableSpec({self.name}).zipf_alpha must be a finite number >= 0, got {self.zipf_alpha!r}."
+            )
+        if self.access_counts is not None:
+            if len(self.access_counts) == 0:
+                raise ValueError(f"TableSpec({self.name}).access_counts is empty: pass per-row counts or None.")
+            self._check_access_counts()
+        self.feature_names = tuple(self.feature_names)
+
+    def _check_access_counts(self) -> None:
+        """Refuses ``access_counts`` that are not one finite count >= 0 per row, not all 0."""
+        fix = "pass one measured count per row (row i's lookups), or access_counts=None to model access by zipf_alpha"
+        try:
+            counts = np.asarray(self.access_counts, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts must be numbers, got {type(self.access_counts).__name__}; {fix}."
+            ) from None
+        if counts.ndim != 1 or counts.size != self.rows:
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts has {counts.size} entries (shape {tuple(counts.shape)}) for "
+                f"rows={self.rows}; {fix}."
+            )
+        bad = np.flatnonzero(~(np.isfinite(counts) & (counts >= 0)))
+        if bad.size:
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts must be finite numbers >= 0, got {float(counts[bad[0]])!r} at row "
+                f"{int(bad[0])} ({bad.size} such rows); {fix}."
+            )
+        if not counts.any():
+            raise ValueError(
+                f"TableSpec({self.name}).access_counts are all 0: they measure no lookup, so they give no hit rate; {fix}."
+            )
+
+    @property
+    def fqn(self) -> str:
+        """``module_path.name`` (or ``name`` for a bare module)."""
+        return f"{self.module_path}.{self.name}" if self.module_path else self.name
+
+
+@dataclass(kw_only=True)
+class PlacementConstraints:
+    """User pins for one table; unset fields are chosen by the planner."""
+
+    mode: Optional[Union[Mode, str]] = None
+    """Pin the placement mode (x = 1.0 stays allowed: all rows in HBM, planned as HYBRID x = 1.0)."""
+    cache_load_factor: Optional[float] = None
+    """Pin the cache load factor x in (0, 1]."""
+    load_factors: Optional[Sequence[float]] = None
+    """Restrict this table's x grid (instead of the planner-wide grid)."""
+
+    def __post_init__(self) -> None:
+        if self.mode is not None:
+            self.mode = Mode.parse(self.mode)
+        if self.cache_load_factor is not None:
+            check_load_factor(self.cache_load_factor, "PlacementConstraints.cache_load_factor")
+        if self.load_factors is not None:
+            check_load_factors(self.load_factors, "PlacementConstraints.load_factors")
+
+
+@dataclass(frozen=True)
+class PlacementOption:
+    """One (mode, x) candidate for a table, with its bytes (most loaded rank / machine) and modelled ms."""
+
+    mode: Mode
+    cache_load_factor: float
+    hbm_bytes_per_rank: int
+    ddr_bytes_per_rank: int
+    hbm_bytes_per_machine: int
+    ddr_bytes_per_machine: int
+    cost: float = 0.0
+
+
+def check_topology_args(
+    world_size: int,
+    local_world_size: int,
+    hbm_cap: float,
+    ddr_cap: float,
+    *,
+    names: Tuple[str, str, str, str] = ("world_size", "local_world_size", "hbm_cap", "ddr_cap"),
+    positive_sizes: bool = False,
+) -> None:
+    """The checks a topology's shape and sizes must pass (shared by the CLI, :func:`make_topology` and
+    ``PlacementPlanner``).
+
+    Args:
+        ddr_cap: DDR bytes, per rank or per machine as ``names`` says.
+        names: how the caller spells the four arguments in messages (e.g. the CLI's ``--world-size``).
+        positive_sizes: refuse a size of 0 too (the CLI); else 0 bytes is a tier of no memory.
+    """
+    ws_name, lws_name, hbm_name, ddr_name = names
+    for name, value in ((ws_name, world_size), (lws_name, local_world_size)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ValueError(
+                f"{name} must be an int (a number of ranks), got {type(value).__name__} {value!r}; pass a whole number."
+            )
+    if world_size < 1:
+        raise ValueError(f"{ws_name} must be >= 1 (the number of ranks), got {world_size}.")
+    if local_world_size < 1:
+        raise ValueError(f"{lws_name} must be >= 1 (ranks per machine), got {local_world_size}.")
+    if local_world_size > world_size or world_size % local_world_size:
+        raise ValueError(
+            f"{lws_name} ({local_world_size}) must divide {ws_name} ({world_size}): every machine has "
+            f"the same number of ranks (e.g. {lws_name}={math.gcd(world_size, local_world_size)})."
+        )
+    for name, value in ((hbm_name, hbm_cap), (ddr_name, ddr_cap)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(
+                f"{name} must be a number of bytes, got {type(value).__name__} {value!r}; "
+                "give the memory in bytes, e.g. 80 * 2**30."
+            )
+        if positive_sizes and not value > 0:
+            raise ValueError(f"{name} must be a positive size such as 80GiB, got {value} bytes.")
+        if not value >= 0:  # also refuses nan
+            raise ValueError(
+                f"{name} must be a size >= 0 bytes, got {value}; give the memory in bytes, e.g. 80 * 2**30."
+            )
+        if value == math.inf:  # the budgets are whole bytes: int(inf) was an OverflowError when planning
+            raise ValueError(
+                f"{name} must be a finite size in bytes, got {value}; for memory that never binds, give "
+                "a size past every table's bytes, e.g. 2**60."
+            )
+
+
+def make_topology(
+    *, world_size: int, local_world_size: int, hbm_cap: int, ddr_cap: int, compute_device: str = "cuda"
+) -> Topology:
+    """A torchrec ``Topology`` built by ``TopologyFactory`` (a directly constructed one warns on every
+    construction), with torchrec's default bandwidths; ``ddr_cap`` is bytes per rank."""
+    check_topology_args(world_size, local_world_size, hbm_cap, ddr_cap)
+    return TopologyFactory.create_topology(
+        TrainerConfig(
+            world_size=world_size, local_world_size=local_world_size, hbm_cap_bytes=hbm_cap, ddr_cap_bytes=ddr_cap
+        ),
+        kernel_config=KernelConfig(compute_device=compute_device),
+    )
+
+
+__all__ = [
+    "BACKEND_SHARD_STORAGE",
+    "DEFAULT_LOAD_FACTORS",
+    "DEFAULT_ZIPF_ALPHA",
+    "MAX_TABLE_BYTES",
+    "STORAGE_BACKENDS",
+    "PlacementConstraints",
+    "PlacementOption",
+    "TableSpec",
+    "check_topology_args",
+    "make_topology",
+]
