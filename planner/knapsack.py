@@ -143,7 +143,7 @@ def _checked_arrays(hbm: Any, ddr: Any, cost: Any) -> Tuple[np.ndarray, np.ndarr
             else f"dtype {cost.dtype}" + (" holding nan" if cost.dtype.kind == "f" else "")
         )
         raise ValueError(f"`cost` must be a float array without nan (inf marks no option), got {got}.")
-    if np.isneginf(cost).any():  # was taken for "no option", as inf is, silently
+    if np.isneginf(cost).any():  # -inf would read as "no option", as inf does, silently
         i, j = (int(v) for v in np.argwhere(np.isneginf(cost))[0])
         raise ValueError(
             f"`cost` holds -inf at (table {i}, option {j}): a cost is a finite number, or inf to mark "

@@ -13,13 +13,12 @@ Then 2 ranks load it, each run in fresh processes (so no run inherits another's 
 * recpipe: a model whose tables are tiered (HYBRID, hash_roundrobin) loads it with
   ``recpipe.pipeline.checkpoint.load(model, dir, verify=False)`` (torchrec writes no digests): each
   rank streams the torchrec tables one saved chunk at a time, checks them, then writes the rows
-  it owns chunk by chunk (so its extra memory is about a saved chunk, where it used to be a
-  whole table);
+  it owns chunk by chunk (its extra memory is about one saved chunk, not a whole table);
 * recpipe, check_rows=False: the same without the first (checking) read;
 * leaving recpipe: the torchrec model loads a checkpoint of the same tables tiered (HYBRID,
   ``recpipe.pipeline.checkpoint.save`` of a 2-rank tiered model) with ``recpipe.pipeline.checkpoint.load``: each
   table is checked, then each rank gathers the rows its shards hold from the tiered exports, one
-  table at a time (it used to build every such table whole on every rank at once).
+  table at a time (never every such table whole on every rank at once).
 
 Per run: wall seconds of the slower rank between two barriers, and each rank's peak RSS growth
 during the load (``VmHWM`` reset through ``/proc/self/clear_refs`` just before, minus ``VmRSS``

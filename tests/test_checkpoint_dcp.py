@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_harness import run_gloo
-from test_checkpoint_integrity import SMALL, flip_bytes, step_dir
+from recipe_configs import SMALL, flip_bytes, step_dir
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.distributed.types import ShardingEnv
 

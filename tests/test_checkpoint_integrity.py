@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from test_recipes_dist import SMALL_SYNTHETIC
+from recipe_configs import SMALL, flip_bytes, step_dir
 from torchrec.distributed.types import ShardingEnv
 
 from recpipe.pipeline.checkpoint import (
@@ -50,25 +50,9 @@ from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
 from recpipe.recipes.train import run
 
-# the small synthetic DLRM run of the recipe tests
-SMALL: dict[str, Any] = SMALL_SYNTHETIC
 SAVED_STEPS = 12  # the saved run: checkpoints at 4, 8, 12
 RESUME_TO = 16
 DATA = "__0_0.distcp"  # rank 0's DCP data file
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step_{step:08d}"
-
-
-def flip_bytes(path: Path, count: int = 64) -> None:
-    """Inverts ``count`` bytes spread over the file's second half (tensor data)."""
-    data = bytearray(path.read_bytes())
-    start = len(data) // 2
-    stride = max(1, (len(data) - start) // (count + 1))
-    for i in range(count):
-        data[start + (i + 1) * stride - 1] ^= 0xFF
-    path.write_bytes(bytes(data))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_recipes_dist import SMALL_SYNTHETIC
+from recipe_configs import SMALL_SYNTHETIC
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from torchx.specs.builders import materialize_appdef

@@ -21,115 +21,29 @@ import json
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List
 
 import numpy as np
 import pytest
 import torch
+from dcp_models import (
+    IO_TABLES,
+    LR,
+    SAVE_PLACEMENTS,
+    SWAPPED_PLACEMENTS,
+    TABLES,
+    TRAIN_STEPS,
+    Model,
+    dense_opt,
+    make_ebc,
+    plain_torchrec_model,
+    shard_arrays,
+    tiered_model,
+    train_step,
+)
 from gloo_harness import run_gloo
 
-B, LR, TRAIN_STEPS = 4, 0.05, 3
-TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 61, 4, ["f2"]), ("t2", 50, 4, ["f3"])]
 TW_TABLES = [("u0", 40, 4, ["g0"]), ("u1", 30, 4, ["g1"])]
-SAVE_PLACEMENTS = {
-    "t0": dict(mode="HYBRID", cache_load_factor=0.5, seed=3),
-    "t1": dict(mode="CACHING", cache_load_factor=0.3, seed=3),
-}
-SWAPPED_PLACEMENTS = {
-    "t0": dict(mode="CACHING", cache_load_factor=0.4, seed=3),
-    "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3),
-}
-
-
-def _ebc(tables: List[Tuple[str, int, int, List[str]]], seed: int = 0) -> Any:
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    torch.manual_seed(seed)
-    return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=f) for n, r, d, f in tables
-        ],
-        device=torch.device("cpu"),
-    )
-
-
-class _Model(torch.nn.Module):
-    def __init__(self, ebc: torch.nn.Module, width: int) -> None:
-        super().__init__()
-        self.ebc = ebc
-        torch.manual_seed(1)
-        self.head = torch.nn.Linear(width, 1)
-
-    def forward(self, kjt: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        kt = self.ebc(kjt).to_dict()  # by feature: the KeyedTensor's order follows the sharding
-        emb = torch.cat([kt[k] for k in sorted(kt)], dim=1)
-        return emb, self.head(emb).squeeze(1)
-
-
-def _kjt(tables: List[Tuple[str, int, int, List[str]]], step: int, ranks: List[int]) -> Any:
-    """The batches of ``ranks`` at ``step``, concatenated (a rank's batch is B samples)."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    sizes = {f: rows for _, rows, _, feats in tables for f in feats}
-    keys = list(sizes)
-    lengths, values = [], []
-    for f_i, f in enumerate(keys):
-        for r in ranks:
-            gen = torch.Generator().manual_seed(1000 * step + 10 * r + f_i)
-            ln = torch.randint(0, 5, (B,), generator=gen)
-            lengths.append(ln)
-            values.append((torch.rand(int(ln.sum()), generator=gen) ** 2 * sizes[f]).long())
-    return KeyedJaggedTensor(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
-
-
-def _targets(step: int, ranks: List[int]) -> torch.Tensor:
-    return torch.cat([torch.randn(B, generator=torch.Generator().manual_seed(7 * step + r)) for r in ranks])
-
-
-def _tiered_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan, ShardingType
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
-
-    ebc = _ebc(TABLES)
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
-    sharder = TieredEmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(
-        ebc,
-        {n: row_wise() for n, *_ in TABLES},
-        sharder=sharder,  # type: ignore[arg-type]
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-    )
-    shapes = {name: (rows, dim) for name, rows, dim, _ in TABLES}
-    for name, placement in placements.items():
-        rows, dim = shapes[name]
-        plan[name] = PlacementParameterSharding(
-            sharding_type=ShardingType.ROW_WISE.value,
-            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-            ranks=list(range(world)),
-            sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
-            dist_type="hash_roundrobin",
-            **placement,
-        )
-    model = DistributedModelParallel(
-        _Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=[sharder],  # type: ignore[list-item]
-        device=torch.device("cpu"),
-    )
-    tiered = model.module.ebc.tiered_tables()
-    for name in placements:
-        tiered[name].load_global_weights(_ebc(TABLES).embedding_bags[name].weight.detach())
-    return model
 
 
 def _table_wise_model(world: int, owners: Dict[str, int]) -> Any:
@@ -140,7 +54,7 @@ def _table_wise_model(world: int, owners: Dict[str, int]) -> Any:
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-    ebc = _ebc(TW_TABLES, seed=2)
+    ebc = make_ebc(TW_TABLES, seed=2)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
     sharder = EmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(
@@ -152,33 +66,11 @@ def _table_wise_model(world: int, owners: Dict[str, int]) -> Any:
         device_type="cpu",
     )
     return DistributedModelParallel(
-        _Model(ebc, sum(d * len(f) for _, _, d, f in TW_TABLES)),
+        Model(ebc, sum(d * len(f) for _, _, d, f in TW_TABLES)),
         plan=ShardingPlan({"ebc": plan}),
         sharders=[sharder],  # type: ignore[list-item]
         device=torch.device("cpu"),
     )
-
-
-def _step(model: Any, opt: torch.optim.Optimizer, tables: List[Any], step: int, ranks: List[int]) -> Dict[str, Any]:
-    emb, pred = model(_kjt(tables, step, ranks))
-    loss = ((pred - _targets(step, ranks)) ** 2).sum()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return {"emb": emb.detach().numpy().copy(), "pred": pred.detach().numpy().copy()}
-
-
-def _dense_opt(model: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD([p for n, p in model.named_parameters() if "head" in n], lr=0.01)
-
-
-def _shards(value: Any) -> List[Tuple[List[int], np.ndarray]]:
-    """(offsets, local tensor) of every local shard of a ShardedTensor (or a full tensor)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    if isinstance(value, ShardedTensor):
-        return [(list(s.metadata.shard_offsets), s.tensor.detach().numpy().copy()) for s in value.local_shards()]
-    return [([0] * value.dim(), value.detach().numpy().copy())]
 
 
 def _has_rows(value: Any) -> bool:
@@ -198,11 +90,11 @@ def _view(model: Any) -> Dict[str, Any]:
     sd = model.state_dict()
     for key, value in sd.items():
         if key.startswith("ebc.embedding_bags.") and key.endswith(".weight") and _has_rows(value):
-            out["torchrec"][key.split(".")[2]] = _shards(value)
+            out["torchrec"][key.split(".")[2]] = shard_arrays(value)
     for param_key, states in model.fused_optimizer.state_dict()["state"].items():
         for state_key, value in states.items():
             if isinstance(value, torch.Tensor) and _has_rows(value) and value.dim() > 0:
-                out["optim"][f"{param_key}/{state_key}"] = _shards(value)
+                out["optim"][f"{param_key}/{state_key}"] = shard_arrays(value)
     out["head"] = sd["head.weight"].numpy().copy() if "head.weight" in sd else None
     return out
 
@@ -243,15 +135,15 @@ def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     out: Dict[str, Any] = {}
     for kind, model, tables in (
-        ("tiered", _tiered_model(world, SAVE_PLACEMENTS), TABLES),
+        ("tiered", tiered_model(world, SAVE_PLACEMENTS), TABLES),
         ("tw", _table_wise_model(world, {"u0": 0, "u1": 1}), TW_TABLES),
     ):
-        opt = _dense_opt(model)
+        opt = dense_opt(model)
         for step in range(TRAIN_STEPS):
-            _step(model, opt, tables, step, [rank])
+            train_step(model, opt, tables, step, [rank])
         recpipe_dcp.save(model, f"{root}/{kind}")
         out[kind] = _view(model)
-        out[kind + "_next"] = _step(model, opt, tables, TRAIN_STEPS, [rank])
+        out[kind + "_next"] = train_step(model, opt, tables, TRAIN_STEPS, [rank])
     return out
 
 
@@ -261,7 +153,7 @@ def _load_body(
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
     ranks = list(range(2)) if world == 1 else [rank]
-    model = _tiered_model(world, placements)
+    model = tiered_model(world, placements)
     # placements really differ from the saving job's
     for name, shard in model.module.ebc.tiered_tables().items():
         assert (shard.mode.name, shard.cache_load_factor) == (
@@ -275,13 +167,13 @@ def _load_body(
     assert not [w for w in caught if "torch.distributed is disabled" in str(w.message)], caught
     out: Dict[str, Any] = {
         "tiered": _view(model),
-        "tiered_next": _step(model, _dense_opt(model), TABLES, TRAIN_STEPS, ranks),
+        "tiered_next": train_step(model, dense_opt(model), TABLES, TRAIN_STEPS, ranks),
     }
     if table_wise:
         tw = _table_wise_model(world, {"u0": 1, "u1": 0})  # each table on the other rank
         recpipe_dcp.load(tw, f"{root}/tw")
         out["tw"] = _view(tw)
-        out["tw_next"] = _step(tw, _dense_opt(tw), TW_TABLES, TRAIN_STEPS, ranks)
+        out["tw_next"] = train_step(tw, dense_opt(tw), TW_TABLES, TRAIN_STEPS, ranks)
     return out
 
 
@@ -295,9 +187,8 @@ def _wrong_size_body(rank: int, world: int, root: str) -> str:
     from recpipe.pipeline import checkpoint as recpipe_dcp
     from recpipe.pipeline.tiered.state import TieredCheckpointError
 
-    global TABLES
-    TABLES = [("t0", 98, 8, ["f0", "f1"])] + TABLES[1:]  # t0 has one row more than saved
-    model = _tiered_model(world, SAVE_PLACEMENTS)
+    tables = [("t0", 98, 8, ["f0", "f1"])] + TABLES[1:]  # t0 has one row more than saved
+    model = tiered_model(world, SAVE_PLACEMENTS, tables)
     before = _view(model)
     with pytest.raises(TieredCheckpointError) as err:
         recpipe_dcp.load(model, f"{root}/tiered")
@@ -351,9 +242,8 @@ def test_dcp_refuses_a_table_of_another_size(tmp_path: Path) -> None:
 def _torchrec_size_body(rank: int, world: int, root: str) -> str:
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    global TABLES
-    TABLES = TABLES[:2] + [("t2", 51, 4, ["f3"])]  # the plain torchrec table has one row more than saved
-    model = _tiered_model(world, SAVE_PLACEMENTS)
+    tables = TABLES[:2] + [("t2", 51, 4, ["f3"])]  # the plain torchrec table has one row more than saved
+    model = tiered_model(world, SAVE_PLACEMENTS, tables)
     before = _view(model)
     with pytest.raises(Exception) as err:  # DCP's own CheckpointException is a BaseException
         recpipe_dcp.load(model, f"{root}/tiered")
@@ -480,7 +370,7 @@ def _damaged_load_body(rank: int, world: int, root: str, cases: List[str]) -> Di
     """Loads every damaged copy into one model; each must fail before the model changes."""
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    model = _tiered_model(world, SAVE_PLACEMENTS)
+    model = tiered_model(world, SAVE_PLACEMENTS)
     before = _view(model)
     messages: Dict[str, str] = {}
     for case in cases:
@@ -551,13 +441,13 @@ def _table_kinds_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline import checkpoint as recpipe_dcp
     from recpipe.pipeline.tiered.migration import gather_full_weights
 
-    plain = _tiered_model(world, {})  # t0, t1, t2 all torchrec ROW_WISE FUSED tables
-    _step(plain, _dense_opt(plain), TABLES, 0, [rank])
+    plain = tiered_model(world, {})  # t0, t1, t2 all torchrec ROW_WISE FUSED tables
+    train_step(plain, dense_opt(plain), TABLES, 0, [rank])
     recpipe_dcp.save(plain, f"{root}/plain")
     saved_plain = gather_full_weights(plain)
     recpipe_dcp.load(plain, f"{root}/tiered")  # tiered when saved: its FUSED tables load the exports' rows
-    out: Dict[str, Any] = {"tiered_into_plain_next": _step(plain, _dense_opt(plain), TABLES, TRAIN_STEPS, [rank])}
-    tiered = _tiered_model(world, SAVE_PLACEMENTS)
+    out: Dict[str, Any] = {"tiered_into_plain_next": train_step(plain, dense_opt(plain), TABLES, TRAIN_STEPS, [rank])}
+    tiered = tiered_model(world, SAVE_PLACEMENTS)
     recpipe_dcp.load(tiered, f"{root}/plain")  # torchrec tables when saved: the tiered tables adopt their rows
     loaded = gather_full_weights(tiered)
     out["plain_into_tiered_equal"] = all(torch.equal(loaded[k], v) for k, v in saved_plain.items())
@@ -578,38 +468,6 @@ def test_dcp_loads_tables_of_another_kind_in_both_directions(tmp_path: Path) -> 
             )
 
 
-IO_TABLES = [("a0", 40, 4, ["g0"]), ("a1", 30, 4, ["g1"]), ("a2", 50, 8, ["g2", "g3"])]
-
-
-def _plain_torchrec_model(world: int, owners: Dict[str, int], recpipe_sharder: bool, seed: int) -> Any:
-    """a0 / a1 TABLE_WISE on ``owners``, a2 ROW_WISE, all FUSED with row-wise Adagrad;
-    torchrec's own EmbeddingBagCollectionSharder, or recpipe's CPU row-wise subclass."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    from recpipe.pipeline.routing.sharders import recpipe_sharders
-
-    ebc = _ebc(IO_TABLES, seed=seed)
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
-    sharder: Any = EmbeddingBagCollectionSharder()
-    if recpipe_sharder:
-        sharder = next(s for s in recpipe_sharders() if isinstance(s, EmbeddingBagCollectionSharder))
-    per = {"a0": table_wise(rank=owners["a0"]), "a1": table_wise(rank=owners["a1"]), "a2": row_wise()}
-    plan = construct_module_sharding_plan(
-        ebc, per, sharder=sharder, local_size=world, world_size=world, device_type="cpu"
-    )
-    return DistributedModelParallel(
-        _Model(ebc, sum(d * len(f) for _, _, d, f in IO_TABLES)),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=[sharder],
-        device=torch.device("cpu"),
-    )
-
-
 def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     """A plain torchrec model, trained, saved as torchrec users do (DCP of its state_dict,
     without and with the fused optimizer) and by recpipe.pipeline.checkpoint.dcp.save."""
@@ -617,17 +475,17 @@ def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    model = _plain_torchrec_model(world, {"a0": 0, "a1": 1}, recpipe_sharder=False, seed=2)
-    opt = _dense_opt(model)
+    model = plain_torchrec_model(world, {"a0": 0, "a1": 1}, recpipe_sharder=False, seed=2)
+    opt = dense_opt(model)
     for step in range(TRAIN_STEPS):
-        _step(model, opt, IO_TABLES, step, [rank])
+        train_step(model, opt, IO_TABLES, step, [rank])
     tdcp.save(model.state_dict(), checkpoint_id=f"{root}/torchrec")
     tdcp.save(
         dict(model.state_dict(), fused_optimizer=model.fused_optimizer.state_dict()),
         checkpoint_id=f"{root}/torchrec_with_optimizer",
     )
     recpipe_dcp.save(model, f"{root}/recpipe")
-    return {"view": _view(model), "next": _step(model, opt, IO_TABLES, TRAIN_STEPS, [rank])}
+    return {"view": _view(model), "next": train_step(model, opt, IO_TABLES, TRAIN_STEPS, [rank])}
 
 
 def _torchrec_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
@@ -637,7 +495,7 @@ def _torchrec_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     moved = {"a0": 1, "a1": 0}  # each TABLE_WISE table on the other rank, other initial weights
     out: Dict[str, Any] = {}
-    model = _plain_torchrec_model(world, moved, recpipe_sharder=True, seed=5)
+    model = plain_torchrec_model(world, moved, recpipe_sharder=True, seed=5)
     fresh = _view(model)
     with pytest.raises(recpipe_dcp.CheckpointLoadError) as err:
         recpipe_dcp.load(model, f"{root}/torchrec", verify=False)
@@ -645,18 +503,18 @@ def _torchrec_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     out["unchanged"] = _view(model)
     recpipe_dcp.load(model, f"{root}/torchrec", verify=False, strict=False)
     out["weights_only"], out["fresh"] = _view(model), fresh
-    model = _plain_torchrec_model(world, moved, recpipe_sharder=True, seed=5)
+    model = plain_torchrec_model(world, moved, recpipe_sharder=True, seed=5)
     recpipe_dcp.load(model, f"{root}/torchrec_with_optimizer", verify=False)
     out["with_optimizer"] = _view(model)
-    out["with_optimizer_next"] = _step(model, _dense_opt(model), IO_TABLES, TRAIN_STEPS, [rank])
+    out["with_optimizer_next"] = train_step(model, dense_opt(model), IO_TABLES, TRAIN_STEPS, [rank])
     # the reverse: recpipe's checkpoint read by plain torchrec and DCP (extra keys are ignored)
-    plain = _plain_torchrec_model(world, moved, recpipe_sharder=False, seed=5)
+    plain = plain_torchrec_model(world, moved, recpipe_sharder=False, seed=5)
     state = dict(plain.state_dict(), fused_optimizer=plain.fused_optimizer.state_dict())
     tdcp.load(state, checkpoint_id=f"{root}/recpipe")
     plain.fused_optimizer.load_state_dict(state.pop("fused_optimizer"))
     plain.load_state_dict(state)
     out["reverse"] = _view(plain)
-    out["reverse_next"] = _step(plain, _dense_opt(plain), IO_TABLES, TRAIN_STEPS, [rank])
+    out["reverse_next"] = train_step(plain, dense_opt(plain), IO_TABLES, TRAIN_STEPS, [rank])
     return out
 
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Dict, List
 
+import dcp_models as dm
 import numpy as np
 import pytest
-import test_dcp as td
 import test_tiered_migration as mig
 import test_tiered_sharders as pooled
 import torch
@@ -259,7 +259,7 @@ IO_PLACEMENTS = {
 
 
 def _mixed_model(world: int) -> Any:
-    """test_dcp's model of IO_TABLES with a dense head (DDP): a0 TABLE_WISE FUSED on rank 0 (rank 1
+    """dcp_models' model of IO_TABLES with a dense head (DDP): a0 TABLE_WISE FUSED on rank 0 (rank 1
     holds no FUSED shard), a1 / a2 tiered; recpipe's tiered sharder."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -271,8 +271,8 @@ def _mixed_model(world: int) -> Any:
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
-    ebc = td._ebc(td.IO_TABLES, seed=9)
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": td.LR})
+    ebc = dm.make_ebc(dm.IO_TABLES, seed=9)
+    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": dm.LR})
     sharder = TieredEmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(
         ebc,
@@ -282,7 +282,7 @@ def _mixed_model(world: int) -> Any:
         world_size=world,  # type: ignore[arg-type]
         device_type="cpu",
     )
-    shapes = {name: (rows, dim) for name, rows, dim, _ in td.IO_TABLES}
+    shapes = {name: (rows, dim) for name, rows, dim, _ in dm.IO_TABLES}
     for name, placement in IO_PLACEMENTS.items():
         plan[name] = PlacementParameterSharding(
             sharding_type=ShardingType.ROW_WISE.value,
@@ -293,7 +293,7 @@ def _mixed_model(world: int) -> Any:
             **placement,
         )
     return DistributedModelParallel(
-        td._Model(ebc, sum(d * len(f) for _, _, d, f in td.IO_TABLES)),
+        dm.Model(ebc, sum(d * len(f) for _, _, d, f in dm.IO_TABLES)),
         plan=ShardingPlan({"ebc": plan}),
         sharders=[sharder],  # type: ignore[list-item]
         device=torch.device("cpu"),
@@ -303,16 +303,18 @@ def _mixed_model(world: int) -> Any:
 def _mixed_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import torch.distributed.checkpoint as tdcp
 
-    model = td._plain_torchrec_model(world, {"a0": 0, "a1": 0}, recpipe_sharder=False, seed=2)
-    opt = td._dense_opt(model)
-    for step in range(td.TRAIN_STEPS):
-        td._step(model, opt, td.IO_TABLES, step, [rank])
+    model = dm.plain_torchrec_model(world, {"a0": 0, "a1": 0}, recpipe_sharder=False, seed=2)
+    opt = dm.dense_opt(model)
+    for step in range(dm.TRAIN_STEPS):
+        dm.train_step(model, opt, dm.IO_TABLES, step, [rank])
     tdcp.save(
         {**model.state_dict(), "fused_optimizer": model.fused_optimizer.state_dict()},
         checkpoint_id=f"{root}/with_optimizer",
     )
     tdcp.save(model.state_dict(), checkpoint_id=f"{root}/weights_only")
-    return {"next": [td._step(model, opt, td.IO_TABLES, s, [rank]) for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)]}
+    return {
+        "next": [dm.train_step(model, opt, dm.IO_TABLES, s, [rank]) for s in range(dm.TRAIN_STEPS, dm.TRAIN_STEPS + 2)]
+    }
 
 
 def _mixed_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
@@ -327,8 +329,10 @@ def _mixed_load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     out["no_state"] = str(err.value)
     assert torch.equal(model.state_dict()["head.weight"], fresh)
     recpipe_dcp.load(model, f"{root}/with_optimizer", verify=False)  # strict: every entry is the model's
-    opt = td._dense_opt(model)
-    out["next"] = [td._step(model, opt, td.IO_TABLES, s, [rank]) for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)]
+    opt = dm.dense_opt(model)
+    out["next"] = [
+        dm.train_step(model, opt, dm.IO_TABLES, s, [rank]) for s in range(dm.TRAIN_STEPS, dm.TRAIN_STEPS + 2)
+    ]
     return out
 
 
@@ -356,9 +360,9 @@ def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     model = _mixed_model(world)
-    opt = td._dense_opt(model)
-    for step in range(td.TRAIN_STEPS):
-        td._step(model, opt, td.IO_TABLES, step, [rank])
+    opt = dm.dense_opt(model)
+    for step in range(dm.TRAIN_STEPS):
+        dm.train_step(model, opt, dm.IO_TABLES, step, [rank])
     recpipe_dcp.save(model, f"{root}/recpipe")
     state = recpipe_dcp.dcp_state_dict(model)
     del state[recpipe_dcp.FUSED_OPTIMIZER_KEY]
@@ -368,13 +372,13 @@ def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         checkpoint_id=f"{root}/no_rows",
     )  # the tiered tables' empty placeholders only
     out: Dict[str, Any] = {
-        "next": [td._step(model, opt, td.IO_TABLES, s, [rank]) for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)]
+        "next": [dm.train_step(model, opt, dm.IO_TABLES, s, [rank]) for s in range(dm.TRAIN_STEPS, dm.TRAIN_STEPS + 2)]
     }
     fresh = _mixed_model(world)
     recpipe_dcp.load(fresh, f"{root}/recpipe")
-    opt = td._dense_opt(fresh)
+    opt = dm.dense_opt(fresh)
     out["loaded_next"] = [
-        td._step(fresh, opt, td.IO_TABLES, s, [rank]) for s in range(td.TRAIN_STEPS, td.TRAIN_STEPS + 2)
+        dm.train_step(fresh, opt, dm.IO_TABLES, s, [rank]) for s in range(dm.TRAIN_STEPS, dm.TRAIN_STEPS + 2)
     ]
     out["no_state"] = _refused(_mixed_model(world), f"{root}/no_optimizer", recpipe_dcp.CheckpointLoadError)
     out["no_rows"] = _refused(_mixed_model(world), f"{root}/no_rows", TieredCheckpointError, strict=False)

@@ -13,7 +13,7 @@
 * ``verify=True`` with an fsspec reader names the limit (local files only) and ``verify=False``.
 * ``save`` into a file says the path is a file.
 
-The tiered model and batches are those of ``tests/test_dcp.py`` (tiered t0 HYBRID,
+The tiered model and batches are those of ``tests/dcp_models.py`` (tiered t0 HYBRID,
 t1 CACHING, a torchrec ROW_WISE FUSED t2, row-wise Adagrad, a dense head; 2 gloo ranks).
 """
 
@@ -27,9 +27,17 @@ from typing import Any, Dict
 import numpy as np
 import pytest
 import torch
+from dcp_models import (
+    SAVE_PLACEMENTS,
+    TABLES,
+    TRAIN_STEPS,
+    dense_opt,
+    poison_a_row_of_rank1,
+    shard_arrays,
+    tiered_model,
+    train_step,
+)
 from gloo_harness import run_gloo
-from test_dcp import SAVE_PLACEMENTS, TABLES, TRAIN_STEPS, _dense_opt, _shards, _step, _tiered_model
-from test_dcp_save_and_resume import _poison_a_row_of_rank1
 
 LOCK = ".recpipe_save.lock"  # recpipe.pipeline.checkpoint.integrity.SAVE_LOCK_NAME, the recipe's lock file too
 
@@ -149,7 +157,9 @@ def test_load_dcp_state_dict_of_a_missing_directory_says_so(tmp_path: Path, veri
 def _snapshot(model: Any) -> Dict[str, Any]:
     """Everything a load writes: tiered rows, torchrec shards, fused optimizer state, head."""
     sd = model.state_dict()
-    out: Dict[str, Any] = {k: _shards(v) for k, v in sd.items() if isinstance(v, torch.Tensor) and "tiered" not in k}
+    out: Dict[str, Any] = {
+        k: shard_arrays(v) for k, v in sd.items() if isinstance(v, torch.Tensor) and "tiered" not in k
+    }
     for name, st in model.module.ebc.tiered_state().items():
         out[f"tiered/{name}"] = (
             st.global_ids.numpy().copy(),
@@ -160,7 +170,7 @@ def _snapshot(model: Any) -> Dict[str, Any]:
     for param_key, states in model.fused_optimizer.state_dict()["state"].items():
         for state_key, value in states.items():
             if isinstance(value, torch.Tensor):
-                out[f"optim/{param_key}/{state_key}"] = _shards(value)
+                out[f"optim/{param_key}/{state_key}"] = shard_arrays(value)
     return out
 
 
@@ -189,7 +199,7 @@ def _refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         "same": SAVE_PLACEMENTS,
         "swapped": dict(SAVE_PLACEMENTS, t1=dict(mode="HYBRID", cache_load_factor=0.5, seed=3)),
     }.items():
-        fresh = _tiered_model(world, placements)
+        fresh = tiered_model(world, placements)
         before = _snapshot(fresh)
         try:
             recpipe_dcp.load(fresh, root)
@@ -220,7 +230,7 @@ def test_dcp_load_refusing_tiered_rows_leaves_the_model_unchanged_on_every_rank(
 def _one_rank_refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    fresh = _tiered_model(world, SAVE_PLACEMENTS)  # another routing than the 2 saving ranks': every export is read
+    fresh = tiered_model(world, SAVE_PLACEMENTS)  # another routing than the 2 saving ranks': every export is read
     before = _snapshot(fresh)
     try:
         recpipe_dcp.load(fresh, root)
@@ -237,11 +247,11 @@ def _saved_poisoned_model(rank: int, world: int, root: str) -> Any:
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    model = _tiered_model(world, SAVE_PLACEMENTS)
-    opt = _dense_opt(model)
+    model = tiered_model(world, SAVE_PLACEMENTS)
+    opt = dense_opt(model)
     for step in range(TRAIN_STEPS):
-        _step(model, opt, TABLES, step, [rank])
-    _poison_a_row_of_rank1(model)
+        train_step(model, opt, TABLES, step, [rank])
+    poison_a_row_of_rank1(model)
     dcp.save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=root)
     recpipe_dcp.write_digests(root)
     return model
@@ -349,16 +359,16 @@ def _tiered_table_added_body(rank: int, world: int, root: str) -> Dict[str, Any]
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    model = _tiered_model(world, SAVE_PLACEMENTS)
-    opt = _dense_opt(model)
+    model = tiered_model(world, SAVE_PLACEMENTS)
+    opt = dense_opt(model)
     for step in range(TRAIN_STEPS):
-        _step(model, opt, TABLES, step, [rank])
+        train_step(model, opt, TABLES, step, [rank])
     # the checkpoint of a model without t1 (added since): none of its entries
     state = {k: v for k, v in recpipe_dcp.dcp_state_dict(model).items() if "embedding_bags.t1." not in k}
     dcp.save(state, checkpoint_id=root)
     recpipe_dcp.write_digests(root)
     out: Dict[str, Any] = {"saved": _snapshot(model)}
-    strict_model = _tiered_model(world, SAVE_PLACEMENTS)
+    strict_model = tiered_model(world, SAVE_PLACEMENTS)
     out["strict_before"] = _snapshot(strict_model)
     try:
         recpipe_dcp.load(strict_model, root)
@@ -366,7 +376,7 @@ def _tiered_table_added_body(rank: int, world: int, root: str) -> Dict[str, Any]
     except recpipe_dcp.TieredCheckpointError as e:
         out["strict_error"] = str(e)
     out["strict_after"] = _snapshot(strict_model)
-    fresh = _tiered_model(world, SAVE_PLACEMENTS)
+    fresh = tiered_model(world, SAVE_PLACEMENTS)
     out["fresh"] = _snapshot(fresh)
     recpipe_dcp.load(fresh, root, strict=False)
     out["loaded"] = _snapshot(fresh)
@@ -402,10 +412,10 @@ def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline import checkpoint as recpipe_dcp
     from recpipe.pipeline.checkpoint import exports
 
-    model = _tiered_model(world, SAVE_PLACEMENTS)
-    opt = _dense_opt(model)
+    model = tiered_model(world, SAVE_PLACEMENTS)
+    opt = dense_opt(model)
     for step in range(TRAIN_STEPS):
-        _step(model, opt, TABLES, step, [rank])
+        train_step(model, opt, TABLES, step, [rank])
     saved, by_hand = os.path.join(root, "saved"), os.path.join(root, "by_hand")
     recpipe_dcp.save(model, saved)
     dcp.save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=by_hand)  # the README's by-hand save
@@ -425,7 +435,7 @@ def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         ("saved_unverified", saved, {"verify": False}),
         ("by_hand", by_hand, {}),
     ):
-        fresh = _tiered_model(world, SAVE_PLACEMENTS)
+        fresh = tiered_model(world, SAVE_PLACEMENTS)
         calls.clear()
         recpipe_dcp.load(fresh, path, **kwargs)
         out[label] = {"checked": sorted(calls)}

@@ -7,43 +7,31 @@
 * ``async_save`` of tiered tables loads back what was saved.
 * Resuming fused Adam tiered tables equals the uninterrupted run.
 
-The models and batches are those of ``tests/test_dcp.py`` (tiered t0 HYBRID, t1 CACHING,
+The models and batches are those of ``tests/dcp_models.py`` (tiered t0 HYBRID, t1 CACHING,
 a torchrec ROW_WISE FUSED t2, row-wise Adagrad, a dense head; 2 gloo ranks).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import numpy as np
 import pytest
 import torch
+from dcp_models import (
+    SAVE_PLACEMENTS,
+    SWAPPED_PLACEMENTS,
+    TABLES,
+    TRAIN_STEPS,
+    Model,
+    dense_opt,
+    make_ebc,
+    poison_a_row_of_rank1,
+    tiered_model,
+    train_step,
+)
 from gloo_harness import run_gloo
-from test_dcp import SAVE_PLACEMENTS, TABLES, TRAIN_STEPS, _dense_opt, _step, _tiered_model
-
-
-def _poison_a_row_of_rank1(model: Any) -> int:
-    """Sets one row of tiered table t1 that rank 1 owns to NaN (public API: the full
-    table through ``load_global_weights``, whose other rows keep their values);
-    returns its global id."""
-    import torch.distributed as dist
-
-    shard = model.module.ebc.tiered_tables()["t1"]
-    mine = shard.global_ids()
-    ids: List[Any] = [None, None]
-    dist.all_gather_object(ids, int(mine[0]))
-    gid = ids[1]
-    full = torch.zeros(shard.num_embeddings, shard.embedding_dim)
-    st = shard.export_state()
-    full[st.global_ids] = st.weights
-    parts: List[Any] = [None, None]
-    dist.all_gather_object(parts, (st.global_ids, st.weights))
-    for g, w in parts:
-        full[g] = w
-    full[gid] = float("nan")
-    shard.load_global_weights(full)
-    return gid
 
 
 def _tiered_rows(model: Any) -> Dict[str, Any]:
@@ -56,21 +44,21 @@ def _tiered_rows(model: Any) -> Dict[str, Any]:
 def _nan_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    model = _tiered_model(world, SAVE_PLACEMENTS)
-    opt = _dense_opt(model)
+    model = tiered_model(world, SAVE_PLACEMENTS)
+    opt = dense_opt(model)
     for step in range(TRAIN_STEPS):
-        _step(model, opt, TABLES, step, [rank])
+        train_step(model, opt, TABLES, step, [rank])
     recpipe_dcp.save(model, root)
     good = _tiered_rows(model)
     head = model.module.head.weight.detach().numpy().copy()
-    gid = _poison_a_row_of_rank1(model)
+    gid = poison_a_row_of_rank1(model)
     out: Dict[str, Any] = {"gid": gid, "good": good, "head": head}
     try:
         recpipe_dcp.save(model, root)
         out["error"] = None
     except recpipe_dcp.CheckpointSaveError as e:
         out["error"] = str(e)
-    fresh = _tiered_model(world, SAVE_PLACEMENTS)
+    fresh = tiered_model(world, SAVE_PLACEMENTS)
     recpipe_dcp.load(fresh, root)  # the older save is still there and committed
     out["loaded"] = _tiered_rows(fresh)
     out["loaded_head"] = fresh.module.head.weight.detach().numpy().copy()
@@ -96,16 +84,16 @@ def _resave_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    model = _tiered_model(world, SAVE_PLACEMENTS)
-    opt = _dense_opt(model)
-    _step(model, opt, TABLES, 0, [rank])
+    model = tiered_model(world, SAVE_PLACEMENTS)
+    opt = dense_opt(model)
+    train_step(model, opt, TABLES, 0, [rank])
     recpipe_dcp.save(model, root, thread_count=2)
     first = sorted(p.name for p in Path(root).iterdir())
-    _step(model, opt, TABLES, 1, [rank])
+    train_step(model, opt, TABLES, 1, [rank])
     recpipe_dcp.save(model, root, thread_count=1)
     md = FileSystemReader(root).read_metadata()
     referenced = sorted({info.relative_path for info in md.storage_data.values()})
-    fresh = _tiered_model(world, SAVE_PLACEMENTS)
+    fresh = tiered_model(world, SAVE_PLACEMENTS)
     recpipe_dcp.load(fresh, root)
     return {
         "first": first,
@@ -146,18 +134,18 @@ def _async_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
     every_table_tiered = dict(SAVE_PLACEMENTS, t2=dict(mode="HYBRID", cache_load_factor=0.5, seed=3))
-    model = _tiered_model(world, every_table_tiered)
-    opt = _dense_opt(model)
+    model = tiered_model(world, every_table_tiered)
+    opt = dense_opt(model)
     for step in range(TRAIN_STEPS):
-        _step(model, opt, TABLES, step, [rank])
+        train_step(model, opt, TABLES, step, [rank])
     saved = _tiered_rows(model)
     head = model.module.head.weight.detach().numpy().copy()
     group = dist.new_group(backend="gloo")  # the save's collectives stay off the training's group
     future = dcp.async_save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=root, process_group=group)
-    _step(model, opt, TABLES, TRAIN_STEPS, [rank])  # training goes on while it writes
+    train_step(model, opt, TABLES, TRAIN_STEPS, [rank])  # training goes on while it writes
     future.result()
     recpipe_dcp.write_digests(root, process_group=group)
-    fresh = _tiered_model(world, every_table_tiered)
+    fresh = tiered_model(world, every_table_tiered)
     recpipe_dcp.load(fresh, root)
     return {
         "saved": saved,
@@ -178,9 +166,8 @@ def test_async_save_of_tiered_tables_loads_back_what_was_saved(tmp_path: Path) -
 
 
 def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
-    """``test_dcp``'s model with every table tiered and fused Adam (fbgemm's CPU TBE has no
+    """``dcp_models``' model with every table tiered and fused Adam (fbgemm's CPU TBE has no
     Adam, so FUSED tables cannot run it here)."""
-    from test_dcp import _ebc, _Model
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
@@ -190,7 +177,7 @@ def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
     from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
-    ebc = _ebc(TABLES)
+    ebc = make_ebc(TABLES)
     apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": 0.05})
     sharder = TieredEmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(
@@ -211,20 +198,18 @@ def _adam_model(world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
             **placements[name],
         )
     model = DistributedModelParallel(
-        _Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
+        Model(ebc, sum(d * len(f) for _, _, d, f in TABLES)),
         plan=ShardingPlan({"ebc": plan}),
         sharders=[sharder],  # type: ignore[list-item]
         device=torch.device("cpu"),
     )
     for name, shard in model.module.ebc.tiered_tables().items():
-        shard.load_global_weights(_ebc(TABLES).embedding_bags[name].weight.detach())
+        shard.load_global_weights(make_ebc(TABLES).embedding_bags[name].weight.detach())
     return model
 
 
 def _adam_resume_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     import copy
-
-    from test_dcp import SWAPPED_PLACEMENTS
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
@@ -237,15 +222,15 @@ def _adam_resume_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     model = _adam_model(world, saving)
     opt = dense_adam(model)
     for step in range(TRAIN_STEPS):
-        _step(model, opt, TABLES, step, [rank])
+        train_step(model, opt, TABLES, step, [rank])
     recpipe_dcp.save(model, root)
     dense_state = copy.deepcopy(opt.state_dict())  # the dense optimizer is the caller's to save
-    uninterrupted = [_step(model, opt, TABLES, step, [rank]) for step in range(TRAIN_STEPS, TRAIN_STEPS + 3)]
+    uninterrupted = [train_step(model, opt, TABLES, step, [rank]) for step in range(TRAIN_STEPS, TRAIN_STEPS + 3)]
     fresh = _adam_model(world, loading)
     fresh_opt = dense_adam(fresh)
     fresh_opt.load_state_dict(dense_state)
     recpipe_dcp.load(fresh, root)
-    resumed = [_step(fresh, fresh_opt, TABLES, step, [rank]) for step in range(TRAIN_STEPS, TRAIN_STEPS + 3)]
+    resumed = [train_step(fresh, fresh_opt, TABLES, step, [rank]) for step in range(TRAIN_STEPS, TRAIN_STEPS + 3)]
     return {
         "uninterrupted": uninterrupted,
         "resumed": resumed,

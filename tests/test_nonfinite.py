@@ -10,15 +10,14 @@ show that the other rank stops too and the error names the right rank, step and 
 
 from __future__ import annotations
 
-import csv
 import os
-import random
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from criteo_files import CRITEO, write_criteo
 from gloo_harness import run_gloo
 
 import recpipe.recipes.train as train_module
@@ -28,31 +27,6 @@ from recpipe.recipes.data import registry
 from recpipe.recipes.data.base import BatchSource
 from recpipe.recipes.faults import NonFiniteLossError
 from recpipe.recipes.train import run
-
-CRITEO: dict[str, Any] = dict(
-    dataset="criteo_tsv",
-    model="dlrm",
-    num_embeddings=500,
-    embedding_dim=8,
-    dense_arch=(16, 8),
-    over_arch=(16, 1),
-    batch_size=16,
-    eval_batches=2,
-    progress_bar=False,
-    max_steps=6,
-)
-
-
-def write_criteo(path: Path, rows: int) -> None:
-    """A Criteo TSV of ``rows`` valid rows."""
-    rng = random.Random(0)
-    data = []
-    for _ in range(rows):
-        row = [str(rng.randint(0, 1))] + [str(rng.randint(0, 1000)) for _ in range(13)]
-        row += ["%08x" % rng.randrange(2**32) for _ in range(26)]
-        data.append(row)
-    with open(path, "w", newline="") as f:
-        csv.writer(f, delimiter="\t").writerows(data)
 
 
 def _steps_saved(root: Path) -> list[int]:

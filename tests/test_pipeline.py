@@ -9,25 +9,24 @@ bodies run on CUDA (NCCL for torchrec, 2 GPUs) when present.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import pytest
 import torch
 import torch.distributed as dist
 from gloo_harness import run_gloo
-from test_pipeline_common import (
+from pipeline_harness import (
+    FLAG_COMBOS,
     N_BATCHES,
     SHARDING_TYPES,
+    assert_same,
     build_dmp,
     copy_state,
     make_batches,
+    on_cpu,
     run_pipeline,
     run_reference,
 )
-
-FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
-"""(use_emb_lookup_stream, embedding_lookup_after_opt): all four combinations."""
 
 Trace = Tuple[List[torch.Tensor], List[torch.Tensor]]
 
@@ -39,16 +38,6 @@ def _device(rank: int, use_cuda: bool) -> Tuple[torch.device, Optional[dist.Proc
     return torch.device("cuda", rank), dist.new_group(backend="nccl")
 
 
-def _on_cpu(trace: Tuple[List[torch.Tensor], ...]) -> Tuple[List[torch.Tensor], ...]:
-    # Tensors cross the result queue by value (numpy): torch's shared-memory
-    # tensor passing fails once the rank process has exited.
-    return tuple([t.detach().cpu().numpy() for t in part] for part in trace)
-
-
-def _tensors(trace: Tuple[List[Any], ...]) -> Tuple[List[torch.Tensor], ...]:
-    return tuple([torch.from_numpy(a) for a in part] for part in trace)
-
-
 def _parity_body(rank: int, world_size: int, sharding: str, use_cuda: bool) -> Dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -57,7 +46,7 @@ def _parity_body(rank: int, world_size: int, sharding: str, use_cuda: bool) -> D
     device, pg = _device(rank, use_cuda)
     batches = make_batches(rank)
     ref, ref_opt = build_dmp(sharding, device, pg=pg)
-    out: Dict[str, Any] = {"reference": _on_cpu(run_reference(ref, ref_opt, [b.to(device) for b in batches]))}
+    out: Dict[str, Any] = {"reference": on_cpu(run_reference(ref, ref_opt, [b.to(device) for b in batches]))}
 
     def fresh() -> Tuple[Any, Any]:
         model, opt = build_dmp(sharding, device, pg=pg)
@@ -67,7 +56,7 @@ def _parity_body(rank: int, world_size: int, sharding: str, use_cuda: bool) -> D
 
     model, opt = fresh()
     losses, preds, again = run_pipeline(TrainPipelineSparseDist(model, opt, device), batches)
-    out["torchrec"] = _on_cpu((losses, preds))
+    out["torchrec"] = on_cpu((losses, preds))
     out["torchrec_stops_again"] = again
     for stream, after_opt in FLAG_COMBOS:
         model, opt = fresh()
@@ -76,7 +65,7 @@ def _parity_body(rank: int, world_size: int, sharding: str, use_cuda: bool) -> D
         )
         losses, preds, again = run_pipeline(pipe, batches)
         key = f"recpipe stream={stream} after_opt={after_opt}"
-        out[key] = _on_cpu((losses, preds))
+        out[key] = on_cpu((losses, preds))
         out[key + " stops_again"] = again
         out[key + " pipelined"] = sorted(m.forward.name for m in pipe._pipelined_modules)
         out[key + " steps"] = pipe.stats.steps
@@ -88,16 +77,6 @@ def _parity_body(rank: int, world_size: int, sharding: str, use_cuda: bool) -> D
     return out
 
 
-def _assert_same(name: str, got: Tuple[List[Any], ...], want: Tuple[List[Any], ...]) -> None:
-    g_losses, g_preds = _tensors(got)
-    w_losses, w_preds = _tensors(want)
-    assert len(g_losses) == len(w_losses), f"{name}: {len(g_losses)} steps, reference {len(w_losses)}"
-    for step, (a, b) in enumerate(zip(g_losses, w_losses)):
-        assert torch.equal(a, b), f"{name}: loss differs at step {step}: {a.item()!r} vs {b.item()!r}"
-    for step, (a, b) in enumerate(zip(g_preds, w_preds)):
-        assert torch.equal(a, b), f"{name}: predictions differ at step {step}, max |diff| {(a - b).abs().max().item()}"
-
-
 def _check_parity(results: Sequence[Dict[str, Any]]) -> None:
     for rank, res in enumerate(results):
         ref = res["reference"]
@@ -106,13 +85,13 @@ def _check_parity(results: Sequence[Dict[str, Any]]) -> None:
         assert len(ref[0]) == N_BATCHES
         # The reference must not be trivially constant (the comparison has teeth).
         assert len({float(x) for x in ref[0]}) > 1
-        _assert_same(f"rank {rank} torchrec SparseDist", res["torchrec"], ref)
+        assert_same(f"rank {rank} torchrec SparseDist", res["torchrec"], ref)
         assert res["torchrec_stops_again"]
         for stream, after_opt in FLAG_COMBOS:
             key = f"recpipe stream={stream} after_opt={after_opt}"
-            _assert_same(f"rank {rank} {key}", res[key], ref)
+            assert_same(f"rank {rank} {key}", res[key], ref)
             # bit-identical to torchrec's own pipeline too
-            _assert_same(f"rank {rank} {key} vs torchrec", res[key], res["torchrec"])
+            assert_same(f"rank {rank} {key} vs torchrec", res[key], res["torchrec"])
             assert res[key + " stops_again"], f"{key}: progress after the end did not raise StopIteration"
             assert res[key + " pipelined"] == ["ebc", "ec"], res[key + " pipelined"]
             assert res[key + " steps"] == N_BATCHES
@@ -188,7 +167,7 @@ def _edge_body(rank: int, world_size: int) -> Dict[str, Any]:
     for n in (0, 1, 2, 4):
         batches = all_batches[:n]
         ref, ref_opt = build_dmp("table_wise", device)
-        out[f"reference n={n}"] = _on_cpu(run_reference(ref, ref_opt, batches))
+        out[f"reference n={n}"] = on_cpu(run_reference(ref, ref_opt, batches))
         for execute_all in (True, False):
             for name, cls, kwargs in (
                 ("torchrec", TrainPipelineSparseDist, {}),
@@ -197,7 +176,7 @@ def _edge_body(rank: int, world_size: int) -> Dict[str, Any]:
                 model, opt = build_dmp("table_wise", device)
                 pipe = cls(model, opt, device, execute_all_batches=execute_all, **kwargs)
                 losses, preds, again = run_pipeline(pipe, batches)
-                out[f"{name} n={n} all={execute_all}"] = _on_cpu((losses, preds)) + (again,)
+                out[f"{name} n={n} all={execute_all}"] = on_cpu((losses, preds)) + (again,)
     # eval mode: no backward; lookups of batch i+1 issued after the forward of batch i.
     ref, _ = build_dmp("table_wise", device)
     ref.eval()
@@ -226,7 +205,7 @@ def test_short_dataloaders_execute_all_batches_and_eval() -> None:
                 if execute_all:
                     assert len(r_losses) == n, label
                 assert r_again and t_again, label
-                _assert_same(label, (r_losses, r_preds), (ref[0][: len(r_losses)], ref[1][: len(r_losses)]))
+                assert_same(label, (r_losses, r_preds), (ref[0][: len(r_losses)], ref[1][: len(r_losses)]))
         assert len(res["recpipe eval"]) == 4
         for step, (a, b) in enumerate(zip(res["recpipe eval"], res["reference eval"])):
             assert (a == b).all(), f"rank {rank}: eval predictions differ at step {step}"
@@ -251,13 +230,13 @@ def _options_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
     device = torch.device("cpu")
     batches = make_batches(rank)
     ref, ref_opt = build_dmp(sharding, device)
-    out: Dict[str, Any] = {"reference": _on_cpu(run_reference(ref, ref_opt, batches))}
+    out: Dict[str, Any] = {"reference": on_cpu(run_reference(ref, ref_opt, batches))}
     for i, options in enumerate(TORCHREC_OPTIONS):
         for after_opt in (False, True):
             model, opt = build_dmp(sharding, device)
             pipe = TrainPipelineFusedSparseDist(model, opt, device, embedding_lookup_after_opt=after_opt, **options)
             losses, preds, _ = run_pipeline(pipe, batches)
-            out[f"{i} {after_opt}"] = _on_cpu((losses, preds))
+            out[f"{i} {after_opt}"] = on_cpu((losses, preds))
     return out
 
 
@@ -271,6 +250,6 @@ def test_torchrec_pipeline_options_keep_parity(sharding: str) -> None:
     for rank, res in enumerate(run_gloo(2, _options_body, sharding, timeout_s=300)):
         for i, options in enumerate(TORCHREC_OPTIONS):
             for after_opt in (False, True):
-                _assert_same(
+                assert_same(
                     f"rank {rank} {sharding} {options} after_opt={after_opt}", res[f"{i} {after_opt}"], res["reference"]
                 )

@@ -19,8 +19,16 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 import pytest
 import torch
 from gloo_harness import run_gloo
-from test_pipeline import FLAG_COMBOS, _assert_same, _on_cpu
-from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipeline, run_reference
+from pipeline_harness import (
+    FLAG_COMBOS,
+    N_BATCHES,
+    assert_same,
+    build_dmp,
+    make_batches,
+    on_cpu,
+    run_pipeline,
+    run_reference,
+)
 
 
 def _tbe_counters(model: Any) -> List[Any]:
@@ -113,7 +121,7 @@ def _detach_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
                 _pause(mode, ref, rank, alt, evals)
 
         losses, preds = run_reference(ref, ref_opt, batches, before_step=pause)
-        out[f"{mode} reference"] = _on_cpu((losses, preds, evals))
+        out[f"{mode} reference"] = on_cpu((losses, preds, evals))
 
         # torchrec 1.9.2's own pipeline resumes correctly only with sparse_dist=False:
         # attach(model) restarts the in-flight batch's input dist with new module
@@ -136,7 +144,7 @@ def _detach_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
             _steps(pipe, it, N_BATCHES - PAUSE_AT, losses, preds)
             with pytest.raises(StopIteration):
                 pipe.progress(it)
-            out[f"{mode} {name}"] = _on_cpu((losses, preds, evals))
+            out[f"{mode} {name}"] = on_cpu((losses, preds, evals))
             out[f"{mode} {name} counters"] = _tbe_counters(model)
     out["runs"] = [name for name, _, _ in runs]
     return out
@@ -165,7 +173,7 @@ def test_detach_pause_attach_matches_torchrec_and_non_pipelined(sharding: str) -
             for name in runs:
                 got = res[f"{mode} {name}"]
                 label = f"rank {rank} {sharding} {mode} {name}"
-                _assert_same(label, got[:2], want[:2])
+                assert_same(label, got[:2], want[:2])
                 assert len(got[2]) == len(evals), label
                 for i, (a, b) in enumerate(zip(got[2], evals)):
                     assert (a == b).all(), f"{label}: eval output {i} differs"
@@ -178,7 +186,7 @@ def _reset_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
     first, second = make_batches(rank), make_batches(rank, seed=3)
     ref, ref_opt = build_dmp(sharding, device)
     # The pipelines drop the two in-flight batches of ``first`` at reset().
-    out: Dict[str, Any] = {"reference": _on_cpu(run_reference(ref, ref_opt, first[:PAUSE_AT] + second))}
+    out: Dict[str, Any] = {"reference": on_cpu(run_reference(ref, ref_opt, first[:PAUSE_AT] + second))}
     for name, make in _runs(device):
         model, opt = build_dmp(sharding, device)
         pipe = make(model, opt)
@@ -187,7 +195,7 @@ def _reset_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
         _steps(pipe, iter(first), PAUSE_AT, losses, preds)
         pipe.reset()
         more_losses, more_preds, stops_again = run_pipeline(pipe, second)
-        out[name] = _on_cpu((losses + more_losses, preds + more_preds)) + (stops_again,)
+        out[name] = on_cpu((losses + more_losses, preds + more_preds)) + (stops_again,)
         out[name + " counters"] = _tbe_counters(model)
     return out
 
@@ -202,7 +210,7 @@ def test_reset_then_new_dataloader_matches_non_pipelined(sharding: str) -> None:
         assert len(want[0]) == PAUSE_AT + N_BATCHES
         for name in RUN_NAMES:
             losses, preds, stops_again = res[name]
-            _assert_same(f"rank {rank} {sharding} reset {name}", (losses, preds), want)
+            assert_same(f"rank {rank} {sharding} reset {name}", (losses, preds), want)
             assert stops_again, name
             assert res[name + " counters"] == res["torchrec counters"], name
 
@@ -304,7 +312,7 @@ def _write_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
             if step == PAUSE_AT:
                 _write_tables(kind, ref, alt)
 
-        out[f"{kind} reference"] = _on_cpu(run_reference(ref, ref_opt, batches, before_step=write))
+        out[f"{kind} reference"] = on_cpu(run_reference(ref, ref_opt, batches, before_step=write))
         for name, make in _runs(device):
             model, opt = build_dmp(sharding, device)
             pipe = make(model, opt)
@@ -315,7 +323,7 @@ def _write_body(rank: int, world_size: int, sharding: str) -> Dict[str, Any]:
             if kind == "edit_data":
                 pipe.attach(sparse_dist=False)
             _steps(pipe, it, N_BATCHES - PAUSE_AT, losses, preds)
-            out[f"{kind} {name}"] = _on_cpu((losses, preds))
+            out[f"{kind} {name}"] = on_cpu((losses, preds))
             out[f"{kind} {name} relookups"] = getattr(getattr(pipe, "stats", None), "relookups", None)
             out[f"{kind} {name} counters"] = _tbe_counters(model)
     return out
@@ -332,7 +340,7 @@ def test_tables_written_between_steps_are_looked_up_again(sharding: str) -> None
         for kind in WRITES:
             want = res[f"{kind} reference"]
             for name in RUN_NAMES:
-                _assert_same(f"rank {rank} {sharding} {kind} {name}", res[f"{kind} {name}"], want)
+                assert_same(f"rank {rank} {sharding} {kind} {name}", res[f"{kind} {name}"], want)
                 if name != "torchrec":
                     assert res[f"{kind} {name} relookups"] == 1, (kind, name, res[f"{kind} {name} relookups"])
                     assert res[f"{kind} {name} counters"] == res[f"{kind} torchrec counters"], (kind, name)

@@ -9,7 +9,7 @@ keep their early lookup), so it must stay bit-identical to torchrec's
 parameters (tables and position weights). Two models, both sharded TABLE_WISE on
 2 gloo ranks with torchrec's ``FeatureProcessedEmbeddingBagCollectionSharder``:
 
-* recpipe's test model (``test_pipeline_common.TwoModuleModel``): a
+* recpipe's test model (``pipeline_harness.TwoModuleModel``): a
   feature-processed EBC and an EC;
 * torchrec's public test model ``TestSparseNN`` with ``max_feature_lengths`` (a
   plain EBC and a feature-processed EBC) on ``ModelInput.generate`` batches
@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
-from test_pipeline_common import N_BATCHES, build_dmp, make_batches, run_pipeline, shard_with_dense_adam
+from pipeline_harness import N_BATCHES, build_dmp, make_batches, run_pipeline, shard_with_dense_adam
 
 FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
 """(use_emb_lookup_stream, embedding_lookup_after_opt). On CPU the stream flag

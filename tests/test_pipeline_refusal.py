@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
-from test_pipeline_common import TwoModuleModel, TwoSparseBatch, build_dmp, make_batches, run_pipeline, run_reference
+from pipeline_harness import TwoModuleModel, TwoSparseBatch, build_dmp, make_batches, run_pipeline, run_reference
 from torchrec.streamable import Pipelineable
 
 from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist

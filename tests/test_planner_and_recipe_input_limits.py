@@ -23,8 +23,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import pytest
 import torch
+from criteo_files import CRITEO, write_criteo
 from gloo_harness import run_gloo
-from test_nonfinite import CRITEO, write_criteo
 
 from recpipe.planner import BruteForceProposer, DynamicProgrammingProposer, PlacementPlanner, TableSpec, make_topology
 from recpipe.planner import knapsack as P

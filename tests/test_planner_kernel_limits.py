@@ -207,7 +207,7 @@ def test_dp_kernel_budget_past_its_range_is_a_typed_error(budget: int) -> None:
 
 def test_dp_grid_past_the_kernel_cells_names_bins_and_the_suggested_bins_plan() -> None:
     hbm, ddr, cost, H, D = _instance()
-    with pytest.raises(PlannerError) as info:  # was the kernel's RuntimeError, a traceback in the CLI
+    with pytest.raises(PlannerError) as info:  # the typed error, not the kernel's RuntimeError
         DynamicProgrammingProposer(bins=(5000, 5000), backend="cpp").solve(hbm, ddr, cost, H, D)
     msg = _input_error(info.value)
     assert msg.startswith(
@@ -240,7 +240,7 @@ def test_dp_grid_past_the_kernel_cells_names_bins_and_the_suggested_bins_plan() 
 def test_float_option_bytes_past_int64_are_refused(backend: str) -> None:
     hbm, ddr, cost, H, D = _instance()
     huge = hbm.astype(np.float64)
-    huge[0, 0] = 1e20  # was cast to -2^63 bytes: "fits" every budget
+    huge[0, 0] = 1e20  # cast to int64 it would be -2^63 bytes and "fit" every budget
     with pytest.raises(ValueError, match=r"^`hbm` holds 100000000000000000000 bytes, past int64"):
         DynamicProgrammingProposer(backend=backend).solve(huge, ddr, cost, H, D)
     for fn in (

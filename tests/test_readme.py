@@ -401,7 +401,7 @@ def test_placement_planner_snippet_runs(capsys: pytest.CaptureFixture[str]) -> N
 
 def _pipeline_snippet_body(rank: int, world: int, code: str) -> Tuple[List[float], float]:
     import torch
-    from test_pipeline_common import build_dmp, make_batches, run_reference
+    from pipeline_harness import build_dmp, make_batches, run_reference
 
     device = torch.device("cpu")
     batches = make_batches(rank)

@@ -3,32 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 from gloo_harness import run_gloo
+from recipe_configs import SMALL_SYNTHETIC
 
 from recpipe.pipeline.routing.ops import ROUTING_VERSION
 from recpipe.recipes import checkpoint as recipe_checkpoint
 from recpipe.recipes.checkpoint import CheckpointMismatchError
 from recpipe.recipes.config import ConfigPathError, TrainConfig
 from recpipe.recipes.train import run
-
-SMALL_SYNTHETIC: dict[str, Any] = dict(
-    dataset="synthetic",
-    model="dlrm",
-    num_embeddings=2000,
-    synthetic_id_space=50_000,
-    embedding_dim=8,
-    dense_arch=(16, 8),
-    over_arch=(16, 1),
-    batch_size=128,
-    eval_batches=2,
-    log_every=4,
-    progress_bar=False,
-    embedding_lr=0.1,
-    dense_lr=0.05,
-)
 
 
 def _resume_body(rank: int, world_size: int, root: str) -> dict[str, list[float]]:

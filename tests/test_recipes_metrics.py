@@ -255,7 +255,7 @@ def test_an_eval_split_smaller_than_a_global_batch_is_evaluated_whole(tmp_path: 
 def test_criteo_eval_covers_every_row_of_a_file_not_divisible_by_the_global_batch(tmp_path: Path) -> None:
     import csv
 
-    from test_nonfinite import write_criteo
+    from criteo_files import write_criteo
 
     from recpipe.recipes.data.criteo import CriteoTsvSource
 

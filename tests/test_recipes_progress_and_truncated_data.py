@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from criteo_files import CRITEO, write_criteo
 from gloo_harness import run_gloo
-from test_nonfinite import CRITEO, write_criteo
 from test_recipes_metrics import SYNTHETIC, scalars
 
 import recpipe.recipes.train as train_module

@@ -662,7 +662,7 @@ def test_cuda_fused_pipeline_issues_no_host_sync_from_recpipe() -> None:
     pipeline package (torchrec's KJT all-to-all reads its splits on the host).
     """
     import torch.distributed as dist
-    from test_pipeline_common import EMB_DIM, TwoModuleModel, make_batches
+    from pipeline_harness import EMB_DIM, TwoModuleModel, make_batches
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel

@@ -144,7 +144,7 @@ def test_checkpoint_migration_between_fused_and_tiered_tables_refused_with_worki
 
         assert res["to_fused_error"] is not None, f"rank {rank}: tiered entries loaded into a FUSED table"
         kind, msg = res["to_fused_error"]
-        assert kind == "ValueError", f"rank {rank}: {kind}: {msg}"  # was IndexError in torchrec's hook
+        assert kind == "ValueError", f"rank {rank}: {kind}: {msg}"  # not an IndexError from torchrec's hook
         assert msg.startswith(
             "TieredShardedEmbeddingBagCollection.load_state_dict: table 't0' is planned row_wise "
             "fused (not tiered) in this model"

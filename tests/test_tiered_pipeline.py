@@ -1,6 +1,6 @@
 """TrainPipelineFusedSparseDist over tiered tables: bit-identical to torchrec's TrainPipelineSparseDist.
 
-The pipeline tests' two-module model (``test_pipeline_common``: an EBC with
+The pipeline tests' two-module model (``pipeline_harness``: an EBC with
 tables t0, t1 and an EC with table s0) with every table a recpipe tiered table,
 ROW_WISE + CUSTOMIZED_KERNEL, hash_roundrobin routing: t0 CACHING 0.2, t1 HYBRID
 0.5 (TieredEmbeddingBagCollectionSharder) and s0 CACHING 0.3
@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 from gloo_harness import run_gloo
-from test_pipeline_common import EMB_DIM, N_BATCHES, TwoModuleModel, make_batches, run_pipeline, run_reference
+from pipeline_harness import EMB_DIM, N_BATCHES, TwoModuleModel, make_batches, run_pipeline, run_reference
 
 # table -> (module, rows, placement mode, cache load factor)
 TIERED = {"t0": ("ebc", 300, "CACHING", 0.2), "t1": ("ebc", 200, "HYBRID", 0.5), "s0": ("ec", 100, "CACHING", 0.3)}

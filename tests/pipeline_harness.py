@@ -1,12 +1,20 @@
 """Shared helpers of the pipeline tests (no tests here): small sharded models, batches, runners.
 
-Imported by test_pipeline*.py and run inside gloo ranks (run_gloo pickles
-module-level functions, so everything here is module level). Sizes are kept
-small: the whole pipeline test area must finish in a few minutes on 2 cores.
+Provides the two-module test model (``TwoModuleModel``: an EBC and an EC) with
+its batches (``TwoSparseBatch``, ``make_batches``), ``build_dmp`` /
+``shard_with_dense_adam`` to shard it, the non-pipelined ``run_reference`` and
+``run_pipeline`` loops, the pipeline flag combinations (``FLAG_COMBOS``) and the
+trace helpers ``on_cpu`` (tensors to numpy for the result queue) and
+``assert_same`` (bit-for-bit comparison of losses and predictions). Imported by
+test_pipeline*.py, test_tiered_pipeline.py, test_tiered_cuda.py and
+test_readme.py, and run inside gloo ranks (run_gloo pickles module-level
+functions, so everything here is module level). Sizes are kept small: the whole
+pipeline test area must finish in a few minutes on 2 cores.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
@@ -48,6 +56,9 @@ MAX_IDS = 3  # max ids per sample per feature
 EBC_TABLES = (("t0", 300), ("t1", 200))  # (name, rows) of the pooled tables
 EC_TABLES = (("s0", 100),)  # (name, rows) of the sequence tables
 EC_LEN = 3  # padded sequence length used to pool the EC output
+
+FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
+"""(use_emb_lookup_stream, embedding_lookup_after_opt): all four combinations."""
 
 
 @dataclass
@@ -313,3 +324,23 @@ def run_pipeline(
     except StopIteration:
         again = True
     return losses, preds, again
+
+
+def on_cpu(trace: Tuple[List[torch.Tensor], ...]) -> Tuple[List[torch.Tensor], ...]:
+    # Tensors cross the result queue by value (numpy): torch's shared-memory
+    # tensor passing fails once the rank process has exited.
+    return tuple([t.detach().cpu().numpy() for t in part] for part in trace)
+
+
+def _tensors(trace: Tuple[List[Any], ...]) -> Tuple[List[torch.Tensor], ...]:
+    return tuple([torch.from_numpy(a) for a in part] for part in trace)
+
+
+def assert_same(name: str, got: Tuple[List[Any], ...], want: Tuple[List[Any], ...]) -> None:
+    g_losses, g_preds = _tensors(got)
+    w_losses, w_preds = _tensors(want)
+    assert len(g_losses) == len(w_losses), f"{name}: {len(g_losses)} steps, reference {len(w_losses)}"
+    for step, (a, b) in enumerate(zip(g_losses, w_losses)):
+        assert torch.equal(a, b), f"{name}: loss differs at step {step}: {a.item()!r} vs {b.item()!r}"
+    for step, (a, b) in enumerate(zip(g_preds, w_preds)):
+        assert torch.equal(a, b), f"{name}: predictions differ at step {step}, max |diff| {(a - b).abs().max().item()}"
