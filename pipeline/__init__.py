@@ -11,15 +11,6 @@ from __future__ import annotations
 import importlib
 from typing import Any, Dict, List
 
-_PLACEMENT_VALUES = "recpipe.pipeline.placement.values"
-_PLACEMENT_PARAMS = "recpipe.pipeline.placement.params"
-_ROUTING_OPS = "recpipe.pipeline.routing.ops"
-_ROUTING_KJT = "recpipe.pipeline.routing.kjt"
-_ROUTING_ROWS = "recpipe.pipeline.routing.rows"
-_ROUTING_SHARDERS = "recpipe.pipeline.routing.sharders"
-_TIERED_SHARDERS = "recpipe.pipeline.tiered.sharders"
-_TIERED_MIGRATION = "recpipe.pipeline.tiered.migration"
-
 # public name -> the module that defines it
 _EXPORTS: Dict[str, str] = {
     # the fused pipeline
@@ -27,32 +18,32 @@ _EXPORTS: Dict[str, str] = {
     "PipelinedLookupUnavailableError": "recpipe.pipeline.train.forward",
     # the plan -> runtime contract
     "CachePolicy": "recpipe.pipeline.placement.cache_policies",
-    "DistType": _PLACEMENT_VALUES,
-    "FusedOptimizer": _PLACEMENT_VALUES,
-    "Mode": _PLACEMENT_VALUES,
-    "PlacementMismatchError": _PLACEMENT_PARAMS,
-    "PlacementParams": _PLACEMENT_PARAMS,
+    "DistType": "recpipe.pipeline.placement.values",
+    "FusedOptimizer": "recpipe.pipeline.placement.values",
+    "Mode": "recpipe.pipeline.placement.values",
+    "PlacementMismatchError": "recpipe.pipeline.placement.params",
+    "PlacementParams": "recpipe.pipeline.placement.params",
     # the routing op and its inverse
-    "ROUTING_VERSION": _ROUTING_OPS,
-    "block_bucketize_sparse_features": _ROUTING_OPS,
-    "bucketize_kjt": _ROUTING_KJT,
-    "bucketize_kjt_by": _ROUTING_KJT,
-    "global_row_ids": _ROUTING_ROWS,
-    "hash_roundrobin_global_ids": _ROUTING_OPS,
-    "route_ids": _ROUTING_OPS,
-    "shard_num_rows": _ROUTING_ROWS,
+    "ROUTING_VERSION": "recpipe.pipeline.routing.ops",
+    "block_bucketize_sparse_features": "recpipe.pipeline.routing.ops",
+    "bucketize_kjt": "recpipe.pipeline.routing.kjt",
+    "bucketize_kjt_by": "recpipe.pipeline.routing.kjt",
+    "global_row_ids": "recpipe.pipeline.routing.rows",
+    "hash_roundrobin_global_ids": "recpipe.pipeline.routing.ops",
+    "route_ids": "recpipe.pipeline.routing.ops",
+    "shard_num_rows": "recpipe.pipeline.routing.rows",
     # row-wise sharding routed by the op
-    "RecpipeEmbeddingBagCollectionSharder": _ROUTING_SHARDERS,
-    "RecpipeEmbeddingCollectionSharder": _ROUTING_SHARDERS,
+    "RecpipeEmbeddingBagCollectionSharder": "recpipe.pipeline.routing.sharders",
+    "RecpipeEmbeddingCollectionSharder": "recpipe.pipeline.routing.sharders",
     "RowOrderMismatchError": "recpipe.pipeline.routing.row_order",
-    "recpipe_sharders": _ROUTING_SHARDERS,
+    "recpipe_sharders": "recpipe.pipeline.routing.sharders",
     # tiered (HYBRID / CACHING) tables
     "TieredCheckpointError": "recpipe.pipeline.tiered.state",
-    "TieredEmbeddingBagCollectionSharder": _TIERED_SHARDERS,
-    "TieredEmbeddingCollectionSharder": _TIERED_SHARDERS,
-    "gather_full_optimizer_state": _TIERED_MIGRATION,
-    "gather_full_weights": _TIERED_MIGRATION,
-    "load_full_optimizer_state": _TIERED_MIGRATION,
+    "TieredEmbeddingBagCollectionSharder": "recpipe.pipeline.tiered.sharders",
+    "TieredEmbeddingCollectionSharder": "recpipe.pipeline.tiered.sharders",
+    "gather_full_optimizer_state": "recpipe.pipeline.tiered.migration",
+    "gather_full_weights": "recpipe.pipeline.tiered.migration",
+    "load_full_optimizer_state": "recpipe.pipeline.tiered.migration",
 }
 
 __all__ = sorted(_EXPORTS)

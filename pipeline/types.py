@@ -85,14 +85,7 @@ class TierSpec:
 
 
 class TierBackend(ABC):
-    """Storage and kernels of one tiered shard's rows (local ids ``[0, num_rows)``).
-
-    Attributes:
-        stats (torch.Tensor): int64 counters on the device: the last lookup's
-            ``TIERED_STATS``, then running totals.
-        step (int): the optimizer step the shard records and exports.
-        flushed_rows (int): rows written back by flushes since the last lookup.
-    """
+    """Storage and kernels of one tiered shard's rows (local ids ``[0, num_rows)``)."""
 
     #: Registry name (``TieredEmbeddingShard(backend=name)``).
     name: ClassVar[str]
@@ -100,8 +93,11 @@ class TierBackend(ABC):
     default_devices: ClassVar[FrozenSet[str]] = frozenset()
 
     spec: TierSpec
+    #: int64 counters on the device: the last lookup's ``TIERED_STATS``, then running totals.
     stats: torch.Tensor
+    #: The optimizer step the shard records and exports.
     step: int
+    #: Rows written back by flushes since the last lookup.
     flushed_rows: int
 
     @classmethod

@@ -29,20 +29,9 @@ from recpipe.planner.specs import (
     make_topology,
 )
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "pb": 10**15,
-    "pib": 2**50,
-}
+_UNITS = {"": 1, "b": 1}  # lower-case unit -> bytes: decimal kB..PB, binary KiB..PiB
+_UNITS.update({f"{prefix}b": 10 ** (3 * k) for k, prefix in enumerate("kmgtp", 1)})
+_UNITS.update({f"{prefix}ib": 2 ** (10 * k) for k, prefix in enumerate("kmgtp", 1)})
 _TABLES_HELP = f"""tables file (--tables): a YAML list, one mapping per table:
   - {{name: user_id, rows: 100000000, dim: 128, dtype: float32, optimizer: adam,
      lookups_per_step: 65536, zipf_alpha: 1.1}}
@@ -103,12 +92,6 @@ def _size_of(flag: str) -> Callable[[str], int]:
     return parse
 
 
-def _expanded(number: str) -> str:
-    """``"1e6"`` -> ``"1000000"`` (the value's digits, for an error's example)."""
-    value = float(number)
-    return str(round(value)) if math.isfinite(value) else "1000000"
-
-
 def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
     """Read the YAML table list; values keep their YAML types (``rows: 10.7`` is an error, never 10).
 
@@ -130,6 +113,7 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
         raise ValueError(f"--tables {path}: the file lists no tables; give a YAML list of tables (see --help).")
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a YAML list of tables, got {type(data).__name__}.")
+    defaults = dict(dtype="float32", optimizer=default_optimizer, lookups_per_step=512, zipf_alpha=DEFAULT_ZIPF_ALPHA)
     specs: List[TableSpec] = []
     index_of: Dict[str, int] = {}  # table name -> its entry number (repeated names are refused)
     for k, item in enumerate(data):
@@ -156,23 +140,15 @@ def load_tables(path: Path, default_optimizer: str) -> List[TableSpec]:
             value = item.get(key)
             if isinstance(value, str) and re.fullmatch(r"\s*[0-9.]+[eE][+-]?[0-9]+\s*", value):
                 # YAML 1.1 reads 1e6 (no dot, no sign) as a string: say so rather than "got '1e6' (str)"
+                number = float(value)
+                digits = str(round(number)) if math.isfinite(number) else "1000000"  # for the example
                 raise ValueError(
                     f"{path}: table #{k} ({item['name']}): {key}: {value} is a string to YAML (YAML 1.1 "
                     f"reads an exponent as a number only with a decimal point and a sign, 1.0e+6); "
-                    f"write the whole number, e.g. {key}: {_expanded(value)}."
+                    f"write the whole number, e.g. {key}: {digits}."
                 )
         try:
-            specs.append(
-                TableSpec(
-                    name=item["name"],
-                    rows=item["rows"],
-                    dim=item["dim"],
-                    dtype=item.get("dtype", "float32"),
-                    optimizer=item.get("optimizer", default_optimizer),
-                    lookups_per_step=item.get("lookups_per_step", 512),
-                    zipf_alpha=item.get("zipf_alpha", DEFAULT_ZIPF_ALPHA),
-                )
-            )
+            specs.append(TableSpec(**{**defaults, **item}))
         except ValueError as e:
             raise ValueError(f"{path}: table #{k}: {e}") from e
         first = index_of.setdefault(specs[-1].name, k)
@@ -221,18 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(o.value for o in SUPPORTED_OPTIMIZERS),
         help="optimizer of tables that do not name one (the ones tiered tables run; default adam)",
     )
-    ap.add_argument(
-        "--hbm-reservation",
-        type=float,
-        default=DEFAULT_HBM_RESERVATION,
-        help=f"fraction of --hbm kept free, in [0, 1) (default {DEFAULT_HBM_RESERVATION:g})",
-    )
-    ap.add_argument(
-        "--ddr-reservation",
-        type=float,
-        default=DEFAULT_DDR_RESERVATION,
-        help=f"fraction of --ddr kept free, in [0, 1) (default {DEFAULT_DDR_RESERVATION:g})",
-    )
+    for tier, default in (("hbm", DEFAULT_HBM_RESERVATION), ("ddr", DEFAULT_DDR_RESERVATION)):
+        help_text = f"fraction of --{tier} kept free, in [0, 1) (default {default:g})"
+        ap.add_argument(f"--{tier}-reservation", type=float, default=default, help=help_text)
     ap.add_argument(
         "--backend",
         choices=STORAGE_BACKENDS,
@@ -266,14 +233,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = ap.parse_args(_attach_negative_sizes(sys.argv[1:] if argv is None else argv))
     lws = args.world_size if args.local_world_size is None else args.local_world_size
     try:
-        check_topology_args(
-            args.world_size,
-            lws,
-            args.hbm,
-            args.ddr,
-            names=("--world-size", "--local-world-size", "--hbm", "--ddr"),
-            positive_sizes=True,
-        )
+        flags = ("--world-size", "--local-world-size", "--hbm", "--ddr")
+        check_topology_args(args.world_size, lws, args.hbm, args.ddr, names=flags, positive_sizes=True)
     except ValueError as e:
         # only --local-world-size may be omitted (--world-size is required)
         omit = args.world_size >= 1 and args.local_world_size is not None and args.local_world_size < 1
@@ -292,11 +253,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.json.is_dir() or not args.json.parent.is_dir() or not os.access(args.json.parent, os.W_OK)
     ):
         ap.error(f"--json {args.json}: not a writable file path (its directory must exist and be writable).")
+    # torchrec Topology.ddr_cap is per rank
     topology = make_topology(
-        world_size=args.world_size,
-        local_world_size=lws,
-        hbm_cap=args.hbm,
-        ddr_cap=args.ddr // lws,  # torchrec Topology.ddr_cap is per rank
+        world_size=args.world_size, local_world_size=lws, hbm_cap=args.hbm, ddr_cap=args.ddr // lws
     )
     planner = PlacementPlanner(
         topology,
@@ -317,10 +276,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if word in str(e):
                 named.setdefault(flag, word)
         if named:
-            print(
-                "(set here by flags: " + "; ".join(f"{word} = {flag}" for flag, word in named.items()) + ")",
-                file=sys.stderr,
-            )
+            pairs = "; ".join(f"{word} = {flag}" for flag, word in named.items())
+            print(f"(set here by flags: {pairs})", file=sys.stderr)
         return 2
     except ValueError as e:  # bad tables file: one message, no traceback
         print(f"error: {e}", file=sys.stderr)

@@ -7,7 +7,7 @@ from typing import List, Optional, Tuple
 import numpy as np
 
 from recpipe.pipeline.placement import check_int
-from recpipe.planner.knapsack import _byte_totals, _validated
+from recpipe.planner.knapsack import _byte_totals, _prune_dominated, _validated
 
 # Tables above which the brute-force proposer refuses (19^8 ~ 1.7e10 combos).
 BRUTE_FORCE_MAX_TABLES: int = 8
@@ -16,8 +16,8 @@ BRUTE_FORCE_MAX_TABLES: int = 8
 class BruteForceProposer:
     """Exact solver for few tables: every combination, meet-in-the-middle.
 
-    Options dominated within their table are dropped first (keeps the answer exact); the two halves'
-    combinations are enumerated with NumPy and paired block by block.
+    Options dominated within their table are dropped first (``prune_dominated``: keeps the answer exact);
+    the two halves' combinations are enumerated with NumPy and paired block by block.
     """
 
     def __init__(self, max_tables: int = BRUTE_FORCE_MAX_TABLES) -> None:
@@ -27,9 +27,7 @@ class BruteForceProposer:
     def _combos(
         hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, opts: List[np.ndarray], first: int
     ) -> Tuple[np.ndarray, ...]:
-        h = np.zeros(1, dtype=np.int64)
-        d = np.zeros(1, dtype=np.int64)
-        c = np.zeros(1, dtype=np.float64)
+        h, d, c = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.float64)
         idx = np.zeros((1, 0), dtype=np.int64)
         for t, o in enumerate(opts, start=first):
             h = (h[:, None] + hbm[t, o][None, :]).ravel()
@@ -55,22 +53,7 @@ class BruteForceProposer:
         if not usable.any(axis=1).all():
             return None
         _byte_totals(hbm, ddr, usable)  # int64 sums of the combinations below cannot wrap
-        opts: List[np.ndarray] = []
-        for t in range(M):
-            ok = np.flatnonzero(np.isfinite(cost[t]) & (hbm[t] <= hbm_budget) & (ddr[t] <= ddr_budget))
-            keep = []
-            for j in ok:
-                dominated = np.any(
-                    (hbm[t, ok] <= hbm[t, j])
-                    & (ddr[t, ok] <= ddr[t, j])
-                    & (cost[t, ok] <= cost[t, j])
-                    & ((hbm[t, ok] < hbm[t, j]) | (ddr[t, ok] < ddr[t, j]) | (cost[t, ok] < cost[t, j]))
-                )
-                if not dominated:
-                    keep.append(j)
-            if not keep:
-                return None
-            opts.append(np.asarray(keep, dtype=np.int64))
+        opts = [np.flatnonzero(keep) for keep in _prune_dominated(hbm, ddr, cost, usable)]
         half = M // 2
         hl, dl, cl, il = self._combos(hbm, ddr, cost, opts[:half], 0)
         hr, dr, cr, ir = self._combos(hbm, ddr, cost, opts[half:], half)
@@ -78,9 +61,8 @@ class BruteForceProposer:
         block = max(1, 2_000_000 // max(len(hr), 1))
         for s in range(0, len(hl), block):
             e = min(s + block, len(hl))
-            tot = cl[s:e, None] + cr[None, :]
             fits = (hl[s:e, None] + hr[None, :] <= hbm_budget) & (dl[s:e, None] + dr[None, :] <= ddr_budget)
-            tot = np.where(fits, tot, np.inf)
+            tot = np.where(fits, cl[s:e, None] + cr[None, :], np.inf)
             k = int(np.argmin(tot))
             if tot.flat[k] < best_cost:
                 best_cost = float(tot.flat[k])

@@ -60,17 +60,11 @@ def generalized_harmonic(n: np.ndarray, alpha: float) -> np.ndarray:
             f"{DEFAULT_ZIPF_ALPHA}), got {type(alpha).__name__} {alpha!r}."
         )
     raw = np.asarray(n)
-    if raw.dtype.kind not in "iuf" or (
-        raw.size
-        and not (
-            (raw.dtype.kind == "u" or raw.min() >= 0)
-            and (raw.dtype.kind != "f" or bool(np.all(np.isfinite(raw) & (raw == np.floor(raw)))))
-        )
-    ):
-        bad = raw.ravel()
-        if raw.dtype.kind in "iuf":
-            whole = (bad >= 0) & np.isfinite(bad) & (bad == np.floor(bad)) if raw.dtype.kind == "f" else bad >= 0
-            bad = bad[~whole]
+    bad = raw.ravel()
+    if raw.dtype.kind in "iuf":  # keep the entries that are not whole numbers >= 0
+        whole = (bad >= 0) & np.isfinite(bad) & (bad == np.floor(bad)) if raw.dtype.kind == "f" else bad >= 0
+        bad = bad[~whole]
+    if raw.dtype.kind not in "iuf" or bad.size:
         shown = f"{bad[:1].tolist()[0]!r} in an array" if bad.size else "an empty array"
         raise ValueError(
             f"generalized_harmonic(n): n must hold whole numbers >= 0 (counts of terms, e.g. "
@@ -106,30 +100,46 @@ def fast_tier_hit_rate(
     if not isinstance(table, TableSpec):
         raise ValueError(f"table must be a TableSpec, got {type(table).__name__} {table!r:.80}.")
     check_load_factor(x, "x")
-    mode = Mode.parse(mode)
-    if x >= 1.0:
-        return 1.0
-    if mode is Mode.HYBRID:
-        return float(x)
+    return float(_hit_rates(table, [(Mode.parse(mode), x)], cache_policy)[0])
+
+
+def _hit_rates(
+    table: TableSpec, options: Sequence[Tuple[Mode, float]], cache_policy: Union[CachePolicy, str]
+) -> np.ndarray:
+    """:func:`fast_tier_hit_rate` of every checked option, float64; one harmonic-sum call for a Zipf table."""
+    out = np.empty(len(options), dtype=np.float64)
+    cached: List[int] = []  # the CACHING options with x < 1, which the access model prices
+    for i, (mode, x) in enumerate(options):
+        if x >= 1.0:
+            out[i] = 1.0
+        elif mode is Mode.HYBRID:
+            out[i] = float(x)
+        else:
+            cached.append(i)
     if table.cache_stats is not None:
-        miss = table.cache_stats.expected_miss_rate(x)
-        if isinstance(miss, bool) or not isinstance(miss, numbers.Real) or not 0.0 <= miss <= 1.0:  # also refuses nan
-            raise ValueError(
-                f"TableSpec({table.name}).cache_stats.expected_miss_rate({x}) returned {miss!r}: a miss rate must be "
-                "a fraction in [0, 1]; fix the CacheStatistics, or pass cache_stats=None to model access by "
-                "access_counts or zipf_alpha."
-            )
-        return float(1.0 - miss)
-    if table.access_counts is not None:
+        for i in cached:
+            x = options[i][1]
+            miss = table.cache_stats.expected_miss_rate(x)
+            if isinstance(miss, bool) or not isinstance(miss, numbers.Real) or not 0.0 <= miss <= 1.0:  # also nan
+                raise ValueError(
+                    f"TableSpec({table.name}).cache_stats.expected_miss_rate({x}) returned {miss!r}: a miss rate "
+                    "must be a fraction in [0, 1]; fix the CacheStatistics, or pass cache_stats=None to model "
+                    "access by access_counts or zipf_alpha."
+                )
+            out[i] = float(1.0 - miss)
+    elif table.access_counts is not None and cached:
         counts = np.sort(np.asarray(table.access_counts, dtype=np.float64))[::-1]
         total = counts.sum()
-        if total <= 0:
-            return float(x)
-        k = floor_fraction(x, counts.size)
-        return float(cache_policy_spec(cache_policy).hit_rate(float(x), float(counts[:k].sum() / total)))
-    k = floor_fraction(x, table.rows)
-    h = generalized_harmonic(np.array([k, table.rows]), table.zipf_alpha)
-    return float(cache_policy_spec(cache_policy).hit_rate(float(x), float(h[0] / h[1])))
+        for i in cached:
+            x = options[i][1]
+            top = counts[: floor_fraction(x, counts.size)].sum() / total if total > 0 else None
+            out[i] = float(x) if top is None else cache_policy_spec(cache_policy).hit_rate(float(x), float(top))
+    elif cached:
+        ks = [floor_fraction(options[i][1], table.rows) for i in cached]
+        h = generalized_harmonic(np.array(ks + [table.rows]), table.zipf_alpha)
+        hit_rate = cache_policy_spec(cache_policy).hit_rate
+        out[cached] = [hit_rate(float(options[i][1]), float(m)) for i, m in zip(cached, h[:-1] / h[-1])]
+    return out
 
 
 def _checked_options(table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> List[Tuple[Mode, float]]:
@@ -143,13 +153,7 @@ def _checked_options(table: TableSpec, options: Sequence[Tuple[Mode, float]]) ->
         )
     out = []
     for k, option in enumerate(options):
-        if (
-            type(option) is tuple
-            and len(option) == 2
-            and type(option[0]) is Mode
-            and type(option[1]) is float
-            and 0.0 < option[1] <= 1.0
-        ):
+        if type(option) is tuple and [type(v) for v in option] == [Mode, float] and 0.0 < option[1] <= 1.0:
             out.append(option)  # the enumerator's candidates
             continue
         if isinstance(option, (str, bytes)) or not isinstance(option, Sequence) or len(option) != 2:
@@ -240,23 +244,7 @@ class AnalyticCostModel(_BandwidthMixCostModel):
 
     def effective_hits(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
         """:func:`fast_tier_hit_rate` of every option; one harmonic-sum call for Zipf tables."""
-        if table.cache_stats is not None or table.access_counts is not None:
-            return super().effective_hits(table, options)
-        out = np.empty(len(options), dtype=np.float64)
-        zipf: list = []
-        for i, (mode, x) in enumerate(options):
-            if x >= 1.0:
-                out[i] = 1.0
-            elif mode is Mode.HYBRID:
-                out[i] = float(x)
-            else:
-                zipf.append(i)
-        if zipf:
-            ks = [floor_fraction(options[i][1], table.rows) for i in zipf]
-            h = generalized_harmonic(np.array(ks + [table.rows]), table.zipf_alpha)
-            hit_rate = cache_policy_spec(self.cache_policy).hit_rate
-            out[zipf] = [hit_rate(float(options[i][1]), float(m)) for i, m in zip(zipf, h[:-1] / h[-1])]
-        return out
+        return _hit_rates(table, options, self.cache_policy)
 
 
 class EmpiricalCostModel(_BandwidthMixCostModel):

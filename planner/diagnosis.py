@@ -9,8 +9,8 @@ from typing import List, Mapping, Optional, Protocol, Sequence, Tuple
 import numpy as np
 from torchrec.distributed.planner.types import Topology
 
-from recpipe.planner.enumerators import OptionArrays
-from recpipe.planner.errors import PlannerError, PlannerErrorType, rounded, sized
+from recpipe.planner.enumerators import OptionArrays, _constraint_for
+from recpipe.planner.errors import PlannerError, PlannerErrorType, rounded, sized, solutions
 from recpipe.planner.specs import PlacementConstraints, PlacementOption, TableSpec
 from recpipe.planner.types import Proposer
 
@@ -27,26 +27,19 @@ class PlannerSettings(Protocol):
 
 
 class InfeasibilityDiagnosis:
-    """The :class:`PlannerError` of a solve that found no plan, from the ``(M, K)`` arrays the proposer
-    was given and the budgets ``H`` (HBM per device) and ``D`` (DDR per machine)."""
+    """The :class:`PlannerError` of a solve that found no plan, from the options the proposer was given
+    and the budgets ``H`` (HBM per device) and ``D`` (DDR per machine)."""
 
     def __init__(
-        self,
-        planner: PlannerSettings,
-        specs: Sequence[TableSpec],
-        options: OptionArrays,
-        hbm: np.ndarray,
-        ddr: np.ndarray,
-        cost: np.ndarray,
-        H: int,
-        D: int,
+        self, planner: PlannerSettings, specs: Sequence[TableSpec], options: OptionArrays, H: int, D: int
     ) -> None:
-        self.planner, self.specs, self.options = planner, specs, options
-        self.hbm, self.ddr, self.cost, self.H, self.D = hbm, ddr, cost, H, D
+        self.planner, self.specs, self.options, self.H, self.D = planner, specs, options, H, D
+        hbm, ddr, cost = options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, options.cost
+        self.hbm, self.ddr, self.cost = hbm, ddr, cost
         self.W, self.L = planner.topology.world_size, planner.topology.local_world_size
         self.valid = valid = np.isfinite(cost)
-        self.hb = np.where(valid, hbm, np.iinfo(np.int64).max)
-        self.db = np.where(valid, ddr, np.iinfo(np.int64).max)
+        big = np.iinfo(np.int64).max
+        self.hb, self.db = np.where(valid, hbm, big), np.where(valid, ddr, big)
         min_h_table, min_d_table = self.hb.min(axis=1), self.db.min(axis=1)
         self.min_h, self.min_d = int(min_h_table.sum()), int(min_d_table.sum())
         self.budgets = (
@@ -56,7 +49,6 @@ class InfeasibilityDiagnosis:
         )
         # The least DDR that goes with the least HBM: at HBM budget min_h only each table's lowest-HBM
         # options fit, so the one of those with the least DDR is the only plan left; and vice versa.
-        big = np.iinfo(np.int64).max
         self.lh_h, self.ld_d = self.min_h, self.min_d
         self.lh_d = int(np.where(valid & (hbm == min_h_table[:, None]), ddr, big).min(axis=1).sum())
         self.ld_h = int(np.where(valid & (ddr == min_d_table[:, None]), hbm, big).min(axis=1).sum())
@@ -72,46 +64,39 @@ class InfeasibilityDiagnosis:
         return self._no_combination()
 
     def _table_does_not_fit(self, lonely: List[int]) -> PlannerError:
-        specs, options, valid, hb, db = self.specs, self.options, self.valid, self.hb, self.db
-        H, D, W, lh_h, lh_d = self.H, self.D, self.W, self.lh_h, self.lh_d
-        constraints, load_factors, budgets = self.planner.constraints, self.planner.load_factors, self.budgets
+        specs, H, D, lh_h, lh_d = self.specs, self.H, self.D, self.lh_h, self.lh_d
         i = lonely[0]
         t = specs[i]
-        pinned = t.fqn in constraints or t.name in constraints
-        kind = PlannerErrorType.STRICT_CONSTRAINTS if pinned else PlannerErrorType.TABLE_DOES_NOT_FIT
+        pin = _constraint_for(t, self.planner.constraints)
+        kind = PlannerErrorType.TABLE_DOES_NOT_FIT if pin is None else PlannerErrorType.STRICT_CONSTRAINTS
         # The table's smallest-HBM and smallest-DDR options, each with the budgets it exceeds.
         sols = [
-            self._raise_for(options.option(i, j), H, D)
-            for j in dict.fromkeys((int(np.argmin(hb[i])), int(np.argmin(db[i]))))
+            self._raise_for(self.options.option(i, j))
+            for j in dict.fromkeys((int(np.argmin(self.hb[i])), int(np.argmin(self.db[i]))))
         ]
-        if len(specs) > 1 and bool(valid.any(axis=1).all()):
+        if len(specs) > 1 and bool(self.valid.any(axis=1).all()):
             # the other tables may need more: name the budgets of one plan of every table
-            raises = [f"the HBM per device (hbm_cap) to at least {self._hbm_cap_for(lh_h)}"] if lh_h > H else []
-            raises += [f"the DDR per machine to at least {self._ddr_cap_for(lh_d)}"] if lh_d > D else []
             sols.append(
-                f"for all {len(specs)} tables together, raise {' and '.join(raises)}: with each table at its "
+                f"for all {len(specs)} tables together, raise {self._raises(lh_h, lh_d)}: with each table at its "
                 f"lowest-HBM option the model needs {sized(lh_h)} of HBM per rank and {sized(lh_d)} of DDR per "
                 "machine (the raises above are for this table alone)"
             )
-        sols.append(f"shard over more ranks (world_size now {W}): per-rank bytes shrink as 1/world_size")
-        if pinned:
-            sols.insert(
-                0,
-                f"relax the constraints pinned on table {t.fqn!r} ({constraints.get(t.fqn) or constraints.get(t.name)})",
-            )
+        sols.append(f"shard over more ranks (world_size now {self.W}): per-rank bytes shrink as 1/world_size")
+        if pin is not None:
+            sols.insert(0, f"relax the constraints pinned on table {t.fqn!r} ({pin})")
         else:
-            sols.append(f"add smaller load factors than {min(load_factors)} to load_factors")
+            sols.append(f"add smaller load factors than {min(self.planner.load_factors)} to load_factors")
         return PlannerError(
             f"Table {t.fqn!r} ({t.rows} rows x {t.dim}, {t.optimizer}) does not fit anywhere: no "
             f"option fits HBM {rounded(H)} per device and DDR {rounded(D)} per machine even alone "
-            f"({len(lonely)} table(s) like this: {[specs[k].fqn for k in lonely][:10]}).\n{budgets}\n"
-            "Possible solutions:\n" + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
+            f"({len(lonely)} table(s) like this: {[specs[k].fqn for k in lonely][:10]}).\n{self.budgets}\n"
+            + solutions(sols),
             kind,
         )
 
     def _insufficient(self) -> PlannerError:
         H, D, W, L, min_h, min_d = self.H, self.D, self.W, self.L, self.min_h, self.min_d
-        lh_d, ld_h, budgets, specs = self.lh_d, self.ld_h, self.budgets, self.specs
+        lh_d, ld_h = self.lh_d, self.ld_h
         need_h, need_d = min_h > H, min_d > D
         kind = PlannerErrorType.INSUFFICIENT_HBM if need_h else PlannerErrorType.INSUFFICIENT_DDR
         # The other budget may fall short too once this one is raised: name it.
@@ -153,61 +138,49 @@ class InfeasibilityDiagnosis:
         both = (need_h and need_d) or short_d or short_h
         return PlannerError(
             f"Insufficient {'HBM' if need_h else 'DDR'}{(' and DDR' if need_h else ' and HBM') if both else ''} "
-            f"for {len(specs)} tables.\n{budgets}\nPossible solutions:\n"
-            + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
+            f"for {len(self.specs)} tables.\n{self.budgets}\n{solutions(sols)}",
             kind,
         )
 
     def _no_combination(self) -> PlannerError:
-        hbm, ddr, cost, H, D = self.hbm, self.ddr, self.cost, self.H, self.D
-        lh_h, lh_d, ld_h, ld_d, min_h, min_d = self.lh_h, self.lh_d, self.ld_h, self.ld_d, self.min_h, self.min_d
-        fits_alone, budgets, proposer = self.fits_alone, self.budgets, self.planner.proposer
+        H, D, lh_h, lh_d, ld_h, ld_d = self.H, self.D, self.lh_h, self.lh_d, self.ld_h, self.ld_d
+        proposer = self.planner.proposer
         # Each budget alone can be met, not both: quote, per budget, the least value with which this
         # planner plans while the other stays as it is (bisection on the proposer).
         nh, nd = getattr(proposer, "last_bins", (0, 0))
         # restore the proposer's diagnostics (last_bins, ...) to the failed solve's
-        kept = (
-            {k: v for k, v in vars(proposer).items() if k.startswith("last_")} if hasattr(proposer, "__dict__") else {}
-        )
-        least_d = self._least_budget(hbm, ddr, cost, H, D, lh_d, ddr_axis=True)
-        least_h = self._least_budget(hbm, ddr, cost, H, D, ld_h, ddr_axis=False)
+        kept = {k: v for k, v in getattr(proposer, "__dict__", {}).items() if k.startswith("last_")}
+        least_d = self._least_budget(lh_d, ddr_axis=True)
+        least_h = self._least_budget(ld_h, ddr_axis=False)
         for k, v in kept.items():
             setattr(proposer, k, v)
+        sols = []
         if least_d is not None:
-            sol_d = (
+            sols.append(
                 f"raise DDR per machine to at least {self._ddr_cap_for(least_d)}: with HBM kept at its budget, "
                 f"{sized(H)} per device, the planner finds a plan from {sized(least_d)} of DDR per machine on, "
                 "not below"
             )
-        else:  # the proposer missed the plans bisection needs: quote the lowest-HBM plan, which fits
-            sol_d = (
-                (
-                    f"raise DDR per machine to at least {self._ddr_cap_for(lh_d)}: the lowest-HBM plan needs HBM "
-                    f"{sized(lh_h)} per rank and DDR {sized(lh_d)} per machine"
-                )
-                if lh_d > D
-                else ""
+        elif lh_d > D:  # the proposer missed the plans bisection needs: quote the lowest-HBM plan, which fits
+            sols.append(
+                f"raise DDR per machine to at least {self._ddr_cap_for(lh_d)}: the lowest-HBM plan needs HBM "
+                f"{sized(lh_h)} per rank and DDR {sized(lh_d)} per machine"
             )
         if least_h is not None:
-            sol_h = (
+            sols.append(
                 f"raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(least_h)}: with DDR kept at its "
                 f"budget, {sized(D)} per machine, the planner finds a plan from {sized(least_h)} of HBM "
                 "per rank on, not below"
             )
-        else:
-            sol_h = (
-                (
-                    f"raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(ld_h)}: the lowest-DDR plan needs "
-                    f"HBM {sized(ld_h)} per rank and DDR {sized(ld_d)} per machine"
-                )
-                if ld_h > H
-                else ""
+        elif ld_h > H:
+            sols.append(
+                f"raise HBM per device (hbm_cap) to at least {self._hbm_cap_for(ld_h)}: the lowest-DDR plan needs "
+                f"HBM {sized(ld_h)} per rank and DDR {sized(ld_d)} per machine"
             )
-        sols = [sol for sol in (sol_d, sol_h) if sol]  # a plan within both budgets that the grid missed: none
         # Only options that fit both budgets alone can be in a plan: when their smallest bytes overflow a
         # budget, no plan exists and a finer grid cannot help.
-        fit_h = np.where(fits_alone, hbm, np.iinfo(np.int64).max).min(axis=1)
-        fit_d = np.where(fits_alone, ddr, np.iinfo(np.int64).max).min(axis=1)
+        fit_h = np.where(self.fits_alone, self.hbm, np.iinfo(np.int64).max).min(axis=1)
+        fit_d = np.where(self.fits_alone, self.ddr, np.iinfo(np.int64).max).min(axis=1)
         proven = int(fit_h.sum()) > H or int(fit_d.sum()) > D
         binned = [f"{n} {axis} bins" for n, axis in ((nh, "HBM"), (nd, "DDR")) if n > 0]
         if binned and not proven:  # an axis that does not bind is not binned (exact): only a binned one rounds
@@ -222,23 +195,20 @@ class InfeasibilityDiagnosis:
                 "within both budgets"
             )
         return PlannerError(
-            f"No combination of placements meets both budgets at once (HBM alone needs >= {sized(min_h)}, "
-            f"DDR alone needs >= {sized(min_d)}).\n{budgets}\nPossible solutions:\n"
-            + "\n".join(f"  {k + 1}) {s}" for k, s in enumerate(sols)),
+            f"No combination of placements meets both budgets at once (HBM alone needs >= {sized(self.min_h)}, "
+            f"DDR alone needs >= {sized(self.min_d)}).\n{self.budgets}\n{solutions(sols)}",
             PlannerErrorType.INSUFFICIENT_STORAGE,
         )
 
-    def _least_budget(
-        self, hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, H: int, D: int, upper: int, *, ddr_axis: bool
-    ) -> Optional[int]:
+    def _least_budget(self, upper: int, *, ddr_axis: bool) -> Optional[int]:
         """The least DDR (``ddr_axis``) or HBM budget with which the proposer plans, the other budget kept,
         by bisection between the present budget and ``upper`` (one a plan fits); None if none at ``upper``."""
 
         def plans(budget: int) -> bool:
-            h, d = (H, budget) if ddr_axis else (budget, D)
-            return self.planner.proposer.solve(hbm, ddr, cost, h, d) is not None
+            h, d = (self.H, budget) if ddr_axis else (budget, self.D)
+            return self.planner.proposer.solve(self.hbm, self.ddr, self.cost, h, d) is not None
 
-        lo, hi = (D if ddr_axis else H), upper
+        lo, hi = (self.D if ddr_axis else self.H), upper
         if hi <= lo or not plans(hi):
             return None
         while hi - lo > 1:  # plans(hi) and not plans(lo)
@@ -253,21 +223,21 @@ class InfeasibilityDiagnosis:
 
     def _ddr_cap_for(self, need: int) -> str:
         """The smallest DDR per machine (a multiple of ``local_world_size``) whose budget holds ``need``."""
-        L = self.L
-        cap = _capacity_for(need, self.planner.ddr_reservation, L)
-        return f"{rounded(cap)} ({cap} B; ddr_cap {cap // L} B per rank)"
+        cap = _capacity_for(need, self.planner.ddr_reservation, self.L)
+        return f"{rounded(cap)} ({cap} B; ddr_cap {cap // self.L} B per rank)"
 
-    def _raise_for(self, option: PlacementOption, H: int, D: int) -> str:
+    def _raises(self, hbm: int, ddr: int) -> str:
+        """The budgets to raise, and to what, for ``hbm`` bytes per rank and ``ddr`` per machine to fit."""
+        raises = [f"the HBM per device (hbm_cap) to at least {self._hbm_cap_for(hbm)}"] if hbm > self.H else []
+        raises += [f"the DDR per machine to at least {self._ddr_cap_for(ddr)}"] if ddr > self.D else []
+        return " and ".join(raises)
+
+    def _raise_for(self, option: PlacementOption) -> str:
         """What to raise for ``option`` to fit: only the budgets it exceeds."""
-        raises = []
-        if option.hbm_bytes_per_rank > H:
-            raises.append(f"the HBM per device (hbm_cap) to at least {self._hbm_cap_for(option.hbm_bytes_per_rank)}")
-        if option.ddr_bytes_per_machine > D:
-            raises.append(f"the DDR per machine to at least {self._ddr_cap_for(option.ddr_bytes_per_machine)}")
+        h, d = option.hbm_bytes_per_rank, option.ddr_bytes_per_machine
         return (
-            f"raise {' and '.join(raises)}: the table's {option.mode.name} x={option.cache_load_factor} option "
-            f"needs {sized(option.hbm_bytes_per_rank)} of HBM per rank and "
-            f"{sized(option.ddr_bytes_per_machine)} of DDR per machine"
+            f"raise {self._raises(h, d)}: the table's {option.mode.name} x={option.cache_load_factor} option "
+            f"needs {sized(h)} of HBM per rank and {sized(d)} of DDR per machine"
         )
 
 

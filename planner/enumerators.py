@@ -33,7 +33,7 @@ from recpipe.pipeline.placement import (
     row_bytes,
     tier_split,
 )
-from recpipe.planner.errors import PlannerError, PlannerErrorType
+from recpipe.planner.errors import PlannerError, PlannerErrorType, solutions
 from recpipe.planner.specs import (
     BACKEND_SHARD_STORAGE,
     DEFAULT_LOAD_FACTORS,
@@ -85,9 +85,7 @@ class GridPlacementEnumerator:
                 f"cost_model prices the {priced!r} layout but backend is {backend!r}: build it with the same "
                 f"backend, e.g. AnalyticCostModel(backend={backend!r})."
             )
-        self.world_size = world_size
-        self.local_world_size = local_world_size
-        self.cost_model = cost_model
+        self.world_size, self.local_world_size, self.cost_model = world_size, local_world_size, cost_model
         self.load_factors: Tuple[float, ...] = tuple(sorted({float(x) for x in load_factors}))
         for key, pin in (constraints or {}).items():
             if not isinstance(key, str) or not isinstance(pin, PlacementConstraints):
@@ -114,16 +112,13 @@ class GridPlacementEnumerator:
 
     def candidates(self, table: TableSpec) -> List[Tuple[Mode, float]]:
         """The (mode, x) pairs allowed for ``table``; ``x = 1`` appears once, as HYBRID, even if pinned to CACHING."""
-        pin = _constraint_for(table, self.constraints)
+        pin = _constraint_for(table, self.constraints) or PlacementConstraints()
         xs: Sequence[float] = self.load_factors
-        modes: Sequence[Mode] = (Mode.HYBRID, Mode.CACHING)
-        if pin is not None:
-            if pin.load_factors is not None:
-                xs = tuple(sorted({float(x) for x in pin.load_factors}))
-            if pin.cache_load_factor is not None:
-                xs = (float(pin.cache_load_factor),)
-            if pin.mode is not None:
-                modes = (Mode.parse(pin.mode),)
+        if pin.load_factors is not None:
+            xs = tuple(sorted({float(x) for x in pin.load_factors}))
+        if pin.cache_load_factor is not None:
+            xs = (float(pin.cache_load_factor),)
+        modes = (Mode.HYBRID, Mode.CACHING) if pin.mode is None else (Mode.parse(pin.mode),)
         out: List[Tuple[Mode, float]] = []
         for x in xs:
             if x >= 1.0:
@@ -151,12 +146,11 @@ class GridPlacementEnumerator:
             pinned = [key] if key in fqns else []
             pinned += [f for f in by_name.get(key, []) if f != key and f not in self.constraints]
             if len(pinned) > 1:
+                names = ", ".join(map(repr, pinned))
+                fix = f"key the constraint by each table's full name (module path + '.' + table): {names}."
                 raise PlannerError(
                     f"constraints[{key!r}] is ambiguous: the name {key!r} matches {len(pinned)} tables {pinned}.\n"
-                    "Possible solutions:\n"
-                    f"  1) key the constraint by each table's full name (module path + '.' + table): "
-                    + ", ".join(f"{fqn!r}" for fqn in pinned)
-                    + ".",
+                    + solutions([fix]),
                     PlannerErrorType.INPUT_VALIDATION,
                 )
 
@@ -177,10 +171,8 @@ class GridPlacementEnumerator:
         self._check_constraints(tables)
         _check_tiered_tables(tables, self.backend)
         W, L = self.world_size, self.local_world_size
-        M = len(tables)
         cands = [self.candidates(t) for t in tables]
-        K = max((len(c) for c in cands), default=0)
-        out = OptionArrays.empty(M, K)
+        out = OptionArrays.empty(len(tables), max((len(c) for c in cands), default=0))
         dsts = out.byte_arrays
         groups: Dict[Tuple[Tuple[Mode, float], ...], List[int]] = {}
         for i, c in enumerate(cands):
@@ -190,7 +182,7 @@ class GridPlacementEnumerator:
             ii = np.asarray(idx, dtype=np.int64)
             out.modes[ii, :k] = [_MODE_CODE[m] for m, _ in cand]
             out.load_factors[ii, :k] = [x for _, x in cand]
-            bytes_ = _bulk_storage([tables[i] for i in idx], cand, W, L, self.backend, self.cache_policy)
+            bytes_ = self._bulk_storage([tables[i] for i in idx], cand)
             if bytes_ is None:  # exact products would overflow int64: scalar formulas
                 for i in idx:
                     t = tables[i]
@@ -227,6 +219,52 @@ class GridPlacementEnumerator:
             raise ValueError(f"{who} returned {costs[j]} for option {j} ({Mode.parse(mode).name}, x={x}); {want}.")
         return costs
 
+    def _bulk_storage(
+        self, tables: Sequence[TableSpec], cand: Sequence[Tuple[Mode, float]]
+    ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Bytes of many tables x one candidate list, as ``(tables, options)`` int64 arrays: the contract's
+        array-generic formulas, equal to :meth:`shard_bytes` and its ``machine_sum``. None when a product
+        could overflow int64.
+        """
+        W, L = self.world_size, self.local_world_size
+        N = np.array([t.rows for t in tables], dtype=np.int64)
+        rb = np.array([row_bytes(t.dim, t.dtype, t.optimizer) for t in tables], dtype=np.int64)[:, None]
+        ratios = [decimal_ratio(x) for _, x in cand]
+        num = np.array([r[0] for r in ratios], dtype=np.int64)[None, :]
+        den = np.array([r[1] for r in ratios], dtype=np.int64)[None, :]
+        spec = cache_policy_spec(self.cache_policy)
+        big, n_big, n_small = machine_split(N, W, L)
+        per_row = int(rb.max()) + CACHE_ROW_MAP_BYTES + spec.slot_bytes + SPLIT_MAP_BYTES + 8
+        if int(big.max()) * max(int(num.max()), per_row) * max(L, 1) >= _INT64_SAFE:
+            return None
+        caching = np.array([m is Mode.CACHING for m, _ in cand])[None, :]
+        cached = caching & (num < den)  # CACHING with x < 1
+        if self.backend == "fbgemm":
+            v = np.array([t.dim * dtype_itemsize(t.dtype) for t in tables], dtype=np.int64)[:, None]
+            state = np.array([optimizer_state_bytes_per_row(t.optimizer, t.dim) for t in tables], dtype=np.int64)
+            state = state[:, None]
+            rowwise = np.array([t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD for t in tables])[:, None]
+
+            def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+                r = rows[:, None]
+                fast_rows, slow_rows, slots = tier_split(r, num, den, caching)
+                with_cache = cached & (r > 0)
+                S = np.where(with_cache, fbgemm_cache_sets(slots) * FBGEMM_CACHE_ASSOC, 0)
+                split_map = (slow_rows > 0) & ~cached
+                return fbgemm_bytes(r, fast_rows, S, v, state, rowwise, split_map, spec.fbgemm_state_bytes(r, S))
+
+        else:
+
+            def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+                r = rows[:, None]
+                fast_rows, slow_rows, slots = tier_split(r, num, den, caching)
+                return native_tier_bytes(r, fast_rows, slow_rows, slots, rb, cached, spec.slot_bytes)
+
+        fb, sb = shard(big)
+        fs, ss = shard(np.maximum(big - 1, 0))
+        n_big, n_small = n_big[:, None], n_small[:, None]
+        return fb, sb, n_big * fb + n_small * fs, n_big * sb + n_small * ss
+
     def enumerate(self, tables: Sequence[TableSpec]) -> List[List[PlacementOption]]:
         """:meth:`enumerate_arrays` as ``PlacementOption`` lists per table, in input order."""
         return self.enumerate_arrays(tables).to_options()
@@ -244,90 +282,32 @@ def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:
     optimizers = sorted(o.value for o in SUPPORTED_OPTIMIZERS)
     dtypes = sorted(dtype_name(d) for d in TIERED_DTYPES)
     for t in tables:
-        found = []  # (problem, its solution)
+        problems, fixes = [], []
         if t.dtype not in TIERED_DTYPES:
-            found.append(
-                (
-                    f"its dtype {dtype_name(t.dtype)} is not one tiered tables hold ({dtypes})",
-                    f"give the table {dtypes[0]} rows (EmbeddingBagConfig data_type=DataType.FP32, or "
-                    f"dtype: {dtypes[0]} in a tables file)",
-                )
+            problems.append(f"its dtype {dtype_name(t.dtype)} is not one tiered tables hold ({dtypes})")
+            fixes.append(
+                f"give the table {dtypes[0]} rows (EmbeddingBagConfig data_type=DataType.FP32, or "
+                f"dtype: {dtypes[0]} in a tables file)"
             )
         if t.optimizer not in SUPPORTED_OPTIMIZERS:
-            found.append(
-                (
-                    f"its fused optimizer {t.optimizer.value} is not one tiered tables run ({optimizers})",
-                    f"train it with one of {optimizers} (apply_optimizer_in_backward with SGD, RowWiseAdagrad "
-                    "or Adam, or the sharders' fused_params)",
-                )
+            problems.append(f"its fused optimizer {t.optimizer.value} is not one tiered tables run ({optimizers})")
+            fixes.append(
+                f"train it with one of {optimizers} (apply_optimizer_in_backward with SGD, RowWiseAdagrad "
+                "or Adam, or the sharders' fused_params)"
             )
         if backend == "fbgemm" and t.dim % 4 != 0:
-            found.append(
-                (
-                    f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)",
-                    f"use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}), or plan recpipe's own "
-                    "layout with backend='native' (CPU training, or the torch backend on other devices), which "
-                    "takes any dim",
-                )
+            problems.append(f"its dim {t.dim} is not a multiple of 4 (fbgemm's TBE needs one)")
+            fixes.append(
+                f"use a dim that is a multiple of 4 (e.g. {t.dim + (-t.dim) % 4}), or plan recpipe's own "
+                "layout with backend='native' (CPU training, or the torch backend on other devices), which "
+                "takes any dim"
             )
-        if not found:
-            continue
-        raise PlannerError(
-            f"table {t.fqn!r} cannot be a tiered table on the {backend} backend: "
-            f"{'; '.join(problem for problem, _ in found)}.\nPossible solutions:\n"
-            + "\n".join(f"  {k + 1}) {fix}" for k, (_, fix) in enumerate(found)),
-            PlannerErrorType.INPUT_VALIDATION,
-        )
-
-
-def _bulk_storage(
-    tables: Sequence[TableSpec],
-    cand: Sequence[Tuple[Mode, float]],
-    W: int,
-    L: int,
-    backend: str,
-    cache_policy: CachePolicy,
-) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-    """Bytes of many tables x one candidate list, as ``(tables, options)`` int64 arrays: the contract's
-    array-generic formulas, equal to :meth:`GridPlacementEnumerator.shard_bytes` and its ``machine_sum``.
-    None when a product could overflow int64.
-    """
-    N = np.array([t.rows for t in tables], dtype=np.int64)
-    rb = np.array([row_bytes(t.dim, t.dtype, t.optimizer) for t in tables], dtype=np.int64)[:, None]
-    ratios = [decimal_ratio(x) for _, x in cand]
-    num = np.array([r[0] for r in ratios], dtype=np.int64)[None, :]
-    den = np.array([r[1] for r in ratios], dtype=np.int64)[None, :]
-    spec = cache_policy_spec(cache_policy)
-    big, n_big, n_small = machine_split(N, W, L)
-    per_row = int(rb.max()) + CACHE_ROW_MAP_BYTES + spec.slot_bytes + SPLIT_MAP_BYTES + 8
-    if int(big.max()) * max(int(num.max()), per_row) * max(L, 1) >= _INT64_SAFE:
-        return None
-    caching = np.array([m is Mode.CACHING for m, _ in cand])[None, :]
-    cached = caching & (num < den)  # CACHING with x < 1
-    if backend == "fbgemm":
-        v = np.array([t.dim * dtype_itemsize(t.dtype) for t in tables], dtype=np.int64)[:, None]
-        state = np.array([optimizer_state_bytes_per_row(t.optimizer, t.dim) for t in tables], dtype=np.int64)[:, None]
-        rowwise = np.array([t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD for t in tables])[:, None]
-
-        def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-            r = rows[:, None]
-            fast_rows, slow_rows, slots = tier_split(r, num, den, caching)
-            with_cache = cached & (r > 0)
-            S = np.where(with_cache, fbgemm_cache_sets(slots) * FBGEMM_CACHE_ASSOC, 0)
-            split_map = (slow_rows > 0) & ~cached
-            return fbgemm_bytes(r, fast_rows, S, v, state, rowwise, split_map, spec.fbgemm_state_bytes(r, S))
-
-    else:
-
-        def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-            r = rows[:, None]
-            fast_rows, slow_rows, slots = tier_split(r, num, den, caching)
-            return native_tier_bytes(r, fast_rows, slow_rows, slots, rb, cached, spec.slot_bytes)
-
-    fb, sb = shard(big)
-    fs, ss = shard(np.maximum(big - 1, 0))
-    n_big, n_small = n_big[:, None], n_small[:, None]
-    return fb, sb, n_big * fb + n_small * fs, n_big * sb + n_small * ss
+        if problems:
+            raise PlannerError(
+                f"table {t.fqn!r} cannot be a tiered table on the {backend} backend: {'; '.join(problems)}.\n"
+                + solutions(fixes),
+                PlannerErrorType.INPUT_VALIDATION,
+            )
 
 
 @dataclass
@@ -379,14 +359,10 @@ def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.
     """Pack options into ``(M, K)`` arrays: HBM bytes per rank, DDR bytes per machine, cost (``inf`` pads)."""
     M = len(options)
     K = max((len(o) for o in options), default=0)
-    hbm = np.zeros((M, K), dtype=np.int64)
-    ddr = np.zeros((M, K), dtype=np.int64)
-    cost = np.full((M, K), np.inf)
+    hbm, ddr, cost = np.zeros((M, K), dtype=np.int64), np.zeros((M, K), dtype=np.int64), np.full((M, K), np.inf)
     for i, opts in enumerate(options):
         for j, o in enumerate(opts):
-            hbm[i, j] = o.hbm_bytes_per_rank
-            ddr[i, j] = o.ddr_bytes_per_machine
-            cost[i, j] = o.cost
+            hbm[i, j], ddr[i, j], cost[i, j] = o.hbm_bytes_per_rank, o.ddr_bytes_per_machine, o.cost
     return hbm, ddr, cost
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import enum
 import math
 import numbers
+from typing import Sequence
 
 from torchrec.distributed.planner.types import PlannerError as _TorchrecPlannerError
 
@@ -62,6 +63,11 @@ def format_bytes(num: float, round_up: bool = False) -> str:
     return f"{value:.2f} PiB"  # pragma: no cover
 
 
+def solutions(fixes: Sequence[str]) -> str:
+    """The numbered "Possible solutions" block that ends a planner message."""
+    return "Possible solutions:\n" + "\n".join(f"  {k + 1}) {fix}" for k, fix in enumerate(fixes))
+
+
 def sized(num: int) -> str:
     """Bytes for a message: ``18.31 MiB (19195784 B)`` rounded up, or ``512 B`` below 1 KiB.
 
@@ -77,4 +83,4 @@ def rounded(num: int) -> str:
     return format_bytes(num, round_up=True)
 
 
-__all__ = ["PlannerError", "PlannerErrorType", "PlannerInputError", "format_bytes", "rounded", "sized"]
+__all__ = ["PlannerError", "PlannerErrorType", "PlannerInputError", "format_bytes", "rounded", "sized", "solutions"]

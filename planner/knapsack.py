@@ -8,6 +8,7 @@ compiled kernels (csrc/placement_dp.cpp) lazily; each has a NumPy twin here or i
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, List, Optional, Tuple
 
@@ -31,40 +32,37 @@ _KERNEL_INT_MAX: int = 2**63 - 1
 KERNEL_MAX_CELLS: int = 2**23
 
 
-def _kernel_budget_error(op: str, name: str, value: int, largest: int, largest_text: str) -> PlannerInputError:
-    """The error for a budget ``value`` past ``largest``, the largest ``torch.ops.recpipe.<op>`` takes."""
-    return PlannerInputError(
-        f"{name} is {value} bytes, past {largest} B ({largest_text}), the largest budget the compiled planner "
-        f"kernel torch.ops.recpipe.{op} takes (refused before calling it).\n"
-        "Possible solutions:\n"
-        f"  1) pass {name} below 2^53 bytes ({EXACT_BYTES} B = 8 PiB, the planner's exact byte range): no device "
-        "or machine holds more; for a budget that binds no plan, pass the sum of each table's largest option "
-        "(DynamicProgrammingProposer.solve passes that sum in place of a larger budget);\n"
-        "  2) use the NumPy twin (budget_prices, or DynamicProgrammingProposer(backend='numpy')), which takes "
-        "any budget."
-    )
+def _check_kernel_budgets(op: str, hbm_budget: int, ddr_budget: int, largest: int, largest_text: str) -> None:
+    """Refuses a budget past ``largest``, the largest ``torch.ops.recpipe.<op>`` takes."""
+    for name, value in (("hbm_budget", int(hbm_budget)), ("ddr_budget", int(ddr_budget))):
+        if value <= largest:
+            continue
+        raise PlannerInputError(
+            f"{name} is {value} bytes, past {largest} B ({largest_text}), the largest budget the compiled planner "
+            f"kernel torch.ops.recpipe.{op} takes (refused before calling it).\n"
+            "Possible solutions:\n"
+            f"  1) pass {name} below 2^53 bytes ({EXACT_BYTES} B = 8 PiB, the planner's exact byte range): no "
+            "device or machine holds more; for a budget that binds no plan, pass the sum of each table's largest "
+            "option (DynamicProgrammingProposer.solve passes that sum in place of a larger budget);\n"
+            "  2) use the NumPy twin (budget_prices, or DynamicProgrammingProposer(backend='numpy')), which takes "
+            "any budget."
+        )
 
 
-_CPP_OPS: Optional[Tuple[Any, Any]] = None
-_CPP_TRIED = False
-
-
+@functools.lru_cache(maxsize=None)
 def _cpp_ops() -> Optional[Tuple[Any, Any]]:
     """``(torch, torch.ops.recpipe)`` when the compiled planner kernels load, else None (NumPy is used)."""
-    global _CPP_OPS, _CPP_TRIED
-    if not _CPP_TRIED:
-        _CPP_TRIED = True
-        try:
-            import torch
+    try:
+        import torch
 
-            import recpipe._C  # noqa: F401  (registers torch.ops.recpipe.*)
+        import recpipe._C  # noqa: F401  (registers torch.ops.recpipe.*)
 
-            if hasattr(torch.ops.recpipe, "placement_dp"):
-                _register_fakes(torch)
-                _CPP_OPS = (torch, torch.ops.recpipe)
-        except ImportError:
-            _CPP_OPS = None
-    return _CPP_OPS
+        if not hasattr(torch.ops.recpipe, "placement_dp"):
+            return None
+        _register_fakes(torch)
+    except ImportError:
+        return None
+    return torch, torch.ops.recpipe
 
 
 def _tensors(*arrays: np.ndarray) -> List[Any]:
@@ -77,21 +75,9 @@ def _register_fakes(torch: Any) -> None:
     """Fake (meta) kernels of the planner ops, for FakeTensor / ``torch.library.opcheck``."""
 
     @torch.library.register_fake("recpipe::placement_dp")
-    def _placement_dp_fake(
-        hbm: Any,
-        ddr: Any,
-        cost: Any,
-        priced: Any,
-        keep: Any,
-        hbm_budget: int,
-        ddr_budget: int,
-        hbm_bins: int,
-        ddr_bins: int,
-        incumbent: float,
-        price_hbm: float,
-        price_ddr: float,
-    ) -> Tuple[Any, Any]:
-        # The plan has one entry per table, or none when no plan fits: data-dependent.
+    def _placement_dp_fake(hbm: Any, ddr: Any, cost: Any, *rest: Any) -> Tuple[Any, Any]:
+        # rest: priced, keep, the budgets, the bins, the incumbent and the prices. The plan has one entry
+        # per table, or none when no plan fits: data-dependent.
         n = torch.library.get_ctx().new_dynamic_size()
         return hbm.new_empty((n,)), cost.new_empty(())
 
@@ -100,9 +86,7 @@ def _register_fakes(torch: Any) -> None:
         return usable.new_empty(usable.shape)
 
     @torch.library.register_fake("recpipe::placement_budget_prices")
-    def _placement_budget_prices_fake(
-        hbm: Any, ddr: Any, cost: Any, hbm_budget: int, ddr_budget: int, iters: int = 200
-    ) -> Any:
+    def _placement_budget_prices_fake(hbm: Any, ddr: Any, cost: Any, *budgets_and_iters: Any) -> Any:
         return cost.new_empty((2,))
 
 
@@ -115,13 +99,9 @@ def _checked_arrays(hbm: Any, ddr: Any, cost: Any) -> Tuple[np.ndarray, np.ndarr
             raw.dtype.kind == "f" and bool(np.isfinite(raw).all()) and bool((raw == np.floor(raw)).all())
         )
         if not whole or (raw.size and raw.min() < 0):
-            got = (
-                f"{raw.dtype} values with minimum {raw.min()}"
-                if raw.size and raw.dtype.kind in "iuf"
-                else f"{raw.dtype} values"
-                if a is not None
-                else "None"
-            )
+            got = "None" if a is None else f"{raw.dtype} values"
+            if raw.size and raw.dtype.kind in "iuf":
+                got += f" with minimum {raw.min()}"
             raise ValueError(
                 f"`{name}` must hold whole byte counts >= 0 in a (tables, options) array (no fraction, "
                 f"nan or negative), got {got}; pass the enumerator's int64 arrays (OptionArrays)."
@@ -201,8 +181,7 @@ def budget_prices(
     a = np.where(ok, hbm / max(hbm_budget, 1), 0.0)
     b = np.where(ok, ddr / max(ddr_budget, 1), 0.0)
     c = np.where(ok, cost, np.inf)
-    spread = float(np.sum(np.where(ok, cost, -np.inf).max(axis=1) - c.min(axis=1)))
-    scale = max(spread, 1e-12)
+    scale = max(float(np.sum(np.where(ok, cost, -np.inf).max(axis=1) - c.min(axis=1))), 1e-12)  # cost spread
     lh = ld = 0.0
     best = (-np.inf, 0.0, 0.0)
     base = np.arange(cost.shape[0]) * cost.shape[1]
@@ -231,11 +210,9 @@ def _budget_prices_cpp(
     """:func:`budget_prices` through ``torch.ops.recpipe.placement_budget_prices``."""
     iters = check_int(iters, "iters", 1)
     hbm, ddr, cost = _validated(hbm, ddr, cost, hbm_budget, ddr_budget)
-    for name, budget in (("hbm_budget", hbm_budget), ("ddr_budget", ddr_budget)):
-        if budget > _KERNEL_INT_MAX:
-            raise _kernel_budget_error(
-                "placement_budget_prices", name, int(budget), _KERNEL_INT_MAX, "2^63 - 1, the largest int64"
-            )
+    _check_kernel_budgets(
+        "placement_budget_prices", hbm_budget, ddr_budget, _KERNEL_INT_MAX, "2^63 - 1, the largest int64"
+    )
     if iters > _KERNEL_INT_MAX:
         raise PlannerInputError(
             f"iters is {iters} subgradient steps, past int64 (2^63 - 1), the largest int the compiled planner "
@@ -277,16 +254,12 @@ def _prune_dominated(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable:
     M, K = cost.shape
     step = max(1, _PRUNE_CHUNK // max(K * K, 1))
     if M > step:
-        return np.concatenate(
-            [
-                _prune_dominated(hbm[s : s + step], ddr[s : s + step], cost[s : s + step], usable[s : s + step])
-                for s in range(0, M, step)
-            ]
-        )
+        chunks = [_prune_dominated(*(a[s : s + step] for a in (hbm, ddr, cost, usable))) for s in range(0, M, step)]
+        return np.concatenate(chunks)
     h1, h2 = hbm[:, :, None], hbm[:, None, :]
     d1, d2 = ddr[:, :, None], ddr[:, None, :]
-    c1 = np.where(usable, cost, np.inf)[:, :, None]
-    c2 = np.where(usable, cost, np.inf)[:, None, :]
+    c = np.where(usable, cost, np.inf)
+    c1, c2 = c[:, :, None], c[:, None, :]
     # dom[i, j, l]: option l of table i dominates option j.
     le = (h2 <= h1) & (d2 <= d1) & (c2 <= c1) & usable[:, None, :]
     strict = (h2 < h1) | (d2 < d1) | (c2 < c1)

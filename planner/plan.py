@@ -8,7 +8,7 @@ import math
 import numbers
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -30,7 +30,7 @@ from recpipe.pipeline.placement import (
     max_local_rows,
     resolve_dtype,
 )
-from recpipe.planner.errors import format_bytes
+from recpipe.planner.errors import format_bytes, solutions
 from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 from recpipe.planner.specs import BACKEND_SHARD_STORAGE, STORAGE_BACKENDS
 
@@ -166,8 +166,8 @@ class PlacementPlan:
             f"backend={self.backend} cost_model={self.cost_model}",
             fmt.format(*head),
             "-+-".join("-" * w for w in widths),
+            *(fmt.format(*r) for r in rows),
         ]
-        lines += [fmt.format(*r) for r in rows]
         hbm_pct = 100.0 * self.hbm_bytes_per_rank / max(self.hbm_budget_per_rank, 1)
         ddr_pct = 100.0 * self.ddr_bytes_per_machine / max(self.ddr_budget_per_machine, 1)
         lines += [
@@ -269,59 +269,32 @@ class PlacementPlan:
         """
         _check_path(path, "PlacementPlan.load")
         text = Path(path).read_bytes()
+        where, what = f"PlacementPlan.load({str(path)!r})", "a JSON placement plan as PlacementPlan.save writes it"
         if not text.strip():
-            raise ValueError(
-                f"PlacementPlan.load({str(path)!r}): the file is empty; expected a JSON placement plan "
-                "as PlacementPlan.save writes it."
-            )
-        what = "a JSON placement plan as PlacementPlan.save writes it"
+            raise ValueError(f"{where}: the file is empty; expected {what}.")
         try:
             data = json.loads(text.decode("utf-8"))
         except UnicodeDecodeError as e:
-            raise ValueError(
-                f"PlacementPlan.load({str(path)!r}): the file is not UTF-8 text (byte {e.start}); expected {what}."
-            ) from None
+            raise ValueError(f"{where}: the file is not UTF-8 text (byte {e.start}); expected {what}.") from None
         except json.JSONDecodeError as e:
             raise ValueError(
-                f"PlacementPlan.load({str(path)!r}): the file is not JSON ({e.msg} at line {e.lineno} "
-                f"column {e.colno}); expected {what}."
+                f"{where}: the file is not JSON ({e.msg} at line {e.lineno} column {e.colno}); expected {what}."
             ) from None
         if not isinstance(data, dict):
             raise ValueError(
-                f"PlacementPlan.load({str(path)!r}): the file holds a JSON {type(data).__name__}, not a "
-                f"plan; expected {what} (a JSON object with keys {list(_PLAN_REQUIRED_KEYS)})."
+                f"{where}: the file holds a JSON {type(data).__name__}, not a plan; expected {what} (a JSON "
+                f"object with keys {list(_PLAN_REQUIRED_KEYS)})."
             )
         try:
             return cls._from_dict(data)
         except ValueError as e:
-            raise ValueError(f"PlacementPlan.load({str(path)!r}): the file is not a valid plan: {e}") from None
+            raise ValueError(f"{where}: the file is not a valid plan: {e}") from None
 
 
 #: Keys of a plan dict (``PlacementPlan.to_dict``): always written / optional on reading.
-_PLAN_REQUIRED_KEYS: Tuple[str, ...] = (
-    "placements",
-    "world_size",
-    "local_world_size",
-    "compute_device",
-    "hbm_budget_per_rank",
-    "ddr_budget_per_machine",
-)
-_PLAN_OPTIONAL_KEYS: Tuple[str, ...] = ("cost_model", "dist_type", "seed", "cache_policy", "backend")
-_PLACEMENT_KEYS: Tuple[str, ...] = (
-    "table",
-    "module_path",
-    "rows",
-    "dim",
-    "mode",
-    "cache_load_factor",
-    "hbm_bytes_per_rank",
-    "ddr_bytes_per_rank",
-    "hbm_bytes_per_machine",
-    "ddr_bytes_per_machine",
-    "cost",
-    "optimizer",
-    "dtype",
-)
+_PLAN_REQUIRED_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(PlacementPlan) if f.default is MISSING)
+_PLAN_OPTIONAL_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(PlacementPlan) if f.default is not MISSING)
+_PLACEMENT_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(TablePlacement))
 
 
 def _check_path(path: Any, caller: str) -> None:
@@ -367,14 +340,8 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
             )
     ints = {
         key: check_int(p[key], f"{where}[{key!r}]", 1 if key in ("rows", "dim") else 0)
-        for key in (
-            "rows",
-            "dim",
-            "hbm_bytes_per_rank",
-            "ddr_bytes_per_rank",
-            "hbm_bytes_per_machine",
-            "ddr_bytes_per_machine",
-        )
+        for key in _PLACEMENT_KEYS
+        if key in ("rows", "dim") or key.endswith(("_per_rank", "_per_machine"))
     }
     check_load_factor(p["cache_load_factor"], f"{where}['cache_load_factor']")
     cost = p["cost"]
@@ -457,16 +424,12 @@ def _warn_layout_mismatch(plan: PlacementPlan, compute_device: str) -> None:
     runs = _DEVICE_LAYOUT.get(compute_device)
     if runs is None or runs == plan.backend:
         return  # an unknown device is refused by row_wise_sharding_spec
-    sized = _layout_bytes(plan, runs)
-    cannot = [p.fqn for p, b in zip(plan.placements, sized) if b is None]
-    differ = [
-        p.fqn
-        for p, b in zip(plan.placements, sized)
-        if b is not None and b != (p.hbm_bytes_per_rank, p.ddr_bytes_per_machine)
-    ]
+    sized = list(zip(plan.placements, _layout_bytes(plan, runs)))
+    cannot = [p.fqn for p, b in sized if b is None]
+    held = [(p, b) for p, b in sized if b is not None]  # the tables both layouts hold
+    differ = [p.fqn for p, b in held if b != (p.hbm_bytes_per_rank, p.ddr_bytes_per_machine)]
     if not differ and not cannot:
         return
-    held = [(p, b) for p, b in zip(plan.placements, sized) if b is not None]  # the tables both layouts hold
     now_h, now_d = sum(p.hbm_bytes_per_rank for p, _ in held), sum(p.ddr_bytes_per_machine for p, _ in held)
     hbm, ddr = sum(b[0] for _, b in held), sum(b[1] for _, b in held)
     names = {"native": "recpipe's native layout", "fbgemm": "fbgemm's layout"}
@@ -499,11 +462,8 @@ def _warn_layout_mismatch(plan: PlacementPlan, compute_device: str) -> None:
             f"DDR per machine {delta(now_d, ddr, plan.ddr_budget_per_machine)}"
             + (" (the tables it cannot hold left out)" if cannot else "")
         )
-    warnings.warn(
-        text + ".\nPossible solutions:\n" + "\n".join(f"  {k + 1}) {f}" for k, f in enumerate(fixes)),
-        UserWarning,
-        stacklevel=4,  # the user's call of to_sharding_plan (this, _to_sharding_plan, to_sharding_plan, user)
-    )
+    # stacklevel: the user's call of to_sharding_plan (this, _to_sharding_plan, to_sharding_plan, user)
+    warnings.warn(text + ".\n" + solutions(fixes), UserWarning, stacklevel=4)
 
 
 __all__ = ["PlacementPlan", "TablePlacement", "to_sharding_plan"]

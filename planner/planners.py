@@ -23,13 +23,7 @@ from recpipe.planner.enumerators import GridPlacementEnumerator
 from recpipe.planner.errors import PlannerError, PlannerErrorType, sized
 from recpipe.planner.plan import PlacementPlan, TablePlacement
 from recpipe.planner.proposers import DynamicProgrammingProposer
-from recpipe.planner.specs import (
-    DEFAULT_LOAD_FACTORS,
-    PlacementConstraints,
-    PlacementOption,
-    TableSpec,
-    check_topology_args,
-)
+from recpipe.planner.specs import DEFAULT_LOAD_FACTORS, PlacementConstraints, TableSpec, check_topology_args
 from recpipe.planner.tables import tables_from_module
 from recpipe.planner.types import CostModel, Proposer
 
@@ -101,8 +95,7 @@ class PlacementPlanner:
         self.optimizer: FusedOptimizer = FusedOptimizer.parse(optimizer)
         self.fused_params: Optional[Mapping[str, Any]] = dict(fused_params) if fused_params is not None else None
         self.batch_size = batch_size
-        self.hbm_reservation = hbm_reservation
-        self.ddr_reservation = ddr_reservation
+        self.hbm_reservation, self.ddr_reservation = hbm_reservation, ddr_reservation
         self.dist_type: DistType = dist
         self.seed = seed
         self.enumerator = GridPlacementEnumerator(
@@ -124,8 +117,7 @@ class PlacementPlanner:
     @property
     def ddr_budget(self) -> int:
         """Usable host DDR bytes per machine."""
-        devs = self.topology.devices
-        L = self.topology.local_world_size
+        devs, L = self.topology.devices, self.topology.local_world_size
         per_machine = [sum(d.storage.ddr for d in devs[s : s + L]) for s in range(0, len(devs), L)]
         return int(min(per_machine) * (1.0 - self.ddr_reservation))
 
@@ -145,19 +137,14 @@ class PlacementPlanner:
                     PlannerErrorType.INPUT_VALIDATION,
                 )
             return specs
+        want = "tables must be an EmbeddingBagCollection / EmbeddingCollection (or a model holding them) or a list"
         if isinstance(tables, (TableSpec, str, bytes)) or not hasattr(tables, "__iter__"):
-            raise ValueError(
-                f"tables must be an EmbeddingBagCollection / EmbeddingCollection (or a model holding them) or a "
-                f"list of TableSpec, got {type(tables).__name__}"
-                + (": wrap one TableSpec in a list" if isinstance(tables, TableSpec) else ".")
-            )
+            hint = ": wrap one TableSpec in a list" if isinstance(tables, TableSpec) else "."
+            raise ValueError(f"{want} of TableSpec, got {type(tables).__name__}{hint}")
         specs = list(tables)
         for t in specs:
             if not isinstance(t, TableSpec):
-                raise ValueError(
-                    f"tables must be an EmbeddingBagCollection / EmbeddingCollection (or a model holding "
-                    f"them) or a list of TableSpec, got an element of type {type(t).__name__}."
-                )
+                raise ValueError(f"{want} of TableSpec, got an element of type {type(t).__name__}.")
         seen = set()
         for t in specs:
             if t.fqn in seen:
@@ -186,24 +173,21 @@ class PlacementPlanner:
                 PlannerErrorType.INPUT_VALIDATION,
             )
         options = self.enumerator.enumerate_arrays(specs)
-        hbm, ddr, cost = options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, options.cost
-        choice = self.proposer.solve(hbm, ddr, cost, H, D)
+        choice = self.proposer.solve(options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, options.cost, H, D)
         if choice is None:
-            raise InfeasibilityDiagnosis(self, specs, options, hbm, ddr, cost, H, D).error()
-        placements = []
-        for i, (t, j) in enumerate(zip(specs, choice)):
-            o: PlacementOption = options.option(i, int(j))
-            placements.append(
-                TablePlacement(
-                    table=t.name,
-                    module_path=t.module_path,
-                    rows=t.rows,
-                    dim=t.dim,
-                    **vars(o),
-                    optimizer=FusedOptimizer.parse(t.optimizer),
-                    dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
-                )
+            raise InfeasibilityDiagnosis(self, specs, options, H, D).error()
+        placements = [
+            TablePlacement(
+                table=t.name,
+                module_path=t.module_path,
+                rows=t.rows,
+                dim=t.dim,
+                **vars(options.option(i, int(j))),
+                optimizer=FusedOptimizer.parse(t.optimizer),
+                dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
             )
+            for i, (t, j) in enumerate(zip(specs, choice))
+        ]
         plan = PlacementPlan(
             placements=placements,
             world_size=self.topology.world_size,
@@ -226,23 +210,22 @@ class PlacementPlanner:
         return plan
 
 
+# How :func:`_check_topology` names a torchrec Topology's fields in messages.
+_TOPOLOGY_NAMES: Tuple[str, str, str, str] = (
+    "Topology world_size",
+    "Topology local_world_size",
+    "Topology hbm_cap (HBM per device)",
+    "Topology ddr_cap (DDR per rank)",
+)
+
+
 def _check_topology(topology: Topology, hbm_reservation: float, ddr_reservation: float, batch_size: int) -> None:
     """Refuses a topology, reservations or batch size :class:`PlacementPlanner` cannot plan with."""
     if not isinstance(topology, Topology):
         raise ValueError(f"topology must be a torchrec Topology, got {type(topology).__name__}.")
-    devices = topology.devices
-    check_topology_args(
-        topology.world_size,
-        topology.local_world_size,
-        min((d.storage.hbm for d in devices), default=0),
-        min((d.storage.ddr for d in devices), default=0),
-        names=(
-            "Topology world_size",
-            "Topology local_world_size",
-            "Topology hbm_cap (HBM per device)",
-            "Topology ddr_cap (DDR per rank)",
-        ),
-    )
+    hbm_cap = min((d.storage.hbm for d in topology.devices), default=0)
+    ddr_cap = min((d.storage.ddr for d in topology.devices), default=0)
+    check_topology_args(topology.world_size, topology.local_world_size, hbm_cap, ddr_cap, names=_TOPOLOGY_NAMES)
     for name, frac in (("hbm_reservation", hbm_reservation), ("ddr_reservation", ddr_reservation)):
         if isinstance(frac, bool) or not isinstance(frac, numbers.Real) or not 0.0 <= frac < 1.0:
             raise ValueError(f"{name} must be a number in [0, 1), got {frac!r}.")

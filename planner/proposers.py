@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -15,9 +15,9 @@ from recpipe.planner.knapsack import (
     PRICE_ITERS,
     _budget_prices_cpp,
     _byte_totals,
+    _check_kernel_budgets,
     _check_kernel_grid,
     _cpp_ops,
-    _kernel_budget_error,
     _prune_dominated,
     _prune_dominated_cpp,
     _tensors,
@@ -43,28 +43,32 @@ LADDER_MIN_CELLS: int = 128
 LADDER_LEVELS: int = 3
 
 
-def _repair(
-    hbm: np.ndarray,
-    ddr: np.ndarray,
-    cost: np.ndarray,
-    usable: np.ndarray,
-    choice: np.ndarray,
-    H: int,
-    D: int,
-    pair_limit: int,
-    triple_limit: int,
-) -> np.ndarray:
-    """Exact-bytes local search on a feasible plan: best improving 1-, 2- and 3-table changes.
+class _DpProblem(NamedTuple):
+    """One DP instance: the ``(M, K)`` option bytes and costs, the ``priced`` costs that rank plans sharing
+    a cell, the options ``keep`` allows, and the budgets ``H`` (HBM per device) and ``D`` (DDR per machine)."""
 
-    Every accepted move keeps both budgets and strictly lowers the cost, so the loop ends.
+    hbm: np.ndarray
+    ddr: np.ndarray
+    cost: np.ndarray
+    priced: np.ndarray
+    keep: np.ndarray
+    H: int
+    D: int
+
+
+def _repair(p: _DpProblem, choice: np.ndarray, pair_limit: int, triple_limit: int) -> np.ndarray:
+    """Exact-bytes local search on a feasible plan of ``p``: best improving 1-, 2- and 3-table changes.
+
+    Only ``keep`` options are taken; every accepted move keeps both budgets and strictly lowers the cost,
+    so the loop ends.
     """
-    M, K = cost.shape
+    hbm, ddr, H, D = p.hbm, p.ddr, p.H, p.D
+    M, K = p.cost.shape
     rows = np.arange(M)
-    c = np.where(usable, cost, np.inf)
+    c = np.where(p.keep, p.cost, np.inf)
     for _ in range(REPAIR_MAX_STEPS):
         cur_h, cur_d, cur_c = hbm[rows, choice], ddr[rows, choice], c[rows, choice]
-        slack_h = H - int(cur_h.sum())
-        slack_d = D - int(cur_d.sum())
+        slack_h, slack_d = H - int(cur_h.sum()), D - int(cur_d.sum())
         dh = hbm - cur_h[:, None]  # (M, K) change of usage / cost when table i takes option j
         dd = ddr - cur_d[:, None]
         dc = c - cur_c[:, None]
@@ -105,35 +109,21 @@ def _repair(
 class _NumpyDpPass:
     """One DP pass over the tables in NumPy; the state is sparse, one entry per occupied cell."""
 
-    def __init__(
-        self,
-        hbm: np.ndarray,
-        ddr: np.ndarray,
-        cost: np.ndarray,
-        priced: np.ndarray,
-        keep: np.ndarray,
-        H: int,
-        D: int,
-        nh: int,
-        nd: int,
-        incumbent: float,
-        ph: float,
-        pd: float,
-    ) -> None:
-        self.hbm, self.ddr, self.cost, self.priced, self.keep = hbm, ddr, cost, priced, keep
-        self.H, self.D, self.nh, self.nd, self.ph, self.pd = H, D, nh, nd, ph, pd
+    def __init__(self, p: _DpProblem, nh: int, nd: int, incumbent: float, ph: float, pd: float) -> None:
+        self.hbm, self.ddr, self.cost, self.priced, self.keep, self.H, self.D = p
+        self.nh, self.nd, self.ph, self.pd = nh, nd, ph, pd
         self.stride = nd + 1
         self.ncell = (nh + 1) * self.stride
         # Bins per byte. A plan within float error of a bin edge may be filed one cell off, which is
         # harmless: feasibility is checked on exact bytes.
-        self.fh = nh / H if (nh and H) else 0.0  # a zero budget holds only zero-byte plans: one bin
-        self.fd = nd / D if (nd and D) else 0.0
+        self.fh = nh / p.H if (nh and p.H) else 0.0  # a zero budget holds only zero-byte plans: one bin
+        self.fd = nd / p.D if (nd and p.D) else 0.0
         # Room every later table needs at least (its leanest kept option).
         big = np.iinfo(np.int64).max
-        self.rest_h = _suffix_after(np.where(keep, hbm, big).min(axis=1))
-        self.rest_d = _suffix_after(np.where(keep, ddr, big).min(axis=1))
+        self.rest_h = _suffix_after(np.where(p.keep, p.hbm, big).min(axis=1))
+        self.rest_d = _suffix_after(np.where(p.keep, p.ddr, big).min(axis=1))
         # Lagrangian bound of the later tables, sum_{l > i} min_j (c + ph h + pd d).
-        self.rest_l = _suffix_after(np.where(keep, (cost + ph * hbm) + pd * ddr, np.inf).min(axis=1))
+        self.rest_l = _suffix_after(np.where(p.keep, (p.cost + ph * p.hbm) + pd * p.ddr, np.inf).min(axis=1))
         self.bound = incumbent + BOUND_SLACK * max(1.0, abs(incumbent))
         self.P = np.zeros(1)  # priced cost
         self.T = np.zeros(1)  # true cost
@@ -175,8 +165,7 @@ class _NumpyDpPass:
         cell = (a * self.stride + b).astype(np.int64).ravel()
         P2 = (self.P[:, None] + self.priced[i, opts]).ravel()
         if fits.all():
-            sel = None
-            cs, ps = cell, P2
+            sel, cs, ps = None, cell, P2
         else:
             sel = np.flatnonzero(fits.ravel())
             if sel.size == 0:
@@ -249,8 +238,7 @@ class DynamicProgrammingProposer:
         self.backend = "cpp" if backend == "cpp" or (backend == "auto" and _cpp_ops() is not None) else "numpy"
         if bins is not None:
             if (
-                isinstance(bins, (str, bytes))
-                or not isinstance(bins, (tuple, list))
+                not isinstance(bins, (tuple, list))
                 or len(bins) != 2
                 or any(isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 1 for b in bins)
             ):
@@ -264,8 +252,6 @@ class DynamicProgrammingProposer:
         self._bins = bins
         self.repair = bool(repair)
         self.last_bins: Tuple[int, int] = (0, 0)
-        self.last_prices: Tuple[float, float] = (0.0, 0.0)
-        self.last_dp_cost: float = float("nan")
 
     def _grid(self, options_per_table: np.ndarray, hbm_binds: bool, ddr_binds: bool) -> Tuple[int, int]:
         if self._bins is not None:
@@ -274,14 +260,10 @@ class DynamicProgrammingProposer:
             # The work for a grid of C cells is sum_i k_i * min(C, prod_{l<i} k_l): few tables afford fine bins.
             k = options_per_table.astype(np.float64)
             reach = np.exp(np.minimum(np.cumsum(np.log(np.concatenate([[1.0], k[:-1]]))), math.log(1e18)))
-
-            def work(cells: float) -> float:
-                return float(np.sum(k * np.minimum(cells, reach)))
-
             lo, hi = 1.0, float(DP_AXIS_BIN_CAP + 1) ** 2
             for _ in range(60):  # bisection on the cell count C
                 mid = math.sqrt(lo * hi)
-                lo, hi = (mid, hi) if work(mid) <= DP_WORK_TARGET else (lo, mid)
+                lo, hi = (mid, hi) if float(np.sum(k * np.minimum(mid, reach))) <= DP_WORK_TARGET else (lo, mid)
             cells = lo
             if hbm_binds and ddr_binds:
                 nh = int(math.sqrt(2.0 * cells))
@@ -293,51 +275,24 @@ class DynamicProgrammingProposer:
 
     @staticmethod
     def _dp_numpy(
-        hbm: np.ndarray,
-        ddr: np.ndarray,
-        cost: np.ndarray,
-        priced: np.ndarray,
-        keep: np.ndarray,
-        H: int,
-        D: int,
-        nh: int,
-        nd: int,
-        incumbent: float = math.inf,
-        ph: float = 0.0,
-        pd: float = 0.0,
+        p: _DpProblem, nh: int, nd: int, incumbent: float = math.inf, ph: float = 0.0, pd: float = 0.0
     ) -> Optional[Tuple[np.ndarray, float]]:
         """One DP pass in NumPy (the twin of ``placement_dp``): (choice, cost), or None when no plan fits
         or beats ``incumbent`` (partial plans whose Lagrangian bound at prices ``ph``, ``pd`` exceeds it drop)."""
-        return _NumpyDpPass(hbm, ddr, cost, priced, keep, H, D, nh, nd, incumbent, ph, pd).run()
+        return _NumpyDpPass(p, nh, nd, incumbent, ph, pd).run()
 
     @staticmethod
     def _dp_cpp(
-        hbm: np.ndarray,
-        ddr: np.ndarray,
-        cost: np.ndarray,
-        priced: np.ndarray,
-        keep: np.ndarray,
-        H: int,
-        D: int,
-        nh: int,
-        nd: int,
-        incumbent: float = math.inf,
-        ph: float = 0.0,
-        pd: float = 0.0,
+        p: _DpProblem, nh: int, nd: int, incumbent: float = math.inf, ph: float = 0.0, pd: float = 0.0
     ) -> Optional[Tuple[np.ndarray, float]]:
         """One DP pass through ``torch.ops.recpipe.placement_dp``; budgets and grids it refuses are named first."""
-        for name, budget in (("hbm_budget", H), ("ddr_budget", D)):
-            if budget >= EXACT_BYTES:
-                raise _kernel_budget_error(
-                    "placement_dp", name, int(budget), EXACT_BYTES - 1, "2^53 - 1, its exact byte range"
-                )
+        _check_kernel_budgets("placement_dp", p.H, p.D, EXACT_BYTES - 1, "2^53 - 1, its exact byte range")
         _check_kernel_grid(None, nh, nd)
         choice, total = _cpp_ops()[1].placement_dp(  # type: ignore[index]
-            *_tensors(hbm, ddr, cost, priced, keep), H, D, nh, nd, float(incumbent), float(ph), float(pd)
+            *_tensors(p.hbm, p.ddr, p.cost, p.priced, p.keep), p.H, p.D, nh, nd, float(incumbent), float(ph), float(pd)
         )
-        if choice.numel() != cost.shape[0]:
-            return None
-        return choice.numpy(), float(total)
+        # an empty choice: no plan fits or beats the incumbent
+        return (choice.numpy(), float(total)) if choice.numel() == p.cost.shape[0] else None
 
     def solve(
         self, hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int
@@ -345,8 +300,7 @@ class DynamicProgrammingProposer:
         """See ``Proposer.solve``."""
         hbm, ddr, cost = _validated(hbm, ddr, cost, hbm_budget, ddr_budget)
         H, D = int(hbm_budget), int(ddr_budget)
-        M, K = cost.shape
-        self.last_dp_cost = float("nan")
+        M = cost.shape[0]
         if M == 0:
             return np.zeros(0, dtype=np.int64)
         usable = np.isfinite(cost) & (hbm <= H) & (ddr <= D)
@@ -362,74 +316,51 @@ class DynamicProgrammingProposer:
         self.last_bins = (nh, nd)
         if self.backend == "cpp":  # the finest grid of the ladder below; bins=None never comes near
             _check_kernel_grid(self._bins, nh, nd)
-        ph, pd = self._budget_prices(hbm, ddr, cost, H, D, nh, nd)
+        # Prices per byte of the binned budgets: with coarse bins, ranking on cost + prices x bytes stops
+        # cheap-but-greedy plans from evicting lean ones cell after cell.
+        ph = pd = 0.0
+        if nh or nd:
+            prices = budget_prices if self.backend == "numpy" else _budget_prices_cpp
+            lh, ld = prices(hbm, ddr, cost, H, D, PRICE_ITERS)
+            ph, pd = (lh / H if nh else 0.0), (ld / D if nd else 0.0)
         priced = cost + ph * hbm + pd * ddr
         # Big tables first: the last tables then fill the slack the bins cannot see.
         size = np.where(usable, hbm / max(H, 1) + ddr / max(D, 1), 0.0).max(axis=1)
         order = np.argsort(-size, kind="stable")
-        choice = self._ladder(hbm[order], ddr[order], cost[order], priced[order], keep[order], H, D, nh, nd, ph, pd)
+        problem = _DpProblem(hbm[order], ddr[order], cost[order], priced[order], keep[order], H, D)
+        choice = self._ladder(problem, nh, nd, ph, pd)
         if choice is None:
             return None
         out = np.empty(M, dtype=np.int64)
         out[order] = choice
         return out
 
-    def _budget_prices(
-        self, hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, H: int, D: int, nh: int, nd: int
-    ) -> Tuple[float, float]:
-        """Prices per byte of the binned budgets (``last_prices`` per whole budget).
-
-        With coarse bins, ranking on cost + prices x bytes stops cheap-but-greedy plans from evicting lean
-        ones cell after cell.
-        """
-        lh, ld = (0.0, 0.0)
-        if nh or nd:
-            prices = budget_prices if self.backend == "numpy" else _budget_prices_cpp
-            lh, ld = prices(hbm, ddr, cost, H, D, PRICE_ITERS)
-        self.last_prices = (lh, ld)
-        return (lh / H if nh else 0.0), (ld / D if nd else 0.0)
-
-    def _ladder(
-        self,
-        hbm: np.ndarray,
-        ddr: np.ndarray,
-        cost: np.ndarray,
-        priced: np.ndarray,
-        keep: np.ndarray,
-        H: int,
-        D: int,
-        nh: int,
-        nd: int,
-        ph: float,
-        pd: float,
-    ) -> Optional[np.ndarray]:
+    def _ladder(self, p: _DpProblem, nh: int, nd: int, ph: float, pd: float) -> Optional[np.ndarray]:
         """The cheapest repaired plan of the ladder's passes, each coarser pass's plan the next's incumbent."""
         dp = self._dp_cpp if self.backend == "cpp" else self._dp_numpy
-        rows = np.arange(cost.shape[0])
+        rows = np.arange(p.cost.shape[0])
         levels = [(nh, nd)]
         while len(levels) < LADDER_LEVELS:
-            a, b = levels[0]
-            coarser = (a // 2, b // 2)
-            if (coarser[0] + 1) * (coarser[1] + 1) < LADDER_MIN_CELLS:
+            a, b = levels[0][0] // 2, levels[0][1] // 2
+            if (a + 1) * (b + 1) < LADDER_MIN_CELLS:
                 break
-            levels.insert(0, coarser)
+            levels.insert(0, (a, b))
         inc_choice: Optional[np.ndarray] = None
         inc_cost = math.inf
         for a, b in levels:
-            found = dp(hbm, ddr, cost, priced, keep, H, D, a, b, inc_cost, ph, pd)
+            found = dp(p, a, b, inc_cost, ph, pd)
             if found is None and inc_choice is None and (a or b):
                 # A cheaper plan can evict a leaner one from a shared cell on a sliver-thin budget:
                 # retry ranking plans in a cell by bytes, cost only breaking ties.
-                lean = (hbm / max(H, 1) if a else 0.0) + (ddr / max(D, 1) if b else 0.0)
-                scale = float(np.abs(np.where(np.isfinite(cost), cost, 0.0)).sum()) + 1.0
-                found = dp(hbm, ddr, cost, cost + 1e6 * scale * lean, keep, H, D, a, b)
+                lean = (p.hbm / max(p.H, 1) if a else 0.0) + (p.ddr / max(p.D, 1) if b else 0.0)
+                scale = float(np.abs(np.where(np.isfinite(p.cost), p.cost, 0.0)).sum()) + 1.0
+                found = dp(p._replace(priced=p.cost + 1e6 * scale * lean), a, b)
             if found is None:
                 continue  # nothing beats the incumbent at this grid
-            choice, dp_cost = found
-            self.last_dp_cost = dp_cost if math.isnan(self.last_dp_cost) else min(dp_cost, self.last_dp_cost)
+            choice = found[0]
             if self.repair:
-                choice = _repair(hbm, ddr, cost, keep, choice, H, D, REPAIR_PAIR_LIMIT, REPAIR_TRIPLE_LIMIT)
-            total = float(cost[rows, choice].sum())
+                choice = _repair(p, choice, REPAIR_PAIR_LIMIT, REPAIR_TRIPLE_LIMIT)
+            total = float(p.cost[rows, choice].sum())
             if total < inc_cost:
                 inc_choice, inc_cost = choice, total
         return inc_choice

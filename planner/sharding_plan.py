@@ -3,6 +3,7 @@ and the row-wise sharding spec ``PlacementPlan.to_sharding_plan`` builds with.""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -90,24 +91,19 @@ def row_wise_sharding_spec(
     num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
     dim = check_int(dim, "dim", 1)
     world_size = check_int(world_size, "world_size", 1)
-    local_world_size = check_int(local_world_size, "local_world_size", 1, world_size)
+    L = check_int(local_world_size, "local_world_size", 1, world_size)
     if compute_device not in ("cuda", "cpu"):
         raise ValueError(
             f"compute_device must be 'cuda' or 'cpu' (a torchrec Topology's compute_device), got {compute_device!r}."
         )
-    shards = []
-    offset = 0
-    for r in range(world_size):
-        n = local_rows(num_embeddings, world_size, r)
-        shards.append(
-            ShardMetadata(
-                shard_offsets=[offset, 0],
-                shard_sizes=[n, dim],
-                placement=placement(compute_device, r, local_world_size),
-            )
-        )
-        offset += n
-    return EnumerableShardingSpec(shards)
+    sizes = [local_rows(num_embeddings, world_size, r) for r in range(world_size)]
+    offsets = itertools.accumulate(sizes, initial=0)
+    return EnumerableShardingSpec(
+        [
+            ShardMetadata(shard_offsets=[offset, 0], shard_sizes=[n, dim], placement=placement(compute_device, r, L))
+            for r, (offset, n) in enumerate(zip(offsets, sizes))
+        ]
+    )
 
 
 def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str, str], Tuple[Mode, float]]:

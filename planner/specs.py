@@ -108,14 +108,10 @@ class TableSpec:
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"TableSpec({self.name}).{field_name} must be a number, got {value!r}.")
-        if not (self.lookups_per_step >= 0 and math.isfinite(self.lookups_per_step)):
-            raise ValueError(
-                f"TableSpec({self.name}).lookups_per_step must be a finite number >= 0, got {self.lookups_per_step!r}."
-            )
-        if not (self.zipf_alpha >= 0 and math.isfinite(self.zipf_alpha)):
-            raise ValueError(
-                f"TableSpec({self.name}).zipf_alpha must be a finite number >= 0, got {self.zipf_alpha!r}."
-            )
+        for field_name in ("lookups_per_step", "zipf_alpha"):
+            value = getattr(self, field_name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"TableSpec({self.name}).{field_name} must be a finite number >= 0, got {value!r}.")
         if self.access_counts is not None:
             if len(self.access_counts) == 0:
                 raise ValueError(f"TableSpec({self.name}).access_counts is empty: pass per-row counts or None.")
@@ -230,7 +226,7 @@ def check_topology_args(
             raise ValueError(
                 f"{name} must be a size >= 0 bytes, got {value}; give the memory in bytes, e.g. 80 * 2**30."
             )
-        if value == math.inf:  # the budgets are whole bytes: int(inf) was an OverflowError when planning
+        if value == math.inf:  # the budgets are whole bytes: int(inf) would raise OverflowError when planning
             raise ValueError(
                 f"{name} must be a finite size in bytes, got {value}; for memory that never binds, give "
                 "a size past every table's bytes, e.g. 2**60."

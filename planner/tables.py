@@ -103,11 +103,9 @@ def tables_from_module(
     specs: List[TableSpec] = []
     for path, sub in module.named_modules():
         if isinstance(sub, EmbeddingBagCollection):
-            configs = sub.embedding_bag_configs()
-            holders = sub.embedding_bags
+            configs, holders = sub.embedding_bag_configs(), sub.embedding_bags
         elif isinstance(sub, EmbeddingCollection):
-            configs = sub.embedding_configs()
-            holders = sub.embeddings
+            configs, holders = sub.embedding_configs(), sub.embeddings
         else:
             continue
         for cfg in configs:

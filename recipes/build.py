@@ -63,8 +63,8 @@ def shard_model(config: TrainConfig, model: nn.Module, env: ShardingEnv, device:
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.embedding_lr})
     if config.placement == "planned":
         return _shard_planned(config, model, env, device)
-    sizes = [(t.name, t.num_embeddings * t.embedding_dim * BYTES_PER_FLOAT32) for t in ebc.embedding_bag_configs()]
-    owner = greedy_table_wise(sizes, env.world_size)
+    sizes = {t.name: t.num_embeddings * t.embedding_dim * BYTES_PER_FLOAT32 for t in ebc.embedding_bag_configs()}
+    owner = greedy_table_wise(list(sizes.items()), env.world_size)
     sharder = EmbeddingBagCollectionSharder()
     module_plan = construct_module_sharding_plan(
         ebc,
@@ -78,7 +78,7 @@ def shard_model(config: TrainConfig, model: nn.Module, env: ShardingEnv, device:
     dmp = DistributedModelParallel(module=model, env=env, device=device, plan=plan, sharders=[sharder])
     lines = [f"{'table':<14} {'rows':>10} {'dim':>5} {'MB':>9} {'sharding':>11} {'rank':>5}"]
     for t in ebc.embedding_bag_configs():
-        mb = t.num_embeddings * t.embedding_dim * BYTES_PER_FLOAT32 / 2**20
+        mb = sizes[t.name] / 2**20
         lines.append(
             f"{t.name:<14} {t.num_embeddings:>10} {t.embedding_dim:>5} {mb:>9.1f} {'table_wise':>11} {owner[t.name]:>5}"
         )
@@ -180,8 +180,7 @@ def make_pipeline(
         from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
     except ImportError as e:
         raise ImportError(
-            "pipeline='fused' needs recpipe.pipeline.train.pipeline.TrainPipelineFusedSparseDist, "
-            f"which failed to import ({e}). Fix: pass --pipeline sparse, or install a recpipe "
-            "that includes the fused pipeline"
+            "pipeline='fused' needs recpipe.pipeline.train.pipeline.TrainPipelineFusedSparseDist, which failed "
+            f"to import ({e}). Fix: pass --pipeline sparse, or install a recpipe that includes the fused pipeline"
         ) from e
     return TrainPipelineFusedSparseDist(model, optimizer, device, embedding_lookup_after_opt=device.type != "cpu")

@@ -3,9 +3,9 @@ and what recipe state goes with the model.
 
 Each checkpoint is one ``recpipe.pipeline.checkpoint`` save into ``<dir>/step_NNNNNNNN``; every
 rank's recipe state (dense optimizer state, step, config fingerprint, placement, routing version)
-travels as its ``extra_state``, covered by the digests record. ``<dir>/latest`` names the newest
-committed step; rank 0 holds ``<dir>/.recpipe_save.lock`` while saving. It loads under another
-world size and placement (rank ``r`` reads the recipe state of saving rank ``r % W``).
+is its digested ``extra_state``. ``<dir>/latest`` names the newest committed step; rank 0 holds
+``<dir>/.recpipe_save.lock`` while saving. Under another world size and placement, rank ``r``
+reads the recipe state of saving rank ``r % W``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
@@ -28,20 +27,9 @@ from recpipe.pipeline.routing.ops import ROUTING_VERSION
 from recpipe.recipes.config import TrainConfig, checkpoint_steps
 
 # Config fields that change the state's shapes or the data order: a resumed run must match.
-FINGERPRINT_FIELDS: tuple[str, ...] = (
-    "model",
-    "dataset",
-    "batch_size",
-    "embedding_dim",
-    "num_embeddings",
-    "virtual_rows",
-    "hash_k",
-    "dense_arch",
-    "over_arch",
-    "seed",
-    "synthetic_id_space",
-    "zipf_alpha",
-    "eval_fraction",
+FINGERPRINT_FIELDS: tuple[str, ...] = tuple(
+    "model dataset batch_size embedding_dim num_embeddings virtual_rows hash_k dense_arch over_arch seed "
+    "synthetic_id_space zipf_alpha eval_fraction".split()
 )
 # Config fields a resumed run may change that make its losses differ from an uninterrupted
 # run's: each checkpoint records them and the resume line names every change.
@@ -71,8 +59,7 @@ class CheckpointCorruptError(CheckpointError):
     """A checkpoint file (or step directory) ``path`` is missing, truncated, altered or unreadable."""
 
     def __init__(self, path: str | Path, problem: str) -> None:
-        self.path = Path(path)
-        self.problem = problem
+        self.path, self.problem = Path(path), problem
         super().__init__(
             f"checkpoint file {self.path} is damaged: {problem}. Possible solutions:\n"
             "  1. resume without naming a step: --resume falls back to the newest intact checkpoint\n"
@@ -135,17 +122,12 @@ def _floating_tensors(obj: Any, where: str) -> list[tuple[str, torch.Tensor]]:
         items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     else:
         return []
-    out: list[tuple[str, torch.Tensor]] = []
-    for key, value in items:
-        out += _floating_tensors(value, f"{where}.{key}" if where else str(key))
-    return out
+    return [t for key, value in items for t in _floating_tensors(value, f"{where}.{key}" if where else str(key))]
 
 
 def _non_finite(parts: dict[str, Any], limit: int = 5) -> list[str]:
-    """Paths of tensors in ``parts`` holding NaN or inf (at most ``limit``).
-
-    ``amax`` / ``amin`` propagate NaN and reach +-inf: no full-size temporary, one host read per device.
-    """
+    """Paths of tensors in ``parts`` holding NaN or inf (at most ``limit``); ``amax`` / ``amin`` propagate
+    NaN and reach +-inf: no full-size temporary, one host read per device."""
     tensors = [(k, t) for part, value in parts.items() for k, t in _floating_tensors(value, part)]
     if not tensors:
         return []
@@ -180,9 +162,7 @@ def _noted(config: TrainConfig) -> dict[str, Any]:
 
 def _changed_since(meta: dict[str, Any], config: TrainConfig, world: int) -> str:
     """``"; changed since it was saved: dense_lr 0.01 -> 0.02 (...)"`` (world size included) or ``""``."""
-    saved = meta.get("noted")
-    if not isinstance(saved, dict):
-        saved = {}
+    saved = meta["noted"] if isinstance(meta.get("noted"), dict) else {}
     changes = [f"{k} {saved[k]!r} -> {v!r}" for k, v in _noted(config).items() if k in saved and saved[k] != v]
     saved_world = meta.get("world_size")
     if isinstance(saved_world, int) and saved_world != world:
@@ -222,23 +202,12 @@ def _dense_optimizer_states(model: torch.nn.Module, optimizer: torch.optim.Optim
     return [opt.state_dict() for opt in dense]
 
 
-def _broadcast(obj: Any, world: int) -> Any:
-    """Rank 0's ``obj`` on every rank."""
-    if world == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 @contextlib.contextmanager
 def _save_lock(root: Path, step: int) -> Iterator[None]:
-    """Rank 0 holds an exclusive ``flock`` on ``root/SAVE_LOCK_NAME`` for the whole save (a collective),
-    so that another run saving into the same directory cannot mix its files and ``latest`` with ours.
-
-    Raises:
-        CheckpointWriteError: on every rank, when another process holds the lock or it cannot be
-            created (nothing written). A file system without ``flock`` saves unlocked.
+    """Rank 0 holds an exclusive ``flock`` on ``root/SAVE_LOCK_NAME`` for the whole save (a collective), so
+    another run saving into the same directory cannot mix its files and ``latest`` with ours. Raises
+    :class:`CheckpointWriteError` on every rank (nothing written) when another process holds the lock or it
+    cannot be created; a file system without ``flock`` saves unlocked.
     """
     rank, world = rank_world(None)
     lock: SaveLock | None = None
@@ -252,11 +221,10 @@ def _save_lock(root: Path, step: int) -> Iterator[None]:
             )
         elif lock.holder is not None:
             problem = (
-                f"another run ({lock.holder}) is saving into {root} at the same time (it holds {lock.path}); "
-                "two runs writing one --checkpoint-dir would mix their files. Fix: give each run its "
-                "own --checkpoint-dir"
+                f"another run ({lock.holder}) is saving into {root} at the same time (it holds {lock.path}); two runs "
+                "writing one --checkpoint-dir would mix their files. Fix: give each run its own --checkpoint-dir"
             )
-    problem = _broadcast(problem, world)
+    problem = all_gather(problem, world, None)[0]
     if problem is not None:
         raise CheckpointWriteError(f"checkpoint of step {step} was not committed: {problem}")
     try:
@@ -328,7 +296,7 @@ def save_checkpoint(
                 FILE_SYSTEM.write_atomic(root / LATEST_NAME, f"{step}\n".encode())
             except OSError as e:
                 commit_error = f"rank 0: writing {root / LATEST_NAME} failed ({e})"
-        commit_error = _broadcast(commit_error, world)  # every rank waits for the commit
+        commit_error = all_gather(commit_error, world, None)[0]  # every rank waits for the commit
         if commit_error:
             raise _not_committed(step, commit_error)
     return step_dir
@@ -353,25 +321,19 @@ def latest_step(directory: str) -> int | None:
 
 
 def _resume_candidates(directory: str) -> tuple[list[int], list[str]]:
-    """Steps to try, newest first, and notes on the ``latest`` marker.
-
-    With a valid ``latest``, only steps at or below it (a newer one is an uncommitted save).
-    """
+    """Steps to try, newest first (with a valid ``latest``, those at or below it: a newer one is an
+    uncommitted save), and notes on the ``latest`` marker."""
     steps = checkpoint_steps(directory)
-    notes: list[str] = []
+    marker = Path(directory) / LATEST_NAME
     try:
         latest = latest_step(directory)
     except CheckpointCorruptError as e:
-        notes.append(f"{e.path} {e.problem}")
-        return steps, notes
+        return steps, [f"{e.path} {e.problem}"]
     if latest is None:
-        if steps:
-            notes.append(f"{Path(directory) / LATEST_NAME} is missing")
-    elif latest in steps:
-        steps = [s for s in steps if s <= latest]
-    else:
-        notes.append(f"{Path(directory) / LATEST_NAME} names step {latest}, which has no directory")
-    return steps, notes
+        return steps, [f"{marker} is missing"] if steps else []
+    if latest in steps:
+        return [s for s in steps if s <= latest], []
+    return steps, [f"{marker} names step {latest}, which has no directory"]
 
 
 def resume_step_at_or_past(directory: str, total: int) -> int | None:
@@ -449,18 +411,12 @@ def _prepare(
 
 
 def _verdict(
-    step_dir: Path,
-    step: int,
-    rank: int,
-    world: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    config: TrainConfig,
+    step_dir: Path, rank: int, world: int, prepare: Callable[[], dict[str, Any]]
 ) -> tuple[dict[str, Any] | None, list[tuple[str, str, str]]]:
-    """:func:`_prepare` on every rank, then every rank's verdict ``(kind, path, problem)``."""
+    """``prepare()`` (a :func:`_prepare`) on every rank, then every rank's verdict ``(kind, path, problem)``."""
     saved: dict[str, Any] | None = None
     try:
-        saved = _prepare(step_dir, step, rank, model, optimizer, config)
+        saved = prepare()
         verdict = ("ok", "", "")
     except CheckpointCorruptError as e:
         verdict = ("corrupt", str(e.path), e.problem)
@@ -515,7 +471,7 @@ def load_checkpoint(
             raise FileNotFoundError(f"checkpoint {root / step_dir_name(step)} does not exist")
     else:
         # Rank 0 lists the directory, so every rank tries the same steps in the same order.
-        candidates, notes = _broadcast(_resume_candidates(directory) if rank == 0 else None, world)
+        candidates, notes = all_gather(_resume_candidates(directory) if rank == 0 else None, world, None)[0]
     if not candidates:
         raise FileNotFoundError(
             f"resume=True but {directory!r} has no checkpoint (no step_* directory, 'latest' missing). "
@@ -524,17 +480,19 @@ def load_checkpoint(
     skipped: list[str] = []
     for candidate in candidates:
         step_dir = root / step_dir_name(candidate)
-        saved, verdicts = _verdict(step_dir, candidate, rank, world, model, optimizer, config)
+        saved, verdicts = _verdict(
+            step_dir, rank, world, lambda: _prepare(step_dir, candidate, rank, model, optimizer, config)
+        )
         damaged = list(dict.fromkeys((v[1], v[2]) for v in verdicts if v[0] == "corrupt"))
         if damaged:
             if step is not None:
                 raise CheckpointCorruptError(*damaged[0])
-            skipped.append(f"{step_dir.name} ({'; '.join(f'{p}: {why}' for p, why in damaged)})")
+            skipped.append(f"damaged checkpoint {step_dir.name} ({'; '.join(f'{p}: {why}' for p, why in damaged)})")
             continue
         assert saved is not None
         changed = _changed_since(saved["meta"], config, world)
         if rank == 0 and (skipped or notes):
-            why = "; ".join(notes + ([f"damaged checkpoint {s}" for s in skipped]))
+            why = "; ".join(notes + skipped)
             print(f"[recpipe] resume: {why}; resuming from {step_dir} instead{changed}", flush=True)
         elif rank == 0:
             print(f"[recpipe] resumed from {step_dir}{changed}", flush=True)
@@ -545,7 +503,7 @@ def load_checkpoint(
         return int(saved["meta"]["step"])
     raise NoIntactCheckpointError(
         f"resume=True but no checkpoint in {directory!r} is intact: "
-        + "; ".join(notes + [f"damaged checkpoint {s}" for s in skipped])
+        + "; ".join(notes + skipped)
         + ". Nothing was loaded. Possible solutions:\n"
         "  1. restore the damaged files from a copy\n"
         f"  2. {_FRESH_RUN}"

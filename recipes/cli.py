@@ -25,21 +25,11 @@ import yaml
 from recpipe.recipes.config import CHOICES, FLOAT_RULES, OUTPUT_PATHS, UNITS, ConfigError, TrainConfig, cli_flag
 
 
-def _field_types() -> dict[str, Any]:
-    return typing.get_type_hints(TrainConfig)
-
-
-def packaged_config_path(name: str) -> Path:
-    """Path of the YAML config ``name`` (e.g. ``"default"``) shipped in ``recpipe.recipes/configs``."""
-    res = importlib.resources.files("recpipe.recipes") / "configs" / f"{name}.yaml"
-    return Path(str(res))
-
-
 def load_yaml(path_or_name: str) -> dict[str, Any]:
     """Field name -> value of a YAML config file or packaged config name (unknown names raise ConfigError)."""
     path = Path(path_or_name)
     if not path.is_file():
-        packaged = packaged_config_path(path_or_name)
+        packaged = Path(str(importlib.resources.files("recpipe.recipes") / "configs" / f"{path_or_name}.yaml"))
         if not packaged.is_file():
             raise ConfigError(
                 f"config file {path_or_name!r} not found (neither a file nor a packaged config). "
@@ -87,9 +77,7 @@ def field_docs() -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(TrainConfig)))
     except (OSError, TypeError, SyntaxError):
         return {}
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef)), None)
-    if cls is None:
-        return {}
+    cls = tree.body[0]  # the class statement, decorators included
     fields = {f.name for f in dataclasses.fields(TrainConfig)}  # not the InitVar check_paths
     docs: dict[str, str] = {}
     for node, nxt in zip(cls.body, cls.body[1:]):
@@ -149,7 +137,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         metavar="YAML",
         help="YAML file of field: value pairs, or a packaged config name (default); later flags override its values",
     )
-    hints = _field_types()
+    hints = typing.get_type_hints(TrainConfig)
     docs = field_docs()
     for f in dataclasses.fields(TrainConfig):
         hint = hints[f.name]
@@ -203,7 +191,7 @@ def parse_config(argv: Sequence[str] | None = None, *, check_paths: bool = True)
             f"Fix: see '{parser.prog} --help' for the flags and their values"
         ) from None
     values: dict[str, Any] = load_yaml(ns.config) if ns.config else {}
-    hints = _field_types()
+    hints = typing.get_type_hints(TrainConfig)
     for name, value in values.items():
         # YAML 1.1 reads 1e-3 (no dot) as a string: accept it for float fields
         if hints[name] is float and isinstance(value, str):
@@ -211,8 +199,5 @@ def parse_config(argv: Sequence[str] | None = None, *, check_paths: bool = True)
                 values[name] = float(value)
             except ValueError:
                 pass  # TrainConfig reports the field
-    for f in dataclasses.fields(TrainConfig):
-        v = getattr(ns, f.name)
-        if v is not None:
-            values[f.name] = v
+    values.update({k: v for k, v in vars(ns).items() if v is not None and k != "config"})  # the flags given
     return TrainConfig(**values, check_paths=check_paths)

@@ -3,9 +3,8 @@
 ``torchx run -s local_cwd recpipe.train -j 1x2 -- --config default --tb-dir runs/x``
 
 Each component validates the training arguments before returning the AppDef, so a bad
-value fails in the launching process and no worker starts. The file-system checks run
-on the launching machine; when the paths exist only on the cluster, pass
-``--check_paths False`` (each worker checks them at start). Workers run
+value fails in the launching process and no worker starts; pass ``--check_paths False``
+when the paths exist only on the cluster (each worker checks them at start). Workers run
 ``python -m recpipe.recipes.train`` through :func:`torchx.components.dist.ddp`.
 """
 
@@ -57,17 +56,6 @@ def _check_resources(*, cpu: int, memMB: int, max_retries: int, rdzv_port: int, 
             )
 
 
-def _port_in_use(port: int) -> Optional[str]:
-    """Why torchrun's c10d store could not listen on ``port`` here (bound as it does), or None."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("", port))
-    except OSError as e:
-        return f"{type(e).__name__}: {e.strerror or e}"
-    return None
-
-
 def _free_port() -> int:
     """A TCP port free on this machine now (for the fix of a busy ``rdzv_port``)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -76,22 +64,24 @@ def _free_port() -> int:
 
 
 def _check_rdzv_port(j: str, rdzv_port: int) -> None:
-    """Refuses a multi-node ``-j`` whose ``rdzv_port`` is already listened on here.
-
-    With ``local_cwd`` node 0 is this machine: the agents would connect to the other
-    process as store clients and wait forever (TCPStore ignores its timeout there).
-    """
+    """Refuses a multi-node ``-j`` whose ``rdzv_port`` is already listened on here: with ``local_cwd`` node 0
+    is this machine, and the agents would connect to the other process as store clients and wait forever
+    (TCPStore ignores its timeout there)."""
     max_nnodes = int(j.split("x")[0].split(":")[-1]) if "x" in j else 1
     if max_nnodes <= 1:
         return  # one node: torchrun picks a free port itself (localhost:0)
-    problem = _port_in_use(rdzv_port)
-    if problem is not None:
+    try:  # bound as torchrun's c10d store binds it
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("", rdzv_port))
+    except OSError as e:
         raise ConfigError(
             f"invalid component argument --rdzv_port {rdzv_port}: the port is already in use on this machine "
-            f"({problem}); node 0 of a local_cwd job is this machine, and torchrun's rendezvous would wait "
-            f"forever on that port. Fix: pass a free port, e.g. --rdzv_port {_free_port()}, or stop the process "
-            "listening on it; if node 0 is another machine (kubernetes, slurm), pass --check_paths False"
-        )
+            f"({type(e).__name__}: {e.strerror or e}); node 0 of a local_cwd job is this machine, and torchrun's "
+            "rendezvous would wait forever on that port. Fix: pass a free port, e.g. --rdzv_port "
+            f"{_free_port()}, or stop the process listening on it; if node 0 is another machine (kubernetes, "
+            "slurm), pass --check_paths False"
+        ) from None
 
 
 def train(
@@ -137,16 +127,15 @@ def train(
         _check_rdzv_port(j, rdzv_port)
     try:
         parse_config(list(script_args), check_paths=check_paths)
-    except ConfigMachineError as e:
-        raise ConfigMachineError(
-            f"{e} (checked on the launching machine); if the cluster's machines have more "
-            "CPUs, pass --check_paths False to the component: the workers check it at start"
-        ) from None
-    except ConfigPathError as e:
-        raise ConfigPathError(
-            f"{e} (checked on the launching machine); if this path exists only on the "
-            "cluster's machines, pass --check_paths False to the component: the workers "
-            "check it at start"
+    except ConfigPathError as e:  # ConfigMachineError included
+        cluster = (
+            "the cluster's machines have more CPUs"
+            if isinstance(e, ConfigMachineError)
+            else "this path exists only on the cluster's machines"
+        )
+        raise type(e)(
+            f"{e} (checked on the launching machine); if {cluster}, pass --check_paths False to the "
+            "component: the workers check it at start"
         ) from None
     return ddp(
         *script_args,

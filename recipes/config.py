@@ -15,13 +15,8 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-MODELS: tuple[str, ...] = ("dlrm", "micro_dlrm_dram")
-DATASETS: tuple[str, ...] = ("movielens100k", "synthetic", "criteo_tsv")
-PIPELINES: tuple[str, ...] = ("fused", "sparse")
-PLACEMENTS: tuple[str, ...] = ("planned", "table_wise")
-DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda")
 # Largest id space accepted: ids below 2**31 keep the 32-bit hash arithmetic within int64.
 MAX_ID_SPACE: int = 2**31 - 1
 # Longest collective timeout accepted (7 days): far below where gloo's int64 ns deadlines overflow.
@@ -30,13 +25,16 @@ MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
 # planner's DP kernel carries bytes exactly as doubles.
 MAX_TIER_MB: float = float(2**53 // 2**20)
 
+# The string fields and their values.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model": MODELS,
-    "dataset": DATASETS,
-    "pipeline": PIPELINES,
-    "device": DEVICES,
-    "placement": PLACEMENTS,
+    "model": ("dlrm", "micro_dlrm_dram"),
+    "dataset": ("movielens100k", "synthetic", "criteo_tsv"),
+    "pipeline": ("fused", "sparse"),
+    "device": ("auto", "cpu", "cuda"),
+    "placement": ("planned", "table_wise"),
 }
+DATASETS: tuple[str, ...] = CHOICES["dataset"]
+PLACEMENTS: tuple[str, ...] = CHOICES["placement"]
 # Units of the fields that have one (shown by --help).
 UNITS: dict[str, str] = {"fast_tier_mb": "MiB", "slow_tier_mb": "MiB", "timeout_s": "seconds"}
 # Integer-list fields (``--dense-arch 64,64``; a YAML list) -> a valid example.
@@ -53,21 +51,15 @@ class FloatRule:
     low_inclusive: bool
     high: float | None = None  # None: any finite value
     high_inclusive: bool = True
-    example: str
-    """A valid value for the error's fix."""
-    note: str = ""
-    """Why the range ends where it does, appended to the error."""
+    example: str  # a valid value for the error's fix
+    note: str = ""  # why the range ends where it does, appended to the error
 
     def accepts(self, value: object) -> bool:
         """True when ``value`` is a finite int/float (not bool) inside the range."""
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(v := float(value)):
             return False
-        v = float(value)
-        if not math.isfinite(v) or v < self.low or (v == self.low and not self.low_inclusive):
-            return False
-        if self.high is not None and (v > self.high or (v == self.high and not self.high_inclusive)):
-            return False
-        return True
+        above_low = v > self.low or (v == self.low and self.low_inclusive)
+        return above_low and (self.high is None or v < self.high or (v == self.high and self.high_inclusive))
 
     def bounds(self) -> str:
         """The range, e.g. ``> 0`` or ``in (0, 1)`` (whole numbers written out in full)."""
@@ -168,11 +160,6 @@ class ConfigPathError(ConfigError):
 
 class ConfigMachineError(ConfigPathError):
     """A value this machine cannot run (e.g. more threads than it has CPUs)."""
-
-
-def machine_cpus() -> int:
-    """Logical CPUs of this machine (``os.cpu_count()``; 1 when it is unknown)."""
-    return os.cpu_count() or 1
 
 
 @dataclass(kw_only=True)
@@ -294,18 +281,23 @@ class TrainConfig:
     output paths and CPUs (False when the paths exist only on the cluster)."""
 
     def __post_init__(self, check_paths: bool = True) -> None:
-        for check in _VALUE_CHECKS:
-            check(self)
+        # the values, then this machine's file system and CPUs; the first problem is reported
+        _check_choices(self)
+        _check_numbers(self)
+        _check_id_spaces(self)
+        _check_architecture(self)
+        _check_dataset(self)
+        _check_switches_and_checkpoints(self)
+        _check_path_values(self)
         if check_paths:
-            for check in _MACHINE_CHECKS:
-                check(self)
+            _check_threads(self)
+            _check_input_files(self)
+            _check_output_paths(self)
+            _check_resumable(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the config as plain YAML/JSON-friendly values."""
-        out = dataclasses.asdict(self)
-        out["dense_arch"] = list(self.dense_arch)
-        out["over_arch"] = list(self.over_arch)
-        return out
+        return dataclasses.asdict(self) | {name: list(getattr(self, name)) for name in INT_LISTS}
 
 
 def split_paths(value: str | None) -> list[str]:
@@ -329,16 +321,8 @@ def _is_int(value: object) -> bool:
 
 
 # Integer fields that must be > 0, and those that must be >= 0.
-_POSITIVE_INTS: tuple[str, ...] = (
-    "batch_size",
-    "epochs",
-    "embedding_dim",
-    "num_embeddings",
-    "virtual_rows",
-    "hash_k",
-    "eval_batches",
-    "num_threads",
-    "log_every",
+_POSITIVE_INTS: tuple[str, ...] = tuple(
+    "batch_size epochs embedding_dim num_embeddings virtual_rows hash_k eval_batches num_threads log_every".split()
 )
 _NON_NEGATIVE_INTS: tuple[str, ...] = ("eval_every", "checkpoint_every", "seed")
 
@@ -352,14 +336,10 @@ def _check_choices(config: TrainConfig) -> None:
 
 def _check_numbers(config: TrainConfig) -> None:
     """Integer fields are in range, float fields obey their :data:`FLOAT_RULES`."""
-    for name in _POSITIVE_INTS:
-        value = getattr(config, name)
-        if not _is_int(value) or value <= 0:
-            raise _invalid(config, name, "must be a positive integer", f"pass e.g. --{cli_flag(name)} 1")
-    for name in _NON_NEGATIVE_INTS:
-        value = getattr(config, name)
-        if not _is_int(value) or value < 0:
-            raise _invalid(config, name, "must be an integer >= 0", f"pass e.g. --{cli_flag(name)} 0")
+    for names, low, why in ((_POSITIVE_INTS, 1, "a positive integer"), (_NON_NEGATIVE_INTS, 0, "an integer >= 0")):
+        for name in names:
+            if not _is_int(getattr(config, name)) or getattr(config, name) < low:
+                raise _invalid(config, name, f"must be {why}", f"pass e.g. --{cli_flag(name)} {low}")
     if config.max_steps is not None and (not _is_int(config.max_steps) or config.max_steps <= 0):
         raise _invalid(config, "max_steps", "must be a positive integer or unset", "pass e.g. --max-steps 100")
     for name, rule in FLOAT_RULES.items():
@@ -452,7 +432,7 @@ def _check_path_values(config: TrainConfig) -> None:
 
 def _check_threads(config: TrainConfig) -> None:
     """At most one intra-op thread per logical CPU (far past them, torch fails creating threads)."""
-    cpus = machine_cpus()
+    cpus = os.cpu_count() or 1
     if config.num_threads > cpus:
         raise _invalid(
             config,
@@ -465,9 +445,7 @@ def _check_threads(config: TrainConfig) -> None:
 
 
 def _check_input_files(config: TrainConfig) -> None:
-    """Every ``criteo_tsv`` input file exists on this machine."""
-    if config.dataset != "criteo_tsv":
-        return
+    """Every input file exists on this machine (:func:`_check_path_values` allows them only for ``criteo_tsv``)."""
     for name in ("data_path", "eval_data_path"):
         for path in split_paths(getattr(config, name)):
             if os.path.isdir(path):
@@ -512,22 +490,3 @@ def _check_resumable(config: TrainConfig) -> None:
             "point --checkpoint-dir at the directory a previous run saved into, or drop --resume",
             ConfigPathError,
         )
-
-
-# The checks of TrainConfig's values, in order (the first problem is reported).
-_VALUE_CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
-    _check_choices,
-    _check_numbers,
-    _check_id_spaces,
-    _check_architecture,
-    _check_dataset,
-    _check_switches_and_checkpoints,
-    _check_path_values,
-)
-# The checks of this machine's file system and CPUs (``check_paths``), in order.
-_MACHINE_CHECKS: tuple[Callable[[TrainConfig], None], ...] = (
-    _check_threads,
-    _check_input_files,
-    _check_output_paths,
-    _check_resumable,
-)

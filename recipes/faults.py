@@ -2,11 +2,12 @@
 
 Collective timeouts / lost peers, non-finite losses, unequal batch counts across ranks,
 data sources that end early, a ``--resume`` with nothing left to train. May import
-recipes' config, data base and checkpoint modules.
+recipes' config, data and checkpoint modules.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from recpipe.recipes.checkpoint import step_dir_name
 from recpipe.recipes.config import ConfigError, TrainConfig, split_paths
 from recpipe.recipes.data.base import BatchSource
+from recpipe.recipes.data.criteo import count_file_rows
 
 
 class CollectiveFailureError(RuntimeError):
@@ -43,28 +45,21 @@ def explain_collective_failure(error: BaseException, config: TrainConfig) -> Col
     text = str(error).strip()
     if _TIMEOUT_MESSAGE.search(text):
         return CollectiveFailureError(
-            f"rank {rank}: a collective did not complete within the timeout "
-            f"(--timeout-s {config.timeout_s:g}, {config.timeout_s:g} s): another rank is probably dead "
-            "or frozen (stopped, swapping, stuck in a debugger or in I/O) or far slower than this one. "
-            "Fix: check the other ranks' processes and logs (torchrun lists every failed rank); if a "
-            f"step legitimately takes longer, raise --timeout-s. Backend error: {text}"
+            f"rank {rank}: a collective did not complete within the timeout (--timeout-s {config.timeout_s:g}, "
+            f"{config.timeout_s:g} s): another rank is probably dead or frozen (stopped, swapping, stuck in a debugger "
+            "or in I/O) or far slower than this one. Fix: check the other ranks' processes and logs (torchrun lists "
+            f"every failed rank); if a step legitimately takes longer, raise --timeout-s. Backend error: {text}"
         )
     if _PEER_LOST_MESSAGE.search(text):
         return CollectiveFailureError(
-            f"rank {rank}: a collective lost its connection to another rank, which probably crashed or "
-            "was killed. Fix: read that rank's own error in its log (torchrun lists every failed rank). "
-            f"Backend error: {text}"
+            f"rank {rank}: a collective lost its connection to another rank, which probably crashed or was killed. "
+            f"Fix: read that rank's own error in its log (torchrun lists every failed rank). Backend error: {text}"
         )
     return None
 
 
 class NonFiniteLossError(FloatingPointError):
     """A training loss was NaN or inf: every rank stops, before any checkpoint of those weights."""
-
-
-def _count_lines(path: str) -> int:
-    with open(path, "rb") as f:
-        return sum(1 for _ in f)
 
 
 def describe_batch(config: TrainConfig, source: BatchSource, index: int, rank: int, world: int) -> str:
@@ -81,15 +76,12 @@ def describe_batch(config: TrainConfig, source: BatchSource, index: int, rank: i
     if config.dataset == "criteo_tsv" and config.data_path:
         b = config.batch_size
         first = ((index % spe) if spe else index) * b * world + rank * b  # 0-based row over data_path
-        spans, offset = [], 0
-        for path in split_paths(config.data_path):
-            n = _count_lines(path)
+        spans, offset, paths = [], 0, split_paths(config.data_path)
+        for path, n in zip(paths, count_file_rows(paths, first + b)):  # the files up to the batch's last row
             lo, hi = max(first, offset), min(first + b, offset + n)
             if lo < hi:
                 spans.append(f"{path} lines {lo - offset + 1}-{hi - offset}")
             offset += n
-            if offset >= first + b:
-                break
         where += f", rows {first}-{first + b - 1} of data_path: " + ", ".join(spans or ["(past the files' end)"])
     return where
 
@@ -101,18 +93,14 @@ class NonFiniteGuard:
     interval; the ranks compare notes in an all-reduce at every interval and before every
     evaluation and checkpoint, so all raise :class:`NonFiniteLossError` together and no
     checkpoint of bad weights is written.
-
-    Args:
-        last_checkpoint: the step of the checkpoint this run resumed from, if any.
     """
 
     def __init__(
         self, config: TrainConfig, source: BatchSource, rank: int, world: int, last_checkpoint: int | None
     ) -> None:
         self.config, self.source, self.rank, self.world = config, source, rank, world
-        self.last_checkpoint = last_checkpoint
-        self.bad_step = 0
-        self.bad_loss = 0.0
+        self.last_checkpoint = last_checkpoint  # the newest checkpoint's step: resumed from or saved (None: none)
+        self.bad_step, self.bad_loss = 0, 0.0  # this rank's first non-finite step (0: none) and its loss
 
     def observe(self, step: int, loss: float) -> None:
         """Notes ``loss`` of training step ``step`` (1-based)."""
@@ -145,14 +133,11 @@ class NonFiniteGuard:
             + (" (later than the first: NaN may have spread through the shared weights)" if s > bad[0][0] else "")
             for s, r in bad[:4]
         ]
-        if self.config.checkpoint_dir:
-            saved = (
-                f"the newest checkpoint in {self.config.checkpoint_dir} is step {self.last_checkpoint}"
-                if self.last_checkpoint is not None
-                else f"no checkpoint was written to {self.config.checkpoint_dir}"
-            )
-        else:
-            saved = "no checkpoint directory is set"
+        saved = "no checkpoint directory is set"
+        if self.config.checkpoint_dir and self.last_checkpoint is not None:
+            saved = f"the newest checkpoint in {self.config.checkpoint_dir} is step {self.last_checkpoint}"
+        elif self.config.checkpoint_dir:
+            saved = f"no checkpoint was written to {self.config.checkpoint_dir}"
         raise NonFiniteLossError(
             f"non-finite training loss at step {bad[0][0]} on rank {bad[0][1]} (dataset {self.config.dataset}); "
             f"all {w} rank(s) stopped at step {now}, before any checkpoint of these weights ({saved}):\n"
@@ -171,9 +156,8 @@ def nothing_to_train(config: TrainConfig, step: int, total: int) -> ConfigError:
     more = "" if config.max_steps is not None else " (or more --epochs)"
     return ConfigError(
         f"invalid config value max_steps={config.max_steps!r}: --resume would continue from step {step} "
-        f"({Path(config.checkpoint_dir) / step_dir_name(step)}), at or past the run's last step {last}, "
-        f"so it would train nothing. Fix: pass --max-steps greater than {step}{more} to train further, "
-        "or drop --resume"
+        f"({Path(config.checkpoint_dir) / step_dir_name(step)}), at or past the run's last step {last}, so it "
+        f"would train nothing. Fix: pass --max-steps greater than {step}{more} to train further, or drop --resume"
     )
 
 
@@ -190,11 +174,10 @@ def check_batch_counts(
         return
     spe = source.steps_per_epoch
     mine = (total, -1 if eval_count is None else eval_count, -1 if spe is None else spe)
-    slots = torch.zeros(3 * world, dtype=torch.int64)
-    for k, value in enumerate(mine):
-        slots[k * world + rank] = value
+    slots = torch.zeros(3, world, dtype=torch.int64)  # every rank fills its column
+    slots[:, rank] = torch.tensor(mine)
     dist.all_reduce(slots)
-    totals, evals, spes = (slots[k * world : (k + 1) * world].tolist() for k in range(3))
+    totals, evals, spes = slots.tolist()
     known_evals = [n for n in evals if n >= 0]
     if len(set(totals)) == 1 and len(set(known_evals)) <= 1:
         return
@@ -225,12 +208,11 @@ def check_batch_counts(
         fixes.append(f"pass --eval-batches {min(known_evals)}")
     if not fixes:
         fixes.append(f"make dataset {config.dataset}'s source give every rank the same number of batches")
-    fix_text = "; or ".join(dict.fromkeys(fixes))
     raise ConfigError(
         f"the {world} ranks' data (dataset {config.dataset}) give them different numbers of batches: "
         + "; ".join(problems)
         + f"{files}. Every step pairs the ranks' batches in collectives, so a rank that runs out first would "
-        f"leave the others waiting. Fix: {fix_text}"
+        f"leave the others waiting. Fix: {'; or '.join(dict.fromkeys(fixes))}"
     )
 
 
@@ -245,12 +227,9 @@ def exactly(batches: Iterator[Any], count: int, what: str) -> Iterator[Any]:
     collectives the other ranks answer with their next step's.
     """
     n = 0
-    if count > 0:
-        for batch in batches:
-            yield batch
-            n += 1
-            if n == count:
-                return
+    for batch in itertools.islice(batches, max(count, 0)):  # never pulls a batch past the count
+        yield batch
+        n += 1
     if n < count:
         raise BatchCountError(
             f"{what}: the data source gave {n} batches, not {count}; every rank must take a batch at every "

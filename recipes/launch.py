@@ -2,11 +2,10 @@
 
 ``python -m recpipe.recipes.launch [--tb-dir DIR] [--nproc N] [training flags ...]``
 
-Builds the :func:`~recpipe.recipes.components.default_recipe` AppDef (validating the
-flags first), submits it to the ``local_cwd`` scheduler *in this process* (its job
-state lives only here, so ``torchx status`` from another shell cannot follow it),
-streams the workers' ``[recpipe]`` progress lines, waits, and prints the final
-metrics, the TensorBoard log directory and the ``tensorboard --logdir`` command.
+Validates the flags, submits the :func:`~recpipe.recipes.components.default_recipe` AppDef to
+the ``local_cwd`` scheduler *in this process* (``torchx status`` elsewhere cannot follow it),
+streams the workers' ``[recpipe]`` lines, waits, and prints the final metrics and the
+TensorBoard log directory with its ``tensorboard --logdir`` command.
 """
 
 from __future__ import annotations
@@ -48,14 +47,6 @@ class LaunchResult:
     log_dir: str  # torchx log directory of the job
 
 
-def ensure_torchrun_on_path() -> None:
-    """Puts this interpreter's bin directory (holding ``torchrun``) first on PATH."""
-    bindir = str(Path(sys.executable).parent)
-    parts = os.environ.get("PATH", "").split(os.pathsep)
-    if parts[0] != bindir:
-        os.environ["PATH"] = os.pathsep.join([bindir, *parts])
-
-
 def run_app(
     app: AppDef,
     *,
@@ -70,13 +61,13 @@ def run_app(
         log_dir: torchx log directory (overrides ``.torchxconfig``).
         on_line: called with every worker output line as it appears.
     """
-    ensure_torchrun_on_path()
+    bindir = str(Path(sys.executable).parent)  # holds torchrun: first on PATH
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bindir:
+        os.environ["PATH"] = os.pathsep.join([bindir, os.environ.get("PATH", "")])
     cfg: dict[str, object] = {}
     torchx_config.apply(scheduler=SCHEDULER, cfg=cfg, dirs=list(cfg_dirs) if cfg_dirs else None)
-    if log_dir is not None:
-        cfg["log_dir"] = log_dir
-    cfg.setdefault("log_dir", DEFAULT_TORCHX_LOG_DIR)
-    cfg["log_dir"] = str(Path(str(cfg["log_dir"])).resolve())
+    log_dir = log_dir if log_dir is not None else str(cfg.get("log_dir", DEFAULT_TORCHX_LOG_DIR))
+    cfg["log_dir"] = str(Path(log_dir).resolve())
     role = app.roles[0].name
     lines: list[str] = []
     with get_runner() as runner:
@@ -117,10 +108,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         allow_abbrev=False,  # an abbreviation of a training flag must not match --nproc / --tb-dir
         epilog=(
-            "Every other flag is a training flag, applied after the packaged 'default' config "
-            "and validated before any process starts (e.g. --epochs 3, --timeout-s 300: a rank "
-            "that waits longer than that in a collective fails the job). "
-            "'python -m recpipe.recipes.train --help' describes them all."
+            "Every other flag is a training flag, applied after the packaged 'default' config and validated "
+            "before any process starts (e.g. --epochs 3, --timeout-s 300: a rank that waits longer than that "
+            "in a collective fails the job). 'python -m recpipe.recipes.train --help' describes them all."
         ),
     )
     parser.add_argument("--tb-dir", default=None, help="TensorBoard dir (default runs/recpipe/<time>)")
@@ -132,17 +122,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.nproc <= 0:
             raise ConfigError(f"invalid --nproc {args.nproc}: must be >= 1. Fix: pass --nproc 2")
         worker_args = ["--metrics-file", str(metrics_file), *train_args]
+        command = ["--config", "default", "--tb-dir", str(tb_dir), *worker_args]
         # the workers run on this machine: check the paths here, with the plain message
         # (the component's adds a hint for cluster jobs, --check_paths False, not ours)
-        parse_config(["--config", "default", "--tb-dir", str(tb_dir), *worker_args], check_paths=True)
+        parse_config(command, check_paths=True)
         app = default_recipe(*worker_args, j=f"1x{args.nproc}", tb_dir=str(tb_dir), check_paths=False)
     except ConfigError as e:
         print(f"[recpipe] {e}", file=sys.stderr)
         return 2
     print(
         f"[recpipe] launching the default recipe on {args.nproc} local processes "
-        f"(torchx {SCHEDULER}): python -m recpipe.recipes.train "
-        f"{shlex.join(['--config', 'default', '--tb-dir', str(tb_dir), *worker_args])}",
+        f"(torchx {SCHEDULER}): python -m recpipe.recipes.train {shlex.join(command)}",
         flush=True,
     )
     t0 = time.perf_counter()

@@ -47,10 +47,8 @@ class TrainResult:
 
     def to_json(self) -> dict[str, Any]:
         """Strict-JSON dict including ``final_auroc``; a value not measured (NaN) is None."""
-        d = dict(self.__dict__)
-        d["final_auroc"] = self.final_auroc
-        d["final_loss"] = self.logged_losses[-1][1] if self.logged_losses else float("nan")
-        return _json_safe(d)
+        final_loss = self.logged_losses[-1][1] if self.logged_losses else float("nan")
+        return _json_safe(self.__dict__ | {"final_auroc": self.final_auroc, "final_loss": final_loss})
 
 
 def _json_safe(value: Any) -> Any:
@@ -66,11 +64,8 @@ def _json_safe(value: Any) -> Any:
 
 def _chunk_end(step: int, total: int, config: TrainConfig) -> int:
     """End of the training chunk that starts at ``step``: the next eval/checkpoint step."""
-    end = total
-    for every in (config.eval_every, config.checkpoint_every if config.checkpoint_dir else 0):
-        if every:
-            end = min(end, (step // every + 1) * every)
-    return end
+    periods = (config.eval_every, config.checkpoint_every if config.checkpoint_dir else 0)
+    return min([total] + [(step // every + 1) * every for every in periods if every])
 
 
 def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> float:
@@ -97,9 +92,7 @@ def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> f
         model.train()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(seen)
-    if seen.item() == 0:
-        return float("nan")
-    return float(metric.compute())
+    return float(metric.compute()) if seen.item() else float("nan")
 
 
 class _WarningsAboveBar:
@@ -137,43 +130,35 @@ class _WarningsAboveBar:
                 warnings.showwarning = self._previous
 
 
+@dataclass(kw_only=True, eq=False)
 class TrainLoop:
     """Trains from ``result.start_step`` to ``total``, logging, evaluating and saving.
 
     Losses stay on the device until the end of a logging interval (a read on CUDA would
     stall the host); every rank runs the interval's collectives at the same step.
     Evaluation and checkpointing pause the interval's clock.
-
-    Args:
-        eval_count: evaluation batches every rank announced (``None``: unknown).
-        save: writes the checkpoint of a step (called on every rank).
     """
 
-    def __init__(
-        self,
-        *,
-        config: TrainConfig,
-        source: BatchSource,
-        pipeline: Any,
-        model: torch.nn.Module,
-        result: TrainResult,
-        tb: RunLogger,
-        guard: NonFiniteGuard,
-        total: int,
-        eval_count: int | None,
-        save: Callable[[int], None],
-    ) -> None:
-        self.config, self.source, self.pipeline, self.model = config, source, pipeline, model
-        self.result, self.tb, self.guard, self.save = result, tb, guard, save
-        self.total, self.eval_count = total, eval_count
+    config: TrainConfig
+    source: BatchSource
+    pipeline: Any
+    model: torch.nn.Module
+    result: TrainResult
+    tb: RunLogger
+    guard: NonFiniteGuard
+    total: int
+    eval_count: int | None  # evaluation batches every rank announced (None: unknown)
+    save: Callable[[int], None]  # writes the checkpoint of a step (called on every rank)
+
+    def __post_init__(self) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.global_batch = config.batch_size * self.world
-        self.step = result.start_step
+        self.global_batch = self.config.batch_size * self.world
+        self.step = self.result.start_step
         self.pending: list[torch.Tensor] = []  # losses of the steps up to ``step`` not yet read
         self.bar = tqdm(
-            total=total,
+            total=self.total,
             initial=self.step,
-            disable=self.rank != 0 or not config.progress_bar,
+            disable=self.rank != 0 or not self.config.progress_bar,
             desc="train",
             unit="step",
             mininterval=1.0,
@@ -185,7 +170,6 @@ class TrainLoop:
         # throughput: every interval after the first (timed), and the first (warm-up)
         self.timed_steps, self.timed_seconds = 0, 0.0
         self.warm_steps, self.warm_seconds = 0, 0.0
-        self.first_interval = True
 
     def run(self) -> None:
         """Trains every remaining step, then fills in the result's time and throughput."""
@@ -244,7 +228,7 @@ class TrainLoop:
             # a checkpoint ends a logging interval: a run resumed from it logs the steps
             # and values an uninterrupted run logs (not one interval split in two)
             self._log_interval()
-        self.interval_loss = self._read_losses(step, self.interval_loss)
+        self._read_losses()
         self.result.steps = step
         paused_at = time.perf_counter()  # the interval's clock pauses until training goes on
         self.guard.sync_and_check(step)  # before evaluating or checkpointing these weights
@@ -256,19 +240,18 @@ class TrainLoop:
         self.tb.flush()
         self.interval_t0 += time.perf_counter() - paused_at
 
-    def _read_losses(self, last: int, total_loss: float) -> float:
-        """Reads the pending losses (steps up to ``last``) in one transfer; returns ``total_loss`` plus them."""
+    def _read_losses(self) -> None:
+        """Reads the pending losses (steps up to ``step``) in one transfer into the result and the interval."""
         values = torch.stack(self.pending).tolist() if self.pending else []
         for k, value in enumerate(values):
-            self.result.losses.append(value)
-            self.guard.observe(last - len(values) + 1 + k, value)
-            total_loss += value
+            self.guard.observe(self.step - len(values) + 1 + k, value)
+            self.interval_loss += value
+        self.result.losses += values
         self.pending.clear()
-        return total_loss
 
     def _log_interval(self) -> None:
         """Ends the logging interval at ``step`` (collectives: every rank calls it at the same step)."""
-        self.interval_loss = self._read_losses(self.step, self.interval_loss)
+        self._read_losses()
         now = time.perf_counter()
         stats = torch.tensor([self.interval_loss, float(self.interval_n), *self.guard.slots()], dtype=torch.float64)
         if self.world > 1:
@@ -277,12 +260,11 @@ class TrainLoop:
         dt = now - self.interval_t0
         mean_loss = float(stats[0] / stats[1])
         self.result.logged_losses.append((self.step, mean_loss))
-        if not self.first_interval:
+        if self.warm_steps:  # every interval has a step: the first is past
             self.timed_steps += self.interval_n
             self.timed_seconds += dt
         else:
             self.warm_steps, self.warm_seconds = self.interval_n, dt
-        self.first_interval = False
         self._report_interval(mean_loss, dt)
         self.interval_t0, self.interval_loss, self.interval_n = time.perf_counter(), 0.0, 0
 

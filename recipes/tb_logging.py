@@ -10,9 +10,10 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Protocol, runtime_checkable
 
-import torch.distributed as dist
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
+
+from recpipe.pipeline.checkpoint.errors import all_gather, rank_world
 
 TierStats = dict[str, dict[str, float]]
 
@@ -34,10 +35,6 @@ RATIO_WEIGHTS: Mapping[str, str] = {
 }
 
 
-def _is_ratio(name: str) -> bool:
-    return name.endswith(("rate", "fraction"))  # RATIO_WEIGHTS' names among them
-
-
 def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> TierStats:
     """Merges several providers' or ranks' stats of the same tables.
 
@@ -54,7 +51,7 @@ def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> Tier
                 )
 
     def combine(name: str, values: list[tuple[float, float | None]]) -> float:
-        if not _is_ratio(name):
+        if not name.endswith(("rate", "fraction")):  # RATIO_WEIGHTS' names among them
             return sum(v for v, _ in values)
         weights = [w for _, w in values]
         if all(w is not None for w in weights) and sum(weights) > 0:  # type: ignore[arg-type]
@@ -68,24 +65,18 @@ def collect_tier_stats(model: nn.Module) -> TierStats:
     """Stats of the outermost :class:`TierStatsProvider` modules in ``model`` (nested ones would count twice)."""
     providers: list[tuple[str, TierStatsProvider]] = []
     for name, m in model.named_modules():
-        if not isinstance(m, TierStatsProvider):
-            continue
-        if any(name.startswith(outer + ".") for outer, _ in providers if outer):
-            continue
-        providers.append((name, m))
-        if name == "":
-            break  # the model itself reports everything
+        if isinstance(m, TierStatsProvider) and not any(name.startswith(outer + ".") for outer, _ in providers):
+            providers.append((name, m))
+            if name == "":
+                break  # the model itself reports everything
     return merge_tier_stats(m.tier_stats() for _, m in providers)
 
 
 def gather_tier_stats(model: nn.Module) -> TierStats:
     """:func:`collect_tier_stats` merged over all ranks (a collective: every rank calls it at the same step)."""
     local = collect_tier_stats(model)
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return local
-    parts: list[TierStats | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, local)
-    return merge_tier_stats(p for p in parts if p)
+    world = rank_world(None)[1]
+    return local if world == 1 else merge_tier_stats(p for p in all_gather(local, world, None) if p)
 
 
 class RunLogger:

@@ -52,6 +52,7 @@ from recpipe.recipes.faults import (
 )
 from recpipe.recipes.loop import TrainLoop, TrainResult
 from recpipe.recipes.models import build_model
+from recpipe.recipes.shutdown import run_main
 from recpipe.recipes.tb_logging import RunLogger
 
 
@@ -210,17 +211,6 @@ def _print_error(e: BaseException) -> None:
     print(f"error: {where}{message}", file=sys.stderr, flush=True)
 
 
-class _DropPrefix(logging.Filter):
-    """Drops log records whose message starts with ``prefix``."""
-
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
-
-
 def _quiet_upstream_notices() -> None:
     """Drops two per-rank upstream notices a recipe user cannot act on (entry point only).
 
@@ -228,7 +218,9 @@ def _quiet_upstream_notices() -> None:
     ``is_fx_tracing`` (a logged warning). Library users keep every upstream warning.
     """
     warnings.filterwarnings("ignore", message=re.escape("`broadcast_buffers` is deprecated"), category=FutureWarning)
-    logging.getLogger("torch.fx._symbolic_trace").addFilter(_DropPrefix("is_fx_tracing will return true"))
+    logging.getLogger("torch.fx._symbolic_trace").addFilter(
+        lambda record: not record.getMessage().startswith("is_fx_tracing will return true")
+    )
 
 
 @record
@@ -264,4 +256,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -193,7 +193,7 @@ def _configs() -> list[TrainConfig]:
 
 def movielens_raw_ids(src: BatchSource, step: int) -> torch.Tensor:
     """Raw ``(user, item)`` ids of a MovieLens source's training batch, from its split."""
-    epoch, i = divmod(step, src._spe)
+    epoch, i = divmod(step, src.steps_per_epoch)
     g, b = src._global_batch, src.config.batch_size
     rows = src._epoch_perm(epoch)[i * g : (i + 1) * g][src.rank * b : (src.rank + 1) * b]
     return src._ids[:, rows]

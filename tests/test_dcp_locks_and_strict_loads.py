@@ -422,7 +422,7 @@ def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     recpipe_dcp.write_digests(by_hand)
     calls = []
     original = exports.check_tiered_rows
-    exports.check_tiered_rows = lambda *a, **k: (calls.append(a[4]), original(*a, **k))[1]
+    exports.check_tiered_rows = lambda *a, **k: (calls.append(a[3]), original(*a, **k))[1]
     out: Dict[str, Any] = {
         "flags": {
             name: json.loads(Path(d, recpipe_dcp.DIGESTS_NAME).read_text()).get("tiered_rows_checked")

@@ -390,7 +390,7 @@ def test_prune_dominated_keeps_the_optimum(inst) -> None:
 
 
 def test_repair_only_improves_and_keeps_budgets() -> None:
-    from recpipe.planner.proposers import _repair
+    from recpipe.planner.proposers import _DpProblem, _repair
 
     rng = np.random.default_rng(11)
     for _ in range(30):
@@ -401,7 +401,7 @@ def test_repair_only_improves_and_keeps_budgets() -> None:
         start = rng.integers(0, k, m)
         r = np.arange(m)
         H, D = int(hbm[r, start].sum()) + int(rng.integers(0, 20)), int(ddr[r, start].sum()) + int(rng.integers(0, 20))
-        out = _repair(hbm, ddr, cost, np.ones((m, k), bool), start.copy(), H, D, 256, 400_000)
+        out = _repair(_DpProblem(hbm, ddr, cost, cost, np.ones((m, k), bool), H, D), start.copy(), 256, 400_000)
         assert hbm[r, out].sum() <= H and ddr[r, out].sum() <= D
         assert cost[r, out].sum() <= cost[r, start].sum() + 1e-12
         # no single-table change improves the result any more (1-opt local optimum)

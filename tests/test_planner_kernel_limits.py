@@ -32,6 +32,7 @@ from recpipe.planner import (
     make_topology,
 )
 from recpipe.planner import knapsack as P
+from recpipe.planner.proposers import _DpProblem
 
 GiB = 2**30
 MiB = 2**20
@@ -194,7 +195,7 @@ def test_dp_kernel_budget_past_its_range_is_a_typed_error(budget: int) -> None:
     hbm, ddr, cost, H, D = _instance()
     keep = np.ones_like(cost, dtype=bool)
     with pytest.raises(PlannerError) as info:
-        DynamicProgrammingProposer._dp_cpp(hbm, ddr, cost, cost, keep, H, budget, 8, 8)
+        DynamicProgrammingProposer._dp_cpp(_DpProblem(hbm, ddr, cost, cost, keep, H, budget), 8, 8)
     msg = _input_error(info.value)
     assert msg.startswith(f"ddr_budget is {budget} bytes, past {2**53 - 1} B (2^53 - 1"), msg
     assert "torch.ops.recpipe.placement_dp" in msg

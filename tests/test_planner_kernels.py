@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 import recpipe._C  # noqa: F401,E402  (registers torch.ops.recpipe.*)
 from recpipe.planner import BruteForceProposer, DynamicProgrammingProposer
 from recpipe.planner import knapsack as P
+from recpipe.planner.proposers import _DpProblem
 
 OPS = P._cpp_ops()
 assert OPS is not None, "recpipe._C must provide the planner kernels"
@@ -61,12 +62,13 @@ def test_dp_kernel_equals_numpy_twin(seed: int, simd: str, monkeypatch: pytest.M
     keep, priced, ph, pd = prepared(hbm, ddr, cost, H, D)
     if not keep.any(axis=1).all():
         pytest.skip("a table has no usable option")
+    problem = _DpProblem(hbm, ddr, cost, priced, keep, H, D)
     for nh, nd in GRIDS:
         for inc_scale in (math.inf, 1.002, 0.97):
-            ref = DynamicProgrammingProposer._dp_numpy(hbm, ddr, cost, priced, keep, H, D, nh, nd)
+            ref = DynamicProgrammingProposer._dp_numpy(problem, nh, nd)
             inc = math.inf if inc_scale == math.inf or ref is None else ref[1] * inc_scale
-            a = DynamicProgrammingProposer._dp_numpy(hbm, ddr, cost, priced, keep, H, D, nh, nd, inc, ph, pd)
-            b = DynamicProgrammingProposer._dp_cpp(hbm, ddr, cost, priced, keep, H, D, nh, nd, inc, ph, pd)
+            a = DynamicProgrammingProposer._dp_numpy(problem, nh, nd, inc, ph, pd)
+            b = DynamicProgrammingProposer._dp_cpp(problem, nh, nd, inc, ph, pd)
             assert (a is None) == (b is None), (nh, nd, inc)
             if a is not None:
                 np.testing.assert_array_equal(a[0], b[0])
@@ -112,12 +114,12 @@ def test_dp_kernel_one_byte_bins_equals_brute_force(m: int, k: int, seed: int, H
     keep = P.prune_dominated(hbm, ddr, cost, usable)
     lh, ld = P.budget_prices(hbm, ddr, cost, H, D)
     ph, pd = lh / max(H, 1), ld / max(D, 1)
-    priced = cost + ph * hbm + pd * ddr
+    problem = _DpProblem(hbm, ddr, cost, cost + ph * hbm + pd * ddr, keep, H, D)
     for dp in (DynamicProgrammingProposer._dp_cpp, DynamicProgrammingProposer._dp_numpy):
-        above = dp(hbm, ddr, cost, priced, keep, H, D, max(H, 1), max(D, 1), best + 0.5, ph, pd)
+        above = dp(problem, max(H, 1), max(D, 1), best + 0.5, ph, pd)
         assert above is not None and above[1] == best
         if best > 0:
-            assert dp(hbm, ddr, cost, priced, keep, H, D, max(H, 1), max(D, 1), best - 0.5, ph, pd) is None
+            assert dp(problem, max(H, 1), max(D, 1), best - 0.5, ph, pd) is None
 
 
 @pytest.mark.parametrize("seed", range(6))

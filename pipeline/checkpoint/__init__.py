@@ -11,27 +11,18 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
-    "CheckpointIntegrityError": "recpipe.pipeline.checkpoint.errors",
-    "CheckpointLoadError": "recpipe.pipeline.checkpoint.errors",
-    "CheckpointSaveError": "recpipe.pipeline.checkpoint.errors",
-    "DCP_METADATA_NAME": "recpipe.pipeline.checkpoint.digests",
-    "DIGESTS_NAME": "recpipe.pipeline.checkpoint.digests",
-    "ExtraState": "recpipe.pipeline.checkpoint.layout",
-    "FUSED_OPTIMIZER_KEY": "recpipe.pipeline.checkpoint.layout",
-    "SAVE_LOCK_NAME": "recpipe.pipeline.checkpoint.integrity",
-    "TIERED_DCP_PREFIX": "recpipe.pipeline.checkpoint.layout",
-    "TieredCheckpointError": "recpipe.pipeline.tiered.state",
-    "dcp_failures": "recpipe.pipeline.checkpoint.errors",
-    "dcp_state_dict": "recpipe.pipeline.checkpoint.layout",
-    "describe_failures": "recpipe.pipeline.checkpoint.errors",
-    "load": "recpipe.pipeline.checkpoint.dcp",
-    "load_dcp_state_dict": "recpipe.pipeline.checkpoint.dcp",
-    "read_extra_state": "recpipe.pipeline.checkpoint.layout",
-    "remove_rank_files": "recpipe.pipeline.checkpoint.digests",
-    "save": "recpipe.pipeline.checkpoint.dcp",
-    "tiered_dcp_key": "recpipe.pipeline.checkpoint.layout",
-    "verify_checkpoint": "recpipe.pipeline.checkpoint.digests",
-    "write_digests": "recpipe.pipeline.checkpoint.digests",
+    name: f"recpipe.pipeline.{module}"
+    for module, names in (
+        ("checkpoint.dcp", "load load_dcp_state_dict save"),
+        ("checkpoint.digests", "DCP_METADATA_NAME DIGESTS_NAME remove_rank_files verify_checkpoint write_digests"),
+        ("checkpoint.errors", "CheckpointIntegrityError CheckpointLoadError CheckpointSaveError"),
+        ("checkpoint.errors", "dcp_failures describe_failures"),
+        ("checkpoint.integrity", "SAVE_LOCK_NAME"),
+        ("checkpoint.layout", "ExtraState FUSED_OPTIMIZER_KEY TIERED_DCP_PREFIX tiered_dcp_key"),
+        ("checkpoint.layout", "dcp_state_dict read_extra_state"),
+        ("tiered.state", "TieredCheckpointError"),
+    )
+    for name in names.split()
 }
 
 __all__ = sorted(_EXPORTS)

@@ -14,14 +14,14 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from recpipe.pipeline.checkpoint import layout
 from recpipe.pipeline.checkpoint.errors import NON_FINITE_FIXES, all_gather, rank_world
-from recpipe.pipeline.checkpoint.layout import FUSED_OPTIMIZER_KEY, TIERED_KEY, dcp_load, weight_key
+from recpipe.pipeline.checkpoint.layout import FUSED_OPTIMIZER_KEY, TIERED_KEY, Source, read_row_orders, weight_key
 from recpipe.pipeline.placement import FusedOptimizer
 from recpipe.pipeline.routing.ops import ROUTING_VERSION, local_rows
 from recpipe.pipeline.routing.row_order import ROW_ORDER_KEY, RowOrder, describe_row_order
@@ -31,31 +31,15 @@ from recpipe.pipeline.tiered.state import TieredCheckpointError, non_finite_rows
 
 
 class Adoption(NamedTuple):
-    """A tiered table of the model that the checkpoint holds as a torchrec table.
-
-    Attributes:
-        weight_key: the weight's key in the checkpoint and the model's state dict (where the
-            tiered table keeps an empty placeholder).
-        state_keys: checkpoint keys of its fused optimizer state in the tiered state's column
-            order; empty for SGD or when the checkpoint holds none (``strict=False``).
-        row_order: the routed row order of a roundrobin / hash_roundrobin FUSED table, None for
-            torchrec's contiguous row blocks.
-    """
+    """A tiered table of the model that the checkpoint holds as a torchrec table: its weight's key
+    (in the checkpoint, and in the model's state dict, which holds an empty placeholder there),
+    the checkpoint keys of its fused optimizer state in the tiered state's column order (empty for
+    SGD or when the checkpoint holds none: ``strict=False``), and the routed row order of a
+    roundrobin / hash_roundrobin FUSED table (None: torchrec's contiguous row blocks)."""
 
     weight_key: str
     state_keys: Tuple[str, ...]
     row_order: Optional[RowOrder]
-
-
-def _fused_state_head(weight_key: str, table: str) -> str:
-    """The checkpoint key prefix of a torchrec table's fused optimizer state."""
-    return f"{FUSED_OPTIMIZER_KEY}.state.{weight_key}.{table}."
-
-
-def _has_fused_state(metadata: Metadata) -> bool:
-    """Whether the checkpoint holds any fused optimizer state."""
-    head = f"{FUSED_OPTIMIZER_KEY}.state."
-    return any(key.startswith(head) for key in metadata.state_dict_metadata)
 
 
 def _saved_optimizer(metadata: Metadata, head: str, rows: int, dim: int) -> Tuple[str, Dict[str, List[int]]]:
@@ -73,31 +57,22 @@ def _saved_optimizer(metadata: Metadata, head: str, rows: int, dim: int) -> Tupl
     return "an unrecognised optimizer", found
 
 
-def _saved_row_order(
-    metadata: Metadata, reader: FileSystemReader, weight_key: str, where: str
-) -> Tuple[Optional[RowOrder], Optional[str]]:
+def _saved_row_order(src: Source, weight_key: str) -> Tuple[Optional[RowOrder], Optional[str]]:
     """The row order a routed FUSED table was saved in (None: contiguous rows), or why its rows
     cannot be put in global row order."""
     base = weight_key[: -len("weight")] + ROW_ORDER_KEY
-    fields = (*RowOrder._fields, "routing_version")
-    saved: Dict[str, Any] = {f"{base}.{f}": None for f in fields if f"{base}.{f}" in metadata.state_dict_metadata}
-    if not saved:
+    saved = read_row_orders(src, [base]).get(base)
+    if saved is None:
         return None, None
-    dcp_load(saved, reader, where, no_dist=True)
-    record = {f: saved.get(f"{base}.{f}") for f in fields}
-    md = metadata.state_dict_metadata[weight_key]
+    record = {f: saved.get(f) for f in (*RowOrder._fields, "routing_version")}
+    md = src.metadata.state_dict_metadata[weight_key]
     try:
-        order = RowOrder(
-            str(record["dist_type"]),
-            int(record["world_size"]),  # type: ignore[arg-type]
-            int(record["routing_seed"]),
-            int(record["num_embeddings"]),
-        )  # type: ignore[arg-type]
+        sizes_and_seed = [int(record[f]) for f in RowOrder._fields[1:]]  # type: ignore[arg-type]
+        order = RowOrder(str(record["dist_type"]), *sizes_and_seed)
         chunks = sorted((int(c.offsets[0]), int(c.sizes[0])) for c in md.chunks)  # type: ignore[union-attr]
         sizes = [local_rows(order.num_embeddings, order.world_size, r) for r in range(order.world_size)]
-        layout_ok = chunks == [(sum(sizes[:r]), n) for r, n in enumerate(sizes)] and order.num_embeddings == int(
-            md.size[0]
-        )  # type: ignore[union-attr]
+        blocks = [(sum(sizes[:r]), n) for r, n in enumerate(sizes)]
+        layout_ok = chunks == blocks and order.num_embeddings == int(md.size[0])  # type: ignore[union-attr]
     except (TypeError, ValueError, KeyError):
         layout_ok = False
     if not layout_ok or int(record.get("routing_version") or 0) != ROUTING_VERSION:
@@ -109,15 +84,10 @@ def _saved_row_order(
 
 
 def _adoption(
-    fqn: str,
-    shard: TieredEmbeddingShard,
-    key: str,
-    metadata: Metadata,
-    reader: FileSystemReader,
-    where: str,
-    fused_state: bool,
+    fqn: str, shard: TieredEmbeddingShard, key: str, src: Source, fused_state: bool
 ) -> Tuple[Optional[Adoption], Optional[str]]:
     """How tiered table ``fqn`` loads the torchrec table the checkpoint holds under ``key``, or why it cannot."""
+    metadata = src.metadata
     weight = metadata.state_dict_metadata[key]
     assert isinstance(weight, TensorStorageMetadata)
     table = fqn.rsplit(".", 1)[-1]
@@ -127,7 +97,7 @@ def _adoption(
             f"table {fqn!r}: the checkpoint holds a torchrec table of [num_embeddings, dim] = "
             f"{theirs}, this model a tiered table of {mine}"
         )
-    head = _fused_state_head(key, table)
+    head = f"{FUSED_OPTIMIZER_KEY}.state.{key}.{table}."  # the table's fused optimizer state
     saved_opt, names = _saved_optimizer(metadata, head, *mine)
     want = shard.optimizer.name
     # the checkpoint holds fused optimizer state: this table's must be its optimizer's
@@ -137,7 +107,7 @@ def _adoption(
             f"table {fqn!r}: the checkpoint holds fused optimizer state of {got} "
             f"(under {head}*), this model's tiered table trains with {want}"
         )
-    order, refusal = _saved_row_order(metadata, reader, key, where)
+    order, refusal = _saved_row_order(src, key)
     if refusal is not None:
         return None, f"table {fqn!r}: {refusal}"
     state_keys = tuple(
@@ -165,36 +135,25 @@ _MISFIT_FIXES: str = (
 
 
 def check_table_kinds(
-    metadata: Metadata,
-    reader: FileSystemReader,
+    src: Source,
     state: Dict[str, Any],
     tiered_here: Dict[str, TieredEmbeddingShard],
-    where: str,
     strict: bool,
     process_group: Optional[dist.ProcessGroup],
 ) -> Tuple[List[str], Dict[str, Adoption], List[str]]:
-    """Refuses, on every rank and before anything is read, a checkpoint whose tables do not
-    fit this model's kinds (DCP itself would fail mid-load on some ranks only); a tiered table
-    the checkpoint holds as a fitting torchrec table is adopted (:class:`Adoption`).
+    """Refuses (``TieredCheckpointError``), on every rank and before anything is read, a checkpoint
+    whose tables do not fit the kinds of this model's (DCP itself would fail mid-load on some ranks
+    only); ``strict`` also refuses tiered tables either side lacks entirely.
 
-    Args:
-        state: the model's regular state dict.
-        tiered_here: this rank's tiered tables by fqn.
-        where: the checkpoint, for messages.
-        strict: also refuse tiered tables either side lacks entirely.
-
-    Returns:
-        Without ``strict``, this rank's tiered tables the checkpoint lacks entirely (they keep
-        their rows); this rank's tables to adopt; and the tables tiered in the checkpoint that
-        some rank holds as torchrec tables (loaded by ``leave``).
-
-    Raises:
-        TieredCheckpointError: naming every such table, with possible solutions.
+    Returns this rank's tiered tables (``tiered_here``, by fqn) the checkpoint lacks entirely
+    (without ``strict``: they keep their rows); this rank's tables to adopt (:class:`Adoption`);
+    and the tables tiered in the checkpoint that some rank holds as torchrec tables (``leave``).
     """
+    metadata, where = src.metadata, src.where
     world = rank_world(process_group)[1]
     tiered_anywhere = {fqn for part in all_gather(sorted(tiered_here), world, process_group) for fqn in part}
     saved_tiered = {m.group(1) for key in metadata.state_dict_metadata if (m := TIERED_KEY.match(key))}
-    fused_state = _has_fused_state(metadata)
+    fused_state = any(key.startswith(f"{FUSED_OPTIMIZER_KEY}.state.") for key in metadata.state_dict_metadata)
     problems: List[str] = []
     misfits: List[str] = []
     absent: List[str] = []
@@ -208,7 +167,7 @@ def check_table_kinds(
             problems.append(f"table {fqn!r} is tiered in this model, but the checkpoint holds no rows of it")
         else:
             assert key is not None
-            adoption, misfit = _adoption(fqn, tiered_here[fqn], key, metadata, reader, where, fused_state)
+            adoption, misfit = _adoption(fqn, tiered_here[fqn], key, src, fused_state)
             if adoption is not None:
                 adopted[fqn] = adoption
             else:
@@ -270,7 +229,7 @@ def _saved_blocks(adoption: Adoption, metadata: Metadata, n: int) -> List[Tuple[
 
 
 def _adopted_blocks(
-    shard: TieredEmbeddingShard, adoption: Adoption, reader: FileSystemReader, metadata: Metadata, where: str
+    shard: TieredEmbeddingShard, adoption: Adoption, src: Source
 ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
     """Reads a torchrec table one saved row block at a time (this process alone): yields each
     block's int64 global ids, ``[rows, dim]`` weights and ``[rows, state_cols]`` fp32 optimizer
@@ -279,19 +238,15 @@ def _adopted_blocks(
     order = adoption.row_order
     rank_at: Dict[int, int] = {}  # a routed table's saving rank by its block's first row
     if order is not None:
-        start = 0
-        for r in range(order.world_size):
-            rows = local_rows(order.num_embeddings, order.world_size, r)
-            if rows:
-                rank_at[start] = r
-            start += rows
-    for start, stop in _saved_blocks(adoption, metadata, shard.num_embeddings):
+        sizes = [local_rows(order.num_embeddings, order.world_size, r) for r in range(order.world_size)]
+        rank_at = {sum(sizes[:r]): r for r in range(order.world_size) if sizes[r]}
+    for start, stop in _saved_blocks(adoption, src.metadata, shard.num_embeddings):
         state: Dict[str, Any] = {}
         for key in (adoption.weight_key, *adoption.state_keys):
-            kmd = metadata.state_dict_metadata[key]
+            kmd = src.metadata.state_dict_metadata[key]
             assert isinstance(kmd, TensorStorageMetadata)
             state[key] = torch.empty((stop - start, *kmd.size[1:]), dtype=kmd.properties.dtype)
-        layout.read_here(state, reader, where, planner=_RowBlockLoadPlanner(start))
+        layout.read_here(state, src, planner=_RowBlockLoadPlanner(start))
         weights = state.pop(adoption.weight_key)
         opt = (
             torch.cat([state.pop(k).reshape(stop - start, -1).to(torch.float32) for k in adoption.state_keys], dim=1)
@@ -305,31 +260,24 @@ def _adopted_blocks(
 
 
 @torch.no_grad()
-def check_adopted_rows(
-    shard: TieredEmbeddingShard, adoption: Adoption, reader: FileSystemReader, metadata: Metadata, fqn: str, where: str
-) -> None:
-    """Refuses NaN / inf rows of a torchrec table a tiered table loads, keeping none of them.
-
-    Raises:
-        TieredCheckpointError: naming the table and the number of such rows.
-    """
+def check_adopted_rows(shard: TieredEmbeddingShard, adoption: Adoption, src: Source, fqn: str) -> None:
+    """Refuses (``TieredCheckpointError``) NaN / inf rows of a torchrec table a tiered table
+    loads, naming the table and their number; keeps none of them."""
     non_finite = 0
-    for _, weights, opt in _adopted_blocks(shard, adoption, reader, metadata, where):
+    for _, weights, opt in _adopted_blocks(shard, adoption, src):
         bad = non_finite_rows(weights, opt if opt is not None else torch.empty((weights.shape[0], 0)))
         non_finite += 0 if bad is None else int(bad.sum())
         del weights, opt  # before the next block is read
     if non_finite:
         raise shard.checkpoint_error(
-            f"{non_finite} of the {shard.num_embeddings} rows of the torchrec table it would load from {where} "
+            f"{non_finite} of the {shard.num_embeddings} rows of the torchrec table it would load from {src.where} "
             f"(table {fqn!r}, {adoption.weight_key}) hold NaN or inf values or optimizer state",
             NON_FINITE_FIXES,
         )
 
 
-def load_adopted_table(
-    shard: TieredEmbeddingShard, adoption: Adoption, reader: FileSystemReader, metadata: Metadata, fqn: str, where: str
-) -> None:
+def load_adopted_table(shard: TieredEmbeddingShard, adoption: Adoption, src: Source) -> None:
     """Loads a tiered table from the torchrec table the checkpoint holds, one saved block at a
     time (optimizer state zero without it); the table keeps its own optimizer step."""
     step = shard.tiers.export_step()  # as export_state reads it
-    shard.load_row_blocks(_adopted_blocks(shard, adoption, reader, metadata, where), step)
+    shard.load_row_blocks(_adopted_blocks(shard, adoption, src), step)

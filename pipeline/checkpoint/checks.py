@@ -9,33 +9,27 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.tensor import DTensor
 
 from recpipe.pipeline.checkpoint.adopt import Adoption
 from recpipe.pipeline.checkpoint.errors import CheckpointLoadError, all_gather, rank_world
-from recpipe.pipeline.checkpoint.layout import FUSED_OPTIMIZER_KEY, dcp_load, is_recpipe_key
-from recpipe.pipeline.routing.row_order import ROW_ORDER_KEY, RowOrder, describe_row_order, row_order_refusal
+from recpipe.pipeline.checkpoint.layout import FUSED_OPTIMIZER_KEY, Source, is_recpipe_key, read_row_orders
+from recpipe.pipeline.routing.row_order import ROW_ORDER_KEY, describe_row_order, row_order_refusal
 
 
 def check_fused_optimizer(
-    metadata: Metadata,
+    src: Source,
     state: Dict[str, Any],
-    where: str,
     strict: bool,
     process_group: Optional[dist.ProcessGroup],
     adopted_without_state: Sequence[str] = (),
 ) -> None:
     """Refuses with ``strict`` a checkpoint without fused optimizer state (e.g. torchrec's own
-    ``dcp.save(model.state_dict())``); without it, drops :data:`FUSED_OPTIMIZER_KEY` from ``state``
-    so the model keeps its own (DCP alone would fail with "Missing key" even without ``strict``).
-
-    Args:
-        adopted_without_state: this rank's adopted tables whose optimizer keeps state the
-            checkpoint lacks.
-    """
+    ``dcp.save(model.state_dict())``) for ``state`` or for this rank's adopted tables whose
+    optimizer keeps state (``adopted_without_state``); without ``strict``, drops
+    :data:`FUSED_OPTIMIZER_KEY` from ``state`` so the model keeps its own (DCP alone would fail
+    with "Missing key" even without ``strict``)."""
     expected = (
         flatten_state_dict({FUSED_OPTIMIZER_KEY: state[FUSED_OPTIMIZER_KEY]})[0] if FUSED_OPTIMIZER_KEY in state else {}
     )
@@ -43,7 +37,7 @@ def check_fused_optimizer(
         # nothing to load on this rank (e.g. it holds no FUSED shard: {"state": {}}), which DCP
         # would look for as an entry of its own ("Missing key in checkpoint state_dict: fused_optimizer")
         del state[FUSED_OPTIMIZER_KEY]
-    found = any(key in metadata.state_dict_metadata for key in expected)
+    found = any(key in src.metadata.state_dict_metadata for key in expected)
     lacks = (bool(expected) and not found) or bool(adopted_without_state)
     if not strict:
         if expected and not found:
@@ -55,42 +49,33 @@ def check_fused_optimizer(
     # names each missing entry)
     if not any(lack for lack, _ in verdicts) or any(f for _, f in verdicts):
         return
-    head = FUSED_OPTIMIZER_KEY + "."
-    raise CheckpointLoadError(
-        where,
-        [
-            (
-                f"it holds no fused optimizer state (no {head}* entry): it was saved from model.state_dict() alone, "
-                "e.g. by torchrec's own torch.distributed.checkpoint.save(model.state_dict(), ...)",
-                list(range(world)),
-            )
-        ],
-        (
-            "pass strict=False to load its weights and keep this model's fused optimizer state (e.g. fresh Adagrad "
-            "accumulators; a tiered table loading a torchrec table's rows starts from zero state: training goes on, "
-            "but not exactly as the saving job's would)",
-            f"save with recpipe.pipeline.checkpoint.dcp.save, or add model.fused_optimizer.state_dict() under the key "
-            f"{FUSED_OPTIMIZER_KEY!r} of the state dict you save",
-        ),
+    problem = (
+        f"it holds no fused optimizer state (no {FUSED_OPTIMIZER_KEY}.* entry): it was saved from model.state_dict() "
+        "alone, e.g. by torchrec's own torch.distributed.checkpoint.save(model.state_dict(), ...)"
     )
+    fixes = (
+        "pass strict=False to load its weights and keep this model's fused optimizer state (e.g. fresh Adagrad "
+        "accumulators; a tiered table loading a torchrec table's rows starts from zero state: training goes on, "
+        "but not exactly as the saving job's would)",
+        f"save with recpipe.pipeline.checkpoint.dcp.save, or add model.fused_optimizer.state_dict() under the key "
+        f"{FUSED_OPTIMIZER_KEY!r} of the state dict you save",
+    )
+    raise CheckpointLoadError(src.where, [(problem, list(range(world)))], fixes)
 
 
 def check_unexpected_entries(
-    metadata: Metadata,
+    src: Source,
     state: Dict[str, Any],
-    where: str,
     strict: bool,
     process_group: Optional[dist.ProcessGroup],
     adopted: Sequence[Adoption] = (),
 ) -> None:
-    """With ``strict``, refuses a checkpoint holding regular entries this model lacks (``dcp.load``
-    would drop them silently); the ``adopted`` tables' entries count as the model's.
-
-    Raises:
-        CheckpointLoadError: naming (up to 5 of) the entries and their number.
-    """
+    """With ``strict``, refuses (``CheckpointLoadError``, naming up to 5 and their number) a
+    checkpoint holding regular entries this model lacks (``dcp.load`` would drop them silently);
+    the ``adopted`` tables' entries count as the model's."""
     if not strict:
         return
+    metadata = src.metadata
     expected = set(flatten_state_dict(state)[0])
     for a in adopted:
         row_order = a.weight_key[: -len("weight")] + ROW_ORDER_KEY + "."
@@ -105,50 +90,29 @@ def check_unexpected_entries(
     if not names:
         return
     listed = ", ".join(names[:5]) + (f", ... ({len(names)} in all)" if len(names) > 5 else "")
-    raise CheckpointLoadError(
-        where,
-        [
-            (
-                f"it holds entries this model does not have: {listed} (saved by a model with other modules or tables)",
-                list(range(world)),
-            )
-        ],
-        (
-            "build the model as the saving job did (the same modules, tables and optimizer)",
-            "pass strict=False to load the entries this model has and ignore the others",
-            "start from fresh weights instead of this checkpoint",
-        ),
+    problem = f"it holds entries this model does not have: {listed} (saved by a model with other modules or tables)"
+    fixes = (
+        "build the model as the saving job did (the same modules, tables and optimizer)",
+        "pass strict=False to load the entries this model has and ignore the others",
+        "start from fresh weights instead of this checkpoint",
     )
+    raise CheckpointLoadError(src.where, [(problem, list(range(world)))], fixes)
 
 
-def check_row_orders(
-    metadata: Metadata,
-    state: Dict[str, Any],
-    reader: FileSystemReader,
-    where: str,
-    process_group: Optional[dist.ProcessGroup],
-) -> None:
-    """Refuses, before any row is read, sharded weights saved in another row order than this
-    model's (routed rows that DCP would reshard as contiguous blocks, in place, on other ids).
-
-    Raises:
-        RowOrderMismatchError: naming each such table and both row orders.
-    """
-    saved_keys = metadata.state_dict_metadata
-    fields = (*RowOrder._fields, "routing_version")
+def check_row_orders(src: Source, state: Dict[str, Any], process_group: Optional[dist.ProcessGroup]) -> None:
+    """Refuses (``RowOrderMismatchError``, naming each table and both row orders), before any row
+    is read, sharded weights saved in another row order than this model's (routed rows that DCP
+    would reshard as contiguous blocks, in place, on other ids)."""
     weights = [
         k
         for k, v in state.items()
-        if k.endswith(".weight") and isinstance(v, (ShardedTensor, DTensor)) and k in saved_keys
+        if k.endswith(".weight") and isinstance(v, (ShardedTensor, DTensor)) and k in src.metadata.state_dict_metadata
     ]
     bases = [k[: -len("weight")] + ROW_ORDER_KEY for k in weights]
-    saved_bases = [b for b in bases if any(f"{b}.{f}" in saved_keys for f in fields)]
-    saved: Dict[str, Any] = {f"{b}.{f}": None for b in saved_bases for f in fields if f"{b}.{f}" in saved_keys}
-    if saved:
-        dcp_load(saved, reader, where, no_dist=True)
+    saved = read_row_orders(src, bases)
     problems: List[str] = []
     for weight, base in zip(weights, bases):
-        theirs = {f: saved[f"{base}.{f}"] for f in fields if f"{base}.{f}" in saved} if base in saved_bases else None
+        theirs = saved.get(base)
         if theirs != state.get(base):
             problems.append(
                 f"table {weight[: -len('.weight')]!r}: the checkpoint holds "
@@ -157,4 +121,4 @@ def check_row_orders(
     world = rank_world(process_group)[1]
     everyone = sorted({p for part in all_gather(problems, world, process_group) for p in part})
     if everyone:
-        raise row_order_refusal(f"recpipe.pipeline.checkpoint.dcp.load of {where}", everyone)
+        raise row_order_refusal(f"recpipe.pipeline.checkpoint.dcp.load of {src.where}", everyone)

@@ -19,7 +19,6 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalFileSystem
-from torch.distributed.checkpoint.metadata import Metadata
 
 from recpipe.pipeline.checkpoint import exports
 from recpipe.pipeline.checkpoint.adopt import Adoption, check_adopted_rows, check_table_kinds, load_adopted_table
@@ -41,12 +40,14 @@ from recpipe.pipeline.checkpoint.errors import (
     all_gather,
     dcp_failures,
     raise_first_refusal,
+    raise_refusals,
     rank_world,
     refusals,
 )
 from recpipe.pipeline.checkpoint.integrity import SaveLock, acquire_save_lock, release_save_lock
 from recpipe.pipeline.checkpoint.layout import (
     FUSED_OPTIMIZER_KEY,
+    Source,
     dcp_load,
     dcp_state_dict,
     extra_state_entry,
@@ -60,7 +61,6 @@ from recpipe.pipeline.routing.ops import check_int
 from recpipe.pipeline.routing.row_order import ROW_ORDER_KEY
 from recpipe.pipeline.tiered.migration import optimizer_tables, write_optimizer_rows
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
-from recpipe.pipeline.tiered.state import TieredCheckpointError
 
 
 def _open_reader(
@@ -68,8 +68,8 @@ def _open_reader(
     checkpoint: Union[PathLike, FileSystemReader],
     verify_files: bool,
     process_group: Optional[dist.ProcessGroup],
-) -> Tuple[FileSystemReader, str, bool]:
-    """The reader, the checkpoint's name for messages, and whether ``save`` checked its tiered rows."""
+) -> Tuple[Source, bool]:
+    """The checkpoint to read, and whether ``save`` checked its tiered rows."""
     check_model(model, "load_dcp_state_dict")
     if not isinstance(checkpoint, FileSystemReader):
         check_path(checkpoint, "checkpoint")
@@ -84,12 +84,13 @@ def _open_reader(
     if local:
         check_directory(reader.path, "checkpoint", process_group)
     rows_checked = verify(Path(reader.path), process_group) if verify_files else False
-    return reader, f"checkpoint {os.fspath(reader.path)}", rows_checked
+    return Source(reader, reader.read_metadata(), f"checkpoint {os.fspath(reader.path)}"), rows_checked
 
 
 class _LoadPlan(NamedTuple):
     """What a load does, checked on every rank before anything is read into the model."""
 
+    src: Source
     state: Dict[str, Any]  # the model's regular state dict for DCP's load
     tiered: Dict[str, TieredEmbeddingShard]  # tiered tables loaded from the exports
     heads: Dict[str, Dict[int, Dict[str, Any]]]  # their exports' checked metadata and steps
@@ -98,98 +99,57 @@ class _LoadPlan(NamedTuple):
     unadopted: Dict[str, Unadoption]  # torchrec tables loaded from the checkpoint's exports
 
 
-def _plan_load(
-    model: nn.Module,
-    reader: FileSystemReader,
-    metadata: Metadata,
-    where: str,
-    strict: bool,
-    process_group: Optional[dist.ProcessGroup],
-) -> _LoadPlan:
+def _plan_load(model: nn.Module, src: Source, strict: bool, process_group: Optional[dist.ProcessGroup]) -> _LoadPlan:
     """Checks the checkpoint against the model on every rank; reads no row."""
     state, found = regular_state_dict(model)
     tiered = tiered_tables(found)
-    absent, adopted, fused_tiered = check_table_kinds(metadata, reader, state, tiered, where, strict, process_group)
+    absent, adopted, fused_tiered = check_table_kinds(src, state, tiered, strict, process_group)
     # tables tiered in the checkpoint, torchrec tables here: their exports checked first
-    unadopted = check_unadoptions(model, fused_tiered, state, reader, metadata, where, process_group)
+    unadopted = check_unadoptions(model, fused_tiered, state, src, process_group)
     # tiered tables the checkpoint holds as torchrec tables: streamed from them by saved block
     adopters = {fqn: tiered.pop(fqn) for fqn in adopted}
     for fqn in absent:
         del tiered[fqn]
-    check_fused_optimizer(
-        metadata,
-        state,
-        where,
-        strict,
-        process_group,
-        [fqn for fqn, a in adopted.items() if not a.state_keys and adopters[fqn].state_cols],
-    )
-    check_row_orders(metadata, state, reader, where, process_group)
-    check_unexpected_entries(
-        metadata,
-        state,
-        where,
-        strict,
-        process_group,
-        [*adopted.values(), *(Adoption(u.weight_key, (), None) for u in unadopted.values())],
-    )
+    without_state = [fqn for fqn, a in adopted.items() if not a.state_keys and adopters[fqn].state_cols]
+    check_fused_optimizer(src, state, strict, process_group, without_state)
+    check_row_orders(src, state, process_group)
+    entries = [*adopted.values(), *(Adoption(u.weight_key, (), None) for u in unadopted.values())]
+    check_unexpected_entries(src, state, strict, process_group, entries)
     # a table of another size, dim or optimizer must leave the whole model untouched
     heads: Dict[str, Dict[int, Dict[str, Any]]] = {}
 
     def read_heads() -> None:
-        heads.update({fqn: exports.tiered_heads(shard, reader, metadata, fqn, where) for fqn, shard in tiered.items()})
+        heads.update({fqn: exports.tiered_heads(shard, src, fqn) for fqn, shard in tiered.items()})
 
     raise_first_refusal(refusals(read_heads, process_group), process_group)
-    return _LoadPlan(state, tiered, heads, adopted, adopters, unadopted)
+    return _LoadPlan(src, state, tiered, heads, adopted, adopters, unadopted)
 
 
-def _check_rows_first(
-    plan: _LoadPlan,
-    reader: FileSystemReader,
-    metadata: Metadata,
-    where: str,
-    process_group: Optional[dist.ProcessGroup],
-) -> None:
-    """Refuses NaN / inf or missing tiered (and adopted) rows on every rank before anything is loaded."""
-
-    def check() -> None:
-        for fqn, shard in plan.tiered.items():
-            exports.check_tiered_rows(shard, plan.heads[fqn], reader, metadata, fqn, where)
-        for fqn, shard in plan.adopters.items():  # one saved chunk at a time, nothing kept
-            check_adopted_rows(shard, plan.adopted[fqn], reader, metadata, fqn, where)
-
-    problems = refusals(check, process_group)
-    if problems:
-        raise TieredCheckpointError(
-            "\n".join(f"rank {r}: {p}" for r, p in problems)
-            + f"\nNothing was loaded from {where}: the model is unchanged."
-        )
+def _each_table(plan: _LoadPlan, check: bool) -> None:
+    """Checks (NaN / inf or missing rows, keeping none) or loads the tiered tables: from their
+    exports, then the adopted ones from the torchrec tables (one saved chunk at a time)."""
+    for fqn, shard in plan.tiered.items():
+        if check:
+            exports.check_tiered_rows(shard, plan.heads[fqn], plan.src, fqn)
+        else:
+            exports.load_tiered_table(shard, plan.heads[fqn], plan.src, fqn)
+    for fqn, shard in plan.adopters.items():
+        if check:
+            check_adopted_rows(shard, plan.adopted[fqn], plan.src, fqn)
+        else:
+            load_adopted_table(shard, plan.adopted[fqn], plan.src)
 
 
-def _load_regular(
-    model: nn.Module,
-    plan: _LoadPlan,
-    reader: FileSystemReader,
-    metadata: Metadata,
-    where: str,
-    strict: bool,
-    process_group: Optional[dist.ProcessGroup],
-) -> None:
+def _load_regular(model: nn.Module, plan: _LoadPlan, strict: bool, process_group: Optional[dist.ProcessGroup]) -> None:
     """DCP's load of the regular part, the fused optimizer state and the unadopted torchrec tables."""
-    state, unadopted = plan.state, plan.unadopted
+    state, unadopted, src = plan.state, plan.unadopted, plan.src
     # strict=False: entries the checkpoint lacks keep the model's values (load_state_dict's
     # strict=False); DCP alone refuses them ("Missing key in checkpoint state_dict").
     # an adopted table's weight key holds the tiered table's empty placeholder here and the
     # torchrec table in the checkpoint: streamed by load_adopted_table, not resharded by DCP
     placeholders = {a.weight_key: state.pop(a.weight_key) for a in plan.adopted.values()}
-    dcp_load(
-        state,
-        reader,
-        where,
-        process_group=process_group,
-        no_dist=not dist.is_initialized(),
-        planner=DefaultLoadPlanner(allow_partial_load=not strict),
-    )
+    planner = DefaultLoadPlanner(allow_partial_load=not strict)
+    dcp_load(state, src, process_group=process_group, no_dist=not dist.is_initialized(), planner=planner)
     optimizer_state = state.pop(FUSED_OPTIMIZER_KEY, None)
     state.update(placeholders)
     if optimizer_state is not None:  # the unadopted tables' own state (torchrec's load wants every table)
@@ -200,10 +160,7 @@ def _load_regular(
     # one table at a time (model.load_state_dict copies them in, onto themselves where they alias
     # the TBE's rows); their optimizer state after torchrec's optimizer load, which would reload it
     unadopted_state = {
-        u.weight_key[: -len(".weight")]: (
-            fill_unadopted(u, reader, metadata, where),
-            int(u.heads[min(u.heads)]["step"]),
-        )
+        u.weight_key[: -len(".weight")]: (fill_unadopted(u, src), int(u.heads[min(u.heads)]["step"]))
         for u in unadopted.values()
     }
     for u in unadopted.values():
@@ -257,31 +214,17 @@ def load_dcp_state_dict(
         RowOrderMismatchError: a routed FUSED table saved or loaded in another routing, world
             size or seed (DCP cannot reshard routed rows).
     """
-    reader, where, rows_checked = _open_reader(model, checkpoint, verify, process_group)
-    metadata = reader.read_metadata()
-    plan = _plan_load(model, reader, metadata, where, strict, process_group)
+    src, rows_checked = _open_reader(model, checkpoint, verify, process_group)
+    plan = _plan_load(model, src, strict, process_group)
     if not (check_rows is False or (check_rows is None and rows_checked)):
-        _check_rows_first(plan, reader, metadata, where, process_group)
-    _load_regular(model, plan, reader, metadata, where, strict, process_group)
+        problems = refusals(lambda: _each_table(plan, check=True), process_group)
+        raise_refusals(problems, f"Nothing was loaded from {src.where}: the model is unchanged.")
+    _load_regular(model, plan, strict, process_group)
     # Checked again while loading (only a file changed since fails here); every rank learns any refusal.
-    problems = refusals(
-        lambda: (
-            [
-                exports.load_tiered_table(shard, plan.heads[fqn], reader, metadata, fqn, where)
-                for fqn, shard in plan.tiered.items()
-            ],
-            [
-                load_adopted_table(shard, plan.adopted[fqn], reader, metadata, fqn, where)
-                for fqn, shard in plan.adopters.items()
-            ],
-        ),
-        process_group,
+    problems = refusals(lambda: _each_table(plan, check=False), process_group)
+    raise_refusals(
+        problems, f"The model is partly loaded from {src.where}: load another checkpoint into it, or rebuild it."
     )
-    if problems:
-        raise TieredCheckpointError(
-            "\n".join(f"rank {r}: {p}" for r, p in problems)
-            + f"\nThe model is partly loaded from {where}: load another checkpoint into it, or rebuild it."
-        )
 
 
 def _lock_directory(checkpoint_id: PathLike) -> Tuple[Optional[SaveLock], Optional[str], Optional[Tuple[str, ...]]]:
@@ -298,18 +241,16 @@ def _lock_directory(checkpoint_id: PathLike) -> Tuple[Optional[SaveLock], Option
     if lock.error is not None:
         return lock, f"creating {lock.path} failed ({type(lock.error).__name__}: {lock.error})", None
     if lock.holder is not None:
-        return (
-            lock,
-            (
-                f"another save ({lock.holder}) is writing into {os.fspath(checkpoint_id)} at this moment "
-                f"(it holds {lock.path}); two saves into one directory would mix their files"
-            ),
-            (
-                "give each job (and each concurrent save) its own checkpoint directory",
-                "wait until the other save has returned, then save again (this save wrote nothing: the "
-                "directory keeps what the other save writes)",
-            ),
+        problem = (
+            f"another save ({lock.holder}) is writing into {os.fspath(checkpoint_id)} at this moment "
+            f"(it holds {lock.path}); two saves into one directory would mix their files"
         )
+        fixes = (
+            "give each job (and each concurrent save) its own checkpoint directory",
+            "wait until the other save has returned, then save again (this save wrote nothing: the "
+            "directory keeps what the other save writes)",
+        )
+        return lock, problem, fixes
     record = Path(checkpoint_id, DIGESTS_NAME)
     try:  # an older save's record does not describe the files this save writes
         record.unlink(missing_ok=True)
@@ -363,15 +304,12 @@ def save(
         (p, [r]) for r, part in enumerate(all_gather(non_finite_tiered_rows(state), world, process_group)) for p in part
     ]
     if non_finite:
-        raise CheckpointSaveError(
-            where,
-            non_finite,
-            (
-                "training diverged (or the rows were set so): find the first non-finite loss, lower the learning "
-                "rate, and save from a model whose tables are finite",
-                "load the last good checkpoint instead (this save wrote nothing: the directory keeps its older save)",
-            ),
+        fixes = (
+            "training diverged (or the rows were set so): find the first non-finite loss, lower the learning "
+            "rate, and save from a model whose tables are finite",
+            "load the last good checkpoint instead (this save wrote nothing: the directory keeps its older save)",
         )
+        raise CheckpointSaveError(where, non_finite, fixes)
     lock, failed, fixes = _lock_directory(checkpoint_id) if rank == 0 else (None, None, None)
     try:
         # every rank learns it before any enters DCP's save, a collective the others would wait in

@@ -64,17 +64,17 @@ def check_directory(
 ) -> None:
     """Raises, on every rank, ``FileNotFoundError`` / ``NotADirectoryError`` when ``directory`` is
     missing or a file on some rank (collective: no rank is left waiting in the load's first collective)."""
-    problem: Optional[Tuple[str, str]] = None
+    problem: Optional[Tuple[type, str]] = None
     if os.path.exists(directory) and not os.path.isdir(directory):
         problem = (
-            "NotADirectoryError",
+            NotADirectoryError,
             f"DCP checkpoint {os.fspath(directory)!r} (`{argument}`) is a file, not a directory; pass the "
             "directory given to recpipe.pipeline.checkpoint.save (the one holding .metadata and "
             f"{DIGESTS_NAME}), not one of its files.",
         )
     elif not os.path.isdir(directory):
         problem = (
-            "FileNotFoundError",
+            FileNotFoundError,
             f"DCP checkpoint directory {os.fspath(directory)!r} (`{argument}`) does not exist; pass the "
             "directory given to recpipe.pipeline.checkpoint.save (on a file system every loading rank sees).",
         )
@@ -86,7 +86,7 @@ def check_directory(
     kind, message = problem if problem is not None else everyone[bad[0]]
     if len(bad) < world:
         message += f" (on rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))} of {world})"
-    raise (NotADirectoryError if kind == "NotADirectoryError" else FileNotFoundError)(message)
+    raise kind(message)
 
 
 def referenced_files(metadata: Metadata) -> List[str]:
@@ -156,14 +156,11 @@ def read_digests(directory: Path) -> Dict[str, Any]:
     """The record :data:`DIGESTS_NAME` (``files`` table and flags), checked against its own digest."""
     path = directory / DIGESTS_NAME
     if not path.is_file():
+        problem = (
+            "missing: the checkpoint was not written by recpipe.pipeline.checkpoint.save, or its save did not finish"
+        )
         raise CheckpointIntegrityError(
-            [
-                (
-                    str(path),
-                    "missing: the checkpoint was not written by recpipe.pipeline.checkpoint.save, or its save "
-                    "did not finish",
-                )
-            ],
+            [(str(path), problem)],
             (
                 "if the save finished (e.g. your own torch.distributed.checkpoint.save of dcp_state_dict(model)), "
                 "call recpipe.pipeline.checkpoint.write_digests(checkpoint_id) once on the saving ranks' files",
@@ -231,13 +228,6 @@ def verify(directory: Path, process_group: Optional[dist.ProcessGroup], collecti
         raise CheckpointIntegrityError(everyone, fixes)
     unrecorded = sorted(set(referenced_files(FileSystemReader(directory).read_metadata())) - set(files))
     if unrecorded:
-        raise CheckpointIntegrityError(
-            [
-                (
-                    str(directory / DCP_METADATA_NAME),
-                    f"references {unrecorded}, which {DIGESTS_NAME} does not list (files of another save)",
-                )
-            ],
-            CORRUPT_FIXES,
-        )
+        problem = f"references {unrecorded}, which {DIGESTS_NAME} does not list (files of another save)"
+        raise CheckpointIntegrityError([(str(directory / DCP_METADATA_NAME), problem)], CORRUPT_FIXES)
     return record.get(ROWS_CHECKED_KEY) is True

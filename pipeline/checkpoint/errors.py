@@ -33,12 +33,8 @@ def numbered(fixes: Sequence[str]) -> List[str]:
 
 class CheckpointIntegrityError(RuntimeError):
     """Files of a DCP checkpoint differ from its digests record, or the record is missing or
-    damaged. Raised on every rank before anything is loaded.
-
-    Args:
-        problems: ``(path, problem)`` of each bad file.
-        fixes: the possible solutions, numbered in the message.
-    """
+    damaged (``problems``: ``(path, problem)`` of each bad file; ``fixes`` numbered in the
+    message). Raised on every rank before anything is loaded."""
 
     def __init__(self, problems: Sequence[Tuple[str, str]], fixes: Sequence[str]) -> None:
         self.problems: List[Tuple[str, str]] = list(problems)
@@ -62,68 +58,43 @@ def describe_failures(problems: Sequence[Tuple[str, Sequence[int]]]) -> List[str
 
 class DCPFailure(RuntimeError):
     """DCP's ``CheckpointException`` (a ``BaseException`` holding a traceback per rank) as an
-    ordinary exception naming each distinct problem once with the ranks that hit it.
+    ordinary exception: :attr:`HEADER` naming the checkpoint ``where``, each distinct problem of
+    ``problems`` (``(problem, ranks)``, :func:`dcp_failures`) once with the ranks that hit it, then
+    the possible solutions (``fixes``, by default :attr:`FIXES`)."""
 
-    Args:
-        header: what failed, for the first line.
-        problems: ``(problem, ranks)`` of each distinct failure (:func:`dcp_failures`).
-        fixes: the possible solutions, numbered in the message.
-    """
+    HEADER: str = "{where}"
+    FIXES: Tuple[str, ...] = ()
 
-    def __init__(self, header: str, problems: Sequence[Tuple[str, Sequence[int]]], fixes: Sequence[str]) -> None:
+    def __init__(
+        self, where: str, problems: Sequence[Tuple[str, Sequence[int]]], fixes: Optional[Sequence[str]] = None
+    ) -> None:
         self.problems: List[Tuple[str, List[int]]] = [(p, list(r)) for p, r in problems]
-        lines = [header] + [f"  - {line}" for line in describe_failures(self.problems)] + numbered(fixes)
-        super().__init__("\n".join(lines))
+        lines = [self.HEADER.format(where=where)] + [f"  - {line}" for line in describe_failures(self.problems)]
+        super().__init__("\n".join(lines + numbered(self.FIXES if fixes is None else fixes)))
 
 
 class CheckpointLoadError(DCPFailure):
     """DCP's load refused the regular part of a checkpoint (another shape, a missing entry).
-    DCP finds these while planning, so the model is unchanged.
+    DCP finds these while planning, so the model is unchanged."""
 
-    Args:
-        where: the checkpoint, for the message.
-        fixes: the possible solutions (default: those of a model unlike the saving job's).
-    """
-
-    def __init__(
-        self, where: str, problems: Sequence[Tuple[str, Sequence[int]]], fixes: Optional[Sequence[str]] = None
-    ) -> None:
-        super().__init__(
-            f"{where} could not be loaded into this model (torch.distributed.checkpoint.load failed):",
-            problems,
-            fixes
-            if fixes is not None
-            else (
-                "build the model as the saving job did: the same table sizes and dims, dense layers, module names "
-                "and optimizer (each line above names the entry; a size mismatch quotes both shapes)",
-                "load a checkpoint saved from this model's configuration",
-                "start from fresh weights instead of this checkpoint",
-            ),
-        )
+    HEADER = "{where} could not be loaded into this model (torch.distributed.checkpoint.load failed):"
+    FIXES = (
+        "build the model as the saving job did: the same table sizes and dims, dense layers, module names "
+        "and optimizer (each line above names the entry; a size mismatch quotes both shapes)",
+        "load a checkpoint saved from this model's configuration",
+        "start from fresh weights instead of this checkpoint",
+    )
 
 
 class CheckpointSaveError(DCPFailure):
     """A save failed (e.g. a full disk); no digests record was written, so ``load`` refuses the
-    partial checkpoint. Raised on every rank.
+    partial checkpoint. Raised on every rank."""
 
-    Args:
-        where: the checkpoint, for the message.
-        fixes: the possible solutions (default: those of a failed write).
-    """
-
-    def __init__(
-        self, where: str, problems: Sequence[Tuple[str, Sequence[int]]], fixes: Optional[Sequence[str]] = None
-    ) -> None:
-        super().__init__(
-            f"{where} was not saved:",
-            problems,
-            fixes
-            if fixes is not None
-            else (
-                "check the free space and permissions of the checkpoint directory, then save again",
-                "save into another directory",
-            ),
-        )
+    HEADER = "{where} was not saved:"
+    FIXES = (
+        "check the free space and permissions of the checkpoint directory, then save again",
+        "save into another directory",
+    )
 
 
 def rank_world(process_group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
@@ -152,6 +123,12 @@ def refusals(action: Callable[[], Any], process_group: Optional[dist.ProcessGrou
         problem = str(e)
     world = rank_world(process_group)[1]
     return [(r, p) for r, p in enumerate(all_gather(problem, world, process_group)) if p is not None]
+
+
+def raise_refusals(problems: List[Tuple[int, str]], outcome: str) -> None:
+    """Raises every rank's refusal of :func:`refusals`, one line each, then ``outcome``, when any."""
+    if problems:
+        raise TieredCheckpointError("\n".join([f"rank {r}: {p}" for r, p in problems] + [outcome]))
 
 
 def raise_first_refusal(problems: List[Tuple[int, str]], process_group: Optional[dist.ProcessGroup]) -> None:

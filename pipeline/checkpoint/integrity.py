@@ -12,9 +12,10 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import socket
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, Iterator, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional
 
 READ_CHUNK_BYTES: int = 1 << 22  # bytes per read while hashing (4 MiB); sha256 itself bounds the rate
 # the file a saving process holds an exclusive flock on (its content names the holder)
@@ -43,14 +44,10 @@ def json_digest(body: Dict[str, Any]) -> str:
 
 def is_file_entry(entry: Any) -> bool:
     """Whether ``entry`` is a well-formed :data:`FileEntry`."""
-    sha = entry.get("sha256") if isinstance(entry, dict) else None
-    return (
-        isinstance(entry, dict)
-        and isinstance(entry.get("bytes"), int)
-        and isinstance(sha, str)
-        and len(sha) == 64
-        and all(c in "0123456789abcdef" for c in sha)
-    )
+    if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
+        return False
+    sha = entry.get("sha256")
+    return isinstance(sha, str) and re.fullmatch("[0-9a-f]{64}", sha) is not None
 
 
 def file_problem(path: Path, entry: FileEntry, record: str) -> Optional[str]:
@@ -86,15 +83,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def atomic_file(path: Path) -> Iterator[BinaryIO]:
-    """Writes ``path`` atomically: yields a temporary file beside it, then fsyncs it, replaces
-    ``path`` with it and fsyncs the directory. On failure the temporary file is removed and
-    ``path`` is untouched."""
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` atomically: into a temporary file beside it, which is fsynced,
+    then replaces ``path``; then fsyncs the directory. On failure the temporary file is removed
+    and ``path`` is untouched."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as f:
-            yield f
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -105,29 +101,14 @@ def atomic_file(path: Path) -> Iterator[BinaryIO]:
     fsync_dir(path.parent)
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` through :func:`atomic_file`."""
-    with atomic_file(path) as f:
-        f.write(data)
-
-
 class SaveLock(NamedTuple):
-    """The outcome of :func:`acquire_save_lock`.
+    """The outcome of :func:`acquire_save_lock`. All of ``fd``, ``holder``, ``error`` None: the
+    file system has no ``flock`` (some NFS or Lustre mounts); the save goes on unlocked."""
 
-    Attributes:
-        fd: the locked file's descriptor; None when not held.
-        holder: when another process holds the lock, what its file says of it (``"pid N on HOST"``).
-        error: the lock file (or its directory) could not be created.
-        path: the lock file.
-
-    All of ``fd``, ``holder``, ``error`` None: the file system has no ``flock`` (some NFS or
-    Lustre mounts); the save goes on unlocked.
-    """
-
-    fd: Optional[int]
-    holder: Optional[str]
-    error: Optional[OSError]
-    path: Path
+    fd: Optional[int]  # the locked file's descriptor; None when not held
+    holder: Optional[str]  # another process holds the lock: what its file says of it ("pid N on HOST")
+    error: Optional[OSError]  # the lock file (or its directory) could not be created
+    path: Path  # the lock file
 
 
 def acquire_save_lock(directory: Path) -> SaveLock:
@@ -167,11 +148,8 @@ def acquire_save_lock(directory: Path) -> SaveLock:
 
 
 def release_save_lock(lock: SaveLock, remove: bool = False) -> None:
-    """Releases a lock :func:`acquire_save_lock` took (no-op when not held).
-
-    Args:
-        remove: also remove the lock file (before unlocking, so no process locks the removed file).
-    """
+    """Releases a lock :func:`acquire_save_lock` took (no-op when not held); ``remove`` also
+    removes the lock file (before unlocking, so no process locks the removed file)."""
     if lock.fd is None:
         return
     if remove:

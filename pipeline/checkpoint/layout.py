@@ -2,7 +2,7 @@
 
 Keys: the model's regular ``state_dict()``; ``fused_optimizer.<...>``; each owning rank's export
 of every tiered table under ``tiered.<table fqn>.rank<r>.<field>`` (:func:`tiered_dcp_key`);
-``extra_state.rank<r>`` (pickled). Imports ``checkpoint.{errors, digests}`` and ``tiered``.
+``extra_state.rank<r>`` (pickled). Imports ``checkpoint.{errors, digests}``, ``routing`` and ``tiered``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import json
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from recpipe.pipeline.checkpoint.digests import PathLike, check_model, check_path
 from recpipe.pipeline.checkpoint.errors import CheckpointLoadError, dcp_failures
+from recpipe.pipeline.routing.row_order import RowOrder
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.sharded import TieredTablesMixin, state_dict_without_tiered_rows
 from recpipe.pipeline.tiered.state import TieredCheckpointError, TieredShardState
@@ -36,12 +37,17 @@ TIERED_KEY: "re.Pattern[str]" = re.compile(rf"^{TIERED_DCP_PREFIX}\.(.+)\.rank\d
 _EXTRA_KEY: "re.Pattern[str]" = re.compile(rf"^{EXTRA_STATE_PREFIX}\.rank(\d+)$")
 
 
-def tiered_dcp_key(table_fqn: str, rank: int, field: str) -> str:
-    """``tiered.<table_fqn>.rank<rank>.<field>``: one field (of :data:`FIELDS`) of one rank's export.
+class Source(NamedTuple):
+    """The checkpoint a load reads: its reader, its DCP metadata and its name for messages."""
 
-    Args:
-        table_fqn: as in the model's ``state_dict()`` (e.g. ``ebc.embedding_bags.t0``).
-    """
+    reader: FileSystemReader
+    metadata: Metadata
+    where: str
+
+
+def tiered_dcp_key(table_fqn: str, rank: int, field: str) -> str:
+    """``tiered.<table_fqn>.rank<rank>.<field>``: one field (of :data:`FIELDS`) of one rank's export
+    (``table_fqn`` as in the model's ``state_dict()``, e.g. ``ebc.embedding_bags.t0``)."""
     if field not in FIELDS:
         raise ValueError(f"field must be one of {FIELDS}, got {field!r}.")
     return f"{TIERED_DCP_PREFIX}.{table_fqn}.rank{rank}.{field}"
@@ -87,12 +93,9 @@ def dcp_state_dict(model: nn.Module) -> Dict[str, Any]:
     state, found = regular_state_dict(model)
     for fqn, shard in tiered_tables(found).items():
         st = shard.export_state()
-        rank = int(st.metadata["rank"])
-        state[tiered_dcp_key(fqn, rank, "global_ids")] = st.global_ids
-        state[tiered_dcp_key(fqn, rank, "weights")] = st.weights
-        state[tiered_dcp_key(fqn, rank, "optimizer_state")] = st.optimizer_state
-        state[tiered_dcp_key(fqn, rank, "step")] = torch.tensor(st.step, dtype=torch.int64)
-        state[tiered_dcp_key(fqn, rank, "metadata")] = json.dumps(st.metadata, sort_keys=True)
+        entries = st.entries()
+        entries["metadata"] = json.dumps(entries.pop("_extra_state"), sort_keys=True)
+        state.update({tiered_dcp_key(fqn, int(st.metadata["rank"]), f): v for f, v in entries.items()})
     return state
 
 
@@ -117,37 +120,47 @@ def weight_key(table_fqn: str, state: Dict[str, Any]) -> Optional[str]:
     return max(keys, key=len) if keys else None
 
 
-def dcp_load(state: Dict[str, Any], reader: FileSystemReader, where: str, **kwargs: Any) -> None:
-    """``dcp.load(state, storage_reader=reader, **kwargs)``, DCP's failure raised as a :class:`CheckpointLoadError`."""
+def dcp_load(state: Dict[str, Any], src: Source, **kwargs: Any) -> None:
+    """``dcp.load(state, storage_reader=src.reader, **kwargs)``, DCP's failure raised as a
+    :class:`CheckpointLoadError`."""
     try:
-        dcp.load(state, storage_reader=reader, **kwargs)
+        dcp.load(state, storage_reader=src.reader, **kwargs)
     except CheckpointException as e:
         problems = dcp_failures(e)
-        planner = kwargs.get("planner")
         fixes = None
-        if any("Missing key in checkpoint" in p for p, _ in problems) and not getattr(
-            planner, "allow_partial_load", False
-        ):
+        partial = getattr(kwargs.get("planner"), "allow_partial_load", False)
+        if any("Missing key in checkpoint" in p for p, _ in problems) and not partial:
             fixes = (
                 "build the model as the saving job did (the same modules, tables and optimizer)",
                 "pass strict=False to load the entries the checkpoint holds and keep this model's own "
                 "values of the others (e.g. a layer added since the save)",
                 "start from fresh weights instead of this checkpoint",
             )
-        raise CheckpointLoadError(where, problems, fixes) from None
+        raise CheckpointLoadError(src.where, problems, fixes) from None
 
 
-def read_here(state: Dict[str, Any], reader: FileSystemReader, where: str, **kwargs: Any) -> None:
+def read_here(state: Dict[str, Any], src: Source, **kwargs: Any) -> None:
     """Fills ``state`` from the checkpoint in this process alone (ranks read different keys);
     a regular tensor of a key saved as a ShardedTensor gets every saving rank's chunks."""
     with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": here, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp_load(state, reader, where, no_dist=True, **kwargs)
+        dcp_load(state, src, no_dist=True, **kwargs)
 
 
-def read_fields(
-    reader: FileSystemReader, metadata: Metadata, table_fqn: str, rank: int, fields: Tuple[str, ...], where: str
-) -> Dict[str, Any]:
+def read_row_orders(src: Source, bases: Sequence[str]) -> Dict[str, Dict[str, Any]]:
+    """The saved row-order record under each of ``bases`` (``<table>.<ROW_ORDER_KEY>``) that the
+    checkpoint holds any field of, with the fields it holds (this process only)."""
+    fields = (*RowOrder._fields, "routing_version")
+    saved: Dict[str, Any] = {
+        f"{b}.{f}": None for b in bases for f in fields if f"{b}.{f}" in src.metadata.state_dict_metadata
+    }
+    if saved:
+        dcp_load(saved, src, no_dist=True)
+    records = {b: {f: saved[f"{b}.{f}"] for f in fields if f"{b}.{f}" in saved} for b in bases}
+    return {b: record for b, record in records.items() if record}
+
+
+def read_fields(src: Source, table_fqn: str, rank: int, fields: Tuple[str, ...]) -> Dict[str, Any]:
     """Reads fields of one saving rank's export of a tiered table (this process only)."""
     state: Dict[str, Any] = {}
     for field in fields:
@@ -155,14 +168,14 @@ def read_fields(
         if field == "metadata":
             state[key] = ""
             continue
-        md = metadata.state_dict_metadata[key]
+        md = src.metadata.state_dict_metadata[key]
         if not isinstance(md, TensorStorageMetadata):
             raise TieredCheckpointError(
-                f"{where}: {key} is not a tensor; the checkpoint was not written by "
+                f"{src.where}: {key} is not a tensor; the checkpoint was not written by "
                 "recpipe.pipeline.checkpoint.save (or was edited): re-save it."
             )
         state[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    read_here(state, reader, where)
+    read_here(state, src)
     out = {field: state[tiered_dcp_key(table_fqn, rank, field)] for field in fields}
     if "metadata" in out:
         out["metadata"] = json.loads(out["metadata"])
@@ -171,18 +184,9 @@ def read_fields(
     return out
 
 
-def read_export(
-    reader: FileSystemReader, metadata: Metadata, table_fqn: str, rank: int, where: str
-) -> TieredShardState:
+def read_export(src: Source, table_fqn: str, rank: int) -> TieredShardState:
     """Reads one saving rank's whole export of a tiered table (this process only)."""
-    f = read_fields(reader, metadata, table_fqn, rank, FIELDS, where)
-    return TieredShardState(
-        global_ids=f["global_ids"],
-        weights=f["weights"],
-        optimizer_state=f["optimizer_state"],
-        step=f["step"],
-        metadata=f["metadata"],
-    )
+    return TieredShardState(**read_fields(src, table_fqn, rank, FIELDS))
 
 
 def non_finite_tiered_rows(state: Dict[str, Any]) -> List[str]:
@@ -229,16 +233,16 @@ def read_extra_state(checkpoint_id: PathLike, rank: int) -> Optional[ExtraState]
     ranks = sorted(int(m.group(1)) for key in metadata.state_dict_metadata if (m := _EXTRA_KEY.match(key)))
     if not ranks:
         return None
-    where = f"checkpoint {checkpoint_id}"
+    src = Source(reader, metadata, f"checkpoint {checkpoint_id}")
     if ranks != list(range(len(ranks))):
         raise TieredCheckpointError(
-            f"{where} holds the extra state of ranks {ranks}, not of ranks 0 to "
+            f"{src.where} holds the extra state of ranks {ranks}, not of ranks 0 to "
             f"{len(ranks) - 1}; the checkpoint was edited: re-save it."
         )
     source = rank % len(ranks)
     key = f"{EXTRA_STATE_PREFIX}.rank{source}"
     state: Dict[str, Any] = {key: b""}
-    read_here(state, reader, where)
+    read_here(state, src)
     path = next(info.relative_path for index, info in (metadata.storage_data or {}).items() if index.fqn == key)
     value = torch.load(io.BytesIO(state[key]), weights_only=False, map_location="cpu")
     return ExtraState(value, source, len(ranks), Path(checkpoint_id) / path)

@@ -13,12 +13,10 @@ from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata
 
-from recpipe.pipeline.checkpoint.errors import NON_FINITE_FIXES, raise_first_refusal, refusals
+from recpipe.pipeline.checkpoint.errors import NON_FINITE_FIXES, numbered, raise_first_refusal, refusals
 from recpipe.pipeline.checkpoint.exports import tiered_heads
-from recpipe.pipeline.checkpoint.layout import FUSED_OPTIMIZER_KEY, read_export, weight_key
+from recpipe.pipeline.checkpoint.layout import FUSED_OPTIMIZER_KEY, Source, read_export, weight_key
 from recpipe.pipeline.routing.row_order import ROW_ORDER_KEY, RowOrder
 from recpipe.pipeline.tiered.migration import (
     OPTIMIZER_STATE_NAMES,
@@ -37,32 +35,25 @@ class Unadoption(NamedTuple):
     ``own_weight``, ``fused_entry`` and ``row_order`` are the model's own entries, kept out of
     DCP's load (the checkpoint holds none of them) and given back to the model's
     ``load_state_dict`` calls afterwards.
-
-    Attributes:
-        weight_key: the table's weight key in the model's state dict.
-        heads: every saving rank's export metadata and step.
-        desc: the model's table as ``tiered.migration`` describes it (rows, dim, fused optimizer).
     """
 
     fqn: str
-    weight_key: str
-    heads: Dict[int, Dict[str, Any]]
-    desc: Any
+    weight_key: str  # in the model's state dict
+    heads: Dict[int, Dict[str, Any]]  # every saving rank's export metadata and step
+    desc: Any  # the model's table as tiered.migration describes it (rows, dim, fused optimizer)
     own_weight: Any
     fused_entry: Any
     row_order: Any
 
 
-def _unadopted_exports(
-    u: Unadoption, reader: FileSystemReader, metadata: Metadata, n: int, where: str
-) -> Iterator[Tuple[torch.Tensor, TieredShardState]]:
+def _unadopted_exports(u: Unadoption, src: Source, n: int) -> Iterator[Tuple[torch.Tensor, TieredShardState]]:
     """Every saving rank's export (int64 global ids, export) in turn, refusing ids outside ``[0, n)``."""
     for r in sorted(u.heads):
-        st = read_export(reader, metadata, u.fqn, r, where)
+        st = read_export(src, u.fqn, r)
         gids = st.global_ids.to(torch.int64)
         if gids.numel() and (int(gids.min()) < 0 or int(gids.max()) >= n):
             raise TieredCheckpointError(
-                f"{where}: table {u.fqn!r}: the tiered export of rank {r} holds global ids outside [0, {n}); "
+                f"{src.where}: table {u.fqn!r}: the tiered export of rank {r} holds global ids outside [0, {n}); "
                 "the checkpoint is damaged or was edited: re-save it. Nothing was loaded: the model is "
                 "unchanged."
             )
@@ -71,15 +62,13 @@ def _unadopted_exports(
 
 
 @torch.no_grad()
-def _check_unadoption(
-    fqn: str, key: str, desc: Any, reader: FileSystemReader, metadata: Metadata, where: str
-) -> Unadoption:
-    """Checks one unadopted table's exports: size and optimizer, each row held exactly once, no
-    NaN / inf row. Reads every export once and keeps none."""
-    heads = tiered_heads(None, reader, metadata, fqn, where)
+def _check_unadoption(fqn: str, key: str, d: Any, src: Source) -> Unadoption:
+    """Checks one unadopted table's exports against its description ``d``: size and optimizer,
+    each row held exactly once, no NaN / inf row. Reads every export once and keeps none."""
+    where = src.where
+    heads = tiered_heads(None, src, fqn)
     md = heads[min(heads)]["metadata"]
     saved = [md.get("num_embeddings"), md.get("embedding_dim"), md.get("optimizer")]
-    d = desc
     if (
         d is None
         or d.optimizer not in {o.value for o in OPTIMIZER_STATE_NAMES}
@@ -97,7 +86,7 @@ def _check_unadoption(
     u = Unadoption(fqn, key, heads, d, None, None, None)
     count = torch.zeros(d.rows, dtype=torch.int64)
     non_finite = 0
-    for gids, st in _unadopted_exports(u, reader, metadata, d.rows, where):
+    for gids, st in _unadopted_exports(u, src, d.rows):
         count.index_add_(0, gids, torch.ones_like(gids))
         bad = non_finite_rows(st.weights, st.optimizer_state)
         non_finite += 0 if bad is None else int(bad.sum())
@@ -111,8 +100,7 @@ def _check_unadoption(
     if non_finite:
         raise TieredCheckpointError(
             f"{where}: table {fqn!r}: {non_finite} rows of its tiered exports hold NaN or inf values or "
-            "optimizer state. Nothing was loaded: the model is unchanged. Possible solutions:\n"
-            + "\n".join(f"  {i}. {fix}" for i, fix in enumerate(NON_FINITE_FIXES, 1))
+            "optimizer state. Nothing was loaded: the model is unchanged. " + "\n".join(numbered(NON_FINITE_FIXES))
         )
     return u
 
@@ -121,24 +109,13 @@ def check_unadoptions(
     model: nn.Module,
     tables: Sequence[str],
     state: Dict[str, Any],
-    reader: FileSystemReader,
-    metadata: Metadata,
-    where: str,
+    src: Source,
     process_group: Optional[dist.ProcessGroup],
 ) -> Dict[str, Unadoption]:
-    """Checks the exports of ``tables`` (tiered in the checkpoint, torchrec tables here) on every
-    rank before anything is loaded, and moves the tables' own entries out of ``state``.
-
-    Args:
-        tables: fqns of such tables, the same on every rank.
-        state: the model's regular state dict for DCP's load (changed).
-
-    Returns:
-        The :class:`Unadoption` of each table, by fqn.
-
-    Raises:
-        TieredCheckpointError: naming the table, both shapes or optimizers and the fixes.
-    """
+    """Checks the exports of ``tables`` (fqns tiered in the checkpoint, torchrec tables here, the
+    same on every rank) on every rank before anything is loaded (``TieredCheckpointError``), and
+    moves the tables' own entries out of ``state`` (the regular state dict for DCP's load).
+    Returns the :class:`Unadoption` of each table, by fqn."""
     if not tables:
         return {}
     desc = describe_optimizer_tables(optimizer_tables(model), process_group)  # collective
@@ -148,18 +125,17 @@ def check_unadoptions(
         for fqn in tables:
             key = weight_key(fqn, state)
             assert key is not None
-            out[fqn] = _check_unadoption(fqn, key, desc.get(key[: -len(".weight")]), reader, metadata, where)
+            out[fqn] = _check_unadoption(fqn, key, desc.get(key[: -len(".weight")]), src)
 
     raise_first_refusal(refusals(check, process_group), process_group)
     fused = state.get(FUSED_OPTIMIZER_KEY)
+    fused_state = fused.get("state") if isinstance(fused, dict) else None
     for fqn, u in out.items():
-        u = u._replace(
+        out[fqn] = u._replace(
             own_weight=state.pop(u.weight_key, None),
             row_order=state.pop(u.weight_key[: -len("weight")] + ROW_ORDER_KEY, None),
+            fused_entry=fused_state.pop(u.weight_key, None) if isinstance(fused_state, dict) else None,
         )
-        if isinstance(fused, dict) and isinstance(fused.get("state"), dict):
-            u = u._replace(fused_entry=fused["state"].pop(u.weight_key, None))
-        out[fqn] = u
     return out
 
 
@@ -169,14 +145,9 @@ def _global_rows(rows: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
-def fill_unadopted(
-    u: Unadoption, reader: FileSystemReader, metadata: Metadata, where: str
-) -> Callable[[str, Any], torch.Tensor]:
-    """Writes the rows this rank's shards hold of an unadopted table into ``u.own_weight``.
-
-    Returns:
-        Where ``write_optimizer_rows`` reads those rows' fused optimizer state (torchrec's names).
-    """
+def fill_unadopted(u: Unadoption, src: Source) -> Callable[[str, Any], torch.Tensor]:
+    """Writes the rows this rank's shards hold of an unadopted table into ``u.own_weight``;
+    returns where ``write_optimizer_rows`` reads those rows' fused optimizer state (torchrec's names)."""
     order = RowOrder(*(u.row_order[f] for f in RowOrder._fields)) if u.row_order is not None else None
     shards = u.own_weight.local_shards()
     rows = [shard_global_rows(s.metadata, int(s.tensor.shape[0]), order) for s in shards]
@@ -186,7 +157,7 @@ def fill_unadopted(
     opt = torch.zeros(
         (m, TieredOptimizerConfig(optimizer=u.desc.optimizer).state_cols(u.desc.dim)), dtype=torch.float32
     )
-    for gids, st in _unadopted_exports(u, reader, metadata, u.desc.rows, where) if m else ():
+    for gids, st in _unadopted_exports(u, src, u.desc.rows) if m else ():
         pos = torch.searchsorted(needed, gids).clamp_(max=m - 1)
         hit = (needed.index_select(0, pos) == gids).nonzero().squeeze(1)
         at = pos.index_select(0, hit)

@@ -17,7 +17,7 @@ from recpipe.pipeline.types import CheckpointStorage
 
 
 class FileSystemStorage:
-    """Checkpoint records on a POSIX file system, written through ``integrity.atomic_file``."""
+    """Checkpoint records on a POSIX file system, written through ``integrity.atomic_write_bytes``."""
 
     def write_atomic(self, path: Path, data: bytes) -> None:
         atomic_write_bytes(Path(path), data)
@@ -38,22 +38,15 @@ class FileSystemStorage:
 FILE_SYSTEM: CheckpointStorage = FileSystemStorage()
 
 
-def os_error_under(error: BaseException) -> Optional[OSError]:
-    """The first ``OSError`` in ``error``'s cause / context chain (``error`` itself included)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, OSError):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
 def _naming_os_error(error: BaseException) -> BaseException:
-    """``error``, or an ``OSError`` naming the OS error under it (e.g. ENOSPC under torch's
-    "unexpected pos" of a short write) with ``error``'s text in parentheses."""
-    os_error = os_error_under(error)
-    if os_error is None or os_error is error:
+    """``error``, or an ``OSError`` naming the first OS error in its cause / context chain (e.g.
+    ENOSPC under torch's "unexpected pos" of a short write) with ``error``'s text in parentheses."""
+    os_error: Optional[BaseException] = error
+    seen = set()
+    while os_error is not None and id(os_error) not in seen and not isinstance(os_error, OSError):
+        seen.add(id(os_error))
+        os_error = os_error.__cause__ or os_error.__context__
+    if not isinstance(os_error, OSError) or os_error is error:
         return error
     named = OSError(os_error.errno, f"{os_error.strerror} ({type(error).__name__}: {error})")
     named.__cause__ = error

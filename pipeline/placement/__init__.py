@@ -1,13 +1,14 @@
 """The placement contract between the planner (writer) and the tiered runtime (reader).
 
 The planner writes one :class:`PlacementParams` per tiered table into its ``ParameterSharding``; the
-sharders read it back from the fused params. The enums, ``FUSED_PARAM_*`` keys, cache policies and byte
-formulas are defined here once: the runtime allocates exactly what ``shard_storage`` /
-``fbgemm_shard_storage`` budget. Fast tier: HBM (host buffer on CPU); slow tier: host DDR; local rows:
-a rank's rows under roundrobin routing. Imports nothing of recpipe outside this package (not even the
-extension). Modules: ``values`` (enums, checks), ``cache_policies``, ``sizing`` (byte formulas),
-``params`` (fused-param encoding).
+sharders read it back from the fused params. Enums, ``FUSED_PARAM_*`` keys, cache policies and byte
+formulas live here once: the runtime allocates exactly what ``shard_storage`` / ``fbgemm_shard_storage``
+budget. Fast tier: HBM (host buffer on CPU); slow tier: host DDR; local rows: a rank's rows under
+roundrobin routing. Imports nothing of recpipe outside this package (not even the extension).
 """
+
+# ruff: noqa: F401 - every import is a re-export (__all__ below lists them)
+import types as _types
 
 from recpipe.pipeline.placement.cache_policies import (
     CACHE_POLICIES,
@@ -73,60 +74,5 @@ from recpipe.pipeline.placement.values import (
     resolve_dtype,
 )
 
-__all__ = [
-    "CACHE_POLICIES",
-    "CACHE_ROW_MAP_BYTES",
-    "CACHE_SLOT_BYTES",
-    "DIST_TYPES",
-    "FBGEMM_CACHE_ASSOC",
-    "FUSED_PARAM_BACKEND",
-    "FUSED_PARAM_CACHE_LOAD_FACTOR",
-    "FUSED_PARAM_CACHE_POLICY",
-    "FUSED_PARAM_DIST_TYPE",
-    "FUSED_PARAM_DTYPE",
-    "FUSED_PARAM_KEYS",
-    "FUSED_PARAM_MODE",
-    "FUSED_PARAM_OPTIMIZER",
-    "FUSED_PARAM_PREFIX",
-    "FUSED_PARAM_RUNTIME_KEYS",
-    "FUSED_PARAM_SEED",
-    "ROUTED_DIST_TYPES",
-    "SPLIT_MAP_BYTES",
-    "SUPPORTED_OPTIMIZERS",
-    "TIERED_DTYPES",
-    "CachePolicy",
-    "CachePolicySpec",
-    "DistType",
-    "FbgemmTierLayout",
-    "FusedOptimizer",
-    "Mode",
-    "PlacementContractError",
-    "PlacementMismatchError",
-    "PlacementParams",
-    "ShardStorage",
-    "cache_policy_spec",
-    "check_int",
-    "check_load_factor",
-    "check_load_factors",
-    "decimal_ratio",
-    "dtype_itemsize",
-    "dtype_name",
-    "fbgemm_bytes",
-    "fbgemm_cache_sets",
-    "fbgemm_shard_storage",
-    "fbgemm_tier_bytes",
-    "floor_fraction",
-    "local_rows",
-    "machine_split",
-    "machine_storage",
-    "machine_sum",
-    "max_local_rows",
-    "native_tier_bytes",
-    "optimizer_state_bytes_per_row",
-    "parse_enum",
-    "resolve_dtype",
-    "row_bytes",
-    "shard_storage",
-    "tier_rows",
-    "tier_split",
-]
+#: Every name imported above (the submodules excluded).
+__all__ = sorted(n for n, v in globals().items() if not n.startswith("_") and not isinstance(v, _types.ModuleType))

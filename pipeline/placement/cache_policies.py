@@ -28,10 +28,6 @@ class CachePolicy(enum.StrEnum):
 CACHE_SLOT_BYTES: int = 16
 
 
-def _top_mass_hit_rate(x: float, top_mass: float) -> float:
-    return top_mass
-
-
 @dataclass(frozen=True)
 class CachePolicySpec:
     """What the kernels, the byte formulas and the cost model know of one cache policy.
@@ -52,7 +48,7 @@ class CachePolicySpec:
     fbgemm_algorithm: str
     slot_bytes: int
     fbgemm_state_bytes: Callable[[Any, Any], Any]
-    hit_rate: Callable[[float, float], float] = _top_mass_hit_rate
+    hit_rate: Callable[[float, float], float] = lambda x, top_mass: top_mass
 
 
 #: Every cache policy's spec (the cost model prices LRU as LFU: top-``x * N`` access mass).

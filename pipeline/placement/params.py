@@ -4,7 +4,8 @@ and its errors. Imports only this package's other modules."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from operator import attrgetter
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 
@@ -58,10 +59,7 @@ def _parse_seed(value: Any, argument: str) -> int:
     return int(value)
 
 
-def _enum_value(member: Any) -> str:
-    return member.value
-
-
+_enum_value = attrgetter("value")
 # PlacementParams field -> (fused-param key, parser(value, argument) raising a ValueError that names the
 # argument, encoder to a plain str / float / int: torchrec deep-copies fused params and compares them).
 _CODEC: Dict[str, Tuple[str, Callable[[Any, str], Any], Callable[[Any], Any]]] = {
@@ -84,11 +82,9 @@ _PLAN_FIX = (
 
 @dataclass(frozen=True, kw_only=True)
 class PlacementParams:
-    """The placement of one tiered table: what the planner sized, what the runtime builds.
-
-    Strings are accepted for the enum fields and the dtype and normalized; :meth:`to_fused_params` and
-    :meth:`from_fused_params` are the encoding into torchrec fused params.
-    """
+    """The placement of one tiered table: what the planner sized, what the runtime builds. Strings are accepted for the
+    enum fields and the dtype and normalized; :meth:`to_fused_params` and :meth:`from_fused_params` are the encoding
+    into torchrec fused params."""
 
     mode: Mode
     """``HYBRID`` (static split) or ``CACHING`` (cache over a full slow-tier copy)."""
@@ -120,23 +116,16 @@ class PlacementParams:
 
     @classmethod
     def from_fused_params(cls, fused_params: Optional[Mapping[str, Any]], table_name: str) -> "PlacementParams":
-        """Reads and validates the placement a table's fused params carry.
-
-        Other (torchrec / fbgemm) keys are ignored; every :data:`FUSED_PARAM_KEYS` key must be present, and
-        no other ``recpipe_`` key but :data:`FUSED_PARAM_RUNTIME_KEYS`.
+        """Reads and validates the placement a table's fused params carry. Other (torchrec / fbgemm) keys are ignored;
+        every :data:`FUSED_PARAM_KEYS` key must be present, and no other ``recpipe_`` key but
+        :data:`FUSED_PARAM_RUNTIME_KEYS`.
 
         Raises:
             PlacementContractError: a key is missing, unknown or holds a bad value.
         """
         fp = dict(fused_params or {})
-        unknown = sorted(
-            k
-            for k in fp
-            if isinstance(k, str)
-            and k.startswith(FUSED_PARAM_PREFIX)
-            and k not in FUSED_PARAM_KEYS
-            and k not in FUSED_PARAM_RUNTIME_KEYS
-        )
+        known = FUSED_PARAM_KEYS + FUSED_PARAM_RUNTIME_KEYS
+        unknown = sorted(k for k in fp if isinstance(k, str) and k.startswith(FUSED_PARAM_PREFIX) and k not in known)
         if unknown:
             raise PlacementContractError(
                 f"table {table_name!r}: unknown placement fused param(s) {unknown}; the contract's keys are "
@@ -174,37 +163,33 @@ class PlacementParams:
         dtype: Union[torch.dtype, str],
         dim: Optional[int] = None,
     ) -> None:
-        """Raises :class:`PlacementMismatchError` unless the model trains the table as planned.
-
-        ``dim``, when given, adds the bytes per row to the message.
-        """
+        """Raises :class:`PlacementMismatchError` unless the model trains the table as planned (``dim``,
+        when given, adds the bytes per row to the message)."""
         actual_opt = FusedOptimizer.parse(optimizer)
         actual_dtype = resolve_dtype(dtype)
-        if actual_opt is self.optimizer and actual_dtype == self.dtype:
-            return
-        what = []
-        if actual_opt is not self.optimizer:
-            what.append(f"fused optimizer {self.optimizer.value}, but the model trains it with {actual_opt.value}")
-        if actual_dtype != self.dtype:
-            what.append(f"row dtype {dtype_name(self.dtype)}, but the table's data_type is {dtype_name(actual_dtype)}")
-        sizes = ""
-        if dim is not None:
-            sizes = (
-                f" The tiered kernel would allocate {row_bytes(dim, actual_dtype, actual_opt)} bytes per row "
-                f"where the plan budgeted {self.row_bytes(dim)}."
-            )
+        what: List[str] = []
         fixes = [
             "re-plan with the model: PlacementPlanner(topology).plan(model) reads each table's fused "
             "optimizer (apply_optimizer_in_backward, or the planner's fused_params=) and dtype from it; "
             "call apply_optimizer_in_backward before planning"
         ]
         if actual_opt is not self.optimizer:
+            what.append(f"fused optimizer {self.optimizer.value}, but the model trains it with {actual_opt.value}")
             fixes.append(
                 f"train the table with the planned {self.optimizer.value} instead: change "
                 "apply_optimizer_in_backward (or the sharder's fused_params 'optimizer') for it"
             )
         if actual_dtype != self.dtype:
+            what.append(f"row dtype {dtype_name(self.dtype)}, but the table's data_type is {dtype_name(actual_dtype)}")
             fixes.append(f"set the table config's data_type to the planned {dtype_name(self.dtype)} instead")
+        if not what:
+            return
+        sizes = ""
+        if dim is not None:
+            sizes = (
+                f" The tiered kernel would allocate {row_bytes(dim, actual_dtype, actual_opt)} bytes per row "
+                f"where the plan budgeted {self.row_bytes(dim)}."
+            )
         raise PlacementMismatchError(
             f"table {table_name!r} was planned for {' and '.join(what)}.{sizes} Refusing to build it.\n"
             "Possible solutions:\n" + "\n".join(f"  {i + 1}) {s}" for i, s in enumerate(fixes))

@@ -37,13 +37,7 @@ def optimizer_state_bytes_per_row(optimizer: Union[FusedOptimizer, str], dim: in
     """Bytes of fp32 fused optimizer state per row: sgd 0, rowwise_adagrad 4, adagrad ``4 * dim``, adam ``8 * dim``."""
     dim = check_int(dim, "dim", 1)
     opt = FusedOptimizer.parse(optimizer)
-    if opt is FusedOptimizer.SGD:
-        return 0
-    if opt is FusedOptimizer.ROWWISE_ADAGRAD:
-        return 4
-    if opt is FusedOptimizer.ADAGRAD:
-        return 4 * dim
-    return 8 * dim
+    return {FusedOptimizer.SGD: 0, FusedOptimizer.ROWWISE_ADAGRAD: 4, FusedOptimizer.ADAGRAD: 4 * dim}.get(opt, 8 * dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,11 +76,9 @@ def tier_split(rows: Any, num: Any, den: Any, caching: Any) -> Tuple[Any, Any, A
 
 
 def tier_rows(rows: int, mode: Union[Mode, str], x: float) -> Tuple[int, int, int]:
-    """Split a shard's rows between the tiers: ``(fast_rows, slow_rows, cache_slots)``.
-
-    With ``k = floor_fraction(x, rows)``: ``x == 1`` gives ``(rows, 0, 0)``, HYBRID ``(k, rows - k, 0)``,
-    CACHING ``(0, rows, k)``.
-    """
+    """Split a shard's rows between the tiers: ``(fast_rows, slow_rows, cache_slots)``; with
+    ``k = floor_fraction(x, rows)``, ``x == 1`` gives ``(rows, 0, 0)``, HYBRID ``(k, rows - k, 0)``,
+    CACHING ``(0, rows, k)``."""
     check_load_factor(x)
     caching = Mode.parse(mode) is Mode.CACHING
     rows = check_int(rows, "rows", 0)
@@ -125,10 +117,9 @@ def shard_storage(
     fast_rows, slow_rows, slots = tier_rows(rows, mode, x)
     cached = Mode.parse(mode) is Mode.CACHING and float(x) < 1.0
     rb = row_bytes(dim, dtype, optimizer)
-    fast, slow = native_tier_bytes(
-        rows, fast_rows, slow_rows, slots, rb, cached, cache_policy_spec(cache_policy).slot_bytes
+    return ShardStorage(
+        *native_tier_bytes(rows, fast_rows, slow_rows, slots, rb, cached, cache_policy_spec(cache_policy).slot_bytes)
     )
-    return ShardStorage(fast_bytes=fast, slow_bytes=slow)
 
 
 class FbgemmTierLayout(Protocol):
@@ -160,12 +151,10 @@ def fbgemm_bytes(
     split_map: Any,
     policy_bytes: Any,
 ) -> Tuple[Any, Any]:
-    """``(fast, slow)`` bytes of fbgemm's TBE plus recpipe's split map, on ints or numpy arrays.
-
-    fbgemm keeps a DEVICE table's optimizer state and row-wise state (one fp32 per row) in HBM, a UVM row's
-    per-element state in UVM (never cached); a cache adds ``lxu_cache_state`` (8 bytes/slot),
-    ``cache_index_table_map`` (4 bytes/row) and the policy's ``fbgemm_state_bytes``.
-    """
+    """``(fast, slow)`` bytes of fbgemm's TBE plus recpipe's split map, on ints or numpy arrays. fbgemm keeps a DEVICE
+    table's optimizer state and row-wise state (one fp32 per row) in HBM, a UVM row's per-element state in UVM (never
+    cached); a cache adds ``lxu_cache_state`` (8 bytes/slot), ``cache_index_table_map`` (4 bytes/row) and the policy's
+    ``fbgemm_state_bytes``."""
     s_fast = state_bytes * rowwise
     fast = fast_rows * (value_bytes + state_bytes) + (rows - fast_rows) * s_fast + split_map * rows * SPLIT_MAP_BYTES
     fast = fast + (slots > 0) * (slots * (value_bytes + 8) + rows * 4 + policy_bytes)
@@ -173,10 +162,8 @@ def fbgemm_bytes(
 
 
 def fbgemm_tier_bytes(plan: FbgemmTierLayout, value_bytes: int = 4) -> ShardStorage:
-    """HBM (fast) and UVM (slow) bytes of a CUDA shard's TBE tables, fixed per-TBE buffers excluded.
-
-    ``value_bytes`` is bytes per row element.
-    """
+    """HBM (fast) and UVM (slow) bytes of a CUDA shard's TBE tables of ``value_bytes`` per row element,
+    fixed per-TBE buffers excluded."""
     if plan.compute_device != "cuda":
         raise ValueError("fbgemm_tier_bytes describes the CUDA tables: plan with compute_device='cuda'.")
     R, S = plan.num_rows, plan.cache_slots if plan.cache_algorithm is not None else 0
@@ -203,10 +190,8 @@ def fbgemm_shard_storage(
     x: float,
     cache_policy: Union[CachePolicy, str],
 ) -> ShardStorage:
-    """Bytes per tier of a CUDA shard on fbgemm's TBE (the tables ``tiered.fbgemm.plan_fbgemm_tier`` builds).
-
-    Arguments as :func:`shard_storage`; an empty shard has no tables.
-    """
+    """Bytes per tier of a CUDA shard on fbgemm's TBE (the tables ``tiered.fbgemm.plan_fbgemm_tier`` builds);
+    arguments as :func:`shard_storage`, an empty shard has no tables."""
     rows = check_int(rows, "rows", 0)
     fast_rows, slow_rows, slots = tier_rows(rows, mode, x)
     spec = cache_policy_spec(cache_policy)
@@ -263,13 +248,9 @@ def machine_sum(
     if not 1 <= local_world_size <= world_size:
         raise ValueError(f"local_world_size must be in [1, world_size={world_size}], got {local_world_size}.")
     big, n_big, n_small = machine_split(num_embeddings, world_size, local_world_size)
-    s_big = shard(big)
-    fast, slow = n_big * s_big.fast_bytes, n_big * s_big.slow_bytes
-    if n_small:
-        s_small = shard(big - 1)
-        fast += n_small * s_small.fast_bytes
-        slow += n_small * s_small.slow_bytes
-    return ShardStorage(fast_bytes=fast, slow_bytes=slow)
+    shards = [(n_big, shard(big))] + ([(n_small, shard(big - 1))] if n_small else [])
+    fast = sum(n * s.fast_bytes for n, s in shards)
+    return ShardStorage(fast_bytes=fast, slow_bytes=sum(n * s.slow_bytes for n, s in shards))
 
 
 def machine_split(num_embeddings: Any, world_size: int, local_world_size: int) -> Tuple[Any, Any, Any]:

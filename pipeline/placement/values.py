@@ -93,11 +93,8 @@ class Mode(enum.StrEnum):
 
 
 class DistType(enum.StrEnum):
-    """Routing of a table's ids to ranks.
-
-    CONTINUOUS: fbgemm's blocks of ``ceil(N / W)`` rows. ROUNDROBIN: owner ``id % W``. HASH_ROUNDROBIN:
-    roundrobin over a seeded bijection of ``[0, N)`` (the tiered default).
-    """
+    """Routing of a table's ids to ranks. CONTINUOUS: fbgemm's blocks of ``ceil(N / W)`` rows. ROUNDROBIN: owner
+    ``id % W``. HASH_ROUNDROBIN: roundrobin over a seeded bijection of ``[0, N)`` (the tiered default)."""
 
     CONTINUOUS = "continuous"
     ROUNDROBIN = "roundrobin"
@@ -134,10 +131,8 @@ _OPTIMIZER_ALIASES: Dict[str, str] = {
 
 
 class FusedOptimizer(enum.StrEnum):
-    """Fused (in-backward) optimizer of a table; sets the optimizer-state bytes per row.
-
-    The byte formulas know all four; the tiered kernel runs :data:`SUPPORTED_OPTIMIZERS`.
-    """
+    """Fused (in-backward) optimizer of a table; sets the optimizer-state bytes per row. The byte formulas
+    know all four; the tiered kernel runs :data:`SUPPORTED_OPTIMIZERS`."""
 
     SGD = "sgd"
     ROWWISE_ADAGRAD = "rowwise_adagrad"
@@ -175,8 +170,6 @@ _DTYPE_ALIASES: Dict[str, str] = {"fp32": "float32", "fp16": "float16", "bf16": 
 def _resolve_dtype(value: Union[torch.dtype, str]) -> Optional[torch.dtype]:
     if isinstance(value, torch.dtype):
         return value
-    if not isinstance(value, str):
-        return None
     name = value.lower().replace("torch.", "")
     resolved = getattr(torch, _DTYPE_ALIASES.get(name, name), None)
     return resolved if isinstance(resolved, torch.dtype) else None

@@ -16,6 +16,7 @@ from torchrec.distributed.sharding.rw_sharding import RwPooledEmbeddingDist, RwS
 from torchrec.distributed.types import Awaitable, NoWait, QuantizedCommCodecs
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.pipeline.routing.features import FeatureRouting
 from recpipe.pipeline.routing.kjt import bucketize_kjt_by
 from recpipe.pipeline.routing.ops import dist_type_code
 
@@ -23,82 +24,63 @@ __all__ = ["RecpipeRwPooledEmbeddingDist", "RecpipeRwSparseFeaturesDist"]
 
 
 class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
-    """torchrec's ``RwSparseFeaturesDist`` routed per feature by ``dist_types``.
-
-    The routing metadata stays on the CPU, so a CUDA batch is routed without a host sync.
-
-    Args: as ``RwSparseFeaturesDist``, plus ``dist_types`` (per feature), ``seed`` and
-        ``row_bounds`` (:attr:`FeatureRouting.row_bounds`).
-    """
+    """torchrec's ``RwSparseFeaturesDist`` routed per feature by ``routing`` (:func:`feature_routing`). The routing
+    metadata stays on the CPU, so a CUDA batch is routed without a host sync. Other arguments: as
+    ``RwSparseFeaturesDist``."""
 
     def __init__(
         self,
         pg: dist.ProcessGroup,
         num_features: int,
-        feature_hash_sizes: List[int],
-        dist_types: List[str],
-        seed: int = 0,
+        routing: FeatureRouting,
         device: Optional[torch.device] = None,
         is_sequence: bool = False,
         has_feature_processor: bool = False,
         need_pos: bool = False,
-        row_bounds: Optional[List[List[int]]] = None,
     ) -> None:
         super().__init__(
             pg=pg,
             num_features=num_features,
-            feature_hash_sizes=feature_hash_sizes,
+            feature_hash_sizes=routing.table_sizes,
             device=device,
             is_sequence=is_sequence,
             has_feature_processor=has_feature_processor,
             need_pos=need_pos,
         )
-        if len(dist_types) != num_features:
-            raise ValueError(f"recpipe: `dist_types` has {len(dist_types)} entries for {num_features} features")
-        if row_bounds is not None and len(row_bounds) != num_features:
-            raise ValueError(f"recpipe: `row_bounds` has {len(row_bounds)} entries for {num_features} features")
-        self._seed = int(seed)
+        for name, value in (("dist_types", routing.dist_types), ("row_bounds", routing.row_bounds)):
+            if value is not None and len(value) != num_features:
+                raise ValueError(f"recpipe: `{name}` has {len(value)} entries for {num_features} features")
+        self._seed = int(routing.seed)
         # CPU metadata, not buffers: Module.to() must not move them to the device.
-        self._recpipe_dist_types = torch.tensor([dist_type_code(d) for d in dist_types], dtype=torch.int64)
-        self._recpipe_table_sizes = torch.tensor(feature_hash_sizes, dtype=torch.int64)
+        self._recpipe_dist_types = torch.tensor([dist_type_code(d) for d in routing.dist_types], dtype=torch.int64)
+        self._recpipe_table_sizes = torch.tensor(routing.table_sizes, dtype=torch.int64)
         self._recpipe_block_sizes = self._feature_block_sizes_tensor.detach().to("cpu", copy=True)
         self._recpipe_row_bounds: Optional[List[torch.Tensor]] = (
-            [torch.tensor(b, dtype=torch.int64) for b in row_bounds] if row_bounds is not None else None
+            None if routing.row_bounds is None else [torch.tensor(b, dtype=torch.int64) for b in routing.row_bounds]
         )
 
     def forward(self, sparse_features: KeyedJaggedTensor) -> Awaitable[Awaitable[KeyedJaggedTensor]]:
-        """Bucketizes ``sparse_features`` by owner rank, then starts the KJT all-to-all."""
-        bucketized, self.unbucketize_permute_tensor = self._bucketize(sparse_features, self._is_sequence)
-        return self._dist(bucketized)
-
-    def _bucketize(
-        self, features: KeyedJaggedTensor, sequence: bool
-    ) -> Tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
-        """``features`` bucketized by owner rank (and the unbucketize permutation if ``sequence``).
-
-        Bad ids are routed past their owner's rows (``route_bad_ids``), as torchrec does, so the
-        owner's kernel applies the table's ``bounds_check_mode``.
-        """
-        weights = features.weights_or_none()
-        return bucketize_kjt_by(
-            features,
+        """Bucketizes ``sparse_features`` by owner rank, then starts the KJT all-to-all. Bad ids are routed
+        past their owner's rows, as torchrec does, so the owner's kernel applies the table's ``bounds_check_mode``."""
+        weighted = sparse_features.weights_or_none() is not None
+        bucketized, self.unbucketize_permute_tensor = bucketize_kjt_by(
+            sparse_features,
             self._world_size,
             self._recpipe_block_sizes,
             self._recpipe_dist_types,
             self._recpipe_table_sizes,
             seed=self._seed,
-            sequence=sequence,
-            bucketize_pos=self._has_feature_processor if weights is None else self._need_pos,
+            sequence=self._is_sequence,
+            bucketize_pos=self._need_pos if weighted else self._has_feature_processor,
             row_bounds=self._recpipe_row_bounds,
             route_bad_ids=True,
         )
+        return self._dist(bucketized)
 
 
 class _AllToAllSum(torch.autograd.Function):
-    """Reduce-scatter of a 1-D tensor of per-rank segments by one all-to-all and a rank-order sum.
-
-    The backward all-to-alls the gradient, divided by ``W`` under torchrec's gradient division.
-    """
+    """Reduce-scatter of a 1-D tensor of per-rank segments by one all-to-all and a rank-order sum; the
+    backward all-to-alls the gradient, divided by ``W`` under torchrec's gradient division."""
 
     @staticmethod
     def forward(ctx: Any, flat: torch.Tensor, splits: List[int], pg: dist.ProcessGroup) -> torch.Tensor:
@@ -120,15 +102,10 @@ class _AllToAllSum(torch.autograd.Function):
 
 
 class RecpipeRwPooledEmbeddingDist(RwPooledEmbeddingDist):
-    """Row-wise pooled output dist: on gloo an all-to-all of partial sums, else torchrec's.
-
-    gloo's ``reduce_scatter`` is slow, so each rank gets its samples' ``W`` partial sums by
-    ``PooledEmbeddingsAllToAll`` and sums them in rank order (bit-identical for ``W = 2``; the last
-    bit may differ beyond). VBE batches use :class:`_AllToAllSum`, since gloo's all-gather (the
-    variable reduce-scatter's backward) needs equal sizes. Codecs and other backends keep torchrec's.
-
-    Args: as ``RwPooledEmbeddingDist``.
-    """
+    """Row-wise pooled output dist: on gloo an all-to-all of partial sums, else torchrec's. gloo's ``reduce_scatter`` is
+    slow, so each rank gets its samples' ``W`` partial sums by ``PooledEmbeddingsAllToAll`` and sums them in rank order
+    (bit-identical for ``W = 2``; the last bit may differ beyond). VBE batches use :class:`_AllToAllSum`, since gloo's
+    all-gather (the variable reduce-scatter's backward) needs equal sizes. Codecs and other backends keep torchrec's."""
 
     def __init__(
         self,

@@ -63,11 +63,9 @@ class RoutingOverrides:
 
 
 class FeatureRouting(NamedTuple):
-    """Routing of a sharding's features (:func:`feature_routing`).
-
-    ``row_bounds`` is None unless some continuous table is cut unevenly; then per feature
-    the shard bounds of a continuous table (``[0, b, ..., W * b]`` if even) or ``[]`` for a routed one.
-    """
+    """Routing of a sharding's features (:func:`feature_routing`). ``row_bounds`` is None unless some continuous table
+    is cut unevenly; then per feature the shard bounds of a continuous table (``[0, b, ..., W * b]`` if even) or ``[]``
+    for a routed one."""
 
     dist_types: List[str]
     table_sizes: List[int]
@@ -78,9 +76,8 @@ class FeatureRouting(NamedTuple):
 def feature_routing(
     grouped_configs: List[GroupedEmbeddingConfig], world_size: int, overrides: Optional[RoutingOverrides] = None
 ) -> FeatureRouting:
-    """Per-feature routing in torchrec's feature order (groups, tables, features).
-
-    A table's own fused params win over ``overrides``.
+    """Per-feature routing in torchrec's feature order (groups, tables, features); a table's own fused
+    params win over ``overrides``.
 
     Raises:
         ValueError: shards that do not match the routing, or hashed tables with different seeds.
@@ -90,23 +87,22 @@ def feature_routing(
     bounds: List[List[int]] = []
     uneven = False
     seeds: dict[int, str] = {}
-    for group in grouped_configs:
-        for table in group.embedding_tables:
-            dt, table_seed = table_routing(table.fused_params, table.name, overrides)
-            n = int(table.num_embeddings)
-            cut: List[int] = []
-            if dt is DistType.CONTINUOUS:
-                block = continuous_block_rows(n, world_size)
-                table_cut = _uneven_bounds(table, n, world_size)
-                uneven = uneven or table_cut is not None
-                cut = table_cut if table_cut is not None else [block * r for r in range(world_size + 1)]
-            else:
-                check_routed_layout(table, n, world_size, dt)
-                if dt is DistType.HASH_ROUNDROBIN:
-                    seeds.setdefault(table_seed, table.name)
-            dist_types.extend([dt.value] * table.num_features())
-            sizes.extend([n] * table.num_features())
-            bounds.extend([list(cut)] * table.num_features())
+    for table in (t for group in grouped_configs for t in group.embedding_tables):
+        dt, table_seed = table_routing(table.fused_params, table.name, overrides)
+        n = int(table.num_embeddings)
+        cut: List[int] = []
+        if dt is DistType.CONTINUOUS:
+            block = continuous_block_rows(n, world_size)
+            table_cut = _uneven_bounds(table, n, world_size)
+            uneven = uneven or table_cut is not None
+            cut = table_cut if table_cut is not None else [block * r for r in range(world_size + 1)]
+        else:
+            check_routed_layout(table, n, world_size, dt)
+            if dt is DistType.HASH_ROUNDROBIN:
+                seeds.setdefault(table_seed, table.name)
+        dist_types.extend([dt.value] * table.num_features())
+        sizes.extend([n] * table.num_features())
+        bounds.extend([list(cut)] * table.num_features())
     if len(seeds) > 1:
         raise ValueError(
             "recpipe: hash_roundrobin tables of one sharding must share one seed, got "
@@ -118,10 +114,8 @@ def feature_routing(
 def table_routing(
     fused_params: Optional[Mapping[str, Any]], table_name: str, overrides: Optional[RoutingOverrides] = None
 ) -> Tuple[DistType, int]:
-    """``(dist_type, seed)`` of one table.
-
-    Fused params carrying a placement (``recpipe_mode``) are validated whole; otherwise the
-    routing keys, filled from ``overrides``, default ``continuous`` with seed 0.
+    """``(dist_type, seed)`` of one table. Fused params carrying a placement (``recpipe_mode``) are validated whole;
+    otherwise the routing keys, filled from ``overrides``, default ``continuous`` with seed 0.
 
     Raises:
         PlacementContractError: a placement or routing key holds a bad value.

@@ -104,7 +104,15 @@ def bucketize_kjt(
     bounds = None
     if row_bounds is not None:
         _check_row_bounds(row_bounds, keys, table_sizes, world_size, dist_types)
-        bounds = _row_bounds_tensors(row_bounds, keys, blocks, world_size, dist_types)
+        # per feature, the op's block_bucketize_pos: given bounds, [0, b, ..., W * b] for another
+        # continuous feature (routes as the block rule), or empty for a routed one
+        bounds = [
+            torch.tensor(
+                row_bounds.get(k, [r * b for r in range(world_size + 1)] if dist_types[k] == "continuous" else []),
+                dtype=torch.int64,
+            )
+            for k, b in zip(keys, blocks)
+        ]
     return bucketize_kjt_by(
         kjt,
         world_size,
@@ -155,28 +163,6 @@ def _check_routing_args(
         )
 
 
-def _row_bounds_tensors(
-    row_bounds: Mapping[str, list[int]],
-    keys: list[str],
-    blocks: list[int],
-    world_size: int,
-    dist_types: Mapping[str, str],
-) -> list[torch.Tensor]:
-    """Per feature, the op's ``block_bucketize_pos``: given bounds, ``[0, b, ..., W * b]``
-    for another continuous feature (routes as the block rule), or empty for a routed one."""
-    return [
-        torch.tensor(
-            row_bounds[k]
-            if k in row_bounds
-            else [r * b for r in range(world_size + 1)]
-            if dist_types[k] == "continuous"
-            else [],
-            dtype=torch.int64,
-        )
-        for k, b in zip(keys, blocks)
-    ]
-
-
 def bucketize_kjt_by(
     kjt: KeyedJaggedTensor,
     world_size: int,
@@ -191,10 +177,8 @@ def bucketize_kjt_by(
     row_bounds: Optional[list[torch.Tensor]] = None,
     route_bad_ids: bool = False,
 ) -> tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
-    """:func:`bucketize_kjt` with ``[F]`` metadata tensors (kept on the CPU so no call syncs a device).
-
-    ``row_bounds``: per feature, uneven shard bounds (empty for routed features), or None.
-    """
+    """:func:`bucketize_kjt` with ``[F]`` metadata tensors (kept on the CPU so no call syncs a device);
+    ``row_bounds``: per feature, uneven shard bounds (empty for routed features), or None."""
     _check_kjt(kjt, "bucketize_kjt_by")
     vbe = kjt.variable_stride_per_key()
     strides = kjt.stride_per_key() if vbe else None

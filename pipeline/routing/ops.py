@@ -1,14 +1,11 @@
 """Typed wrappers and fake kernels of the ``torch.ops.recpipe`` routing ops.
 
-Importing it loads ``recpipe._C`` (``csrc/bucketize*.{cpp,cu}``, shared math in ``csrc/bucketize_math.h``)
-and registers each op's fake kernel beside its wrapper. Distribution types:
-
-* ``continuous`` (0): fbgemm's block split, bit-identical to ``fbgemm.block_bucketize_sparse_features``.
-* ``roundrobin`` (1): ``owner = id % W``, ``local = id // W``.
-* ``hash_roundrobin`` (2): roundrobin over a seeded bijection ``H`` of ``[0, N)`` (two keyed
-  xorshift-multiply window permutations, no cycle-walking): dense local ids, aliased patterns spread.
-
-May import ``recpipe.pipeline.placement`` and ``recpipe._C`` only.
+Importing it loads ``recpipe._C`` (``csrc/bucketize*.{cpp,cu}``, math in ``csrc/bucketize_math.h``) and
+registers each op's fake kernel beside its wrapper. Distribution types: ``continuous`` (0, fbgemm's block
+split, bit-identical), ``roundrobin`` (1, ``owner = id % W``, ``local = id // W``), ``hash_roundrobin`` (2,
+roundrobin over a seeded bijection ``H`` of ``[0, N)``: two keyed xorshift-multiply window permutations, no
+cycle-walking; dense local ids, aliased patterns spread). May import ``recpipe.pipeline.placement`` and
+``recpipe._C`` only.
 """
 
 from __future__ import annotations
@@ -50,21 +47,16 @@ if _EXTENSION_DIST_TYPES != DIST_TYPES:  # pragma: no cover - guards the extensi
 
 def dist_type_code(name: str) -> int:
     """Code (0, 1, 2) of a distribution type name (:data:`DIST_TYPES`)."""
-    try:
-        if not isinstance(name, str):
-            raise KeyError(name)
-        return DIST_TYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dist_type {name!r}; choose one of {sorted(DIST_TYPES)}") from None
+    if not isinstance(name, str) or name not in DIST_TYPES:
+        raise ValueError(f"unknown dist_type {name!r}; choose one of {sorted(DIST_TYPES)}")
+    return DIST_TYPES[name]
 
 
 class BucketizeResult(NamedTuple):
-    """Outputs of :func:`block_bucketize_sparse_features` in fbgemm's layout.
-
-    ``new_lengths`` is ``[W * F * B]`` ordered (rank, feature, sample), ``new_indices`` and ``new_weights``
-    follow it; ``new_pos`` (bag positions), ``unbucketize_permute`` (output position of each input id)
-    and ``bucket_mapping`` (owner rank of each input id) are None unless requested.
-    """
+    """Outputs of :func:`block_bucketize_sparse_features` in fbgemm's layout. ``new_lengths`` is ``[W * F * B]`` ordered
+    (rank, feature, sample), ``new_indices`` and ``new_weights`` follow it; ``new_pos`` (bag positions),
+    ``unbucketize_permute`` (output position of each input id) and ``bucket_mapping`` (owner rank of each input id) are
+    None unless requested."""
 
     new_lengths: torch.Tensor
     new_indices: torch.Tensor
@@ -74,6 +66,7 @@ class BucketizeResult(NamedTuple):
     bucket_mapping: Optional[torch.Tensor] = None
 
 
+_OptionalTensor = Optional[torch.Tensor]
 _INT32_MAX: int = 2**31 - 1
 _INT64_MIN: int = -(2**63)
 _INT64_MAX: int = 2**63 - 1
@@ -168,28 +161,16 @@ def _block_bucketize_fake(
     keep_orig_idx_per_feature: Optional[torch.Tensor] = None,
     return_bucket_mapping: bool = False,
     route_bad_ids: bool = False,
-) -> tuple[
-    torch.Tensor,
-    torch.Tensor,
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-    Optional[torch.Tensor],
-]:
+) -> tuple[torch.Tensor, torch.Tensor, _OptionalTensor, _OptionalTensor, _OptionalTensor, _OptionalTensor]:
     torch._check(my_size > 0, lambda: f"recpipe: `my_size` (the world size W) must be >= 1, got {my_size}")
-    per_feature = {
-        "table_sizes": table_sizes,
-        "total_num_blocks": total_num_blocks,
-        "batch_size_per_feature": batch_size_per_feature,
-    }
-    for name, t in (
-        ("lengths", lengths),
-        ("indices", indices),
-        ("block_sizes", block_sizes),
-        ("dist_types", dist_types),
-    ) + tuple((k, v) for k, v in per_feature.items() if v is not None):
-        _fake_index_dtype(t, name)
-        torch._check(t.dim() == 1, lambda: f"`{name}` must be 1-D")
+    per_feature = dict(
+        table_sizes=table_sizes, total_num_blocks=total_num_blocks, batch_size_per_feature=batch_size_per_feature
+    )
+    required = dict(lengths=lengths, indices=indices, block_sizes=block_sizes, dist_types=dist_types)
+    for name, t in {**required, **per_feature}.items():
+        if t is not None:
+            _fake_index_dtype(t, name)
+            torch._check(t.dim() == 1, lambda: f"`{name}` must be 1-D")
     for name, t in (("indices", indices), ("weights", weights)):
         if t is not None and t.device != lengths.device:
             raise RuntimeError(
@@ -198,11 +179,9 @@ def _block_bucketize_fake(
             )
     # the kernels' static (shape / dtype) checks, same messages: a traced call fails at trace time
     F = dist_types.numel()
-    for name, t in (
-        ("block_sizes", block_sizes),
-        *per_feature.items(),
-        ("keep_orig_idx_per_feature", keep_orig_idx_per_feature),
-    ):
+    for name, t in dict(
+        block_sizes=block_sizes, **per_feature, keep_orig_idx_per_feature=keep_orig_idx_per_feature
+    ).items():
         if t is not None:
             torch._check(
                 t.numel() == F,
@@ -213,14 +192,11 @@ def _block_bucketize_fake(
     _fake_layout_checks(
         lengths, indices, F, weights, batch_size_per_feature, block_bucketize_pos, keep_orig_idx_per_feature
     )
-    new_lengths = lengths.new_empty((my_size * lengths.numel(),))
-    new_indices = torch.empty_like(indices)
     # the kernels allocate every output contiguous (at::empty), whatever the inputs' strides
     new_weights = weights.new_empty(weights.shape) if weights is not None else None
-    new_pos = torch.empty_like(indices) if bucketize_pos else None
-    permute = torch.empty_like(indices) if sequence else None
-    mapping = torch.empty_like(indices) if return_bucket_mapping else None
-    return new_lengths, new_indices, new_weights, new_pos, permute, mapping
+    # new_pos, unbucketize_permute and bucket_mapping: one entry per input id, when requested
+    per_id = [torch.empty_like(indices) if on else None for on in (bucketize_pos, sequence, return_bucket_mapping)]
+    return lengths.new_empty((my_size * lengths.numel(),)), torch.empty_like(indices), new_weights, *per_id
 
 
 def block_bucketize_sparse_features(
@@ -244,12 +220,10 @@ def block_bucketize_sparse_features(
     return_bucket_mapping: bool = False,
     route_bad_ids: bool = False,
 ) -> BucketizeResult:
-    """Splits every bag of a flat KJT by owner rank.
-
-    Takes every argument of ``fbgemm.block_bucketize_sparse_features`` (and its ``_inference`` /
-    ``_2d_weights`` variants) plus per-feature routing; continuous features match fbgemm bit for bit.
-    ``[F]`` metadata kept on the CPU lets a CUDA call run without a host sync. On CUDA, bad values
-    fail by a device-side assert instead of a Python exception.
+    """Splits every bag of a flat KJT by owner rank. Takes every argument of ``fbgemm.block_bucketize_sparse_features``
+    (and its ``_inference`` / ``_2d_weights`` variants) plus per-feature routing; continuous features match fbgemm bit
+    for bit. ``[F]`` metadata kept on the CPU lets a CUDA call run without a host sync. On CUDA, bad values fail by a
+    device-side assert instead of a Python exception.
 
     Args:
         lengths: bag lengths, ``[F * B]`` feature-major, or ``[sum(batch_size_per_feature)]`` (VBE).
@@ -320,10 +294,8 @@ def _route_ids_fake(
 def route_ids(
     ids: torch.Tensor, table_size: int, world_size: int, dist_type: str = "hash_roundrobin", seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Owner rank (int64) and local id of each id of one table, both shaped like ``ids``.
-
-    Same math as the KJT op; continuous uses blocks of ``ceil(N / W)``.
-    """
+    """Owner rank (int64) and local id of each id of one table, both shaped like ``ids`` (the KJT op's
+    math; continuous uses blocks of ``ceil(N / W)``)."""
     _check_seed(seed)
     # types here; ranges in the kernel (same messages on every entry point)
     table_size = check_int(table_size, "table_size", maximum=_INT64_MAX)

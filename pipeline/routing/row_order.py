@@ -25,12 +25,9 @@ class RowOrderMismatchError(ValueError):
 
 
 class RowOrder(NamedTuple):
-    """Which global rows a roundrobin / hash_roundrobin FUSED table's shards hold.
-
-    Such a table keeps rank ``r``'s rows in local-id order while its ShardedTensor offsets
-    name contiguous rows, so its ``state_dict()`` records this and a load checks it.
-    ``routing_seed`` is 0 for roundrobin.
-    """
+    """Which global rows a roundrobin / hash_roundrobin FUSED table's shards hold. Such a table keeps rank ``r``'s rows
+    in local-id order while its ShardedTensor offsets name contiguous rows, so its ``state_dict()`` records this and a
+    load checks it. ``routing_seed`` is 0 for roundrobin."""
 
     dist_type: str
     world_size: int

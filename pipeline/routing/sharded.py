@@ -29,11 +29,9 @@ __all__ = ["RecpipeShardedEmbeddingBagCollection", "RecpipeShardedEmbeddingColle
 
 
 class RoutedShardedMixin:
-    """Routing, ROW_WISE sharding class and row-order records of a recpipe sharded collection.
-
-    torchrec builds shardings in a classmethod, so the sharder's routing is a class attribute
-    of a per-sharder subclass (:meth:`with_routing`); subclasses swap ``_ROW_WISE_SHARDING``.
-    """
+    """Routing, ROW_WISE sharding class and row-order records of a recpipe sharded collection. torchrec builds shardings
+    in a classmethod, so the sharder's routing is a class attribute of a per-sharder subclass (:meth:`with_routing`);
+    subclasses swap ``_ROW_WISE_SHARDING``."""
 
     _routing: ClassVar[Optional[RoutingOverrides]] = None
     _ROW_WISE_SHARDING: ClassVar[type]
@@ -71,12 +69,10 @@ class RoutedShardedMixin:
     def _pre_load_state_dict_hook(
         self: "RoutedShardedMixin", state_dict: Dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        """Checks and places routed tables' rows, then runs torchrec's hook.
-
-        torchrec takes a sharded ``weight``'s local shard as is and slices a full tensor at
-        contiguous offsets; a routed table holds other rows. So a ShardedTensor / DTensor loads
-        only when its :data:`ROW_ORDER_KEY` record equals this table's (checked for all tables
-        before any changes), and a full tensor gives each rank its routed rows.
+        """Checks and places routed tables' rows, then runs torchrec's hook. torchrec takes a sharded ``weight``'s local
+        shard as is and slices a full tensor at contiguous offsets; a routed table holds other rows. So a ShardedTensor
+        / DTensor loads only when its :data:`ROW_ORDER_KEY` record equals this table's (checked for all tables before
+        any changes), and a full tensor gives each rank its routed rows.
 
         Raises:
             RowOrderMismatchError: naming each refused table and both row orders.
@@ -121,11 +117,9 @@ class RoutedShardedMixin:
 
 
 class RecpipeShardedEmbeddingBagCollection(RoutedShardedMixin, ShardedEmbeddingBagCollection):
-    """ShardedEmbeddingBagCollection whose ROW_WISE shardings route with recpipe's op.
-
-    torchrec's mean-pooling callback (row-wise MEAN tables pool as SUM, then divide) divides
-    every feature not of a row-wise SUM table; here only row-wise MEAN features are divided, so
-    every table pools as the unsharded module does.
+    """ShardedEmbeddingBagCollection whose ROW_WISE shardings route with recpipe's op. torchrec's mean-pooling callback
+    (row-wise MEAN tables pool as SUM, then divide) divides every feature not of a row-wise SUM table; here only
+    row-wise MEAN features are divided, so every table pools as the unsharded module does.
 
     Raises:
         ValueError: a feature read both by a row-wise MEAN table and by another table.
@@ -152,15 +146,19 @@ class RecpipeShardedEmbeddingBagCollection(RoutedShardedMixin, ShardedEmbeddingB
             for feature in config.feature_names:
                 readers.setdefault(feature, []).append(config.name)
         summed = list(rs.get(PoolingType.SUM.value, []))
+        row_wise = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
         for feature, tables in readers.items():
+            if feature not in divided:
+                if feature not in summed:
+                    summed.append(feature)
+                continue
             row_wise_mean = [
                 t
                 for t in tables
                 if self._table_name_to_config[t].pooling == PoolingType.MEAN
-                and feature in divided
-                and self._is_row_wise(t)
+                and self.module_sharding_plan[t].sharding_type in row_wise
             ]
-            if feature in divided and len(row_wise_mean) != len(tables):
+            if len(row_wise_mean) != len(tables):
                 others = [t for t in tables if t not in row_wise_mean]
                 raise ValueError(
                     f"recpipe: feature {feature!r} is read by the row-wise MEAN table(s) {row_wise_mean} and by "
@@ -170,16 +168,12 @@ class RecpipeShardedEmbeddingBagCollection(RoutedShardedMixin, ShardedEmbeddingB
                     "own feature name, or\n  2) give them the same pooling and sharding (all row-wise MEAN, or "
                     "none)."
                 )
-            if feature not in divided and feature not in summed:
-                summed.append(feature)
         rs[PoolingType.SUM.value] = summed
 
     def input_dist(self, ctx: Any, features: Any) -> Awaitable[Awaitable[Any]]:
-        """torchrec's input dist, a VBE KJT's ``inverse_indices`` first put in the shardings' feature order.
-
-        torchrec's VBE mean-pooling divisor reads ``inverse_indices`` in key order but lengths in
-        feature order; another key order would fail or divide by other features' lengths.
-        """
+        """torchrec's input dist, a VBE KJT's ``inverse_indices`` first put in the shardings' feature order. torchrec's
+        VBE mean-pooling divisor reads ``inverse_indices`` in key order but lengths in feature order; another key order
+        would fail or divide by other features' lengths."""
         if (
             self._has_mean_pooling_callback
             and isinstance(features, KeyedJaggedTensor)
@@ -205,13 +199,6 @@ class RecpipeShardedEmbeddingBagCollection(RoutedShardedMixin, ShardedEmbeddingB
             offsets=features.offsets_or_none(),
             stride_per_key_per_rank=features.stride_per_key_per_rank(),
             inverse_indices=(names, inverse.index_select(0, rows)),
-        )
-
-    def _is_row_wise(self, table: str) -> bool:
-        """True for a ROW_WISE / TABLE_ROW_WISE table (pooled by torchrec's mean callback)."""
-        return self.module_sharding_plan[table].sharding_type in (
-            ShardingType.ROW_WISE.value,
-            ShardingType.TABLE_ROW_WISE.value,
         )
 
     @classmethod

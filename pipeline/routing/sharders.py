@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Union
 
 import torch
+from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embedding_types import BaseEmbeddingSharder, EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recpipe.pipeline.placement import DistType
 from recpipe.pipeline.routing.features import RoutingOverrides
@@ -28,18 +28,11 @@ __all__ = [
 ]
 
 
-def _make_routing(
-    table_dist_types: Optional[Mapping[str, Union[DistType, str]]], seed: int
-) -> Optional[RoutingOverrides]:
-    """The sharder's :class:`RoutingOverrides` (validated), or None when it routes no table."""
-    routing = RoutingOverrides(table_dist_types=table_dist_types if table_dist_types is not None else {}, seed=seed)
-    return routing if routing.table_dist_types else None
-
-
 class RoutedSharderMixin:
     """ROW_WISE on every compute device, and the sharder-level routing.
 
-    Subclasses swap ``_SHARDED_MODULE``, the class ``shard()`` builds.
+    Subclasses swap ``_SHARDED_MODULE``, the class ``shard()`` builds, and name in ``_SHARDED_MODULE_ATTRS``
+    the arguments of it their torchrec base adds (argument -> sharder attribute).
 
     Args:
         table_dist_types: table name -> dist type for row-wise tables without their own.
@@ -47,6 +40,7 @@ class RoutedSharderMixin:
     """
 
     _SHARDED_MODULE: ClassVar[Any]
+    _SHARDED_MODULE_ATTRS: ClassVar[Dict[str, str]]
 
     def __init__(
         self,
@@ -56,7 +50,29 @@ class RoutedSharderMixin:
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        self._routing = _make_routing(table_dist_types, seed)
+        routing = RoutingOverrides(table_dist_types=table_dist_types if table_dist_types is not None else {}, seed=seed)
+        self._routing = routing if routing.table_dist_types else None  # None: the sharder routes no table
+
+    def shard(
+        self,
+        module: nn.Module,
+        params: Dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: Optional[torch.device] = None,
+        module_fqn: Optional[str] = None,
+    ) -> nn.Module:
+        """``module`` sharded by ``params`` as ``_SHARDED_MODULE`` with this sharder's routing."""
+        self._check_kernels(params, device)
+        return self._SHARDED_MODULE.with_routing(self._routing)(
+            module,
+            params,
+            env,
+            self.fused_params,  # type: ignore[attr-defined]
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,  # type: ignore[attr-defined]
+            module_fqn=module_fqn,
+            **{arg: getattr(self, attr) for arg, attr in self._SHARDED_MODULE_ATTRS.items()},
+        )
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
         types: List[str] = super().sharding_types(compute_device_type)  # type: ignore[misc]
@@ -65,12 +81,10 @@ class RoutedSharderMixin:
         return types
 
     def _check_kernels(self, params: Dict[str, ParameterSharding], device: Optional[torch.device]) -> None:
-        """Refuses what this sharder's kernels cannot run exactly, naming the table.
-
-        Tiered tables this sharder does not run (torchrec would fail later naming no table), and on
-        CPU two fbgemm-gpu-cpu bugs: a FUSED ROW_WISE shard of 0 rows (wrong updates to the next
-        table) and a DENSE EmbeddingCollection table (pools despite ``PoolingMode.NONE``).
-        """
+        """Refuses what this sharder's kernels cannot run exactly, naming the table. Tiered tables this sharder does not
+        run (torchrec would fail later naming no table), and on CPU two fbgemm-gpu-cpu bugs: a FUSED ROW_WISE shard of 0
+        rows (wrong updates to the next table) and a DENSE EmbeddingCollection table (pools despite
+        ``PoolingMode.NONE``)."""
         device_type = device.type if device is not None else "cpu"
         if device_type == "cpu":
             for name, ps in params.items():
@@ -117,73 +131,32 @@ def _check_no_empty_fused_shard(name: str, ps: ParameterSharding) -> None:
 
 def _check_no_dense_sequence_table(name: str, ps: ParameterSharding) -> None:
     """Raises ``ValueError`` for a DENSE-kernel EmbeddingCollection table (CPU)."""
-    if ps.compute_kernel != EmbeddingComputeKernel.DENSE.value:
-        return
-    raise ValueError(
-        f"EmbeddingCollection table {name!r} is {ps.sharding_type} with compute_kernel {ps.compute_kernel} on "
-        "CPU: fbgemm-gpu-cpu's dense TBE ignores PoolingMode.NONE on CPU and returns one pooled row per bag "
-        "instead of one row per id, so the sequence output dist fails or corrupts the heap (an fbgemm bug, "
-        "reproduced without recpipe; torchrec's own sharder fails the same way). Possible solutions:\n"
-        "  1) give the table compute_kernel fused (EmbeddingComputeKernel.FUSED) with any sharding but "
-        "DATA_PARALLEL, whose kernel is always dense, or\n"
-        "  2) make it a recpipe tiered table (recpipe.planner + TieredEmbeddingCollectionSharder), whose CPU "
-        "kernel is recpipe's own."
-    )
+    if ps.compute_kernel == EmbeddingComputeKernel.DENSE.value:
+        raise ValueError(
+            f"EmbeddingCollection table {name!r} is {ps.sharding_type} with compute_kernel {ps.compute_kernel} on "
+            "CPU: fbgemm-gpu-cpu's dense TBE ignores PoolingMode.NONE on CPU and returns one pooled row per bag "
+            "instead of one row per id, so the sequence output dist fails or corrupts the heap (an fbgemm bug, "
+            "reproduced without recpipe; torchrec's own sharder fails the same way). Possible solutions:\n"
+            "  1) give the table compute_kernel fused (EmbeddingComputeKernel.FUSED) with any sharding but "
+            "DATA_PARALLEL, whose kernel is always dense, or\n"
+            "  2) make it a recpipe tiered table (recpipe.planner + TieredEmbeddingCollectionSharder), whose CPU "
+            "kernel is recpipe's own."
+        )
 
 
 class RecpipeEmbeddingBagCollectionSharder(RoutedSharderMixin, EmbeddingBagCollectionSharder):
-    """EmbeddingBagCollectionSharder offering ROW_WISE on CPU, routed by recpipe.
-
-    Args: as :class:`RoutedSharderMixin` and torchrec's ``EmbeddingBagCollectionSharder``.
-    """
+    """EmbeddingBagCollectionSharder offering ROW_WISE on CPU, routed by recpipe (args: as
+    :class:`RoutedSharderMixin` and torchrec's ``EmbeddingBagCollectionSharder``)."""
 
     _SHARDED_MODULE: ClassVar[Any] = RecpipeShardedEmbeddingBagCollection
-
-    def shard(
-        self,
-        module: EmbeddingBagCollection,
-        params: Dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        module_fqn: Optional[str] = None,
-    ) -> RecpipeShardedEmbeddingBagCollection:
-        self._check_kernels(params, device)
-        return self._SHARDED_MODULE.with_routing(self._routing)(
-            module=module,
-            table_name_to_parameter_sharding=params,
-            env=env,
-            fused_params=self.fused_params,
-            device=device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            module_fqn=module_fqn,
-            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
-        )
+    _SHARDED_MODULE_ATTRS = {"sharded_module_order_overwrite": "_sharded_module_order_overwrite"}
 
 
 class RecpipeEmbeddingCollectionSharder(RoutedSharderMixin, EmbeddingCollectionSharder):
     """EmbeddingCollectionSharder offering ROW_WISE on CPU, routed by recpipe (args as the EBC sharder)."""
 
     _SHARDED_MODULE: ClassVar[Any] = RecpipeShardedEmbeddingCollection
-
-    def shard(
-        self,
-        module: EmbeddingCollection,
-        params: Dict[str, ParameterSharding],
-        env: ShardingEnv,
-        device: Optional[torch.device] = None,
-        module_fqn: Optional[str] = None,
-    ) -> RecpipeShardedEmbeddingCollection:
-        self._check_kernels(params, device)
-        return self._SHARDED_MODULE.with_routing(self._routing)(
-            module,
-            params,
-            env,
-            self.fused_params,
-            device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,
-            use_index_dedup=self._use_index_dedup,
-            module_fqn=module_fqn,
-        )
+    _SHARDED_MODULE_ATTRS = {"use_index_dedup": "_use_index_dedup"}
 
 
 def recpipe_sharders(

@@ -49,26 +49,20 @@ class RoutedInputDistMixin:
 
     def create_input_dist(self, device: Optional[torch.device] = None) -> RecpipeRwSparseFeaturesDist:
         base: Any = self
-        routing = feature_routing(base._grouped_embedding_configs, base._world_size, self._routing)
         return RecpipeRwSparseFeaturesDist(
             pg=base._pg,
             num_features=base._get_num_features(),
-            feature_hash_sizes=routing.table_sizes,
-            dist_types=routing.dist_types,
-            seed=routing.seed,
+            routing=feature_routing(base._grouped_embedding_configs, base._world_size, self._routing),
             device=device if device is not None else base._device,
             is_sequence=self._IS_SEQUENCE,
             has_feature_processor=base._has_feature_processor,
             need_pos=False if self._IS_SEQUENCE else base._need_pos,
-            row_bounds=routing.row_bounds,
         )
 
 
 class RecpipeRwPooledEmbeddingSharding(RoutedInputDistMixin, RwPooledEmbeddingSharding):
-    """torchrec's pooled row-wise sharding with routed input and :class:`RecpipeRwPooledEmbeddingDist` output.
-
-    Args: as ``RwPooledEmbeddingSharding``, plus ``routing`` (:class:`RoutingOverrides`).
-    """
+    """torchrec's pooled row-wise sharding with routed input (``routing``: :class:`RoutingOverrides`) and
+    :class:`RecpipeRwPooledEmbeddingDist` output."""
 
     def create_output_dist(self, device: Optional[torch.device] = None) -> RecpipeRwPooledEmbeddingDist:
         """:class:`RecpipeRwPooledEmbeddingDist` of this sharding's process group (``device`` unused)."""

@@ -1,12 +1,10 @@
 """fbgemm's TBE (``SplitTableBatchedEmbeddingBagsCodegen``) tables for a tiered shard.
 
-:func:`plan_fbgemm_tier` (pure, no fbgemm import) maps a placement to tables: ``x == 1``
-one ``DEVICE`` table; ``CACHING(x)`` one ``MANAGED_CACHING`` table (the HBM cache holds
-values only); ``HYBRID(x)`` a ``DEVICE`` table plus a ``MANAGED`` table, split by the
-shard's hash. ``compute_device="cpu"`` builds fbgemm ``HOST`` tables (no cache), for tests.
-:func:`tbe_counters` / :func:`undo_tbe_lookup` take back a discarded lookup's counters.
-
-May import ``recpipe.pipeline.placement`` and ``recpipe.pipeline.tiered.optim``.
+:func:`plan_fbgemm_tier` (pure, no fbgemm import) maps a placement to tables: ``x == 1`` one
+``DEVICE`` table; ``CACHING(x)`` one ``MANAGED_CACHING`` table (the HBM cache holds values only);
+``HYBRID(x)`` a ``DEVICE`` plus a ``MANAGED`` table, split by the shard's hash; ``compute_device=
+"cpu"`` builds ``HOST`` tables (no cache), for tests. :func:`tbe_counters` / :func:`undo_tbe_lookup`
+take back a discarded lookup's counters. May import ``recpipe.pipeline.placement`` and ``.tiered.optim``.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from recpipe.pipeline.placement import (
     fbgemm_cache_sets,
     tier_rows,
 )
-from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
+from recpipe.pipeline.tiered.optim import HYPER_PARAMETERS, TieredOptimizerConfig
 
 __all__ = [
     "FbgemmTable",
@@ -143,11 +141,7 @@ def plan_fbgemm_tier(
         cache_algorithm=algorithm,
         optimizer=opt,
         optim_type=_OPTIM_TYPES[opt],
-        learning_rate=float(optimizer.learning_rate),
-        eps=float(optimizer.eps),
-        beta1=float(optimizer.beta1),
-        beta2=float(optimizer.beta2),
-        weight_decay=float(optimizer.weight_decay),
+        **{k: float(getattr(optimizer, k)) for k in HYPER_PARAMETERS},
         compute_device=compute_device,
     )
 
@@ -194,11 +188,7 @@ def fbgemm_tbe_kwargs(plan: FbgemmTierPlan, device: Optional[torch.device] = Non
         "embedding_specs": [(t.rows, plan.embedding_dim, EmbeddingLocation[t.location], compute) for t in plan.tables],
         "feature_table_map": list(range(len(plan.tables))),
         "optimizer": EmbOptimType[plan.optim_type],
-        "learning_rate": plan.learning_rate,
-        "eps": plan.eps,
-        "beta1": plan.beta1,
-        "beta2": plan.beta2,
-        "weight_decay": plan.weight_decay,
+        **{k: getattr(plan, k) for k in HYPER_PARAMETERS},
         "pooling_mode": PoolingMode.SUM,
         "stochastic_rounding": False,
         # ids are checked on the device before the lookup (torch._assert_async);

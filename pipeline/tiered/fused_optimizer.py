@@ -20,9 +20,7 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
     One param group per table (key ``<table>.weight``); :meth:`step` and :meth:`zero_grad` push each
     group's ``lr`` into its shard, as torchrec's do into fbgemm's TBE, so LR schedulers reach tiered
     and FUSED tables alike. ``state`` is empty: the rows' optimizer state moves with the rows.
-
-    Args:
-        shards (Dict[str, TieredEmbeddingShard]): table name -> this rank's shard.
+    ``shards``: table name -> this rank's shard.
     """
 
     def __init__(self, shards: Dict[str, TieredEmbeddingShard]) -> None:
@@ -35,26 +33,20 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
             raise ValueError(
                 f"TieredFusedOptimizer: `shards` must be a dict of table name -> TieredEmbeddingShard, got {got}."
             )
-        self._shards: List[TieredEmbeddingShard] = list(shards.values())
+        #: The tables' shards, in the order of :attr:`param_groups`.
+        self.shards: List[TieredEmbeddingShard] = list(shards.values())
         # a key tensor per table: torchrec keys optimizer params (and their groups) by tensor
         keys = {f"{name}.weight": torch.empty(0) for name in shards}
         # fbgemm's float32 learning rate, as torchrec's FUSED groups start from: LR schedulers scale both alike
-        groups = [
-            {
-                "params": [keys[f"{name}.weight"]],
-                "lr": float(torch.tensor(shard.optimizer.learning_rate, dtype=torch.float32)),
-            }
+        lrs = {
+            name: float(torch.tensor(shard.optimizer.learning_rate, dtype=torch.float32))
             for name, shard in shards.items()
-        ]
+        }
+        groups = [{"params": [keys[f"{name}.weight"]], "lr": lr} for name, lr in lrs.items()]
         super().__init__(params=keys, state={}, param_groups=groups)
 
-    @property
-    def shards(self) -> List[TieredEmbeddingShard]:
-        """The tables' shards, in the order of :attr:`param_groups`."""
-        return self._shards
-
     def _push_learning_rates(self) -> None:
-        for group, shard in zip(self.param_groups, self._shards):
+        for group, shard in zip(self.param_groups, self.shards):
             shard.set_learning_rate(group["lr"])
 
     def step(self, closure: Any = None) -> None:
@@ -67,7 +59,7 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
 
     def set_optimizer_step(self, step: int) -> None:
         """Sets every table's optimizer step, with fbgemm's semantics (the next update is ``step + 1``)."""
-        for shard in self._shards:
+        for shard in self.shards:
             shard.set_optimizer_step(step)
 
     def update_hyper_parameters(self, params_dict: Dict[str, float]) -> None:
@@ -75,5 +67,5 @@ class TieredFusedOptimizer(TorchrecFusedOptimizer):
 
         As in torchrec, ``lr`` is not written into the param groups (the next :meth:`step` resets it).
         """
-        for shard in self._shards:
+        for shard in self.shards:
             shard.update_hyper_parameters(params_dict)

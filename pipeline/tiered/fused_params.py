@@ -2,10 +2,8 @@
 
 The placement (``PlacementParams``, keys ``FUSED_PARAM_KEYS``) is written by the planner and
 validated here; the optimizer comes from torchrec's usual fused params. Params the tiered kernel
-does not implement, and a placement sized for another optimizer or dtype, are refused.
-
-May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other
-``recpipe.pipeline.tiered`` modules.
+does not implement, and a placement sized for another optimizer or dtype, are refused. May import
+``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other ``recpipe.pipeline.tiered`` modules.
 """
 
 from __future__ import annotations
@@ -35,15 +33,14 @@ from recpipe.pipeline.placement import (
 )
 from recpipe.pipeline.routing.features import RoutingOverrides
 from recpipe.pipeline.tiered.backends import resolve_backend
-from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
+from recpipe.pipeline.tiered.optim import HYPER_PARAMETERS, TieredOptimizerConfig
 
 
 def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -> TieredOptimizerConfig:
     """The tiered optimizer config for torchrec fused params (fbgemm's defaults for missing keys).
 
-    Raises:
-        ValueError: an optimizer the tiered kernel does not run, a torch-only optimizer kwarg, or a
-            fused param changing fbgemm's update in a way the tiered kernel does not implement.
+    ValueError for an optimizer the tiered kernel does not run, a torch-only optimizer kwarg, or a
+    fused param changing fbgemm's update in a way the tiered kernel does not implement.
     """
     if fused_params is not None and not isinstance(fused_params, Mapping):
         raise ValueError(f"fused_params must be a dict (or None), got {type(fused_params).__name__} {fused_params!r}.")
@@ -96,14 +93,9 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
             )
         return float(value)
 
-    return TieredOptimizerConfig(
-        optimizer=fused,
-        learning_rate=number("learning_rate", 0.01),
-        eps=number("eps", 1.0e-8),
-        beta1=number("beta1", 0.9),
-        beta2=number("beta2", 0.999),
-        weight_decay=number("weight_decay", 0.0) if fused is FusedOptimizer.ADAM else 0.0,
-    )
+    defaults, adam = TieredOptimizerConfig(), fused is FusedOptimizer.ADAM  # fbgemm's defaults
+    values = {k: number(k, getattr(defaults, k)) for k in HYPER_PARAMETERS if adam or k != "weight_decay"}
+    return TieredOptimizerConfig(optimizer=fused, **values)
 
 
 #: fbgemm's deprecated (refused) non-exact ``EmbOptimType`` members -> their exact counterparts.

@@ -2,9 +2,7 @@
 
 The sequence kernel reuses the pooled shard with one id per bag (sum pooling): each output row is
 the stored row, and the backward sums each id's gradients per unique row, as fbgemm's sequence TBE.
-
-May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other
-``recpipe.pipeline.tiered`` modules.
+May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other ``recpipe.pipeline.tiered`` modules.
 """
 
 from __future__ import annotations
@@ -77,9 +75,7 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
             )
             self.tables[table.name] = shard
             self._feature_table += [table.name] * table.num_features()
-        self._fused_optimizer: TieredFusedOptimizer = TieredFusedOptimizer(
-            {name: shard for name, shard in self.tables.items()}  # type: ignore[misc]
-        )
+        self._fused_optimizer: TieredFusedOptimizer = TieredFusedOptimizer(dict(self.tables.items()))  # type: ignore[arg-type]
 
     @property
     def fused_optimizer(self) -> TorchrecFusedOptimizer:
@@ -87,7 +83,6 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
         return self._fused_optimizer
 
     def _shard_pooling(self, table: ShardedEmbeddingTable) -> str:
-        """``sum`` or ``mean``."""
         raise NotImplementedError
 
     def _table_runs(self) -> Iterator[Tuple[str, int, int]]:
@@ -132,11 +127,8 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
 
 
 class TieredBatchedEmbeddingBag(TieredKernelBase):
-    """Pooled CUSTOMIZED_KERNEL group (pooling SUM or MEAN).
-
-    Args:
-        sharding_type (ShardingType | None): under ROW_WISE a MEAN table pools with SUM and
-            torchrec's EBC divides after the output all-to-all (a local mean would average partial sums).
+    """Pooled CUSTOMIZED_KERNEL group (pooling SUM or MEAN). Under ``sharding_type`` ROW_WISE a MEAN table
+    pools with SUM and torchrec's EBC divides after the output all-to-all (a local mean would average partial sums).
     """
 
     def __init__(
@@ -156,11 +148,8 @@ class TieredBatchedEmbeddingBag(TieredKernelBase):
         return "sum" if mode == PoolingMode.SUM else "mean"
 
     def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        """Pooled lookups ``[stride, sum of dims]`` of the group's features, in feature order.
-
-        Raises:
-            ValueError: ``features`` has a variable batch size per feature (VBE).
-        """
+        """Pooled lookups ``[stride, sum of dims]`` of the group's features, in feature order; a
+        ValueError when ``features`` has a variable batch size per feature (VBE)."""
         if features.variable_stride_per_key():
             raise tiered_vbe_error(
                 "TieredBatchedEmbeddingBag.forward",

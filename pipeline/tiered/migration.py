@@ -1,12 +1,10 @@
 """Migration of table state between torchrec and tiered tables, in global row order.
 
 :func:`gather_full_weights` / :func:`gather_full_optimizer_state` (collective) give every sharded
-table as full CPU tensors; ``load_state_dict(full, strict=False)`` and
-:func:`load_full_optimizer_state` load them into tiered or FUSED tables of any world size or
-routing. The optimizer-state views of the tables are shared with ``recpipe.pipeline.checkpoint``.
-
-May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other
-``recpipe.pipeline.tiered`` modules.
+table as full CPU tensors; ``load_state_dict(full, strict=False)`` and :func:`load_full_optimizer_state`
+load them into tiered or FUSED tables of any world size or routing; ``recpipe.pipeline.checkpoint``
+shares the optimizer-state views. May import ``recpipe.pipeline.placement``, ``.routing`` and other
+``.tiered`` modules.
 """
 
 from __future__ import annotations
@@ -301,13 +299,8 @@ def _fused_state_shards(
         o_shards = st.local_shards()
         if len(o_shards) != len(w_shards):
             raise ValueError(f"{base}: {k!r} has {len(o_shards)} local shards, the weight {len(w_shards)}.")
-        yield (
-            k,
-            [
-                (shard_global_rows(w.metadata, int(w.tensor.shape[0]), order), o.tensor)
-                for w, o in zip(w_shards, o_shards)
-            ],
-        )
+        rows = [shard_global_rows(w.metadata, int(w.tensor.shape[0]), order) for w in w_shards]
+        yield k, list(zip(rows, (o.tensor for o in o_shards)))
 
 
 def _fused_step(leaf: Any) -> int:
@@ -389,9 +382,7 @@ def load_full_optimizer_state(
     Each rank writes the rows it holds; a FUSED TBE's shared step becomes the largest of its tables'.
     Load the weights first: loading a full weight zeroes a tiered table's optimizer state. Every table
     is checked before any is loaded; with ``strict=False`` tables missing from ``states`` keep theirs.
-
-    Raises:
-        ValueError: an entry not fitting its table, an unknown or missing table, or an uncarried optimizer.
+    ValueError for an entry not fitting its table, an unknown or missing table, or an uncarried optimizer.
     """
     tables = optimizer_tables(model)
     desc = describe_optimizer_tables(tables, process_group)
@@ -417,15 +408,11 @@ def load_full_optimizer_state(
     _refuse_unsupported("load_full_optimizer_state", desc, states)
     for base in sorted(states):  # the same first refusal on every rank
         _check_table_state(base, desc[base], states[base])
-    write_optimizer_rows(
-        model,
-        tables,
-        desc,
-        {
-            base: (lambda k, rows, given=given: given[k].detach()[rows], int(given[OPTIMIZER_STEP_KEY]))
-            for base, given in states.items()
-        },
-    )
+    sources = {
+        base: (lambda k, rows, given=given: given[k].detach()[rows], int(given[OPTIMIZER_STEP_KEY]))
+        for base, given in states.items()
+    }
+    write_optimizer_rows(model, tables, desc, sources)
 
 
 #: A table's state for :func:`write_optimizer_rows`: ``rows_of(name, rows)`` -> named state of ``rows``, and the step.

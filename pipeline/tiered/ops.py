@@ -6,7 +6,7 @@ used by ``torch.compile`` / FakeTensor. May import ``recpipe._C`` and ``recpipe.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -32,26 +32,10 @@ TIERED_STATS: tuple[str, ...] = (
 )
 
 
+# The fake kernels take the ops' arguments positionally (schemas in csrc/tiered.cpp); they read the leading ones.
 @torch.library.register_fake("recpipe::tiered_lookup")
 def _tiered_lookup_fake(
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor],
-    fast_weights: torch.Tensor,
-    fast_state: torch.Tensor,
-    slow_weights: torch.Tensor,
-    slow_state: torch.Tensor,
-    row_map: torch.Tensor,
-    slot_row: torch.Tensor,
-    slot_score: torch.Tensor,
-    stats: torch.Tensor,
-    num_rows: int,
-    fast_rows: int,
-    split_seed: int,
-    mode: int,
-    policy: int,
-    clock: int,
-    pooling: int,
+    ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor], fast_weights: torch.Tensor, *_: Any
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torch._check(ids.dim() == 1, lambda: f"`ids` must be 1-D, got shape {list(ids.shape)}")
     torch._check(ids.dtype in (torch.int32, torch.int64), lambda: f"`ids` must be int32/int64, got {ids.dtype}")
@@ -67,30 +51,9 @@ def _tiered_lookup_fake(
 
 @torch.library.register_fake("recpipe::tiered_backward")
 def _tiered_backward_fake(
-    grad_out: torch.Tensor,
-    uniq: torch.Tensor,
-    inverse: torch.Tensor,
-    offsets: torch.Tensor,
-    per_sample_weights: Optional[torch.Tensor],
-    fast_weights: torch.Tensor,
-    fast_state: torch.Tensor,
-    slow_weights: torch.Tensor,
-    slow_state: torch.Tensor,
-    row_map: torch.Tensor,
-    slot_score: torch.Tensor,
-    num_rows: int,
-    fast_rows: int,
-    split_seed: int,
-    mode: int,
-    pooling: int,
-    optimizer: int,
-    lr: float,
-    eps: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-    step: int,
+    grad_out: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor, *rest: Any
 ) -> None:
+    step = rest[-1]
     torch._check(
         grad_out.dim() == 2 and grad_out.shape[0] == offsets.numel() - 1,
         lambda: "`grad_out` must be [B, dim] with B = len(offsets) - 1",

@@ -13,7 +13,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -21,7 +21,10 @@ import torch
 from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizer, check_int
 from recpipe.pipeline.types import TierBackend
 
-__all__ = ["FusedOptimizer", "OptimizerControlMixin", "TieredOptimizerConfig"]
+__all__ = ["HYPER_PARAMETERS", "FusedOptimizer", "OptimizerControlMixin", "TieredOptimizerConfig", "check_step"]
+
+#: The optimizer hyper-parameters of :class:`TieredOptimizerConfig` (fbgemm's TBE takes them by these names).
+HYPER_PARAMETERS: Tuple[str, ...] = ("learning_rate", "eps", "beta1", "beta2", "weight_decay")
 
 
 @dataclass(kw_only=True)
@@ -69,11 +72,7 @@ class TieredOptimizerConfig:
     def state_cols(self, dim: int) -> int:
         """fp32 state columns per row of width ``dim``: sgd 0, rowwise_adagrad 1, adam ``2 * dim``."""
         dim = check_int(dim, "dim", 1)
-        if self.optimizer is FusedOptimizer.SGD:
-            return 0
-        if self.optimizer is FusedOptimizer.ROWWISE_ADAGRAD:
-            return 1
-        return 2 * dim
+        return {FusedOptimizer.SGD: 0, FusedOptimizer.ROWWISE_ADAGRAD: 1}.get(self.optimizer, 2 * dim)  # type: ignore[call-overload]
 
     def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """Applies one update in place to gathered ``[n, dim]`` rows and their state; ``grad`` is
@@ -102,7 +101,6 @@ class TieredOptimizerConfig:
             multiplier = lr / (mom.sqrt() + self.eps)
             weights.sub_(grad * multiplier.unsqueeze(1))
             return
-        dim = weights.shape[1]
         m1 = state[:, :dim]
         m2 = state[:, dim:]
         m1.mul_(self.beta1).add_(grad, alpha=1.0 - self.beta1)
@@ -113,6 +111,12 @@ class TieredOptimizerConfig:
         if self.weight_decay:
             upd.add_(weights, alpha=self.weight_decay)
         weights.sub_(upd, alpha=lr)
+
+
+def check_step(table_name: str, step: Any, what: str) -> None:
+    """Refuses an optimizer ``step`` that is not an int >= 0, naming the table and ``what`` to pass."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"tiered table {table_name!r}: optimizer step must be an int >= 0, got {step!r}: pass {what}.")
 
 
 class OptimizerControlMixin:
@@ -128,12 +132,8 @@ class OptimizerControlMixin:
         return self.tiers.step
 
     def set_learning_rate(self, lr: Union[float, torch.Tensor]) -> None:
-        """Sets the learning rate of the following lookups, as fbgemm TBE's ``set_learning_rate``.
-
-        Args:
-            lr (float | torch.Tensor): a finite number >= 0, or a 0-dim real tensor holding one
-                (read once here: on CUDA a device sync).
-        """
+        """Sets the learning rate of the following lookups, as fbgemm TBE's ``set_learning_rate``: ``lr`` is a
+        finite number >= 0, or a 0-dim real tensor holding one (read once here: on CUDA a device sync)."""
         self.optimizer.learning_rate = self._check_lr(lr)
         self.tiers.set_learning_rate(self.optimizer.learning_rate)
 
@@ -163,20 +163,13 @@ class OptimizerControlMixin:
         is 0: on a fresh or just loaded table the next update is step ``step + 1``; a running
         table keeps its bias correction and records ``step``.
         """
-        if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-            raise ValueError(
-                f"tiered table {self.table_name!r}: optimizer step must be an int >= 0, got {step!r}: "
-                "pass the number of optimizer steps taken (e.g. the checkpoint's step)."
-            )
+        check_step(self.table_name, step, "the number of optimizer steps taken (e.g. the checkpoint's step)")
         self.tiers.set_optimizer_step(int(step))
 
     def update_hyper_parameters(self, params_dict: Dict[str, float]) -> None:
         """Sets ``lr``, ``eps``, ``beta1``, ``beta2``, ``weight_decay`` for the following lookups,
-        as fbgemm TBE's ``update_hyper_parameters`` (``weight_decay`` is ignored except for Adam).
-
-        Raises:
-            NotImplementedError: for another name, as fbgemm.
-            ValueError: for a value out of range (nothing is set).
+        as fbgemm TBE's ``update_hyper_parameters`` (``weight_decay`` is ignored except for Adam). Raises
+        NotImplementedError for another name, as fbgemm, and ValueError for a value out of range (nothing is set).
         """
         names = ("lr", "eps", "beta1", "beta2", "weight_decay")
         if not isinstance(params_dict, Mapping):

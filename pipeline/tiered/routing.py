@@ -49,16 +49,12 @@ class RowWiseRouting(ShardRouting):
         }
 
 
-class WholeTableRouting(ShardRouting):
+class WholeTableRouting(RowWiseRouting):
     """Every row of a table on one rank, local id = global id (exported as ``continuous`` over one rank)."""
 
     def __init__(self, num_embeddings: int) -> None:
-        self.num_embeddings = check_int(num_embeddings, "num_embeddings", 0)
+        self.num_embeddings = self._num_rows = check_int(num_embeddings, "num_embeddings", 0)
         self.world_size, self.rank, self.dist_type, self.seed = 1, 0, "continuous", 0
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_embeddings
 
     def global_ids(self, local: torch.Tensor) -> torch.Tensor:
         return local.to(torch.int64).clone()
@@ -67,22 +63,7 @@ class WholeTableRouting(ShardRouting):
         ids = global_ids.to(torch.int64)
         return torch.zeros_like(ids), ids.clone()
 
-    def metadata(self) -> Dict[str, Any]:
-        return {
-            "dist_type": self.dist_type,
-            "routing_seed": self.seed,
-            "routing_version": ROUTING_VERSION,
-            "world_size": 1,
-            "rank": 0,
-        }
-
 
 def routing_of_export(metadata: Mapping[str, Any]) -> RowWiseRouting:
     """The routing an export's metadata records."""
-    return RowWiseRouting(
-        metadata["num_embeddings"],
-        metadata["world_size"],
-        metadata["rank"],
-        metadata["dist_type"],
-        metadata["routing_seed"],
-    )
+    return RowWiseRouting(*(metadata[k] for k in ("num_embeddings", "world_size", "rank", "dist_type", "routing_seed")))

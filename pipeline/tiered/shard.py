@@ -1,16 +1,15 @@
 """One shard of an embedding table split between a fast and a slow tier.
 
-Placement: ``HYBRID(x)`` keeps ``floor(x * R)`` of the shard's ``R`` rows in the fast tier
-(chosen by a seeded hash); ``CACHING(x)`` keeps every row in the slow tier and caches
-``floor(x * R)`` of them (LFU or LRU); ``x == 1`` puts every row in the fast tier. The
-optimizer is fused into the backward like fbgemm's TBE. Rows live in a ``TierBackend``.
-
-May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.types``,
-``recpipe.pipeline.routing`` and the tiered modules below it.
+``HYBRID(x)`` keeps ``floor(x * R)`` of the shard's ``R`` rows in the fast tier (chosen by a
+seeded hash); ``CACHING(x)`` keeps every row in the slow tier and caches ``floor(x * R)`` of them
+(LFU or LRU); ``x == 1`` puts every row in the fast tier. The optimizer is fused into the backward
+like fbgemm's TBE; rows live in a ``TierBackend``. May import ``recpipe.pipeline.placement``,
+``recpipe.pipeline.types``, ``recpipe.pipeline.routing`` and the tiered modules below it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import os
@@ -28,7 +27,7 @@ from recpipe.pipeline.tiered.backends.common import check_psw_pooling
 from recpipe.pipeline.tiered.ops import TIERED_STATS
 from recpipe.pipeline.tiered.optim import FusedOptimizer, OptimizerControlMixin, TieredOptimizerConfig
 from recpipe.pipeline.tiered.routing import RowWiseRouting
-from recpipe.pipeline.tiered.state import ShardLoadMixin
+from recpipe.pipeline.tiered.state import ShardStateMixin
 from recpipe.pipeline.types import ShardRouting, TierBackend, TierSpec, TierTensors
 
 __all__ = [
@@ -88,10 +87,9 @@ def _check_table_args(
         raise ValueError(
             f"cache_load_factor must be in (0, 1], got {x!r}: use e.g. 0.1 ... 1.0 (1.0 = every row in the fast tier)."
         )
-    if isinstance(embedding_dim, bool) or not isinstance(embedding_dim, int) or embedding_dim <= 0:
-        raise ValueError(f"embedding_dim must be a positive int, got {embedding_dim!r}.")
-    if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0:
-        raise ValueError(f"num_embeddings must be a positive int, got {num_embeddings!r}.")
+    for name, value in (("embedding_dim", embedding_dim), ("num_embeddings", num_embeddings)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
     if pooling not in ("sum", "mean"):
         raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}.")
     if optimizer is not None and not isinstance(optimizer, TieredOptimizerConfig):
@@ -125,7 +123,7 @@ def _init_range(table_name: str, num_embeddings: int, lo: Optional[float], hi: O
     return float(init[0]), float(init[1])
 
 
-class TieredEmbeddingShard(ShardLoadMixin, OptimizerControlMixin, nn.Module):
+class TieredEmbeddingShard(ShardStateMixin, OptimizerControlMixin, nn.Module):
     """One shard of an embedding-bag table stored in a fast and a slow tier.
 
     Args:
@@ -205,21 +203,8 @@ class TieredEmbeddingShard(ShardLoadMixin, OptimizerControlMixin, nn.Module):
         # Bulk writes of the rows (init, loads): lets the fused pipeline see a table written
         # between steps (recpipe.pipeline.train.relookup.tables_version).
         self.rows_writes: int = 0
-        self.tiers: TierBackend = BACKENDS[self.backend](
-            TierSpec(
-                num_rows=self.num_rows,
-                embedding_dim=embedding_dim,
-                dtype=dtype,
-                mode=self.mode,
-                cache_load_factor=self.cache_load_factor,
-                cache_policy=self.cache_policy,
-                pooling=pooling,
-                optimizer=self.optimizer,
-                device=self.device,
-                split_seed=self.split_seed,
-                table_name=table_name,
-            )
-        )
+        spec = TierSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TierSpec)})
+        self.tiers: TierBackend = BACKENDS[self.backend](spec)
         self.reset_parameters()
 
     def _routing(
@@ -253,8 +238,7 @@ class TieredEmbeddingShard(ShardLoadMixin, OptimizerControlMixin, nn.Module):
         ``shard_storage``, or ``fbgemm_tier_bytes`` for fbgemm on CUDA)."""
         tiers = self.tier_tensors()
         return ShardStorage(
-            fast_bytes=sum(t.untyped_storage().nbytes() for _, t in tiers["fast"]),
-            slow_bytes=sum(t.untyped_storage().nbytes() for _, t in tiers["slow"]),
+            **{f"{k}_bytes": sum(t.untyped_storage().nbytes() for _, t in tiers[k]) for k in ("fast", "slow")}
         )
 
     @torch.no_grad()
@@ -365,11 +349,7 @@ class TieredEmbeddingShard(ShardLoadMixin, OptimizerControlMixin, nn.Module):
             "fast_fraction": last["fast_lookups"] / lookups,
             "cumulative_hit_rate": total["hits"] / max(total["lookups"], 1.0),
             "cumulative_lookups": total["lookups"],
-            "lookups": last["lookups"],
-            "unique_rows": last["unique_rows"],
-            "rows_loaded": last["rows_loaded"],
-            "rows_evicted": last["rows_evicted"],
-            "rows_written_back": last["rows_written_back"],
+            **{k: last[k] for k in ("lookups", "unique_rows", "rows_loaded", "rows_evicted", "rows_written_back")},
             "bytes_loaded": last["rows_loaded"] * row,
             "bytes_written_back": last["rows_written_back"] * row,
             "bytes_moved": moved * row,

@@ -1,12 +1,9 @@
 """The row-wise shardings and sharded collections of tiered tables.
 
 The shardings complete each tiered table's placement and build lookups whose CUSTOMIZED_KERNEL
-groups run the tiered kernels; the sharded EBC / EC carry the tiered rows through
-``state_dict()`` / ``load_state_dict()`` (:class:`TieredTablesMixin`). A VBE KJT reaching an EBC
-with tiered tables is refused by its ``input_dist``, before any collective.
-
-May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other
-``recpipe.pipeline.tiered`` modules.
+groups run the tiered kernels; the sharded EBC / EC carry the tiered rows through ``state_dict()``
+/ ``load_state_dict()`` (:class:`TieredTablesMixin`) and refuse VBE KJTs in ``input_dist``, before
+any collective. May import ``recpipe.pipeline.placement``, ``.routing`` and other ``.tiered`` modules.
 """
 
 from __future__ import annotations
@@ -38,14 +35,17 @@ from recpipe.pipeline.tiered.kernels import (
     TieredKernelBase,
 )
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
-from recpipe.pipeline.tiered.state import TieredShardState
+from recpipe.pipeline.tiered.state import STATE_FIELDS, TieredShardState
 
 
 class _TieredRoutingMixin:
     """Completes the tiered tables' placement before the sharding is built, so input dist and kernel
-    route alike. ``_backend`` is set on a per-sharder subclass by ``TieredTablesMixin.with_backend``."""
+    route alike, and builds the tiered grouped lookup (``_LOOKUP``). ``_backend`` is set on a
+    per-sharder subclass by ``TieredTablesMixin.with_backend``."""
 
     _backend: ClassVar[Optional[str]] = None
+    _LOOKUP: ClassVar[type]
+    _POOLED: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -57,46 +57,37 @@ class _TieredRoutingMixin:
         resolve_tiered_fused_params(sharding_infos, routing, self._backend)
         super().__init__(sharding_infos, *args, routing=routing, **kwargs)  # type: ignore[call-arg]
 
-
-class TieredRwPooledEmbeddingSharding(_TieredRoutingMixin, RecpipeRwPooledEmbeddingSharding):
-    """recpipe's routed row-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered."""
-
     def create_lookup(
         self,
         device: Optional[torch.device] = None,
         fused_params: Optional[Dict[str, Any]] = None,
         feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
     ) -> BaseEmbeddingLookup:
-        return TieredGroupedPooledEmbeddingsLookup(
-            grouped_configs=self._grouped_embedding_configs,
-            pg=self._pg,
-            device=device if device is not None else self._device,
-            feature_processor=feature_processor,
-            sharding_type=ShardingType.ROW_WISE,
-            env=self._env,
+        pooled = {"feature_processor": feature_processor, "sharding_type": ShardingType.ROW_WISE}
+        return self._LOOKUP(
+            grouped_configs=self._grouped_embedding_configs,  # type: ignore[attr-defined]
+            pg=self._pg,  # type: ignore[attr-defined]
+            device=device if device is not None else self._device,  # type: ignore[attr-defined]
+            env=self._env,  # type: ignore[attr-defined]
+            **(pooled if self._POOLED else {}),
         )
+
+
+class TieredRwPooledEmbeddingSharding(_TieredRoutingMixin, RecpipeRwPooledEmbeddingSharding):
+    """recpipe's routed row-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered."""
+
+    _LOOKUP = TieredGroupedPooledEmbeddingsLookup
+    _POOLED = True
 
 
 class TieredRwSequenceEmbeddingSharding(_TieredRoutingMixin, RecpipeRwSequenceEmbeddingSharding):
     """recpipe's routed row-wise sequence sharding whose CUSTOMIZED_KERNEL tables are tiered."""
 
-    def create_lookup(
-        self,
-        device: Optional[torch.device] = None,
-        fused_params: Optional[Dict[str, Any]] = None,
-        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
-    ) -> BaseEmbeddingLookup:
-        return TieredGroupedEmbeddingsLookup(
-            grouped_configs=self._grouped_embedding_configs,
-            pg=self._pg,
-            device=device if device is not None else self._device,
-            env=self._env,
-        )
+    _LOOKUP = TieredGroupedEmbeddingsLookup
 
 
 #: state_dict key infix of a tiered table's rows: ``<collection>.<table>.tiered.<field>``.
 TIERED_STATE_KEY = "tiered"
-_TIERED_FIELDS = ("global_ids", "weights", "optimizer_state", "step", "_extra_state")
 
 
 class TieredTablesMixin:
@@ -132,13 +123,8 @@ class TieredTablesMixin:
             module._tiered_state_dict_sink[prefix] = module
             return
         for name, shard in module.tiered_tables().items():
-            st = shard.export_state()
             base = f"{prefix}{module.TIERED_COLLECTION}.{name}.{TIERED_STATE_KEY}."
-            destination[base + "global_ids"] = st.global_ids
-            destination[base + "weights"] = st.weights
-            destination[base + "optimizer_state"] = st.optimizer_state
-            destination[base + "step"] = torch.tensor(st.step, dtype=torch.int64)
-            destination[base + "_extra_state"] = st.metadata
+            destination.update({base + k: v for k, v in shard.export_state().entries().items()})
 
     def _tiered_names(self) -> List[str]:
         """Tables of this module planned with the tiered (CUSTOMIZED_KERNEL) kernel."""
@@ -202,10 +188,10 @@ class TieredTablesMixin:
             )
             if not exported and not placeholder:
                 continue
-            found = (f"its tiered export {exported}" if exported else "") + (
-                " and " if exported and placeholder else ""
+            found = " and ".join(
+                ([f"its tiered export {exported}"] if exported else [])
+                + ([f"the tiered tables' empty placeholder {key} (shape {list(value.shape)})"] if placeholder else [])
             )
-            found += f"the tiered tables' empty placeholder {key} (shape {list(value.shape)})" if placeholder else ""
             raise ValueError(
                 f"{type(self).__name__}.load_state_dict: table {name!r} is planned {ps.sharding_type} "
                 f"{ps.compute_kernel} (not tiered) in this model, but the state dict holds it as a tiered model "
@@ -226,26 +212,16 @@ class TieredTablesMixin:
         tables = self.tiered_tables()
         for name, shard in tables.items():
             base = f"{prefix}{self.TIERED_COLLECTION}.{name}.{TIERED_STATE_KEY}."
-            present = [f for f in _TIERED_FIELDS if base + f in state_dict]
+            present = [f for f in STATE_FIELDS if base + f in state_dict]
             if not present:
                 continue
-            if len(present) != len(_TIERED_FIELDS):
-                absent = [base + f for f in _TIERED_FIELDS if f not in present]
+            if len(present) != len(STATE_FIELDS):
+                absent = [base + f for f in STATE_FIELDS if f not in present]
                 raise ValueError(
                     f"tiered table {name!r}: state_dict has {sorted(base + f for f in present)} but not "
                     f"{absent}; pass the complete export written by state_dict()."
                 )
-            shard.load_states(
-                [
-                    TieredShardState(
-                        global_ids=state_dict.pop(base + "global_ids"),
-                        weights=state_dict.pop(base + "weights"),
-                        optimizer_state=state_dict.pop(base + "optimizer_state"),
-                        step=int(state_dict.pop(base + "step")),
-                        metadata=dict(state_dict.pop(base + "_extra_state")),
-                    )
-                ]
-            )
+            shard.load_states([TieredShardState.from_entries(lambda k: state_dict.pop(base + k))])
 
     def tiered_tables(self) -> Dict[str, TieredEmbeddingShard]:
         """This rank's tiered shards by table name."""
@@ -282,11 +258,8 @@ class TieredShardedEmbeddingBagCollection(TieredTablesMixin, RecpipeShardedEmbed
     _ROW_WISE_SHARDING = TieredRwPooledEmbeddingSharding
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
-        """torchrec's input dist, after refusing VBE KJTs for tiered tables (before any collective).
-
-        Raises:
-            ValueError: ``features`` is a VBE KJT and the collection has tiered tables.
-        """
+        """torchrec's input dist, after refusing (ValueError) a VBE KJT when the collection has tiered
+        tables (before any collective)."""
         if isinstance(features, KeyedJaggedTensor) and features.variable_stride_per_key():
             tiered = set(self._tiered_names())
             if tiered:

@@ -2,10 +2,8 @@
 
 They extend recpipe's routed EBC / EC sharders with the ``CUSTOMIZED_KERNEL`` compute kernel for
 ROW_WISE tables and shard to the tiered sharded collections; ``backend=`` reaches the kernel
-through the tiered tables' fused params (``FUSED_PARAM_BACKEND``).
-
-May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other
-``recpipe.pipeline.tiered`` modules.
+through the tiered tables' fused params (``FUSED_PARAM_BACKEND``). May import
+``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other ``recpipe.pipeline.tiered`` modules.
 """
 
 from __future__ import annotations
@@ -23,13 +21,9 @@ from recpipe.pipeline.tiered.sharded import TieredShardedEmbeddingBagCollection,
 
 
 class _TieredSharderMixin:
-    """Offers the tiered CUSTOMIZED_KERNEL for ROW_WISE tables and refuses it elsewhere.
-
-    Args:
-        backend (Optional[str]): keyword-only; ``native``, ``fbgemm``, ``torch``, or None for the
-            device's default (``native`` on CPU, ``fbgemm`` on CUDA, ``torch`` elsewhere); refused
-            when unknown, or (in :meth:`shard`) when it cannot run on the device.
-    """
+    """Offers the tiered CUSTOMIZED_KERNEL for ROW_WISE tables and refuses it elsewhere. ``backend``
+    (keyword-only): ``native``, ``fbgemm``, ``torch``, or None for the device's default; refused when
+    unknown, or (in :meth:`shard`) when it cannot run on the device."""
 
     _SHARDED_MODULE: Any
 
@@ -72,10 +66,8 @@ class _TieredSharderMixin:
 
 
 class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingBagCollectionSharder):
-    """recpipe's routed EBC sharder whose CUSTOMIZED_KERNEL row-wise tables run the tiered kernel.
-
-    Args: as ``RecpipeEmbeddingBagCollectionSharder``, plus ``backend`` (:class:`_TieredSharderMixin`).
-    """
+    """recpipe's routed EBC sharder whose CUSTOMIZED_KERNEL row-wise tables run the tiered kernel
+    (arguments: ``RecpipeEmbeddingBagCollectionSharder``'s, plus ``backend``, :class:`_TieredSharderMixin`)."""
 
     _SHARDED_MODULE = TieredShardedEmbeddingBagCollection
 
@@ -93,9 +85,7 @@ def _check_tiered_params(params: Dict[str, ParameterSharding]) -> None:
 
 
 class TieredEmbeddingCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingCollectionSharder):
-    """recpipe's routed EC sharder whose CUSTOMIZED_KERNEL row-wise tables run the tiered sequence kernel.
-
-    Args: as ``RecpipeEmbeddingCollectionSharder``, plus ``backend`` (:class:`_TieredSharderMixin`).
-    """
+    """recpipe's routed EC sharder whose CUSTOMIZED_KERNEL row-wise tables run the tiered sequence kernel
+    (arguments: ``RecpipeEmbeddingCollectionSharder``'s, plus ``backend``, :class:`_TieredSharderMixin`)."""
 
     _SHARDED_MODULE = TieredShardedEmbeddingCollection

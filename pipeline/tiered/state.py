@@ -1,29 +1,28 @@
-"""Export, validation and load of a tiered shard's rows (mixins of ``TieredEmbeddingShard``).
+"""Export, validation and load of a tiered shard's rows (the ``TieredEmbeddingShard`` mixin).
 
-An export holds every row of a shard by global id with its optimizer state, step and
-metadata. Loads take exports of any routing, world size and placement and pick this
-shard's rows by global id; missing, repeated or non-finite rows raise
-:class:`TieredCheckpointError`. May import ``recpipe.pipeline.types``,
-``recpipe.pipeline.routing`` and ``recpipe.pipeline.tiered.routing``.
+An export holds every row of a shard by global id with its optimizer state, step and metadata.
+Loads take exports of any routing, world size and placement and pick this shard's rows by global
+id; missing, repeated or non-finite rows raise :class:`TieredCheckpointError`. May import
+``recpipe.pipeline.types``, ``recpipe.pipeline.routing``, ``.tiered.routing`` and ``.tiered.optim``.
 """
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from recpipe.pipeline.routing.ops import ROUTING_VERSION
+from recpipe.pipeline.tiered.optim import check_step
 from recpipe.pipeline.tiered.routing import routing_of_export
 from recpipe.pipeline.types import RowOptimizer, ShardRouting, TierBackend
 
 __all__ = [
     "CHECKPOINT_VERSION",
     "LOAD_CHUNK_ROWS",
-    "ShardExportMixin",
-    "ShardLoadMixin",
+    "STATE_FIELDS",
+    "ShardStateMixin",
     "TieredCheckpointError",
     "TieredShardState",
     "non_finite_rows",
@@ -37,6 +36,10 @@ CHECKPOINT_VERSION: int = 2
 
 #: An iterable of ``(global ids [n], values [n, dim], fp32 state [n, state_cols] or None)``.
 RowBlocks = Iterable[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
+
+
+#: The ``state_dict`` fields of an export (:meth:`TieredShardState.entries`).
+STATE_FIELDS: Tuple[str, ...] = ("global_ids", "weights", "optimizer_state", "step", "_extra_state")
 
 
 class TieredCheckpointError(ValueError):
@@ -54,6 +57,17 @@ class TieredShardState:
     step: int
     metadata: Dict[str, Any] = field(default_factory=dict)
 
+    def entries(self) -> Dict[str, Any]:
+        """The export as ``state_dict`` entries by field (:data:`STATE_FIELDS`; ``step`` a 0-dim int64)."""
+        tensors = {k: getattr(self, k) for k in STATE_FIELDS[:3]}
+        return {**tensors, "step": torch.tensor(self.step, dtype=torch.int64), "_extra_state": self.metadata}
+
+    @classmethod
+    def from_entries(cls, entry: Callable[[str], Any]) -> "TieredShardState":
+        """The export of the ``state_dict`` entries ``entry(field)`` (the inverse of :meth:`entries`)."""
+        tensors = {k: entry(k) for k in STATE_FIELDS[:3]}
+        return cls(**tensors, step=int(entry("step")), metadata=dict(entry("_extra_state")))
+
 
 def non_finite_rows(weights: torch.Tensor, optimizer_state: torch.Tensor) -> Optional[torch.Tensor]:
     """A bool per row holding a NaN / inf value or state, or None when none does (no row-sized alloc)."""
@@ -66,14 +80,12 @@ def non_finite_rows(weights: torch.Tensor, optimizer_state: torch.Tensor) -> Opt
     return bad
 
 
-def _check_step(table_name: str, step: Any, what: str) -> None:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"tiered table {table_name!r}: optimizer step must be an int >= 0, got {step!r}: pass {what}.")
+class ShardStateMixin:
+    """Metadata, export, export checks and loads (exports, streamed row blocks, full tables) of a
+    tiered shard (``TieredEmbeddingShard``)."""
 
-
-class ShardExportMixin:
-    """Metadata, export and export checks of a tiered shard (``TieredEmbeddingShard``)."""
-
+    device: torch.device
+    rows_writes: int
     table_name: str
     num_embeddings: int
     embedding_dim: int
@@ -139,30 +151,18 @@ class ShardExportMixin:
     def check_export_metadata(self, md: Dict[str, Any]) -> None:
         """Checks an export's metadata against this shard (fields, sizes, dtype, optimizer, routing
         version); loaders call it for every export before they change any state."""
-        required = (
-            "version",
-            "num_embeddings",
-            "embedding_dim",
-            "dtype",
-            "optimizer",
-            "dist_type",
-            "routing_seed",
-            "world_size",
-            "rank",
-            "num_rows",
-            "placement",
-        )
         if not isinstance(md, Mapping):
             raise self.checkpoint_error(
                 f"export metadata is a {type(md).__name__}, not a dict",
                 ["pass TieredShardState.metadata of an export_state() / state_dict() export"],
             )
-        missing = [k for k in required if k not in md]
+        mine = self.metadata()
+        # every field of this shard's metadata but the table name and routing_version (version 1 lacks it)
+        missing = [k for k in mine if k not in md and k not in ("table", "routing_version")]
         if missing:
             raise self.checkpoint_error(
                 f"export metadata lacks {missing}", ["export with TieredEmbeddingShard.export_state() / state_dict()"]
             )
-        mine = self.metadata()
         for key in ("num_embeddings", "embedding_dim", "dtype", "optimizer"):
             if md[key] != mine[key]:
                 raise self.checkpoint_error(
@@ -243,19 +243,7 @@ class ShardExportMixin:
             )
 
     def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        st = self.export_state()
-        destination[prefix + "global_ids"] = st.global_ids
-        destination[prefix + "weights"] = st.weights
-        destination[prefix + "optimizer_state"] = st.optimizer_state
-        destination[prefix + "step"] = torch.tensor(st.step, dtype=torch.int64)
-        destination[prefix + "_extra_state"] = st.metadata
-
-
-class ShardLoadMixin(ShardExportMixin):
-    """Loads of a tiered shard's rows: exports, streamed row blocks and full tables."""
-
-    device: torch.device
-    rows_writes: int
+        destination.update({prefix + k: v for k, v in self.export_state().entries().items()})
 
     def write_local_rows(
         self,
@@ -369,7 +357,7 @@ class ShardLoadMixin(ShardExportMixin):
     def load_row_blocks(self, blocks: RowBlocks, step: int) -> None:
         """Sets every row from streamed ``(global ids, values, state or None)`` blocks, each written as
         it comes; every row must come exactly once. On an error the blocks before stay written."""
-        _check_step(self.table_name, step, "the step the rows were saved at")
+        check_step(self.table_name, step, "the step the rows were saved at")
         self.tiers.flush()
         self.tiers.empty_cache()
         count = torch.zeros(self.num_rows, dtype=torch.int64)
@@ -426,19 +414,11 @@ class ShardLoadMixin(ShardExportMixin):
         unexpected_keys: List[str],
         error_msgs: List[str],
     ) -> None:
-        keys = ("global_ids", "weights", "optimizer_state", "step", "_extra_state")
-        absent = [prefix + k for k in keys if prefix + k not in state_dict]
+        absent = [prefix + k for k in STATE_FIELDS if prefix + k not in state_dict]
         if absent:
             missing_keys.extend(absent)
             return
-        st = TieredShardState(
-            global_ids=state_dict[prefix + "global_ids"],
-            weights=state_dict[prefix + "weights"],
-            optimizer_state=state_dict[prefix + "optimizer_state"],
-            step=int(state_dict[prefix + "step"]),
-            metadata=dict(state_dict[prefix + "_extra_state"]),
-        )
-        self.load_states([st])
+        self.load_states([TieredShardState.from_entries(lambda k: state_dict[prefix + k])])
 
     @torch.no_grad()
     def load_global_weights(self, weights: torch.Tensor) -> None:
@@ -465,15 +445,10 @@ class ShardLoadMixin(ShardExportMixin):
     def load_global_optimizer_state(
         self, state: torch.Tensor, step: int, weights: Optional[torch.Tensor] = None
     ) -> None:
-        """Sets this shard's optimizer state from a full ``[num_embeddings, state_cols]`` table's.
-
-        Args:
-            state (torch.Tensor): state in global row order, this shard's layout (Adam:
-                ``exp_avg`` then ``exp_avg_sq``).
-            step (int): the step it was saved at; the next update is ``step + 1``.
-            weights (torch.Tensor | None): a full table to load in the same write; None keeps
-                the shard's values.
-        """
+        """Sets this shard's optimizer state from a full ``[num_embeddings, state_cols]`` table's ``state``
+        (global row order, this shard's layout; Adam: ``exp_avg`` then ``exp_avg_sq``) saved at ``step``
+        (the next update is ``step + 1``); ``weights``, a full table, loads in the same write (None keeps
+        the shard's values)."""
         shape = [self.num_embeddings, self.state_cols]
         if not isinstance(state, torch.Tensor) or not state.is_floating_point() or list(state.shape) != shape:
             got = (
@@ -486,7 +461,7 @@ class ShardLoadMixin(ShardExportMixin):
                 f"([num_embeddings, state columns of {self.optimizer.name}]), got {got}; pass the state of a "
                 f"table with the same shape and optimizer."
             )
-        _check_step(self.table_name, step, "the step the state was saved at")
+        check_step(self.table_name, step, "the step the state was saved at")
         local = state.detach().index_select(0, self.global_ids().to(state.device)).to(torch.float32)
         if not bool(torch.isfinite(local).all()):
             raise ValueError(

@@ -10,6 +10,7 @@ Owns it, ``PipelinedLookupUnavailableError`` and ``record_on_stream``. Imports t
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,7 +19,6 @@ from torchrec.distributed.model_parallel import ShardedModule
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
 from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbeddingPipelinedForward
 from torchrec.distributed.train_pipeline.types import CallArgs
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
 from recpipe.pipeline.train.context import FusedLookupPipelineContext
 from recpipe.pipeline.train.stats import PipelineStageStats, time_awaitable_tree
@@ -36,17 +36,10 @@ class PipelinedLookupUnavailableError(RuntimeError, AssertionError):
 def record_on_stream(result: Any, stream: torch.Stream) -> None:
     """Registers an embedding result (tensor, KT, JT, or a dict / tuple / list of them)
     with the caching allocator of the consuming CUDA ``stream``."""
-    if result is None:
-        return
-    if isinstance(result, (torch.Tensor, KeyedTensor, JaggedTensor)):
-        result.record_stream(stream)
-    elif isinstance(result, dict):
-        for v in result.values():
+    if isinstance(result, (dict, tuple, list)):
+        for v in result.values() if isinstance(result, dict) else result:
             record_on_stream(v, stream)
-    elif isinstance(result, (tuple, list)):
-        for v in result:
-            record_on_stream(v, stream)
-    elif hasattr(result, "record_stream"):
+    elif hasattr(result, "record_stream"):  # tensors, KeyedTensor, JaggedTensor
         result.record_stream(stream)
 
 
@@ -72,18 +65,17 @@ class FusedLookupPipelinedForward(InSyncEmbeddingPipelinedForward):
         self._stats: Optional[PipelineStageStats] = None
         self._lookup: Optional[Callable[[ShardedModule, FusedLookupPipelineContext], None]] = None
 
-    def bind(self, stats: PipelineStageStats, device: torch.device) -> None:
-        """Attaches the pipeline's stage stats (output-dist wait) and device."""
+    def bind(
+        self,
+        stats: PipelineStageStats,
+        device: torch.device,
+        lookup: Callable[[ShardedModule, FusedLookupPipelineContext], None],
+    ) -> None:
+        """Attaches the pipeline's stage stats (output-dist wait), device and lookup, run by the
+        forward for a module in the context's ``deferred_lookups`` (its exceptions propagate)."""
         self._stats = stats
         self._device = device
-
-    def bind_lookup(self, lookup: Callable[[ShardedModule, "FusedLookupPipelineContext"], None]) -> None:
-        """Attaches the pipeline's lookup, run by the forward for a module in the context's
-        ``deferred_lookups`` (its exceptions propagate from the forward)."""
         self._lookup = lookup
-
-    def _uses_streams(self) -> bool:
-        return self._stream is not None and self._device.type in STREAM_DEVICE_TYPES
 
     def __call__(self, *input: Any, **kwargs: Any) -> Any:
         context = self._context
@@ -113,7 +105,7 @@ class FusedLookupPipelinedForward(InSyncEmbeddingPipelinedForward):
         context.module_contexts.pop(self._name, None)
         awaitable = context.embedding_a2a_requests.pop(self._name)
         on_ready = None
-        if self._uses_streams():
+        if self._stream is not None and self._device.type in STREAM_DEVICE_TYPES:
             dev = torch.get_device_module(self._device)
             cur = dev.current_stream()
             lookup_event = (
@@ -124,9 +116,7 @@ class FusedLookupPipelinedForward(InSyncEmbeddingPipelinedForward):
                     cur.wait_event(lookup_event)
                 else:
                     cur.wait_stream(self._stream)
-
-            def on_ready(result: Any, _cur: torch.Stream = cur) -> None:
-                record_on_stream(result, _cur)
+            on_ready = functools.partial(record_on_stream, stream=cur)
 
         return time_awaitable_tree(
             awaitable, self._stats, f"## output_dist_wait {self._name} {context.index} ##", on_ready

@@ -5,7 +5,7 @@ Owns ``LookupIssuer``. Imports ``recpipe.pipeline.train`` modules.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Set
+from typing import Any, Optional, Sequence, Set
 
 import torch
 from torchrec.distributed.model_parallel import ShardedModule
@@ -59,11 +59,8 @@ class LookupIssuer:
         defer_errors: bool = True,
     ) -> None:
         """Issues ``module``'s lookup and output all-to-all into ``context``, after ``tables_ready``
-        (CUDA); ``defer_errors`` keeps the lookup's exception in ``context.lookup_errors``.
-
-        Raises:
-            PipelinedLookupUnavailableError: the module's input dist was consumed.
-        """
+        (CUDA); ``defer_errors`` keeps the lookup's exception in ``context.lookup_errors``. Raises
+        ``PipelinedLookupUnavailableError`` when the module's input dist was consumed."""
         name: str = module.forward.name  # pyre-ignore[16]
         if name not in context.input_dist_tensors_requests:
             raise PipelinedLookupUnavailableError(
@@ -85,7 +82,8 @@ class LookupIssuer:
         event = self._streams.run_lookup(name, request, module_ctx, tables_ready, lookup)
         if event is not None:
             context.lookup_events[name] = event
-        self._record(context, module, counters_before)
+        context.lookup_counters[name] = list(zip(counters_before, self._counters.read(name)))
+        context.lookup_inputs[name] = self._inputs.read(module)
 
     @staticmethod
     def compute_and_output_dist(
@@ -100,8 +98,3 @@ class LookupIssuer:
             if not defer_errors:
                 raise
             context.lookup_errors[name] = error
-
-    def _record(self, context: FusedLookupPipelineContext, module: ShardedModule, counters_before: List[Any]) -> None:
-        name: str = module.forward.name  # pyre-ignore[16]
-        context.lookup_counters[name] = list(zip(counters_before, self._counters.read(name)))
-        context.lookup_inputs[name] = self._inputs.read(module)

@@ -154,7 +154,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         """Rewrites the model (torchrec), then validates and binds the pipelined modules; the
         model is detached before ``FusedLookupExactnessError`` propagates."""
         super()._pipeline_model(batch, context, pipelined_forward)
-        modules = self._modules_by_name()
+        modules = {m.forward.name: m for m in self._pipelined_modules}  # pyre-ignore[16]
         try:
             after_opt = self._checker.check(modules)
         except FusedLookupExactnessError:
@@ -172,8 +172,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         for module in self._pipelined_modules:
             forward = module.forward
             if isinstance(forward, FusedLookupPipelinedForward):
-                forward.bind(self.stats, self._device)
-                forward.bind_lookup(self._lookup_in_forward)
+                forward.bind(self.stats, self._device, self._lookup_in_forward)
 
     def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
         """Re-attaches the model (torchrec), discarding the in-flight batch's lookup issued
@@ -206,9 +205,6 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         """Pipelined modules whose lookup is ordered after the optimizer step (known on attach)."""
         return sorted(self._after_opt_modules)
 
-    def _modules_by_name(self) -> Dict[str, ShardedModule]:
-        return {m.forward.name: m for m in self._pipelined_modules}  # pyre-ignore[16]
-
     def _fused_context(self, position: int) -> FusedLookupPipelineContext:
         return checked_context(self.contexts, position, self._context_type)
 
@@ -235,14 +231,12 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
 
     def _split_modules(self) -> Tuple[List[ShardedModule], List[ShardedModule]]:
         """(modules looked up after backward, modules looked up after the optimizer)."""
-        late = [
-            self._embedding_lookup_after_opt or m.forward.name in self._after_opt_modules  # pyre-ignore[16]
-            for m in self._pipelined_modules
-        ]
-        return (
-            [m for m, x in zip(self._pipelined_modules, late) if not x],
-            [m for m, x in zip(self._pipelined_modules, late) if x],
-        )
+        early: List[ShardedModule] = []
+        late: List[ShardedModule] = []
+        for m in self._pipelined_modules:
+            after_opt = self._embedding_lookup_after_opt or m.forward.name in self._after_opt_modules  # pyre-ignore[16]
+            (late if after_opt else early).append(m)
+        return early, late
 
     def _ensure_lookup(self, current: FusedLookupPipelineContext) -> None:
         """Issues batch i's lookup if none was issued or it is stale; never for a batch whose

@@ -48,10 +48,8 @@ class PipelineStageStats:
 
     def reset(self) -> None:
         """Zeroes every counter (e.g. after warm-up steps)."""
-        self.steps = 0
-        self.relookups = 0
-        for stage in self.seconds:
-            self.seconds[stage] = 0.0
+        self.steps = self.relookups = 0
+        self.seconds.update(dict.fromkeys(self.seconds, 0.0))
 
     def per_step_ms(self) -> Dict[str, float]:
         """Stage name -> mean milliseconds per step (0.0 before any step)."""

@@ -61,15 +61,9 @@ class LookupStreams:
         if self.lookup is not None and self.lookup is self.data_dist:
             self.data_dist.wait_stream(torch.get_device_module(self._device).current_stream())
 
-    def drop_lookups(self, requests: Dict[str, Any]) -> None:
-        """Waits and empties output-dist ``requests`` (issued on the lookup stream)."""
-        self._wait_and_drop(requests, self.lookup)
-
-    def drop_input_dists(self, requests: Dict[str, Any]) -> None:
-        """Waits and empties input-dist ``requests`` (issued on the data-dist stream)."""
-        self._wait_and_drop(requests, self.data_dist)
-
-    def _wait_and_drop(self, requests: Dict[str, Any], stream: Optional[torch.Stream]) -> None:
+    def wait_and_drop(self, requests: Dict[str, Any], stream: Optional[torch.Stream]) -> None:
+        """Waits and empties ``requests`` issued on ``stream`` (output dists: :attr:`lookup`;
+        input dists: :attr:`data_dist`)."""
         for name in list(requests):
             request = requests.pop(name)
             if self.lookup is None:
@@ -86,13 +80,11 @@ class LookupStreams:
         tables_ready: Optional[torch.Event],
         lookup: Callable[[Any], None],
     ) -> Optional[torch.Event]:
-        """Waits a module's input dist (``request``) and runs ``lookup(kjt)`` after it.
+        """Waits a module's input dist (``request``) and runs ``lookup(kjt)`` after it; returns
+        the lookup stream's event after the lookup (None on CPU).
 
         CUDA: the input dist is waited on the data-dist stream and ``lookup`` runs on the
         lookup stream after it and after ``tables_ready``. CPU: all on the main thread.
-
-        Returns:
-            Optional[torch.Event]: the lookup stream's event after the lookup (None on CPU).
         """
         stream = self.lookup
         if stream is None:

@@ -124,7 +124,7 @@ class LookupTakeBack:
         pending = list(context.embedding_a2a_requests) + list(context.lookup_errors)
         context.lookup_errors.clear()  # a lookup that raised is taken back too (counters)
         context.deferred_lookups.clear()
-        self._streams.drop_lookups(context.embedding_a2a_requests)
+        self._streams.wait_and_drop(context.embedding_a2a_requests, self._streams.lookup)
         self._streams.main_waits_for_lookups()  # the undos below write counters the lookup advanced
         for name in pending:
             moves = context.lookup_counters.pop(name, ())
@@ -150,7 +150,7 @@ class LookupTakeBack:
         context.lookup_inputs.clear()
         context.lookup_started = False
         if input_dist_restarted or consumed_input_dist:
-            self._streams.drop_input_dists(context.input_dist_tensors_requests)
+            self._streams.wait_and_drop(context.input_dist_tensors_requests, self._streams.data_dist)
 
     def after_failure(self, contexts: Sequence[Any]) -> None:
         """After a step raised, takes back the lookups torchrec's pipeline would not have run.

@@ -59,20 +59,10 @@ def _dense_params_without_plan(module_name: str, module: torch.nn.Module) -> Lis
 
 
 def _sharding_plan_of(module: torch.nn.Module) -> Optional[Mapping[str, ParameterSharding]]:
-    # A sharded FeatureProcessedEmbeddingBagCollection wraps a sharded EBC that carries it.
     plan = getattr(module, "module_sharding_plan", None)
-    if plan is None:
-        inner = getattr(module, "_embedding_bag_collection", None)
-        plan = getattr(inner, "module_sharding_plan", None) if inner is not None else None
+    if plan is None:  # a sharded FeatureProcessedEmbeddingBagCollection wraps a sharded EBC that carries it
+        plan = getattr(getattr(module, "_embedding_bag_collection", None), "module_sharding_plan", None)
     return plan
-
-
-def _feature_processor_of(module: torch.nn.Module) -> Optional[torch.nn.Module]:
-    for attr in ("_feature_processors", "_feature_processor"):
-        fp = getattr(module, attr, None)
-        if fp is not None:
-            return fp
-    return None
 
 
 @dataclass(frozen=True)
@@ -100,7 +90,9 @@ class FusedLookupExactnessChecker:
         """The modules (name -> module) applying a feature processor inside the lookup, in order."""
         found: List[FeatureProcessedModule] = []
         for name, m in modules.items():
-            fp = _feature_processor_of(m)
+            fp = getattr(m, "_feature_processors", None)
+            if fp is None:
+                fp = getattr(m, "_feature_processor", None)
             if fp is None:
                 continue
             plan = _sharding_plan_of(m)
@@ -119,10 +111,7 @@ class FusedLookupExactnessChecker:
         found: List[DenseUpdatedTable] = []
         for name, m in modules.items():
             plan = _sharding_plan_of(m)
-            if plan is not None:
-                found.extend(_dense_tables_from_plan(name, plan))
-            else:
-                found.extend(_dense_params_without_plan(name, m))
+            found += _dense_tables_from_plan(name, plan) if plan is not None else _dense_params_without_plan(name, m)
         return found
 
     def check(self, modules: Mapping[str, torch.nn.Module]) -> Sequence[str]:

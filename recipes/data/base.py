@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torchrec.datasets.utils import Batch
@@ -47,10 +47,7 @@ class DataFormatError(ValueError):
         value: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.path = path
-        self.line = line
-        self.column = column
-        self.value = value
+        self.path, self.line, self.column, self.value = path, line, column, value
 
 
 class IdTransform:
@@ -61,14 +58,11 @@ class IdTransform:
     """
 
     def __init__(self, config: TrainConfig, spec: DatasetSpec) -> None:
-        self.model = config.model
         self.rows = table_rows(config, spec)
         self._rows_col = torch.tensor(self.rows, dtype=torch.int64).unsqueeze(1)  # (F, 1)
-        self.projector = (
-            VirtualTableProjector(config.virtual_rows, config.hash_k, seed=config.seed)
-            if config.model == "micro_dlrm_dram"
-            else None
-        )
+        self.projector: VirtualTableProjector | None = None
+        if config.model == "micro_dlrm_dram":
+            self.projector = VirtualTableProjector(config.virtual_rows, config.hash_k, seed=config.seed)
 
     @property
     def per_sample(self) -> int:
@@ -104,13 +98,6 @@ class IdTransform:
 
     def to_kjt(self, keys: tuple[str, ...], ids: torch.Tensor) -> KeyedJaggedTensor:
         """The KJT of one batch from int64 ``(F, B)`` raw ids, row ``f`` for ``keys[f]``."""
-        if ids.dtype != torch.int64:
-            raise TypeError(f"IdTransform.to_kjt: ids must be int64, got {ids.dtype}; convert with ids.long()")
-        if ids.dim() != 2 or ids.shape[0] != len(keys) or len(keys) != len(self.rows):
-            raise ValueError(
-                f"IdTransform.to_kjt: ids must be (F, B) with F = {len(self.rows)} features "
-                f"(one per key); got ids {tuple(ids.shape)} and {len(keys)} keys"
-            )
         return self.kjt_of_rows(keys, self.rows_of(ids))
 
 
@@ -119,27 +106,22 @@ class IdTransform:
 EVAL_PAD_LABEL: float = -1.0
 
 
-def pad_rank_slice(rows: list | torch.Tensor, rank: int, batch_size: int) -> tuple[list | torch.Tensor, int]:
-    """``(mine, real)``: rank ``rank``'s ``batch_size`` rows of a non-empty global batch.
+def padded_eval_batch(rows: list | torch.Tensor, rank: int, batch_size: int, to_batch: Callable[[Any], Batch]) -> Batch:
+    """``to_batch`` of rank ``rank``'s ``batch_size`` rows of a non-empty global eval batch.
 
-    The first ``real`` are this rank's share, the rest copies of the first row (padding).
+    A short share is padded with copies of the first row, labelled :data:`EVAL_PAD_LABEL`.
     """
     mine = rows[rank * batch_size : (rank + 1) * batch_size]
     real = len(mine)
     if real == batch_size:
-        return mine, real
+        return to_batch(mine)
     if isinstance(rows, torch.Tensor):
-        return torch.cat([mine, rows[:1].expand(batch_size - real)]), real
-    return list(mine) + [rows[0]] * (batch_size - real), real
-
-
-def mark_padding(batch: Batch, real: int) -> Batch:
-    """``batch`` with the labels of its samples from ``real`` on set to :data:`EVAL_PAD_LABEL`."""
-    if real < batch.labels.numel():
-        labels = batch.labels.clone()
-        labels[real:] = EVAL_PAD_LABEL
-        batch = Batch(dense_features=batch.dense_features, sparse_features=batch.sparse_features, labels=labels)
-    return batch
+        batch = to_batch(torch.cat([mine, rows[:1].expand(batch_size - real)]))
+    else:
+        batch = to_batch(list(mine) + [rows[0]] * (batch_size - real))
+    labels = batch.labels.clone()
+    labels[real:] = EVAL_PAD_LABEL
+    return Batch(dense_features=batch.dense_features, sparse_features=batch.sparse_features, labels=labels)
 
 
 def table_rows(config: TrainConfig, spec: DatasetSpec) -> tuple[int, ...]:
@@ -154,22 +136,15 @@ def table_rows(config: TrainConfig, spec: DatasetSpec) -> tuple[int, ...]:
 class BatchSource(abc.ABC):
     """Deterministic per-rank batches addressed by global step."""
 
+    spec: DatasetSpec
+    """The samples' shape (each source sets it in ``__init__``)."""
+    steps_per_epoch: int | None = None
+    """Training steps per epoch (``None`` for an endless stream)."""
+
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} must lie in [0, world_size={world_size})")
-        self.config = config
-        self.rank = rank
-        self.world_size = world_size
-
-    @property
-    @abc.abstractmethod
-    def spec(self) -> DatasetSpec:
-        """The samples' shape."""
-
-    @property
-    @abc.abstractmethod
-    def steps_per_epoch(self) -> int | None:
-        """Training steps per epoch (``None`` for an endless stream)."""
+        self.config, self.rank, self.world_size = config, rank, world_size
 
     @abc.abstractmethod
     def train_batches(self, start: int, stop: int) -> Iterator[Batch]:
@@ -190,7 +165,6 @@ class BatchSource(abc.ABC):
         """Steps of the whole run: ``max_steps`` or ``epochs * steps_per_epoch``."""
         if self.config.max_steps is not None:
             return self.config.max_steps
-        spe = self.steps_per_epoch
-        if spe is None:
+        if self.steps_per_epoch is None:
             raise ValueError(f"dataset={self.config.dataset!r} is endless: set max_steps")
-        return self.config.epochs * spe
+        return self.config.epochs * self.steps_per_epoch

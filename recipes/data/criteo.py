@@ -1,11 +1,10 @@
 """Criteo TSV files (label, 13 integer, 26 hex categorical columns), read strictly.
 
-Unlike torchrec's row mapper (bad values become 0), a bad row raises
-:class:`CriteoFormatError` naming ``file:line``, column and value; empty cells are 0.
-Dense values become ``log(1 + max(x, 0))``. Rows are taken in file order: global step
-``s`` takes the ``s``-th run of ``batch_size * world_size`` rows, rank ``r`` its slice,
-and a pass wraps at the last full run. A file that shrinks or vanishes mid-run raises
-:class:`CriteoDataChangedError`.
+Unlike torchrec's row mapper (bad values become 0), a bad row raises :class:`CriteoFormatError`
+naming ``file:line``, column and value; empty cells are 0. Dense values become
+``log(1 + max(x, 0))``. Global step ``s`` takes the ``s``-th run of ``batch_size * world_size``
+rows in file order, rank ``r`` its slice; a pass wraps at the last full run. A file that shrinks
+or vanishes mid-run raises :class:`CriteoDataChangedError`.
 """
 
 from __future__ import annotations
@@ -19,15 +18,8 @@ import torch
 from torchrec.datasets.criteo import CAT_FEATURE_COUNT, INT_FEATURE_COUNT
 from torchrec.datasets.utils import Batch
 
-from recpipe.recipes.config import ConfigError, TrainConfig, split_paths
-from recpipe.recipes.data.base import (
-    BatchSource,
-    DataFormatError,
-    DatasetSpec,
-    IdTransform,
-    mark_padding,
-    pad_rank_slice,
-)
+from recpipe.recipes.config import ConfigError, TrainConfig, cli_flag, split_paths
+from recpipe.recipes.data.base import BatchSource, DataFormatError, DatasetSpec, IdTransform, padded_eval_batch
 
 FEATURES: tuple[str, ...] = tuple(f"cat_{i}" for i in range(CAT_FEATURE_COUNT))
 NUM_COLUMNS: int = 1 + INT_FEATURE_COUNT + CAT_FEATURE_COUNT
@@ -67,6 +59,16 @@ def _changed_fix(flag: str) -> str:
     return (
         f"Fix: do not modify, truncate or replace the {flag} files while a run reads them (give the run "
         "a copy), then resume from the last checkpoint (--resume)"
+    )
+
+
+def _unreadable(flag: str, path: str, error: OSError, detail: str = "") -> CriteoDataChangedError:
+    """The error of a ``flag`` file that can no longer be read (``error``) mid-run."""
+    return CriteoDataChangedError(
+        f"{flag} file {path} can no longer be read while this run reads it ({error.strerror or error}){detail}. "
+        "Fix: restore the file (do not move or delete the files of a running job), then resume from the last "
+        "checkpoint (--resume)",
+        path=path,
     )
 
 
@@ -142,9 +144,7 @@ def read_criteo_rows(paths: Iterable[str], file_rows: list[int] | None = None) -
         lineno = 0
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
-                line = raw[:-1] if raw.endswith(b"\n") else raw
-                if line.endswith(b"\r"):
-                    line = line[:-1]
+                line = raw.removesuffix(b"\n").removesuffix(b"\r")
                 if _FAST_ROW.fullmatch(line):
                     cols = line.split(b"\t")
                     yield (
@@ -173,26 +173,21 @@ def read_criteo_rows(paths: Iterable[str], file_rows: list[int] | None = None) -
             file_rows.append(lineno)
 
 
-def count_rows(paths: list[str], limit: int | None = None) -> int:
-    """Number of lines over all files, counting at most ``limit`` (``None``: all)."""
-    total = 0
-    for p in paths:
-        if limit is not None and total >= limit:
-            break
-        with open(p, "rb") as f:
-            total += sum(1 for _ in itertools.islice(f, None if limit is None else limit - total))
-    return total
-
-
 def count_file_rows(paths: list[str], limit: int | None = None) -> list[int]:
     """Lines per file for a prefix of ``paths``, stopping once ``limit`` lines (``None``: all) are counted."""
     counts: list[int] = []
     for p in paths:
-        total = sum(counts)
-        if limit is not None and total >= limit:
+        left = None if limit is None else limit - sum(counts)
+        if left is not None and left <= 0:
             break
-        counts.append(count_rows([p], None if limit is None else limit - total))
+        with open(p, "rb") as f:
+            counts.append(sum(1 for _ in itertools.islice(f, left)))
     return counts
+
+
+def count_rows(paths: list[str], limit: int | None = None) -> int:
+    """Number of lines over all files, counting at most ``limit`` (``None``: all)."""
+    return sum(count_file_rows(paths, limit))
 
 
 class CriteoTsvSource(BatchSource):
@@ -210,44 +205,31 @@ class CriteoTsvSource(BatchSource):
         super().__init__(config, rank, world_size)
         self._paths = split_paths(config.data_path)
         self._eval_paths = split_paths(config.eval_data_path) or self._paths
-        self._spec = DatasetSpec(
+        self.spec = DatasetSpec(
             name="criteo_tsv",
             dense_in_features=INT_FEATURE_COUNT,
             feature_names=FEATURES,
             cardinalities=tuple(CAT_ID_SPACE for _ in FEATURES),
         )
-        self._transform = IdTransform(config, self._spec)
+        self._transform = IdTransform(config, self.spec)
         self._global_batch = config.batch_size * world_size
-        self._spe: int | None = None
         # rows of each data_path file in a full pass: a pass that ends early names the file that shrank
         self._file_rows: list[int] | None = None
         # sizes at start: a first pass ending on a smaller file is a truncation, not the pass length
         self._start_bytes = [os.path.getsize(p) for p in self._paths]
-        # with max_steps set, one global batch of rows is enough to decide
         if config.max_steps is None:
             self._file_rows = count_file_rows(self._paths)
             rows = sum(self._file_rows)
-        else:
+            self.steps_per_epoch = rows // self._global_batch
+        else:  # one global batch of rows is enough to decide
             rows = count_rows(self._paths, self._global_batch)
         self._check_one_global_batch("data_path", rows)
-        if config.max_steps is None:
-            self._spe = rows // self._global_batch
         # the evaluation reads at most eval_batches global batches, the last one maybe short
-        eval_limit = config.eval_batches * self._global_batch
-        self._eval_file_rows = count_file_rows(self._eval_paths, eval_limit)
-        eval_rows = min(sum(self._eval_file_rows), eval_limit)
+        self._eval_file_rows = count_file_rows(self._eval_paths, config.eval_batches * self._global_batch)
+        self._eval_rows = sum(self._eval_file_rows)
         if config.eval_data_path:
-            self._check_one_global_batch("eval_data_path", eval_rows)
-        self._eval_rows = eval_rows
-        self._eval_count = -(-eval_rows // self._global_batch)
-
-    @property
-    def spec(self) -> DatasetSpec:
-        return self._spec
-
-    @property
-    def steps_per_epoch(self) -> int | None:
-        return self._spe
+            self._check_one_global_batch("eval_data_path", self._eval_rows)
+        self._eval_count = -(-self._eval_rows // self._global_batch)
 
     def eval_batch_count(self) -> int:
         return self._eval_count
@@ -261,24 +243,21 @@ class CriteoTsvSource(BatchSource):
         raise ConfigError(
             f"invalid config value {name}={getattr(self.config, name)!r}: it holds {rows} rows, fewer than one "
             f"global batch (batch_size {b} x {w} rank(s) = {self._global_batch} rows), so it gives no batch. "
-            f"Fix: lower --batch-size{smaller} or pass more rows in --{name.replace('_', '-')}"
+            f"Fix: lower --batch-size{smaller} or pass more rows in --{cli_flag(name)}"
         )
 
     def _changed(
         self, name: str, paths: list[str], before: list[int] | None, now: list[int], what: str, exact: bool = True
     ) -> CriteoDataChangedError:
-        """The error of field ``name``'s files holding fewer rows (``now``) than counted (``before``).
-
-        ``exact=False``: the last count of ``before`` is a lower bound.
-        """
-        flag = "--" + name.replace("_", "-")
+        """The error of field ``name``'s files holding fewer rows (``now``) than counted (``before``;
+        with ``exact=False`` its last count is a lower bound)."""
+        flag = f"--{cli_flag(name)}"
         fix = _changed_fix(flag)
         for path, had, has in zip(paths, before or [], now):
             if has < had:
                 return CriteoDataChangedError(
                     f"{flag} file {path} shrank while this run read it: it now holds {has} rows, "
-                    f"{'' if exact else 'at least '}{had} when "
-                    f"the run counted them, so {what}. {fix}",
+                    f"{'' if exact else 'at least '}{had} when the run counted them, so {what}. {fix}",
                     path=path,
                 )
         if len(paths) == 1:
@@ -293,26 +272,31 @@ class CriteoTsvSource(BatchSource):
             path=paths[0],
         )
 
-    def _rows(
-        self, name: str, paths: list[str], file_rows: list[int], counted: list[int] | None, exact: bool
-    ) -> Iterator[Row]:
-        """:func:`read_criteo_rows` of field ``name``'s files, telling a file changed mid-run from a bad file.
+    def _global_batches(
+        self,
+        name: str,
+        paths: list[str],
+        file_rows: list[int],
+        counted: list[int] | None,
+        exact: bool = True,
+        short_last: bool = False,
+    ) -> Iterator[list[Row]]:
+        """The global batches of field ``name``'s files, telling a file changed mid-run from a bad file.
 
         An unreadable file, or a malformed row of a file that now holds fewer rows than
         counted or than the row's line number (truncated mid-read), is a
         :class:`CriteoDataChangedError`; other malformed rows stay :class:`CriteoFormatError`.
         """
-        flag = "--" + name.replace("_", "-")
+        rows: list[Row] = []
         try:
-            yield from read_criteo_rows(paths, file_rows)
+            for row in read_criteo_rows(paths, file_rows):
+                rows.append(row)
+                if len(rows) == self._global_batch:
+                    yield rows
+                    rows = []
         except OSError as e:
             path = str(e.filename) if e.filename is not None else paths[len(file_rows)]
-            raise CriteoDataChangedError(
-                f"{flag} file {path} can no longer be read while this run reads it ({e.strerror or e}). Fix: "
-                "restore the file (do not move or delete the files of a running job), then resume from the last "
-                "checkpoint (--resume)",
-                path=path,
-            ) from None
+            raise _unreadable(f"--{cli_flag(name)}", path, e) from None
         except CriteoFormatError as e:
             index = len(file_rows)  # the file being read: every earlier one was read to its end
             if e.path is None or e.line is None or index >= len(paths):
@@ -332,28 +316,10 @@ class CriteoTsvSource(BatchSource):
                 f"line {e.line}, which the run was reading, was cut or is past the file's end",
                 exact,
             ) from None
-
-    def _global_batches(
-        self,
-        name: str,
-        paths: list[str],
-        file_rows: list[int],
-        counted: list[int] | None,
-        exact: bool = True,
-        short_last: bool = False,
-    ) -> Iterator[list[Row]]:
-        rows: list[Row] = []
-        for row in self._rows(name, paths, file_rows, counted, exact):
-            rows.append(row)
-            if len(rows) == self._global_batch:
-                yield rows
-                rows = []
         if short_last and rows:  # the files' last rows (evaluation only)
             yield rows
 
-    def _to_batch(self, rows: list[Row], mine_only: bool = False) -> Batch:
-        b = self.config.batch_size
-        mine = rows if mine_only else rows[self.rank * b : (self.rank + 1) * b]
+    def _to_batch(self, mine: list[Row]) -> Batch:
         labels = torch.tensor([r[0] for r in mine], dtype=torch.float32)
         dense = torch.tensor([r[1] for r in mine], dtype=torch.float32).clamp_(min=0).log1p_()
         ids = torch.tensor([r[2] for r in mine], dtype=torch.int64).t().contiguous()
@@ -362,7 +328,7 @@ class CriteoTsvSource(BatchSource):
     def train_batches(self, start: int, stop: int) -> Iterator[Batch]:
         step = start
         while step < stop:
-            offset = step % self._spe if self._spe else step
+            offset = step % self.steps_per_epoch if self.steps_per_epoch else step
             passed = 0  # full global batches of this pass
             file_rows: list[int] = []  # rows of each file read to its end in this pass
             batches = self._global_batches("data_path", self._paths, file_rows, self._file_rows)
@@ -370,20 +336,21 @@ class CriteoTsvSource(BatchSource):
                 passed = i + 1
                 if i < offset:
                     continue
-                yield self._to_batch(rows)
+                b = self.config.batch_size
+                yield self._to_batch(rows[self.rank * b : (self.rank + 1) * b])
                 step += 1
-                if step >= stop or (self._spe is not None and i + 1 >= self._spe):
+                if step >= stop or (self.steps_per_epoch is not None and i + 1 >= self.steps_per_epoch):
                     break
             else:  # the files ended: this pass held `passed` steps, the next one wraps
-                if self._spe is not None:  # fewer than the pass the run counted
+                if self.steps_per_epoch is not None:  # fewer than the pass the run counted
                     raise self._changed(
                         "data_path",
                         self._paths,
                         self._file_rows,
                         file_rows,
                         f"its pass holds {passed} global batches of {self._global_batch} rows, not the "
-                        f"{self._spe} counted before (step {step + 1} cannot take the batch an uninterrupted "
-                        "run takes)",
+                        f"{self.steps_per_epoch} counted before (step {step + 1} cannot take the batch an "
+                        "uninterrupted run takes)",
                     )
                 if passed == 0:  # the run started with at least one global batch
                     raise self._changed(
@@ -397,13 +364,12 @@ class CriteoTsvSource(BatchSource):
                     try:
                         now = os.path.getsize(path)
                     except OSError as e:  # deleted (or moved) once read to its end
-                        raise CriteoDataChangedError(
-                            f"--data-path file {path} can no longer be read while this run reads it "
-                            f"({e.strerror or e}): it held {rows} rows when this run read it and holds none now, "
-                            f"so the first pass, which ended at step {step}, cannot be repeated. Fix: restore the "
-                            "file (do not move or delete the files of a running job), then resume from the last "
-                            "checkpoint (--resume)",
-                            path=path,
+                        raise _unreadable(
+                            "--data-path",
+                            path,
+                            e,
+                            f": it held {rows} rows when this run read it and holds none now, so the first pass, "
+                            f"which ended at step {step}, cannot be repeated",
                         ) from None
                     if now < size:  # this pass's length is not the files'
                         raise CriteoDataChangedError(
@@ -413,7 +379,7 @@ class CriteoTsvSource(BatchSource):
                             + _changed_fix("--data-path"),
                             path=path,
                         )
-                self._spe = passed
+                self.steps_per_epoch = passed
                 self._file_rows = file_rows
 
     def eval_batches(self) -> Iterator[Batch]:
@@ -426,8 +392,7 @@ class CriteoTsvSource(BatchSource):
         for i, rows in enumerate(batches):
             if i >= self._eval_count:
                 break
-            mine, real = pad_rank_slice(rows, self.rank, self.config.batch_size)
-            yield mark_padding(self._to_batch(mine, mine_only=True), real)
+            yield padded_eval_batch(rows, self.rank, self.config.batch_size, self._to_batch)
             count += 1
         if count < self._eval_count:  # every rank must evaluate the same number of batches
             raise self._changed(

@@ -7,6 +7,8 @@ runs the same function in numpy ``uint32`` arithmetic (multiplies wrap by defini
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import torch
 
@@ -16,17 +18,19 @@ _C1: int = 0x85EBCA6B
 _C2: int = 0xC2B2AE35
 # Knuth's 32-bit golden-ratio multiplier, used to mix seeds.
 _GOLDEN: int = 0x9E3779B1
+# What the hash arithmetic runs on: int64 tensors, or Python ints (exact, unbounded).
+_Ints = TypeVar("_Ints", torch.Tensor, int)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def _mul32(x: _Ints, c: int) -> _Ints:
     """``(x * c) mod 2**32`` for ``0 <= x < 2**32`` without leaving int64 range."""
     lo = x * (c & 0xFFFF)
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
     return (lo + hi) & _MASK32
 
 
-def fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3 finaliser on int64 tensors holding values in ``[0, 2**32)``."""
+def fmix32(x: _Ints) -> _Ints:
+    """MurmurHash3 finaliser on int64 tensors (or ints) holding values in ``[0, 2**32)``."""
     x = x ^ (x >> 16)
     x = _mul32(x, _C1)
     x = x ^ (x >> 13)
@@ -35,13 +39,8 @@ def fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def fmix32_int(x: int) -> int:
-    """Pure-Python ``fmix32`` (the same function on one int)."""
-    x &= _MASK32
-    x ^= x >> 16
-    x = (x * _C1) & _MASK32
-    x ^= x >> 13
-    x = (x * _C2) & _MASK32
-    return x ^ (x >> 16)
+    """:func:`fmix32` of one int's low 32 bits."""
+    return fmix32(x & _MASK32)
 
 
 def mix_seed(*parts: int) -> int:
@@ -64,19 +63,13 @@ def _fold(ids: torch.Tensor) -> torch.Tensor:
     return (ids & _MASK32) ^ fmix32((ids >> 32) & _MASK32)
 
 
-_NP_C1 = np.uint32(_C1)
-_NP_C2 = np.uint32(_C2)
-_NP_16 = np.uint32(16)
-_NP_13 = np.uint32(13)
-
-
 def _fmix32_np_(x: np.ndarray) -> np.ndarray:
     """In-place ``fmix32`` on a ``uint32`` array (multiplies wrap modulo ``2**32``)."""
-    x ^= x >> _NP_16
-    x *= _NP_C1
-    x ^= x >> _NP_13
-    x *= _NP_C2
-    x ^= x >> _NP_16
+    x ^= x >> np.uint32(16)
+    x *= np.uint32(_C1)
+    x ^= x >> np.uint32(13)
+    x *= np.uint32(_C2)
+    x ^= x >> np.uint32(16)
     return x
 
 
@@ -100,9 +93,7 @@ def hash_ids_grid(ids: torch.Tensor, seeds: torch.Tensor, modulus: int | None = 
         raise ValueError(f"hash_ids_grid: modulus={modulus} must be > 0")
     # Hashes lie below 2**32: a larger modulus leaves them unchanged.
     reduce_by = modulus if modulus is not None and modulus < 2**32 else None
-    if ids.device.type == "cpu":
-        return _hash_grid_numpy(ids, seeds, reduce_by)
-    return _hash_grid_torch(ids, seeds, reduce_by)
+    return (_hash_grid_numpy if ids.device.type == "cpu" else _hash_grid_torch)(ids, seeds, reduce_by)
 
 
 def _hash_grid_torch(ids: torch.Tensor, seeds: torch.Tensor, modulus: int | None) -> torch.Tensor:
@@ -136,9 +127,7 @@ class VirtualTableProjector:
     def __init__(self, num_rows: int, k: int, seed: int) -> None:
         if num_rows <= 0 or k <= 0:
             raise ValueError(f"VirtualTableProjector: num_rows={num_rows} and k={k} must be > 0")
-        self.num_rows = num_rows
-        self.k = k
-        self.seed = seed
+        self.num_rows, self.k, self.seed = num_rows, k, seed
         self._seeds = torch.empty(0, k, dtype=torch.int64)
 
     def slot_seeds(self, num_features: int) -> torch.Tensor:

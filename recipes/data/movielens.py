@@ -18,20 +18,12 @@ import torch
 from torchrec.datasets.utils import Batch
 
 from recpipe.recipes.config import ConfigError, TrainConfig
-from recpipe.recipes.data.base import (
-    BatchSource,
-    DataFormatError,
-    DatasetSpec,
-    IdTransform,
-    mark_padding,
-    pad_rank_slice,
-)
+from recpipe.recipes.data.base import BatchSource, DataFormatError, DatasetSpec, IdTransform, padded_eval_batch
 from recpipe.recipes.data.hashing import mix_seed
 
 # Facts of the MovieLens-100k release (GroupLens README): 943 users, 1682 items, 100k ratings.
 ML100K_USERS: int = 943
 ML100K_ITEMS: int = 1682
-ML100K_RATINGS: int = 100_000
 # Ratings are 1..5 stars; >= 4 is a positive (the usual implicit-feedback threshold).
 POSITIVE_RATING: float = 4.0
 FEATURES: tuple[str, ...] = ("user_id", "item_id")
@@ -109,12 +101,8 @@ def read_ratings(path: Path) -> dict[str, torch.Tensor]:
         except ValueError as e:  # text that is not a number, or a short row
             raise MovieLensFormatError(f"{path}: {e} (row 1 is the line after the header)", path=str(path)) from e
     _check_rows(path, table)
-    return {
-        "user": torch.from_numpy(table[:, 0].astype(np.int64)),
-        "item": torch.from_numpy(table[:, 1].astype(np.int64)),
-        "rating": torch.from_numpy(table[:, 2].astype(np.float32)),
-        "timestamp": torch.from_numpy(table[:, 3].astype(np.int64)),
-    }
+    dtypes = {"user": np.int64, "item": np.int64, "rating": np.float32, "timestamp": np.int64}  # column order
+    return {name: torch.from_numpy(table[:, col].astype(dtype)) for col, (name, dtype) in enumerate(dtypes.items())}
 
 
 @lru_cache(maxsize=1)
@@ -129,15 +117,8 @@ def _dense_from_timestamp(ts: torch.Tensor, t0: int, t1: int) -> torch.Tensor:
     day_frac = (ts % seconds_per_day).double() / seconds_per_day
     week_frac = ((ts // seconds_per_day) % 7).double() / 7.0
     span = (ts - t0).double() / max(1, t1 - t0)
-    two_pi = 2.0 * math.pi
-    cols = [
-        torch.sin(two_pi * day_frac),
-        torch.cos(two_pi * day_frac),
-        torch.sin(two_pi * week_frac),
-        torch.cos(two_pi * week_frac),
-        span,
-    ]
-    return torch.stack(cols, dim=1).float()
+    circle = [f(2.0 * math.pi * frac) for frac in (day_frac, week_frac) for f in (torch.sin, torch.cos)]
+    return torch.stack([*circle, span], dim=1).float()
 
 
 class MovieLens100kSource(BatchSource):
@@ -157,24 +138,23 @@ class MovieLens100kSource(BatchSource):
         gen = torch.Generator().manual_seed(mix_seed(config.seed, 0x3141))
         perm = torch.randperm(n, generator=gen)
         n_eval = int(round(n * config.eval_fraction))
-        self._eval_idx = perm[:n_eval]
-        self._train_idx = perm[n_eval:]
+        self._eval_idx, self._train_idx = perm[:n_eval], perm[n_eval:]
         ts = data["timestamp"]
         self._dense = _dense_from_timestamp(ts, int(ts.min()), int(ts.max()))
         self._ids = torch.stack([data["user"], data["item"]])  # (2, n)
         self._labels = (data["rating"] >= POSITIVE_RATING).float()
-        self._spec = DatasetSpec(
+        self.spec = DatasetSpec(
             name="movielens100k",
             dense_in_features=DENSE_FEATURES,
             feature_names=FEATURES,
             cardinalities=(ML100K_USERS + 1, ML100K_ITEMS + 1),
         )
-        self._transform = IdTransform(config, self._spec)
+        self._transform = IdTransform(config, self.spec)
         # Every rating's table rows, mapped once: a batch gathers them instead of hashing.
         self._rows = self._transform.rows_of(self._ids)  # (2, n, per_sample)
         self._global_batch = config.batch_size * world_size
         self._check_training_split()
-        self._spe = self._train_idx.numel() // self._global_batch
+        self.steps_per_epoch = self._train_idx.numel() // self._global_batch
         self._perm_cache: tuple[int, torch.Tensor] | None = None
 
     def _check_training_split(self) -> None:
@@ -191,14 +171,6 @@ class MovieLens100kSource(BatchSource):
             "no training batch. Fix: " + " or ".join(fixes)
         )
 
-    @property
-    def spec(self) -> DatasetSpec:
-        return self._spec
-
-    @property
-    def steps_per_epoch(self) -> int | None:
-        return self._spe
-
     def _epoch_perm(self, epoch: int) -> torch.Tensor:
         if self._perm_cache is None or self._perm_cache[0] != epoch:
             gen = torch.Generator().manual_seed(mix_seed(self.config.seed, 0x2718, epoch))
@@ -213,16 +185,12 @@ class MovieLens100kSource(BatchSource):
             labels=self._labels[rows],
         )
 
-    def _rank_slice(self, rows: torch.Tensor) -> torch.Tensor:
-        b = self.config.batch_size
-        return rows[self.rank * b : (self.rank + 1) * b]
-
     def train_batches(self, start: int, stop: int) -> Iterator[Batch]:
         for step in range(start, stop):
-            epoch, i = divmod(step, self._spe)
+            epoch, i = divmod(step, self.steps_per_epoch)
             perm = self._epoch_perm(epoch)
-            rows = perm[i * self._global_batch : (i + 1) * self._global_batch]
-            yield self._batch(self._rank_slice(rows))
+            first = i * self._global_batch + self.rank * self.config.batch_size
+            yield self._batch(perm[first : first + self.config.batch_size])
 
     def eval_batch_count(self) -> int:
         # the last global batch may be short
@@ -231,5 +199,4 @@ class MovieLens100kSource(BatchSource):
     def eval_batches(self) -> Iterator[Batch]:
         g = self._global_batch
         for i in range(self.eval_batch_count()):
-            mine, real = pad_rank_slice(self._eval_idx[i * g : (i + 1) * g], self.rank, self.config.batch_size)
-            yield mark_padding(self._batch(mine), real)
+            yield padded_eval_batch(self._eval_idx[i * g : (i + 1) * g], self.rank, self.config.batch_size, self._batch)

@@ -18,10 +18,6 @@ DATA_SOURCES: dict[str, type[BatchSource]] = {
 
 def make_data_source(config: TrainConfig, rank: int, world_size: int) -> BatchSource:
     """The ``config.dataset`` source for one rank (ValueError for an unknown name)."""
-    try:
-        source = DATA_SOURCES[config.dataset]
-    except KeyError:
-        raise ValueError(
-            f"dataset={config.dataset!r} names no data source; choose one of {sorted(DATA_SOURCES)}"
-        ) from None
-    return source(config, rank, world_size)
+    if config.dataset not in DATA_SOURCES:
+        raise ValueError(f"dataset={config.dataset!r} names no data source; choose one of {sorted(DATA_SOURCES)}")
+    return DATA_SOURCES[config.dataset](config, rank, world_size)

@@ -34,16 +34,6 @@ SPLIT_TRAIN: int = 0
 SPLIT_EVAL: int = 1
 
 
-def id_spaces(max_space: int) -> tuple[int, ...]:
-    """Per-feature id spaces: ``max_space / 2**(f mod 10)``, at least MIN_ID_SPACE."""
-    return tuple(max(min(MIN_ID_SPACE, max_space), max_space >> (f % 10)) for f in range(NUM_SPARSE))
-
-
-def zipf_exponents(alpha: float) -> tuple[float, ...]:
-    """Per-feature Zipf exponents ``alpha + 0.02 f`` (capped at 3)."""
-    return tuple(min(3.0, alpha + 0.02 * f) for f in range(NUM_SPARSE))
-
-
 def sample_zipf(n: int, alpha: float, size: int, gen: torch.Generator) -> torch.Tensor:
     """``size`` int64 Zipf-like ranks in ``[0, n)`` (P(r) ~ ``(r + 1) ** -alpha``), by inverting the CDF."""
     u = torch.rand(size, generator=gen, dtype=torch.float64)
@@ -61,25 +51,19 @@ class SyntheticCriteoSource(BatchSource):
 
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
-        self._spaces = id_spaces(config.synthetic_id_space)
-        self._alphas = zipf_exponents(config.zipf_alpha)
-        self._spec = DatasetSpec(
+        # feature f: max_space / 2**(f mod 10) ids (at least MIN_ID_SPACE), Zipf exponent alpha + 0.02 f (at most 3)
+        max_space = config.synthetic_id_space
+        self._spaces = tuple(max(min(MIN_ID_SPACE, max_space), max_space >> (f % 10)) for f in range(NUM_SPARSE))
+        self._alphas = tuple(min(3.0, config.zipf_alpha + 0.02 * f) for f in range(NUM_SPARSE))
+        self.spec = DatasetSpec(
             name="synthetic", dense_in_features=NUM_DENSE, feature_names=FEATURES, cardinalities=self._spaces
         )
-        self._transform = IdTransform(config, self._spec)
+        self._transform = IdTransform(config, self.spec)
         gen = torch.Generator().manual_seed(mix_seed(config.seed, 0xD15E))
         self._dense_w = torch.randn(NUM_DENSE, generator=gen, dtype=torch.float64) / math.sqrt(NUM_DENSE)
         self._bias = -0.5
         # Seed of feature f's hidden per-id weights, as an (F, 1) column for hash_ids_grid.
         self._id_seeds = torch.tensor([[mix_seed(config.seed, 0x1D, f)] for f in range(NUM_SPARSE)], dtype=torch.int64)
-
-    @property
-    def spec(self) -> DatasetSpec:
-        return self._spec
-
-    @property
-    def steps_per_epoch(self) -> int | None:
-        return None
 
     def hidden_logits(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The hidden model's logits for dense ``(B, 13)`` and raw ids ``(26, B)``.
@@ -110,9 +94,7 @@ class SyntheticCriteoSource(BatchSource):
         return self.config.eval_batches
 
     def train_batches(self, start: int, stop: int) -> Iterator[Batch]:
-        for step in range(start, stop):
-            yield self._batch(SPLIT_TRAIN, step)
+        return (self._batch(SPLIT_TRAIN, step) for step in range(start, stop))
 
     def eval_batches(self) -> Iterator[Batch]:
-        for i in range(self.config.eval_batches):
-            yield self._batch(SPLIT_EVAL, i)
+        return (self._batch(SPLIT_EVAL, i) for i in range(self.config.eval_batches))

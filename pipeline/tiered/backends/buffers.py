@@ -1,12 +1,10 @@
 """Tiers held in tensors the backend allocates: the layout the ``native`` and ``torch`` backends share.
 
-Fast tier ``fast_weights`` / ``fast_state`` on the shard's device, slow tier in host DDR
-(pinned under CUDA), sized by ``placement.tier_rows``. HYBRID rows sit at their split-hash
-position. CACHING keeps ``row_map[r]`` (``>= 0``: slot; ``-(c + 1)``: uncached, ``c``
-accesses under LFU, ``-1`` under LRU), ``slot_row[s]`` (``-1``: free) and
-``slot_score[s] = (key << 1) | dirty`` (key: access count (LFU) or last step used (LRU)).
-A row's optimizer state moves with it. May import ``recpipe.pipeline.placement``,
-``recpipe.pipeline.types``, ``recpipe.pipeline.routing`` and ``recpipe.pipeline.tiered.ops``.
+Fast tier on the shard's device, slow tier in host DDR (pinned under CUDA); HYBRID rows sit at
+their split-hash position. CACHING keeps ``row_map[r]`` (``>= 0``: slot; ``-(c + 1)``: uncached,
+``c`` accesses under LFU, ``-1`` under LRU), ``slot_row[s]`` (``-1``: free) and ``slot_score[s] =
+(key << 1) | dirty`` (key: access count (LFU) or last step used (LRU)). A row's optimizer state
+moves with it. May import ``recpipe.pipeline.placement``, ``.types``, ``.routing`` and ``.tiered.ops``.
 """
 
 from __future__ import annotations
@@ -124,8 +122,7 @@ class BufferedTier(TierBackend):
 
     def read(self, in_fast: Optional[torch.Tensor], idx: torch.Tensor, state: bool) -> torch.Tensor:
         """Values (or optimizer state) of rows located by :meth:`locate`, on the device."""
-        fast = self.fast_state if state else self.fast_weights
-        slow = self.slow_state if state else self.slow_weights
+        fast, slow = self.tier_pairs()[state]
         if in_fast is None:
             return fast.index_select(0, idx)
         out = torch.empty((idx.numel(), fast.shape[1]), dtype=fast.dtype, device=self.spec.device)
@@ -139,8 +136,7 @@ class BufferedTier(TierBackend):
 
     def write(self, in_fast: Optional[torch.Tensor], idx: torch.Tensor, values: torch.Tensor, state: bool) -> None:
         """Writes values (or optimizer state) of rows located by :meth:`locate`."""
-        fast = self.fast_state if state else self.fast_weights
-        slow = self.slow_state if state else self.slow_weights
+        fast, slow = self.tier_pairs()[state]
         if in_fast is None:
             fast.index_copy_(0, idx, values)
             return
@@ -192,12 +188,20 @@ class BufferedTier(TierBackend):
         dirty = (self.slot_row >= 0) & ((self.slot_score & 1) == 1)
         slots = dirty.nonzero().squeeze(1)
         if slots.numel():
-            rows = self.slot_row.index_select(0, slots).to(self.slow_weights.device)
-            self.slow_weights.index_copy_(0, rows, self.fast_weights.index_select(0, slots).to(rows.device))
-            self.slow_state.index_copy_(0, rows, self.fast_state.index_select(0, slots).to(rows.device))
+            self.write_back(slots, self.slot_row.index_select(0, slots))
             self.slot_score.index_copy_(0, slots, self.slot_score.index_select(0, slots) & ~1)
         self.flushed_rows += int(slots.numel())
         return int(slots.numel())
+
+    def tier_pairs(self) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
+        """``(fast, slow)`` tensors of the values, then of the optimizer state."""
+        return (self.fast_weights, self.slow_weights), (self.fast_state, self.slow_state)
+
+    def write_back(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Copies cache ``slots`` (values and state) to slow-tier ``rows``."""
+        rows = rows.to(self.slow_weights.device)
+        for fast, slow in self.tier_pairs():
+            slow.index_copy_(0, rows, fast.index_select(0, slots).to(slow.device))
 
     def set_optimizer_step(self, step: int) -> None:
         self.step = step

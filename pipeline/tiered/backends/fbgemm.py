@@ -1,12 +1,11 @@
 """The ``fbgemm`` tier backend: a shard's rows in fbgemm's TBE (``SplitTableBatchedEmbeddingBagsCodegen``).
 
-:class:`FbgemmTier` builds the tables of ``plan_fbgemm_tier`` and runs a lookup with no host
-sync: HYBRID keeps each row's hashed position in an int32 device map and partitions each
-bag's ids between the two tables on the device (no data-dependent shapes); ``mean`` pooling
-divides fbgemm's SUM by the bag lengths. Statistics are counted with device ops (CACHING:
-``lxu_cache_lookup`` before, ``lxu_cache_locations`` and ``lxu_cache_state`` changes after).
-:class:`FbgemmBackend` is the ``TierBackend`` over it. May import ``recpipe.pipeline.placement``,
-``recpipe.pipeline.types``, ``recpipe.pipeline.tiered.fbgemm`` and ``recpipe.pipeline.tiered.ops``.
+:class:`FbgemmTier` runs a lookup with no host sync: HYBRID keeps each row's hashed position in a
+device map and partitions each bag's ids between the two tables on the device; ``mean`` divides
+fbgemm's SUM by the bag lengths; statistics are device ops (CACHING: ``lxu_cache_lookup`` before,
+``lxu_cache_locations`` / ``lxu_cache_state`` changes after). :class:`FbgemmBackend` is the
+``TierBackend`` over it. May import ``recpipe.pipeline.placement``, ``.types``, ``.tiered.fbgemm``,
+``.tiered.ops`` and ``.tiered.optim``.
 """
 
 from __future__ import annotations
@@ -46,15 +45,9 @@ _SLOW_BUFFERS: Tuple[str, ...] = (
 
 
 class FbgemmTier(nn.Module):
-    """The rows of one shard in an fbgemm TBE, with device-side statistics.
-
-    Args:
-        plan (FbgemmTierPlan): from ``plan_fbgemm_tier``.
-        split_pos (torch.Tensor | None): HYBRID only: the hashed position of every local row.
-        pooling (str): ``sum`` or ``mean``.
-        device (torch.device): the TBE's device.
-        stats (torch.Tensor): the shard's int64 counters, updated in place by every lookup.
-    """
+    """The rows of one shard in an fbgemm TBE of ``plan`` on ``device``, with device-side statistics:
+    every lookup updates the shard's int64 counters ``stats`` in place. ``split_pos`` (HYBRID only)
+    is the hashed position of every local row."""
 
     def __init__(
         self,
@@ -68,29 +61,17 @@ class FbgemmTier(nn.Module):
         super().__init__()
         from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
-        if (device.type == "cuda") != (plan.compute_device == "cuda"):
-            raise ValueError(
-                f"an fbgemm plan for compute_device={plan.compute_device!r} cannot run on {device}: "
-                "plan with the shard's device type."
-            )
         self.plan = plan
         self.pooling = pooling
         self.device = device
         self._stats = stats
         self.tbe = SplitTableBatchedEmbeddingBagsCodegen(**fbgemm_tbe_kwargs(plan, device))
         self._has_cache: bool = self.tbe.lxu_cache_weights.numel() > 0
-        R = plan.num_rows
         self._two_tables = len(plan.tables) == 2
-        # HYBRID: the hashed position of every local row, on the device (route_ids syncs on CUDA).
+        # HYBRID: the hashed positions on the device (computing them there would sync on CUDA)
         self.split_pos: Optional[torch.Tensor] = None
-        if plan.split_map:
-            if split_pos is None or tuple(split_pos.shape) != (R,):
-                raise ValueError(
-                    f"a HYBRID fbgemm tier needs split_pos, the hashed position of each of its {R} "
-                    "rows (the shard's split hash)."
-                )
-            dt = torch.int32 if R < 2**31 else torch.int64
-            self.split_pos = split_pos.to(dt).to(device)
+        if split_pos is not None:
+            self.split_pos = split_pos.to(torch.int32 if plan.num_rows < 2**31 else torch.int64).to(device)
         self.step = 0  # SGD steps (fbgemm counts only the other optimizers' steps)
         self._step_sets = 0  # set_step() calls: a lookup's counters set since are not taken back
 
@@ -238,8 +219,7 @@ class FbgemmTier(nn.Module):
         with torch.no_grad():
             uniq = ids.sort().values
             unique_rows = (uniq[1:] != uniq[:-1]).sum() + (1 if n else 0)
-        zero = ids.new_zeros(())
-        hits = fast = loaded = evicted = zero
+        hits = fast = loaded = evicted = ids.new_zeros(())
         if self.split_pos is not None:
             pos = self.split_pos.index_select(0, ids).to(torch.int64)
             in_fast, idx = split_tier(pos, k)

@@ -1,7 +1,7 @@
 """The ``native`` tier backend: recpipe's compiled CPU kernel (``csrc/tiered.cpp``).
 
 The ``torch`` backend is its bit-for-bit reference. May import ``recpipe.pipeline.placement``,
-``recpipe.pipeline.types`` and ``recpipe.pipeline.tiered.ops``.
+``recpipe.pipeline.types``, ``recpipe.pipeline.tiered.ops`` and ``recpipe.pipeline.tiered.optim``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from recpipe.pipeline.placement import cache_policy_spec
 from recpipe.pipeline.tiered.backends.buffers import BufferedTier, Lookup
 from recpipe.pipeline.tiered.ops import TIERED_MODES, TIERED_OPTIMIZERS, TIERED_POOLINGS
+from recpipe.pipeline.tiered.optim import HYPER_PARAMETERS
 from recpipe.pipeline.types import InputCheck, RowOptimizer, TierSpec
 
 __all__ = ["NativeBackend"]
@@ -34,10 +35,15 @@ class NativeBackend(BufferedTier):
 
     def __init__(self, spec: TierSpec) -> None:
         super().__init__(spec)
-        self._op_row_map = self.row_map if self.row_map is not None else self.no_cache
-        self._op_slot_row = self.slot_row if self.slot_row is not None else self.no_cache
-        self._op_slot_score = self.slot_score if self.slot_score is not None else self.no_cache
+        self._op_row_map, self._op_slot_row, self._op_slot_score = (
+            t if t is not None else self.no_cache for t in (self.row_map, self.slot_row, self.slot_score)
+        )
         self._op_mode: int = TIERED_MODES["ALL_FAST" if self.all_fast else ("CACHING" if self.caching else "HYBRID")]
+        tiers = (self.fast_weights, self.fast_state, self.slow_weights, self.slow_state)
+        geometry = (spec.num_rows, self.fast_rows, spec.split_seed, self._op_mode)
+        # the kernels' arguments after the batch's: tier tensors, cache maps, geometry (as csrc/tiered.cpp)
+        self._lookup_args = (*tiers, self._op_row_map, self._op_slot_row, self._op_slot_score, self.stats, *geometry)
+        self._backward_args = (*tiers, self._op_row_map, self._op_slot_score, *geometry)
         self._op_policy: int = cache_policy_spec(spec.cache_policy).kernel_code
         self._op_pooling: int = TIERED_POOLINGS[spec.pooling]
 
@@ -48,24 +54,7 @@ class NativeBackend(BufferedTier):
         self._clock += 1
         try:
             return torch.ops.recpipe.tiered_lookup(
-                ids,
-                offsets,
-                psw,
-                self.fast_weights,
-                self.fast_state,
-                self.slow_weights,
-                self.slow_state,
-                self._op_row_map,
-                self._op_slot_row,
-                self._op_slot_score,
-                self.stats,
-                self.spec.num_rows,
-                self.fast_rows,
-                self.spec.split_seed,
-                self._op_mode,
-                self._op_policy,
-                self._clock,
-                self._op_pooling,
+                ids, offsets, psw, *self._lookup_args, self._op_policy, self._clock, self._op_pooling
             )
         except (IndexError, ValueError):
             # the kernel's checks cannot name the table: the host checks say the same, naming it
@@ -83,28 +72,7 @@ class NativeBackend(BufferedTier):
         opt: RowOptimizer,
     ) -> None:
         step = self.next_optimizer_step()
+        optim = (TIERED_OPTIMIZERS[opt.name], *(float(getattr(opt, k)) for k in HYPER_PARAMETERS))
         torch.ops.recpipe.tiered_backward(
-            grad_out,
-            uniq,
-            inverse,
-            offsets,
-            psw,
-            self.fast_weights,
-            self.fast_state,
-            self.slow_weights,
-            self.slow_state,
-            self._op_row_map,
-            self._op_slot_score,
-            self.spec.num_rows,
-            self.fast_rows,
-            self.spec.split_seed,
-            self._op_mode,
-            self._op_pooling,
-            TIERED_OPTIMIZERS[opt.name],
-            float(opt.learning_rate),
-            float(opt.eps),
-            float(opt.beta1),
-            float(opt.beta2),
-            float(opt.weight_decay),
-            step,
+            grad_out, uniq, inverse, offsets, psw, *self._backward_args, self._op_pooling, *optim, step
         )

@@ -63,14 +63,8 @@ class ReferenceBackend(BufferedTier):
                 self._last["hits"] = fast_lookups
             rows = self.read(in_fast, idx, state=False)
             out = F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=psw, include_last_offset=True)
-        device = self.spec.device
         last = torch.stack(
-            [
-                v.to(torch.int64)
-                if isinstance(v, torch.Tensor)
-                else torch.full((), v, dtype=torch.int64, device=device)
-                for v in (self._last[k] for k in TIERED_STATS)
-            ]
+            [torch.as_tensor(self._last[k], dtype=torch.int64, device=self.spec.device) for k in TIERED_STATS]
         )
         k = len(TIERED_STATS)
         self.stats[:k] = last
@@ -163,22 +157,17 @@ class ReferenceBackend(BufferedTier):
         old_score = self.slot_score.index_select(0, slots)
         occupied = old_rows >= 0
         wb = occupied & ((old_score & 1) == 1)
-        wb_slots, wb_rows = slots[wb], old_rows[wb].to(self.slow_weights.device)
+        wb_rows = old_rows[wb]
         if wb_rows.numel():
-            self.slow_weights.index_copy_(
-                0, wb_rows, self.fast_weights.index_select(0, wb_slots).to(self.slow_weights.device)
-            )
-            self.slow_state.index_copy_(
-                0, wb_rows, self.fast_state.index_select(0, wb_slots).to(self.slow_state.device)
-            )
+            self.write_back(slots[wb], wb_rows)
         ev_rows = old_rows[occupied]
         if ev_rows.numel():
             self.row_map.index_copy_(
                 0, ev_rows, -((old_score[occupied] >> 1) + 1) if lfu else torch.full_like(ev_rows, -1)
             )
         src = new_rows.to(self.slow_weights.device)
-        self.fast_weights.index_copy_(0, slots, self.slow_weights.index_select(0, src).to(self.spec.device))
-        self.fast_state.index_copy_(0, slots, self.slow_state.index_select(0, src).to(self.spec.device))
+        for fast, slow in self.tier_pairs():
+            fast.index_copy_(0, slots, slow.index_select(0, src).to(self.spec.device))
         self.row_map.index_copy_(0, new_rows, slots)
         self.slot_row.index_copy_(0, slots, new_rows)
         self.slot_score.index_copy_(0, slots, new_key << 1)
