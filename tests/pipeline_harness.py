@@ -58,7 +58,8 @@ EC_TABLES = (("s0", 100),)  # (name, rows) of the sequence tables
 EC_LEN = 3  # padded sequence length used to pool the EC output
 
 FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
-"""(use_emb_lookup_stream, embedding_lookup_after_opt): all four combinations."""
+"""(use_emb_lookup_stream, embedding_lookup_after_opt): all four combinations. On CPU
+the stream flag selects no stream (there is none) and must change nothing; both are run."""
 
 
 @dataclass

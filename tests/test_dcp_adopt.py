@@ -20,12 +20,11 @@ from typing import Any, Dict, List
 import dcp_models as dm
 import numpy as np
 import pytest
-import test_tiered_migration as mig
-import test_tiered_sharders as pooled
+import tiered_ebc_models as pooled
 import torch
 from gloo_harness import run_gloo
 
-K, K2 = mig.K, mig.K2  # steps before / after the checkpoint
+K, K2 = pooled.K, pooled.K2  # steps before / after the checkpoint
 PLACEMENTS = {
     "t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3),
     "t1": dict(mode="CACHING", cache_load_factor=0.2, seed=3),
@@ -41,8 +40,8 @@ def _torchrec_model(world: int, dtensor: bool = False) -> Any:
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
-    ebc = pooled._ebc()
-    mig._apply_optimizer(ebc, "rowwise_adagrad")
+    ebc = pooled.make_ebc()
+    pooled.apply_optimizer(ebc, "rowwise_adagrad")
     sharder = EmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(
         ebc,
@@ -61,7 +60,7 @@ def _torchrec_model(world: int, dtensor: bool = False) -> Any:
         env=env,
     )
     if not dtensor:
-        model.load_state_dict(mig._initial_weights(), strict=False)
+        model.load_state_dict(pooled.initial_weights(), strict=False)
     return model
 
 
@@ -90,7 +89,7 @@ def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     model = _torchrec_model(world)
     for step in range(K):
-        mig._step(model, step, rank)
+        pooled.train_step(model, step, rank)
     tdcp.save(
         {**model.state_dict(), "fused_optimizer": model.fused_optimizer.state_dict()},
         checkpoint_id=f"{root}/with_optimizer",
@@ -101,7 +100,7 @@ def _save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     with torch.no_grad():
         bad.state_dict()["embedding_bags.t1.weight"].local_shards()[0].tensor[3, 1] = float("nan")
     tdcp.save({**bad.state_dict(), "fused_optimizer": bad.fused_optimizer.state_dict()}, checkpoint_id=f"{root}/nan")
-    outputs = [mig._step(model, step, rank) for step in range(K, K + K2)]
+    outputs = [pooled.train_step(model, step, rank) for step in range(K, K + K2)]
     return {"saved": saved, "outputs": outputs, "final": _full(model)["weights"]}
 
 
@@ -141,7 +140,7 @@ def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     out: Dict[str, Any] = {"errors": {}}
-    adopted = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
+    adopted = pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS)
     assert set(adopted.module.tiered_tables()) == {"t0", "t1"}
     import recpipe.pipeline.tiered.backends.buffers as tiered
 
@@ -153,26 +152,28 @@ def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     out["loaded"] = _full(adopted)
     out["steps"] = {n: s.step for n, s in adopted.module.tiered_tables().items()}
 
-    weights_only = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
+    weights_only = pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS)
     out["errors"]["no_state_strict"] = _refused(weights_only, f"{root}/weights_only", recpipe_dcp.CheckpointLoadError)
     recpipe_dcp.load(weights_only, f"{root}/weights_only", verify=False, strict=False)
     out["weights_only"] = _full(weights_only)
 
     out["errors"]["nan"] = _refused(
-        mig._tiered(world, "rowwise_adagrad", PLACEMENTS), f"{root}/nan", TieredCheckpointError
+        pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS), f"{root}/nan", TieredCheckpointError
     )
-    adam = mig._tiered(world, "adam", PLACEMENTS)
+    adam = pooled.tiered_model(world, "adam", PLACEMENTS)
     out["errors"]["optimizer"] = _refused(adam, f"{root}/with_optimizer", TieredCheckpointError)
     saved_tables = list(pooled.TABLES)
     pooled.TABLES = [("t0", 98, 8, ["f0", "f1"])] + saved_tables[1:]  # one row more than saved
     try:
-        bigger = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
+        bigger = pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS)
         out["errors"]["size"] = _refused(bigger, f"{root}/with_optimizer", TieredCheckpointError)
     finally:
         pooled.TABLES = saved_tables
 
     models = {"adopted": adopted, "weights_only": weights_only}
-    out["outputs"] = {name: [mig._step(m, step, rank) for step in range(K, K + K2)] for name, m in models.items()}
+    out["outputs"] = {
+        name: [pooled.train_step(m, step, rank) for step in range(K, K + K2)] for name, m in models.items()
+    }
     out["final"] = {name: _full(m)["weights"] for name, m in models.items()}
     return out
 
@@ -181,8 +182,8 @@ def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     torch.testing.assert_close(
         torch.from_numpy(np.asarray(got)),
         torch.from_numpy(np.asarray(want)),
-        atol=mig.ATOL,
-        rtol=mig.RTOL,
+        atol=pooled.ATOL,
+        rtol=pooled.RTOL,
         msg=lambda m: f"{what}: {m}",
     )
 
@@ -212,7 +213,7 @@ def test_tiered_tables_adopt_a_plain_torchrec_checkpoint_and_train_on_as_torchre
             _close(got, want, f"rank {rank} adopted step {K + step}")
         for key, want in src[rank]["final"].items():
             _close(res["final"]["adopted"][key], want, f"rank {rank} final {key}")
-        gap = mig._diverges(res["outputs"]["weights_only"], src[rank]["outputs"])
+        gap = pooled.max_divergence(res["outputs"]["weights_only"], src[rank]["outputs"])
         assert gap > 1e-3, f"rank {rank}: the weights-only load matches torchrec without the momentum ({gap})"
         # each rank streams the torchrec tables one saved chunk at a time (checked, then loaded), never
         # a whole ROW_WISE table: t0 was saved TABLE_WISE (one chunk, 97 rows), t1 ROW_WISE (2 x 25 rows)
@@ -412,16 +413,18 @@ def _routed_body(rank: int, world: int, root: str) -> Dict[str, Any]:
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
-    ref = mig._fused(world, "rowwise_adagrad", "row_wise_routed")
+    ref = pooled.fused_model(world, "rowwise_adagrad", "row_wise_routed")
     for step in range(K):
-        mig._step(ref, step, rank)
+        pooled.train_step(ref, step, rank)
     tdcp.save({**ref.state_dict(), "fused_optimizer": ref.fused_optimizer.state_dict()}, checkpoint_id=root)
-    adopted = mig._tiered(world, "rowwise_adagrad", PLACEMENTS, backend="fbgemm")  # fbgemm's CPU TBE holds the rows
+    adopted = pooled.tiered_model(
+        world, "rowwise_adagrad", PLACEMENTS, backend="fbgemm"
+    )  # fbgemm's CPU TBE holds the rows
     # strict: the row-order records are the tables' own
     reads = _reads_of(lambda: recpipe_dcp.load(adopted, root, verify=False))
     out: Dict[str, Any] = {"saved": _full(ref), "loaded": _full(adopted), "reads": reads}
     out["outputs"] = {
-        name: [mig._step(m, step, rank) for step in range(K, K + K2)]
+        name: [pooled.train_step(m, step, rank) for step in range(K, K + K2)]
         for name, m in (("ref", ref), ("adopted", adopted))
     }
     return out
@@ -447,11 +450,14 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline import checkpoint as recpipe_dcp
     from recpipe.pipeline.tiered.state import TieredCheckpointError
 
-    src = mig._tiered(world, "rowwise_adagrad", PLACEMENTS)
+    src = pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS)
     for step in range(K):
-        mig._step(src, step, rank)
+        pooled.train_step(src, step, rank)
     recpipe_dcp.save(src, root)
-    targets = {"torchrec": _torchrec_model(world), "routed": mig._fused(world, "rowwise_adagrad", "row_wise_routed")}
+    targets = {
+        "torchrec": _torchrec_model(world),
+        "routed": pooled.fused_model(world, "rowwise_adagrad", "row_wise_routed"),
+    }
     for model in targets.values():
         recpipe_dcp.load(model, root)
     out: Dict[str, Any] = {"saved": _full(src), "loaded": {n: _full(m) for n, m in targets.items()}}
@@ -488,7 +494,9 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         tdcp.save(state, checkpoint_id=f"{root}_{damage}")
         out["damaged"][damage] = _refused(_torchrec_model(world), f"{root}_{damage}", TieredCheckpointError)
     models = {"src": src, **targets}
-    out["outputs"] = {name: [mig._step(m, step, rank) for step in range(K, K + K2)] for name, m in models.items()}
+    out["outputs"] = {
+        name: [pooled.train_step(m, step, rank) for step in range(K, K + K2)] for name, m in models.items()
+    }
     return out
 
 

@@ -271,3 +271,33 @@ def test_checker_sees_cycles_through_function_imports_and_relative_imports() -> 
     assert graph["recpipe.pipeline.d"] == {"recpipe.pipeline.a"}
     assert cycles(graph) == [{"recpipe.pipeline.a", "recpipe.pipeline.b", "recpipe.pipeline.c"}]
     assert cycles({"x": {"x"}}) == [{"x"}] and cycles({"x": {"y"}, "y": set()}) == []
+
+
+def _test_modules_imported(source: str) -> List[str]:
+    """The top-level ``test_*`` modules (tests/ is on sys.path) that ``source`` imports,
+    absolutely or relatively, anywhere in the file."""
+    found: List[str] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module] if node.module else [alias.name for alias in node.names]
+        else:
+            continue
+        found += [n for n in names if n.split(".")[0].startswith("test_")]
+    return found
+
+
+def test_no_test_file_imports_another_test_file() -> None:
+    """Pins that shared test helpers live in helper modules (pipeline_harness.py,
+    tiered_ebc_models.py, ...), never in a test file: no tests/test_*.py imports a
+    ``test_*`` module, so each test file runs, moves or is renamed on its own."""
+    files = sorted((REPO / "tests").glob("test_*.py"))
+    assert len(files) > 40
+    bad = {p.name: hits for p in files if (hits := _test_modules_imported(p.read_text()))}
+    assert bad == {}
+    sample = (
+        "import test_a as a\nfrom test_b import x\ndef f():\n    from . import test_c\n"
+        "from torch.testing import y\nfrom torchrec.distributed.test_utils import test_model\n"
+    )
+    assert _test_modules_imported(sample) == ["test_a", "test_b", "test_c"]

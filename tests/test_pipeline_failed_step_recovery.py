@@ -11,7 +11,7 @@ failure it must take back what torchrec would not have run yet (fbgemm TBE
 ``step`` / ``iter``, which row-wise Adagrad counts), raise a lookup's exception
 in the step torchrec raises it, and fail again the way torchrec does on a retry.
 The reference is torchrec's own pipeline on an identically initialised copy
-(``test_pipeline_breadth``'s model: two EBCs, a weighted EBC and an EC, called in
+(``breadth_model.BreadthModel``: two EBCs, a weighted EBC and an EC, called in
 that order, row-wise Adagrad, TABLE_WISE / COLUMN_WISE / ROW_WISE): every step's
 outputs or exception (an ``AssertionError`` is compared as such), the final
 parameters, fused optimizer state and TBE counters must be equal, for every
@@ -20,16 +20,13 @@ parameters, fused optimizer state and TBE counters must be equal, for every
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
+import breadth_model as breadth
 import pytest
-import test_pipeline_breadth as breadth
 import torch
 from gloo_harness import run_gloo
-
-FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
-"""(use_emb_lookup_stream, embedding_lookup_after_opt)."""
+from pipeline_harness import FLAG_COMBOS
 
 SHARDINGS = {"ta": "column_wise", "tb": "row_wise", "ts": "row_wise"}
 
@@ -212,7 +209,7 @@ def _body(rank: int, world_size: int, name: str) -> Dict[Any, Any]:
                     except (InjectedFailure, NotImplementedError, RuntimeError) as e:
                         trace.append(("raised", type(e).__name__, str(e)[:200]))
                     else:
-                        trace.append(("ok", [t.numpy() for t in breadth._flatten(output)]))
+                        trace.append(("ok", [t.numpy() for t in breadth.flatten_outputs(output)]))
             elif action[0] == "fail_forward":
                 fail_module[0] = action[1]
             elif action[0] == "fail_optimizer":
@@ -222,7 +219,7 @@ def _body(rank: int, world_size: int, name: str) -> Dict[Any, Any]:
             elif action[0] == "detach_attach":
                 pipe.attach(pipe.detach())
             elif action[0] == "counters":
-                trace.append(("counters", breadth._tbe_counters(dmp)))
+                trace.append(("counters", breadth.tbe_counters(dmp)))
             elif action[0] == "eval_inference":
                 dmp.eval()
                 inference.__enter__()

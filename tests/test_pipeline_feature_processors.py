@@ -23,18 +23,13 @@ exact (autograd's version check fails), so the ordering is what the test checks.
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Dict, List, Sequence, Tuple
 
 import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
-from pipeline_harness import N_BATCHES, build_dmp, make_batches, run_pipeline, shard_with_dense_adam
-
-FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
-"""(use_emb_lookup_stream, embedding_lookup_after_opt). On CPU the stream flag
-selects no stream (there is none) and must change nothing; both are run."""
+from pipeline_harness import FLAG_COMBOS, N_BATCHES, build_dmp, make_batches, run_pipeline, shard_with_dense_adam
 
 TSNN_BATCHES = 8  # batches of the TestSparseNN runs
 TSNN_BATCH_SIZE = 8  # samples per rank per batch

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_harness import run_gloo
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from recipe_configs import SYNTHETIC, scalars
 from torchmetrics.functional.classification import binary_auroc
 from torchrec.distributed.types import ShardingEnv
 
@@ -47,19 +47,6 @@ MOVIELENS: dict[str, Any] = dict(
     progress_bar=False,
 )
 
-SYNTHETIC: dict[str, Any] = dict(
-    dataset="synthetic",
-    model="dlrm",
-    num_embeddings=500,
-    synthetic_id_space=5000,
-    embedding_dim=8,
-    dense_arch=(16, 8),
-    over_arch=(16, 1),
-    batch_size=32,
-    eval_batches=2,
-    progress_bar=False,
-)
-
 
 def hand_auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """AUROC as the Mann-Whitney U statistic (tied scores share their mean rank)."""
@@ -73,13 +60,6 @@ def hand_auroc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     pos = float(y.sum())
     neg = float(y.numel()) - pos
     return float((ranks[y == 1].sum() - pos * (pos + 1) / 2) / (pos * neg))
-
-
-def scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag's ``(step, value)`` events as TensorBoard reads them."""
-    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def _auroc_body(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from criteo_files import CRITEO, write_criteo
 from gloo_harness import run_gloo
-from test_recipes_metrics import SYNTHETIC, scalars
+from recipe_configs import SYNTHETIC, scalars
 
 import recpipe.recipes.train as train_module
 from recpipe.recipes.config import ConfigError, TrainConfig

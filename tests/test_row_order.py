@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from gloo_harness import run_gloo
-from test_sharding import SEED, TABLES, _owner_rows, _row_wise_plan
+from row_wise_tables import SEED, TABLES, fused_row_wise_plan, owner_rows
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
@@ -52,7 +52,9 @@ def _model(kind: str, dist_type: str, world: int, seed: int = SEED) -> Distribut
         table_dist_types={t: dist_type for t, *_ in TABLES} if routed else None,
         seed=seed,
     )
-    plan = ShardingPlan({"": EmbeddingModuleShardingPlan(_row_wise_plan(world, routed, EC_DIM if kind == "ec" else 0))})
+    plan = ShardingPlan(
+        {"": EmbeddingModuleShardingPlan(fused_row_wise_plan(world, routed, EC_DIM if kind == "ec" else 0))}
+    )
     return DistributedModelParallel(
         module,
         env=ShardingEnv.from_process_group(dist.group.WORLD),
@@ -78,7 +80,7 @@ def _locals(model: DistributedModelParallel, kind: str) -> Dict[str, torch.Tenso
 
 
 def _rows_of(dist_type: str, world: int, rank: int) -> Dict[str, torch.Tensor]:
-    return {t: _owner_rows(n, world, rank, dist_type) for t, n, *_ in TABLES}
+    return {t: owner_rows(n, world, rank, dist_type) for t, n, *_ in TABLES}
 
 
 def _refusal(model: DistributedModelParallel, state: Dict[str, Any], **kwargs: Any) -> str:

@@ -9,20 +9,18 @@ reference weights updated with the gradient of both ranks' losses.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from gloo_harness import run_gloo
-from routing_reference import route_one
+from row_wise_tables import SEED, TABLES, UNEVEN, fused_row_wise_plan, owner_rows
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
-    EnumerableShardingSpec,
-    ParameterSharding,
     ShardingEnv,
     ShardingPlan,
     ShardingType,
@@ -32,49 +30,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConf
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-TABLES = [("t0", 37, 8, ["f0"]), ("t1", 20, 4, ["f1", "f2"])]
 LR = 0.1
-SEED = 17
-#: uneven row-wise shards of each table over 2 ranks (torchrec's blocks: 19 + 18, 10 + 10)
-UNEVEN = {"t0": [10, 27], "t1": [15, 5]}
-
-
-def _row_wise_plan(world: int, routed: bool, ec_dim: int = 0, uneven: bool = False) -> dict[str, ParameterSharding]:
-    out = {}
-    for name, n, dim, _ in TABLES:
-        dim = ec_dim or dim
-        if uneven:
-            sizes = UNEVEN[name]
-        elif routed:  # roundrobin / hash: rank r owns ceil((n - r) / W) rows
-            sizes = [(n - r + world - 1) // world for r in range(world)]
-        else:  # torchrec's contiguous blocks
-            block = -(-n // world)
-            sizes = [max(0, min(block, n - r * block)) for r in range(world)]
-        offs = [sum(sizes[:r]) for r in range(world)]
-        shards = [
-            ShardMetadata(shard_offsets=[offs[r], 0], shard_sizes=[sizes[r], dim], placement=f"rank:{r}/cpu")
-            for r in range(world)
-        ]
-        out[name] = ParameterSharding(
-            sharding_type=ShardingType.ROW_WISE.value,
-            compute_kernel=EmbeddingComputeKernel.FUSED.value,
-            ranks=list(range(world)),
-            sharding_spec=EnumerableShardingSpec(shards),
-        )
-    return out
-
-
-def _owner_rows(n: int, world: int, rank: int, dist_type: str, sizes: Optional[list[int]] = None) -> torch.Tensor:
-    """Global ids stored on `rank`, in local-id order (pure-Python reference routing);
-    ``sizes``: uneven contiguous shards."""
-    if sizes is not None:
-        return torch.arange(sum(sizes[:rank]), sum(sizes[: rank + 1]), dtype=torch.int64)
-    code = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}[dist_type]
-    block = -(-n // world)
-    pairs = [route_one(g, code, world, block, n, SEED, 64) for g in range(n)]
-    mine = sorted((local, g) for g, (owner, local) in enumerate(pairs) if owner == rank)
-    assert [loc for loc, _ in mine] == list(range(len(mine)))  # dense local ids
-    return torch.tensor([g for _, g in mine], dtype=torch.int64)
 
 
 def _batch(
@@ -130,7 +86,7 @@ def _body(rank: int, world: int, kind: str, dist_type: str, uneven: bool = False
         seed=SEED,
     )
     plan = ShardingPlan(
-        {"": EmbeddingModuleShardingPlan(_row_wise_plan(world, routed, 4 if kind == "ec" else 0, uneven))}
+        {"": EmbeddingModuleShardingPlan(fused_row_wise_plan(world, routed, 4 if kind == "ec" else 0, uneven))}
     )
     model = DistributedModelParallel(
         module,
@@ -142,7 +98,7 @@ def _body(rank: int, world: int, kind: str, dist_type: str, uneven: bool = False
     )
     # Put the reference weights into the shards, row by row where routing says.
     ref_w = {t: getattr(ref, prefix)[t].weight.detach().clone() for t, *_ in TABLES}
-    rows = {t: _owner_rows(n, world, rank, dist_type, UNEVEN[t] if uneven else None) for t, n, *_ in TABLES}
+    rows = {t: owner_rows(n, world, rank, dist_type, UNEVEN[t] if uneven else None) for t, n, *_ in TABLES}
     sd = model.state_dict()
     for t, *_ in TABLES:
         key = next(k for k in sd if k.endswith(f"{prefix}.{t}.weight"))
@@ -253,7 +209,7 @@ def test_fused_row_wise_table_with_an_empty_shard_is_refused_on_cpu() -> None:
     from recpipe.pipeline.routing.sharders import recpipe_sharders
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
 
-    params = _row_wise_plan(2, routed=False)
+    params = fused_row_wise_plan(2, routed=False)
     t0 = params["t0"]
     t0.sharding_spec.shards[0].shard_sizes = [37, 8]  # t0 (37 rows) all on rank 0
     t0.sharding_spec.shards[1].shard_offsets = [37, 0]
@@ -299,7 +255,7 @@ def test_dense_sequence_table_is_refused_on_cpu() -> None:
 
     ebc_sharder, ec_sharder = recpipe_sharders()
     for kind in (ShardingType.ROW_WISE, ShardingType.TABLE_WISE, ShardingType.DATA_PARALLEL):
-        params = _row_wise_plan(2, routed=True)
+        params = fused_row_wise_plan(2, routed=True)
         params["t1"].sharding_type = kind.value
         params["t1"].compute_kernel = EmbeddingComputeKernel.DENSE.value
         for sharder in (ec_sharder, TieredEmbeddingCollectionSharder()):

@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 
 import numpy as np
 import pytest
-import test_tiered_sharders as pooled
+import tiered_ebc_models as pooled
 import torch
 from gloo_harness import run_gloo
 
@@ -38,19 +38,20 @@ def _model(world: int, tiered: bool) -> Any:
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     weights = {
-        f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone() for n, *_ in pooled.TABLES
+        f"embedding_bags.{n}.weight": pooled.make_ebc().embedding_bags[n].weight.detach().clone()
+        for n, *_ in pooled.TABLES
     }
-    ebc = pooled._ebc()
+    ebc = pooled.make_ebc()
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": pooled.LR})
     sharder = TieredEmbeddingBagCollectionSharder()
-    plan = pooled._tiered_plan(ebc, sharder, world, PLACEMENT if tiered else {})
+    plan = pooled.tiered_plan(ebc, sharder, world, PLACEMENT if tiered else {})
     model = DistributedModelParallel(
         ebc,
         plan=ShardingPlan({"": plan}),
         sharders=[sharder],  # type: ignore[list-item]
         device=torch.device("cpu"),
     )
-    pooled._copy_state_dict(model.module.state_dict(), weights)
+    pooled.copy_global_weights(model.module.state_dict(), weights)
     for name, shard in model.module.tiered_tables().items():
         shard.load_global_weights(weights[f"embedding_bags.{name}.weight"])
     return model
@@ -58,7 +59,7 @@ def _model(world: int, tiered: bool) -> Any:
 
 def _train(model: Any, rank: int, first_step: int) -> None:
     for step in range(first_step, first_step + STEPS):
-        kjt, grad = pooled._kjt(step, rank)
+        kjt, grad = pooled.kjt_and_grad(step, rank)
         model(kjt).values().backward(grad)
 
 
@@ -217,25 +218,25 @@ def _scheduler_body(rank: int, world: int) -> Dict[str, Any]:
             model = _model(world, tiered=True)
         else:
             weights = {
-                f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone()
+                f"embedding_bags.{n}.weight": pooled.make_ebc().embedding_bags[n].weight.detach().clone()
                 for n, *_ in pooled.TABLES
             }
-            ebc = pooled._ebc()
+            ebc = pooled.make_ebc()
             apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": pooled.LR})
             sharder = EmbeddingBagCollectionSharder()
-            plan = pooled._table_wise_plan(ebc, sharder, world)
+            plan = pooled.table_wise_plan(ebc, sharder, world)
             model = DistributedModelParallel(
                 ebc,
                 plan=ShardingPlan({"": plan}),
                 sharders=[sharder],  # type: ignore[list-item]
                 device=torch.device("cpu"),
             )
-            pooled._copy_state_dict(model.module.state_dict(), weights)
+            pooled.copy_global_weights(model.module.state_dict(), weights)
         scheduler = torch.optim.lr_scheduler.StepLR(model.fused_optimizer, step_size=1, gamma=GAMMA)
         lrs, outs = [], []
         for step in range(4):
             lrs.append([float(g["lr"]) for g in model.fused_optimizer.param_groups])
-            kjt, grad = pooled._kjt(step, rank)
+            kjt, grad = pooled.kjt_and_grad(step, rank)
             result = model(kjt).values()
             outs.append(result.detach().numpy().copy())
             result.backward(grad)
@@ -419,10 +420,10 @@ def _deprecated_body(rank: int, world: int, name: str) -> Dict[str, str]:
     fused_params = {"optimizer": EmbOptimType[name], "learning_rate": 0.05}
     out: Dict[str, str] = {}
     for kind in ("tiered", "ref"):
-        ebc = pooled._ebc()
+        ebc = pooled.make_ebc()
         if kind == "tiered":
             sharder: Any = TieredEmbeddingBagCollectionSharder(fused_params=dict(fused_params))
-            plan = pooled._tiered_plan(
+            plan = pooled.tiered_plan(
                 ebc, sharder, world, {**PLACEMENT, "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
             )
         else:

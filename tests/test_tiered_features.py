@@ -20,8 +20,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
-import test_tiered_sequence as seq
-import test_tiered_sharders as pooled
+import tiered_ebc_models as pooled
+import tiered_ec_models as seq
 import torch
 from gloo_harness import run_gloo
 
@@ -61,22 +61,23 @@ def _ebc_body(rank: int, world: int, fused_params: Dict[str, Any], batch_sizes: 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     global_weights = {
-        f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone() for n, *_ in pooled.TABLES
+        f"embedding_bags.{n}.weight": pooled.make_ebc().embedding_bags[n].weight.detach().clone()
+        for n, *_ in pooled.TABLES
     }
     results: Dict[str, List[Any]] = {}
     for kind in ("tiered", "ref"):
-        ebc = pooled._ebc()
+        ebc = pooled.make_ebc()
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": pooled.LR})
         if kind == "tiered":
             sharder: Any = TieredEmbeddingBagCollectionSharder(fused_params=dict(fused_params))
-            plan = pooled._tiered_plan(ebc, sharder, world, {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3)})
+            plan = pooled.tiered_plan(ebc, sharder, world, {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3)})
         else:
             sharder = EmbeddingBagCollectionSharder(fused_params=dict(fused_params))
-            plan = pooled._table_wise_plan(ebc, sharder, world)
+            plan = pooled.table_wise_plan(ebc, sharder, world)
         model = DistributedModelParallel(
             ebc, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu")
         )
-        pooled._copy_state_dict(model.module.state_dict(), global_weights)
+        pooled.copy_global_weights(model.module.state_dict(), global_weights)
         if kind == "tiered":
             assert set(model.module.tiered_tables()) == {"t0"}
             model.module.load_state_dict(
@@ -137,11 +138,11 @@ def _output_dtype_ec_body(rank: int, world: int) -> Dict[str, List[Any]]:
     fused_params = {"output_dtype": SparseType.FP16}
     results: Dict[str, List[Any]] = {}
     for kind in ("tiered", "ref"):
-        ec = seq._ec()
+        ec = seq.make_ec()
         apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": seq.LR})
         if kind == "tiered":
             sharder: Any = TieredEmbeddingCollectionSharder(fused_params=fused_params)
-            plan = seq._plan(ec, world)
+            plan = seq.planner_plan(ec, world)
         else:
             sharder = EmbeddingCollectionSharder(fused_params=fused_params)
             per = {t: table_wise(rank=i % world) for i, (t, _, _) in enumerate(seq.TABLES)}
@@ -155,7 +156,7 @@ def _output_dtype_ec_body(rank: int, world: int) -> Dict[str, List[Any]]:
         model = DistributedModelParallel(ec, plan=plan, sharders=[sharder], device=torch.device("cpu"))
         outs = []
         for step in range(STEPS):
-            kjt, grads = seq._batch(step, rank)
+            kjt, grads = seq.kjt_and_grads(step, rank)
             emb = model(kjt)
             loss = torch.zeros(())
             for f in seq.FEATURES:
@@ -207,11 +208,11 @@ def _refused_body(
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
-    ebc = pooled._ebc()
+    ebc = pooled.make_ebc()
     optimizer_class = RowWiseAdagrad if optimizer == "RowWiseAdagrad" else getattr(torch.optim, optimizer)
     apply_optimizer_in_backward(optimizer_class, ebc.parameters(), {"lr": pooled.LR, **(optimizer_kwargs or {})})
     sharder = TieredEmbeddingBagCollectionSharder(fused_params=dict(fused_params))
-    plan = pooled._tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)})
+    plan = pooled.tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)})
     try:
         DistributedModelParallel(ebc, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu"))
     except ValueError as e:

@@ -18,13 +18,12 @@ from typing import Any, Dict, List, Tuple
 
 import numpy as np
 import pytest
-import test_tiered_sequence as seq
-import test_tiered_sharders as pooled
+import tiered_ebc_models as pooled
+import tiered_ec_models as seq
 import torch
 from gloo_harness import run_gloo
+from tiered_ebc_models import ATOL, K2, RTOL, K, apply_optimizer, fused_model, max_divergence, tiered_model, train_step
 
-K, K2 = 3, 4  # steps before / after the migration
-ATOL, RTOL = 2e-6, 1e-5  # test_tiered_sharders' tiered-vs-FUSED tolerance
 SOURCE = {
     "t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3),
     "t1": dict(mode="CACHING", cache_load_factor=0.2, seed=3),
@@ -33,79 +32,6 @@ TARGET = {
     "t0": dict(mode="CACHING", cache_load_factor=0.5, seed=7, cache_policy="lru"),
     "t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=7),
 }
-
-
-def _initial_weights() -> Dict[str, torch.Tensor]:
-    return {
-        f"embedding_bags.{n}.weight": pooled._ebc().embedding_bags[n].weight.detach().clone() for n, *_ in pooled.TABLES
-    }
-
-
-def _apply_optimizer(ebc: Any, optimizer: str) -> None:
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    cls = RowWiseAdagrad if optimizer == "rowwise_adagrad" else torch.optim.Adam
-    apply_optimizer_in_backward(cls, ebc.parameters(), {"lr": pooled.LR})
-
-
-def _fused(world: int, optimizer: str, kind: str = "table_wise") -> Any:
-    """torchrec FUSED tables: ``table_wise``, torchrec's own sharder (t0 on rank 0, t1 on rank 1);
-    ``row_wise_routed``, ROW_WISE with recpipe's routing (t0 hash_roundrobin, t1 roundrobin:
-    each shard holds routed rows, not its offsets' range)."""
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.types import ShardingPlan
-
-    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-
-    ebc = pooled._ebc()
-    _apply_optimizer(ebc, optimizer)
-    if kind == "table_wise":
-        sharder: Any = EmbeddingBagCollectionSharder()
-        plan = pooled._table_wise_plan(ebc, sharder, world)
-    else:
-        sharder = TieredEmbeddingBagCollectionSharder(
-            table_dist_types={"t0": "hash_roundrobin", "t1": "roundrobin"}, seed=11
-        )
-        plan = pooled._tiered_plan(ebc, sharder, world, {})
-    model = DistributedModelParallel(
-        ebc,
-        plan=ShardingPlan({"": plan}),
-        sharders=[sharder],  # type: ignore[list-item]
-        device=torch.device("cpu"),
-    )
-    model.load_state_dict(_initial_weights(), strict=False)  # torchrec slices, routed tables pick their rows
-    return model
-
-
-def _tiered(world: int, optimizer: str, placements: Dict[str, Dict[str, Any]], backend: str = "native") -> Any:
-    """recpipe's model: every table tiered (ROW_WISE, hash_roundrobin) with ``placements``, on
-    ``backend`` (``fbgemm``: fbgemm's CPU TBE holds the rows and their state, in its layout)."""
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.types import ShardingPlan
-
-    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-
-    ebc = pooled._ebc()
-    _apply_optimizer(ebc, optimizer)
-    sharder = TieredEmbeddingBagCollectionSharder(backend=backend)
-    plan = pooled._tiered_plan(ebc, sharder, world, placements)
-    model = DistributedModelParallel(
-        ebc,
-        plan=ShardingPlan({"": plan}),
-        sharders=[sharder],  # type: ignore[list-item]
-        device=torch.device("cpu"),
-    )
-    model.load_state_dict(_initial_weights(), strict=False)
-    return model
-
-
-def _step(model: Any, step: int, rank: int) -> np.ndarray:
-    kjt, grad = pooled._kjt(step, rank)
-    out = model(kjt).values()
-    out.backward(grad)
-    return out.detach().numpy().copy()
 
 
 def _migrated(make: Any, weights: Dict[str, torch.Tensor], opt: Any) -> Any:
@@ -126,7 +52,7 @@ def _continue(models: Dict[str, Any], rank: int) -> Dict[str, Any]:
     outs: Dict[str, List[np.ndarray]] = {name: [] for name in models}
     for step in range(K, K + K2):
         for name, model in models.items():
-            outs[name].append(_step(model, step, rank))
+            outs[name].append(train_step(model, step, rank))
     final = {name: {k: v.numpy() for k, v in gather_full_weights(m).items()} for name, m in models.items()}
     return {"outputs": outs, "weights": final}
 
@@ -135,27 +61,23 @@ def _adagrad_body(rank: int, world: int, fused: str, backend: str) -> Dict[str, 
     from recpipe.pipeline.tiered.migration import gather_full_optimizer_state, gather_full_weights
 
     opt = "rowwise_adagrad"
-    ref, src = _fused(world, opt, fused), _tiered(world, opt, SOURCE, backend)
+    ref, src = fused_model(world, opt, fused), tiered_model(world, opt, SOURCE, backend)
     for step in range(K):
-        _step(ref, step, rank)
-        _step(src, step, rank)
+        train_step(ref, step, rank)
+        train_step(src, step, rank)
     w_ref, o_ref = gather_full_weights(ref), gather_full_optimizer_state(ref)
     w_src, o_src = gather_full_weights(src), gather_full_optimizer_state(src)
     models = {
         "ref": ref,  # torchrec, uninterrupted
-        "to_tiered": _migrated(lambda: _tiered(world, opt, TARGET, backend), w_ref, o_ref),
-        "to_tiered_no_state": _migrated(lambda: _tiered(world, opt, TARGET, backend), w_ref, None),
-        "to_fused": _migrated(lambda: _fused(world, opt, fused), w_src, o_src),
-        "to_fused_no_state": _migrated(lambda: _fused(world, opt, fused), w_src, None),
+        "to_tiered": _migrated(lambda: tiered_model(world, opt, TARGET, backend), w_ref, o_ref),
+        "to_tiered_no_state": _migrated(lambda: tiered_model(world, opt, TARGET, backend), w_ref, None),
+        "to_fused": _migrated(lambda: fused_model(world, opt, fused), w_src, o_src),
+        "to_fused_no_state": _migrated(lambda: fused_model(world, opt, fused), w_src, None),
     }
     res = _continue(models, rank)
     res["states"] = {k: {n: t.numpy() for n, t in v.items()} for k, v in o_ref.items()}
     res["tiered_states"] = {k: {n: t.numpy() for n, t in v.items()} for k, v in o_src.items()}
     return res
-
-
-def _diverges(got: List[np.ndarray], want: List[np.ndarray]) -> float:
-    return max(float(np.abs(g - w).max()) for g, w in zip(got, want))
 
 
 def _assert_run_matches(res: Dict[str, Any], name: str, ref: str, rank: int) -> None:
@@ -205,7 +127,7 @@ def test_rowwise_adagrad_state_migrates_fused_to_tiered_and_back_as_uninterrupte
         _assert_run_matches(res, "to_tiered", "ref", rank)
         _assert_run_matches(res, "to_fused", "ref", rank)
         for name in ("to_tiered_no_state", "to_fused_no_state"):
-            gap = _diverges(res["outputs"][name], res["outputs"]["ref"])
+            gap = max_divergence(res["outputs"][name], res["outputs"]["ref"])
             assert gap > 1e-3, f"rank {rank}: {name} matches torchrec without the optimizer state ({gap})"
 
 
@@ -216,15 +138,15 @@ def _adam_body(rank: int, world: int) -> Dict[str, Any]:
         load_full_optimizer_state,
     )
 
-    src = _tiered(world, "adam", SOURCE)
-    adagrad = _tiered(world, "rowwise_adagrad", SOURCE)
+    src = tiered_model(world, "adam", SOURCE)
+    adagrad = tiered_model(world, "rowwise_adagrad", SOURCE)
     for step in range(K):
-        _step(src, step, rank)
-        _step(adagrad, step, rank)
+        train_step(src, step, rank)
+        train_step(adagrad, step, rank)
     w_src, o_src = gather_full_weights(src), gather_full_optimizer_state(src)
     res: Dict[str, Any] = {"state": {k: {n: t.numpy() for n, t in v.items()} for k, v in o_src.items()}}
 
-    target = _migrated(lambda: _tiered(world, "adam", TARGET), w_src, o_src)
+    target = _migrated(lambda: tiered_model(world, "adam", TARGET), w_src, o_src)
     # refused: row-wise Adagrad state into the Adam tables, and a state without its step;
     # nothing changes (the state and the weights, and the run below continues as the source's)
     before = (gather_full_weights(target), gather_full_optimizer_state(target))
@@ -248,8 +170,8 @@ def _adam_body(rank: int, world: int) -> Dict[str, Any]:
     models = {
         "ref": src,  # uninterrupted
         "migrated": target,
-        "no_state": _migrated(lambda: _tiered(world, "adam", TARGET), w_src, None),
-        "step_0": _migrated(lambda: _tiered(world, "adam", TARGET), w_src, zero_step),
+        "no_state": _migrated(lambda: tiered_model(world, "adam", TARGET), w_src, None),
+        "step_0": _migrated(lambda: tiered_model(world, "adam", TARGET), w_src, zero_step),
     }
     res.update(_continue(models, rank))
     return res
@@ -283,7 +205,7 @@ def test_adam_moments_and_step_migrate_between_tiered_placements_as_uninterrupte
 
         _assert_run_matches(res, "migrated", "ref", rank)
         for name in ("no_state", "step_0"):
-            gap = _diverges(res["outputs"][name], res["outputs"]["ref"])
+            gap = max_divergence(res["outputs"][name], res["outputs"]["ref"])
             assert gap > 1e-4, f"rank {rank}: {name} matches the uninterrupted run ({gap})"
 
 
@@ -300,9 +222,9 @@ def _ec_model(world: int, tiered: bool) -> Any:
     from recpipe.planner import PlacementPlanner
     from recpipe.planner.specs import PlacementConstraints
 
-    ec = seq._ec()
+    ec = seq.make_ec()
     weights = {f"embeddings.{t}.weight": ec.embeddings[t].weight.detach().clone() for t, _, _ in seq.TABLES}
-    _apply_optimizer(ec, "rowwise_adagrad")
+    apply_optimizer(ec, "rowwise_adagrad")
     if tiered:
         sharder: Any = TieredEmbeddingCollectionSharder()
         topo = Topology(
@@ -330,7 +252,7 @@ def _ec_model(world: int, tiered: bool) -> Any:
 
 
 def _ec_step(model: Any, step: int, rank: int) -> np.ndarray:
-    kjt, grads = seq._batch(step, rank)
+    kjt, grads = seq.kjt_and_grads(step, rank)
     emb = model(kjt)
     loss = sum((emb[f].values() * grads[f]).sum() for f in seq.FEATURES)
     loss.backward()  # type: ignore[union-attr]
@@ -369,7 +291,7 @@ def test_rowwise_adagrad_state_migrates_from_fused_ec_to_tiered_ec_as_uninterrup
                 rtol=RTOL,
                 msg=lambda m: f"rank {rank} step {K + step}: {m}",
             )
-        gap = _diverges(outs["no_state"], outs["ref"])
+        gap = max_divergence(outs["no_state"], outs["ref"])
         assert gap > 1e-3, f"rank {rank}: the EC matches torchrec without the optimizer state ({gap})"
 
 
@@ -381,8 +303,8 @@ def _column_wise_body(rank: int, world: int) -> Tuple[str, str]:
 
     from recpipe.pipeline.tiered.migration import gather_full_optimizer_state
 
-    ebc = pooled._ebc()
-    _apply_optimizer(ebc, "rowwise_adagrad")
+    ebc = pooled.make_ebc()
+    apply_optimizer(ebc, "rowwise_adagrad")
     sharder = EmbeddingBagCollectionSharder()
     plan = construct_module_sharding_plan(
         ebc,

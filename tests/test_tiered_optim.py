@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
-from test_tiered_sharders import _kjt, _warmup_batches, _warmup_model
+from tiered_ebc_models import kjt_and_grad, warmup_batches, warmup_model
 
-_model = _warmup_model  # torchrec FUSED (placements None) or tiered on a backend, same initial tables
+_model = warmup_model  # torchrec FUSED (placements None) or tiered on a backend, same initial tables
 
 
 def _fused_tbes(model: Any) -> Dict[str, Any]:
@@ -55,7 +55,7 @@ def _set_step_body(rank: int, world: int) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for kind, placements, backend in (("ref", None, None), ("native", both, "native"), ("fbgemm", both, "fbgemm")):
         model = _model(world, placements, backend)
-        batches = _warmup_batches(rank)
+        batches = warmup_batches(rank)
         recorded: List[Dict[str, int]] = []
         for when, step in ((0, STEP_RESTORE), (2, STEP_MIDRUN)):
             model.fused_optimizer.set_optimizer_step(step)
@@ -278,7 +278,7 @@ def _tensor_lr_body(rank: int, world: int) -> Dict[str, Any]:
             for group in model.fused_optimizer.param_groups:
                 group["lr"] = torch.tensor(lr)
             model.fused_optimizer.step()
-            kjt, grad = _kjt(step, rank)
+            kjt, grad = kjt_and_grad(step, rank)
             result = model.module.ebc(kjt).values()
             outputs.append(result.detach().numpy().copy())
             result.backward(grad)
@@ -342,7 +342,7 @@ def _four_steps(model: Any, rank: int) -> List[np.ndarray]:
     """The EBC's outputs of 4 training steps (each backward applies the fused optimizer)."""
     outputs = []
     for step in range(4):
-        kjt, grad = _kjt(step, rank)
+        kjt, grad = kjt_and_grad(step, rank)
         result = model.module.ebc(kjt).values()
         outputs.append(result.detach().numpy().copy())
         result.backward(grad)

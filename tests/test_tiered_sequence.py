@@ -22,60 +22,31 @@ import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
-
-B, STEPS, LR, DIM = 4, 5, 0.125, 8  # samples per rank, steps, SGD lr (a power of two), embedding dim
-TABLES = [("s0", 97, ["f0", "f1"]), ("s1", 61, ["f2"])]  # (table, rows, features)
-FEATURES = ["f0", "f1", "f2"]
-FEATURE_TABLE = {f: t for t, _, fs in TABLES for f in fs}
-ROWS = {t: r for t, r, _ in TABLES}
-PLACEMENT = {"s0": ("CACHING", 0.3), "s1": ("HYBRID", 0.5)}
-
-
-def _ec() -> Any:
-    from torchrec.modules.embedding_configs import EmbeddingConfig
-    from torchrec.modules.embedding_modules import EmbeddingCollection
-
-    torch.manual_seed(0)
-    return EmbeddingCollection(
-        tables=[EmbeddingConfig(name=t, num_embeddings=r, embedding_dim=DIM, feature_names=fs) for t, r, fs in TABLES],
-        device=torch.device("cpu"),
-    )
-
-
-def _batch(step: int, rank: int) -> Tuple[Any, Dict[str, torch.Tensor]]:
-    """The KJT of ``rank`` at ``step`` and the upstream gradient of each feature's rows."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    lengths = torch.randint(0, 5, (len(FEATURES) * B,), generator=gen)
-    counts = [int(lengths[i * B : (i + 1) * B].sum()) for i in range(len(FEATURES))]
-    # a few hot ids per table so rows repeat within and across ranks (cache hits, summed grads)
-    values = torch.cat(
-        [
-            torch.where(
-                torch.rand(n, generator=gen) < 0.4,
-                torch.randint(0, 6, (n,), generator=gen),
-                torch.randint(0, ROWS[FEATURE_TABLE[f]], (n,), generator=gen),
-            )
-            for f, n in zip(FEATURES, counts)
-        ]
-    )
-    grads = {f: torch.randint(-8, 8, (n, DIM), generator=gen).float() / 16.0 for f, n in zip(FEATURES, counts)}
-    kjt = KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths)
-    return kjt, grads
-
+from tiered_ec_models import (
+    DIM,
+    FEATURE_TABLE,
+    FEATURES,
+    LR,
+    PLACEMENT,
+    STEPS,
+    TABLES,
+    B,
+    kjt_and_grads,
+    make_ec,
+    planner_plan,
+)
 
 VBE_BAGS = {"f0": B, "f1": B - 1, "f2": B // 2}  # bags per feature of the VBE batches
 
 
 def _vbe_batch(step: int, rank: int) -> Tuple[Any, Any, Dict[str, torch.Tensor]]:
     """A VBE KJT of ``rank`` at ``step`` (feature f keeps its first ``VBE_BAGS[f]`` bags of
-    :func:`_batch`, and ``inverse_indices`` map each of the B samples to one of them), its
+    :func:`kjt_and_grads`, and ``inverse_indices`` map each of the B samples to one of them), its
     expansion (sample s takes its bag's ids: what sharded EmbeddingCollections look up for
     a VBE KJT) and the upstream gradient of each feature's expanded rows."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    kjt, _ = _batch(step, rank)
+    kjt, _ = kjt_and_grads(step, rank)
     gen = torch.Generator().manual_seed(7 + 100 * step + rank)
     inverse = torch.stack([torch.randint(0, VBE_BAGS[f], (B,), generator=gen) for f in FEATURES])
     lengths, values, wide_lengths, wide_values, grads = [], [], [], [], {}
@@ -103,20 +74,8 @@ def _inputs(step: int, rank: int, vbe: bool) -> Tuple[Any, Any, Dict[str, torch.
     """(model input, the KJT whose ids the outputs must equal, gradients) of a step."""
     if vbe:
         return _vbe_batch(step, rank)
-    kjt, grads = _batch(step, rank)
+    kjt, grads = kjt_and_grads(step, rank)
     return kjt, kjt, grads
-
-
-def _plan(ec: Any, world: int) -> Any:
-    from torchrec.distributed.planner.types import Topology
-
-    from recpipe.planner import PlacementPlanner
-    from recpipe.planner.specs import PlacementConstraints
-
-    topo = Topology(world_size=world, local_world_size=world, compute_device="cuda", hbm_cap=1 << 30, ddr_cap=1 << 32)
-    constraints = {t: PlacementConstraints(mode=m, cache_load_factor=x) for t, (m, x) in PLACEMENT.items()}
-    placement = PlacementPlanner(topo, constraints=constraints, optimizer="sgd", backend="native").plan(ec)
-    return placement.to_sharding_plan(compute_device="cpu")
 
 
 def _body(rank: int, world: int, vbe: bool) -> Dict[str, Any]:
@@ -128,11 +87,11 @@ def _body(rank: int, world: int, vbe: bool) -> Dict[str, Any]:
     from recpipe.pipeline.tiered.sharded import TieredShardedEmbeddingCollection
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingCollectionSharder
 
-    ec = _ec()
+    ec = make_ec()
     reference = {t: ec.embeddings[t].weight.detach().clone() for t, _, _ in TABLES}
     apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": LR})
     sharder = TieredEmbeddingCollectionSharder()
-    plan = _plan(ec, world)
+    plan = planner_plan(ec, world)
     ps = plan.plan[""]
     out: Dict[str, Any] = {
         "plan": {
@@ -254,7 +213,7 @@ def test_dmp_row_wise_tiered_ec_equals_unsharded_sgd(vbe: bool) -> None:
 
 
 def _torchrec_table_wise(world: int) -> Any:
-    """The EC of :func:`_ec` (same initial weights) sharded by torchrec's own sharder,
+    """The EC of :func:`make_ec` (same initial weights) sharded by torchrec's own sharder,
     TABLE_WISE with the FUSED kernel and in-backward SGD at ``LR``."""
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -262,7 +221,7 @@ def _torchrec_table_wise(world: int) -> Any:
     from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    ec = _ec()
+    ec = make_ec()
     apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": LR})
     sharder = EmbeddingCollectionSharder()
     per = {t: table_wise(rank=i % world) for i, (t, _, _) in enumerate(TABLES)}
@@ -277,4 +236,4 @@ def _torchrec_table_wise(world: int) -> Any:
 
 
 def _initial(table: str) -> np.ndarray:
-    return _ec().embeddings[table].weight.detach().numpy()
+    return make_ec().embeddings[table].weight.detach().numpy()

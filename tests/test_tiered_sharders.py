@@ -22,117 +22,23 @@ import numpy as np
 import pytest
 import torch
 from gloo_harness import run_gloo
+from tiered_ebc_models import (
+    FEATURES,
+    LR,
+    TABLES,
+    WARMUP_STEPS,
+    B,
+    EbcWithHead,
+    copy_global_weights,
+    kjt_and_grad,
+    make_ebc,
+    table_wise_plan,
+    tiered_plan,
+    warmup_batches,
+    warmup_model,
+)
 
-B, STEPS, LR = 4, 4, 0.05
-TABLES = [("t0", 97, 8, ["f0", "f1"]), ("t1", 50, 4, ["f2"])]
-FEATURES = ["f0", "f1", "f2"]
-
-
-def _ebc(
-    pooling: str = "SUM",
-    tables: Sequence[str] = ("t0", "t1"),
-    is_weighted: bool = False,
-    init: Optional[Sequence[float]] = None,
-) -> Any:
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    torch.manual_seed(0)
-    return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(
-                name=n,
-                num_embeddings=r,
-                embedding_dim=d,
-                feature_names=f,
-                pooling=PoolingType[pooling],
-                weight_init_min=init[0] if init else None,
-                weight_init_max=init[1] if init else None,
-            )
-            for n, r, d, f in TABLES
-            if n in tables
-        ],
-        device=torch.device("cpu"),
-        is_weighted=is_weighted,
-    )
-
-
-def _kjt(step: int, rank: int) -> Any:
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    gen = torch.Generator().manual_seed(100 * step + rank)
-    sizes = {"f0": 97, "f1": 97, "f2": 50}
-    lengths = torch.randint(0, 5, (len(FEATURES) * B,), generator=gen)
-    values = torch.cat(
-        [
-            torch.randint(0, sizes[f], (int(lengths[i * B : (i + 1) * B].sum()),), generator=gen)
-            for i, f in enumerate(FEATURES)
-        ]
-    )
-    return KeyedJaggedTensor(keys=FEATURES, values=values, lengths=lengths), torch.randn(B, 20, generator=gen)
-
-
-def _copy_state_dict(local: Dict[str, Any], global_weights: Dict[str, torch.Tensor]) -> None:
-    """Copies global tables into this rank's ShardedTensor shards (views of the FUSED weights)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-
-    for name, t in local.items():
-        if ".tiered." in name:  # tiered rows' export (checked by the state_dict test)
-            continue
-        if name.endswith("embedding_bags.t0.weight") and not isinstance(t, ShardedTensor):
-            assert t.numel() == 0  # tiered table: torchrec-style empty placeholder
-            continue
-        assert isinstance(t, ShardedTensor), name
-        for shard in t.local_shards():
-            r0, c0 = shard.metadata.shard_offsets
-            rows, cols = shard.tensor.shape
-            with torch.no_grad():
-                shard.tensor.copy_(global_weights[name][r0 : r0 + rows, c0 : c0 + cols])
-
-
-def _table_wise_plan(ebc: Any, sharder: Any, world: int) -> Any:
-    """torchrec's reference plan of the two tables: t0 TABLE_WISE on rank 0, t1 on rank 1."""
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
-
-    return construct_module_sharding_plan(
-        ebc,
-        {"t0": table_wise(rank=0), "t1": table_wise(rank=1)},
-        sharder=sharder,
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-    )
-
-
-def _tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
-    """Row-wise plan of the EBC's tables; the tables in ``placements`` become tiered
-    (CUSTOMIZED_KERNEL, hash_roundrobin) with the given mode / load factor / seed."""
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingType
-
-    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
-
-    plan = construct_module_sharding_plan(
-        ebc,
-        {name: row_wise() for name in ebc.embedding_bags},
-        sharder=sharder,  # type: ignore[arg-type]
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-    )
-    shapes = {name: (rows, dim) for name, rows, dim, _ in TABLES}
-    for name, placement in placements.items():
-        rows, dim = shapes[name]
-        plan[name] = PlacementParameterSharding(
-            sharding_type=ShardingType.ROW_WISE.value,
-            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-            ranks=list(range(world)),
-            sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
-            dist_type="hash_roundrobin",
-            **placement,
-        )
-    return plan
+STEPS = 4
 
 
 def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) -> Dict[str, List[Any]]:
@@ -145,26 +51,26 @@ def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) ->
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     global_weights = {
-        f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES
+        f"embedding_bags.{n}.weight": make_ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES
     }
     device = torch.device("cpu")
     results: Dict[str, List[Any]] = {"tiered": [], "ref": [], "stats": [], "backend": []}
     for kind in ("tiered", "ref"):
-        ebc = _ebc(pooling)
+        ebc = make_ebc(pooling)
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         if kind == "tiered":
             sharder = TieredEmbeddingBagCollectionSharder(backend=backend)
-            plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3)})
+            plan = tiered_plan(ebc, sharder, world, {"t0": dict(mode="HYBRID", cache_load_factor=0.3, seed=3)})
         else:
             sharder = EmbeddingBagCollectionSharder()
-            plan = _table_wise_plan(ebc, sharder, world)
+            plan = table_wise_plan(ebc, sharder, world)
         model = DistributedModelParallel(
             ebc,
             plan=ShardingPlan({"": plan}),
             sharders=[sharder],  # type: ignore[list-item]
             device=device,
         )
-        _copy_state_dict(model.module.state_dict(), global_weights)
+        copy_global_weights(model.module.state_dict(), global_weights)
         if kind == "tiered":
             tiered = model.module.tiered_tables()
             assert set(tiered) == {"t0"}
@@ -176,7 +82,7 @@ def _body(rank: int, world: int, pooling: str, backend: Optional[str] = None) ->
             assert tiered["t0"].dist_type == "hash_roundrobin" and tiered["t0"].fast_rows == int(0.3 * 49)
             results["backend"].append(tiered["t0"].backend)
         for step in range(STEPS):
-            kjt, grad = _kjt(step, rank)
+            kjt, grad = kjt_and_grad(step, rank)
             out = model(kjt).values()
             results[kind].append(out.detach().numpy().copy())
             out.backward(grad)
@@ -222,10 +128,10 @@ def _fp_body(rank: int, world: int, backend: Optional[str]) -> Dict[str, List[An
     from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     prefix = "_embedding_bag_collection.embedding_bags."
-    global_weights = {f"{prefix}{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
+    global_weights = {f"{prefix}{n}.weight": make_ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
     results: Dict[str, List[Any]] = {}
     for kind in ("tiered", "ref"):
-        ebc = _ebc(is_weighted=True)
+        ebc = make_ebc(is_weighted=True)
         apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": LR})
         module = FeatureProcessedEmbeddingBagCollection(
             ebc, PositionWeightedModuleCollection(max_feature_lengths={f: 5 for f in FEATURES})
@@ -266,7 +172,7 @@ def _fp_body(rank: int, world: int, backend: Optional[str]) -> Dict[str, List[An
         model = DistributedModelParallel(
             module, plan=ShardingPlan({"": plan}), sharders=[sharder], device=torch.device("cpu")
         )
-        _copy_state_dict(
+        copy_global_weights(
             {k: v for k, v in model.module.state_dict().items() if "position_weight" not in k}, global_weights
         )
         if kind == "tiered":
@@ -277,7 +183,7 @@ def _fp_body(rank: int, world: int, backend: Optional[str]) -> Dict[str, List[An
         dense = torch.optim.SGD(positions, lr=0.5)
         results[kind] = []
         for step in range(STEPS):
-            kjt, grad = _kjt(step, rank)
+            kjt, grad = kjt_and_grad(step, rank)
             dense.zero_grad()
             out = model(kjt).values()
             results[kind].append(out.detach().numpy().copy())
@@ -313,9 +219,9 @@ def _init_body(rank: int, world: int, init: Optional[Sequence[float]]) -> Dict[s
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
-    ebc = _ebc(init=init)
+    ebc = make_ebc(init=init)
     sharder = TieredEmbeddingBagCollectionSharder()
-    plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.3, seed=3)})
+    plan = tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.3, seed=3)})
     model = DistributedModelParallel(
         ebc,
         plan=ShardingPlan({"": plan}),
@@ -415,22 +321,6 @@ def test_sharder_backend_is_validated() -> None:
         assert cls().sharded_module_type is cls(backend="fbgemm").sharded_module_type
 
 
-class _Model(torch.nn.Module):
-    """EBC + a linear head; returns (loss, output) as torchrec pipelines expect (output
-    = (loss, prediction): ``TrainPipelineSparseDist.progress`` returns the output only)."""
-
-    def __init__(self, ebc: torch.nn.Module) -> None:
-        super().__init__()
-        self.ebc = ebc
-        torch.manual_seed(1)
-        self.head = torch.nn.Linear(20, 1)
-
-    def forward(self, batch: Any) -> Any:
-        pred = self.head(self.ebc(batch.sparse_features).values()).squeeze(1)
-        loss = ((pred - batch.labels) ** 2).sum()
-        return loss, (loss.detach(), pred.detach())
-
-
 def _pipeline_body(rank: int, world: int) -> Dict[str, List[float]]:
     from torchrec.datasets.utils import Batch
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -442,15 +332,15 @@ def _pipeline_body(rank: int, world: int) -> Dict[str, List[float]]:
 
     batches = []
     for step in range(STEPS + 1):
-        kjt, _ = _kjt(step, rank)
+        kjt, _ = kjt_and_grad(step, rank)
         labels = torch.randn(B, generator=torch.Generator().manual_seed(7 * step + rank))
         batches.append(Batch(dense_features=torch.zeros(B, 1), sparse_features=kjt, labels=labels))
     out: Dict[str, List[float]] = {}
     for kind in ("plain", "pipelined"):
-        ebc = _ebc()
+        ebc = make_ebc()
         apply_optimizer_in_backward(torch.optim.Adam, ebc.parameters(), {"lr": LR})
         sharder = TieredEmbeddingBagCollectionSharder()
-        plan = _tiered_plan(
+        plan = tiered_plan(
             ebc,
             sharder,
             world,
@@ -460,14 +350,14 @@ def _pipeline_body(rank: int, world: int) -> Dict[str, List[float]]:
             },
         )
         model = DistributedModelParallel(
-            _Model(ebc),
+            EbcWithHead(ebc),
             plan=ShardingPlan({"ebc": plan}),
             sharders=[sharder],  # type: ignore[list-item]
             device=torch.device("cpu"),
         )
         tiered = model.module.ebc.tiered_tables()
         for name, *_ in TABLES:
-            tiered[name].load_global_weights(_ebc().embedding_bags[name].weight.detach())
+            tiered[name].load_global_weights(make_ebc().embedding_bags[name].weight.detach())
         dense = [p for n, p in model.named_parameters() if "head" in n]
         opt = torch.optim.SGD(dense, lr=0.01)
         losses: List[float] = []
@@ -512,10 +402,10 @@ def _state_dict_body(rank: int, world: int) -> Dict[str, Any]:
 
     def build(seed: int) -> Any:
         torch.manual_seed(seed)
-        ebc = _ebc()
+        ebc = make_ebc()
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         sharder = TieredEmbeddingBagCollectionSharder()
-        plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=5)})
+        plan = tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=5)})
         return DistributedModelParallel(
             ebc,
             plan=ShardingPlan({"": plan}),
@@ -528,12 +418,12 @@ def _state_dict_body(rank: int, world: int) -> Dict[str, Any]:
         {"embedding_bags.t0.weight": torch.randn(97, 8, generator=torch.Generator().manual_seed(9))}, strict=False
     )
     for step in range(3):  # moves rows through the cache and fills optimizer state
-        kjt, grad = _kjt(step, rank)
+        kjt, grad = kjt_and_grad(step, rank)
         trained(kjt).values().backward(grad)
     sd = trained.state_dict()
     keys = sorted(k for k in sd if ".tiered." in k)
     fresh = build(1)  # other init: equal outputs below can only come from the load
-    kjt, _ = _kjt(10, rank)
+    kjt, _ = kjt_and_grad(10, rank)
     before = fresh(kjt).values().detach().numpy().copy()
     fresh.load_state_dict(sd, strict=True)
     a = trained(kjt).values().detach().numpy().copy()
@@ -617,11 +507,11 @@ def _vbe_body(rank: int, world: int, case: str) -> Dict[str, Any]:
 
     tables, tiered_tables = VBE_CASES[case]
     features = [f for n, _, _, fs in TABLES if n in tables for f in fs]
-    global_weights = {n: _ebc().embedding_bags[n].weight.detach().clone() for n in tables}
+    global_weights = {n: make_ebc().embedding_bags[n].weight.detach().clone() for n in tables}
     kjt = _vbe_kjt(rank, features)
     out: Dict[str, Any] = {}
     for kind in ("tiered", "fused"):  # "fused": possible solution 2, no tiered placement
-        ebc = _ebc(tables=tables)
+        ebc = make_ebc(tables=tables)
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         sharder = TieredEmbeddingBagCollectionSharder()
         placements = {
@@ -630,11 +520,11 @@ def _vbe_body(rank: int, world: int, case: str) -> Dict[str, Any]:
         }
         model = DistributedModelParallel(
             ebc,
-            plan=ShardingPlan({"": _tiered_plan(ebc, sharder, world, placements)}),
+            plan=ShardingPlan({"": tiered_plan(ebc, sharder, world, placements)}),
             sharders=[sharder],
             device=torch.device("cpu"),
         )  # type: ignore[list-item]
-        _copy_state_dict(
+        copy_global_weights(
             {k: v for k, v in model.module.state_dict().items() if isinstance(v, ShardedTensor)},
             {f"embedding_bags.{n}.weight": w for n, w in global_weights.items()},
         )
@@ -704,25 +594,25 @@ def _lr_schedule_body(rank: int, world: int) -> Dict[str, Any]:
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
     global_weights = {
-        f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES
+        f"embedding_bags.{n}.weight": make_ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES
     }
     out: Dict[str, Any] = {"tiered": [], "ref": []}
     for kind in ("tiered", "ref"):
-        ebc = _ebc()
+        ebc = make_ebc()
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR_SCHEDULE[0]})
         if kind == "tiered":  # t0 tiered (CACHING), t1 recpipe ROW_WISE FUSED
             sharder: Any = TieredEmbeddingBagCollectionSharder()
-            plan = _tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)})
+            plan = tiered_plan(ebc, sharder, world, {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)})
         else:  # torchrec's own sharder, TABLE_WISE FUSED
             sharder = EmbeddingBagCollectionSharder()
-            plan = _table_wise_plan(ebc, sharder, world)
+            plan = table_wise_plan(ebc, sharder, world)
         model = DistributedModelParallel(
             ebc,
             plan=ShardingPlan({"": plan}),
             sharders=[sharder],  # type: ignore[list-item]
             device=torch.device("cpu"),
         )
-        _copy_state_dict(model.module.state_dict(), global_weights)
+        copy_global_weights(model.module.state_dict(), global_weights)
         if kind == "tiered":
             for name, shard in model.module.tiered_tables().items():
                 shard.load_global_weights(global_weights[f"embedding_bags.{name}.weight"])
@@ -732,7 +622,7 @@ def _lr_schedule_body(rank: int, world: int) -> Dict[str, Any]:
             for group in model.fused_optimizer.param_groups:  # type: ignore[union-attr]
                 group["lr"] = lr
             model.fused_optimizer.step()  # type: ignore[operator]
-            kjt, grad = _kjt(step, rank)
+            kjt, grad = kjt_and_grad(step, rank)
             result = model(kjt).values()
             out[kind].append(result.detach().numpy().copy())
             result.backward(grad)
@@ -757,64 +647,6 @@ def test_lr_schedule_on_fused_optimizer_reaches_tiered_tables() -> None:
 
 
 # --- learning rate set between a lookup and its backward ------------------------------------
-WARMUP_STEPS = 6
-
-
-def _warmup_batches(rank: int) -> List[Any]:
-    from torchrec.datasets.utils import Batch
-
-    batches = []
-    for step in range(WARMUP_STEPS):
-        kjt, _ = _kjt(step, rank)
-        labels = torch.randn(B, generator=torch.Generator().manual_seed(7 * step + rank))
-        batches.append(Batch(dense_features=torch.zeros(B, 1), sparse_features=kjt, labels=labels))
-    return batches
-
-
-def _warmup_model(
-    world: int, placements: Any, backend: Optional[str] = None, fused_params: Optional[Dict[str, Any]] = None
-) -> Any:
-    """``_Model`` over the EBC with row-wise Adagrad (lr 0.05): ``placements`` None is
-    torchrec's own TABLE_WISE FUSED sharding (the reference; t0 on rank 0, t1 on rank 1),
-    else recpipe's row-wise plan with those tables tiered (on ``backend``, with the tiered
-    sharder's ``fused_params``); both from the same initial tables."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
-
-    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-
-    weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
-    ebc = _ebc()
-    apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": 0.05})
-    if placements is None:
-        sharder: Any = EmbeddingBagCollectionSharder()
-        plan = _table_wise_plan(ebc, sharder, world)
-    else:
-        sharder = TieredEmbeddingBagCollectionSharder(backend=backend, fused_params=fused_params)
-        plan = _tiered_plan(ebc, sharder, world, placements)
-    model = DistributedModelParallel(
-        _Model(ebc),
-        plan=ShardingPlan({"ebc": plan}),
-        sharders=[sharder],  # type: ignore[list-item]
-        device=torch.device("cpu"),
-    )
-    _copy_state_dict(
-        {
-            k[len("ebc.") :]: v
-            for k, v in model.module.state_dict().items()
-            if k.startswith("ebc.") and isinstance(v, ShardedTensor)
-        },
-        weights,
-    )
-    for name, shard in getattr(model.module.ebc, "tiered_tables", dict)().items():
-        shard.load_global_weights(weights[f"embedding_bags.{name}.weight"])
-    return model
-
-
 def _warmup_optimizer(model: Any) -> Any:
     """torchrec's WarmupOptimizer (linear warm-up over 4 steps) over the fused optimizer
     and an SGD of the dense head, as torchrec's examples combine them."""
@@ -859,7 +691,7 @@ def _runs_against_torchrec(
     loop_step: Callable[[int, Any, Any, Any], Any],
     before_progress: Callable[[int, Any], None] = lambda done, model: None,
 ) -> Dict[str, Any]:
-    """Trains ``_warmup_model`` on ``_warmup_batches`` four ways and returns each run's
+    """Trains ``warmup_model`` on ``warmup_batches`` four ways and returns each run's
     (losses, full tables), keyed ``ref_loop`` / ``tiered_loop`` (a plain loop of
     ``loop_step(step, model, optimizer, batch) -> loss``; t0 CACHING) and ``ref_pipeline``
     / ``tiered_pipeline`` (torchrec's TrainPipelineSparseDist on the reference,
@@ -874,20 +706,20 @@ def _runs_against_torchrec(
     cached = {"t0": dict(mode="CACHING", cache_load_factor=0.2, seed=3)}
     hybrid = {"t1": dict(mode="HYBRID", cache_load_factor=0.5, seed=3)}
     for kind, placements in (("ref_loop", None), ("tiered_loop", cached)):
-        model = _warmup_model(world, placements)
+        model = warmup_model(world, placements)
         opt = make_optimizer(model)
-        batches = _warmup_batches(rank)
+        batches = warmup_batches(rank)
         losses = [float(loop_step(step, model, opt, batch).detach()) for step, batch in enumerate(batches)]
         out[kind] = (losses, _full_tables(model))
     for kind, placements in (("ref_pipeline", None), ("tiered_pipeline", {**cached, **hybrid})):
-        model = _warmup_model(world, placements)
+        model = warmup_model(world, placements)
         opt = make_optimizer(model)
         if placements is None:
             pipeline: Any = TrainPipelineSparseDist(model, opt, torch.device("cpu"))
         else:
             pipeline = TrainPipelineFusedSparseDist(model, opt, torch.device("cpu"), embedding_lookup_after_opt=False)
         losses = []
-        it = iter(_warmup_batches(rank))
+        it = iter(warmup_batches(rank))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # repeated relookups (counted, asserted by the tests)
             while True:
@@ -963,18 +795,18 @@ def _clipping_body(rank: int, world: int) -> Dict[str, Any]:
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
 
-    weights = {f"embedding_bags.{n}.weight": _ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
+    weights = {f"embedding_bags.{n}.weight": make_ebc().embedding_bags[n].weight.detach().clone() for n, *_ in TABLES}
     out: Dict[str, Any] = {}
     # "tiered": t0 tiered (refused); "fused": solution 2, t0 and t1 recpipe ROW_WISE FUSED
     for kind in ("tiered", "fused", "ref"):
-        ebc = _ebc()
+        ebc = make_ebc()
         apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
         if kind == "ref":
             sharder: Any = EmbeddingBagCollectionSharder(fused_params=dict(CLIPPING))
-            plan = _table_wise_plan(ebc, sharder, world)
+            plan = table_wise_plan(ebc, sharder, world)
         else:
             sharder = TieredEmbeddingBagCollectionSharder(fused_params=dict(CLIPPING))
-            plan = _tiered_plan(
+            plan = tiered_plan(
                 ebc,
                 sharder,
                 world,
@@ -990,10 +822,12 @@ def _clipping_body(rank: int, world: int) -> Dict[str, Any]:
         except ValueError as e:
             out[kind] = str(e)
             continue
-        _copy_state_dict({k: v for k, v in model.module.state_dict().items() if isinstance(v, ShardedTensor)}, weights)
+        copy_global_weights(
+            {k: v for k, v in model.module.state_dict().items() if isinstance(v, ShardedTensor)}, weights
+        )
         outputs = []
         for step in range(STEPS):
-            kjt, grad = _kjt(step, rank)
+            kjt, grad = kjt_and_grad(step, rank)
             result = model(kjt).values()
             outputs.append(result.detach().numpy().copy())
             result.backward(grad)
