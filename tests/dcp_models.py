@@ -81,39 +81,19 @@ def _targets(step: int, ranks: List[int]) -> torch.Tensor:
 def tiered_model(
     world: int, placements: Dict[str, Dict[str, Any]], tables: Optional[List[Tuple[str, int, int, List[str]]]] = None
 ) -> Any:
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from tiered_ebc_models import tiered_plan
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan, ShardingType
+    from torchrec.distributed.types import ShardingPlan
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     tables = TABLES if tables is None else tables
     ebc = make_ebc(tables)
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": LR})
     sharder = TieredEmbeddingBagCollectionSharder()
-    plan = construct_module_sharding_plan(
-        ebc,
-        {n: row_wise() for n, *_ in tables},
-        sharder=sharder,  # type: ignore[arg-type]
-        local_size=world,
-        world_size=world,
-        device_type="cpu",
-    )
-    shapes = {name: (rows, dim) for name, rows, dim, _ in tables}
-    for name, placement in placements.items():
-        rows, dim = shapes[name]
-        plan[name] = PlacementParameterSharding(
-            sharding_type=ShardingType.ROW_WISE.value,
-            compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-            ranks=list(range(world)),
-            sharding_spec=row_wise_sharding_spec(rows, dim, world, world, "cpu"),
-            dist_type="hash_roundrobin",
-            **placement,
-        )
+    plan = tiered_plan(ebc, sharder, world, placements, tables)
     model = DistributedModelParallel(
         Model(ebc, sum(d * len(f) for _, _, d, f in tables)),
         plan=ShardingPlan({"ebc": plan}),

@@ -102,9 +102,12 @@ def table_wise_plan(ebc: Any, sharder: Any, world: int) -> Any:
     )
 
 
-def tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[str, Any]]) -> Any:
-    """Row-wise plan of the EBC's tables; the tables in ``placements`` become tiered
-    (CUSTOMIZED_KERNEL, hash_roundrobin) with the given mode / load factor / seed."""
+def tiered_plan(
+    ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[str, Any]], tables: Optional[Sequence[Any]] = None
+) -> Any:
+    """Row-wise plan of the EBC's tables (``tables``, default :data:`TABLES`); the tables in
+    ``placements`` become tiered (CUSTOMIZED_KERNEL, hash_roundrobin) with the given mode /
+    load factor / seed."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingType
@@ -119,7 +122,7 @@ def tiered_plan(ebc: Any, sharder: Any, world: int, placements: Dict[str, Dict[s
         world_size=world,
         device_type="cpu",
     )
-    shapes = {name: (rows, dim) for name, rows, dim, _ in TABLES}
+    shapes = {name: (rows, dim) for name, rows, dim, _ in (TABLES if tables is None else tables)}
     for name, placement in placements.items():
         rows, dim = shapes[name]
         plan[name] = PlacementParameterSharding(
