@@ -18,8 +18,14 @@ from typing import Callable, Dict, List, Optional, Sequence
 import yaml
 
 from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizer, check_load_factors
+from recpipe.planner.communication import PLANNED_SHARDING_TYPES
 from recpipe.planner.errors import PlannerError
-from recpipe.planner.planners import DEFAULT_DDR_RESERVATION, DEFAULT_HBM_RESERVATION, PlacementPlanner
+from recpipe.planner.planners import (
+    COMMUNICATION_CONSTANTS,
+    DEFAULT_DDR_RESERVATION,
+    DEFAULT_HBM_RESERVATION,
+    PlacementPlanner,
+)
 from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
     DEFAULT_ZIPF_ALPHA,
@@ -223,6 +229,21 @@ def build_parser() -> argparse.ArgumentParser:
         metavar=("HBM", "DDR"),
         help="DP grid: HBM and DDR bins, each >= 1 (default: sized by the planner)",
     )
+    ap.add_argument(
+        "--sharding-types",
+        nargs="+",
+        choices=PLANNED_SHARDING_TYPES,
+        default=list(PLANNED_SHARDING_TYPES),
+        help="sharding types to choose from per table: table_wise (whole on one rank, torchrec FUSED) and "
+        "row_wise (recpipe tiered); default both",
+    )
+    ap.add_argument(
+        "--communication",
+        choices=("topology", *COMMUNICATION_CONSTANTS),
+        default="topology",
+        help="constants of the communication cost: topology (torchrec's CUDA bandwidths, default) or gloo_cpu "
+        "(measured for gloo on CPU by scripts/calibrate_comm.py)",
+    )
     ap.add_argument("--json", type=Path, default=None, help="also write the plan as JSON here")
     return ap
 
@@ -266,6 +287,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ddr_reservation=args.ddr_reservation,
         optimizer=args.optimizer,
         backend=args.backend,
+        sharding_types=tuple(args.sharding_types),
+        communication=args.communication,
     )
     try:
         plan = planner.plan(load_tables(args.tables, args.optimizer))

@@ -33,6 +33,7 @@ from recpipe.pipeline.placement import (
     row_bytes,
     tier_split,
 )
+from recpipe.planner.communication import PLANNED_SHARDING_TYPES, CommCostModel
 from recpipe.planner.errors import PlannerError, PlannerErrorType, solutions
 from recpipe.planner.specs import (
     BACKEND_SHARD_STORAGE,
@@ -52,11 +53,16 @@ def _constraint_for(
 
 
 class GridPlacementEnumerator:
-    """Enumerates ``{HYBRID, CACHING} x load_factors`` per table (``x = 1`` once).
+    """Enumerates per table ``ROW_WISE x {HYBRID, CACHING} x load_factors`` (``x = 1`` once) and, when
+    ``sharding_types`` holds it, one ``TABLE_WISE`` option: the whole table on one rank, all in the fast
+    tier, in torchrec's FUSED kernel.
 
-    Bytes are those ``backend``'s tiered tables allocate under row-wise sharding over all ``world_size``
-    ranks (``BACKEND_SHARD_STORAGE``); costs come from the cost model; ``constraints`` (keyed by table name
-    or FQN) narrow a table's options; ``cache_policy`` sets fbgemm's cache metadata bytes.
+    Row-wise bytes are those ``backend``'s tiered tables allocate over all ``world_size`` ranks
+    (``BACKEND_SHARD_STORAGE``); a table-wise option holds ``rows x row_bytes`` on its owner, and offers the
+    knapsack its share ``ceil(bytes / world_size)`` per rank (a partitioner then picks the owner and checks
+    the rank's budget). Costs are the cost model's lookup cost plus ``comm_model``'s cost of the sharding
+    type; ``constraints`` (keyed by table name or FQN) narrow a table's options; ``cache_policy`` sets
+    fbgemm's cache metadata bytes.
     """
 
     def __init__(
@@ -68,6 +74,8 @@ class GridPlacementEnumerator:
         constraints: Optional[Mapping[str, PlacementConstraints]] = None,
         backend: str = "native",
         cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
+        sharding_types: Sequence[str] = PLANNED_SHARDING_TYPES,
+        comm_model: Optional[CommCostModel] = None,
     ) -> None:
         load_factors = check_load_factors(load_factors)
         world_size = check_int(world_size, "world_size", 1)
@@ -103,6 +111,10 @@ class GridPlacementEnumerator:
         self.constraints: Mapping[str, PlacementConstraints] = constraints or {}
         self.backend: str = backend
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy, "cache_policy")
+        self.sharding_types: Tuple[str, ...] = check_sharding_types(sharding_types)
+        if comm_model is not None and not isinstance(comm_model, CommCostModel):
+            raise ValueError(f"comm_model must be a CommCostModel or None, got {type(comm_model).__name__}.")
+        self.comm_model: Optional[CommCostModel] = comm_model
 
     def shard_bytes(self, table: TableSpec, rows: int, mode: Mode, x: float) -> ShardStorage:
         """Bytes of one shard of ``table`` with ``rows`` local rows, in this backend's layout."""
@@ -128,6 +140,24 @@ class GridPlacementEnumerator:
             else:
                 out.extend((m, x) for m in modes)
         return out
+
+    def table_wise_allowed(self, table: TableSpec) -> bool:
+        """Whether ``table`` gets the TABLE_WISE option: allowed by ``sharding_types`` and its pins (a pinned
+        sharding type, or a pinned mode / load factor that is not all-fast, rules it out)."""
+        pin = _constraint_for(table, self.constraints) or PlacementConstraints()
+        if pin.sharding_type is not None:
+            return pin.sharding_type == TABLE_WISE
+        if TABLE_WISE not in self.sharding_types:
+            return False
+        xs = pin.load_factors if pin.cache_load_factor is None else (pin.cache_load_factor,)
+        return pin.mode is None and (xs is None or 1.0 in [float(x) for x in xs])
+
+    def row_wise_allowed(self, table: TableSpec) -> bool:
+        """Whether ``table`` gets the ROW_WISE options."""
+        pin = _constraint_for(table, self.constraints) or PlacementConstraints()
+        if pin.sharding_type is not None:
+            return pin.sharding_type == ROW_WISE
+        return ROW_WISE in self.sharding_types
 
     def _check_constraints(self, tables: Sequence[TableSpec]) -> None:
         unknown = set(self.constraints) - {t.name for t in tables} - {t.fqn for t in tables}
@@ -171,17 +201,22 @@ class GridPlacementEnumerator:
         self._check_constraints(tables)
         _check_tiered_tables(tables, self.backend)
         W, L = self.world_size, self.local_world_size
-        cands = [self.candidates(t) for t in tables]
-        out = OptionArrays.empty(len(tables), max((len(c) for c in cands), default=0))
+        cands = [self.candidates(t) if self.row_wise_allowed(t) else [] for t in tables]
+        table_wise = np.array([self.table_wise_allowed(t) for t in tables], dtype=bool)
+        width = max((len(c) + int(tw) for c, tw in zip(cands, table_wise)), default=0)
+        out = OptionArrays.empty(len(tables), width)
+        comm = self._comm_costs(tables)
         dsts = out.byte_arrays
         groups: Dict[Tuple[Tuple[Mode, float], ...], List[int]] = {}
         for i, c in enumerate(cands):
-            groups.setdefault(tuple(c), []).append(i)
+            if c:
+                groups.setdefault(tuple(c), []).append(i)
         for cand, idx in groups.items():
             k = len(cand)
             ii = np.asarray(idx, dtype=np.int64)
             out.modes[ii, :k] = [_MODE_CODE[m] for m, _ in cand]
             out.load_factors[ii, :k] = [x for _, x in cand]
+            out.sharding[ii, :k] = _SHARDING_CODE[ROW_WISE]
             bytes_ = self._bulk_storage([tables[i] for i in idx], cand)
             if bytes_ is None:  # exact products would overflow int64: scalar formulas
                 for i in idx:
@@ -195,9 +230,33 @@ class GridPlacementEnumerator:
             else:
                 for dst, src in zip(dsts, bytes_):
                     dst[ii, :k] = src
+            out.owner_bytes[ii, :k] = out.hbm_bytes_per_rank[ii, :k]
             for i in idx:
-                out.cost[i, :k] = self._checked_costs(tables[i], cand)
+                out.lookup_cost[i, :k] = self._checked_costs(tables[i], cand)
+                out.comm_cost[i, :k] = comm[_SHARDING_CODE[ROW_WISE], i]
+        for i in np.flatnonzero(table_wise):
+            t, j = tables[i], len(cands[i])
+            whole = t.rows * row_bytes(t.dim, t.dtype, t.optimizer)
+            out.modes[i, j], out.load_factors[i, j], out.sharding[i, j] = _MODE_CODE[Mode.HYBRID], 1.0, 1
+            out.hbm_bytes_per_rank[i, j] = -(-whole // W)  # the knapsack's share; the owner holds all of it
+            out.owner_bytes[i, j] = out.hbm_bytes_per_machine[i, j] = whole
+            all_fast = np.flatnonzero((out.load_factors[i, :j] >= 1.0) & (out.modes[i, :j] >= 0))
+            # all in the fast tier reads the same bytes whichever sharding holds it: priced once
+            if all_fast.size:
+                out.lookup_cost[i, j] = out.lookup_cost[i, all_fast[0]]
+            else:
+                out.lookup_cost[i, j] = self._checked_costs(t, [(Mode.HYBRID, 1.0)])[0]
+            out.comm_cost[i, j] = comm[_SHARDING_CODE[TABLE_WISE], i]
+        valid = out.modes >= 0
+        out.cost[valid] = out.lookup_cost[valid] + out.comm_cost[valid]
         return out
+
+    def _comm_costs(self, tables: Sequence[TableSpec]) -> np.ndarray:
+        """``(2, tables)`` modelled communication ms per step: row 0 ROW_WISE, row 1 TABLE_WISE (0 without a
+        ``comm_model``)."""
+        if self.comm_model is None:
+            return np.zeros((2, len(tables)))
+        return np.stack([self.comm_model.cost_array(tables, s) for s in (ROW_WISE, TABLE_WISE)])
 
     def _checked_costs(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
         """``cost_model.costs(table, options)``, refused unless one finite number >= 0 per option."""
@@ -270,6 +329,29 @@ class GridPlacementEnumerator:
         return self.enumerate_arrays(tables).to_options()
 
 
+ROW_WISE, TABLE_WISE = PLANNED_SHARDING_TYPES[1], PLANNED_SHARDING_TYPES[0]
+# Sharding type <-> int8 code in ``OptionArrays.sharding``.
+_SHARDING_CODE: Dict[str, int] = {ROW_WISE: 0, TABLE_WISE: 1}
+SHARDING_OF_CODE: Tuple[str, str] = (ROW_WISE, TABLE_WISE)
+
+
+def check_sharding_types(sharding_types: Sequence[str]) -> Tuple[str, ...]:
+    """``sharding_types`` as a tuple of planned sharding types (torchrec spelling), refused if empty or unknown."""
+    if isinstance(sharding_types, (str, bytes)) or not isinstance(sharding_types, Sequence) or not sharding_types:
+        raise ValueError(
+            f"sharding_types must be a non-empty list of {list(PLANNED_SHARDING_TYPES)}, got {sharding_types!r}; "
+            "e.g. ('table_wise', 'row_wise'), or ('row_wise',) for tiered row-wise tables only."
+        )
+    out = tuple(getattr(s, "value", s) for s in sharding_types)
+    unknown = [s for s in out if s not in PLANNED_SHARDING_TYPES]
+    if unknown:
+        raise ValueError(
+            f"sharding_types holds {unknown}: the planner plans {list(PLANNED_SHARDING_TYPES)} (torchrec "
+            "ShardingType values); drop the others."
+        )
+    return out
+
+
 # Mode <-> int8 code in ``OptionArrays.modes`` (-1 = no option).
 _MODE_CODE: Dict[Mode, int] = {Mode.HYBRID: 0, Mode.CACHING: 1}
 _CODE_MODE: Tuple[Mode, Mode] = (Mode.HYBRID, Mode.CACHING)
@@ -314,8 +396,10 @@ def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:
 class OptionArrays:
     """Every table's options packed as ``(tables, options)`` arrays.
 
-    ``modes`` are int8 codes (0 HYBRID, 1 CACHING, -1 no option); bytes are int64 of the most loaded rank /
-    machine; ``cost`` is float64 modelled ms, ``inf`` where a table has fewer options.
+    ``modes`` are int8 codes (0 HYBRID, 1 CACHING, -1 no option), ``sharding`` int8 codes (0 ROW_WISE,
+    1 TABLE_WISE); bytes are int64 of the most loaded rank / machine (a table-wise option's HBM per rank is
+    its share ``ceil(bytes / W)``, ``owner_bytes`` what its owner holds); ``cost`` is float64 modelled ms
+    (``lookup_cost + comm_cost``), ``inf`` where a table has fewer options.
     """
 
     modes: np.ndarray
@@ -325,13 +409,29 @@ class OptionArrays:
     hbm_bytes_per_machine: np.ndarray
     ddr_bytes_per_machine: np.ndarray
     cost: np.ndarray
+    sharding: np.ndarray
+    owner_bytes: np.ndarray
+    lookup_cost: np.ndarray
+    comm_cost: np.ndarray
 
     @classmethod
     def empty(cls, num_tables: int, num_options: int) -> "OptionArrays":
         """All-padding arrays of shape ``(num_tables, num_options)``: modes -1, bytes 0, cost inf."""
         shape = (num_tables, num_options)
         z = lambda: np.zeros(shape, dtype=np.int64)  # noqa: E731
-        return cls(np.full(shape, -1, dtype=np.int8), np.zeros(shape), z(), z(), z(), z(), np.full(shape, np.inf))
+        return cls(
+            np.full(shape, -1, dtype=np.int8),
+            np.zeros(shape),
+            z(),
+            z(),
+            z(),
+            z(),
+            np.full(shape, np.inf),
+            np.zeros(shape, dtype=np.int8),
+            z(),
+            np.zeros(shape),
+            np.zeros(shape),
+        )
 
     @property
     def byte_arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -348,6 +448,10 @@ class OptionArrays:
             float(self.load_factors[table, index]),
             *(int(a[table, index]) for a in self.byte_arrays),
             cost=float(self.cost[table, index]),
+            sharding_type=SHARDING_OF_CODE[int(self.sharding[table, index])],
+            owner_bytes=int(self.owner_bytes[table, index]),
+            lookup_cost=float(self.lookup_cost[table, index]),
+            comm_cost=float(self.comm_cost[table, index]),
         )
 
     def to_options(self) -> List[List[PlacementOption]]:
@@ -366,4 +470,12 @@ def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.
     return hbm, ddr, cost
 
 
-__all__ = ["GridPlacementEnumerator", "OptionArrays", "options_to_arrays"]
+__all__ = [
+    "ROW_WISE",
+    "SHARDING_OF_CODE",
+    "TABLE_WISE",
+    "GridPlacementEnumerator",
+    "OptionArrays",
+    "check_sharding_types",
+    "options_to_arrays",
+]

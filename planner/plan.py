@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ShardingPlan, ShardingType
+from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan, ShardingType
 
 from recpipe.pipeline.placement import (
     CachePolicy,
@@ -31,8 +31,16 @@ from recpipe.pipeline.placement import (
     resolve_dtype,
 )
 from recpipe.planner.errors import format_bytes, solutions
-from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
+from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec, table_wise_sharding_spec
 from recpipe.planner.specs import BACKEND_SHARD_STORAGE, STORAGE_BACKENDS
+
+
+def option_text(o: Any) -> str:
+    """A placement option in words: ``table_wise FUSED`` or ``row_wise CACHING x=0.20``."""
+    if o.sharding_type == ShardingType.TABLE_WISE.value:
+        return "table_wise FUSED"
+    storage = o.mode.name if o.cache_load_factor < 1.0 else "HBM"
+    return f"row_wise {storage} x={_load_factor_text(o.cache_load_factor)}"
 
 
 def _load_factor_text(x: float) -> str:
@@ -45,8 +53,10 @@ def _load_factor_text(x: float) -> str:
 class TablePlacement:
     """The chosen placement of one table.
 
-    ``*_per_rank`` / ``*_per_machine`` bytes are those of the most loaded rank / machine; ``cost`` is the
-    modelled step cost in ms; ``optimizer`` and ``dtype`` are what the bytes were sized for.
+    ``*_per_rank`` / ``*_per_machine`` bytes are those of the most loaded rank / machine (a table-wise
+    table's: its owner ``rank``'s); ``cost`` is the modelled step cost in ms, ``lookup_cost`` plus
+    ``comm_cost``; ``optimizer`` and ``dtype`` are what the bytes were sized for; ``reason`` says why the
+    option won. A TABLE_WISE table is all in the fast tier (mode HYBRID, x = 1) in torchrec's FUSED kernel.
     """
 
     table: str
@@ -62,6 +72,23 @@ class TablePlacement:
     cost: float
     optimizer: FusedOptimizer
     dtype: torch.dtype
+    sharding_type: str = ShardingType.ROW_WISE.value
+    rank: Optional[int] = None
+    lookup_cost: float = 0.0
+    comm_cost: float = 0.0
+    reason: str = ""
+
+    @property
+    def table_wise(self) -> bool:
+        """Whether the whole table lives on ``rank`` (torchrec's FUSED kernel)."""
+        return self.sharding_type == ShardingType.TABLE_WISE.value
+
+    @property
+    def storage(self) -> str:
+        """``FUSED`` (table-wise), ``HBM`` (row-wise, all in the fast tier), ``HYBRID`` or ``CACHING``."""
+        if self.table_wise:
+            return "FUSED"
+        return self.mode.name if self.cache_load_factor < 1.0 else "HBM"
 
     @property
     def fqn(self) -> str:
@@ -95,10 +122,19 @@ class PlacementPlan:
         if self.backend not in STORAGE_BACKENDS:
             raise ValueError(f"PlacementPlan.backend must be one of {list(STORAGE_BACKENDS)}, got {self.backend!r}.")
 
+    def rank_hbm_bytes(self) -> List[int]:
+        """Fast-tier bytes of every rank: each row-wise table's largest shard plus the table-wise tables it owns."""
+        row_wise = sum(p.hbm_bytes_per_rank for p in self.placements if not p.table_wise)
+        out = [row_wise] * self.world_size
+        for p in self.placements:
+            if p.table_wise and p.rank is not None:
+                out[p.rank] += p.hbm_bytes_per_rank
+        return out
+
     @property
     def hbm_bytes_per_rank(self) -> int:
         """Total fast-tier bytes on the most loaded rank."""
-        return sum(p.hbm_bytes_per_rank for p in self.placements)
+        return max(self.rank_hbm_bytes(), default=0)
 
     @property
     def ddr_bytes_per_machine(self) -> int:
@@ -144,17 +180,36 @@ class PlacementPlan:
 
     def report(self) -> str:
         """The plan as text: one row per table, then totals against the budgets."""
-        head = ("table", "mode", "x", "optimizer", "HBM/rank", "DDR/rank", "DDR/machine", "cost ms")
+        head = (
+            "table",
+            "sharding",
+            "rank",
+            "mode",
+            "x",
+            "optimizer",
+            "HBM/rank",
+            "DDR/rank",
+            "DDR/machine",
+            "lookup ms",
+            "comm ms",
+            "cost ms",
+            "why",
+        )
         rows = [
             (
                 p.fqn,
-                p.mode.name if p.cache_load_factor < 1.0 else "HBM",
+                p.sharding_type,
+                str(p.rank) if p.rank is not None else "all",
+                p.storage,
                 _load_factor_text(p.cache_load_factor),
                 p.optimizer.value,
                 format_bytes(p.hbm_bytes_per_rank),
                 format_bytes(p.ddr_bytes_per_rank),
                 format_bytes(p.ddr_bytes_per_machine),
+                f"{p.lookup_cost:.4f}",
+                f"{p.comm_cost:.4f}",
                 f"{p.cost:.4f}",
+                p.reason,
             )
             for p in self.placements
         ]
@@ -177,9 +232,10 @@ class PlacementPlan:
             f"DDR per machine: {format_bytes(self.ddr_bytes_per_machine)} ({self.ddr_bytes_per_machine} B)"
             f" of {format_bytes(self.ddr_budget_per_machine)} ({ddr_pct:.1f}%)",
             f"modelled cost:   {self.total_cost:.4f} ms/step; "
-            f"modes: {sum(p.mode is Mode.HYBRID and p.cache_load_factor < 1 for p in self.placements)} HYBRID, "
-            f"{sum(p.mode is Mode.CACHING and p.cache_load_factor < 1 for p in self.placements)} CACHING, "
-            f"{sum(p.cache_load_factor >= 1 for p in self.placements)} all-HBM",
+            f"modes: {sum(p.storage == 'HYBRID' for p in self.placements)} HYBRID, "
+            f"{sum(p.storage == 'CACHING' for p in self.placements)} CACHING, "
+            f"{sum(p.storage == 'HBM' for p in self.placements)} all-HBM, "
+            f"{sum(p.table_wise for p in self.placements)} table-wise FUSED",
         ]
         return "\n".join(lines)
 
@@ -294,7 +350,8 @@ class PlacementPlan:
 #: Keys of a plan dict (``PlacementPlan.to_dict``): always written / optional on reading.
 _PLAN_REQUIRED_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(PlacementPlan) if f.default is MISSING)
 _PLAN_OPTIONAL_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(PlacementPlan) if f.default is not MISSING)
-_PLACEMENT_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(TablePlacement))
+_PLACEMENT_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(TablePlacement) if f.default is MISSING)
+_PLACEMENT_OPTIONAL_KEYS: Tuple[str, ...] = tuple(f.name for f in fields(TablePlacement) if f.default is not MISSING)
 
 
 def _check_path(path: Any, caller: str) -> None:
@@ -331,7 +388,7 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
                 "recorded the optimizer and dtype each table is sized for. Re-plan the model with "
                 "PlacementPlanner(topology).plan(model) and save it again."
             )
-    _check_keys(p, where, _PLACEMENT_KEYS, (), fix)
+    _check_keys(p, where, _PLACEMENT_KEYS, _PLACEMENT_OPTIONAL_KEYS, fix)
     for key in ("table", "module_path"):
         if not isinstance(p[key], str) or (key == "table" and not p[key]):
             raise ValueError(
@@ -344,27 +401,47 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
         if key in ("rows", "dim") or key.endswith(("_per_rank", "_per_machine"))
     }
     check_load_factor(p["cache_load_factor"], f"{where}['cache_load_factor']")
-    cost = p["cost"]
-    if isinstance(cost, bool) or not isinstance(cost, numbers.Real) or not 0 <= cost < math.inf:
-        raise ValueError(
-            f"{where}['cost'] must be a finite number >= 0 (modelled ms), got {type(cost).__name__} {cost!r}; {fix}."
-        )
+    for key in ("cost", "lookup_cost", "comm_cost"):
+        cost = p.get(key, 0.0)
+        if isinstance(cost, bool) or not isinstance(cost, numbers.Real) or not 0 <= cost < math.inf:
+            raise ValueError(
+                f"{where}[{key!r}] must be a finite number >= 0 (modelled ms), got {type(cost).__name__} {cost!r}; "
+                f"{fix}."
+            )
+    sharding_type = p.get("sharding_type", ShardingType.ROW_WISE.value)
+    if sharding_type not in (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value):
+        raise ValueError(f"{where}['sharding_type'] must be 'row_wise' or 'table_wise', got {sharding_type!r}; {fix}.")
+    rank = p.get("rank")
+    if sharding_type == ShardingType.TABLE_WISE.value:
+        rank = check_int(rank, f"{where}['rank'] (the owner of a table-wise table)", 0)
+    elif rank is not None:
+        raise ValueError(f"{where}['rank'] must be null for a row-wise table (all ranks hold it), got {rank!r}; {fix}.")
+    reason = p.get("reason", "")
+    if not isinstance(reason, str):
+        raise ValueError(f"{where}['reason'] must be a string, got {type(reason).__name__}; {fix}.")
     return TablePlacement(
         table=p["table"],
         module_path=p["module_path"],
         mode=Mode.parse(p["mode"], f"{where}['mode']"),
         cache_load_factor=float(p["cache_load_factor"]),
-        cost=float(cost),
+        cost=float(p["cost"]),
         optimizer=FusedOptimizer.parse(p["optimizer"], f"{where}['optimizer']"),
         dtype=resolve_dtype(p["dtype"], f"{where}['dtype']"),
+        sharding_type=sharding_type,
+        rank=rank,
+        lookup_cost=float(p.get("lookup_cost", 0.0)),
+        comm_cost=float(p.get("comm_cost", 0.0)),
+        reason=reason,
         **ints,
     )
 
 
 def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:
-    """torchrec ``ShardingPlan`` for a placement plan (ROW_WISE, CUSTOMIZED_KERNEL).
+    """torchrec ``ShardingPlan`` for a placement plan.
 
-    Each table gets a ``PlacementParameterSharding`` carrying ``plan.placement_params(...)``. Warns when
+    A row-wise table gets a ``PlacementParameterSharding`` (ROW_WISE, CUSTOMIZED_KERNEL) carrying
+    ``plan.placement_params(...)``; a table-wise one torchrec's own TABLE_WISE FUSED ``ParameterSharding``
+    on its rank. Warns when
     ``compute_device`` is given and the tiered sharders' default backend there runs another layout than
     ``plan.backend``, with the bytes of both.
     """
@@ -379,6 +456,20 @@ def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> Sha
     modules: Dict[str, EmbeddingModuleShardingPlan] = {}
     for p in plan.placements:
         module_plan = modules.setdefault(p.module_path, EmbeddingModuleShardingPlan())
+        if p.table_wise:
+            module_plan[p.table] = ParameterSharding(
+                sharding_type=ShardingType.TABLE_WISE.value,
+                compute_kernel=EmbeddingComputeKernel.FUSED.value,
+                ranks=[int(p.rank)],  # type: ignore[arg-type]  # a table-wise placement has its owner
+                sharding_spec=table_wise_sharding_spec(
+                    p.rows,
+                    p.dim,
+                    int(p.rank),
+                    plan.local_world_size,
+                    device,  # type: ignore[arg-type]
+                ),
+            )
+            continue
         module_plan[p.table] = PlacementParameterSharding.from_params(
             plan.placement_params(p),
             sharding_type=ShardingType.ROW_WISE.value,
@@ -406,6 +497,9 @@ def _layout_bytes(plan: PlacementPlan, layout: str) -> List[Optional[Tuple[int, 
     W, L = plan.world_size, plan.local_world_size
     out: List[Optional[Tuple[int, int]]] = []
     for p in plan.placements:
+        if p.table_wise:  # torchrec's FUSED table: the same bytes whichever tiered layout runs
+            out.append((p.hbm_bytes_per_rank, p.ddr_bytes_per_machine))
+            continue
 
         def shard(rows: int, p: TablePlacement = p) -> ShardStorage:
             return BACKEND_SHARD_STORAGE[layout](
@@ -466,4 +560,4 @@ def _warn_layout_mismatch(plan: PlacementPlan, compute_device: str) -> None:
     warnings.warn(text + ".\n" + solutions(fixes), UserWarning, stacklevel=4)
 
 
-__all__ = ["PlacementPlan", "TablePlacement", "to_sharding_plan"]
+__all__ = ["PlacementPlan", "TablePlacement", "option_text", "to_sharding_plan"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 from torch import nn
 from torchrec.distributed.planner.constants import BATCH_SIZE
 from torchrec.distributed.planner.types import Topology
@@ -17,11 +18,19 @@ from recpipe.pipeline.placement import (
     check_int,
     check_load_factors,
 )
+from recpipe.planner.communication import (
+    GLOO_CPU,
+    PLANNED_SHARDING_TYPES,
+    CommConstants,
+    CommCostModel,
+    topology_constants,
+)
 from recpipe.planner.cost_models import make_cost_model
 from recpipe.planner.diagnosis import InfeasibilityDiagnosis
-from recpipe.planner.enumerators import GridPlacementEnumerator
-from recpipe.planner.errors import PlannerError, PlannerErrorType, sized
-from recpipe.planner.plan import PlacementPlan, TablePlacement
+from recpipe.planner.enumerators import TABLE_WISE, GridPlacementEnumerator, OptionArrays
+from recpipe.planner.errors import PlannerError, PlannerErrorType, sized, solutions
+from recpipe.planner.partitioners import GreedyTableWisePartitioner
+from recpipe.planner.plan import PlacementPlan, TablePlacement, option_text
 from recpipe.planner.proposers import DynamicProgrammingProposer
 from recpipe.planner.specs import DEFAULT_LOAD_FACTORS, PlacementConstraints, TableSpec, check_topology_args
 from recpipe.planner.tables import tables_from_module
@@ -32,14 +41,23 @@ from recpipe.planner.types import CostModel, Proposer
 DEFAULT_HBM_RESERVATION: float = 0.15
 #: Fraction of host DDR reserved: torchrec's percentage reservations touch HBM only. Dimensionless.
 DEFAULT_DDR_RESERVATION: float = 0.0
+#: Re-plans after table-wise tables no rank could hold were moved to row-wise. Count.
+MAX_PARTITION_REPAIRS: int = 8
+#: ``communication=`` names -> constants (``topology``: the topology's own bandwidths).
+COMMUNICATION_CONSTANTS = {"gloo_cpu": GLOO_CPU}
 
 
 class PlacementPlanner:
-    """Chooses HYBRID / CACHING and a cache load factor for every table.
+    """Chooses for every table a sharding type and a storage: TABLE_WISE (the whole table on one rank, all
+    in the fast tier, torchrec's FUSED kernel) or ROW_WISE over all ranks as recpipe's tiered table
+    (HYBRID / CACHING and a cache load factor, or all in the fast tier).
 
     Budgets: HBM per device = ``min(device hbm) x (1 - hbm_reservation)``; DDR per machine = ``min over
     machines of its ranks' ddr sum`` (torchrec's ``ddr_cap`` is per rank) ``x (1 - ddr_reservation)``.
-    Tables are sharded row-wise over all ranks; rank 0 / machine 0 carry the largest shards and are checked.
+    Row-wise tables' largest shards (rank 0 / machine 0) are checked on every rank; the knapsack budgets
+    a table-wise table by its share of every rank, then the partitioner picks its owner under the rank's
+    budget (tables no rank holds are re-planned row-wise). Costs: lookup bytes (``cost_model``) plus the
+    sharding type's communication (``communication``).
 
     Args:
         topology: torchrec topology (dry runs on a CPU machine are fine).
@@ -56,6 +74,10 @@ class PlacementPlanner:
         backend: layout whose bytes are budgeted and priced: ``fbgemm`` (fbgemm's TBE) or ``native``
             (recpipe's own: the CPU kernel and the torch backend). None: ``fbgemm`` on a ``cuda`` topology,
             else ``native``; plan ``native`` when a ``cuda`` topology models a CPU run.
+        sharding_types: the sharding types to choose from (``table_wise``, ``row_wise``).
+        communication: constants of the communication model: ``"gloo_cpu"`` (measured for gloo on CPU),
+            ``"topology"`` (the topology's bandwidths) or a ``CommConstants``; None: ``gloo_cpu`` on a
+            ``cpu`` topology, else ``topology``.
     """
 
     def __init__(
@@ -76,6 +98,8 @@ class PlacementPlanner:
         seed: int = 0,
         cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
         backend: Optional[str] = None,
+        sharding_types: Sequence[str] = PLANNED_SHARDING_TYPES,
+        communication: Union[str, CommConstants, None] = None,
     ) -> None:
         _check_topology(topology, hbm_reservation, ddr_reservation, batch_size)
         seed = check_int(seed, "seed", -(2**63), 2**63 - 1)
@@ -98,6 +122,8 @@ class PlacementPlanner:
         self.hbm_reservation, self.ddr_reservation = hbm_reservation, ddr_reservation
         self.dist_type: DistType = dist
         self.seed = seed
+        self.comm_model: CommCostModel = CommCostModel(_comm_constants(communication, topology), topology.world_size)
+        self.partitioner = GreedyTableWisePartitioner()
         self.enumerator = GridPlacementEnumerator(
             topology.world_size,
             topology.local_world_size,
@@ -106,6 +132,8 @@ class PlacementPlanner:
             self.constraints,
             backend=self.backend,
             cache_policy=self.cache_policy,
+            sharding_types=sharding_types,
+            comm_model=self.comm_model,
         )
 
     @property
@@ -173,21 +201,8 @@ class PlacementPlanner:
                 PlannerErrorType.INPUT_VALIDATION,
             )
         options = self.enumerator.enumerate_arrays(specs)
-        choice = self.proposer.solve(options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, options.cost, H, D)
-        if choice is None:
-            raise InfeasibilityDiagnosis(self, specs, options, H, D).error()
-        placements = [
-            TablePlacement(
-                table=t.name,
-                module_path=t.module_path,
-                rows=t.rows,
-                dim=t.dim,
-                **vars(options.option(i, int(j))),
-                optimizer=FusedOptimizer.parse(t.optimizer),
-                dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
-            )
-            for i, (t, j) in enumerate(zip(specs, choice))
-        ]
+        choice, owners = self._solve(specs, options, H, D)
+        placements = [_placement(t, options, i, int(j), int(owners[i])) for i, (t, j) in enumerate(zip(specs, choice))]
         plan = PlacementPlan(
             placements=placements,
             world_size=self.topology.world_size,
@@ -208,6 +223,128 @@ class PlacementPlanner:
                 f"DDR {plan.ddr_bytes_per_machine} > {D}"
             )
         return plan
+
+    def _solve(self, specs: List[TableSpec], options: OptionArrays, H: int, D: int) -> Tuple[np.ndarray, np.ndarray]:
+        """The knapsack's choice per table and the owner rank of each table-wise one (-1 for row-wise).
+
+        A table-wise option larger than a rank's budget is dropped first. Table-wise tables the partitioner
+        cannot place (the knapsack sees only their share of every rank) take their cheapest row-wise option
+        that still fits; if one does not, the knapsack runs again with its HBM budget lowered by the largest
+        such share, up to ``MAX_PARTITION_REPAIRS`` times.
+        """
+        W = self.topology.world_size
+        cost = options.cost.copy()
+        cost[(options.sharding == 1) & (options.owner_bytes > H)] = np.inf
+        rows = np.arange(len(specs))
+        knapsack_hbm = H
+        for _ in range(MAX_PARTITION_REPAIRS + 1):
+            choice = self.proposer.solve(
+                options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, cost, knapsack_hbm, D
+            )
+            if choice is None:
+                raise InfeasibilityDiagnosis(self, specs, options, H, D).error()
+            choice = np.array(choice, dtype=np.int64)
+            tw = np.flatnonzero(options.sharding[rows, choice] == 1)
+            rw_hbm = options.hbm_bytes_per_rank[rows, choice].sum() - options.hbm_bytes_per_rank[tw, choice[tw]].sum()
+            part = self.partitioner.partition(
+                options.owner_bytes[tw, choice[tw]], options.cost[tw, choice[tw]], int(rw_hbm), H, W
+            )
+            owners = np.full(len(specs), -1, dtype=np.int64)
+            owners[tw] = part.owners
+            unplaced = tw[part.unplaced]
+            if not unplaced.size or self._row_wise_instead(options, cost, choice, unplaced, part.rank_bytes, H, D):
+                return choice, owners
+            knapsack_hbm -= int(options.hbm_bytes_per_rank[unplaced, choice[unplaced]].max())
+        names = [specs[i].fqn for i in unplaced][:5]
+        raise PlannerError(
+            f"No rank's fast tier ({sized(H)}) holds table-wise table(s) {names} next to the row-wise shards, "
+            f"after {MAX_PARTITION_REPAIRS} re-plans with a lower knapsack budget.\n"
+            + solutions(
+                [
+                    "plan them row-wise: PlacementConstraints(sharding_type='row_wise') for those tables, or "
+                    "sharding_types=('row_wise',)",
+                    "raise the fast-tier budget (hbm_cap) or lower hbm_reservation",
+                ]
+            ),
+            PlannerErrorType.PARTITION,
+        )
+
+    @staticmethod
+    def _row_wise_instead(
+        options: OptionArrays,
+        cost: np.ndarray,
+        choice: np.ndarray,
+        unplaced: np.ndarray,
+        rank_bytes: np.ndarray,
+        H: int,
+        D: int,
+    ) -> bool:
+        """Gives each unplaced table-wise table (largest first) its cheapest row-wise option whose shard every
+        rank still holds and whose slow tier fits; updates ``choice`` and returns True if all found one."""
+        rows = np.arange(choice.shape[0])
+        placed = np.setdiff1d(rows, unplaced)
+        free_hbm = H - int(rank_bytes.max())
+        free_ddr = D - int(options.ddr_bytes_per_machine[placed, choice[placed]].sum())
+        for i in sorted(unplaced.tolist(), key=lambda k: -int(options.owner_bytes[k, choice[k]])):
+            fits = (
+                (options.sharding[i] == 0)
+                & np.isfinite(cost[i])
+                & (options.hbm_bytes_per_rank[i] <= free_hbm)
+                & (options.ddr_bytes_per_machine[i] <= free_ddr)
+            )
+            if not fits.any():
+                return False
+            j = int(np.flatnonzero(fits)[np.argmin(cost[i, fits])])
+            choice[i] = j
+            free_hbm -= int(options.hbm_bytes_per_rank[i, j])
+            free_ddr -= int(options.ddr_bytes_per_machine[i, j])
+        return True
+
+
+def _placement(t: TableSpec, options: OptionArrays, i: int, j: int, owner: int) -> TablePlacement:
+    """Table ``t``'s placement from its option ``j``, with the owner rank of a table-wise option and why it won."""
+    o = options.option(i, j)
+    fields = vars(o).copy()
+    fields.pop("owner_bytes")
+    if o.sharding_type == TABLE_WISE:  # all of it on the owner
+        fields["hbm_bytes_per_rank"] = fields["hbm_bytes_per_machine"] = o.owner_bytes
+    valid = np.flatnonzero(options.modes[i] >= 0)
+    best = int(valid[np.argmin(options.cost[i, valid])])
+    if best != j:
+        reason = f"budget: {option_text(options.option(i, best))} models {o.cost - options.cost[i, best]:.4f} ms less"
+    elif valid.size > 1:
+        others = valid[valid != j]
+        k = int(others[np.argmin(options.cost[i, others])])
+        reason = f"cheapest: next {option_text(options.option(i, k))} +{options.cost[i, k] - o.cost:.4f} ms"
+    else:
+        reason = "only option"
+    return TablePlacement(
+        table=t.name,
+        module_path=t.module_path,
+        rows=t.rows,
+        dim=t.dim,
+        **fields,
+        optimizer=FusedOptimizer.parse(t.optimizer),
+        dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
+        rank=owner if owner >= 0 else None,
+        reason=reason,
+    )
+
+
+def _comm_constants(communication: Union[str, CommConstants, None], topology: Topology) -> CommConstants:
+    """The communication constants ``communication`` names (see ``PlacementPlanner``)."""
+    if communication is None:
+        communication = "gloo_cpu" if topology.compute_device == "cpu" else "topology"
+    if isinstance(communication, CommConstants):
+        return communication
+    if communication == "topology":
+        return topology_constants(topology)
+    if isinstance(communication, str) and communication in COMMUNICATION_CONSTANTS:
+        return COMMUNICATION_CONSTANTS[communication]
+    raise ValueError(
+        f"communication must be one of {['topology', *COMMUNICATION_CONSTANTS]}, a CommConstants or None, "
+        f"got {communication!r}."
+    )
 
 
 # How :func:`_check_topology` names a torchrec Topology's fields in messages.
@@ -264,4 +401,10 @@ def _check_collaborators(
     return dist
 
 
-__all__ = ["DEFAULT_DDR_RESERVATION", "DEFAULT_HBM_RESERVATION", "PlacementPlanner"]
+__all__ = [
+    "COMMUNICATION_CONSTANTS",
+    "DEFAULT_DDR_RESERVATION",
+    "DEFAULT_HBM_RESERVATION",
+    "MAX_PARTITION_REPAIRS",
+    "PlacementPlanner",
+]

@@ -106,6 +106,20 @@ def row_wise_sharding_spec(
     )
 
 
+def table_wise_sharding_spec(
+    num_embeddings: int, dim: int, rank: int, local_world_size: int, compute_device: str
+) -> EnumerableShardingSpec:
+    """The whole table as one shard on ``rank``, placed on ``compute_device``."""
+    rank = check_int(rank, "rank", 0)
+    L = check_int(local_world_size, "local_world_size", 1)
+    shard = ShardMetadata(
+        shard_offsets=[0, 0],
+        shard_sizes=[check_int(num_embeddings, "num_embeddings", 0), check_int(dim, "dim", 1)],
+        placement=placement(compute_device, rank, L),
+    )
+    return EnumerableShardingSpec([shard])
+
+
 def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str, str], Tuple[Mode, float]]:
     """``(module_path, table) -> (mode, x)`` of every ``PlacementParameterSharding`` in a torchrec plan."""
     out: Dict[Tuple[str, str], Tuple[Mode, float]] = {}
@@ -116,4 +130,9 @@ def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str
     return out
 
 
-__all__ = ["PlacementParameterSharding", "placements_from_sharding_plan", "row_wise_sharding_spec"]
+__all__ = [
+    "PlacementParameterSharding",
+    "placements_from_sharding_plan",
+    "row_wise_sharding_spec",
+    "table_wise_sharding_spec",
+]

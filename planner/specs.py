@@ -60,6 +60,9 @@ class TableSpec:
     """Fused optimizer (sets state bytes); the planner plans only ``SUPPORTED_OPTIMIZERS``."""
     lookups_per_step: float = 512.0
     """Expected rows looked up per rank per training step (batch x pooling factor)."""
+    bags_per_step: Optional[float] = None
+    """Bags (samples x features) of this rank's batch per step: pooled rows the table returns.
+    None: ``lookups_per_step`` (one id per bag)."""
     zipf_alpha: float = DEFAULT_ZIPF_ALPHA
     """Skew of the access distribution (Zipf exponent) when no measurement is given."""
     access_counts: Optional[Sequence[float]] = None
@@ -104,11 +107,14 @@ class TableSpec:
                 f"{row_bytes(self.dim, self.dtype, self.optimizer)} bytes per row), above the planner's "
                 f"limit of 2^62 bytes per table; check rows={self.rows} (a typo?) or split the table."
             )
-        for field_name in ("lookups_per_step", "zipf_alpha"):
+        if self.bags_per_step is None:
+            self.bags_per_step = self.lookups_per_step
+        numbers_ = ("lookups_per_step", "bags_per_step", "zipf_alpha")
+        for field_name in numbers_:
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"TableSpec({self.name}).{field_name} must be a number, got {value!r}.")
-        for field_name in ("lookups_per_step", "zipf_alpha"):
+        for field_name in numbers_:
             value = getattr(self, field_name)
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"TableSpec({self.name}).{field_name} must be a finite number >= 0, got {value!r}.")
@@ -159,8 +165,26 @@ class PlacementConstraints:
     """Pin the cache load factor x in (0, 1]."""
     load_factors: Optional[Sequence[float]] = None
     """Restrict this table's x grid (instead of the planner-wide grid)."""
+    sharding_type: Optional[str] = None
+    """Pin the sharding type: ``table_wise`` (whole table on one rank, all in the fast tier, torchrec's FUSED
+    kernel) or ``row_wise`` (recpipe's tiered tables)."""
 
     def __post_init__(self) -> None:
+        if self.sharding_type is not None:
+            self.sharding_type = getattr(self.sharding_type, "value", self.sharding_type)
+            if self.sharding_type not in ("table_wise", "row_wise"):
+                raise ValueError(
+                    f"PlacementConstraints.sharding_type must be 'table_wise' or 'row_wise', got {self.sharding_type!r}."
+                )
+            tiered_pin = self.mode is not None or (
+                self.cache_load_factor is not None and float(self.cache_load_factor) < 1.0
+            )
+            if self.sharding_type == "table_wise" and tiered_pin:
+                raise ValueError(
+                    "PlacementConstraints(sharding_type='table_wise') holds the whole table in the fast tier "
+                    "(torchrec's FUSED kernel), so it takes no mode or cache_load_factor < 1: drop those, or pin "
+                    "sharding_type='row_wise' for a tiered table."
+                )
         if self.mode is not None:
             self.mode = Mode.parse(self.mode)
         if self.cache_load_factor is not None:
@@ -171,7 +195,9 @@ class PlacementConstraints:
 
 @dataclass(frozen=True)
 class PlacementOption:
-    """One (mode, x) candidate for a table, with its bytes (most loaded rank / machine) and modelled ms."""
+    """One (sharding type, mode, x) candidate for a table, with its bytes (most loaded rank / machine) and
+    modelled ms (``cost = lookup_cost + comm_cost``). A table-wise option's ``hbm_bytes_per_rank`` is its
+    share of the knapsack (``ceil(bytes / W)``); ``owner_bytes`` is what the rank holding it holds."""
 
     mode: Mode
     cache_load_factor: float
@@ -180,6 +206,10 @@ class PlacementOption:
     hbm_bytes_per_machine: int
     ddr_bytes_per_machine: int
     cost: float = 0.0
+    sharding_type: str = "row_wise"
+    owner_bytes: int = 0
+    lookup_cost: float = 0.0
+    comm_cost: float = 0.0
 
 
 def check_topology_args(

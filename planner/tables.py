@@ -83,7 +83,7 @@ def tables_from_module(
 
     Each table's optimizer is the one the model fuses into it (:func:`table_fused_optimizer`), else
     ``optimizer`` (default SGD, fbgemm's ``EXACT_SGD`` default). ``lookups_per_step = batch_size x
-    pooling_factor x features of the table``.
+    pooling_factor x features of the table``, ``bags_per_step = batch_size x features``.
     """
     if not isinstance(module, nn.Module):
         raise ValueError(f"module must be a torch.nn.Module (a model, or an EBC / EC), got {type(module).__name__}.")
@@ -121,6 +121,7 @@ def tables_from_module(
                     dtype=data_type_to_dtype(cfg.data_type),
                     optimizer=fused if fused is not None else fallback,
                     lookups_per_step=float(batch_size * pooling_factor * max(len(cfg.feature_names), 1)),
+                    bags_per_step=float(batch_size * max(len(cfg.feature_names), 1)),
                     module_path=path,
                     feature_names=tuple(cfg.feature_names),
                 )

@@ -51,9 +51,10 @@ def greedy_table_wise(tables: list[tuple[str, int]], world_size: int) -> dict[st
 def shard_model(config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device) -> ShardedModel:
     """Shards ``model``'s EBC over ``env`` and wraps the dense part in DDP.
 
-    ``planned``: the planner picks HYBRID / CACHING per table under the tier budgets and the
-    tables are sharded row-wise into tiered storage; ``table_wise``: torchrec's own sharder
-    places whole tables greedily (for comparison).
+    ``planned``: the planner picks per table table-wise (torchrec's FUSED kernel, whole on one
+    rank) or row-wise tiered storage (HYBRID / CACHING) under the tier budgets, pricing lookups and
+    communication; ``table_wise``: torchrec's own sharder places whole tables greedily;
+    ``torchrec_planner``: torchrec's ``EmbeddingShardingPlanner`` plans (both for comparison).
 
     Args:
         model: unsharded ``DLRMTrain`` with meta tables.
@@ -63,6 +64,8 @@ def shard_model(config: TrainConfig, model: nn.Module, env: ShardingEnv, device:
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.embedding_lr})
     if config.placement == "planned":
         return _shard_planned(config, model, env, device)
+    if config.placement == "torchrec_planner":
+        return _shard_torchrec_planner(model, env, device)
     sizes = {t.name: t.num_embeddings * t.embedding_dim * BYTES_PER_FLOAT32 for t in ebc.embedding_bag_configs()}
     owner = greedy_table_wise(list(sizes.items()), env.world_size)
     sharder = EmbeddingBagCollectionSharder()
@@ -83,6 +86,29 @@ def shard_model(config: TrainConfig, model: nn.Module, env: ShardingEnv, device:
             f"{t.name:<14} {t.num_embeddings:>10} {t.embedding_dim:>5} {mb:>9.1f} {'table_wise':>11} {owner[t.name]:>5}"
         )
     return ShardedModel(model=dmp, plan=plan, plan_text="\n".join(lines), table_ranks=dict(owner))
+
+
+def _shard_torchrec_planner(model: nn.Module, env: ShardingEnv, device: torch.device) -> ShardedModel:
+    """torchrec's ``EmbeddingShardingPlanner`` (its default topology for this device) and sharder."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import Topology as TorchrecTopology
+
+    sharder = EmbeddingBagCollectionSharder()
+    planner = EmbeddingShardingPlanner(
+        topology=TorchrecTopology(
+            world_size=env.world_size,
+            local_world_size=local_world_size_from_env(env.world_size),
+            compute_device=device.type,
+        )
+    )
+    plan = planner.collective_plan(model, [sharder], env.process_group)
+    dmp = DistributedModelParallel(module=model, env=env, device=device, plan=plan, sharders=[sharder])
+    module_plan = plan.plan[EBC_PATH]
+    lines = [f"{'table':<14} {'sharding':>18} {'kernel':>8} {'ranks':>10}"]
+    for name, ps in module_plan.items():  # type: ignore[union-attr]
+        lines.append(f"{name:<14} {ps.sharding_type:>18} {ps.compute_kernel:>8} {str(ps.ranks):>10}")
+    ranks = {name: ps.ranks for name, ps in module_plan.items()}  # type: ignore[union-attr]
+    return ShardedModel(model=dmp, plan=plan, plan_text="\n".join(lines), table_ranks=ranks)
 
 
 def local_world_size_from_env(world_size: int) -> int:
@@ -140,6 +166,8 @@ def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, devi
         # the bytes of the tiered tables' default backend on this device (fbgemm's TBE on
         # CUDA; recpipe's own layout elsewhere, where the fast tier is a host buffer)
         backend="fbgemm" if device.type == "cuda" else "native",
+        # gloo on CPU was measured (planner.communication.GLOO_CPU); CUDA uses the topology's bandwidths
+        communication="gloo_cpu" if device.type == "cpu" else "topology",
     )
     placement = planner.plan(model)
     plan = placement.to_sharding_plan(compute_device=device.type)
@@ -151,7 +179,13 @@ def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, devi
         sharders=[TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()],
     )
     where = {
-        p.table: {"mode": p.mode.name, "cache_load_factor": p.cache_load_factor, "dist_type": placement.dist_type.value}
+        p.table: {
+            "sharding_type": p.sharding_type,
+            "rank": p.rank,
+            "mode": p.storage,
+            "cache_load_factor": p.cache_load_factor,
+            "dist_type": placement.dist_type.value,
+        }
         for p in placement.placements
     }
     return ShardedModel(model=dmp, plan=plan, plan_text=placement.report(), table_ranks=where)

@@ -31,7 +31,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dataset": ("movielens100k", "synthetic", "criteo_tsv"),
     "pipeline": ("fused", "sparse"),
     "device": ("auto", "cpu", "cuda"),
-    "placement": ("planned", "table_wise"),
+    "placement": ("planned", "table_wise", "torchrec_planner"),
 }
 DATASETS: tuple[str, ...] = CHOICES["dataset"]
 PLACEMENTS: tuple[str, ...] = CHOICES["placement"]
@@ -234,8 +234,9 @@ class TrainConfig:
     """``cpu``, ``cuda`` or ``auto`` (cuda when available); gloo on CPU, nccl on CUDA."""
 
     placement: str = "planned"
-    """``planned``: recpipe.planner picks tiered HYBRID / CACHING placements (row-wise);
-    ``table_wise``: torchrec's own sharder, whole tables placed greedily (for comparison)."""
+    """``planned``: recpipe.planner picks per table a sharding type and storage (table-wise FUSED, or
+    row-wise tiered HYBRID / CACHING); ``table_wise``: torchrec's own sharder, whole tables placed
+    greedily; ``torchrec_planner``: torchrec's EmbeddingShardingPlanner (both for comparison)."""
 
     fast_tier_mb: float = 0.0
     """Fast-tier budget per device in MiB (HBM on CUDA, a host buffer on CPU) given

@@ -1,23 +1,27 @@
-"""Samples/s of the default recipe against what a torchrec user runs instead.
+"""Samples/s of recpipe's default path against what a torchrec user runs, over a workload matrix.
 
-Three runs of the same model (micro-DLRM-DRAM), data (MovieLens-100k) and seed on 2 gloo
-ranks launched with torchrun (1 thread each), interleaved ``--repeats`` times:
+Each workload is the recipe (``python -m recpipe.recipes.train``) on ``--nproc`` gloo ranks launched
+with torchrun (1 thread each); each is run under four configurations, interleaved ``--repeats``
+times (every run printed, then the medians):
 
-* ``torchrec``: ``--placement table_wise --pipeline sparse`` - torchrec's own sharder
-  (fbgemm FUSED tables placed whole) and ``TrainPipelineSparseDist``: the baseline.
-* ``recpipe planned + SparseDist``: recpipe's planned tiered tables under torchrec's
-  pipeline (isolates the pipeline; its losses must equal the default's bit for bit).
-* ``recpipe default``: planned tiered tables + ``TrainPipelineFusedSparseDist``
-  (``make run``).
+* ``torchrec``: ``--placement table_wise --pipeline sparse``: torchrec's sharder (fbgemm FUSED tables
+  placed whole, greedily) and ``TrainPipelineSparseDist``: the baseline of the ratios;
+* ``torchrec planner``: ``--placement torchrec_planner --pipeline sparse``: torchrec's own
+  ``EmbeddingShardingPlanner`` (CPU topology) and ``TrainPipelineSparseDist``;
+* ``recpipe default``: the recipe's defaults: recpipe's planner (table-wise FUSED or row-wise tiered
+  per table, the default fast-tier budget of half the tables' bytes, which binds) and
+  ``TrainPipelineFusedSparseDist``;
+* ``recpipe all-fast``: the same with a fast tier that holds every table.
 
-Every run's samples/s is printed (steady state: the first logging interval is excluded by
-the recipe), then the medians and their ratio to the torchrec baseline (target for the
-default: >= 1.10x), and each round's ratio to that round's torchrec run (paired: steadier
-when the machine's speed drifts). Exits 1 if the two recpipe runs' per-step losses differ.
+Workloads (``--workloads`` picks some): the default recipe (MovieLens-100k, micro-DLRM-DRAM), a
+synthetic Criteo-like DLRM with 26 tables of 200,000 rows (batch 512 and 2048 per rank), the same
+with a skewed mix of table sizes (1.6M rows down to 3,125: ids of feature f span 1.6M / 2^(f mod 10)),
+and micro-DLRM-DRAM on the synthetic Zipf stream. Targets: recpipe default >= 1.00x torchrec on every
+row, recpipe all-fast >= 1.05x on every row, >= 1.10x on the median row.
 
 Usage::
 
-    python scripts/bench_recipe.py [--steps 200] [--repeats 3]
+    python scripts/bench_recipe.py [--steps 100] [--repeats 3] [--workloads default,equal26_b512]
 """
 
 from __future__ import annotations
@@ -34,22 +38,55 @@ from benchutil import hardware_line, int_at_least, positive_int, print_table, re
 #: Steps between the recipe's log lines; its throughput counts the intervals after the
 #: first (warm-up), so a run needs at least two.
 LOG_EVERY: int = 10
+#: A fast tier larger than every workload's tables, MiB.
+ALL_FAST_MB: str = "1000000"
 #: name -> (extra CLI flags, label). The first is the baseline of the ratios.
-RUNS: dict[str, tuple[list[str], str]] = {
-    "torchrec": (
-        ["--placement", "table_wise", "--pipeline", "sparse"],
-        "torchrec table-wise FUSED + TrainPipelineSparseDist",
+CONFIGS: dict[str, tuple[list[str], str]] = {
+    "torchrec": (["--placement", "table_wise", "--pipeline", "sparse"], "torchrec table-wise + SparseDist"),
+    "torchrec_planner": (
+        ["--placement", "torchrec_planner", "--pipeline", "sparse"],
+        "torchrec EmbeddingShardingPlanner + SparseDist",
     ),
-    "planned_sparse": (["--pipeline", "sparse"], "recpipe planned tiered + TrainPipelineSparseDist"),
-    "default": ([], "recpipe default (planned tiered + TrainPipelineFusedSparseDist)"),
+    "default": ([], "recpipe default (planned, default fast tier) + fused"),
+    "all_fast": (["--fast-tier-mb", ALL_FAST_MB], "recpipe planned, fast tier holds all + fused"),
+}
+_SYNTHETIC_DLRM = ["--model", "dlrm", "--dataset", "synthetic"]
+#: name -> (extra CLI flags, label).
+WORKLOADS: dict[str, tuple[list[str], str]] = {
+    "default": (["--batch-size", "512"], "default recipe (MovieLens, micro-DLRM-DRAM), batch 512"),
+    "equal26_b512": (
+        [*_SYNTHETIC_DLRM, "--synthetic-id-space", "102400000", "--num-embeddings", "200000", "--batch-size", "512"],
+        "DLRM, 26 tables x 200k rows, batch 512",
+    ),
+    "equal26_b2048": (
+        [*_SYNTHETIC_DLRM, "--synthetic-id-space", "102400000", "--num-embeddings", "200000", "--batch-size", "2048"],
+        "DLRM, 26 tables x 200k rows, batch 2048",
+    ),
+    "skewed_b512": (
+        [*_SYNTHETIC_DLRM, "--synthetic-id-space", "1600000", "--num-embeddings", "1600000", "--batch-size", "512"],
+        "DLRM, 26 tables of 1.6M..3k rows, batch 512",
+    ),
+    "micro_zipf_b512": (
+        ["--model", "micro_dlrm_dram", "--dataset", "synthetic", "--batch-size", "512"],
+        "micro-DLRM-DRAM, synthetic Zipf ids, batch 512",
+    ),
 }
 
 
-def run_once(name: str, steps: int, workdir: Path, nproc: int) -> dict:
-    """One torchrun job of the default recipe with ``RUNS[name]``'s flags; returns its metrics JSON."""
-    metrics = workdir / f"{name}-{len(list(workdir.iterdir()))}.json"
-    run_recipe(recipe_command(nproc, steps, LOG_EVERY, *RUNS[name][0], "--metrics-file", str(metrics)))
+def run_once(workload: str, config: str, steps: int, workdir: Path, nproc: int) -> dict:
+    """One torchrun job of ``workload`` under ``config``; returns its metrics JSON."""
+    metrics = workdir / f"{workload}-{config}-{len(list(workdir.iterdir()))}.json"
+    flags = [*WORKLOADS[workload][0], *CONFIGS[config][0], "--metrics-file", str(metrics)]
+    run_recipe(recipe_command(nproc, steps, LOG_EVERY, *flags))
     return json.loads(metrics.read_text())
+
+
+def _workloads(text: str) -> list[str]:
+    names = [w for w in text.split(",") if w]
+    unknown = [w for w in names if w not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"must name workloads of {list(WORKLOADS)}, got {text!r}")
+    return names
 
 
 def main() -> None:
@@ -57,53 +94,41 @@ def main() -> None:
     parser.add_argument(
         "--steps",
         type=int_at_least(2 * LOG_EVERY),
-        default=200,
+        default=100,
         help=f"training steps per run (>= {2 * LOG_EVERY}: throughput is measured over the logging "
-        f"intervals after the first {LOG_EVERY} steps; default 200)",
+        f"intervals after the first {LOG_EVERY} steps; default 100)",
     )
     parser.add_argument(
         "--repeats", type=positive_int, default=3, help="runs per configuration (interleaved; default 3)"
     )
     parser.add_argument("--nproc", type=positive_int, default=2, help="ranks (gloo, CPU; default 2)")
+    parser.add_argument(
+        "--workloads", type=_workloads, default=list(WORKLOADS), help=f"comma-separated of {list(WORKLOADS)}"
+    )
     args = parser.parse_args()
     print(hardware_line(threads=1))
-    print(
-        f"default recipe (MovieLens-100k, micro-DLRM-DRAM), {args.nproc} ranks x 1 thread, "
-        f"{args.steps} steps per run, {args.repeats} interleaved runs per configuration"
-    )
-    sps: dict[str, list[float]] = {name: [] for name in RUNS}
-    losses: dict[str, list[float]] = {}
-    with tempfile.TemporaryDirectory() as d:
-        for rep in range(args.repeats):
-            for name in RUNS:
-                try:
-                    m = run_once(name, args.steps, Path(d), args.nproc)
-                except RuntimeError as e:  # the recipe failed: its own message, not a traceback
-                    sys.exit(str(e))
-                sps[name].append(m["samples_per_s"])
-                losses.setdefault(name, m["losses"])
-                print(f"run {rep + 1} {name}: {m['samples_per_s']:.0f} samples/s", flush=True)
-    base = statistics.median(sps["torchrec"])
+    print(f"{args.nproc} ranks x 1 thread, {args.steps} steps per run, {args.repeats} interleaved runs per cell")
     rows = []
-    for name, (_, label) in RUNS.items():
-        med = statistics.median(sps[name])
-        rows.append([label, med, " ".join(f"{v:.0f}" for v in sps[name]), med / base, losses[name][-1]])
-    print_table(["run", "samples/s (median)", "runs", "ratio vs torchrec", "last loss (rank 0)"], rows)
-    # On a shared machine the speed drifts between rounds: each round's runs ran back to back,
-    # so the ratio within a round is the steadier figure.
-    for name, (_, label) in list(RUNS.items())[1:]:
-        paired = [a / b for a, b in zip(sps[name], sps["torchrec"])]
-        print(
-            f"paired ratio vs torchrec, {name} (per round): "
-            + " ".join(f"{r:.3f}" for r in paired)
-            + f"; median {statistics.median(paired):.3f}"
-        )
-    identical = losses["default"] == losses["planned_sparse"]
-    print(
-        f"per-step losses of recpipe's fused pipeline identical to TrainPipelineSparseDist: {identical} "
-        f"({len(losses['default'])} steps)"
-    )
-    if not identical:
+    with tempfile.TemporaryDirectory() as d:
+        for workload in args.workloads:
+            sps: dict[str, list[float]] = {c: [] for c in CONFIGS}
+            for rep in range(args.repeats):
+                for config in CONFIGS:
+                    try:
+                        m = run_once(workload, config, args.steps, Path(d), args.nproc)
+                    except RuntimeError as e:  # the recipe failed: its own message, not a traceback
+                        print(f"run {rep + 1} {workload} {config}: failed: {e}", flush=True)
+                        continue
+                    sps[config].append(m["samples_per_s"])
+                    print(f"run {rep + 1} {workload} {config}: {m['samples_per_s']:.0f} samples/s", flush=True)
+            base = statistics.median(sps["torchrec"]) if sps["torchrec"] else float("nan")
+            row: list[object] = [WORKLOADS[workload][1]]
+            for config in CONFIGS:
+                med = statistics.median(sps[config]) if sps[config] else float("nan")
+                row.append(f"{med:.0f} ({med / base:.3f}x)" if sps[config] else "failed")
+            rows.append(row)
+    print_table(["workload", *(label for _, label in CONFIGS.values())], rows)
+    if any("failed" in str(c) for r in rows for c in r):
         sys.exit(1)
 
 

@@ -405,8 +405,8 @@ def test_planner_default_optimizer_is_the_sharders_fallback() -> None:
 
 
 def test_non_tiered_sharders_refuse_tiered_tables_naming_the_tiered_sharders() -> None:
-    plan = PlacementPlanner(_topology(2), backend="native").plan(_ebc("cpu")).to_sharding_plan(compute_device="cpu")
-    params = plan.plan[""]
+    planner = PlacementPlanner(_topology(2), backend="native", sharding_types=("row_wise",))
+    params = planner.plan(_ebc("cpu")).to_sharding_plan(compute_device="cpu").plan[""]
     for sharder in recpipe_sharders():
         with pytest.raises(
             ValueError,

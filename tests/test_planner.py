@@ -54,8 +54,12 @@ from recpipe.planner import (
     tier_rows,
 )
 from recpipe.planner.__main__ import main as cli_main
+from recpipe.planner.communication import CommConstants
 from recpipe.planner.cost_models import generalized_harmonic
 from recpipe.planner.enumerators import options_to_arrays
+
+#: A network so fast that communication costs nothing: plans priced by lookups alone.
+ZERO_COMM = CommConstants(name="zero", network_bw=1e30, bag_ns=0.0, bucketize_ns=0.0, source="tests")
 
 GiB = 1024**3
 
@@ -232,6 +236,12 @@ def test_planner_never_exceeds_budgets_coarse_bins(seed: int, m: int, hf: float,
     assert plan.ddr_bytes_per_machine <= planner.ddr_budget
     # exact bytes reported are the backend's storage formulas' bytes
     for p, t in zip(plan.placements, tables):
+        if p.table_wise:  # the whole table on its owner, torchrec's FUSED kernel: values and state in HBM
+            assert p.rank in range(8) and (p.hbm_bytes_per_rank, p.ddr_bytes_per_rank) == (
+                t.rows * row_bytes(t.dim, t.dtype, t.optimizer),
+                0,
+            )
+            continue
         rows = max_local_rows(t.rows, 8)
         if backend == "fbgemm":
             s = fbgemm_shard_storage(rows, t.dim, t.dtype, t.optimizer, p.mode, p.cache_load_factor, "lfu")
@@ -336,7 +346,14 @@ def test_bulk_enumeration_equals_storage_formulas(backend: str, policy: str) -> 
             "sets": PlacementConstraints(mode="CACHING"),
         }
         enum = GridPlacementEnumerator(
-            world, local, AnalyticCostModel(backend=backend), xs, cons, backend=backend, cache_policy=policy
+            world,
+            local,
+            AnalyticCostModel(backend=backend),
+            xs,
+            cons,
+            backend=backend,
+            cache_policy=policy,
+            sharding_types=("row_wise",),
         )
         arrays = enum.enumerate_arrays(tables)
         for i, t in enumerate(tables):
@@ -418,7 +435,7 @@ def test_large_instance_plans_within_budgets() -> None:
     # x = 0.5 fits by construction) and the DP must find one within budgets.
     rng = np.random.default_rng(5)
     tables = _random_tables(rng, 300)
-    enum = GridPlacementEnumerator(64, 8, AnalyticCostModel())
+    enum = GridPlacementEnumerator(64, 8, AnalyticCostModel(), sharding_types=("row_wise",))
     hbm, ddr, _ = options_to_arrays(enum.enumerate(tables))
     t = Topology(
         world_size=64,
@@ -427,7 +444,7 @@ def test_large_instance_plans_within_budgets() -> None:
         hbm_cap=int(hbm.max(axis=1).sum() * 0.6 / 0.85),
         ddr_cap=int(ddr.max(axis=1).sum() * 0.75) // 8,
     )
-    planner = PlacementPlanner(t)
+    planner = PlacementPlanner(t, sharding_types=("row_wise",), communication=ZERO_COMM)
     plan = planner.plan(tables)
     assert plan.hbm_bytes_per_rank <= planner.hbm_budget and plan.ddr_bytes_per_machine <= planner.ddr_budget
     assert plan.hbm_bytes_per_rank > 0.9 * planner.hbm_budget  # the tight HBM budget is used, not wasted
@@ -741,7 +758,7 @@ def test_module_input_sharding_plan_round_trip_and_json(tmp_path: Path) -> None:
     model = torch.nn.Module()
     model.sparse = ebc
     t = topo(world=4, local=2, hbm=64 * 1024**2, ddr_per_rank=GiB)
-    plan = PlacementPlanner(t, batch_size=256, seed=5).plan(model)
+    plan = PlacementPlanner(t, batch_size=256, seed=5, sharding_types=("row_wise",)).plan(model)
     assert [p.fqn for p in plan.placements] == ["sparse.a", "sparse.b"]
     sp = plan.to_sharding_plan()
     mp = sp.plan["sparse"]

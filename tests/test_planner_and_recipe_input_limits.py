@@ -236,7 +236,8 @@ def test_a_user_cost_model_returning_bad_costs_is_named(make: Any, match: str) -
     # one finite cost per option plans: every option costs the same, so the cheapest in HBM bytes
     # is not forced; the plan holds the table (the reference is the model's own cost, 1.0)
     plan = PlacementPlanner(topo, cost_model=_ListCostModel(lambda k: [1.0] * k), backend="native").plan(tables)
-    assert plan.total_cost == 1.0
+    (p,) = plan.placements
+    assert p.lookup_cost == 1.0 and plan.total_cost == 1.0 + p.comm_cost  # the model's cost plus the network's
 
 
 def test_proposers_refuse_a_cost_of_minus_inf() -> None:

@@ -407,7 +407,7 @@ def test_report_shows_the_load_factor_planned(x: float, shown: str) -> None:
     ).plan([t])
     assert plan.placement("t").cache_load_factor == x
     row = next(line for line in plan.report().splitlines() if line.startswith("t "))
-    assert [c.strip() for c in row.split("|")][1:3] == ["HYBRID", shown], row
+    assert [c.strip() for c in row.split("|")][1:5] == ["row_wise", "all", "HYBRID", shown], row
 
 
 # ------------------------------------------------------------------ cost models
@@ -510,7 +510,9 @@ def test_budgets_past_the_kernels_exact_range_plan_as_unbounded(hbm: int, ddr: i
     # combination).
     tables = [TableSpec(name=n, rows=100_000, dim=64, optimizer="adam") for n in ("a", "b", "c")]
     planner = PlacementPlanner(
-        make_topology(world_size=2, local_world_size=2, hbm_cap=hbm, ddr_cap=ddr), backend="native"
+        make_topology(world_size=2, local_world_size=2, hbm_cap=hbm, ddr_cap=ddr),
+        backend="native",
+        sharding_types=("row_wise",),
     )
     plan = planner.plan(tables)
     opts = planner.enumerator.enumerate_arrays(tables)
@@ -533,4 +535,5 @@ def test_cli_takes_a_huge_size(tmp_path: Path, capsys: pytest.CaptureFixture[str
     y = tmp_path / "t.yaml"
     y.write_text("- {name: t, rows: 1000, dim: 8}\n")
     assert cli_main(["--tables", str(y), "--world-size", "2", "--hbm", "99999999TiB", "--ddr", "8PiB"]) == 0
-    assert "modes: 0 HYBRID, 0 CACHING, 1 all-HBM" in capsys.readouterr().out
+    # unbounded: the whole table on one rank (table-wise FUSED) moves the fewest bytes
+    assert "modes: 0 HYBRID, 0 CACHING, 0 all-HBM, 1 table-wise FUSED" in capsys.readouterr().out
