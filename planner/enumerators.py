@@ -142,15 +142,12 @@ class GridPlacementEnumerator:
         return out
 
     def table_wise_allowed(self, table: TableSpec) -> bool:
-        """Whether ``table`` gets the TABLE_WISE option: allowed by ``sharding_types`` and its pins (a pinned
-        sharding type, or a pinned mode / load factor that is not all-fast, rules it out)."""
+        """Whether ``table`` gets TABLE_WISE options (all in the fast tier as torchrec's FUSED table, and its
+        tiered (mode, x < 1) options whole on one rank): allowed by ``sharding_types`` or its pinned type."""
         pin = _constraint_for(table, self.constraints) or PlacementConstraints()
         if pin.sharding_type is not None:
             return pin.sharding_type == TABLE_WISE
-        if TABLE_WISE not in self.sharding_types:
-            return False
-        xs = pin.load_factors if pin.cache_load_factor is None else (pin.cache_load_factor,)
-        return pin.mode is None and (xs is None or 1.0 in [float(x) for x in xs])
+        return TABLE_WISE in self.sharding_types
 
     def row_wise_allowed(self, table: TableSpec) -> bool:
         """Whether ``table`` gets the ROW_WISE options."""
@@ -201,55 +198,80 @@ class GridPlacementEnumerator:
         self._check_constraints(tables)
         _check_tiered_tables(tables, self.backend)
         W, L = self.world_size, self.local_world_size
-        cands = [self.candidates(t) if self.row_wise_allowed(t) else [] for t in tables]
-        table_wise = np.array([self.table_wise_allowed(t) for t in tables], dtype=bool)
-        width = max((len(c) + int(tw) for c, tw in zip(cands, table_wise)), default=0)
+        M = W // L  # machines
+        cands = [self.candidates(t) for t in tables]
+        rw = [c if self.row_wise_allowed(t) else [] for t, c in zip(tables, cands)]
+        tw = [[o for o in c if o[1] < 1.0] if self.table_wise_allowed(t) else [] for t, c in zip(tables, cands)]
+        fused = [self.table_wise_allowed(t) and (Mode.HYBRID, 1.0) in c for t, c in zip(tables, cands)]
+        width = max((len(a) + len(b) + int(f) for a, b, f in zip(rw, tw, fused)), default=0)
         out = OptionArrays.empty(len(tables), width)
         comm = self._comm_costs(tables)
-        dsts = out.byte_arrays
-        groups: Dict[Tuple[Tuple[Mode, float], ...], List[int]] = {}
-        for i, c in enumerate(cands):
-            if c:
-                groups.setdefault(tuple(c), []).append(i)
-        for cand, idx in groups.items():
-            k = len(cand)
-            ii = np.asarray(idx, dtype=np.int64)
-            out.modes[ii, :k] = [_MODE_CODE[m] for m, _ in cand]
-            out.load_factors[ii, :k] = [x for _, x in cand]
-            out.sharding[ii, :k] = _SHARDING_CODE[ROW_WISE]
-            bytes_ = self._bulk_storage([tables[i] for i in idx], cand)
-            if bytes_ is None:  # exact products would overflow int64: scalar formulas
+        lookup = [
+            self._checked_costs(t, c) if (r or b or f) else None for t, c, r, b, f in zip(tables, cands, rw, tw, fused)
+        ]
+        for sharding, lists in ((ROW_WISE, rw), (TABLE_WISE, tw)):
+            whole = sharding == TABLE_WISE  # a table-wise table's one shard is the whole table
+            first = [0 if not whole else len(rw[i]) for i in range(len(tables))]
+            groups: Dict[Tuple[Tuple[Mode, float], ...], List[int]] = {}
+            for i, c in enumerate(lists):
+                if c:
+                    groups.setdefault(tuple(c), []).append(i)
+            for cand, idx in groups.items():
+                self._fill(out, tables, idx, cand, [first[i] for i in idx], whole)
                 for i in idx:
-                    t = tables[i]
-                    rows = max_local_rows(t.rows, W)
-                    for j, (mode, x) in enumerate(cand):
-                        rank = self.shard_bytes(t, rows, mode, x)
-                        mach = machine_sum(t.rows, W, L, lambda r: self.shard_bytes(t, r, mode, x))  # noqa: B023
-                        for dst, v in zip(dsts, (rank.fast_bytes, rank.slow_bytes, mach.fast_bytes, mach.slow_bytes)):
-                            dst[i, j] = v
-            else:
-                for dst, src in zip(dsts, bytes_):
-                    dst[ii, :k] = src
-            out.owner_bytes[ii, :k] = out.hbm_bytes_per_rank[ii, :k]
-            for i in idx:
-                out.lookup_cost[i, :k] = self._checked_costs(tables[i], cand)
-                out.comm_cost[i, :k] = comm[_SHARDING_CODE[ROW_WISE], i]
-        for i in np.flatnonzero(table_wise):
-            t, j = tables[i], len(cands[i])
-            whole = t.rows * row_bytes(t.dim, t.dtype, t.optimizer)
+                    cols = slice(first[i], first[i] + len(cand))
+                    out.lookup_cost[i, cols] = [lookup[i][cands[i].index(o)] for o in cand]  # type: ignore[index]
+                    out.comm_cost[i, cols] = comm[_SHARDING_CODE[sharding], i]
+        for i in np.flatnonzero(fused):  # table-wise, all in the fast tier: torchrec's FUSED table
+            t, j = tables[i], len(rw[i]) + len(tw[i])
+            size = t.rows * row_bytes(t.dim, t.dtype, t.optimizer)
             out.modes[i, j], out.load_factors[i, j], out.sharding[i, j] = _MODE_CODE[Mode.HYBRID], 1.0, 1
-            out.hbm_bytes_per_rank[i, j] = -(-whole // W)  # the knapsack's share; the owner holds all of it
-            out.owner_bytes[i, j] = out.hbm_bytes_per_machine[i, j] = whole
-            all_fast = np.flatnonzero((out.load_factors[i, :j] >= 1.0) & (out.modes[i, :j] >= 0))
-            # all in the fast tier reads the same bytes whichever sharding holds it: priced once
-            if all_fast.size:
-                out.lookup_cost[i, j] = out.lookup_cost[i, all_fast[0]]
-            else:
-                out.lookup_cost[i, j] = self._checked_costs(t, [(Mode.HYBRID, 1.0)])[0]
+            out.hbm_bytes_per_rank[i, j] = -(-size // W)  # the knapsack's share; the owner holds all of it
+            out.owner_bytes[i, j] = out.hbm_bytes_per_machine[i, j] = size
+            out.lookup_cost[i, j] = lookup[i][cands[i].index((Mode.HYBRID, 1.0))]  # type: ignore[index]
             out.comm_cost[i, j] = comm[_SHARDING_CODE[TABLE_WISE], i]
         valid = out.modes >= 0
         out.cost[valid] = out.lookup_cost[valid] + out.comm_cost[valid]
+        # a table-wise table's slow tier sits on its owner's machine: the knapsack's share per machine
+        tiered_tw = valid & (out.sharding == 1)
+        out.ddr_bytes_per_machine[tiered_tw] = -(-out.owner_slow_bytes[tiered_tw] // M)
         return out
+
+    def _fill(
+        self,
+        out: "OptionArrays",
+        tables: Sequence[TableSpec],
+        idx: List[int],
+        cand: Sequence[Tuple[Mode, float]],
+        starts: List[int],
+        whole: bool,
+    ) -> None:
+        """Writes the tiered options ``cand`` of tables ``idx`` from column ``starts[k]`` on: modes, load
+        factors, sharding and bytes (row-wise shards over all ranks, or the whole table on one when ``whole``)."""
+        W, L = (1, 1) if whole else (self.world_size, self.local_world_size)
+        k = len(cand)
+        bytes_ = self._bulk_storage([tables[i] for i in idx], cand, W, L)
+        for n, i in enumerate(idx):
+            cols = slice(starts[n], starts[n] + k)
+            out.modes[i, cols] = [_MODE_CODE[m] for m, _ in cand]
+            out.load_factors[i, cols] = [x for _, x in cand]
+            out.sharding[i, cols] = int(whole)
+            if bytes_ is None:  # exact products would overflow int64: scalar formulas
+                t = tables[i]
+                rows = max_local_rows(t.rows, W)
+                for j, (mode, x) in enumerate(cand):
+                    rank = self.shard_bytes(t, rows, mode, x)
+                    mach = machine_sum(t.rows, W, L, lambda r: self.shard_bytes(t, r, mode, x))  # noqa: B023
+                    values = (rank.fast_bytes, rank.slow_bytes, mach.fast_bytes, mach.slow_bytes)
+                    for dst, v in zip(out.byte_arrays, values):
+                        dst[i, starts[n] + j] = v
+            else:
+                for dst, src in zip(out.byte_arrays, bytes_):
+                    dst[i, cols] = src[n]
+            out.owner_bytes[i, cols] = out.hbm_bytes_per_rank[i, cols]
+            out.owner_slow_bytes[i, cols] = out.ddr_bytes_per_rank[i, cols]
+            if whole:  # the knapsack's share of every rank; the partitioner places the whole
+                out.hbm_bytes_per_rank[i, cols] = -(-out.owner_bytes[i, cols] // self.world_size)
 
     def _comm_costs(self, tables: Sequence[TableSpec]) -> np.ndarray:
         """``(2, tables)`` modelled communication ms per step: row 0 ROW_WISE, row 1 TABLE_WISE (0 without a
@@ -279,13 +301,12 @@ class GridPlacementEnumerator:
         return costs
 
     def _bulk_storage(
-        self, tables: Sequence[TableSpec], cand: Sequence[Tuple[Mode, float]]
+        self, tables: Sequence[TableSpec], cand: Sequence[Tuple[Mode, float]], W: int, L: int
     ) -> Optional[Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
-        """Bytes of many tables x one candidate list, as ``(tables, options)`` int64 arrays: the contract's
-        array-generic formulas, equal to :meth:`shard_bytes` and its ``machine_sum``. None when a product
-        could overflow int64.
+        """Bytes of many tables x one candidate list sharded row-wise over ``W`` ranks, ``L`` per machine, as
+        ``(tables, options)`` int64 arrays: the contract's array-generic formulas, equal to :meth:`shard_bytes`
+        and its ``machine_sum``. None when a product could overflow int64.
         """
-        W, L = self.world_size, self.local_world_size
         N = np.array([t.rows for t in tables], dtype=np.int64)
         rb = np.array([row_bytes(t.dim, t.dtype, t.optimizer) for t in tables], dtype=np.int64)[:, None]
         ratios = [decimal_ratio(x) for _, x in cand]
@@ -397,8 +418,9 @@ class OptionArrays:
     """Every table's options packed as ``(tables, options)`` arrays.
 
     ``modes`` are int8 codes (0 HYBRID, 1 CACHING, -1 no option), ``sharding`` int8 codes (0 ROW_WISE,
-    1 TABLE_WISE); bytes are int64 of the most loaded rank / machine (a table-wise option's HBM per rank is
-    its share ``ceil(bytes / W)``, ``owner_bytes`` what its owner holds); ``cost`` is float64 modelled ms
+    1 TABLE_WISE); bytes are int64 of the most loaded rank / machine (a table-wise option's HBM per rank and
+    DDR per machine are its shares ``ceil(bytes / W)`` and ``ceil(slow bytes / machines)``; ``owner_bytes`` /
+    ``owner_slow_bytes`` what its owner holds); ``cost`` is float64 modelled ms
     (``lookup_cost + comm_cost``), ``inf`` where a table has fewer options.
     """
 
@@ -411,6 +433,7 @@ class OptionArrays:
     cost: np.ndarray
     sharding: np.ndarray
     owner_bytes: np.ndarray
+    owner_slow_bytes: np.ndarray
     lookup_cost: np.ndarray
     comm_cost: np.ndarray
 
@@ -428,6 +451,7 @@ class OptionArrays:
             z(),
             np.full(shape, np.inf),
             np.zeros(shape, dtype=np.int8),
+            z(),
             z(),
             np.zeros(shape),
             np.zeros(shape),
@@ -450,6 +474,7 @@ class OptionArrays:
             cost=float(self.cost[table, index]),
             sharding_type=SHARDING_OF_CODE[int(self.sharding[table, index])],
             owner_bytes=int(self.owner_bytes[table, index]),
+            owner_slow_bytes=int(self.owner_slow_bytes[table, index]),
             lookup_cost=float(self.lookup_cost[table, index]),
             comm_cost=float(self.comm_cost[table, index]),
         )

@@ -37,10 +37,10 @@ from recpipe.planner.specs import BACKEND_SHARD_STORAGE, STORAGE_BACKENDS
 
 def option_text(o: Any) -> str:
     """A placement option in words: ``table_wise FUSED`` or ``row_wise CACHING x=0.20``."""
-    if o.sharding_type == ShardingType.TABLE_WISE.value:
+    if o.sharding_type == ShardingType.TABLE_WISE.value and o.cache_load_factor >= 1.0:
         return "table_wise FUSED"
     storage = o.mode.name if o.cache_load_factor < 1.0 else "HBM"
-    return f"row_wise {storage} x={_load_factor_text(o.cache_load_factor)}"
+    return f"{o.sharding_type} {storage} x={_load_factor_text(o.cache_load_factor)}"
 
 
 def _load_factor_text(x: float) -> str:
@@ -56,7 +56,8 @@ class TablePlacement:
     ``*_per_rank`` / ``*_per_machine`` bytes are those of the most loaded rank / machine (a table-wise
     table's: its owner ``rank``'s); ``cost`` is the modelled step cost in ms, ``lookup_cost`` plus
     ``comm_cost``; ``optimizer`` and ``dtype`` are what the bytes were sized for; ``reason`` says why the
-    option won. A TABLE_WISE table is all in the fast tier (mode HYBRID, x = 1) in torchrec's FUSED kernel.
+    option won. A TABLE_WISE table all in the fast tier (mode HYBRID, x = 1) is torchrec's FUSED table; other
+    table-wise tables are tiered tables whole on ``rank``.
     """
 
     table: str
@@ -84,9 +85,14 @@ class TablePlacement:
         return self.sharding_type == ShardingType.TABLE_WISE.value
 
     @property
+    def fused(self) -> bool:
+        """Whether the table is torchrec's FUSED table (table-wise, all in the fast tier), not a tiered one."""
+        return self.table_wise and self.cache_load_factor >= 1.0
+
+    @property
     def storage(self) -> str:
-        """``FUSED`` (table-wise), ``HBM`` (row-wise, all in the fast tier), ``HYBRID`` or ``CACHING``."""
-        if self.table_wise:
+        """``FUSED`` (torchrec's table), ``HBM`` (tiered, all in the fast tier), ``HYBRID`` or ``CACHING``."""
+        if self.fused:
             return "FUSED"
         return self.mode.name if self.cache_load_factor < 1.0 else "HBM"
 
@@ -136,10 +142,20 @@ class PlacementPlan:
         """Total fast-tier bytes on the most loaded rank."""
         return max(self.rank_hbm_bytes(), default=0)
 
+    def machine_ddr_bytes(self) -> List[int]:
+        """Slow-tier bytes of every machine: each row-wise table's most loaded machine's bytes plus the
+        table-wise tables its ranks own."""
+        row_wise = sum(p.ddr_bytes_per_machine for p in self.placements if not p.table_wise)
+        out = [row_wise] * (self.world_size // self.local_world_size)
+        for p in self.placements:
+            if p.table_wise and p.rank is not None:
+                out[p.rank // self.local_world_size] += p.ddr_bytes_per_machine
+        return out
+
     @property
     def ddr_bytes_per_machine(self) -> int:
         """Total slow-tier bytes on the most loaded machine."""
-        return sum(p.ddr_bytes_per_machine for p in self.placements)
+        return max(self.machine_ddr_bytes(), default=0)
 
     @property
     def total_cost(self) -> float:
@@ -235,7 +251,9 @@ class PlacementPlan:
             f"modes: {sum(p.storage == 'HYBRID' for p in self.placements)} HYBRID, "
             f"{sum(p.storage == 'CACHING' for p in self.placements)} CACHING, "
             f"{sum(p.storage == 'HBM' for p in self.placements)} all-HBM, "
-            f"{sum(p.table_wise for p in self.placements)} table-wise FUSED",
+            f"{sum(p.fused for p in self.placements)} table-wise FUSED; "
+            f"{sum(p.table_wise for p in self.placements)} table-wise, "
+            f"{sum(not p.table_wise for p in self.placements)} row-wise",
         ]
         return "\n".join(lines)
 
@@ -439,9 +457,9 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
 def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:
     """torchrec ``ShardingPlan`` for a placement plan.
 
-    A row-wise table gets a ``PlacementParameterSharding`` (ROW_WISE, CUSTOMIZED_KERNEL) carrying
-    ``plan.placement_params(...)``; a table-wise one torchrec's own TABLE_WISE FUSED ``ParameterSharding``
-    on its rank. Warns when
+    A tiered table gets a ``PlacementParameterSharding`` (ROW_WISE over every rank or TABLE_WISE on its
+    rank, CUSTOMIZED_KERNEL) carrying ``plan.placement_params(...)``; a FUSED one torchrec's own TABLE_WISE
+    FUSED ``ParameterSharding`` on its rank. Warns when
     ``compute_device`` is given and the tiered sharders' default backend there runs another layout than
     ``plan.backend``, with the bytes of both.
     """
@@ -456,7 +474,7 @@ def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> Sha
     modules: Dict[str, EmbeddingModuleShardingPlan] = {}
     for p in plan.placements:
         module_plan = modules.setdefault(p.module_path, EmbeddingModuleShardingPlan())
-        if p.table_wise:
+        if p.fused:
             module_plan[p.table] = ParameterSharding(
                 sharding_type=ShardingType.TABLE_WISE.value,
                 compute_kernel=EmbeddingComputeKernel.FUSED.value,
@@ -470,12 +488,18 @@ def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> Sha
                 ),
             )
             continue
+        if p.table_wise:
+            ranks = [int(p.rank)]  # type: ignore[arg-type]
+            spec = table_wise_sharding_spec(p.rows, p.dim, ranks[0], plan.local_world_size, device)
+        else:
+            ranks = list(range(plan.world_size))
+            spec = row_wise_sharding_spec(p.rows, p.dim, plan.world_size, plan.local_world_size, device)
         module_plan[p.table] = PlacementParameterSharding.from_params(
             plan.placement_params(p),
-            sharding_type=ShardingType.ROW_WISE.value,
+            sharding_type=p.sharding_type,
             compute_kernel=EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value,
-            ranks=list(range(plan.world_size)),
-            sharding_spec=row_wise_sharding_spec(p.rows, p.dim, plan.world_size, plan.local_world_size, device),
+            ranks=ranks,
+            sharding_spec=spec,
         )
     return ShardingPlan(plan=dict(modules))
 
@@ -497,7 +521,7 @@ def _layout_bytes(plan: PlacementPlan, layout: str) -> List[Optional[Tuple[int, 
     W, L = plan.world_size, plan.local_world_size
     out: List[Optional[Tuple[int, int]]] = []
     for p in plan.placements:
-        if p.table_wise:  # torchrec's FUSED table: the same bytes whichever tiered layout runs
+        if p.fused:  # torchrec's FUSED table: the same bytes whichever tiered layout runs
             out.append((p.hbm_bytes_per_rank, p.ddr_bytes_per_machine))
             continue
 
@@ -507,6 +531,9 @@ def _layout_bytes(plan: PlacementPlan, layout: str) -> List[Optional[Tuple[int, 
             )
 
         try:
+            if p.table_wise:  # the whole table on its owner and its machine
+                out.append((shard(p.rows).fast_bytes, shard(p.rows).slow_bytes))
+                continue
             out.append((shard(max_local_rows(p.rows, W)).fast_bytes, machine_sum(p.rows, W, L, shard).slow_bytes))
         except ValueError:
             out.append(None)

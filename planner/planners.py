@@ -29,7 +29,7 @@ from recpipe.planner.cost_models import make_cost_model
 from recpipe.planner.diagnosis import InfeasibilityDiagnosis
 from recpipe.planner.enumerators import TABLE_WISE, GridPlacementEnumerator, OptionArrays
 from recpipe.planner.errors import PlannerError, PlannerErrorType, sized, solutions
-from recpipe.planner.partitioners import GreedyTableWisePartitioner
+from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition
 from recpipe.planner.plan import PlacementPlan, TablePlacement, option_text
 from recpipe.planner.proposers import DynamicProgrammingProposer
 from recpipe.planner.specs import DEFAULT_LOAD_FACTORS, PlacementConstraints, TableSpec, check_topology_args
@@ -228,9 +228,9 @@ class PlacementPlanner:
         """The knapsack's choice per table and the owner rank of each table-wise one (-1 for row-wise).
 
         A table-wise option larger than a rank's budget is dropped first. Table-wise tables the partitioner
-        cannot place (the knapsack sees only their share of every rank) take their cheapest row-wise option
-        that still fits; if one does not, the knapsack runs again with its HBM budget lowered by the largest
-        such share, up to ``MAX_PARTITION_REPAIRS`` times.
+        cannot place (the knapsack sees only their share of every rank) take their cheapest option that still
+        fits (:meth:`_repair`); if one has none, the knapsack runs again with its HBM budget lowered by the
+        largest such share, up to ``MAX_PARTITION_REPAIRS`` times.
         """
         W = self.topology.world_size
         cost = options.cost.copy()
@@ -245,14 +245,25 @@ class PlacementPlanner:
                 raise InfeasibilityDiagnosis(self, specs, options, H, D).error()
             choice = np.array(choice, dtype=np.int64)
             tw = np.flatnonzero(options.sharding[rows, choice] == 1)
-            rw_hbm = options.hbm_bytes_per_rank[rows, choice].sum() - options.hbm_bytes_per_rank[tw, choice[tw]].sum()
+            rw = np.flatnonzero(options.sharding[rows, choice] == 0)
+            base = (
+                int(options.hbm_bytes_per_rank[rw, choice[rw]].sum()),
+                int(options.ddr_bytes_per_machine[rw, choice[rw]].sum()),
+            )
             part = self.partitioner.partition(
-                options.owner_bytes[tw, choice[tw]], options.cost[tw, choice[tw]], int(rw_hbm), H, W
+                options.owner_bytes[tw, choice[tw]],
+                options.owner_slow_bytes[tw, choice[tw]],
+                options.cost[tw, choice[tw]],
+                base,
+                (H, D),
+                W,
+                self.topology.local_world_size,
             )
             owners = np.full(len(specs), -1, dtype=np.int64)
             owners[tw] = part.owners
             unplaced = tw[part.unplaced]
-            if not unplaced.size or self._row_wise_instead(options, cost, choice, unplaced, part.rank_bytes, H, D):
+            L = self.topology.local_world_size
+            if not unplaced.size or self._repair(options, cost, choice, owners, unplaced, part, H, D, L):
                 return choice, owners
             knapsack_hbm -= int(options.hbm_bytes_per_rank[unplaced, choice[unplaced]].max())
         names = [specs[i].fqn for i in unplaced][:5]
@@ -270,34 +281,47 @@ class PlacementPlanner:
         )
 
     @staticmethod
-    def _row_wise_instead(
+    def _repair(
         options: OptionArrays,
         cost: np.ndarray,
         choice: np.ndarray,
+        owners: np.ndarray,
         unplaced: np.ndarray,
-        rank_bytes: np.ndarray,
+        part: Partition,
         H: int,
         D: int,
+        L: int,
     ) -> bool:
-        """Gives each unplaced table-wise table (largest first) its cheapest row-wise option whose shard every
-        rank still holds and whose slow tier fits; updates ``choice`` and returns True if all found one."""
-        rows = np.arange(choice.shape[0])
-        placed = np.setdiff1d(rows, unplaced)
-        free_hbm = H - int(rank_bytes.max())
-        free_ddr = D - int(options.ddr_bytes_per_machine[placed, choice[placed]].sum())
+        """Gives each unplaced table-wise table (largest first) its cheapest option that still fits: a
+        table-wise one on a rank whose fast tier (and machine's slow tier) holds it, or a row-wise one whose
+        shard every rank and machine holds. Updates ``choice`` and ``owners``; True if every table found one."""
+        rank_bytes, machine_slow = part.rank_bytes.copy(), part.machine_slow_bytes.copy()
         for i in sorted(unplaced.tolist(), key=lambda k: -int(options.owner_bytes[k, choice[k]])):
-            fits = (
-                (options.sharding[i] == 0)
-                & np.isfinite(cost[i])
-                & (options.hbm_bytes_per_rank[i] <= free_hbm)
-                & (options.ddr_bytes_per_machine[i] <= free_ddr)
-            )
-            if not fits.any():
+            best: Tuple[float, int, int] = (np.inf, -1, -1)  # (cost, option, owner or -1)
+            for j in np.flatnonzero(np.isfinite(cost[i])):
+                if options.sharding[i, j] == 0:
+                    fits = (
+                        rank_bytes.max() + options.hbm_bytes_per_rank[i, j] <= H
+                        and machine_slow.max() + options.ddr_bytes_per_machine[i, j] <= D
+                    )
+                    owner = -1
+                else:
+                    ok = (rank_bytes + options.owner_bytes[i, j] <= H) & (
+                        machine_slow[np.arange(rank_bytes.size) // L] + options.owner_slow_bytes[i, j] <= D
+                    )
+                    fits, owner = bool(ok.any()), int(np.flatnonzero(ok)[0]) if ok.any() else -1
+                if fits and cost[i, j] < best[0]:
+                    best = (float(cost[i, j]), int(j), owner)
+            _, j, owner = best
+            if j < 0:
                 return False
-            j = int(np.flatnonzero(fits)[np.argmin(cost[i, fits])])
-            choice[i] = j
-            free_hbm -= int(options.hbm_bytes_per_rank[i, j])
-            free_ddr -= int(options.ddr_bytes_per_machine[i, j])
+            choice[i], owners[i] = j, owner
+            if owner < 0:
+                rank_bytes += options.hbm_bytes_per_rank[i, j]
+                machine_slow += options.ddr_bytes_per_machine[i, j]
+            else:
+                rank_bytes[owner] += options.owner_bytes[i, j]
+                machine_slow[owner // L] += options.owner_slow_bytes[i, j]
         return True
 
 
@@ -306,8 +330,10 @@ def _placement(t: TableSpec, options: OptionArrays, i: int, j: int, owner: int) 
     o = options.option(i, j)
     fields = vars(o).copy()
     fields.pop("owner_bytes")
-    if o.sharding_type == TABLE_WISE:  # all of it on the owner
+    fields.pop("owner_slow_bytes")
+    if o.sharding_type == TABLE_WISE:  # all of it on the owner and its machine
         fields["hbm_bytes_per_rank"] = fields["hbm_bytes_per_machine"] = o.owner_bytes
+        fields["ddr_bytes_per_rank"] = fields["ddr_bytes_per_machine"] = o.owner_slow_bytes
     valid = np.flatnonzero(options.modes[i] >= 0)
     best = int(valid[np.argmin(options.cost[i, valid])])
     if best != j:

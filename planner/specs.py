@@ -166,8 +166,8 @@ class PlacementConstraints:
     load_factors: Optional[Sequence[float]] = None
     """Restrict this table's x grid (instead of the planner-wide grid)."""
     sharding_type: Optional[str] = None
-    """Pin the sharding type: ``table_wise`` (whole table on one rank, all in the fast tier, torchrec's FUSED
-    kernel) or ``row_wise`` (recpipe's tiered tables)."""
+    """Pin the sharding type: ``table_wise`` (the whole table on one rank: torchrec's FUSED table when all in
+    the fast tier, else a tiered table) or ``row_wise`` (a tiered table over every rank)."""
 
     def __post_init__(self) -> None:
         if self.sharding_type is not None:
@@ -175,15 +175,6 @@ class PlacementConstraints:
             if self.sharding_type not in ("table_wise", "row_wise"):
                 raise ValueError(
                     f"PlacementConstraints.sharding_type must be 'table_wise' or 'row_wise', got {self.sharding_type!r}."
-                )
-            tiered_pin = self.mode is not None or (
-                self.cache_load_factor is not None and float(self.cache_load_factor) < 1.0
-            )
-            if self.sharding_type == "table_wise" and tiered_pin:
-                raise ValueError(
-                    "PlacementConstraints(sharding_type='table_wise') holds the whole table in the fast tier "
-                    "(torchrec's FUSED kernel), so it takes no mode or cache_load_factor < 1: drop those, or pin "
-                    "sharding_type='row_wise' for a tiered table."
                 )
         if self.mode is not None:
             self.mode = Mode.parse(self.mode)
@@ -196,8 +187,9 @@ class PlacementConstraints:
 @dataclass(frozen=True)
 class PlacementOption:
     """One (sharding type, mode, x) candidate for a table, with its bytes (most loaded rank / machine) and
-    modelled ms (``cost = lookup_cost + comm_cost``). A table-wise option's ``hbm_bytes_per_rank`` is its
-    share of the knapsack (``ceil(bytes / W)``); ``owner_bytes`` is what the rank holding it holds."""
+    modelled ms (``cost = lookup_cost + comm_cost``). A table-wise option's ``hbm_bytes_per_rank`` and
+    ``ddr_bytes_per_machine`` are its shares of the knapsack; ``owner_bytes`` / ``owner_slow_bytes`` are what
+    the rank holding it holds."""
 
     mode: Mode
     cache_load_factor: float
@@ -208,6 +200,7 @@ class PlacementOption:
     cost: float = 0.0
     sharding_type: str = "row_wise"
     owner_bytes: int = 0
+    owner_slow_bytes: int = 0
     lookup_cost: float = 0.0
     comm_cost: float = 0.0
 

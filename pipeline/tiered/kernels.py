@@ -25,13 +25,15 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.pipeline.tiered.fused_optimizer import TieredFusedOptimizer
 from recpipe.pipeline.tiered.fused_params import table_backend, tiered_output_dtype, tiered_placement, tiered_vbe_error
+from recpipe.pipeline.tiered.routing import WholeTableRouting
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, bounds_check_mode_of
 
 
 class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
     """A CUSTOMIZED_KERNEL group: one :class:`TieredEmbeddingShard` per table (pooled and sequence base).
 
-    ``pg`` is the sharding process group (rank, world size), ``device`` the fast tier's.
+    ``pg`` is the sharding process group (rank, world size), ``device`` the fast tier's; ``whole_tables``:
+    each table lives whole on this rank (TABLE_WISE: local id = global id), else row-wise over ``pg``.
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
         config: GroupedEmbeddingConfig,
         pg: Optional[dist.ProcessGroup] = None,
         device: Optional[torch.device] = None,
+        whole_tables: bool = False,
     ) -> None:
         super().__init__()
         self._config = config
@@ -68,6 +71,7 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
                 device=device,
                 table_name=table.name,
                 backend=backend,
+                routing=WholeTableRouting(table.num_embeddings) if whole_tables else None,
                 weight_init_min=table.get_weight_init_min(),  # torchrec's fused kernels' init range
                 weight_init_max=table.get_weight_init_max(),
                 # fbgemm's rule for torchrec's FUSED tables: the fused param, default WARNING
@@ -139,7 +143,7 @@ class TieredBatchedEmbeddingBag(TieredKernelBase):
         sharding_type: Optional[ShardingType] = ShardingType.ROW_WISE,
     ) -> None:
         self._sharding_type = sharding_type  # read by _shard_pooling during super().__init__
-        super().__init__(config, pg=pg, device=device)
+        super().__init__(config, pg=pg, device=device, whole_tables=sharding_type == ShardingType.TABLE_WISE)
 
     def _shard_pooling(self, table: ShardedEmbeddingTable) -> str:
         if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
@@ -213,7 +217,10 @@ class TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
 
 
 class TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
-    """torchrec's grouped sequence lookup; CUSTOMIZED_KERNEL groups get the tiered kernel."""
+    """torchrec's grouped sequence lookup; CUSTOMIZED_KERNEL groups get the tiered kernel (row-wise shards,
+    or whole tables when ``_WHOLE_TABLES``)."""
+
+    _WHOLE_TABLES: bool = False
 
     def _create_embedding_kernel(  # type: ignore[override]
         self,
@@ -223,5 +230,11 @@ class TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
         env: Optional[ShardingEnv] = None,
     ) -> BaseEmbedding:
         if config.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL:
-            return TieredBatchedEmbedding(config=config, pg=pg, device=device)
+            return TieredBatchedEmbedding(config=config, pg=pg, device=device, whole_tables=self._WHOLE_TABLES)
         return super()._create_embedding_kernel(config, pg, device, env)
+
+
+class TieredTwGroupedEmbeddingsLookup(TieredGroupedEmbeddingsLookup):
+    """The grouped sequence lookup of table-wise tiered tables (each whole on this rank)."""
+
+    _WHOLE_TABLES = True

@@ -15,13 +15,15 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
-from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import (
     BaseEmbeddingLookup,
     BaseGroupedFeatureProcessor,
     EmbeddingComputeKernel,
 )
-from torchrec.distributed.types import ShardingType
+from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
+from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
+from torchrec.distributed.types import QuantizedCommCodecs, ShardingType
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -33,6 +35,7 @@ from recpipe.pipeline.tiered.kernels import (
     TieredGroupedEmbeddingsLookup,
     TieredGroupedPooledEmbeddingsLookup,
     TieredKernelBase,
+    TieredTwGroupedEmbeddingsLookup,
 )
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.state import STATE_FIELDS, TieredShardState
@@ -86,6 +89,53 @@ class TieredRwSequenceEmbeddingSharding(_TieredRoutingMixin, RecpipeRwSequenceEm
     _LOOKUP = TieredGroupedEmbeddingsLookup
 
 
+class _TieredTableWiseMixin:
+    """torchrec's table-wise sharding whose CUSTOMIZED_KERNEL tables are tiered, each whole on its owner rank:
+    completes their placement (``backend`` as the row-wise shardings do) and builds the tiered lookup."""
+
+    _backend: ClassVar[Optional[str]] = None
+    _LOOKUP: ClassVar[type]
+    _POOLED: ClassVar[bool] = False
+
+    def __init__(self, sharding_infos: List[EmbeddingShardingInfo], *args: Any, **kwargs: Any) -> None:
+        resolve_tiered_fused_params(sharding_infos, None, self._backend)
+        super().__init__(sharding_infos, *args, **kwargs)  # type: ignore[call-arg]
+
+    def create_lookup(
+        self,
+        device: Optional[torch.device] = None,
+        fused_params: Optional[Dict[str, Any]] = None,
+        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
+    ) -> BaseEmbeddingLookup:
+        pooled = {"feature_processor": feature_processor, "sharding_type": ShardingType.TABLE_WISE}
+        return self._LOOKUP(
+            grouped_configs=self._grouped_embedding_configs,  # type: ignore[attr-defined]
+            pg=self._pg,  # type: ignore[attr-defined]
+            device=device if device is not None else self._device,  # type: ignore[attr-defined]
+            env=self._env,  # type: ignore[attr-defined]
+            **(pooled if self._POOLED else {}),
+        )
+
+
+class TieredTwPooledEmbeddingSharding(_TieredTableWiseMixin, TwPooledEmbeddingSharding):
+    """torchrec's table-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered."""
+
+    _LOOKUP = TieredGroupedPooledEmbeddingsLookup
+    _POOLED = True
+
+
+class TieredTwSequenceEmbeddingSharding(_TieredTableWiseMixin, TwSequenceEmbeddingSharding):
+    """torchrec's table-wise sequence sharding whose CUSTOMIZED_KERNEL tables are tiered."""
+
+    _LOOKUP = TieredTwGroupedEmbeddingsLookup
+
+
+def _tiered(sharding_infos: List[EmbeddingShardingInfo]) -> bool:
+    """Whether any of the tables is tiered (CUSTOMIZED_KERNEL)."""
+    kernel = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+    return any(info.param_sharding.compute_kernel == kernel for info in sharding_infos)
+
+
 #: state_dict key infix of a tiered table's rows: ``<collection>.<table>.tiered.<field>``.
 TIERED_STATE_KEY = "tiered"
 
@@ -102,12 +152,20 @@ class TieredTablesMixin:
     #: the attribute (and state_dict key part) holding the tables: EBC ``embedding_bags``, EC ``embeddings``
     TIERED_COLLECTION: str = "embedding_bags"
     _ROW_WISE_SHARDING: ClassVar[type]
+    #: the sharding of table-wise groups holding a tiered table (others: torchrec's own)
+    _TABLE_WISE_SHARDING: ClassVar[type]
 
     @classmethod
     def with_backend(cls, backend: str) -> type:
         """A subclass whose tiered tables run ``backend``, as ``with_routing`` carries the routing."""
-        sharding = type(cls._ROW_WISE_SHARDING.__name__, (cls._ROW_WISE_SHARDING,), {"_backend": backend})
-        return type(cls.__name__, (cls,), {"_ROW_WISE_SHARDING": sharding})
+        shardings = {
+            name: type(base.__name__, (base,), {"_backend": backend})
+            for name, base in (
+                ("_ROW_WISE_SHARDING", cls._ROW_WISE_SHARDING),
+                ("_TABLE_WISE_SHARDING", cls._TABLE_WISE_SHARDING),
+            )
+        }
+        return type(cls.__name__, (cls,), shardings)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
@@ -256,6 +314,26 @@ class TieredShardedEmbeddingBagCollection(TieredTablesMixin, RecpipeShardedEmbed
     """recpipe's routed ``ShardedEmbeddingBagCollection`` with tiered CUSTOMIZED_KERNEL tables."""
 
     _ROW_WISE_SHARDING = TieredRwPooledEmbeddingSharding
+    _TABLE_WISE_SHARDING = TieredTwPooledEmbeddingSharding
+
+    @classmethod
+    def create_embedding_bag_sharding(
+        cls,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: Any,
+        device: Optional[torch.device] = None,
+        permute_embeddings: bool = False,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> EmbeddingSharding:
+        if sharding_infos[0].param_sharding.sharding_type == ShardingType.TABLE_WISE.value and _tiered(sharding_infos):
+            return cls._TABLE_WISE_SHARDING(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
+        return super().create_embedding_bag_sharding(
+            sharding_infos,
+            env,
+            device,
+            permute_embeddings=permute_embeddings,
+            qcomm_codecs_registry=qcomm_codecs_registry,
+        )
 
     def input_dist(self, ctx: Any, features: Any) -> Any:
         """torchrec's input dist, after refusing (ValueError) a VBE KJT when the collection has tiered
@@ -295,12 +373,13 @@ def _load_full_tiered_weights(
     tiered = module.tiered_tables()
     for name in tiered_names:
         key = f"{key_prefix}{name}.weight"
-        if key not in state_dict or name not in tiered:
+        if key not in state_dict:
             continue
         value = state_dict[key]
         if value.numel() == 0:
             continue
-        tiered[name].load_global_weights(value.detach())
+        if name in tiered:  # else a table-wise tiered table another rank holds: nothing of it loads here
+            tiered[name].load_global_weights(value.detach())
         state_dict[key] = torch.empty(0)
 
 
@@ -309,6 +388,24 @@ class TieredShardedEmbeddingCollection(TieredTablesMixin, RecpipeShardedEmbeddin
 
     TIERED_COLLECTION = "embeddings"
     _ROW_WISE_SHARDING = TieredRwSequenceEmbeddingSharding
+    _TABLE_WISE_SHARDING = TieredTwSequenceEmbeddingSharding
+
+    @classmethod
+    def create_embedding_sharding(
+        cls,
+        sharding_type: str,
+        sharding_infos: List[EmbeddingShardingInfo],
+        env: Any,
+        device: Optional[torch.device] = None,
+        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
+    ) -> EmbeddingSharding:
+        if sharding_type == ShardingType.TABLE_WISE.value and _tiered(sharding_infos):
+            return cls._TABLE_WISE_SHARDING(
+                sharding_infos=sharding_infos, env=env, device=device, qcomm_codecs_registry=qcomm_codecs_registry
+            )
+        return super().create_embedding_sharding(
+            sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
+        )
 
 
 @contextmanager

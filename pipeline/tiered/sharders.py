@@ -1,7 +1,7 @@
-"""torchrec sharders that run recpipe tiered tables behind row-wise sharding.
+"""torchrec sharders that run recpipe tiered tables behind row-wise or table-wise sharding.
 
 They extend recpipe's routed EBC / EC sharders with the ``CUSTOMIZED_KERNEL`` compute kernel for
-ROW_WISE tables and shard to the tiered sharded collections; ``backend=`` reaches the kernel
+ROW_WISE and TABLE_WISE tables and shard to the tiered sharded collections; ``backend=`` reaches the kernel
 through the tiered tables' fused params (``FUSED_PARAM_BACKEND``). May import
 ``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and other ``recpipe.pipeline.tiered`` modules.
 """
@@ -21,7 +21,7 @@ from recpipe.pipeline.tiered.sharded import TieredShardedEmbeddingBagCollection,
 
 
 class _TieredSharderMixin:
-    """Offers the tiered CUSTOMIZED_KERNEL for ROW_WISE tables and refuses it elsewhere. ``backend``
+    """Offers the tiered CUSTOMIZED_KERNEL for ROW_WISE and TABLE_WISE tables and refuses it elsewhere. ``backend``
     (keyword-only): ``native``, ``fbgemm``, ``torch``, or None for the device's default; refused when
     unknown, or (in :meth:`shard`) when it cannot run on the device."""
 
@@ -40,7 +40,7 @@ class _TieredSharderMixin:
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
         kernels: List[str] = super().compute_kernels(sharding_type, compute_device_type)  # type: ignore[misc]
-        if sharding_type == ShardingType.ROW_WISE.value:
+        if sharding_type in TIERED_SHARDING_TYPES:
             kernels.append(EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value)
         return kernels
 
@@ -72,14 +72,19 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, RecpipeEmbeddingB
     _SHARDED_MODULE = TieredShardedEmbeddingBagCollection
 
 
+#: Sharding types a tiered (CUSTOMIZED_KERNEL) table runs under: row-wise over every rank (hash-routed),
+#: or whole on one rank.
+TIERED_SHARDING_TYPES = (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value)
+
+
 def _check_tiered_params(params: Dict[str, ParameterSharding]) -> None:
     for name, ps in params.items():
         if (
             ps.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
-            and ps.sharding_type != ShardingType.ROW_WISE.value
+            and ps.sharding_type not in TIERED_SHARDING_TYPES
         ):
             raise ValueError(
-                f"table {name}: CUSTOMIZED_KERNEL (tiered) needs sharding_type row_wise, got "
+                f"table {name}: CUSTOMIZED_KERNEL (tiered) needs sharding_type row_wise or table_wise, got "
                 f"{ps.sharding_type}; build the plan with recpipe.planner (PlacementPlan.to_sharding_plan())."
             )
 
