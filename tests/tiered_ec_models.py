@@ -64,6 +64,9 @@ def planner_plan(ec: Any, world: int) -> Any:
     from recpipe.planner.specs import PlacementConstraints
 
     topo = Topology(world_size=world, local_world_size=world, compute_device="cuda", hbm_cap=1 << 30, ddr_cap=1 << 32)
-    constraints = {t: PlacementConstraints(mode=m, cache_load_factor=x) for t, (m, x) in PLACEMENT.items()}
+    constraints = {
+        t: PlacementConstraints(sharding_type="row_wise", mode=m, cache_load_factor=x)
+        for t, (m, x) in PLACEMENT.items()
+    }
     placement = PlacementPlanner(topo, constraints=constraints, optimizer="sgd", backend="native").plan(ec)
     return placement.to_sharding_plan(compute_device="cpu")

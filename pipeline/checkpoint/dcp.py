@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
@@ -53,7 +53,9 @@ from recpipe.pipeline.checkpoint.layout import (
     extra_state_entry,
     non_finite_tiered_rows,
     regular_state_dict,
+    remote_tiered_tables,
     tiered_tables,
+    weight_key,
 )
 from recpipe.pipeline.checkpoint.leave import Unadoption, check_unadoptions, fill_unadopted
 from recpipe.pipeline.checkpoint.storage import FILE_SYSTEM, OsErrorNamingWriter
@@ -97,6 +99,7 @@ class _LoadPlan(NamedTuple):
     adopted: Dict[str, Adoption]  # tiered tables loaded from the checkpoint's torchrec tables
     adopters: Dict[str, TieredEmbeddingShard]  # those tables' shards
     unadopted: Dict[str, Unadoption]  # torchrec tables loaded from the checkpoint's exports
+    remote: List[str]  # table-wise tiered tables other ranks hold (fqns): nothing loads here
 
 
 def _plan_load(model: nn.Module, src: Source, strict: bool, process_group: Optional[dist.ProcessGroup]) -> _LoadPlan:
@@ -122,7 +125,7 @@ def _plan_load(model: nn.Module, src: Source, strict: bool, process_group: Optio
         heads.update({fqn: exports.tiered_heads(shard, src, fqn) for fqn, shard in tiered.items()})
 
     raise_first_refusal(refusals(read_heads, process_group), process_group)
-    return _LoadPlan(src, state, tiered, heads, adopted, adopters, unadopted)
+    return _LoadPlan(src, state, tiered, heads, adopted, adopters, unadopted, remote_tiered_tables(found))
 
 
 def _each_table(plan: _LoadPlan, check: bool) -> None:
@@ -148,6 +151,8 @@ def _load_regular(model: nn.Module, plan: _LoadPlan, strict: bool, process_group
     # an adopted table's weight key holds the tiered table's empty placeholder here and the
     # torchrec table in the checkpoint: streamed by load_adopted_table, not resharded by DCP
     placeholders = {a.weight_key: state.pop(a.weight_key) for a in plan.adopted.values()}
+    remote = [weight_key(fqn, state) for fqn in plan.remote]
+    placeholders.update({key: state.pop(key) for key in remote if key is not None})
     planner = DefaultLoadPlanner(allow_partial_load=not strict)
     dcp_load(state, src, process_group=process_group, no_dist=not dist.is_initialized(), planner=planner)
     optimizer_state = state.pop(FUSED_OPTIMIZER_KEY, None)

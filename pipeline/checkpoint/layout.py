@@ -85,6 +85,16 @@ def tiered_tables(found: Dict[str, Tuple[TieredTablesMixin, str]]) -> Dict[str, 
     }
 
 
+def remote_tiered_tables(found: Dict[str, Tuple[TieredTablesMixin, str]]) -> List[str]:
+    """Fqns of the table-wise tiered tables another rank holds: here only an empty ``weight`` placeholder,
+    which neither DCP nor a torchrec checkpoint of the table fills."""
+    return [
+        f"{prefix}{collection}.{name}"
+        for prefix, (module, collection) in found.items()
+        for name in module.remote_tiered_names()
+    ]
+
+
 def dcp_state_dict(model: nn.Module) -> Dict[str, Any]:
     """The state dict to pass to ``torch.distributed.checkpoint.save``: the regular state
     (tiered rows left out), ``fused_optimizer`` and this rank's export of every tiered table

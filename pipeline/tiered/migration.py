@@ -66,6 +66,14 @@ def gather_full_weights(
                 out[shard_global_rows(shard.metadata, t.shape[0], order), c0 : c0 + t.shape[1]] = t
             full[key] = out
     if dist.is_initialized():
+        # a table-wise tiered table is exported by its owner only: every rank sums zeros for it
+        shapes: List[Dict[str, Tuple[Tuple[int, ...], torch.dtype]]] = [{}] * dist.get_world_size(process_group)
+        mine = {k: (tuple(v.shape), v.dtype) for k, v in full.items()}
+        dist.all_gather_object(shapes, mine, group=process_group)
+        for seen in shapes:
+            for key, (shape, dtype) in seen.items():
+                if key not in full:
+                    full[key] = torch.zeros(shape, dtype=dtype)
         for key in sorted(full):  # same order on every rank (DTensors are complete already)
             if not isinstance(state.get(key), DTensor):
                 full[key] = _all_reduce_cpu(full[key], dist.ReduceOp.SUM, process_group)

@@ -292,6 +292,12 @@ class TieredTablesMixin:
                     out.update({name: shard for name, shard in module.tables.items()})  # type: ignore[misc]
         return out
 
+    def remote_tiered_names(self) -> List[str]:
+        """Tiered tables of this module that another rank holds whole (table-wise): here only their empty
+        ``weight`` placeholder."""
+        local = self.tiered_tables()
+        return [name for name in self._tiered_names() if name not in local]
+
     def tier_stats(self) -> Dict[str, Dict[str, float]]:
         """Table name -> ``TieredEmbeddingShard.tier_stats()`` of this rank's last step."""
         return {name: shard.tier_stats() for name, shard in self.tiered_tables().items()}
