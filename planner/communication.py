@@ -131,11 +131,20 @@ class CommCostModel:
         return (in_bytes + pooled * (W - 1)) / c.network_bw, (W * bags * c.bag_ns + route) / 1e6
 
     def cost_array(self, tables: Sequence[TableSpec], sharding_type: str) -> np.ndarray:
-        """Modelled ms per step of every table under ``sharding_type`` (:meth:`split` summed), float64."""
-        if not tables:
-            return np.zeros(0)
-        split = np.array([self.split(t, sharding_type) for t in tables], dtype=np.float64)
-        return split.sum(axis=1)
+        """Modelled ms per step of every table under ``sharding_type``: :meth:`split` summed, over arrays."""
+        if sharding_type not in PLANNED_SHARDING_TYPES:
+            raise ValueError(f"sharding_type must be one of {list(PLANNED_SHARDING_TYPES)}, got {sharding_type!r}.")
+        W, c = self.world_size, self.constants
+        ids = np.array([t.lookups_per_step for t in tables], dtype=np.float64)
+        bags = np.array([t.bags_per_step for t in tables], dtype=np.float64)
+        dims = np.array([t.dim for t in tables], dtype=np.float64)
+        remote = (W - 1) / W
+        pooled = 2.0 * bags * dims * POOLED_VALUE_BYTES
+        in_bytes = (ids * ID_BYTES + bags * LENGTH_BYTES) * remote
+        if sharding_type == ShardingType.TABLE_WISE.value:
+            return (in_bytes + pooled * remote) / c.network_bw + bags * c.bag_ns / 1e6
+        route = ids * c.bucketize_ns if W > 1 else 0.0
+        return (in_bytes + pooled * (W - 1)) / c.network_bw + (W * bags * c.bag_ns + route) / 1e6
 
     def costs(self, table: TableSpec, sharding_types: Sequence[str]) -> np.ndarray:
         """Modelled ms per step of each sharding type of ``table`` (network plus compute), float64."""

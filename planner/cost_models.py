@@ -10,7 +10,6 @@ rates fitted by TorchEasyRec PR #508 (A10 sweep of fbgemm's step, state traffic 
 
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 from typing import List, Sequence, Tuple, Union
@@ -24,6 +23,7 @@ from recpipe.pipeline.placement import (
     Mode,
     cache_policy_spec,
     check_load_factor,
+    decimal_ratio,
     dtype_itemsize,
     floor_fraction,
     optimizer_state_bytes_per_row,
@@ -31,6 +31,8 @@ from recpipe.pipeline.placement import (
 from recpipe.planner.specs import DEFAULT_ZIPF_ALPHA, STORAGE_BACKENDS, TableSpec
 from recpipe.planner.types import CostModel
 
+# Bound on ``rows x load-factor numerator`` in the vectorized floor_fraction, to stay exact in int64.
+_INT64_SAFE: int = 2**62
 # Terms summed exactly before the Euler-Maclaurin tail of ``generalized_harmonic`` (tail error < 1e-12).
 _HARMONIC_EXACT_TERMS: int = 4096
 
@@ -39,14 +41,6 @@ _HARMONIC_EXACT_TERMS: int = 4096
 EMPIRICAL_CACHING_X_EFF: float = 0.28
 EMPIRICAL_HYBRID_X_EFF: float = 0.11
 EMPIRICAL_X_SLOPE: float = 0.01
-
-
-@functools.lru_cache(maxsize=64)
-def _harmonic_prefix(alpha: float) -> np.ndarray:
-    m = _HARMONIC_EXACT_TERMS
-    out = np.concatenate([[0.0], np.cumsum(np.arange(1, m + 1, dtype=np.float64) ** -alpha)])
-    out.setflags(write=False)
-    return out
 
 
 def generalized_harmonic(n: np.ndarray, alpha: float) -> np.ndarray:
@@ -71,21 +65,41 @@ def generalized_harmonic(n: np.ndarray, alpha: float) -> np.ndarray:
             f"np.array([10, 1000])), got {shown} of dtype {raw.dtype}."
         )
     n = raw.astype(np.float64)
+    return generalized_harmonic_rows(n.reshape(1, -1), np.array([float(alpha)])).reshape(n.shape)
+
+
+# Distinct Zipf exponents whose exact prefix sums are built at once (x 4097 float64 each). Count.
+_PREFIX_CHUNK: int = 256
+
+
+def generalized_harmonic_rows(n: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """:func:`generalized_harmonic` of every row ``i`` of ``n`` (``(T, C)``, whole numbers >= 0 as float64)
+    with exponent ``alpha[i]``, for many tables at once (unchecked: callers check). The exact terms are
+    ``exp(-alpha log i)``, within 3e-15 relative of ``i ** -alpha`` and a few times faster."""
     m = _HARMONIC_EXACT_TERMS
-    prefix = _harmonic_prefix(float(alpha))
     out = np.empty_like(n)
+    top = np.empty(n.shape[0])  # H(m, alpha) per row
+    exps, inv = np.unique(alpha, return_inverse=True)
+    log_terms = np.log(np.arange(1, m + 1, dtype=np.float64))
     small = n <= m
-    out[small] = prefix[n[small].astype(np.int64)]
-    big = n[~small]
-    if big.size:
-        if abs(alpha - 1.0) < 1e-12:
-            integral = np.log(big / m)
-        else:
-            integral = (big ** (1.0 - alpha) - m ** (1.0 - alpha)) / (1.0 - alpha)
-        mf = float(m)  # the f / 2 and f' / 12 terms of f(t) = t^-alpha
-        df1 = -alpha * big ** (-alpha - 1.0) - -alpha * mf ** (-alpha - 1.0)
-        tail = integral + (big**-alpha - mf**-alpha) / 2.0 + df1 / 12.0
-        out[~small] = prefix[m] + tail
+    for start in range(0, exps.size, _PREFIX_CHUNK):
+        a = exps[start : start + _PREFIX_CHUNK]
+        terms = np.exp(-a[:, None] * log_terms[None, :])
+        prefix = np.concatenate([np.zeros((a.size, 1)), np.cumsum(terms, axis=1)], axis=1)
+        rows = np.flatnonzero((inv >= start) & (inv < start + a.size))
+        p = prefix[inv[rows] - start]
+        cols = np.where(small[rows], n[rows], 0).astype(np.int64)
+        out[rows] = np.where(small[rows], np.take_along_axis(p, cols, axis=1), 0.0)
+        top[rows] = p[:, m]
+    big = ~small
+    if big.any():
+        a = np.broadcast_to(alpha[:, None], n.shape)[big]
+        b, mf = n[big], float(m)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            integral = np.where(np.abs(a - 1.0) < 1e-12, np.log(b / m), (b ** (1.0 - a) - m ** (1.0 - a)) / (1.0 - a))
+        df1 = -a * b ** (-a - 1.0) - -a * mf ** (-a - 1.0)
+        tail = integral + (b**-a - mf**-a) / 2.0 + df1 / 12.0
+        out[big] = np.broadcast_to(top[:, None], n.shape)[big] + tail
     return out
 
 
@@ -204,7 +218,53 @@ class _BandwidthMixCostModel:
         return hit * self.hbm_mem_bw + (1.0 - hit) * self.hbm_to_ddr_mem_bw
 
 
-class AnalyticCostModel(_BandwidthMixCostModel):
+class _ZipfCostMatrix:
+    """The bandwidth-mix costs of many tables x one option list at once (:meth:`cost_matrix`): equal to each
+    table's ``costs``, with the Zipf hit rates of all tables from one vectorized harmonic sum."""
+
+    backend: str
+    cache_policy: CachePolicy
+    hbm_mem_bw: float
+    hbm_to_ddr_mem_bw: float
+
+    def cost_matrix(self, tables: Sequence[TableSpec], options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
+        """``(tables, options)`` modelled ms; tables with measured access (``cache_stats``,
+        ``access_counts``) or huge row counts are priced one by one."""
+        if not tables:
+            return np.zeros((0, len(options)))
+        options = _checked_options(tables[0], options)
+        xs = np.array([x for _, x in options], dtype=np.float64)
+        caching = np.array([m is Mode.CACHING for m, _ in options], dtype=bool)
+        cached = caching & (xs < 1.0)
+        hit = np.where(xs >= 1.0, 1.0, xs)[None, :].repeat(len(tables), axis=0)
+        ratios = [decimal_ratio(x) for x in xs[cached]]
+        num = np.array([r[0] for r in ratios], dtype=np.int64)
+        den = np.array([r[1] for r in ratios], dtype=np.int64)
+        rows = np.array([t.rows for t in tables], dtype=np.int64)
+        measured = np.array([t.cache_stats is not None or t.access_counts is not None for t in tables])
+        zipf = ~measured & (rows < _INT64_SAFE // max(int(num.max(initial=1)), 1))
+        if cached.any() and zipf.any():
+            z = np.flatnonzero(zipf)
+            ks = (num[None, :] * rows[z, None]) // den[None, :]  # floor_fraction of every cached option
+            n = np.concatenate([ks, rows[z, None]], axis=1).astype(np.float64)
+            h = generalized_harmonic_rows(n, np.array([tables[i].zipf_alpha for i in z], dtype=np.float64))
+            mass = h[:, :-1] / h[:, -1:]
+            hit_rate = cache_policy_spec(self.cache_policy).hit_rate
+            hit[np.ix_(z, np.flatnonzero(cached))] = hit_rate(xs[cached][None, :], mass)
+        for i in np.flatnonzero(~zipf):
+            hit[i] = _hit_rates(tables[i], options, self.cache_policy)
+        state_hit = hit
+        if self.backend == "fbgemm":
+            rowwise = np.array([t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD for t in tables])[:, None]
+            state_hit = np.where(rowwise, 1.0, np.where(cached[None, :], 0.0, hit))
+        lookups = np.array([t.lookups_per_step for t in tables], dtype=np.float64)
+        value = lookups * np.array([t.dim for t in tables]) * np.array([dtype_itemsize(t.dtype) for t in tables])
+        state = lookups * np.array([optimizer_state_bytes_per_row(t.optimizer, t.dim) for t in tables])
+        bw = lambda h: h * self.hbm_mem_bw + (1.0 - h) * self.hbm_to_ddr_mem_bw  # noqa: E731
+        return value[:, None] / bw(hit) + state[:, None] / bw(state_hit)
+
+
+class AnalyticCostModel(_ZipfCostMatrix, _BandwidthMixCostModel):
     """Bandwidth mix priced with the modelled fast-tier hit rate (:func:`fast_tier_hit_rate`).
 
     Args:

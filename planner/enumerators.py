@@ -197,81 +197,82 @@ class GridPlacementEnumerator:
                 )
         self._check_constraints(tables)
         _check_tiered_tables(tables, self.backend)
-        W, L = self.world_size, self.local_world_size
-        M = W // L  # machines
-        cands = [self.candidates(t) for t in tables]
-        rw = [c if self.row_wise_allowed(t) else [] for t, c in zip(tables, cands)]
-        tw = [[o for o in c if o[1] < 1.0] if self.table_wise_allowed(t) else [] for t, c in zip(tables, cands)]
-        fused = [self.table_wise_allowed(t) and (Mode.HYBRID, 1.0) in c for t, c in zip(tables, cands)]
-        width = max((len(a) + len(b) + int(f) for a, b, f in zip(rw, tw, fused)), default=0)
+        W = self.world_size
+        # tables sharing candidates and allowed sharding types share a column layout: filled together
+        layouts: Dict[Tuple[Tuple[Tuple[Mode, float], ...], bool, bool], List[int]] = {}
+        for i, t in enumerate(tables):
+            key = (tuple(self.candidates(t)), self.row_wise_allowed(t), self.table_wise_allowed(t))
+            layouts.setdefault(key, []).append(i)
+        width = max((len(c) * (rw + tw) for c, rw, tw in layouts), default=0)
         out = OptionArrays.empty(len(tables), width)
         comm = self._comm_costs(tables)
-        lookup = [
-            self._checked_costs(t, c) if (r or b or f) else None for t, c, r, b, f in zip(tables, cands, rw, tw, fused)
-        ]
-        for sharding, lists in ((ROW_WISE, rw), (TABLE_WISE, tw)):
-            whole = sharding == TABLE_WISE  # a table-wise table's one shard is the whole table
-            first = [0 if not whole else len(rw[i]) for i in range(len(tables))]
-            groups: Dict[Tuple[Tuple[Mode, float], ...], List[int]] = {}
-            for i, c in enumerate(lists):
-                if c:
-                    groups.setdefault(tuple(c), []).append(i)
-            for cand, idx in groups.items():
-                self._fill(out, tables, idx, cand, [first[i] for i in idx], whole)
-                for i in idx:
-                    cols = slice(first[i], first[i] + len(cand))
-                    out.lookup_cost[i, cols] = [lookup[i][cands[i].index(o)] for o in cand]  # type: ignore[index]
-                    out.comm_cost[i, cols] = comm[_SHARDING_CODE[sharding], i]
-        for i in np.flatnonzero(fused):  # table-wise, all in the fast tier: torchrec's FUSED table
-            t, j = tables[i], len(rw[i]) + len(tw[i])
-            size = t.rows * row_bytes(t.dim, t.dtype, t.optimizer)
-            out.modes[i, j], out.load_factors[i, j], out.sharding[i, j] = _MODE_CODE[Mode.HYBRID], 1.0, 1
-            out.hbm_bytes_per_rank[i, j] = -(-size // W)  # the knapsack's share; the owner holds all of it
-            out.owner_bytes[i, j] = out.hbm_bytes_per_machine[i, j] = size
-            out.lookup_cost[i, j] = lookup[i][cands[i].index((Mode.HYBRID, 1.0))]  # type: ignore[index]
-            out.comm_cost[i, j] = comm[_SHARDING_CODE[TABLE_WISE], i]
+        for (cand, rw, tw), idx in layouts.items():
+            ii = np.asarray(idx, dtype=np.int64)
+            lookup = self._lookup_costs([tables[i] for i in idx], cand)  # (tables, candidates)
+            col = 0
+            if rw:
+                self._fill(out, tables, ii, cand, col, whole=False)
+                out.lookup_cost[ii, col : col + len(cand)] = lookup
+                out.comm_cost[ii, col : col + len(cand)] = comm[_SHARDING_CODE[ROW_WISE], ii][:, None]
+                col += len(cand)
+            if tw:
+                tiered = [k for k, (_, x) in enumerate(cand) if x < 1.0]
+                if tiered:
+                    self._fill(out, tables, ii, [cand[k] for k in tiered], col, whole=True)
+                    out.lookup_cost[ii, col : col + len(tiered)] = lookup[:, tiered]
+                    out.comm_cost[ii, col : col + len(tiered)] = comm[_SHARDING_CODE[TABLE_WISE], ii][:, None]
+                    col += len(tiered)
+                if (Mode.HYBRID, 1.0) in cand:  # all in the fast tier: torchrec's FUSED table
+                    size = np.array([t.rows * row_bytes(t.dim, t.dtype, t.optimizer) for t in (tables[i] for i in idx)])
+                    out.modes[ii, col], out.load_factors[ii, col], out.sharding[ii, col] = (
+                        _MODE_CODE[Mode.HYBRID],
+                        1.0,
+                        1,
+                    )
+                    out.hbm_bytes_per_rank[ii, col] = -(-size // W)  # the knapsack's share; the owner holds it all
+                    out.owner_bytes[ii, col] = out.hbm_bytes_per_machine[ii, col] = size
+                    out.lookup_cost[ii, col] = lookup[:, cand.index((Mode.HYBRID, 1.0))]
+                    out.comm_cost[ii, col] = comm[_SHARDING_CODE[TABLE_WISE], ii]
         valid = out.modes >= 0
         out.cost[valid] = out.lookup_cost[valid] + out.comm_cost[valid]
-        # a table-wise table's slow tier sits on its owner's machine: the knapsack's share per machine
-        tiered_tw = valid & (out.sharding == 1)
-        out.ddr_bytes_per_machine[tiered_tw] = -(-out.owner_slow_bytes[tiered_tw] // M)
         return out
 
     def _fill(
         self,
         out: "OptionArrays",
         tables: Sequence[TableSpec],
-        idx: List[int],
+        ii: np.ndarray,
         cand: Sequence[Tuple[Mode, float]],
-        starts: List[int],
+        start: int,
         whole: bool,
     ) -> None:
-        """Writes the tiered options ``cand`` of tables ``idx`` from column ``starts[k]`` on: modes, load
-        factors, sharding and bytes (row-wise shards over all ranks, or the whole table on one when ``whole``)."""
-        W, L = (1, 1) if whole else (self.world_size, self.local_world_size)
-        k = len(cand)
-        bytes_ = self._bulk_storage([tables[i] for i in idx], cand, W, L)
-        for n, i in enumerate(idx):
-            cols = slice(starts[n], starts[n] + k)
-            out.modes[i, cols] = [_MODE_CODE[m] for m, _ in cand]
-            out.load_factors[i, cols] = [x for _, x in cand]
-            out.sharding[i, cols] = int(whole)
-            if bytes_ is None:  # exact products would overflow int64: scalar formulas
-                t = tables[i]
-                rows = max_local_rows(t.rows, W)
+        """Writes the tiered options ``cand`` of tables ``ii`` into columns ``start ..``: modes, load factors,
+        sharding and bytes: row-wise shards over all ranks, or (``whole``) the whole table on one rank, whose
+        HBM per rank and DDR per machine are the knapsack's shares ``ceil(bytes / W)``, ``ceil(bytes / M)``."""
+        W, L = self.world_size, self.local_world_size
+        cols = slice(start, start + len(cand))
+        out.modes[ii, cols] = [_MODE_CODE[m] for m, _ in cand]
+        out.load_factors[ii, cols] = [x for _, x in cand]
+        out.sharding[ii, cols] = int(whole)
+        group = [tables[i] for i in ii]
+        bytes_ = self._bulk_storage(group, cand, *((1, 1) if whole else (W, L)))
+        if bytes_ is None:  # exact products would overflow int64: scalar formulas
+            bytes_ = tuple(np.zeros((len(group), len(cand)), dtype=np.int64) for _ in range(4))  # type: ignore[assignment]
+            for n, t in enumerate(group):
+                rows = t.rows if whole else max_local_rows(t.rows, W)
                 for j, (mode, x) in enumerate(cand):
                     rank = self.shard_bytes(t, rows, mode, x)
-                    mach = machine_sum(t.rows, W, L, lambda r: self.shard_bytes(t, r, mode, x))  # noqa: B023
+                    mach = rank if whole else machine_sum(t.rows, W, L, lambda r: self.shard_bytes(t, r, mode, x))  # noqa: B023
                     values = (rank.fast_bytes, rank.slow_bytes, mach.fast_bytes, mach.slow_bytes)
-                    for dst, v in zip(out.byte_arrays, values):
-                        dst[i, starts[n] + j] = v
-            else:
-                for dst, src in zip(out.byte_arrays, bytes_):
-                    dst[i, cols] = src[n]
-            out.owner_bytes[i, cols] = out.hbm_bytes_per_rank[i, cols]
-            out.owner_slow_bytes[i, cols] = out.ddr_bytes_per_rank[i, cols]
-            if whole:  # the knapsack's share of every rank; the partitioner places the whole
-                out.hbm_bytes_per_rank[i, cols] = -(-out.owner_bytes[i, cols] // self.world_size)
+                    for dst, v in zip(bytes_, values):  # type: ignore[arg-type]
+                        dst[n, j] = v
+        for dst, src in zip(out.byte_arrays, bytes_):  # type: ignore[arg-type]
+            dst[ii, cols] = src
+        out.owner_bytes[ii, cols] = out.hbm_bytes_per_rank[ii, cols]
+        out.owner_slow_bytes[ii, cols] = out.ddr_bytes_per_rank[ii, cols]
+        if whole:
+            out.hbm_bytes_per_rank[ii, cols] = -(-out.owner_bytes[ii, cols] // W)
+            out.ddr_bytes_per_machine[ii, cols] = -(-out.owner_slow_bytes[ii, cols] // (W // L))
 
     def _comm_costs(self, tables: Sequence[TableSpec]) -> np.ndarray:
         """``(2, tables)`` modelled communication ms per step: row 0 ROW_WISE, row 1 TABLE_WISE (0 without a
@@ -279,6 +280,17 @@ class GridPlacementEnumerator:
         if self.comm_model is None:
             return np.zeros((2, len(tables)))
         return np.stack([self.comm_model.cost_array(tables, s) for s in (ROW_WISE, TABLE_WISE)])
+
+    def _lookup_costs(self, tables: Sequence[TableSpec], options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
+        """``(tables, options)`` lookup costs: the cost model's ``cost_matrix`` when it has one (all tables at
+        once), else its ``costs`` table by table, each checked."""
+        bulk = getattr(self.cost_model, "cost_matrix", None)
+        if bulk is None:
+            return np.stack([self._checked_costs(t, options) for t in tables])
+        costs = np.asarray(bulk(tables, options), dtype=np.float64)
+        if costs.shape != (len(tables), len(options)) or not (np.isfinite(costs) & (costs >= 0)).all():
+            return np.stack([self._checked_costs(t, options) for t in tables])  # names the table and option
+        return costs
 
     def _checked_costs(self, table: TableSpec, options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
         """``cost_model.costs(table, options)``, refused unless one finite number >= 0 per option."""
@@ -375,7 +387,7 @@ def check_sharding_types(sharding_types: Sequence[str]) -> Tuple[str, ...]:
 
 # Mode <-> int8 code in ``OptionArrays.modes`` (-1 = no option).
 _MODE_CODE: Dict[Mode, int] = {Mode.HYBRID: 0, Mode.CACHING: 1}
-_CODE_MODE: Tuple[Mode, Mode] = (Mode.HYBRID, Mode.CACHING)
+MODE_OF_CODE: Tuple[Mode, Mode] = (Mode.HYBRID, Mode.CACHING)
 # Bound on the bulk formulas' intermediate products (numerator x rows, rows x bytes/row) to stay exact in int64.
 _INT64_SAFE: int = 2**62
 
@@ -468,7 +480,7 @@ class OptionArrays:
         if code < 0:
             raise IndexError(f"table {table} has no option {index}.")
         return PlacementOption(
-            _CODE_MODE[code],
+            MODE_OF_CODE[code],
             float(self.load_factors[table, index]),
             *(int(a[table, index]) for a in self.byte_arrays),
             cost=float(self.cost[table, index]),
@@ -496,6 +508,7 @@ def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.
 
 
 __all__ = [
+    "MODE_OF_CODE",
     "ROW_WISE",
     "SHARDING_OF_CODE",
     "TABLE_WISE",

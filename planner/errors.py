@@ -20,7 +20,6 @@ class PlannerErrorType(enum.Enum):
     TABLE_DOES_NOT_FIT = "table_does_not_fit"
     STRICT_CONSTRAINTS = "strict_constraints"
     INPUT_VALIDATION = "input_validation"
-    PARTITION = "partition"
 
 
 class PlannerError(_TorchrecPlannerError):

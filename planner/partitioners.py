@@ -11,9 +11,8 @@ planner to repair (it re-plans them row-wise) or refuse.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from typing import Sequence, Tuple
 
 import numpy as np
 
@@ -67,22 +66,21 @@ class GreedyTableWisePartitioner:
         L = local_world_size
         owners = np.full(sizes.shape[0], -1, dtype=np.int64)
         rank_bytes = np.full(world_size, int(base_fast), dtype=np.int64)
+        rank_cost = np.zeros(world_size)
         machine_slow = np.full(world_size // L, int(base_slow), dtype=np.int64)
-        # a heap of (cost, bytes, rank) over ranks; a rank too full for one table may still take a smaller one
-        heap: List[Tuple[float, int, int]] = [(0.0, int(base_fast), r) for r in range(world_size)]
+        machine_of = np.arange(world_size) // L
         for i in sorted(range(sizes.shape[0]), key=lambda k: (-int(sizes[k]), -int(slow[k]), k)):
-            size, slow_size = int(sizes[i]), int(slow[i])
-            skipped: List[Tuple[float, int, int]] = []
-            while heap and (heap[0][1] + size > budget or int(machine_slow[heap[0][2] // L]) + slow_size > ddr_budget):
-                skipped.append(heapq.heappop(heap))
-            if heap:
-                cost, used, rank = heapq.heappop(heap)
-                owners[i] = rank
-                rank_bytes[rank] = used + size
-                machine_slow[rank // L] += slow_size
-                heapq.heappush(heap, (cost + float(costs[i]), used + size, rank))
-            for entry in skipped:
-                heapq.heappush(heap, entry)
+            fits = (rank_bytes + sizes[i] <= budget) & (machine_slow[machine_of] + slow[i] <= ddr_budget)
+            if not fits.any():
+                continue
+            # the cheapest rank that holds it; ties: fewer bytes, then the lower rank
+            load = np.where(fits, rank_cost, np.inf)
+            tied = np.flatnonzero(load == load.min())
+            rank = int(tied[np.argmin(rank_bytes[tied])])
+            owners[i] = rank
+            rank_bytes[rank] += sizes[i]
+            rank_cost[rank] += costs[i]
+            machine_slow[machine_of[rank]] += slow[i]
         return Partition(owners=owners, rank_bytes=rank_bytes, machine_slow_bytes=machine_slow)
 
 

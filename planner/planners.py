@@ -27,12 +27,18 @@ from recpipe.planner.communication import (
 )
 from recpipe.planner.cost_models import make_cost_model
 from recpipe.planner.diagnosis import InfeasibilityDiagnosis
-from recpipe.planner.enumerators import TABLE_WISE, GridPlacementEnumerator, OptionArrays
-from recpipe.planner.errors import PlannerError, PlannerErrorType, sized, solutions
+from recpipe.planner.enumerators import MODE_OF_CODE, SHARDING_OF_CODE, GridPlacementEnumerator, OptionArrays
+from recpipe.planner.errors import PlannerError, PlannerErrorType, sized
 from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition
 from recpipe.planner.plan import PlacementPlan, TablePlacement, option_text
 from recpipe.planner.proposers import DynamicProgrammingProposer
-from recpipe.planner.specs import DEFAULT_LOAD_FACTORS, PlacementConstraints, TableSpec, check_topology_args
+from recpipe.planner.specs import (
+    DEFAULT_LOAD_FACTORS,
+    PlacementConstraints,
+    PlacementOption,
+    TableSpec,
+    check_topology_args,
+)
 from recpipe.planner.tables import tables_from_module
 from recpipe.planner.types import CostModel, Proposer
 
@@ -41,7 +47,7 @@ from recpipe.planner.types import CostModel, Proposer
 DEFAULT_HBM_RESERVATION: float = 0.15
 #: Fraction of host DDR reserved: torchrec's percentage reservations touch HBM only. Dimensionless.
 DEFAULT_DDR_RESERVATION: float = 0.0
-#: Re-plans after table-wise tables no rank could hold were moved to row-wise. Count.
+#: Knapsack runs that drop the table-wise options of tables no rank could hold, before one without any. Count.
 MAX_PARTITION_REPAIRS: int = 8
 #: ``communication=`` names -> constants (``topology``: the topology's own bandwidths).
 COMMUNICATION_CONSTANTS = {"gloo_cpu": GLOO_CPU}
@@ -202,7 +208,7 @@ class PlacementPlanner:
             )
         options = self.enumerator.enumerate_arrays(specs)
         choice, owners = self._solve(specs, options, H, D)
-        placements = [_placement(t, options, i, int(j), int(owners[i])) for i, (t, j) in enumerate(zip(specs, choice))]
+        placements = _placements(specs, options, choice, owners)
         plan = PlacementPlan(
             placements=placements,
             world_size=self.topology.world_size,
@@ -229,18 +235,19 @@ class PlacementPlanner:
 
         A table-wise option larger than a rank's budget is dropped first. Table-wise tables the partitioner
         cannot place (the knapsack sees only their share of every rank) take their cheapest option that still
-        fits (:meth:`_repair`); if one has none, the knapsack runs again with its HBM budget lowered by the
-        largest such share, up to ``MAX_PARTITION_REPAIRS`` times.
+        fits (:meth:`_repair`); if one has none, the knapsack runs again without the table-wise options of
+        those tables, and after ``MAX_PARTITION_REPAIRS`` such runs without any table-wise option (every
+        rank then holds the same shards, so a plan the knapsack finds always fits).
         """
-        W = self.topology.world_size
+        W, L = self.topology.world_size, self.topology.local_world_size
         cost = options.cost.copy()
-        cost[(options.sharding == 1) & (options.owner_bytes > H)] = np.inf
+        table_wise = options.sharding == 1
+        cost[table_wise & (options.owner_bytes > H)] = np.inf
         rows = np.arange(len(specs))
-        knapsack_hbm = H
-        for _ in range(MAX_PARTITION_REPAIRS + 1):
-            choice = self.proposer.solve(
-                options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, cost, knapsack_hbm, D
-            )
+        for attempt in range(MAX_PARTITION_REPAIRS + 1):
+            if attempt == MAX_PARTITION_REPAIRS:
+                cost[table_wise] = np.inf
+            choice = self.proposer.solve(options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, cost, H, D)
             if choice is None:
                 raise InfeasibilityDiagnosis(self, specs, options, H, D).error()
             choice = np.array(choice, dtype=np.int64)
@@ -257,28 +264,15 @@ class PlacementPlanner:
                 base,
                 (H, D),
                 W,
-                self.topology.local_world_size,
+                L,
             )
             owners = np.full(len(specs), -1, dtype=np.int64)
             owners[tw] = part.owners
             unplaced = tw[part.unplaced]
-            L = self.topology.local_world_size
             if not unplaced.size or self._repair(options, cost, choice, owners, unplaced, part, H, D, L):
                 return choice, owners
-            knapsack_hbm -= int(options.hbm_bytes_per_rank[unplaced, choice[unplaced]].max())
-        names = [specs[i].fqn for i in unplaced][:5]
-        raise PlannerError(
-            f"No rank's fast tier ({sized(H)}) holds table-wise table(s) {names} next to the row-wise shards, "
-            f"after {MAX_PARTITION_REPAIRS} re-plans with a lower knapsack budget.\n"
-            + solutions(
-                [
-                    "plan them row-wise: PlacementConstraints(sharding_type='row_wise') for those tables, or "
-                    "sharding_types=('row_wise',)",
-                    "raise the fast-tier budget (hbm_cap) or lower hbm_reservation",
-                ]
-            ),
-            PlannerErrorType.PARTITION,
-        )
+            cost[unplaced] = np.where(table_wise[unplaced], np.inf, cost[unplaced])
+        raise AssertionError("a plan without table-wise tables needs no partition")  # the last attempt's
 
     @staticmethod
     def _repair(
@@ -325,35 +319,74 @@ class PlacementPlanner:
         return True
 
 
-def _placement(t: TableSpec, options: OptionArrays, i: int, j: int, owner: int) -> TablePlacement:
-    """Table ``t``'s placement from its option ``j``, with the owner rank of a table-wise option and why it won."""
-    o = options.option(i, j)
-    fields = vars(o).copy()
-    fields.pop("owner_bytes")
-    fields.pop("owner_slow_bytes")
-    if o.sharding_type == TABLE_WISE:  # all of it on the owner and its machine
-        fields["hbm_bytes_per_rank"] = fields["hbm_bytes_per_machine"] = o.owner_bytes
-        fields["ddr_bytes_per_rank"] = fields["ddr_bytes_per_machine"] = o.owner_slow_bytes
-    valid = np.flatnonzero(options.modes[i] >= 0)
-    best = int(valid[np.argmin(options.cost[i, valid])])
-    if best != j:
-        reason = f"budget: {option_text(options.option(i, best))} models {o.cost - options.cost[i, best]:.4f} ms less"
-    elif valid.size > 1:
-        others = valid[valid != j]
-        k = int(others[np.argmin(options.cost[i, others])])
-        reason = f"cheapest: next {option_text(options.option(i, k))} +{options.cost[i, k] - o.cost:.4f} ms"
-    else:
-        reason = "only option"
-    return TablePlacement(
-        table=t.name,
-        module_path=t.module_path,
-        rows=t.rows,
-        dim=t.dim,
-        **fields,
-        optimizer=FusedOptimizer.parse(t.optimizer),
-        dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
-        rank=owner if owner >= 0 else None,
-        reason=reason,
+def _placements(
+    specs: List[TableSpec], options: OptionArrays, choice: np.ndarray, owners: np.ndarray
+) -> List[TablePlacement]:
+    """Each table's placement from its chosen option, with the owner rank of a table-wise one and why it won:
+    the next cheapest option when it is the cheapest, else the cheaper one the budgets ruled out."""
+    if not specs:
+        return []
+    rows = np.arange(len(specs))
+    cost = np.where(options.modes >= 0, options.cost, np.inf)
+    best = np.argmin(cost, axis=1)
+    others = cost.copy()
+    others[rows, choice] = np.inf
+    runner_up = np.argmin(others, axis=1)
+    tw = options.sharding[rows, choice] == 1
+    # a table-wise table's bytes are all on its owner and its machine
+    hbm = np.where(tw, options.owner_bytes[rows, choice], options.hbm_bytes_per_rank[rows, choice])
+    hbm_machine = np.where(tw, hbm, options.hbm_bytes_per_machine[rows, choice])
+    ddr = np.where(tw, options.owner_slow_bytes[rows, choice], options.ddr_bytes_per_rank[rows, choice])
+    ddr_machine = np.where(tw, ddr, options.ddr_bytes_per_machine[rows, choice])
+    out = []
+    for i, t in enumerate(specs):
+        j = int(choice[i])
+        if best[i] != j:
+            reason = (
+                f"budget: {_option_text(options, i, int(best[i]))} models {cost[i, j] - cost[i, best[i]]:.4f} ms less"
+            )
+        elif np.isfinite(others[i, runner_up[i]]):
+            k = int(runner_up[i])
+            reason = f"cheapest: next {_option_text(options, i, k)} +{cost[i, k] - cost[i, j]:.4f} ms"
+        else:
+            reason = "only option"
+        out.append(
+            TablePlacement(
+                table=t.name,
+                module_path=t.module_path,
+                rows=t.rows,
+                dim=t.dim,
+                mode=MODE_OF_CODE[int(options.modes[i, j])],
+                cache_load_factor=float(options.load_factors[i, j]),
+                hbm_bytes_per_rank=int(hbm[i]),
+                ddr_bytes_per_rank=int(ddr[i]),
+                hbm_bytes_per_machine=int(hbm_machine[i]),
+                ddr_bytes_per_machine=int(ddr_machine[i]),
+                cost=float(options.cost[i, j]),
+                optimizer=FusedOptimizer.parse(t.optimizer),
+                dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
+                sharding_type=SHARDING_OF_CODE[int(options.sharding[i, j])],
+                rank=int(owners[i]) if owners[i] >= 0 else None,
+                lookup_cost=float(options.lookup_cost[i, j]),
+                comm_cost=float(options.comm_cost[i, j]),
+                reason=reason,
+            )
+        )
+    return out
+
+
+def _option_text(options: OptionArrays, i: int, j: int) -> str:
+    """Option ``j`` of table ``i`` in words (:func:`option_text`)."""
+    return option_text(
+        PlacementOption(
+            MODE_OF_CODE[int(options.modes[i, j])],
+            float(options.load_factors[i, j]),
+            0,
+            0,
+            0,
+            0,
+            sharding_type=SHARDING_OF_CODE[int(options.sharding[i, j])],
+        )
     )
 
 

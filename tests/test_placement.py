@@ -339,7 +339,9 @@ def test_planner_sizes_each_table_with_the_models_fused_optimizer() -> None:
     apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["c"].weight], {"lr": 0.01})
     model = torch.nn.Module()
     model.sparse = ebc
-    pins = {t: PlacementConstraints(mode="HYBRID", cache_load_factor=0.5) for t in ("a", "b", "c")}
+    pins = {
+        t: PlacementConstraints(sharding_type="row_wise", mode="HYBRID", cache_load_factor=0.5) for t in ("a", "b", "c")
+    }
     # optimizer= is only the fallback: the model's own optimizers win
     plan = PlacementPlanner(_topology(), constraints=pins, optimizer="sgd", backend="native").plan(model)
     want = {"a": FusedOptimizer.ADAM, "b": FusedOptimizer.ROWWISE_ADAGRAD, "c": FusedOptimizer.SGD}

@@ -236,13 +236,13 @@ def test_planner_never_exceeds_budgets_coarse_bins(seed: int, m: int, hf: float,
     assert plan.ddr_bytes_per_machine <= planner.ddr_budget
     # exact bytes reported are the backend's storage formulas' bytes
     for p, t in zip(plan.placements, tables):
-        if p.table_wise:  # the whole table on its owner, torchrec's FUSED kernel: values and state in HBM
+        if p.fused:  # the whole table on its owner, torchrec's FUSED kernel: values and state in HBM
             assert p.rank in range(8) and (p.hbm_bytes_per_rank, p.ddr_bytes_per_rank) == (
                 t.rows * row_bytes(t.dim, t.dtype, t.optimizer),
                 0,
             )
             continue
-        rows = max_local_rows(t.rows, 8)
+        rows = t.rows if p.table_wise else max_local_rows(t.rows, 8)  # a table-wise table is one whole shard
         if backend == "fbgemm":
             s = fbgemm_shard_storage(rows, t.dim, t.dtype, t.optimizer, p.mode, p.cache_load_factor, "lfu")
         else:
@@ -479,7 +479,9 @@ def test_shared_ddr_forces_different_modes() -> None:
     a, b = _one_table(), TableSpec(**{**_one_table().__dict__, "name": "u"})
     full = shard_storage(max_local_rows(a.rows, 8), 64, torch.float32, "sgd", Mode.HYBRID, 1.0).fast_bytes
     # HBM for ~0.45 of each table; DDR for one full backing store plus one HYBRID remainder.
-    planner = PlacementPlanner(topo(hbm=int(full * 0.95 / 0.85), ddr_per_rank=int(full * 1.6)))
+    planner = PlacementPlanner(
+        topo(hbm=int(full * 0.95 / 0.85), ddr_per_rank=int(full * 1.6)), sharding_types=("row_wise",)
+    )
     plan = planner.plan([a, b])
     assert {p.mode for p in plan.placements} == {Mode.CACHING, Mode.HYBRID}
     # both CACHING would need 2 full backing stores per machine, more than the budget

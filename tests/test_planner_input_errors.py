@@ -303,7 +303,10 @@ def test_a_table_pinned_to_caching_at_x_one_is_not_labelled_caching() -> None:
         (PlacementConstraints(mode="CACHING"), False),
     ):
         hbm = 80 * GiB if roomy else 8 * MiB
-        plan = PlacementPlanner(_topo(2, 2, hbm, GiB), constraints={"t": pin}).plan([t])
+        row_wise = PlacementConstraints(
+            sharding_type="row_wise", mode=pin.mode, cache_load_factor=pin.cache_load_factor
+        )
+        plan = PlacementPlanner(_topo(2, 2, hbm, GiB), constraints={"t": row_wise}).plan([t])
         p = plan.placement("t")
         built = plan_fbgemm_tier(
             num_rows=max_local_rows(t.rows, 2),
@@ -402,9 +405,8 @@ def test_cli_can_follow_the_advice_to_add_smaller_load_factors(
 def test_report_shows_the_load_factor_planned(x: float, shown: str) -> None:
     # x is printed with every decimal it has past 2: a pinned 0.045 reads 0.045, not 0.04.
     t = TableSpec(name="t", rows=100_000, dim=8, optimizer="sgd")
-    plan = PlacementPlanner(
-        _topo(2, 2, GiB, GiB), constraints={"t": PlacementConstraints(mode="HYBRID", cache_load_factor=x)}
-    ).plan([t])
+    pin = PlacementConstraints(sharding_type="row_wise", mode="HYBRID", cache_load_factor=x)
+    plan = PlacementPlanner(_topo(2, 2, GiB, GiB), constraints={"t": pin}).plan([t])
     assert plan.placement("t").cache_load_factor == x
     row = next(line for line in plan.report().splitlines() if line.startswith("t "))
     assert [c.strip() for c in row.split("|")][1:5] == ["row_wise", "all", "HYBRID", shown], row

@@ -60,8 +60,8 @@ def _ebc() -> Any:
 def _planner(world: int, **kwargs: Any) -> PlacementPlanner:
     # Adam CACHING: fbgemm's cache holds values only, the native cache holds values + moments
     pins = {
-        "t0": PlacementConstraints(mode="CACHING", cache_load_factor=0.5),
-        "t1": PlacementConstraints(mode="HYBRID", cache_load_factor=0.5),
+        "t0": PlacementConstraints(sharding_type="row_wise", mode="CACHING", cache_load_factor=0.5),
+        "t1": PlacementConstraints(sharding_type="row_wise", mode="HYBRID", cache_load_factor=0.5),
     }
     topo = make_topology(world_size=world, local_world_size=world, hbm_cap=GiB, ddr_cap=GiB)  # compute_device cuda
     return PlacementPlanner(topo, constraints=pins, **kwargs)
