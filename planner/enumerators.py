@@ -112,6 +112,9 @@ class GridPlacementEnumerator:
         self.backend: str = backend
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy, "cache_policy")
         self.sharding_types: Tuple[str, ...] = check_sharding_types(sharding_types)
+        #: lookup time of torchrec's FUSED table over a tiered table's at the same placement: fbgemm's TBE on
+        #: CUDA runs both; on CPU (``native``) recpipe's kernel is the faster one
+        self.fused_lookup_ratio: float = FUSED_CPU_LOOKUP_RATIO if backend == "native" else 1.0
         if comm_model is not None and not isinstance(comm_model, CommCostModel):
             raise ValueError(f"comm_model must be a CommCostModel or None, got {type(comm_model).__name__}.")
         self.comm_model: Optional[CommCostModel] = comm_model
@@ -198,15 +201,23 @@ class GridPlacementEnumerator:
         self._check_constraints(tables)
         _check_tiered_tables(tables, self.backend)
         W = self.world_size
-        # tables sharing candidates and allowed sharding types share a column layout: filled together
-        layouts: Dict[Tuple[Tuple[Tuple[Mode, float], ...], bool, bool], List[int]] = {}
+        # tables sharing candidates and allowed options share a column layout: filled together
+        layouts: Dict[Tuple[Tuple[Tuple[Mode, float], ...], bool, bool, bool], List[int]] = {}
         for i, t in enumerate(tables):
-            key = (tuple(self.candidates(t)), self.row_wise_allowed(t), self.table_wise_allowed(t))
+            cand = tuple(self.candidates(t))
+            fused = (_constraint_for(t, self.constraints) or PlacementConstraints()).fused
+            tw = self.table_wise_allowed(t)
+            key = (
+                cand,
+                self.row_wise_allowed(t) and fused is not True,  # row-wise tiered
+                tw and fused is not False and (Mode.HYBRID, 1.0) in cand,  # table-wise FUSED
+                tw and fused is not True,  # table-wise tiered
+            )
             layouts.setdefault(key, []).append(i)
-        width = max((len(c) * (rw + tw) for c, rw, tw in layouts), default=0)
+        width = max((len(c) * (rw + tw) + fu for c, rw, fu, tw in layouts), default=0)
         out = OptionArrays.empty(len(tables), width)
         comm = self._comm_costs(tables)
-        for (cand, rw, tw), idx in layouts.items():
+        for (cand, rw, fused, tw), idx in layouts.items():
             ii = np.asarray(idx, dtype=np.int64)
             lookup = self._lookup_costs([tables[i] for i in idx], cand)  # (tables, candidates)
             col = 0
@@ -215,24 +226,19 @@ class GridPlacementEnumerator:
                 out.lookup_cost[ii, col : col + len(cand)] = lookup
                 out.comm_cost[ii, col : col + len(cand)] = comm[_SHARDING_CODE[ROW_WISE], ii][:, None]
                 col += len(cand)
+            if fused:  # all in the fast tier as torchrec's FUSED table; before the tiered one, which it wins ties of
+                size = np.array([t.rows * row_bytes(t.dim, t.dtype, t.optimizer) for t in (tables[i] for i in idx)])
+                out.modes[ii, col], out.load_factors[ii, col] = _MODE_CODE[Mode.HYBRID], 1.0
+                out.sharding[ii, col], out.fused[ii, col] = 1, True
+                out.hbm_bytes_per_rank[ii, col] = -(-size // W)  # the knapsack's share; the owner holds it all
+                out.owner_bytes[ii, col] = out.hbm_bytes_per_machine[ii, col] = size
+                out.lookup_cost[ii, col] = lookup[:, cand.index((Mode.HYBRID, 1.0))] * self.fused_lookup_ratio
+                out.comm_cost[ii, col] = comm[_SHARDING_CODE[TABLE_WISE], ii]
+                col += 1
             if tw:
-                tiered = [k for k, (_, x) in enumerate(cand) if x < 1.0]
-                if tiered:
-                    self._fill(out, tables, ii, [cand[k] for k in tiered], col, whole=True)
-                    out.lookup_cost[ii, col : col + len(tiered)] = lookup[:, tiered]
-                    out.comm_cost[ii, col : col + len(tiered)] = comm[_SHARDING_CODE[TABLE_WISE], ii][:, None]
-                    col += len(tiered)
-                if (Mode.HYBRID, 1.0) in cand:  # all in the fast tier: torchrec's FUSED table
-                    size = np.array([t.rows * row_bytes(t.dim, t.dtype, t.optimizer) for t in (tables[i] for i in idx)])
-                    out.modes[ii, col], out.load_factors[ii, col], out.sharding[ii, col] = (
-                        _MODE_CODE[Mode.HYBRID],
-                        1.0,
-                        1,
-                    )
-                    out.hbm_bytes_per_rank[ii, col] = -(-size // W)  # the knapsack's share; the owner holds it all
-                    out.owner_bytes[ii, col] = out.hbm_bytes_per_machine[ii, col] = size
-                    out.lookup_cost[ii, col] = lookup[:, cand.index((Mode.HYBRID, 1.0))]
-                    out.comm_cost[ii, col] = comm[_SHARDING_CODE[TABLE_WISE], ii]
+                self._fill(out, tables, ii, cand, col, whole=True)
+                out.lookup_cost[ii, col : col + len(cand)] = lookup
+                out.comm_cost[ii, col : col + len(cand)] = comm[_SHARDING_CODE[TABLE_WISE], ii][:, None]
         valid = out.modes >= 0
         out.cost[valid] = out.lookup_cost[valid] + out.comm_cost[valid]
         return out
@@ -363,6 +369,9 @@ class GridPlacementEnumerator:
 
 
 ROW_WISE, TABLE_WISE = PLANNED_SHARDING_TYPES[1], PLANNED_SHARDING_TYPES[0]
+#: fbgemm-gpu-cpu's FUSED TBE time over recpipe's tiered CPU kernel at the same rows, forward + backward:
+#: the conservative end of 1.05-1.19x (``scripts/bench_storage.py``, one thread, Zipf ids). Dimensionless.
+FUSED_CPU_LOOKUP_RATIO: float = 1.05
 # Sharding type <-> int8 code in ``OptionArrays.sharding``.
 _SHARDING_CODE: Dict[str, int] = {ROW_WISE: 0, TABLE_WISE: 1}
 SHARDING_OF_CODE: Tuple[str, str] = (ROW_WISE, TABLE_WISE)
@@ -430,7 +439,7 @@ class OptionArrays:
     """Every table's options packed as ``(tables, options)`` arrays.
 
     ``modes`` are int8 codes (0 HYBRID, 1 CACHING, -1 no option), ``sharding`` int8 codes (0 ROW_WISE,
-    1 TABLE_WISE); bytes are int64 of the most loaded rank / machine (a table-wise option's HBM per rank and
+    1 TABLE_WISE), ``fused`` marks torchrec's FUSED table (table-wise, all in the fast tier); bytes are int64 of the most loaded rank / machine (a table-wise option's HBM per rank and
     DDR per machine are its shares ``ceil(bytes / W)`` and ``ceil(slow bytes / machines)``; ``owner_bytes`` /
     ``owner_slow_bytes`` what its owner holds); ``cost`` is float64 modelled ms
     (``lookup_cost + comm_cost``), ``inf`` where a table has fewer options.
@@ -444,6 +453,7 @@ class OptionArrays:
     ddr_bytes_per_machine: np.ndarray
     cost: np.ndarray
     sharding: np.ndarray
+    fused: np.ndarray
     owner_bytes: np.ndarray
     owner_slow_bytes: np.ndarray
     lookup_cost: np.ndarray
@@ -463,6 +473,7 @@ class OptionArrays:
             z(),
             np.full(shape, np.inf),
             np.zeros(shape, dtype=np.int8),
+            np.zeros(shape, dtype=bool),
             z(),
             z(),
             np.zeros(shape),
@@ -485,6 +496,7 @@ class OptionArrays:
             *(int(a[table, index]) for a in self.byte_arrays),
             cost=float(self.cost[table, index]),
             sharding_type=SHARDING_OF_CODE[int(self.sharding[table, index])],
+            fused=bool(self.fused[table, index]),
             owner_bytes=int(self.owner_bytes[table, index]),
             owner_slow_bytes=int(self.owner_slow_bytes[table, index]),
             lookup_cost=float(self.lookup_cost[table, index]),
@@ -508,6 +520,7 @@ def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.
 
 
 __all__ = [
+    "FUSED_CPU_LOOKUP_RATIO",
     "MODE_OF_CODE",
     "ROW_WISE",
     "SHARDING_OF_CODE",

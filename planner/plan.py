@@ -37,7 +37,7 @@ from recpipe.planner.specs import BACKEND_SHARD_STORAGE, STORAGE_BACKENDS
 
 def option_text(o: Any) -> str:
     """A placement option in words: ``table_wise FUSED`` or ``row_wise CACHING x=0.20``."""
-    if o.sharding_type == ShardingType.TABLE_WISE.value and o.cache_load_factor >= 1.0:
+    if o.fused:
         return "table_wise FUSED"
     storage = o.mode.name if o.cache_load_factor < 1.0 else "HBM"
     return f"{o.sharding_type} {storage} x={_load_factor_text(o.cache_load_factor)}"
@@ -56,8 +56,8 @@ class TablePlacement:
     ``*_per_rank`` / ``*_per_machine`` bytes are those of the most loaded rank / machine (a table-wise
     table's: its owner ``rank``'s); ``cost`` is the modelled step cost in ms, ``lookup_cost`` plus
     ``comm_cost``; ``optimizer`` and ``dtype`` are what the bytes were sized for; ``reason`` says why the
-    option won. A TABLE_WISE table all in the fast tier (mode HYBRID, x = 1) is torchrec's FUSED table; other
-    table-wise tables are tiered tables whole on ``rank``.
+    option won. ``fused``: torchrec's FUSED table (TABLE_WISE, all in the fast tier: mode HYBRID, x = 1); every
+    other table is a recpipe tiered table, whole on ``rank`` (TABLE_WISE) or over every rank (ROW_WISE).
     """
 
     table: str
@@ -74,6 +74,7 @@ class TablePlacement:
     optimizer: FusedOptimizer
     dtype: torch.dtype
     sharding_type: str = ShardingType.ROW_WISE.value
+    fused: bool = False
     rank: Optional[int] = None
     lookup_cost: float = 0.0
     comm_cost: float = 0.0
@@ -83,11 +84,6 @@ class TablePlacement:
     def table_wise(self) -> bool:
         """Whether the whole table lives on ``rank`` (torchrec's FUSED kernel)."""
         return self.sharding_type == ShardingType.TABLE_WISE.value
-
-    @property
-    def fused(self) -> bool:
-        """Whether the table is torchrec's FUSED table (table-wise, all in the fast tier), not a tiered one."""
-        return self.table_wise and self.cache_load_factor >= 1.0
 
     @property
     def storage(self) -> str:
@@ -434,6 +430,14 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
         rank = check_int(rank, f"{where}['rank'] (the owner of a table-wise table)", 0)
     elif rank is not None:
         raise ValueError(f"{where}['rank'] must be null for a row-wise table (all ranks hold it), got {rank!r}; {fix}.")
+    fused = p.get("fused", False)
+    if not isinstance(fused, bool) or (
+        fused and (sharding_type != ShardingType.TABLE_WISE.value or p["cache_load_factor"] != 1.0)
+    ):
+        raise ValueError(
+            f"{where}['fused'] must be a bool, true only for a table_wise table at cache_load_factor 1.0, got "
+            f"{fused!r}; {fix}."
+        )
     reason = p.get("reason", "")
     if not isinstance(reason, str):
         raise ValueError(f"{where}['reason'] must be a string, got {type(reason).__name__}; {fix}.")
@@ -446,6 +450,7 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
         optimizer=FusedOptimizer.parse(p["optimizer"], f"{where}['optimizer']"),
         dtype=resolve_dtype(p["dtype"], f"{where}['dtype']"),
         sharding_type=sharding_type,
+        fused=fused,
         rank=rank,
         lookup_cost=float(p.get("lookup_cost", 0.0)),
         comm_cost=float(p.get("comm_cost", 0.0)),

@@ -343,11 +343,11 @@ def _placements(
         j = int(choice[i])
         if best[i] != j:
             reason = (
-                f"budget: {_option_text(options, i, int(best[i]))} models {cost[i, j] - cost[i, best[i]]:.4f} ms less"
+                f"budget: {_option_text(options, i, int(best[i]))} models {cost[i, j] - cost[i, best[i]]:.3g} ms less"
             )
         elif np.isfinite(others[i, runner_up[i]]):
             k = int(runner_up[i])
-            reason = f"cheapest: next {_option_text(options, i, k)} +{cost[i, k] - cost[i, j]:.4f} ms"
+            reason = f"cheapest: next {_option_text(options, i, k)} +{cost[i, k] - cost[i, j]:.3g} ms"
         else:
             reason = "only option"
         out.append(
@@ -366,6 +366,7 @@ def _placements(
                 optimizer=FusedOptimizer.parse(t.optimizer),
                 dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
                 sharding_type=SHARDING_OF_CODE[int(options.sharding[i, j])],
+                fused=bool(options.fused[i, j]),
                 rank=int(owners[i]) if owners[i] >= 0 else None,
                 lookup_cost=float(options.lookup_cost[i, j]),
                 comm_cost=float(options.comm_cost[i, j]),
@@ -386,6 +387,7 @@ def _option_text(options: OptionArrays, i: int, j: int) -> str:
             0,
             0,
             sharding_type=SHARDING_OF_CODE[int(options.sharding[i, j])],
+            fused=bool(options.fused[i, j]),
         )
     )
 

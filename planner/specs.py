@@ -168,6 +168,8 @@ class PlacementConstraints:
     sharding_type: Optional[str] = None
     """Pin the sharding type: ``table_wise`` (the whole table on one rank: torchrec's FUSED table when all in
     the fast tier, else a tiered table) or ``row_wise`` (a tiered table over every rank)."""
+    fused: Optional[bool] = None
+    """Pin torchrec's FUSED table (True: table-wise, all in the fast tier) or a recpipe tiered table (False)."""
 
     def __post_init__(self) -> None:
         if self.sharding_type is not None:
@@ -176,6 +178,17 @@ class PlacementConstraints:
                 raise ValueError(
                     f"PlacementConstraints.sharding_type must be 'table_wise' or 'row_wise', got {self.sharding_type!r}."
                 )
+        if self.fused is not None and not isinstance(self.fused, bool):
+            raise ValueError(f"PlacementConstraints.fused must be True, False or None, got {self.fused!r}.")
+        if self.fused and (
+            self.sharding_type == "row_wise"
+            or self.mode is not None
+            or (self.cache_load_factor is not None and float(self.cache_load_factor) < 1.0)
+        ):
+            raise ValueError(
+                "PlacementConstraints(fused=True) is torchrec's FUSED table: table-wise, all in the fast tier; it "
+                "takes no sharding_type='row_wise', mode or cache_load_factor < 1: drop those, or pin fused=False."
+            )
         if self.mode is not None:
             self.mode = Mode.parse(self.mode)
         if self.cache_load_factor is not None:
@@ -199,6 +212,7 @@ class PlacementOption:
     ddr_bytes_per_machine: int
     cost: float = 0.0
     sharding_type: str = "row_wise"
+    fused: bool = False
     owner_bytes: int = 0
     owner_slow_bytes: int = 0
     lookup_cost: float = 0.0

@@ -22,7 +22,7 @@ PLANS: Dict[str, Dict[str, Dict[str, Any]]] = {
     "A": {
         "t0": dict(sharding_type="table_wise", mode="CACHING", cache_load_factor=0.3),
         "t1": dict(sharding_type="row_wise", mode="HYBRID", cache_load_factor=0.5),
-        "t2": dict(sharding_type="table_wise", cache_load_factor=1.0),
+        "t2": dict(fused=True),
     },
     "B": {
         "t0": dict(sharding_type="row_wise", mode="HYBRID", cache_load_factor=0.5),
@@ -48,7 +48,7 @@ def _model(world: int, plan_name: str) -> Any:
     topology = make_topology(world_size=world, local_world_size=world, hbm_cap=2**30, ddr_cap=2**30)
     plan = PlacementPlanner(topology, backend="native", constraints=pins, seed=3).plan(model)
     assert [(p.table, p.sharding_type) for p in plan.placements] == [
-        (name, pin["sharding_type"]) for name, pin in PLANS[plan_name].items()
+        (name, pin.get("sharding_type", "table_wise")) for name, pin in PLANS[plan_name].items()
     ]
     sharded = DistributedModelParallel(
         model,

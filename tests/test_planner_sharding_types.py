@@ -24,9 +24,9 @@ from recpipe.planner.sharding_plan import PlacementParameterSharding
 CONSTANTS = CommConstants(name="test", network_bw=1000.0, bag_ns=10.0, bucketize_ns=2.0, source="tests")
 
 
-def _planner(world: int, hbm: int, ddr: int = 2**40, **kwargs) -> PlacementPlanner:
+def _planner(world: int, hbm: int, ddr: int = 2**40, backend: str = "native", **kwargs) -> PlacementPlanner:
     topo = make_topology(world_size=world, local_world_size=world, hbm_cap=hbm, ddr_cap=ddr // world)
-    return PlacementPlanner(topo, hbm_reservation=0.0, backend="native", communication=CONSTANTS, **kwargs)
+    return PlacementPlanner(topo, hbm_reservation=0.0, backend=backend, communication=CONSTANTS, **kwargs)
 
 
 # ------------------------------------------------------------------ communication model
@@ -110,10 +110,14 @@ def _tables(n: int, rows: int = 1000, dim: int = 16) -> List[TableSpec]:
     return [TableSpec(name=f"t{i}", rows=rows, dim=dim, optimizer="sgd", lookups_per_step=64.0) for i in range(n)]
 
 
-def test_unbounded_fast_tier_places_every_table_whole_and_balances_the_owners() -> None:
-    plan = _planner(2, hbm=2**40).plan(_tables(6))
+@pytest.mark.parametrize("backend, storage", [("fbgemm", "FUSED"), ("native", "HBM")])
+def test_unbounded_fast_tier_places_every_table_whole_and_balances_the_owners(backend: str, storage: str) -> None:
+    # all in the fast tier: on CUDA (fbgemm) torchrec's FUSED table, which runs the same TBE as a tiered
+    # table there; on CPU (native) recpipe's tiered table, whose kernel is faster than fbgemm-gpu-cpu's
+    plan = _planner(2, hbm=2**40, backend=backend).plan(_tables(6))
     assert [p.sharding_type for p in plan.placements] == ["table_wise"] * 6
-    assert [p.storage for p in plan.placements] == ["FUSED"] * 6
+    assert [p.storage for p in plan.placements] == [storage] * 6
+    assert [p.fused for p in plan.placements] == [storage == "FUSED"] * 6
     owners = [p.rank for p in plan.placements]
     assert sorted(owners) == [0, 0, 0, 1, 1, 1]
     whole = 1000 * row_bytes(16, torch.float32, "sgd")
@@ -189,6 +193,8 @@ def test_a_table_wise_pin_with_a_tiered_storage_is_a_tiered_table_on_one_rank() 
     ps = plan.to_sharding_plan(compute_device="cpu").plan[""]["t0"]
     assert isinstance(ps, PlacementParameterSharding)
     assert (ps.sharding_type, ps.compute_kernel, ps.ranks) == ("table_wise", "customized_kernel", [p.rank])
+    with pytest.raises(ValueError, match=r"PlacementConstraints\(fused=True\) is torchrec's FUSED table"):
+        PlacementConstraints(fused=True, mode="CACHING")
     with pytest.raises(ValueError, match="sharding_type must be 'table_wise' or 'row_wise', got 'column_wise'"):
         PlacementConstraints(sharding_type="column_wise")
     with pytest.raises(ValueError, match=r"sharding_types holds \['column_wise'\]"):
@@ -203,11 +209,15 @@ def test_a_table_whose_fast_part_fits_no_rank_whole_is_planned_row_wise() -> Non
     plan = _planner(2, hbm=int(0.7 * smallest_whole), load_factors=(0.25, 1.0)).plan(tables)
     (p,) = plan.placements
     assert p.sharding_type == "row_wise" and p.cache_load_factor == 0.25
-    assert p.reason.startswith("budget: table_wise FUSED models ")
+    assert p.reason.startswith("budget: table_wise HBM x=1.00 models ")
 
 
 def test_table_wise_sharding_plan_and_json_round_trip(tmp_path) -> None:
-    pins: Optional[dict] = {"t0": PlacementConstraints(sharding_type="row_wise", mode="CACHING", cache_load_factor=0.5)}
+    pins: Optional[dict] = {
+        "t0": PlacementConstraints(sharding_type="row_wise", mode="CACHING", cache_load_factor=0.5),
+        "t1": PlacementConstraints(fused=True),
+        "t2": PlacementConstraints(fused=True),
+    }
     plan = _planner(2, hbm=2**40, constraints=pins).plan(_tables(3))
     sp = plan.to_sharding_plan(compute_device="cpu").plan[""]
     assert isinstance(sp["t0"], PlacementParameterSharding) and sp["t0"].sharding_type == "row_wise"
