@@ -5,13 +5,14 @@ May import ``recpipe.pipeline.placement`` and routing modules only.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Optional
+from typing import Any, ClassVar, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
@@ -31,10 +32,12 @@ __all__ = ["RecpipeShardedEmbeddingBagCollection", "RecpipeShardedEmbeddingColle
 class RoutedShardedMixin:
     """Routing, ROW_WISE sharding class and row-order records of a recpipe sharded collection. torchrec builds shardings
     in a classmethod, so the sharder's routing is a class attribute of a per-sharder subclass (:meth:`with_routing`);
-    subclasses swap ``_ROW_WISE_SHARDING``."""
+    subclasses swap ``_ROW_WISE_SHARDING`` (and set ``_TABLE_WISE_SHARDING``)."""
 
     _routing: ClassVar[Optional[RoutingOverrides]] = None
     _ROW_WISE_SHARDING: ClassVar[type]
+    #: the sharding of table-wise groups holding a CUSTOMIZED_KERNEL table (None: torchrec's for every group)
+    _TABLE_WISE_SHARDING: ClassVar[Optional[type]] = None
     #: attribute (and state_dict key part) holding the tables: ``embedding_bags`` / ``embeddings``
     _COLLECTION: ClassVar[str]
 
@@ -49,6 +52,22 @@ class RoutedShardedMixin:
 
     def _shardings(self) -> List[EmbeddingSharding]:
         raise NotImplementedError
+
+    @classmethod
+    def _own_sharding(
+        cls, sharding_type: str, sharding_infos: List[EmbeddingShardingInfo]
+    ) -> Optional[Tuple[type, Dict[str, Any]]]:
+        """``(sharding class, its extra arguments)`` for a group recpipe shards itself, else None (torchrec's)."""
+        if sharding_type == ShardingType.ROW_WISE.value:
+            return cls._ROW_WISE_SHARDING, {"routing": cls._routing}
+        kernel = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
+        if (
+            sharding_type == ShardingType.TABLE_WISE.value
+            and cls._TABLE_WISE_SHARDING is not None
+            and any(info.param_sharding.compute_kernel == kernel for info in sharding_infos)
+        ):
+            return cls._TABLE_WISE_SHARDING, {}
+        return None
 
     def row_orders(self) -> Dict[str, RowOrder]:
         """:class:`RowOrder` of each routed table torchrec's kernels hold, by table name."""
@@ -210,10 +229,10 @@ class RecpipeShardedEmbeddingBagCollection(RoutedShardedMixin, ShardedEmbeddingB
         permute_embeddings: bool = False,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> EmbeddingSharding:
-        if sharding_infos[0].param_sharding.sharding_type == ShardingType.ROW_WISE.value:
-            return cls._ROW_WISE_SHARDING(
-                sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, routing=cls._routing
-            )
+        own = cls._own_sharding(sharding_infos[0].param_sharding.sharding_type, sharding_infos)
+        if own is not None:
+            sharding, extra = own
+            return sharding(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry, **extra)
         return super().create_embedding_bag_sharding(
             sharding_infos,
             env,
@@ -241,13 +260,15 @@ class RecpipeShardedEmbeddingCollection(RoutedShardedMixin, ShardedEmbeddingColl
         device: Optional[torch.device] = None,
         qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
     ) -> EmbeddingSharding:
-        if sharding_type == ShardingType.ROW_WISE.value:
-            return cls._ROW_WISE_SHARDING(
+        own = cls._own_sharding(sharding_type, sharding_infos)
+        if own is not None:
+            sharding, extra = own
+            return sharding(
                 sharding_infos=sharding_infos,
                 env=env,
                 device=device,
                 qcomm_codecs_registry=qcomm_codecs_registry,
-                routing=cls._routing,
+                **extra,
             )
         return super().create_embedding_sharding(
             sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry

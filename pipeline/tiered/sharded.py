@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
-from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
+from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import (
     BaseEmbeddingLookup,
     BaseGroupedFeatureProcessor,
@@ -23,11 +23,10 @@ from torchrec.distributed.embedding_types import (
 )
 from torchrec.distributed.sharding.tw_sequence_sharding import TwSequenceEmbeddingSharding
 from torchrec.distributed.sharding.tw_sharding import TwPooledEmbeddingSharding
-from torchrec.distributed.types import QuantizedCommCodecs, ShardingType
+from torchrec.distributed.types import ShardingType
 from torchrec.optim.fused import EmptyFusedOptimizer
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recpipe.pipeline.routing.features import RoutingOverrides
 from recpipe.pipeline.routing.sharded import RecpipeShardedEmbeddingBagCollection, RecpipeShardedEmbeddingCollection
 from recpipe.pipeline.routing.shardings import RecpipeRwPooledEmbeddingSharding, RecpipeRwSequenceEmbeddingSharding
 from recpipe.pipeline.tiered.fused_params import resolve_tiered_fused_params, tiered_vbe_error
@@ -41,64 +40,19 @@ from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.state import STATE_FIELDS, TieredShardState
 
 
-class _TieredRoutingMixin:
-    """Completes the tiered tables' placement before the sharding is built, so input dist and kernel
-    route alike, and builds the tiered grouped lookup (``_LOOKUP``). ``_backend`` is set on a
-    per-sharder subclass by ``TieredTablesMixin.with_backend``."""
+class _TieredShardingMixin:
+    """Completes the tiered tables' placement before the sharding is built, so input dist and kernel agree,
+    and builds the tiered grouped lookup (``_LOOKUP``) under ``_SHARDING_TYPE``. ``_backend`` is set on a
+    per-sharder subclass by ``TieredTablesMixin.with_backend``; row-wise shardings also take the sharder's
+    ``routing``."""
 
     _backend: ClassVar[Optional[str]] = None
     _LOOKUP: ClassVar[type]
     _POOLED: ClassVar[bool] = False
-
-    def __init__(
-        self,
-        sharding_infos: List[EmbeddingShardingInfo],
-        *args: Any,
-        routing: Optional[RoutingOverrides] = None,
-        **kwargs: Any,
-    ) -> None:
-        resolve_tiered_fused_params(sharding_infos, routing, self._backend)
-        super().__init__(sharding_infos, *args, routing=routing, **kwargs)  # type: ignore[call-arg]
-
-    def create_lookup(
-        self,
-        device: Optional[torch.device] = None,
-        fused_params: Optional[Dict[str, Any]] = None,
-        feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
-    ) -> BaseEmbeddingLookup:
-        pooled = {"feature_processor": feature_processor, "sharding_type": ShardingType.ROW_WISE}
-        return self._LOOKUP(
-            grouped_configs=self._grouped_embedding_configs,  # type: ignore[attr-defined]
-            pg=self._pg,  # type: ignore[attr-defined]
-            device=device if device is not None else self._device,  # type: ignore[attr-defined]
-            env=self._env,  # type: ignore[attr-defined]
-            **(pooled if self._POOLED else {}),
-        )
-
-
-class TieredRwPooledEmbeddingSharding(_TieredRoutingMixin, RecpipeRwPooledEmbeddingSharding):
-    """recpipe's routed row-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered."""
-
-    _LOOKUP = TieredGroupedPooledEmbeddingsLookup
-    _POOLED = True
-
-
-class TieredRwSequenceEmbeddingSharding(_TieredRoutingMixin, RecpipeRwSequenceEmbeddingSharding):
-    """recpipe's routed row-wise sequence sharding whose CUSTOMIZED_KERNEL tables are tiered."""
-
-    _LOOKUP = TieredGroupedEmbeddingsLookup
-
-
-class _TieredTableWiseMixin:
-    """torchrec's table-wise sharding whose CUSTOMIZED_KERNEL tables are tiered, each whole on its owner rank:
-    completes their placement (``backend`` as the row-wise shardings do) and builds the tiered lookup."""
-
-    _backend: ClassVar[Optional[str]] = None
-    _LOOKUP: ClassVar[type]
-    _POOLED: ClassVar[bool] = False
+    _SHARDING_TYPE: ClassVar[ShardingType]
 
     def __init__(self, sharding_infos: List[EmbeddingShardingInfo], *args: Any, **kwargs: Any) -> None:
-        resolve_tiered_fused_params(sharding_infos, None, self._backend)
+        resolve_tiered_fused_params(sharding_infos, kwargs.get("routing"), self._backend)
         super().__init__(sharding_infos, *args, **kwargs)  # type: ignore[call-arg]
 
     def create_lookup(
@@ -107,7 +61,7 @@ class _TieredTableWiseMixin:
         fused_params: Optional[Dict[str, Any]] = None,
         feature_processor: Optional[BaseGroupedFeatureProcessor] = None,
     ) -> BaseEmbeddingLookup:
-        pooled = {"feature_processor": feature_processor, "sharding_type": ShardingType.TABLE_WISE}
+        pooled = {"feature_processor": feature_processor, "sharding_type": self._SHARDING_TYPE}
         return self._LOOKUP(
             grouped_configs=self._grouped_embedding_configs,  # type: ignore[attr-defined]
             pg=self._pg,  # type: ignore[attr-defined]
@@ -117,23 +71,34 @@ class _TieredTableWiseMixin:
         )
 
 
-class TieredTwPooledEmbeddingSharding(_TieredTableWiseMixin, TwPooledEmbeddingSharding):
-    """torchrec's table-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered."""
+class TieredRwPooledEmbeddingSharding(_TieredShardingMixin, RecpipeRwPooledEmbeddingSharding):
+    """recpipe's routed row-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered."""
 
     _LOOKUP = TieredGroupedPooledEmbeddingsLookup
     _POOLED = True
+    _SHARDING_TYPE = ShardingType.ROW_WISE
 
 
-class TieredTwSequenceEmbeddingSharding(_TieredTableWiseMixin, TwSequenceEmbeddingSharding):
-    """torchrec's table-wise sequence sharding whose CUSTOMIZED_KERNEL tables are tiered."""
+class TieredRwSequenceEmbeddingSharding(_TieredShardingMixin, RecpipeRwSequenceEmbeddingSharding):
+    """recpipe's routed row-wise sequence sharding whose CUSTOMIZED_KERNEL tables are tiered."""
+
+    _LOOKUP = TieredGroupedEmbeddingsLookup
+    _SHARDING_TYPE = ShardingType.ROW_WISE
+
+
+class TieredTwPooledEmbeddingSharding(_TieredShardingMixin, TwPooledEmbeddingSharding):
+    """torchrec's table-wise pooled sharding whose CUSTOMIZED_KERNEL tables are tiered, each whole on its owner."""
+
+    _LOOKUP = TieredGroupedPooledEmbeddingsLookup
+    _POOLED = True
+    _SHARDING_TYPE = ShardingType.TABLE_WISE
+
+
+class TieredTwSequenceEmbeddingSharding(_TieredShardingMixin, TwSequenceEmbeddingSharding):
+    """torchrec's table-wise sequence sharding whose CUSTOMIZED_KERNEL tables are tiered, each whole on its owner."""
 
     _LOOKUP = TieredTwGroupedEmbeddingsLookup
-
-
-def _tiered(sharding_infos: List[EmbeddingShardingInfo]) -> bool:
-    """Whether any of the tables is tiered (CUSTOMIZED_KERNEL)."""
-    kernel = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
-    return any(info.param_sharding.compute_kernel == kernel for info in sharding_infos)
+    _SHARDING_TYPE = ShardingType.TABLE_WISE
 
 
 #: state_dict key infix of a tiered table's rows: ``<collection>.<table>.tiered.<field>``.
@@ -152,7 +117,6 @@ class TieredTablesMixin:
     #: the attribute (and state_dict key part) holding the tables: EBC ``embedding_bags``, EC ``embeddings``
     TIERED_COLLECTION: str = "embedding_bags"
     _ROW_WISE_SHARDING: ClassVar[type]
-    #: the sharding of table-wise groups holding a tiered table (others: torchrec's own)
     _TABLE_WISE_SHARDING: ClassVar[type]
 
     @classmethod
@@ -322,25 +286,6 @@ class TieredShardedEmbeddingBagCollection(TieredTablesMixin, RecpipeShardedEmbed
     _ROW_WISE_SHARDING = TieredRwPooledEmbeddingSharding
     _TABLE_WISE_SHARDING = TieredTwPooledEmbeddingSharding
 
-    @classmethod
-    def create_embedding_bag_sharding(
-        cls,
-        sharding_infos: List[EmbeddingShardingInfo],
-        env: Any,
-        device: Optional[torch.device] = None,
-        permute_embeddings: bool = False,
-        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-    ) -> EmbeddingSharding:
-        if sharding_infos[0].param_sharding.sharding_type == ShardingType.TABLE_WISE.value and _tiered(sharding_infos):
-            return cls._TABLE_WISE_SHARDING(sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry)
-        return super().create_embedding_bag_sharding(
-            sharding_infos,
-            env,
-            device,
-            permute_embeddings=permute_embeddings,
-            qcomm_codecs_registry=qcomm_codecs_registry,
-        )
-
     def input_dist(self, ctx: Any, features: Any) -> Any:
         """torchrec's input dist, after refusing (ValueError) a VBE KJT when the collection has tiered
         tables (before any collective)."""
@@ -395,23 +340,6 @@ class TieredShardedEmbeddingCollection(TieredTablesMixin, RecpipeShardedEmbeddin
     TIERED_COLLECTION = "embeddings"
     _ROW_WISE_SHARDING = TieredRwSequenceEmbeddingSharding
     _TABLE_WISE_SHARDING = TieredTwSequenceEmbeddingSharding
-
-    @classmethod
-    def create_embedding_sharding(
-        cls,
-        sharding_type: str,
-        sharding_infos: List[EmbeddingShardingInfo],
-        env: Any,
-        device: Optional[torch.device] = None,
-        qcomm_codecs_registry: Optional[Dict[str, QuantizedCommCodecs]] = None,
-    ) -> EmbeddingSharding:
-        if sharding_type == ShardingType.TABLE_WISE.value and _tiered(sharding_infos):
-            return cls._TABLE_WISE_SHARDING(
-                sharding_infos=sharding_infos, env=env, device=device, qcomm_codecs_registry=qcomm_codecs_registry
-            )
-        return super().create_embedding_sharding(
-            sharding_type, sharding_infos, env, device, qcomm_codecs_registry=qcomm_codecs_registry
-        )
 
 
 @contextmanager
