@@ -53,16 +53,17 @@ def _constraint_for(
 
 
 class GridPlacementEnumerator:
-    """Enumerates per table ``ROW_WISE x {HYBRID, CACHING} x load_factors`` (``x = 1`` once) and, when
-    ``sharding_types`` holds it, one ``TABLE_WISE`` option: the whole table on one rank, all in the fast
-    tier, in torchrec's FUSED kernel.
+    """Enumerates per table the tiered options ``{HYBRID, CACHING} x load_factors`` (``x = 1`` once) under
+    each of ``sharding_types``: ROW_WISE over all ranks, TABLE_WISE whole on one rank; and, table-wise, torchrec's
+    FUSED table (all in the fast tier).
 
-    Row-wise bytes are those ``backend``'s tiered tables allocate over all ``world_size`` ranks
-    (``BACKEND_SHARD_STORAGE``); a table-wise option holds ``rows x row_bytes`` on its owner, and offers the
-    knapsack its share ``ceil(bytes / world_size)`` per rank (a partitioner then picks the owner and checks
-    the rank's budget). Costs are the cost model's lookup cost plus ``comm_model``'s cost of the sharding
-    type; ``constraints`` (keyed by table name or FQN) narrow a table's options; ``cache_policy`` sets
-    fbgemm's cache metadata bytes.
+    Tiered bytes are those ``backend``'s tiered tables allocate (``BACKEND_SHARD_STORAGE``): row-wise, the
+    largest shard over ``world_size`` ranks; table-wise, the whole table on its owner, of which the knapsack
+    sees its share ``ceil(bytes / world_size)`` per rank (a partitioner then picks the owner and checks the
+    rank's budget). A FUSED table holds ``rows x row_bytes`` in the fast tier. Costs are the cost model's
+    lookup cost (``FUSED_CPU_LOOKUP_RATIO`` times it for a FUSED table on the ``native`` backend) plus
+    ``comm_model``'s cost of the sharding type; ``constraints`` (keyed by table name or FQN) narrow a table's
+    options; ``cache_policy`` sets fbgemm's cache metadata bytes.
     """
 
     def __init__(

@@ -82,7 +82,7 @@ class TablePlacement:
 
     @property
     def table_wise(self) -> bool:
-        """Whether the whole table lives on ``rank`` (torchrec's FUSED kernel)."""
+        """Whether the whole table lives on ``rank`` (a FUSED or a tiered table)."""
         return self.sharding_type == ShardingType.TABLE_WISE.value
 
     @property

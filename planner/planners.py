@@ -54,16 +54,16 @@ COMMUNICATION_CONSTANTS = {"gloo_cpu": GLOO_CPU}
 
 
 class PlacementPlanner:
-    """Chooses for every table a sharding type and a storage: TABLE_WISE (the whole table on one rank, all
-    in the fast tier, torchrec's FUSED kernel) or ROW_WISE over all ranks as recpipe's tiered table
-    (HYBRID / CACHING and a cache load factor, or all in the fast tier).
+    """Chooses for every table a sharding type and a storage: TABLE_WISE (the whole table on one rank) or
+    ROW_WISE (over all ranks), as recpipe's tiered table (HYBRID / CACHING and a cache load factor, or all in
+    the fast tier) or, table-wise and all in the fast tier, as torchrec's FUSED table.
 
     Budgets: HBM per device = ``min(device hbm) x (1 - hbm_reservation)``; DDR per machine = ``min over
     machines of its ranks' ddr sum`` (torchrec's ``ddr_cap`` is per rank) ``x (1 - ddr_reservation)``.
     Row-wise tables' largest shards (rank 0 / machine 0) are checked on every rank; the knapsack budgets
     a table-wise table by its share of every rank, then the partitioner picks its owner under the rank's
-    budget (tables no rank holds are re-planned row-wise). Costs: lookup bytes (``cost_model``) plus the
-    sharding type's communication (``communication``).
+    budget (a table no rank holds takes its cheapest option that fits, see :meth:`_solve`). Costs: lookup
+    bytes (``cost_model``) plus the sharding type's communication (``communication``).
 
     Args:
         topology: torchrec topology (dry runs on a CPU machine are fine).

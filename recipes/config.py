@@ -234,8 +234,8 @@ class TrainConfig:
     """``cpu``, ``cuda`` or ``auto`` (cuda when available); gloo on CPU, nccl on CUDA."""
 
     placement: str = "planned"
-    """``planned``: recpipe.planner picks per table a sharding type and storage (table-wise FUSED, or
-    row-wise tiered HYBRID / CACHING); ``table_wise``: torchrec's own sharder, whole tables placed
+    """``planned``: recpipe.planner picks per table a sharding type (table-wise or row-wise) and a
+    storage (all in the fast tier, or tiered HYBRID / CACHING); ``table_wise``: torchrec's own sharder, whole tables placed
     greedily; ``torchrec_planner``: torchrec's EmbeddingShardingPlanner (both for comparison)."""
 
     fast_tier_mb: float = 0.0
