@@ -168,6 +168,7 @@ def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, devi
         backend="fbgemm" if device.type == "cuda" else "native",
         # gloo on CPU was measured (planner.communication.GLOO_CPU); CUDA uses the topology's bandwidths
         communication="gloo_cpu" if device.type == "cpu" else "topology",
+        sharding_types=tuple(config.sharding_types.split(",")),
     )
     placement = planner.plan(model)
     plan = placement.to_sharding_plan(compute_device=device.type)

@@ -19,15 +19,21 @@ with a skewed mix of table sizes (1.6M rows down to 3,125: ids of feature f span
 and micro-DLRM-DRAM on the synthetic Zipf stream. Targets: recpipe default >= 1.00x torchrec on every
 row, recpipe all-fast >= 1.05x on every row, >= 1.10x on the median row.
 
+``--plans`` measures instead whether the modelled cost ranks plans as measured: per workload, at the
+default fast tier, the planner's plan and the plans it picks when restricted to one sharding type
+(``--sharding-types row_wise`` / ``table_wise``: plans it considered), each with its modelled ms/step
+(from the plan report) and samples/s. Target: the planner's plan within 5% of the fastest.
+
 Usage::
 
-    python scripts/bench_recipe.py [--steps 100] [--repeats 3] [--workloads default,equal26_b512]
+    python scripts/bench_recipe.py [--steps 100] [--repeats 3] [--workloads default,equal26_b512] [--plans]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -50,6 +56,14 @@ CONFIGS: dict[str, tuple[list[str], str]] = {
     "default": ([], "recpipe default (planned, default fast tier) + fused"),
     "all_fast": (["--fast-tier-mb", ALL_FAST_MB], "recpipe planned, fast tier holds all + fused"),
 }
+#: ``--plans``: name -> (extra CLI flags, label); the first is the planner's own plan.
+PLANS: dict[str, tuple[list[str], str]] = {
+    "chosen": ([], "planner's plan (table_wise,row_wise)"),
+    "row_wise": (["--sharding-types", "row_wise"], "row-wise only"),
+    "table_wise": (["--sharding-types", "table_wise"], "table-wise only"),
+}
+#: The plan report's modelled cost line (``modelled cost:   0.5504 ms/step; ...``).
+MODELLED_COST = re.compile(r"modelled cost:\s+([0-9.]+) ms/step")
 _SYNTHETIC_DLRM = ["--model", "dlrm", "--dataset", "synthetic"]
 #: name -> (extra CLI flags, label).
 WORKLOADS: dict[str, tuple[list[str], str]] = {
@@ -73,12 +87,49 @@ WORKLOADS: dict[str, tuple[list[str], str]] = {
 }
 
 
-def run_once(workload: str, config: str, steps: int, workdir: Path, nproc: int) -> dict:
-    """One torchrun job of ``workload`` under ``config``; returns its metrics JSON."""
-    metrics = workdir / f"{workload}-{config}-{len(list(workdir.iterdir()))}.json"
-    flags = [*WORKLOADS[workload][0], *CONFIGS[config][0], "--metrics-file", str(metrics)]
-    run_recipe(recipe_command(nproc, steps, LOG_EVERY, *flags))
-    return json.loads(metrics.read_text())
+def run_once(workload: str, flags: list[str], steps: int, workdir: Path, nproc: int) -> tuple[dict, str]:
+    """One torchrun job of ``workload`` with ``flags``; returns its metrics JSON and its output."""
+    metrics = workdir / f"{workload}-{len(list(workdir.iterdir()))}.json"
+    proc = run_recipe(
+        recipe_command(nproc, steps, LOG_EVERY, *WORKLOADS[workload][0], *flags, "--metrics-file", str(metrics))
+    )
+    return json.loads(metrics.read_text()), proc.stdout + proc.stderr
+
+
+def measure(
+    workload: str, runs: dict[str, tuple[list[str], str]], args: argparse.Namespace, workdir: Path
+) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """samples/s of every run of ``runs`` (interleaved ``args.repeats`` times) and each one's output."""
+    sps: dict[str, list[float]] = {name: [] for name in runs}
+    outputs: dict[str, str] = {}
+    for rep in range(args.repeats):
+        for name, (flags, _) in runs.items():
+            try:
+                m, outputs[name] = run_once(workload, flags, args.steps, workdir, args.nproc)
+            except RuntimeError as e:  # the recipe failed: its own message, not a traceback
+                print(f"run {rep + 1} {workload} {name}: failed: {e}", flush=True)
+                continue
+            sps[name].append(m["samples_per_s"])
+            print(f"run {rep + 1} {workload} {name}: {m['samples_per_s']:.0f} samples/s", flush=True)
+    return sps, outputs
+
+
+def plan_choice(args: argparse.Namespace, workdir: Path) -> bool:
+    """The ``--plans`` table; True when the planner's plan is within 5% of the fastest on every workload."""
+    rows, ok = [], True
+    for workload in args.workloads:
+        sps, outputs = measure(workload, PLANS, args, workdir)
+        med = {name: statistics.median(v) for name, v in sps.items() if v}
+        fastest = max(med.values())
+        for name, (_, label) in PLANS.items():
+            found = MODELLED_COST.search(outputs.get(name, ""))
+            modelled = float(found.group(1)) if found else float("nan")
+            rows.append(
+                [WORKLOADS[workload][1], label, modelled, med.get(name, float("nan")), med.get(name, 0) / fastest]
+            )
+        ok &= med.get("chosen", 0) >= 0.95 * fastest
+    print_table(["workload", "plan", "modelled ms/step", "samples/s (median)", "vs fastest measured"], rows)
+    return ok
 
 
 def _workloads(text: str) -> list[str]:
@@ -105,22 +156,20 @@ def main() -> None:
     parser.add_argument(
         "--workloads", type=_workloads, default=list(WORKLOADS), help=f"comma-separated of {list(WORKLOADS)}"
     )
+    parser.add_argument(
+        "--plans", action="store_true", help="rank the planner's plan against restricted plans (see above)"
+    )
     args = parser.parse_args()
     print(hardware_line(threads=1))
     print(f"{args.nproc} ranks x 1 thread, {args.steps} steps per run, {args.repeats} interleaved runs per cell")
-    rows = []
     with tempfile.TemporaryDirectory() as d:
+        if args.plans:
+            if not plan_choice(args, Path(d)):
+                sys.exit("the planner's plan is more than 5% slower than the fastest plan measured on some workload")
+            return
+        rows = []
         for workload in args.workloads:
-            sps: dict[str, list[float]] = {c: [] for c in CONFIGS}
-            for rep in range(args.repeats):
-                for config in CONFIGS:
-                    try:
-                        m = run_once(workload, config, args.steps, Path(d), args.nproc)
-                    except RuntimeError as e:  # the recipe failed: its own message, not a traceback
-                        print(f"run {rep + 1} {workload} {config}: failed: {e}", flush=True)
-                        continue
-                    sps[config].append(m["samples_per_s"])
-                    print(f"run {rep + 1} {workload} {config}: {m['samples_per_s']:.0f} samples/s", flush=True)
+            sps, _ = measure(workload, CONFIGS, args, Path(d))
             base = statistics.median(sps["torchrec"]) if sps["torchrec"] else float("nan")
             row: list[object] = [WORKLOADS[workload][1]]
             for config in CONFIGS:

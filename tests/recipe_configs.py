@@ -7,8 +7,8 @@ dict), ``SYNTHETIC`` (a smaller one, without log or eval settings either),
 ``flip_bytes`` (corrupts a file by inverting bytes in its second half) and
 ``scalars`` (a TensorBoard directory's scalar events). Imported by
 test_recipes_dist.py, test_recipes_metrics.py,
-test_recipes_progress_and_truncated_data.py, test_checkpoint_integrity.py,
-test_checkpoint_dcp.py and test_cli.py, and importable by module name inside
+test_recipes_progress_and_truncated_data.py, test_recipes_sharding.py,
+test_checkpoint_integrity.py, test_checkpoint_dcp.py and test_cli.py, and importable by module name inside
 gloo ranks.
 """
 
