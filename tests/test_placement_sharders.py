@@ -49,7 +49,8 @@ def _planner(world: int) -> Any:
         "t0": PlacementConstraints(mode="CACHING", cache_load_factor=0.3),
         "t1": PlacementConstraints(mode="HYBRID", cache_load_factor=0.5),
     }
-    return PlacementPlanner(topo, constraints=pins, seed=4, backend="native")  # the CPU tables
+    # row-wise: every rank allocates a shard of every table, whose bytes the test checks
+    return PlacementPlanner(topo, constraints=pins, seed=4, backend="native", sharding_types=("row_wise",))
 
 
 def _shard(ebc: Any, sharding_plan: Any) -> Any:
