@@ -117,21 +117,16 @@ class CommCostModel:
     def split(self, table: TableSpec, sharding_type: str) -> tuple[float, float]:
         """``(network ms, compute ms)`` of ``table`` under ``sharding_type``: bytes moved, and the bag
         pooling and id routing that sharding type adds."""
-        W = self.world_size
-        if sharding_type not in PLANNED_SHARDING_TYPES:
-            raise ValueError(f"sharding_type must be one of {list(PLANNED_SHARDING_TYPES)}, got {sharding_type!r}.")
-        c = self.constants
-        ids, bags = table.lookups_per_step, table.bags_per_step
-        remote = (W - 1) / W
-        pooled = 2.0 * bags * table.dim * POOLED_VALUE_BYTES
-        in_bytes = (ids * ID_BYTES + bags * LENGTH_BYTES) * remote
-        if sharding_type == ShardingType.TABLE_WISE.value:
-            return (in_bytes + pooled * remote) / c.network_bw, bags * c.bag_ns / 1e6
-        route = ids * c.bucketize_ns if W > 1 else 0.0
-        return (in_bytes + pooled * (W - 1)) / c.network_bw, (W * bags * c.bag_ns + route) / 1e6
+        network, compute = self._split([table], sharding_type)
+        return float(network[0]), float(compute[0])
 
     def cost_array(self, tables: Sequence[TableSpec], sharding_type: str) -> np.ndarray:
-        """Modelled ms per step of every table under ``sharding_type``: :meth:`split` summed, over arrays."""
+        """Modelled ms per step of every table under ``sharding_type``: :meth:`split` summed, float64."""
+        network, compute = self._split(tables, sharding_type)
+        return network + compute
+
+    def _split(self, tables: Sequence[TableSpec], sharding_type: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(network ms, compute ms)`` of every table under ``sharding_type`` (the module docstring's formulas)."""
         if sharding_type not in PLANNED_SHARDING_TYPES:
             raise ValueError(f"sharding_type must be one of {list(PLANNED_SHARDING_TYPES)}, got {sharding_type!r}.")
         W, c = self.world_size, self.constants
@@ -142,13 +137,13 @@ class CommCostModel:
         pooled = 2.0 * bags * dims * POOLED_VALUE_BYTES
         in_bytes = (ids * ID_BYTES + bags * LENGTH_BYTES) * remote
         if sharding_type == ShardingType.TABLE_WISE.value:
-            return (in_bytes + pooled * remote) / c.network_bw + bags * c.bag_ns / 1e6
-        route = ids * c.bucketize_ns if W > 1 else 0.0
-        return (in_bytes + pooled * (W - 1)) / c.network_bw + (W * bags * c.bag_ns + route) / 1e6
+            return (in_bytes + pooled * remote) / c.network_bw, bags * c.bag_ns / 1e6
+        route = ids * c.bucketize_ns if W > 1 else 0.0 * ids
+        return (in_bytes + pooled * (W - 1)) / c.network_bw, (W * bags * c.bag_ns + route) / 1e6
 
     def costs(self, table: TableSpec, sharding_types: Sequence[str]) -> np.ndarray:
         """Modelled ms per step of each sharding type of ``table`` (network plus compute), float64."""
-        return np.array([sum(self.split(table, s)) for s in sharding_types], dtype=np.float64)
+        return np.array([self.cost_array([table], s)[0] for s in sharding_types], dtype=np.float64)
 
 
 __all__ = [
