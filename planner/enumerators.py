@@ -42,8 +42,12 @@ from recpipe.planner.specs import (
     PlacementConstraints,
     PlacementOption,
     TableSpec,
+    per_row_format,
 )
 from recpipe.planner.types import CostModel
+
+# A table's column layout: (candidates, row-wise tiered, table-wise FUSED, table-wise tiered).
+_LayoutKey = Tuple[Tuple[Tuple[Mode, float], ...], bool, bool, bool]
 
 
 def _constraint_for(
@@ -203,17 +207,13 @@ class GridPlacementEnumerator:
         _check_tiered_tables(tables, self.backend)
         W = self.world_size
         # tables sharing candidates and allowed options share a column layout: filled together
-        layouts: Dict[Tuple[Tuple[Tuple[Mode, float], ...], bool, bool, bool], List[int]] = {}
+        layouts: Dict[_LayoutKey, List[int]] = {}
+        unpinned: Optional[_LayoutKey] = None  # every table without constraints shares one layout
         for i, t in enumerate(tables):
-            cand = tuple(self.candidates(t))
-            fused = (_constraint_for(t, self.constraints) or PlacementConstraints()).fused
-            tw = self.table_wise_allowed(t)
-            key = (
-                cand,
-                self.row_wise_allowed(t) and fused is not True,  # row-wise tiered
-                tw and fused is not False and (Mode.HYBRID, 1.0) in cand,  # table-wise FUSED
-                tw and fused is not True,  # table-wise tiered
-            )
+            pinned = _constraint_for(t, self.constraints) is not None
+            key = unpinned if unpinned is not None and not pinned else self._layout(t)
+            if not pinned:
+                unpinned = key
             layouts.setdefault(key, []).append(i)
         width = max((len(c) * (rw + tw) + fu for c, rw, fu, tw in layouts), default=0)
         out = OptionArrays.empty(len(tables), width)
@@ -228,7 +228,9 @@ class GridPlacementEnumerator:
                 out.comm_cost[ii, col : col + len(cand)] = comm[_SHARDING_CODE[ROW_WISE], ii][:, None]
                 col += len(cand)
             if fused:  # all in the fast tier as torchrec's FUSED table; before the tiered one, which it wins ties of
-                size = np.array([t.rows * row_bytes(t.dim, t.dtype, t.optimizer) for t in (tables[i] for i in idx)])
+                size = np.array([tables[i].rows for i in idx], dtype=np.int64) * per_row_format(
+                    [tables[i] for i in idx], row_bytes
+                )
                 out.modes[ii, col], out.load_factors[ii, col] = _MODE_CODE[Mode.HYBRID], 1.0
                 out.sharding[ii, col], out.fused[ii, col] = 1, True
                 out.hbm_bytes_per_rank[ii, col] = -(-size // W)  # the knapsack's share; the owner holds it all
@@ -243,6 +245,19 @@ class GridPlacementEnumerator:
         valid = out.modes >= 0
         out.cost[valid] = out.lookup_cost[valid] + out.comm_cost[valid]
         return out
+
+    def _layout(self, table: TableSpec) -> "_LayoutKey":
+        """``table``'s column layout: its candidates, and whether it gets row-wise tiered, table-wise FUSED and
+        table-wise tiered options."""
+        cand = tuple(self.candidates(table))
+        fused = (_constraint_for(table, self.constraints) or PlacementConstraints()).fused
+        tw = self.table_wise_allowed(table)
+        return (
+            cand,
+            self.row_wise_allowed(table) and fused is not True,  # row-wise tiered
+            tw and fused is not False and (Mode.HYBRID, 1.0) in cand,  # table-wise FUSED
+            tw and fused is not True,  # table-wise tiered
+        )
 
     def _fill(
         self,
@@ -327,7 +342,7 @@ class GridPlacementEnumerator:
         and its ``machine_sum``. None when a product could overflow int64.
         """
         N = np.array([t.rows for t in tables], dtype=np.int64)
-        rb = np.array([row_bytes(t.dim, t.dtype, t.optimizer) for t in tables], dtype=np.int64)[:, None]
+        rb = per_row_format(tables, row_bytes)[:, None]
         ratios = [decimal_ratio(x) for _, x in cand]
         num = np.array([r[0] for r in ratios], dtype=np.int64)[None, :]
         den = np.array([r[1] for r in ratios], dtype=np.int64)[None, :]
@@ -339,9 +354,8 @@ class GridPlacementEnumerator:
         caching = np.array([m is Mode.CACHING for m, _ in cand])[None, :]
         cached = caching & (num < den)  # CACHING with x < 1
         if self.backend == "fbgemm":
-            v = np.array([t.dim * dtype_itemsize(t.dtype) for t in tables], dtype=np.int64)[:, None]
-            state = np.array([optimizer_state_bytes_per_row(t.optimizer, t.dim) for t in tables], dtype=np.int64)
-            state = state[:, None]
+            v = per_row_format(tables, lambda dim, dtype, _: dim * dtype_itemsize(dtype))[:, None]
+            state = per_row_format(tables, lambda dim, _, opt: optimizer_state_bytes_per_row(opt, dim))[:, None]
             rowwise = np.array([t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD for t in tables])[:, None]
 
             def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:

@@ -155,6 +155,22 @@ class TableSpec:
         return f"{self.module_path}.{self.name}" if self.module_path else self.name
 
 
+def per_row_format(
+    tables: Sequence[TableSpec], formula: Callable[[int, torch.dtype, FusedOptimizer], int]
+) -> np.ndarray:
+    """``formula(dim, dtype, optimizer)`` of every table as an int64 array, evaluated once per distinct row
+    format (a model's thousands of tables share a handful)."""
+    memo: Dict[Tuple[int, torch.dtype, FusedOptimizer], int] = {}
+    out = np.empty(len(tables), dtype=np.int64)
+    for i, t in enumerate(tables):
+        key = (t.dim, t.dtype, t.optimizer)
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = formula(*key)
+        out[i] = value
+    return out
+
+
 @dataclass(kw_only=True)
 class PlacementConstraints:
     """User pins for one table; unset fields are chosen by the planner."""
@@ -295,4 +311,5 @@ __all__ = [
     "TableSpec",
     "check_topology_args",
     "make_topology",
+    "per_row_format",
 ]
