@@ -234,8 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         choices=PLANNED_SHARDING_TYPES,
         default=list(PLANNED_SHARDING_TYPES),
-        help="sharding types to choose from per table: table_wise (whole on one rank, torchrec FUSED) and "
-        "row_wise (recpipe tiered); default both",
+        help="sharding types to choose from per table: table_wise (whole on one rank: torchrec FUSED or recpipe "
+        "tiered), row_wise (recpipe tiered over every rank) and column_wise (torchrec FUSED in column shards of "
+        ">= 128 columns); default all",
     )
     ap.add_argument(
         "--communication",

@@ -9,7 +9,10 @@ width ``D`` over ``W`` ranks (``r = (W - 1) / W``, the remote share):
   ``o`` per rank on average;
 * ROW_WISE adds the bucketization of the ids (``n x bucketize_ns``) and, since every rank pools a
   partial sum for every sample, ``W`` times the output traffic (``2 x o x D x 4 x (W - 1)``, a
-  reduce-scatter and its backward) and ``W`` times the bags (``W x o``).
+  reduce-scatter and its backward) and ``W`` times the bags (``W x o``);
+* COLUMN_WISE (``k = column_shards(D)`` shards of ``D / k`` columns, each whole on one rank) sends
+  every id to each of its ``k`` owners (``k`` times the input bytes) and pools every bag once per shard
+  (``k x o``); its output bytes are TABLE_WISE's, split over the owners.
 
 ``ms = bytes / network_bw + bags x bag_ns / 1e6 + ids x bucketize_ns / 1e6`` (the fixed latency of
 a collective is paid once per step by all tables of a sharding type, not per table, so it is left
@@ -29,6 +32,7 @@ import numpy as np
 from torchrec.distributed.planner.types import Topology
 from torchrec.distributed.types import ShardingType
 
+from recpipe.planner.sharding_plan import column_shards
 from recpipe.planner.specs import TableSpec
 
 #: Bytes per id and per bag length in the input all-to-all (int64 ids, int32 lengths).
@@ -37,7 +41,11 @@ LENGTH_BYTES: int = 4
 #: Bytes per value of a pooled embedding on the wire (fp32 outputs and gradients).
 POOLED_VALUE_BYTES: int = 4
 #: The sharding types the planner prices and the runtime shards (torchrec's spelling).
-PLANNED_SHARDING_TYPES: tuple[str, ...] = (ShardingType.TABLE_WISE.value, ShardingType.ROW_WISE.value)
+PLANNED_SHARDING_TYPES: tuple[str, ...] = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +146,9 @@ class CommCostModel:
         in_bytes = (ids * ID_BYTES + bags * LENGTH_BYTES) * remote
         if sharding_type == ShardingType.TABLE_WISE.value:
             return (in_bytes + pooled * remote) / c.network_bw, bags * c.bag_ns / 1e6
+        if sharding_type == ShardingType.COLUMN_WISE.value:
+            k = np.array([column_shards(t.dim) for t in tables], dtype=np.float64)
+            return (k * in_bytes + pooled * remote) / c.network_bw, k * bags * c.bag_ns / 1e6
         route = ids * c.bucketize_ns if W > 1 else 0.0 * ids
         return (in_bytes + pooled * (W - 1)) / c.network_bw, (W * bags * c.bag_ns + route) / 1e6
 

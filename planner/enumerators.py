@@ -35,6 +35,7 @@ from recpipe.pipeline.placement import (
 )
 from recpipe.planner.communication import PLANNED_SHARDING_TYPES, CommCostModel
 from recpipe.planner.errors import PlannerError, PlannerErrorType, solutions
+from recpipe.planner.sharding_plan import column_shard_dim, column_shards
 from recpipe.planner.specs import (
     BACKEND_SHARD_STORAGE,
     DEFAULT_LOAD_FACTORS,
@@ -46,8 +47,8 @@ from recpipe.planner.specs import (
 )
 from recpipe.planner.types import CostModel
 
-# A table's column layout: (candidates, row-wise tiered, table-wise FUSED, table-wise tiered).
-_LayoutKey = Tuple[Tuple[Tuple[Mode, float], ...], bool, bool, bool]
+# A table's column layout: (candidates, row-wise tiered, table-wise FUSED, table-wise tiered, column-wise FUSED).
+_LayoutKey = Tuple[Tuple[Tuple[Mode, float], ...], bool, bool, bool, bool]
 
 
 def _constraint_for(
@@ -58,13 +59,16 @@ def _constraint_for(
 
 class GridPlacementEnumerator:
     """Enumerates per table the tiered options ``{HYBRID, CACHING} x load_factors`` (``x = 1`` once) under
-    each of ``sharding_types``: ROW_WISE over all ranks, TABLE_WISE whole on one rank; and, table-wise, torchrec's
-    FUSED table (all in the fast tier).
+    each of ``sharding_types``: ROW_WISE over all ranks, TABLE_WISE whole on one rank; and torchrec's FUSED
+    table (all in the fast tier) TABLE_WISE, and COLUMN_WISE where its width splits into torchrec's column
+    shards (``column_shards(dim) > 1``, on more than one rank).
 
     Tiered bytes are those ``backend``'s tiered tables allocate (``BACKEND_SHARD_STORAGE``): row-wise, the
     largest shard over ``world_size`` ranks; table-wise, the whole table on its owner, of which the knapsack
     sees its share ``ceil(bytes / world_size)`` per rank (a partitioner then picks the owner and checks the
-    rank's budget). A FUSED table holds ``rows x row_bytes`` in the fast tier. Costs are the cost model's
+    rank's budget). A FUSED table holds ``rows x row_bytes`` in the fast tier; column-wise, each of its ``k``
+    shards ``rows x row_bytes(dim / k)`` on one rank (the knapsack's share: ``ceil(k x shard / world_size)``).
+    Costs are the cost model's
     lookup cost (``FUSED_CPU_LOOKUP_RATIO`` times it for a FUSED table on the ``native`` backend) plus
     ``comm_model``'s cost of the sharding type; ``constraints`` (keyed by table name or FQN) narrow a table's
     options; ``cache_policy`` sets fbgemm's cache metadata bytes.
@@ -149,20 +153,15 @@ class GridPlacementEnumerator:
                 out.extend((m, x) for m in modes)
         return out
 
-    def table_wise_allowed(self, table: TableSpec) -> bool:
-        """Whether ``table`` gets TABLE_WISE options (all in the fast tier as torchrec's FUSED table, and its
-        tiered (mode, x < 1) options whole on one rank): allowed by ``sharding_types`` or its pinned type."""
+    def _allowed(self, table: TableSpec, sharding_type: str) -> bool:
+        """Whether ``table`` gets ``sharding_type``'s options: allowed by ``sharding_types`` or its pinned type;
+        COLUMN_WISE only where its width splits into torchrec's column shards over more than one rank."""
+        if sharding_type == COLUMN_WISE and (column_shards(table.dim) < 2 or self.world_size < 2):
+            return False
         pin = _constraint_for(table, self.constraints) or PlacementConstraints()
         if pin.sharding_type is not None:
-            return pin.sharding_type == TABLE_WISE
-        return TABLE_WISE in self.sharding_types
-
-    def row_wise_allowed(self, table: TableSpec) -> bool:
-        """Whether ``table`` gets the ROW_WISE options."""
-        pin = _constraint_for(table, self.constraints) or PlacementConstraints()
-        if pin.sharding_type is not None:
-            return pin.sharding_type == ROW_WISE
-        return ROW_WISE in self.sharding_types
+            return pin.sharding_type == sharding_type
+        return sharding_type in self.sharding_types
 
     def _check_constraints(self, tables: Sequence[TableSpec]) -> None:
         unknown = set(self.constraints) - {t.name for t in tables} - {t.fqn for t in tables}
@@ -205,20 +204,21 @@ class GridPlacementEnumerator:
                 )
         self._check_constraints(tables)
         _check_tiered_tables(tables, self.backend)
-        W = self.world_size
         # tables sharing candidates and allowed options share a column layout: filled together
         layouts: Dict[_LayoutKey, List[int]] = {}
-        unpinned: Optional[_LayoutKey] = None  # every table without constraints shares one layout
+        # tables without constraints share one layout per splittability of their width and FUSED kernel
+        unpinned: Dict[Tuple[bool, bool], _LayoutKey] = {}
         for i, t in enumerate(tables):
-            pinned = _constraint_for(t, self.constraints) is not None
-            key = unpinned if unpinned is not None and not pinned else self._layout(t)
-            if not pinned:
-                unpinned = key
+            if _constraint_for(t, self.constraints) is not None:
+                key = self._layout(t)
+            else:
+                kind = (column_shards(t.dim) > 1, self._fused_runs(t))
+                key = unpinned.get(kind) or unpinned.setdefault(kind, self._layout(t))
             layouts.setdefault(key, []).append(i)
-        width = max((len(c) * (rw + tw) + fu for c, rw, fu, tw in layouts), default=0)
+        width = max((len(c) * (rw + tw) + fu + cw for c, rw, fu, tw, cw in layouts), default=0)
         out = OptionArrays.empty(len(tables), width)
         comm = self._comm_costs(tables)
-        for (cand, rw, fused, tw), idx in layouts.items():
+        for (cand, rw, fused, tw, cw), idx in layouts.items():
             ii = np.asarray(idx, dtype=np.int64)
             lookup = self._lookup_costs([tables[i] for i in idx], cand)  # (tables, candidates)
             col = 0
@@ -227,37 +227,86 @@ class GridPlacementEnumerator:
                 out.lookup_cost[ii, col : col + len(cand)] = lookup
                 out.comm_cost[ii, col : col + len(cand)] = comm[_SHARDING_CODE[ROW_WISE], ii][:, None]
                 col += len(cand)
+            fused_lookup = lookup[:, cand.index((Mode.HYBRID, 1.0))] * self.fused_lookup_ratio if fused or cw else None
             if fused:  # all in the fast tier as torchrec's FUSED table; before the tiered one, which it wins ties of
-                size = np.array([tables[i].rows for i in idx], dtype=np.int64) * per_row_format(
-                    [tables[i] for i in idx], row_bytes
-                )
-                out.modes[ii, col], out.load_factors[ii, col] = _MODE_CODE[Mode.HYBRID], 1.0
-                out.sharding[ii, col], out.fused[ii, col] = 1, True
-                out.hbm_bytes_per_rank[ii, col] = -(-size // W)  # the knapsack's share; the owner holds it all
-                out.owner_bytes[ii, col] = out.hbm_bytes_per_machine[ii, col] = size
-                out.lookup_cost[ii, col] = lookup[:, cand.index((Mode.HYBRID, 1.0))] * self.fused_lookup_ratio
-                out.comm_cost[ii, col] = comm[_SHARDING_CODE[TABLE_WISE], ii]
+                self._fill_fused(out, tables, ii, col, TABLE_WISE, fused_lookup, comm)  # type: ignore[arg-type]
                 col += 1
             if tw:
                 self._fill(out, tables, ii, cand, col, whole=True)
                 out.lookup_cost[ii, col : col + len(cand)] = lookup
                 out.comm_cost[ii, col : col + len(cand)] = comm[_SHARDING_CODE[TABLE_WISE], ii][:, None]
+                col += len(cand)
+            if cw:  # torchrec's FUSED table in column shards, each whole on one rank
+                self._fill_fused(out, tables, ii, col, COLUMN_WISE, fused_lookup, comm)  # type: ignore[arg-type]
         valid = out.modes >= 0
+        none = np.flatnonzero(~valid.any(axis=1))
+        if none.size:
+            t = tables[int(none[0])]
+            raise PlannerError(
+                f"table {t.fqn!r} (dim {t.dim}) has no placement option under its constraints "
+                f"{_constraint_for(t, self.constraints)} and sharding_types {list(self.sharding_types)}"
+                f" ({none.size} such table(s)): column_wise needs a dim that splits into torchrec's column shards "
+                "(>= 2 shards of >= 128 columns, e.g. dim 256) on more than one rank, and a FUSED table keeps "
+                "every row in the fast tier (x = 1) and, on the native backend (CPU), trains with "
+                f"{sorted(o.value for o in FUSED_CPU_OPTIMIZERS)} only (fbgemm-gpu-cpu).\n"
+                + solutions(
+                    [
+                        f"pin {t.fqn!r} to sharding_type 'table_wise' or 'row_wise', or allow x = 1 for fused=True",
+                        "drop the pin",
+                    ]
+                ),
+                PlannerErrorType.INPUT_VALIDATION,
+            )
         out.cost[valid] = out.lookup_cost[valid] + out.comm_cost[valid]
         return out
 
     def _layout(self, table: TableSpec) -> "_LayoutKey":
-        """``table``'s column layout: its candidates, and whether it gets row-wise tiered, table-wise FUSED and
-        table-wise tiered options."""
+        """``table``'s column layout: its candidates, and whether it gets row-wise tiered, table-wise FUSED,
+        table-wise tiered and column-wise FUSED options."""
         cand = tuple(self.candidates(table))
         fused = (_constraint_for(table, self.constraints) or PlacementConstraints()).fused
-        tw = self.table_wise_allowed(table)
+        tw = self._allowed(table, TABLE_WISE)
+        all_fast = fused is not False and (Mode.HYBRID, 1.0) in cand and self._fused_runs(table)
         return (
             cand,
-            self.row_wise_allowed(table) and fused is not True,  # row-wise tiered
-            tw and fused is not False and (Mode.HYBRID, 1.0) in cand,  # table-wise FUSED
+            self._allowed(table, ROW_WISE) and fused is not True,  # row-wise tiered
+            tw and all_fast,  # table-wise FUSED
             tw and fused is not True,  # table-wise tiered
+            self._allowed(table, COLUMN_WISE) and all_fast,  # column-wise FUSED
         )
+
+    def _fused_runs(self, table: TableSpec) -> bool:
+        """Whether torchrec's FUSED table can train ``table``: on the ``native`` backend (a CPU run) fbgemm-gpu-cpu's
+        TBE, which runs only ``FUSED_CPU_OPTIMIZERS``."""
+        return self.backend != "native" or table.optimizer in FUSED_CPU_OPTIMIZERS
+
+    def _fill_fused(
+        self,
+        out: "OptionArrays",
+        tables: Sequence[TableSpec],
+        ii: np.ndarray,
+        col: int,
+        sharding_type: str,
+        lookup: np.ndarray,
+        comm: np.ndarray,
+    ) -> None:
+        """Writes torchrec's FUSED table of tables ``ii`` (all in the fast tier) into column ``col``, whole on one
+        rank (TABLE_WISE) or in ``column_shards(dim)`` shards each whole on one rank (COLUMN_WISE):
+        ``owner_bytes`` is one shard's, HBM per rank the knapsack's share ``ceil(table bytes / W)``."""
+        group = [tables[i] for i in ii]
+        rows = np.array([t.rows for t in group], dtype=np.int64)
+        if sharding_type == COLUMN_WISE:
+            shards = np.array([column_shards(t.dim) for t in group], dtype=np.int64)
+            shard = rows * per_row_format(group, lambda dim, dtype, opt: row_bytes(column_shard_dim(dim), dtype, opt))
+        else:
+            shards, shard = np.ones_like(rows), rows * per_row_format(group, row_bytes)
+        size = shards * shard
+        out.modes[ii, col], out.load_factors[ii, col] = _MODE_CODE[Mode.HYBRID], 1.0
+        out.sharding[ii, col], out.fused[ii, col] = _SHARDING_CODE[sharding_type], True
+        out.hbm_bytes_per_rank[ii, col] = -(-size // self.world_size)  # the knapsack's share
+        out.owner_bytes[ii, col], out.hbm_bytes_per_machine[ii, col] = shard, size
+        out.lookup_cost[ii, col] = lookup
+        out.comm_cost[ii, col] = comm[_SHARDING_CODE[sharding_type], ii]
 
     def _fill(
         self,
@@ -297,11 +346,11 @@ class GridPlacementEnumerator:
             out.ddr_bytes_per_machine[ii, cols] = -(-out.owner_slow_bytes[ii, cols] // (W // L))
 
     def _comm_costs(self, tables: Sequence[TableSpec]) -> np.ndarray:
-        """``(2, tables)`` modelled communication ms per step: row 0 ROW_WISE, row 1 TABLE_WISE (0 without a
-        ``comm_model``)."""
+        """``(3, tables)`` modelled communication ms per step, a row per sharding code (``SHARDING_OF_CODE``;
+        0 without a ``comm_model``)."""
         if self.comm_model is None:
-            return np.zeros((2, len(tables)))
-        return np.stack([self.comm_model.cost_array(tables, s) for s in (ROW_WISE, TABLE_WISE)])
+            return np.zeros((len(SHARDING_OF_CODE), len(tables)))
+        return np.stack([self.comm_model.cost_array(tables, s) for s in SHARDING_OF_CODE])
 
     def _lookup_costs(self, tables: Sequence[TableSpec], options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
         """``(tables, options)`` lookup costs: the cost model's ``cost_matrix`` when it has one (all tables at
@@ -383,13 +432,16 @@ class GridPlacementEnumerator:
         return self.enumerate_arrays(tables).to_options()
 
 
-ROW_WISE, TABLE_WISE = PLANNED_SHARDING_TYPES[1], PLANNED_SHARDING_TYPES[0]
+TABLE_WISE, ROW_WISE, COLUMN_WISE = PLANNED_SHARDING_TYPES
 #: fbgemm-gpu-cpu's FUSED TBE time over recpipe's tiered CPU kernel at the same rows, forward + backward:
 #: the conservative end of 1.05-1.19x (``scripts/bench_storage.py``, one thread, Zipf ids). Dimensionless.
 FUSED_CPU_LOOKUP_RATIO: float = 1.05
+#: The fused optimizers of recpipe's tiered tables that fbgemm-gpu-cpu's TBE also runs (its CPU mode has no Adam):
+#: torchrec's FUSED table is offered on the ``native`` backend (a CPU run) only for these.
+FUSED_CPU_OPTIMIZERS: Tuple[FusedOptimizer, ...] = (FusedOptimizer.SGD, FusedOptimizer.ROWWISE_ADAGRAD)
 # Sharding type <-> int8 code in ``OptionArrays.sharding``.
-_SHARDING_CODE: Dict[str, int] = {ROW_WISE: 0, TABLE_WISE: 1}
-SHARDING_OF_CODE: Tuple[str, str] = (ROW_WISE, TABLE_WISE)
+SHARDING_OF_CODE: Tuple[str, str, str] = (ROW_WISE, TABLE_WISE, COLUMN_WISE)
+_SHARDING_CODE: Dict[str, int] = {s: code for code, s in enumerate(SHARDING_OF_CODE)}
 
 
 def check_sharding_types(sharding_types: Sequence[str]) -> Tuple[str, ...]:
@@ -454,9 +506,10 @@ class OptionArrays:
     """Every table's options packed as ``(tables, options)`` arrays.
 
     ``modes`` are int8 codes (0 HYBRID, 1 CACHING, -1 no option), ``sharding`` int8 codes (0 ROW_WISE,
-    1 TABLE_WISE), ``fused`` marks torchrec's FUSED table (table-wise, all in the fast tier); bytes are int64 of the most loaded rank / machine (a table-wise option's HBM per rank and
-    DDR per machine are its shares ``ceil(bytes / W)`` and ``ceil(slow bytes / machines)``; ``owner_bytes`` /
-    ``owner_slow_bytes`` what its owner holds); ``cost`` is float64 modelled ms
+    1 TABLE_WISE, 2 COLUMN_WISE), ``fused`` marks torchrec's FUSED table (all in the fast tier); bytes are int64
+    of the most loaded rank / machine (a table- or column-wise option's HBM per rank and DDR per machine are its
+    shares ``ceil(bytes / W)`` and ``ceil(slow bytes / machines)``; ``owner_bytes`` / ``owner_slow_bytes`` what
+    the owner of one of its shards holds); ``cost`` is float64 modelled ms
     (``lookup_cost + comm_cost``), ``inf`` where a table has fewer options.
     """
 
@@ -536,7 +589,9 @@ def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.
 
 __all__ = [
     "FUSED_CPU_LOOKUP_RATIO",
+    "FUSED_CPU_OPTIMIZERS",
     "MODE_OF_CODE",
+    "COLUMN_WISE",
     "ROW_WISE",
     "SHARDING_OF_CODE",
     "TABLE_WISE",

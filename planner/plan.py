@@ -31,14 +31,22 @@ from recpipe.pipeline.placement import (
     resolve_dtype,
 )
 from recpipe.planner.errors import format_bytes, solutions
-from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec, table_wise_sharding_spec
+from recpipe.planner.sharding_plan import (
+    PlacementParameterSharding,
+    column_shards,
+    column_wise_sharding_spec,
+    row_wise_sharding_spec,
+    table_wise_sharding_spec,
+)
 from recpipe.planner.specs import BACKEND_SHARD_STORAGE, STORAGE_BACKENDS
+
+_ROW_WISE, _COLUMN_WISE = ShardingType.ROW_WISE.value, ShardingType.COLUMN_WISE.value
 
 
 def option_text(o: Any) -> str:
-    """A placement option in words: ``table_wise FUSED`` or ``row_wise CACHING x=0.20``."""
+    """A placement option in words: ``table_wise FUSED``, ``column_wise FUSED`` or ``row_wise CACHING x=0.20``."""
     if o.fused:
-        return "table_wise FUSED"
+        return f"{o.sharding_type} FUSED"
     storage = o.mode.name if o.cache_load_factor < 1.0 else "HBM"
     return f"{o.sharding_type} {storage} x={_load_factor_text(o.cache_load_factor)}"
 
@@ -54,10 +62,12 @@ class TablePlacement:
     """The chosen placement of one table.
 
     ``*_per_rank`` / ``*_per_machine`` bytes are those of the most loaded rank / machine (a table-wise
-    table's: its owner ``rank``'s); ``cost`` is the modelled step cost in ms, ``lookup_cost`` plus
-    ``comm_cost``; ``optimizer`` and ``dtype`` are what the bytes were sized for; ``reason`` says why the
-    option won. ``fused``: torchrec's FUSED table (TABLE_WISE, all in the fast tier: mode HYBRID, x = 1); every
-    other table is a recpipe tiered table, whole on ``rank`` (TABLE_WISE) or over every rank (ROW_WISE).
+    table's: its owner ``rank``'s; a column-wise table's: one shard per rank, the whole table per machine);
+    ``cost`` is the modelled step cost in ms, ``lookup_cost`` plus ``comm_cost``; ``optimizer`` and ``dtype``
+    are what the bytes were sized for; ``reason`` says why the option won. ``fused``: torchrec's FUSED table
+    (all in the fast tier: mode HYBRID, x = 1), whole on ``rank`` (TABLE_WISE) or in column shards on
+    ``ranks`` (COLUMN_WISE, shard ``j`` on ``ranks[j]``); every other table is a recpipe tiered table, whole on
+    ``rank`` (TABLE_WISE) or over every rank (ROW_WISE).
     """
 
     table: str
@@ -79,11 +89,20 @@ class TablePlacement:
     lookup_cost: float = 0.0
     comm_cost: float = 0.0
     reason: str = ""
+    ranks: Optional[Tuple[int, ...]] = None
 
     @property
     def table_wise(self) -> bool:
         """Whether the whole table lives on ``rank`` (a FUSED or a tiered table)."""
         return self.sharding_type == ShardingType.TABLE_WISE.value
+
+    @property
+    def owner_ranks(self) -> Tuple[int, ...]:
+        """The ranks holding a whole shard: a table-wise table's owner, a column-wise table's shard owners; ``()``
+        for a row-wise table (every rank holds a row shard)."""
+        if self.sharding_type == ShardingType.COLUMN_WISE.value:
+            return tuple(self.ranks or ())
+        return (self.rank,) if self.table_wise and self.rank is not None else ()
 
     @property
     def storage(self) -> str:
@@ -125,12 +144,13 @@ class PlacementPlan:
             raise ValueError(f"PlacementPlan.backend must be one of {list(STORAGE_BACKENDS)}, got {self.backend!r}.")
 
     def rank_hbm_bytes(self) -> List[int]:
-        """Fast-tier bytes of every rank: each row-wise table's largest shard plus the table-wise tables it owns."""
-        row_wise = sum(p.hbm_bytes_per_rank for p in self.placements if not p.table_wise)
+        """Fast-tier bytes of every rank: each row-wise table's largest shard plus the table-wise tables and
+        column shards it owns."""
+        row_wise = sum(p.hbm_bytes_per_rank for p in self.placements if p.sharding_type == _ROW_WISE)
         out = [row_wise] * self.world_size
         for p in self.placements:
-            if p.table_wise and p.rank is not None:
-                out[p.rank] += p.hbm_bytes_per_rank
+            for r in p.owner_ranks:
+                out[r] += p.hbm_bytes_per_rank
         return out
 
     @property
@@ -141,11 +161,11 @@ class PlacementPlan:
     def machine_ddr_bytes(self) -> List[int]:
         """Slow-tier bytes of every machine: each row-wise table's most loaded machine's bytes plus the
         table-wise tables its ranks own."""
-        row_wise = sum(p.ddr_bytes_per_machine for p in self.placements if not p.table_wise)
+        row_wise = sum(p.ddr_bytes_per_machine for p in self.placements if p.sharding_type == _ROW_WISE)
         out = [row_wise] * (self.world_size // self.local_world_size)
         for p in self.placements:
-            if p.table_wise and p.rank is not None:
-                out[p.rank // self.local_world_size] += p.ddr_bytes_per_machine
+            for r in p.owner_ranks:  # a column-wise (FUSED) table has no slow tier
+                out[r // self.local_world_size] += p.ddr_bytes_per_machine
         return out
 
     @property
@@ -211,7 +231,7 @@ class PlacementPlan:
             (
                 p.fqn,
                 p.sharding_type,
-                str(p.rank) if p.rank is not None else "all",
+                ",".join(map(str, p.owner_ranks)) or "all",
                 p.storage,
                 _load_factor_text(p.cache_load_factor),
                 p.optimizer.value,
@@ -247,9 +267,10 @@ class PlacementPlan:
             f"modes: {sum(p.storage == 'HYBRID' for p in self.placements)} HYBRID, "
             f"{sum(p.storage == 'CACHING' for p in self.placements)} CACHING, "
             f"{sum(p.storage == 'HBM' for p in self.placements)} all-HBM, "
-            f"{sum(p.fused for p in self.placements)} table-wise FUSED; "
+            f"{sum(p.fused and p.table_wise for p in self.placements)} table-wise FUSED; "
             f"{sum(p.table_wise for p in self.placements)} table-wise, "
-            f"{sum(not p.table_wise for p in self.placements)} row-wise",
+            f"{sum(p.sharding_type == _ROW_WISE for p in self.placements)} row-wise, "
+            f"{sum(p.sharding_type == _COLUMN_WISE for p in self.placements)} column-wise",
         ]
         return "\n".join(lines)
 
@@ -261,6 +282,10 @@ class PlacementPlan:
         """A JSON-serialisable dict of the plan (read back by :meth:`from_dict`)."""
         d = asdict(self)
         for p in d["placements"]:
+            if p["ranks"] is None:
+                del p["ranks"]  # plans without column-wise tables read as before
+            else:
+                p["ranks"] = list(p["ranks"])
             p["mode"] = p["mode"].name
             p["optimizer"] = p["optimizer"].value
             p["dtype"] = dtype_name(p["dtype"])
@@ -422,21 +447,38 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
                 f"{where}[{key!r}] must be a finite number >= 0 (modelled ms), got {type(cost).__name__} {cost!r}; "
                 f"{fix}."
             )
-    sharding_type = p.get("sharding_type", ShardingType.ROW_WISE.value)
-    if sharding_type not in (ShardingType.ROW_WISE.value, ShardingType.TABLE_WISE.value):
-        raise ValueError(f"{where}['sharding_type'] must be 'row_wise' or 'table_wise', got {sharding_type!r}; {fix}.")
+    sharding_type = p.get("sharding_type", _ROW_WISE)
+    if sharding_type not in (_ROW_WISE, ShardingType.TABLE_WISE.value, _COLUMN_WISE):
+        raise ValueError(
+            f"{where}['sharding_type'] must be 'row_wise', 'table_wise' or 'column_wise', got {sharding_type!r}; {fix}."
+        )
     rank = p.get("rank")
     if sharding_type == ShardingType.TABLE_WISE.value:
         rank = check_int(rank, f"{where}['rank'] (the owner of a table-wise table)", 0)
     elif rank is not None:
-        raise ValueError(f"{where}['rank'] must be null for a row-wise table (all ranks hold it), got {rank!r}; {fix}.")
+        raise ValueError(
+            f"{where}['rank'] must be null for a {sharding_type} table (no one rank holds it), got {rank!r}; {fix}."
+        )
+    ranks = p.get("ranks")
+    if sharding_type == _COLUMN_WISE:
+        shards = column_shards(ints["dim"])
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or len(ranks) != shards:
+            raise ValueError(
+                f"{where}['ranks'] must list the owner rank of each of the {shards} column shards of a column_wise "
+                f"table of dim {ints['dim']}, got {ranks!r}; {fix}."
+            )
+        ranks = tuple(check_int(r, f"{where}['ranks'][{j}]", 0) for j, r in enumerate(ranks))
+    elif ranks is not None:
+        raise ValueError(f"{where}['ranks'] must be absent for a {sharding_type} table, got {ranks!r}; {fix}.")
     fused = p.get("fused", False)
     if not isinstance(fused, bool) or (
-        fused and (sharding_type != ShardingType.TABLE_WISE.value or p["cache_load_factor"] != 1.0)
+        fused
+        and (sharding_type == _ROW_WISE or p["cache_load_factor"] != 1.0)
+        or (sharding_type == _COLUMN_WISE and not fused)
     ):
         raise ValueError(
-            f"{where}['fused'] must be a bool, true only for a table_wise table at cache_load_factor 1.0, got "
-            f"{fused!r}; {fix}."
+            f"{where}['fused'] must be a bool, true only for a table_wise table at cache_load_factor 1.0 and for "
+            f"every column_wise table, got {fused!r} for a {sharding_type} table; {fix}."
         )
     reason = p.get("reason", "")
     if not isinstance(reason, str):
@@ -452,6 +494,7 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
         sharding_type=sharding_type,
         fused=fused,
         rank=rank,
+        ranks=ranks,
         lookup_cost=float(p.get("lookup_cost", 0.0)),
         comm_cost=float(p.get("comm_cost", 0.0)),
         reason=reason,
@@ -464,7 +507,7 @@ def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) 
 
     A tiered table gets a ``PlacementParameterSharding`` (ROW_WISE over every rank or TABLE_WISE on its
     rank, CUSTOMIZED_KERNEL) carrying ``plan.placement_params(...)``; a FUSED one torchrec's own TABLE_WISE
-    FUSED ``ParameterSharding`` on its rank. Warns when
+    FUSED ``ParameterSharding`` on its rank, or COLUMN_WISE FUSED with shard ``j`` on ``ranks[j]``. Warns when
     ``compute_device`` is given and the tiered sharders' default backend there runs another layout than
     ``plan.backend``, with the bytes of both.
     """
@@ -479,6 +522,20 @@ def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> Sha
     modules: Dict[str, EmbeddingModuleShardingPlan] = {}
     for p in plan.placements:
         module_plan = modules.setdefault(p.module_path, EmbeddingModuleShardingPlan())
+        if p.sharding_type == _COLUMN_WISE:
+            module_plan[p.table] = ParameterSharding(
+                sharding_type=_COLUMN_WISE,
+                compute_kernel=EmbeddingComputeKernel.FUSED.value,
+                ranks=list(p.owner_ranks),
+                sharding_spec=column_wise_sharding_spec(
+                    p.rows,
+                    p.dim,
+                    p.owner_ranks,
+                    plan.local_world_size,
+                    device,  # type: ignore[arg-type]
+                ),
+            )
+            continue
         if p.fused:
             module_plan[p.table] = ParameterSharding(
                 sharding_type=ShardingType.TABLE_WISE.value,

@@ -32,6 +32,7 @@ from recpipe.planner.errors import PlannerError, PlannerErrorType, sized
 from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition
 from recpipe.planner.plan import PlacementPlan, TablePlacement, option_text
 from recpipe.planner.proposers import DynamicProgrammingProposer
+from recpipe.planner.sharding_plan import column_shards
 from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
     PlacementConstraints,
@@ -47,7 +48,8 @@ from recpipe.planner.types import CostModel, Proposer
 DEFAULT_HBM_RESERVATION: float = 0.15
 #: Fraction of host DDR reserved: torchrec's percentage reservations touch HBM only. Dimensionless.
 DEFAULT_DDR_RESERVATION: float = 0.0
-#: Knapsack runs that drop the table-wise options of tables no rank could hold, before one without any. Count.
+#: Knapsack runs that drop the table- and column-wise options of tables no ranks could hold, before one without
+#: any. Count.
 MAX_PARTITION_REPAIRS: int = 8
 #: ``communication=`` names -> constants (``topology``: the topology's own bandwidths).
 COMMUNICATION_CONSTANTS = {"gloo_cpu": GLOO_CPU}
@@ -56,13 +58,15 @@ COMMUNICATION_CONSTANTS = {"gloo_cpu": GLOO_CPU}
 class PlacementPlanner:
     """Chooses for every table a sharding type and a storage: TABLE_WISE (the whole table on one rank) or
     ROW_WISE (over all ranks), as recpipe's tiered table (HYBRID / CACHING and a cache load factor, or all in
-    the fast tier) or, table-wise and all in the fast tier, as torchrec's FUSED table.
+    the fast tier) or, all in the fast tier, as torchrec's FUSED table, TABLE_WISE or COLUMN_WISE (column
+    shards of at least 128 columns, each whole on one rank, where the table's width splits).
 
     Budgets: HBM per device = ``min(device hbm) x (1 - hbm_reservation)``; DDR per machine = ``min over
     machines of its ranks' ddr sum`` (torchrec's ``ddr_cap`` is per rank) ``x (1 - ddr_reservation)``.
     Row-wise tables' largest shards (rank 0 / machine 0) are checked on every rank; the knapsack budgets
-    a table-wise table by its share of every rank, then the partitioner picks its owner under the rank's
-    budget (a table no rank holds takes its cheapest option that fits, see :meth:`_solve`). Costs: lookup
+    a table- or column-wise table by its share of every rank, then the partitioner picks the owners of its
+    shards under the ranks' budgets (a table no ranks hold takes its cheapest option that fits, see
+    :meth:`_solve`). Costs: lookup
     bytes (``cost_model``) plus the sharding type's communication (``communication``).
 
     Args:
@@ -80,7 +84,7 @@ class PlacementPlanner:
         backend: layout whose bytes are budgeted and priced: ``fbgemm`` (fbgemm's TBE) or ``native``
             (recpipe's own: the CPU kernel and the torch backend). None: ``fbgemm`` on a ``cuda`` topology,
             else ``native``; plan ``native`` when a ``cuda`` topology models a CPU run.
-        sharding_types: the sharding types to choose from (``table_wise``, ``row_wise``).
+        sharding_types: the sharding types to choose from (``table_wise``, ``row_wise``, ``column_wise``).
         communication: constants of the communication model: ``"gloo_cpu"`` (measured for gloo on CPU),
             ``"topology"`` (the topology's bandwidths) or a ``CommConstants``; None: ``gloo_cpu`` on a
             ``cpu`` topology, else ``topology``.
@@ -230,29 +234,34 @@ class PlacementPlanner:
             )
         return plan
 
-    def _solve(self, specs: List[TableSpec], options: OptionArrays, H: int, D: int) -> Tuple[np.ndarray, np.ndarray]:
-        """The knapsack's choice per table and the owner rank of each table-wise one (-1 for row-wise).
+    def _solve(
+        self, specs: List[TableSpec], options: OptionArrays, H: int, D: int
+    ) -> Tuple[np.ndarray, List[Tuple[int, ...]]]:
+        """The knapsack's choice per table and the owner ranks of each table- or column-wise one's shards (empty
+        for row-wise).
 
-        A table-wise option larger than a rank's budget is dropped first. Table-wise tables the partitioner
-        cannot place (the knapsack sees only their share of every rank) take their cheapest option that still
-        fits (:meth:`_repair`); if one has none, the knapsack runs again without the table-wise options of
-        those tables, and after ``MAX_PARTITION_REPAIRS`` such runs without any table-wise option (every
+        An option with a shard larger than a rank's budget is dropped first. Tables the partitioner cannot
+        place (the knapsack sees only their share of every rank) take their cheapest option that still fits
+        (:meth:`_repair`); if one has none, the knapsack runs again without the owned (table- and column-wise)
+        options of those tables, and after ``MAX_PARTITION_REPAIRS`` such runs without any owned option (every
         rank then holds the same shards, so a plan the knapsack finds always fits).
         """
         W, L = self.topology.world_size, self.topology.local_world_size
         cost = options.cost.copy()
-        table_wise = options.sharding == 1
-        cost[table_wise & (options.owner_bytes > H)] = np.inf
+        owned = options.sharding >= 1
+        cost[owned & (options.owner_bytes > H)] = np.inf
         rows = np.arange(len(specs))
+        dims = np.array([t.dim for t in specs], dtype=np.int64)
         for attempt in range(MAX_PARTITION_REPAIRS + 1):
             if attempt == MAX_PARTITION_REPAIRS:
-                cost[table_wise] = np.inf
+                cost[owned] = np.inf
             choice = self.proposer.solve(options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, cost, H, D)
             if choice is None:
                 raise InfeasibilityDiagnosis(self, specs, options, H, D).error()
             choice = np.array(choice, dtype=np.int64)
-            tw = np.flatnonzero(options.sharding[rows, choice] == 1)
-            rw = np.flatnonzero(options.sharding[rows, choice] == 0)
+            sharding = options.sharding[rows, choice]
+            tw = np.flatnonzero(sharding >= 1)
+            rw = np.flatnonzero(sharding == 0)
             base = (
                 int(options.hbm_bytes_per_rank[rw, choice[rw]].sum()),
                 int(options.ddr_bytes_per_machine[rw, choice[rw]].sum()),
@@ -265,65 +274,107 @@ class PlacementPlanner:
                 (H, D),
                 W,
                 L,
+                _shard_counts(sharding[tw], dims[tw]),
             )
-            owners = np.full(len(specs), -1, dtype=np.int64)
-            owners[tw] = part.owners
+            owners: List[Tuple[int, ...]] = [()] * len(specs)
+            for i, o in zip(tw.tolist(), part.shard_owners):
+                owners[i] = tuple(o)
             unplaced = tw[part.unplaced]
-            if not unplaced.size or self._repair(options, cost, choice, owners, unplaced, part, H, D, L):
+            if not unplaced.size or self._repair(options, cost, dims, choice, owners, unplaced, part, H, D, L):
                 return choice, owners
-            cost[unplaced] = np.where(table_wise[unplaced], np.inf, cost[unplaced])
-        raise AssertionError("a plan without table-wise tables needs no partition")  # the last attempt's
+            cost[unplaced] = np.where(owned[unplaced], np.inf, cost[unplaced])
+        raise AssertionError("a plan without owned tables needs no partition")  # the last attempt's
 
     @staticmethod
     def _repair(
         options: OptionArrays,
         cost: np.ndarray,
+        dims: np.ndarray,
         choice: np.ndarray,
-        owners: np.ndarray,
+        owners: List[Tuple[int, ...]],
         unplaced: np.ndarray,
         part: Partition,
         H: int,
         D: int,
         L: int,
     ) -> bool:
-        """Gives each unplaced table-wise table (largest first) its cheapest option that still fits: a
-        table-wise one on a rank whose fast tier (and machine's slow tier) holds it, or a row-wise one whose
-        shard every rank and machine holds. Updates ``choice`` and ``owners``; True if every table found one."""
+        """Gives each unplaced table (largest first) its cheapest option that still fits: a table- or
+        column-wise one whose shards ranks whose fast tier (and machine's slow tier) hold them, or a row-wise
+        one whose shard every rank and machine holds. Updates ``choice`` and ``owners``; True if every table
+        found one."""
         rank_bytes, machine_slow = part.rank_bytes.copy(), part.machine_slow_bytes.copy()
         for i in sorted(unplaced.tolist(), key=lambda k: -int(options.owner_bytes[k, choice[k]])):
-            best: Tuple[float, int, int] = (np.inf, -1, -1)  # (cost, option, owner or -1)
+            best: Tuple[float, int, Tuple[int, ...]] = (np.inf, -1, ())  # (cost, option, owners)
             for j in np.flatnonzero(np.isfinite(cost[i])):
                 if options.sharding[i, j] == 0:
                     fits = (
                         rank_bytes.max() + options.hbm_bytes_per_rank[i, j] <= H
                         and machine_slow.max() + options.ddr_bytes_per_machine[i, j] <= D
                     )
-                    owner = -1
+                    ranks: Tuple[int, ...] = ()
                 else:
-                    ok = (rank_bytes + options.owner_bytes[i, j] <= H) & (
-                        machine_slow[np.arange(rank_bytes.size) // L] + options.owner_slow_bytes[i, j] <= D
+                    count = int(_shard_counts(options.sharding[i, j : j + 1], dims[i : i + 1])[0])
+                    got = _first_fit(
+                        rank_bytes,
+                        machine_slow,
+                        options.owner_bytes[i, j],
+                        options.owner_slow_bytes[i, j],
+                        count,
+                        H,
+                        D,
+                        L,
                     )
-                    fits, owner = bool(ok.any()), int(np.flatnonzero(ok)[0]) if ok.any() else -1
+                    fits, ranks = got is not None, got or ()
                 if fits and cost[i, j] < best[0]:
-                    best = (float(cost[i, j]), int(j), owner)
-            _, j, owner = best
+                    best = (float(cost[i, j]), int(j), ranks)
+            _, j, ranks = best
             if j < 0:
                 return False
-            choice[i], owners[i] = j, owner
-            if owner < 0:
+            choice[i], owners[i] = j, ranks
+            if not ranks:
                 rank_bytes += options.hbm_bytes_per_rank[i, j]
                 machine_slow += options.ddr_bytes_per_machine[i, j]
-            else:
-                rank_bytes[owner] += options.owner_bytes[i, j]
-                machine_slow[owner // L] += options.owner_slow_bytes[i, j]
+            for r in ranks:
+                rank_bytes[r] += options.owner_bytes[i, j]
+                machine_slow[r // L] += options.owner_slow_bytes[i, j]
         return True
 
 
+def _shard_counts(sharding: np.ndarray, dims: np.ndarray) -> np.ndarray:
+    """Shards of each owned option: 1 table-wise, ``column_shards(dim)`` column-wise."""
+    return np.array(
+        [column_shards(int(d)) if code == 2 else 1 for code, d in zip(sharding.tolist(), dims.tolist())], dtype=np.int64
+    )
+
+
+def _first_fit(
+    rank_bytes: np.ndarray, machine_slow: np.ndarray, shard: int, slow: int, count: int, H: int, D: int, L: int
+) -> Optional[Tuple[int, ...]]:
+    """Ranks for ``count`` shards of ``shard`` fast / ``slow`` slow-tier bytes on top of ``rank_bytes`` and
+    ``machine_slow`` (the lowest fitting ranks, distinct where they can be), or None if they do not fit."""
+    fast, slow_used = rank_bytes.copy(), machine_slow.copy()
+    machine_of = np.arange(fast.size) // L
+    ranks: List[int] = []
+    for _ in range(count):
+        fits = (fast + shard <= H) & (slow_used[machine_of] + slow <= D)
+        fresh = fits.copy()
+        fresh[ranks] = False
+        pick = np.flatnonzero(fresh if fresh.any() else fits)
+        if not pick.size:
+            return None
+        r = int(pick[0])
+        ranks.append(r)
+        fast[r] += shard
+        slow_used[r // L] += slow
+    return tuple(ranks)
+
+
 def _placements(
-    specs: List[TableSpec], options: OptionArrays, choice: np.ndarray, owners: np.ndarray
+    specs: List[TableSpec], options: OptionArrays, choice: np.ndarray, owners: List[Tuple[int, ...]]
 ) -> List[TablePlacement]:
-    """Each table's placement from its chosen option, with the owner rank of a table-wise one and why it won:
-    the next cheapest option when it is the cheapest, else the cheaper one the budgets ruled out."""
+    """Each table's placement from its chosen option, with the owner rank of a table-wise one (the ranks of a
+    column-wise one's shards) and why it won: the next cheapest option when it is the cheapest, else the
+    cheaper one the budgets ruled out."""
     if not specs:
         return []
     rows = np.arange(len(specs))
@@ -332,10 +383,11 @@ def _placements(
     others = cost.copy()
     others[rows, choice] = np.inf
     runner_up = np.argmin(others, axis=1)
-    tw = options.sharding[rows, choice] == 1
-    # a table-wise table's bytes are all on its owner and its machine
+    sharding = options.sharding[rows, choice]
+    tw = sharding >= 1
+    # a table-wise table's bytes are all on its owner and its machine; a column-wise one's shard on each owner
     hbm = np.where(tw, options.owner_bytes[rows, choice], options.hbm_bytes_per_rank[rows, choice])
-    hbm_machine = np.where(tw, hbm, options.hbm_bytes_per_machine[rows, choice])
+    hbm_machine = np.where(sharding == 1, hbm, options.hbm_bytes_per_machine[rows, choice])
     ddr = np.where(tw, options.owner_slow_bytes[rows, choice], options.ddr_bytes_per_rank[rows, choice])
     ddr_machine = np.where(tw, ddr, options.ddr_bytes_per_machine[rows, choice])
     out = []
@@ -367,7 +419,8 @@ def _placements(
                 dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
                 sharding_type=SHARDING_OF_CODE[int(options.sharding[i, j])],
                 fused=bool(options.fused[i, j]),
-                rank=int(owners[i]) if owners[i] >= 0 else None,
+                rank=owners[i][0] if sharding[i] == 1 else None,
+                ranks=owners[i] if sharding[i] == 2 else None,
                 lookup_cost=float(options.lookup_cost[i, j]),
                 comm_cost=float(options.comm_cost[i, j]),
                 reason=reason,

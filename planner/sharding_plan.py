@@ -1,13 +1,14 @@
 """The torchrec side of a placement plan: the ``ParameterSharding`` that carries a table's placement,
-and the row-wise sharding spec ``PlacementPlan.to_sharding_plan`` builds with."""
+and the row-, table- and column-wise sharding specs ``PlacementPlan.to_sharding_plan`` builds with."""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
+from torchrec.distributed.planner.constants import MIN_CW_DIM
 from torchrec.distributed.sharding_plan import placement
 from torchrec.distributed.types import EnumerableShardingSpec, ParameterSharding, ShardingPlan, ShardMetadata
 
@@ -120,6 +121,42 @@ def table_wise_sharding_spec(
     return EnumerableShardingSpec([shard])
 
 
+def column_shard_dim(dim: int) -> int:
+    """Columns per shard of a COLUMN_WISE table of width ``dim``, torchrec's default block: the smallest divisor
+    of ``dim`` that is at least ``MIN_CW_DIM`` (128) and a multiple of 4, else ``dim`` (one shard)."""
+    dim = check_int(dim, "dim", 1)
+    return next((d for d in range(MIN_CW_DIM, dim) if dim % d == 0 and d % 4 == 0), dim)
+
+
+def column_shards(dim: int) -> int:
+    """Shards of a COLUMN_WISE table of width ``dim`` (``dim // column_shard_dim(dim)``; 1: not splittable)."""
+    return dim // column_shard_dim(dim)
+
+
+def column_wise_sharding_spec(
+    num_embeddings: int, dim: int, ranks: Sequence[int], local_world_size: int, compute_device: str
+) -> EnumerableShardingSpec:
+    """Shard ``j`` holds columns ``[j * c, (j + 1) * c)`` (``c = column_shard_dim(dim)``) of every row on
+    ``ranks[j]``, placed on ``compute_device``."""
+    rows, c = check_int(num_embeddings, "num_embeddings", 0), column_shard_dim(dim)
+    L = check_int(local_world_size, "local_world_size", 1)
+    if len(ranks) != dim // c:
+        raise ValueError(
+            f"ranks must name one rank per column shard: a table of dim {dim} has {dim // c} shards of {c} "
+            f"columns, got {len(ranks)} ranks {list(ranks)}."
+        )
+    return EnumerableShardingSpec(
+        [
+            ShardMetadata(
+                shard_offsets=[0, j * c],
+                shard_sizes=[rows, c],
+                placement=placement(compute_device, check_int(r, f"ranks[{j}]", 0), L),
+            )
+            for j, r in enumerate(ranks)
+        ]
+    )
+
+
 def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str, str], Tuple[Mode, float]]:
     """``(module_path, table) -> (mode, x)`` of every ``PlacementParameterSharding`` in a torchrec plan."""
     out: Dict[Tuple[str, str], Tuple[Mode, float]] = {}
@@ -132,6 +169,9 @@ def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str
 
 __all__ = [
     "PlacementParameterSharding",
+    "column_shard_dim",
+    "column_shards",
+    "column_wise_sharding_spec",
     "placements_from_sharding_plan",
     "row_wise_sharding_spec",
     "table_wise_sharding_spec",

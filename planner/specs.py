@@ -183,19 +183,33 @@ class PlacementConstraints:
     """Restrict this table's x grid (instead of the planner-wide grid)."""
     sharding_type: Optional[str] = None
     """Pin the sharding type: ``table_wise`` (the whole table on one rank: torchrec's FUSED table when all in
-    the fast tier, else a tiered table) or ``row_wise`` (a tiered table over every rank)."""
+    the fast tier, else a tiered table), ``row_wise`` (a tiered table over every rank) or ``column_wise``
+    (torchrec's FUSED table in column shards of at least 128 columns, each whole on one rank)."""
     fused: Optional[bool] = None
     """Pin torchrec's FUSED table (True: table-wise, all in the fast tier) or a recpipe tiered table (False)."""
 
     def __post_init__(self) -> None:
         if self.sharding_type is not None:
             self.sharding_type = getattr(self.sharding_type, "value", self.sharding_type)
-            if self.sharding_type not in ("table_wise", "row_wise"):
+            if self.sharding_type not in ("table_wise", "row_wise", "column_wise"):
                 raise ValueError(
-                    f"PlacementConstraints.sharding_type must be 'table_wise' or 'row_wise', got {self.sharding_type!r}."
+                    "PlacementConstraints.sharding_type must be 'table_wise', 'row_wise' or 'column_wise', got "
+                    f"{self.sharding_type!r}."
                 )
         if self.fused is not None and not isinstance(self.fused, bool):
             raise ValueError(f"PlacementConstraints.fused must be True, False or None, got {self.fused!r}.")
+        if self.fused is False and self.sharding_type == "column_wise":
+            raise ValueError(
+                "PlacementConstraints(sharding_type='column_wise') is torchrec's FUSED table in column shards; "
+                "fused=False (a recpipe tiered table) runs table_wise or row_wise: drop one of the two pins."
+            )
+        if self.sharding_type == "column_wise" and (
+            self.mode is not None or (self.cache_load_factor is not None and float(self.cache_load_factor) < 1.0)
+        ):
+            raise ValueError(
+                "PlacementConstraints(sharding_type='column_wise') is torchrec's FUSED table, all in the fast tier; "
+                "it takes no mode or cache_load_factor < 1: drop those, or pin 'table_wise' / 'row_wise'."
+            )
         if self.fused and (
             self.sharding_type == "row_wise"
             or self.mode is not None

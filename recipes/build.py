@@ -183,6 +183,7 @@ def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, devi
         p.table: {
             "sharding_type": p.sharding_type,
             "rank": p.rank,
+            "ranks": p.ranks,
             "mode": p.storage,
             "cache_load_factor": p.cache_load_factor,
             "dist_type": placement.dist_type.value,

@@ -32,7 +32,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline": ("fused", "sparse"),
     "device": ("auto", "cpu", "cuda"),
     "placement": ("planned", "table_wise", "torchrec_planner"),
-    "sharding_types": ("table_wise,row_wise", "row_wise", "table_wise"),
+    "sharding_types": ("table_wise,row_wise,column_wise", "table_wise,row_wise", "row_wise", "table_wise"),
 }
 DATASETS: tuple[str, ...] = CHOICES["dataset"]
 PLACEMENTS: tuple[str, ...] = CHOICES["placement"]
@@ -239,9 +239,10 @@ class TrainConfig:
     storage (all in the fast tier, or tiered HYBRID / CACHING); ``table_wise``: torchrec's own sharder, whole tables placed
     greedily; ``torchrec_planner``: torchrec's EmbeddingShardingPlanner (both for comparison)."""
 
-    sharding_types: str = "table_wise,row_wise"
-    """Sharding types the planner chooses from (``planned``): both, or only ``row_wise`` (tiered over
-    every rank) or ``table_wise`` (each table whole on one rank)."""
+    sharding_types: str = "table_wise,row_wise,column_wise"
+    """Sharding types the planner chooses from (``planned``): all three (``column_wise``: torchrec's FUSED
+    table in column shards of >= 128 columns, offered for tables at least 256 wide), table- and row-wise, or
+    only ``row_wise`` (tiered over every rank) or ``table_wise`` (each table whole on one rank)."""
 
     fast_tier_mb: float = 0.0
     """Fast-tier budget per device in MiB (HBM on CUDA, a host buffer on CPU) given

@@ -58,7 +58,7 @@ CONFIGS: dict[str, tuple[list[str], str]] = {
 }
 #: ``--plans``: name -> (extra CLI flags, label); the first is the planner's own plan.
 PLANS: dict[str, tuple[list[str], str]] = {
-    "chosen": ([], "planner's plan (table_wise,row_wise)"),
+    "chosen": ([], "planner's plan (every sharding type)"),
     "row_wise": (["--sharding-types", "row_wise"], "row-wise only"),
     "table_wise": (["--sharding-types", "table_wise"], "table-wise only"),
 }

@@ -120,13 +120,19 @@ def make_batches(rank: int, n: int = N_BATCHES, seed: int = 0) -> List[TwoSparse
 
 
 class TwoModuleModel(nn.Module):
-    """An EBC (pooled) and an EC (sequence) feeding a small over-arch; returns (loss, logits)."""
+    """An EBC (pooled) and an EC (sequence) feeding a small over-arch; returns (loss, logits). Every table is
+    ``emb_dim`` wide."""
 
-    def __init__(self, ebc_tables: Sequence[Tuple[str, int]] = EBC_TABLES, position_weighted: bool = False) -> None:
+    def __init__(
+        self,
+        ebc_tables: Sequence[Tuple[str, int]] = EBC_TABLES,
+        position_weighted: bool = False,
+        emb_dim: int = EMB_DIM,
+    ) -> None:
         super().__init__()
         ebc = EmbeddingBagCollection(
             tables=[
-                EmbeddingBagConfig(name=t, embedding_dim=EMB_DIM, num_embeddings=r, feature_names=[f"f_{t}"])
+                EmbeddingBagConfig(name=t, embedding_dim=emb_dim, num_embeddings=r, feature_names=[f"f_{t}"])
                 for t, r in ebc_tables
             ],
             device=torch.device("cpu"),
@@ -143,14 +149,14 @@ class TwoModuleModel(nn.Module):
         )
         self.ec = EmbeddingCollection(
             tables=[
-                EmbeddingConfig(name=t, embedding_dim=EMB_DIM, num_embeddings=r, feature_names=[f"f_{t}"])
+                EmbeddingConfig(name=t, embedding_dim=emb_dim, num_embeddings=r, feature_names=[f"f_{t}"])
                 for t, r in EC_TABLES
             ],
             device=torch.device("cpu"),
         )
         self._ec_features = [f"f_{t}" for t, _ in EC_TABLES]
-        self.bottom = nn.Linear(DENSE_IN, EMB_DIM)
-        width = EMB_DIM * (1 + len(ebc_tables) + len(EC_TABLES))
+        self.bottom = nn.Linear(DENSE_IN, emb_dim)
+        width = emb_dim * (1 + len(ebc_tables) + len(EC_TABLES))
         self.over = nn.Sequential(nn.Linear(width, 16), nn.ReLU(), nn.Linear(16, 1))
 
     def forward(self, batch: TwoSparseBatch) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:

@@ -1,5 +1,5 @@
-"""Pipelines over a planner-made mixed plan: table-wise FUSED, table-wise tiered and row-wise tiered
-tables in one model.
+"""Pipelines over a planner-made mixed plan: table-wise FUSED, column-wise FUSED, table-wise tiered and
+row-wise tiered tables in one model.
 
 The pipeline tests' two-module model (``pipeline_harness``: an EBC with tables t0 and t1, an EC with
 table s0) planned by ``PlacementPlanner`` on 2 gloo ranks with fused RowWiseAdagrad. Two plans:
@@ -7,7 +7,10 @@ table s0) planned by ``PlacementPlanner`` on 2 gloo ranks with fused RowWiseAdag
 * pinned: t0 table-wise all in the fast tier (torchrec's FUSED table on one rank), t1 row-wise CACHING
   0.5 (a tiered table on every rank), s0 table-wise CACHING 0.3 (a tiered sequence table on one rank);
 * budget: no pins, a fast tier too small for every table whole, so the planner itself mixes
-  placements (all-fast and HYBRID / CACHING tables).
+  placements (all-fast and HYBRID / CACHING tables);
+* column: the same model with 256-wide tables, t0 pinned to torchrec's FUSED table and a fast tier too
+  small to hold it whole on one rank, so the planner shards it by columns (2 shards of 128 columns), next to
+  t1 row-wise CACHING 0.5 and s0 table-wise CACHING 0.3.
 
 Non-pipelined training, torchrec's ``TrainPipelineSparseDist`` and ``TrainPipelineFusedSparseDist``
 (both ``embedding_lookup_after_opt`` values) must give bit-identical losses and predictions at every
@@ -41,14 +44,17 @@ SEED = 3
 # Bytes of one row with RowWiseAdagrad's state (fp32 values + one fp32): the budget arithmetic.
 ROW_BYTES = EMB_DIM * 4 + 4
 TOTAL_BYTES = sum(rows for _, rows in EBC_TABLES + EC_TABLES) * ROW_BYTES
+# The column plan's table width (2 column shards of 128) and t0's bytes whole (fp32 row + RowWiseAdagrad state).
+WIDE_DIM = 256
+WIDE_T0_BYTES = dict(EBC_TABLES)["t0"] * (WIDE_DIM * 4 + 4)
 
 
 def _plan(kind: str, model: Any) -> Any:
     """The planner's plan of ``model`` for ``kind`` (see the module docstring)."""
     from recpipe.planner import PlacementConstraints, PlacementPlanner, make_topology
 
-    if kind == "pinned":
-        fast = 10 * TOTAL_BYTES
+    if kind in ("pinned", "column"):
+        fast = 10 * TOTAL_BYTES if kind == "pinned" else int(0.8 * WIDE_T0_BYTES)  # column: t0 not whole
         constraints: Optional[Dict[str, PlacementConstraints]] = {
             "t0": PlacementConstraints(fused=True),
             "t1": PlacementConstraints(sharding_type="row_wise", mode="CACHING", cache_load_factor=0.5),
@@ -71,7 +77,7 @@ def _build(kind: str) -> Tuple[Any, Any, Any]:
     from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
 
     torch.manual_seed(SEED)
-    model = TwoModuleModel()
+    model = TwoModuleModel(emb_dim=WIDE_DIM if kind == "column" else EMB_DIM)
     apply_optimizer_in_backward(
         RowWiseAdagrad, list(model.ebc.parameters()) + list(model.ec.parameters()), {"lr": 0.05}
     )
@@ -105,7 +111,7 @@ def _body(rank: int, world: int, kind: str) -> Dict[str, Any]:
     device = torch.device("cpu")
     dmp, opt, plan = _build(kind)
     out: Dict[str, Any] = {
-        "plan": {p.table: (p.sharding_type, p.rank, p.storage) for p in plan.placements},
+        "plan": {p.table: (p.sharding_type, p.owner_ranks, p.storage) for p in plan.placements},
         "layout": _layout(dmp, plan),
         "reference": on_cpu(run_reference(dmp, opt, batches)),
     }
@@ -118,20 +124,23 @@ def _body(rank: int, world: int, kind: str) -> Dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["pinned", "budget"])
+@pytest.mark.parametrize("kind", ["pinned", "budget", "column"])
 def test_mixed_plan_pipelines_bit_identical(kind: str) -> None:
     results = run_gloo(WORLD, _body, kind)
     plan = results[0]["plan"]
     kinds = {(sharding, storage) for sharding, _, storage in plan.values()}
     assert len(kinds) > 1 and {s for _, s in kinds} & {"HYBRID", "CACHING"}, f"{kind}: not a mixed plan: {plan}"
-    if kind == "pinned":
-        assert plan["t0"][::2] == ("table_wise", "FUSED") and plan["t1"] == ("row_wise", None, "CACHING"), plan
+    if kind in ("pinned", "column"):
+        t0 = ("table_wise", "FUSED") if kind == "pinned" else ("column_wise", "FUSED")
+        assert plan["t0"][::2] == t0 and plan["t1"] == ("row_wise", (), "CACHING"), plan
         assert plan["s0"][::2] == ("table_wise", "CACHING"), plan
+    if kind == "column":
+        assert sorted(plan["t0"][1]) == [0, 1], plan  # one column shard on each rank
     for rank, res in enumerate(results):
         assert res["plan"] == plan, "the ranks planned differently"
-        for table, (sharding, owner, storage) in plan.items():
+        for table, (sharding, owners, storage) in plan.items():
             kind_here = "fused" if storage == "FUSED" else "tiered"
-            want = kind_here if sharding == "row_wise" or owner == rank else "none"
+            want = kind_here if sharding == "row_wise" or rank in owners else "none"
             assert res["layout"][table] == want, (kind, rank, table, res["layout"], plan)
         losses = [float(x) for x in res["reference"][0]]
         assert len(set(losses)) > 1, "constant losses: the comparison has no teeth"

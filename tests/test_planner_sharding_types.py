@@ -16,10 +16,18 @@ import pytest
 import torch
 from torchrec.distributed.types import ParameterSharding
 
-from recpipe.planner import PlacementConstraints, PlacementPlan, PlacementPlanner, TableSpec, make_topology, row_bytes
+from recpipe.planner import (
+    PlacementConstraints,
+    PlacementPlan,
+    PlacementPlanner,
+    PlannerError,
+    TableSpec,
+    make_topology,
+    row_bytes,
+)
 from recpipe.planner.communication import CommConstants, CommCostModel
 from recpipe.planner.partitioners import GreedyTableWisePartitioner
-from recpipe.planner.sharding_plan import PlacementParameterSharding
+from recpipe.planner.sharding_plan import PlacementParameterSharding, column_shards
 
 CONSTANTS = CommConstants(name="test", network_bw=1000.0, bag_ns=10.0, bucketize_ns=2.0, source="tests")
 
@@ -143,9 +151,13 @@ def _brute_force_cost(planner: PlacementPlanner, tables: List[TableSpec]) -> flo
         ch = np.array(choice)
         if o.ddr_bytes_per_machine[rows, ch].sum() > D:
             continue
-        tw = [i for i in rows if o.sharding[i, ch[i]] == 1]
+        tw = [i for i in rows if o.sharding[i, ch[i]] >= 1]  # table-wise, or column-wise in equal shards
         base = sum(int(o.hbm_bytes_per_rank[i, ch[i]]) for i in rows if i not in tw)
-        sizes = [int(o.owner_bytes[i, ch[i]]) for i in tw]
+        sizes = [
+            int(o.owner_bytes[i, ch[i]])
+            for i in tw
+            for _ in range(column_shards(tables[i].dim) if o.sharding[i, ch[i]] == 2 else 1)
+        ]
         if _brute_force_fits(sizes, base, H, W):
             best = min(best, float(o.cost[rows, ch].sum()))
     return best
@@ -195,10 +207,10 @@ def test_a_table_wise_pin_with_a_tiered_storage_is_a_tiered_table_on_one_rank() 
     assert (ps.sharding_type, ps.compute_kernel, ps.ranks) == ("table_wise", "customized_kernel", [p.rank])
     with pytest.raises(ValueError, match=r"PlacementConstraints\(fused=True\) is torchrec's FUSED table"):
         PlacementConstraints(fused=True, mode="CACHING")
-    with pytest.raises(ValueError, match="sharding_type must be 'table_wise' or 'row_wise', got 'column_wise'"):
-        PlacementConstraints(sharding_type="column_wise")
-    with pytest.raises(ValueError, match=r"sharding_types holds \['column_wise'\]"):
-        _planner(2, hbm=2**40, sharding_types=("column_wise",))
+    with pytest.raises(ValueError, match="sharding_type must be 'table_wise', 'row_wise' or 'column_wise', got 'data"):
+        PlacementConstraints(sharding_type="data_parallel")
+    with pytest.raises(ValueError, match=r"sharding_types holds \['table_row_wise'\]"):
+        _planner(2, hbm=2**40, sharding_types=("table_row_wise",))
 
 
 def test_a_table_whose_fast_part_fits_no_rank_whole_is_planned_row_wise() -> None:
@@ -246,13 +258,28 @@ def test_tables_no_rank_can_hold_whole_are_planned_row_wise() -> None:
     from recpipe.planner.partitioners import Partition
 
     class NeverPlaces(GreedyTableWisePartitioner):
-        def partition(self, table_bytes, table_slow_bytes, table_costs, base, budgets, world_size, local):  # type: ignore[override]
-            n = len(table_bytes)
+        def partition(self, shard_bytes, shard_slow_bytes, table_costs, base, budgets, world_size, local, shards=None):  # type: ignore[override]
             full = np.full(world_size, budgets[0])
-            return Partition(owners=np.full(n, -1), rank_bytes=full, machine_slow_bytes=np.full(1, budgets[1]))
+            return Partition(
+                shard_owners=[()] * len(shard_bytes), rank_bytes=full, machine_slow_bytes=np.full(1, budgets[1])
+            )
 
     planner = _planner(2, hbm=2**40)
     planner.partitioner = NeverPlaces()
     plan = planner.plan(_tables(3))
     assert {p.sharding_type for p in plan.placements} == {"row_wise"}
     assert plan.hbm_bytes_per_rank <= planner.hbm_budget
+
+
+def test_the_fused_table_is_offered_on_cpu_only_for_the_optimizers_fbgemm_gpu_cpu_runs() -> None:
+    # fbgemm-gpu-cpu's TBE has no Adam: a CPU (native) plan must not build a FUSED Adam table
+    adam = [TableSpec(name="a", rows=1000, dim=256, optimizer="adam", lookups_per_step=64.0)]
+    sgd = [TableSpec(name="s", rows=1000, dim=256, optimizer="sgd", lookups_per_step=64.0)]
+    for backend, tables, fused in (("native", adam, False), ("native", sgd, True), ("fbgemm", adam, True)):
+        arrays = _planner(2, hbm=2**40, backend=backend).enumerator.enumerate_arrays(tables)
+        assert bool(arrays.fused.any()) is fused, (backend, tables[0].optimizer)
+    pinned = _planner(2, hbm=2**40, constraints={"a": PlacementConstraints(fused=True)})
+    with pytest.raises(
+        PlannerError, match=r"(?s)table 'a' \(dim 256\) has no placement option.*\['rowwise_adagrad', 'sgd'\]"
+    ):
+        pinned.plan(adam)

@@ -34,7 +34,12 @@ def _body(rank: int, world: int, placement: str, sharding_types: str) -> Dict[st
 
 @pytest.mark.parametrize(
     "sharding_types, allowed",
-    [("table_wise,row_wise", {"table_wise", "row_wise"}), ("row_wise", {"row_wise"}), ("table_wise", {"table_wise"})],
+    [
+        ("table_wise,row_wise,column_wise", {"table_wise", "row_wise"}),  # 64-wide tables: no column shards
+        ("table_wise,row_wise", {"table_wise", "row_wise"}),
+        ("row_wise", {"row_wise"}),
+        ("table_wise", {"table_wise"}),
+    ],
 )
 def test_planned_placement_chooses_among_the_allowed_sharding_types(sharding_types: str, allowed: set) -> None:
     plans = run_gloo(2, _body, "planned", sharding_types)
@@ -43,7 +48,7 @@ def test_planned_placement_chooses_among_the_allowed_sharding_types(sharding_typ
     assert {s for s, _ in kinds} <= allowed, kinds
     # the default fast tier binds: the recipe still demonstrates tiered tables
     assert "customized_kernel" in {k for _, k in kinds}, kinds
-    if sharding_types == "table_wise,row_wise":
+    if sharding_types.startswith("table_wise,row_wise"):
         assert {s for s, _ in kinds} == {"table_wise"}, kinds  # whole tables move W times fewer pooled bytes
 
 
@@ -54,5 +59,5 @@ def test_torchrec_planner_placement_shards_with_torchrec_kernels() -> None:
 
 
 def test_an_unknown_sharding_types_value_is_refused_naming_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"sharding_types='column_wise': unknown choice.*table_wise,row_wise"):
-        TrainConfig(**SYNTHETIC, max_steps=2, sharding_types="column_wise")
+    with pytest.raises(ConfigError, match=r"sharding_types='data_parallel': unknown choice.*table_wise,row_wise"):
+        TrainConfig(**SYNTHETIC, max_steps=2, sharding_types="data_parallel")

@@ -54,6 +54,13 @@ def _saved_optimizer(metadata: Metadata, head: str, rows: int, dim: int) -> Tupl
         row = opt is FusedOptimizer.ROWWISE_ADAGRAD
         if found == {n: ([rows] if row else [rows, dim]) for n in names}:
             return opt.value, found
+    (name,) = OPTIMIZER_STATE_NAMES[FusedOptimizer.ROWWISE_ADAGRAD]
+    if list(found) == [name] and len(found[name]) == 1 and found[name][0] % rows == 0 and found[name][0] > rows:
+        shards = found[name][0] // rows
+        return (
+            f"row-wise Adagrad of a column-wise table ({shards} accumulators per row, one per column shard, where "
+            "a tiered table keeps one: plan the table column_wise as it was saved)"
+        ), found
     return "an unrecognised optimizer", found
 
 
