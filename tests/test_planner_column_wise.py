@@ -6,36 +6,20 @@ communication formula written out by hand, and a brute force over every owner of
 
 from __future__ import annotations
 
-import itertools
-from typing import List, Sequence, Tuple
-
 import numpy as np
 import pytest
 import torch
+from planner_reference import CONSTANTS, brute_force_cost, brute_force_fits
+from planner_reference import planner as make_planner
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import _calculate_cw_shard_sizes_and_offsets, column_wise
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from recpipe.planner import (
-    PlacementConstraints,
-    PlacementPlan,
-    PlacementPlanner,
-    PlannerError,
-    TableSpec,
-    make_topology,
-    row_bytes,
-)
-from recpipe.planner.communication import CommConstants, CommCostModel
+from recpipe.planner import PlacementConstraints, PlacementPlan, PlannerError, TableSpec, row_bytes
+from recpipe.planner.communication import CommCostModel
 from recpipe.planner.partitioners import GreedyTableWisePartitioner
 from recpipe.planner.sharding_plan import column_shard_dim, column_shards
-
-CONSTANTS = CommConstants(name="test", network_bw=1000.0, bag_ns=10.0, bucketize_ns=2.0, source="tests")
-
-
-def _planner(world: int, hbm: int, **kwargs) -> PlacementPlanner:
-    topo = make_topology(world_size=world, local_world_size=world, hbm_cap=hbm, ddr_cap=2**40 // world)
-    return PlacementPlanner(topo, hbm_reservation=0.0, backend="native", communication=CONSTANTS, **kwargs)
 
 
 def _table(name: str = "w", rows: int = 1000, dim: int = 512, **kwargs) -> TableSpec:
@@ -61,7 +45,7 @@ def test_column_wise_communication_by_hand() -> None:
 
 def test_enumerator_offers_column_wise_only_where_the_width_splits_over_more_than_one_rank() -> None:
     tables = [_table("w", dim=512), _table("n", dim=128)]
-    arrays = _planner(4, 2**40).enumerator.enumerate_arrays(tables)
+    arrays = make_planner(4, 2**40).enumerator.enumerate_arrays(tables)
     cw = arrays.sharding == 2
     assert cw[0].sum() == 1 and not cw[1].any()
     j = int(np.flatnonzero(cw[0])[0])
@@ -69,18 +53,9 @@ def test_enumerator_offers_column_wise_only_where_the_width_splits_over_more_tha
     assert arrays.fused[0, j] and arrays.owner_bytes[0, j] == shard
     assert arrays.hbm_bytes_per_rank[0, j] == -(-4 * shard // 4)  # the knapsack's share of 4 shards
     assert arrays.hbm_bytes_per_machine[0, j] == 4 * shard
-    assert not (_planner(1, 2**40).enumerator.enumerate_arrays(tables).sharding == 2).any()
-    only_tw = _planner(4, 2**40, sharding_types=("table_wise", "row_wise"))
+    assert not (make_planner(1, 2**40).enumerator.enumerate_arrays(tables).sharding == 2).any()
+    only_tw = make_planner(4, 2**40, sharding_types=("table_wise", "row_wise"))
     assert not (only_tw.enumerator.enumerate_arrays(tables).sharding == 2).any()
-
-
-def _brute_force_fits(shards: Sequence[Tuple[int, int]], base: int, budget: int, world: int) -> bool:
-    """Whether shards ``(bytes, count)`` of each table fit on ``world`` ranks, any owners."""
-    items = [b for b, k in shards for _ in range(k)]
-    return any(
-        all(base + sum(s for s, o in zip(items, owners) if o == r) <= budget for r in range(world))
-        for owners in itertools.product(range(world), repeat=len(items))
-    )
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -102,8 +77,8 @@ def test_partitioner_places_every_shard_or_none_within_every_rank_budget(seed: i
     assert loads == part.rank_bytes.tolist() and max(loads) <= budget
     assert part.owners.tolist() == [o[0] if o else -1 for o in part.shard_owners]
     if not part.unplaced.size:
-        assert _brute_force_fits(list(zip(sizes, shards)), base, budget, world)
-    if not _brute_force_fits(list(zip(sizes, shards)), base, budget, world):
+        assert brute_force_fits(list(zip(sizes, shards)), base, budget, world)
+    if not brute_force_fits(list(zip(sizes, shards)), base, budget, world):
         assert part.unplaced.size  # never claims a placement that does not exist
 
 
@@ -117,7 +92,7 @@ def test_a_fused_table_too_wide_for_one_rank_is_planned_column_wise() -> None:
     table = _table("w", dim=512)
     whole = 1000 * row_bytes(512, torch.float32, "rowwise_adagrad")
     shard = 1000 * row_bytes(128, torch.float32, "rowwise_adagrad")
-    planner = _planner(4, hbm=whole // 2, constraints={"w": PlacementConstraints(fused=True)})
+    planner = make_planner(4, hbm=whole // 2, constraints={"w": PlacementConstraints(fused=True)})
     plan = planner.plan([table])
     (p,) = plan.placements
     assert (p.sharding_type, p.storage, p.rank) == ("column_wise", "FUSED", None)
@@ -128,7 +103,7 @@ def test_a_fused_table_too_wide_for_one_rank_is_planned_column_wise() -> None:
 
 def test_pinned_column_wise_plan_is_torchrecs_column_wise_sharding() -> None:
     tables = [_table("w", dim=256), _table("n", dim=64)]
-    planner = _planner(2, 2**40, constraints={"w": PlacementConstraints(sharding_type="column_wise")})
+    planner = make_planner(2, 2**40, constraints={"w": PlacementConstraints(sharding_type="column_wise")})
     plan = planner.plan(tables)
     p = plan.placement("w")
     assert p.sharding_type == "column_wise" and len(p.ranks) == 2
@@ -145,7 +120,7 @@ def test_pinned_column_wise_plan_is_torchrecs_column_wise_sharding() -> None:
 
 
 def test_column_wise_plan_round_trips_through_json_and_refuses_bad_ranks() -> None:
-    planner = _planner(2, 2**40, constraints={"w": PlacementConstraints(sharding_type="column_wise")})
+    planner = make_planner(2, 2**40, constraints={"w": PlacementConstraints(sharding_type="column_wise")})
     plan = planner.plan([_table("w", dim=384)])
     assert PlacementPlan.from_dict(plan.to_dict()) == plan
     bad = plan.to_dict()
@@ -155,7 +130,7 @@ def test_column_wise_plan_round_trips_through_json_and_refuses_bad_ranks() -> No
     bad["placements"][0]["ranks"] = [0, 1, -1]
     with pytest.raises(ValueError, match=r"ranks'\]\[2\]"):
         PlacementPlan.from_dict(bad)
-    tw = _planner(2, 2**40).plan([_table("n", dim=64)]).to_dict()
+    tw = make_planner(2, 2**40).plan([_table("n", dim=64)]).to_dict()
     assert "ranks" not in tw["placements"][0]  # plans without column-wise tables read as before
     tw["placements"][0]["ranks"] = [0]
     with pytest.raises(ValueError, match=r"\['ranks'\] must be absent"):
@@ -167,30 +142,9 @@ def test_column_wise_pins_are_refused_where_they_cannot_hold() -> None:
         PlacementConstraints(sharding_type="column_wise", fused=False)
     with pytest.raises(ValueError, match=r"sharding_type='column_wise'.*no mode or cache_load_factor < 1"):
         PlacementConstraints(sharding_type="column_wise", mode="CACHING")
-    planner = _planner(2, 2**40, constraints={"n": PlacementConstraints(sharding_type="column_wise")})
+    planner = make_planner(2, 2**40, constraints={"n": PlacementConstraints(sharding_type="column_wise")})
     with pytest.raises(PlannerError, match=r"(?s)table .n. \(dim 64\) has no placement option.*Possible solutions"):
         planner.plan([_table("n", dim=64)])
-
-
-def _brute_force_cost(planner: PlacementPlanner, tables: List[TableSpec]) -> float:
-    """Cheapest modelled cost over every option of every table and every owner of every owned shard."""
-    o = planner.enumerator.enumerate_arrays(tables)
-    H, W = planner.hbm_budget, planner.topology.world_size
-    rows = np.arange(len(tables))
-    best = np.inf
-    for choice in itertools.product(*[np.flatnonzero(o.modes[i] >= 0) for i in rows]):
-        ch = np.array(choice)
-        if o.ddr_bytes_per_machine[rows, ch].sum() > planner.ddr_budget:
-            continue
-        owned = [i for i in rows if o.sharding[i, ch[i]] >= 1]
-        base = sum(int(o.hbm_bytes_per_rank[i, ch[i]]) for i in rows if i not in owned)
-        shards = [
-            (int(o.owner_bytes[i, ch[i]]), column_shards(tables[i].dim) if o.sharding[i, ch[i]] == 2 else 1)
-            for i in owned
-        ]
-        if _brute_force_fits(shards, base, H, W):
-            best = min(best, float(o.cost[rows, ch].sum()))
-    return best
 
 
 @pytest.mark.parametrize("fraction", [0.55, 0.6, 0.8, 1.5])
@@ -200,8 +154,8 @@ def test_fused_tables_under_a_binding_budget_reach_the_brute_force_optimum(fract
     tables = [_table("a", rows=1200, dim=256), _table("b", rows=500, dim=384), _table("c", rows=800, dim=64)]
     whole = sum(t.rows * row_bytes(t.dim, torch.float32, "rowwise_adagrad") for t in tables)
     pins = {t.name: PlacementConstraints(fused=True) for t in tables[:2]}
-    planner = _planner(2, hbm=int(fraction * whole), constraints=pins)
-    want = _brute_force_cost(planner, tables)
+    planner = make_planner(2, hbm=int(fraction * whole), constraints=pins)
+    want = brute_force_cost(planner, tables)
     plan = planner.plan(tables)
     assert plan.hbm_bytes_per_rank <= planner.hbm_budget
     assert plan.total_cost == pytest.approx(want, rel=1e-5)

@@ -7,34 +7,20 @@ force over every option and every owner of the table-wise tables for small insta
 
 from __future__ import annotations
 
-import itertools
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import numpy as np
 import pytest
 import torch
+from planner_reference import CONSTANTS, brute_force_cost, brute_force_fits
+from planner_reference import planner as make_planner
 from torchrec.distributed.types import ParameterSharding
 
-from recpipe.planner import (
-    PlacementConstraints,
-    PlacementPlan,
-    PlacementPlanner,
-    PlannerError,
-    TableSpec,
-    make_topology,
-    row_bytes,
-)
+from recpipe.planner import PlacementConstraints, PlacementPlan, PlannerError, TableSpec, row_bytes
 from recpipe.planner.communication import CommConstants, CommCostModel
 from recpipe.planner.partitioners import GreedyTableWisePartitioner
-from recpipe.planner.sharding_plan import PlacementParameterSharding, column_shards
-
-CONSTANTS = CommConstants(name="test", network_bw=1000.0, bag_ns=10.0, bucketize_ns=2.0, source="tests")
-
-
-def _planner(world: int, hbm: int, ddr: int = 2**40, backend: str = "native", **kwargs) -> PlacementPlanner:
-    topo = make_topology(world_size=world, local_world_size=world, hbm_cap=hbm, ddr_cap=ddr // world)
-    return PlacementPlanner(topo, hbm_reservation=0.0, backend=backend, communication=CONSTANTS, **kwargs)
+from recpipe.planner.sharding_plan import PlacementParameterSharding
 
 
 # ------------------------------------------------------------------ communication model
@@ -74,11 +60,6 @@ def test_communication_constants_refuse_a_bandwidth_that_is_not_positive_and_fin
 
 
 # ------------------------------------------------------------------ partitioner
-def _brute_force_fits(sizes: Sequence[int], base: int, budget: int, world: int) -> bool:
-    return any(
-        all(base + sum(s for s, o in zip(sizes, owners) if o == r) <= budget for r in range(world))
-        for owners in itertools.product(range(world), repeat=len(sizes))
-    )
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -93,8 +74,8 @@ def test_partitioner_places_within_every_rank_budget(seed: int) -> None:
     assert loads == part.rank_bytes.tolist()
     assert max(loads) <= budget
     if not part.unplaced.size:
-        assert _brute_force_fits(sizes, base, budget, world)
-    if not _brute_force_fits(sizes, base, budget, world):
+        assert brute_force_fits([(s, 1) for s in sizes], base, budget, world)
+    if not brute_force_fits([(s, 1) for s in sizes], base, budget, world):
         assert part.unplaced.size  # never claims a placement that does not exist
 
 
@@ -122,7 +103,7 @@ def _tables(n: int, rows: int = 1000, dim: int = 16) -> List[TableSpec]:
 def test_unbounded_fast_tier_places_every_table_whole_and_balances_the_owners(backend: str, storage: str) -> None:
     # all in the fast tier: on CUDA (fbgemm) torchrec's FUSED table, which runs the same TBE as a tiered
     # table there; on CPU (native) recpipe's tiered table, whose kernel is faster than fbgemm-gpu-cpu's
-    plan = _planner(2, hbm=2**40, backend=backend).plan(_tables(6))
+    plan = make_planner(2, hbm=2**40, backend=backend).plan(_tables(6))
     assert [p.sharding_type for p in plan.placements] == ["table_wise"] * 6
     assert [p.storage for p in plan.placements] == [storage] * 6
     assert [p.fused for p in plan.placements] == [storage == "FUSED"] * 6
@@ -136,31 +117,8 @@ def test_unbounded_fast_tier_places_every_table_whole_and_balances_the_owners(ba
 
 def test_one_rank_keeps_the_tiered_row_wise_table() -> None:
     # with one rank nothing moves, so both types cost the same and the tiered kernel is kept
-    plan = _planner(1, hbm=2**40).plan(_tables(2))
+    plan = make_planner(1, hbm=2**40).plan(_tables(2))
     assert [p.sharding_type for p in plan.placements] == ["row_wise", "row_wise"]
-
-
-def _brute_force_cost(planner: PlacementPlanner, tables: List[TableSpec]) -> float:
-    """Cheapest modelled cost over every option of every table and every owner of its table-wise ones."""
-    o = planner.enumerator.enumerate_arrays(tables)
-    H, D, W = planner.hbm_budget, planner.ddr_budget, planner.topology.world_size
-    best = math.inf
-    valid = [np.flatnonzero(o.modes[i] >= 0) for i in range(len(tables))]
-    for choice in itertools.product(*valid):
-        rows = np.arange(len(tables))
-        ch = np.array(choice)
-        if o.ddr_bytes_per_machine[rows, ch].sum() > D:
-            continue
-        tw = [i for i in rows if o.sharding[i, ch[i]] >= 1]  # table-wise, or column-wise in equal shards
-        base = sum(int(o.hbm_bytes_per_rank[i, ch[i]]) for i in rows if i not in tw)
-        sizes = [
-            int(o.owner_bytes[i, ch[i]])
-            for i in tw
-            for _ in range(column_shards(tables[i].dim) if o.sharding[i, ch[i]] == 2 else 1)
-        ]
-        if _brute_force_fits(sizes, base, H, W):
-            best = min(best, float(o.cost[rows, ch].sum()))
-    return best
 
 
 @pytest.mark.parametrize("fraction", [0.3, 0.55, 0.8, 1.2])
@@ -170,7 +128,7 @@ def test_binding_budget_mixes_types_at_the_brute_force_optimum(fraction: float) 
         for i, r in enumerate((4000, 1000, 600))
     ]
     whole = sum(t.rows for t in tables) * row_bytes(16, torch.float32, "sgd")
-    planner = _planner(2, hbm=int(fraction * whole / 2), load_factors=(0.25, 0.5, 1.0))
+    planner = make_planner(2, hbm=int(fraction * whole / 2), load_factors=(0.25, 0.5, 1.0))
     plan = planner.plan(tables)
     assert max(plan.rank_hbm_bytes()) <= planner.hbm_budget
     assert plan.ddr_bytes_per_machine <= planner.ddr_budget
@@ -178,7 +136,7 @@ def test_binding_budget_mixes_types_at_the_brute_force_optimum(fraction: float) 
         assert (p.rank is not None) == p.table_wise
     # the knapsack budgets table-wise tables by their share and the partitioner repairs what it cannot
     # place, so the plan is near the optimum, not always at it
-    assert plan.total_cost == pytest.approx(_brute_force_cost(planner, tables), rel=1e-5)
+    assert plan.total_cost == pytest.approx(brute_force_cost(planner, tables), rel=1e-5)
 
 
 def test_pins_choose_the_sharding_type() -> None:
@@ -186,15 +144,15 @@ def test_pins_choose_the_sharding_type() -> None:
         "t0": PlacementConstraints(sharding_type="row_wise"),
         "t1": PlacementConstraints(sharding_type="table_wise"),
     }
-    plan = _planner(2, hbm=2**40, constraints=pins).plan(_tables(2))
+    plan = make_planner(2, hbm=2**40, constraints=pins).plan(_tables(2))
     assert [p.sharding_type for p in plan.placements] == ["row_wise", "table_wise"]
-    only_row_wise = _planner(2, hbm=2**40, sharding_types=("row_wise",)).plan(_tables(2))
+    only_row_wise = make_planner(2, hbm=2**40, sharding_types=("row_wise",)).plan(_tables(2))
     assert {p.sharding_type for p in only_row_wise.placements} == {"row_wise"}
 
 
 def test_a_table_wise_pin_with_a_tiered_storage_is_a_tiered_table_on_one_rank() -> None:
     pins = {"t0": PlacementConstraints(sharding_type="table_wise", mode="CACHING", cache_load_factor=0.25)}
-    plan = _planner(2, hbm=2**40, constraints=pins).plan(_tables(2))
+    plan = make_planner(2, hbm=2**40, constraints=pins).plan(_tables(2))
     p = plan.placement("t0")
     assert (p.sharding_type, p.storage, p.cache_load_factor, p.fused) == ("table_wise", "CACHING", 0.25, False)
     from recpipe.planner import shard_storage
@@ -210,7 +168,7 @@ def test_a_table_wise_pin_with_a_tiered_storage_is_a_tiered_table_on_one_rank() 
     with pytest.raises(ValueError, match="sharding_type must be 'table_wise', 'row_wise' or 'column_wise', got 'data"):
         PlacementConstraints(sharding_type="data_parallel")
     with pytest.raises(ValueError, match=r"sharding_types holds \['table_row_wise'\]"):
-        _planner(2, hbm=2**40, sharding_types=("table_row_wise",))
+        make_planner(2, hbm=2**40, sharding_types=("table_row_wise",))
 
 
 def test_a_table_whose_fast_part_fits_no_rank_whole_is_planned_row_wise() -> None:
@@ -218,7 +176,7 @@ def test_a_table_whose_fast_part_fits_no_rank_whole_is_planned_row_wise() -> Non
 
     tables = _tables(1, rows=10_000)
     smallest_whole = shard_storage(10_000, 16, torch.float32, "sgd", "HYBRID", 0.25).fast_bytes
-    plan = _planner(2, hbm=int(0.7 * smallest_whole), load_factors=(0.25, 1.0)).plan(tables)
+    plan = make_planner(2, hbm=int(0.7 * smallest_whole), load_factors=(0.25, 1.0)).plan(tables)
     (p,) = plan.placements
     assert p.sharding_type == "row_wise" and p.cache_load_factor == 0.25
     assert p.reason.startswith("budget: table_wise HBM x=1.00 models ")
@@ -230,7 +188,7 @@ def test_table_wise_sharding_plan_and_json_round_trip(tmp_path) -> None:
         "t1": PlacementConstraints(fused=True),
         "t2": PlacementConstraints(fused=True),
     }
-    plan = _planner(2, hbm=2**40, constraints=pins).plan(_tables(3))
+    plan = make_planner(2, hbm=2**40, constraints=pins).plan(_tables(3))
     sp = plan.to_sharding_plan(compute_device="cpu").plan[""]
     assert isinstance(sp["t0"], PlacementParameterSharding) and sp["t0"].sharding_type == "row_wise"
     for p in plan.placements[1:]:
@@ -264,7 +222,7 @@ def test_tables_no_rank_can_hold_whole_are_planned_row_wise() -> None:
                 shard_owners=[()] * len(shard_bytes), rank_bytes=full, machine_slow_bytes=np.full(1, budgets[1])
             )
 
-    planner = _planner(2, hbm=2**40)
+    planner = make_planner(2, hbm=2**40)
     planner.partitioner = NeverPlaces()
     plan = planner.plan(_tables(3))
     assert {p.sharding_type for p in plan.placements} == {"row_wise"}
@@ -276,9 +234,9 @@ def test_the_fused_table_is_offered_on_cpu_only_for_the_optimizers_fbgemm_gpu_cp
     adam = [TableSpec(name="a", rows=1000, dim=256, optimizer="adam", lookups_per_step=64.0)]
     sgd = [TableSpec(name="s", rows=1000, dim=256, optimizer="sgd", lookups_per_step=64.0)]
     for backend, tables, fused in (("native", adam, False), ("native", sgd, True), ("fbgemm", adam, True)):
-        arrays = _planner(2, hbm=2**40, backend=backend).enumerator.enumerate_arrays(tables)
+        arrays = make_planner(2, hbm=2**40, backend=backend).enumerator.enumerate_arrays(tables)
         assert bool(arrays.fused.any()) is fused, (backend, tables[0].optimizer)
-    pinned = _planner(2, hbm=2**40, constraints={"a": PlacementConstraints(fused=True)})
+    pinned = make_planner(2, hbm=2**40, constraints={"a": PlacementConstraints(fused=True)})
     with pytest.raises(
         PlannerError, match=r"(?s)table 'a' \(dim 256\) has no placement option.*\['rowwise_adagrad', 'sgd'\]"
     ):
