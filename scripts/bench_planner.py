@@ -3,7 +3,7 @@
 Rows:
 * planning time of ``PlacementPlanner.plan`` for (tables, devices) in
   {(100, 8), (1000, 64), (5000, 128), (10000, 1024)} (targets: 1000 x 64 < 1 s,
-  10000 x 1024 < 2 s), every table offered table-wise and row-wise;
+  10000 x 1024 < 2 s), every table offered table-wise and row-wise (and column-wise where 256 wide);
 * the same DP written as the pure-Python triple loop of TorchEasyRec PR #508
   (kept here only, as the baseline) at 100 tables, same options and bins,
   against recpipe's proposer with its C++ kernel (default) and its NumPy twin
