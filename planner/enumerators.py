@@ -305,6 +305,7 @@ class GridPlacementEnumerator:
         out.sharding[ii, col], out.fused[ii, col] = _SHARDING_CODE[sharding_type], True
         out.hbm_bytes_per_rank[ii, col] = -(-size // self.world_size)  # the knapsack's share
         out.owner_bytes[ii, col], out.hbm_bytes_per_machine[ii, col] = shard, size
+        out.shards[ii, col] = shards
         out.lookup_cost[ii, col] = lookup
         out.comm_cost[ii, col] = comm[_SHARDING_CODE[sharding_type], ii]
 
@@ -325,6 +326,7 @@ class GridPlacementEnumerator:
         out.modes[ii, cols] = [_MODE_CODE[m] for m, _ in cand]
         out.load_factors[ii, cols] = [x for _, x in cand]
         out.sharding[ii, cols] = int(whole)
+        out.shards[ii, cols] = int(whole)
         group = [tables[i] for i in ii]
         bytes_ = self._bulk_storage(group, cand, *((1, 1) if whole else (W, L)))
         if bytes_ is None:  # exact products would overflow int64: scalar formulas
@@ -509,8 +511,9 @@ class OptionArrays:
     1 TABLE_WISE, 2 COLUMN_WISE), ``fused`` marks torchrec's FUSED table (all in the fast tier); bytes are int64
     of the most loaded rank / machine (a table- or column-wise option's HBM per rank and DDR per machine are its
     shares ``ceil(bytes / W)`` and ``ceil(slow bytes / machines)``; ``owner_bytes`` / ``owner_slow_bytes`` what
-    the owner of one of its shards holds); ``cost`` is float64 modelled ms
-    (``lookup_cost + comm_cost``), ``inf`` where a table has fewer options.
+    the owner of one of its shards holds); ``shards`` the int16 count of such whole shards (1 table-wise,
+    ``column_shards(dim)`` column-wise, 0 row-wise); ``cost`` is float64 modelled ms (``lookup_cost +
+    comm_cost``), ``inf`` where a table has fewer options.
     """
 
     modes: np.ndarray
@@ -526,6 +529,7 @@ class OptionArrays:
     owner_slow_bytes: np.ndarray
     lookup_cost: np.ndarray
     comm_cost: np.ndarray
+    shards: np.ndarray
 
     @classmethod
     def empty(cls, num_tables: int, num_options: int) -> "OptionArrays":
@@ -546,6 +550,7 @@ class OptionArrays:
             z(),
             np.zeros(shape),
             np.zeros(shape),
+            np.zeros(shape, dtype=np.int16),
         )
 
     @property

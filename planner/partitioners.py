@@ -71,39 +71,62 @@ class GreedyTableWisePartitioner:
         slow = np.asarray(shard_slow_bytes, dtype=np.int64)
         costs = np.asarray(table_costs, dtype=np.float64)
         count = np.ones(sizes.shape[0], dtype=np.int64) if shards is None else np.asarray(shards, dtype=np.int64)
-        (base_fast, base_slow), (budget, ddr_budget) = base, budgets
-        L = local_world_size
+        (base_fast, base_slow), L = base, local_world_size
         owners: List[Tuple[int, ...]] = [()] * sizes.shape[0]
         rank_bytes = np.full(world_size, int(base_fast), dtype=np.int64)
         rank_cost = np.zeros(world_size)
         machine_slow = np.full(world_size // L, int(base_slow), dtype=np.int64)
-        machine_of = np.arange(world_size) // L
         total, total_slow = sizes * count, slow * count
         for i in sorted(range(sizes.shape[0]), key=lambda k: (-int(total[k]), -int(total_slow[k]), k)):
-            placed: List[int] = []
-            for _ in range(int(count[i])):
-                fits = (rank_bytes + sizes[i] <= budget) & (machine_slow[machine_of] + slow[i] <= ddr_budget)
-                if not fits.any():
-                    break
-                # the cheapest rank that holds it, one not holding another shard of the table where there is
-                # one; ties: fewer bytes, then the lower rank
-                fresh = fits.copy()
-                fresh[placed] = False
-                load = np.where(fresh if fresh.any() else fits, rank_cost, np.inf)
-                tied = np.flatnonzero(load == load.min())
-                rank = int(tied[np.argmin(rank_bytes[tied])])
-                placed.append(rank)
-                rank_bytes[rank] += sizes[i]
-                rank_cost[rank] += costs[i] / count[i]
-                machine_slow[machine_of[rank]] += slow[i]
-            if len(placed) == count[i]:
-                owners[i] = tuple(placed)
-                continue
-            for rank in placed:  # a table is placed whole or not at all
-                rank_bytes[rank] -= sizes[i]
-                rank_cost[rank] -= costs[i] / count[i]
-                machine_slow[machine_of[rank]] -= slow[i]
+            placed = place_shards(
+                rank_bytes, machine_slow, rank_cost, int(sizes[i]), int(slow[i]), int(count[i]), costs[i], budgets, L
+            )
+            owners[i] = placed or ()
         return Partition(shard_owners=owners, rank_bytes=rank_bytes, machine_slow_bytes=machine_slow)
 
 
-__all__ = ["GreedyTableWisePartitioner", "Partition"]
+def place_shards(
+    rank_bytes: np.ndarray,
+    machine_slow: np.ndarray,
+    rank_load: np.ndarray,
+    shard: int,
+    slow: int,
+    count: int,
+    cost: float,
+    budgets: Tuple[int, int],
+    local_world_size: int,
+) -> Optional[Tuple[int, ...]]:
+    """Places the ``count`` equal shards of one table (``shard`` fast-tier, ``slow`` slow-tier bytes each), each
+    on the rank with the least ``rank_load`` whose fast tier (and machine's slow tier) still holds it, one not
+    holding another shard of the table where there is one (ties: fewer bytes, then the lower rank); each shard
+    adds ``cost / count`` to its rank's load.
+
+    Updates ``rank_bytes``, ``machine_slow`` and ``rank_load`` in place and returns the owners in shard order;
+    a table is placed whole or not at all: if a shard fits nowhere, nothing changes and it returns None.
+    """
+    budget, ddr_budget = budgets
+    machine_of = np.arange(rank_bytes.size) // local_world_size
+    placed: List[int] = []
+    for _ in range(count):
+        fits = (rank_bytes + shard <= budget) & (machine_slow[machine_of] + slow <= ddr_budget)
+        if not fits.any():
+            break
+        fresh = fits.copy()
+        fresh[placed] = False
+        load = np.where(fresh if fresh.any() else fits, rank_load, np.inf)
+        tied = np.flatnonzero(load == load.min())
+        rank = int(tied[np.argmin(rank_bytes[tied])])
+        placed.append(rank)
+        rank_bytes[rank] += shard
+        rank_load[rank] += cost / count
+        machine_slow[machine_of[rank]] += slow
+    if len(placed) == count:
+        return tuple(placed)
+    for rank in placed:
+        rank_bytes[rank] -= shard
+        rank_load[rank] -= cost / count
+        machine_slow[machine_of[rank]] -= slow
+    return None
+
+
+__all__ = ["GreedyTableWisePartitioner", "Partition", "place_shards"]

@@ -29,10 +29,9 @@ from recpipe.planner.cost_models import make_cost_model
 from recpipe.planner.diagnosis import InfeasibilityDiagnosis
 from recpipe.planner.enumerators import MODE_OF_CODE, SHARDING_OF_CODE, GridPlacementEnumerator, OptionArrays
 from recpipe.planner.errors import PlannerError, PlannerErrorType, sized
-from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition
+from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition, place_shards
 from recpipe.planner.plan import PlacementPlan, TablePlacement, option_text
 from recpipe.planner.proposers import DynamicProgrammingProposer
-from recpipe.planner.sharding_plan import column_shards
 from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
     PlacementConstraints,
@@ -251,7 +250,6 @@ class PlacementPlanner:
         owned = options.sharding >= 1
         cost[owned & (options.owner_bytes > H)] = np.inf
         rows = np.arange(len(specs))
-        dims = np.array([t.dim for t in specs], dtype=np.int64)
         for attempt in range(MAX_PARTITION_REPAIRS + 1):
             if attempt == MAX_PARTITION_REPAIRS:
                 cost[owned] = np.inf
@@ -274,13 +272,13 @@ class PlacementPlanner:
                 (H, D),
                 W,
                 L,
-                _shard_counts(sharding[tw], dims[tw]),
+                options.shards[tw, choice[tw]],
             )
             owners: List[Tuple[int, ...]] = [()] * len(specs)
             for i, o in zip(tw.tolist(), part.shard_owners):
                 owners[i] = tuple(o)
             unplaced = tw[part.unplaced]
-            if not unplaced.size or self._repair(options, cost, dims, choice, owners, unplaced, part, H, D, L):
+            if not unplaced.size or self._repair(options, cost, choice, owners, unplaced, part, H, D, L):
                 return choice, owners
             cost[unplaced] = np.where(owned[unplaced], np.inf, cost[unplaced])
         raise AssertionError("a plan without owned tables needs no partition")  # the last attempt's
@@ -289,7 +287,6 @@ class PlacementPlanner:
     def _repair(
         options: OptionArrays,
         cost: np.ndarray,
-        dims: np.ndarray,
         choice: np.ndarray,
         owners: List[Tuple[int, ...]],
         unplaced: np.ndarray,
@@ -312,16 +309,16 @@ class PlacementPlanner:
                         and machine_slow.max() + options.ddr_bytes_per_machine[i, j] <= D
                     )
                     ranks: Tuple[int, ...] = ()
-                else:
-                    count = int(_shard_counts(options.sharding[i, j : j + 1], dims[i : i + 1])[0])
-                    got = _first_fit(
-                        rank_bytes,
-                        machine_slow,
-                        options.owner_bytes[i, j],
-                        options.owner_slow_bytes[i, j],
-                        count,
-                        H,
-                        D,
+                else:  # the lowest ranks that hold its shards (a load rising with the rank), on copies
+                    got = place_shards(
+                        rank_bytes.copy(),
+                        machine_slow.copy(),
+                        np.arange(rank_bytes.size, dtype=np.float64),
+                        int(options.owner_bytes[i, j]),
+                        int(options.owner_slow_bytes[i, j]),
+                        int(options.shards[i, j]),
+                        0.0,
+                        (H, D),
                         L,
                     )
                     fits, ranks = got is not None, got or ()
@@ -338,35 +335,6 @@ class PlacementPlanner:
                 rank_bytes[r] += options.owner_bytes[i, j]
                 machine_slow[r // L] += options.owner_slow_bytes[i, j]
         return True
-
-
-def _shard_counts(sharding: np.ndarray, dims: np.ndarray) -> np.ndarray:
-    """Shards of each owned option: 1 table-wise, ``column_shards(dim)`` column-wise."""
-    return np.array(
-        [column_shards(int(d)) if code == 2 else 1 for code, d in zip(sharding.tolist(), dims.tolist())], dtype=np.int64
-    )
-
-
-def _first_fit(
-    rank_bytes: np.ndarray, machine_slow: np.ndarray, shard: int, slow: int, count: int, H: int, D: int, L: int
-) -> Optional[Tuple[int, ...]]:
-    """Ranks for ``count`` shards of ``shard`` fast / ``slow`` slow-tier bytes on top of ``rank_bytes`` and
-    ``machine_slow`` (the lowest fitting ranks, distinct where they can be), or None if they do not fit."""
-    fast, slow_used = rank_bytes.copy(), machine_slow.copy()
-    machine_of = np.arange(fast.size) // L
-    ranks: List[int] = []
-    for _ in range(count):
-        fits = (fast + shard <= H) & (slow_used[machine_of] + slow <= D)
-        fresh = fits.copy()
-        fresh[ranks] = False
-        pick = np.flatnonzero(fresh if fresh.any() else fits)
-        if not pick.size:
-            return None
-        r = int(pick[0])
-        ranks.append(r)
-        fast[r] += shard
-        slow_used[r // L] += slow
-    return tuple(ranks)
 
 
 def _placements(

@@ -138,12 +138,12 @@ def column_wise_sharding_spec(
 ) -> EnumerableShardingSpec:
     """Shard ``j`` holds columns ``[j * c, (j + 1) * c)`` (``c = column_shard_dim(dim)``) of every row on
     ``ranks[j]``, placed on ``compute_device``."""
-    rows, c = check_int(num_embeddings, "num_embeddings", 0), column_shard_dim(dim)
+    rows, c, k = check_int(num_embeddings, "num_embeddings", 0), column_shard_dim(dim), column_shards(dim)
     L = check_int(local_world_size, "local_world_size", 1)
-    if len(ranks) != dim // c:
+    if len(ranks) != k:
         raise ValueError(
-            f"ranks must name one rank per column shard: a table of dim {dim} has {dim // c} shards of {c} "
-            f"columns, got {len(ranks)} ranks {list(ranks)}."
+            f"ranks must name one rank per column shard: a table of dim {dim} has {k} shards of {c} columns, got "
+            f"{len(ranks)} ranks {list(ranks)}."
         )
     return EnumerableShardingSpec(
         [

@@ -186,7 +186,8 @@ class PlacementConstraints:
     the fast tier, else a tiered table), ``row_wise`` (a tiered table over every rank) or ``column_wise``
     (torchrec's FUSED table in column shards of at least 128 columns, each whole on one rank)."""
     fused: Optional[bool] = None
-    """Pin torchrec's FUSED table (True: table-wise, all in the fast tier) or a recpipe tiered table (False)."""
+    """Pin torchrec's FUSED table (True: table- or column-wise, all in the fast tier) or a recpipe tiered table
+    (False)."""
 
     def __post_init__(self) -> None:
         if self.sharding_type is not None:

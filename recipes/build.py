@@ -51,9 +51,11 @@ def greedy_table_wise(tables: list[tuple[str, int]], world_size: int) -> dict[st
 def shard_model(config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device) -> ShardedModel:
     """Shards ``model``'s EBC over ``env`` and wraps the dense part in DDP.
 
-    ``planned``: the planner picks per table a sharding type (table-wise: whole on one rank;
-    row-wise) and a storage (all in the fast tier, HYBRID or CACHING; torchrec's FUSED table where
-    that kernel is the faster one) under the tier budgets, pricing lookups and communication; ``table_wise``: torchrec's own sharder places whole tables greedily;
+    ``planned``: the planner picks per table a sharding type (``config.sharding_types``: table-wise,
+    whole on one rank; row-wise; column-wise, torchrec's FUSED table in column shards) and a storage
+    (all in the fast tier, HYBRID or CACHING; torchrec's FUSED table where that kernel is the faster
+    one) under the tier budgets, pricing lookups and communication; ``table_wise``: torchrec's own
+    sharder places whole tables greedily;
     ``torchrec_planner``: torchrec's ``EmbeddingShardingPlanner`` plans (both for comparison).
 
     Args:

@@ -235,9 +235,9 @@ class TrainConfig:
     """``cpu``, ``cuda`` or ``auto`` (cuda when available); gloo on CPU, nccl on CUDA."""
 
     placement: str = "planned"
-    """``planned``: recpipe.planner picks per table a sharding type (table-wise or row-wise) and a
-    storage (all in the fast tier, or tiered HYBRID / CACHING); ``table_wise``: torchrec's own sharder, whole tables placed
-    greedily; ``torchrec_planner``: torchrec's EmbeddingShardingPlanner (both for comparison)."""
+    """``planned``: recpipe.planner picks per table a sharding type (of ``sharding_types``) and a
+    storage (all in the fast tier, or tiered HYBRID / CACHING); ``table_wise``: torchrec's own sharder,
+    whole tables placed greedily; ``torchrec_planner``: torchrec's EmbeddingShardingPlanner (both for comparison)."""
 
     sharding_types: str = "table_wise,row_wise,column_wise"
     """Sharding types the planner chooses from (``planned``): all three (``column_wise``: torchrec's FUSED
