@@ -48,7 +48,7 @@ from torchrec.streamable import Pipelineable
 # runs through recpipe's sharders (recpipe.pipeline.routing.sharders), on CPU too.
 SHARDING_TYPES: Tuple[str, ...] = ("table_wise", "column_wise", "row_wise")
 
-EMB_DIM = 8  # embedding dim of every table (divisible by 2 ranks for column_wise)
+EMB_DIM = 8  # default embedding dim of every table (divisible by 2 ranks for column_wise); TwoModuleModel(emb_dim=)
 DENSE_IN = 6  # dense features per sample
 BATCH = 16  # samples per rank per batch
 N_BATCHES = 10  # batches per run (>= 10 for step-by-step parity)
