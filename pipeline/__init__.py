@@ -14,12 +14,12 @@ from typing import Any, Dict, List
 # public name -> the module that defines it
 _EXPORTS: Dict[str, str] = {
     # the fused pipeline
-    "TrainPipelineFusedSparseDist": "recpipe.pipeline.train.pipeline",
-    "PipelinedLookupUnavailableError": "recpipe.pipeline.train.forward",
+    "TrainPipelineFusedSparseDist": "recpipe.pipeline.train_pipeline.fused_pipeline",
+    "PipelinedLookupUnavailableError": "recpipe.pipeline.train_pipeline.forward",
     # the plan -> runtime contract
     "CachePolicy": "recpipe.pipeline.placement.cache_policies",
     "DistType": "recpipe.pipeline.placement.values",
-    "FusedOptimizer": "recpipe.pipeline.placement.values",
+    "FusedOptimizerKind": "recpipe.pipeline.placement.values",
     "Mode": "recpipe.pipeline.placement.values",
     "PlacementMismatchError": "recpipe.pipeline.placement.params",
     "PlacementParams": "recpipe.pipeline.placement.params",
@@ -33,14 +33,14 @@ _EXPORTS: Dict[str, str] = {
     "route_ids": "recpipe.pipeline.routing.ops",
     "shard_num_rows": "recpipe.pipeline.routing.rows",
     # row-wise sharding routed by the op
-    "RecpipeEmbeddingBagCollectionSharder": "recpipe.pipeline.routing.sharders",
-    "RecpipeEmbeddingCollectionSharder": "recpipe.pipeline.routing.sharders",
+    "RoutedEmbeddingBagCollectionSharder": "recpipe.pipeline.routing.routed_sharders",
+    "RoutedEmbeddingCollectionSharder": "recpipe.pipeline.routing.routed_sharders",
     "RowOrderMismatchError": "recpipe.pipeline.routing.row_order",
-    "recpipe_sharders": "recpipe.pipeline.routing.sharders",
+    "routed_sharders": "recpipe.pipeline.routing.routed_sharders",
     # tiered (HYBRID / CACHING) tables
     "TieredCheckpointError": "recpipe.pipeline.tiered.state",
-    "TieredEmbeddingBagCollectionSharder": "recpipe.pipeline.tiered.sharders",
-    "TieredEmbeddingCollectionSharder": "recpipe.pipeline.tiered.sharders",
+    "TieredEmbeddingBagCollectionSharder": "recpipe.pipeline.tiered.tiered_sharders",
+    "TieredEmbeddingCollectionSharder": "recpipe.pipeline.tiered.tiered_sharders",
     "gather_full_optimizer_state": "recpipe.pipeline.tiered.migration",
     "gather_full_weights": "recpipe.pipeline.tiered.migration",
     "load_full_optimizer_state": "recpipe.pipeline.tiered.migration",

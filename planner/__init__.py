@@ -3,7 +3,7 @@
 ``PlacementPlanner(topology).plan(ebc) -> PlacementPlan``; ``plan.to_sharding_plan()`` gives the torchrec
 ``ShardingPlan``. The contract and byte formulas shared with the runtime live in
 ``recpipe.pipeline.placement`` (re-exported here). May import ``recpipe.pipeline.placement`` and public
-names of the pipeline packages (never ``recpipe.pipeline.train``, never a private name).
+names of the pipeline packages (never ``recpipe.pipeline.train_pipeline``, never a private name).
 """
 
 from recpipe.pipeline.placement import (
@@ -11,7 +11,7 @@ from recpipe.pipeline.placement import (
     CACHE_SLOT_BYTES,
     CachePolicy,
     DistType,
-    FusedOptimizer,
+    FusedOptimizerKind,
     Mode,
     PlacementParams,
     ShardStorage,
@@ -27,10 +27,9 @@ from recpipe.planner.brute_force import BruteForceProposer
 from recpipe.planner.cost_models import AnalyticCostModel, EmpiricalCostModel, fast_tier_hit_rate
 from recpipe.planner.enumerators import GridPlacementEnumerator
 from recpipe.planner.errors import PlannerError, PlannerErrorType, PlannerInputError
-from recpipe.planner.plan import PlacementPlan, TablePlacement, to_sharding_plan
+from recpipe.planner.placement_plan import PlacementPlan, TablePlacement, to_sharding_plan
 from recpipe.planner.planners import PlacementPlanner
 from recpipe.planner.proposers import DynamicProgrammingProposer
-from recpipe.planner.sharding_plan import PlacementParameterSharding, placements_from_sharding_plan
 from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
     STORAGE_BACKENDS,
@@ -40,6 +39,7 @@ from recpipe.planner.specs import (
     make_topology,
 )
 from recpipe.planner.tables import table_fused_optimizer, tables_from_module
+from recpipe.planner.torchrec_plan import PlacementParameterSharding, placements_from_sharding_plan
 from recpipe.planner.types import CostModel, Proposer
 
 __all__ = [
@@ -53,7 +53,7 @@ __all__ = [
     "DistType",
     "DynamicProgrammingProposer",
     "EmpiricalCostModel",
-    "FusedOptimizer",
+    "FusedOptimizerKind",
     "GridPlacementEnumerator",
     "Mode",
     "PlacementConstraints",

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import yaml
 
-from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizer, check_load_factors
+from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizerKind, check_load_factors
 from recpipe.planner.communication import PLANNED_SHARDING_TYPES
 from recpipe.planner.errors import PlannerError
 from recpipe.planner.planners import (
@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--optimizer",
-        default=FusedOptimizer.ADAM.value,
+        default=FusedOptimizerKind.ADAM.value,
         choices=sorted(o.value for o in SUPPORTED_OPTIMIZERS),
         help="optimizer of tables that do not name one (the ones tiered tables run; default adam)",
     )

@@ -32,8 +32,8 @@ import numpy as np
 from torchrec.distributed.planner.types import Topology
 from torchrec.distributed.types import ShardingType
 
-from recpipe.planner.sharding_plan import column_shards
 from recpipe.planner.specs import TableSpec
+from recpipe.planner.torchrec_plan import column_shards
 
 #: Bytes per id and per bag length in the input all-to-all (int64 ids, int32 lengths).
 ID_BYTES: int = 8

@@ -19,7 +19,7 @@ from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
 
 from recpipe.pipeline.placement import (
     CachePolicy,
-    FusedOptimizer,
+    FusedOptimizerKind,
     Mode,
     cache_policy_spec,
     check_load_factor,
@@ -258,7 +258,7 @@ class _ZipfCostMatrix:
             hit[i] = _hit_rates(tables[i], options, self.cache_policy)
         state_hit = hit
         if self.backend == "fbgemm":
-            rowwise = np.array([t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD for t in tables])[:, None]
+            rowwise = np.array([t.optimizer is FusedOptimizerKind.ROWWISE_ADAGRAD for t in tables])[:, None]
             state_hit = np.where(rowwise, 1.0, np.where(cached[None, :], 0.0, hit))
         lookups = np.array([t.lookups_per_step for t in tables], dtype=np.float64)
         value = lookups * per_row_format(tables, lambda dim, dtype, _: dim * dtype_itemsize(dtype))
@@ -296,7 +296,7 @@ class AnalyticCostModel(_ZipfCostMatrix, _BandwidthMixCostModel):
         """Fast-tier fraction of state reads: on fbgemm 1 for row-wise Adagrad, 0 for other CACHING state."""
         if self.backend != "fbgemm":
             return hit
-        if table.optimizer is FusedOptimizer.ROWWISE_ADAGRAD:
+        if table.optimizer is FusedOptimizerKind.ROWWISE_ADAGRAD:
             return np.ones_like(hit)
         uncached = np.array([m is Mode.CACHING and x < 1.0 for m, x in options], dtype=bool)
         return np.where(uncached, 0.0, hit)

@@ -14,7 +14,7 @@ from recpipe.pipeline.placement import (
     SUPPORTED_OPTIMIZERS,
     TIERED_DTYPES,
     CachePolicy,
-    FusedOptimizer,
+    FusedOptimizerKind,
     Mode,
     ShardStorage,
     cache_policy_spec,
@@ -35,7 +35,6 @@ from recpipe.pipeline.placement import (
 )
 from recpipe.planner.communication import PLANNED_SHARDING_TYPES, CommCostModel
 from recpipe.planner.errors import PlannerError, PlannerErrorType, solutions
-from recpipe.planner.sharding_plan import column_shard_dim, column_shards
 from recpipe.planner.specs import (
     BACKEND_SHARD_STORAGE,
     DEFAULT_LOAD_FACTORS,
@@ -45,6 +44,7 @@ from recpipe.planner.specs import (
     TableSpec,
     per_row_format,
 )
+from recpipe.planner.torchrec_plan import column_shard_dim, column_shards
 from recpipe.planner.types import CostModel
 
 # A table's column layout: (candidates, row-wise tiered, table-wise FUSED, table-wise tiered, column-wise FUSED).
@@ -407,7 +407,7 @@ class GridPlacementEnumerator:
         if self.backend == "fbgemm":
             v = per_row_format(tables, lambda dim, dtype, _: dim * dtype_itemsize(dtype))[:, None]
             state = per_row_format(tables, lambda dim, _, opt: optimizer_state_bytes_per_row(opt, dim))[:, None]
-            rowwise = np.array([t.optimizer is FusedOptimizer.ROWWISE_ADAGRAD for t in tables])[:, None]
+            rowwise = np.array([t.optimizer is FusedOptimizerKind.ROWWISE_ADAGRAD for t in tables])[:, None]
 
             def shard(rows: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
                 r = rows[:, None]
@@ -440,7 +440,7 @@ TABLE_WISE, ROW_WISE, COLUMN_WISE = PLANNED_SHARDING_TYPES
 FUSED_CPU_LOOKUP_RATIO: float = 1.05
 #: The fused optimizers of recpipe's tiered tables that fbgemm-gpu-cpu's TBE also runs (its CPU mode has no Adam):
 #: torchrec's FUSED table is offered on the ``native`` backend (a CPU run) only for these.
-FUSED_CPU_OPTIMIZERS: Tuple[FusedOptimizer, ...] = (FusedOptimizer.SGD, FusedOptimizer.ROWWISE_ADAGRAD)
+FUSED_CPU_OPTIMIZERS: Tuple[FusedOptimizerKind, ...] = (FusedOptimizerKind.SGD, FusedOptimizerKind.ROWWISE_ADAGRAD)
 # Sharding type <-> int8 code in ``OptionArrays.sharding``.
 SHARDING_OF_CODE: Tuple[str, str, str] = (ROW_WISE, TABLE_WISE, COLUMN_WISE)
 _SHARDING_CODE: Dict[str, int] = {s: code for code, s in enumerate(SHARDING_OF_CODE)}

@@ -14,7 +14,7 @@ from recpipe.pipeline.placement import (
     ROUTED_DIST_TYPES,
     CachePolicy,
     DistType,
-    FusedOptimizer,
+    FusedOptimizerKind,
     check_int,
     check_load_factors,
 )
@@ -30,7 +30,7 @@ from recpipe.planner.diagnosis import InfeasibilityDiagnosis
 from recpipe.planner.enumerators import MODE_OF_CODE, SHARDING_OF_CODE, GridPlacementEnumerator, OptionArrays
 from recpipe.planner.errors import PlannerError, PlannerErrorType, sized
 from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition, place_shards
-from recpipe.planner.plan import PlacementPlan, TablePlacement, option_text
+from recpipe.planner.placement_plan import PlacementPlan, TablePlacement, option_text
 from recpipe.planner.proposers import DynamicProgrammingProposer
 from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
@@ -98,7 +98,7 @@ class PlacementPlanner:
         bins: Optional[Tuple[int, int]] = None,
         constraints: Optional[Mapping[str, PlacementConstraints]] = None,
         proposer: Optional[Proposer] = None,
-        optimizer: Union[FusedOptimizer, str] = FusedOptimizer.SGD,
+        optimizer: Union[FusedOptimizerKind, str] = FusedOptimizerKind.SGD,
         fused_params: Optional[Mapping[str, Any]] = None,
         batch_size: int = BATCH_SIZE,
         hbm_reservation: float = DEFAULT_HBM_RESERVATION,
@@ -125,7 +125,7 @@ class PlacementPlanner:
         self.load_factors = tuple(load_factors)
         self.constraints = dict(constraints or {})
         self.proposer: Proposer = proposer if proposer is not None else DynamicProgrammingProposer(bins)
-        self.optimizer: FusedOptimizer = FusedOptimizer.parse(optimizer)
+        self.optimizer: FusedOptimizerKind = FusedOptimizerKind.parse(optimizer)
         self.fused_params: Optional[Mapping[str, Any]] = dict(fused_params) if fused_params is not None else None
         self.batch_size = batch_size
         self.hbm_reservation, self.ddr_reservation = hbm_reservation, ddr_reservation
@@ -383,7 +383,7 @@ def _placements(
                 hbm_bytes_per_machine=int(hbm_machine[i]),
                 ddr_bytes_per_machine=int(ddr_machine[i]),
                 cost=float(options.cost[i, j]),
-                optimizer=FusedOptimizer.parse(t.optimizer),
+                optimizer=FusedOptimizerKind.parse(t.optimizer),
                 dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
                 sharding_type=SHARDING_OF_CODE[int(options.sharding[i, j])],
                 fused=bool(options.fused[i, j]),

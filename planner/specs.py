@@ -14,7 +14,7 @@ from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyF
 from torchrec.distributed.types import CacheStatistics
 
 from recpipe.pipeline.placement import (
-    FusedOptimizer,
+    FusedOptimizerKind,
     Mode,
     ShardStorage,
     check_load_factor,
@@ -56,7 +56,7 @@ class TableSpec:
     """Embedding dimension."""
     dtype: Union[torch.dtype, str] = torch.float32
     """Dtype of the embedding values (or its name); the planner plans only ``TIERED_DTYPES``."""
-    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.ADAM
+    optimizer: Union[FusedOptimizerKind, str] = FusedOptimizerKind.ADAM
     """Fused optimizer (sets state bytes); the planner plans only ``SUPPORTED_OPTIMIZERS``."""
     lookups_per_step: float = 512.0
     """Expected rows looked up per rank per training step (batch x pooling factor)."""
@@ -99,7 +99,7 @@ class TableSpec:
                     f"({type(value).__name__}); write a whole number, without a decimal point or quotes."
                 )
         self.dtype = resolve_dtype(self.dtype, f"TableSpec({self.name}).dtype")
-        self.optimizer = FusedOptimizer.parse(self.optimizer, f"TableSpec({self.name}).optimizer")
+        self.optimizer = FusedOptimizerKind.parse(self.optimizer, f"TableSpec({self.name}).optimizer")
         table_bytes = self.rows * row_bytes(self.dim, self.dtype, self.optimizer)
         if table_bytes > MAX_TABLE_BYTES:
             raise ValueError(
@@ -156,11 +156,11 @@ class TableSpec:
 
 
 def per_row_format(
-    tables: Sequence[TableSpec], formula: Callable[[int, torch.dtype, FusedOptimizer], int]
+    tables: Sequence[TableSpec], formula: Callable[[int, torch.dtype, FusedOptimizerKind], int]
 ) -> np.ndarray:
     """``formula(dim, dtype, optimizer)`` of every table as an int64 array, evaluated once per distinct row
     format (a model's thousands of tables share a handful)."""
-    memo: Dict[Tuple[int, torch.dtype, FusedOptimizer], int] = {}
+    memo: Dict[Tuple[int, torch.dtype, FusedOptimizerKind], int] = {}
     out = np.empty(len(tables), dtype=np.int64)
     for i, t in enumerate(tables):
         key = (t.dim, t.dtype, t.optimizer)

@@ -13,7 +13,7 @@ from torchrec.distributed.utils import optimizer_type_to_emb_opt_type
 from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-from recpipe.pipeline.placement import FusedOptimizer
+from recpipe.pipeline.placement import FusedOptimizerKind
 from recpipe.planner.errors import PlannerError, PlannerErrorType
 from recpipe.planner.specs import TableSpec
 
@@ -31,7 +31,7 @@ def _optimizer_error(table: str, message: str) -> PlannerError:
 
 def table_fused_optimizer(
     param: Optional[nn.Parameter], table: str, fused_params: Optional[Mapping[str, Any]] = None
-) -> Optional[FusedOptimizer]:
+) -> Optional[FusedOptimizerKind]:
     """The fused optimizer torchrec's sharders will give a table, read as they read it, or None.
 
     ``apply_optimizer_in_backward`` stores the optimizer class on the weight; the sharder turns it into an
@@ -66,7 +66,7 @@ def table_fused_optimizer(
     if emb_opt is None:
         return None
     try:
-        return FusedOptimizer.parse(emb_opt)
+        return FusedOptimizerKind.parse(emb_opt)
     except ValueError as e:
         raise _optimizer_error(table, f"its fused optimizer {emb_opt} cannot be sized: {e}") from None
 
@@ -74,7 +74,7 @@ def table_fused_optimizer(
 def tables_from_module(
     module: nn.Module,
     *,
-    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.SGD,
+    optimizer: Union[FusedOptimizerKind, str] = FusedOptimizerKind.SGD,
     fused_params: Optional[Mapping[str, Any]] = None,
     batch_size: int = BATCH_SIZE,
     pooling_factor: float = POOLING_FACTOR,
@@ -99,7 +99,7 @@ def tables_from_module(
         )
     if fused_params is not None and not isinstance(fused_params, Mapping):
         raise ValueError(f"fused_params must be a dict (or None), got {type(fused_params).__name__}.")
-    fallback = FusedOptimizer.parse(optimizer)
+    fallback = FusedOptimizerKind.parse(optimizer)
     specs: List[TableSpec] = []
     for path, sub in module.named_modules():
         if isinstance(sub, EmbeddingBagCollection):

@@ -147,7 +147,10 @@ def planner_topology(config: TrainConfig, *, world_size: int, local_world_size: 
 
 def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device) -> ShardedModel:
     """Planner -> ShardingPlan -> DMP; the plan is sized for the tables' fused optimizer."""
-    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder, TieredEmbeddingCollectionSharder
+    from recpipe.pipeline.tiered.tiered_sharders import (
+        TieredEmbeddingBagCollectionSharder,
+        TieredEmbeddingCollectionSharder,
+    )
     from recpipe.planner import PlacementPlanner, max_local_rows, row_bytes, tables_from_module
 
     world = env.world_size
@@ -215,10 +218,10 @@ def make_pipeline(
     if config.pipeline == "sparse":
         return TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
     try:
-        from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
+        from recpipe.pipeline.train_pipeline.fused_pipeline import TrainPipelineFusedSparseDist
     except ImportError as e:
         raise ImportError(
-            "pipeline='fused' needs recpipe.pipeline.train.pipeline.TrainPipelineFusedSparseDist, which failed "
+            "pipeline='fused' needs recpipe.pipeline.train_pipeline.fused_pipeline.TrainPipelineFusedSparseDist, which failed "
             f"to import ({e}). Fix: pass --pipeline sparse, or install a recpipe that includes the fused pipeline"
         ) from e
     return TrainPipelineFusedSparseDist(model, optimizer, device, embedding_lookup_after_opt=device.type != "cpu")

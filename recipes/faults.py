@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from recpipe.recipes.checkpoint import step_dir_name
+from recpipe.recipes.checkpoint_policy import step_dir_name
 from recpipe.recipes.config import ConfigError, TrainConfig, split_paths
 from recpipe.recipes.data.base import BatchSource
 from recpipe.recipes.data.criteo import count_file_rows

@@ -30,7 +30,7 @@ from recpipe.pipeline.checkpoint import CheckpointLoadError
 from recpipe.pipeline.tiered.state import TieredCheckpointError
 from recpipe.planner.errors import PlannerError
 from recpipe.recipes.build import ShardedModel, make_optimizer, make_pipeline, shard_model
-from recpipe.recipes.checkpoint import (
+from recpipe.recipes.checkpoint_policy import (
     CheckpointError,
     NonFiniteStateError,
     load_checkpoint,

@@ -81,8 +81,8 @@ def _model(n_tables: int, rows: int, dim: int, mode: str, x: float, seed: int = 
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan, ShardingType
 
-    from recpipe.pipeline.tiered.sharders import TieredEmbeddingBagCollectionSharder
-    from recpipe.planner.sharding_plan import PlacementParameterSharding, row_wise_sharding_spec
+    from recpipe.pipeline.tiered.tiered_sharders import TieredEmbeddingBagCollectionSharder
+    from recpipe.planner.torchrec_plan import PlacementParameterSharding, row_wise_sharding_spec
 
     ebc, names = adagrad_ebc(n_tables, rows, dim)
     sharder = TieredEmbeddingBagCollectionSharder()

@@ -151,7 +151,12 @@ def _measured_sparse_dist(model: torch.nn.Module, opt: torch.optim.Optimizer, de
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
 
-    from recpipe.pipeline.train.stats import STAGE_OPTIMIZER, PipelineStageStats, StageTimer, time_awaitable_tree
+    from recpipe.pipeline.train_pipeline.stats import (
+        STAGE_OPTIMIZER,
+        PipelineStageStats,
+        StageTimer,
+        time_awaitable_tree,
+    )
 
     stats = PipelineStageStats()
 
@@ -179,7 +184,7 @@ def _measured_sparse_dist(model: torch.nn.Module, opt: torch.optim.Optimizer, de
 
 
 def _body(rank: int, args: argparse.Namespace) -> Dict[str, Any]:
-    from recpipe.pipeline.train.pipeline import TrainPipelineFusedSparseDist
+    from recpipe.pipeline.train_pipeline.fused_pipeline import TrainPipelineFusedSparseDist
 
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
     batches = _make_batches(args, rank)  # host batches: the pipelines copy them to the device

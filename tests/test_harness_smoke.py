@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_harness import run_gloo
+from harness.gloo import run_gloo
 
 
 def _allreduce_rank(rank: int, world_size: int, scale: int) -> int:

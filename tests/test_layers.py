@@ -163,23 +163,23 @@ def _outside(prefix: str, allowed: Iterable[str]) -> Dict[str, List[str]]:
 #: Each part of ``recpipe.pipeline`` and what it may import besides itself (ARCHITECTURE.md, "Layers").
 PIPELINE_LAYERS: Dict[str, Tuple[str, ...]] = {
     "recpipe.pipeline.placement": (),
-    "recpipe.pipeline.types": ("recpipe.pipeline.placement",),
-    "recpipe.pipeline.routing": ("recpipe.pipeline.placement", "recpipe.pipeline.types", "recpipe._C"),
+    "recpipe.pipeline.interfaces": ("recpipe.pipeline.placement",),
+    "recpipe.pipeline.routing": ("recpipe.pipeline.placement", "recpipe.pipeline.interfaces", "recpipe._C"),
     "recpipe.pipeline.tiered": (
         "recpipe.pipeline.placement",
-        "recpipe.pipeline.types",
+        "recpipe.pipeline.interfaces",
         "recpipe.pipeline.routing",
         "recpipe._C",
     ),
     "recpipe.pipeline.checkpoint": (
         "recpipe.pipeline.placement",
-        "recpipe.pipeline.types",
+        "recpipe.pipeline.interfaces",
         "recpipe.pipeline.routing",
         "recpipe.pipeline.tiered",
     ),
-    "recpipe.pipeline.train": (
+    "recpipe.pipeline.train_pipeline": (
         "recpipe.pipeline.placement",
-        "recpipe.pipeline.types",
+        "recpipe.pipeline.interfaces",
         "recpipe.pipeline.routing",
         "recpipe.pipeline.tiered",
     ),
@@ -206,7 +206,7 @@ def test_sources_are_found() -> None:
     assert "recpipe.pipeline.placement" in mods and "recpipe.planner.types" in mods
     assert "recpipe.recipes.build" in mods and "recpipe.planner" in mods
     for layer in PIPELINE_LAYERS:
-        if layer != "recpipe.pipeline.types" or layer in mods:
+        if layer != "recpipe.pipeline.interfaces" or layer in mods:
             assert layer in mods, layer
 
 
@@ -273,26 +273,36 @@ def test_checker_sees_cycles_through_function_imports_and_relative_imports() -> 
     assert cycles({"x": {"x"}}) == [{"x"}] and cycles({"x": {"y"}, "y": set()}) == []
 
 
+#: The packages under tests/ that hold test files (tests/ is on sys.path).
+TEST_PACKAGES = ("csrc", "pipeline", "planner", "recipes")
+
+
 def _test_modules_imported(source: str) -> List[str]:
-    """The top-level ``test_*`` modules (tests/ is on sys.path) that ``source`` imports,
-    absolutely or relatively, anywhere in the file."""
+    """The ``test_*`` modules (tests/ is on sys.path; test folders are packages) that ``source``
+    imports, absolutely or relatively, anywhere in the file."""
     found: List[str] = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            names = [node.module] if node.module else [alias.name for alias in node.names]
+            prefix = f"{node.module}." if node.module else ""
+            names = [prefix + alias.name for alias in node.names]
         else:
             continue
-        found += [n for n in names if n.split(".")[0].startswith("test_")]
+        for name in names:
+            parts = name.split(".")
+            if parts[0].startswith("test_") or (
+                parts[0] in TEST_PACKAGES and any(p.startswith("test_") for p in parts)
+            ):
+                found.append(name)
     return found
 
 
 def test_no_test_file_imports_another_test_file() -> None:
-    """Pins that shared test helpers live in helper modules (pipeline_harness.py,
-    tiered_ebc_models.py, ...), never in a test file: no tests/test_*.py imports a
+    """Pins that shared test helpers live in ``tests/harness/`` (pipelines.py,
+    tiered_ebc_models.py, ...), never in a test file: no tests/**/test_*.py imports a
     ``test_*`` module, so each test file runs, moves or is renamed on its own."""
-    files = sorted((REPO / "tests").glob("test_*.py"))
+    files = sorted((REPO / "tests").rglob("test_*.py"))
     assert len(files) > 40
     bad = {p.name: hits for p in files if (hits := _test_modules_imported(p.read_text()))}
     assert bad == {}
@@ -300,4 +310,5 @@ def test_no_test_file_imports_another_test_file() -> None:
         "import test_a as a\nfrom test_b import x\ndef f():\n    from . import test_c\n"
         "from torch.testing import y\nfrom torchrec.distributed.test_utils import test_model\n"
     )
-    assert _test_modules_imported(sample) == ["test_a", "test_b", "test_c"]
+    assert _test_modules_imported(sample) == ["test_a", "test_b.x", "test_c"]
+    assert _test_modules_imported("from pipeline.tiered import test_x\n") == ["pipeline.tiered.test_x"]

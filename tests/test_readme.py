@@ -404,7 +404,7 @@ def test_placement_planner_snippet_runs(capsys: pytest.CaptureFixture[str]) -> N
 
 def _pipeline_snippet_body(rank: int, world: int, code: str) -> Tuple[List[float], float]:
     import torch
-    from pipeline_harness import build_dmp, make_batches, run_reference
+    from harness.pipelines import build_dmp, make_batches, run_reference
 
     device = torch.device("cpu")
     batches = make_batches(rank)
@@ -418,7 +418,7 @@ def _pipeline_snippet_body(rank: int, world: int, code: str) -> Tuple[List[float
 
 def test_pipeline_swap_snippet_runs() -> None:
     """The "Pipeline swap" loop trains to the non-pipelined loop's last loss, bit for bit."""
-    from gloo_harness import run_gloo
+    from harness.gloo import run_gloo
 
     ((ref_losses, last_loss),) = run_gloo(1, _pipeline_snippet_body, _python_block("Pipeline swap"))
     assert last_loss == ref_losses[-1]
@@ -450,7 +450,7 @@ def _tiered_checkpoint_body(rank: int, world: int, root: str, tiered: str, ckpt:
 def test_tiered_and_checkpoint_snippets_run_on_two_ranks(tmp_path: Path) -> None:
     """The "Tiered tables" block shards a pinned CACHING table; "Checkpoints" saves, verifies
     and loads it (DCP files plus the digest record)."""
-    from gloo_harness import run_gloo
+    from harness.gloo import run_gloo
 
     from recpipe.pipeline.checkpoint import DIGESTS_NAME
 

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from recpipe.pipeline.checkpoint import layout
 from recpipe.pipeline.checkpoint.errors import NON_FINITE_FIXES, all_gather, rank_world
 from recpipe.pipeline.checkpoint.layout import FUSED_OPTIMIZER_KEY, TIERED_KEY, Source, read_row_orders, weight_key
-from recpipe.pipeline.placement import FusedOptimizer
+from recpipe.pipeline.placement import FusedOptimizerKind
 from recpipe.pipeline.routing.ops import ROUTING_VERSION, local_rows
 from recpipe.pipeline.routing.row_order import ROW_ORDER_KEY, RowOrder, describe_row_order
 from recpipe.pipeline.tiered.migration import OPTIMIZER_STATE_NAMES
@@ -51,10 +51,10 @@ def _saved_optimizer(metadata: Metadata, head: str, rows: int, dim: int) -> Tupl
         if key.startswith(head) and isinstance(md, TensorStorageMetadata)
     }
     for opt, names in OPTIMIZER_STATE_NAMES.items():
-        row = opt is FusedOptimizer.ROWWISE_ADAGRAD
+        row = opt is FusedOptimizerKind.ROWWISE_ADAGRAD
         if found == {n: ([rows] if row else [rows, dim]) for n in names}:
             return opt.value, found
-    (name,) = OPTIMIZER_STATE_NAMES[FusedOptimizer.ROWWISE_ADAGRAD]
+    (name,) = OPTIMIZER_STATE_NAMES[FusedOptimizerKind.ROWWISE_ADAGRAD]
     if list(found) == [name] and len(found[name]) == 1 and found[name][0] % rows == 0 and found[name][0] > rows:
         shards = found[name][0] // rows
         return (
@@ -118,7 +118,7 @@ def _adoption(
     if refusal is not None:
         return None, f"table {fqn!r}: {refusal}"
     state_keys = tuple(
-        head + n for n in OPTIMIZER_STATE_NAMES[FusedOptimizer(want)] if head + n in metadata.state_dict_metadata
+        head + n for n in OPTIMIZER_STATE_NAMES[FusedOptimizerKind(want)] if head + n in metadata.state_dict_metadata
     )
     return Adoption(key, state_keys, order), None
 

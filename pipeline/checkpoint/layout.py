@@ -25,8 +25,8 @@ from recpipe.pipeline.checkpoint.digests import PathLike, check_model, check_pat
 from recpipe.pipeline.checkpoint.errors import CheckpointLoadError, dcp_failures
 from recpipe.pipeline.routing.row_order import RowOrder
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
-from recpipe.pipeline.tiered.sharded import TieredTablesMixin, state_dict_without_tiered_rows
 from recpipe.pipeline.tiered.state import TieredCheckpointError, TieredShardState
+from recpipe.pipeline.tiered.tiered_collections import TieredTablesMixin, state_dict_without_tiered_rows
 
 TIERED_DCP_PREFIX: str = "tiered"  # first component of every tiered export key
 FUSED_OPTIMIZER_KEY: str = "fused_optimizer"  # key of model.fused_optimizer.state_dict() (DCP flattens it)

@@ -1,6 +1,6 @@
-"""The local file system as a ``recpipe.pipeline.types.CheckpointStorage``.
+"""The local file system as a ``recpipe.pipeline.interfaces.CheckpointStorage``.
 
-Imports ``recpipe.pipeline.checkpoint.integrity`` (atomic writes) and ``recpipe.pipeline.types``.
+Imports ``recpipe.pipeline.checkpoint.integrity`` (atomic writes) and ``recpipe.pipeline.interfaces``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.futures import Future
 
 from recpipe.pipeline.checkpoint.integrity import atomic_write_bytes
-from recpipe.pipeline.types import CheckpointStorage
+from recpipe.pipeline.interfaces import CheckpointStorage
 
 
 class FileSystemStorage:

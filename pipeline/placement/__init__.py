@@ -62,7 +62,7 @@ from recpipe.pipeline.placement.values import (
     SUPPORTED_OPTIMIZERS,
     TIERED_DTYPES,
     DistType,
-    FusedOptimizer,
+    FusedOptimizerKind,
     Mode,
     check_int,
     check_load_factor,

@@ -13,7 +13,7 @@ from recpipe.pipeline.placement.cache_policies import CachePolicy
 from recpipe.pipeline.placement.sizing import row_bytes
 from recpipe.pipeline.placement.values import (
     DistType,
-    FusedOptimizer,
+    FusedOptimizerKind,
     Mode,
     check_load_factor,
     dtype_name,
@@ -68,7 +68,7 @@ _CODEC: Dict[str, Tuple[str, Callable[[Any, str], Any], Callable[[Any], Any]]] =
     "dist_type": (FUSED_PARAM_DIST_TYPE, DistType.parse, _enum_value),
     "seed": (FUSED_PARAM_SEED, _parse_seed, int),
     "cache_policy": (FUSED_PARAM_CACHE_POLICY, CachePolicy.parse, _enum_value),
-    "optimizer": (FUSED_PARAM_OPTIMIZER, FusedOptimizer.parse, _enum_value),
+    "optimizer": (FUSED_PARAM_OPTIMIZER, FusedOptimizerKind.parse, _enum_value),
     "dtype": (FUSED_PARAM_DTYPE, resolve_dtype, dtype_name),
 }
 #: Every key of the contract, in :class:`PlacementParams` field order.
@@ -96,7 +96,7 @@ class PlacementParams:
     """Seed of the hash_roundrobin routing (an int64)."""
     cache_policy: CachePolicy = CachePolicy.LFU
     """Eviction policy of a CACHING table (LFU or LRU); ignored by HYBRID."""
-    optimizer: FusedOptimizer
+    optimizer: FusedOptimizerKind
     """Fused optimizer the table was sized for; the runtime refuses any other."""
     dtype: torch.dtype
     """Row dtype the table was sized for (e.g. ``torch.float32``); the runtime refuses any other."""
@@ -140,7 +140,7 @@ class PlacementParams:
                 f"table {table_name!r}: its fused params lack the placement key(s) {missing}, so its "
                 "tiered kernel has no complete placement to build.\nPossible solutions:\n"
                 f"  1) {_PLAN_FIX};\n"
-                "  2) in a hand-written plan, give the table a recpipe.planner.sharding_plan.PlacementParameterSharding "
+                "  2) in a hand-written plan, give the table a recpipe.planner.torchrec_plan.PlacementParameterSharding "
                 "(not a plain ParameterSharding) with compute_kernel customized_kernel."
             )
         values: Dict[str, Any] = {}
@@ -159,13 +159,13 @@ class PlacementParams:
         self,
         table_name: str,
         *,
-        optimizer: Union[FusedOptimizer, str],
+        optimizer: Union[FusedOptimizerKind, str],
         dtype: Union[torch.dtype, str],
         dim: Optional[int] = None,
     ) -> None:
         """Raises :class:`PlacementMismatchError` unless the model trains the table as planned (``dim``,
         when given, adds the bytes per row to the message)."""
-        actual_opt = FusedOptimizer.parse(optimizer)
+        actual_opt = FusedOptimizerKind.parse(optimizer)
         actual_dtype = resolve_dtype(dtype)
         what: List[str] = []
         fixes = [

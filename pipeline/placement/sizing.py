@@ -15,7 +15,7 @@ import torch
 from recpipe.pipeline.placement.cache_policies import CachePolicy, cache_policy_spec
 from recpipe.pipeline.placement.values import (
     SUPPORTED_OPTIMIZERS,
-    FusedOptimizer,
+    FusedOptimizerKind,
     Mode,
     check_int,
     check_load_factor,
@@ -33,11 +33,13 @@ FBGEMM_CACHE_ASSOC: int = 32
 SPLIT_MAP_BYTES: int = 4
 
 
-def optimizer_state_bytes_per_row(optimizer: Union[FusedOptimizer, str], dim: int) -> int:
+def optimizer_state_bytes_per_row(optimizer: Union[FusedOptimizerKind, str], dim: int) -> int:
     """Bytes of fp32 fused optimizer state per row: sgd 0, rowwise_adagrad 4, adagrad ``4 * dim``, adam ``8 * dim``."""
     dim = check_int(dim, "dim", 1)
-    opt = FusedOptimizer.parse(optimizer)
-    return {FusedOptimizer.SGD: 0, FusedOptimizer.ROWWISE_ADAGRAD: 4, FusedOptimizer.ADAGRAD: 4 * dim}.get(opt, 8 * dim)
+    opt = FusedOptimizerKind.parse(optimizer)
+    return {FusedOptimizerKind.SGD: 0, FusedOptimizerKind.ROWWISE_ADAGRAD: 4, FusedOptimizerKind.ADAGRAD: 4 * dim}.get(
+        opt, 8 * dim
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +50,7 @@ def decimal_ratio(x: float) -> Tuple[int, int]:
     return f.numerator, f.denominator
 
 
-def row_bytes(dim: int, dtype: Union[torch.dtype, str], optimizer: Union[FusedOptimizer, str]) -> int:
+def row_bytes(dim: int, dtype: Union[torch.dtype, str], optimizer: Union[FusedOptimizerKind, str]) -> int:
     """Bytes of one embedding row with its optimizer state."""
     dim = check_int(dim, "dim", 1)
     return dim * dtype_itemsize(resolve_dtype(dtype)) + optimizer_state_bytes_per_row(optimizer, dim)
@@ -108,7 +110,7 @@ def shard_storage(
     rows: int,
     dim: int,
     dtype: Union[torch.dtype, str],
-    optimizer: Union[FusedOptimizer, str],
+    optimizer: Union[FusedOptimizerKind, str],
     mode: Union[Mode, str],
     x: float,
     cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
@@ -124,7 +126,7 @@ def shard_storage(
 
 class FbgemmTierLayout(Protocol):
     """The tables of a shard on fbgemm's TBE, as :func:`fbgemm_tier_bytes` reads them
-    (``recpipe.pipeline.tiered.fbgemm.FbgemmTierPlan`` is one)."""
+    (``recpipe.pipeline.tiered.tbe_tables.FbgemmTierPlan`` is one)."""
 
     num_rows: int
     embedding_dim: int
@@ -132,7 +134,7 @@ class FbgemmTierLayout(Protocol):
     cache_slots: int
     split_map: bool
     cache_algorithm: Optional[str]
-    optimizer: FusedOptimizer
+    optimizer: FusedOptimizerKind
     compute_device: str
 
 
@@ -174,7 +176,7 @@ def fbgemm_tier_bytes(plan: FbgemmTierLayout, value_bytes: int = 4) -> ShardStor
         S,
         plan.embedding_dim * value_bytes,
         optimizer_state_bytes_per_row(plan.optimizer, plan.embedding_dim),
-        plan.optimizer is FusedOptimizer.ROWWISE_ADAGRAD,
+        plan.optimizer is FusedOptimizerKind.ROWWISE_ADAGRAD,
         plan.split_map,
         policy,
     )
@@ -185,7 +187,7 @@ def fbgemm_shard_storage(
     rows: int,
     dim: int,
     dtype: Union[torch.dtype, str],
-    optimizer: Union[FusedOptimizer, str],
+    optimizer: Union[FusedOptimizerKind, str],
     mode: Union[Mode, str],
     x: float,
     cache_policy: Union[CachePolicy, str],
@@ -200,7 +202,7 @@ def fbgemm_shard_storage(
     dim = check_int(dim, "dim", 1)
     if dim % 4:
         raise ValueError(f"embedding_dim={dim}: fbgemm's TBE needs a positive multiple of 4.")
-    opt = FusedOptimizer.parse(optimizer)
+    opt = FusedOptimizerKind.parse(optimizer)
     if opt not in SUPPORTED_OPTIMIZERS:
         raise ValueError(
             f"optimizer {opt.value} is not supported by tiered tables: use one of "
@@ -215,7 +217,7 @@ def fbgemm_shard_storage(
         S,
         v,
         optimizer_state_bytes_per_row(opt, dim),
-        opt is FusedOptimizer.ROWWISE_ADAGRAD,
+        opt is FusedOptimizerKind.ROWWISE_ADAGRAD,
         slow_rows > 0 and not caching,
         spec.fbgemm_state_bytes(rows, S),
     )
@@ -228,7 +230,7 @@ def machine_storage(
     local_world_size: int,
     dim: int,
     dtype: Union[torch.dtype, str],
-    optimizer: Union[FusedOptimizer, str],
+    optimizer: Union[FusedOptimizerKind, str],
     mode: Union[Mode, str],
     x: float,
 ) -> ShardStorage:

@@ -130,7 +130,7 @@ _OPTIMIZER_ALIASES: Dict[str, str] = {
 }
 
 
-class FusedOptimizer(enum.StrEnum):
+class FusedOptimizerKind(enum.StrEnum):
     """Fused (in-backward) optimizer of a table; sets the optimizer-state bytes per row. The byte formulas
     know all four; the tiered kernel runs :data:`SUPPORTED_OPTIMIZERS`."""
 
@@ -140,8 +140,8 @@ class FusedOptimizer(enum.StrEnum):
     ADAM = "adam"
 
     @classmethod
-    def parse(cls, value: Union["FusedOptimizer", str], argument: str = "optimizer") -> "FusedOptimizer":
-        """An optimizer from a ``FusedOptimizer``, its name or an ``EmbOptimType``."""
+    def parse(cls, value: Union["FusedOptimizerKind", str], argument: str = "optimizer") -> "FusedOptimizerKind":
+        """An optimizer from a ``FusedOptimizerKind``, its name or an ``EmbOptimType``."""
         return parse_enum(
             cls,
             value,
@@ -154,8 +154,8 @@ class FusedOptimizer(enum.StrEnum):
 
 #: The fused optimizers the tiered kernel runs (every backend); the planner can
 #: size ADAGRAD too but refuses to plan it for a tiered table.
-SUPPORTED_OPTIMIZERS: FrozenSet[FusedOptimizer] = frozenset(
-    {FusedOptimizer.SGD, FusedOptimizer.ROWWISE_ADAGRAD, FusedOptimizer.ADAM}
+SUPPORTED_OPTIMIZERS: FrozenSet[FusedOptimizerKind] = frozenset(
+    {FusedOptimizerKind.SGD, FusedOptimizerKind.ROWWISE_ADAGRAD, FusedOptimizerKind.ADAM}
 )
 
 

@@ -5,5 +5,5 @@ Modules, lowest first: ``ops`` (routing op wrappers and fakes), ``rows`` (row ma
 (row-order record of routed FUSED tables), ``dists``, ``shardings``, ``sharded``,
 ``sharders`` (row-wise torchrec components with routed input).
 
-May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.types`` and ``recpipe._C`` only.
+May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.interfaces`` and ``recpipe._C`` only.
 """

@@ -20,10 +20,10 @@ from recpipe.pipeline.routing.features import FeatureRouting
 from recpipe.pipeline.routing.kjt import bucketize_kjt_by
 from recpipe.pipeline.routing.ops import dist_type_code
 
-__all__ = ["RecpipeRwPooledEmbeddingDist", "RecpipeRwSparseFeaturesDist"]
+__all__ = ["RoutedRwPooledEmbeddingDist", "RoutedRwSparseFeaturesDist"]
 
 
-class RecpipeRwSparseFeaturesDist(RwSparseFeaturesDist):
+class RoutedRwSparseFeaturesDist(RwSparseFeaturesDist):
     """torchrec's ``RwSparseFeaturesDist`` routed per feature by ``routing`` (:func:`feature_routing`). The routing
     metadata stays on the CPU, so a CUDA batch is routed without a host sync. Other arguments: as
     ``RwSparseFeaturesDist``."""
@@ -101,7 +101,7 @@ class _AllToAllSum(torch.autograd.Function):
         return out, None, None
 
 
-class RecpipeRwPooledEmbeddingDist(RwPooledEmbeddingDist):
+class RoutedRwPooledEmbeddingDist(RwPooledEmbeddingDist):
     """Row-wise pooled output dist: on gloo an all-to-all of partial sums, else torchrec's. gloo's ``reduce_scatter`` is
     slow, so each rank gets its samples' ``W`` partial sums by ``PooledEmbeddingsAllToAll`` and sums them in rank order
     (bit-identical for ``W = 2``; the last bit may differ beyond). VBE batches use :class:`_AllToAllSum`, since gloo's

@@ -27,7 +27,7 @@ from recpipe.pipeline.placement import (
     FUSED_PARAM_SEED,
     SUPPORTED_OPTIMIZERS,
     DistType,
-    FusedOptimizer,
+    FusedOptimizerKind,
     PlacementParams,
     dtype_name,
 )
@@ -55,7 +55,7 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
             f"{'torch.optim.SGD' if exact is EmbOptimType.EXACT_SGD else 'torchrec RowWiseAdagrad'} gives)."
         )
     try:
-        fused = FusedOptimizer.parse(opt)
+        fused = FusedOptimizerKind.parse(opt)
     except ValueError:
         fused = None
     if fused not in SUPPORTED_OPTIMIZERS:
@@ -93,7 +93,7 @@ def tiered_optimizer_from_fused_params(fused_params: Optional[Dict[str, Any]]) -
             )
         return float(value)
 
-    defaults, adam = TieredOptimizerConfig(), fused is FusedOptimizer.ADAM  # fbgemm's defaults
+    defaults, adam = TieredOptimizerConfig(), fused is FusedOptimizerKind.ADAM  # fbgemm's defaults
     values = {k: number(k, getattr(defaults, k)) for k in HYPER_PARAMETERS if adam or k != "weight_decay"}
     return TieredOptimizerConfig(optimizer=fused, **values)
 
@@ -122,7 +122,7 @@ TORCH_OPTIMIZER_ONLY_KWARGS: Tuple[str, ...] = (
 )
 
 
-def _unsupported_update_params(fp: Dict[str, Any], optimizer: FusedOptimizer) -> Dict[str, Any]:
+def _unsupported_update_params(fp: Dict[str, Any], optimizer: FusedOptimizerKind) -> Dict[str, Any]:
     """The non-default fused params by which fbgemm's TBE updates differently from the tiered kernel.
 
     Gradient clipping, row-wise Adagrad's weight decay modes and ``max_norm``, and Adam's per-row
@@ -135,7 +135,7 @@ def _unsupported_update_params(fp: Dict[str, Any], optimizer: FusedOptimizer) ->
     if fp.get("gradient_clipping", False):
         out["gradient_clipping"] = fp["gradient_clipping"]
         out["max_gradient"] = fp.get("max_gradient", 1.0)  # fbgemm's default
-    if optimizer is FusedOptimizer.ROWWISE_ADAGRAD:
+    if optimizer is FusedOptimizerKind.ROWWISE_ADAGRAD:
         mode = fp.get("weight_decay_mode", WeightDecayMode.NONE)
         decays = fp.get("weight_decay", 0.0) != 0.0 or mode not in (WeightDecayMode.L2, WeightDecayMode.DECOUPLE)
         if mode not in (None, WeightDecayMode.NONE) and decays:
@@ -203,7 +203,7 @@ def tiered_vbe_error(where: str, table_features: Dict[str, List[str]], features:
         "  2. place these tables as torchrec FUSED tables with recpipe's row-wise sharding (a "
         "ROW_WISE ParameterSharding with compute_kernel 'fused', e.g. torchrec's "
         "sharding_plan.row_wise(), instead of the tiered placement; sharded by "
-        "TieredEmbeddingBagCollectionSharder or RecpipeEmbeddingBagCollectionSharder), which "
+        "TieredEmbeddingBagCollectionSharder or RoutedEmbeddingBagCollectionSharder), which "
         "route VBE KJTs."
     )
 

@@ -25,8 +25,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.pipeline.tiered.fused_optimizer import TieredFusedOptimizer
 from recpipe.pipeline.tiered.fused_params import table_backend, tiered_output_dtype, tiered_placement, tiered_vbe_error
-from recpipe.pipeline.tiered.routing import WholeTableRouting
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, bounds_check_mode_of
+from recpipe.pipeline.tiered.shard_routing import WholeTableRouting
 
 
 class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):

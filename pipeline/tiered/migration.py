@@ -19,10 +19,10 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizer
 
-from recpipe.pipeline.placement import FusedOptimizer
+from recpipe.pipeline.placement import FusedOptimizerKind
 from recpipe.pipeline.routing.row_order import ROW_ORDER_KEY, RowOrder
 from recpipe.pipeline.tiered.fused_optimizer import TieredFusedOptimizer
-from recpipe.pipeline.tiered.sharded import TIERED_STATE_KEY, state_dict_without_tiered_rows
+from recpipe.pipeline.tiered.tiered_collections import TIERED_STATE_KEY, state_dict_without_tiered_rows
 
 
 def gather_full_weights(
@@ -102,17 +102,17 @@ def _all_reduce_cpu(t: torch.Tensor, op: Any, process_group: Optional[dist.Proce
 
 
 #: torchrec's names of a table's fused optimizer states, per optimizer the migration carries.
-OPTIMIZER_STATE_NAMES: Dict[FusedOptimizer, Tuple[str, ...]] = {
-    FusedOptimizer.SGD: (),
-    FusedOptimizer.ROWWISE_ADAGRAD: ("momentum1",),
-    FusedOptimizer.ADAM: ("momentum1", "exp_avg_sq"),
+OPTIMIZER_STATE_NAMES: Dict[FusedOptimizerKind, Tuple[str, ...]] = {
+    FusedOptimizerKind.SGD: (),
+    FusedOptimizerKind.ROWWISE_ADAGRAD: ("momentum1",),
+    FusedOptimizerKind.ADAM: ("momentum1", "exp_avg_sq"),
 }
 #: The entry of a table's :func:`gather_full_optimizer_state` holding its optimizer step (0-dim int64).
 OPTIMIZER_STEP_KEY = "step"
 
 
 class OptimizerTable(NamedTuple):
-    """A table's fused optimizer (a :class:`FusedOptimizer` value, else a description) and shape."""
+    """A table's fused optimizer (a :class:`FusedOptimizerKind` value, else a description) and shape."""
 
     optimizer: str
     rows: int
@@ -121,8 +121,8 @@ class OptimizerTable(NamedTuple):
 
 def _state_shapes(table: str, desc: OptimizerTable) -> Dict[str, Tuple[int, ...]]:
     """torchrec's name -> full shape of each optimizer state of ``table``."""
-    opt = FusedOptimizer(desc.optimizer)
-    row = opt is FusedOptimizer.ROWWISE_ADAGRAD  # one momentum per row; Adam: one per element
+    opt = FusedOptimizerKind(desc.optimizer)
+    row = opt is FusedOptimizerKind.ROWWISE_ADAGRAD  # one momentum per row; Adam: one per element
     return {f"{table}.{n}": (desc.rows,) if row else (desc.rows, desc.dim) for n in OPTIMIZER_STATE_NAMES[opt]}
 
 
@@ -135,7 +135,7 @@ def _fused_leaf_optimizer(leaf: Any) -> str:
     if getattr(tbe, "use_rowwise_bias_correction", False):
         return "adam with use_rowwise_bias_correction"
     try:
-        parsed = FusedOptimizer.parse(opt)
+        parsed = FusedOptimizerKind.parse(opt)
     except ValueError:
         return str(getattr(opt, "name", opt)).lower()
     return parsed.value
@@ -277,7 +277,7 @@ def gather_full_optimizer_state(
 def named_to_columns(d: OptimizerTable, state: torch.Tensor, table: str) -> Dict[str, torch.Tensor]:
     """A tiered table's ``[n, state_cols]`` optimizer state as views named ``<table>.<name>`` (torchrec's)."""
     names = list(_state_shapes(table, d))
-    if FusedOptimizer(d.optimizer) is FusedOptimizer.ROWWISE_ADAGRAD:
+    if FusedOptimizerKind(d.optimizer) is FusedOptimizerKind.ROWWISE_ADAGRAD:
         return {names[0]: state[:, 0]}
     return {k: state[:, j * d.dim : (j + 1) * d.dim] for j, k in enumerate(names)}
 

@@ -4,7 +4,7 @@ Applied to a batch's rows after their gradients were summed per unique row ("exa
 ``sgd`` (``w -= lr * g``), ``rowwise_adagrad`` (one fp32 state per row) and ``adam``
 (``exp_avg`` then ``exp_avg_sq`` per element; only looked-up rows are updated). A row's
 state lives next to its values, in the same tier. :class:`OptimizerControlMixin` gives a
-shard fbgemm TBE's controls. May import ``recpipe.pipeline.placement`` and ``recpipe.pipeline.types``.
+shard fbgemm TBE's controls. May import ``recpipe.pipeline.placement`` and ``recpipe.pipeline.interfaces``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizer, check_int
-from recpipe.pipeline.types import TierBackend
+from recpipe.pipeline.interfaces import TierBackend
+from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizerKind, check_int
 
-__all__ = ["HYPER_PARAMETERS", "FusedOptimizer", "OptimizerControlMixin", "TieredOptimizerConfig", "check_step"]
+__all__ = ["HYPER_PARAMETERS", "FusedOptimizerKind", "OptimizerControlMixin", "TieredOptimizerConfig", "check_step"]
 
 #: The optimizer hyper-parameters of :class:`TieredOptimizerConfig` (fbgemm's TBE takes them by these names).
 HYPER_PARAMETERS: Tuple[str, ...] = ("learning_rate", "eps", "beta1", "beta2", "weight_decay")
@@ -31,7 +31,7 @@ HYPER_PARAMETERS: Tuple[str, ...] = ("learning_rate", "eps", "beta1", "beta2", "
 class TieredOptimizerConfig:
     """Fused optimizer of a tiered table (torchrec ``fused_params`` style; fbgemm's defaults)."""
 
-    optimizer: Union[FusedOptimizer, str] = FusedOptimizer.SGD
+    optimizer: Union[FusedOptimizerKind, str] = FusedOptimizerKind.SGD
     """``sgd``, ``rowwise_adagrad`` or ``adam``."""
     learning_rate: float = 0.01
     eps: float = 1.0e-8
@@ -42,7 +42,7 @@ class TieredOptimizerConfig:
     """Adam's in-update weight decay (fbgemm ``ADAM``); must be 0 otherwise."""
 
     def __post_init__(self) -> None:
-        self.optimizer = FusedOptimizer.parse(self.optimizer)
+        self.optimizer = FusedOptimizerKind.parse(self.optimizer)
         if self.optimizer not in SUPPORTED_OPTIMIZERS:
             raise ValueError(
                 f"optimizer {self.optimizer.value} is not supported by tiered tables: use one of "
@@ -57,7 +57,7 @@ class TieredOptimizerConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and 0.0 <= value < 1.0):
                 raise ValueError(f"TieredOptimizerConfig.{name} must be in [0, 1), got {value!r}.")
-        if self.weight_decay and self.optimizer is not FusedOptimizer.ADAM:
+        if self.weight_decay and self.optimizer is not FusedOptimizerKind.ADAM:
             raise ValueError(
                 f"TieredOptimizerConfig.weight_decay={self.weight_decay} is only supported by adam; "
                 f"set weight_decay=0.0 for {self.optimizer.value}."
@@ -66,13 +66,13 @@ class TieredOptimizerConfig:
     @property
     def name(self) -> str:
         """Optimizer name as the byte formulas (``recpipe.pipeline.placement``) spell it."""
-        assert isinstance(self.optimizer, FusedOptimizer)
+        assert isinstance(self.optimizer, FusedOptimizerKind)
         return self.optimizer.value
 
     def state_cols(self, dim: int) -> int:
         """fp32 state columns per row of width ``dim``: sgd 0, rowwise_adagrad 1, adam ``2 * dim``."""
         dim = check_int(dim, "dim", 1)
-        return {FusedOptimizer.SGD: 0, FusedOptimizer.ROWWISE_ADAGRAD: 1}.get(self.optimizer, 2 * dim)  # type: ignore[call-overload]
+        return {FusedOptimizerKind.SGD: 0, FusedOptimizerKind.ROWWISE_ADAGRAD: 1}.get(self.optimizer, 2 * dim)  # type: ignore[call-overload]
 
     def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """Applies one update in place to gathered ``[n, dim]`` rows and their state; ``grad`` is
@@ -92,10 +92,10 @@ class TieredOptimizerConfig:
                     f"[{n}, {dim}], {opt.value} keeps {cols} state columns), got {list(t.shape)}."
                 )
         lr = float(self.learning_rate)
-        if opt is FusedOptimizer.SGD:
+        if opt is FusedOptimizerKind.SGD:
             weights.sub_(grad, alpha=lr)
             return
-        if opt is FusedOptimizer.ROWWISE_ADAGRAD:
+        if opt is FusedOptimizerKind.ROWWISE_ADAGRAD:
             mom = state[:, 0]
             mom.add_(grad.square().mean(dim=1))
             multiplier = lr / (mom.sqrt() + self.eps)
@@ -183,7 +183,7 @@ class OptimizerControlMixin:
                     f"tiered table {self.table_name!r}: setting hyper-parameter {name!r} is "
                     f"not supported (supported: {list(names)})."
                 )
-        adam = self.optimizer.optimizer is FusedOptimizer.ADAM
+        adam = self.optimizer.optimizer is FusedOptimizerKind.ADAM
         fields = ("eps", "beta1", "beta2") + (("weight_decay",) if adam else ())
         updates = {k: float(v) for k, v in params_dict.items() if k in fields}
         try:  # validated on a copy: nothing is set when a value is refused

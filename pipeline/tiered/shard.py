@@ -4,7 +4,7 @@
 seeded hash); ``CACHING(x)`` keeps every row in the slow tier and caches ``floor(x * R)`` of them
 (LFU or LRU); ``x == 1`` puts every row in the fast tier. The optimizer is fused into the backward
 like fbgemm's TBE; rows live in a ``TierBackend``. May import ``recpipe.pipeline.placement``,
-``recpipe.pipeline.types``, ``recpipe.pipeline.routing`` and the tiered modules below it.
+``recpipe.pipeline.interfaces``, ``recpipe.pipeline.routing`` and the tiered modules below it.
 """
 
 from __future__ import annotations
@@ -20,20 +20,20 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 
+from recpipe.pipeline.interfaces import ShardRouting, TierBackend, TierSpec, TierTensors
 from recpipe.pipeline.placement import TIERED_DTYPES, CachePolicy, Mode, ShardStorage, check_int, row_bytes, tier_rows
 from recpipe.pipeline.routing.rows import check_dist_type
 from recpipe.pipeline.tiered.backends import BACKENDS, resolve_backend
 from recpipe.pipeline.tiered.backends.common import check_psw_pooling
-from recpipe.pipeline.tiered.ops import TIERED_STATS
-from recpipe.pipeline.tiered.optim import FusedOptimizer, OptimizerControlMixin, TieredOptimizerConfig
-from recpipe.pipeline.tiered.routing import RowWiseRouting
+from recpipe.pipeline.tiered.native_ops import TIERED_STATS
+from recpipe.pipeline.tiered.optim import FusedOptimizerKind, OptimizerControlMixin, TieredOptimizerConfig
+from recpipe.pipeline.tiered.shard_routing import RowWiseRouting
 from recpipe.pipeline.tiered.state import ShardStateMixin
-from recpipe.pipeline.types import ShardRouting, TierBackend, TierSpec, TierTensors
 
 __all__ = [
     "FUSED_PARAM_BOUNDS_CHECK_MODE",
     "CachePolicy",
-    "FusedOptimizer",
+    "FusedOptimizerKind",
     "Mode",
     "TieredEmbeddingShard",
     "TieredOptimizerConfig",
@@ -201,7 +201,7 @@ class TieredEmbeddingShard(ShardStateMixin, OptimizerControlMixin, nn.Module):
         self.row_bytes: int = row_bytes(embedding_dim, dtype, self.optimizer.name)
         self.state_cols: int = self.optimizer.state_cols(embedding_dim)
         # Bulk writes of the rows (init, loads): lets the fused pipeline see a table written
-        # between steps (recpipe.pipeline.train.relookup.tables_version).
+        # between steps (recpipe.pipeline.train_pipeline.relookup.tables_version).
         self.rows_writes: int = 0
         spec = TierSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TierSpec)})
         self.tiers: TierBackend = BACKENDS[self.backend](spec)

@@ -3,7 +3,7 @@
 An export holds every row of a shard by global id with its optimizer state, step and metadata.
 Loads take exports of any routing, world size and placement and pick this shard's rows by global
 id; missing, repeated or non-finite rows raise :class:`TieredCheckpointError`. May import
-``recpipe.pipeline.types``, ``recpipe.pipeline.routing``, ``.tiered.routing`` and ``.tiered.optim``.
+``recpipe.pipeline.interfaces``, ``recpipe.pipeline.routing``, ``.tiered.routing`` and ``.tiered.optim``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 
 import torch
 
+from recpipe.pipeline.interfaces import RowOptimizer, ShardRouting, TierBackend
 from recpipe.pipeline.routing.ops import ROUTING_VERSION
 from recpipe.pipeline.tiered.optim import check_step
-from recpipe.pipeline.tiered.routing import routing_of_export
-from recpipe.pipeline.types import RowOptimizer, ShardRouting, TierBackend
+from recpipe.pipeline.tiered.shard_routing import routing_of_export
 
 __all__ = [
     "CHECKPOINT_VERSION",

@@ -1,8 +1,8 @@
-"""Tier backends of the tiered shard (``recpipe.pipeline.types.TierBackend``) and their registry.
+"""Tier backends of the tiered shard (``recpipe.pipeline.interfaces.TierBackend``) and their registry.
 
 ``native`` (compiled CPU kernel), ``fbgemm`` (fbgemm's TBE, the CUDA default), ``torch``
 (device-generic reference). A new backend is one module and one line in :data:`BACKENDS`.
-May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.types``, ``recpipe.pipeline.routing``
+May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.interfaces``, ``recpipe.pipeline.routing``
 and the tiered modules below the shard (``ops``, ``fbgemm``, ``optim``).
 """
 
@@ -12,10 +12,10 @@ from typing import Dict, Optional, Type
 
 import torch
 
+from recpipe.pipeline.interfaces import TierBackend
 from recpipe.pipeline.tiered.backends.fbgemm import FbgemmBackend
 from recpipe.pipeline.tiered.backends.native import NativeBackend
-from recpipe.pipeline.tiered.backends.reference import ReferenceBackend
-from recpipe.pipeline.types import TierBackend
+from recpipe.pipeline.tiered.backends.torch_backend import TorchBackend
 
 __all__ = ["BACKENDS", "resolve_backend"]
 
@@ -23,7 +23,7 @@ __all__ = ["BACKENDS", "resolve_backend"]
 BACKENDS: Dict[str, Type[TierBackend]] = {
     NativeBackend.name: NativeBackend,
     FbgemmBackend.name: FbgemmBackend,
-    ReferenceBackend.name: ReferenceBackend,
+    TorchBackend.name: TorchBackend,
 }
 
 

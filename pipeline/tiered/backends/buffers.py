@@ -15,9 +15,9 @@ from typing import Any, Optional, Tuple
 
 import torch
 
+from recpipe.pipeline.interfaces import InputCheck, RowOptimizer, TierBackend, TierSpec, TierTensors
 from recpipe.pipeline.placement import row_bytes
 from recpipe.pipeline.tiered.backends.common import bag_lengths_and_ids, new_stats, split_hash, split_tier
-from recpipe.pipeline.types import InputCheck, RowOptimizer, TierBackend, TierSpec, TierTensors
 
 __all__ = ["BufferedTier", "WRITE_CHUNK_ROWS"]
 

@@ -2,7 +2,7 @@
 
 HYBRID split: a seeded bijective hash ``H`` of ``[0, R)`` puts local row ``r`` in the fast
 tier at ``H(r)`` when ``H(r) < k``, else in the slow tier at ``H(r) - k``. May import
-``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and ``recpipe.pipeline.tiered.ops``.
+``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and ``recpipe.pipeline.tiered.native_ops``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 import torch
 
 from recpipe.pipeline.routing.ops import route_ids
-from recpipe.pipeline.tiered.ops import TIERED_STATS
+from recpipe.pipeline.tiered.native_ops import TIERED_STATS
 
 __all__ = ["bag_lengths_and_ids", "check_psw_pooling", "new_stats", "split_hash", "split_tier"]
 

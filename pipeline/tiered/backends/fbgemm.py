@@ -15,9 +15,11 @@ from typing import Any, ClassVar, Dict, FrozenSet, Iterator, List, Mapping, Opti
 import torch
 from torch import nn
 
-from recpipe.pipeline.placement import FusedOptimizer, dtype_itemsize
+from recpipe.pipeline.interfaces import InputCheck, RowOptimizer, TierBackend, TierSpec, TierTensors
+from recpipe.pipeline.placement import FusedOptimizerKind, dtype_itemsize
 from recpipe.pipeline.tiered.backends.common import check_psw_pooling, new_stats, split_hash, split_tier
-from recpipe.pipeline.tiered.fbgemm import (
+from recpipe.pipeline.tiered.native_ops import TIERED_STATS
+from recpipe.pipeline.tiered.tbe_tables import (
     FbgemmTierPlan,
     Layout,
     TbeCounters,
@@ -26,8 +28,6 @@ from recpipe.pipeline.tiered.fbgemm import (
     tbe_counters,
     undo_tbe_lookup,
 )
-from recpipe.pipeline.tiered.ops import TIERED_STATS
-from recpipe.pipeline.types import InputCheck, RowOptimizer, TierBackend, TierSpec, TierTensors
 
 __all__ = ["FbgemmBackend", "FbgemmTier"]
 
@@ -88,7 +88,7 @@ class FbgemmTier(nn.Module):
     def _states(self) -> List[List[torch.Tensor]]:
         """Per table: ``[weights [rows, D], state [rows] or [rows, D] ...]`` (views)."""
         weights = self.tbe.split_embedding_weights()
-        states = self.tbe.split_optimizer_states() if self.plan.optimizer is not FusedOptimizer.SGD else []
+        states = self.tbe.split_optimizer_states() if self.plan.optimizer is not FusedOptimizerKind.SGD else []
         return [[weights[t]] + (list(states[t]) if states else []) for t in range(len(self.plan.tables))]
 
     def _table_rows(
@@ -152,7 +152,7 @@ class FbgemmTier(nn.Module):
 
     def get_step(self) -> int:
         """The recorded step: fbgemm's ``iter`` (a device read on CUDA), or recpipe's for SGD."""
-        if self.plan.optimizer is FusedOptimizer.SGD:
+        if self.plan.optimizer is FusedOptimizerKind.SGD:
             return self.step
         return int(self.tbe.iter.item())
 
@@ -346,7 +346,7 @@ class FbgemmBackend(TierBackend):
     def _empty_lookup(self, offsets: torch.Tensor, optimizer: RowOptimizer) -> torch.Tensor:
         """A lookup of a shard without rows (only empty bags): zeros."""
         # counted as the table's other shards' TBEs count, so every rank exports the same step
-        if torch.is_grad_enabled() or optimizer.optimizer is not FusedOptimizer.SGD:
+        if torch.is_grad_enabled() or optimizer.optimizer is not FusedOptimizerKind.SGD:
             self.step += 1
         self.stats[: len(TIERED_STATS)].zero_()
         # requires grad so this rank's backward joins the output dist's backward collective

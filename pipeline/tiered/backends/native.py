@@ -1,7 +1,7 @@
 """The ``native`` tier backend: recpipe's compiled CPU kernel (``csrc/tiered.cpp``).
 
 The ``torch`` backend is its bit-for-bit reference. May import ``recpipe.pipeline.placement``,
-``recpipe.pipeline.types``, ``recpipe.pipeline.tiered.ops`` and ``recpipe.pipeline.tiered.optim``.
+``recpipe.pipeline.interfaces``, ``recpipe.pipeline.tiered.native_ops`` and ``recpipe.pipeline.tiered.optim``.
 """
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import ClassVar, FrozenSet, Optional
 
 import torch
 
+from recpipe.pipeline.interfaces import InputCheck, RowOptimizer, TierSpec
 from recpipe.pipeline.placement import cache_policy_spec
 from recpipe.pipeline.tiered.backends.buffers import BufferedTier, Lookup
-from recpipe.pipeline.tiered.ops import TIERED_MODES, TIERED_OPTIMIZERS, TIERED_POOLINGS
+from recpipe.pipeline.tiered.native_ops import TIERED_MODES, TIERED_OPTIMIZERS, TIERED_POOLINGS
 from recpipe.pipeline.tiered.optim import HYPER_PARAMETERS
-from recpipe.pipeline.types import InputCheck, RowOptimizer, TierSpec
 
 __all__ = ["NativeBackend"]
 

@@ -1,5 +1,0 @@
-"""recpipe.pipeline.train: ``TrainPipelineFusedSparseDist`` (``pipeline``) and what only it uses.
-
-May import ``recpipe.pipeline.placement``, ``types``, ``routing`` and ``tiered``; nothing
-imports it but the package root and recipes.
-"""

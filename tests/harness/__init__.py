@@ -1,0 +1,1 @@
+"""Shared test builders: gloo ranks, models, reference implementations, recipe configs."""
