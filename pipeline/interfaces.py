@@ -1,20 +1,21 @@
 """Extension points of the pipeline: the interfaces a new implementation fills in.
 
-:class:`TierBackend` (a tiered shard's storage and kernels, one module under
-``recpipe.pipeline.tiered.backends`` plus one registration line), :class:`ShardRouting`
-(global id <-> local row), :class:`RowOptimizer` (the fused optimizer's configuration) and
-:class:`CheckpointStorage`. Imports only ``recpipe.pipeline.placement`` (and torch).
+:class:`TierBackend` (a tiered shard's storage and kernels, registered by name with
+``recpipe.pipeline.tiered.backends.register_backend``), :class:`ShardRouting` (global id <->
+local row; ``TieredEmbeddingShard(routing=)``), :class:`RowOptimizer` (the fused optimizer;
+``TieredEmbeddingShard(optimizer=)``) and :class:`CheckpointStorage`. Imports only
+``recpipe.pipeline.placement`` (and torch).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Protocol, Tuple
+from typing import Any, Callable, ClassVar, Dict, FrozenSet, List, Mapping, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
-from recpipe.pipeline.placement import CachePolicy, FusedOptimizerKind, Mode, tier_rows
+from recpipe.pipeline.placement import CachePolicy, Mode, tier_rows
 
 __all__ = ["InputCheck", "RowOptimizer", "ShardRouting", "TierBackend", "TierSpec", "TierTensors"]
 
@@ -25,10 +26,18 @@ TierTensors = Dict[str, List[Tuple[str, torch.Tensor]]]
 InputCheck = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], None]
 
 
+@runtime_checkable
 class RowOptimizer(Protocol):
-    """A fused row optimizer's configuration (``recpipe.pipeline.tiered.optim.TieredOptimizerConfig``)."""
+    """A tiered shard's fused row optimizer: its kind, hyper-parameters and update.
 
-    optimizer: FusedOptimizerKind
+    ``recpipe.pipeline.tiered.optim.TieredOptimizerConfig`` is the built-in one. ``name`` is
+    one of the built-in kinds, whose row state layout (``state_cols``) the optimizer keeps:
+    exports, checkpoints and the byte formulas read it. Backends whose
+    ``TierBackend.calls_optimizer_update`` is True (``torch``) apply :meth:`update`; the others
+    (``native``, ``fbgemm``) run their compiled kernel of the kind with the hyper-parameters and
+    take only ``TieredOptimizerConfig``.
+    """
+
     learning_rate: float
     eps: float
     beta1: float
@@ -37,13 +46,14 @@ class RowOptimizer(Protocol):
 
     @property
     def name(self) -> str:
-        """The optimizer's name (``sgd``, ``rowwise_adagrad``, ``adam``)."""
+        """The kind (``sgd``, ``rowwise_adagrad``, ``adam``: a ``FusedOptimizerKind`` value)."""
 
     def state_cols(self, dim: int) -> int:
-        """fp32 optimizer-state columns per row of width ``dim``."""
+        """fp32 optimizer-state columns per row of width ``dim`` (the kind's layout)."""
 
     def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, step: int) -> None:
-        """Applies one update in place to gathered rows and their state."""
+        """Applies one update in place to gathered ``[n, dim]`` rows and their ``[n, state_cols]``
+        state; ``grad`` is summed per unique row, ``step`` is 1-based."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,10 @@ class TierBackend(ABC):
     name: ClassVar[str]
     #: Device types on which this backend is the default (``"*"``: any device without one).
     default_devices: ClassVar[FrozenSet[str]] = frozenset()
+    #: The backward applies ``RowOptimizer.update`` (any ``RowOptimizer`` plugs in); False: the
+    #: backend's kernels implement the built-in optimizers and a shard gives it only
+    #: ``TieredOptimizerConfig``.
+    calls_optimizer_update: ClassVar[bool] = False
 
     spec: TierSpec
     #: int64 counters on the device: the last lookup's ``TIERED_STATS``, then running totals.
@@ -99,6 +113,10 @@ class TierBackend(ABC):
     step: int
     #: Rows written back by flushes since the last lookup.
     flushed_rows: int
+
+    def __init__(self, spec: TierSpec) -> None:
+        """Allocates the rows of ``spec`` (a backend is built from its shard's ``TierSpec``)."""
+        self.spec = spec
 
     @classmethod
     def check_device(cls, device: torch.device) -> None:

@@ -195,8 +195,23 @@ def _block_bucketize_fake(
     # the kernels allocate every output contiguous (at::empty), whatever the inputs' strides
     new_weights = weights.new_empty(weights.shape) if weights is not None else None
     # new_pos, unbucketize_permute and bucket_mapping: one entry per input id, when requested
-    per_id = [torch.empty_like(indices) if on else None for on in (bucketize_pos, sequence, return_bucket_mapping)]
-    return lengths.new_empty((my_size * lengths.numel(),)), torch.empty_like(indices), new_weights, *per_id
+    new_pos, unbucketize_permute, bucket_mapping = (
+        torch.empty_like(indices) if on else None for on in (bucketize_pos, sequence, return_bucket_mapping)
+    )
+    new_lengths = lengths.new_empty((my_size * lengths.numel(),))
+    return new_lengths, torch.empty_like(indices), new_weights, new_pos, unbucketize_permute, bucket_mapping
+
+
+def _check_my_size(my_size: object) -> None:
+    """Refuses a world size that is not an int in ``[1, 2**63)``, naming ``my_size`` and ``world_size``."""
+    try:
+        check_int(my_size, "my_size", minimum=1, maximum=_INT64_MAX)
+    except ValueError as e:
+        raise ValueError(
+            f"{e} `my_size` is fbgemm's name of the world size (`world_size` in route_ids and "
+            "hash_roundrobin_global_ids): the number of ranks W the ids are bucketized over; pass e.g. "
+            "my_size=torch.distributed.get_world_size()."
+        ) from None
 
 
 def block_bucketize_sparse_features(
@@ -229,7 +244,8 @@ def block_bucketize_sparse_features(
         lengths: bag lengths, ``[F * B]`` feature-major, or ``[sum(batch_size_per_feature)]`` (VBE).
         block_sizes: ``[F]`` rows per block of continuous features.
         dist_types: ``[F]`` codes of :data:`DIST_TYPES`.
-        my_size: world size ``W``.
+        my_size: world size ``W`` (fbgemm's name; ``world_size`` in :func:`route_ids` and
+            :func:`hash_roundrobin_global_ids`).
         weights: per-id weights following their ids, ``[n]`` or ``[n, D]``.
         table_sizes: ``[F]`` row counts; required by hash_roundrobin features.
         max_B: accepted for fbgemm's signature, unused.
@@ -243,8 +259,8 @@ def block_bucketize_sparse_features(
         :class:`BucketizeResult`.
     """
     _check_seed(seed)
-    if isinstance(my_size, int):  # a SymInt under tracing is the kernel's to check
-        check_int(my_size, "my_size", maximum=_INT64_MAX)
+    if not isinstance(my_size, torch.SymInt):  # a SymInt under tracing is the kernel's to check
+        _check_my_size(my_size)
     return BucketizeResult(
         *torch.ops.recpipe.block_bucketize_sparse_features(
             lengths,

@@ -9,7 +9,6 @@ shard fbgemm TBE's controls. May import ``recpipe.pipeline.placement`` and ``rec
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -18,10 +17,17 @@ from typing import Any, Dict, Mapping, Optional, Tuple, Union
 import numpy as np
 import torch
 
-from recpipe.pipeline.interfaces import TierBackend
+from recpipe.pipeline.interfaces import RowOptimizer, TierBackend
 from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizerKind, check_int
 
-__all__ = ["HYPER_PARAMETERS", "FusedOptimizerKind", "OptimizerControlMixin", "TieredOptimizerConfig", "check_step"]
+__all__ = [
+    "HYPER_PARAMETERS",
+    "FusedOptimizerKind",
+    "OptimizerControlMixin",
+    "TieredOptimizerConfig",
+    "check_row_optimizer",
+    "check_step",
+]
 
 #: The optimizer hyper-parameters of :class:`TieredOptimizerConfig` (fbgemm's TBE takes them by these names).
 HYPER_PARAMETERS: Tuple[str, ...] = ("learning_rate", "eps", "beta1", "beta2", "weight_decay")
@@ -78,6 +84,7 @@ class TieredOptimizerConfig:
         """Applies one update in place to gathered ``[n, dim]`` rows and their state; ``grad`` is
         summed per unique row, ``step`` is 1-based."""
         opt = self.optimizer
+        assert isinstance(opt, FusedOptimizerKind)  # __post_init__ parsed it
         step = check_int(step, "step", 1)
         for name, t in (("weights", weights), ("state", state), ("grad", grad)):
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
@@ -113,6 +120,52 @@ class TieredOptimizerConfig:
         weights.sub_(upd, alpha=lr)
 
 
+def check_row_optimizer(
+    table_name: str, optimizer: Any, embedding_dim: int, backend: str, calls_optimizer_update: bool
+) -> RowOptimizer:
+    """A shard's row optimizer: ``optimizer``, or SGD lr 0.01 for None.
+
+    A ``RowOptimizer`` other than the built-in ``TieredOptimizerConfig`` (or one overriding its
+    ``update``) must be of a supported kind, keep that kind's state layout, and run on a backend
+    that applies its ``update`` (``calls_optimizer_update``).
+
+    Raises:
+        ValueError: naming the table, the argument and the fix.
+    """
+    if optimizer is None:
+        return TieredOptimizerConfig()
+    if not isinstance(optimizer, RowOptimizer):
+        raise ValueError(
+            f"tiered table {table_name!r}: optimizer must be a RowOptimizer (recpipe.pipeline.interfaces) or "
+            f"None, got {type(optimizer).__name__} {optimizer!r}; pass e.g. "
+            "TieredOptimizerConfig(optimizer='adam', learning_rate=0.01)."
+        )
+    if isinstance(optimizer, TieredOptimizerConfig) and type(optimizer).update is TieredOptimizerConfig.update:
+        return optimizer  # the built-in math every backend implements
+    cls = type(optimizer).__name__
+    kind = next((o for o in SUPPORTED_OPTIMIZERS if o.value == optimizer.name), None)
+    if kind is None:
+        raise ValueError(
+            f"tiered table {table_name!r}: {cls}.name must be one of {sorted(o.value for o in SUPPORTED_OPTIMIZERS)}, "
+            f"got {optimizer.name!r}: the name is the built-in kind whose row state layout the optimizer keeps "
+            "(exports, checkpoints and the byte formulas read it)."
+        )
+    want, got = TieredOptimizerConfig(optimizer=kind).state_cols(embedding_dim), optimizer.state_cols(embedding_dim)
+    if got != want:
+        raise ValueError(
+            f"tiered table {table_name!r}: {cls}.state_cols({embedding_dim}) is {got}, but {kind.value} keeps "
+            f"{want} fp32 state columns per row; keep the layout of the kind, or declare the kind whose layout "
+            "it keeps."
+        )
+    if not calls_optimizer_update:
+        raise ValueError(
+            f"tiered table {table_name!r}: backend {backend!r} runs its own {kind.value} kernel and would "
+            f"ignore {cls}.update; pass backend='torch', which applies RowOptimizer.update, or a "
+            "TieredOptimizerConfig."
+        )
+    return optimizer
+
+
 def check_step(table_name: str, step: Any, what: str) -> None:
     """Refuses an optimizer ``step`` that is not an int >= 0, naming the table and ``what`` to pass."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
@@ -123,7 +176,7 @@ class OptimizerControlMixin:
     """Fused-optimizer controls of a tiered shard, as fbgemm's TBE offers them."""
 
     table_name: str
-    optimizer: TieredOptimizerConfig
+    optimizer: RowOptimizer
     tiers: TierBackend
 
     @property
@@ -183,11 +236,12 @@ class OptimizerControlMixin:
                     f"tiered table {self.table_name!r}: setting hyper-parameter {name!r} is "
                     f"not supported (supported: {list(names)})."
                 )
-        adam = self.optimizer.optimizer is FusedOptimizerKind.ADAM
+        adam = self.optimizer.name == FusedOptimizerKind.ADAM.value
         fields = ("eps", "beta1", "beta2") + (("weight_decay",) if adam else ())
         updates = {k: float(v) for k, v in params_dict.items() if k in fields}
         try:  # validated on a copy: nothing is set when a value is refused
-            dataclasses.replace(self.optimizer, **updates)
+            current = {k: getattr(self.optimizer, k) for k in HYPER_PARAMETERS}
+            TieredOptimizerConfig(optimizer=self.optimizer.name, **{**current, **updates})
         except ValueError as e:
             raise ValueError(f"tiered table {self.table_name!r}: {e}") from None
         if "lr" in params_dict:

@@ -20,13 +20,18 @@ import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 
-from recpipe.pipeline.interfaces import ShardRouting, TierBackend, TierSpec, TierTensors
+from recpipe.pipeline.interfaces import RowOptimizer, ShardRouting, TierBackend, TierSpec, TierTensors
 from recpipe.pipeline.placement import TIERED_DTYPES, CachePolicy, Mode, ShardStorage, check_int, row_bytes, tier_rows
 from recpipe.pipeline.routing.rows import check_dist_type
 from recpipe.pipeline.tiered.backends import BACKENDS, resolve_backend
 from recpipe.pipeline.tiered.backends.common import check_psw_pooling
 from recpipe.pipeline.tiered.native_ops import TIERED_STATS
-from recpipe.pipeline.tiered.optim import FusedOptimizerKind, OptimizerControlMixin, TieredOptimizerConfig
+from recpipe.pipeline.tiered.optim import (
+    FusedOptimizerKind,
+    OptimizerControlMixin,
+    TieredOptimizerConfig,
+    check_row_optimizer,
+)
 from recpipe.pipeline.tiered.shard_routing import RowWiseRouting
 from recpipe.pipeline.tiered.state import ShardStateMixin
 
@@ -80,9 +85,9 @@ def _parse_bounds_check_mode(value: Any, where: str, table_name: str) -> BoundsC
 
 
 def _check_table_args(
-    table_name: str, x: Any, embedding_dim: Any, num_embeddings: Any, pooling: Any, optimizer: Any, dtype: Any
+    table_name: str, x: Any, embedding_dim: Any, num_embeddings: Any, pooling: Any, dtype: Any
 ) -> None:
-    """Refuses a table's sizes, load factor, pooling, optimizer or dtype, naming the argument."""
+    """Refuses a table's sizes, load factor, pooling or dtype, naming the argument."""
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0.0 < float(x) <= 1.0:
         raise ValueError(
             f"cache_load_factor must be in (0, 1], got {x!r}: use e.g. 0.1 ... 1.0 (1.0 = every row in the fast tier)."
@@ -92,12 +97,6 @@ def _check_table_args(
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     if pooling not in ("sum", "mean"):
         raise ValueError(f"pooling must be 'sum' or 'mean', got {pooling!r}.")
-    if optimizer is not None and not isinstance(optimizer, TieredOptimizerConfig):
-        raise ValueError(
-            f"tiered table {table_name!r}: optimizer must be a TieredOptimizerConfig or None, got "
-            f"{type(optimizer).__name__} {optimizer!r}; pass e.g. TieredOptimizerConfig(optimizer='adam', "
-            "learning_rate=0.01)."
-        )
     if dtype not in TIERED_DTYPES:
         raise ValueError(
             f"tiered table {table_name!r}: dtype {dtype} is not supported by the tiered kernel yet: "
@@ -130,20 +129,26 @@ class TieredEmbeddingShard(ShardStateMixin, OptimizerControlMixin, nn.Module):
         num_embeddings (int): rows ``N`` of the whole (global) table.
         mode (Mode | str): ``HYBRID`` or ``CACHING``.
         cache_load_factor (float): ``x`` in ``(0, 1]`` (see the module docstring).
-        optimizer (TieredOptimizerConfig | None): fused optimizer (default SGD lr 0.01).
+        optimizer (RowOptimizer | None): fused optimizer: a ``TieredOptimizerConfig`` (default SGD
+            lr 0.01), or another ``RowOptimizer`` on a backend that applies its ``update`` (``torch``).
         cache_policy (CachePolicy | str): ``lfu`` (default) or ``lru``; CACHING only.
         rank, world_size, dist_type, routing_seed: the default row-wise routing
             (``hash_roundrobin``, ``roundrobin`` or ``continuous``).
         split_seed (int): seed of the HYBRID fast/slow split hash.
         device (torch.device | str | None): fast-tier device (default CPU).
-        backend (str | None): ``native``, ``fbgemm`` or ``torch``; default ``native`` on CPU,
-            ``fbgemm`` on CUDA, ``torch`` elsewhere.
+        backend (str | None): a registered ``TierBackend``'s name (``native``, ``fbgemm``, ``torch``,
+            or one added by ``register_backend``); default ``native`` on CPU, ``fbgemm`` on CUDA,
+            ``torch`` elsewhere.
         weight_init_min, weight_init_max (float | None): uniform init range (default
             ``+-sqrt(1 / num_embeddings)``, as torchrec).
         bounds_check_mode (BoundsCheckMode | None): local ids ``>= num_rows`` raise under
             ``FATAL`` (default) and ``NONE``; ``WARNING`` (warns) and ``IGNORE`` look row 0 up
             instead, as fbgemm's CPU TBE. Negative ids raise under every mode.
-        routing (ShardRouting | None): the rows this shard holds (default: a ``RowWiseRouting``).
+        routing (ShardRouting | None): the rows this shard holds (default: a ``RowWiseRouting``
+            of ``rank``, ``world_size``, ``dist_type``, ``routing_seed``).
+
+    Raises:
+        ValueError: a bad argument, named with the fix.
     """
 
     def __init__(
@@ -153,7 +158,7 @@ class TieredEmbeddingShard(ShardStateMixin, OptimizerControlMixin, nn.Module):
         embedding_dim: int,
         mode: Union[Mode, str],
         cache_load_factor: float,
-        optimizer: Optional[TieredOptimizerConfig] = None,
+        optimizer: Optional[RowOptimizer] = None,
         pooling: str = "sum",
         cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
         rank: int = 0,
@@ -177,9 +182,8 @@ class TieredEmbeddingShard(ShardStateMixin, OptimizerControlMixin, nn.Module):
             if bounds_check_mode is None
             else _parse_bounds_check_mode(bounds_check_mode, "bounds_check_mode", table_name)
         )
-        _check_table_args(table_name, cache_load_factor, embedding_dim, num_embeddings, pooling, optimizer, dtype)
+        _check_table_args(table_name, cache_load_factor, embedding_dim, num_embeddings, pooling, dtype)
         self.cache_load_factor: float = float(cache_load_factor)
-        self.optimizer: TieredOptimizerConfig = optimizer or TieredOptimizerConfig()
         self.pooling: str = pooling
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy)
         self.num_embeddings: int = num_embeddings
@@ -197,6 +201,9 @@ class TieredEmbeddingShard(ShardStateMixin, OptimizerControlMixin, nn.Module):
         self.routing: ShardRouting = self._routing(routing, rank, world_size, dist_type, routing_seed)
         self.num_rows: int = self.routing.num_rows
         self.backend: str = resolve_backend(backend, self.device)
+        self.optimizer: RowOptimizer = check_row_optimizer(
+            table_name, optimizer, embedding_dim, self.backend, BACKENDS[self.backend].calls_optimizer_update
+        )
         self.fast_rows, self.slow_rows, self.cache_slots = tier_rows(self.num_rows, self.mode, self.cache_load_factor)
         self.row_bytes: int = row_bytes(embedding_dim, dtype, self.optimizer.name)
         self.state_cols: int = self.optimizer.state_cols(embedding_dim)
@@ -213,6 +220,12 @@ class TieredEmbeddingShard(ShardStateMixin, OptimizerControlMixin, nn.Module):
         """``routing`` or the row-wise routing of the arguments, mirrored in the routing attributes."""
         if routing is None:
             routing = RowWiseRouting(self.num_embeddings, world_size, rank, dist_type, seed)
+        elif not isinstance(routing, ShardRouting):
+            raise ValueError(
+                f"tiered table {self.table_name!r}: routing must be a ShardRouting (recpipe.pipeline.interfaces) "
+                f"or None, got {type(routing).__name__}; subclass ShardRouting, or pass rank, world_size, "
+                "dist_type and routing_seed for the built-in row-wise routing."
+            )
         elif routing.num_embeddings != self.num_embeddings:
             raise ValueError(
                 f"tiered table {self.table_name!r}: routing is of a table of {routing.num_embeddings} "

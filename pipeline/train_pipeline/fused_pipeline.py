@@ -22,6 +22,7 @@ from torchrec.distributed.train_pipeline.types import PipelineState
 from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext, checked_context
 from recpipe.pipeline.train_pipeline.forward import FusedLookupPipelinedForward
 from recpipe.pipeline.train_pipeline.lookup import LookupIssuer
+from recpipe.pipeline.train_pipeline.lookup_schedule import LookupSchedule, resolve_lookup_schedule
 from recpipe.pipeline.train_pipeline.relookup import LookupInputs, lookup_mode
 from recpipe.pipeline.train_pipeline.stats import STAGE_LOOKUP, STAGE_OPTIMIZER, PipelineStageStats, StageTimer
 from recpipe.pipeline.train_pipeline.streams import LookupStreams
@@ -32,7 +33,7 @@ __all__ = ["TrainPipelineFusedSparseDist"]
 
 
 def _check_arguments(device: Any, context_type: Any, flags: Dict[str, Any]) -> None:
-    """Type-checks the constructor's device, context type and bool flags."""
+    """Type-checks the constructor's device, context type and bool flags (None: not given)."""
     if not isinstance(device, torch.device):
         raise TypeError(
             f"TrainPipelineFusedSparseDist: device must be a torch.device, got "
@@ -45,7 +46,7 @@ def _check_arguments(device: Any, context_type: Any, flags: Dict[str, Any]) -> N
             "recpipe.pipeline.train_pipeline.context.FusedLookupPipelineContext."
         )
     for arg, value in flags.items():
-        if not isinstance(value, bool):
+        if value is not None and not isinstance(value, bool):
             raise TypeError(
                 f"TrainPipelineFusedSparseDist: {arg} must be a bool, got {type(value).__name__} {value!r}."
             )
@@ -71,18 +72,34 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     lookup torchrec's pipeline would not have run is taken back (``take_back``). On CPU
     gloo's worker thread carries the all-to-all while the main thread runs the optimizer
     (``embedding_lookup_after_opt=False``) or the next step's input dist and forward.
+    With ``embedding_lookup_after_data_dist=True`` (torchrec's schedule) stage 8 is skipped
+    and batch i's lookup is issued between stages 4 and 5.
+
+    torchrec's own ``TrainPipelineFusedSparseDist`` arguments are accepted by keyword with
+    torchrec's meaning (docs/pipeline.md has the table); the resolved schedule is
+    :attr:`lookup_schedule`.
 
     Args:
         context_type (Type[TrainPipelineContext]): must subclass ``FusedLookupPipelineContext``.
-        use_emb_lookup_stream (bool): a dedicated lookup stream (its own caching-allocator
-            pool: more memory) instead of the data-dist stream. No effect on CPU.
-        embedding_lookup_after_opt (bool): issue the next lookup after the optimizer step
-            is enqueued instead of right after backward.
+        use_emb_lookup_stream (Optional[bool]): True: a dedicated lookup stream (its own
+            caching-allocator pool: more memory); False (default): the data-dist stream.
+        embedding_lookup_after_opt (Optional[bool]): True (default): issue batch i+1's lookup
+            right after batch i's optimizer step; False: right after its backward.
+        emb_lookup_stream (Optional[str]): torchrec's ``'new'`` (= ``use_emb_lookup_stream=
+            True``), ``'data_dist'`` (= False) or ``'current'`` (the stream current when the
+            pipeline is built: no overlap on CUDA).
+        embedding_lookup_after_data_dist (Optional[bool]): torchrec's; False is
+            ``embedding_lookup_after_opt=True``, True issues batch i's lookup after batch
+            i+1's input dist has started. On CPU the stream arguments select nothing (there
+            are no streams); the issue point applies on every device.
         allow_dense_tables (bool): accept tables updated by the dense optimizer and
             feature processors; those modules' lookups are ordered after the optimizer.
         others: as torchrec's ``TrainPipelineSparseDist``.
 
     Raises:
+        TypeError: a flag that is not a bool (or None).
+        ValueError: ``emb_lookup_stream`` outside ``'new'`` / ``'current'`` / ``'data_dist'``, or
+            a recpipe flag contradicting its torchrec counterpart.
         FusedLookupExactnessError: on attach, a feature processor or dense-updated table
             without ``allow_dense_tables``.
     """
@@ -106,9 +123,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         clear_data_dist_inputs: bool = False,
         async_inplace_copy: bool = False,
         *,
-        use_emb_lookup_stream: bool = False,
-        embedding_lookup_after_opt: bool = True,
+        use_emb_lookup_stream: Optional[bool] = None,
+        embedding_lookup_after_opt: Optional[bool] = None,
         allow_dense_tables: bool = False,
+        emb_lookup_stream: Optional[str] = None,
+        embedding_lookup_after_data_dist: Optional[bool] = None,
     ) -> None:
         _check_arguments(
             device,
@@ -116,8 +135,15 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             {
                 "use_emb_lookup_stream": use_emb_lookup_stream,
                 "embedding_lookup_after_opt": embedding_lookup_after_opt,
+                "embedding_lookup_after_data_dist": embedding_lookup_after_data_dist,
                 "allow_dense_tables": allow_dense_tables,
             },
+        )
+        self._schedule: LookupSchedule = resolve_lookup_schedule(
+            use_emb_lookup_stream=use_emb_lookup_stream,
+            embedding_lookup_after_opt=embedding_lookup_after_opt,
+            emb_lookup_stream=emb_lookup_stream,
+            embedding_lookup_after_data_dist=embedding_lookup_after_data_dist,
         )
         super().__init__(
             model=model,
@@ -135,12 +161,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             clear_data_dist_inputs=clear_data_dist_inputs,
             async_inplace_copy=async_inplace_copy,
         )
-        self._embedding_lookup_after_opt = embedding_lookup_after_opt
         self._checker = FusedLookupExactnessChecker(allow_dense_tables=allow_dense_tables)
         self._after_opt_modules: Set[str] = set()
         self.stats = PipelineStageStats()
         """Per-stage host seconds (lookup issue, output-dist wait, optimizer)."""
-        self._streams = LookupStreams(device, self._data_dist_stream, use_emb_lookup_stream)
+        self._streams = LookupStreams(device, self._data_dist_stream, self._schedule.emb_lookup_stream)
         self._inputs = LookupInputs()
         self._take_back = LookupTakeBack(self._streams, self.stats)
         self._lookups = LookupIssuer(self._streams, self._take_back, self._inputs)
@@ -201,6 +226,11 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         super().reset()
 
     @property
+    def lookup_schedule(self) -> LookupSchedule:
+        """The stream and issue point the constructor's recpipe / torchrec arguments resolved to."""
+        return self._schedule
+
+    @property
     def after_optimizer_modules(self) -> Sequence[str]:
         """Pipelined modules whose lookup is ordered after the optimizer step (known on attach)."""
         return sorted(self._after_opt_modules)
@@ -234,7 +264,8 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         early: List[ShardedModule] = []
         late: List[ShardedModule] = []
         for m in self._pipelined_modules:
-            after_opt = self._embedding_lookup_after_opt or m.forward.name in self._after_opt_modules  # pyre-ignore[16]
+            name: str = m.forward.name  # pyre-ignore[16]
+            after_opt = self._schedule.embedding_lookup_after_opt or name in self._after_opt_modules
             (late if after_opt else early).append(m)
         return early, late
 
@@ -290,7 +321,9 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             # torchrec's fused optimizers hand the learning rate to the TBEs here, before the lookup
             with record_function("## zero_grad ##"):
                 self._optimizer.zero_grad()
-        self._ensure_lookup(current)
+        after_data_dist = self._schedule.embedding_lookup_after_data_dist
+        if not after_data_dist:
+            self._ensure_lookup(current)
         self._wait_for_batch()
         if self._clear_data_dist_inputs:
             self.clear_sparse_data_dist_inputs(current)
@@ -298,12 +331,16 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
             self.start_sparse_data_dist(self.batches[1], self.contexts[1])
         if not self._enqueue_batch_after_forward:
             self._enqueue_before_forward(dataloader_iter, current)
+        if after_data_dist:  # torchrec's embedding_lookup_after_data_dist=True
+            self._ensure_lookup(current)
         with record_function(f"## forward {current.index} ##"):
             self._state = PipelineState.CALL_FWD
             losses, output = self._model_fwd(self.batches[0])
         if self._enqueue_batch_after_forward:
             self.enqueue_batch(dataloader_iter)
         nxt = self._wait_next_input_dist()
+        if after_data_dist:
+            nxt = None  # batch i+1 is looked up in its own step
         if self._model.training:
             self._backward_and_update(losses, current, nxt)
         elif nxt is not None:
@@ -334,7 +371,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
     def _backward_and_update(
         self, losses: torch.Tensor, current: FusedLookupPipelineContext, nxt: Optional[FusedLookupPipelineContext]
     ) -> None:
-        """Stages 7-9: backward, batch i+1's lookup and the optimizer step."""
+        """Stages 7-9: backward, batch i+1's lookup (None: none issued here) and the optimizer step."""
         self._state = PipelineState.CALL_BWD
         self._backward(losses)
         self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, current)

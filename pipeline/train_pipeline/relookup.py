@@ -11,7 +11,7 @@ Imports ``recpipe.pipeline.train_pipeline.context``.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torchrec.distributed.model_parallel import ShardedModule
@@ -83,7 +83,7 @@ class LookupInputs:
         tbes = self._tbes.get(name, ())
         return (
             tables_version(module),
-            tuple((float(m.learning_rate_tensor), getattr(m, "optimizer_args", None)) for m in tbes)
+            tuple((float(cast(torch.Tensor, m.learning_rate_tensor)), getattr(m, "optimizer_args", None)) for m in tbes)
             + tuple(tuple(vars(t.optimizer).values()) for t in self._tiered_shards.get(name, ())),
         )
 

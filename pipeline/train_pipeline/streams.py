@@ -28,20 +28,29 @@ def wait_tree(request: Any) -> None:
 
 
 class LookupStreams:
-    """The streams a lookup issued early runs on (a dedicated one with
-    ``use_emb_lookup_stream``, else torchrec's data-dist stream), and the orderings around them."""
+    """The stream lookups run on and the orderings around it.
 
-    def __init__(
-        self, device: torch.device, data_dist_stream: Optional[torch.Stream], use_emb_lookup_stream: bool
-    ) -> None:
+    Args:
+        device (torch.device): the pipeline's device.
+        data_dist_stream (Optional[torch.Stream]): torchrec's data-dist stream (None on CPU).
+        emb_lookup_stream (str): torchrec's value: ``'new'`` (a dedicated high-priority stream:
+            its own caching-allocator pool), ``'current'`` (the stream current now, the default
+            stream: the lookup no longer overlaps the optimizer) or ``'data_dist'``.
+    """
+
+    def __init__(self, device: torch.device, data_dist_stream: Optional[torch.Stream], emb_lookup_stream: str) -> None:
         self._device = device
         self.data_dist: Optional[torch.Stream] = data_dist_stream
         self.lookup: Optional[torch.Stream] = None
         """The stream lookups run on; None on a device without streams (CPU)."""
         if device.type in STREAM_DEVICE_TYPES:
-            self.lookup = (
-                torch.get_device_module(device).Stream(priority=-1) if use_emb_lookup_stream else data_dist_stream
-            )
+            dev = torch.get_device_module(device)
+            if emb_lookup_stream == "new":
+                self.lookup = dev.Stream(priority=-1)
+            elif emb_lookup_stream == "current":
+                self.lookup = dev.current_stream()
+            else:
+                self.lookup = data_dist_stream
 
     def main_stream_event(self) -> Optional[torch.Event]:
         """An event recorded now on the default stream (None on CPU)."""

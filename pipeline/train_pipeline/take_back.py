@@ -78,17 +78,18 @@ def mch_counter_sources(module: torch.nn.Module) -> List[CounterSource]:
     ]
 
 
-def _mch_counters(mch: torch.nn.Module) -> Tuple[int, int, int]:
-    return (mch._current_iter, mch._current_history_buffer_offset, mch._last_eviction_iter)  # pyre-ignore[7]
+def _mch_counters(mch: Any) -> Tuple[int, int, int]:
+    """A managed-collision module's (iter, history offset, last eviction iter): host ints."""
+    return (mch._current_iter, mch._current_history_buffer_offset, mch._last_eviction_iter)
 
 
-def _undo_mch_profile(mch: torch.nn.Module, before: Tuple[int, int, int], after: Tuple[int, int, int]) -> None:
+def _undo_mch_profile(mch: Any, before: Tuple[int, int, int], after: Tuple[int, int, int]) -> None:
     if after[0] == before[0]:
         return  # not profiled (eval mode)
     if before[0] != -1 and after[2] != before[2]:
         return  # the history was coalesced (eviction): not reversible
     # One profile per lookup: the buffer moved by one (no host read of it).
-    mch._current_iter_tensor.data -= 1  # pyre-ignore[16]
+    mch._current_iter_tensor.data -= 1
     mch._current_iter = before[0]  # -1: re-read from the buffer at the next profile
     mch._current_history_buffer_offset = before[1]
     mch._last_eviction_iter = before[2]

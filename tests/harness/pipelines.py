@@ -3,13 +3,13 @@
 Provides the two-module test model (``TwoModuleModel``: an EBC and an EC) with
 its batches (``TwoSparseBatch``, ``make_batches``), ``build_dmp`` /
 ``shard_with_dense_adam`` to shard it, the non-pipelined ``run_reference`` and
-``run_pipeline`` loops, the pipeline flag combinations (``FLAG_COMBOS``) and the
-trace helpers ``on_cpu`` (tensors to numpy for the result queue) and
-``assert_same`` (bit-for-bit comparison of losses and predictions). Imported by
-test_pipeline*.py, test_tiered_pipeline.py, test_tiered_cuda.py and
-test_readme.py, and run inside gloo ranks (run_gloo pickles module-level
-functions, so everything here is module level). Sizes are kept small: the whole
-pipeline test area must finish in a few minutes on 2 cores.
+``run_pipeline`` loops, the pipeline flag combinations (recpipe's ``FLAG_COMBOS``,
+torchrec's ``TORCHREC_FLAG_COMBOS``) and the trace helpers ``on_cpu`` (tensors to
+numpy for the result queue) and ``assert_same`` (bit-for-bit comparison of losses
+and predictions). Imported by the pipeline, tiered and README tests, and run inside
+gloo ranks (run_gloo pickles module-level functions, so everything here is module
+level). Sizes are kept small: the whole pipeline test area must finish in a few
+minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ EC_LEN = 3  # padded sequence length used to pool the EC output
 FLAG_COMBOS: Tuple[Tuple[bool, bool], ...] = tuple(itertools.product((False, True), (False, True)))
 """(use_emb_lookup_stream, embedding_lookup_after_opt): all four combinations. On CPU
 the stream flag selects no stream (there is none) and must change nothing; both are run."""
+
+TORCHREC_FLAG_COMBOS: Tuple[Tuple[str, bool], ...] = tuple(
+    itertools.product(("new", "current", "data_dist"), (False, True))
+)
+"""(emb_lookup_stream, embedding_lookup_after_data_dist): torchrec's TrainPipelineFusedSparseDist
+arguments, all six combinations. On CPU the stream selects nothing; the issue point applies."""
 
 
 @dataclass

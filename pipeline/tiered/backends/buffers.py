@@ -31,7 +31,7 @@ class _TieredLookup(torch.autograd.Function):
     """Pooled lookup whose backward applies the fused optimizer to the tiers."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         anchor: torch.Tensor,
         tier: "BufferedTier",
@@ -49,7 +49,7 @@ class _TieredLookup(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_out: torch.Tensor) -> Tuple[Optional[torch.Tensor], ...]:
         uniq, inverse, offsets, psw = ctx.saved_tensors
         tier: BufferedTier = ctx.tier
         # per-sample weights' gradient reads the rows before this backward updates them, as fbgemm

@@ -19,6 +19,7 @@ from recpipe.pipeline.interfaces import InputCheck, RowOptimizer, TierBackend, T
 from recpipe.pipeline.placement import FusedOptimizerKind, dtype_itemsize
 from recpipe.pipeline.tiered.backends.common import check_psw_pooling, new_stats, split_hash, split_tier
 from recpipe.pipeline.tiered.native_ops import TIERED_STATS
+from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
 from recpipe.pipeline.tiered.tbe_tables import (
     FbgemmTierPlan,
     Layout,
@@ -291,10 +292,16 @@ class FbgemmBackend(TierBackend):
                 "  2. run the table on another backend: backend='native' on CPU (the tiered sharders' backend= "
                 "argument), or 'torch' on other devices."
             )
+        if not isinstance(spec.optimizer, TieredOptimizerConfig):
+            raise ValueError(
+                f"tiered table {spec.table_name!r}: backend 'fbgemm' runs fbgemm's own optimizers and takes a "
+                f"TieredOptimizerConfig, got {type(spec.optimizer).__name__}; use backend='torch', which applies "
+                "RowOptimizer.update."
+            )
         self.spec = spec
         self.stats = new_stats(spec.device)
         self.step = 0
-        self._step_sets = 0  # load_step() calls, for undo_lookup of a shard without rows
+        self._step_sets: int = 0  # load_step() calls, for undo_lookup of a shard without rows
         self.flushed_rows = 0
         # Not a submodule of the shard: the TBE's tensors must not appear in its state_dict()
         # (the shard exports its rows itself) nor in parameters() (fbgemm updates them in backward).
@@ -307,7 +314,7 @@ class FbgemmBackend(TierBackend):
                 mode=spec.mode,
                 cache_load_factor=spec.cache_load_factor,
                 cache_policy=spec.cache_policy,
-                optimizer=spec.optimizer,
+                optimizer=spec.optimizer,  # a TieredOptimizerConfig (checked above)
                 compute_device=spec.device.type,
             )
             split_pos = split_hash(torch.arange(R, dtype=torch.int64), R, spec.split_seed) if plan.split_map else None
@@ -346,7 +353,7 @@ class FbgemmBackend(TierBackend):
     def _empty_lookup(self, offsets: torch.Tensor, optimizer: RowOptimizer) -> torch.Tensor:
         """A lookup of a shard without rows (only empty bags): zeros."""
         # counted as the table's other shards' TBEs count, so every rank exports the same step
-        if torch.is_grad_enabled() or optimizer.optimizer is not FusedOptimizerKind.SGD:
+        if torch.is_grad_enabled() or optimizer.name != FusedOptimizerKind.SGD.value:
             self.step += 1
         self.stats[: len(TIERED_STATS)].zero_()
         # requires grad so this rank's backward joins the output dist's backward collective

@@ -1,6 +1,7 @@
 """The ``torch`` tier backend: placement, cache and optimizer rules in device-generic torch ops.
 
-The bit-for-bit reference of the compiled kernel. CACHING loads a batch's missing rows
+The bit-for-bit reference of the compiled kernel; its backward applies the shard's
+``RowOptimizer.update``, so any row optimizer plugs in. CACHING loads a batch's missing rows
 before the lookup (LFU: when their count beats the coldest slot; LRU: always); rows left
 without a slot are used in the slow tier directly (fbgemm's UVM-cache behaviour). Not
 sync-free. May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.interfaces`` and
@@ -28,6 +29,7 @@ class TorchBackend(BufferedTier):
 
     name: ClassVar[str] = "torch"
     default_devices: ClassVar[FrozenSet[str]] = frozenset({"*"})
+    calls_optimizer_update: ClassVar[bool] = True
 
     # The current lookup's counters: host ints or 0-d device tensors (stacked into ``stats``).
     _last: Dict[str, Union[int, torch.Tensor]]
