@@ -13,7 +13,7 @@ from typing import Iterable, Mapping, Protocol, runtime_checkable
 from torch import nn
 from torch.utils.tensorboard import SummaryWriter
 
-from recpipe.pipeline.checkpoint.errors import all_gather, rank_world
+from recpipe.pipeline.checkpoint.collectives import all_gather, rank_world
 
 TierStats = dict[str, dict[str, float]]
 
@@ -53,9 +53,10 @@ def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> Tier
     def combine(name: str, values: list[tuple[float, float | None]]) -> float:
         if not name.endswith(("rate", "fraction")):  # RATIO_WEIGHTS' names among them
             return sum(v for v, _ in values)
-        weights = [w for _, w in values]
-        if all(w is not None for w in weights) and sum(weights) > 0:  # type: ignore[arg-type]
-            return sum(v * w for v, w in values) / sum(weights)  # type: ignore[operator,arg-type]
+        weighted = [(v, w) for v, w in values if w is not None]
+        total = sum(w for _, w in weighted)
+        if len(weighted) == len(values) and total > 0:
+            return sum(v * w for v, w in weighted) / total
         return sum(v for v, _ in values) / len(values)
 
     return {table: {name: combine(name, vals) for name, vals in stats.items()} for table, stats in merged.items()}

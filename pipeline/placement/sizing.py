@@ -169,7 +169,8 @@ def fbgemm_tier_bytes(plan: FbgemmTierLayout, value_bytes: int = 4) -> ShardStor
     if plan.compute_device != "cuda":
         raise ValueError("fbgemm_tier_bytes describes the CUDA tables: plan with compute_device='cuda'.")
     R, S = plan.num_rows, plan.cache_slots if plan.cache_algorithm is not None else 0
-    policy = cache_policy_spec(plan.cache_algorithm).fbgemm_state_bytes(R, S) if S else 0
+    algorithm = plan.cache_algorithm
+    policy = cache_policy_spec(algorithm).fbgemm_state_bytes(R, S) if S and algorithm is not None else 0
     fast, slow = fbgemm_bytes(
         R,
         plan.fast_rows,

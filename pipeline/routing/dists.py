@@ -134,5 +134,5 @@ class RoutedRwPooledEmbeddingDist(RwPooledEmbeddingDist):
                 for per_feature in sharding_ctx.batch_size_per_rank_per_feature
             ]
             return NoWait(_AllToAllSum.apply(local_embs.view(-1), splits, self._pg))
-        splits = sharding_ctx.batch_size_per_rank if sharding_ctx is not None else None
-        return self._a2a(local_embs, batch_size_per_rank=splits or None)
+        rank_splits = sharding_ctx.batch_size_per_rank if sharding_ctx is not None else None
+        return self._a2a(local_embs, batch_size_per_rank=rank_splits or None)

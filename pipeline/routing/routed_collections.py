@@ -42,7 +42,7 @@ class RoutedShardedMixin:
     _COLLECTION: ClassVar[str]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         self._register_state_dict_hook(RoutedShardedMixin._row_order_post_state_dict_hook)  # type: ignore[attr-defined]
 
     @classmethod
@@ -126,7 +126,7 @@ class RoutedShardedMixin:
                 problems,
                 "\nIf torch.distributed.checkpoint.load filled this state dict in place (dcp.load(model.state_dict(), "
                 "...)), it has already written the saved rows into these tables' shards: rebuild the model or load a "
-                "checkpoint of this routing before training on. recpipe.pipeline.checkpoint.dcp.load checks the "
+                "checkpoint of this routing before training on. recpipe.pipeline.checkpoint.load checks the "
                 "routing before it reads any row.",
             )
         super(RoutedShardedMixin, type(self))._pre_load_state_dict_hook(  # type: ignore[misc]

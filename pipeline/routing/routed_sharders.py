@@ -7,7 +7,7 @@ routing modules only.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Union
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ class RoutedSharderMixin:
         seed: hash_roundrobin seed for those tables.
     """
 
-    _SHARDED_MODULE: ClassVar[Any]
+    _SHARDED_MODULE: Any  # a class; the tiered sharders set their own per instance (backend)
     _SHARDED_MODULE_ATTRS: ClassVar[Dict[str, str]]
 
     def __init__(
@@ -52,8 +52,10 @@ class RoutedSharderMixin:
         seed: int = 0,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
-        routing = RoutingOverrides(table_dist_types=table_dist_types if table_dist_types is not None else {}, seed=seed)
+        super().__init__(*args, **kwargs)
+        # RoutingOverrides checks the mapping and parses its str values into DistType
+        given = cast(Mapping[str, DistType], table_dist_types if table_dist_types is not None else {})
+        routing = RoutingOverrides(table_dist_types=given, seed=seed)
         self._routing = routing if routing.table_dist_types else None  # None: the sharder routes no table
 
     def shard(
@@ -151,14 +153,14 @@ class RoutedEmbeddingBagCollectionSharder(RoutedSharderMixin, EmbeddingBagCollec
     """EmbeddingBagCollectionSharder offering ROW_WISE on CPU, routed by recpipe (args: as
     :class:`RoutedSharderMixin` and torchrec's ``EmbeddingBagCollectionSharder``)."""
 
-    _SHARDED_MODULE: ClassVar[Any] = RoutedShardedEmbeddingBagCollection
+    _SHARDED_MODULE: Any = RoutedShardedEmbeddingBagCollection
     _SHARDED_MODULE_ATTRS = {"sharded_module_order_overwrite": "_sharded_module_order_overwrite"}
 
 
 class RoutedEmbeddingCollectionSharder(RoutedSharderMixin, EmbeddingCollectionSharder):
     """EmbeddingCollectionSharder offering ROW_WISE on CPU, routed by recpipe (args as the EBC sharder)."""
 
-    _SHARDED_MODULE: ClassVar[Any] = RoutedShardedEmbeddingCollection
+    _SHARDED_MODULE: Any = RoutedShardedEmbeddingCollection
     _SHARDED_MODULE_ATTRS = {"use_index_dedup": "_use_index_dedup"}
 
 

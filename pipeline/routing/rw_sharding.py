@@ -26,7 +26,7 @@ class RoutedInputDistMixin:
     _IS_SEQUENCE: ClassVar[bool] = False
 
     def __init__(self, *args: Any, routing: Optional[RoutingOverrides] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         self._routing = routing
 
     def row_orders(self) -> Dict[str, RowOrder]:

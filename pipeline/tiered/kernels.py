@@ -8,7 +8,7 @@ May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.routing`` and othe
 from __future__ import annotations
 
 import itertools
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 import torch.distributed as dist
@@ -79,7 +79,11 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
             )
             self.tables[table.name] = shard
             self._feature_table += [table.name] * table.num_features()
-        self._fused_optimizer: TieredFusedOptimizer = TieredFusedOptimizer(dict(self.tables.items()))  # type: ignore[arg-type]
+        self._fused_optimizer: TieredFusedOptimizer = TieredFusedOptimizer(self.shards())
+
+    def shards(self) -> Dict[str, TieredEmbeddingShard]:
+        """Table name -> the group's shard of it (``self.tables`` holds exactly these)."""
+        return {name: cast(TieredEmbeddingShard, shard) for name, shard in self.tables.items()}
 
     @property
     def fused_optimizer(self) -> TorchrecFusedOptimizer:
@@ -102,7 +106,7 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
         """The group's config (torchrec ``BaseEmbedding`` interface)."""
         return self._config
 
-    def state_dict(  # type: ignore[override]
+    def state_dict(
         self, destination: Optional[Dict[str, Any]] = None, prefix: str = "", keep_vars: bool = False
     ) -> Dict[str, Any]:
         """Adds nothing: the sharded collection checkpoints the tiered rows itself."""
@@ -118,7 +122,7 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
 
     def flush(self) -> None:
         """Writes back every dirty cached row (torchrec calls it before ``state_dict``)."""
-        for shard in self.tables.values():
+        for shard in self.shards().values():
             shard.flush()
 
     def purge(self) -> None:
@@ -127,7 +131,7 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
 
     def tier_stats(self) -> Dict[str, Dict[str, float]]:
         """Table name -> ``TieredEmbeddingShard.tier_stats()`` of the last step."""
-        return {name: shard.tier_stats() for name, shard in self.tables.items()}
+        return {name: shard.tier_stats() for name, shard in self.shards().items()}
 
 
 class TieredBatchedEmbeddingBag(TieredKernelBase):
@@ -203,7 +207,7 @@ class TieredBatchedEmbedding(TieredKernelBase):
 class TieredGroupedPooledEmbeddingsLookup(GroupedPooledEmbeddingsLookup):
     """torchrec's grouped lookup; CUSTOMIZED_KERNEL groups get the tiered kernel."""
 
-    def _create_embedding_kernel(  # type: ignore[override]
+    def _create_embedding_kernel(
         self,
         config: GroupedEmbeddingConfig,
         device: Optional[torch.device],
@@ -222,7 +226,7 @@ class TieredGroupedEmbeddingsLookup(GroupedEmbeddingsLookup):
 
     _WHOLE_TABLES: bool = False
 
-    def _create_embedding_kernel(  # type: ignore[override]
+    def _create_embedding_kernel(
         self,
         config: GroupedEmbeddingConfig,
         pg: Optional[dist.ProcessGroup],

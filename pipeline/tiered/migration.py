@@ -207,7 +207,7 @@ def describe_optimizer_tables(
             local[base] = OptimizerTable(opt, rows, dim)
     if not dist.is_initialized():
         return local
-    gathered: List[Dict[str, OptimizerTable]] = [{} for _ in range(dist.get_world_size(process_group))]
+    gathered: List[Any] = [{} for _ in range(dist.get_world_size(process_group))]  # dicts of plain tuples
     dist.all_gather_object(gathered, {k: tuple(v) for k, v in local.items()}, group=process_group)
     merged: Dict[str, OptimizerTable] = {}
     for part in gathered:  # a column-wise table's description on a rank holding a column shard wins
@@ -348,7 +348,7 @@ def _check_table_state(base: str, d: OptimizerTable, given: Any) -> None:
         and not step.is_floating_point()
         and step.dtype is not torch.bool
     )
-    step_ok = step_ok and int(step) >= 0
+    step_ok = step_ok and step is not None and int(step) >= 0
     ok = (
         step_ok
         and set(given) == set(want)

@@ -220,8 +220,9 @@ def undo_tbe_lookup(tbe: nn.Module, before: TbeCounters, after: TbeCounters) -> 
     """Takes back one discarded lookup's counter increments (:func:`tbe_counters` ``before`` /
     ``after`` it), keeping those of later lookups. fbgemm adds 1 to ``iter`` per lookup (its
     host copy may first re-sync from a loaded ``iter``, so only whether it moved counts)."""
+    counters: Any = tbe  # fbgemm's TBE keeps ``step`` / ``iter`` as attributes nn.Module does not declare
     if before[0] is not None and after[0] is not None:
-        tbe.step -= after[0] - before[0]  # pyre-ignore[16]
+        counters.step -= after[0] - before[0]
     if before[1] is not None and after[1] is not None and after[1] != before[1]:
-        tbe.iter_cpu.sub_(1)  # pyre-ignore[29]
-        tbe.iter.sub_(1)  # pyre-ignore[29]
+        counters.iter_cpu.sub_(1)
+        counters.iter.sub_(1)

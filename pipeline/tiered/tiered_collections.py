@@ -9,7 +9,7 @@ any collective. May import ``recpipe.pipeline.placement``, ``.routing`` and othe
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence
+from typing import Any, ClassVar, Dict, Iterator, List, Optional, Sequence, cast
 
 import torch
 from torch import nn
@@ -135,7 +135,7 @@ class TieredTablesMixin:
         return type(cls.__name__, (cls,), shardings)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         # set by state_dict_without_tiered_rows(): collects the state_dict prefix instead of rows
         self._tiered_state_dict_sink: Optional[Dict[str, "TieredTablesMixin"]] = None
         self._register_state_dict_hook(TieredTablesMixin._tiered_post_state_dict_hook)  # type: ignore[attr-defined]
@@ -170,9 +170,7 @@ class TieredTablesMixin:
         super().reset_parameters()  # type: ignore[misc]
 
     @staticmethod
-    def _pre_load_state_dict_hook(
-        self: "TieredTablesMixin", state_dict: Dict[str, Any], prefix: str, *args: Any
-    ) -> None:
+    def _pre_load_state_dict_hook(self: Any, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
         """Loads tiered exports and full weights from ``state_dict`` (all checked first), then torchrec's hook."""
         self._check_entries_fit_tables(state_dict, prefix)
         self._load_tiered_entries(state_dict, prefix)
@@ -203,7 +201,7 @@ class TieredTablesMixin:
             key = f"{collection}{name}.weight"
             base = f"{collection}{name}.{TIERED_STATE_KEY}."
             exported = sorted(k for k in state_dict if k.startswith(base))
-            value = state_dict.get(key)
+            value: Any = state_dict.get(key)
             has_shard = bool(local.get(name)) or bool((wrappers.get(name) or {}).get("local_tensors"))
             placeholder = (
                 isinstance(value, torch.Tensor)
@@ -251,12 +249,13 @@ class TieredTablesMixin:
     def tiered_tables(self) -> Dict[str, TieredEmbeddingShard]:
         """This rank's tiered shards by table name."""
         out: Dict[str, TieredEmbeddingShard] = {}
-        for lookup in self._lookups:
+        for wrapped in self._lookups:
+            lookup: nn.Module = wrapped
             while hasattr(lookup, "module") and not isinstance(lookup, BaseEmbeddingLookup):
-                lookup = lookup.module
+                lookup = cast(nn.Module, lookup.module)  # DDP / pipeline wrappers around the lookup
             for module in lookup.modules():
                 if isinstance(module, TieredKernelBase):
-                    out.update({name: shard for name, shard in module.tables.items()})  # type: ignore[misc]
+                    out.update(module.shards())
         return out
 
     def remote_tiered_names(self) -> List[str]:

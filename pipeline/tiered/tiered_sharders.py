@@ -39,7 +39,7 @@ class _TieredSharderMixin:
                 f"{type(self).__name__}: backend must be one of {list(BACKENDS)} or None (the "
                 f"device's default), got {backend!r}."
             )
-        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
         self._backend: Optional[str] = backend
         if backend is not None:  # shard() builds this class (the base sharder reads _SHARDED_MODULE)
             self._SHARDED_MODULE = type(self)._SHARDED_MODULE.with_backend(backend)
@@ -75,7 +75,7 @@ class TieredEmbeddingBagCollectionSharder(_TieredSharderMixin, RoutedEmbeddingBa
     """recpipe's routed EBC sharder whose CUSTOMIZED_KERNEL row-wise tables run the tiered kernel
     (arguments: ``RoutedEmbeddingBagCollectionSharder``'s, plus ``backend``, :class:`_TieredSharderMixin`)."""
 
-    _SHARDED_MODULE = TieredShardedEmbeddingBagCollection
+    _SHARDED_MODULE: Any = TieredShardedEmbeddingBagCollection
 
 
 #: Sharding types a tiered (CUSTOMIZED_KERNEL) table runs under: row-wise over every rank (hash-routed),
@@ -99,4 +99,4 @@ class TieredEmbeddingCollectionSharder(_TieredSharderMixin, RoutedEmbeddingColle
     """recpipe's routed EC sharder whose CUSTOMIZED_KERNEL row-wise tables run the tiered sequence kernel
     (arguments: ``RoutedEmbeddingCollectionSharder``'s, plus ``backend``, :class:`_TieredSharderMixin`)."""
 
-    _SHARDED_MODULE = TieredShardedEmbeddingCollection
+    _SHARDED_MODULE: Any = TieredShardedEmbeddingCollection
