@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,8 +20,12 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from recpipe.recipes.config import TrainConfig
+from recpipe.planner.errors import PlannerError
+from recpipe.recipes.config import ConfigError, TrainConfig
 from recpipe.recipes.models import EBC_PATH
+
+if TYPE_CHECKING:
+    from recpipe.planner import PlacementPlan
 
 # fp32 tables: 4 bytes per value.
 BYTES_PER_FLOAT32: int = 4
@@ -131,27 +136,184 @@ def local_world_size_from_env(world_size: int) -> int:
     return local
 
 
-def planner_topology(config: TrainConfig, *, world_size: int, local_world_size: int, fast_bytes: int) -> Topology:
+def planner_topology(
+    config: TrainConfig, *, world_size: int, local_world_size: int, fast_bytes: int, slow_bytes: int | None = None
+) -> Topology:
     """The planner's Topology of ``world_size / local_world_size`` machines.
 
     HBM is the fast tier (``fast_bytes`` per rank; on CPU a host buffer); ``slow_tier_mb``
-    is host DDR per machine, shared by its ranks.
+    (or ``slow_bytes``, when given) is host DDR per machine, shared by its ranks.
     """
     from recpipe.planner import make_topology
 
-    slow_per_rank = int(config.slow_tier_mb * 2**20) // local_world_size
+    slow = int(config.slow_tier_mb * 2**20) if slow_bytes is None else slow_bytes
+    slow_per_rank = slow // local_world_size
     return make_topology(
         world_size=world_size, local_world_size=local_world_size, hbm_cap=fast_bytes, ddr_cap=slow_per_rank
     )
 
 
+# Planner failures a larger tier budget resolves (``PlannerErrorType`` values): the recipe names its flags.
+_BUDGET_FAILURES: frozenset[str] = frozenset(
+    {"insufficient_hbm", "insufficient_ddr", "insufficient_storage", "table_does_not_fit"}
+)
+# The budgets a planner message asks for, in bytes: "hbm_cap) to at least 12.88 MiB (13495560 B)",
+# "DDR per machine to at least 4.47 MiB (4680000 B; ddr_cap ...)".
+_QUOTED_BUDGETS: dict[str, re.Pattern[str]] = {
+    "fast": re.compile(r"hbm_cap\)?(?: to)? at least [\d.]+ \w+ \((\d+) B"),
+    "slow": re.compile(r"DDR per machine to at least [\d.]+ \w+ \((\d+) B"),
+}
+# Plans tried per tier when looking for the least budget the planner's messages name.
+MAX_BUDGET_TRIES: int = 6
+# Suggested tier budgets are multiples of 1/MIB_STEPS MiB (rounded up from the planner's bytes).
+MIB_STEPS: int = 1000
+
+
+def _step_bytes(steps: int) -> int:
+    """Bytes of a budget of ``steps / MIB_STEPS`` MiB, as :func:`_shard_planned` converts the flag's value."""
+    return int((steps / MIB_STEPS) * 2**20)
+
+
+def _steps_holding(num_bytes: int) -> int:
+    """The fewest 1/MIB_STEPS MiB steps whose budget holds ``num_bytes``."""
+    steps = -(-num_bytes * MIB_STEPS // 2**20)
+    while _step_bytes(steps) < num_bytes:  # float rounding of the flag's conversion
+        steps += 1
+    return steps
+
+
+def _mb(value: float) -> str:
+    """A MiB value as a flag takes it: at most 3 decimals, no trailing zeros (``12.871``, ``16384``)."""
+    return f"{value:.3f}".rstrip("0").rstrip(".")
+
+
+def _budget_failure(error: PlannerError) -> bool:
+    """True for a planner error that more tier budget resolves."""
+    return error.planner_error_type.value in _BUDGET_FAILURES
+
+
+class TierPlanner:
+    """Plans the model's tables with recpipe's planner under tier budgets given in bytes.
+
+    When no plan fits, :meth:`plan_or_config_error` raises a :class:`ConfigError` naming the recipe's
+    flags, each with the least budget the planner's messages name with which a plan is found.
+
+    Args:
+        config: the run's config (batch size, seed, sharding types; the budgets come per call).
+        model: the unsharded model (meta tables, fused optimizer applied).
+        world, local_world: ranks, and ranks per machine.
+        device: the device the tables train on (picks the planned backend and communication).
+    """
+
+    def __init__(
+        self, config: TrainConfig, model: nn.Module, *, world: int, local_world: int, device: torch.device
+    ) -> None:
+        self.config, self.model, self.device = config, model, device
+        self.world, self.local_world = world, local_world
+
+    def plan(self, fast: int, slow: int) -> PlacementPlan:
+        """The ``PlacementPlan`` for ``fast`` bytes per rank and ``slow`` bytes per machine (PlannerError if none)."""
+        from recpipe.planner import PlacementPlanner
+
+        topology = planner_topology(
+            self.config, world_size=self.world, local_world_size=self.local_world, fast_bytes=fast, slow_bytes=slow
+        )
+        planner = PlacementPlanner(
+            topology,
+            batch_size=self.config.batch_size,
+            hbm_reservation=0.0,
+            seed=self.config.seed,
+            # the bytes of the tiered tables' default backend on this device (fbgemm's TBE on
+            # CUDA; recpipe's own layout elsewhere, where the fast tier is a host buffer)
+            backend="fbgemm" if self.device.type == "cuda" else "native",
+            # gloo on CPU was measured (planner.communication.GLOO_CPU); CUDA uses the topology's bandwidths
+            communication="gloo_cpu" if self.device.type == "cpu" else "topology",
+            sharding_types=tuple(self.config.sharding_types.split(",")),
+        )
+        return planner.plan(self.model)
+
+    def plan_or_config_error(self, fast: int, slow: int) -> PlacementPlan:
+        """:meth:`plan`, with a budget failure raised as the :class:`ConfigError` of the recipe's flags."""
+        try:
+            return self.plan(fast, slow)
+        except PlannerError as e:
+            if not _budget_failure(e):
+                raise
+            raise self._budget_error(e, fast, slow) from e
+
+    def least_quoted(self, error: PlannerError, tier: str, fast: int, slow: int) -> int | None:
+        """The least budget of ``tier`` (``fast`` or ``slow``), in 1/:data:`MIB_STEPS` MiB, that the
+        planner's messages name and with which it plans, the other tier kept; None if none does.
+
+        Tries the budgets ``error`` names in increasing order; a failed try's message adds its own.
+        """
+        now = fast if tier == "fast" else slow
+        tried: set[int] = set()
+        quoted = {int(b) for b in _QUOTED_BUDGETS[tier].findall(str(error))}
+        while len(tried) < MAX_BUDGET_TRIES:
+            steps = sorted({_steps_holding(b) for b in quoted} - tried)
+            steps = [k for k in steps if _step_bytes(k) > now]
+            if not steps:
+                return None
+            tried.add(steps[0])
+            budget = _step_bytes(steps[0])
+            try:
+                self.plan(*((budget, slow) if tier == "fast" else (fast, budget)))
+            except PlannerError as e:
+                if not _budget_failure(e):
+                    raise
+                quoted |= {int(b) for b in _QUOTED_BUDGETS[tier].findall(str(e))}
+                continue
+            return steps[0]
+        return None
+
+    def _budget_error(self, error: PlannerError, fast: int, slow: int) -> ConfigError:
+        """The error of budgets ``fast`` / ``slow`` no plan fits: the flags, and for each the least value
+        the planner names with which it plans while the other stays as it is."""
+        from recpipe.planner import tables_from_module
+
+        cfg = self.config
+        kind = error.planner_error_type.value
+        fast_now = f"{_mb(cfg.fast_tier_mb)} MiB per rank"
+        if not cfg.fast_tier_mb:
+            fast_now = f"0 (half the tables' per-rank bytes: {_mb(fast / 2**20)} MiB per rank)"
+        fixes = []
+        least_fast = self.least_quoted(error, "fast", fast, slow)
+        if least_fast is not None:
+            fixes.append(
+                f"pass --fast-tier-mb {_mb(least_fast / MIB_STEPS)} or more (the least budget the planner names "
+                f"that plans, --slow-tier-mb {_mb(cfg.slow_tier_mb)} kept)"
+            )
+        least_slow = self.least_quoted(error, "slow", fast, slow)
+        if least_slow is not None:
+            fixes.append(
+                f"pass --slow-tier-mb {_mb(least_slow / MIB_STEPS)} or more (the least budget the planner names "
+                f"that plans, --fast-tier-mb {_mb(cfg.fast_tier_mb)} kept)"
+            )
+        if not fixes:
+            fixes.append("raise --fast-tier-mb and --slow-tier-mb")
+        fixes.append(f"shard over more ranks (now {self.world}): per-rank bytes shrink as 1/ranks")
+        # the budget at fault; with the fast tier left to its default, the slow tier the user set
+        slow_at_fault = kind == "insufficient_ddr" or (not cfg.fast_tier_mb and kind != "insufficient_hbm")
+        name = "slow_tier_mb" if slow_at_fault else "fast_tier_mb"
+        return ConfigError(
+            f"invalid config value {name}={getattr(cfg, name)!r}: the placement planner finds no plan of the "
+            f"model's {len(tables_from_module(self.model))} tables within --fast-tier-mb {fast_now} "
+            f"and --slow-tier-mb {_mb(cfg.slow_tier_mb)} MiB per machine (planner: {kind}). Fix: " + "; or ".join(fixes)
+        )
+
+
 def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device) -> ShardedModel:
-    """Planner -> ShardingPlan -> DMP; the plan is sized for the tables' fused optimizer."""
+    """Planner -> ShardingPlan -> DMP; the plan is sized for the tables' fused optimizer.
+
+    Raises:
+        ConfigError: no plan fits ``--fast-tier-mb`` / ``--slow-tier-mb`` (names the least that would).
+    """
     from recpipe.pipeline.tiered.tiered_sharders import (
         TieredEmbeddingBagCollectionSharder,
         TieredEmbeddingCollectionSharder,
     )
-    from recpipe.planner import PlacementPlanner, max_local_rows, row_bytes, tables_from_module
+    from recpipe.planner import max_local_rows, row_bytes, tables_from_module
 
     world = env.world_size
     fast = int(config.fast_tier_mb * 2**20)
@@ -160,22 +322,8 @@ def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, devi
             max_local_rows(t.rows, world) * row_bytes(t.dim, t.dtype, t.optimizer) for t in tables_from_module(model)
         )
         fast = max(1, per_rank // 2)
-    topology = planner_topology(
-        config, world_size=world, local_world_size=local_world_size_from_env(world), fast_bytes=fast
-    )
-    planner = PlacementPlanner(
-        topology,
-        batch_size=config.batch_size,
-        hbm_reservation=0.0,
-        seed=config.seed,
-        # the bytes of the tiered tables' default backend on this device (fbgemm's TBE on
-        # CUDA; recpipe's own layout elsewhere, where the fast tier is a host buffer)
-        backend="fbgemm" if device.type == "cuda" else "native",
-        # gloo on CPU was measured (planner.communication.GLOO_CPU); CUDA uses the topology's bandwidths
-        communication="gloo_cpu" if device.type == "cpu" else "topology",
-        sharding_types=tuple(config.sharding_types.split(",")),
-    )
-    placement = planner.plan(model)
+    tiers = TierPlanner(config, model, world=world, local_world=local_world_size_from_env(world), device=device)
+    placement = tiers.plan_or_config_error(fast, int(config.slow_tier_mb * 2**20))
     plan = placement.to_sharding_plan(compute_device=device.type)
     dmp = DistributedModelParallel(
         module=model,

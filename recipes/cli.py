@@ -22,7 +22,16 @@ from typing import Any, Sequence
 
 import yaml
 
-from recpipe.recipes.config import CHOICES, FLOAT_RULES, OUTPUT_PATHS, UNITS, ConfigError, TrainConfig, cli_flag
+from recpipe.recipes.config import (
+    FLOAT_RULES,
+    OUTPUT_PATHS,
+    SUBSETS,
+    UNITS,
+    ConfigError,
+    TrainConfig,
+    cli_flag,
+    field_choices,
+)
 
 
 def load_yaml(path_or_name: str) -> dict[str, Any]:
@@ -139,12 +148,15 @@ def build_arg_parser() -> argparse.ArgumentParser:
     )
     hints = typing.get_type_hints(TrainConfig)
     docs = field_docs()
+    choices = field_choices()  # the datasets registered now among them
     for f in dataclasses.fields(TrainConfig):
         hint = hints[f.name]
         flag = f"--{cli_flag(f.name)}"
         extras = []
-        if f.name in CHOICES:
-            extras.append("choices: " + ", ".join(CHOICES[f.name]))
+        if f.name in choices:
+            extras.append("choices: " + ", ".join(choices[f.name]))
+        if f.name in SUBSETS:
+            extras.append("a comma-separated subset, any order, of: " + ", ".join(SUBSETS[f.name]))
         if f.name in UNITS:
             extras.append(f"unit: {UNITS[f.name]}")
         if f.name in FLOAT_RULES:
@@ -164,7 +176,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
             kind, metavar = float, UNITS.get(f.name, "X").upper()
         else:
             kind = str
-            metavar = "{" + ",".join(CHOICES[f.name]) + "}" if f.name in CHOICES else "VALUE"
+            metavar = "{" + ",".join(choices[f.name]) + "}" if f.name in choices else "VALUE"
+            if f.name in SUBSETS:
+                metavar = "TYPE[,TYPE...]"
             if f.name in OUTPUT_PATHS or f.name.endswith("_path"):
                 metavar = "PATH"
         parser.add_argument(flag, dest=f.name, type=kind, default=None, metavar=metavar, help=help_text)

@@ -3,7 +3,7 @@
 One kw-only dataclass: every field has a docstring (its ``--help``), every value is
 checked in ``__post_init__`` and a bad one raises :class:`ConfigError` naming the field
 and the fix. The command line and YAML live in :mod:`recpipe.recipes.cli`. Imports
-nothing of recpipe.
+only the dataset names of recpipe (:func:`recpipe.recipes.data.dataset_names`; that package imports nothing).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recpipe.recipes.data import dataset_names
+
 # Largest id space accepted: ids below 2**31 keep the 32-bit hash arithmetic within int64.
 MAX_ID_SPACE: int = 2**31 - 1
 # Longest collective timeout accepted (7 days): far below where gloo's int64 ns deadlines overflow.
@@ -25,17 +27,19 @@ MAX_TIMEOUT_S: float = 7 * 24 * 3600.0
 # planner's DP kernel carries bytes exactly as doubles.
 MAX_TIER_MB: float = float(2**53 // 2**20)
 
-# The string fields and their values.
+# The string fields and their values (and ``dataset``: see field_choices).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model": ("dlrm", "micro_dlrm_dram"),
-    "dataset": ("movielens100k", "synthetic", "criteo_tsv"),
     "pipeline": ("fused", "sparse"),
     "device": ("auto", "cpu", "cuda"),
     "placement": ("planned", "table_wise", "torchrec_planner"),
-    "sharding_types": ("table_wise,row_wise,column_wise", "table_wise,row_wise", "row_wise", "table_wise"),
 }
-DATASETS: tuple[str, ...] = CHOICES["dataset"]
 PLACEMENTS: tuple[str, ...] = CHOICES["placement"]
+# The sharding types ``--placement planned`` chooses from, in the planner's spelling and order
+# (``recpipe.planner.communication.PLANNED_SHARDING_TYPES``; tests check they agree).
+SHARDING_TYPES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise")
+# Comma-separated subset fields -> their names: any non-empty subset, in any order.
+SUBSETS: dict[str, tuple[str, ...]] = {"sharding_types": SHARDING_TYPES}
 # Units of the fields that have one (shown by --help).
 UNITS: dict[str, str] = {"fast_tier_mb": "MiB", "slow_tier_mb": "MiB", "timeout_s": "seconds"}
 # Integer-list fields (``--dense-arch 64,64``; a YAML list) -> a valid example.
@@ -240,9 +244,10 @@ class TrainConfig:
     whole tables placed greedily; ``torchrec_planner``: torchrec's EmbeddingShardingPlanner (both for comparison)."""
 
     sharding_types: str = "table_wise,row_wise,column_wise"
-    """Sharding types the planner chooses from (``planned``): all three (``column_wise``: torchrec's FUSED
-    table in column shards of >= 128 columns, offered for tables at least 256 wide), table- and row-wise, or
-    only ``row_wise`` (tiered over every rank) or ``table_wise`` (each table whole on one rank)."""
+    """Sharding types the planner chooses from (only ``--placement planned``): a comma-separated subset,
+    in any order, of ``table_wise`` (each table whole on one rank), ``row_wise`` (tiered over every rank)
+    and ``column_wise`` (torchrec's FUSED table in column shards of >= 128 columns, offered for tables
+    at least 256 wide); stored in that order."""
 
     fast_tier_mb: float = 0.0
     """Fast-tier budget per device in MiB (HBM on CUDA, a host buffer on CPU) given
@@ -290,6 +295,7 @@ class TrainConfig:
     def __post_init__(self, check_paths: bool = True) -> None:
         # the values, then this machine's file system and CPUs; the first problem is reported
         _check_choices(self)
+        _check_sharding_types(self)
         _check_numbers(self)
         _check_id_spaces(self)
         _check_architecture(self)
@@ -334,11 +340,67 @@ _POSITIVE_INTS: tuple[str, ...] = tuple(
 _NON_NEGATIVE_INTS: tuple[str, ...] = ("eval_every", "checkpoint_every", "seed")
 
 
+def field_choices() -> dict[str, tuple[str, ...]]:
+    """Every string field with a fixed set of values -> its values: :data:`CHOICES`, and ``dataset`` ->
+    the datasets registered now (:func:`recpipe.recipes.data.dataset_names`)."""
+    return {**CHOICES, "dataset": dataset_names()}
+
+
 def _check_choices(config: TrainConfig) -> None:
-    """String fields hold one of their :data:`CHOICES`."""
-    for name, choices in CHOICES.items():
+    """String fields hold one of their :func:`field_choices`."""
+    for name, choices in field_choices().items():
         if getattr(config, name) not in choices:
             raise _invalid(config, name, "unknown choice", f"use one of {', '.join(choices)}")
+
+
+def subset_names(value: object) -> list[str] | None:
+    """The names of a comma-separated subset value (a string, or a YAML list of strings), stripped,
+    empty ones dropped; ``None`` when ``value`` is neither."""
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        return None
+    return [name.strip() for name in value if name.strip()]
+
+
+# What each placement other than ``planned`` does instead of honouring --sharding-types.
+_IGNORES_SHARDING_TYPES: dict[str, str] = {
+    "table_wise": "torchrec's sharder places every table whole on one rank",
+    "torchrec_planner": "torchrec's EmbeddingShardingPlanner picks the sharding types itself",
+}
+
+
+def _check_sharding_types(config: TrainConfig) -> None:
+    """``sharding_types`` is a non-empty subset of :data:`SHARDING_TYPES` (any order, repeats
+    dropped; stored in that order) and is restricted only where ``placement`` reads it."""
+    names = subset_names(config.sharding_types)
+    valid = ", ".join(SHARDING_TYPES)
+    example = "--sharding-types table_wise,row_wise"
+    if names is None or not names:
+        raise _invalid(
+            config,
+            "sharding_types",
+            "must name at least one sharding type, comma-separated",
+            f"pass a subset of {valid} in any order, e.g. {example}",
+        )
+    unknown = [n for n in dict.fromkeys(names) if n not in SHARDING_TYPES]
+    if unknown:
+        raise _invalid(
+            config,
+            "sharding_types",
+            f"unknown sharding type(s) {', '.join(map(repr, unknown))}",
+            f"pass a comma-separated subset of {valid} in any order, e.g. {example}",
+        )
+    canonical = ",".join(t for t in SHARDING_TYPES if t in names)
+    if config.placement in _IGNORES_SHARDING_TYPES and canonical != ",".join(SHARDING_TYPES):
+        raise _invalid(
+            config,
+            "sharding_types",
+            f"--sharding-types restricts the planner of --placement planned, but --placement is "
+            f"{config.placement}, where {_IGNORES_SHARDING_TYPES[config.placement]}, so it would be ignored",
+            "pass --placement planned to plan with these sharding types, or drop --sharding-types",
+        )
+    config.sharding_types = canonical
 
 
 def _check_numbers(config: TrainConfig) -> None:

@@ -1,5 +1,6 @@
 """README.md and docs/ checks that can be executed: the README's Python blocks run as written
-(given the inputs they leave to the reader), the docs' Python imports resolve, every command-line
+(the planner and routing blocks alone; the others given the model and data they leave to the reader,
+which examples/ assembles), the README links every example, the docs' Python imports resolve, every command-line
 flag they document exists on the tool it is given to, the planner's dry-run command runs, the
 Layout block of docs/architecture.md names the files that exist, every relative link points at
 an existing file and heading, and every name they quote exists in the code."""
@@ -14,7 +15,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Set, Tuple
+from typing import Any, Dict, List, Set, Tuple
 
 import pytest
 
@@ -259,7 +260,9 @@ def _resolves(dotted: str) -> bool:
 
 
 def test_named_files_modules_and_ops_exist() -> None:
-    paths = set(re.findall(r"(?<![\w/.])((?:tests|scripts|csrc|pipeline|planner|recipes|\.ci)/\w[\w./-]*\w)", ALL_TEXT))
+    paths = set(
+        re.findall(r"(?<![\w/.])((?:tests|scripts|csrc|pipeline|planner|recipes|examples|\.ci)/\w[\w./-]*\w)", ALL_TEXT)
+    )
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, f"docs name files that do not exist: {missing}"
     import torch
@@ -294,7 +297,7 @@ def test_identifiers_quoted_in_the_text_exist() -> None:
         for span in re.findall(r"`([^`\n]+)`", _prose(ALL_TEXT))
         for name in re.findall(r"(?<![\w.\-/])([a-z_][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w/])", span)
     }
-    roots = [ROOT / d for d in ("pipeline", "planner", "recipes", "csrc", "scripts", "tests")]
+    roots = [ROOT / d for d in ("pipeline", "planner", "recipes", "csrc", "scripts", "tests", "examples")]
     roots += [Path(m.__file__).parent for m in (torchrec, fbgemm_gpu, torchx)]  # type: ignore[arg-type]
     corpus = "\n".join(
         p.read_text(errors="ignore")
@@ -348,50 +351,30 @@ def test_docs_python_blocks_parse_and_import(page: str) -> None:
                     importlib.import_module(alias.name)
 
 
-def test_routing_op_snippet_runs() -> None:
-    """The snippet of "Routing op", given the inputs it leaves to the reader."""
-    import torch
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+def test_readme_links_every_example() -> None:
+    examples = {p.name for p in (ROOT / "examples").glob("*.py")}
+    assert examples and examples <= set(re.findall(r"\]\(examples/([\w.]+\.py)\)", README)), examples
 
-    from recpipe.pipeline import route_ids
 
-    rows, world_size, seed = 1000, 4, 7
-    ns = dict(
-        lengths=torch.tensor([2, 3, 0, 1]),
-        indices=torch.tensor([5, 999, 0, 17, 400, 3]),
-        block_sizes=torch.tensor([250, 250]),
-        dist_types=torch.tensor([0, 2]),
-        world_size=world_size,
-        table_sizes=torch.tensor([rows, rows]),
-        rows=rows,
-        seed=seed,
-        kjt=KeyedJaggedTensor.from_lengths_sync(
-            keys=["f"], values=torch.tensor([1, 500, 999]), lengths=torch.tensor([2, 1])
-        ),
-        ranks=torch.tensor([0, 1, 3]),
-        local_ids=torch.tensor([0, 5, 100]),
-    )
+def test_routing_op_snippet_runs_alone() -> None:
+    """The "Routing op" block defines its own inputs; its ids land on the ranks a pure-Python routing
+    names, and the inverse gives them back."""
+    from harness.routing_reference import RefPermutation
+
+    ns: Dict[str, Any] = {}
     exec(_python_block("Routing op"), ns)  # noqa: S102 - the README's own code
-    assert ns["out"].new_lengths.numel() == world_size * 2 * 2  # [W*F*B]
-    assert ns["kjt_by_rank"].keys() == ["f"] * world_size
-    owner, local = route_ids(ns["global_ids"], rows, world_size, "hash_roundrobin", seed)
-    assert owner.tolist() == [0, 1, 3] and local.tolist() == [0, 5, 100]  # the inverse of routing
+    world, rows, seed, ids = ns["W"], ns["rows"], ns["seed"], ns["indices"].tolist()
+    owner = {i: RefPermutation(rows, seed).forward(i) % world for i in ids}
+    assert ns["out"].new_lengths.numel() == world * 1 * 2  # [W*F*B]: one feature, two bags
+    assert ns["global_ids"].tolist() == [i for rank in range(world) for i in ids if owner[i] == rank]
+    assert ns["kjt_by_rank"].keys() == ["f"] * world
+    assert ns["kjt_by_rank"].lengths().tolist() == ns["out"].new_lengths.tolist()
 
 
-def test_placement_planner_snippet_runs(capsys: pytest.CaptureFixture[str]) -> None:
-    import torch
+def test_placement_planner_snippet_runs_alone(capsys: pytest.CaptureFixture[str]) -> None:
     from torchrec.distributed.types import ShardingType
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    model = EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=64, num_embeddings=10**6, feature_names=[f"f{i}"])
-            for i in range(2)
-        ],
-        device=torch.device("meta"),
-    )
-    ns: Dict[str, object] = {"model": model}
+    ns: Dict[str, object] = {}
     exec(_python_block("Placement planner"), ns)  # noqa: S102 - the README's own code
     assert "world_size=16 local_world_size=8" in capsys.readouterr().out
     params = ns["sharding_plan"].plan[""]  # type: ignore[attr-defined]
@@ -413,7 +396,8 @@ def _pipeline_snippet_body(rank: int, world: int, code: str) -> Tuple[List[float
     model, optimizer = build_dmp("table_wise", device)
     ns = {"model": model, "optimizer": optimizer, "device": device, "batches": batches}
     exec(code, ns)  # noqa: S102 - the README's own code
-    return [float(x) for x in ref_losses], float(ns["loss"])  # type: ignore[arg-type]
+    loss, _ = ns["output"]  # the harness model's output: (loss, logits)
+    return [float(x) for x in ref_losses], float(loss)
 
 
 def test_pipeline_swap_snippet_runs() -> None:

@@ -25,6 +25,8 @@ from recpipe.recipes.data.hashing import mix_seed
 ML100K_USERS: int = 943
 ML100K_ITEMS: int = 1682
 # Ratings are 1..5 stars; >= 4 is a positive (the usual implicit-feedback threshold).
+MIN_RATING: float = 1.0
+MAX_RATING: float = 5.0
 POSITIVE_RATING: float = 4.0
 FEATURES: tuple[str, ...] = ("user_id", "item_id")
 DENSE_FEATURES: int = 5
@@ -46,38 +48,49 @@ def movielens100k_path() -> Path:
 
 
 class MovieLensFormatError(DataFormatError):
-    """A row of ``ml-100k.inter`` holds an id outside the release or a non-finite rating / timestamp."""
+    """A line of ``ml-100k.inter`` is not a row of four numbers, or holds an id outside the release,
+    a rating outside 1-5 or a non-finite timestamp."""
 
 
 #: Columns of ``ml-100k.inter`` (1-based column = index + 1) and the ids each may hold.
 COLUMNS: tuple[str, ...] = ("user_id", "item_id", "rating", "timestamp")
 _ID_RANGES: dict[int, int] = {0: ML100K_USERS, 1: ML100K_ITEMS}
+_RATING: int = COLUMNS.index("rating")
+# What a row holds, for the errors of a malformed line.
+_ROW_FORMAT: str = (
+    f"a row holds {len(COLUMNS)} tab-separated numbers: user_id (1-{ML100K_USERS}), item_id (1-{ML100K_ITEMS}), "
+    f"rating ({MIN_RATING:g}-{MAX_RATING:g}) and timestamp (Unix seconds)"
+)
+_FIX: str = "Fix: repair or remove that line (reinstall recbole==1.2.1 for the original file)"
+
+
+def _wanted(col: int) -> str:
+    """What column ``col`` (0-based) must hold."""
+    if col in _ID_RANGES:
+        return f"a whole number in [1, {_ID_RANGES[col]}]"
+    if col == _RATING:
+        return f"a number in [{MIN_RATING:g}, {MAX_RATING:g}] (MovieLens ratings are 1-5 stars)"
+    return "a finite number"
 
 
 def _check_rows(path: Path, table: np.ndarray) -> None:
-    """Raises :class:`MovieLensFormatError` for the first bad row of ``table``: an id that is not
-    a whole number in ``[1, count]``, or a rating / timestamp that is NaN or infinite."""
-    if table.ndim != 2 or table.shape[1] != len(COLUMNS):
-        raise MovieLensFormatError(
-            f"{path}: rows must hold {len(COLUMNS)} tab-separated columns {COLUMNS}, "
-            f"got an array of shape {tuple(table.shape)}",
-            path=str(path),
-        )
+    """Raises :class:`MovieLensFormatError` for the first bad row of ``table`` (row ``i`` is line
+    ``i + 2``): an id that is not a whole number in ``[1, count]``, a rating outside
+    ``[MIN_RATING, MAX_RATING]`` or a timestamp that is NaN or infinite."""
     bad = ~np.isfinite(table)
-    for col, count in _ID_RANGES.items():
-        ids = table[:, col]
-        with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"):
+        for col, count in _ID_RANGES.items():
+            ids = table[:, col]
             bad[:, col] |= (ids != np.floor(ids)) | (ids < 1) | (ids > count)
+        bad[:, _RATING] |= (table[:, _RATING] < MIN_RATING) | (table[:, _RATING] > MAX_RATING)
     rows, cols = np.nonzero(bad)
     if rows.size == 0:
         return
     row, col = int(rows[0]), int(cols[0])
     value = repr(float(table[row, col]))
     line = row + 2  # the header is line 1
-    want = f"a whole number in [1, {_ID_RANGES[col]}]" if col in _ID_RANGES else "a finite number"
     raise MovieLensFormatError(
-        f"{path}:{line}: column {col + 1} ({COLUMNS[col]}) holds {value}, but it must be {want}. "
-        "Fix: repair or remove that row (reinstall recbole==1.2.1 for the original file)",
+        f"{path}:{line}: column {col + 1} ({COLUMNS[col]}) holds {value}, but it must be {_wanted(col)}. {_FIX}",
         path=str(path),
         line=line,
         column=col + 1,
@@ -85,21 +98,66 @@ def _check_rows(path: Path, table: np.ndarray) -> None:
     )
 
 
+def _parse_lines(path: Path, lines: list[str]) -> np.ndarray:
+    """float64 ``(len(lines), 4)`` of the data lines (``lines[i]`` is line ``i + 2``).
+
+    Raises:
+        MovieLensFormatError: the first line that is blank, has another column count or holds a
+            cell that is not a number, named as ``file:line`` (1-based, as an editor shows it).
+    """
+    cells: list[str] = []
+    for i, text in enumerate(lines):
+        row = text.split("\t")
+        if len(row) != len(COLUMNS):
+            line = i + 2
+            got = "is blank" if not text.strip() else f"holds {len(row)} tab-separated column(s) {row[:6]}"
+            raise MovieLensFormatError(
+                f"{path}:{line}: the line {got}, but {_ROW_FORMAT}. {_FIX}", path=str(path), line=line
+            )
+        cells.extend(row)
+    try:
+        return np.array(cells, dtype=np.float64).reshape(len(lines), len(COLUMNS))
+    except ValueError:  # a cell that is not a number: find the first
+        for k, cell in enumerate(cells):
+            try:
+                float(cell)
+            except ValueError:
+                line, col = k // len(COLUMNS) + 2, k % len(COLUMNS)
+                raise MovieLensFormatError(
+                    f"{path}:{line}: column {col + 1} ({COLUMNS[col]}) holds {cell!r}, which is not a number, but it "
+                    f"must be {_wanted(col)}. {_FIX}",
+                    path=str(path),
+                    line=line,
+                    column=col + 1,
+                    value=cell,
+                ) from None
+        raise
+
+
 def read_ratings(path: Path) -> dict[str, torch.Tensor]:
-    """Every rating of a MovieLens ``.inter`` file, each row validated (:class:`MovieLensFormatError`).
+    """Every rating of a MovieLens ``.inter`` file, each line validated: every line after the header
+    is a row of four tab-separated numbers (the file may end in one newline).
 
     Returns:
         ``user``, ``item`` (int64 ids, 1-based), ``rating`` (float32), ``timestamp`` (int64 s).
+
+    Raises:
+        MovieLensFormatError: the first bad line, its message starting with ``file:line:``.
     """
     with path.open() as f:
         header = f.readline().rstrip("\n").split("\t")
         expected = ["user_id:token", "item_id:token", "rating:float", "timestamp:float"]
         if header != expected:
             raise MovieLensFormatError(f"{path}:1: header {header} differs from {expected}", path=str(path), line=1)
-        try:
-            table = np.loadtxt(f, delimiter="\t", dtype=np.float64, ndmin=2)
-        except ValueError as e:  # text that is not a number, or a short row
-            raise MovieLensFormatError(f"{path}: {e} (row 1 is the line after the header)", path=str(path)) from e
+        lines = f.read().split("\n")
+    if lines[-1] == "":  # the newline that ends the last row
+        lines.pop()
+    if not lines:
+        raise MovieLensFormatError(
+            f"{path}: holds no rating after its header (line 1), but {_ROW_FORMAT}, one per line. {_FIX}",
+            path=str(path),
+        )
+    table = _parse_lines(path, lines)
     _check_rows(path, table)
     dtypes = {"user": np.int64, "item": np.int64, "rating": np.float32, "timestamp": np.int64}  # column order
     return {name: torch.from_numpy(table[:, col].astype(dtype)) for col, (name, dtype) in enumerate(dtypes.items())}

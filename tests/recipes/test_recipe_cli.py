@@ -35,7 +35,9 @@ from recpipe.recipes.config import (
     ConfigPathError,
     TrainConfig,
 )
+from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.faults import nothing_to_train
+from recpipe.recipes.models import EBC_PATH, build_model
 from recpipe.recipes.train import run
 
 FIELDS = dataclasses.fields(TrainConfig)
@@ -82,6 +84,8 @@ def test_help_exits_zero_and_describes_every_flag() -> None:
         assert " ".join(docs[f.name].split()[:6]) in text, f.name
     for name, choices in CHOICES.items():
         assert f"choices: {', '.join(choices)}" in text, name
+    assert "--sharding-types TYPE[,TYPE...]" in text
+    assert "a comma-separated subset, any order, of: table_wise, row_wise, column_wise" in text
     for name, unit in UNITS.items():
         assert f"{_flag(name)} {unit.upper()}" in text and f"unit: {unit}" in text
     assert "unit: seconds; range: in [1, 604800]; default: 600]" in text
@@ -417,6 +421,11 @@ def test_entry_point_user_errors_are_one_line_exit_2() -> None:
     for args, message in (
         (["--dense-lr", "inf"], "error: invalid config value dense_lr=inf"),
         (["--batch-sise", "3"], "error: bad command line '--batch-sise 3'"),
+        (
+            ["--placement", "table_wise", "--sharding-types", "row_wise"],
+            "error: invalid config value sharding_types='row_wise': --sharding-types restricts the planner of "
+            "--placement planned, but --placement is table_wise",
+        ),
     ):
         proc = _train(*args)
         assert proc.returncode == 2, proc.stderr[-2000:]
@@ -446,9 +455,9 @@ def test_num_threads_above_the_machines_cpus_is_refused_naming_the_flag(tmp_path
 
 
 # ---------------------------------------------------------------- failures after start
-def test_a_plan_that_does_not_fit_is_one_error_line_and_exit_1() -> None:
-    # The planner's typed error (numbered solutions with the real numbers) reaches the user
-    # as the message, not a traceback; the bytes asked for are the table's HYBRID 0.1 option.
+def test_tier_budgets_no_plan_fits_are_one_error_line_naming_the_flags_and_exit_2() -> None:
+    # A configuration error like the others: the recipe's flags and the least budget that plans,
+    # not the planner's hbm_cap / hbm_reservation (arguments the recipe sets itself).
     proc = _train(
         "--dataset",
         "synthetic",
@@ -464,12 +473,23 @@ def test_a_plan_that_does_not_fit_is_one_error_line_and_exit_1() -> None:
         "0.001",
         "--no-progress-bar",
     )
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    lines = proc.stderr.splitlines()
-    (first,) = [i for i, line in enumerate(lines) if line.startswith("error: ")]
-    assert lines[first].startswith("error: PlannerError: Table 'model.sparse_arch.embedding_bag_collection.t_cat_0'")
-    assert "Possible solutions:" in lines[first:] and lines[lines.index("Possible solutions:") + 1].startswith("  1) ")
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr[-3000:]
+    assert proc.stderr.startswith(
+        "error: ConfigError: invalid config value fast_tier_mb=0.001: the placement planner finds no plan of the "
+        "model's 26 tables within --fast-tier-mb 0.001 MiB per rank and --slow-tier-mb 0.001 MiB per machine"
+    ), proc.stderr
+    # with no slow tier to speak of, the least plan holds every table in the fast tier: its rows of
+    # 64 floats and one row-wise Adagrad float, 4 B each
+    config = TrainConfig(dataset="synthetic", model="dlrm", num_embeddings=20000, max_steps=4)
+    model = build_model(config, make_data_source(config, 0, 1).spec, torch.device("cpu"))
+    all_fast = sum(
+        t.num_embeddings * (t.embedding_dim + 1) * 4 for t in model.get_submodule(EBC_PATH).embedding_bag_configs()
+    )
+    least = math.ceil(all_fast / 2**20 * 1000) / 1000
+    assert f"Fix: pass --fast-tier-mb {least:g} or more" in proc.stderr, proc.stderr
+    assert "hbm_cap" not in proc.stderr and "hbm_reservation" not in proc.stderr
     assert "[recpipe] step " not in proc.stdout
 
 

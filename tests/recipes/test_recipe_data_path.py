@@ -270,7 +270,7 @@ def test_to_kjt_rejects_bad_ids() -> None:
 
 # ---------------------------------------------------------------- registry / import graph
 def test_registry_covers_every_dataset_and_base_imports_no_source() -> None:
-    assert set(DATA_SOURCES) == set(config_module.DATASETS)
+    assert set(DATA_SOURCES) == set(config_module.field_choices()["dataset"])
     assert all(issubclass(cls, BatchSource) for cls in DATA_SOURCES.values())
     imported: set[str] = set()
     for module in (base, hashing):

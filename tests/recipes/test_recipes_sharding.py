@@ -39,6 +39,7 @@ def _body(rank: int, world: int, placement: str, sharding_types: str) -> Dict[st
         ("table_wise,row_wise", {"table_wise", "row_wise"}),
         ("row_wise", {"row_wise"}),
         ("table_wise", {"table_wise"}),
+        ("row_wise,table_wise", {"table_wise", "row_wise"}),  # any order
     ],
 )
 def test_planned_placement_chooses_among_the_allowed_sharding_types(sharding_types: str, allowed: set) -> None:
@@ -48,16 +49,20 @@ def test_planned_placement_chooses_among_the_allowed_sharding_types(sharding_typ
     assert {s for s, _ in kinds} <= allowed, kinds
     # the default fast tier binds: the recipe still demonstrates tiered tables
     assert "customized_kernel" in {k for _, k in kinds}, kinds
-    if sharding_types.startswith("table_wise,row_wise"):
+    if {"table_wise", "row_wise"} <= set(sharding_types.split(",")):
         assert {s for s, _ in kinds} == {"table_wise"}, kinds  # whole tables move W times fewer pooled bytes
 
 
 def test_torchrec_planner_placement_shards_with_torchrec_kernels() -> None:
-    plans = run_gloo(2, _body, "torchrec_planner", "table_wise,row_wise")
+    plans = run_gloo(2, _body, "torchrec_planner", "table_wise,row_wise,column_wise")
     assert plans[0] == plans[1] and len(plans[0]) == 26
     assert {k for _, k in plans[0].values()} <= {"fused", "dense"}, plans[0]
 
 
-def test_an_unknown_sharding_types_value_is_refused_naming_the_choices() -> None:
-    with pytest.raises(ConfigError, match=r"sharding_types='data_parallel': unknown choice.*table_wise,row_wise"):
+def test_an_unknown_sharding_types_value_is_refused_naming_the_valid_ones() -> None:
+    with pytest.raises(
+        ConfigError,
+        match=r"sharding_types='data_parallel': unknown sharding type\(s\) 'data_parallel'\. "
+        r"Fix: pass a comma-separated subset of table_wise, row_wise, column_wise in any order",
+    ):
         TrainConfig(**SYNTHETIC, max_steps=2, sharding_types="data_parallel")
