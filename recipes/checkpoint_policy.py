@@ -5,7 +5,8 @@ Each checkpoint is one ``recpipe.pipeline.checkpoint`` save into ``<dir>/step_NN
 rank's recipe state (dense optimizer state, step, config fingerprint, placement, routing version)
 is its digested ``extra_state``. ``<dir>/latest`` names the newest committed step; rank 0 holds
 ``<dir>/.recpipe_save.lock`` while saving. Under another world size and placement, rank ``r``
-reads the recipe state of saving rank ``r % W``.
+reads the recipe state of saving rank ``r % W``. Every error here is a
+``recpipe.pipeline.checkpoint.CheckpointError``.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 
 import recpipe.pipeline.checkpoint as checkpoint
-from recpipe.pipeline.checkpoint.errors import all_gather, rank_world
+from recpipe.pipeline.checkpoint import CheckpointError, CheckpointNotFoundError, FileSystemStorage
+from recpipe.pipeline.checkpoint.collectives import all_gather, rank_world
 from recpipe.pipeline.checkpoint.integrity import SaveLock, acquire_save_lock, release_save_lock
-from recpipe.pipeline.checkpoint.storage import FILE_SYSTEM
 from recpipe.pipeline.routing.ops import ROUTING_VERSION
 from recpipe.recipes.config import TrainConfig, checkpoint_steps
 
@@ -33,12 +34,15 @@ FINGERPRINT_FIELDS: tuple[str, ...] = tuple(
 )
 # Config fields a resumed run may change that make its losses differ from an uninterrupted
 # run's: each checkpoint records them and the resume line names every change.
-RESUME_NOTED_FIELDS: tuple[str, ...] = ("embedding_lr", "dense_lr", "data_path", "placement")
+RESUME_NOTED_FIELDS: tuple[str, ...] = (
+    "embedding_lr",
+    "dense_lr",
+    "data_path",
+    "placement",
+    "sharding_types",
+    "fast_tier_mb",
+)
 LATEST_NAME: str = "latest"  # the marker naming the newest committed step
-
-
-class CheckpointError(RuntimeError):
-    """Base class of the recipe's checkpoint errors."""
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -75,8 +79,12 @@ class CheckpointWriteError(CheckpointError):
     """The checkpoint of a step could not be written (not committed)."""
 
 
-class NonFiniteStateError(FloatingPointError):
+class NonFiniteStateError(CheckpointError):
     """The state to be saved holds NaN or inf values; no checkpoint file was written."""
+
+
+class CheckpointDirectoryError(CheckpointError):
+    """``--checkpoint-dir`` holds what the recipe's saves cannot write over (refused at start)."""
 
 
 def step_dir_name(step: int) -> str:
@@ -293,7 +301,7 @@ def save_checkpoint(
         commit_error: str | None = None
         if rank == 0:
             try:
-                FILE_SYSTEM.write_atomic(root / LATEST_NAME, f"{step}\n".encode())
+                FileSystemStorage().write_atomic(root / LATEST_NAME, f"{step}\n".encode())
             except OSError as e:
                 commit_error = f"rank 0: writing {root / LATEST_NAME} failed ({e})"
         commit_error = all_gather(commit_error, world, None)[0]  # every rank waits for the commit
@@ -302,13 +310,44 @@ def save_checkpoint(
     return step_dir
 
 
+def _directory_problem(root: Path) -> str | None:
+    """Why every save into ``root`` would fail to commit (``root`` a file, ``latest`` not a file), or None."""
+    if root.exists() and not root.is_dir():
+        return f"{root} is a file, not a directory. Fix: pass a directory (created if missing) as --checkpoint-dir"
+    latest = root / LATEST_NAME
+    if latest.exists() and not latest.is_file():
+        return (
+            f"{latest} is a directory (or another non-file), where the recipe writes the marker naming the newest "
+            "committed step: every save would fail to commit and --resume could not tell which step is newest. "
+            f"Fix: move {latest} out of {root} (or delete it), or pass another --checkpoint-dir"
+        )
+    return None
+
+
+def check_checkpoint_dir(directory: str) -> None:
+    """Refuses, on every rank (a collective) and before anything is built, a ``--checkpoint-dir``
+    whose saves would all fail to commit, as rank 0 (the writer of ``latest``) sees it.
+
+    Raises:
+        CheckpointDirectoryError: ``directory`` is a file, or ``directory/latest`` is not a file.
+    """
+    rank, world = rank_world(None)
+    problem = all_gather(_directory_problem(Path(directory)) if rank == 0 else None, world, None)[0]
+    if problem is not None:
+        raise CheckpointDirectoryError(f"checkpoints cannot be saved into {directory}: {problem}")
+
+
 def latest_step(directory: str) -> int | None:
     """The step ``latest`` names, or None when it is missing.
 
     Raises:
         CheckpointCorruptError: ``latest`` exists but does not hold a step number.
+        CheckpointDirectoryError: ``latest`` is a directory (or another non-file).
     """
     p = Path(directory) / LATEST_NAME
+    problem = _directory_problem(Path(directory))
+    if problem is not None:
+        raise CheckpointDirectoryError(f"checkpoints cannot be read from {directory}: {problem}")
     if not p.is_file():
         return None
     try:
@@ -458,7 +497,7 @@ def load_checkpoint(
         The step to continue from.
 
     Raises:
-        FileNotFoundError: no checkpoint in ``directory`` (or no directory for ``step``).
+        CheckpointNotFoundError: no checkpoint in ``directory`` (or no directory for ``step``).
         NoIntactCheckpointError: checkpoints exist but every one is damaged.
         CheckpointCorruptError: ``step`` was given and a file of it is damaged.
         CheckpointMismatchError: config fingerprint, routing version or model differ.
@@ -468,12 +507,12 @@ def load_checkpoint(
     if step is not None:
         candidates, notes = [step], []
         if not (root / step_dir_name(step)).is_dir():
-            raise FileNotFoundError(f"checkpoint {root / step_dir_name(step)} does not exist")
+            raise CheckpointNotFoundError(f"checkpoint {root / step_dir_name(step)} does not exist")
     else:
         # Rank 0 lists the directory, so every rank tries the same steps in the same order.
         candidates, notes = all_gather(_resume_candidates(directory) if rank == 0 else None, world, None)[0]
     if not candidates:
-        raise FileNotFoundError(
+        raise CheckpointNotFoundError(
             f"resume=True but {directory!r} has no checkpoint (no step_* directory, 'latest' missing). "
             "Fix: point --checkpoint-dir at a directory a previous run saved into, or drop --resume"
         )

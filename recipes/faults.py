@@ -1,8 +1,10 @@
-"""Run-time refusals of :mod:`recpipe.recipes.train`, with messages naming cause and fix.
+"""Run-time refusals of :mod:`recpipe.recipes.train`, with messages naming cause and fix, and
+which failures the entry point prints as one line (:func:`user_facing_error`).
 
 Collective timeouts / lost peers, non-finite losses, unequal batch counts across ranks,
 data sources that end early, a ``--resume`` with nothing left to train. May import
-recipes' config, data and checkpoint modules.
+recipes' config, data and checkpoint modules, ``recpipe.pipeline.checkpoint`` and the
+planner's errors.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from recpipe.pipeline.checkpoint import CheckpointError
+from recpipe.planner.errors import PlannerError
 from recpipe.recipes.checkpoint_policy import step_dir_name
 from recpipe.recipes.config import ConfigError, TrainConfig, split_paths
-from recpipe.recipes.data.base import BatchSource
-from recpipe.recipes.data.criteo import count_file_rows
+from recpipe.recipes.data.base import BatchSource, DataFormatError
+from recpipe.recipes.data.criteo import CriteoDataChangedError, count_file_rows
 
 
 class CollectiveFailureError(RuntimeError):
@@ -236,3 +240,24 @@ def exactly(batches: Iterator[Any], count: int, what: str) -> Iterator[Any]:
             "step (the ranks' batches are paired in collectives). Fix: make the data source give each rank "
             "the same number of batches (its train_batches(start, stop) one per step)"
         )
+
+
+# Failures a user acts on from the message alone: printed as one line, exit 1 (others keep
+# their traceback).
+USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
+    CheckpointError,  # every checkpoint failure: damaged, mismatched, refused, not written, none intact
+    NonFiniteLossError,
+    DataFormatError,  # a Criteo or MovieLens row that breaks its format (file, line, column, value)
+    CriteoDataChangedError,  # a Criteo file shrank or vanished while the run read it
+    PlannerError,  # the planned placement does not fit the budgets (--fast-tier-mb / --slow-tier-mb)
+    BatchCountError,  # a data source gave a rank fewer batches than the steps asked for
+)
+
+
+def user_facing_error(error: BaseException, config: TrainConfig) -> BaseException | None:
+    """What the entry point prints as one ``error:`` line for a failed run: ``error`` itself when it
+    is one of :data:`USER_FACING_ERRORS`, a :class:`CollectiveFailureError` explaining a collective
+    timeout or lost peer, else None (the failure keeps its traceback)."""
+    if isinstance(error, USER_FACING_ERRORS):
+        return error
+    return explain_collective_failure(error, config)

@@ -26,30 +26,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer
 
-from recpipe.pipeline.checkpoint import CheckpointLoadError
-from recpipe.pipeline.tiered.state import TieredCheckpointError
-from recpipe.planner.errors import PlannerError
 from recpipe.recipes.build import ShardedModel, make_optimizer, make_pipeline, shard_model
 from recpipe.recipes.checkpoint_policy import (
-    CheckpointError,
-    NonFiniteStateError,
+    check_checkpoint_dir,
     load_checkpoint,
     resume_step_at_or_past,
     save_checkpoint,
 )
 from recpipe.recipes.cli import parse_config
 from recpipe.recipes.config import ConfigError, TrainConfig
-from recpipe.recipes.data.base import BatchSource, DataFormatError
-from recpipe.recipes.data.criteo import CriteoDataChangedError
+from recpipe.recipes.data.base import BatchSource
 from recpipe.recipes.data.registry import make_data_source
-from recpipe.recipes.faults import (
-    BatchCountError,
-    NonFiniteGuard,
-    NonFiniteLossError,
-    check_batch_counts,
-    explain_collective_failure,
-    nothing_to_train,
-)
+from recpipe.recipes.faults import NonFiniteGuard, check_batch_counts, nothing_to_train, user_facing_error
 from recpipe.recipes.loop import TrainLoop, TrainResult
 from recpipe.recipes.models import build_model
 from recpipe.recipes.shutdown import run_main
@@ -84,6 +72,8 @@ def _setup_distributed(config: TrainConfig) -> tuple[torch.device, bool]:
 
 def _prepare_data(config: TrainConfig, rank: int, world: int) -> tuple[BatchSource, int, int | None]:
     """``(source, total steps, eval batches or None)``, checked to agree over ranks and leave steps to train."""
+    if config.checkpoint_dir:  # a collective: every save would fail to commit into a bad directory
+        check_checkpoint_dir(config.checkpoint_dir)
     source = make_data_source(config, rank, world)
     total = source.total_steps()
     eval_count = source.eval_batch_count()
@@ -132,6 +122,8 @@ def run(config: TrainConfig) -> TrainResult:
 
     Raises:
         ConfigError: a problem found once the run starts, before the model is built.
+        CheckpointError: a checkpoint could not be saved, loaded or resumed from, or
+            ``--checkpoint-dir`` cannot take saves (refused before the model is built).
         BatchCountError: the data source gave this rank fewer batches than asked for.
     """
     torch.set_num_threads(config.num_threads)
@@ -184,21 +176,6 @@ def run(config: TrainConfig) -> TrainResult:
             dist.destroy_process_group()
 
 
-# Failures a user acts on from the message alone: printed as one line, exit 1 (others keep
-# their traceback).
-USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
-    CheckpointError,  # corrupt / mismatched / no intact checkpoint, a failed write
-    NonFiniteLossError,
-    NonFiniteStateError,
-    DataFormatError,  # a Criteo or MovieLens row that breaks its format (file, line, column, value)
-    CriteoDataChangedError,  # a Criteo file shrank or vanished while the run read it
-    TieredCheckpointError,
-    CheckpointLoadError,  # DCP refused a checkpoint's regular state (see recpipe.pipeline.checkpoint)
-    PlannerError,  # the planned placement does not fit the budgets (--fast-tier-mb / --slow-tier-mb)
-    BatchCountError,  # a data source gave a rank fewer batches than the steps asked for
-)
-
-
 def _print_error(e: BaseException) -> None:
     """One ``error:`` line on stderr, and under torchrun torchelastic's error file (the job's failure)."""
     message = f"{type(e).__name__}: {e}"
@@ -225,7 +202,8 @@ def _quiet_upstream_notices() -> None:
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry point; returns 0, 2 (bad config) or 1 (``USER_FACING_ERRORS`` or a collective failure)."""
+    """CLI entry point; returns 0, 2 (bad config) or 1 (a failure :func:`~recpipe.recipes.faults.user_facing_error`
+    prints as one line: ``faults.USER_FACING_ERRORS``, every checkpoint failure among them, or a collective failure)."""
     _quiet_upstream_notices()
     try:
         config = parse_config(argv)
@@ -237,14 +215,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:  # e.g. a data file smaller than one global batch: one line, no traceback
         _print_error(e)
         return 2
-    except USER_FACING_ERRORS as e:  # their message names the cause and the fix: no traceback
-        _print_error(e)
-        return 1
-    except RuntimeError as e:
-        explained = explain_collective_failure(e, config)
-        if explained is None:
+    except Exception as e:  # noqa: BLE001 - re-raised with its traceback unless its message names cause and fix
+        shown = user_facing_error(e, config)
+        if shown is None:
             raise
-        _print_error(explained)
+        _print_error(shown)
         return 1
     if int(os.environ.get("RANK", "0")) == 0:
         print(

@@ -1,8 +1,13 @@
-"""What a recpipe DCP checkpoint holds, under which keys, and how one process reads a part.
+"""What a recpipe DCP checkpoint holds: its files, its keys, and how one process reads a part.
 
-Keys: the model's regular ``state_dict()``; ``fused_optimizer.<...>``; each owning rank's export
-of every tiered table under ``tiered.<table fqn>.rank<r>.<field>`` (:func:`tiered_dcp_key`);
-``extra_state.rank<r>`` (pickled). Imports ``checkpoint.{errors, digests}``, ``routing`` and ``tiered``.
+Files: DCP's ``.metadata`` and data files (``*.distcp``), then :data:`DIGESTS_NAME`, the digests
+record ``save`` writes last. Keys: the model's regular ``state_dict()``; ``fused_optimizer.<...>``;
+each owning rank's export of every tiered table under ``tiered.<table fqn>.rank<r>.<field>``
+(:func:`tiered_dcp_key`); ``extra_state.rank<r>`` (pickled). A tiered table loads from its exports
+by global id (:func:`tiered_heads`, :func:`check_tiered_rows`, :func:`load_tiered_table`): every
+saving rank's export is read one at a time and validated against the loading table, keeping the
+rows this rank owns under its own routing; when the saving job routed the table alike, only this
+rank's own export is read. Imports ``checkpoint.checkpoint_errors``, ``routing`` and ``tiered``.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import json
 import re
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -21,13 +26,29 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from recpipe.pipeline.checkpoint.digests import PathLike, check_model, check_path
-from recpipe.pipeline.checkpoint.errors import CheckpointLoadError, dcp_failures
+from recpipe.pipeline.checkpoint.checkpoint_errors import (
+    NON_FINITE_FIXES,
+    CheckpointIntegrityError,
+    CheckpointLoadError,
+    CheckpointTableError,
+    PathLike,
+    check_model,
+    check_path,
+    dcp_failures,
+)
+from recpipe.pipeline.routing.ops import route_ids
 from recpipe.pipeline.routing.row_order import RowOrder
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
-from recpipe.pipeline.tiered.state import TieredCheckpointError, TieredShardState
+from recpipe.pipeline.tiered.state import TieredShardState, non_finite_rows
 from recpipe.pipeline.tiered.tiered_collections import TieredTablesMixin, state_dict_without_tiered_rows
 
+DIGESTS_NAME: str = "recpipe_digests.json"  # the digests record, written last by ``save``
+DCP_METADATA_NAME: str = ".metadata"  # torch.distributed.checkpoint.filesystem._metadata_fn
+DCP_DATA_SUFFIX: str = ".distcp"  # DCP FileSystemWriter's data files
+# DCP FileSystemWriter's data files as it names them; group 1: the rank
+DCP_RANK_FILE: "re.Pattern[str]" = re.compile(r"^__(\d+)_\d+\.distcp$")
+# the file a saving process holds an exclusive flock on (its content names the holder)
+SAVE_LOCK_NAME: str = ".recpipe_save.lock"
 TIERED_DCP_PREFIX: str = "tiered"  # first component of every tiered export key
 FUSED_OPTIMIZER_KEY: str = "fused_optimizer"  # key of model.fused_optimizer.state_dict() (DCP flattens it)
 EXTRA_STATE_PREFIX: str = "extra_state"
@@ -180,7 +201,7 @@ def read_fields(src: Source, table_fqn: str, rank: int, fields: Tuple[str, ...])
             continue
         md = src.metadata.state_dict_metadata[key]
         if not isinstance(md, TensorStorageMetadata):
-            raise TieredCheckpointError(
+            raise CheckpointTableError(
                 f"{src.where}: {key} is not a tensor; the checkpoint was not written by "
                 "recpipe.pipeline.checkpoint.save (or was edited): re-save it."
             )
@@ -211,7 +232,8 @@ def non_finite_tiered_rows(state: Dict[str, Any]) -> List[str]:
         # amax / amin propagate NaN and reach +-inf: no full-size temporary unless one is not finite
         if all(bool(torch.isfinite(torch.stack([t.amax(), t.amin()])).all()) for t in parts):
             continue
-        n = int(sum((~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1) for t in parts).count_nonzero())
+        bad = torch.stack([(~torch.isfinite(t.reshape(t.shape[0], -1))).any(dim=1) for t in parts]).any(dim=0)
+        n = int(bad.count_nonzero())
         if n:
             problems.append(
                 f"tiered table {m.group(1)!r}: {n} of the rank's {value.shape[0]} rows hold NaN or "
@@ -235,7 +257,7 @@ def read_extra_state(checkpoint_id: PathLike, rank: int) -> Optional[ExtraState]
     ranks; None when there is none. Verify the checkpoint first: the bytes are unpickled.
 
     Raises:
-        TieredCheckpointError: the saving ranks' extra states are not ``0 .. W - 1``.
+        CheckpointIntegrityError: the saving ranks' extra states are not ``0 .. W - 1`` (an edited checkpoint).
     """
     check_path(checkpoint_id, "checkpoint_id")
     reader = FileSystemReader(checkpoint_id)
@@ -245,10 +267,10 @@ def read_extra_state(checkpoint_id: PathLike, rank: int) -> Optional[ExtraState]
         return None
     src = Source(reader, metadata, f"checkpoint {checkpoint_id}")
     if ranks != list(range(len(ranks))):
-        raise TieredCheckpointError(
-            f"{src.where} holds the extra state of ranks {ranks}, not of ranks 0 to "
-            f"{len(ranks) - 1}; the checkpoint was edited: re-save it."
+        problem = (
+            f"holds the extra state of ranks {ranks}, not of ranks 0 to {len(ranks) - 1} (the checkpoint was edited)"
         )
+        raise CheckpointIntegrityError([(str(checkpoint_id), problem)], ("re-save the checkpoint", "load an older one"))
     source = rank % len(ranks)
     key = f"{EXTRA_STATE_PREFIX}.rank{source}"
     state: Dict[str, Any] = {key: b""}
@@ -256,3 +278,134 @@ def read_extra_state(checkpoint_id: PathLike, rank: int) -> Optional[ExtraState]
     path = next(info.relative_path for index, info in (metadata.storage_data or {}).items() if index.fqn == key)
     value = torch.load(io.BytesIO(state[key]), weights_only=False, map_location="cpu")
     return ExtraState(value, source, len(ranks), Path(checkpoint_id) / path)
+
+
+def tiered_heads(shard: Optional[TieredEmbeddingShard], src: Source, table_fqn: str) -> Dict[int, Dict[str, Any]]:
+    """Reads and checks the metadata and step of every saving rank's export of one table:
+    complete, consistent, and compatible with ``shard`` (None: a torchrec table here).
+    Returns saving rank -> ``{"metadata", "step"}``."""
+    where = src.where
+    ranks = saved_ranks(src.metadata, table_fqn)
+    if not ranks:
+        raise CheckpointTableError(
+            f"{where}: no tiered rows of table {table_fqn!r} (keys {tiered_dcp_key(table_fqn, 0, 'weights')} ...). "
+            "Possible solutions:\n  1. the table was not tiered (CUSTOMIZED_KERNEL) when the checkpoint was "
+            "saved: plan it as it was saved, or load the rows from its torchrec weight\n  2. the module or "
+            "table was renamed: load with the names it was saved under"
+        )
+    incomplete = {r: sorted(set(FIELDS) - set(f)) for r, f in ranks.items() if set(f) != set(FIELDS)}
+    if incomplete:
+        raise CheckpointTableError(
+            f"{where}: table {table_fqn!r}: exports lack fields {incomplete} (rank: missing fields); "
+            "the checkpoint is incomplete: re-save it with recpipe.pipeline.checkpoint.save."
+        )
+    heads = {r: read_fields(src, table_fqn, r, ("metadata", "step")) for r in sorted(ranks)}
+    r0 = min(heads)
+    saved_world, step = heads[r0]["metadata"].get("world_size"), heads[r0]["step"]
+    for r, head in heads.items():
+        if head["metadata"].get("rank") != r:
+            raise CheckpointTableError(
+                f"{where}: table {table_fqn!r}: keys of rank {r} hold the export of rank "
+                f"{head['metadata'].get('rank')}; the checkpoint was edited: re-save it."
+            )
+        if head["step"] != step or head["metadata"].get("world_size") != saved_world:
+            raise CheckpointTableError(
+                f"{where}: table {table_fqn!r}: saving ranks disagree (rank {r}: step {head['step']}, world size "
+                f"{head['metadata'].get('world_size')}; rank {r0}: step {step}, world size {saved_world}); "
+                "the directory mixes checkpoints: save into an empty directory."
+            )
+    if sorted(ranks) != list(range(int(saved_world))):
+        raise CheckpointTableError(
+            f"{where}: table {table_fqn!r} was saved by {saved_world} ranks but the checkpoint holds the exports "
+            f"of ranks {sorted(ranks)}; the checkpoint is incomplete: re-save it from every rank."
+        )
+    if shard is not None:
+        for head in heads.values():
+            shard.check_export_metadata(head["metadata"])
+    return heads
+
+
+@torch.no_grad()
+def _for_rows_of_rank(
+    shard: TieredEmbeddingShard,
+    heads: Dict[int, Dict[str, Any]],
+    src: Source,
+    table_fqn: str,
+    use: Callable[[TieredShardState, torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Calls ``use(export, sel, local)`` for every saving rank's export in turn: ``sel`` the
+    positions of the rows this rank owns, ``local`` their local ids. Refuses exports that do not
+    hold each of this rank's rows exactly once, or one that disagrees with the table."""
+    count = torch.zeros(shard.num_rows, dtype=torch.int64)
+    for rank in sorted(heads):
+        st = read_export(src, table_fqn, rank)
+        shard.validate_state(st)  # num_embeddings / dim / dtype / optimizer / routing, naming the table
+        owner, local = route_ids(
+            st.global_ids, shard.num_embeddings, shard.world_size, shard.dist_type, shard.routing_seed
+        )
+        sel = (owner == shard.rank).nonzero().squeeze(1)
+        mine = local.index_select(0, sel)
+        count.index_add_(0, mine, torch.ones_like(mine))
+        use(st, sel, mine)
+        del st, owner, local, sel, mine
+    if bool((count != 1).any()):
+        bad = shard.global_ids().index_select(0, (count != 1).nonzero().squeeze(1)[:5])
+        raise CheckpointTableError(
+            f"{src.where}: table {table_fqn!r}: {int((count == 0).sum())} rows of rank {shard.rank}/{shard.world_size} "
+            f"are missing and {int((count > 1).sum())} appear more than once (e.g. global ids {bad.tolist()}); "
+            "the exports do not partition the table: re-save the checkpoint."
+        )
+
+
+@torch.no_grad()
+def check_tiered_rows(
+    shard: TieredEmbeddingShard, heads: Dict[int, Dict[str, Any]], src: Source, table_fqn: str
+) -> None:
+    """Refuses (``CheckpointTableError``), before anything is written, what ``load_states`` would
+    refuse of the rows :func:`load_tiered_table` loads (missing, repeated, NaN / inf), keeping none."""
+    if shard.routes_as(heads[shard.rank]["metadata"] if shard.rank in heads else {}):
+        st = read_export(src, table_fqn, shard.rank)
+        # row count and global ids: exactly this rank's rows under its own routing
+        shard.validate_state(st)
+        bad = non_finite_rows(st.weights, st.optimizer_state)
+        non_finite = 0 if bad is None else int(bad.sum())
+    else:
+        counts: List[int] = []
+
+        def count_non_finite(st: TieredShardState, sel: torch.Tensor, mine: torch.Tensor) -> None:
+            bad = non_finite_rows(st.weights, st.optimizer_state)
+            if bad is not None:  # only the rows this rank loads count (as in load_states)
+                counts.append(int(bad.index_select(0, sel).sum()))
+
+        _for_rows_of_rank(shard, heads, src, table_fqn, count_non_finite)
+        non_finite = sum(counts)
+    if non_finite:
+        raise shard.checkpoint_error(
+            f"{non_finite} of the rows it would load from {src.where} (table {table_fqn!r}) hold NaN or inf values "
+            "or optimizer state",
+            NON_FINITE_FIXES,
+        )
+
+
+@torch.no_grad()
+def load_tiered_table(
+    shard: TieredEmbeddingShard, heads: Dict[int, Dict[str, Any]], src: Source, table_fqn: str
+) -> None:
+    """Loads one table into ``shard`` from the saving ranks' exports (by global id); ``heads``
+    from :func:`tiered_heads`."""
+    if shard.routes_as(heads[shard.rank]["metadata"] if shard.rank in heads else {}):
+        # load_states validates it (table, routing, row count, non-finite values)
+        shard.load_states([read_export(src, table_fqn, shard.rank)])
+        return
+    R = shard.num_rows
+    weights = torch.empty((R, shard.embedding_dim), dtype=shard.dtype)
+    opt = torch.empty((R, shard.state_cols), dtype=torch.float32)
+
+    def gather(st: TieredShardState, sel: torch.Tensor, mine: torch.Tensor) -> None:
+        weights.index_copy_(0, mine, st.weights.index_select(0, sel).to(shard.dtype))
+        opt.index_copy_(0, mine, st.optimizer_state.index_select(0, sel).to(torch.float32))
+
+    _for_rows_of_rank(shard, heads, src, table_fqn, gather)
+    # as if exported by a shard of the loading layout: load_states re-checks and writes them
+    step = heads[min(heads)]["step"]
+    shard.load_states([TieredShardState(shard.global_ids(), weights, opt, step, shard.metadata())])

@@ -12,7 +12,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
-from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel, ShardedEmbeddingModule
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import Awaitable, QuantizedCommCodecs, ShardingEnv, ShardingType
 from torchrec.modules.embedding_configs import PoolingType
@@ -29,10 +29,12 @@ from recpipe.pipeline.routing.rw_sharding import (
 __all__ = ["RoutedShardedEmbeddingBagCollection", "RoutedShardedEmbeddingCollection", "RoutedShardedMixin"]
 
 
-class RoutedShardedMixin:
+class RoutedShardedMixin(ShardedEmbeddingModule):
     """Routing, ROW_WISE sharding class and row-order records of a recpipe sharded collection. torchrec builds shardings
     in a classmethod, so the sharder's routing is a class attribute of a per-sharder subclass (:meth:`with_routing`);
-    subclasses swap ``_ROW_WISE_SHARDING`` (and set ``_TABLE_WISE_SHARDING``)."""
+    subclasses swap ``_ROW_WISE_SHARDING`` (and set ``_TABLE_WISE_SHARDING``). Mixed in before torchrec's
+    ``ShardedEmbeddingBagCollection`` / ``ShardedEmbeddingCollection``, whose base ``ShardedEmbeddingModule`` it
+    names so its calls into them are typed (their MRO is unchanged: that base follows them)."""
 
     _routing: ClassVar[Optional[RoutingOverrides]] = None
     _ROW_WISE_SHARDING: ClassVar[type]
@@ -43,7 +45,7 @@ class RoutedShardedMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._register_state_dict_hook(RoutedShardedMixin._row_order_post_state_dict_hook)  # type: ignore[attr-defined]
+        self._register_state_dict_hook(RoutedShardedMixin._row_order_post_state_dict_hook)
 
     @classmethod
     def with_routing(cls, routing: Optional[RoutingOverrides]) -> type:
@@ -97,11 +99,11 @@ class RoutedShardedMixin:
             RowOrderMismatchError: naming each refused table and both row orders.
         """
         orders = self.row_orders()
-        rank = int(self._env.rank)  # type: ignore[attr-defined]
+        rank = int(self._env.rank)
         collection = f"{prefix}{self._COLLECTION}."
         problems: List[str] = []
         routed_full: Dict[str, torch.Tensor] = {}
-        for name in self.module_sharding_plan:  # type: ignore[attr-defined]  # plan order: same on every rank
+        for name in self.module_sharding_plan:  # plan order: same on every rank
             key = f"{collection}{name}.weight"
             saved = state_dict.pop(f"{collection}{name}.{ROW_ORDER_KEY}", None)
             value = state_dict.get(key)
@@ -129,9 +131,7 @@ class RoutedShardedMixin:
                 "checkpoint of this routing before training on. recpipe.pipeline.checkpoint.load checks the "
                 "routing before it reads any row.",
             )
-        super(RoutedShardedMixin, type(self))._pre_load_state_dict_hook(  # type: ignore[misc]
-            self, state_dict, prefix, *args
-        )
+        super(RoutedShardedMixin, type(self))._pre_load_state_dict_hook(self, state_dict, prefix, *args)
         state_dict.update(routed_full)  # over torchrec's slice of the full tensor at the contiguous offsets
 
 

@@ -7,10 +7,9 @@ with a dense head; ``tiered_model``: t0/t1 tiered, t2 torchrec ROW_WISE, fused
 row-wise Adagrad; ``plain_torchrec_model``), one deterministic training step
 (``train_step``, with ``dense_opt`` for the head), ``shard_arrays`` (the local
 shards of a ShardedTensor as numpy) and ``poison_a_row_of_rank1`` (a NaN row in
-rank 1's part of t1). Imported by test_dcp.py, test_dcp_save_and_resume.py,
-test_dcp_locks_and_strict_loads.py and test_dcp_adopt.py; the functions run inside
-gloo ranks (run_gloo pickles module-level functions by module name, so everything
-here is module level and importable as ``dcp_models``).
+rank 1's part of t1). Imported by the tests of tests/pipeline/checkpoint/; the
+functions run inside gloo ranks (run_gloo pickles module-level functions by module
+name, so everything here is module level and importable as ``harness.dcp_models``).
 """
 
 from __future__ import annotations

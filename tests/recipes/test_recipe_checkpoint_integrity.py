@@ -40,6 +40,7 @@ from recpipe.pipeline.checkpoint import (
 from recpipe.recipes.build import make_optimizer, shard_model
 from recpipe.recipes.checkpoint_policy import (
     CheckpointCorruptError,
+    CheckpointDirectoryError,
     NoIntactCheckpointError,
     NonFiniteStateError,
     load_checkpoint,
@@ -48,7 +49,7 @@ from recpipe.recipes.checkpoint_policy import (
 from recpipe.recipes.config import TrainConfig
 from recpipe.recipes.data.registry import make_data_source
 from recpipe.recipes.models import build_model
-from recpipe.recipes.train import run
+from recpipe.recipes.train import main, run
 
 SAVED_STEPS = 12  # the saved run: checkpoints at 4, 8, 12
 RESUME_TO = 16
@@ -167,6 +168,13 @@ def _files_of_another_step(root: Path) -> Path:
     return step_dir(root, 12) / DATA
 
 
+def _foreign_data_file(root: Path) -> Path:
+    """A data file of another rank beside step 12's files: DCP's metadata does not reference it."""
+    path = step_dir(root, 12) / "__1_0.distcp"
+    shutil.copyfile(step_dir(root, 12) / DATA, path)
+    return path
+
+
 # fault -> (damage, what the refusal says); the digests record names these
 FAULTS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "64_flipped_bytes": (_flip, r"sha256 [0-9a-f]+\.\.\. differs from recpipe_digests\.json's"),
@@ -176,6 +184,7 @@ FAULTS: dict[str, tuple[Callable[[Path], Path], str]] = {
     "record_missing": (_delete_record, r"missing: the checkpoint was not written by .*or its save did not finish"),
     "record_truncated": (_garbage_record, r"unreadable \(JSONDecodeError"),
     "record_edited": (_edited_record, r"does not match its own sha256"),
+    "foreign_data_file": (_foreign_data_file, r"not listed in recpipe_digests\.json: a data file this checkpoint's"),
 }
 # intact files of another checkpoint: the recipe's own check of its state names them
 RECIPE_FAULTS: dict[str, tuple[Callable[[Path], Path], str]] = {
@@ -337,6 +346,47 @@ def test_resume_survives_a_damaged_latest_marker(ckpt: Path, pristine: tuple[Pat
     else:
         assert lines == []
     assert (ckpt / "latest").read_text() == f"{RESUME_TO}\n"
+
+
+def _cli_args(root: Path, *more: str) -> list[str]:
+    """The command line of a ``SMALL`` run into ``root`` (``RESUME_TO`` steps, a save every 4)."""
+    flags = [
+        f"--{k.replace('_', '-')}={','.join(map(str, v)) if isinstance(v, tuple) else v}"
+        for k, v in SMALL.items()
+        if k != "progress_bar"
+    ]
+    return [
+        *flags,
+        "--no-progress-bar",
+        f"--max-steps={RESUME_TO}",
+        f"--checkpoint-dir={root}",
+        "--checkpoint-every=4",
+        *more,
+    ]
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh_run", "resume"])
+def test_latest_as_a_directory_is_refused_at_start_naming_it_and_the_fix(ckpt: Path, resume: bool) -> None:
+    """A ``latest`` that is a directory would fail every save's commit (and tell --resume nothing):
+    the run refuses it before it builds or trains anything, naming the path and the fix; the
+    entry point prints it as one error line and exits 1."""
+    latest = ckpt / "latest"
+    latest.unlink()
+    latest.mkdir()
+    before = _listing(ckpt)
+    config = TrainConfig(**SMALL, max_steps=RESUME_TO, checkpoint_dir=str(ckpt), checkpoint_every=4, resume=resume)
+    out = io.StringIO()
+    with pytest.raises(CheckpointDirectoryError) as e, contextlib.redirect_stdout(out):
+        run(config)
+    msg = str(e.value)
+    assert msg.startswith(f"checkpoints cannot be saved into {ckpt}: {latest} is a directory"), msg
+    assert f"Fix: move {latest} out of {ckpt} (or delete it), or pass another --checkpoint-dir" in msg, msg
+    assert "[recpipe] step " not in out.getvalue()  # refused before the first step
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(_cli_args(ckpt, *(["--resume"] if resume else [])))
+    assert code == 1 and err.getvalue() == f"error: CheckpointDirectoryError: {msg}\n", err.getvalue()
+    assert _listing(ckpt) == before and latest.is_dir()  # nothing trained, nothing saved
 
 
 # ---------------------------------------------------------------- nothing intact

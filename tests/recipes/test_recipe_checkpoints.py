@@ -341,6 +341,37 @@ def test_a_file_system_without_flock_saves_unlocked(tmp_path: Path, monkeypatch:
         assert load_checkpoint(str(root), model, optimizer, config) == 4
 
 
+def test_every_checkpoint_failure_is_one_checkpoint_error_the_entry_point_prints_as_one_line() -> None:
+    """The recipe's checkpoint errors and the library's (refusals of the lower layers included)
+    share one root, so the entry point names one type for all of them; other failures keep their
+    traceback unless they are a collective timeout, which is explained."""
+    from recpipe.pipeline import checkpoint
+    from recpipe.recipes import checkpoint_policy as policy
+    from recpipe.recipes.faults import CollectiveFailureError, user_facing_error
+
+    config = TrainConfig(**DCP, max_steps=4)
+    failures = [
+        policy.CheckpointMismatchError("another model"),
+        policy.CheckpointCorruptError("ckpt/step_00000004/__0_0.distcp", "truncated"),
+        policy.NoIntactCheckpointError("none intact"),
+        policy.CheckpointWriteError("not committed"),
+        policy.NonFiniteStateError("NaN in the state"),
+        policy.CheckpointDirectoryError("latest is a directory"),
+        checkpoint.CheckpointIntegrityError([("ckpt/.metadata", "missing")], ("restore it",)),
+        checkpoint.CheckpointLoadError("checkpoint ckpt", [("Size mismatch", [0])]),
+        checkpoint.CheckpointSaveError("checkpoint ckpt", [("OSError: disk full", [0])]),
+        checkpoint.CheckpointTableError("table 't0' is tiered in this model, but the checkpoint holds no rows of it"),
+        checkpoint.CheckpointRowOrderError("rows routed with dist_type='roundrobin'"),
+        checkpoint.CheckpointNotFoundError("ckpt does not exist"),
+    ]
+    for error in failures:
+        assert isinstance(error, checkpoint.CheckpointError), type(error)
+        assert user_facing_error(error, config) is error, type(error)
+    assert user_facing_error(RuntimeError("shape mismatch"), config) is None
+    explained = user_facing_error(RuntimeError("[gloo] Timed out waiting 30000ms for recv"), config)
+    assert isinstance(explained, CollectiveFailureError) and "--timeout-s" in str(explained)
+
+
 # ---------------------------------------------------------------- 2 ranks
 def _two_rank_body(rank: int, world_size: int, root: str, placement: str) -> dict[str, Any]:
     base = dict(DCP, placement=placement)

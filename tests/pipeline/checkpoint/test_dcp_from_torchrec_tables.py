@@ -1,10 +1,10 @@
-"""Adopting tiered tables from a plain torchrec DCP checkpoint (recpipe.pipeline.checkpoint.dcp.load).
+"""Adopting tiered tables from a plain torchrec DCP checkpoint (recpipe.pipeline.checkpoint.load).
 
 torchrec users checkpoint a DistributedModelParallel with FUSED tables (torchrec's own
 sharders, TABLE_WISE / ROW_WISE ShardedTensors) as
 ``torch.distributed.checkpoint.save({**model.state_dict(), "fused_optimizer":
 model.fused_optimizer.state_dict()})``. A model whose tables recpipe's planner made tiered
-(HYBRID / CACHING) loads such a checkpoint with ``recpipe.pipeline.checkpoint.dcp.load(..., verify=False)``:
+(HYBRID / CACHING) loads such a checkpoint with ``recpipe.pipeline.checkpoint.load(..., verify=False)``:
 each tiered table streams the torchrec table (one saved chunk at a time) and its row-wise Adagrad momentum. Reference:
 the saving torchrec model trained on without interruption (every step's outputs and the final
 tables must match with the tiered-vs-FUSED tolerance). Without the optimizer state
@@ -137,7 +137,6 @@ def _reads_of(load: Any) -> List[List[Any]]:
 
 def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     from recpipe.pipeline import checkpoint as recpipe_dcp
-    from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     out: Dict[str, Any] = {"errors": {}}
     adopted = pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS)
@@ -158,15 +157,15 @@ def _load_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     out["weights_only"] = _full(weights_only)
 
     out["errors"]["nan"] = _refused(
-        pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS), f"{root}/nan", TieredCheckpointError
+        pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS), f"{root}/nan", recpipe_dcp.CheckpointTableError
     )
     adam = pooled.tiered_model(world, "adam", PLACEMENTS)
-    out["errors"]["optimizer"] = _refused(adam, f"{root}/with_optimizer", TieredCheckpointError)
+    out["errors"]["optimizer"] = _refused(adam, f"{root}/with_optimizer", recpipe_dcp.CheckpointTableError)
     saved_tables = list(pooled.TABLES)
     pooled.TABLES = [("t0", 98, 8, ["f0", "f1"])] + saved_tables[1:]  # one row more than saved
     try:
         bigger = pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS)
-        out["errors"]["size"] = _refused(bigger, f"{root}/with_optimizer", TieredCheckpointError)
+        out["errors"]["size"] = _refused(bigger, f"{root}/with_optimizer", recpipe_dcp.CheckpointTableError)
     finally:
         pooled.TABLES = saved_tables
 
@@ -353,12 +352,11 @@ def test_mixed_model_adopts_torchrec_tables_beside_fused_ones_under_strict(tmp_p
 
 
 def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
-    """The mixed model (rank 1 holds no FUSED shard) saved by recpipe.pipeline.checkpoint.dcp.save, and without
+    """The mixed model (rank 1 holds no FUSED shard) saved by recpipe.pipeline.checkpoint.save, and without
     its fused optimizer state; loaded into a fresh model built alike."""
     import torch.distributed.checkpoint as tdcp
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
-    from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     model = _mixed_model(world)
     opt = dm.dense_opt(model)
@@ -382,7 +380,7 @@ def _no_fused_shard_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         dm.train_step(fresh, opt, dm.IO_TABLES, s, [rank]) for s in range(dm.TRAIN_STEPS, dm.TRAIN_STEPS + 2)
     ]
     out["no_state"] = _refused(_mixed_model(world), f"{root}/no_optimizer", recpipe_dcp.CheckpointLoadError)
-    out["no_rows"] = _refused(_mixed_model(world), f"{root}/no_rows", TieredCheckpointError, strict=False)
+    out["no_rows"] = _refused(_mixed_model(world), f"{root}/no_rows", recpipe_dcp.CheckpointTableError, strict=False)
     return out
 
 
@@ -448,7 +446,6 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     """The reverse: recpipe's checkpoint of HYBRID / CACHING tiered tables loaded into torchrec FUSED
     tables (torchrec's TABLE_WISE / ROW_WISE, and recpipe's routed ROW_WISE)."""
     from recpipe.pipeline import checkpoint as recpipe_dcp
-    from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     src = pooled.tiered_model(world, "rowwise_adagrad", PLACEMENTS)
     for step in range(K):
@@ -464,12 +461,12 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     saved_tables = list(pooled.TABLES)
     pooled.TABLES = [("t0", 98, 8, ["f0", "f1"])] + saved_tables[1:]  # one row more than saved
     try:
-        out["size_error"] = _refused(_torchrec_model(world), root, TieredCheckpointError)
+        out["size_error"] = _refused(_torchrec_model(world), root, recpipe_dcp.CheckpointTableError)
     finally:
         pooled.TABLES = saved_tables
     dtensor = _torchrec_model(world, dtensor=True)
     before = {k: v.full_tensor().clone() for k, v in dtensor.state_dict().items() if k.endswith(".weight")}
-    with pytest.raises(TieredCheckpointError) as err:
+    with pytest.raises(recpipe_dcp.CheckpointTableError) as err:
         recpipe_dcp.load(dtensor, root)
     out["dtensor_error"] = str(err.value)
     out["dtensor_unchanged"] = all(
@@ -492,7 +489,7 @@ def _reverse_body(rank: int, world: int, root: str) -> Dict[str, Any]:
                 ids[0] = ids[1] if damage == "repeated" else 10**6
             state[ids_key], state[rows_key] = ids, rows
         tdcp.save(state, checkpoint_id=f"{root}_{damage}")
-        out["damaged"][damage] = _refused(_torchrec_model(world), f"{root}_{damage}", TieredCheckpointError)
+        out["damaged"][damage] = _refused(_torchrec_model(world), f"{root}_{damage}", recpipe_dcp.CheckpointTableError)
     models = {"src": src, **targets}
     out["outputs"] = {
         name: [pooled.train_step(m, step, rank) for step in range(K, K + K2)] for name, m in models.items()

@@ -13,7 +13,7 @@
 * ``verify=True`` with an fsspec reader names the limit (local files only) and ``verify=False``.
 * ``save`` into a file says the path is a file.
 
-The tiered model and batches are those of ``tests/dcp_models.py`` (tiered t0 HYBRID,
+The tiered model and batches are those of ``tests/harness/dcp_models.py`` (tiered t0 HYBRID,
 t1 CACHING, a torchrec ROW_WISE FUSED t2, row-wise Adagrad, a dense head; 2 gloo ranks).
 """
 
@@ -39,7 +39,7 @@ from harness.dcp_models import (
 )
 from harness.gloo import run_gloo
 
-LOCK = ".recpipe_save.lock"  # recpipe.pipeline.checkpoint.integrity.SAVE_LOCK_NAME, the recipe's lock file too
+LOCK = ".recpipe_save.lock"  # recpipe.pipeline.checkpoint.SAVE_LOCK_NAME, the recipe's lock file too
 
 
 def _hold_lock(directory: Path) -> int:
@@ -143,12 +143,12 @@ def test_load_dcp_state_dict_of_a_missing_directory_says_so(tmp_path: Path, veri
     missing = tmp_path / "missing_dir"
     model = _linear(0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(FileNotFoundError) as err:
+    with pytest.raises(recpipe_dcp.CheckpointNotFoundError) as err:
         recpipe_dcp.load_dcp_state_dict(model, str(missing), verify=verify)
     msg = str(err.value)
     assert f"{str(missing)!r} (`checkpoint`) does not exist" in msg, msg
     assert "recpipe_digests.json" not in msg, msg
-    with pytest.raises(FileNotFoundError, match=r"\(`checkpoint_id`\) does not exist"):
+    with pytest.raises(recpipe_dcp.CheckpointNotFoundError, match=r"\(`checkpoint_id`\) does not exist"):
         recpipe_dcp.verify_checkpoint(missing)
     for k, v in before.items():
         assert torch.equal(model.state_dict()[k], v)
@@ -204,7 +204,7 @@ def _refused_rows_body(rank: int, world: int, root: str) -> Dict[str, Any]:
         try:
             recpipe_dcp.load(fresh, root)
             out[label] = {"error": None}
-        except recpipe_dcp.TieredCheckpointError as e:
+        except recpipe_dcp.CheckpointTableError as e:
             out[label] = {"error": str(e)}
         out[label]["before"] = before
         out[label]["after"] = _snapshot(fresh)
@@ -235,7 +235,7 @@ def _one_rank_refused_rows_body(rank: int, world: int, root: str) -> Dict[str, A
     try:
         recpipe_dcp.load(fresh, root)
         error = None
-    except recpipe_dcp.TieredCheckpointError as e:
+    except recpipe_dcp.CheckpointTableError as e:
         error = str(e)
     return {"error": error, "before": before, "after": _snapshot(fresh)}
 
@@ -373,7 +373,7 @@ def _tiered_table_added_body(rank: int, world: int, root: str) -> Dict[str, Any]
     try:
         recpipe_dcp.load(strict_model, root)
         out["strict_error"] = None
-    except recpipe_dcp.TieredCheckpointError as e:
+    except recpipe_dcp.CheckpointTableError as e:
         out["strict_error"] = str(e)
     out["strict_after"] = _snapshot(strict_model)
     fresh = tiered_model(world, SAVE_PLACEMENTS)
@@ -404,13 +404,13 @@ def test_dcp_load_strict_false_keeps_a_tiered_table_the_checkpoint_lacks(tmp_pat
 
 def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     """Which loads read the tiered exports a first time to check them: counted by wrapping
-    ``exports.check_tiered_rows`` in this (spawned) process."""
+    ``layout.check_tiered_rows`` in this (spawned) process."""
     import json
 
     import torch.distributed.checkpoint as dcp
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
-    from recpipe.pipeline.checkpoint import exports
+    from recpipe.pipeline.checkpoint import layout
 
     model = tiered_model(world, SAVE_PLACEMENTS)
     opt = dense_opt(model)
@@ -421,8 +421,8 @@ def _rows_check_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     dcp.save(recpipe_dcp.dcp_state_dict(model), checkpoint_id=by_hand)  # the README's by-hand save
     recpipe_dcp.write_digests(by_hand)
     calls = []
-    original = exports.check_tiered_rows
-    exports.check_tiered_rows = lambda *a, **k: (calls.append(a[3]), original(*a, **k))[1]
+    original = layout.check_tiered_rows
+    layout.check_tiered_rows = lambda *a, **k: (calls.append(a[3]), original(*a, **k))[1]
     out: Dict[str, Any] = {
         "flags": {
             name: json.loads(Path(d, recpipe_dcp.DIGESTS_NAME).read_text()).get("tiered_rows_checked")

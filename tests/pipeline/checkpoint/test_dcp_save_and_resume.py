@@ -7,7 +7,7 @@
 * ``async_save`` of tiered tables loads back what was saved.
 * Resuming fused Adam tiered tables equals the uninterrupted run.
 
-The models and batches are those of ``tests/dcp_models.py`` (tiered t0 HYBRID, t1 CACHING,
+The models and batches are those of ``tests/harness/dcp_models.py`` (tiered t0 HYBRID, t1 CACHING,
 a torchrec ROW_WISE FUSED t2, row-wise Adagrad, a dense head; 2 gloo ranks).
 """
 
@@ -121,9 +121,11 @@ def test_dcp_load_of_a_file_says_it_is_not_the_directory(tmp_path: Path) -> None
 
     f = tmp_path / ".metadata"
     f.write_bytes(b"x")
-    with pytest.raises(NotADirectoryError, match=r"is a file, not a directory.*pass the directory"):
+    with pytest.raises(
+        recpipe_dcp.CheckpointNotADirectoryError, match=r"is a file, not a directory.*pass the directory"
+    ):
         recpipe_dcp.load(torch.nn.Linear(1, 1), f)
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(recpipe_dcp.CheckpointNotFoundError, match="does not exist"):
         recpipe_dcp.load(torch.nn.Linear(1, 1), tmp_path / "absent")
 
 

@@ -1,8 +1,8 @@
-"""DCP checkpoints (recpipe.pipeline.checkpoint.dcp) of models with tiered tables, across world sizes.
+"""DCP checkpoints (recpipe.pipeline.checkpoint) of models with tiered tables, across world sizes.
 
 A DMP model (EBC with tiered tables t0, t1 and a plain torchrec ROW_WISE FUSED table
 t2, fused row-wise Adagrad; a dense head under DDP) trains 3 steps on 2 gloo ranks
-and is saved with ``recpipe.pipeline.checkpoint.dcp.save``. It is loaded on 1 rank and on 2
+and is saved with ``recpipe.pipeline.checkpoint.save``. It is loaded on 1 rank and on 2
 ranks with the tiered placements swapped (HYBRID <-> CACHING); every table's
 (global id -> row, optimizer state) must equal what was saved bit for bit, and the
 next step's outputs must equal those of the saving model (which never went through
@@ -185,12 +185,11 @@ def _assert_same_tables(saved: Dict[str, np.ndarray], loaded: Dict[str, np.ndarr
 
 def _wrong_size_body(rank: int, world: int, root: str) -> str:
     from recpipe.pipeline import checkpoint as recpipe_dcp
-    from recpipe.pipeline.tiered.state import TieredCheckpointError
 
     tables = [("t0", 98, 8, ["f0", "f1"])] + TABLES[1:]  # t0 has one row more than saved
     model = tiered_model(world, SAVE_PLACEMENTS, tables)
     before = _view(model)
-    with pytest.raises(TieredCheckpointError) as err:
+    with pytest.raises(recpipe_dcp.CheckpointTableError) as err:
         recpipe_dcp.load(model, f"{root}/tiered")
     after = _view(model)  # checked before anything is loaded: the torchrec table and the head are untouched
     np.testing.assert_array_equal(after["head"], before["head"])
@@ -351,9 +350,8 @@ def _record_not_removable_body(rank: int, world: int, root: str) -> str:
 
 def test_dcp_save_that_cannot_replace_the_old_record_fails_on_every_rank(tmp_path: Path) -> None:
     """Rank 0 removes the previous save's digests record first; when that fails (a
-    read-only directory, here a record that is a directory) it raised a bare OSError on
-    rank 0 alone while the other ranks entered DCP's save and waited there for it. Now
-    every rank raises CheckpointSaveError naming the record before any rank writes."""
+    read-only directory, here a record that is a directory) every rank raises
+    CheckpointSaveError naming the record before any rank writes (none waits in DCP's save)."""
     from recpipe.pipeline import checkpoint as recpipe_dcp
 
     root = tmp_path / "ckpt"
@@ -361,7 +359,7 @@ def test_dcp_save_that_cannot_replace_the_old_record_fails_on_every_rank(tmp_pat
     messages = run_gloo(2, _record_not_removable_body, str(root))
     for msg in messages:
         assert f"checkpoint {root} was not saved" in msg, msg
-        assert f"removing the old record {root / recpipe_dcp.DIGESTS_NAME} failed (IsADirectoryError" in msg, msg
+        assert f"removing the old record {root / recpipe_dcp.DIGESTS_NAME} failed" in msg, msg
         assert "(rank 0)" in msg and "permissions" in msg, msg
     assert sorted(p.name for p in root.iterdir()) == [recpipe_dcp.DIGESTS_NAME]  # nothing written
 
@@ -427,6 +425,11 @@ def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> Non
         damaged("missing", lambda d: (d / biggest).unlink()): (biggest, "missing"),
         damaged("edited_record", edit_record): (DIGESTS_NAME, "altered after the save"),
         damaged("no_record_strict", lambda d: (d / DIGESTS_NAME).unlink()): (DIGESTS_NAME, "verify=False"),
+        # a data file DCP's metadata does not reference: DCP would ignore it, the record refuses it
+        damaged("foreign", lambda d: shutil.copyfile(d / biggest, d / "__7_0.distcp")): (
+            "__7_0.distcp",
+            f"not listed in {DIGESTS_NAME}",
+        ),
     }
     damaged("no_record", lambda d: (d / DIGESTS_NAME).unlink())
     out = run_gloo(2, _damaged_load_body, str(tmp_path), list(expected))
@@ -434,6 +437,7 @@ def test_dcp_load_verifies_every_file_against_the_digests(tmp_path: Path) -> Non
         assert out[0]["messages"][case] == out[1]["messages"][case], case  # every rank, same message
         msg = out[0]["messages"][case]
         assert f"{case}/{name}: " in msg and problem in msg and "Possible solutions:" in msg, f"{case}: {msg}"
+    assert "move each such file out of the checkpoint directory" in out[0]["messages"]["foreign"]
     _assert_same_tables(_assemble([s["tiered"] for s in saved]), _assemble([r["loaded"] for r in out]), "verify=False")
 
 
@@ -470,7 +474,7 @@ def test_dcp_loads_tables_of_another_kind_in_both_directions(tmp_path: Path) -> 
 
 def _torchrec_save_body(rank: int, world: int, root: str) -> Dict[str, Any]:
     """A plain torchrec model, trained, saved as torchrec users do (DCP of its state_dict,
-    without and with the fused optimizer) and by recpipe.pipeline.checkpoint.dcp.save."""
+    without and with the fused optimizer) and by recpipe.pipeline.checkpoint.save."""
     import torch.distributed.checkpoint as tdcp
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
@@ -552,22 +556,25 @@ def test_dcp_interoperates_with_plain_torchrec_checkpoints(tmp_path: Path) -> No
 
 def _digests_fail_body(rank: int, world: int, root: str, failing_rank: int) -> Dict[str, Any]:
     """DCP's write succeeds, then the digests record fails on ``failing_rank``: rank 0's
-    write of the record (a full disk), or another rank's hashing (an I/O error)."""
+    write of the record through its storage (a full disk), or another rank's hashing (an I/O error)."""
     import errno
 
     from recpipe.pipeline import checkpoint as recpipe_dcp
-    from recpipe.pipeline.checkpoint import digests, storage
+    from recpipe.pipeline.checkpoint import integrity
+
+    class FullDisk(recpipe_dcp.FileSystemStorage):
+        def write_atomic(self, path: Path, data: bytes) -> None:
+            raise OSError(errno.ENOSPC, "injected")
+
+    def unreadable(path: Path) -> Any:
+        raise OSError(errno.EIO, "injected")
 
     model = torch.nn.Linear(3, 2)
-    if rank == failing_rank:
-
-        def fail(*args: Any, **kwargs: Any) -> Any:
-            raise OSError(errno.ENOSPC if rank == 0 else errno.EIO, "injected")
-
-        # rank 0 writes the record (storage), another rank hashes its share (digests)
-        setattr(storage if rank == 0 else digests, "atomic_write_bytes" if rank == 0 else "file_entry", fail)
+    if rank == failing_rank and rank != 0:
+        setattr(integrity, "file_entry", unreadable)  # this rank hashes its share of the files
+    storage = FullDisk() if rank == failing_rank == 0 else None
     try:
-        recpipe_dcp.save(model, root)
+        recpipe_dcp.save(model, root, storage=storage)
     except recpipe_dcp.CheckpointSaveError as e:
         error = str(e)
     except BaseException as e:  # noqa: BLE001 - reported: the contract is CheckpointSaveError

@@ -159,7 +159,7 @@ def test_routed_fused_state_dict_keeps_rows_on_their_ids(kind: str, dist_type: s
             assert "table 't0'" in msg and "table 't1'" in msg, (case, msg)
             # load_state_dict cannot tell whether torch's dcp.load already wrote the rows in place: it says so
             assert "If torch.distributed.checkpoint.load filled this state dict in place" in msg, (case, msg)
-            assert "recpipe.pipeline.checkpoint.dcp.load checks the routing before it reads any row" in msg, (case, msg)
+            assert "recpipe.pipeline.checkpoint.load checks the routing before it reads any row" in msg, (case, msg)
         assert "contiguous row blocks" in r["routed_into_continuous"]
         assert "contiguous row blocks" in r["continuous_into_routed"]
         assert r["continuous_unchanged"] and r["routed_unchanged"], (rank, r)
@@ -198,9 +198,7 @@ def _dcp_body(rank: int, world: int, kind: str, dist_type: str, path: str) -> Di
 def test_dcp_load_refuses_routed_rows_before_writing_them(kind: str, tmp_path: Any) -> None:
     results = run_gloo(2, _dcp_body, kind, "roundrobin", os.fspath(tmp_path / "ckpt"), timeout_s=300)
     for r in results:
-        assert (
-            "recpipe.pipeline.checkpoint.dcp.load" in r["continuous"] and "contiguous row blocks" in r["continuous"]
-        ), r
+        assert "recpipe.pipeline.checkpoint.load" in r["continuous"] and "contiguous row blocks" in r["continuous"], r
         assert "filled this state dict in place" not in r["continuous"], r  # refused before any row was read
         assert r["continuous_unchanged"], r
         # roundrobin has no seed (recorded as 0): another sharder seed loads exactly

@@ -1,17 +1,25 @@
-"""The checkpoint errors of recpipe.pipeline.checkpoint, and how every rank learns them.
+"""What recpipe.pipeline.checkpoint raises: one root, :class:`CheckpointError`, under which every
+checkpoint failure falls, and the ``ValueError`` of a bad argument.
 
-A refusal found on one rank is gathered so that every rank raises together, instead of one
-raising while the others wait in the next collective. Imports only ``tiered.state``.
+The refusals of the layers below (``TieredCheckpointError`` of a tiered shard,
+``RowOrderMismatchError`` of a routed table, ``FileNotFoundError`` / ``NotADirectoryError``) are
+raised here as subclasses of both :class:`CheckpointError` and that type, so ``except
+CheckpointError`` catches every failure of a save, load or verify and the narrower type still
+names the cause. Imports ``tiered.state`` and ``routing.row_order`` only.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+import os
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
-import torch.distributed as dist
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from recpipe.pipeline.routing.row_order import RowOrderMismatchError
 from recpipe.pipeline.tiered.state import TieredCheckpointError
+
+PathLike = Union[str, "os.PathLike[str]"]
 
 # fixes of a checkpoint whose files changed after the save
 CORRUPT_FIXES: Tuple[str, ...] = (
@@ -31,15 +39,40 @@ def numbered(fixes: Sequence[str]) -> List[str]:
     return ["Possible solutions:"] + [f"  {i}. {fix}" for i, fix in enumerate(fixes, 1)]
 
 
-class CheckpointIntegrityError(RuntimeError):
+class CheckpointError(RuntimeError):
+    """The root of every failure of a checkpoint save, load or verify: the message names the
+    cause and the possible solutions. Raised on every rank of a collective call alike."""
+
+
+class CheckpointIntegrityError(CheckpointError):
     """Files of a DCP checkpoint differ from its digests record, or the record is missing or
-    damaged (``problems``: ``(path, problem)`` of each bad file; ``fixes`` numbered in the
-    message). Raised on every rank before anything is loaded."""
+    damaged, or the directory holds a data file the record does not list (``problems``:
+    ``(path, problem)`` of each bad file; ``fixes`` numbered in the message). Raised on every rank
+    before anything is loaded."""
 
     def __init__(self, problems: Sequence[Tuple[str, str]], fixes: Sequence[str]) -> None:
         self.problems: List[Tuple[str, str]] = list(problems)
         self.fixes: Tuple[str, ...] = tuple(fixes)
         super().__init__("\n".join([f"{path}: {problem}" for path, problem in self.problems] + numbered(fixes)))
+
+
+class CheckpointTableError(CheckpointError, TieredCheckpointError):
+    """The checkpoint's tables do not fit this model's (kind, size, dim, optimizer), or their rows
+    cannot be loaded (incomplete exports, missing, repeated or NaN / inf rows). Also a
+    ``TieredCheckpointError``: the tiered layer's refusal of the same rows, raised here under the root."""
+
+
+class CheckpointRowOrderError(CheckpointError, RowOrderMismatchError):
+    """A routed FUSED table saved in another routing, world size or seed than this model's
+    (DCP cannot reshard routed rows). Also the routing layer's ``RowOrderMismatchError``."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint directory does not exist (on some rank)."""
+
+
+class CheckpointNotADirectoryError(CheckpointError, NotADirectoryError):
+    """The checkpoint path names a file, not the directory ``save`` wrote."""
 
 
 def dcp_failures(error: CheckpointException) -> List[Tuple[str, List[int]]]:
@@ -56,7 +89,7 @@ def describe_failures(problems: Sequence[Tuple[str, Sequence[int]]]) -> List[str
     return [f"{p} (rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))})" for p, r in problems]
 
 
-class DCPFailure(RuntimeError):
+class DCPFailure(CheckpointError):
     """DCP's ``CheckpointException`` (a ``BaseException`` holding a traceback per rank) as an
     ordinary exception: :attr:`HEADER` naming the checkpoint ``where``, each distinct problem of
     ``problems`` (``(problem, ranks)``, :func:`dcp_failures`) once with the ranks that hit it, then
@@ -74,8 +107,9 @@ class DCPFailure(RuntimeError):
 
 
 class CheckpointLoadError(DCPFailure):
-    """DCP's load refused the regular part of a checkpoint (another shape, a missing entry).
-    DCP finds these while planning, so the model is unchanged."""
+    """DCP's load refused the regular part of a checkpoint (another shape, a missing entry), or a
+    strict load found entries or fused optimizer state one side lacks. Found while planning, so
+    the model is unchanged."""
 
     HEADER = "{where} could not be loaded into this model (torch.distributed.checkpoint.load failed):"
     FIXES = (
@@ -87,8 +121,9 @@ class CheckpointLoadError(DCPFailure):
 
 
 class CheckpointSaveError(DCPFailure):
-    """A save failed (e.g. a full disk); no digests record was written, so ``load`` refuses the
-    partial checkpoint. Raised on every rank."""
+    """A save failed or was refused (a full disk, another save holding the directory, NaN / inf
+    tiered rows); no digests record was written, so ``load`` refuses the partial checkpoint.
+    Raised on every rank."""
 
     HEADER = "{where} was not saved:"
     FIXES = (
@@ -97,42 +132,19 @@ class CheckpointSaveError(DCPFailure):
     )
 
 
-def rank_world(process_group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
-    """This process's rank and the group's size (``(0, 1)`` without torch.distributed)."""
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(process_group), dist.get_world_size(process_group)
+def check_path(value: Any, argument: str) -> None:
+    """Raises ``ValueError`` naming ``argument`` unless ``value`` is a path (str or os.PathLike)."""
+    if not isinstance(value, (str, os.PathLike)) or isinstance(value, bytes):
+        raise ValueError(
+            f"`{argument}` must be a checkpoint directory path (str or os.PathLike), got "
+            f"{type(value).__name__} {value!r}; e.g. 'ckpt/step_100'."
+        )
 
 
-def all_gather(obj: Any, world: int, process_group: Optional[dist.ProcessGroup]) -> List[Any]:
-    """``obj`` of every rank of the group, in rank order (small picklable values only)."""
-    if world == 1:
-        return [obj]
-    out: List[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=process_group)
-    return out
-
-
-def refusals(action: Callable[[], Any], process_group: Optional[dist.ProcessGroup]) -> List[Tuple[int, str]]:
-    """Runs ``action`` on this rank; returns every rank's ``(rank, message)`` of a
-    ``TieredCheckpointError`` / ``CheckpointLoadError``."""
-    problem: Optional[str] = None
-    try:
-        action()
-    except (TieredCheckpointError, CheckpointLoadError) as e:
-        problem = str(e)
-    world = rank_world(process_group)[1]
-    return [(r, p) for r, p in enumerate(all_gather(problem, world, process_group)) if p is not None]
-
-
-def raise_refusals(problems: List[Tuple[int, str]], outcome: str) -> None:
-    """Raises every rank's refusal of :func:`refusals`, one line each, then ``outcome``, when any."""
-    if problems:
-        raise TieredCheckpointError("\n".join([f"rank {r}: {p}" for r, p in problems] + [outcome]))
-
-
-def raise_first_refusal(problems: List[Tuple[int, str]], process_group: Optional[dist.ProcessGroup]) -> None:
-    """Raises this rank's refusal of :func:`refusals` (else the first rank's), when any."""
-    if problems:
-        mine = dict(problems).get(rank_world(process_group)[0])
-        raise TieredCheckpointError(mine if mine is not None else f"on rank {problems[0][0]}: {problems[0][1]}")
+def check_model(model: Any, where: str) -> None:
+    """Raises ``ValueError`` unless ``model`` is an ``nn.Module``."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"{where}: `model` must be a torch.nn.Module (e.g. the DistributedModelParallel), got "
+            f"{type(model).__name__}."
+        )

@@ -1,18 +1,26 @@
-"""Adopting torchrec tables into tiered tables: a table tiered in the loading model that the
-checkpoint holds as a torchrec table (a ``[num_embeddings, dim]`` ShardedTensor ``weight``).
+"""Checkpoints across table kinds: tiered tables of the model loading the torchrec tables a
+checkpoint holds ("from torchrec"), and torchrec tables of the model loading the tiered tables a
+checkpoint holds ("into torchrec").
 
-Each rank streams the table and its fused optimizer state one saved row block at a time and
-writes the rows it owns to their tiers: peak extra memory is one saved block, one table at a
-time. torchrec's checkpoint holds no optimizer step, so the table keeps its own.
-Imports ``checkpoint.{errors, layout}``, ``placement``, ``routing`` and ``tiered``.
+From torchrec: a table tiered here that the checkpoint holds as a ``[num_embeddings, dim]``
+ShardedTensor ``weight``. Each rank streams the table and its fused optimizer state one saved row
+block at a time and writes the rows it owns to their tiers: peak extra memory is one saved block,
+one table at a time. torchrec's checkpoint holds no optimizer step, so the table keeps its own.
+
+Into torchrec: a table tiered in the checkpoint that this model holds as a torchrec
+(ShardedTensor) table. Each rank gathers only the rows its shards hold from every saving rank's
+export (by global id, one table at a time); extra memory: the rank's rows of one table and one export.
+
+Imports ``checkpoint.{checkpoint_errors, collectives, layout}``, ``placement``, ``routing`` and ``tiered``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
@@ -20,17 +28,33 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from recpipe.pipeline.checkpoint import layout
-from recpipe.pipeline.checkpoint.errors import NON_FINITE_FIXES, all_gather, rank_world
-from recpipe.pipeline.checkpoint.layout import FUSED_OPTIMIZER_KEY, TIERED_KEY, Source, read_row_orders, weight_key
+from recpipe.pipeline.checkpoint.checkpoint_errors import NON_FINITE_FIXES, CheckpointTableError, numbered
+from recpipe.pipeline.checkpoint.collectives import all_gather, raise_first_refusal, rank_world, refusals
+from recpipe.pipeline.checkpoint.layout import (
+    FUSED_OPTIMIZER_KEY,
+    TIERED_KEY,
+    Source,
+    read_export,
+    read_row_orders,
+    tiered_heads,
+    weight_key,
+)
 from recpipe.pipeline.placement import FusedOptimizerKind
 from recpipe.pipeline.routing.ops import ROUTING_VERSION, local_rows
 from recpipe.pipeline.routing.row_order import ROW_ORDER_KEY, RowOrder, describe_row_order
-from recpipe.pipeline.tiered.migration import OPTIMIZER_STATE_NAMES
+from recpipe.pipeline.tiered.migration import (
+    OPTIMIZER_STATE_NAMES,
+    describe_optimizer_tables,
+    named_to_columns,
+    optimizer_tables,
+    shard_global_rows,
+)
+from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
-from recpipe.pipeline.tiered.state import TieredCheckpointError, non_finite_rows
+from recpipe.pipeline.tiered.state import TieredShardState, non_finite_rows
 
 
-class Adoption(NamedTuple):
+class TableFromTorchrec(NamedTuple):
     """A tiered table of the model that the checkpoint holds as a torchrec table: its weight's key
     (in the checkpoint, and in the model's state dict, which holds an empty placeholder there),
     the checkpoint keys of its fused optimizer state in the tiered state's column order (empty for
@@ -90,9 +114,9 @@ def _saved_row_order(src: Source, weight_key: str) -> Tuple[Optional[RowOrder], 
     return order, None
 
 
-def _adoption(
+def _from_torchrec(
     fqn: str, shard: TieredEmbeddingShard, key: str, src: Source, fused_state: bool
-) -> Tuple[Optional[Adoption], Optional[str]]:
+) -> Tuple[Optional[TableFromTorchrec], Optional[str]]:
     """How tiered table ``fqn`` loads the torchrec table the checkpoint holds under ``key``, or why it cannot."""
     metadata = src.metadata
     weight = metadata.state_dict_metadata[key]
@@ -120,7 +144,7 @@ def _adoption(
     state_keys = tuple(
         head + n for n in OPTIMIZER_STATE_NAMES[FusedOptimizerKind(want)] if head + n in metadata.state_dict_metadata
     )
-    return Adoption(key, state_keys, order), None
+    return TableFromTorchrec(key, state_keys, order), None
 
 
 _KIND_FIXES: str = (
@@ -147,14 +171,15 @@ def check_table_kinds(
     tiered_here: Dict[str, TieredEmbeddingShard],
     strict: bool,
     process_group: Optional[dist.ProcessGroup],
-) -> Tuple[List[str], Dict[str, Adoption], List[str]]:
-    """Refuses (``TieredCheckpointError``), on every rank and before anything is read, a checkpoint
+) -> Tuple[List[str], Dict[str, TableFromTorchrec], List[str]]:
+    """Refuses (``CheckpointTableError``), on every rank and before anything is read, a checkpoint
     whose tables do not fit the kinds of this model's (DCP itself would fail mid-load on some ranks
     only); ``strict`` also refuses tiered tables either side lacks entirely.
 
     Returns this rank's tiered tables (``tiered_here``, by fqn) the checkpoint lacks entirely
-    (without ``strict``: they keep their rows); this rank's tables to adopt (:class:`Adoption`);
-    and the tables tiered in the checkpoint that some rank holds as torchrec tables (``leave``).
+    (without ``strict``: they keep their rows); this rank's tiered tables that load from the
+    checkpoint's torchrec tables (:class:`TableFromTorchrec`, by fqn); and the tables tiered in the
+    checkpoint that some rank holds as torchrec tables (loaded into torchrec, :func:`check_into_torchrec`).
     """
     metadata, where = src.metadata, src.where
     world = rank_world(process_group)[1]
@@ -164,7 +189,7 @@ def check_table_kinds(
     problems: List[str] = []
     misfits: List[str] = []
     absent: List[str] = []
-    adopted: Dict[str, Adoption] = {}
+    from_torchrec: Dict[str, TableFromTorchrec] = {}
     for fqn in sorted(set(tiered_here) - saved_tiered):
         key = weight_key(fqn, state)
         weight = metadata.state_dict_metadata.get(key) if key is not None else None
@@ -174,12 +199,12 @@ def check_table_kinds(
             problems.append(f"table {fqn!r} is tiered in this model, but the checkpoint holds no rows of it")
         else:
             assert key is not None
-            adoption, misfit = _adoption(fqn, tiered_here[fqn], key, src, fused_state)
-            if adoption is not None:
-                adopted[fqn] = adoption
+            table, misfit = _from_torchrec(fqn, tiered_here[fqn], key, src, fused_state)
+            if table is not None:
+                from_torchrec[fqn] = table
             else:
                 misfits.append(str(misfit))
-    # tiered when saved, a torchrec (ShardedTensor) table here: loaded from the exports (leave)
+    # tiered when saved, a torchrec (ShardedTensor) table here: loaded into torchrec from the exports
     fused_here = sorted(
         fqn
         for fqn in saved_tiered - tiered_anywhere
@@ -194,15 +219,15 @@ def check_table_kinds(
     parts = all_gather((problems, misfits), world, process_group)
     everyone = sorted({p for part, _ in parts for p in part})
     if everyone:
-        raise TieredCheckpointError(f"{where} does not fit this model's tables: " + "; ".join(everyone) + _KIND_FIXES)
+        raise CheckpointTableError(f"{where} does not fit this model's tables: " + "; ".join(everyone) + _KIND_FIXES)
     everyone = sorted({p for _, part in parts for p in part})
     if everyone:
-        raise TieredCheckpointError(
+        raise CheckpointTableError(
             f"{where}: a tiered table of this model cannot load the torchrec table the checkpoint holds: "
             + "; ".join(everyone)
             + _MISFIT_FIXES
         )
-    return absent, adopted, sorted(fused_anywhere)
+    return absent, from_torchrec, sorted(fused_anywhere)
 
 
 class _RowBlockLoadPlanner(DefaultLoadPlanner):
@@ -227,37 +252,37 @@ class _RowBlockLoadPlanner(DefaultLoadPlanner):
         return self.state_dict[index.fqn]  # the block's own tensor (DCP's default looks the chunk up by offset)
 
 
-def _saved_blocks(adoption: Adoption, metadata: Metadata, n: int) -> List[Tuple[int, int]]:
+def _saved_blocks(table: TableFromTorchrec, metadata: Metadata, n: int) -> List[Tuple[int, int]]:
     """The non-empty row blocks ``[start, stop)`` a torchrec table was saved in, in row order."""
-    md = metadata.state_dict_metadata[adoption.weight_key]
+    md = metadata.state_dict_metadata[table.weight_key]
     assert isinstance(md, TensorStorageMetadata)  # checked by check_table_kinds
     bounds = sorted({0, n} | {int(c.offsets[0]) + e for c in md.chunks for e in (0, int(c.sizes[0]))})
     return [(a, b) for a, b in zip(bounds, bounds[1:]) if a < b]
 
 
-def _adopted_blocks(
-    shard: TieredEmbeddingShard, adoption: Adoption, src: Source
+def _blocks_from_torchrec(
+    shard: TieredEmbeddingShard, table: TableFromTorchrec, src: Source
 ) -> Iterator[Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]:
     """Reads a torchrec table one saved row block at a time (this process alone): yields each
     block's int64 global ids, ``[rows, dim]`` weights and ``[rows, state_cols]`` fp32 optimizer
     state in the tiered column layout (None without state). A routed table's block of saving
     rank ``r`` holds ``r``'s routed rows in local-id order."""
-    order = adoption.row_order
+    order = table.row_order
     rank_at: Dict[int, int] = {}  # a routed table's saving rank by its block's first row
     if order is not None:
         sizes = [local_rows(order.num_embeddings, order.world_size, r) for r in range(order.world_size)]
         rank_at = {sum(sizes[:r]): r for r in range(order.world_size) if sizes[r]}
-    for start, stop in _saved_blocks(adoption, src.metadata, shard.num_embeddings):
+    for start, stop in _saved_blocks(table, src.metadata, shard.num_embeddings):
         state: Dict[str, Any] = {}
-        for key in (adoption.weight_key, *adoption.state_keys):
+        for key in (table.weight_key, *table.state_keys):
             kmd = src.metadata.state_dict_metadata[key]
             assert isinstance(kmd, TensorStorageMetadata)
             state[key] = torch.empty((stop - start, *kmd.size[1:]), dtype=kmd.properties.dtype)
         layout.read_here(state, src, planner=_RowBlockLoadPlanner(start))
-        weights = state.pop(adoption.weight_key)
+        weights = state.pop(table.weight_key)
         opt = (
-            torch.cat([state.pop(k).reshape(stop - start, -1).to(torch.float32) for k in adoption.state_keys], dim=1)
-            if adoption.state_keys
+            torch.cat([state.pop(k).reshape(stop - start, -1).to(torch.float32) for k in table.state_keys], dim=1)
+            if table.state_keys
             else None
         )
         gids = order.global_ids(rank_at[start]) if order is not None else torch.arange(start, stop, dtype=torch.int64)
@@ -267,24 +292,173 @@ def _adopted_blocks(
 
 
 @torch.no_grad()
-def check_adopted_rows(shard: TieredEmbeddingShard, adoption: Adoption, src: Source, fqn: str) -> None:
-    """Refuses (``TieredCheckpointError``) NaN / inf rows of a torchrec table a tiered table
+def check_rows_from_torchrec(shard: TieredEmbeddingShard, table: TableFromTorchrec, src: Source, fqn: str) -> None:
+    """Refuses (the shard's ``TieredCheckpointError``) NaN / inf rows of a torchrec table a tiered table
     loads, naming the table and their number; keeps none of them."""
     non_finite = 0
-    for _, weights, opt in _adopted_blocks(shard, adoption, src):
+    for _, weights, opt in _blocks_from_torchrec(shard, table, src):
         bad = non_finite_rows(weights, opt if opt is not None else torch.empty((weights.shape[0], 0)))
         non_finite += 0 if bad is None else int(bad.sum())
         del weights, opt  # before the next block is read
     if non_finite:
         raise shard.checkpoint_error(
             f"{non_finite} of the {shard.num_embeddings} rows of the torchrec table it would load from {src.where} "
-            f"(table {fqn!r}, {adoption.weight_key}) hold NaN or inf values or optimizer state",
+            f"(table {fqn!r}, {table.weight_key}) hold NaN or inf values or optimizer state",
             NON_FINITE_FIXES,
         )
 
 
-def load_adopted_table(shard: TieredEmbeddingShard, adoption: Adoption, src: Source) -> None:
+def load_table_from_torchrec(shard: TieredEmbeddingShard, table: TableFromTorchrec, src: Source) -> None:
     """Loads a tiered table from the torchrec table the checkpoint holds, one saved block at a
     time (optimizer state zero without it); the table keeps its own optimizer step."""
     step = shard.tiers.export_step()  # as export_state reads it
-    shard.load_row_blocks(_adopted_blocks(shard, adoption, src), step)
+    shard.load_row_blocks(_blocks_from_torchrec(shard, table, src), step)
+
+
+class TableIntoTorchrec(NamedTuple):
+    """A table tiered in the checkpoint that this model holds as a torchrec (ShardedTensor) table.
+
+    ``own_weight``, ``fused_entry`` and ``row_order`` are the model's own entries, kept out of
+    DCP's load (the checkpoint holds none of them) and given back to the model's
+    ``load_state_dict`` calls afterwards.
+    """
+
+    fqn: str
+    weight_key: str  # in the model's state dict
+    heads: Dict[int, Dict[str, Any]]  # every saving rank's export metadata and step
+    desc: Any  # the model's table as tiered.migration describes it (rows, dim, fused optimizer)
+    own_weight: Any
+    fused_entry: Any
+    row_order: Any
+
+
+def _exports_into_torchrec(
+    u: TableIntoTorchrec, src: Source, n: int
+) -> Iterator[Tuple[torch.Tensor, TieredShardState]]:
+    """Every saving rank's export (int64 global ids, export) in turn, refusing ids outside ``[0, n)``."""
+    for r in sorted(u.heads):
+        st = read_export(src, u.fqn, r)
+        gids = st.global_ids.to(torch.int64)
+        if gids.numel() and (int(gids.min()) < 0 or int(gids.max()) >= n):
+            raise CheckpointTableError(
+                f"{src.where}: table {u.fqn!r}: the tiered export of rank {r} holds global ids outside [0, {n}); "
+                "the checkpoint is damaged or was edited: re-save it. Nothing was loaded: the model is "
+                "unchanged."
+            )
+        yield gids, st
+        del st, gids
+
+
+@torch.no_grad()
+def _check_into_torchrec(fqn: str, key: str, d: Any, src: Source) -> TableIntoTorchrec:
+    """Checks the exports of one table loaded into torchrec against its description ``d``: size
+    and optimizer, each row held exactly once, no NaN / inf row. Reads every export once and keeps none."""
+    where = src.where
+    heads = tiered_heads(None, src, fqn)
+    md = heads[min(heads)]["metadata"]
+    saved = [md.get("num_embeddings"), md.get("embedding_dim"), md.get("optimizer")]
+    if (
+        d is None
+        or d.optimizer not in {o.value for o in OPTIMIZER_STATE_NAMES}
+        or saved != [d.rows, d.dim, d.optimizer]
+    ):
+        mine = f"[{d.rows}, {d.dim}] trained with {d.optimizer}" if d is not None else "without a fused optimizer"
+        raise CheckpointTableError(
+            f"{where}: table {fqn!r} was tiered when saved ([{md.get('num_embeddings')}, "
+            f"{md.get('embedding_dim')}] trained with {md.get('optimizer')}), and this model's torchrec table "
+            f"is {mine}. Nothing was loaded: the model is unchanged. Possible solutions:\n"
+            "  1. build the table as it was saved (the same num_embeddings, embedding_dim and fused optimizer: "
+            "SGD, RowWiseAdagrad or Adam, TABLE_WISE or ROW_WISE)\n"
+            "  2. plan it tiered, as it was saved\n  3. start from fresh tables instead of this checkpoint"
+        )
+    u = TableIntoTorchrec(fqn, key, heads, d, None, None, None)
+    count = torch.zeros(d.rows, dtype=torch.int64)
+    non_finite = 0
+    for gids, st in _exports_into_torchrec(u, src, d.rows):
+        count.index_add_(0, gids, torch.ones_like(gids))
+        bad = non_finite_rows(st.weights, st.optimizer_state)
+        non_finite += 0 if bad is None else int(bad.sum())
+        del gids, st  # before the next export is read
+    if bool((count != 1).any()):
+        raise CheckpointTableError(
+            f"{where}: table {fqn!r}: {int((count == 0).sum())} rows are missing from its tiered exports and "
+            f"{int((count > 1).sum())} appear more than once; the exports do not partition the table: "
+            "re-save the checkpoint. Nothing was loaded: the model is unchanged."
+        )
+    if non_finite:
+        raise CheckpointTableError(
+            f"{where}: table {fqn!r}: {non_finite} rows of its tiered exports hold NaN or inf values or "
+            "optimizer state. Nothing was loaded: the model is unchanged. " + "\n".join(numbered(NON_FINITE_FIXES))
+        )
+    return u
+
+
+def check_into_torchrec(
+    model: nn.Module,
+    tables: Sequence[str],
+    state: Dict[str, Any],
+    src: Source,
+    process_group: Optional[dist.ProcessGroup],
+) -> Dict[str, TableIntoTorchrec]:
+    """Checks the exports of ``tables`` (fqns tiered in the checkpoint, torchrec tables here, the
+    same on every rank) on every rank before anything is loaded (``CheckpointTableError``), and
+    moves the tables' own entries out of ``state`` (the regular state dict for DCP's load).
+    Returns the :class:`TableIntoTorchrec` of each table, by fqn."""
+    if not tables:
+        return {}
+    desc = describe_optimizer_tables(optimizer_tables(model), process_group)  # collective
+    out: Dict[str, TableIntoTorchrec] = {}
+
+    def check() -> None:
+        for fqn in tables:
+            key = weight_key(fqn, state)
+            assert key is not None
+            out[fqn] = _check_into_torchrec(fqn, key, desc.get(key[: -len(".weight")]), src)
+
+    raise_first_refusal(refusals(check, process_group), process_group)
+    fused = state.get(FUSED_OPTIMIZER_KEY)
+    fused_state = fused.get("state") if isinstance(fused, dict) else None
+    for fqn, u in out.items():
+        out[fqn] = u._replace(
+            own_weight=state.pop(u.weight_key, None),
+            row_order=state.pop(u.weight_key[: -len("weight")] + ROW_ORDER_KEY, None),
+            fused_entry=fused_state.pop(u.weight_key, None) if isinstance(fused_state, dict) else None,
+        )
+    return out
+
+
+def _global_rows(rows: Any) -> torch.Tensor:
+    """A shard's global rows (a contiguous ``slice`` or int64 routed ids) as int64 ids."""
+    return torch.arange(rows.start, rows.stop, dtype=torch.int64) if isinstance(rows, slice) else rows
+
+
+@torch.no_grad()
+def fill_table_into_torchrec(u: TableIntoTorchrec, src: Source) -> Callable[[str, Any], torch.Tensor]:
+    """Writes the rows this rank's shards hold of a table loaded into torchrec into ``u.own_weight``;
+    returns where ``write_optimizer_rows`` reads those rows' fused optimizer state (torchrec's names)."""
+    order = RowOrder(*(u.row_order[f] for f in RowOrder._fields)) if u.row_order is not None else None
+    shards = u.own_weight.local_shards()
+    rows = [shard_global_rows(s.metadata, int(s.tensor.shape[0]), order) for s in shards]
+    needed = torch.unique(torch.cat([_global_rows(r) for r in rows])) if rows else torch.empty(0, dtype=torch.int64)
+    m = needed.numel()
+    weights = torch.zeros((m, u.desc.dim), dtype=torch.float32)
+    opt = torch.zeros(
+        (m, TieredOptimizerConfig(optimizer=u.desc.optimizer).state_cols(u.desc.dim)), dtype=torch.float32
+    )
+    for gids, st in _exports_into_torchrec(u, src, u.desc.rows) if m else ():
+        pos = torch.searchsorted(needed, gids).clamp_(max=m - 1)
+        hit = (needed.index_select(0, pos) == gids).nonzero().squeeze(1)
+        at = pos.index_select(0, hit)
+        weights.index_copy_(0, at, st.weights.index_select(0, hit).to(torch.float32))
+        opt.index_copy_(0, at, st.optimizer_state.index_select(0, hit).to(torch.float32))
+        del pos, hit, at, gids, st  # before the next export is read
+
+    def positions(r: Any) -> torch.Tensor:
+        return torch.searchsorted(needed, _global_rows(r))
+
+    for shard, r in zip(shards, rows):  # whole rows, or a column-wise shard's columns
+        c0, t = int(shard.metadata.shard_offsets[1]), shard.tensor
+        t.copy_(weights.index_select(0, positions(r))[:, c0 : c0 + t.shape[1]].to(t.device, t.dtype))
+    del weights
+    named = named_to_columns(u.desc, opt, u.fqn.rsplit(".", 1)[-1])
+    return lambda k, r: named[k].index_select(0, positions(r))
