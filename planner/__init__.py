@@ -1,7 +1,8 @@
 """recpipe.planner: the embedded placement planner (HYBRID / CACHING per table).
 
 ``PlacementPlanner(topology).plan(ebc) -> PlacementPlan``; ``plan.to_sharding_plan()`` gives the torchrec
-``ShardingPlan``. The contract and byte formulas shared with the runtime live in
+``ShardingPlan``. Its stages are extension points (``recpipe.planner.types``: ``PlacementEnumerator``,
+``CostModel``, ``PlacementProposer``, ``PlacementPartitioner``). The contract and byte formulas shared with the runtime live in
 ``recpipe.pipeline.placement`` (re-exported here). May import ``recpipe.pipeline.placement`` and public
 names of the pipeline packages (never ``recpipe.pipeline.train_pipeline``, never a private name).
 """
@@ -27,6 +28,8 @@ from recpipe.planner.brute_force import BruteForceProposer
 from recpipe.planner.cost_models import AnalyticCostModel, EmpiricalCostModel, fast_tier_hit_rate
 from recpipe.planner.enumerators import GridPlacementEnumerator
 from recpipe.planner.errors import PlannerError, PlannerErrorType, PlannerInputError
+from recpipe.planner.option_arrays import OptionArrays
+from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition
 from recpipe.planner.placement_plan import PlacementPlan, TablePlacement, to_sharding_plan
 from recpipe.planner.planners import PlacementPlanner
 from recpipe.planner.proposers import DynamicProgrammingProposer
@@ -40,7 +43,7 @@ from recpipe.planner.specs import (
 )
 from recpipe.planner.tables import table_fused_optimizer, tables_from_module
 from recpipe.planner.torchrec_plan import PlacementParameterSharding, placements_from_sharding_plan
-from recpipe.planner.types import CostModel, Proposer
+from recpipe.planner.types import CostModel, PlacementEnumerator, PlacementPartitioner, PlacementProposer
 
 __all__ = [
     "AnalyticCostModel",
@@ -54,8 +57,11 @@ __all__ = [
     "DynamicProgrammingProposer",
     "EmpiricalCostModel",
     "FusedOptimizerKind",
+    "GreedyTableWisePartitioner",
     "GridPlacementEnumerator",
     "Mode",
+    "OptionArrays",
+    "Partition",
     "PlacementConstraints",
     "PlacementOption",
     "PlacementParameterSharding",
@@ -65,7 +71,9 @@ __all__ = [
     "PlannerError",
     "PlannerErrorType",
     "PlannerInputError",
-    "Proposer",
+    "PlacementEnumerator",
+    "PlacementPartitioner",
+    "PlacementProposer",
     "STORAGE_BACKENDS",
     "ShardStorage",
     "TablePlacement",

@@ -57,6 +57,7 @@ _FLAG_OF = (
     ("backend='native'", "--backend native"),
     ("world_size", "--world-size"),
     ("local_world_size", "--local-world-size"),
+    ("sharding_types", "--sharding-types"),
 )
 _REQUIRED_KEYS = ("name", "rows", "dim")
 

@@ -152,8 +152,9 @@ class CommCostModel:
         route = ids * c.bucketize_ns if W > 1 else 0.0 * ids
         return (in_bytes + pooled * (W - 1)) / c.network_bw, (W * bags * c.bag_ns + route) / 1e6
 
-    def costs(self, table: TableSpec, sharding_types: Sequence[str]) -> np.ndarray:
-        """Modelled ms per step of each sharding type of ``table`` (network plus compute), float64."""
+    def sharding_type_costs(self, table: TableSpec, sharding_types: Sequence[str]) -> np.ndarray:
+        """Modelled ms per step of ``table`` under each of ``sharding_types`` (network plus compute), float64.
+        Not a ``CostModel``: this prices sharding types, a ``CostModel`` prices storage options."""
         return np.array([self.cost_array([table], s)[0] for s in sharding_types], dtype=np.float64)
 
 

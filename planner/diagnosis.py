@@ -9,19 +9,21 @@ from typing import List, Mapping, Optional, Protocol, Sequence, Tuple
 import numpy as np
 from torchrec.distributed.planner.types import Topology
 
-from recpipe.planner.enumerators import OptionArrays, _constraint_for
+from recpipe.planner.constraints import ROW_WISE, TABLE_WISE, constraint_for, sharding_types_flags
 from recpipe.planner.errors import PlannerError, PlannerErrorType, rounded, sized, solutions
+from recpipe.planner.option_arrays import OptionArrays
 from recpipe.planner.specs import PlacementConstraints, PlacementOption, TableSpec
-from recpipe.planner.types import Proposer
+from recpipe.planner.types import PlacementProposer
 
 
 class PlannerSettings(Protocol):
     """What a diagnosis reads of the planner (``PlacementPlanner`` is one)."""
 
     topology: Topology
-    proposer: Proposer
+    proposer: PlacementProposer
     constraints: Mapping[str, PlacementConstraints]
     load_factors: Tuple[float, ...]
+    sharding_types: Tuple[str, ...]
     hbm_reservation: float
     ddr_reservation: float
 
@@ -53,6 +55,11 @@ class InfeasibilityDiagnosis:
         self.lh_d = int(np.where(valid & (hbm == min_h_table[:, None]), ddr, big).min(axis=1).sum())
         self.ld_h = int(np.where(valid & (ddr == min_d_table[:, None]), hbm, big).min(axis=1).sum())
         self.fits_alone = valid & (hbm <= H) & (ddr <= D)
+        # tables left only torchrec's FUSED table (all rows in HBM) by sharding_types, not by a pin: load
+        # factors cannot shrink them, a tiered sharding type can
+        fused_only = ~(valid & ~options.fused).any(axis=1)
+        pinned = np.array([constraint_for(t, planner.constraints) is not None for t in specs], dtype=bool)
+        self.fused_only, self.widenable = fused_only, fused_only & ~pinned
 
     def error(self) -> PlannerError:
         """A table that fits no budget alone, a budget no plan fits, or budgets that fit only apart."""
@@ -67,7 +74,7 @@ class InfeasibilityDiagnosis:
         specs, H, D, lh_h, lh_d = self.specs, self.H, self.D, self.lh_h, self.lh_d
         i = lonely[0]
         t = specs[i]
-        pin = _constraint_for(t, self.planner.constraints)
+        pin = constraint_for(t, self.planner.constraints)
         kind = PlannerErrorType.TABLE_DOES_NOT_FIT if pin is None else PlannerErrorType.STRICT_CONSTRAINTS
         # The table's smallest-HBM and smallest-DDR options, each with the budgets it exceeds.
         sols = [
@@ -84,6 +91,8 @@ class InfeasibilityDiagnosis:
         sols.append(f"shard over more ranks (world_size now {self.W}): per-rank bytes shrink as 1/world_size")
         if pin is not None:
             sols.insert(0, f"relax the constraints pinned on table {t.fqn!r} ({pin})")
+        elif self.widenable[i]:
+            sols.append(self._widen())
         else:
             sols.append(f"add smaller load factors than {min(self.planner.load_factors)} to load_factors")
         return PlannerError(
@@ -121,8 +130,11 @@ class InfeasibilityDiagnosis:
                 f"HBM raised to that least, the model needs {sized(lh_d)} of DDR per machine (each table at its "
                 f"lowest-HBM option), the budget is {sized(D)}{other}"
             )
+        if need_h and self.widenable.any():
+            sols.append(self._widen())
         if need_h:
-            sols.append(f"lower hbm_reservation (now {self.planner.hbm_reservation}) or add smaller load_factors")
+            smaller = "" if self.fused_only.all() else " or add smaller load_factors"
+            sols.append(f"lower hbm_reservation (now {self.planner.hbm_reservation}){smaller}")
         if need_d and not need_h:
             sols.append(
                 f"raise host DDR per machine to at least {self._ddr_cap_for(min_d)}: the model needs at least "
@@ -215,6 +227,17 @@ class InfeasibilityDiagnosis:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if plans(mid) else (mid, hi)
         return hi
+
+    def _widen(self) -> str:
+        """The fix of tables ``sharding_types`` leaves only torchrec's FUSED table: allow the tiered types."""
+        names = [t.fqn for t, w in zip(self.specs, self.widenable) if w]
+        wider = [s for s in self.planner.sharding_types if s not in (TABLE_WISE, ROW_WISE)]
+        wider = [TABLE_WISE, ROW_WISE, *wider]
+        return (
+            f"widen sharding_types (now {list(self.planner.sharding_types)}) with 'table_wise' and/or 'row_wise' "
+            f"({sharding_types_flags(wider)}): {len(names)} table(s) ({names[:5]}) have only torchrec's FUSED table, "
+            "which keeps every row in HBM, where a recpipe tiered table keeps a load factor of them there"
+        )
 
     def _hbm_cap_for(self, need: int) -> str:
         """The smallest ``hbm_cap`` whose budget holds ``need`` bytes per device, rounded and in bytes."""

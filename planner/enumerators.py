@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -34,7 +33,18 @@ from recpipe.pipeline.placement import (
     tier_split,
 )
 from recpipe.planner.communication import PLANNED_SHARDING_TYPES, CommCostModel
+from recpipe.planner.constraints import (
+    COLUMN_WISE,
+    ROW_WISE,
+    TABLE_WISE,
+    check_constraint_keys,
+    check_constraints,
+    check_sharding_types,
+    constraint_for,
+    no_option_error,
+)
 from recpipe.planner.errors import PlannerError, PlannerErrorType, solutions
+from recpipe.planner.option_arrays import MODE_CODE, SHARDING_CODE, SHARDING_OF_CODE, OptionArrays
 from recpipe.planner.specs import (
     BACKEND_SHARD_STORAGE,
     DEFAULT_LOAD_FACTORS,
@@ -51,12 +61,6 @@ from recpipe.planner.types import CostModel
 _LayoutKey = Tuple[Tuple[Tuple[Mode, float], ...], bool, bool, bool, bool]
 
 
-def _constraint_for(
-    table: TableSpec, constraints: Mapping[str, PlacementConstraints]
-) -> Optional[PlacementConstraints]:
-    return constraints.get(table.fqn) or constraints.get(table.name)
-
-
 class GridPlacementEnumerator:
     """Enumerates per table the tiered options ``{HYBRID, CACHING} x load_factors`` (``x = 1`` once) under
     each of ``sharding_types``: ROW_WISE over all ranks, TABLE_WISE whole on one rank; and torchrec's FUSED
@@ -71,7 +75,8 @@ class GridPlacementEnumerator:
     Costs are the cost model's
     lookup cost (``FUSED_CPU_LOOKUP_RATIO`` times it for a FUSED table on the ``native`` backend) plus
     ``comm_model``'s cost of the sharding type; ``constraints`` (keyed by table name or FQN) narrow a table's
-    options; ``cache_policy`` sets fbgemm's cache metadata bytes.
+    options within ``sharding_types`` (a pinned sharding type they rule out is refused); ``cache_policy`` sets
+    fbgemm's cache metadata bytes.
     """
 
     def __init__(
@@ -104,23 +109,11 @@ class GridPlacementEnumerator:
             )
         self.world_size, self.local_world_size, self.cost_model = world_size, local_world_size, cost_model
         self.load_factors: Tuple[float, ...] = tuple(sorted({float(x) for x in load_factors}))
-        for key, pin in (constraints or {}).items():
-            if not isinstance(key, str) or not isinstance(pin, PlacementConstraints):
-                example = (
-                    f"PlacementConstraints(**{pin!r})"
-                    if isinstance(pin, dict)
-                    else "PlacementConstraints(mode=Mode.CACHING)"
-                )
-                raise PlannerError(
-                    f"constraints[{key!r}] is a {type(pin).__name__} under a {type(key).__name__} key: constraints "
-                    "must map a table name or FQN (str) to a PlacementConstraints.\n"
-                    f"Possible solutions:\n  1) write constraints={{{str(key)!r}: {example}}}.",
-                    PlannerErrorType.INPUT_VALIDATION,
-                )
+        self.sharding_types: Tuple[str, ...] = check_sharding_types(sharding_types)
+        check_constraints(constraints, self.sharding_types)
         self.constraints: Mapping[str, PlacementConstraints] = constraints or {}
         self.backend: str = backend
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy, "cache_policy")
-        self.sharding_types: Tuple[str, ...] = check_sharding_types(sharding_types)
         #: lookup time of torchrec's FUSED table over a tiered table's at the same placement: fbgemm's TBE on
         #: CUDA runs both; on CPU (``native``) recpipe's kernel is the faster one
         self.fused_lookup_ratio: float = FUSED_CPU_LOOKUP_RATIO if backend == "native" else 1.0
@@ -136,7 +129,7 @@ class GridPlacementEnumerator:
 
     def candidates(self, table: TableSpec) -> List[Tuple[Mode, float]]:
         """The (mode, x) pairs allowed for ``table``; ``x = 1`` appears once, as HYBRID, even if pinned to CACHING."""
-        pin = _constraint_for(table, self.constraints) or PlacementConstraints()
+        pin = constraint_for(table, self.constraints) or PlacementConstraints()
         xs: Sequence[float] = self.load_factors
         if pin.load_factors is not None:
             xs = tuple(sorted({float(x) for x in pin.load_factors}))
@@ -158,35 +151,10 @@ class GridPlacementEnumerator:
         COLUMN_WISE only where its width splits into torchrec's column shards over more than one rank."""
         if sharding_type == COLUMN_WISE and (column_shards(table.dim) < 2 or self.world_size < 2):
             return False
-        pin = _constraint_for(table, self.constraints) or PlacementConstraints()
+        pin = constraint_for(table, self.constraints) or PlacementConstraints()
         if pin.sharding_type is not None:
             return pin.sharding_type == sharding_type
         return sharding_type in self.sharding_types
-
-    def _check_constraints(self, tables: Sequence[TableSpec]) -> None:
-        unknown = set(self.constraints) - {t.name for t in tables} - {t.fqn for t in tables}
-        if unknown:
-            raise PlannerError(
-                f"constraints name tables that are not in the model: {sorted(unknown)}.\n"
-                f"Possible solutions:\n  1) key constraints by one of {[t.fqn for t in tables][:20]}.",
-                PlannerErrorType.INPUT_VALIDATION,
-            )
-        # A bare name two tables share (a.t, b.t) would pin both at once, which a FQN key never does.
-        by_name: Dict[str, List[str]] = {}
-        for t in tables:
-            by_name.setdefault(t.name, []).append(t.fqn)
-        fqns = {t.fqn for t in tables}
-        for key in self.constraints:  # O(tables + constraints): every table may be pinned
-            pinned = [key] if key in fqns else []
-            pinned += [f for f in by_name.get(key, []) if f != key and f not in self.constraints]
-            if len(pinned) > 1:
-                names = ", ".join(map(repr, pinned))
-                fix = f"key the constraint by each table's full name (module path + '.' + table): {names}."
-                raise PlannerError(
-                    f"constraints[{key!r}] is ambiguous: the name {key!r} matches {len(pinned)} tables {pinned}.\n"
-                    + solutions([fix]),
-                    PlannerErrorType.INPUT_VALIDATION,
-                )
 
     def enumerate_arrays(self, tables: Sequence[TableSpec]) -> "OptionArrays":
         """Options of every table as ``(tables, options)`` arrays (``cost = inf`` pads short rows).
@@ -202,14 +170,14 @@ class GridPlacementEnumerator:
                     f"tables[{k}] must be a TableSpec, got {type(t).__name__} {t!r:.80}; e.g. "
                     "TableSpec(name='t0', rows=1000, dim=64)."
                 )
-        self._check_constraints(tables)
+        check_constraint_keys(self.constraints, tables)
         _check_tiered_tables(tables, self.backend)
         # tables sharing candidates and allowed options share a column layout: filled together
         layouts: Dict[_LayoutKey, List[int]] = {}
         # tables without constraints share one layout per splittability of their width and FUSED kernel
         unpinned: Dict[Tuple[bool, bool], _LayoutKey] = {}
         for i, t in enumerate(tables):
-            if _constraint_for(t, self.constraints) is not None:
+            if constraint_for(t, self.constraints) is not None:
                 key = self._layout(t)
             else:
                 kind = (column_shards(t.dim) > 1, self._fused_runs(t))
@@ -225,7 +193,7 @@ class GridPlacementEnumerator:
             if rw:
                 self._fill(out, tables, ii, cand, col, whole=False)
                 out.lookup_cost[ii, col : col + len(cand)] = lookup
-                out.comm_cost[ii, col : col + len(cand)] = comm[_SHARDING_CODE[ROW_WISE], ii][:, None]
+                out.comm_cost[ii, col : col + len(cand)] = comm[SHARDING_CODE[ROW_WISE], ii][:, None]
                 col += len(cand)
             fused_lookup = lookup[:, cand.index((Mode.HYBRID, 1.0))] * self.fused_lookup_ratio if fused or cw else None
             if fused:  # all in the fast tier as torchrec's FUSED table; before the tiered one, which it wins ties of
@@ -234,29 +202,14 @@ class GridPlacementEnumerator:
             if tw:
                 self._fill(out, tables, ii, cand, col, whole=True)
                 out.lookup_cost[ii, col : col + len(cand)] = lookup
-                out.comm_cost[ii, col : col + len(cand)] = comm[_SHARDING_CODE[TABLE_WISE], ii][:, None]
+                out.comm_cost[ii, col : col + len(cand)] = comm[SHARDING_CODE[TABLE_WISE], ii][:, None]
                 col += len(cand)
             if cw:  # torchrec's FUSED table in column shards, each whole on one rank
                 self._fill_fused(out, tables, ii, col, COLUMN_WISE, fused_lookup, comm)  # type: ignore[arg-type]
         valid = out.modes >= 0
         none = np.flatnonzero(~valid.any(axis=1))
         if none.size:
-            t = tables[int(none[0])]
-            raise PlannerError(
-                f"table {t.fqn!r} (dim {t.dim}) has no placement option under its constraints "
-                f"{_constraint_for(t, self.constraints)} and sharding_types {list(self.sharding_types)}"
-                f" ({none.size} such table(s)): column_wise needs a dim that splits into torchrec's column shards "
-                "(>= 2 shards of >= 128 columns, e.g. dim 256) on more than one rank, and a FUSED table keeps "
-                "every row in the fast tier (x = 1) and, on the native backend (CPU), trains with "
-                f"{sorted(o.value for o in FUSED_CPU_OPTIMIZERS)} only (fbgemm-gpu-cpu).\n"
-                + solutions(
-                    [
-                        f"pin {t.fqn!r} to sharding_type 'table_wise' or 'row_wise', or allow x = 1 for fused=True",
-                        "drop the pin",
-                    ]
-                ),
-                PlannerErrorType.INPUT_VALIDATION,
-            )
+            raise self._no_option_error(tables[int(none[0])], none.size)
         out.cost[valid] = out.lookup_cost[valid] + out.comm_cost[valid]
         return out
 
@@ -264,7 +217,7 @@ class GridPlacementEnumerator:
         """``table``'s column layout: its candidates, and whether it gets row-wise tiered, table-wise FUSED,
         table-wise tiered and column-wise FUSED options."""
         cand = tuple(self.candidates(table))
-        fused = (_constraint_for(table, self.constraints) or PlacementConstraints()).fused
+        fused = (constraint_for(table, self.constraints) or PlacementConstraints()).fused
         tw = self._allowed(table, TABLE_WISE)
         all_fast = fused is not False and (Mode.HYBRID, 1.0) in cand and self._fused_runs(table)
         return (
@@ -274,6 +227,31 @@ class GridPlacementEnumerator:
             tw and fused is not True,  # table-wise tiered
             self._allowed(table, COLUMN_WISE) and all_fast,  # column-wise FUSED
         )
+
+    def _no_option_error(self, table: TableSpec, count: int) -> PlannerError:
+        """The refusal of ``table``, which has no option (:func:`no_option_error`), naming what keeps torchrec's
+        FUSED table from holding it."""
+        blocks: List[Tuple[str, str]] = []
+        candidates = self.candidates(table)
+        if (Mode.HYBRID, 1.0) not in candidates:
+            blocks.append(
+                (
+                    "a FUSED table keeps every row in the fast tier (x = 1), and the x grid of "
+                    f"{table.fqn!r} {sorted({x for _, x in candidates})} has no 1.0",
+                    "allow x = 1: add 1.0 to load_factors (or to the table's pinned load_factors)",
+                )
+            )
+        if not self._fused_runs(table):
+            optimizers = sorted(o.value for o in FUSED_CPU_OPTIMIZERS)
+            blocks.append(
+                (
+                    f"on the native backend (CPU) a FUSED table trains with {optimizers} only (fbgemm-gpu-cpu's "
+                    f"TBE), and {table.fqn!r} trains with {FusedOptimizerKind.parse(table.optimizer).value}",
+                    f"train {table.fqn!r} with one of {optimizers}, or plan backend='fbgemm' for a CUDA run",
+                )
+            )
+        pin = constraint_for(table, self.constraints) or PlacementConstraints()
+        return no_option_error(table, pin, self.sharding_types, self.world_size, blocks, count)
 
     def _fused_runs(self, table: TableSpec) -> bool:
         """Whether torchrec's FUSED table can train ``table``: on the ``native`` backend (a CPU run) fbgemm-gpu-cpu's
@@ -301,13 +279,13 @@ class GridPlacementEnumerator:
         else:
             shards, shard = np.ones_like(rows), rows * per_row_format(group, row_bytes)
         size = shards * shard
-        out.modes[ii, col], out.load_factors[ii, col] = _MODE_CODE[Mode.HYBRID], 1.0
-        out.sharding[ii, col], out.fused[ii, col] = _SHARDING_CODE[sharding_type], True
+        out.modes[ii, col], out.load_factors[ii, col] = MODE_CODE[Mode.HYBRID], 1.0
+        out.sharding[ii, col], out.fused[ii, col] = SHARDING_CODE[sharding_type], True
         out.hbm_bytes_per_rank[ii, col] = -(-size // self.world_size)  # the knapsack's share
         out.owner_bytes[ii, col], out.hbm_bytes_per_machine[ii, col] = shard, size
         out.shards[ii, col] = shards
         out.lookup_cost[ii, col] = lookup
-        out.comm_cost[ii, col] = comm[_SHARDING_CODE[sharding_type], ii]
+        out.comm_cost[ii, col] = comm[SHARDING_CODE[sharding_type], ii]
 
     def _fill(
         self,
@@ -323,7 +301,7 @@ class GridPlacementEnumerator:
         HBM per rank and DDR per machine are the knapsack's shares ``ceil(bytes / W)``, ``ceil(bytes / M)``."""
         W, L = self.world_size, self.local_world_size
         cols = slice(start, start + len(cand))
-        out.modes[ii, cols] = [_MODE_CODE[m] for m, _ in cand]
+        out.modes[ii, cols] = [MODE_CODE[m] for m, _ in cand]
         out.load_factors[ii, cols] = [x for _, x in cand]
         out.sharding[ii, cols] = int(whole)
         out.shards[ii, cols] = int(whole)
@@ -434,38 +412,12 @@ class GridPlacementEnumerator:
         return self.enumerate_arrays(tables).to_options()
 
 
-TABLE_WISE, ROW_WISE, COLUMN_WISE = PLANNED_SHARDING_TYPES
 #: fbgemm-gpu-cpu's FUSED TBE time over recpipe's tiered CPU kernel at the same rows, forward + backward:
 #: the conservative end of 1.05-1.19x (``scripts/bench_storage.py``, one thread, Zipf ids). Dimensionless.
 FUSED_CPU_LOOKUP_RATIO: float = 1.05
 #: The fused optimizers of recpipe's tiered tables that fbgemm-gpu-cpu's TBE also runs (its CPU mode has no Adam):
 #: torchrec's FUSED table is offered on the ``native`` backend (a CPU run) only for these.
 FUSED_CPU_OPTIMIZERS: Tuple[FusedOptimizerKind, ...] = (FusedOptimizerKind.SGD, FusedOptimizerKind.ROWWISE_ADAGRAD)
-# Sharding type <-> int8 code in ``OptionArrays.sharding``.
-SHARDING_OF_CODE: Tuple[str, str, str] = (ROW_WISE, TABLE_WISE, COLUMN_WISE)
-_SHARDING_CODE: Dict[str, int] = {s: code for code, s in enumerate(SHARDING_OF_CODE)}
-
-
-def check_sharding_types(sharding_types: Sequence[str]) -> Tuple[str, ...]:
-    """``sharding_types`` as a tuple of planned sharding types (torchrec spelling), refused if empty or unknown."""
-    if isinstance(sharding_types, (str, bytes)) or not isinstance(sharding_types, Sequence) or not sharding_types:
-        raise ValueError(
-            f"sharding_types must be a non-empty list of {list(PLANNED_SHARDING_TYPES)}, got {sharding_types!r}; "
-            "e.g. ('table_wise', 'row_wise'), or ('row_wise',) for tiered row-wise tables only."
-        )
-    out = tuple(getattr(s, "value", s) for s in sharding_types)
-    unknown = [s for s in out if s not in PLANNED_SHARDING_TYPES]
-    if unknown:
-        raise ValueError(
-            f"sharding_types holds {unknown}: the planner plans {list(PLANNED_SHARDING_TYPES)} (torchrec "
-            "ShardingType values); drop the others."
-        )
-    return out
-
-
-# Mode <-> int8 code in ``OptionArrays.modes`` (-1 = no option).
-_MODE_CODE: Dict[Mode, int] = {Mode.HYBRID: 0, Mode.CACHING: 1}
-MODE_OF_CODE: Tuple[Mode, Mode] = (Mode.HYBRID, Mode.CACHING)
 # Bound on the bulk formulas' intermediate products (numerator x rows, rows x bytes/row) to stay exact in int64.
 _INT64_SAFE: int = 2**62
 
@@ -503,105 +455,11 @@ def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:
             )
 
 
-@dataclass
-class OptionArrays:
-    """Every table's options packed as ``(tables, options)`` arrays.
-
-    ``modes`` are int8 codes (0 HYBRID, 1 CACHING, -1 no option), ``sharding`` int8 codes (0 ROW_WISE,
-    1 TABLE_WISE, 2 COLUMN_WISE), ``fused`` marks torchrec's FUSED table (all in the fast tier); bytes are int64
-    of the most loaded rank / machine (a table- or column-wise option's HBM per rank and DDR per machine are its
-    shares ``ceil(bytes / W)`` and ``ceil(slow bytes / machines)``; ``owner_bytes`` / ``owner_slow_bytes`` what
-    the owner of one of its shards holds); ``shards`` the int16 count of such whole shards (1 table-wise,
-    ``column_shards(dim)`` column-wise, 0 row-wise); ``cost`` is float64 modelled ms (``lookup_cost +
-    comm_cost``), ``inf`` where a table has fewer options.
-    """
-
-    modes: np.ndarray
-    load_factors: np.ndarray
-    hbm_bytes_per_rank: np.ndarray
-    ddr_bytes_per_rank: np.ndarray
-    hbm_bytes_per_machine: np.ndarray
-    ddr_bytes_per_machine: np.ndarray
-    cost: np.ndarray
-    sharding: np.ndarray
-    fused: np.ndarray
-    owner_bytes: np.ndarray
-    owner_slow_bytes: np.ndarray
-    lookup_cost: np.ndarray
-    comm_cost: np.ndarray
-    shards: np.ndarray
-
-    @classmethod
-    def empty(cls, num_tables: int, num_options: int) -> "OptionArrays":
-        """All-padding arrays of shape ``(num_tables, num_options)``: modes -1, bytes 0, cost inf."""
-        shape = (num_tables, num_options)
-        z = lambda: np.zeros(shape, dtype=np.int64)  # noqa: E731
-        return cls(
-            np.full(shape, -1, dtype=np.int8),
-            np.zeros(shape),
-            z(),
-            z(),
-            z(),
-            z(),
-            np.full(shape, np.inf),
-            np.zeros(shape, dtype=np.int8),
-            np.zeros(shape, dtype=bool),
-            z(),
-            z(),
-            np.zeros(shape),
-            np.zeros(shape),
-            np.zeros(shape, dtype=np.int16),
-        )
-
-    @property
-    def byte_arrays(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """HBM / DDR bytes per rank, then HBM / DDR bytes per machine (``PlacementOption`` field order)."""
-        return self.hbm_bytes_per_rank, self.ddr_bytes_per_rank, self.hbm_bytes_per_machine, self.ddr_bytes_per_machine
-
-    def option(self, table: int, index: int) -> PlacementOption:
-        """The ``PlacementOption`` at ``(table, index)`` (IndexError for padding)."""
-        code = int(self.modes[table, index])
-        if code < 0:
-            raise IndexError(f"table {table} has no option {index}.")
-        return PlacementOption(
-            MODE_OF_CODE[code],
-            float(self.load_factors[table, index]),
-            *(int(a[table, index]) for a in self.byte_arrays),
-            cost=float(self.cost[table, index]),
-            sharding_type=SHARDING_OF_CODE[int(self.sharding[table, index])],
-            fused=bool(self.fused[table, index]),
-            owner_bytes=int(self.owner_bytes[table, index]),
-            owner_slow_bytes=int(self.owner_slow_bytes[table, index]),
-            lookup_cost=float(self.lookup_cost[table, index]),
-            comm_cost=float(self.comm_cost[table, index]),
-        )
-
-    def to_options(self) -> List[List[PlacementOption]]:
-        """Options per table as ``PlacementOption`` lists, in input order (padding dropped)."""
-        return [[self.option(i, j) for j in np.flatnonzero(self.modes[i] >= 0)] for i in range(self.modes.shape[0])]
-
-
-def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Pack options into ``(M, K)`` arrays: HBM bytes per rank, DDR bytes per machine, cost (``inf`` pads)."""
-    M = len(options)
-    K = max((len(o) for o in options), default=0)
-    hbm, ddr, cost = np.zeros((M, K), dtype=np.int64), np.zeros((M, K), dtype=np.int64), np.full((M, K), np.inf)
-    for i, opts in enumerate(options):
-        for j, o in enumerate(opts):
-            hbm[i, j], ddr[i, j], cost[i, j] = o.hbm_bytes_per_rank, o.ddr_bytes_per_machine, o.cost
-    return hbm, ddr, cost
-
-
 __all__ = [
     "FUSED_CPU_LOOKUP_RATIO",
     "FUSED_CPU_OPTIMIZERS",
-    "MODE_OF_CODE",
     "COLUMN_WISE",
     "ROW_WISE",
-    "SHARDING_OF_CODE",
     "TABLE_WISE",
     "GridPlacementEnumerator",
-    "OptionArrays",
-    "check_sharding_types",
-    "options_to_arrays",
 ]

@@ -447,39 +447,7 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
                 f"{where}[{key!r}] must be a finite number >= 0 (modelled ms), got {type(cost).__name__} {cost!r}; "
                 f"{fix}."
             )
-    sharding_type = p.get("sharding_type", _ROW_WISE)
-    if sharding_type not in (_ROW_WISE, ShardingType.TABLE_WISE.value, _COLUMN_WISE):
-        raise ValueError(
-            f"{where}['sharding_type'] must be 'row_wise', 'table_wise' or 'column_wise', got {sharding_type!r}; {fix}."
-        )
-    rank = p.get("rank")
-    if sharding_type == ShardingType.TABLE_WISE.value:
-        rank = check_int(rank, f"{where}['rank'] (the owner of a table-wise table)", 0)
-    elif rank is not None:
-        raise ValueError(
-            f"{where}['rank'] must be null for a {sharding_type} table (no one rank holds it), got {rank!r}; {fix}."
-        )
-    ranks = p.get("ranks")
-    if sharding_type == _COLUMN_WISE:
-        shards = column_shards(ints["dim"])
-        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or len(ranks) != shards:
-            raise ValueError(
-                f"{where}['ranks'] must list the owner rank of each of the {shards} column shards of a column_wise "
-                f"table of dim {ints['dim']}, got {ranks!r}; {fix}."
-            )
-        ranks = tuple(check_int(r, f"{where}['ranks'][{j}]", 0) for j, r in enumerate(ranks))
-    elif ranks is not None:
-        raise ValueError(f"{where}['ranks'] must be absent for a {sharding_type} table, got {ranks!r}; {fix}.")
-    fused = p.get("fused", False)
-    if not isinstance(fused, bool) or (
-        fused
-        and (sharding_type == _ROW_WISE or p["cache_load_factor"] != 1.0)
-        or (sharding_type == _COLUMN_WISE and not fused)
-    ):
-        raise ValueError(
-            f"{where}['fused'] must be a bool, true only for a table_wise table at cache_load_factor 1.0 and for "
-            f"every column_wise table, got {fused!r} for a {sharding_type} table; {fix}."
-        )
+    sharding_type, rank, ranks, fused = _sharding_from_dict(p, where, ints["dim"], fix)
     reason = p.get("reason", "")
     if not isinstance(reason, str):
         raise ValueError(f"{where}['reason'] must be a string, got {type(reason).__name__}; {fix}.")
@@ -500,6 +468,48 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
         reason=reason,
         **ints,
     )
+
+
+def _sharding_from_dict(
+    p: Mapping[str, Any], where: str, dim: int, fix: str
+) -> Tuple[str, Optional[int], Optional[Tuple[int, ...]], bool]:
+    """The sharding fields of a plan entry (``sharding_type``, ``rank``, ``ranks``, ``fused``), each checked
+    against the others: a table-wise table has an owner ``rank``, a column-wise one an owner per column shard
+    in ``ranks`` and is FUSED, a row-wise one neither and is never FUSED."""
+    sharding_type = p.get("sharding_type", _ROW_WISE)
+    if sharding_type not in (_ROW_WISE, ShardingType.TABLE_WISE.value, _COLUMN_WISE):
+        raise ValueError(
+            f"{where}['sharding_type'] must be 'row_wise', 'table_wise' or 'column_wise', got {sharding_type!r}; {fix}."
+        )
+    rank = p.get("rank")
+    if sharding_type == ShardingType.TABLE_WISE.value:
+        rank = check_int(rank, f"{where}['rank'] (the owner of a table-wise table)", 0)
+    elif rank is not None:
+        raise ValueError(
+            f"{where}['rank'] must be null for a {sharding_type} table (no one rank holds it), got {rank!r}; {fix}."
+        )
+    ranks = p.get("ranks")
+    if sharding_type == _COLUMN_WISE:
+        shards = column_shards(dim)
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence) or len(ranks) != shards:
+            raise ValueError(
+                f"{where}['ranks'] must list the owner rank of each of the {shards} column shards of a column_wise "
+                f"table of dim {dim}, got {ranks!r}; {fix}."
+            )
+        ranks = tuple(check_int(r, f"{where}['ranks'][{j}]", 0) for j, r in enumerate(ranks))
+    elif ranks is not None:
+        raise ValueError(f"{where}['ranks'] must be absent for a {sharding_type} table, got {ranks!r}; {fix}.")
+    fused = p.get("fused", False)
+    if not isinstance(fused, bool) or (
+        fused
+        and (sharding_type == _ROW_WISE or p["cache_load_factor"] != 1.0)
+        or (sharding_type == _COLUMN_WISE and not fused)
+    ):
+        raise ValueError(
+            f"{where}['fused'] must be a bool, true only for a table_wise table at cache_load_factor 1.0 and for "
+            f"every column_wise table, got {fused!r} for a {sharding_type} table; {fix}."
+        )
+    return sharding_type, rank, ranks, fused
 
 
 def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:

@@ -1,4 +1,5 @@
-"""PlacementPlanner: topology budgets -> options -> proposer -> PlacementPlan."""
+"""PlacementPlanner: topology budgets -> options (enumerator, cost model) -> one per table (proposer) -> owner
+ranks (partitioner) -> PlacementPlan."""
 
 from __future__ import annotations
 
@@ -27,8 +28,9 @@ from recpipe.planner.communication import (
 )
 from recpipe.planner.cost_models import make_cost_model
 from recpipe.planner.diagnosis import InfeasibilityDiagnosis
-from recpipe.planner.enumerators import MODE_OF_CODE, SHARDING_OF_CODE, GridPlacementEnumerator, OptionArrays
+from recpipe.planner.enumerators import GridPlacementEnumerator
 from recpipe.planner.errors import PlannerError, PlannerErrorType, sized
+from recpipe.planner.option_arrays import MODE_OF_CODE, SHARDING_OF_CODE, OptionArrays
 from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition, place_shards
 from recpipe.planner.placement_plan import PlacementPlan, TablePlacement, option_text
 from recpipe.planner.proposers import DynamicProgrammingProposer
@@ -39,8 +41,16 @@ from recpipe.planner.specs import (
     TableSpec,
     check_topology_args,
 )
+from recpipe.planner.stage_checks import (
+    check_enumerator_settings,
+    check_stages,
+    checked_choice,
+    checked_options,
+    checked_partition,
+    cost_model_name,
+)
 from recpipe.planner.tables import tables_from_module
-from recpipe.planner.types import CostModel, Proposer
+from recpipe.planner.types import CostModel, PlacementEnumerator, PlacementPartitioner, PlacementProposer
 
 #: Fraction of each device's HBM kept for dense parameters, activations and input buffers (tzrec's
 #: default ``storage_reserve_percent``). Dimensionless.
@@ -68,36 +78,56 @@ class PlacementPlanner:
     :meth:`_solve`). Costs: lookup
     bytes (``cost_model``) plus the sharding type's communication (``communication``).
 
+    The four stages are extension points (``recpipe.planner.types``): ``enumerator`` lists the options,
+    ``cost_model`` prices their lookups (in the default enumerator), ``proposer`` picks one per table and
+    ``partitioner`` picks the owner ranks of the table- and column-wise ones. Each takes an instance of its
+    protocol; the planner checks what each returns and refuses, naming it, picks outside the budgets.
+
     Args:
         topology: torchrec topology (dry runs on a CPU machine are fine).
-        cost_model: ``"analytic"`` (default), ``"empirical"`` or a ``CostModel``.
+        enumerator: a ``PlacementEnumerator``; None builds a ``GridPlacementEnumerator`` from ``cost_model``,
+            ``load_factors``, ``constraints``, ``sharding_types`` and ``communication``, which are refused
+            beside a given one (it lists and prices the options itself).
+        partitioner: a ``PlacementPartitioner``; None: ``GreedyTableWisePartitioner()``.
+        cost_model: ``"analytic"`` (None, the default), ``"empirical"`` or a ``CostModel``.
+        proposer: a ``PlacementProposer``; None: ``DynamicProgrammingProposer(bins)``.
+        load_factors: the cache load factors ``x`` each tiered table may take.
         bins: DP grid of the default proposer (None sizes it); refused together with ``proposer``.
-        constraints: pins per table name or FQN.
+        constraints: pins per table name or FQN; a pinned sharding type must be one of ``sharding_types``.
         optimizer: fused optimizer of module tables the model names none for (a module's own always win);
             the default SGD is what the tiered sharders train such a table with.
         fused_params: the sharders' fused params (their ``optimizer`` applies to tables without an
             in-backward optimizer, as in torchrec).
         batch_size: per-rank batch size for tables read from a module.
-        hbm_reservation / ddr_reservation: fractions of HBM / host DDR kept for everything else.
-        dist_type, seed, cache_policy: carried to the sharders.
+        hbm_reservation: fraction of HBM kept for everything else.
+        ddr_reservation: fraction of host DDR kept for everything else.
+        dist_type: routing of row-wise tables, carried to the sharders.
+        seed: seed of the HYBRID hash split, carried to the sharders.
+        cache_policy: eviction policy of CACHING tables, carried to the sharders.
         backend: layout whose bytes are budgeted and priced: ``fbgemm`` (fbgemm's TBE) or ``native``
-            (recpipe's own: the CPU kernel and the torch backend). None: ``fbgemm`` on a ``cuda`` topology,
-            else ``native``; plan ``native`` when a ``cuda`` topology models a CPU run.
-        sharding_types: the sharding types to choose from (``table_wise``, ``row_wise``, ``column_wise``).
+            (recpipe's own: the CPU kernel and the torch backend). None: a given enumerator's, else ``fbgemm``
+            on a ``cuda`` topology, else ``native``; plan ``native`` when a ``cuda`` topology models a CPU run.
+        sharding_types: the sharding types to choose from (``table_wise``, ``row_wise``, ``column_wise``, in
+            any order, or one comma-separated string).
         communication: constants of the communication model: ``"gloo_cpu"`` (measured for gloo on CPU),
             ``"topology"`` (the topology's bandwidths) or a ``CommConstants``; None: ``gloo_cpu`` on a
             ``cpu`` topology, else ``topology``.
+
+    Raises:
+        ValueError: an argument the planner cannot plan with, named (``PlannerInputError`` for pins).
     """
 
     def __init__(
         self,
         topology: Topology,
         *,
-        cost_model: Union[str, CostModel] = "analytic",
+        enumerator: Optional[PlacementEnumerator] = None,
+        partitioner: Optional[PlacementPartitioner] = None,
+        cost_model: Union[str, CostModel, None] = None,
+        proposer: Optional[PlacementProposer] = None,
         load_factors: Sequence[float] = DEFAULT_LOAD_FACTORS,
         bins: Optional[Tuple[int, int]] = None,
         constraints: Optional[Mapping[str, PlacementConstraints]] = None,
-        proposer: Optional[Proposer] = None,
         optimizer: Union[FusedOptimizerKind, str] = FusedOptimizerKind.SGD,
         fused_params: Optional[Mapping[str, Any]] = None,
         batch_size: int = BATCH_SIZE,
@@ -113,27 +143,61 @@ class PlacementPlanner:
         _check_topology(topology, hbm_reservation, ddr_reservation, batch_size)
         seed = check_int(seed, "seed", -(2**63), 2**63 - 1)
         load_factors = check_load_factors(load_factors)
-        dist = _check_collaborators(bins, constraints, proposer, fused_params, dist_type)
+        stages = {"enumerator": enumerator, "partitioner": partitioner, "proposer": proposer}
+        dist = _check_collaborators(bins, constraints, stages, fused_params, dist_type)
         self.topology = topology
         if backend is None:
-            backend = "fbgemm" if topology.compute_device == "cuda" else "native"
+            backend = getattr(enumerator, "backend", "fbgemm" if topology.compute_device == "cuda" else "native")
         self.backend: str = backend  # checked by the enumerator
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy)
-        self.cost_model: CostModel = make_cost_model(
-            cost_model, topology.hbm_mem_bw, topology.hbm_to_ddr_mem_bw, backend, self.cache_policy
+        self.proposer: PlacementProposer = proposer if proposer is not None else DynamicProgrammingProposer(bins)
+        self.partitioner: PlacementPartitioner = (
+            partitioner if partitioner is not None else GreedyTableWisePartitioner()
         )
-        self.load_factors = tuple(load_factors)
-        self.constraints = dict(constraints or {})
-        self.proposer: Proposer = proposer if proposer is not None else DynamicProgrammingProposer(bins)
         self.optimizer: FusedOptimizerKind = FusedOptimizerKind.parse(optimizer)
         self.fused_params: Optional[Mapping[str, Any]] = dict(fused_params) if fused_params is not None else None
         self.batch_size = batch_size
         self.hbm_reservation, self.ddr_reservation = hbm_reservation, ddr_reservation
         self.dist_type: DistType = dist
         self.seed = seed
-        self.comm_model: CommCostModel = CommCostModel(_comm_constants(communication, topology), topology.world_size)
-        self.partitioner = GreedyTableWisePartitioner()
-        self.enumerator = GridPlacementEnumerator(
+        self._set_enumerator(
+            enumerator,
+            cost_model=cost_model,
+            load_factors=load_factors,
+            constraints=constraints,
+            sharding_types=sharding_types,
+            communication=communication,
+        )
+
+    def _set_enumerator(self, enumerator: Optional[PlacementEnumerator], **settings: Any) -> None:
+        """Takes ``enumerator`` (refusing the default one's ``settings`` beside it) or builds the default
+        ``GridPlacementEnumerator`` from ``settings``; records the cost model, pins, load factors and sharding
+        types the plan and its diagnosis quote."""
+        self.cost_model: Optional[CostModel]
+        self.comm_model: Optional[CommCostModel]
+        self.enumerator: PlacementEnumerator
+        self.sharding_types: Tuple[str, ...]
+        if enumerator is not None:
+            check_enumerator_settings(enumerator, self.backend, self.cache_policy, **settings)
+            self.enumerator = enumerator
+            self.cost_model = getattr(enumerator, "cost_model", None)
+            self.comm_model = getattr(enumerator, "comm_model", None)
+            self.load_factors = tuple(getattr(enumerator, "load_factors", DEFAULT_LOAD_FACTORS))
+            self.constraints = dict(getattr(enumerator, "constraints", None) or {})
+            self.sharding_types = tuple(getattr(enumerator, "sharding_types", PLANNED_SHARDING_TYPES))
+            return
+        topology, cost_model = self.topology, settings["cost_model"]
+        self.cost_model = make_cost_model(
+            "analytic" if cost_model is None else cost_model,
+            topology.hbm_mem_bw,
+            topology.hbm_to_ddr_mem_bw,
+            self.backend,
+            self.cache_policy,
+        )
+        self.load_factors = tuple(settings["load_factors"])
+        self.constraints = dict(settings["constraints"] or {})
+        self.comm_model = CommCostModel(_comm_constants(settings["communication"], topology), topology.world_size)
+        grid = GridPlacementEnumerator(
             topology.world_size,
             topology.local_world_size,
             self.cost_model,
@@ -141,9 +205,10 @@ class PlacementPlanner:
             self.constraints,
             backend=self.backend,
             cache_policy=self.cache_policy,
-            sharding_types=sharding_types,
+            sharding_types=settings["sharding_types"],
             comm_model=self.comm_model,
         )
+        self.enumerator, self.sharding_types = grid, grid.sharding_types
 
     @property
     def hbm_budget(self) -> int:
@@ -209,7 +274,7 @@ class PlacementPlanner:
                 f"  2) lower hbm_reservation (now {self.hbm_reservation}).",
                 PlannerErrorType.INPUT_VALIDATION,
             )
-        options = self.enumerator.enumerate_arrays(specs)
+        options = checked_options(self.enumerator, self.enumerator.enumerate_arrays(specs), specs)
         choice, owners = self._solve(specs, options, H, D)
         placements = _placements(specs, options, choice, owners)
         plan = PlacementPlan(
@@ -219,7 +284,7 @@ class PlacementPlanner:
             compute_device=self.topology.compute_device,
             hbm_budget_per_rank=H,
             ddr_budget_per_machine=D,
-            cost_model=getattr(self.cost_model, "name", type(self.cost_model).__name__),
+            cost_model=cost_model_name(self.cost_model, self.enumerator),
             dist_type=self.dist_type,
             seed=self.seed,
             cache_policy=self.cache_policy,
@@ -253,10 +318,10 @@ class PlacementPlanner:
         for attempt in range(MAX_PARTITION_REPAIRS + 1):
             if attempt == MAX_PARTITION_REPAIRS:
                 cost[owned] = np.inf
-            choice = self.proposer.solve(options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, cost, H, D)
-            if choice is None:
+            got = self.proposer.solve(options.hbm_bytes_per_rank, options.ddr_bytes_per_machine, cost, H, D)
+            if got is None:
                 raise InfeasibilityDiagnosis(self, specs, options, H, D).error()
-            choice = np.array(choice, dtype=np.int64)
+            choice = checked_choice(self.proposer, got, options, cost, H, D)
             sharding = options.sharding[rows, choice]
             tw = np.flatnonzero(sharding >= 1)
             rw = np.flatnonzero(sharding == 0)
@@ -264,15 +329,13 @@ class PlacementPlanner:
                 int(options.hbm_bytes_per_rank[rw, choice[rw]].sum()),
                 int(options.ddr_bytes_per_machine[rw, choice[rw]].sum()),
             )
-            part = self.partitioner.partition(
-                options.owner_bytes[tw, choice[tw]],
-                options.owner_slow_bytes[tw, choice[tw]],
-                options.cost[tw, choice[tw]],
-                base,
-                (H, D),
-                W,
-                L,
-                options.shards[tw, choice[tw]],
+            shard_bytes = (options.owner_bytes[tw, choice[tw]], options.owner_slow_bytes[tw, choice[tw]])
+            shards = options.shards[tw, choice[tw]]
+            got_part = self.partitioner.partition(
+                *shard_bytes, options.cost[tw, choice[tw]], base, (H, D), W, L, shards
+            )
+            part = checked_partition(
+                self.partitioner, got_part, [specs[i] for i in tw], shards, shard_bytes, base, (H, D), W, L
             )
             owners: List[Tuple[int, ...]] = [()] * len(specs)
             for i, o in zip(tw.tolist(), part.shard_owners):
@@ -455,25 +518,16 @@ def _check_topology(topology: Topology, hbm_reservation: float, ddr_reservation:
 def _check_collaborators(
     bins: Optional[Tuple[int, int]],
     constraints: Optional[Mapping[str, PlacementConstraints]],
-    proposer: Optional[Proposer],
+    stages: Mapping[str, Any],
     fused_params: Optional[Mapping[str, Any]],
     dist_type: Union[DistType, str],
 ) -> DistType:
-    """Refuses pins, a proposer and routing :class:`PlacementPlanner` cannot plan with; returns ``dist_type``."""
+    """Refuses pins, stages (:func:`check_stages`) and routing :class:`PlacementPlanner` cannot plan with;
+    returns ``dist_type``."""
     for name, value in (("constraints", constraints), ("fused_params", fused_params)):
         if value is not None and not isinstance(value, Mapping):
             raise ValueError(f"{name} must be a dict (or None), got {type(value).__name__} {value!r}.")
-    if proposer is not None and (isinstance(proposer, type) or not callable(getattr(proposer, "solve", None))):
-        raise ValueError(
-            f"proposer must be a Proposer instance (with solve(...)), got {type(proposer).__name__} "
-            f"{proposer!r}: e.g. DynamicProgrammingProposer() or BruteForceProposer()."
-        )
-    if proposer is not None and bins is not None:
-        raise ValueError(
-            f"bins={bins!r} and proposer={type(proposer).__name__}(...) were both given, but bins only sizes the "
-            "default DynamicProgrammingProposer's grid and a given proposer ignores it: drop bins, or pass "
-            f"proposer=DynamicProgrammingProposer(bins={bins!r}) instead of both."
-        )
+    check_stages(stages, bins)
     dist = DistType.parse(dist_type)
     if dist not in ROUTED_DIST_TYPES:
         raise ValueError(

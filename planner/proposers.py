@@ -297,7 +297,7 @@ class DynamicProgrammingProposer:
     def solve(
         self, hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, hbm_budget: int, ddr_budget: int
     ) -> Optional[np.ndarray]:
-        """See ``Proposer.solve``."""
+        """See ``PlacementProposer.solve``."""
         hbm, ddr, cost = _validated(hbm, ddr, cost, hbm_budget, ddr_budget)
         H, D = int(hbm_budget), int(ddr_budget)
         M = cost.shape[0]

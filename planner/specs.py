@@ -184,7 +184,8 @@ class PlacementConstraints:
     sharding_type: Optional[str] = None
     """Pin the sharding type: ``table_wise`` (the whole table on one rank: torchrec's FUSED table when all in
     the fast tier, else a tiered table), ``row_wise`` (a tiered table over every rank) or ``column_wise``
-    (torchrec's FUSED table in column shards of at least 128 columns, each whole on one rank)."""
+    (torchrec's FUSED table in column shards of at least 128 columns, each whole on one rank); one of the
+    planner's ``sharding_types`` (a pin chooses within them, and one they rule out is refused)."""
     fused: Optional[bool] = None
     """Pin torchrec's FUSED table (True: table- or column-wise, all in the fast tier) or a recpipe tiered table
     (False)."""

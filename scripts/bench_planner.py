@@ -41,7 +41,7 @@ from recpipe.planner import (
     TableSpec,
 )
 from recpipe.planner.cost_models import AnalyticCostModel
-from recpipe.planner.enumerators import options_to_arrays
+from recpipe.planner.option_arrays import options_to_arrays
 
 GiB = 1024**3
 

@@ -56,7 +56,7 @@ from recpipe.planner import (
 from recpipe.planner.__main__ import main as cli_main
 from recpipe.planner.communication import CommConstants
 from recpipe.planner.cost_models import generalized_harmonic
-from recpipe.planner.enumerators import options_to_arrays
+from recpipe.planner.option_arrays import options_to_arrays
 
 #: A network so fast that communication costs nothing: plans priced by lookups alone.
 ZERO_COMM = CommConstants(name="zero", network_bw=1e30, bag_ns=0.0, bucketize_ns=0.0, source="tests")

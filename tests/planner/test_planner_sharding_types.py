@@ -32,7 +32,7 @@ def test_communication_cost_by_hand() -> None:
     assert model.split(t, "table_wise") == pytest.approx(((6768 + 24576) / 1000, 256 * 10 / 1e6))
     # row-wise: 3 partial sums per bag leave (2 x 256 x 16 x 4 x 3 = 98304 B), 4 x 256 bags pooled, 1000 ids routed
     assert model.split(t, "row_wise") == pytest.approx(((6768 + 98304) / 1000, (4 * 256 * 10 + 1000 * 2) / 1e6))
-    assert model.costs(t, ["table_wise", "row_wise"]).tolist() == pytest.approx([31.34656, 105.08424])
+    assert model.sharding_type_costs(t, ["table_wise", "row_wise"]).tolist() == pytest.approx([31.34656, 105.08424])
     # one rank: nothing moves and nothing is routed; only the bags are pooled
     alone = CommCostModel(CONSTANTS, world_size=1)
     assert alone.split(t, "table_wise") == alone.split(t, "row_wise") == (0.0, 256 * 10 / 1e6)
