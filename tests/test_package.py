@@ -21,8 +21,13 @@ def test_namespace_package_has_the_three_subpackages() -> None:
     import recpipe
 
     assert not hasattr(recpipe, "__file__") or recpipe.__file__ is None  # PEP 420 namespace
-    for mod in (recpipe.pipeline, recpipe.planner, recpipe.recipes):
-        assert mod.__name__.startswith("recpipe.")
+    # each subpackage is a regular package in one of the namespace's portions
+    # (the installed recpipe/ or the dev overlay's), not a module found elsewhere on sys.path
+    portions = {Path(p) for p in recpipe.__path__}
+    for name, mod in (("pipeline", recpipe.pipeline), ("planner", recpipe.planner), ("recipes", recpipe.recipes)):
+        init = Path(mod.__file__)
+        assert init.name == "__init__.py" and init.parent.name == name, init
+        assert init.parent.parent in portions, (init, sorted(portions))
 
 
 @pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI checks the installed (non-editable) package")

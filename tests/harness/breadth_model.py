@@ -6,8 +6,8 @@ Provides ``BreadthModel`` (two EBCs sharing a feature, a weighted EBC and an EC;
 plan with fused optimizers, and a dense Adam), ``flatten_outputs`` (nested outputs
 as a flat tensor list), ``tbe_counters`` (fbgemm TBEs' ``step`` / ``iter``) and
 ``final_state`` (parameters, fused optimizer state and TBE counters as numpy).
-Imported by test_pipeline_breadth.py and test_pipeline_failed_step_recovery.py;
-run inside gloo ranks (run_gloo pickles module-level functions by module name).
+The functions run inside gloo ranks (run_gloo pickles module-level functions by
+module name).
 """
 
 from __future__ import annotations

@@ -3,9 +3,7 @@
 Provides ``CRITEO`` (the keyword arguments of a small ``criteo_tsv`` DLRM
 ``TrainConfig``: 6 steps of 16 samples, without a data path) and
 ``write_criteo`` (writes a deterministic Criteo TSV of valid rows: a label, 13
-integer and 26 hex categorical columns). Imported by test_nonfinite.py,
-test_planner_and_recipe_input_limits.py, test_recipes_metrics.py and
-test_recipes_progress_and_truncated_data.py.
+integer and 26 hex categorical columns).
 """
 
 from __future__ import annotations

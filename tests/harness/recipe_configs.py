@@ -5,11 +5,8 @@ Provides ``SMALL_SYNTHETIC`` (the keyword arguments of a small synthetic DLRM
 dict), ``SYNTHETIC`` (a smaller one, without log or eval settings either),
 ``step_dir`` (the directory of one step's checkpoint under a checkpoint root),
 ``flip_bytes`` (corrupts a file by inverting bytes in its second half) and
-``scalars`` (a TensorBoard directory's scalar events). Imported by
-test_recipes_dist.py, test_recipes_metrics.py,
-test_recipes_progress_and_truncated_data.py, test_recipes_sharding.py,
-test_checkpoint_integrity.py, test_checkpoint_dcp.py and test_cli.py, and importable by module name inside
-gloo ranks.
+``scalars`` (a TensorBoard directory's scalar events). Importable by module name
+inside gloo ranks.
 """
 
 from __future__ import annotations

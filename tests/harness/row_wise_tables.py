@@ -4,8 +4,7 @@ Provides ``TABLES`` (t0 looked up by f0, t1 by f1 and f2), ``SEED`` (the routing
 seed), ``UNEVEN`` (uneven shard sizes over 2 ranks), ``fused_row_wise_plan``
 (ROW_WISE FUSED parameter shardings: routed, torchrec's contiguous blocks or
 uneven) and ``owner_rows`` (the global ids a rank stores, in local-id order, from
-the pure-Python reference routing). Imported by test_sharding.py and
-test_row_order.py; run inside gloo ranks.
+the pure-Python reference routing). The functions run inside gloo ranks.
 """
 
 from __future__ import annotations

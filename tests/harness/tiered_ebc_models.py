@@ -8,8 +8,8 @@ warm-up model of the optimizer tests (``EbcWithHead``, ``warmup_model``,
 ``warmup_batches``) and the fused-vs-tiered models of the migration tests
 (``fused_model``, ``tiered_model``, ``initial_weights``, ``train_step``,
 ``max_divergence``, ``K``, ``K2``, ``ATOL``, ``RTOL``). The builders read ``TABLES``
-when called. Imported by test_tiered_*.py and test_dcp_adopt.py; the functions run
-inside gloo ranks (run_gloo pickles module-level functions by module name).
+when called. The functions run inside gloo ranks (run_gloo pickles module-level
+functions by module name).
 """
 
 from __future__ import annotations

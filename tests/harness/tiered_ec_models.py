@@ -4,9 +4,8 @@ Provides the two sequence tables (``TABLES``: s0 looked up by f0 and f1, s1 by f
 ``FEATURES``, ``FEATURE_TABLE``, ``ROWS``, ``PLACEMENT``, ``B``, ``STEPS``, ``LR``,
 ``DIM``), ``make_ec``, the batches (``kjt_and_grads``: a KJT and exact upstream
 gradients) and ``planner_plan`` (recpipe's planner, modes pinned by constraints).
-Imported by test_tiered_sequence.py, test_tiered_features.py and
-test_tiered_migration.py; the functions run inside gloo ranks (run_gloo pickles
-module-level functions by module name).
+The functions run inside gloo ranks (run_gloo pickles module-level functions by
+module name).
 """
 
 from __future__ import annotations

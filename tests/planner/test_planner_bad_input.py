@@ -19,9 +19,9 @@ from torchrec.distributed.planner.types import Topology
 from recpipe.planner import (
     AnalyticCostModel,
     BruteForceProposer,
-    DynamicProgrammingProposer,
     EmpiricalCostModel,
     GridPlacementEnumerator,
+    KnapsackProposer,
     Mode,
     PlacementConstraints,
     PlacementPlanner,
@@ -110,7 +110,7 @@ def _topology() -> Topology:
         ("constraints", [1]),
         ("fused_params", "x"),
         ("proposer", 3),
-        ("proposer", DynamicProgrammingProposer),  # the class, not an instance
+        ("proposer", KnapsackProposer),  # the class, not an instance
     ],
 )
 def test_planner_constructor_names_argument(arg: str, value: object) -> None:
@@ -118,18 +118,18 @@ def test_planner_constructor_names_argument(arg: str, value: object) -> None:
         PlacementPlanner(_topology(), **{arg: value})
 
 
-@pytest.mark.parametrize("proposer", [BruteForceProposer(), DynamicProgrammingProposer(bins=(8, 4))])
+@pytest.mark.parametrize("proposer", [BruteForceProposer(), KnapsackProposer(bins=(8, 4))])
 def test_planner_refuses_bins_together_with_a_proposer(proposer: Any) -> None:
     """``bins`` only builds the default proposer: with a proposer of one's own it was ignored."""
     topo = make_topology(world_size=2, local_world_size=2, hbm_cap=GiB, ddr_cap=GiB)
     with pytest.raises(
         ValueError,
         match=rf"bins=\(100, 50\) and proposer={type(proposer).__name__}\(\.\.\.\) were "
-        r"both given.*drop bins, or pass proposer=DynamicProgrammingProposer\(bins=\(100, 50\)\)",
+        r"both given.*drop bins, or pass proposer=KnapsackProposer\(bins=\(100, 50\)\)",
     ):
         PlacementPlanner(topo, bins=(100, 50), proposer=proposer)
     # either alone is fine, and the given proposer's own bins are the ones used
-    dp = DynamicProgrammingProposer(bins=(8, 4))
+    dp = KnapsackProposer(bins=(8, 4))
     tables = [TableSpec(name=n, rows=50_000, dim=16, optimizer="adam") for n in "abc"]
     small = make_topology(world_size=2, local_world_size=2, hbm_cap=4 * 2**20, ddr_cap=GiB)
     PlacementPlanner(small, proposer=dp, backend="native").plan(tables)
@@ -251,7 +251,7 @@ _H = np.array([[1, 2], [1, 2]], dtype=np.int64)
 _C = np.array([[1.0, 0.5], [1.0, 0.5]])
 
 
-@pytest.mark.parametrize("proposer", [DynamicProgrammingProposer(), BruteForceProposer()], ids=["dp", "brute"])
+@pytest.mark.parametrize("proposer", [KnapsackProposer(), BruteForceProposer()], ids=["dp", "brute"])
 @pytest.mark.parametrize(
     "arg,value",
     [
@@ -273,7 +273,7 @@ def test_proposer_solve_names_argument(proposer: Any, arg: str, value: object) -
         proposer.solve(**kwargs)
 
 
-@pytest.mark.parametrize("proposer", [DynamicProgrammingProposer(), BruteForceProposer()], ids=["dp", "brute"])
+@pytest.mark.parametrize("proposer", [KnapsackProposer(), BruteForceProposer()], ids=["dp", "brute"])
 def test_proposer_whole_float_bytes_still_solve(proposer: Any) -> None:
     """Whole-number float byte arrays are taken; the answer is the exhaustive optimum."""
     got = proposer.solve(_H.astype(np.float64), _H.astype(np.float64), _C, 3, 3)

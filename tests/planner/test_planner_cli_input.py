@@ -39,7 +39,7 @@ def test_cli_refuses_a_size_without_a_unit_below_1_mib(
     assert exc.value.code == 2
     assert f"argument {flag}: size '{value}' has no unit, so it means {value} bytes" in err, err
     assert f"write {flag} {value}GiB, or {value}B if you mean bytes" in err, err
-    assert "Traceback" not in err and "PlannerError" not in err
+    assert "Traceback" not in err and "PlacementPlannerError" not in err
 
 
 def test_cli_takes_explicit_bytes_and_large_bare_numbers_as_bytes(
@@ -50,7 +50,7 @@ def test_cli_takes_explicit_bytes_and_large_bare_numbers_as_bytes(
     base = ["--tables", str(y), "--world-size", "2"]
     # explicit bytes: the user meant them (this table does not fit 80 bytes)
     assert cli_main([*base, "--hbm", "80B", "--ddr", "1TiB"]) == 2
-    assert "PlannerError" in capsys.readouterr().err
+    assert "PlacementPlannerError" in capsys.readouterr().err
     # a bare number of 1 MiB or more is bytes, as before: the same plan as with the unit
     assert cli_main([*base, "--hbm", str(GiB), "--ddr", str(2**40), "--json", str(tmp_path / "a.json")]) == 0
     assert cli_main([*base, "--hbm", "1GiB", "--ddr", "1TiB", "--json", str(tmp_path / "b.json")]) == 0

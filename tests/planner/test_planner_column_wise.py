@@ -16,7 +16,7 @@ from torchrec.distributed.sharding_plan import _calculate_cw_shard_sizes_and_off
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from recpipe.planner import PlacementConstraints, PlacementPlan, PlannerError, TableSpec, row_bytes
+from recpipe.planner import PlacementConstraints, PlacementPlan, PlacementPlannerError, TableSpec, row_bytes
 from recpipe.planner.communication import CommCostModel
 from recpipe.planner.partitioners import GreedyTableWisePartitioner
 from recpipe.planner.torchrec_plan import column_shard_dim, column_shards
@@ -143,7 +143,9 @@ def test_column_wise_pins_are_refused_where_they_cannot_hold() -> None:
     with pytest.raises(ValueError, match=r"sharding_type='column_wise'.*no mode or cache_load_factor < 1"):
         PlacementConstraints(sharding_type="column_wise", mode="CACHING")
     planner = make_planner(2, 2**40, constraints={"n": PlacementConstraints(sharding_type="column_wise")})
-    with pytest.raises(PlannerError, match=r"(?s)table .n. \(dim 64\) has no placement option.*Possible solutions"):
+    with pytest.raises(
+        PlacementPlannerError, match=r"(?s)table .n. \(dim 64\) has no placement option.*Possible solutions"
+    ):
         planner.plan([_table("n", dim=64)])
 
 

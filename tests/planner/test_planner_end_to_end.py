@@ -29,17 +29,17 @@ from recpipe.planner import (
     CACHE_SLOT_BYTES,
     AnalyticCostModel,
     BruteForceProposer,
-    DynamicProgrammingProposer,
     EmpiricalCostModel,
     FusedOptimizerKind,
     GridPlacementEnumerator,
+    KnapsackProposer,
     Mode,
     PlacementConstraints,
+    PlacementErrorType,
     PlacementParameterSharding,
     PlacementPlan,
     PlacementPlanner,
-    PlannerError,
-    PlannerErrorType,
+    PlacementPlannerError,
     ShardStorage,
     TableSpec,
     fast_tier_hit_rate,
@@ -184,9 +184,9 @@ def exhaustive(hbm, ddr, cost, H, D):
 def test_dp_equals_brute_force_random(inst) -> None:
     hbm, ddr, cost, H, D = inst
     ref = exhaustive(hbm, ddr, cost, H, D)
-    dp = DynamicProgrammingProposer(bins=(max(H, 1), max(D, 1))).solve(hbm, ddr, cost, H, D)  # 1 byte per bin
+    dp = KnapsackProposer(bins=(max(H, 1), max(D, 1))).solve(hbm, ddr, cost, H, D)  # 1 byte per bin
     # the DP alone (no repair step) must be exact with one bin per byte too
-    dp_only = DynamicProgrammingProposer(bins=(max(H, 1), max(D, 1)), repair=False).solve(hbm, ddr, cost, H, D)
+    dp_only = KnapsackProposer(bins=(max(H, 1), max(D, 1)), repair=False).solve(hbm, ddr, cost, H, D)
     bf = BruteForceProposer().solve(hbm, ddr, cost, H, D)
     r = np.arange(cost.shape[0])
     for sol in (dp, dp_only, bf):
@@ -229,7 +229,7 @@ def test_planner_never_exceeds_budgets_coarse_bins(seed: int, m: int, hf: float,
     )
     try:
         plan = planner.plan(tables)
-    except PlannerError:
+    except PlacementPlannerError:
         return
     assert plan.backend == backend
     assert plan.hbm_bytes_per_rank <= planner.hbm_budget
@@ -268,7 +268,7 @@ def test_dp_default_bins_close_to_brute_force() -> None:
         hbm, ddr, cost = options_to_arrays(opts)
         H, D = int(hbm.max(axis=1).sum() * 0.5), int(ddr.max(axis=1).sum() * 0.6)
         bf = BruteForceProposer().solve(hbm, ddr, cost, H, D)
-        dp = DynamicProgrammingProposer().solve(hbm, ddr, cost, H, D)
+        dp = KnapsackProposer().solve(hbm, ddr, cost, H, D)
         r = np.arange(4)
         if bf is None:
             continue
@@ -304,8 +304,8 @@ def test_dp_default_bins_gap_random_six_tables() -> None:
         H = int(hbm.max(axis=1).sum() * rng.uniform(0.3, 0.8))
         D = int(ddr.max(axis=1).sum() * rng.uniform(0.3, 0.8))
         bf = BruteForceProposer().solve(hbm, ddr, cost, H, D)
-        full = DynamicProgrammingProposer().solve(hbm, ddr, cost, H, D)
-        bare = DynamicProgrammingProposer(repair=False).solve(hbm, ddr, cost, H, D)
+        full = KnapsackProposer().solve(hbm, ddr, cost, H, D)
+        bare = KnapsackProposer(repair=False).solve(hbm, ddr, cost, H, D)
         r = np.arange(6)
         for sol in (full, bare):
             if sol is not None:
@@ -500,9 +500,9 @@ def test_pinned_constraints_respected() -> None:
     t, u = plan.placement("t"), plan.placement("u")
     assert t.mode is Mode.HYBRID  # x may be 1.0 (mode-independent "all in HBM")
     assert u.cache_load_factor == 0.3
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         PlacementPlanner(topo(), constraints={"nope": PlacementConstraints(mode="CACHING")}).plan(tables)
-    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+    assert e.value.planner_error_type is PlacementErrorType.INPUT_VALIDATION
 
 
 def test_x_one_handling_and_empty_model() -> None:
@@ -520,17 +520,17 @@ def test_x_one_handling_and_empty_model() -> None:
 
 def test_infeasible_raises_typed_error_with_numbers() -> None:
     t = _one_table(rows=400_000_000, dim=128)
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         PlacementPlanner(topo(hbm=1 * GiB, ddr_per_rank=1 * GiB)).plan([t])
-    assert e.value.planner_error_type is PlannerErrorType.TABLE_DOES_NOT_FIT
+    assert e.value.planner_error_type is PlacementErrorType.TABLE_DOES_NOT_FIT
     msg = str(e.value)
     assert "'t'" in msg and "Possible solutions" in msg and "1)" in msg and "2)" in msg
     small = [_one_table(rows=10**7) for _ in range(1)] + [
         TableSpec(**{**_one_table(rows=10**7).__dict__, "name": f"x{i}"}) for i in range(30)
     ]
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         PlacementPlanner(topo(hbm=GiB, ddr_per_rank=64 * GiB)).plan(small)
-    assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_HBM
+    assert e.value.planner_error_type is PlacementErrorType.INSUFFICIENT_HBM
     # a cuda topology budgets fbgemm's tables (the default backend there)
     min_h = sum(
         fbgemm_shard_storage(max_local_rows(10**7, 8), 64, torch.float32, "sgd", Mode.HYBRID, 0.1, "lfu").fast_bytes
@@ -559,9 +559,9 @@ def test_infeasible_solutions_quote_the_smallest_capacities_that_work() -> None:
             topo(2, 2, hbm=hbm, ddr_per_rank=ddr), backend="native", constraints={"t": pin} if pin else None
         ).plan([t])
 
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         plan(H0, D0)
-    assert e.value.planner_error_type is PlannerErrorType.TABLE_DOES_NOT_FIT
+    assert e.value.planner_error_type is PlacementErrorType.TABLE_DOES_NOT_FIT
     sols = re.findall(r"^  \d\) (raise .*)$", str(e.value), re.M)
     assert len(sols) == 2, str(e.value)  # the smallest-HBM and the smallest-DDR option
     for sol in sols:
@@ -571,23 +571,23 @@ def test_infeasible_solutions_quote_the_smallest_capacities_that_work() -> None:
         assert hbm is not None or ddr is not None
         plan(hbm or H0, ddr or D0, pin)
         for less in ([(hbm - 1, ddr or D0)] if hbm else []) + ([(hbm or H0, ddr - 1)] if ddr else []):
-            with pytest.raises(PlannerError):
+            with pytest.raises(PlacementPlannerError):
                 plan(*less, pin)
     # HBM enough for the smallest-HBM option (x = 0.1): only DDR is named for it
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         plan(64 * 2**20, D0)
     first = re.findall(r"^  1\) (raise .*)$", str(e.value), re.M)[0]
     assert "x=0.1 option" in first and "hbm_cap" not in first and _quoted_caps(first)[1] is not None
 
     # INSUFFICIENT_HBM: the quoted hbm_cap plans the tables, 1 byte less does not
     many = [TableSpec(name=f"x{i}", rows=10**6, dim=64, optimizer="sgd") for i in range(8)]
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         PlacementPlanner(topo(2, 2, hbm=40 * 2**20, ddr_per_rank=64 * GiB), backend="native").plan(many)
-    assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_HBM
+    assert e.value.planner_error_type is PlacementErrorType.INSUFFICIENT_HBM
     hbm, _ = _quoted_caps(str(e.value))
     assert hbm is not None
     PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=64 * GiB), backend="native").plan(many)
-    with pytest.raises(PlannerError):
+    with pytest.raises(PlacementPlannerError):
         PlacementPlanner(topo(2, 2, hbm=hbm - 1, ddr_per_rank=64 * GiB), backend="native").plan(many)
 
 
@@ -603,11 +603,11 @@ def test_a_table_that_fits_nowhere_also_names_what_the_whole_model_needs() -> No
     def plan(hbm: int, ddr: int) -> None:
         PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=ddr), backend="native").plan(ts)
 
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         plan(H0, D0)
-    assert e.value.planner_error_type is PlannerErrorType.TABLE_DOES_NOT_FIT
+    assert e.value.planner_error_type is PlacementErrorType.TABLE_DOES_NOT_FIT
     one = re.search(r"^  1\) (raise .*)$", str(e.value), re.M).group(1)
-    with pytest.raises(PlannerError):  # one table's raise is not enough for two
+    with pytest.raises(PlacementPlannerError):  # one table's raise is not enough for two
         plan(*(c or d for c, d in zip(_quoted_caps(one), (H0, D0))))
     whole = re.search(r"^  \d\) (for all 2 tables together, raise .*)$", str(e.value), re.M)
     assert whole is not None, str(e.value)
@@ -615,7 +615,7 @@ def test_a_table_that_fits_nowhere_also_names_what_the_whole_model_needs() -> No
     assert hbm is not None and ddr is not None
     plan(hbm, ddr)
     for less in ((hbm - 1, ddr), (hbm, ddr - 1)):
-        with pytest.raises(PlannerError):
+        with pytest.raises(PlacementPlannerError):
             plan(*less)
     # the HBM quoted is each table's least HBM (x = 0.1 HYBRID: its hot rows) from the byte formulas
     rows = max_local_rows(10**7, 2)
@@ -627,9 +627,9 @@ def test_infeasible_pair_of_budgets_offers_a_finer_grid_only_when_it_can_help() 
     # Two tables that each fit alone, but whose options fitting the tiny DDR budget (all
     # in HBM) overflow HBM together: no plan exists whatever the grid.
     ts = [TableSpec(name=n, rows=100_000, dim=64, optimizer="adam") for n in ("a", "b")]
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         PlacementPlanner(topo(2, 2, hbm=60 * 2**20, ddr_per_rank=2**20), backend="native").plan(ts)
-    assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_STORAGE
+    assert e.value.planner_error_type is PlacementErrorType.INSUFFICIENT_STORAGE
     assert "finer DP grid" not in str(e.value) and "bins now" not in str(e.value)
     hbm, _ = _quoted_caps(re.search(r"^  2\) (.*)$", str(e.value), re.M).group(1))  # the lowest-DDR plan
     PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=2**20), backend="native").plan(ts)
@@ -733,9 +733,9 @@ def test_planner_refuses_tables_no_tiered_table_runs() -> None:
     for spec, backends, why, fix in cases:
         t = TableSpec(name="odd", rows=1000, **spec)
         for backend in backends:
-            with pytest.raises(PlannerError, match=why) as e:
+            with pytest.raises(PlacementPlannerError, match=why) as e:
                 PlacementPlanner(topo(), backend=backend).plan([t])
-            assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+            assert e.value.planner_error_type is PlacementErrorType.INPUT_VALIDATION
             msg = str(e.value)
             assert f"table 'odd' cannot be a tiered table on the {backend} backend" in msg, msg
             assert "Possible solutions:\n  1) " in msg and fix in msg, msg
@@ -743,7 +743,7 @@ def test_planner_refuses_tables_no_tiered_table_runs() -> None:
             assert PlacementPlanner(topo(), backend="native").plan([t]).backend == "native"
     # every problem of a table at once, one solution each
     t = TableSpec(name="bad", rows=1000, dim=6, optimizer="adagrad", dtype="bfloat16")
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         PlacementPlanner(topo()).plan([t])
     msg = str(e.value)
     assert msg.count("; its ") == 2 and "  3) use a dim that is a multiple of 4 (e.g. 8)" in msg, msg
@@ -886,7 +886,7 @@ def test_bad_input_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match="optimizer"):
         TableSpec(name="x", rows=4, dim=4, optimizer="lion")
     with pytest.raises(ValueError, match="bins"):
-        DynamicProgrammingProposer(bins=(0, 3))
+        KnapsackProposer(bins=(0, 3))
     tables: List[TableSpec] = []
     assert PlacementPlanner(topo()).plan(tables).placements == []
 
@@ -1043,9 +1043,9 @@ def test_insufficient_hbm_also_names_the_ddr_the_least_hbm_plan_needs() -> None:
     def plan(hbm: int, ddr: int) -> None:
         PlacementPlanner(topo(2, 2, hbm=hbm, ddr_per_rank=ddr), backend="native").plan(many)
 
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         plan(40 * 2**20, 300 * 2**20)
-    assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_HBM
+    assert e.value.planner_error_type is PlacementErrorType.INSUFFICIENT_HBM
     assert str(e.value).startswith("Insufficient HBM and DDR for 6 tables.")
     first = re.search(r"^  1\) (.*)$", str(e.value), re.M).group(1)
     second = re.search(r"^  2\) (.*)$", str(e.value), re.M).group(1)
@@ -1053,16 +1053,16 @@ def test_insufficient_hbm_also_names_the_ddr_the_least_hbm_plan_needs() -> None:
     assert hbm is not None and ddr is not None
     plan(hbm, ddr)  # the listed fixes together are enough
     for less in ((hbm - 1, ddr), (hbm, ddr - 1)):  # and each is the exact least
-        with pytest.raises(PlannerError):
+        with pytest.raises(PlacementPlannerError):
             plan(*less)
 
 
 def test_module_without_embedding_collections_is_refused() -> None:
     with pytest.raises(
-        PlannerError, match=r"torch\.nn\.modules\.linear\.Linear\) holds no EmbeddingBagCollection"
+        PlacementPlannerError, match=r"torch\.nn\.modules\.linear\.Linear\) holds no EmbeddingBagCollection"
     ) as e:
         PlacementPlanner(topo()).plan(torch.nn.Linear(3, 3))
-    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+    assert e.value.planner_error_type is PlacementErrorType.INPUT_VALIDATION
     assert "pass the model that holds the embedding collections" in str(e.value)
 
 
@@ -1088,9 +1088,9 @@ def test_table_name_shared_by_two_modules_is_ambiguous() -> None:
     with pytest.raises(KeyError, match=r"ambiguous.*\['a\.t', 'b\.t'\].*module_path"):
         plan.placement("t")
     assert plan.placement("t", module_path="b").rows == 2000
-    with pytest.raises(PlannerError, match=r"constraints\['t'\] is ambiguous.*\['a\.t', 'b\.t'\]") as e:
+    with pytest.raises(PlacementPlannerError, match=r"constraints\['t'\] is ambiguous.*\['a\.t', 'b\.t'\]") as e:
         PlacementPlanner(topo(), constraints={"t": PlacementConstraints(mode="CACHING")}).plan(model)
-    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+    assert e.value.planner_error_type is PlacementErrorType.INPUT_VALIDATION
     assert "'a.t', 'b.t'" in str(e.value).split("Possible solutions")[1]
     # keyed by full name, or a name one table keeps once the other has its own key: not ambiguous
     pinned = PlacementPlanner(topo(), constraints={"a.t": PlacementConstraints(mode="CACHING", cache_load_factor=0.5)})
@@ -1169,7 +1169,8 @@ def test_planner_checks_a_directly_built_topology() -> None:
 
 def test_constraints_must_be_placement_constraints() -> None:
     with pytest.raises(
-        PlannerError, match=r"(?s)constraints\['big'\] is a dict.*PlacementConstraints\(\*\*\{'mode': 'CACHING'\}\)"
+        PlacementPlannerError,
+        match=r"(?s)constraints\['big'\] is a dict.*PlacementConstraints\(\*\*\{'mode': 'CACHING'\}\)",
     ) as e:
         PlacementPlanner(topo(), constraints={"big": {"mode": "CACHING"}})  # type: ignore[dict-item]
-    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+    assert e.value.planner_error_type is PlacementErrorType.INPUT_VALIDATION

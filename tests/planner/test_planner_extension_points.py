@@ -17,8 +17,8 @@ import torch
 from recpipe.planner import (
     AnalyticCostModel,
     CostModel,
-    DynamicProgrammingProposer,
     GridPlacementEnumerator,
+    KnapsackProposer,
     Mode,
     PlacementConstraints,
     PlacementEnumerator,
@@ -111,7 +111,7 @@ def test_the_default_stages_are_the_documented_classes_and_each_meets_its_protoc
     assert type(planner.enumerator) is GridPlacementEnumerator
     assert type(planner.partitioner) is GreedyTableWisePartitioner
     assert type(planner.cost_model) is AnalyticCostModel
-    assert type(planner.proposer) is DynamicProgrammingProposer
+    assert type(planner.proposer) is KnapsackProposer
     for stage, protocol in (
         (planner.enumerator, PlacementEnumerator),
         (planner.partitioner, PlacementPartitioner),

@@ -40,10 +40,10 @@ from recpipe.pipeline.placement import (
 from recpipe.pipeline.tiered.fused_params import tiered_optimizer_from_fused_params
 from recpipe.planner import (
     PlacementConstraints,
+    PlacementErrorType,
     PlacementPlan,
     PlacementPlanner,
-    PlannerError,
-    PlannerErrorType,
+    PlacementPlannerError,
     TableSpec,
     tables_from_module,
 )
@@ -142,9 +142,9 @@ def test_planner_default_optimizer_is_the_sharders_fallback() -> None:
 def test_planner_refuses_an_optimizer_it_cannot_size() -> None:
     ebc = _ebc()
     apply_optimizer_in_backward(torch.optim.RMSprop, [ebc.embedding_bags["b"].weight], {"lr": 0.01})
-    with pytest.raises(PlannerError) as e:
+    with pytest.raises(PlacementPlannerError) as e:
         PlacementPlanner(_topology()).plan(ebc)
-    assert e.value.planner_error_type is PlannerErrorType.INPUT_VALIDATION
+    assert e.value.planner_error_type is PlacementErrorType.INPUT_VALIDATION
     msg = str(e.value)
     assert "Table 'b'" in msg and "torch.optim.rmsprop.RMSprop" in msg and "Possible solutions" in msg
     # Solution 1 names torchrec.optim classes; each of them must be one the planner plans

@@ -23,13 +23,13 @@ from recpipe.pipeline.tiered.tbe_tables import plan_fbgemm_tier
 from recpipe.planner import (
     DEFAULT_LOAD_FACTORS,
     BruteForceProposer,
-    DynamicProgrammingProposer,
+    KnapsackProposer,
     Mode,
     PlacementConstraints,
+    PlacementErrorType,
     PlacementPlan,
     PlacementPlanner,
-    PlannerError,
-    PlannerErrorType,
+    PlacementPlannerError,
     TableSpec,
     machine_storage,
     make_topology,
@@ -265,20 +265,20 @@ def test_no_plan_at_both_budgets_quotes_the_least_raise_of_each() -> None:
         PlacementPlanner(_topo(W, L, hbm, ddr_per_rank), backend="native").plan(tables)
 
     for hbm0, ddr0 in ((40 * MiB, 40 * MiB), (60 * MiB, MiB // 2)):
-        with pytest.raises(PlannerError) as e:
+        with pytest.raises(PlacementPlannerError) as e:
             plan(hbm0, ddr0)
         msg = str(e.value)
-        assert e.value.planner_error_type is PlannerErrorType.INSUFFICIENT_STORAGE, msg
+        assert e.value.planner_error_type is PlacementErrorType.INSUFFICIENT_STORAGE, msg
         ddr_line = re.search(r"^  1\) raise DDR per machine to at least .*$", msg, re.M).group(0)
         hbm_line = re.search(r"^  2\) raise HBM per device \(hbm_cap\) to at least .*$", msg, re.M).group(0)
         ddr_cap = int(re.search(r"\(\d+ B; ddr_cap (\d+) B per rank\)", ddr_line).group(1))
         hbm_cap = int(re.search(r"hbm_cap\) to at least \d+\.\d\d [KMG]iB \((\d+) B\)", hbm_line).group(1))
         # follow each line alone: it plans, and one byte less per rank does not
         plan(hbm0, ddr_cap)
-        with pytest.raises(PlannerError):
+        with pytest.raises(PlacementPlannerError):
             plan(hbm0, ddr_cap - 1)
         plan(hbm_cap, ddr0)
-        with pytest.raises(PlannerError):
+        with pytest.raises(PlacementPlannerError):
             plan(hbm_cap - 1, ddr0)
         # the needs quoted are the least over every combination of options (storage formulas)
         H, D = int(hbm0 * (1 - 0.15)), ddr0 * L
@@ -351,7 +351,7 @@ def _errors() -> List[str]:
         (pair, 20 * MiB + 5, 20 * MiB + 3),  # TABLE_DOES_NOT_FIT, with "for all 2 tables"
         (pair, 40 * MiB, 40 * MiB),
     ):  # INSUFFICIENT_STORAGE
-        with pytest.raises(PlannerError) as e:
+        with pytest.raises(PlacementPlannerError) as e:
             PlacementPlanner(_topo(1, 1, hbm, ddr), backend="native", hbm_reservation=0.0).plan(tables)
         out.append(str(e.value))
     return out
@@ -478,7 +478,7 @@ def test_cost_models_refuse_bad_options(options: Any, match: str) -> None:
 )
 def test_dp_proposer_names_bad_arguments(kwargs: Dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        DynamicProgrammingProposer(**kwargs)
+        KnapsackProposer(**kwargs)
     if "bins" in kwargs:  # the planner's own bins= builds that proposer
         with pytest.raises(ValueError, match=match):
             PlacementPlanner(_topo(2, 2, GiB, GiB), **kwargs)

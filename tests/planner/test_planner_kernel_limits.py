@@ -23,11 +23,11 @@ from harness.gloo import run_gloo
 
 from recpipe.planner import (
     BruteForceProposer,
-    DynamicProgrammingProposer,
+    KnapsackProposer,
     PlacementConstraints,
+    PlacementErrorType,
     PlacementPlanner,
-    PlannerError,
-    PlannerErrorType,
+    PlacementPlannerError,
     TableSpec,
     make_topology,
 )
@@ -163,8 +163,8 @@ def _instance() -> Tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
 
 
 def _input_error(e: BaseException) -> str:
-    assert isinstance(e, PlannerError) and isinstance(e, ValueError), type(e)
-    assert e.planner_error_type is PlannerErrorType.INPUT_VALIDATION  # type: ignore[attr-defined]
+    assert isinstance(e, PlacementPlannerError) and isinstance(e, ValueError), type(e)
+    assert e.planner_error_type is PlacementErrorType.INPUT_VALIDATION  # type: ignore[attr-defined]
     assert "refused before calling it" in str(e) and "Possible solutions:\n  1) " in str(e)
     return str(e)
 
@@ -174,7 +174,7 @@ def test_budget_prices_kernel_budget_past_int64_is_a_typed_error(name: str) -> N
     hbm, ddr, cost, H, D = _instance()
     budgets = {"hbm_budget": H, "ddr_budget": D, name: 2**64}
     # refused before torch's own "Expected a value of type 'int' ... but instead found type 'int'"
-    with pytest.raises(PlannerError) as info:
+    with pytest.raises(PlacementPlannerError) as info:
         P._budget_prices_cpp(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50)
     msg = _input_error(info.value)
     assert msg.startswith(f"{name} is {2**64} bytes, past {2**63 - 1} B (2^63 - 1, the largest int64)"), msg
@@ -185,7 +185,9 @@ def test_budget_prices_kernel_budget_past_int64_is_a_typed_error(name: str) -> N
     assert P._budget_prices_cpp(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50) == pytest.approx(
         P.budget_prices(hbm, ddr, cost, budgets["hbm_budget"], budgets["ddr_budget"], 50)
     )
-    with pytest.raises(PlannerError, match=r"^iters is 9223372036854775808 subgradient steps, past int64") as info:
+    with pytest.raises(
+        PlacementPlannerError, match=r"^iters is 9223372036854775808 subgradient steps, past int64"
+    ) as info:
         P._budget_prices_cpp(hbm, ddr, cost, H, D, 2**63)
     _input_error(info.value)
 
@@ -194,25 +196,25 @@ def test_budget_prices_kernel_budget_past_int64_is_a_typed_error(name: str) -> N
 def test_dp_kernel_budget_past_its_range_is_a_typed_error(budget: int) -> None:
     hbm, ddr, cost, H, D = _instance()
     keep = np.ones_like(cost, dtype=bool)
-    with pytest.raises(PlannerError) as info:
-        DynamicProgrammingProposer._dp_cpp(_DpProblem(hbm, ddr, cost, cost, keep, H, budget), 8, 8)
+    with pytest.raises(PlacementPlannerError) as info:
+        KnapsackProposer._dp_cpp(_DpProblem(hbm, ddr, cost, cost, keep, H, budget), 8, 8)
     msg = _input_error(info.value)
     assert msg.startswith(f"ddr_budget is {budget} bytes, past {2**53 - 1} B (2^53 - 1"), msg
     assert "torch.ops.recpipe.placement_dp" in msg
     # solve() passes such a budget as the sum of the largest options (it binds no plan)
     assert (
-        DynamicProgrammingProposer(backend="cpp").solve(hbm, ddr, cost, H, budget).tolist()
+        KnapsackProposer(backend="cpp").solve(hbm, ddr, cost, H, budget).tolist()
         == BruteForceProposer().solve(hbm, ddr, cost, H, budget).tolist()
     )
 
 
 def test_dp_grid_past_the_kernel_cells_names_bins_and_the_suggested_bins_plan() -> None:
     hbm, ddr, cost, H, D = _instance()
-    with pytest.raises(PlannerError) as info:  # the typed error, not the kernel's RuntimeError
-        DynamicProgrammingProposer(bins=(5000, 5000), backend="cpp").solve(hbm, ddr, cost, H, D)
+    with pytest.raises(PlacementPlannerError) as info:  # the typed error, not the kernel's RuntimeError
+        KnapsackProposer(bins=(5000, 5000), backend="cpp").solve(hbm, ddr, cost, H, D)
     msg = _input_error(info.value)
     assert msg.startswith(
-        "DynamicProgrammingProposer(bins=(5000, 5000)): a grid of (5000 + 1) x (5000 + 1) = "
+        "KnapsackProposer(bins=(5000, 5000)): a grid of (5000 + 1) x (5000 + 1) = "
         "25010001 cells is past the 8388608 cells (2^23)"
     ), msg
     m = re.search(r"pass fewer bins, e\.g\. bins=\((\d+), (\d+)\)", msg)
@@ -220,16 +222,16 @@ def test_dp_grid_past_the_kernel_cells_names_bins_and_the_suggested_bins_plan() 
     bins = (int(m.group(1)), int(m.group(2)))
     assert (bins[0] + 1) * (bins[1] + 1) <= 2**23 < (bins[0] + 2) * (bins[1] + 2)
     # the suggested bins plan, as the NumPy twin (which takes any grid) does with them and with (5000, 5000)
-    got = DynamicProgrammingProposer(bins=bins, backend="cpp").solve(hbm, ddr, cost, H, D)
+    got = KnapsackProposer(bins=bins, backend="cpp").solve(hbm, ddr, cost, H, D)
     exact = BruteForceProposer().solve(hbm, ddr, cost, H, D)
-    assert got.tolist() == DynamicProgrammingProposer(bins=bins, backend="numpy").solve(hbm, ddr, cost, H, D).tolist()
+    assert got.tolist() == KnapsackProposer(bins=bins, backend="numpy").solve(hbm, ddr, cost, H, D).tolist()
     assert cost[np.arange(6), got].sum() == pytest.approx(cost[np.arange(6), exact].sum())
-    assert DynamicProgrammingProposer(bins=(5000, 5000), backend="numpy").solve(hbm, ddr, cost, H, D) is not None
-    # through the planner (the CLI's --bins): a PlannerError the CLI prints with its flag; both budgets
+    assert KnapsackProposer(bins=(5000, 5000), backend="numpy").solve(hbm, ddr, cost, H, D) is not None
+    # through the planner (the CLI's --bins): a PlacementPlannerError the CLI prints with its flag; both budgets
     # bind here (an axis that cannot bind gets no bins, and then the grid fits)
     tables = [TableSpec(name=n, rows=r, dim=d, optimizer="adam") for n, r, d in TABLES]
     topo = make_topology(world_size=2, local_world_size=2, hbm_cap=400 * 1024, ddr_cap=400 * 1024)
-    with pytest.raises(PlannerError, match=r"DynamicProgrammingProposer\(bins=\(5000, 5000\)\)"):
+    with pytest.raises(PlacementPlannerError, match=r"KnapsackProposer\(bins=\(5000, 5000\)\)"):
         PlacementPlanner(topo, backend="native", bins=(5000, 5000)).plan(tables)
     assert (
         PlacementPlanner(topo, backend="native", bins=bins).plan(tables).total_cost
@@ -243,7 +245,7 @@ def test_float_option_bytes_past_int64_are_refused(backend: str) -> None:
     huge = hbm.astype(np.float64)
     huge[0, 0] = 1e20  # cast to int64 it would be -2^63 bytes and "fit" every budget
     with pytest.raises(ValueError, match=r"^`hbm` holds 100000000000000000000 bytes, past int64"):
-        DynamicProgrammingProposer(backend=backend).solve(huge, ddr, cost, H, D)
+        KnapsackProposer(backend=backend).solve(huge, ddr, cost, H, D)
     for fn in (
         lambda: P.budget_prices(huge, ddr, cost, H, D),
         lambda: P.prune_dominated(huge, ddr, cost, np.isfinite(cost)),
@@ -253,7 +255,7 @@ def test_float_option_bytes_past_int64_are_refused(backend: str) -> None:
             fn()
     # whole floats within int64 stay accepted: the plan of the int64 arrays
     assert (
-        DynamicProgrammingProposer(backend=backend).solve(hbm.astype(np.float64), ddr, cost, H, D).tolist()
+        KnapsackProposer(backend=backend).solve(hbm.astype(np.float64), ddr, cost, H, D).tolist()
         == BruteForceProposer().solve(hbm, ddr, cost, H, D).tolist()
     )
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from torchrec.distributed.planner.types import Topology
 
-from recpipe.planner import BruteForceProposer, DynamicProgrammingProposer, PlacementPlanner, TableSpec, make_topology
+from recpipe.planner import BruteForceProposer, KnapsackProposer, PlacementPlanner, TableSpec, make_topology
 from recpipe.planner import knapsack as P
 
 GiB = 2**30
@@ -95,13 +95,13 @@ def test_proposers_refuse_options_whose_int64_sums_would_wrap() -> None:
     cost = np.array([[1.0, 2.0]] * 4)
     H = 2**62 + 2**61
     assert _exhaustive(hbm, ddr, cost, H, 10) == 7.0  # one table at the big option at most
-    for proposer in (BruteForceProposer(), DynamicProgrammingProposer(backend="numpy"), DynamicProgrammingProposer()):
+    for proposer in (BruteForceProposer(), KnapsackProposer(backend="numpy"), KnapsackProposer()):
         with pytest.raises(ValueError, match=r"largest options need 13835058055282163712 bytes of HBM per device"):
             proposer.solve(hbm, ddr, cost, H, 10)
     # just below the range, the same shape plans exactly (the sums stay far from int64's end)
     small = hbm // 2**12
     best = _exhaustive(small, ddr, cost, H // 2**12, 10)
-    for proposer in (BruteForceProposer(), DynamicProgrammingProposer(backend="numpy"), DynamicProgrammingProposer()):
+    for proposer in (BruteForceProposer(), KnapsackProposer(backend="numpy"), KnapsackProposer()):
         choice = proposer.solve(small, ddr, cost, H // 2**12, 10)
         assert choice is not None and float(cost[np.arange(4), choice].sum()) == best
 
@@ -150,7 +150,7 @@ def test_proposers_refuse_a_cost_of_minus_inf() -> None:
     """-inf was taken for "no option" (as inf is): the cheapest option was dropped silently."""
     hbm = np.ones((2, 2), dtype=np.int64)
     cost = np.array([[-np.inf, 1.0], [1.0, 1.0]])
-    for solve in (BruteForceProposer().solve, DynamicProgrammingProposer().solve, lambda *a: P.budget_prices(*a)):
+    for solve in (BruteForceProposer().solve, KnapsackProposer().solve, lambda *a: P.budget_prices(*a)):
         with pytest.raises(
             ValueError,
             match=r"`cost` holds -inf at \(table 0, option 0\): a cost is a finite number, "

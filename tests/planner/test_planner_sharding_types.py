@@ -17,7 +17,7 @@ from harness.planner_reference import CONSTANTS, brute_force_cost, brute_force_f
 from harness.planner_reference import planner as make_planner
 from torchrec.distributed.types import ParameterSharding
 
-from recpipe.planner import PlacementConstraints, PlacementPlan, PlannerError, TableSpec, row_bytes
+from recpipe.planner import PlacementConstraints, PlacementPlan, PlacementPlannerError, TableSpec, row_bytes
 from recpipe.planner.communication import CommConstants, CommCostModel
 from recpipe.planner.partitioners import GreedyTableWisePartitioner
 from recpipe.planner.torchrec_plan import PlacementParameterSharding
@@ -238,6 +238,6 @@ def test_the_fused_table_is_offered_on_cpu_only_for_the_optimizers_fbgemm_gpu_cp
         assert bool(arrays.fused.any()) is fused, (backend, tables[0].optimizer)
     pinned = make_planner(2, hbm=2**40, constraints={"a": PlacementConstraints(fused=True)})
     with pytest.raises(
-        PlannerError, match=r"(?s)table 'a' \(dim 256\) has no placement option.*\['rowwise_adagrad', 'sgd'\]"
+        PlacementPlannerError, match=r"(?s)table 'a' \(dim 256\) has no placement option.*\['rowwise_adagrad', 'sgd'\]"
     ):
         pinned.plan(adam)

@@ -16,7 +16,7 @@ from typing import Any, List
 import pytest
 from harness.planner_reference import planner as make_planner
 
-from recpipe.planner import PlacementConstraints, PlannerError, PlannerInputError, TableSpec
+from recpipe.planner import PlacementConstraints, PlacementPlannerError, PlannerInputError, TableSpec
 from recpipe.planner.torchrec_plan import column_shards
 
 
@@ -95,7 +95,7 @@ def test_sharding_types_refuses_only_unknown_names_or_none(given: Any, match: st
 # ------------------------------------------------------------------ no option: the fix that applies
 def test_column_wise_only_without_a_pin_suggests_widening_sharding_types_not_dropping_a_pin() -> None:
     tables = _tables(300, 512)
-    with pytest.raises(PlannerError) as info:
+    with pytest.raises(PlacementPlannerError) as info:
         make_planner(2, hbm=2**40, sharding_types=("column_wise",)).plan(tables)
     msg = str(info.value)
     assert msg.startswith("table 't0' (dim 300) has no placement option")
@@ -107,7 +107,9 @@ def test_column_wise_only_without_a_pin_suggests_widening_sharding_types_not_dro
 
 def test_a_column_wise_pin_that_cannot_hold_suggests_changing_the_pin() -> None:
     pins = {"t0": PlacementConstraints(sharding_type="column_wise")}
-    with pytest.raises(PlannerError, match=r"(?s)its pin sharding_type='column_wise'.*1\) pin 't0' to sharding_type"):
+    with pytest.raises(
+        PlacementPlannerError, match=r"(?s)its pin sharding_type='column_wise'.*1\) pin 't0' to sharding_type"
+    ):
         make_planner(2, hbm=2**40, constraints=pins).plan(_tables(300))
 
 
@@ -115,7 +117,7 @@ def test_column_wise_only_that_does_not_fit_suggests_widening_not_smaller_load_f
     # torchrec's FUSED table keeps every row in HBM: smaller load factors cannot help, a tiered type can
     tables = _tables(512)
     hbm = 300_000  # below one 256-column shard (1000 rows x 1 KiB), above a tiered table at x = 0.1 over 2 ranks
-    with pytest.raises(PlannerError) as info:
+    with pytest.raises(PlacementPlannerError) as info:
         make_planner(2, hbm=hbm, sharding_types=("column_wise",)).plan(tables)
     fixes = str(info.value).split("Possible solutions:")[1]
     assert "load factors" not in fixes and "load_factors" not in fixes
@@ -127,7 +129,7 @@ def test_column_wise_only_that_does_not_fit_suggests_widening_not_smaller_load_f
 @pytest.mark.parametrize("dim", [300, 200, 260, 1002])
 def test_a_width_without_column_shards_is_refused_stating_the_real_rule(dim: int) -> None:
     assert not _splits(dim) and column_shards(dim) == 1
-    with pytest.raises(PlannerError) as info:
+    with pytest.raises(PlacementPlannerError) as info:
         make_planner(2, hbm=2**40, sharding_types=("column_wise",)).plan(_tables(dim))
     msg = str(info.value)
     assert ">= 2 shards of >= 128 columns" not in msg  # a rule dim 300 (2 x 150) seems to meet, and does not
