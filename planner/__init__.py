@@ -27,12 +27,12 @@ from recpipe.pipeline.placement import (
 from recpipe.planner.brute_force import BruteForceProposer
 from recpipe.planner.cost_models import AnalyticCostModel, EmpiricalCostModel, fast_tier_hit_rate
 from recpipe.planner.enumerators import GridPlacementEnumerator
-from recpipe.planner.errors import PlannerError, PlannerErrorType, PlannerInputError
+from recpipe.planner.errors import PlacementErrorType, PlacementPlannerError, PlannerInputError
 from recpipe.planner.option_arrays import OptionArrays
 from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition
-from recpipe.planner.placement_plan import PlacementPlan, TablePlacement, to_sharding_plan
+from recpipe.planner.placement_plan import PlacementPlan, TablePlacement, to_torchrec_sharding_plan
 from recpipe.planner.planners import PlacementPlanner
-from recpipe.planner.proposers import DynamicProgrammingProposer
+from recpipe.planner.proposers import KnapsackProposer
 from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
     STORAGE_BACKENDS,
@@ -54,7 +54,7 @@ __all__ = [
     "CostModel",
     "DEFAULT_LOAD_FACTORS",
     "DistType",
-    "DynamicProgrammingProposer",
+    "KnapsackProposer",
     "EmpiricalCostModel",
     "FusedOptimizerKind",
     "GreedyTableWisePartitioner",
@@ -68,8 +68,8 @@ __all__ = [
     "PlacementParams",
     "PlacementPlan",
     "PlacementPlanner",
-    "PlannerError",
-    "PlannerErrorType",
+    "PlacementPlannerError",
+    "PlacementErrorType",
     "PlannerInputError",
     "PlacementEnumerator",
     "PlacementPartitioner",
@@ -90,5 +90,5 @@ __all__ = [
     "table_fused_optimizer",
     "tables_from_module",
     "tier_rows",
-    "to_sharding_plan",
+    "to_torchrec_sharding_plan",
 ]

@@ -19,7 +19,7 @@ import yaml
 
 from recpipe.pipeline.placement import SUPPORTED_OPTIMIZERS, FusedOptimizerKind, check_load_factors
 from recpipe.planner.communication import PLANNED_SHARDING_TYPES
-from recpipe.planner.errors import PlannerError
+from recpipe.planner.errors import PlacementPlannerError
 from recpipe.planner.planners import (
     COMMUNICATION_CONSTANTS,
     DEFAULT_DDR_RESERVATION,
@@ -294,8 +294,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     try:
         plan = planner.plan(load_tables(args.tables, args.optimizer))
-    except PlannerError as e:
-        print(f"PlannerError[{e.planner_error_type.value}]: {e}", file=sys.stderr)
+    except PlacementPlannerError as e:
+        print(f"PlacementPlannerError[{e.planner_error_type.value}]: {e}", file=sys.stderr)
         named: Dict[str, str] = {}  # flag -> the first of its words the message uses
         for word, flag in _FLAG_OF:
             if word in str(e):

@@ -45,7 +45,7 @@ class BruteForceProposer:
         if M > self.max_tables:
             raise ValueError(
                 f"BruteForceProposer handles at most max_tables={self.max_tables} tables, got {M}: "
-                "use DynamicProgrammingProposer."
+                "use KnapsackProposer."
             )
         if M == 0:
             return np.zeros(0, dtype=np.int64)

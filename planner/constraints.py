@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from torchrec.distributed.planner.constants import MIN_CW_DIM
 
 from recpipe.planner.communication import PLANNED_SHARDING_TYPES
-from recpipe.planner.errors import PlannerError, PlannerErrorType, PlannerInputError, solutions
+from recpipe.planner.errors import PlacementErrorType, PlacementPlannerError, PlannerInputError, solutions
 from recpipe.planner.specs import PlacementConstraints, TableSpec
 from recpipe.planner.torchrec_plan import column_shard_dim, column_shards
 
@@ -101,14 +101,14 @@ def check_constraint_keys(constraints: Mapping[str, PlacementConstraints], table
     """Refuses pins naming no table of ``tables``, and a bare name two tables share (it would pin both).
 
     Raises:
-        PlannerError: ``INPUT_VALIDATION``, naming the keys and the tables' full names.
+        PlacementPlannerError: ``INPUT_VALIDATION``, naming the keys and the tables' full names.
     """
     unknown = set(constraints) - {t.name for t in tables} - {t.fqn for t in tables}
     if unknown:
-        raise PlannerError(
+        raise PlacementPlannerError(
             f"constraints name tables that are not in the model: {sorted(unknown)}.\n"
             f"Possible solutions:\n  1) key constraints by one of {[t.fqn for t in tables][:20]}.",
-            PlannerErrorType.INPUT_VALIDATION,
+            PlacementErrorType.INPUT_VALIDATION,
         )
     by_name: Dict[str, List[str]] = {}
     for t in tables:
@@ -120,10 +120,10 @@ def check_constraint_keys(constraints: Mapping[str, PlacementConstraints], table
         if len(pinned) > 1:
             names = ", ".join(map(repr, pinned))
             fix = f"key the constraint by each table's full name (module path + '.' + table): {names}."
-            raise PlannerError(
+            raise PlacementPlannerError(
                 f"constraints[{key!r}] is ambiguous: the name {key!r} matches {len(pinned)} tables {pinned}.\n"
                 + solutions([fix]),
-                PlannerErrorType.INPUT_VALIDATION,
+                PlacementErrorType.INPUT_VALIDATION,
             )
 
 
@@ -150,7 +150,7 @@ def no_option_error(
     world_size: int,
     fused_blocks: Sequence[Tuple[str, str]],
     count: int,
-) -> PlannerError:
+) -> PlacementPlannerError:
     """The refusal of ``table``, which its pin and ``sharding_types`` leave only torchrec's FUSED table options
     (column-wise, or ``fused=True``) and none of those.
 
@@ -184,10 +184,10 @@ def no_option_error(
         elif world_size < 2:
             causes.append("column_wise needs more than one rank for its shards, and world_size is 1")
             fixes.append("plan over more than one rank")
-    return PlannerError(
+    return PlacementPlannerError(
         f"table {table.fqn!r} (dim {table.dim}) has no placement option ({count} such table(s)): {allows}, and "
         f"{'; '.join(causes)}.\n" + solutions(fixes),
-        PlannerErrorType.INPUT_VALIDATION,
+        PlacementErrorType.INPUT_VALIDATION,
     )
 
 

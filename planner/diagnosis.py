@@ -10,7 +10,7 @@ import numpy as np
 from torchrec.distributed.planner.types import Topology
 
 from recpipe.planner.constraints import ROW_WISE, TABLE_WISE, constraint_for, sharding_types_flags
-from recpipe.planner.errors import PlannerError, PlannerErrorType, rounded, sized, solutions
+from recpipe.planner.errors import PlacementErrorType, PlacementPlannerError, rounded, sized, solutions
 from recpipe.planner.option_arrays import OptionArrays
 from recpipe.planner.specs import PlacementConstraints, PlacementOption, TableSpec
 from recpipe.planner.types import PlacementProposer
@@ -29,7 +29,7 @@ class PlannerSettings(Protocol):
 
 
 class InfeasibilityDiagnosis:
-    """The :class:`PlannerError` of a solve that found no plan, from the options the proposer was given
+    """The :class:`PlacementPlannerError` of a solve that found no plan, from the options the proposer was given
     and the budgets ``H`` (HBM per device) and ``D`` (DDR per machine)."""
 
     def __init__(
@@ -61,7 +61,7 @@ class InfeasibilityDiagnosis:
         pinned = np.array([constraint_for(t, planner.constraints) is not None for t in specs], dtype=bool)
         self.fused_only, self.widenable = fused_only, fused_only & ~pinned
 
-    def error(self) -> PlannerError:
+    def error(self) -> PlacementPlannerError:
         """A table that fits no budget alone, a budget no plan fits, or budgets that fit only apart."""
         lonely = [i for i in range(len(self.specs)) if not self.fits_alone[i].any()]
         if lonely:
@@ -70,12 +70,12 @@ class InfeasibilityDiagnosis:
             return self._insufficient()
         return self._no_combination()
 
-    def _table_does_not_fit(self, lonely: List[int]) -> PlannerError:
+    def _table_does_not_fit(self, lonely: List[int]) -> PlacementPlannerError:
         specs, H, D, lh_h, lh_d = self.specs, self.H, self.D, self.lh_h, self.lh_d
         i = lonely[0]
         t = specs[i]
         pin = constraint_for(t, self.planner.constraints)
-        kind = PlannerErrorType.TABLE_DOES_NOT_FIT if pin is None else PlannerErrorType.STRICT_CONSTRAINTS
+        kind = PlacementErrorType.TABLE_DOES_NOT_FIT if pin is None else PlacementErrorType.STRICT_CONSTRAINTS
         # The table's smallest-HBM and smallest-DDR options, each with the budgets it exceeds.
         sols = [
             self._raise_for(self.options.option(i, j))
@@ -95,7 +95,7 @@ class InfeasibilityDiagnosis:
             sols.append(self._widen())
         else:
             sols.append(f"add smaller load factors than {min(self.planner.load_factors)} to load_factors")
-        return PlannerError(
+        return PlacementPlannerError(
             f"Table {t.fqn!r} ({t.rows} rows x {t.dim}, {t.optimizer}) does not fit anywhere: no "
             f"option fits HBM {rounded(H)} per device and DDR {rounded(D)} per machine even alone "
             f"({len(lonely)} table(s) like this: {[specs[k].fqn for k in lonely][:10]}).\n{self.budgets}\n"
@@ -103,11 +103,11 @@ class InfeasibilityDiagnosis:
             kind,
         )
 
-    def _insufficient(self) -> PlannerError:
+    def _insufficient(self) -> PlacementPlannerError:
         H, D, W, L, min_h, min_d = self.H, self.D, self.W, self.L, self.min_h, self.min_d
         lh_d, ld_h = self.lh_d, self.ld_h
         need_h, need_d = min_h > H, min_d > D
-        kind = PlannerErrorType.INSUFFICIENT_HBM if need_h else PlannerErrorType.INSUFFICIENT_DDR
+        kind = PlacementErrorType.INSUFFICIENT_HBM if need_h else PlacementErrorType.INSUFFICIENT_DDR
         # The other budget may fall short too once this one is raised: name it.
         short_d = need_h and lh_d > D
         short_h = need_d and not need_h and ld_h > H
@@ -148,13 +148,13 @@ class InfeasibilityDiagnosis:
             )
         sols.append(f"use more ranks (world_size now {W}) or fewer ranks per machine (local_world_size now {L})")
         both = (need_h and need_d) or short_d or short_h
-        return PlannerError(
+        return PlacementPlannerError(
             f"Insufficient {'HBM' if need_h else 'DDR'}{(' and DDR' if need_h else ' and HBM') if both else ''} "
             f"for {len(self.specs)} tables.\n{self.budgets}\n{solutions(sols)}",
             kind,
         )
 
-    def _no_combination(self) -> PlannerError:
+    def _no_combination(self) -> PlacementPlannerError:
         H, D, lh_h, lh_d, ld_h, ld_d = self.H, self.D, self.lh_h, self.lh_d, self.ld_h, self.ld_d
         proposer = self.planner.proposer
         # Each budget alone can be met, not both: quote, per budget, the least value with which this
@@ -206,10 +206,10 @@ class InfeasibilityDiagnosis:
                 f"the lowest-HBM plan needs HBM {sized(lh_h)} per rank and DDR {sized(lh_d)} per machine, "
                 "within both budgets"
             )
-        return PlannerError(
+        return PlacementPlannerError(
             f"No combination of placements meets both budgets at once (HBM alone needs >= {sized(self.min_h)}, "
             f"DDR alone needs >= {sized(self.min_d)}).\n{self.budgets}\n{solutions(sols)}",
-            PlannerErrorType.INSUFFICIENT_STORAGE,
+            PlacementErrorType.INSUFFICIENT_STORAGE,
         )
 
     def _least_budget(self, upper: int, *, ddr_axis: bool) -> Optional[int]:

@@ -43,7 +43,7 @@ from recpipe.planner.constraints import (
     constraint_for,
     no_option_error,
 )
-from recpipe.planner.errors import PlannerError, PlannerErrorType, solutions
+from recpipe.planner.errors import PlacementErrorType, PlacementPlannerError, solutions
 from recpipe.planner.option_arrays import MODE_CODE, SHARDING_CODE, SHARDING_OF_CODE, OptionArrays
 from recpipe.planner.specs import (
     BACKEND_SHARD_STORAGE,
@@ -228,7 +228,7 @@ class GridPlacementEnumerator:
             self._allowed(table, COLUMN_WISE) and all_fast,  # column-wise FUSED
         )
 
-    def _no_option_error(self, table: TableSpec, count: int) -> PlannerError:
+    def _no_option_error(self, table: TableSpec, count: int) -> PlacementPlannerError:
         """The refusal of ``table``, which has no option (:func:`no_option_error`), naming what keeps torchrec's
         FUSED table from holding it."""
         blocks: List[Tuple[str, str]] = []
@@ -448,10 +448,10 @@ def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:
                 "takes any dim"
             )
         if problems:
-            raise PlannerError(
+            raise PlacementPlannerError(
                 f"table {t.fqn!r} cannot be a tiered table on the {backend} backend: {'; '.join(problems)}.\n"
                 + solutions(fixes),
-                PlannerErrorType.INPUT_VALIDATION,
+                PlacementErrorType.INPUT_VALIDATION,
             )
 
 

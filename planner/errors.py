@@ -11,7 +11,7 @@ from typing import Sequence
 from torchrec.distributed.planner.types import PlannerError as _TorchrecPlannerError
 
 
-class PlannerErrorType(enum.Enum):
+class PlacementErrorType(enum.Enum):
     """Why the planner failed (torchrec style)."""
 
     INSUFFICIENT_HBM = "insufficient_hbm"
@@ -22,22 +22,22 @@ class PlannerErrorType(enum.Enum):
     INPUT_VALIDATION = "input_validation"
 
 
-class PlannerError(_TorchrecPlannerError):
+class PlacementPlannerError(_TorchrecPlannerError):
     """Planner failure with a typed reason (``error_type``); a subclass of torchrec's ``PlannerError``."""
 
-    def __init__(self, message: str, error_type: PlannerErrorType) -> None:
+    def __init__(self, message: str, error_type: PlacementErrorType) -> None:
         super().__init__(message)
         # torchrec stores its own enum here; ours is richer, keep both readable.
         self.error_type = error_type  # type: ignore[assignment]
-        self.planner_error_type: PlannerErrorType = error_type
+        self.planner_error_type: PlacementErrorType = error_type
 
 
-class PlannerInputError(PlannerError, ValueError):
-    """An ``INPUT_VALIDATION`` ``PlannerError`` that is also a ``ValueError``, as the planner's other
+class PlannerInputError(PlacementPlannerError, ValueError):
+    """An ``INPUT_VALIDATION`` ``PlacementPlannerError`` that is also a ``ValueError``, as the planner's other
     argument checks are."""
 
     def __init__(self, message: str) -> None:
-        super().__init__(message, PlannerErrorType.INPUT_VALIDATION)
+        super().__init__(message, PlacementErrorType.INPUT_VALIDATION)
 
 
 def format_bytes(num: float, round_up: bool = False) -> str:
@@ -83,4 +83,12 @@ def rounded(num: int) -> str:
     return format_bytes(num, round_up=True)
 
 
-__all__ = ["PlannerError", "PlannerErrorType", "PlannerInputError", "format_bytes", "rounded", "sized", "solutions"]
+__all__ = [
+    "PlacementPlannerError",
+    "PlacementErrorType",
+    "PlannerInputError",
+    "format_bytes",
+    "rounded",
+    "sized",
+    "solutions",
+]

@@ -43,8 +43,8 @@ def _check_kernel_budgets(op: str, hbm_budget: int, ddr_budget: int, largest: in
             "Possible solutions:\n"
             f"  1) pass {name} below 2^53 bytes ({EXACT_BYTES} B = 8 PiB, the planner's exact byte range): no "
             "device or machine holds more; for a budget that binds no plan, pass the sum of each table's largest "
-            "option (DynamicProgrammingProposer.solve passes that sum in place of a larger budget);\n"
-            "  2) use the NumPy twin (budget_prices, or DynamicProgrammingProposer(backend='numpy')), which takes "
+            "option (KnapsackProposer.solve passes that sum in place of a larger budget);\n"
+            "  2) use the NumPy twin (budget_prices, or KnapsackProposer(backend='numpy')), which takes "
             "any budget."
         )
 
@@ -278,14 +278,14 @@ def _check_kernel_grid(bins: Optional[Tuple[int, int]], nh: int, nd: int) -> Non
     b = max(1, int((nd + 1) * scale) - 1)
     a = max(1, min(int((nh + 1) * scale) - 1, KERNEL_MAX_CELLS // (b + 1) - 1))
     b = min(b, KERNEL_MAX_CELLS // (a + 1) - 1)
-    who = f"DynamicProgrammingProposer(bins={bins!r})" if bins is not None else "the DP grid"
+    who = f"KnapsackProposer(bins={bins!r})" if bins is not None else "the DP grid"
     raise PlannerInputError(
         f"{who}: a grid of ({nh} + 1) x ({nd} + 1) = {cells} cells is past the {KERNEL_MAX_CELLS} cells (2^23) the "
         "compiled DP kernel torch.ops.recpipe.placement_dp takes (refused before calling it).\n"
         "Possible solutions:\n"
         f"  1) pass fewer bins, e.g. bins=({a}, {b}) (the same HBM:DDR ratio within {KERNEL_MAX_CELLS} cells);\n"
         f"  2) pass bins=None: the planner sizes the grid (at most {DP_AXIS_BIN_CAP} bins per axis);\n"
-        "  3) solve with the NumPy twin, DynamicProgrammingProposer(bins=..., backend='numpy'), which takes any "
+        "  3) solve with the NumPy twin, KnapsackProposer(bins=..., backend='numpy'), which takes any "
         "grid (slower)."
     )
 

@@ -275,7 +275,7 @@ class PlacementPlan:
         return "\n".join(lines)
 
     def to_sharding_plan(self, compute_device: Optional[str] = None) -> ShardingPlan:
-        """:func:`to_sharding_plan` of this plan."""
+        """:func:`to_torchrec_sharding_plan` of this plan."""
         return _to_sharding_plan(self, compute_device)
 
     def to_dict(self) -> Dict[str, Any]:
@@ -512,7 +512,7 @@ def _sharding_from_dict(
     return sharding_type, rank, ranks, fused
 
 
-def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:
+def to_torchrec_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) -> ShardingPlan:
     """torchrec ``ShardingPlan`` for a placement plan.
 
     A tiered table gets a ``PlacementParameterSharding`` (ROW_WISE over every rank or TABLE_WISE on its
@@ -525,7 +525,7 @@ def to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str] = None) 
 
 
 def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> ShardingPlan:
-    """:func:`to_sharding_plan` (one frame below each public entry: the warning points at the user's call)."""
+    """:func:`to_torchrec_sharding_plan` (one frame below each public entry: the warning points at the user's call)."""
     if compute_device is not None:
         _warn_layout_mismatch(plan, compute_device)
     device = compute_device or plan.compute_device
@@ -655,8 +655,8 @@ def _warn_layout_mismatch(plan: PlacementPlan, compute_device: str) -> None:
             f"DDR per machine {delta(now_d, ddr, plan.ddr_budget_per_machine)}"
             + (" (the tables it cannot hold left out)" if cannot else "")
         )
-    # stacklevel: the user's call of to_sharding_plan (this, _to_sharding_plan, to_sharding_plan, user)
+    # stacklevel: the user's call of to_sharding_plan (this, _to_sharding_plan, to_torchrec_sharding_plan or PlacementPlan.to_sharding_plan, user)
     warnings.warn(text + ".\n" + solutions(fixes), UserWarning, stacklevel=4)
 
 
-__all__ = ["PlacementPlan", "TablePlacement", "option_text", "to_sharding_plan"]
+__all__ = ["PlacementPlan", "TablePlacement", "option_text", "to_torchrec_sharding_plan"]

@@ -29,11 +29,11 @@ from recpipe.planner.communication import (
 from recpipe.planner.cost_models import make_cost_model
 from recpipe.planner.diagnosis import InfeasibilityDiagnosis
 from recpipe.planner.enumerators import GridPlacementEnumerator
-from recpipe.planner.errors import PlannerError, PlannerErrorType, sized
+from recpipe.planner.errors import PlacementErrorType, PlacementPlannerError, sized
 from recpipe.planner.option_arrays import MODE_OF_CODE, SHARDING_OF_CODE, OptionArrays
 from recpipe.planner.partitioners import GreedyTableWisePartitioner, Partition, place_shards
 from recpipe.planner.placement_plan import PlacementPlan, TablePlacement, option_text
-from recpipe.planner.proposers import DynamicProgrammingProposer
+from recpipe.planner.proposers import KnapsackProposer
 from recpipe.planner.specs import (
     DEFAULT_LOAD_FACTORS,
     PlacementConstraints,
@@ -90,7 +90,7 @@ class PlacementPlanner:
             beside a given one (it lists and prices the options itself).
         partitioner: a ``PlacementPartitioner``; None: ``GreedyTableWisePartitioner()``.
         cost_model: ``"analytic"`` (None, the default), ``"empirical"`` or a ``CostModel``.
-        proposer: a ``PlacementProposer``; None: ``DynamicProgrammingProposer(bins)``.
+        proposer: a ``PlacementProposer``; None: ``KnapsackProposer(bins)``.
         load_factors: the cache load factors ``x`` each tiered table may take.
         bins: DP grid of the default proposer (None sizes it); refused together with ``proposer``.
         constraints: pins per table name or FQN; a pinned sharding type must be one of ``sharding_types``.
@@ -150,7 +150,7 @@ class PlacementPlanner:
             backend = getattr(enumerator, "backend", "fbgemm" if topology.compute_device == "cuda" else "native")
         self.backend: str = backend  # checked by the enumerator
         self.cache_policy: CachePolicy = CachePolicy.parse(cache_policy)
-        self.proposer: PlacementProposer = proposer if proposer is not None else DynamicProgrammingProposer(bins)
+        self.proposer: PlacementProposer = proposer if proposer is not None else KnapsackProposer(bins)
         self.partitioner: PlacementPartitioner = (
             partitioner if partitioner is not None else GreedyTableWisePartitioner()
         )
@@ -229,14 +229,14 @@ class PlacementPlanner:
                 tables, optimizer=self.optimizer, fused_params=self.fused_params, batch_size=self.batch_size
             )
             if not specs:
-                raise PlannerError(
+                raise PlacementPlannerError(
                     f"The module to plan ({type(tables).__module__}.{type(tables).__qualname__}) holds no "
                     "EmbeddingBagCollection or EmbeddingCollection: there is no table to place.\n"
                     "Possible solutions:\n"
                     "  1) pass the model that holds the embedding collections (or an EBC / EC itself), "
                     "e.g. PlacementPlanner(topology).plan(model) rather than one of its dense submodules;\n"
                     "  2) plan a list of TableSpec.",
-                    PlannerErrorType.INPUT_VALIDATION,
+                    PlacementErrorType.INPUT_VALIDATION,
                 )
             return specs
         want = "tables must be an EmbeddingBagCollection / EmbeddingCollection (or a model holding them) or a list"
@@ -260,19 +260,19 @@ class PlacementPlanner:
         (call ``apply_optimizer_in_backward`` first) and their dtype.
 
         Raises:
-            PlannerError: no plan fits (with numbered solutions), or the input is unusable (INPUT_VALIDATION).
+            PlacementPlannerError: no plan fits (with numbered solutions), or the input is unusable (INPUT_VALIDATION).
         """
         specs = self._tables(tables)
         H, D = self.hbm_budget, self.ddr_budget
         if specs and H <= 0:
-            raise PlannerError(
+            raise PlacementPlannerError(
                 f"The topology has no HBM budget (compute_device={self.topology.compute_device!r}, "
                 f"HBM per device {sized(H)}): every placement keeps at least part of a table in HBM.\n"
                 "Possible solutions:\n"
                 "  1) build the Topology with compute_device='cuda' and hbm_cap = the fast-tier size per rank "
                 "(on CPU the fast tier is a host buffer of that size: plan with backend='native').\n"
                 f"  2) lower hbm_reservation (now {self.hbm_reservation}).",
-                PlannerErrorType.INPUT_VALIDATION,
+                PlacementErrorType.INPUT_VALIDATION,
             )
         options = checked_options(self.enumerator, self.enumerator.enumerate_arrays(specs), specs)
         choice, owners = self._solve(specs, options, H, D)

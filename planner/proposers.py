@@ -209,7 +209,7 @@ def _suffix_after(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.cumsum(values[::-1])[::-1][1:], np.zeros(1, dtype=values.dtype)])
 
 
-class DynamicProgrammingProposer:
+class KnapsackProposer:
     """2-D knapsack DP over (HBM bins, DDR bins) with back-pointers, then exact repair.
 
     State: for every occupied cell ``(a, b)`` the cheapest partial plan whose exact usage rounds *up* to
@@ -369,7 +369,7 @@ class DynamicProgrammingProposer:
 __all__ = [
     "DP_MIN_BINS",
     "DP_WORK_TARGET",
-    "DynamicProgrammingProposer",
+    "KnapsackProposer",
     "REPAIR_MAX_STEPS",
     "REPAIR_PAIR_LIMIT",
     "REPAIR_TRIPLE_LIMIT",

@@ -29,7 +29,7 @@ _STAGES: Dict[str, Tuple[str, str, str]] = {
         "GridPlacementEnumerator(world_size, local_world_size, AnalyticCostModel())",
     ),
     "partitioner": ("PlacementPartitioner", "partition", "GreedyTableWisePartitioner()"),
-    "proposer": ("PlacementProposer", "solve", "DynamicProgrammingProposer() or BruteForceProposer()"),
+    "proposer": ("PlacementProposer", "solve", "KnapsackProposer() or BruteForceProposer()"),
 }
 
 
@@ -52,8 +52,8 @@ def check_stages(stages: Mapping[str, Any], bins: Optional[Tuple[int, int]]) -> 
     if proposer is not None and bins is not None:
         raise ValueError(
             f"bins={bins!r} and proposer={type(proposer).__name__}(...) were both given, but bins only sizes the "
-            "default DynamicProgrammingProposer's grid and a given proposer ignores it: drop bins, or pass "
-            f"proposer=DynamicProgrammingProposer(bins={bins!r}) instead of both."
+            "default KnapsackProposer's grid and a given proposer ignores it: drop bins, or pass "
+            f"proposer=KnapsackProposer(bins={bins!r}) instead of both."
         )
 
 
@@ -119,7 +119,7 @@ def checked_options(enumerator: PlacementEnumerator, options: Any, specs: Sequen
     if none.size:
         raise ValueError(
             f"{who} gave table {specs[int(none[0])].fqn!r} no option of finite cost ({none.size} such table(s)); "
-            "it must give every table at least one, or raise a PlannerError naming why there is none."
+            "it must give every table at least one, or raise a PlacementPlannerError naming why there is none."
         )
     return options
 

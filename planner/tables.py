@@ -14,18 +14,18 @@ from torchrec.modules.embedding_configs import data_type_to_dtype
 from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
 from recpipe.pipeline.placement import FusedOptimizerKind
-from recpipe.planner.errors import PlannerError, PlannerErrorType
+from recpipe.planner.errors import PlacementErrorType, PlacementPlannerError
 from recpipe.planner.specs import TableSpec
 
 
-def _optimizer_error(table: str, message: str) -> PlannerError:
-    return PlannerError(
+def _optimizer_error(table: str, message: str) -> PlacementPlannerError:
+    return PlacementPlannerError(
         f"Table {table!r}: {message}\n"
         "Possible solutions:\n"
         "  1) fuse one of SGD, RowWiseAdagrad or Adam (the optimizers tiered tables run) into the table's backward: "
         "apply_optimizer_in_backward(torchrec.optim.RowWiseAdagrad, ebc.parameters(), {'lr': 0.01});\n"
         "  2) plan a list of TableSpec with the optimizer the table will train with.",
-        PlannerErrorType.INPUT_VALIDATION,
+        PlacementErrorType.INPUT_VALIDATION,
     )
 
 
@@ -39,7 +39,7 @@ def table_fused_optimizer(
     ``fused_params``, so the parameter's optimizer wins over the sharder's.
 
     Raises:
-        PlannerError: the optimizer has no fused equivalent the byte formulas know, or the weight has several.
+        PlacementPlannerError: the optimizer has no fused equivalent the byte formulas know, or the weight has several.
     """
     classes = list(getattr(param, "_optimizer_classes", None) or [])
     kwargs = list(getattr(param, "_optimizer_kwargs", None) or [{}])

@@ -7,7 +7,7 @@
 * a :class:`PlacementPartitioner` picks the owner ranks of the table- and column-wise tables' shards.
 
 ``PlacementPlanner(enumerator=, cost_model=, proposer=, partitioner=)`` takes an instance of each; the
-defaults are ``GridPlacementEnumerator``, ``AnalyticCostModel``, ``DynamicProgrammingProposer`` and
+defaults are ``GridPlacementEnumerator``, ``AnalyticCostModel``, ``KnapsackProposer`` and
 ``GreedyTableWisePartitioner``.
 """
 
@@ -64,7 +64,7 @@ class PlacementEnumerator(Protocol):
             inf`` (and ``modes = -1``) padding rows with fewer than ``K``; every table needs at least one.
 
         Raises:
-            PlannerError: a table has no option (``INPUT_VALIDATION``, naming the table and the fix).
+            PlacementPlannerError: a table has no option (``INPUT_VALIDATION``, naming the table and the fix).
         """
         ...
 

@@ -20,9 +20,9 @@ from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
-from recpipe.planner.errors import PlannerError
+from recpipe.planner.errors import PlacementPlannerError
 from recpipe.recipes.config import ConfigError, TrainConfig
-from recpipe.recipes.models import EBC_PATH
+from recpipe.recipes.models import EBC_PATH, embedding_bag_collection
 
 if TYPE_CHECKING:
     from recpipe.planner import PlacementPlan
@@ -66,7 +66,7 @@ def shard_model(config: TrainConfig, model: nn.Module, env: ShardingEnv, device:
     Args:
         model: unsharded ``DLRMTrain`` with meta tables.
     """
-    ebc = model.get_submodule(EBC_PATH)
+    ebc = embedding_bag_collection(model)
     # The tables' optimizer runs inside their backward (fused); DMP moves it into the shards.
     apply_optimizer_in_backward(RowWiseAdagrad, ebc.parameters(), {"lr": config.embedding_lr})
     if config.placement == "planned":
@@ -112,9 +112,9 @@ def _shard_torchrec_planner(model: nn.Module, env: ShardingEnv, device: torch.de
     dmp = DistributedModelParallel(module=model, env=env, device=device, plan=plan, sharders=[sharder])
     module_plan = plan.plan[EBC_PATH]
     lines = [f"{'table':<14} {'sharding':>18} {'kernel':>8} {'ranks':>10}"]
-    for name, ps in module_plan.items():  # type: ignore[union-attr]
+    for name, ps in module_plan.items():
         lines.append(f"{name:<14} {ps.sharding_type:>18} {ps.compute_kernel:>8} {str(ps.ranks):>10}")
-    ranks = {name: ps.ranks for name, ps in module_plan.items()}  # type: ignore[union-attr]
+    ranks = {name: ps.ranks for name, ps in module_plan.items()}
     return ShardedModel(model=dmp, plan=plan, plan_text="\n".join(lines), table_ranks=ranks)
 
 
@@ -153,7 +153,7 @@ def planner_topology(
     )
 
 
-# Planner failures a larger tier budget resolves (``PlannerErrorType`` values): the recipe names its flags.
+# Planner failures a larger tier budget resolves (``PlacementErrorType`` values): the recipe names its flags.
 _BUDGET_FAILURES: frozenset[str] = frozenset(
     {"insufficient_hbm", "insufficient_ddr", "insufficient_storage", "table_does_not_fit"}
 )
@@ -187,7 +187,7 @@ def _mb(value: float) -> str:
     return f"{value:.3f}".rstrip("0").rstrip(".")
 
 
-def _budget_failure(error: PlannerError) -> bool:
+def _budget_failure(error: PlacementPlannerError) -> bool:
     """True for a planner error that more tier budget resolves."""
     return error.planner_error_type.value in _BUDGET_FAILURES
 
@@ -212,7 +212,7 @@ class TierPlanner:
         self.world, self.local_world = world, local_world
 
     def plan(self, fast: int, slow: int) -> PlacementPlan:
-        """The ``PlacementPlan`` for ``fast`` bytes per rank and ``slow`` bytes per machine (PlannerError if none)."""
+        """The ``PlacementPlan`` for ``fast`` bytes per rank and ``slow`` bytes per machine (PlacementPlannerError if none)."""
         from recpipe.planner import PlacementPlanner
 
         topology = planner_topology(
@@ -236,12 +236,12 @@ class TierPlanner:
         """:meth:`plan`, with a budget failure raised as the :class:`ConfigError` of the recipe's flags."""
         try:
             return self.plan(fast, slow)
-        except PlannerError as e:
+        except PlacementPlannerError as e:
             if not _budget_failure(e):
                 raise
             raise self._budget_error(e, fast, slow) from e
 
-    def least_quoted(self, error: PlannerError, tier: str, fast: int, slow: int) -> int | None:
+    def least_quoted(self, error: PlacementPlannerError, tier: str, fast: int, slow: int) -> int | None:
         """The least budget of ``tier`` (``fast`` or ``slow``), in 1/:data:`MIB_STEPS` MiB, that the
         planner's messages name and with which it plans, the other tier kept; None if none does.
 
@@ -259,7 +259,7 @@ class TierPlanner:
             budget = _step_bytes(steps[0])
             try:
                 self.plan(*((budget, slow) if tier == "fast" else (fast, budget)))
-            except PlannerError as e:
+            except PlacementPlannerError as e:
                 if not _budget_failure(e):
                     raise
                 quoted |= {int(b) for b in _QUOTED_BUDGETS[tier].findall(str(e))}
@@ -267,7 +267,7 @@ class TierPlanner:
             return steps[0]
         return None
 
-    def _budget_error(self, error: PlannerError, fast: int, slow: int) -> ConfigError:
+    def _budget_error(self, error: PlacementPlannerError, fast: int, slow: int) -> ConfigError:
         """The error of budgets ``fast`` / ``slow`` no plan fits: the flags, and for each the least value
         the planner names with which it plans while the other stays as it is."""
         from recpipe.planner import tables_from_module

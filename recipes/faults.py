@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from recpipe.pipeline.checkpoint import CheckpointError
-from recpipe.planner.errors import PlannerError
+from recpipe.planner.errors import PlacementPlannerError
 from recpipe.recipes.checkpoint_policy import step_dir_name
 from recpipe.recipes.config import ConfigError, TrainConfig, split_paths
 from recpipe.recipes.data.base import BatchSource, DataFormatError
@@ -249,7 +249,7 @@ USER_FACING_ERRORS: tuple[type[BaseException], ...] = (
     NonFiniteLossError,
     DataFormatError,  # a Criteo or MovieLens row that breaks its format (file, line, column, value)
     CriteoDataChangedError,  # a Criteo file shrank or vanished while the run read it
-    PlannerError,  # the planned placement does not fit the budgets (--fast-tier-mb / --slow-tier-mb)
+    PlacementPlannerError,  # the planned placement does not fit the budgets (--fast-tier-mb / --slow-tier-mb)
     BatchCountError,  # a data source gave a rank fewer batches than the steps asked for
 )
 

@@ -34,10 +34,10 @@ from torchrec.distributed.planner.types import Topology
 
 from recpipe.planner import (
     BruteForceProposer,
-    DynamicProgrammingProposer,
     GridPlacementEnumerator,
+    KnapsackProposer,
     PlacementPlanner,
-    PlannerError,
+    PlacementPlannerError,
     TableSpec,
 )
 from recpipe.planner.cost_models import AnalyticCostModel
@@ -203,7 +203,7 @@ def main() -> None:
     try:
         planner.plan(tables)
         note = "plan found"
-    except PlannerError as e:
+    except PlacementPlannerError as e:
         note = f"NO PLAN FOUND ({e.planner_error_type.value}); a mix of HYBRID 0.4/0.5 fits"
     rows.append(("plan 1000 x 64, very tight budgets (HBM 45%, DDR 60%)", "-", "plan exists", note))
 
@@ -217,16 +217,16 @@ def main() -> None:
     # and each recpipe backend best-of-5 (a ~1 ms call is disrupted by any
     # context switch on a shared machine; a ~0.2 s loop averages that out).
     # Reported: the minimum per side.
-    DynamicProgrammingProposer(bins=(64, 32), backend="cpp").solve(hbm, ddr, cost, H, D)
+    KnapsackProposer(bins=(64, 32), backend="cpp").solve(hbm, ddr, cost, H, D)
     t_cpp = t_np = t_seed = float("inf")
     ours = ours_np = seed = None
     for _ in range(7):
         for _ in range(5):
             t0 = time.perf_counter()
-            ours = DynamicProgrammingProposer(bins=(64, 32), backend="cpp").solve(hbm, ddr, cost, H, D)
+            ours = KnapsackProposer(bins=(64, 32), backend="cpp").solve(hbm, ddr, cost, H, D)
             t_cpp = min(t_cpp, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        ours_np = DynamicProgrammingProposer(bins=(64, 32), backend="numpy").solve(hbm, ddr, cost, H, D)
+        ours_np = KnapsackProposer(bins=(64, 32), backend="numpy").solve(hbm, ddr, cost, H, D)
         t_np = min(t_np, time.perf_counter() - t0)
         t0 = time.perf_counter()
         seed = seed_python_dp(hbm, ddr, cost, H, D, 64, 32)
@@ -286,9 +286,9 @@ def main() -> None:
         bf = BruteForceProposer().solve(hbm, ddr, cost, H, D)
         t_bf += time.perf_counter() - t0
         t0 = time.perf_counter()
-        dp = DynamicProgrammingProposer().solve(hbm, ddr, cost, H, D)
+        dp = KnapsackProposer().solve(hbm, ddr, cost, H, D)
         t_dp += time.perf_counter() - t0
-        bare = DynamicProgrammingProposer(repair=False).solve(hbm, ddr, cost, H, D)
+        bare = KnapsackProposer(repair=False).solve(hbm, ddr, cost, H, D)
         r = np.arange(6)
         for sol in (dp, bare):
             if sol is not None and (hbm[r, sol].sum() > H or ddr[r, sol].sum() > D):

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import recpipe._C  # noqa: F401,E402  (registers torch.ops.recpipe.*)
-from recpipe.planner import BruteForceProposer, DynamicProgrammingProposer
+from recpipe.planner import BruteForceProposer, KnapsackProposer
 from recpipe.planner import knapsack as P
 from recpipe.planner.proposers import _DpProblem
 
@@ -65,10 +65,10 @@ def test_dp_kernel_equals_numpy_twin(seed: int, simd: str, monkeypatch: pytest.M
     problem = _DpProblem(hbm, ddr, cost, priced, keep, H, D)
     for nh, nd in GRIDS:
         for inc_scale in (math.inf, 1.002, 0.97):
-            ref = DynamicProgrammingProposer._dp_numpy(problem, nh, nd)
+            ref = KnapsackProposer._dp_numpy(problem, nh, nd)
             inc = math.inf if inc_scale == math.inf or ref is None else ref[1] * inc_scale
-            a = DynamicProgrammingProposer._dp_numpy(problem, nh, nd, inc, ph, pd)
-            b = DynamicProgrammingProposer._dp_cpp(problem, nh, nd, inc, ph, pd)
+            a = KnapsackProposer._dp_numpy(problem, nh, nd, inc, ph, pd)
+            b = KnapsackProposer._dp_cpp(problem, nh, nd, inc, ph, pd)
             assert (a is None) == (b is None), (nh, nd, inc)
             if a is not None:
                 np.testing.assert_array_equal(a[0], b[0])
@@ -98,9 +98,7 @@ def test_dp_kernel_one_byte_bins_equals_brute_force(m: int, k: int, seed: int, H
         if hbm[r, idx].sum() <= H and ddr[r, idx].sum() <= D:
             best = min(best, float(cost[r, idx].sum()))
     for backend in ("cpp", "numpy"):
-        sol = DynamicProgrammingProposer(bins=(max(H, 1), max(D, 1)), repair=False, backend=backend).solve(
-            hbm, ddr, cost, H, D
-        )
+        sol = KnapsackProposer(bins=(max(H, 1), max(D, 1)), repair=False, backend=backend).solve(hbm, ddr, cost, H, D)
         if math.isinf(best):
             assert sol is None
         else:
@@ -115,7 +113,7 @@ def test_dp_kernel_one_byte_bins_equals_brute_force(m: int, k: int, seed: int, H
     lh, ld = P.budget_prices(hbm, ddr, cost, H, D)
     ph, pd = lh / max(H, 1), ld / max(D, 1)
     problem = _DpProblem(hbm, ddr, cost, cost + ph * hbm + pd * ddr, keep, H, D)
-    for dp in (DynamicProgrammingProposer._dp_cpp, DynamicProgrammingProposer._dp_numpy):
+    for dp in (KnapsackProposer._dp_cpp, KnapsackProposer._dp_numpy):
         above = dp(problem, max(H, 1), max(D, 1), best + 0.5, ph, pd)
         assert above is not None and above[1] == best
         if best > 0:
@@ -158,7 +156,7 @@ def test_solve_backends_agree_and_keep_budgets(seed: int) -> None:
     sols = {}
     for backend in ("cpp", "numpy"):
         for bins in ((64, 32), None):
-            sol = DynamicProgrammingProposer(bins=bins, backend=backend).solve(hbm, ddr, cost, H, D)
+            sol = KnapsackProposer(bins=bins, backend=backend).solve(hbm, ddr, cost, H, D)
             assert sol is not None
             assert hbm[r, sol].sum() <= H and ddr[r, sol].sum() <= D
             sols[backend, bins] = float(cost[r, sol].sum())
@@ -228,7 +226,7 @@ def test_bad_input_errors_name_the_argument() -> None:
     with pytest.raises(RuntimeError, match="`iters` must be >= 1"):
         torch.ops.recpipe.placement_budget_prices(hbm, ddr, cost, H, D, 0)
     with pytest.raises(ValueError, match="backend must be"):
-        DynamicProgrammingProposer(backend="gpu")
+        KnapsackProposer(backend="gpu")
 
 
 def test_empty_and_no_plan() -> None:

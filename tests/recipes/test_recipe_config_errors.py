@@ -17,6 +17,7 @@ from harness.recipe_configs import SMALL_SYNTHETIC
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
+from recpipe.planner import PlacementPlannerError
 from recpipe.planner.communication import PLANNED_SHARDING_TYPES
 from recpipe.recipes.build import TierPlanner
 from recpipe.recipes.cli import parse_config
@@ -100,11 +101,10 @@ def _tier_planner(config: TrainConfig) -> TierPlanner:
 
 def _plans(planner: TierPlanner, fast_mb: float, slow_mb: float) -> bool:
     """Whether the planner plans with the flags' values (converted as the recipe converts them)."""
-    from recpipe.planner.errors import PlannerError
 
     try:
         planner.plan(int(fast_mb * 2**20), int(slow_mb * 2**20))
-    except PlannerError:
+    except PlacementPlannerError:
         return False
     return True
 
