@@ -6,6 +6,15 @@ Layout (README.md, "Layout"): each top-level folder is one subpackage of ``recpi
 namespace package). ``csrc/*.cpp`` always build; ``csrc/*.cu`` build when nvcc and
 a CUDA build of torch are both present, unless ``RECPIPE_CUDA=0``.
 ``RECPIPE_CUDA=1`` makes a missing toolkit an error instead of a silent CPU-only build.
+
+CPU dispatch (``csrc/cpu_dispatch.h``): on x86-64 the kernels pick AVX-512, AVX2
+or baseline x86-64 per call; every other 64-bit CPU (aarch64, ...) builds the
+portable paths. ``RECPIPE_PORTABLE=1`` adds ``-DRECPIPE_PORTABLE=1`` to the C++
+and nvcc flags, so an x86-64 build compiles the portable paths too
+(``recpipe._C.CPU_DISPATCH`` reports ``"portable"``; ``make test-portable``
+runs the op tests against such a build). Both give bit-identical results: the
+ISA changes speed only, and ``-ffp-contract=off`` keeps a CPU with FMA in its
+baseline from fusing ``a * b + c`` into one rounding.
 """
 
 from __future__ import annotations
@@ -58,11 +67,32 @@ def _want_cuda() -> bool:
     return have
 
 
+def _want_portable() -> bool:
+    """Whether ``RECPIPE_PORTABLE`` asks for the portable CPU paths on x86-64 too.
+
+    Returns:
+        bool: True for ``1``/``true``/``on``/``yes``, False when unset or ``0``/``false``/``off``/``no``.
+
+    Raises:
+        SystemExit: any other value, naming the variable and the accepted values.
+    """
+    flag = os.environ.get("RECPIPE_PORTABLE", "0").strip().lower()
+    if flag in ("", "0", "false", "off", "no"):
+        return False
+    if flag in ("1", "true", "on", "yes"):
+        return True
+    sys.exit(f"RECPIPE_PORTABLE={flag!r}: set it to 1 (portable CPU paths) or 0 / unset (x86 dispatch on x86-64).")
+
+
 def _extension():
     cpp = sorted(glob.glob("csrc/*.cpp"))
-    cxx_flags = ["-O3", "-std=c++20", "-fopenmp"]
+    # -ffp-contract=off: the same float roundings on every CPU (module docstring).
+    cxx_flags = ["-O3", "-std=c++20", "-fopenmp", "-ffp-contract=off"]
+    macros = [("RECPIPE_PORTABLE", "1")] if _want_portable() else []
     if not _want_cuda():
-        return CppExtension("recpipe._C", cpp, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
+        return CppExtension(
+            "recpipe._C", cpp, define_macros=macros, extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"]
+        )
     # CUDA build. CUDAContext.h pulls in cusparse.h, which pip-installed torch
     # keeps under site-packages/nvidia/cu13/include (measured on the project machines).
     include_dirs = [str(Path(_cuda_home, "include"))]
@@ -76,7 +106,7 @@ def _extension():
         cpp + sorted(glob.glob("csrc/*.cu")),
         include_dirs=include_dirs,
         library_dirs=[str(Path(_cuda_home, "lib64"))],
-        define_macros=[("RECPIPE_WITH_CUDA", "1")],
+        define_macros=[("RECPIPE_WITH_CUDA", "1"), *macros],
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++20"]},
         extra_link_args=["-fopenmp"],
     )

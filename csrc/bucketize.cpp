@@ -32,6 +32,7 @@
 
 #include "bucketize_math.h"
 #include "checks.h"
+#include "cpu_dispatch.h"
 
 namespace recpipe {
 namespace {
@@ -138,9 +139,11 @@ struct HashKeys {
 
 // ---------------------------------------------------------------------------
 // hash_roundrobin keys of a run of ids, H(id), in one loop the compiler
-// vectorizes. The same source is compiled for AVX-512, AVX2 and baseline x86-64;
-// the build only changes speed: every id gets the same H(id) (header math).
-// RECPIPE_ISA=auto|avx512|avx2|baseline picks one (tests force each).
+// vectorizes. With the x86 dispatch (cpu_dispatch.h) the same source is compiled
+// for AVX-512, AVX2 and baseline x86-64 and RECPIPE_ISA=auto|avx512|avx2|baseline
+// picks one per call (tests force each); the portable build compiles the
+// baseline loop only. The build only changes speed: every id gets the same
+// H(id) (header math).
 
 // The run is cut into kHashStreams equal parts hashed in one loop, so their
 // independent multiply chains overlap (H is a chain of 4 multiplies per id: one
@@ -163,6 +166,7 @@ __attribute__((always_inline)) inline void hash_keys_body(const HashPermutation&
   }
 }
 
+#if defined(RECPIPE_X86_DISPATCH)
 template <typename index_t, typename key_t>
 __attribute__((target("avx512f,avx512dq,avx512vl,avx512bw"))) void hash_keys_avx512(
     const HashPermutation& perm, const index_t* ids, int64_t m, key_t* keys) {
@@ -174,6 +178,7 @@ __attribute__((target("avx2,bmi2,fma"))) void hash_keys_avx2(const HashPermutati
                                                               int64_t m, key_t* keys) {
   hash_keys_body(perm, ids, m, keys);
 }
+#endif
 
 template <typename index_t, typename key_t>
 void hash_keys_baseline(const HashPermutation& perm, const index_t* ids, int64_t m, key_t* keys) {
@@ -182,34 +187,47 @@ void hash_keys_baseline(const HashPermutation& perm, const index_t* ids, int64_t
 
 enum class Isa { kBaseline, kAvx2, kAvx512 };
 
-// The ISA of this call: RECPIPE_ISA if set (an error when this CPU lacks it), else the widest.
+// The ISA of this call: RECPIPE_ISA if set (an error when this CPU or this build
+// lacks it), else the widest this CPU has (baseline in the portable build).
 Isa call_isa() {
+  const char* env = std::getenv("RECPIPE_ISA");
+  const std::string want = env == nullptr ? "auto" : env;
+  const bool named = want == "auto" || want.empty() || want == "avx512" || want == "avx2" || want == "baseline";
+  TORCH_CHECK(named, "recpipe: RECPIPE_ISA is '", want, "'; it must be one of auto, avx512, avx2, baseline.");
+#if defined(RECPIPE_X86_DISPATCH)
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("fma");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
                       __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bw");
-  const char* env = std::getenv("RECPIPE_ISA");
-  const std::string want = env == nullptr ? "auto" : env;
   if (want == "auto" || want.empty()) {
     return avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kBaseline;
   }
-  TORCH_CHECK(want == "avx512" || want == "avx2" || want == "baseline", "recpipe: RECPIPE_ISA is '", want,
-              "'; it must be one of auto, avx512, avx2, baseline.");
   TORCH_CHECK(want != "avx512" || avx512, "recpipe: RECPIPE_ISA=avx512 but this CPU lacks it; unset RECPIPE_ISA "
               "or pick avx2 / baseline.");
   TORCH_CHECK(want != "avx2" || avx2, "recpipe: RECPIPE_ISA=avx2 but this CPU lacks it; unset RECPIPE_ISA or "
               "pick baseline.");
   return want == "avx512" ? Isa::kAvx512 : want == "avx2" ? Isa::kAvx2 : Isa::kBaseline;
+#else
+  TORCH_CHECK(want == "auto" || want.empty() || want == "baseline", "recpipe: RECPIPE_ISA=", want,
+              " but this build is portable (built for a non-x86 CPU or with RECPIPE_PORTABLE=1) and compiles the "
+              "baseline loop only; unset RECPIPE_ISA or pick baseline.");
+  return Isa::kBaseline;
+#endif
 }
 
 template <typename index_t, typename key_t>
 void hash_keys(Isa isa, const HashPermutation& perm, const index_t* ids, int64_t m, key_t* keys) {
+#if defined(RECPIPE_X86_DISPATCH)
   if (isa == Isa::kAvx512) {
     hash_keys_avx512(perm, ids, m, keys);
-  } else if (isa == Isa::kAvx2) {
-    hash_keys_avx2(perm, ids, m, keys);
-  } else {
-    hash_keys_baseline(perm, ids, m, keys);
+    return;
   }
+  if (isa == Isa::kAvx2) {
+    hash_keys_avx2(perm, ids, m, keys);
+    return;
+  }
+#endif
+  (void)isa;  // the portable build has the baseline loop only
+  hash_keys_baseline(perm, ids, m, keys);
 }
 
 struct BadId {

@@ -68,10 +68,13 @@ TORCH_LIBRARY(recpipe, m) {
 // Importing recpipe._C registers the ops. The module holds the constants
 // Python must agree with the kernels on, read from the kernels' own header
 // (recpipe.pipeline.ops re-exports them): ROUTING_VERSION (the
-// hash_roundrobin bijection checkpoints record) and the dist_types codes.
+// hash_roundrobin bijection checkpoints record) and the dist_types codes; and
+// CPU_DISPATCH, the CPU dispatch compiled in (cpu_dispatch.h): "x86" or
+// "portable" (a non-x86 CPU, or a build with RECPIPE_PORTABLE=1).
 #include <Python.h>
 
 #include "bucketize_math.h"
+#include "cpu_dispatch.h"
 
 static struct PyModuleDef recpipe_c_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
 
@@ -83,7 +86,8 @@ PyMODINIT_FUNC PyInit__C(void) {
   if (PyModule_AddIntConstant(m, "ROUTING_VERSION", recpipe::kRoutingVersion) < 0 ||
       PyModule_AddIntConstant(m, "DIST_CONTINUOUS", recpipe::kContinuous) < 0 ||
       PyModule_AddIntConstant(m, "DIST_ROUNDROBIN", recpipe::kRoundRobin) < 0 ||
-      PyModule_AddIntConstant(m, "DIST_HASH_ROUNDROBIN", recpipe::kHashRoundRobin) < 0) {
+      PyModule_AddIntConstant(m, "DIST_HASH_ROUNDROBIN", recpipe::kHashRoundRobin) < 0 ||
+      PyModule_AddStringConstant(m, "CPU_DISPATCH", recpipe::kCpuDispatch) < 0) {
     Py_DECREF(m);
     return nullptr;
   }

@@ -42,7 +42,9 @@
 #include <tuple>
 #include <vector>
 
-#if defined(__x86_64__)
+#include "cpu_dispatch.h"
+
+#if defined(RECPIPE_X86_DISPATCH)
 #include <immintrin.h>
 #endif
 
@@ -155,7 +157,7 @@ inline void candidates_scalar(
   }
 }
 
-#if defined(__x86_64__)
+#if defined(RECPIPE_X86_DISPATCH)
 // candidates_scalar in AVX2 lanes, four states at a time: the same IEEE
 // operations in the same order (no FMA), so results are bit-identical.
 __attribute__((target("avx2"))) void candidates_avx2(
@@ -207,22 +209,23 @@ bool cpu_has_avx2() {
 }
 #endif
 
-// Vector lanes for step 1: AVX2 on CPUs that have it, unless the environment
-// sets RECPIPE_PLANNER_SIMD=scalar (tests compare both paths). Read per call.
+// Vector lanes for step 1: AVX2 on CPUs that have it in a build with the x86
+// dispatch (cpu_dispatch.h), unless the environment sets
+// RECPIPE_PLANNER_SIMD=scalar (tests compare both paths). Read per call.
 bool use_simd() {
   const char* env = std::getenv("RECPIPE_PLANNER_SIMD");
   if (env != nullptr && std::string(env) == "scalar") {
     return false;
   }
-#if defined(__x86_64__)
+#if defined(RECPIPE_X86_DISPATCH)
   return cpu_has_avx2();
 #else
   return false;
 #endif
 }
 
-// Step 1 dispatch: AVX2 lanes when the CPU has them (RECPIPE_PLANNER_SIMD=scalar
-// forces the scalar loop, for tests), else the scalar loop.
+// Step 1 dispatch: AVX2 lanes when use_simd() says so, else the scalar loop
+// (the only one of the portable build); both give bit-identical results.
 void candidates(
     bool simd,
     int64_t S,
@@ -233,11 +236,13 @@ void candidates(
     const OptionStep& o,
     double* cell_out,
     double* p_out) {
-#if defined(__x86_64__)
+#if defined(RECPIPE_X86_DISPATCH)
   if (simd) {
     candidates_avx2(S, U, V, P, T, o, cell_out, p_out);
     return;
   }
+#else
+  (void)simd;  // use_simd() is false in the portable build
 #endif
   candidates_scalar(S, U, V, P, T, o, cell_out, p_out);
 }
