@@ -119,8 +119,8 @@ class CommCostModel:
             )
         if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}.")
-        self.constants = constants
-        self.world_size = int(world_size)
+        self.constants: CommConstants = constants
+        self.world_size: int = int(world_size)
 
     def split(self, table: TableSpec, sharding_type: str) -> tuple[float, float]:
         """``(network ms, compute ms)`` of ``table`` under ``sharding_type``: bytes moved, and the bag

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import List, Sequence, Tuple, Union
+from typing import List, Sequence, Tuple, Union, cast
 
 import numpy as np
 from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
@@ -137,13 +137,13 @@ def _hit_rates(
         for i in cached:
             x = options[i][1]
             miss = table.cache_stats.expected_miss_rate(x)
-            if isinstance(miss, bool) or not isinstance(miss, numbers.Real) or not 0.0 <= miss <= 1.0:  # also nan
+            if isinstance(miss, bool) or not isinstance(miss, numbers.Real) or miss < 0.0 or not miss <= 1.0:  # or nan
                 raise ValueError(
                     f"TableSpec({table.name}).cache_stats.expected_miss_rate({x}) returned {miss!r}: a miss rate "
                     "must be a fraction in [0, 1]; fix the CacheStatistics, or pass cache_stats=None to model "
                     "access by access_counts or zipf_alpha."
                 )
-            out[i] = float(1.0 - miss)
+            out[i] = float(1.0 - cast(float, miss))  # a Real: typeshed's numbers.Real types 1.0 - miss as complex
     elif table.access_counts is not None and cached:
         counts = np.sort(np.asarray(table.access_counts, dtype=np.float64))[::-1]
         total = counts.sum()
@@ -250,11 +250,11 @@ class _ZipfCostMatrix:
             z = np.flatnonzero(zipf)
             ks = (num[None, :] * rows[z, None]) // den[None, :]  # floor_fraction of every cached option
             n = np.concatenate([ks, rows[z, None]], axis=1).astype(np.float64)
-            h = generalized_harmonic_rows(n, np.array([tables[i].zipf_alpha for i in z], dtype=np.float64))
+            h = generalized_harmonic_rows(n, np.array([tables[int(i)].zipf_alpha for i in z], dtype=np.float64))
             mass = h[:, :-1] / h[:, -1:]
             hit_rate = cache_policy_spec(self.cache_policy).hit_rate
             hit[np.ix_(z, np.flatnonzero(cached))] = hit_rate(xs[cached][None, :], mass)
-        for i in np.flatnonzero(~zipf):
+        for i in np.flatnonzero(~zipf).tolist():
             hit[i] = _hit_rates(tables[i], options, self.cache_policy)
         state_hit = hit
         if self.backend == "fbgemm":

@@ -196,16 +196,17 @@ class GridPlacementEnumerator:
                 out.comm_cost[ii, col : col + len(cand)] = comm[SHARDING_CODE[ROW_WISE], ii][:, None]
                 col += len(cand)
             fused_lookup = lookup[:, cand.index((Mode.HYBRID, 1.0))] * self.fused_lookup_ratio if fused or cw else None
-            if fused:  # all in the fast tier as torchrec's FUSED table; before the tiered one, which it wins ties of
-                self._fill_fused(out, tables, ii, col, TABLE_WISE, fused_lookup, comm)  # type: ignore[arg-type]
+            if fused and fused_lookup is not None:  # all in the fast tier as torchrec's FUSED table; before the
+                # tiered one, which it wins ties of
+                self._fill_fused(out, tables, ii, col, TABLE_WISE, fused_lookup, comm)
                 col += 1
             if tw:
                 self._fill(out, tables, ii, cand, col, whole=True)
                 out.lookup_cost[ii, col : col + len(cand)] = lookup
                 out.comm_cost[ii, col : col + len(cand)] = comm[SHARDING_CODE[TABLE_WISE], ii][:, None]
                 col += len(cand)
-            if cw:  # torchrec's FUSED table in column shards, each whole on one rank
-                self._fill_fused(out, tables, ii, col, COLUMN_WISE, fused_lookup, comm)  # type: ignore[arg-type]
+            if cw and fused_lookup is not None:  # torchrec's FUSED table in column shards, each whole on one rank
+                self._fill_fused(out, tables, ii, col, COLUMN_WISE, fused_lookup, comm)
         valid = out.modes >= 0
         none = np.flatnonzero(~valid.any(axis=1))
         if none.size:
@@ -306,18 +307,18 @@ class GridPlacementEnumerator:
         out.sharding[ii, cols] = int(whole)
         out.shards[ii, cols] = int(whole)
         group = [tables[i] for i in ii]
-        bytes_ = self._bulk_storage(group, cand, *((1, 1) if whole else (W, L)))
+        bytes_: Optional[Sequence[np.ndarray]] = self._bulk_storage(group, cand, *((1, 1) if whole else (W, L)))
         if bytes_ is None:  # exact products would overflow int64: scalar formulas
-            bytes_ = tuple(np.zeros((len(group), len(cand)), dtype=np.int64) for _ in range(4))  # type: ignore[assignment]
+            bytes_ = tuple(np.zeros((len(group), len(cand)), dtype=np.int64) for _ in range(4))
             for n, t in enumerate(group):
                 rows = t.rows if whole else max_local_rows(t.rows, W)
                 for j, (mode, x) in enumerate(cand):
                     rank = self.shard_bytes(t, rows, mode, x)
                     mach = rank if whole else machine_sum(t.rows, W, L, lambda r: self.shard_bytes(t, r, mode, x))  # noqa: B023
                     values = (rank.fast_bytes, rank.slow_bytes, mach.fast_bytes, mach.slow_bytes)
-                    for dst, v in zip(bytes_, values):  # type: ignore[arg-type]
+                    for dst, v in zip(bytes_, values):
                         dst[n, j] = v
-        for dst, src in zip(out.byte_arrays, bytes_):  # type: ignore[arg-type]
+        for dst, src in zip(out.byte_arrays, bytes_):
             dst[ii, cols] = src
         out.owner_bytes[ii, cols] = out.hbm_bytes_per_rank[ii, cols]
         out.owner_slow_bytes[ii, cols] = out.ddr_bytes_per_rank[ii, cols]
@@ -435,7 +436,8 @@ def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:
                 f"dtype: {dtypes[0]} in a tables file)"
             )
         if t.optimizer not in SUPPORTED_OPTIMIZERS:
-            problems.append(f"its fused optimizer {t.optimizer.value} is not one tiered tables run ({optimizers})")
+            optimizer = FusedOptimizerKind.parse(t.optimizer).value
+            problems.append(f"its fused optimizer {optimizer} is not one tiered tables run ({optimizers})")
             fixes.append(
                 f"train it with one of {optimizers} (apply_optimizer_in_backward with SGD, RowWiseAdagrad "
                 "or Adam, or the sharders' fused_params)"

@@ -28,7 +28,7 @@ class PlacementPlannerError(_TorchrecPlannerError):
     def __init__(self, message: str, error_type: PlacementErrorType) -> None:
         super().__init__(message)
         # torchrec stores its own enum here; ours is richer, keep both readable.
-        self.error_type = error_type  # type: ignore[assignment]
+        self.error_type = error_type
         self.planner_error_type: PlacementErrorType = error_type
 
 

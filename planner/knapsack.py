@@ -65,9 +65,20 @@ def _cpp_ops() -> Optional[Tuple[Any, Any]]:
     return torch, torch.ops.recpipe
 
 
+def _loaded_ops() -> Tuple[Any, Any]:
+    """``_cpp_ops()`` for a caller whose backend is ``cpp``, chosen because the kernels loaded."""
+    ops = _cpp_ops()
+    if ops is None:
+        raise RuntimeError(
+            "the compiled planner kernels torch.ops.recpipe (recpipe._C) did not load; build/install recpipe "
+            "(`make venv`) or use backend='numpy'."
+        )
+    return ops
+
+
 def _tensors(*arrays: np.ndarray) -> List[Any]:
     """The arrays as CPU tensors sharing their (contiguous) memory, for the compiled kernels."""
-    torch = _cpp_ops()[0]  # type: ignore[index]
+    torch = _loaded_ops()[0]
     return [torch.from_numpy(np.ascontiguousarray(a)) for a in arrays]
 
 
@@ -220,7 +231,7 @@ def _budget_prices_cpp(
             f"Possible solutions:\n  1) pass a few hundred steps at most (the DP prices with {PRICE_ITERS}; "
             "more barely move the prices)."
         )
-    out = _cpp_ops()[1].placement_budget_prices(  # type: ignore[index]
+    out = _loaded_ops()[1].placement_budget_prices(
         *_tensors(hbm, ddr, cost), int(hbm_budget), int(ddr_budget), int(iters)
     )
     return float(out[0]), float(out[1])
@@ -228,7 +239,7 @@ def _budget_prices_cpp(
 
 def _prune_dominated_cpp(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable: np.ndarray) -> np.ndarray:
     """:func:`prune_dominated` through ``torch.ops.recpipe.placement_prune_dominated``."""
-    return _cpp_ops()[1].placement_prune_dominated(*_tensors(hbm, ddr, cost, usable)).numpy()  # type: ignore[index]
+    return _loaded_ops()[1].placement_prune_dominated(*_tensors(hbm, ddr, cost, usable)).numpy()
 
 
 def prune_dominated(hbm: np.ndarray, ddr: np.ndarray, cost: np.ndarray, usable: np.ndarray) -> np.ndarray:

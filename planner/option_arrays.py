@@ -80,10 +80,14 @@ class OptionArrays:
         code = int(self.modes[table, index])
         if code < 0:
             raise IndexError(f"table {table} has no option {index}.")
+        hbm_per_rank, ddr_per_rank, hbm_per_machine, ddr_per_machine = (int(a[table, index]) for a in self.byte_arrays)
         return PlacementOption(
             MODE_OF_CODE[code],
             float(self.load_factors[table, index]),
-            *(int(a[table, index]) for a in self.byte_arrays),
+            hbm_per_rank,
+            ddr_per_rank,
+            hbm_per_machine,
+            ddr_per_machine,
             cost=float(self.cost[table, index]),
             sharding_type=SHARDING_OF_CODE[int(self.sharding[table, index])],
             fused=bool(self.fused[table, index]),
@@ -95,7 +99,9 @@ class OptionArrays:
 
     def to_options(self) -> List[List[PlacementOption]]:
         """Options per table as ``PlacementOption`` lists, in input order (padding dropped)."""
-        return [[self.option(i, j) for j in np.flatnonzero(self.modes[i] >= 0)] for i in range(self.modes.shape[0])]
+        return [
+            [self.option(i, int(j)) for j in np.flatnonzero(self.modes[i] >= 0)] for i in range(self.modes.shape[0])
+        ]
 
 
 def options_to_arrays(options: Sequence[Sequence[PlacementOption]]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:

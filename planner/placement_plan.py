@@ -442,7 +442,7 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
     check_load_factor(p["cache_load_factor"], f"{where}['cache_load_factor']")
     for key in ("cost", "lookup_cost", "comm_cost"):
         cost = p.get(key, 0.0)
-        if isinstance(cost, bool) or not isinstance(cost, numbers.Real) or not 0 <= cost < math.inf:
+        if isinstance(cost, bool) or not isinstance(cost, numbers.Real) or cost < 0 or not cost < math.inf:
             raise ValueError(
                 f"{where}[{key!r}] must be a finite number >= 0 (modelled ms), got {type(cost).__name__} {cost!r}; "
                 f"{fix}."
@@ -524,6 +524,13 @@ def to_torchrec_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]
     return _to_sharding_plan(plan, compute_device)
 
 
+def _owner_rank(p: TablePlacement) -> int:
+    """The owner ``rank`` of table-wise placement ``p`` (the planner and ``from_dict`` set it)."""
+    if p.rank is None:
+        raise ValueError(f"placement of {p.fqn!r}: a table_wise table needs its owner rank, got rank=None.")
+    return int(p.rank)
+
+
 def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> ShardingPlan:
     """:func:`to_torchrec_sharding_plan` (one frame below each public entry: the warning points at the user's call)."""
     if compute_device is not None:
@@ -537,31 +544,19 @@ def _to_sharding_plan(plan: PlacementPlan, compute_device: Optional[str]) -> Sha
                 sharding_type=_COLUMN_WISE,
                 compute_kernel=EmbeddingComputeKernel.FUSED.value,
                 ranks=list(p.owner_ranks),
-                sharding_spec=column_wise_sharding_spec(
-                    p.rows,
-                    p.dim,
-                    p.owner_ranks,
-                    plan.local_world_size,
-                    device,  # type: ignore[arg-type]
-                ),
+                sharding_spec=column_wise_sharding_spec(p.rows, p.dim, p.owner_ranks, plan.local_world_size, device),
             )
             continue
         if p.fused:
             module_plan[p.table] = ParameterSharding(
                 sharding_type=ShardingType.TABLE_WISE.value,
                 compute_kernel=EmbeddingComputeKernel.FUSED.value,
-                ranks=[int(p.rank)],  # type: ignore[arg-type]  # a table-wise placement has its owner
-                sharding_spec=table_wise_sharding_spec(
-                    p.rows,
-                    p.dim,
-                    int(p.rank),
-                    plan.local_world_size,
-                    device,  # type: ignore[arg-type]
-                ),
+                ranks=[_owner_rank(p)],
+                sharding_spec=table_wise_sharding_spec(p.rows, p.dim, _owner_rank(p), plan.local_world_size, device),
             )
             continue
         if p.table_wise:
-            ranks = [int(p.rank)]  # type: ignore[arg-type]
+            ranks = [_owner_rank(p)]
             spec = table_wise_sharding_spec(p.rows, p.dim, ranks[0], plan.local_world_size, device)
         else:
             ranks = list(range(plan.world_size))

@@ -18,6 +18,7 @@ from recpipe.pipeline.placement import (
     FusedOptimizerKind,
     check_int,
     check_load_factors,
+    resolve_dtype,
 )
 from recpipe.planner.communication import (
     GLOO_CPU,
@@ -177,6 +178,7 @@ class PlacementPlanner:
         self.comm_model: Optional[CommCostModel]
         self.enumerator: PlacementEnumerator
         self.sharding_types: Tuple[str, ...]
+        self.constraints: Mapping[str, PlacementConstraints]
         if enumerator is not None:
             check_enumerator_settings(enumerator, self.backend, self.cache_policy, **settings)
             self.enumerator = enumerator
@@ -365,7 +367,7 @@ class PlacementPlanner:
         rank_bytes, machine_slow = part.rank_bytes.copy(), part.machine_slow_bytes.copy()
         for i in sorted(unplaced.tolist(), key=lambda k: -int(options.owner_bytes[k, choice[k]])):
             best: Tuple[float, int, Tuple[int, ...]] = (np.inf, -1, ())  # (cost, option, owners)
-            for j in np.flatnonzero(np.isfinite(cost[i])):
+            for j in np.flatnonzero(np.isfinite(cost[i])).tolist():
                 if options.sharding[i, j] == 0:
                     fits = (
                         rank_bytes.max() + options.hbm_bytes_per_rank[i, j] <= H
@@ -447,7 +449,7 @@ def _placements(
                 ddr_bytes_per_machine=int(ddr_machine[i]),
                 cost=float(options.cost[i, j]),
                 optimizer=FusedOptimizerKind.parse(t.optimizer),
-                dtype=t.dtype,  # type: ignore[arg-type]  # TableSpec normalizes it to a torch.dtype
+                dtype=resolve_dtype(t.dtype),  # the torch.dtype TableSpec resolved it to
                 sharding_type=SHARDING_OF_CODE[int(options.sharding[i, j])],
                 fused=bool(options.fused[i, j]),
                 rank=owners[i][0] if sharding[i] == 1 else None,

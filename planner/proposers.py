@@ -18,6 +18,7 @@ from recpipe.planner.knapsack import (
     _check_kernel_budgets,
     _check_kernel_grid,
     _cpp_ops,
+    _loaded_ops,
     _prune_dominated,
     _prune_dominated_cpp,
     _tensors,
@@ -74,7 +75,8 @@ def _repair(p: _DpProblem, choice: np.ndarray, pair_limit: int, triple_limit: in
         dc = c - cur_c[:, None]
         single = np.where((dh <= slack_h) & (dd <= slack_d), dc, np.inf)
         k = int(np.argmin(single))
-        best_gain, move = float(single.flat[k]), ((k // K, k % K),)
+        move: Tuple[Tuple[int, int], ...] = ((k // K, k % K),)  # (table, option) pairs: one, two or three
+        best_gain = float(single.flat[k])
         if M * K <= pair_limit and M > 1:
             fh, fd, fc = dh.ravel(), dd.ravel(), dc.ravel()
             tot = fc[:, None] + fc[None, :]
@@ -288,7 +290,7 @@ class KnapsackProposer:
         """One DP pass through ``torch.ops.recpipe.placement_dp``; budgets and grids it refuses are named first."""
         _check_kernel_budgets("placement_dp", p.H, p.D, EXACT_BYTES - 1, "2^53 - 1, its exact byte range")
         _check_kernel_grid(None, nh, nd)
-        choice, total = _cpp_ops()[1].placement_dp(  # type: ignore[index]
+        choice, total = _loaded_ops()[1].placement_dp(
             *_tensors(p.hbm, p.ddr, p.cost, p.priced, p.keep), p.H, p.D, nh, nd, float(incumbent), float(ph), float(pd)
         )
         # an empty choice: no plan fits or beats the incumbent

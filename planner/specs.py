@@ -163,7 +163,7 @@ def per_row_format(
     memo: Dict[Tuple[int, torch.dtype, FusedOptimizerKind], int] = {}
     out = np.empty(len(tables), dtype=np.int64)
     for i, t in enumerate(tables):
-        key = (t.dim, t.dtype, t.optimizer)
+        key = (t.dim, resolve_dtype(t.dtype), FusedOptimizerKind.parse(t.optimizer))  # as __post_init__ resolved them
         value = memo.get(key)
         if value is None:
             value = memo[key] = formula(*key)
@@ -283,21 +283,21 @@ def check_topology_args(
             f"{lws_name} ({local_world_size}) must divide {ws_name} ({world_size}): every machine has "
             f"the same number of ranks (e.g. {lws_name}={math.gcd(world_size, local_world_size)})."
         )
-    for name, value in ((hbm_name, hbm_cap), (ddr_name, ddr_cap)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    for name, size in ((hbm_name, hbm_cap), (ddr_name, ddr_cap)):
+        if isinstance(size, bool) or not isinstance(size, numbers.Real):
             raise ValueError(
-                f"{name} must be a number of bytes, got {type(value).__name__} {value!r}; "
+                f"{name} must be a number of bytes, got {type(size).__name__} {size!r}; "
                 "give the memory in bytes, e.g. 80 * 2**30."
             )
-        if positive_sizes and not value > 0:
-            raise ValueError(f"{name} must be a positive size such as 80GiB, got {value} bytes.")
-        if not value >= 0:  # also refuses nan
+        if positive_sizes and not size > 0:
+            raise ValueError(f"{name} must be a positive size such as 80GiB, got {size} bytes.")
+        if not size >= 0:  # also refuses nan
             raise ValueError(
-                f"{name} must be a size >= 0 bytes, got {value}; give the memory in bytes, e.g. 80 * 2**30."
+                f"{name} must be a size >= 0 bytes, got {size}; give the memory in bytes, e.g. 80 * 2**30."
             )
-        if value == math.inf:  # the budgets are whole bytes: int(inf) would raise OverflowError when planning
+        if size == math.inf:  # the budgets are whole bytes: int(inf) would raise OverflowError when planning
             raise ValueError(
-                f"{name} must be a finite size in bytes, got {value}; for memory that never binds, give "
+                f"{name} must be a finite size in bytes, got {size}; for memory that never binds, give "
                 "a size past every table's bytes, e.g. 2**60."
             )
 

@@ -161,7 +161,7 @@ def placements_from_sharding_plan(sharding_plan: ShardingPlan) -> Dict[Tuple[str
     """``(module_path, table) -> (mode, x)`` of every ``PlacementParameterSharding`` in a torchrec plan."""
     out: Dict[Tuple[str, str], Tuple[Mode, float]] = {}
     for path, module_plan in sharding_plan.plan.items():
-        for table, ps in module_plan.items():  # type: ignore[union-attr]
+        for table, ps in module_plan.items():
             if isinstance(ps, PlacementParameterSharding):
                 out[(path, table)] = (Mode.parse(ps.mode), float(ps.cache_load_factor))
     return out

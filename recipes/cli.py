@@ -18,7 +18,7 @@ import sys
 import textwrap
 import typing
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -87,6 +87,8 @@ def field_docs() -> dict[str, str]:
     except (OSError, TypeError, SyntaxError):
         return {}
     cls = tree.body[0]  # the class statement, decorators included
+    if not isinstance(cls, ast.ClassDef):
+        return {}
     fields = {f.name for f in dataclasses.fields(TrainConfig)}  # not the InitVar check_paths
     docs: dict[str, str] = {}
     for node, nxt in zip(cls.body, cls.body[1:]):
@@ -121,7 +123,7 @@ class _CommandLineError(Exception):
 class _ArgumentParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors raise (``--help`` still prints and exits 0)."""
 
-    def error(self, message: str) -> typing.NoReturn:  # type: ignore[override]
+    def error(self, message: str) -> typing.NoReturn:
         raise _CommandLineError(message)
 
 
@@ -168,6 +170,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         if hint is bool:
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=help_text)
             continue
+        kind: Callable[[str], Any]
         if hint == tuple[int, ...]:
             kind, metavar = _parse_ints, "W1,W2,..."
         elif hint in (int, int | None):

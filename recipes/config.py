@@ -547,8 +547,9 @@ def _check_output_paths(config: TrainConfig) -> None:
 
 def _check_resumable(config: TrainConfig) -> None:
     """``--resume`` finds at least one ``step_*`` directory to try (an unreadable one: none)."""
+    directory = config.checkpoint_dir  # set whenever resume is (_check_switches_and_checkpoints)
     try:
-        resumable = not config.resume or bool(checkpoint_steps(config.checkpoint_dir))  # type: ignore[arg-type]
+        resumable = not config.resume or (directory is not None and bool(checkpoint_steps(directory)))
     except OSError:
         resumable = False
     if not resumable:

@@ -8,6 +8,7 @@ DMP materialises only each rank's shards.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
@@ -17,6 +18,28 @@ from recpipe.recipes.data.base import DatasetSpec, table_rows
 
 # Module path of the EBC inside DLRMTrain (the key of the sharding plan).
 EBC_PATH: str = "model.sparse_arch.embedding_bag_collection"
+
+
+def embedding_bag_collection(model: nn.Module) -> EmbeddingBagCollection:
+    """The ``EmbeddingBagCollection`` at :data:`EBC_PATH` of a :func:`build_model` model.
+
+    Args:
+        model: unsharded ``DLRMTrain``.
+
+    Returns:
+        Its tables' ``EmbeddingBagCollection``.
+
+    Raises:
+        AttributeError: ``model`` has no submodule at ``EBC_PATH``.
+        TypeError: the submodule at ``EBC_PATH`` is not an ``EmbeddingBagCollection``.
+    """
+    ebc = model.get_submodule(EBC_PATH)
+    if not isinstance(ebc, EmbeddingBagCollection):
+        raise TypeError(
+            f"model: {EBC_PATH} is a {type(ebc).__name__}, expected a torchrec EmbeddingBagCollection; "
+            "pass the DLRMTrain that build_model() returns."
+        )
+    return ebc
 
 
 def table_configs(config: TrainConfig, spec: DatasetSpec) -> list[EmbeddingBagConfig]:

@@ -339,8 +339,8 @@ def _load_regular(model: nn.Module, plan: _LoadPlan, strict: bool, process_group
         if u.row_order is not None:
             state[u.weight_key[: -len("weight")] + ROW_ORDER_KEY] = u.row_order
     model.load_state_dict(state, strict=strict)
-    if optimizer_state is not None:
-        model.fused_optimizer.load_state_dict(optimizer_state)  # type: ignore[union-attr]
+    if optimizer_state is not None:  # saved by regular_state_dict from the model's fused_optimizer (torchrec's)
+        getattr(model, "fused_optimizer").load_state_dict(optimizer_state)
     if into_state:  # sets each TBE's step as torchrec's set_optimizer_step
         # the tables' descriptions gathered by check_into_torchrec (the other tables' are not read)
         desc = {u.weight_key[: -len(".weight")]: u.desc for u in into.values()}

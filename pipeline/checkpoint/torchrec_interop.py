@@ -88,22 +88,23 @@ def _saved_optimizer(metadata: Metadata, head: str, rows: int, dim: int) -> Tupl
     return "an unrecognised optimizer", found
 
 
-def _saved_row_order(src: Source, weight_key: str) -> Tuple[Optional[RowOrder], Optional[str]]:
-    """The row order a routed FUSED table was saved in (None: contiguous rows), or why its rows
-    cannot be put in global row order."""
+def _saved_row_order(
+    src: Source, weight_key: str, md: TensorStorageMetadata
+) -> Tuple[Optional[RowOrder], Optional[str]]:
+    """The row order a routed FUSED table (saved weight ``md``) was saved in (None: contiguous rows), or
+    why its rows cannot be put in global row order."""
     base = weight_key[: -len("weight")] + ROW_ORDER_KEY
     saved = read_row_orders(src, [base]).get(base)
     if saved is None:
         return None, None
-    record = {f: saved.get(f) for f in (*RowOrder._fields, "routing_version")}
-    md = src.metadata.state_dict_metadata[weight_key]
+    record: Dict[str, Any] = {f: saved.get(f) for f in (*RowOrder._fields, "routing_version")}  # as saved
     try:
-        sizes_and_seed = [int(record[f]) for f in RowOrder._fields[1:]]  # type: ignore[arg-type]
+        sizes_and_seed = [int(record[f]) for f in RowOrder._fields[1:]]  # None (not saved): TypeError
         order = RowOrder(str(record["dist_type"]), *sizes_and_seed)
-        chunks = sorted((int(c.offsets[0]), int(c.sizes[0])) for c in md.chunks)  # type: ignore[union-attr]
+        chunks = sorted((int(c.offsets[0]), int(c.sizes[0])) for c in md.chunks)
         sizes = [local_rows(order.num_embeddings, order.world_size, r) for r in range(order.world_size)]
         blocks = [(sum(sizes[:r]), n) for r, n in enumerate(sizes)]
-        layout_ok = chunks == blocks and order.num_embeddings == int(md.size[0])  # type: ignore[union-attr]
+        layout_ok = chunks == blocks and order.num_embeddings == int(md.size[0])
     except (TypeError, ValueError, KeyError):
         layout_ok = False
     if not layout_ok or int(record.get("routing_version") or 0) != ROUTING_VERSION:
@@ -138,7 +139,7 @@ def _from_torchrec(
             f"table {fqn!r}: the checkpoint holds fused optimizer state of {got} "
             f"(under {head}*), this model's tiered table trains with {want}"
         )
-    order, refusal = _saved_row_order(src, key)
+    order, refusal = _saved_row_order(src, key, weight)
     if refusal is not None:
         return None, f"table {fqn!r}: {refusal}"
     state_keys = tuple(

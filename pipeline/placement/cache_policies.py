@@ -40,7 +40,8 @@ class CachePolicySpec:
         fbgemm_algorithm: fbgemm's ``CacheAlgorithm`` member name.
         slot_bytes: native fast-tier metadata bytes per cache slot.
         fbgemm_state_bytes: (local rows, cache slots) -> bytes of fbgemm's ``lxu_state``; numpy arrays too.
-        hit_rate: (load factor ``x``, access mass of the ``x * N`` hottest rows) -> expected hit rate.
+        hit_rate: (load factor ``x``, access mass of the ``x * N`` hottest rows) -> expected hit rate; numpy
+            arrays too (the cost model prices many tables and options at once).
     """
 
     policy: CachePolicy
@@ -48,7 +49,7 @@ class CachePolicySpec:
     fbgemm_algorithm: str
     slot_bytes: int
     fbgemm_state_bytes: Callable[[Any, Any], Any]
-    hit_rate: Callable[[float, float], float] = lambda x, top_mass: top_mass
+    hit_rate: Callable[[Any, Any], Any] = lambda x, top_mass: top_mass
 
 
 #: Every cache policy's spec (the cost model prices LRU as LFU: top-``x * N`` access mass).

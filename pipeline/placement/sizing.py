@@ -85,7 +85,8 @@ def tier_rows(rows: int, mode: Union[Mode, str], x: float) -> Tuple[int, int, in
     caching = Mode.parse(mode) is Mode.CACHING
     rows = check_int(rows, "rows", 0)
     num, den = decimal_ratio(float(x))
-    return tuple(int(v) for v in tier_split(rows, num, den, caching))  # type: ignore[return-value]
+    fast_rows, slow_rows, cache_slots = tier_split(rows, num, den, caching)
+    return int(fast_rows), int(slow_rows), int(cache_slots)
 
 
 @dataclass(frozen=True)

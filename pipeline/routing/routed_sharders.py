@@ -31,11 +31,13 @@ __all__ = [
 ]
 
 
-class RoutedSharderMixin:
+class RoutedSharderMixin(BaseEmbeddingSharder):
     """ROW_WISE on every compute device, and the sharder-level routing.
 
     Subclasses swap ``_SHARDED_MODULE``, the class ``shard()`` builds, and name in ``_SHARDED_MODULE_ATTRS``
-    the arguments of it their torchrec base adds (argument -> sharder attribute).
+    the arguments of it their torchrec base adds (argument -> sharder attribute). Mixed in before torchrec's
+    EBC / EC sharder, whose base ``BaseEmbeddingSharder`` it names so its calls into it are typed (the
+    sharders' MRO is unchanged: that base follows them).
 
     Args:
         table_dist_types: table name -> dist type for row-wise tables without their own.
@@ -72,15 +74,15 @@ class RoutedSharderMixin:
             module,
             params,
             env,
-            self.fused_params,  # type: ignore[attr-defined]
+            self.fused_params,
             device,
-            qcomm_codecs_registry=self.qcomm_codecs_registry,  # type: ignore[attr-defined]
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
             module_fqn=module_fqn,
             **{arg: getattr(self, attr) for arg, attr in self._SHARDED_MODULE_ATTRS.items()},
         )
 
     def sharding_types(self, compute_device_type: str) -> List[str]:
-        types: List[str] = super().sharding_types(compute_device_type)  # type: ignore[misc]
+        types: List[str] = super().sharding_types(compute_device_type)
         if ShardingType.ROW_WISE.value not in types:
             types = types + [ShardingType.ROW_WISE.value]
         return types
@@ -97,7 +99,7 @@ class RoutedSharderMixin:
                 if isinstance(self, EmbeddingCollectionSharder):
                     _check_no_dense_sequence_table(name, ps)
         kernel = EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
-        if kernel in self.compute_kernels(ShardingType.ROW_WISE.value, device_type):  # type: ignore[attr-defined]
+        if kernel in self.compute_kernels(ShardingType.ROW_WISE.value, device_type):
             return
         for name, ps in params.items():
             if ps.compute_kernel == kernel:

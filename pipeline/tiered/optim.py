@@ -78,7 +78,9 @@ class TieredOptimizerConfig:
     def state_cols(self, dim: int) -> int:
         """fp32 state columns per row of width ``dim``: sgd 0, rowwise_adagrad 1, adam ``2 * dim``."""
         dim = check_int(dim, "dim", 1)
-        return {FusedOptimizerKind.SGD: 0, FusedOptimizerKind.ROWWISE_ADAGRAD: 1}.get(self.optimizer, 2 * dim)  # type: ignore[call-overload]
+        # str keys: FusedOptimizerKind is a StrEnum, so a kind and its value find the same entry
+        cols: Dict[str, int] = {FusedOptimizerKind.SGD: 0, FusedOptimizerKind.ROWWISE_ADAGRAD: 1}
+        return cols.get(self.optimizer, 2 * dim)
 
     def update(self, weights: torch.Tensor, state: torch.Tensor, grad: torch.Tensor, step: int) -> None:
         """Applies one update in place to gathered ``[n, dim]`` rows and their state; ``grad`` is

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
-from torchrec.distributed.embedding_sharding import EmbeddingShardingInfo
+from torchrec.distributed.embedding_sharding import EmbeddingSharding, EmbeddingShardingInfo
 from torchrec.distributed.embedding_types import (
     BaseEmbeddingLookup,
     BaseGroupedFeatureProcessor,
@@ -30,6 +30,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recpipe.pipeline.routing.routed_collections import (
     RoutedShardedEmbeddingBagCollection,
     RoutedShardedEmbeddingCollection,
+    RoutedShardedMixin,
 )
 from recpipe.pipeline.routing.rw_sharding import RoutedRwPooledEmbeddingSharding, RoutedRwSequenceEmbeddingSharding
 from recpipe.pipeline.tiered.fused_params import resolve_tiered_fused_params, tiered_vbe_error
@@ -43,11 +44,12 @@ from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.state import STATE_FIELDS, TieredShardState
 
 
-class _TieredShardingMixin:
+class _TieredShardingMixin(EmbeddingSharding):
     """Completes the tiered tables' placement before the sharding is built, so input dist and kernel agree,
     and builds the tiered grouped lookup (``_LOOKUP``) under ``_SHARDING_TYPE``. ``_backend`` is set on a
     per-sharder subclass by ``TieredTablesMixin.with_backend``; row-wise shardings also take the sharder's
-    ``routing``."""
+    ``routing``. Mixed in before a torchrec ``EmbeddingSharding``, the base it names so its calls into it are
+    typed (the MRO of each sharding is unchanged: that base follows the sharding)."""
 
     _backend: ClassVar[Optional[str]] = None
     _LOOKUP: ClassVar[type]
@@ -56,7 +58,7 @@ class _TieredShardingMixin:
 
     def __init__(self, sharding_infos: List[EmbeddingShardingInfo], *args: Any, **kwargs: Any) -> None:
         resolve_tiered_fused_params(sharding_infos, kwargs.get("routing"), self._backend)
-        super().__init__(sharding_infos, *args, **kwargs)  # type: ignore[call-arg]
+        super().__init__(sharding_infos, *args, **kwargs)
 
     def create_lookup(
         self,
@@ -66,10 +68,10 @@ class _TieredShardingMixin:
     ) -> BaseEmbeddingLookup:
         pooled = {"feature_processor": feature_processor, "sharding_type": self._SHARDING_TYPE}
         return self._LOOKUP(
-            grouped_configs=self._grouped_embedding_configs,  # type: ignore[attr-defined]
-            pg=self._pg,  # type: ignore[attr-defined]
-            device=device if device is not None else self._device,  # type: ignore[attr-defined]
-            env=self._env,  # type: ignore[attr-defined]
+            grouped_configs=self._grouped_embedding_configs,
+            pg=self._pg,
+            device=device if device is not None else self._device,
+            env=self._env,
             **(pooled if self._POOLED else {}),
         )
 
@@ -108,12 +110,14 @@ class TieredTwSequenceEmbeddingSharding(_TieredShardingMixin, TwSequenceEmbeddin
 TIERED_STATE_KEY = "tiered"
 
 
-class TieredTablesMixin:
+class TieredTablesMixin(RoutedShardedMixin):
     """Access to the tiered shards of a sharded EBC / EC, and their rows in ``state_dict()``.
 
     torchrec's sharded state_dict skips CUSTOMIZED_KERNEL tables, so this rank's export of each
     tiered table appears under ``<collection>.<table>.tiered.<field>`` and ``load_state_dict``
-    loads it (another world size needs every rank's export: :meth:`load_tiered_state`).
+    loads it (another world size needs every rank's export: :meth:`load_tiered_state`). Mixed in
+    before a routed sharded collection, whose ``RoutedShardedMixin`` it names as its base so its
+    calls into it are typed (the collections' MRO is unchanged).
     """
 
     _lookups: List[nn.Module]
@@ -138,7 +142,7 @@ class TieredTablesMixin:
         super().__init__(*args, **kwargs)
         # set by state_dict_without_tiered_rows(): collects the state_dict prefix instead of rows
         self._tiered_state_dict_sink: Optional[Dict[str, "TieredTablesMixin"]] = None
-        self._register_state_dict_hook(TieredTablesMixin._tiered_post_state_dict_hook)  # type: ignore[attr-defined]
+        self._register_state_dict_hook(TieredTablesMixin._tiered_post_state_dict_hook)
 
     @staticmethod
     def _tiered_post_state_dict_hook(
@@ -153,7 +157,7 @@ class TieredTablesMixin:
 
     def _tiered_names(self) -> List[str]:
         """Tables of this module planned with the tiered (CUSTOMIZED_KERNEL) kernel."""
-        plan = self.module_sharding_plan  # type: ignore[attr-defined]
+        plan = self.module_sharding_plan
         return [
             name for name, ps in plan.items() if ps.compute_kernel == EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value
         ]
@@ -165,9 +169,10 @@ class TieredTablesMixin:
             holder = collection[name]
             if not hasattr(holder, "weight"):
                 placeholder = nn.Parameter(torch.empty(0))
-                placeholder._in_backward_optimizers = [EmptyFusedOptimizer()]  # type: ignore[attr-defined]
+                # torchrec's in-backward optimizer marker, an attribute torch's Parameter does not declare
+                setattr(placeholder, "_in_backward_optimizers", [EmptyFusedOptimizer()])
                 holder.register_parameter("weight", placeholder)
-        super().reset_parameters()  # type: ignore[misc]
+        super().reset_parameters()
 
     @staticmethod
     def _pre_load_state_dict_hook(self: Any, state_dict: Dict[str, Any], prefix: str, *args: Any) -> None:
@@ -176,9 +181,7 @@ class TieredTablesMixin:
         self._load_tiered_entries(state_dict, prefix)
         _load_full_tiered_weights(self, state_dict, f"{prefix}{self.TIERED_COLLECTION}.", self._tiered_names())
         # the next class's hook in the MRO (torchrec's ShardedEmbedding[Bag]Collection)
-        super(TieredTablesMixin, type(self))._pre_load_state_dict_hook(  # type: ignore[misc]
-            self, state_dict, prefix, *args
-        )
+        super(TieredTablesMixin, type(self))._pre_load_state_dict_hook(self, state_dict, prefix, *args)
 
     def _check_entries_fit_tables(self, state_dict: Dict[str, Any], prefix: str) -> None:
         """Refuses entries of a table saved under the other kernel (FUSED <-> tiered), before any load.
@@ -187,7 +190,7 @@ class TieredTablesMixin:
         empty placeholder (torchrec's hook would fail with an ``IndexError``).
         """
         tiered = set(self._tiered_names())
-        plan = self.module_sharding_plan  # type: ignore[attr-defined]
+        plan = self.module_sharding_plan
         collection = f"{prefix}{self.TIERED_COLLECTION}."
         for name in (n for n in plan if n in tiered):  # plan order: every rank names the same table
             key = f"{collection}{name}.weight"

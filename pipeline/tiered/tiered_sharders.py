@@ -18,6 +18,7 @@ from torchrec.distributed.types import ParameterSharding, ShardingEnv, ShardingT
 from recpipe.pipeline.routing.routed_sharders import (
     RoutedEmbeddingBagCollectionSharder,
     RoutedEmbeddingCollectionSharder,
+    RoutedSharderMixin,
 )
 from recpipe.pipeline.tiered.backends import BACKENDS, resolve_backend
 from recpipe.pipeline.tiered.tiered_collections import (
@@ -26,10 +27,11 @@ from recpipe.pipeline.tiered.tiered_collections import (
 )
 
 
-class _TieredSharderMixin:
+class _TieredSharderMixin(RoutedSharderMixin):
     """Offers the tiered CUSTOMIZED_KERNEL for ROW_WISE and TABLE_WISE tables and refuses it elsewhere. ``backend``
     (keyword-only): ``native``, ``fbgemm``, ``torch``, or None for the device's default; refused when
-    unknown, or (in :meth:`shard`) when it cannot run on the device."""
+    unknown, or (in :meth:`shard`) when it cannot run on the device. Mixed in before a routed sharder, whose
+    ``RoutedSharderMixin`` it names as its base so its calls into it are typed (the sharders' MRO is unchanged)."""
 
     _SHARDED_MODULE: Any
 
@@ -45,7 +47,7 @@ class _TieredSharderMixin:
             self._SHARDED_MODULE = type(self)._SHARDED_MODULE.with_backend(backend)
 
     def compute_kernels(self, sharding_type: str, compute_device_type: str) -> List[str]:
-        kernels: List[str] = super().compute_kernels(sharding_type, compute_device_type)  # type: ignore[misc]
+        kernels: List[str] = super().compute_kernels(sharding_type, compute_device_type)
         if sharding_type in TIERED_SHARDING_TYPES:
             kernels.append(EmbeddingComputeKernel.CUSTOMIZED_KERNEL.value)
         return kernels
@@ -64,7 +66,7 @@ class _TieredSharderMixin:
                 resolve_backend(self._backend, device if device is not None else torch.device("cpu"))
             except ValueError as e:
                 raise ValueError(f"{type(self).__name__}(backend={self._backend!r}): {e}") from None
-        return super().shard(module, params, env, device, module_fqn)  # type: ignore[misc]
+        return super().shard(module, params, env, device, module_fqn)
 
     @property
     def sharded_module_type(self) -> type:

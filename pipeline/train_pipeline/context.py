@@ -1,6 +1,6 @@
 """Per-batch context of ``TrainPipelineFusedSparseDist`` (torchrec's ``pipeline_context``).
 
-Owns ``FusedLookupPipelineContext`` and ``checked_context``. Imports no recpipe module.
+Owns ``FusedLookupPipelineContext``, ``checked_context`` and ``pipelined_name``. Imports no recpipe module.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torchrec.distributed.train_pipeline.pipeline_context import EmbeddingTrainPipelineContext
+from torchrec.distributed.train_pipeline.runtime_forwards import BaseForward
 
 
 @dataclass
@@ -62,3 +63,26 @@ def checked_context(contexts: Sequence[Any], position: int, context_type: type) 
             "return a FusedLookupPipelineContext subclass."
         )
     return context
+
+
+def pipelined_name(module: torch.nn.Module) -> str:
+    """The name torchrec's pipeline gave ``module``: the key of its batch's entries in a context.
+
+    Args:
+        module: a sharded module the pipeline rewrote (one of ``pipeline._pipelined_modules``).
+
+    Returns:
+        Its pipelined forward's ``name``.
+
+    Raises:
+        TypeError: ``module``'s forward is not a torchrec pipelined forward (the module is not
+            pipelined, or the model was detached).
+    """
+    forward = module.forward
+    if not isinstance(forward, BaseForward):
+        raise TypeError(
+            f"TrainPipelineFusedSparseDist: module {type(module).__name__}'s forward is "
+            f"{type(forward).__name__}, not a torchrec pipelined forward (BaseForward), so it has no "
+            "pipeline name; pass a module of pipeline._pipelined_modules while the model is attached."
+        )
+    return forward.name

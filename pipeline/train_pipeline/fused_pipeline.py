@@ -19,7 +19,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForwar
 from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 from torchrec.distributed.train_pipeline.types import PipelineState
 
-from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext, checked_context
+from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext, checked_context, pipelined_name
 from recpipe.pipeline.train_pipeline.forward import FusedLookupPipelinedForward
 from recpipe.pipeline.train_pipeline.lookup import LookupIssuer
 from recpipe.pipeline.train_pipeline.lookup_schedule import LookupSchedule, resolve_lookup_schedule
@@ -179,7 +179,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         """Rewrites the model (torchrec), then validates and binds the pipelined modules; the
         model is detached before ``FusedLookupExactnessError`` propagates."""
         super()._pipeline_model(batch, context, pipelined_forward)
-        modules = {m.forward.name: m for m in self._pipelined_modules}  # pyre-ignore[16]
+        modules = {pipelined_name(m): m for m in self._pipelined_modules}
         try:
             after_opt = self._checker.check(modules)
         except FusedLookupExactnessError:
@@ -188,7 +188,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         self._after_opt_modules = set(after_opt)
         tbes = {name: fused_tbes(module) for name, module in modules.items()}
         tiered_shards = {
-            name: list(module.tiered_tables().values())  # pyre-ignore[16]
+            name: list(module.tiered_tables().values())
             for name, module in modules.items()
             if callable(getattr(module, "tiered_tables", None))
         }
@@ -264,7 +264,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
         early: List[ShardedModule] = []
         late: List[ShardedModule] = []
         for m in self._pipelined_modules:
-            name: str = m.forward.name  # pyre-ignore[16]
+            name: str = pipelined_name(m)
             after_opt = self._schedule.embedding_lookup_after_opt or name in self._after_opt_modules
             (late if after_opt else early).append(m)
         return early, late
@@ -284,7 +284,7 @@ class TrainPipelineFusedSparseDist(TrainPipelineSparseDist[Any, Any]):
 
     def _finish_input_dist(self, context: FusedLookupPipelineContext, batch: Any) -> None:
         """After ``attach()``: waits the input dist torchrec restarted, or restarts it."""
-        names = [m.forward.name for m in self._pipelined_modules]  # pyre-ignore[16]
+        names = [pipelined_name(m) for m in self._pipelined_modules]
         if all(n in context.input_dist_tensors_requests for n in names):
             return
         if not context.fused_splits_awaitables:

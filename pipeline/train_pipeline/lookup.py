@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence, Set
 import torch
 from torchrec.distributed.model_parallel import ShardedModule
 
-from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext
+from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext, pipelined_name
 from recpipe.pipeline.train_pipeline.forward import PipelinedLookupUnavailableError
 from recpipe.pipeline.train_pipeline.relookup import LookupInputs
 from recpipe.pipeline.train_pipeline.streams import LookupStreams
@@ -40,14 +40,11 @@ class LookupIssuer:
         the later modules are deferred to the forward: torchrec's forward stops at that
         module, so no further lookup (nor its all-to-all) is issued.
         """
-        waits_now = [
-            tables_updated is None or m.forward.name in after_optimizer  # pyre-ignore[16]
-            for m in modules
-        ]
+        waits_now = [tables_updated is None or pipelined_name(m) in after_optimizer for m in modules]
         now = self._streams.main_stream_event() if any(waits_now) else None
         for module, wait_now in zip(modules, waits_now):
             if context.lookup_errors:
-                context.deferred_lookups.add(module.forward.name)  # pyre-ignore[16]
+                context.deferred_lookups.add(pipelined_name(module))
                 continue
             self.issue(module, context, now if wait_now else tables_updated)
 
@@ -61,7 +58,7 @@ class LookupIssuer:
         """Issues ``module``'s lookup and output all-to-all into ``context``, after ``tables_ready``
         (CUDA); ``defer_errors`` keeps the lookup's exception in ``context.lookup_errors``. Raises
         ``PipelinedLookupUnavailableError`` when the module's input dist was consumed."""
-        name: str = module.forward.name  # pyre-ignore[16]
+        name: str = pipelined_name(module)
         if name not in context.input_dist_tensors_requests:
             raise PipelinedLookupUnavailableError(
                 f"TrainPipelineFusedSparseDist: the input dist of module {name!r} for batch "
@@ -91,7 +88,7 @@ class LookupIssuer:
     ) -> None:
         """Runs ``compute_and_output_dist``; with ``defer_errors`` its exception is kept for
         the module's pipelined forward, where torchrec's pipeline looks it up."""
-        name: str = module.forward.name  # pyre-ignore[16]
+        name: str = pipelined_name(module)
         try:
             context.embedding_a2a_requests[name] = module.compute_and_output_dist(module_ctx, kjt)
         except Exception as error:  # noqa: BLE001 - raised again by the module's forward

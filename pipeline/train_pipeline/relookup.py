@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
 import torch
 from torchrec.distributed.model_parallel import ShardedModule
 
-from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext
+from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext, pipelined_name
 
 REASON_MODE = "mode"
 REASON_TABLES = "tables"
@@ -79,7 +79,7 @@ class LookupInputs:
         """``tables_version``, each fbgemm TBE's learning rate and optimizer arguments, and
         each tiered table's optimizer hyper-parameters (a fbgemm-backed shard mirrors them
         into its TBE, whose ``learning_rate_tensor`` is therefore not read here)."""
-        name = module.forward.name  # pyre-ignore[16]
+        name = pipelined_name(module)
         tbes = self._tbes.get(name, ())
         return (
             tables_version(module),
@@ -95,9 +95,9 @@ class LookupInputs:
         if context.lookup_mode != mode:
             return REASON_MODE
         for m in modules:
-            if m.forward.name in context.deferred_lookups:  # pyre-ignore[16]
+            if pipelined_name(m) in context.deferred_lookups:
                 continue  # looked up in the forward
-            then = context.lookup_inputs.get(m.forward.name)  # pyre-ignore[16]
+            then = context.lookup_inputs.get(pipelined_name(m))
             now = self.read(m)
             if then is None or then[0] != now[0]:
                 return REASON_TABLES

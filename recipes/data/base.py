@@ -111,12 +111,13 @@ def padded_eval_batch(rows: list | torch.Tensor, rank: int, batch_size: int, to_
 
     A short share is padded with copies of the first row, labelled :data:`EVAL_PAD_LABEL`.
     """
-    mine = rows[rank * batch_size : (rank + 1) * batch_size]
+    first = rank * batch_size
+    mine = rows[first : first + batch_size]
     real = len(mine)
     if real == batch_size:
         return to_batch(mine)
-    if isinstance(rows, torch.Tensor):
-        batch = to_batch(torch.cat([mine, rows[:1].expand(batch_size - real)]))
+    if isinstance(rows, torch.Tensor):  # ``mine`` again, sliced from the narrowed tensor
+        batch = to_batch(torch.cat([rows[first : first + real], rows[:1].expand(batch_size - real)]))
     else:
         batch = to_batch(list(mine) + [rows[0]] * (batch_size - real))
     labels = batch.labels.clone()

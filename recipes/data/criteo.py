@@ -360,7 +360,7 @@ class CriteoTsvSource(BatchSource):
                         file_rows,
                         f"they hold no global batch of {self._global_batch} rows (the run started with at least one)",
                     )
-                for path, size, rows in zip(self._paths, self._start_bytes, file_rows):
+                for path, size, read_rows in zip(self._paths, self._start_bytes, file_rows):
                     try:
                         now = os.path.getsize(path)
                     except OSError as e:  # deleted (or moved) once read to its end
@@ -368,13 +368,13 @@ class CriteoTsvSource(BatchSource):
                             "--data-path",
                             path,
                             e,
-                            f": it held {rows} rows when this run read it and holds none now, so the first pass, "
+                            f": it held {read_rows} rows when this run read it and holds none now, so the first pass, "
                             f"which ended at step {step}, cannot be repeated",
                         ) from None
                     if now < size:  # this pass's length is not the files'
                         raise CriteoDataChangedError(
                             f"--data-path file {path} shrank while this run read it: it now holds {now} bytes "
-                            f"({rows} rows read), {size} bytes when the run started, so the first pass ended "
+                            f"({read_rows} rows read), {size} bytes when the run started, so the first pass ended "
                             f"early at step {step} and its length ({passed} global batches) is not the files'. "
                             + _changed_fix("--data-path"),
                             path=path,

@@ -189,6 +189,9 @@ class MovieLens100kSource(BatchSource):
         ConfigError: the training split holds fewer ratings than one global batch.
     """
 
+    steps_per_epoch: int
+    """Training steps per epoch: the training split's whole global batches (set in ``__init__``)."""
+
     def __init__(self, config: TrainConfig, rank: int, world_size: int) -> None:
         super().__init__(config, rank, world_size)
         data = load_movielens100k()
