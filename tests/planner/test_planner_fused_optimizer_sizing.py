@@ -19,11 +19,11 @@ import pytest
 import torch
 import torchrec.optim
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from harness.three_table_ebc import small_topology, three_table_ebc
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
-from torchrec.distributed.planner.types import Topology
 from torchrec.distributed.utils import add_params_from_parameter_sharding
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.modules.embedding_configs import EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim.optimizers import SGD as TorchrecSGD
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
@@ -48,25 +48,9 @@ from recpipe.planner import (
     tables_from_module,
 )
 
-GiB = 1024**3
-
-
-def _topology(world: int = 4) -> Topology:
-    return Topology(world_size=world, local_world_size=world, compute_device="cuda", hbm_cap=8 * GiB, ddr_cap=8 * GiB)
-
-
-def _ebc(device: str = "meta") -> EmbeddingBagCollection:
-    return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(name=n, embedding_dim=32, num_embeddings=1001, feature_names=[f"f_{n}"])
-            for n in ("a", "b", "c")
-        ],
-        device=torch.device(device),
-    )
-
 
 def test_planner_sizes_each_table_with_the_models_fused_optimizer() -> None:
-    ebc = _ebc()
+    ebc = three_table_ebc()
     apply_optimizer_in_backward(torch.optim.Adam, [ebc.embedding_bags["a"].weight], {"lr": 0.01})
     apply_optimizer_in_backward(RowWiseAdagrad, [ebc.embedding_bags["b"].weight], {"lr": 0.01})
     apply_optimizer_in_backward(torch.optim.SGD, [ebc.embedding_bags["c"].weight], {"lr": 0.01})
@@ -76,7 +60,7 @@ def test_planner_sizes_each_table_with_the_models_fused_optimizer() -> None:
         t: PlacementConstraints(sharding_type="row_wise", mode="HYBRID", cache_load_factor=0.5) for t in ("a", "b", "c")
     }
     # optimizer= is only the fallback: the model's own optimizers win
-    plan = PlacementPlanner(_topology(), constraints=pins, optimizer="sgd", backend="native").plan(model)
+    plan = PlacementPlanner(small_topology(), constraints=pins, optimizer="sgd", backend="native").plan(model)
     want = {"a": FusedOptimizerKind.ADAM, "b": FusedOptimizerKind.ROWWISE_ADAGRAD, "c": FusedOptimizerKind.SGD}
     assert {p.table: p.optimizer for p in plan.placements} == want
     rows = max_local_rows(1001, 4)
@@ -104,7 +88,7 @@ def test_planner_sizes_each_table_with_the_models_fused_optimizer() -> None:
 
 
 def test_planner_optimizer_fallbacks_follow_torchrecs_precedence() -> None:
-    ebc = _ebc()
+    ebc = three_table_ebc()
     apply_optimizer_in_backward(RowWiseAdagrad, [ebc.embedding_bags["a"].weight], {"lr": 0.01})
     # b, c carry none: the sharders' fused params name it, else the planner's optimizer=
     specs = {t.name: t.optimizer for t in tables_from_module(ebc, optimizer="sgd")}
@@ -112,7 +96,7 @@ def test_planner_optimizer_fallbacks_follow_torchrecs_precedence() -> None:
     fused = {"optimizer": EmbOptimType.ADAM, "learning_rate": 0.1}
     specs = {t.name: t.optimizer for t in tables_from_module(ebc, optimizer="sgd", fused_params=fused)}
     assert specs == {"a": "rowwise_adagrad", "b": "adam", "c": "adam"}  # the parameter's wins, as in torchrec
-    plan = PlacementPlanner(_topology(), fused_params=fused).plan(ebc)
+    plan = PlacementPlanner(small_topology(), fused_params=fused).plan(ebc)
     assert [p.optimizer for p in plan.placements] == ["rowwise_adagrad", "adam", "adam"]
     # an explicit EmbOptimType in the optimizer kwargs wins over the class, as in torchrec's sharder
     ec = EmbeddingCollection(
@@ -132,18 +116,18 @@ def test_planner_default_optimizer_is_the_sharders_fallback() -> None:
     # fallback (fbgemm's EXACT_SGD, tiered_optimizer_from_fused_params(None)); the plan
     # must be sized for that, or sharding refuses it as a mismatch.
     fallback = tiered_optimizer_from_fused_params(None).optimizer
-    assert [t.optimizer for t in tables_from_module(_ebc())] == [fallback] * 3
-    plan = PlacementPlanner(_topology(), backend="native").plan(_ebc())
+    assert [t.optimizer for t in tables_from_module(three_table_ebc())] == [fallback] * 3
+    plan = PlacementPlanner(small_topology(), backend="native").plan(three_table_ebc())
     for p in plan.placements:
         assert p.optimizer is fallback
         plan.placement_params(p.table).check_runtime(p.table, optimizer=fallback, dtype=torch.float32, dim=32)
 
 
 def test_planner_refuses_an_optimizer_it_cannot_size() -> None:
-    ebc = _ebc()
+    ebc = three_table_ebc()
     apply_optimizer_in_backward(torch.optim.RMSprop, [ebc.embedding_bags["b"].weight], {"lr": 0.01})
     with pytest.raises(PlacementPlannerError) as e:
-        PlacementPlanner(_topology()).plan(ebc)
+        PlacementPlanner(small_topology()).plan(ebc)
     assert e.value.planner_error_type is PlacementErrorType.INPUT_VALIDATION
     msg = str(e.value)
     assert "Table 'b'" in msg and "torch.optim.rmsprop.RMSprop" in msg and "Possible solutions" in msg
@@ -152,14 +136,14 @@ def test_planner_refuses_an_optimizer_it_cannot_size() -> None:
     offered = re.search(r"1\) fuse one of (.*?) \(", msg).group(1).replace(" or ", ", ").split(", ")
     assert offered == ["SGD", "RowWiseAdagrad", "Adam"], offered
     for name in offered:
-        fixed = _ebc()
+        fixed = three_table_ebc()
         apply_optimizer_in_backward(getattr(torchrec.optim, name), [fixed.embedding_bags["b"].weight], {"lr": 0.01})
         expected = {
             "SGD": FusedOptimizerKind.SGD,
             "RowWiseAdagrad": FusedOptimizerKind.ROWWISE_ADAGRAD,
             "Adam": FusedOptimizerKind.ADAM,
         }[name]
-        assert PlacementPlanner(_topology()).plan(fixed).placement("b").optimizer is expected
+        assert PlacementPlanner(small_topology()).plan(fixed).placement("b").optimizer is expected
 
 
 def test_plan_json_keeps_optimizer_and_dtype(tmp_path: Path) -> None:
@@ -167,7 +151,7 @@ def test_plan_json_keeps_optimizer_and_dtype(tmp_path: Path) -> None:
         TableSpec(name="x", rows=5000, dim=16, optimizer="rowwise_adagrad"),
         TableSpec(name="y", rows=3000, dim=8, optimizer=EmbOptimType.EXACT_SGD),
     ]
-    plan = PlacementPlanner(_topology(2), dist_type="roundrobin", seed=3, cache_policy="lru").plan(tables)
+    plan = PlacementPlanner(small_topology(2), dist_type="roundrobin", seed=3, cache_policy="lru").plan(tables)
     # The planner plans float32 rows only (TIERED_DTYPES); the JSON keeps any dtype a plan
     # records, so x's is set by hand to one that is not the default.
     plan.placements[0] = dataclasses.replace(plan.placements[0], dtype=torch.float16)

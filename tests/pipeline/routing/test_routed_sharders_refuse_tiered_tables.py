@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torchrec.distributed.planner.types import Topology
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
+from harness.three_table_ebc import small_topology, three_table_ebc
 
 from recpipe.pipeline.routing.routed_sharders import routed_sharders
 from recpipe.pipeline.tiered.tiered_sharders import (
@@ -20,26 +18,10 @@ from recpipe.pipeline.tiered.tiered_sharders import (
 )
 from recpipe.planner import PlacementPlanner
 
-GiB = 1024**3
-
-
-def _topology(world: int = 4) -> Topology:
-    return Topology(world_size=world, local_world_size=world, compute_device="cuda", hbm_cap=8 * GiB, ddr_cap=8 * GiB)
-
-
-def _ebc(device: str = "meta") -> EmbeddingBagCollection:
-    return EmbeddingBagCollection(
-        tables=[
-            EmbeddingBagConfig(name=n, embedding_dim=32, num_embeddings=1001, feature_names=[f"f_{n}"])
-            for n in ("a", "b", "c")
-        ],
-        device=torch.device(device),
-    )
-
 
 def test_non_tiered_sharders_refuse_tiered_tables_naming_the_tiered_sharders() -> None:
-    planner = PlacementPlanner(_topology(2), backend="native", sharding_types=("row_wise",))
-    params = planner.plan(_ebc("cpu")).to_sharding_plan(compute_device="cpu").plan[""]
+    planner = PlacementPlanner(small_topology(2), backend="native", sharding_types=("row_wise",))
+    params = planner.plan(three_table_ebc("cpu")).to_sharding_plan(compute_device="cpu").plan[""]
     for sharder in routed_sharders():
         with pytest.raises(
             ValueError,
@@ -47,6 +29,6 @@ def test_non_tiered_sharders_refuse_tiered_tables_naming_the_tiered_sharders() -
             f"{type(sharder).__name__} does not run: shard with "
             r"recpipe\.pipeline\.tiered\.tiered_sharders\.TieredEmbeddingBagCollectionSharder\(\)",
         ):
-            sharder.shard(_ebc("cpu"), params, env=None, device=torch.device("cpu"))  # type: ignore[arg-type]
+            sharder.shard(three_table_ebc("cpu"), params, env=None, device=torch.device("cpu"))  # type: ignore[arg-type]
     for tiered in (TieredEmbeddingBagCollectionSharder(), TieredEmbeddingCollectionSharder()):
         tiered._check_kernels(params, torch.device("cpu"))  # runs them: no error
