@@ -21,6 +21,8 @@ _EXPORTS: Dict[str, str] = {
     "DistType": "recpipe.pipeline.placement.values",
     "FusedOptimizerKind": "recpipe.pipeline.placement.values",
     "Mode": "recpipe.pipeline.placement.values",
+    "DynamicInitializer": "recpipe.pipeline.placement.dynamic_options",
+    "DynamicTableOptions": "recpipe.pipeline.placement.dynamic_options",
     "PlacementMismatchError": "recpipe.pipeline.placement.params",
     "PlacementParams": "recpipe.pipeline.placement.params",
     # the routing op and its inverse

@@ -17,12 +17,24 @@ from recpipe.pipeline.placement.cache_policies import (
     CachePolicySpec,
     cache_policy_spec,
 )
+from recpipe.pipeline.placement.dynamic_options import (
+    BUCKET_SLOTS,
+    DYNAMIC_EVICTIONS,
+    DYNAMIC_INIT_MODES,
+    DYNAMIC_ON_FULL,
+    INDEX_BYTES_PER_SLOT,
+    DynamicInitializer,
+    DynamicTableOptions,
+    dynamic_index_bytes,
+    dynamic_local_slots,
+)
 from recpipe.pipeline.placement.params import (
     FUSED_PARAM_BACKEND,
     FUSED_PARAM_CACHE_LOAD_FACTOR,
     FUSED_PARAM_CACHE_POLICY,
     FUSED_PARAM_DIST_TYPE,
     FUSED_PARAM_DTYPE,
+    FUSED_PARAM_DYNAMIC,
     FUSED_PARAM_KEYS,
     FUSED_PARAM_MODE,
     FUSED_PARAM_OPTIMIZER,

@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 import torch
 
 from recpipe.pipeline.placement.cache_policies import CachePolicy
+from recpipe.pipeline.placement.dynamic_options import DynamicTableOptions
 from recpipe.pipeline.placement.sizing import row_bytes
 from recpipe.pipeline.placement.values import (
     DistType,
@@ -33,6 +34,8 @@ FUSED_PARAM_DTYPE: str = "recpipe_dtype"
 #: Tiered kernel backend (``"native"`` / ``"fbgemm"`` / ``"torch"``; absent: the device's default). Not
 #: planned: the tiered sharders' ``backend=`` argument writes it.
 FUSED_PARAM_BACKEND: str = "recpipe_backend"
+#: A dynamic table's ``DynamicTableOptions`` (as its dict); absent for a table of fixed ids.
+FUSED_PARAM_DYNAMIC: str = "recpipe_dynamic"
 #: recpipe fused-param keys the sharders write outside the contract; ``from_fused_params`` accepts them.
 FUSED_PARAM_RUNTIME_KEYS: Tuple[str, ...] = (FUSED_PARAM_BACKEND,)
 
@@ -100,11 +103,16 @@ class PlacementParams:
     """Fused optimizer the table was sized for; the runtime refuses any other."""
     dtype: torch.dtype
     """Row dtype the table was sized for (e.g. ``torch.float32``); the runtime refuses any other."""
+    dynamic: Optional[DynamicTableOptions] = None
+    """A dynamic table's options (raw int64 keys in a scored hash index); None: ids in ``[0, num_embeddings)``."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            value = _CODEC[f.name][1](getattr(self, f.name), f"PlacementParams.{f.name}")
-            object.__setattr__(self, f.name, value)
+            if f.name in _CODEC:
+                value = _CODEC[f.name][1](getattr(self, f.name), f"PlacementParams.{f.name}")
+                object.__setattr__(self, f.name, value)
+        if self.dynamic is not None and not isinstance(self.dynamic, DynamicTableOptions):
+            object.__setattr__(self, "dynamic", DynamicTableOptions.from_fused_param(self.dynamic))
 
     def row_bytes(self, dim: int) -> int:
         """Bytes of one row of this table (values plus optimizer state)."""
@@ -112,7 +120,10 @@ class PlacementParams:
 
     def to_fused_params(self) -> Dict[str, Any]:
         """The torchrec fused params carrying this placement (plain str / float / int values)."""
-        return {key: encode(getattr(self, name)) for name, (key, _, encode) in _CODEC.items()}
+        out = {key: encode(getattr(self, name)) for name, (key, _, encode) in _CODEC.items()}
+        if self.dynamic is not None:
+            out[FUSED_PARAM_DYNAMIC] = self.dynamic.to_fused_param()
+        return out
 
     @classmethod
     def from_fused_params(cls, fused_params: Optional[Mapping[str, Any]], table_name: str) -> "PlacementParams":
@@ -124,7 +135,7 @@ class PlacementParams:
             PlacementContractError: a key is missing, unknown or holds a bad value.
         """
         fp = dict(fused_params or {})
-        known = FUSED_PARAM_KEYS + FUSED_PARAM_RUNTIME_KEYS
+        known = FUSED_PARAM_KEYS + FUSED_PARAM_RUNTIME_KEYS + (FUSED_PARAM_DYNAMIC,)
         unknown = sorted(k for k in fp if isinstance(k, str) and k.startswith(FUSED_PARAM_PREFIX) and k not in known)
         if unknown:
             raise PlacementContractError(
@@ -152,6 +163,15 @@ class PlacementParams:
                     f"table {table_name!r}: fused param {key!r} holds an invalid value: {e}\n"
                     f"Possible solutions:\n  1) {_PLAN_FIX};\n"
                     f"  2) correct {key!r} where the plan (or the sharder's fused_params) sets it."
+                ) from None
+        if fp.get(FUSED_PARAM_DYNAMIC) is not None:
+            try:
+                values["dynamic"] = DynamicTableOptions.from_fused_param(fp[FUSED_PARAM_DYNAMIC])
+            except ValueError as e:
+                raise PlacementContractError(
+                    f"table {table_name!r}: fused param {FUSED_PARAM_DYNAMIC!r} holds invalid dynamic-table options: "
+                    f"{e}\nPossible solutions:\n  1) {_PLAN_FIX};\n  2) pass recpipe.pipeline.DynamicTableOptions "
+                    "through recpipe.planner.PlacementConstraints(dynamic=...)."
                 ) from None
         return cls(**values)
 
