@@ -17,6 +17,7 @@ from recpipe.pipeline.placement import (
     FUSED_PARAM_OPTIMIZER,
     CachePolicy,
     DistType,
+    DynamicTableOptions,
     FusedOptimizerKind,
     Mode,
     PlacementParams,
@@ -44,6 +45,7 @@ class PlacementParameterSharding(ParameterSharding):
     cache_policy: CachePolicy = CachePolicy.LFU
     optimizer: Optional[FusedOptimizerKind] = None
     dtype: Optional[torch.dtype] = None
+    dynamic: Optional[DynamicTableOptions] = None
 
     def __post_init__(self) -> None:
         full = self._complete()  # validates and normalizes every field
@@ -57,12 +59,13 @@ class PlacementParameterSharding(ParameterSharding):
             **{name: getattr(self, name) for name in _FIELDS[:5]},
             optimizer=self.optimizer if self.optimizer is not None else FusedOptimizerKind.SGD,
             dtype=self.dtype if self.dtype is not None else torch.float32,
+            dynamic=self.dynamic,
         )
 
     @classmethod
     def from_params(cls, params: PlacementParams, **parameter_sharding: Any) -> "PlacementParameterSharding":
         """A parameter sharding carrying ``params``; ``parameter_sharding`` are torchrec's own fields."""
-        return cls(**parameter_sharding, **{name: getattr(params, name) for name in _FIELDS})
+        return cls(**parameter_sharding, **{name: getattr(params, name) for name in _FIELDS}, dynamic=params.dynamic)
 
     @property
     def params(self) -> PlacementParams:

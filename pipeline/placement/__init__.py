@@ -3,7 +3,7 @@
 The planner writes one :class:`PlacementParams` per tiered table into its ``ParameterSharding``; the
 sharders read it back from the fused params. Enums, ``FUSED_PARAM_*`` keys, cache policies and byte
 formulas live here once: the runtime allocates exactly what ``shard_storage`` / ``fbgemm_shard_storage``
-budget. Fast tier: HBM (host buffer on CPU); slow tier: host DDR; local rows: a rank's rows under
+(``dynamic_shard_storage`` for a dynamic table) budget. Fast tier: HBM (host buffer on CPU); slow tier: host DDR; local rows: a rank's rows under
 roundrobin routing. Imports nothing of recpipe outside this package (not even the extension).
 """
 
@@ -52,6 +52,7 @@ from recpipe.pipeline.placement.sizing import (
     FbgemmTierLayout,
     ShardStorage,
     decimal_ratio,
+    dynamic_shard_storage,
     fbgemm_bytes,
     fbgemm_cache_sets,
     fbgemm_shard_storage,

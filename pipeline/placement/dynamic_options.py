@@ -77,9 +77,7 @@ class DynamicInitializer:
         if self.std <= 0:
             raise ValueError(f"DynamicInitializer.std must be > 0, got {self.std!r}.")
         if self.lower is not None and self.upper is not None and self.lower > self.upper:
-            raise ValueError(
-                f"DynamicInitializer.lower={self.lower} exceeds upper={self.upper}; swap them."
-            )
+            raise ValueError(f"DynamicInitializer.lower={self.lower} exceeds upper={self.upper}; swap them.")
 
     def bounds(self, num_embeddings: int) -> Tuple[float, float]:
         """``(lower, upper)`` of ``uniform`` (torchrec's ``+-sqrt(1 / num_embeddings)`` where unset); for ``normal``

@@ -1,7 +1,7 @@
 """The byte formulas: bytes per tier of a shard and of a machine, native layout and fbgemm's TBE.
 
-The planner budgets and the runtime allocates with these same functions. Imports only ``.values``
-and ``.cache_policies``."""
+The planner budgets and the runtime allocates with these same functions. Imports only ``.values``,
+``.cache_policies`` and ``.dynamic_options``."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Protocol, Tuple, Union
 import torch
 
 from recpipe.pipeline.placement.cache_policies import CachePolicy, cache_policy_spec
+from recpipe.pipeline.placement.dynamic_options import DynamicTableOptions, dynamic_index_bytes, dynamic_local_slots
 from recpipe.pipeline.placement.values import (
     SUPPORTED_OPTIMIZERS,
     FusedOptimizerKind,
@@ -123,6 +124,46 @@ def shard_storage(
     return ShardStorage(
         *native_tier_bytes(rows, fast_rows, slow_rows, slots, rb, cached, cache_policy_spec(cache_policy).slot_bytes)
     )
+
+
+def dynamic_shard_storage(
+    options: DynamicTableOptions,
+    num_embeddings: int,
+    shards: int,
+    dim: int,
+    dtype: Union[torch.dtype, str],
+    optimizer: Union[FusedOptimizerKind, str],
+    mode: Union[Mode, str],
+    x: float,
+    cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
+    rows_storage: Callable[..., ShardStorage] = shard_storage,
+) -> ShardStorage:
+    """Bytes per tier of one shard of a dynamic table over ``shards`` shards (every shard holds the same slots).
+
+    Its rows are a tiered shard of ``slots = dynamic_local_slots(options.table_capacity(num_embeddings), shards)``
+    rows sized by ``rows_storage`` (:func:`shard_storage`, recpipe's layout, or :func:`fbgemm_shard_storage`),
+    and its hash index, ``dynamic_index_bytes(slots, admission=options.admit_after > 1)``, is in the fast tier.
+
+    Args:
+        options: the table's dynamic options (its capacity and admission).
+        num_embeddings: the table's ``num_embeddings`` (the capacity when ``options.capacity`` is None).
+        shards: shards of the table: the world size row-wise, 1 table-wise.
+        dim, dtype, optimizer, mode, x, cache_policy: as :func:`shard_storage`.
+        rows_storage: the byte formula of the slots' tiered shard.
+
+    Raises:
+        ValueError: ``options`` is not a ``DynamicTableOptions``, or a bad size or placement.
+    """
+    if not isinstance(options, DynamicTableOptions):
+        raise ValueError(
+            f"options must be a DynamicTableOptions, got {type(options).__name__}; e.g. DynamicTableOptions(capacity="
+            "1_000_000)."
+        )
+    capacity = options.table_capacity(check_int(num_embeddings, "num_embeddings", 1))
+    slots = dynamic_local_slots(capacity, check_int(shards, "shards", 1))
+    rows = rows_storage(slots, dim, dtype, optimizer, mode, x, cache_policy)
+    index = dynamic_index_bytes(slots, admission=options.admit_after > 1)
+    return ShardStorage(fast_bytes=rows.fast_bytes + index, slow_bytes=rows.slow_bytes)
 
 
 class FbgemmTierLayout(Protocol):

@@ -23,8 +23,11 @@ from torchrec.optim.fused import FusedOptimizer as TorchrecFusedOptimizer
 from torchrec.optim.fused import FusedOptimizerModule
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recpipe.pipeline.placement import PlacementParams
+from recpipe.pipeline.tiered.dynamic.shard import DynamicEmbeddingShard
 from recpipe.pipeline.tiered.fused_optimizer import TieredFusedOptimizer
 from recpipe.pipeline.tiered.fused_params import table_backend, tiered_output_dtype, tiered_placement, tiered_vbe_error
+from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard, bounds_check_mode_of
 from recpipe.pipeline.tiered.shard_routing import WholeTableRouting
 
@@ -45,6 +48,7 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
     ) -> None:
         super().__init__()
         self._config = config
+        self._whole_tables = whole_tables
         rank = dist.get_rank(pg) if pg is not None else 0
         world = dist.get_world_size(pg) if pg is not None else 1
         self.tables: nn.ModuleDict = nn.ModuleDict()
@@ -54,6 +58,10 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
             params, optimizer = tiered_placement(table)
             self._output_dtypes[table.name] = tiered_output_dtype(table.fused_params, table.name)
             backend = table_backend(table, device)
+            if params.dynamic is not None:
+                self.tables[table.name] = self._dynamic_shard(table, params, optimizer, backend, device, rank, world)
+                self._feature_table += [table.name] * table.num_features()
+                continue
             shard = TieredEmbeddingShard(
                 num_embeddings=table.num_embeddings,
                 embedding_dim=table.local_cols,
@@ -80,6 +88,38 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
             self.tables[table.name] = shard
             self._feature_table += [table.name] * table.num_features()
         self._fused_optimizer: TieredFusedOptimizer = TieredFusedOptimizer(self.shards())
+
+    def _dynamic_shard(
+        self,
+        table: ShardedEmbeddingTable,
+        params: PlacementParams,
+        optimizer: TieredOptimizerConfig,
+        backend: Optional[str],
+        device: Optional[torch.device],
+        rank: int,
+        world: int,
+    ) -> DynamicEmbeddingShard:
+        """A dynamic table's shard: keys routed by raw-key ``hash_roundrobin`` over ``world`` ranks, or the
+        whole table on this rank (table-wise)."""
+        assert params.dynamic is not None
+        whole = self._whole_tables
+        return DynamicEmbeddingShard(
+            num_embeddings=table.num_embeddings,
+            embedding_dim=table.local_cols,
+            options=params.dynamic,
+            shards=1 if whole else world,
+            key_rank=0 if whole else rank,
+            mode=params.mode,
+            cache_load_factor=params.cache_load_factor,
+            optimizer=optimizer,
+            pooling=self._shard_pooling(table),
+            cache_policy=params.cache_policy,
+            split_seed=rank,
+            dtype=params.dtype,
+            device=device,
+            table_name=table.name,
+            backend=backend,
+        )
 
     def shards(self) -> Dict[str, TieredEmbeddingShard]:
         """Table name -> the group's shard of it (``self.tables`` holds exactly these)."""

@@ -2,7 +2,7 @@
 
 It follows ``docs/dynamic.md`` (buckets of ``BUCKET_SLOTS`` slots, eviction of the lowest score
 among the slots a batch does not use, admission counters, on_full) written independently of
-``recpipe.pipeline.dynamic``: Python ints, no torch in the index, so the tests compare the native
+``recpipe.pipeline.tiered.dynamic``: Python ints, no torch in the index, so the tests compare the native
 kernel and the torch implementation against plain loops.
 """
 
@@ -73,7 +73,7 @@ def reference_init_row(
         return [lower + (upper - lower) * u(c) for c in range(dim)]
     out = []
     for c in range(dim):
-        z = math.sqrt(-2.0 * math.log(1.0 - u(2 * c))) * math.cos(2.0 * math.pi * u(2 * c + 1))
+        z = math.sqrt(-2.0 * math.log1p(-u(2 * c))) * math.cos(2.0 * math.pi * u(2 * c + 1))
         v = mean + std * z
         out.append(min(max(v, lower), upper) if clamp else v)
     return out
@@ -145,13 +145,7 @@ class ReferenceIndex:
     """One shard's key index: ``find_or_insert`` per the spec, with the stats counters."""
 
     def __init__(
-        self,
-        num_buckets: int,
-        slots: int,
-        seed: int,
-        eviction: str,
-        admit_after: int = 1,
-        on_full: str = "ignore",
+        self, num_buckets: int, slots: int, seed: int, eviction: str, admit_after: int = 1, on_full: str = "ignore"
     ) -> None:
         self.main = _Table(num_buckets, slots, reference_salt(seed, BUCKET_TAG))
         self.counter = _Table(num_buckets, slots, reference_salt(seed, ADMIT_TAG))

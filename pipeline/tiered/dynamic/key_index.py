@@ -1,0 +1,270 @@
+"""One shard's key index: raw int64 keys -> slots, with scores, eviction, admission and counters.
+
+``find_or_insert`` follows ``docs/dynamic.md``: a plan (:mod:`recpipe.pipeline.tiered.dynamic.plan`, or the
+native kernel's) says where each key is or goes, then the index applies it, recording the values it
+overwrites so the fused pipeline can take a discarded lookup back (:meth:`DynamicKeyIndex.undo`).
+Imports ``recpipe.pipeline.placement`` and ``recpipe.pipeline.tiered.dynamic`` modules.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from recpipe.pipeline.placement import BUCKET_SLOTS, DynamicTableOptions
+from recpipe.pipeline.tiered.dynamic.hashing import ADMIT_TAG, BUCKET_TAG, salt_of
+
+__all__ = ["DYNAMIC_COUNTERS", "DynamicKeyIndex", "HashPlan", "IndexJournal", "LookupSlots"]
+
+#: Cumulative counters of an index, in the order of :attr:`DynamicKeyIndex.counters`.
+DYNAMIC_COUNTERS: Tuple[str, ...] = ("inserted", "evicted", "not_admitted", "failed")
+
+#: ``(uniq, want_insert, keys, scores, sizes, bucket_slots, salt) -> (found, slot)``.
+HashPlan = Callable[
+    [torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+    Tuple[torch.Tensor, torch.Tensor],
+]
+
+
+@dataclass
+class IndexJournal:
+    """What one ``find_or_insert`` overwrote: ``(tensor, positions, old values)`` and the clock."""
+
+    writes: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    clock: int = 0
+
+    def record(self, tensor: torch.Tensor, positions: torch.Tensor) -> None:
+        self.writes.append((tensor, positions, tensor.index_select(0, positions)))
+
+
+@dataclass
+class LookupSlots:
+    """A lookup's result: ``slots`` per input key (-1: no row) and the ``(new_slots, new_keys)`` whose rows
+    must be initialized; ``journal`` undoes it."""
+
+    slots: torch.Tensor
+    new_slots: torch.Tensor
+    new_keys: torch.Tensor
+    journal: Optional[IndexJournal]
+
+
+class _Table:
+    """Bucketed slots: ``keys``, ``scores`` (``[B * S]``) and ``sizes`` (``[B]``) on one device."""
+
+    def __init__(self, num_buckets: int, device: torch.device, salt: int) -> None:
+        slots = num_buckets * BUCKET_SLOTS
+        self.keys = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.scores = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.sizes = torch.zeros(num_buckets, dtype=torch.int64, device=device)
+        self.salt = salt
+
+    def tensors(self) -> List[Tuple[str, torch.Tensor]]:
+        return [("keys", self.keys), ("scores", self.scores), ("sizes", self.sizes)]
+
+    def plan(self, fn: HashPlan, uniq: torch.Tensor, want: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        return fn(uniq, want, self.keys, self.scores, self.sizes, BUCKET_SLOTS, self.salt)
+
+    def store(
+        self, slots: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, journal: Optional[IndexJournal]
+    ) -> torch.Tensor:
+        """Writes ``keys`` / ``scores`` at ``slots`` (>= 0), growing bucket sizes; returns which were used."""
+        bucket = torch.div(slots, BUCKET_SLOTS, rounding_mode="floor")
+        lane = slots - bucket * BUCKET_SLOTS
+        was_used = lane < self.sizes.index_select(0, bucket)
+        if journal is not None:
+            journal.record(self.keys, slots)
+            journal.record(self.scores, slots)
+            journal.record(self.sizes, bucket)
+        self.keys.index_copy_(0, slots, keys)
+        self.scores.index_copy_(0, slots, scores)
+        self.sizes.scatter_reduce_(0, bucket, lane + 1, reduce="amax")
+        return was_used
+
+    def clear(self) -> None:
+        self.sizes.zero_()
+
+
+class DynamicKeyIndex:
+    """The key index of one dynamic shard of ``slots`` slots (a multiple of ``BUCKET_SLOTS``).
+
+    Args:
+        slots (int): local slots.
+        options (DynamicTableOptions): eviction, admission, on_full, seed.
+        table_name (str): named in errors and warnings.
+        device (torch.device): where the index lives (the shard's fast tier).
+        plan (HashPlan): the plan implementation (torch ops, or the native kernel on CPU).
+    """
+
+    def __init__(
+        self, slots: int, options: DynamicTableOptions, table_name: str, device: torch.device, plan: HashPlan
+    ) -> None:
+        if slots <= 0 or slots % BUCKET_SLOTS:
+            raise ValueError(f"dynamic table {table_name!r}: slots must be a positive multiple of {BUCKET_SLOTS}.")
+        self.options = options
+        self.table_name = table_name
+        self.device = device
+        self.num_slots = slots
+        self._plan = plan
+        buckets = slots // BUCKET_SLOTS
+        self.main = _Table(buckets, device, salt_of(options.seed, BUCKET_TAG))
+        self.admission: Optional[_Table] = (
+            _Table(buckets, device, salt_of(options.seed, ADMIT_TAG)) if options.admit_after > 1 else None
+        )
+        self.counters = torch.zeros(len(DYNAMIC_COUNTERS), dtype=torch.int64, device=device)
+        #: Training lookups so far (the ``lru`` score).
+        self.clock = 0
+        #: The score ``custom`` eviction gives keys a lookup touches (:meth:`set_custom_score`).
+        self.custom_score = 0
+
+    def tensors(self) -> Dict[str, List[Tuple[str, torch.Tensor]]]:
+        """The index's tensors (``index``: main table; ``admission``: counters table)."""
+        out = {"index": self.main.tensors()}
+        if self.admission is not None:
+            out["admission"] = self.admission.tensors()
+        return out
+
+    def occupancy(self) -> torch.Tensor:
+        """Keys held (0-d int64 on the device)."""
+        return self.main.sizes.sum()
+
+    def clear(self) -> None:
+        """Drops every key and admission count (the counters stay)."""
+        self.main.clear()
+        if self.admission is not None:
+            self.admission.clear()
+
+    def find(self, keys: torch.Tensor) -> torch.Tensor:
+        """Slot of each key (-1: absent); changes nothing (eval lookups)."""
+        uniq, inverse = torch.unique(keys.to(torch.int64), return_inverse=True)
+        found, _ = self.main.plan(self._plan, uniq, None)
+        return found.index_select(0, inverse)
+
+    def find_or_insert(self, keys: torch.Tensor, step: int, journal: bool) -> LookupSlots:
+        """A training lookup: finds ``keys``, admits and inserts missing ones, updates scores.
+
+        Args:
+            keys (torch.Tensor): int64 keys (any order, repeats allowed).
+            step (int): the table's optimizer step (the ``step`` score).
+            journal (bool): record the overwritten values for :meth:`undo`.
+
+        Raises:
+            ValueError: ``on_full='error'`` and a key found no slot (nothing changed).
+        """
+        uniq, inverse, counts = torch.unique(keys.to(torch.int64), return_inverse=True, return_counts=True)
+        found, _ = self.main.plan(self._plan, uniq, None)
+        miss = found < 0
+        admitted, admission_write = self._admit(uniq, counts, miss)
+        _, slot = self.main.plan(self._plan, uniq, miss & admitted)
+        failed = miss & admitted & (slot < 0)
+        n_failed = int(failed.sum())
+        if n_failed:
+            self._on_full(n_failed)
+        rec = IndexJournal(clock=self.clock) if journal else None
+        if rec is not None:
+            rec.record(self.counters, torch.arange(self.counters.numel(), device=self.device))
+        self.clock += 1
+        if admission_write is not None:
+            admission_write(rec)
+        value = self._score(step)
+        hit = found >= 0
+        hit_slots = found[hit]
+        if self.options.eviction == "lfu":
+            new_hit_scores = self.main.scores.index_select(0, hit_slots) + counts[hit]
+            new_scores = counts
+        else:
+            new_hit_scores = torch.full_like(hit_slots, value)
+            new_scores = torch.full_like(counts, value)
+        if rec is not None:
+            rec.record(self.main.scores, hit_slots)
+        self.main.scores.index_copy_(0, hit_slots, new_hit_scores)
+        put = slot >= 0
+        new_slots, new_keys = slot[put], uniq[put]
+        evicted = self.main.store(new_slots, new_keys, new_scores[put], rec)
+        n_miss = miss.sum()
+        self.counters += torch.stack(
+            [put.sum(), evicted.sum(), n_miss - (miss & admitted).sum(), torch.tensor(n_failed, device=self.device)]
+        )
+        final = torch.where(hit, found, slot)
+        return LookupSlots(final.index_select(0, inverse), new_slots, new_keys, rec)
+
+    def _score(self, step: int) -> int:
+        eviction = self.options.eviction
+        if eviction == "lru":
+            return self.clock
+        if eviction == "step":
+            return step
+        return self.custom_score  # custom (lfu scores by counts)
+
+    def _admit(
+        self, uniq: torch.Tensor, counts: torch.Tensor, miss: torch.Tensor
+    ) -> Tuple[torch.Tensor, Optional[Callable[[Optional[IndexJournal]], None]]]:
+        """``(admitted mask over uniq, the admission table's write)`` (planned now, written after the on_full
+        check so a refused lookup changes nothing)."""
+        table = self.admission
+        if table is None:
+            return torch.ones_like(miss), None
+        pos = miss.nonzero().squeeze(1)
+        mk, mc = uniq.index_select(0, pos), counts.index_select(0, pos)
+        cf, cs = table.plan(self._plan, mk, torch.ones_like(mk, dtype=torch.bool))
+        prev = torch.where(cf >= 0, table.scores.index_select(0, cf.clamp(min=0)), 0)
+        total = prev + mc
+        ok = total >= self.options.admit_after
+        stored = torch.where(ok, 0, total)
+        admitted = torch.zeros_like(miss)
+        admitted[pos] = ok
+
+        def write(rec: Optional[IndexJournal]) -> None:
+            where = torch.where(cf >= 0, cf, cs)
+            keep = where >= 0
+            table.store(where[keep], mk[keep], stored[keep], rec)
+
+        return admitted, write
+
+    def _on_full(self, n_failed: int) -> None:
+        mode = self.options.on_full
+        if mode == "ignore":
+            return
+        message = (
+            f"dynamic table {self.table_name!r}: {n_failed} key(s) of this batch found no slot: every slot of "
+            f"their bucket holds a key the same batch uses ({self.num_slots} slots on this shard, buckets of "
+            f"{BUCKET_SLOTS}). Possible solutions:\n  1) raise DynamicTableOptions.capacity;\n"
+            "  2) use smaller batches;\n  3) set on_full='ignore' (or 'warning') to look such keys up as nothing."
+        )
+        if mode == "error":
+            raise ValueError(message + " Nothing was changed by this batch.")
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+    def undo(self, journal: IndexJournal) -> None:
+        """Restores what ``find_or_insert`` overwrote (the last lookup's journal first)."""
+        for tensor, positions, old in reversed(journal.writes):
+            tensor.index_copy_(0, positions, old)
+        self.clock = journal.clock
+
+    def export(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, scores, slots)`` of every held key, in slot order."""
+        lane = torch.arange(self.num_slots, device=self.device) % BUCKET_SLOTS
+        bucket = torch.arange(self.num_slots, device=self.device) // BUCKET_SLOTS
+        slots = (lane < self.main.sizes.index_select(0, bucket)).nonzero().squeeze(1)
+        return self.main.keys.index_select(0, slots), self.main.scores.index_select(0, slots), slots
+
+    def load(self, keys: torch.Tensor, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Inserts ``keys`` (distinct) with ``scores`` into an empty index, evicting none; returns
+        ``(slots, kept)``: each loaded key's slot and whether it found one (a full bucket drops the rest
+        per ``on_full``)."""
+        self.clear()
+        order = torch.argsort(keys)
+        uniq, sc = keys.index_select(0, order), scores.index_select(0, order)
+        if uniq.numel() > 1 and bool((uniq[1:] == uniq[:-1]).any()):
+            raise ValueError(f"dynamic table {self.table_name!r}: the loaded keys repeat; load one row per key.")
+        _, slot = self.main.plan(self._plan, uniq, torch.ones_like(uniq, dtype=torch.bool))
+        kept = slot >= 0
+        dropped = int((~kept).sum())
+        if dropped:
+            self._on_full(dropped)
+        self.main.store(slot[kept], uniq[kept], sc[kept], None)
+        out = torch.full_like(keys, -1)
+        out[order] = slot
+        return out, out >= 0

@@ -1,0 +1,269 @@
+"""One shard of a dynamic table: a key index in front of a tiered shard of slots.
+
+Raw int64 keys map to local slots through :class:`~recpipe.pipeline.tiered.dynamic.key_index.DynamicKeyIndex`;
+the slots' rows live in the tiered storage this class extends (``TieredEmbeddingShard`` over the slots,
+so HYBRID / CACHING, the fused optimizers and the backends apply unchanged). A training lookup inserts
+missing keys (after admission) and initializes their rows from ``(seed, table, key)`` with zeroed
+optimizer state; an eval lookup (``model.eval()`` or no grad) inserts nothing, and a key without a row
+pools as nothing. Imports ``recpipe.pipeline.placement``, ``recpipe.pipeline.tiered`` and this package.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional, Tuple, Union
+
+import torch
+
+from recpipe.pipeline.interfaces import RowOptimizer
+from recpipe.pipeline.placement import CachePolicy, DynamicTableOptions, Mode, dynamic_local_slots
+from recpipe.pipeline.tiered.backends.buffers import BufferedTier
+from recpipe.pipeline.tiered.dynamic.hashing import init_rows, init_salt
+from recpipe.pipeline.tiered.dynamic.key_index import DYNAMIC_COUNTERS, DynamicKeyIndex, HashPlan, IndexJournal
+from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
+from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
+from recpipe.pipeline.tiered.shard_routing import WholeTableRouting
+
+__all__ = ["DynamicEmbeddingShard", "DynamicRows"]
+
+#: What one lookup overwrote: ``(index journal, slots, their old values, their old state)``.
+_LookupUndo = Tuple[IndexJournal, torch.Tensor, torch.Tensor, torch.Tensor]
+DynamicRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _plan_for(backend: str) -> HashPlan:
+    """The native kernel's plan on the ``native`` backend (the compiled CPU kernel), else torch ops."""
+    if backend == "native":
+        try:
+            from recpipe.pipeline.tiered.dynamic.native_plan import native_hash_plan
+        except ImportError:  # an extension built without the kernel: the torch plan is the same plan
+            return torch_hash_plan
+        return native_hash_plan
+    return torch_hash_plan
+
+
+class DynamicEmbeddingShard(TieredEmbeddingShard):
+    """A dynamic table's shard: raw int64 keys in, pooled rows out; rows inserted, evicted and scored
+    per ``options`` (``docs/dynamic.md``).
+
+    Args:
+        num_embeddings (int): the table config's rows (the default capacity and the uniform init range).
+        embedding_dim (int): row width.
+        options (DynamicTableOptions): capacity, eviction, admission, initializer, on_full, seed.
+        shards (int): shards the capacity is split over (world size row-wise, 1 table-wise).
+        key_rank (int): this shard's rank among them (the keys it owns: ``hash_roundrobin`` raw-key routing).
+        mode, cache_load_factor, optimizer, pooling, cache_policy, dtype, device, table_name, backend,
+            split_seed: as ``TieredEmbeddingShard``, over the shard's slots. ``backend`` must keep rows in
+            buffers (``native``, ``torch``).
+
+    Raises:
+        ValueError: a bad argument, named with the fix.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_embeddings: int,
+        embedding_dim: int,
+        options: DynamicTableOptions,
+        shards: int = 1,
+        key_rank: int = 0,
+        mode: Union[Mode, str] = Mode.HYBRID,
+        cache_load_factor: float = 1.0,
+        optimizer: Optional[RowOptimizer] = None,
+        pooling: str = "sum",
+        cache_policy: Union[CachePolicy, str] = CachePolicy.LFU,
+        split_seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: Optional[Union[torch.device, str]] = None,
+        table_name: str = "table",
+        backend: Optional[str] = None,
+    ) -> None:
+        if not isinstance(options, DynamicTableOptions):
+            raise ValueError(
+                f"dynamic table {table_name!r}: options must be a recpipe.pipeline.DynamicTableOptions, got "
+                f"{type(options).__name__}."
+            )
+        if isinstance(num_embeddings, bool) or not isinstance(num_embeddings, int) or num_embeddings <= 0:
+            raise ValueError(
+                f"dynamic table {table_name!r}: num_embeddings must be a positive int, got {num_embeddings!r}."
+            )
+        slots = dynamic_local_slots(options.table_capacity(num_embeddings), shards)
+        self._index_ready = False
+        super().__init__(
+            num_embeddings=slots,
+            embedding_dim=embedding_dim,
+            mode=mode,
+            cache_load_factor=cache_load_factor,
+            optimizer=optimizer,
+            pooling=pooling,
+            cache_policy=cache_policy,
+            split_seed=split_seed,
+            dtype=dtype,
+            device=device,
+            table_name=table_name,
+            backend=backend,
+            routing=WholeTableRouting(slots),
+        )
+        if not isinstance(self.tiers, BufferedTier):
+            raise ValueError(
+                f"dynamic table {table_name!r}: backend {self.backend!r} does not keep its rows in buffers a key "
+                "index can re-initialize; use backend='native' (CPU) or 'torch' (any device, CUDA included)."
+            )
+        self.options: DynamicTableOptions = options
+        self.table_num_embeddings: int = num_embeddings
+        self.key_shards: int = shards
+        self.key_rank: int = key_rank
+        self.init_bounds: Tuple[float, float] = options.initializer.bounds(num_embeddings)
+        self._init_salt: int = init_salt(options.seed, table_name)
+        self.index: DynamicKeyIndex = DynamicKeyIndex(slots, options, table_name, self.device, _plan_for(self.backend))
+        self._index_ready = True
+        # the last training lookup's undo record and its sequence number (lookup_counters / undo_lookup)
+        self._lookups: int = 0
+        self._last_undo: Optional[_LookupUndo] = None
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Drops every key (rows are initialized when keys arrive)."""
+        if getattr(self, "_index_ready", False):
+            self.index.clear()
+            self._last_undo = None
+        self.write_local_rows(
+            torch.zeros((self.num_rows, self.embedding_dim), dtype=self.dtype, device=self.device), None, True
+        )
+
+    def set_custom_score(self, score: int) -> None:
+        """The score ``eviction='custom'`` gives the keys of the following training lookups."""
+        if isinstance(score, bool) or not isinstance(score, int) or not -(2**63) <= score < 2**63:
+            raise ValueError(f"dynamic table {self.table_name!r}: score must be an int64, got {score!r}.")
+        self.index.custom_score = score
+
+    def forward(
+        self, ids: torch.Tensor, offsets: torch.Tensor, per_sample_weights: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """Pooled ``[B, embedding_dim]`` lookup of raw keys ``ids`` (``B + 1`` offsets)."""
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(
+                f"dynamic table {self.table_name!r}: ids must be a 1-D int32/int64 tensor of raw keys, got "
+                f"{getattr(ids, 'dtype', type(ids).__name__)}."
+            )
+        keys = ids.to(torch.int64)
+        if self.training and torch.is_grad_enabled():
+            slots = self._insert(keys)
+        else:
+            slots = self.index.find(keys)
+        valid = slots >= 0
+        if slots.numel() and not bool(valid.all()):
+            slots, offsets, per_sample_weights = self._drop_missing(slots, valid, offsets, per_sample_weights)
+        return super().forward(slots, offsets, per_sample_weights)
+
+    @torch.no_grad()
+    def _insert(self, keys: torch.Tensor) -> torch.Tensor:
+        """A training lookup's slots; new keys' rows initialized (what they overwrite kept for undo)."""
+        res = self.index.find_or_insert(keys, step=self.tiers.step, journal=True)
+        tiers = self.tiers
+        assert isinstance(tiers, BufferedTier) and res.journal is not None
+        where = tiers.locate(res.new_slots)
+        old_w, old_s = tiers.read(*where, state=False), tiers.read(*where, state=True)
+        self._lookups += 1
+        self._last_undo = (res.journal, res.new_slots, old_w, old_s)
+        if res.new_slots.numel():
+            rows = init_rows(
+                res.new_keys,
+                self.embedding_dim,
+                self.options.initializer,
+                self.init_bounds,
+                self._init_salt,
+                self.dtype,
+            )
+            self._write_slots(res.new_slots, rows, torch.zeros_like(old_s))
+        return res.slots
+
+    def _write_slots(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
+        """Sets slot rows in whichever tier holds them; a cached slot's slow copy too (it may be clean)."""
+        tiers = self.tiers
+        assert isinstance(tiers, BufferedTier)
+        in_fast, idx = tiers.locate(slots)
+        tiers.write(in_fast, idx, weights, state=False)
+        tiers.write(in_fast, idx, state, state=True)
+        if tiers.caching:
+            cpu = slots.to(tiers.slow_weights.device)
+            tiers.slow_weights.index_copy_(0, cpu, weights.to(tiers.slow_weights.device))
+            tiers.slow_state.index_copy_(0, cpu, state.to(tiers.slow_state.device))
+
+    @staticmethod
+    def _drop_missing(
+        slots: torch.Tensor, valid: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """Leaves keys without a row out of their bags (they pool as nothing)."""
+        offsets = offsets.to(torch.int64)
+        kept = torch.cat([valid.new_zeros(1, dtype=torch.int64), valid.to(torch.int64).cumsum(0)])
+        return slots[valid], kept.index_select(0, offsets), (psw[valid] if psw is not None else None)
+
+    def lookup_counters(self) -> Optional[Any]:
+        """``(training lookups so far, the tiers' counters)``: a discarded lookup is taken back by :meth:`undo_lookup`."""
+        return (self._lookups, super().lookup_counters())
+
+    @torch.no_grad()
+    def undo_lookup(self, before: Optional[Any], after: Optional[Any]) -> None:
+        """Takes back the last training lookup (its inserts, evictions, scores and new rows).
+
+        Raises:
+            RuntimeError: a later lookup ran since (only the last one can be taken back).
+        """
+        assert isinstance(before, tuple) and isinstance(after, tuple)
+        super().undo_lookup(before[1], after[1])
+        if before[0] == after[0]:
+            return
+        if after[0] != self._lookups or after[0] != before[0] + 1 or self._last_undo is None:
+            raise RuntimeError(
+                f"dynamic table {self.table_name!r}: only the last training lookup can be taken back, and "
+                f"{self._lookups - after[0]} ran after the one discarded."
+            )
+        journal, slots, old_w, old_s = self._last_undo
+        self._write_slots(slots, old_w, old_s)
+        self.index.undo(journal)
+        self._lookups -= 1
+        self._last_undo = None
+
+    def tier_stats(self) -> Dict[str, float]:
+        """``TieredEmbeddingShard.tier_stats`` plus ``occupancy`` (keys held now) and the cumulative
+        ``inserted``, ``evicted``, ``not_admitted`` and ``failed`` since the shard was built or loaded."""
+        stats = super().tier_stats()
+        counts = torch.cat([self.index.occupancy().reshape(1), self.index.counters]).tolist()
+        stats.update(zip(("occupancy",) + DYNAMIC_COUNTERS, (float(c) for c in counts)))
+        return stats
+
+    @torch.no_grad()
+    def dynamic_rows(self) -> DynamicRows:
+        """``(keys, weights, optimizer state, scores)`` of every key held, in slot order, on the CPU."""
+        self.flush()
+        keys, scores, slots = self.index.export()
+        tiers = self.tiers
+        assert isinstance(tiers, BufferedTier)
+        where = tiers.locate(slots)
+        return keys.cpu(), tiers.read(*where, state=False).cpu(), tiers.read(*where, state=True).cpu(), scores.cpu()
+
+    @torch.no_grad()
+    def load_dynamic_rows(
+        self, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, scores: torch.Tensor, step: int
+    ) -> None:
+        """Replaces the shard's keys and rows by ``keys`` with their rows, state and scores (this shard's own
+        keys: route them first); the counters restart at zero."""
+        self.reset_parameters()
+        slots, kept = self.index.load(keys.to(self.device, torch.int64), scores.to(self.device, torch.int64))
+        sel = kept.nonzero().squeeze(1)
+        self._write_slots(
+            slots.index_select(0, sel),
+            weights.to(self.device, self.dtype).index_select(0, sel),
+            state.to(self.device, torch.float32).index_select(0, sel),
+        )
+        self.index.counters.zero_()
+        self.tiers.load_step(int(step))
+
+    def extra_repr(self) -> str:
+        return (
+            f"table={self.table_name!r}, dynamic capacity={self.options.table_capacity(self.table_num_embeddings)}, "
+            f"slots={self.num_rows}, dim={self.embedding_dim}, eviction={self.options.eviction}, "
+            f"mode={self.mode.name}, x={self.cache_load_factor}, optimizer={self.optimizer.name}, "
+            f"shard={self.key_rank}/{self.key_shards}"
+        )
