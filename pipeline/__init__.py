@@ -43,6 +43,8 @@ _EXPORTS: Dict[str, str] = {
     "TieredCheckpointError": "recpipe.pipeline.tiered.state",
     "TieredEmbeddingBagCollectionSharder": "recpipe.pipeline.tiered.tiered_sharders",
     "TieredEmbeddingCollectionSharder": "recpipe.pipeline.tiered.tiered_sharders",
+    "gather_dynamic_table": "recpipe.pipeline.tiered.dynamic.gather",
+    "DynamicTableDump": "recpipe.pipeline.tiered.dynamic.gather",
     "gather_full_optimizer_state": "recpipe.pipeline.tiered.migration",
     "gather_full_weights": "recpipe.pipeline.tiered.migration",
     "load_full_optimizer_state": "recpipe.pipeline.tiered.migration",

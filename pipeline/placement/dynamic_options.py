@@ -2,15 +2,16 @@
 
 :class:`DynamicTableOptions` marks a table dynamic (``recpipe.planner.PlacementConstraints(dynamic=)``)
 and travels to the runtime inside the table's fused params (:meth:`DynamicTableOptions.to_fused_param`,
-a plain dict, since torchrec deep-copies and compares fused params). Imports only this package.
+a JSON string, since torchrec hashes, deep-copies and compares fused params). Imports only this package.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Mapping, Optional, Tuple
 
 __all__ = [
     "BUCKET_SLOTS",
@@ -137,19 +138,25 @@ class DynamicTableOptions:
         """Rows over all ranks: :attr:`capacity`, or ``num_embeddings``."""
         return self.capacity if self.capacity is not None else num_embeddings
 
-    def to_fused_param(self) -> Dict[str, Any]:
-        """A plain dict of plain values (the fused-param encoding)."""
-        return asdict(self)
+    def to_fused_param(self) -> str:
+        """The fused-param encoding: a JSON string (torchrec groups tables by their fused params, which must
+        hash, and deep-copies them)."""
+        return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def from_fused_param(cls, value: Any) -> "DynamicTableOptions":
-        """Parses :meth:`to_fused_param`'s dict (or passes an instance through).
+        """Parses :meth:`to_fused_param`'s string (or its dict; an instance passes through).
 
         Raises:
-            ValueError: not such a dict, or a bad field.
+            ValueError: not such a string or dict, or a bad field.
         """
         if isinstance(value, DynamicTableOptions):
             return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not a DynamicTableOptions JSON string: {e}") from None
         if not isinstance(value, Mapping):
             raise ValueError(f"expected DynamicTableOptions or its dict, got {type(value).__name__}")
         fields_ = dict(value)

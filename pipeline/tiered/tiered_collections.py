@@ -33,6 +33,7 @@ from recpipe.pipeline.routing.routed_collections import (
     RoutedShardedMixin,
 )
 from recpipe.pipeline.routing.rw_sharding import RoutedRwPooledEmbeddingSharding, RoutedRwSequenceEmbeddingSharding
+from recpipe.pipeline.tiered.dynamic.shard import DynamicEmbeddingShard
 from recpipe.pipeline.tiered.fused_params import resolve_tiered_fused_params, tiered_vbe_error
 from recpipe.pipeline.tiered.kernels import (
     TieredGroupedEmbeddingsLookup,
@@ -334,7 +335,9 @@ def _load_full_tiered_weights(
         value = state_dict[key]
         if value.numel() == 0:
             continue
-        if name in tiered:  # else a table-wise tiered table another rank holds: nothing of it loads here
+        # a table-wise tiered table another rank holds loads nothing here; a dynamic table has no id-indexed
+        # rows (its keys come from training or from its own exports)
+        if name in tiered and not isinstance(tiered[name], DynamicEmbeddingShard):
             tiered[name].load_global_weights(value.detach())
         state_dict[key] = torch.empty(0)
 

@@ -22,6 +22,7 @@ from recpipe.pipeline.tiered.dynamic.key_index import DYNAMIC_COUNTERS, DynamicK
 from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.shard_routing import WholeTableRouting
+from recpipe.pipeline.tiered.state import TieredShardState
 
 __all__ = ["DynamicEmbeddingShard", "DynamicRows"]
 
@@ -259,6 +260,24 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         )
         self.index.counters.zero_()
         self.tiers.load_step(int(step))
+
+    def export_state(self) -> TieredShardState:
+        """Refused: a dynamic table's rows are keyed by raw keys, which the id-keyed tiered export cannot carry.
+
+        Raises:
+            TieredCheckpointError: always, with the ways to save the table.
+        """
+        raise self.checkpoint_error(
+            "dynamic tables are not saved by state_dict() / recpipe.pipeline.checkpoint yet (their rows are keyed "
+            "by raw keys, the tiered export by row id)",
+            [
+                "save the table's keys, rows, optimizer state and scores with "
+                "recpipe.pipeline.gather_dynamic_table(model, table) and restore a shard's own keys with "
+                "DynamicEmbeddingShard.load_dynamic_rows",
+                "checkpoint the rest of the model with the dynamic tables planned static (PlacementConstraints "
+                "without dynamic=)",
+            ],
+        )
 
     def extra_repr(self) -> str:
         return (

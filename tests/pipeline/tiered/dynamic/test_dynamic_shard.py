@@ -27,6 +27,7 @@ from recpipe.pipeline.tiered.dynamic.shard import DynamicEmbeddingShard
 from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.shard_routing import WholeTableRouting
+from recpipe.pipeline.tiered.state import TieredCheckpointError
 
 LR = 0.05
 DIM = 8
@@ -290,3 +291,15 @@ def test_rows_round_trip_through_a_load_at_another_capacity() -> None:
     dst.eval()
     src.eval()
     assert torch.equal(dst(probe, torch.arange(6)), src(probe, torch.arange(6)))
+
+
+def test_the_id_keyed_export_is_refused_naming_the_way_to_save_keys() -> None:
+    """``state_dict()`` / DCP exports are id-keyed: a dynamic shard refuses them instead of saving slot rows
+    whose keys would be lost."""
+    shard = _shard()
+    shard(torch.tensor([3, -4]), torch.tensor([0, 2])).sum().backward()
+    with pytest.raises(TieredCheckpointError, match="gather_dynamic_table"):
+        shard.export_state()
+    with pytest.raises(TieredCheckpointError, match="load_dynamic_rows"):
+        shard.state_dict()
+    assert shard.tier_stats()["occupancy"] == 2
