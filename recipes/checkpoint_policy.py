@@ -27,10 +27,11 @@ from recpipe.pipeline.checkpoint.integrity import SaveLock, acquire_save_lock, r
 from recpipe.pipeline.routing.ops import ROUTING_VERSION
 from recpipe.recipes.config import TrainConfig, checkpoint_steps
 
-# Config fields that change the state's shapes or the data order: a resumed run must match.
+# Config fields that change the state's shapes or the data order: a resumed run must match
+# (``dynamic_tables``: a dynamic table's state is its key index and slots, not rows of id mod num_embeddings).
 FINGERPRINT_FIELDS: tuple[str, ...] = tuple(
     "model dataset batch_size embedding_dim num_embeddings virtual_rows hash_k dense_arch over_arch seed "
-    "synthetic_id_space zipf_alpha eval_fraction".split()
+    "synthetic_id_space zipf_alpha eval_fraction dynamic_tables".split()
 )
 # Config fields a resumed run may change that make its losses differ from an uninterrupted
 # run's: each checkpoint records them and the resume line names every change.

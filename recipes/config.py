@@ -44,6 +44,8 @@ SUBSETS: dict[str, tuple[str, ...]] = {"sharding_types": SHARDING_TYPES}
 UNITS: dict[str, str] = {"fast_tier_mb": "MiB", "slow_tier_mb": "MiB", "timeout_s": "seconds"}
 # Integer-list fields (``--dense-arch 64,64``; a YAML list) -> a valid example.
 INT_LISTS: dict[str, str] = {"dense_arch": "64,64", "over_arch": "64,1"}
+# The built-in endless datasets (generated streams): they need ``max_steps``.
+ENDLESS_DATASETS: tuple[str, ...] = ("synthetic", "synthetic_raw_keys")
 # Output paths checked writable at validation: field -> is a directory.
 OUTPUT_PATHS: dict[str, bool] = {"tb_dir": True, "checkpoint_dir": True, "metrics_file": False}
 
@@ -175,7 +177,8 @@ class TrainConfig:
     """``dlrm`` (torchrec DLRM, one table per feature) or ``micro_dlrm_dram`` (hashed virtual tables, wide rows)."""
 
     dataset: str = "movielens100k"
-    """``movielens100k`` (recbole wheel), ``synthetic`` (Criteo-like stream) or ``criteo_tsv`` (``data_path``)."""
+    """``movielens100k`` (recbole wheel), ``synthetic`` (Criteo-like stream), ``criteo_tsv`` (``data_path``) or
+    ``synthetic_raw_keys`` (a CTR stream of raw int64 keys over a 40-bit space, negatives included)."""
 
     data_path: str | None = None
     """Comma-separated Criteo TSV files (label, 13 ints, 26 hex). Only for ``criteo_tsv``; every
@@ -191,13 +194,15 @@ class TrainConfig:
     """Passes over the training split (MovieLens / Criteo); ignored when ``max_steps`` is set."""
 
     max_steps: int | None = None
-    """Total training steps (wrapping into further epochs); required for the endless ``synthetic`` stream."""
+    """Total training steps (wrapping into further epochs); required for the endless ``synthetic`` and
+    ``synthetic_raw_keys`` streams."""
 
     embedding_dim: int = 64
     """Width of every embedding row (DLRM needs one width for all tables)."""
 
     num_embeddings: int = 100_000
-    """Rows per table for ``dlrm`` on synthetic / Criteo data (ids are taken modulo)."""
+    """Rows per table for ``dlrm`` on synthetic / Criteo data (ids are taken modulo; with ``dynamic_tables``,
+    each table's capacity in rows)."""
 
     virtual_rows: int = 262_144
     """Rows of each virtual table of ``micro_dlrm_dram`` (2**18 by default)."""
@@ -227,10 +232,11 @@ class TrainConfig:
     """Batches per rank per evaluation (capped by the eval split's size)."""
 
     synthetic_id_space: int = 10_000_000
-    """Largest per-feature id space of the synthetic stream (ids in ``[0, n)``)."""
+    """Largest per-feature id space of the synthetic stream (ids in ``[0, n)``); for ``synthetic_raw_keys``,
+    the distinct keys of every feature."""
 
     zipf_alpha: float = 1.1
-    """Zipf exponent of the synthetic stream's first feature (later features steepen)."""
+    """Zipf exponent of the synthetic streams' first feature (later features steepen)."""
 
     pipeline: str = "fused"
     """``fused`` (recpipe) or ``sparse`` (torchrec TrainPipelineSparseDist, for comparison)."""
@@ -255,6 +261,12 @@ class TrainConfig:
 
     slow_tier_mb: float = 16384.0
     """Slow-tier (host DDR) budget per machine in MiB given to the planner."""
+
+    dynamic_tables: bool = False
+    """Dynamic embedding tables: every table takes its feature's raw int64 ids as keys (Criteo's hex values,
+    MovieLens' ids, the keys of ``synthetic_raw_keys``; no modulo into ``num_embeddings`` rows) and gives a
+    key a row when training first sees it, evicting by score when the key's bucket is full. Needs
+    ``--model dlrm`` and ``--placement planned`` with ``table_wise`` or ``row_wise`` among ``sharding_types``."""
 
     num_threads: int = 1
     """``torch.set_num_threads`` per rank, at most the machine's logical CPUs."""
@@ -301,6 +313,7 @@ class TrainConfig:
         _check_architecture(self)
         _check_dataset(self)
         _check_switches_and_checkpoints(self)
+        _check_dynamic_tables(self)
         _check_path_values(self)
         if check_paths:
             _check_threads(self)
@@ -459,15 +472,15 @@ def _check_architecture(config: TrainConfig) -> None:
 
 def _check_dataset(config: TrainConfig) -> None:
     """The dataset has what it needs: a step count for the endless stream, input files for Criteo."""
-    if config.dataset == "synthetic" and config.max_steps is None:
-        raise _invalid(config, "max_steps", "the synthetic stream is endless", "pass --max-steps N")
+    if config.dataset in ENDLESS_DATASETS and config.max_steps is None:
+        raise _invalid(config, "max_steps", f"the {config.dataset} stream is endless", "pass --max-steps N")
     if config.dataset == "criteo_tsv" and not config.data_path:
         raise _invalid(config, "data_path", "criteo_tsv needs input files", "pass --data-path a.tsv[,b.tsv]")
 
 
 def _check_switches_and_checkpoints(config: TrainConfig) -> None:
     """Boolean fields are booleans; resuming and periodic saving have a checkpoint directory."""
-    for name in ("resume", "progress_bar"):
+    for name in ("resume", "progress_bar", "dynamic_tables"):
         if not isinstance(getattr(config, name), bool):
             raise _invalid(config, name, "must be true or false", f"pass --{cli_flag(name)} or --no-{cli_flag(name)}")
     if config.resume and not config.checkpoint_dir:
@@ -480,6 +493,46 @@ def _check_switches_and_checkpoints(config: TrainConfig) -> None:
             "checkpoint_every",
             "checkpoints are saved into --checkpoint-dir, which is unset, so none would be written",
             "pass --checkpoint-dir DIR, or drop --checkpoint-every",
+        )
+
+
+# What each placement other than ``planned`` shards with instead of recpipe's tiered sharders.
+_STATIC_PLACEMENTS: dict[str, str] = {
+    "table_wise": "torchrec's own sharder places FUSED tables",
+    "torchrec_planner": "torchrec's EmbeddingShardingPlanner plans FUSED tables",
+}
+
+
+def _check_dynamic_tables(config: TrainConfig) -> None:
+    """``dynamic_tables`` goes only with the settings that build dynamic tables: ``dlrm`` (one table per
+    feature, keyed by its raw ids), ``--placement planned`` (recpipe's tiered sharders) and a table-wise or
+    row-wise sharding type (column-wise shards are torchrec's static FUSED tables)."""
+    if not config.dynamic_tables:
+        return
+    if config.model != "dlrm":
+        raise _invalid(
+            config,
+            "dynamic_tables",
+            f"it contradicts model={config.model!r}, which hashes every id into hash_k rows of a fixed-size "
+            "virtual table, so no table would see a raw key",
+            "pass --model dlrm, or drop --dynamic-tables",
+        )
+    if config.placement != "planned":
+        raise _invalid(
+            config,
+            "dynamic_tables",
+            f"it contradicts placement={config.placement!r}, where {_STATIC_PLACEMENTS[config.placement]}, whose "
+            "rows are fixed; dynamic tables are recpipe's tiered tables, placed by --placement planned",
+            "pass --placement planned, or drop --dynamic-tables",
+        )
+    if "table_wise" not in config.sharding_types and "row_wise" not in config.sharding_types:
+        raise _invalid(
+            config,
+            "dynamic_tables",
+            f"it contradicts sharding_types={config.sharding_types!r}: column-wise shards are torchrec's FUSED "
+            "tables, whose rows are fixed, and a dynamic table is sharded table-wise or row-wise",
+            "add table_wise or row_wise to --sharding-types (e.g. --sharding-types table_wise,row_wise), "
+            "or drop --dynamic-tables",
         )
 
 

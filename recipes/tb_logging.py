@@ -1,7 +1,8 @@
 """TensorBoard logging on rank 0, including per-table tier statistics.
 
 Tags: ``train/loss``, ``train/samples_per_s``, ``train/step_ms`` (training time only),
-``eval/auroc``, ``tier/<table>/<stat>`` (from every :class:`TierStatsProvider`) and
+``eval/auroc``, ``tier/<table>/<stat>`` (from every :class:`TierStatsProvider`),
+``dynamic/<table>/<counter>`` (the :data:`DYNAMIC_COUNTERS` of a dynamic table) and
 ``placement/plan`` (text).
 """
 
@@ -33,6 +34,12 @@ RATIO_WEIGHTS: Mapping[str, str] = {
     "fast_fraction": "lookups",
     "cumulative_hit_rate": "cumulative_lookups",
 }
+
+
+# The key-index counters a dynamic table's stats add (a table reporting ``occupancy`` is dynamic):
+# rows held, keys given a row, rows evicted, unseen keys not yet admitted, keys that found no slot.
+# All are counts, summed over ranks by merge_tier_stats.
+DYNAMIC_COUNTERS: tuple[str, ...] = ("occupancy", "inserted", "evicted", "not_admitted", "failed")
 
 
 def merge_tier_stats(parts: Iterable[Mapping[str, Mapping[str, float]]]) -> TierStats:
@@ -102,8 +109,15 @@ class RunLogger:
             self._writer.add_scalar(tag, value, global_step=step)
 
     def tier_stats(self, step: int, stats: TierStats) -> None:
-        """Writes ``tier/<table>/<stat>`` scalars."""
-        self.scalars(step, {f"tier/{table}/{name}": v for table, s in sorted(stats.items()) for name, v in s.items()})
+        """Writes ``tier/<table>/<stat>`` scalars; a dynamic table's (one reporting ``occupancy``)
+        :data:`DYNAMIC_COUNTERS` as ``dynamic/<table>/<counter>`` instead."""
+        values: dict[str, float] = {}
+        for table, s in sorted(stats.items()):
+            dynamic = "occupancy" in s
+            for name, v in s.items():
+                group = "dynamic" if dynamic and name in DYNAMIC_COUNTERS else "tier"
+                values[f"{group}/{table}/{name}"] = v
+        self.scalars(step, values)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Writes a text entry (rendered as markdown; indented as a code block)."""

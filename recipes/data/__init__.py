@@ -1,4 +1,5 @@
-"""Data sources of the recipes: MovieLens-100k, a synthetic Criteo-like stream, Criteo TSV.
+"""Data sources of the recipes: MovieLens-100k, a synthetic Criteo-like stream, Criteo TSV, and a
+synthetic stream of raw int64 keys (for dynamic tables).
 
 :mod:`.base` declares :class:`~.base.BatchSource`, the contract of a source; :data:`DATASETS` names
 every ``--dataset`` and its source; :mod:`.registry` registers more
@@ -16,6 +17,7 @@ DATASETS: dict[str, Union[str, type]] = {
     "movielens100k": "recpipe.recipes.data.movielens:MovieLens100kSource",
     "synthetic": "recpipe.recipes.data.synthetic:SyntheticCriteoSource",
     "criteo_tsv": "recpipe.recipes.data.criteo:CriteoTsvSource",
+    "synthetic_raw_keys": "recpipe.recipes.data.raw_keys:RawKeySource",
 }
 """Every registered ``--dataset`` name -> its ``BatchSource`` subclass, or the ``"module:Class"``
 reference of it, imported on first use. The built-in datasets are the lines above; others are added

@@ -53,15 +53,18 @@ class DataFormatError(ValueError):
 class IdTransform:
     """Maps raw ids to table rows for all features at once (a few vectorized ops per batch).
 
-    ``dlrm``: ``id mod rows`` (pooling factor 1); ``micro_dlrm_dram``: ``k`` hashed rows
-    in a virtual table (pooling factor ``k``).
+    ``dlrm``: ``id mod rows`` (pooling factor 1; Python's sign rule, so a negative id maps to a
+    row ``>= 0``); ``micro_dlrm_dram``: ``k`` hashed rows in a virtual table (pooling factor ``k``).
+    With ``dynamic_tables`` (only ``dlrm``) the raw ids themselves, the keys of dynamic tables.
     """
 
     def __init__(self, config: TrainConfig, spec: DatasetSpec) -> None:
         self.rows = table_rows(config, spec)
         self._rows_col = torch.tensor(self.rows, dtype=torch.int64).unsqueeze(1)  # (F, 1)
+        self.raw_keys: bool = config.dynamic_tables
+        """The ids pass through unchanged (dynamic tables key their rows by them)."""
         self.projector: VirtualTableProjector | None = None
-        if config.model == "micro_dlrm_dram":
+        if config.model == "micro_dlrm_dram" and not self.raw_keys:
             self.projector = VirtualTableProjector(config.virtual_rows, config.hash_k, seed=config.seed)
 
     @property
@@ -70,7 +73,7 @@ class IdTransform:
         return self.projector.k if self.projector is not None else 1
 
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """int64 ``(F, N, per_sample)`` table rows of int64 ``(F, N)`` raw ids.
+        """int64 ``(F, N, per_sample)`` table rows of int64 ``(F, N)`` raw ids (with :attr:`raw_keys`, the ids).
 
         A source whose ids repeat maps its whole dataset once and builds batches with
         :meth:`kjt_of_rows` (the same KJT as :meth:`to_kjt`, without hashing per batch).
@@ -82,6 +85,8 @@ class IdTransform:
                 f"IdTransform: ids must be (F, B) with F = {len(self.rows)} features "
                 f"(one per key); got ids {tuple(ids.shape)}"
             )
+        if self.raw_keys:
+            return ids.unsqueeze(2)
         if self.projector is None:
             return (ids % self._rows_col.to(ids.device)).unsqueeze(2)
         return self.projector.project(ids)

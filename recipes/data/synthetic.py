@@ -46,6 +46,11 @@ def sample_zipf(n: int, alpha: float, size: int, gen: torch.Generator) -> torch.
     return (x.floor().long() - 1).clamp_(0, n - 1)
 
 
+def zipf_exponents(alpha: float) -> tuple[float, ...]:
+    """Zipf exponent of each sparse feature: ``alpha + 0.02 f`` for feature ``f``, at most 3."""
+    return tuple(min(3.0, alpha + 0.02 * f) for f in range(NUM_SPARSE))
+
+
 class SyntheticCriteoSource(BatchSource):
     """Endless Criteo-like batches; rank ``r``'s batch at step ``s`` is seeded by (seed, s, r)."""
 
@@ -54,7 +59,7 @@ class SyntheticCriteoSource(BatchSource):
         # feature f: max_space / 2**(f mod 10) ids (at least MIN_ID_SPACE), Zipf exponent alpha + 0.02 f (at most 3)
         max_space = config.synthetic_id_space
         self._spaces = tuple(max(min(MIN_ID_SPACE, max_space), max_space >> (f % 10)) for f in range(NUM_SPARSE))
-        self._alphas = tuple(min(3.0, config.zipf_alpha + 0.02 * f) for f in range(NUM_SPARSE))
+        self._alphas = zipf_exponents(config.zipf_alpha)
         self.spec = DatasetSpec(
             name="synthetic", dense_in_features=NUM_DENSE, feature_names=FEATURES, cardinalities=self._spaces
         )

@@ -85,12 +85,12 @@ def test_unregistered_dataset_is_refused_naming_the_registered_ones() -> None:
 
 
 def test_registered_dataset_is_a_config_and_cli_choice(toy_registered: None) -> None:
-    assert dataset_names() == ("movielens100k", "synthetic", "criteo_tsv", TOY)
+    assert dataset_names() == ("movielens100k", "synthetic", "criteo_tsv", "synthetic_raw_keys", TOY)
     assert field_choices()["dataset"] == dataset_names()
     assert parse_config(["--dataset", TOY, "--batch-size", "8"]).dataset == TOY
     assert TrainConfig(dataset=TOY).dataset == TOY
     help_text = " ".join(build_arg_parser().format_help().split())
-    assert f"choices: movielens100k, synthetic, criteo_tsv, {TOY};" in help_text
+    assert f"choices: movielens100k, synthetic, criteo_tsv, synthetic_raw_keys, {TOY};" in help_text
     assert DATA_SOURCES[TOY] is ToyClicks and data_source_class(TOY) is ToyClicks
     register_dataset(TOY, ToyClicks)  # the same registration again (a module imported twice): no change
     register_dataset(TOY, f"{__name__}:ToyClicks")  # its reference too
