@@ -44,7 +44,8 @@ _TABLES_HELP = f"""tables file (--tables): a YAML list, one mapping per table:
   name, rows, dim are required; dtype (float32, the only one tiered tables run),
   optimizer (sgd, rowwise_adagrad, adam; default --optimizer), lookups_per_step
   (ids per step per rank, default 512) and zipf_alpha (access skew, default {DEFAULT_ZIPF_ALPHA})
-  are optional."""
+  are optional. Pins, dynamic tables included (PlacementConstraints(dynamic=DynamicTableOptions(...))),
+  are given through the Python API: PlacementPlanner(topology, constraints=...)."""
 _TABLE_KEYS = {"name", "rows", "dim", "dtype", "optimizer", "lookups_per_step", "zipf_alpha"}
 # Words of the planner's messages that name a Python argument -> the flag that sets it here.
 _FLAG_OF = (

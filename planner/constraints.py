@@ -56,8 +56,8 @@ def check_sharding_types(sharding_types: Any) -> Tuple[str, ...]:
 
 def check_constraints(constraints: Optional[Mapping[Any, Any]], sharding_types: Sequence[str]) -> None:
     """Refuses pins that are not a table name -> ``PlacementConstraints`` map, and pins that ask for a sharding
-    type ``sharding_types`` rules out (a pin never widens the planner-wide choice: both are the user's word, and
-    one silently overriding the other hides a mistake).
+    type ``sharding_types`` rules out (a dynamic table's: row- or table-wise; a pin never widens the planner-wide
+    choice: both are the user's word, and one silently overriding the other hides a mistake).
 
     Raises:
         PlannerInputError: naming the pin, the sharding types and the fix.
@@ -77,12 +77,19 @@ def check_constraints(constraints: Optional[Mapping[Any, Any]], sharding_types: 
         wanted = [pin.sharding_type] if pin.sharding_type is not None else []
         if pin.fused and pin.sharding_type is None:  # torchrec's FUSED table: table- or column-wise
             wanted = [TABLE_WISE, COLUMN_WISE]
+        if pin.dynamic is not None and pin.sharding_type is None:  # a recpipe tiered table: row- or table-wise
+            wanted = [ROW_WISE, TABLE_WISE]
         if wanted and not set(wanted) & set(sharding_types):
             what = (
                 f"sharding_type={wanted[0]!r}"
                 if pin.sharding_type is not None
                 else "fused=True (table_wise or column_wise)"
+                if pin.fused
+                else "dynamic=DynamicTableOptions(...) (a tiered table: row_wise or table_wise)"
             )
+            other = f"pin {key!r} to one of {list(sharding_types)}, or drop its {what.split(' ')[0]} pin"
+            if pin.dynamic is not None and pin.sharding_type is None:
+                other = f"drop the dynamic pin of {key!r} (a static table may be torchrec's FUSED one)"
             widened = tuple(s for s in PLANNED_SHARDING_TYPES if s in sharding_types or s == wanted[0])
             raise PlannerInputError(
                 f"constraints[{key!r}] pins {what}, but sharding_types {list(sharding_types)} rules it out: the "
@@ -91,7 +98,7 @@ def check_constraints(constraints: Optional[Mapping[Any, Any]], sharding_types: 
                     [
                         f"add {wanted[0]!r} to sharding_types: sharding_types={widened} "
                         f"({sharding_types_flags(widened)})",
-                        f"pin {key!r} to one of {list(sharding_types)}, or drop its {what.split(' ')[0]} pin",
+                        other,
                     ]
                 )
             )

@@ -6,10 +6,13 @@ models the fast-tier hit rate: HYBRID ``x`` (a hash split ignores frequency), CA
 the ``x * N`` hottest rows; the state follows its row except in fbgemm's layout (row-wise state always
 in HBM, other state of a CACHING table in UVM, uncached). ``EmpiricalCostModel`` uses the effective hit
 rates fitted by TorchEasyRec PR #508 (A10 sweep of fbgemm's step, state traffic included).
+:func:`dynamic_lookup_costs` prices a dynamic table from the static costs of its slots (hash probes,
+and inserts of the keys its capacity cannot hold).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import List, Sequence, Tuple, Union, cast
@@ -18,6 +21,8 @@ import numpy as np
 from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
 
 from recpipe.pipeline.placement import (
+    BUCKET_SLOTS,
+    INDEX_BYTES_PER_SLOT,
     CachePolicy,
     FusedOptimizerKind,
     Mode,
@@ -27,6 +32,7 @@ from recpipe.pipeline.placement import (
     dtype_itemsize,
     floor_fraction,
     optimizer_state_bytes_per_row,
+    row_bytes,
 )
 from recpipe.planner.specs import DEFAULT_ZIPF_ALPHA, STORAGE_BACKENDS, TableSpec, per_row_format
 from recpipe.planner.types import CostModel
@@ -328,6 +334,79 @@ class EmpiricalCostModel(_BandwidthMixCostModel):
         return base + EMPIRICAL_X_SLOPE * float(x)
 
 
+#: Fast-tier bytes one lookup's hash probe moves in a dynamic table's index: its bucket's ``BUCKET_SLOTS`` int64
+#: keys and int64 size header read, its int64 score written. Bytes per lookup.
+DYNAMIC_PROBE_BYTES: int = BUCKET_SLOTS * 8 + 8 + 8
+#: Fast-tier bytes an insert writes into the index beyond its probe: the key and its score. Bytes per insert.
+DYNAMIC_INSERT_INDEX_BYTES: int = INDEX_BYTES_PER_SLOT
+#: Passes of a new row's bytes (values and optimizer state) over its slot's tier: the initializer writes it, the
+#: lookup that inserted it reads it. Count per insert.
+DYNAMIC_INSERT_ROW_PASSES: int = 2
+
+
+def dynamic_miss_rate(capacity: int, distinct_keys: int, zipf_alpha: float) -> float:
+    """Fraction of a dynamic table's lookups whose key has no row: 0 when ``capacity >= distinct_keys``, else
+    the access mass of the ``distinct_keys - capacity`` coldest keys under Zipf(``zipf_alpha``), ``1 -
+    H(capacity) / H(distinct_keys)`` (eviction keeps the hottest keys resident; ``zipf_alpha = 0`` gives ``1 -
+    capacity / distinct_keys``)."""
+    if distinct_keys <= capacity:
+        return 0.0
+    h = generalized_harmonic(np.array([capacity, distinct_keys]), zipf_alpha)
+    return float(min(1.0, max(0.0, 1.0 - h[0] / h[1])))
+
+
+def dynamic_priced_table(table: TableSpec, capacity: int) -> TableSpec:
+    """The static table a dynamic table's resident keys are priced as: ``capacity`` rows (its slots over all ranks)
+    with the table's access skew (per-row ``access_counts`` describe no slot and are dropped)."""
+    return dataclasses.replace(table, rows=capacity, access_counts=None)
+
+
+def dynamic_lookup_costs(
+    table: TableSpec,
+    options: Sequence[Tuple[Mode, float]],
+    static_costs: np.ndarray,
+    *,
+    capacity: int,
+    distinct_keys: int,
+    admission: bool,
+    hbm_mem_bw: float = HBM_MEM_BW,
+    hbm_to_ddr_mem_bw: float = HBM_TO_DDR_MEM_BW,
+) -> np.ndarray:
+    """Modelled ms per step of a dynamic table's options, from ``static_costs``, the costs of its
+    :func:`dynamic_priced_table`.
+
+    With ``m = dynamic_miss_rate(capacity, distinct_keys, zipf_alpha)`` and ``L = lookups_per_step``: ``(1 - m) x
+    static + L x probe + m x L x insert``. Every lookup probes the index (``DYNAMIC_PROBE_BYTES`` at HBM
+    bandwidth); a lookup of a key without a row inserts it: the index entry (``DYNAMIC_INSERT_INDEX_BYTES``, plus
+    a probe of the admission counters when ``admission``) and ``DYNAMIC_INSERT_ROW_PASSES`` passes of the row's
+    bytes at the bandwidth mix of the new row's hit rate (1 at ``x = 1``; ``x`` HYBRID, whose hash split ignores
+    access; 0 CACHING, whose cache does not hold a new row), which lowers the effective hit rate of such lookups.
+    ``capacity >= distinct_keys``: the static cost plus the probe.
+
+    Args:
+        table: the table (dim, dtype, optimizer, lookups, skew).
+        options: ``(mode, x)`` pairs, as ``static_costs``.
+        static_costs: ``(len(options),)`` ms of the resident lookups' static formula.
+        capacity: rows over all ranks.
+        distinct_keys: distinct keys the table is expected to see.
+        admission: whether a miss also probes the admission counters (``admit_after > 1``).
+        hbm_mem_bw: HBM bandwidth in bytes/ms.
+        hbm_to_ddr_mem_bw: host->device bandwidth in bytes/ms.
+    """
+    options = _checked_options(table, options)
+    miss = dynamic_miss_rate(capacity, distinct_keys, table.zipf_alpha)
+    xs = np.array([x for _, x in options], dtype=np.float64)
+    caching = np.array([m is Mode.CACHING for m, _ in options], dtype=bool)
+    new_hit = np.where(xs >= 1.0, 1.0, np.where(caching, 0.0, xs))
+    new_bw = new_hit * hbm_mem_bw + (1.0 - new_hit) * hbm_to_ddr_mem_bw
+    index_bytes = DYNAMIC_INSERT_INDEX_BYTES + (DYNAMIC_PROBE_BYTES if admission else 0)
+    insert = DYNAMIC_INSERT_ROW_PASSES * row_bytes(table.dim, table.dtype, table.optimizer) / new_bw
+    insert = insert + index_bytes / hbm_mem_bw
+    probe = DYNAMIC_PROBE_BYTES / hbm_mem_bw
+    static = np.asarray(static_costs, dtype=np.float64)
+    return (1.0 - miss) * static + table.lookups_per_step * (probe + miss * insert)
+
+
 def make_cost_model(
     name_or_model: "str | CostModel",
     hbm_mem_bw: float,
@@ -355,10 +434,16 @@ def make_cost_model(
 
 __all__ = [
     "AnalyticCostModel",
+    "DYNAMIC_INSERT_INDEX_BYTES",
+    "DYNAMIC_INSERT_ROW_PASSES",
+    "DYNAMIC_PROBE_BYTES",
     "EMPIRICAL_CACHING_X_EFF",
     "EMPIRICAL_HYBRID_X_EFF",
     "EMPIRICAL_X_SLOPE",
     "EmpiricalCostModel",
+    "dynamic_lookup_costs",
+    "dynamic_miss_rate",
+    "dynamic_priced_table",
     "fast_tier_hit_rate",
     "generalized_harmonic",
     "make_cost_model",

@@ -91,6 +91,8 @@ class InfeasibilityDiagnosis:
         sols.append(f"shard over more ranks (world_size now {self.W}): per-rank bytes shrink as 1/world_size")
         if pin is not None:
             sols.insert(0, f"relax the constraints pinned on table {t.fqn!r} ({pin})")
+            if pin.dynamic is not None:
+                sols.insert(0, _dynamic_fix(t, pin))
         elif self.widenable[i]:
             sols.append(self._widen())
         else:
@@ -262,6 +264,15 @@ class InfeasibilityDiagnosis:
             f"raise {self._raises(h, d)}: the table's {option.mode.name} x={option.cache_load_factor} option "
             f"needs {sized(h)} of HBM per rank and {sized(d)} of DDR per machine"
         )
+
+
+def _dynamic_fix(table: TableSpec, pin: PlacementConstraints) -> str:
+    """The fix of a dynamic table that fits nowhere: a smaller capacity (its slots and hash index shrink with it)."""
+    capacity = pin.dynamic.table_capacity(table.rows) if pin.dynamic is not None else table.rows
+    return (
+        f"lower the capacity of dynamic table {table.fqn!r} (DynamicTableOptions.capacity, now {capacity} rows): "
+        "each shard holds dynamic_local_slots(capacity, shards) rows and their hash index"
+    )
 
 
 def _capacity_for(need: int, reservation: float, ranks: int) -> int:

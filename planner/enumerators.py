@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
+from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
 
 from recpipe.pipeline.placement import (
     CACHE_ROW_MAP_BYTES,
@@ -13,6 +14,7 @@ from recpipe.pipeline.placement import (
     SUPPORTED_OPTIMIZERS,
     TIERED_DTYPES,
     CachePolicy,
+    DynamicTableOptions,
     FusedOptimizerKind,
     Mode,
     ShardStorage,
@@ -22,6 +24,7 @@ from recpipe.pipeline.placement import (
     decimal_ratio,
     dtype_itemsize,
     dtype_name,
+    dynamic_shard_storage,
     fbgemm_bytes,
     fbgemm_cache_sets,
     machine_split,
@@ -43,11 +46,13 @@ from recpipe.planner.constraints import (
     constraint_for,
     no_option_error,
 )
+from recpipe.planner.cost_models import dynamic_lookup_costs, dynamic_priced_table
 from recpipe.planner.errors import PlacementErrorType, PlacementPlannerError, solutions
 from recpipe.planner.option_arrays import MODE_CODE, SHARDING_CODE, SHARDING_OF_CODE, OptionArrays
 from recpipe.planner.specs import (
     BACKEND_SHARD_STORAGE,
     DEFAULT_LOAD_FACTORS,
+    MAX_TABLE_BYTES,
     STORAGE_BACKENDS,
     PlacementConstraints,
     PlacementOption,
@@ -77,6 +82,11 @@ class GridPlacementEnumerator:
     ``comm_model``'s cost of the sharding type; ``constraints`` (keyed by table name or FQN) narrow a table's
     options within ``sharding_types`` (a pinned sharding type they rule out is refused); ``cache_policy`` sets
     fbgemm's cache metadata bytes.
+
+    A dynamic table (``PlacementConstraints(dynamic=...)``) gets the tiered options only (never torchrec's FUSED
+    table): each shard is ``dynamic_shard_storage`` (its slots as a tiered shard plus its hash index in the fast
+    tier), every rank of a row-wise one holds one such shard; its lookups are priced by ``dynamic_lookup_costs``
+    over the cost model's costs of its slots.
     """
 
     def __init__(
@@ -127,6 +137,20 @@ class GridPlacementEnumerator:
             rows, table.dim, table.dtype, table.optimizer, mode, x, self.cache_policy
         )
 
+    def dynamic_shard_bytes(self, table: TableSpec, shards: int, mode: Mode, x: float) -> ShardStorage:
+        """Bytes of one shard of dynamic ``table`` over ``shards`` shards (world size row-wise, 1 table-wise):
+        ``dynamic_shard_storage`` in this backend's layout."""
+        options = self.dynamic_options(table)
+        if options is None:
+            raise ValueError(f"table {table.fqn!r} is not dynamic: pin PlacementConstraints(dynamic=...) for it.")
+        args = (table.dim, table.dtype, table.optimizer, mode, x, self.cache_policy)
+        return dynamic_shard_storage(options, table.rows, shards, *args, BACKEND_SHARD_STORAGE[self.backend])
+
+    def dynamic_options(self, table: TableSpec) -> Optional[DynamicTableOptions]:
+        """``table``'s dynamic options (its pin's ``dynamic``), or None for a static table."""
+        pin = constraint_for(table, self.constraints)
+        return pin.dynamic if pin is not None else None
+
     def candidates(self, table: TableSpec) -> List[Tuple[Mode, float]]:
         """The (mode, x) pairs allowed for ``table``; ``x = 1`` appears once, as HYBRID, even if pinned to CACHING."""
         pin = constraint_for(table, self.constraints) or PlacementConstraints()
@@ -172,6 +196,7 @@ class GridPlacementEnumerator:
                 )
         check_constraint_keys(self.constraints, tables)
         _check_tiered_tables(tables, self.backend)
+        _check_dynamic_tables(tables, self.constraints)
         # tables sharing candidates and allowed options share a column layout: filled together
         layouts: Dict[_LayoutKey, List[int]] = {}
         # tables without constraints share one layout per splittability of their width and FUSED kernel
@@ -219,6 +244,8 @@ class GridPlacementEnumerator:
         table-wise tiered and column-wise FUSED options."""
         cand = tuple(self.candidates(table))
         fused = (constraint_for(table, self.constraints) or PlacementConstraints()).fused
+        if self.dynamic_options(table) is not None:
+            fused = False  # a dynamic table is a recpipe tiered table
         tw = self._allowed(table, TABLE_WISE)
         all_fast = fused is not False and (Mode.HYBRID, 1.0) in cand and self._fused_runs(table)
         return (
@@ -308,16 +335,14 @@ class GridPlacementEnumerator:
         out.shards[ii, cols] = int(whole)
         group = [tables[i] for i in ii]
         bytes_: Optional[Sequence[np.ndarray]] = self._bulk_storage(group, cand, *((1, 1) if whole else (W, L)))
+        scalar = [n for n, t in enumerate(group) if self.dynamic_options(t) is not None]
         if bytes_ is None:  # exact products would overflow int64: scalar formulas
             bytes_ = tuple(np.zeros((len(group), len(cand)), dtype=np.int64) for _ in range(4))
-            for n, t in enumerate(group):
-                rows = t.rows if whole else max_local_rows(t.rows, W)
-                for j, (mode, x) in enumerate(cand):
-                    rank = self.shard_bytes(t, rows, mode, x)
-                    mach = rank if whole else machine_sum(t.rows, W, L, lambda r: self.shard_bytes(t, r, mode, x))  # noqa: B023
-                    values = (rank.fast_bytes, rank.slow_bytes, mach.fast_bytes, mach.slow_bytes)
-                    for dst, v in zip(bytes_, values):
-                        dst[n, j] = v
+            scalar = list(range(len(group)))
+        for n in scalar:  # the dynamic tables, or all where the bulk formulas would overflow
+            for j, (mode, x) in enumerate(cand):
+                for dst, v in zip(bytes_, self._scalar_bytes(group[n], mode, x, whole)):
+                    dst[n, j] = v
         for dst, src in zip(out.byte_arrays, bytes_):
             dst[ii, cols] = src
         out.owner_bytes[ii, cols] = out.hbm_bytes_per_rank[ii, cols]
@@ -325,6 +350,18 @@ class GridPlacementEnumerator:
         if whole:
             out.hbm_bytes_per_rank[ii, cols] = -(-out.owner_bytes[ii, cols] // W)
             out.ddr_bytes_per_machine[ii, cols] = -(-out.owner_slow_bytes[ii, cols] // (W // L))
+
+    def _scalar_bytes(self, table: TableSpec, mode: Mode, x: float, whole: bool) -> Tuple[int, int, int, int]:
+        """``(fast, slow)`` bytes of the most loaded rank, then of machine 0, of one tiered option of ``table``
+        (``whole``: table-wise), by the scalar formulas: a dynamic table's every rank holds one equal shard."""
+        W, L = self.world_size, self.local_world_size
+        if self.dynamic_options(table) is not None:
+            shard = self.dynamic_shard_bytes(table, 1 if whole else W, mode, x)
+            on_machine = 1 if whole else L
+            return shard.fast_bytes, shard.slow_bytes, on_machine * shard.fast_bytes, on_machine * shard.slow_bytes
+        rank = self.shard_bytes(table, table.rows if whole else max_local_rows(table.rows, W), mode, x)
+        mach = rank if whole else machine_sum(table.rows, W, L, lambda r: self.shard_bytes(table, r, mode, x))
+        return rank.fast_bytes, rank.slow_bytes, mach.fast_bytes, mach.slow_bytes
 
     def _comm_costs(self, tables: Sequence[TableSpec]) -> np.ndarray:
         """``(3, tables)`` modelled communication ms per step, a row per sharding code (``SHARDING_OF_CODE``;
@@ -334,7 +371,22 @@ class GridPlacementEnumerator:
         return np.stack([self.comm_model.cost_array(tables, s) for s in SHARDING_OF_CODE])
 
     def _lookup_costs(self, tables: Sequence[TableSpec], options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
-        """``(tables, options)`` lookup costs: the cost model's ``cost_matrix`` when it has one (all tables at
+        """``(tables, options)`` lookup costs: :meth:`_static_costs`, a dynamic table's those of the static table
+        of its slots made :func:`_dynamic_costs`."""
+        dynamic = {k: d for k, d in enumerate(map(self.dynamic_options, tables)) if d is not None}
+        if not dynamic:
+            return self._static_costs(tables, options)
+        priced = [
+            dynamic_priced_table(t, dynamic[k].table_capacity(t.rows)) if k in dynamic else t
+            for k, t in enumerate(tables)
+        ]
+        costs = self._static_costs(priced, options)
+        for k in dynamic:
+            costs[k] = _dynamic_costs(self.cost_model, tables[k], options, costs[k], self.constraints)
+        return costs
+
+    def _static_costs(self, tables: Sequence[TableSpec], options: Sequence[Tuple[Mode, float]]) -> np.ndarray:
+        """``(tables, options)`` costs of the cost model: its ``cost_matrix`` when it has one (all tables at
         once), else its ``costs`` table by table, each checked."""
         bulk = getattr(self.cost_model, "cost_matrix", None)
         if bulk is None:
@@ -421,6 +473,47 @@ FUSED_CPU_LOOKUP_RATIO: float = 1.05
 FUSED_CPU_OPTIMIZERS: Tuple[FusedOptimizerKind, ...] = (FusedOptimizerKind.SGD, FusedOptimizerKind.ROWWISE_ADAGRAD)
 # Bound on the bulk formulas' intermediate products (numerator x rows, rows x bytes/row) to stay exact in int64.
 _INT64_SAFE: int = 2**62
+
+
+def _check_dynamic_tables(tables: Sequence[TableSpec], constraints: Mapping[str, PlacementConstraints]) -> None:
+    """Refuses a dynamic table whose capacity's bytes pass the planner's limit of ``MAX_TABLE_BYTES``."""
+    for t in tables:
+        options = (constraint_for(t, constraints) or PlacementConstraints()).dynamic
+        if options is None:
+            continue
+        capacity, per_row = options.table_capacity(t.rows), row_bytes(t.dim, t.dtype, t.optimizer)
+        if capacity * per_row > MAX_TABLE_BYTES:
+            raise PlacementPlannerError(
+                f"dynamic table {t.fqn!r} needs {capacity * per_row} bytes (DynamicTableOptions.capacity {capacity} "
+                f"rows x {per_row} bytes per row), above the planner's limit of 2^62 bytes per table.\n"
+                + solutions([f"lower DynamicTableOptions.capacity of {t.fqn!r} (or num_embeddings when unset)"]),
+                PlacementErrorType.INPUT_VALIDATION,
+            )
+
+
+def _dynamic_costs(
+    cost_model: CostModel,
+    table: TableSpec,
+    options: Sequence[Tuple[Mode, float]],
+    static_costs: np.ndarray,
+    constraints: Mapping[str, PlacementConstraints],
+) -> np.ndarray:
+    """``dynamic_lookup_costs`` of dynamic ``table`` from the costs of its slots, with its pin's ``distinct_keys``
+    (default: the capacity) and ``cost_model``'s bandwidths (torchrec's where it has none)."""
+    pin = constraint_for(table, constraints) or PlacementConstraints()
+    if pin.dynamic is None:
+        raise ValueError(f"table {table.fqn!r} is not dynamic: pin PlacementConstraints(dynamic=...) for it.")
+    capacity = pin.dynamic.table_capacity(table.rows)
+    return dynamic_lookup_costs(
+        table,
+        options,
+        static_costs,
+        capacity=capacity,
+        distinct_keys=pin.distinct_keys if pin.distinct_keys is not None else capacity,
+        admission=pin.dynamic.admit_after > 1,
+        hbm_mem_bw=float(getattr(cost_model, "hbm_mem_bw", HBM_MEM_BW)),
+        hbm_to_ddr_mem_bw=float(getattr(cost_model, "hbm_to_ddr_mem_bw", HBM_TO_DDR_MEM_BW)),
+    )
 
 
 def _check_tiered_tables(tables: Sequence[TableSpec], backend: str) -> None:

@@ -19,6 +19,7 @@ from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSha
 from recpipe.pipeline.placement import (
     CachePolicy,
     DistType,
+    DynamicTableOptions,
     FusedOptimizerKind,
     Mode,
     PlacementParams,
@@ -26,6 +27,7 @@ from recpipe.pipeline.placement import (
     check_int,
     check_load_factor,
     dtype_name,
+    dynamic_shard_storage,
     machine_sum,
     max_local_rows,
     resolve_dtype,
@@ -67,7 +69,8 @@ class TablePlacement:
     are what the bytes were sized for; ``reason`` says why the option won. ``fused``: torchrec's FUSED table
     (all in the fast tier: mode HYBRID, x = 1), whole on ``rank`` (TABLE_WISE) or in column shards on
     ``ranks`` (COLUMN_WISE, shard ``j`` on ``ranks[j]``); every other table is a recpipe tiered table, whole on
-    ``rank`` (TABLE_WISE) or over every rank (ROW_WISE).
+    ``rank`` (TABLE_WISE) or over every rank (ROW_WISE). ``dynamic``: a dynamic table's options (a tiered table
+    whose shards hold ``dynamic_local_slots(capacity, shards)`` rows and a hash index), None for a static table.
     """
 
     table: str
@@ -90,6 +93,7 @@ class TablePlacement:
     comm_cost: float = 0.0
     reason: str = ""
     ranks: Optional[Tuple[int, ...]] = None
+    dynamic: Optional[DynamicTableOptions] = None
 
     @property
     def table_wise(self) -> bool:
@@ -208,6 +212,7 @@ class PlacementPlan:
             cache_policy=self.cache_policy,
             optimizer=p.optimizer,
             dtype=p.dtype,
+            dynamic=p.dynamic,
         )
 
     def report(self) -> str:
@@ -229,7 +234,7 @@ class PlacementPlan:
         )
         rows = [
             (
-                p.fqn,
+                p.fqn + (" (dynamic)" if p.dynamic is not None else ""),
                 p.sharding_type,
                 ",".join(map(str, p.owner_ranks)) or "all",
                 p.storage,
@@ -286,6 +291,8 @@ class PlacementPlan:
                 del p["ranks"]  # plans without column-wise tables read as before
             else:
                 p["ranks"] = list(p["ranks"])
+            if p["dynamic"] is None:
+                del p["dynamic"]
             p["mode"] = p["mode"].name
             p["optimizer"] = p["optimizer"].value
             p["dtype"] = dtype_name(p["dtype"])
@@ -448,6 +455,14 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
                 f"{fix}."
             )
     sharding_type, rank, ranks, fused = _sharding_from_dict(p, where, ints["dim"], fix)
+    dynamic = None
+    if p.get("dynamic") is not None:
+        try:
+            dynamic = DynamicTableOptions.from_fused_param(p["dynamic"])
+        except ValueError as e:
+            raise ValueError(f"{where}['dynamic'] holds invalid dynamic-table options: {e}; {fix}.") from None
+        if fused:
+            raise ValueError(f"{where}['dynamic'] is set on a FUSED table: a dynamic table is a tiered table; {fix}.")
     reason = p.get("reason", "")
     if not isinstance(reason, str):
         raise ValueError(f"{where}['reason'] must be a string, got {type(reason).__name__}; {fix}.")
@@ -466,6 +481,7 @@ def _placement_from_dict(p: Any, k: int, fix: str) -> TablePlacement:
         lookup_cost=float(p.get("lookup_cost", 0.0)),
         comm_cost=float(p.get("comm_cost", 0.0)),
         reason=reason,
+        dynamic=dynamic,
         **ints,
     )
 
@@ -598,6 +614,12 @@ def _layout_bytes(plan: PlacementPlan, layout: str) -> List[Optional[Tuple[int, 
             )
 
         try:
+            if p.dynamic is not None:  # every rank holding a shard holds the same slots
+                shards, on_machine = (1, 1) if p.table_wise else (W, L)
+                args = (p.dim, p.dtype, p.optimizer, p.mode, p.cache_load_factor, plan.cache_policy)
+                s = dynamic_shard_storage(p.dynamic, p.rows, shards, *args, BACKEND_SHARD_STORAGE[layout])
+                out.append((s.fast_bytes, on_machine * s.slow_bytes))
+                continue
             if p.table_wise:  # the whole table on its owner and its machine
                 out.append((shard(p.rows).fast_bytes, shard(p.rows).slow_bytes))
                 continue

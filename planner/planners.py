@@ -15,6 +15,7 @@ from recpipe.pipeline.placement import (
     ROUTED_DIST_TYPES,
     CachePolicy,
     DistType,
+    DynamicTableOptions,
     FusedOptimizerKind,
     check_int,
     check_load_factors,
@@ -27,6 +28,7 @@ from recpipe.planner.communication import (
     CommCostModel,
     topology_constants,
 )
+from recpipe.planner.constraints import constraint_for
 from recpipe.planner.cost_models import make_cost_model
 from recpipe.planner.diagnosis import InfeasibilityDiagnosis
 from recpipe.planner.enumerators import GridPlacementEnumerator
@@ -277,8 +279,10 @@ class PlacementPlanner:
                 PlacementErrorType.INPUT_VALIDATION,
             )
         options = checked_options(self.enumerator, self.enumerator.enumerate_arrays(specs), specs)
+        dynamic = [(constraint_for(t, self.constraints) or PlacementConstraints()).dynamic for t in specs]
+        _check_dynamic_options(self.enumerator, options, specs, dynamic)
         choice, owners = self._solve(specs, options, H, D)
-        placements = _placements(specs, options, choice, owners)
+        placements = _placements(specs, options, choice, owners, dynamic)
         plan = PlacementPlan(
             placements=placements,
             world_size=self.topology.world_size,
@@ -402,12 +406,33 @@ class PlacementPlanner:
         return True
 
 
+def _check_dynamic_options(
+    enumerator: PlacementEnumerator,
+    options: OptionArrays,
+    specs: Sequence[TableSpec],
+    dynamic: Sequence[Optional[DynamicTableOptions]],
+) -> None:
+    """Refuses an enumerator that offers a dynamic table torchrec's FUSED table (a dynamic table is a recpipe
+    tiered table, row- or table-wise)."""
+    for i, (t, d) in enumerate(zip(specs, dynamic)):
+        if d is not None and bool((options.fused[i] & (options.modes[i] >= 0)).any()):
+            raise ValueError(
+                f"enumerator {type(enumerator).__name__}.enumerate_arrays offers dynamic table {t.fqn!r} torchrec's "
+                "FUSED table: a dynamic table is a recpipe tiered table, row- or table-wise; offer it tiered options "
+                "only (GridPlacementEnumerator does)."
+            )
+
+
 def _placements(
-    specs: List[TableSpec], options: OptionArrays, choice: np.ndarray, owners: List[Tuple[int, ...]]
+    specs: List[TableSpec],
+    options: OptionArrays,
+    choice: np.ndarray,
+    owners: List[Tuple[int, ...]],
+    dynamic: Sequence[Optional[DynamicTableOptions]],
 ) -> List[TablePlacement]:
     """Each table's placement from its chosen option, with the owner rank of a table-wise one (the ranks of a
-    column-wise one's shards) and why it won: the next cheapest option when it is the cheapest, else the
-    cheaper one the budgets ruled out."""
+    column-wise one's shards), its dynamic options (``dynamic[i]``, None for a static table) and why it won: the
+    next cheapest option when it is the cheapest, else the cheaper one the budgets ruled out."""
     if not specs:
         return []
     rows = np.arange(len(specs))
@@ -457,6 +482,7 @@ def _placements(
                 lookup_cost=float(options.lookup_cost[i, j]),
                 comm_cost=float(options.comm_cost[i, j]),
                 reason=reason,
+                dynamic=dynamic[i],
             )
         )
     return out

@@ -14,6 +14,7 @@ from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyF
 from torchrec.distributed.types import CacheStatistics
 
 from recpipe.pipeline.placement import (
+    DynamicTableOptions,
     FusedOptimizerKind,
     Mode,
     ShardStorage,
@@ -189,6 +190,13 @@ class PlacementConstraints:
     fused: Optional[bool] = None
     """Pin torchrec's FUSED table (True: table- or column-wise, all in the fast tier) or a recpipe tiered table
     (False)."""
+    dynamic: Optional[DynamicTableOptions] = None
+    """Marks the table dynamic (raw int64 keys given rows on first sight, ``docs/dynamic.md``): a recpipe tiered
+    table, row- or table-wise, whose shards hold ``dynamic_local_slots(capacity, shards)`` rows plus a hash
+    index in the fast tier; the planner chooses its sharding type, mode and x as for a static tiered table."""
+    distinct_keys: Optional[int] = None
+    """Distinct keys a dynamic table is expected to see (None: its capacity). Beyond the capacity, lookups of keys
+    without a row cost an insert and lower the modelled hit rate (``cost_models.dynamic_lookup_costs``)."""
 
     def __post_init__(self) -> None:
         if self.sharding_type is not None:
@@ -200,6 +208,7 @@ class PlacementConstraints:
                 )
         if self.fused is not None and not isinstance(self.fused, bool):
             raise ValueError(f"PlacementConstraints.fused must be True, False or None, got {self.fused!r}.")
+        self._check_dynamic()
         if self.fused is False and self.sharding_type == "column_wise":
             raise ValueError(
                 "PlacementConstraints(sharding_type='column_wise') is torchrec's FUSED table in column shards; "
@@ -227,6 +236,35 @@ class PlacementConstraints:
             check_load_factor(self.cache_load_factor, "PlacementConstraints.cache_load_factor")
         if self.load_factors is not None:
             check_load_factors(self.load_factors, "PlacementConstraints.load_factors")
+
+    def _check_dynamic(self) -> None:
+        """Refuses ``dynamic`` that is not ``DynamicTableOptions`` or beside a pin of torchrec's FUSED table, and
+        ``distinct_keys`` that is not a positive int or is given without ``dynamic``."""
+        if self.dynamic is not None and not isinstance(self.dynamic, DynamicTableOptions):
+            raise ValueError(
+                f"PlacementConstraints.dynamic must be a DynamicTableOptions (or None), got {type(self.dynamic).__name__}"
+                "; e.g. PlacementConstraints(dynamic=DynamicTableOptions(capacity=1_000_000)) (from "
+                "recpipe.pipeline.placement)."
+            )
+        if self.dynamic is not None and (self.sharding_type == "column_wise" or self.fused):
+            pin = "sharding_type='column_wise'" if self.sharding_type == "column_wise" else "fused=True"
+            raise ValueError(
+                f"PlacementConstraints(dynamic=..., {pin}): a dynamic table is a recpipe tiered table, row- or "
+                f"table-wise only, never torchrec's FUSED table: drop {pin}, or pin sharding_type 'row_wise' or "
+                "'table_wise'."
+            )
+        if self.distinct_keys is None:
+            return
+        if isinstance(self.distinct_keys, bool) or not isinstance(self.distinct_keys, int) or self.distinct_keys < 1:
+            raise ValueError(
+                f"PlacementConstraints.distinct_keys must be a positive int (the distinct keys the dynamic table "
+                f"will see), got {self.distinct_keys!r}; or None for the table's capacity."
+            )
+        if self.dynamic is None:
+            raise ValueError(
+                "PlacementConstraints.distinct_keys describes a dynamic table, and dynamic is None: set "
+                "dynamic=DynamicTableOptions(...), or drop distinct_keys."
+            )
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@
 The planner writes one :class:`PlacementParams` per tiered table into its ``ParameterSharding``; the
 sharders read it back from the fused params. Enums, ``FUSED_PARAM_*`` keys, cache policies and byte
 formulas live here once: the runtime allocates exactly what ``shard_storage`` / ``fbgemm_shard_storage``
-(``dynamic_shard_storage`` for a dynamic table) budget. Fast tier: HBM (host buffer on CPU); slow tier: host DDR; local rows: a rank's rows under
-roundrobin routing. Imports nothing of recpipe outside this package (not even the extension).
+(``dynamic_shard_storage`` for a dynamic table) budget. Fast tier: HBM (host buffer on CPU); slow tier: host
+DDR; local rows: a rank's rows under roundrobin routing. Imports nothing of recpipe outside this package (not even the extension).
 """
 
 # ruff: noqa: F401 - every import is a re-export (__all__ below lists them)
