@@ -5,6 +5,7 @@
 //   bucketize_cuda.cu    CUDA  the three routing ops
 //   placement_dp.cpp     CPU   placement_dp, placement_budget_prices, placement_prune_dominated (planner)
 //   tiered.cpp           CPU   tiered_lookup, tiered_backward (tiered embedding storage)
+//   dynamic_table.cpp    CPU   dynamic_hash_plan (dynamic tables' key index)
 #include <torch/library.h>
 
 TORCH_LIBRARY(recpipe, m) {
@@ -63,6 +64,15 @@ TORCH_LIBRARY(recpipe, m) {
       "Tensor(d!) slow_state, Tensor row_map, Tensor(e!) slot_score, int num_rows, int fast_rows, "
       "int split_seed, int mode, int pooling, int optimizer, float lr, float eps, float beta1, float beta2, "
       "float weight_decay, int step) -> ()");
+  // Dynamic tables: the key index's plan (pure, mutates nothing). For ascending
+  // unique int64 keys `uniq` [n], the slot of keys [B * bucket_slots] holding
+  // each (found, -1: absent) and, where want_insert (None: nowhere), the slot an
+  // absent key would take (slot, -1: none): per bucket, free slots in key order,
+  // then the used slots no key of the call holds by (score, slot). `salt` is the
+  // uint64 bucket salt's bit pattern. Returns (found [n], slot [n]) int64.
+  m.def(
+      "dynamic_hash_plan(Tensor uniq, Tensor? want_insert, Tensor keys, Tensor scores, Tensor sizes, "
+      "int bucket_slots, int salt) -> (Tensor, Tensor)");
 }
 
 // Importing recpipe._C registers the ops. The module holds the constants

@@ -30,8 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchutil import hardware_line, int_at_least, print_table, time_it, unit_fraction  # noqa: E402
 
 from recpipe.pipeline.placement import DynamicTableOptions, dynamic_index_bytes, shard_storage  # noqa: E402
-from recpipe.pipeline.tiered.dynamic.hashing import mix64  # noqa: E402
-from recpipe.pipeline.tiered.dynamic.shard import DynamicEmbeddingShard  # noqa: E402
+from recpipe.pipeline.tiered.dynamic.dynamic_shard import DynamicEmbeddingShard  # noqa: E402
+from recpipe.pipeline.tiered.dynamic.key_hashing import mix64  # noqa: E402
 from recpipe.pipeline.tiered.optim import TieredOptimizerConfig  # noqa: E402
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard  # noqa: E402
 from recpipe.pipeline.tiered.shard_routing import WholeTableRouting  # noqa: E402
@@ -179,7 +179,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(hardware_line(args.threads))
-    print(f"\ncost of dynamism: capacity {args.capacity}, dim {args.dim}, {args.bags} bags x {args.pooling} ids, Zipf 1.05")
+    print(
+        f"\ncost of dynamism: capacity {args.capacity}, dim {args.dim}, {args.bags} bags x {args.pooling} ids, Zipf 1.05"
+    )
     print_table(
         ["placement", "static ms", "dynamic ms", "dynamic / static", "keys held", "evicted"],
         cost_rows(args.capacity, args.dim, args.bags, args.pooling, args.repeat),

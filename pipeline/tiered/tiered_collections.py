@@ -33,7 +33,7 @@ from recpipe.pipeline.routing.routed_collections import (
     RoutedShardedMixin,
 )
 from recpipe.pipeline.routing.rw_sharding import RoutedRwPooledEmbeddingSharding, RoutedRwSequenceEmbeddingSharding
-from recpipe.pipeline.tiered.dynamic.shard import DynamicEmbeddingShard
+from recpipe.pipeline.tiered.dynamic.dynamic_shard import DynamicEmbeddingShard
 from recpipe.pipeline.tiered.fused_params import resolve_tiered_fused_params, tiered_vbe_error
 from recpipe.pipeline.tiered.kernels import (
     TieredGroupedEmbeddingsLookup,

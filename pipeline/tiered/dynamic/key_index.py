@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from recpipe.pipeline.placement import BUCKET_SLOTS, DynamicTableOptions
-from recpipe.pipeline.tiered.dynamic.hashing import ADMIT_TAG, BUCKET_TAG, salt_of
+from recpipe.pipeline.tiered.dynamic.key_hashing import ADMIT_TAG, BUCKET_TAG, salt_of
 
 __all__ = ["DYNAMIC_COUNTERS", "DynamicKeyIndex", "HashPlan", "IndexJournal", "LookupSlots"]
 

@@ -4,7 +4,7 @@ A plan mutates nothing (``docs/dynamic.md``, "The plan"): ``found`` is each key'
 ``slot`` is the slot a missing key that wants a row takes: per bucket, missing keys in ascending order
 take the free slots in order, then the victims (used slots no key of the batch found), lowest score
 first, ties by slot. The native kernel (``recpipe.pipeline.tiered.dynamic.native_plan``) computes the same
-plan on the CPU. No host synchronization. Imports only ``recpipe.pipeline.tiered.dynamic.hashing``.
+plan on the CPU. No host synchronization. Imports only ``recpipe.pipeline.tiered.dynamic.key_hashing``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from recpipe.pipeline.tiered.dynamic.hashing import bucket_of
+from recpipe.pipeline.tiered.dynamic.key_hashing import bucket_of
 
 __all__ = ["torch_hash_plan"]
 

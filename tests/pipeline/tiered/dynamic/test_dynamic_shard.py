@@ -20,10 +20,10 @@ from harness.dynamic_reference import BUCKET_TAG, ReferenceIndex, reference_buck
 from harness.tiered_shards import ATOL, RTOL
 
 from recpipe.pipeline.placement import BUCKET_SLOTS, DynamicInitializer, DynamicTableOptions
-from recpipe.pipeline.tiered.dynamic.hashing import bucket_of, init_rows, init_salt, salt_of
+from recpipe.pipeline.tiered.dynamic.dynamic_shard import DynamicEmbeddingShard
+from recpipe.pipeline.tiered.dynamic.key_hashing import bucket_of, init_rows, init_salt, salt_of
 from recpipe.pipeline.tiered.dynamic.key_index import DynamicKeyIndex
 from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
-from recpipe.pipeline.tiered.dynamic.shard import DynamicEmbeddingShard
 from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.shard_routing import WholeTableRouting

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from recpipe.pipeline.tiered.dynamic.shard import DynamicEmbeddingShard
+from recpipe.pipeline.tiered.dynamic.dynamic_shard import DynamicEmbeddingShard
 from recpipe.pipeline.tiered.tiered_collections import TieredTablesMixin
 
 __all__ = ["DynamicTableDump", "gather_dynamic_table"]

@@ -17,7 +17,7 @@ import torch
 from recpipe.pipeline.interfaces import RowOptimizer
 from recpipe.pipeline.placement import CachePolicy, DynamicTableOptions, Mode, dynamic_local_slots
 from recpipe.pipeline.tiered.backends.buffers import BufferedTier
-from recpipe.pipeline.tiered.dynamic.hashing import init_rows, init_salt
+from recpipe.pipeline.tiered.dynamic.key_hashing import init_rows, init_salt
 from recpipe.pipeline.tiered.dynamic.key_index import DYNAMIC_COUNTERS, DynamicKeyIndex, HashPlan, IndexJournal
 from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
