@@ -353,8 +353,9 @@ void bucketize(const BucketizeCall& call, Tensor& new_lengths, Tensor& new_indic
                         " (feature ", e.feature, ", ", r.dist == kRoundRobin ? "roundrobin" : "hash_roundrobin",
                         ") is outside [0, table_sizes[", e.feature, "] = ", r.table_size,
                         "); ids must lie in the table's range: hash or clamp raw ids upstream",
-                        r.dist == kRoundRobin ? ", or pass table_sizes 0 for raw ids" : ", or route this feature "
-                        "with roundrobin", ", or pass route_bad_ids=True to send them past their owner's rows "
+                        r.dist == kRoundRobin ? ", or pass table_sizes 0 for raw ids"
+                                              : ", or pass table_sizes 0 for raw int64 keys (a dynamic table)",
+                        ", or pass route_bad_ids=True to send them past their owner's rows "
                         "(its embedding kernel's bounds check then applies, as for torchrec's row-wise tables).");
     }
   }
@@ -478,7 +479,9 @@ Tensor hash_roundrobin_global_ids_cpu(
         o[i] = -1;
         continue;
       }
-      o[i] = static_cast<int64_t>(perm.inverse(static_cast<uint64_t>(li[i] * world_size + rk[i])));
+      // unsigned: raw keys' slots reach 2^64 - 1 (is_roundrobin_slot keeps it from wrapping)
+      const uint64_t slot = static_cast<uint64_t>(li[i]) * static_cast<uint64_t>(world_size) + static_cast<uint64_t>(rk[i]);
+      o[i] = static_cast<int64_t>(perm.inverse(slot));
     }
   });
   for (const int64_t i : bad_at) {

@@ -123,7 +123,8 @@ __global__ void count_kernel(const offset_t* __restrict__ lengths, const int64_t
       CUDA_KERNEL_ASSERT_PRINTF(ok,
                                 "recpipe: `indices[%lld]` = %lld (feature %lld, %s) is outside [0, table_sizes[%lld] "
                                 "= %llu); ids must lie in the table's range: hash or clamp raw ids upstream (a "
-                                "roundrobin feature of raw ids takes table_sizes 0; route_bad_ids=True routes them).",
+                                "roundrobin or hash_roundrobin feature of raw ids takes table_sizes 0; "
+                                "route_bad_ids=True routes them).",
                                 static_cast<long long>(i), static_cast<long long>(ids[i]),
                                 static_cast<long long>(f), r.dist == kRoundRobin ? "roundrobin" : "hash_roundrobin",
                                 static_cast<long long>(f), static_cast<unsigned long long>(r.table_size));
@@ -256,7 +257,9 @@ __global__ void global_ids_kernel(const int64_t* __restrict__ ranks, const int64
       atomicMin(first_bad, static_cast<unsigned long long>(i));
       out[i] = -1;
     } else {
-      out[i] = static_cast<int64_t>(perm.inverse(static_cast<uint64_t>(li * world_size + rk)));
+      // unsigned: raw keys' slots reach 2^64 - 1 (is_roundrobin_slot keeps it from wrapping)
+      const uint64_t slot = static_cast<uint64_t>(li) * static_cast<uint64_t>(world_size) + static_cast<uint64_t>(rk);
+      out[i] = static_cast<int64_t>(perm.inverse(slot));
     }
   }
 }
@@ -265,13 +268,13 @@ __global__ void route_ids_kernel(const int64_t* __restrict__ ids, int64_t n, int
                                  int64_t* __restrict__ owner, int64_t* __restrict__ local,
                                  unsigned long long* __restrict__ first_bad) {
   RECPIPE_GRID_LOOP(i, n) {
-    if (ids[i] < 0 || ids[i] >= table_size) {
+    if (table_size != 0 && (ids[i] < 0 || ids[i] >= table_size)) {  // 0: raw keys, every id valid
       atomicMin(first_bad, static_cast<unsigned long long>(i));
       owner[i] = local[i] = -1;
       continue;
     }
     uint64_t p = 0, l = 0;
-    route.route(static_cast<uint64_t>(ids[i]), nullptr, &p, &l);  // true: the id is below table_size
+    route.route(static_cast<uint64_t>(ids[i]), nullptr, &p, &l);  // true: the id is in the table
     owner[i] = static_cast<int64_t>(p);
     local[i] = static_cast<int64_t>(l);
   }

@@ -12,7 +12,8 @@
 //   * HashPermutation   : a seeded bijection of [0, N): two keyed c-bit
 //                         xorshift-multiply permutations (c = floor(log2 N))
 //                         on two overlapping windows that cover [0, N), no
-//                         cycle-walking; and its inverse.
+//                         cycle-walking; and its inverse. N = 2^64 (table
+//                         size 0: raw keys) is the one-window case c = 64.
 //   * FeatureRoute      : owner rank and local id of one id of one feature for
 //                         the three distribution types (continuous, with
 //                         fbgemm's total_num_blocks and block_bucketize_pos;
@@ -128,7 +129,10 @@ constexpr int kRoutingVersion = 2;
 //   y    = x < h      ? P_0(x)                        : x
 //   H(x) = y >= n - h ? (n - h) + P_1(y - (n - h))    : y   (n == h: H = P_0)
 // Each step permutes its window and fixes the rest, so H is a bijection of
-// [0, n); the windows cover [0, n) because n - h <= h. Every id passes
+// [0, n); the windows cover [0, n) because n - h <= h. Table size 0 stands for
+// n = 2^64 (raw keys: every 64-bit value is an id): c = 64, h = n, so H = P_0 on
+// the whole 64-bit space (mask = ~0, hi = 0, s = 32), the same rounds on 64-bit
+// words; ROUTING_VERSION covers both forms. Every id passes
 // through at least one full permutation (two rounds, two multiplies, as in
 // murmur3's fmix64: aliased ids spread evenly, tests check max/mean <= 1.05),
 // and every id costs the same two window steps: no data-dependent walk, so
@@ -137,7 +141,7 @@ constexpr int kRoutingVersion = 2;
 struct HashPermutation {
   static constexpr int kRounds = 2;   // rounds of each window permutation
   static constexpr int kWindows = 2;  // P_0 on [0, h), P_1 on [n - h, n)
-  uint64_t n;
+  uint64_t n;     // ids [0, n); 0 stands for 2^64 (raw keys)
   uint64_t mask;  // h - 1 (c bits)
   uint64_t hi;    // n - h: start of P_1's window; 0 when n is a power of two
   int s;          // xorshift distance, ceil(c / 2) (at least 1)
@@ -155,14 +159,21 @@ struct HashPermutation {
     }
   }
 
+  // table_size 0: n = 2^64 (raw keys), built apart since 1 << 64 is undefined.
   RECPIPE_HD HashPermutation(uint64_t table_size, uint64_t seed) {
-    n = table_size == 0 ? 1 : table_size;
-    const int c = bit_width_u64(n) - 1;  // floor(log2 n), 0..63
-    mask = (1ULL << c) - 1;
-    hi = n - (1ULL << c);
-    s = (c + 1) / 2;
-    if (s < 1) {
-      s = 1;
+    n = table_size;
+    if (table_size == 0) {  // c = 64: h = 2^64 = n
+      mask = ~0ULL;
+      hi = 0;
+      s = 32;
+    } else {
+      const int c = bit_width_u64(n) - 1;  // floor(log2 n), 0..63
+      mask = (1ULL << c) - 1;
+      hi = n - (1ULL << c);
+      s = (c + 1) / 2;
+      if (s < 1) {
+        s = 1;
+      }
     }
     uint64_t state = seed ^ kRoutingSalt;
     for (int w = 0; w < kWindows; ++w) {
@@ -214,6 +225,7 @@ RECPIPE_UNROLL
   }
 
   // Whether n - 1 fits in 32 bits: forward<uint32_t> is then H (and c <= 32).
+  // False for raw keys (n = 0 stands for 2^64: n - 1 wraps to ~0).
   RECPIPE_HD bool fits_u32() const { return n - 1 <= 0xFFFFFFFFULL; }
 
   // H(x) for x in [0, n), in words of word_t, which must hold n - 1 (uint64_t
@@ -265,7 +277,8 @@ RECPIPE_UNROLL
 //   else  :  owner = uid % W,  local = uid / W
 //   (block == 0: local = uid / G)
 // roundrobin:       owner = uid % W,      local = uid / W  (uid < table_size if given)
-// hash_roundrobin:  h = H(uid): owner = h % W, local = h / W  (uid < table_size)
+// hash_roundrobin:  h = H(uid): owner = h % W, local = h / W  (uid < table_size;
+//                   table_size 0: raw keys, H of the whole 64-bit range, every uid valid)
 // A roundrobin / hash_roundrobin id outside [0, table_size) is refused, or with
 // route_bad routed as fbgemm routes an id past a continuous table's blocks, so the
 // owner's TBE applies its bounds_check_mode (torchrec's row-wise behaviour):
@@ -285,9 +298,9 @@ struct FeatureRoute {
   FastDivU64 div_blocks_per_rank;  // / L
   int64_t bounds_begin;            // this feature's bounds in the flat bounds array
   int64_t bounds_count;            // 0: uniform blocks
-  uint64_t table_size;             // ids must be below it (0: unchecked)
+  uint64_t table_size;             // ids must be below it (0: unchecked; hash_roundrobin: raw keys)
   bool route_bad;                  // route ids >= table_size (see above) instead of refusing them
-  HashPermutation perm;            // H of [0, table_size) (hash_roundrobin)
+  HashPermutation perm;            // H of [0, table_size), of [0, 2^64) for 0 (hash_roundrobin)
 
   // Host-only construction from validated parameters (FastDivU64 divides 128-bit).
   static FeatureRoute make(int64_t dist, bool keep_orig, int index_bits, uint64_t world, uint64_t block,
@@ -412,7 +425,13 @@ RECPIPE_HD void store_routed(int64_t at, int64_t i, int64_t i0, uint64_t p, uint
 // Whether (rank, local) is a slot of a table of n >= 1 rows routed by
 // roundrobin / hash_roundrobin over w >= 1 ranks, i.e. local * w + rank < n,
 // decided without forming local * w (which overflows for huge local ids).
+// n == 0 is the raw-key space of 2^64 ids: local is read as unsigned (a local id
+// of W = 1 past 2^63 - 1 is stored negative) and local * w + rank < 2^64.
 RECPIPE_HD bool is_roundrobin_slot(int64_t rank, int64_t local, int64_t n, int64_t w) {
+  if (n == 0) {
+    return rank >= 0 && rank < w &&
+           static_cast<uint64_t>(local) <= (~0ULL - static_cast<uint64_t>(rank)) / static_cast<uint64_t>(w);
+  }
   return rank >= 0 && rank < w && rank < n && local >= 0 && local <= (n - 1 - rank) / w;
 }
 

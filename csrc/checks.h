@@ -222,11 +222,18 @@ inline std::vector<FeatureRoute> build_feature_routes(const BucketizeArgs& a, at
     if (dist == kHashRoundRobin) {
       TORCH_CHECK(ts.defined(), "recpipe: feature ", f, " is hash_roundrobin (dist_types[", f,
                   "] == 2), which needs `table_sizes`; pass a tensor with the row count of each feature's table.");
+      // 0: raw keys, every id valid, routed by H of the whole 64-bit range
       const int64_t n = ts.const_data_ptr<int64_t>()[f];
-      TORCH_CHECK(n > 0, "recpipe: `table_sizes[", f, "]` is ", n, " but feature ", f,
-                  " is hash_roundrobin, which needs the table's row count (>= 1).");
+      TORCH_CHECK(n >= 0, "recpipe: `table_sizes[", f, "]` is ", n, " but feature ", f,
+                  " is hash_roundrobin, which needs the table's row count (>= 1), or 0 for raw int64 keys "
+                  "(any value, routed over the whole 64-bit range).");
       table_size = static_cast<uint64_t>(n);
-      TORCH_CHECK(index_bits == 64 || keep_f || (n - 1) / a.my_size <= INT32_MAX, "recpipe: feature ", f,
+      TORCH_CHECK(n > 0 || index_bits == 64 || keep_f, "recpipe: feature ", f,
+                  " is hash_roundrobin over raw keys (`table_sizes[", f, "]` = 0) and ", a.my_size,
+                  " ranks, so its local ids H(key) / W reach ", ~0ULL / W,
+                  ", which int32 `indices` cannot hold; pass int64 indices (`.to(torch.int64)`), or keep the keys "
+                  "as local ids (keep_orig_idx / keep_orig_idx_per_feature).");
+      TORCH_CHECK(n == 0 || index_bits == 64 || keep_f || (n - 1) / a.my_size <= INT32_MAX, "recpipe: feature ", f,
                   " is hash_roundrobin over `table_sizes[", f, "]` = ", n, " rows and ", a.my_size,
                   " ranks, so its local ids reach ", (n - 1) / a.my_size,
                   ", which int32 `indices` cannot hold; pass int64 indices (`.to(torch.int64)`).");
@@ -369,7 +376,7 @@ inline void check_global_ids_args(
       ranks.numel() == local_ids.numel(), "recpipe: `ranks` has ", ranks.numel(),
       " entries but `local_ids` has ", local_ids.numel(), "; pass one rank per local id.");
   TORCH_CHECK(
-      table_size > 0, "recpipe: `table_size` must be >= 1 (the table's row count), got ",
+      table_size >= 0, "recpipe: `table_size` must be >= 1 (the table's row count), or 0 for raw int64 keys, got ",
       table_size, ".");
   TORCH_CHECK(
       world_size > 0, "recpipe: `world_size` must be >= 1, got ", world_size, "; pass the world size the ids were routed with.");
@@ -377,24 +384,38 @@ inline void check_global_ids_args(
       world_size <= kMaxWorldSize, "recpipe: `world_size` must be at most ", kMaxWorldSize, ", got ", world_size,
       "; pass the world size the ids were routed with.");
   TORCH_CHECK(
+      local_ids.scalar_type() == at::kLong || table_size > 0, "recpipe: `local_ids` are int32 but raw keys "
+      "(`table_size` = 0) are int64 global ids (returned in the dtype of local_ids); pass int64 local_ids "
+      "(`.to(torch.int64)`).");
+  TORCH_CHECK(
       local_ids.scalar_type() == at::kLong || table_size - 1 <= INT32_MAX, "recpipe: `local_ids` are int32 but a "
       "table of `table_size` = ", table_size, " rows has global ids above the int32 range (returned in the dtype of "
       "local_ids); pass int64 local_ids (`.to(torch.int64)`).");
 }
 
+// table_size 0 (raw keys: every int64 id valid, H of the whole 64-bit range) is
+// hash_roundrobin's only; continuous and roundrobin tables need their row count.
 inline void check_route_ids_args(const at::Tensor& ids, int64_t table_size, int64_t world_size, int64_t dist_type) {
   RECPIPE_CHECK_INDEX_DTYPE(ids, "ids");
   TORCH_CHECK(
-      table_size > 0, "recpipe: `table_size` must be >= 1 (the table's row count), got ", table_size, ".");
+      dist_type == kContinuous || dist_type == kRoundRobin || dist_type == kHashRoundRobin,
+      "recpipe: `dist_type` is ", dist_type,
+      "; it must be 0 (continuous), 1 (roundrobin) or 2 (hash_roundrobin).");
+  TORCH_CHECK(
+      table_size > 0 || (table_size == 0 && dist_type == kHashRoundRobin),
+      "recpipe: `table_size` must be >= 1 (the table's row count), got ", table_size,
+      table_size == 0 ? (dist_type == kContinuous ? " for a continuous table" : " for a roundrobin table") : "",
+      "; 0 (raw int64 keys, any value) is accepted by hash_roundrobin (dist_type 2) only.");
   TORCH_CHECK(
       world_size > 0, "recpipe: `world_size` must be >= 1, got ", world_size, "; pass the number of ranks the table is sharded over.");
   TORCH_CHECK(
       world_size <= kMaxWorldSize, "recpipe: `world_size` must be at most ", kMaxWorldSize, ", got ", world_size,
       "; pass the number of ranks the table is sharded over.");
   TORCH_CHECK(
-      dist_type == kContinuous || dist_type == kRoundRobin || dist_type == kHashRoundRobin,
-      "recpipe: `dist_type` is ", dist_type,
-      "; it must be 0 (continuous), 1 (roundrobin) or 2 (hash_roundrobin).");
+      ids.scalar_type() == at::kLong || dist_type != kHashRoundRobin || table_size > 0,
+      "recpipe: `ids` are int32 but hash_roundrobin over raw keys (`table_size` = 0) and ", world_size,
+      " ranks gives local ids up to ", world_size > 0 ? ~0ULL / static_cast<uint64_t>(world_size) : 0ULL,
+      " (returned in the dtype of ids), beyond int32; pass int64 ids (`.to(torch.int64)`).");
   TORCH_CHECK(
       ids.scalar_type() == at::kLong || dist_type != kHashRoundRobin || (table_size - 1) / world_size <= INT32_MAX,
       "recpipe: `ids` are int32 but hash_roundrobin over `table_size` = ", table_size, " rows and ", world_size,

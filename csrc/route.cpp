@@ -1,7 +1,8 @@
 // recpipe: route_ids (CPU), the per-id routing primitive: owner rank and local
 // id of each id of one table, O(n) memory. Checkpoint resharding, the tiered
 // storage's HYBRID split and recpipe.pipeline.ops.route_ids call it; the math is
-// FeatureRoute in bucketize_math.h, which the CUDA kernel calls too.
+// FeatureRoute in bucketize_math.h, which the CUDA kernel calls too. table_size 0
+// (hash_roundrobin only): raw int64 keys, each read as uint64, none refused.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -36,7 +37,7 @@ std::tuple<at::Tensor, at::Tensor> route_ids_cpu(
   at::parallel_for(0, n, 16384, [&](int64_t s, int64_t e) {
     const int tid = at::get_thread_num();
     for (int64_t i = s; i < e; ++i) {
-      if (id[i] < 0 || id[i] >= table_size) {
+      if (table_size != 0 && (id[i] < 0 || id[i] >= table_size)) {
         if (bad_at[tid] < 0) {
           bad_at[tid] = i;
         }

@@ -79,6 +79,7 @@ def bucketize_kjt(
     keep_orig_idx: bool = False,
     row_bounds: Optional[dict[str, list[int]]] = None,
     route_bad_ids: bool = False,
+    keep_orig_idx_per_feature: Optional[Mapping[str, bool]] = None,
 ) -> tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
     """Bucketizes a KJT by owner rank, as torchrec's ``bucketize_kjt_before_all2all`` does.
 
@@ -87,17 +88,26 @@ def bucketize_kjt(
 
     Args:
         dist_types: feature name -> dist type, for every key.
-        table_sizes: feature name -> rows of its table, for every key.
+        table_sizes: feature name -> rows of its table, for every key; 0 for a hash_roundrobin feature of raw
+            int64 keys (any value, routed by a seeded bijection of the whole 64-bit range: a dynamic table).
         bucketize_pos: put each id's bag position in the result's weights.
+        keep_orig_idx: every feature's local id is the id itself.
         row_bounds: feature name -> uneven shard bounds of its continuous table (0, ..., rows).
         route_bad_ids: see :func:`block_bucketize_sparse_features`.
+        keep_orig_idx_per_feature: feature name -> whether its local id is the id itself (a dynamic table's
+            features keep their raw keys); features it does not name follow ``keep_orig_idx``.
 
     Returns:
         ``(bucketized_kjt, unbucketize_permute or None)``.
+
+    Raises:
+        ValueError: a missing or invalid routing argument, naming it and the features.
+        IndexError: an id outside its roundrobin / hash_roundrobin table, naming the KJT key.
     """
     _check_kjt(kjt, "bucketize_kjt")
     keys = kjt.keys()
     _check_routing_args(keys, world_size, dist_types, table_sizes)
+    keep = _keep_per_feature(keep_orig_idx_per_feature, keys, keep_orig_idx)
     codes = torch.tensor([dist_type_code(dist_types[k]) for k in keys], dtype=torch.int64)
     sizes = torch.tensor([int(table_sizes[k]) for k in keys], dtype=torch.int64)
     blocks = [continuous_block_rows(int(table_sizes[k]), world_size) for k in keys]
@@ -125,7 +135,30 @@ def bucketize_kjt(
         keep_orig_idx=keep_orig_idx,
         row_bounds=bounds,
         route_bad_ids=route_bad_ids,
+        keep_orig_idx_per_feature=keep,
     )
+
+
+def _keep_per_feature(
+    keep_orig_idx_per_feature: Optional[Mapping[str, bool]], keys: list[str], keep_orig_idx: bool
+) -> Optional[torch.Tensor]:
+    """The op's ``[F]`` bool ``keep_orig_idx_per_feature`` of a name -> bool mapping (None stays None)."""
+    if keep_orig_idx_per_feature is None:
+        return None
+    if not isinstance(keep_orig_idx_per_feature, Mapping):
+        raise ValueError(
+            "bucketize_kjt: `keep_orig_idx_per_feature` must be a dict of feature name -> bool, got "
+            f"{type(keep_orig_idx_per_feature).__name__}; pass e.g. {{'raw_feature': True}}"
+        )
+    unknown = sorted(set(keep_orig_idx_per_feature) - set(keys))
+    if unknown:
+        raise ValueError(
+            f"bucketize_kjt: `keep_orig_idx_per_feature` names features {unknown} the KJT does not have ({keys})"
+        )
+    bad = {k: v for k, v in keep_orig_idx_per_feature.items() if not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"bucketize_kjt: `keep_orig_idx_per_feature` values must be bools, got {bad}")
+    return torch.tensor([keep_orig_idx_per_feature.get(k, keep_orig_idx) for k in keys], dtype=torch.bool)
 
 
 def _check_routing_args(
@@ -155,11 +188,13 @@ def _check_routing_args(
         for k in keys
         if isinstance(table_sizes[k], bool)
         or not isinstance(table_sizes[k], int)
-        or not 0 < table_sizes[k] <= _INT64_MAX
+        or not (0 < table_sizes[k] <= _INT64_MAX or (table_sizes[k] == 0 and dist_types[k] == "hash_roundrobin"))
     }
     if bad:
         raise ValueError(
-            f"bucketize_kjt: `table_sizes` must be positive ints below 2**63 (each table's row count), got {bad}"
+            f"bucketize_kjt: `table_sizes` must be positive ints below 2**63 (each table's row count), or 0 for a "
+            f"hash_roundrobin feature of raw int64 keys, got {bad} (dist types "
+            f"{ {k: dist_types[k] for k in bad} })"
         )
 
 
@@ -176,9 +211,19 @@ def bucketize_kjt_by(
     keep_orig_idx: bool = False,
     row_bounds: Optional[list[torch.Tensor]] = None,
     route_bad_ids: bool = False,
+    keep_orig_idx_per_feature: Optional[torch.Tensor] = None,
 ) -> tuple[KeyedJaggedTensor, Optional[torch.Tensor]]:
-    """:func:`bucketize_kjt` with ``[F]`` metadata tensors (kept on the CPU so no call syncs a device);
-    ``row_bounds``: per feature, uneven shard bounds (empty for routed features), or None."""
+    """:func:`bucketize_kjt` with ``[F]`` metadata tensors (kept on the CPU so no call syncs a device).
+
+    Args:
+        table_sizes: ``[F]`` row counts; 0 for a hash_roundrobin feature means raw int64 keys.
+        row_bounds: per feature, uneven shard bounds (empty for routed features), or None.
+        keep_orig_idx_per_feature: ``[F]`` bool, per feature whether the local id is the id itself (the op's
+            argument; overrides ``keep_orig_idx``), or None.
+
+    Returns:
+        ``(bucketized_kjt, unbucketize_permute or None)``.
+    """
     _check_kjt(kjt, "bucketize_kjt_by")
     vbe = kjt.variable_stride_per_key()
     strides = kjt.stride_per_key() if vbe else None
@@ -198,6 +243,7 @@ def bucketize_kjt_by(
             batch_size_per_feature=torch.tensor(strides, dtype=torch.int64) if strides is not None else None,
             max_B=max(strides) if strides else -1,
             block_bucketize_pos=row_bounds,
+            keep_orig_idx_per_feature=keep_orig_idx_per_feature,
             route_bad_ids=route_bad_ids,
         )
     except IndexError as e:  # an id outside its table: the op numbers the feature, the KJT names it

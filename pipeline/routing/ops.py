@@ -4,8 +4,9 @@ Importing it loads ``recpipe._C`` (``csrc/bucketize*.{cpp,cu}``, math in ``csrc/
 registers each op's fake kernel beside its wrapper. Distribution types: ``continuous`` (0, fbgemm's block
 split, bit-identical), ``roundrobin`` (1, ``owner = id % W``, ``local = id // W``), ``hash_roundrobin`` (2,
 roundrobin over a seeded bijection ``H`` of ``[0, N)``: two keyed xorshift-multiply window permutations, no
-cycle-walking; dense local ids, aliased patterns spread). May import ``recpipe.pipeline.placement`` and
-``recpipe._C`` only.
+cycle-walking; dense local ids, aliased patterns spread). A hash_roundrobin table size of 0 means raw keys:
+every int64 id is valid (read as unsigned in the index width) and ``H`` is a seeded bijection of the whole
+64-bit range (what dynamic tables route). May import ``recpipe.pipeline.placement`` and ``recpipe._C`` only.
 """
 
 from __future__ import annotations
@@ -247,7 +248,12 @@ def block_bucketize_sparse_features(
         my_size: world size ``W`` (fbgemm's name; ``world_size`` in :func:`route_ids` and
             :func:`hash_roundrobin_global_ids`).
         weights: per-id weights following their ids, ``[n]`` or ``[n, D]``.
-        table_sizes: ``[F]`` row counts; required by hash_roundrobin features.
+        table_sizes: ``[F]`` row counts; required by hash_roundrobin features. 0 for a hash_roundrobin feature
+            means raw keys: any int64 id, ``owner = H(u) % W``, ``local = H(u) // W`` with ``H`` a seeded bijection
+            of the whole 64-bit range (int64 indices, or keep the keys as local ids); 0 for a roundrobin feature
+            leaves its raw ids unchecked.
+        keep_orig_idx_per_feature: ``[F]`` bool, per feature whether the local id is the id itself (a dynamic
+            table's raw keys); overrides ``keep_orig_idx``.
         max_B: accepted for fbgemm's signature, unused.
         block_bucketize_pos: per continuous feature, ``W + 1`` uneven shard bounds from 0.
         total_num_blocks: ``[F]`` blocks per continuous table over all ranks (a multiple of ``W``).
@@ -290,13 +296,25 @@ def _route_ids_fake(
     ids: torch.Tensor, table_size: int, world_size: int, dist_type: int, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _fake_index_dtype(ids, "ids")
-    torch._check(table_size > 0, lambda: f"`table_size` must be >= 1, got {table_size}")
-    torch._check(world_size > 0, lambda: f"`world_size` must be >= 1, got {world_size}")
+    hashed = dist_type == DIST_TYPES["hash_roundrobin"]
     torch._check(dist_type in DIST_TYPES.values(), lambda: f"`dist_type` must be one of {DIST_TYPES}, got {dist_type}")
     torch._check(
-        ids.dtype == torch.int64
-        or dist_type != DIST_TYPES["hash_roundrobin"]
-        or (table_size - 1) // world_size <= _INT32_MAX,
+        table_size > 0 or (table_size == 0 and hashed),
+        lambda: (
+            f"recpipe: `table_size` must be >= 1 (the table's row count), got {table_size}; 0 (raw int64 keys, any "
+            "value) is accepted by hash_roundrobin (dist_type 2) only."
+        ),
+    )
+    torch._check(world_size > 0, lambda: f"`world_size` must be >= 1, got {world_size}")
+    torch._check(
+        ids.dtype == torch.int64 or not hashed or table_size > 0,
+        lambda: (
+            f"recpipe: `ids` are int32 but hash_roundrobin over raw keys (`table_size` = 0) and {world_size} ranks "
+            f"gives local ids up to {(2**64 - 1) // world_size}, beyond int32; pass int64 ids (`.to(torch.int64)`)."
+        ),
+    )
+    torch._check(
+        ids.dtype == torch.int64 or not hashed or (table_size - 1) // world_size <= _INT32_MAX,
         lambda: (
             f"recpipe: `ids` are int32 but hash_roundrobin over `table_size` = {table_size} rows and "
             f"{world_size} ranks gives local ids up to {(table_size - 1) // world_size}, beyond int32; pass "
@@ -311,7 +329,25 @@ def route_ids(
     ids: torch.Tensor, table_size: int, world_size: int, dist_type: str = "hash_roundrobin", seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Owner rank (int64) and local id of each id of one table, both shaped like ``ids`` (the KJT op's
-    math; continuous uses blocks of ``ceil(N / W)``)."""
+    math; continuous uses blocks of ``ceil(N / W)``).
+
+    Args:
+        ids: ids of the table, int32 or int64, any shape.
+        table_size: the table's row count ``N`` (ids must lie in ``[0, N)``). For hash_roundrobin only, 0 means
+            raw keys: every int64 id is valid, read as uint64, and routed by a seeded bijection ``H`` of the
+            whole 64-bit range (``owner = H(u) % W``, ``local = H(u) // W``; int64 ids only, and a local id past
+            ``2**63 - 1`` (``W == 1``) comes back as its int64 bit pattern).
+        world_size: number of ranks ``W``.
+        dist_type: a name of :data:`DIST_TYPES`.
+        seed: hash seed (signed int64).
+
+    Returns:
+        ``(owner, local)``: owner int64, local in the dtype of ``ids``.
+
+    Raises:
+        IndexError: an id outside ``[0, N)`` of a table with ``N >= 1``.
+        RuntimeError: a bad table size (0 for continuous / roundrobin), world size, dtype or dist type.
+    """
     _check_seed(seed)
     # types here; ranges in the kernel (same messages on every entry point)
     table_size = check_int(table_size, "table_size", maximum=_INT64_MAX)
@@ -327,6 +363,13 @@ def _global_ids_fake(
     _fake_index_dtype(local_ids, "local_ids")
     torch._check(ranks.numel() == local_ids.numel(), lambda: "`ranks` and `local_ids` need the same number of entries")
     torch._check(
+        local_ids.dtype == torch.int64 or table_size > 0,
+        lambda: (
+            "recpipe: `local_ids` are int32 but raw keys (`table_size` = 0) are int64 global ids (returned in the "
+            "dtype of local_ids); pass int64 local_ids (`.to(torch.int64)`)."
+        ),
+    )
+    torch._check(
         local_ids.dtype == torch.int64 or table_size - 1 <= _INT32_MAX,
         lambda: (
             f"recpipe: `local_ids` are int32 but a table of `table_size` = {table_size} rows has global "
@@ -339,7 +382,23 @@ def _global_ids_fake(
 def hash_roundrobin_global_ids(
     ranks: torch.Tensor, local_ids: torch.Tensor, table_size: int, world_size: int, seed: int = 0
 ) -> torch.Tensor:
-    """Inverse of hash_roundrobin routing: ``H^-1(local * W + rank)``, dtype of ``local_ids``."""
+    """Inverse of hash_roundrobin routing: ``H^-1(local * W + rank)``, dtype of ``local_ids``.
+
+    Args:
+        ranks: owner rank of each entry.
+        local_ids: local id of each entry on its owner.
+        table_size: the table's row count, or 0 for raw keys (inverts :func:`route_ids` with ``table_size`` 0:
+            the slot is formed in uint64, a local id is read as uint64, and the result is the int64 key; int64
+            ``local_ids`` only).
+        world_size: number of ranks ``W`` the ids were routed over.
+        seed: hash seed the ids were routed with.
+
+    Returns:
+        The global ids (keys), shaped and typed like ``local_ids``.
+
+    Raises:
+        RuntimeError: a pair that is not a slot of the table (``local * W + rank`` outside it, or a bad rank).
+    """
     _check_seed(seed)
     # types here; ranges in the kernel (same messages on every entry point)
     table_size = check_int(table_size, "table_size", maximum=_INT64_MAX)

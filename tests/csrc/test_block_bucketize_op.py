@@ -966,7 +966,7 @@ BAD_INPUT: list[tuple[dict, str]] = [
     (dict(my_size=-3), r"`my_size` \(the world size W\) must be >= 1, got -3"),
     (dict(block_sizes=torch.tensor([-1, 4])), r"`block_sizes\[0\]` is -1 but feature 0 is continuous"),
     (dict(table_sizes=None), r"needs `table_sizes`"),
-    (dict(table_sizes=torch.tensor([8, 0])), r"`table_sizes\[1\]` is 0"),
+    (dict(table_sizes=torch.tensor([8, -1])), r"`table_sizes\[1\]` is -1"),  # 0: raw keys (test_raw_key_routing)
     (dict(table_sizes=torch.tensor([8])), r"`table_sizes` has 1 entries"),
     (
         dict(indices=torch.tensor([0, 3, 2, 8])),
@@ -1133,7 +1133,7 @@ def test_global_ids_bad_input() -> None:
     with pytest.raises(RuntimeError, match=r"`world_size` must be >= 1"):
         gid(torch.tensor([0]), torch.tensor([0]), 10, 0)
     with pytest.raises(RuntimeError, match=r"`table_size` must be >= 1"):
-        gid(torch.tensor([0]), torch.tensor([0]), 0, 2)
+        gid(torch.tensor([0]), torch.tensor([0]), -1, 2)  # 0: raw keys (test_raw_key_routing)
     with pytest.raises(RuntimeError, match=r"is not a slot of a table of 10 rows over 2 ranks"):
         gid(torch.tensor([1]), torch.tensor([5]), 10, 2)  # 5 * 2 + 1 = 11 >= 10
     # local * W overflows int64 (2^62 * 4 wraps to 0): still refused, never a wrong global id

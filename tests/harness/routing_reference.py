@@ -15,6 +15,7 @@ ROUNDS = 2  # rounds of each window permutation
 WINDOWS = 2  # P_0 on [0, h), P_1 on [n - h, n)
 ROUTING_VERSION = 2  # the version of H this reference implements (RefPermutation)
 DIST_CODES = {"continuous": 0, "roundrobin": 1, "hash_roundrobin": 2}  # route_one's dist_type
+RAW_KEYS = 1 << 64  # the ids of a hash_roundrobin table of size 0 (raw keys): all of [0, 2^64)
 
 
 def _splitmix64(state: int) -> tuple[int, int]:
@@ -28,9 +29,13 @@ def _splitmix64(state: int) -> tuple[int, int]:
 class RefPermutation:
     """Seeded bijection of [0, n) (routing version 2): with h = 2^floor(log2 n),
     a keyed c-bit xorshift-multiply permutation P_0 of the window [0, h), then an
-    independently keyed P_1 of the window [n - h, n) (skipped when n == h)."""
+    independently keyed P_1 of the window [n - h, n) (skipped when n == h).
+
+    n runs from 1 to 2^64 (``RAW_KEYS``, the raw-key space of table size 0: c = 64,
+    one window, shift 32); Python ints, so no width special case."""
 
     def __init__(self, n: int, seed: int) -> None:
+        assert n <= RAW_KEYS
         self.n = max(1, n)
         c = self.n.bit_length() - 1  # floor(log2 n)
         self.h = 1 << c
@@ -106,6 +111,9 @@ def route_one(
     if dist_type == 1:
         return uid % world, uid // world
     if dist_type == 2:
+        if table_size == 0:  # raw keys: H of [0, 2^64), every id valid
+            h = RefPermutation(RAW_KEYS, seed).forward(uid)
+            return h % world, h // world
         if raw_id < 0 or raw_id >= table_size:
             raise ValueError(f"id {raw_id} outside [0, {table_size})")
         h = RefPermutation(table_size, seed).forward(raw_id)
@@ -176,10 +184,10 @@ def ref_bucketize(
                     raise ValueError(f"id {raw} outside [0, {ts})")
                 owner, local = route_bad_one(raw, world, ts, index_bits)
             elif dist_types[f] == 2:
-                perm = perms.setdefault(f, RefPermutation(ts, seed))
-                if raw < 0 or raw >= ts:
+                perm = perms.setdefault(f, RefPermutation(ts or RAW_KEYS, seed))  # 0: raw keys
+                if ts > 0 and (raw < 0 or raw >= ts):
                     raise ValueError(f"id {raw} outside [0, {ts})")
-                h = perm.forward(raw)
+                h = perm.forward(raw & ((1 << index_bits) - 1))
                 owner, local = h % world, h // world
             else:
                 owner, local = route_one(raw, dist_types[f], world, block_sizes[f], ts, seed, index_bits)
