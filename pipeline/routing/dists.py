@@ -55,6 +55,9 @@ class RoutedRwSparseFeaturesDist(RwSparseFeaturesDist):
         self._recpipe_dist_types = torch.tensor([dist_type_code(d) for d in routing.dist_types], dtype=torch.int64)
         self._recpipe_table_sizes = torch.tensor(routing.table_sizes, dtype=torch.int64)
         self._recpipe_block_sizes = self._feature_block_sizes_tensor.detach().to("cpu", copy=True)
+        self._recpipe_keep_keys: Optional[torch.Tensor] = (
+            None if routing.keep_keys is None else torch.tensor(routing.keep_keys, dtype=torch.bool)
+        )
         self._recpipe_row_bounds: Optional[List[torch.Tensor]] = (
             None if routing.row_bounds is None else [torch.tensor(b, dtype=torch.int64) for b in routing.row_bounds]
         )
@@ -74,6 +77,7 @@ class RoutedRwSparseFeaturesDist(RwSparseFeaturesDist):
             bucketize_pos=self._need_pos if weighted else self._has_feature_processor,
             row_bounds=self._recpipe_row_bounds,
             route_bad_ids=True,
+            keep_orig_idx_per_feature=self._recpipe_keep_keys,
         )
         return self._dist(bucketized)
 

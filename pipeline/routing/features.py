@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 
 from recpipe.pipeline.placement import (
+    FUSED_PARAM_DYNAMIC,
     FUSED_PARAM_DIST_TYPE,
     FUSED_PARAM_MODE,
     FUSED_PARAM_SEED,
@@ -65,12 +66,14 @@ class RoutingOverrides:
 class FeatureRouting(NamedTuple):
     """Routing of a sharding's features (:func:`feature_routing`). ``row_bounds`` is None unless some continuous table
     is cut unevenly; then per feature the shard bounds of a continuous table (``[0, b, ..., W * b]`` if even) or ``[]``
-    for a routed one."""
+    for a routed one. ``keep_keys`` is None unless some table is dynamic; then per feature whether its ids are raw
+    keys kept as they are (a dynamic table: ``hash_roundrobin`` over the whole int64 range, table size 0)."""
 
     dist_types: List[str]
     table_sizes: List[int]
     seed: int
     row_bounds: Optional[List[List[int]]]
+    keep_keys: Optional[List[bool]] = None
 
 
 def feature_routing(
@@ -86,12 +89,23 @@ def feature_routing(
     sizes: List[int] = []
     bounds: List[List[int]] = []
     uneven = False
+    keep: List[bool] = []
     seeds: dict[int, str] = {}
     for table in (t for group in grouped_configs for t in group.embedding_tables):
         dt, table_seed = table_routing(table.fused_params, table.name, overrides)
         n = int(table.num_embeddings)
         cut: List[int] = []
-        if dt is DistType.CONTINUOUS:
+        dynamic = (table.fused_params or {}).get(FUSED_PARAM_DYNAMIC) is not None
+        keep.extend([dynamic] * table.num_features())
+        if dynamic:
+            if dt is not DistType.HASH_ROUNDROBIN:
+                raise ValueError(
+                    f"recpipe: dynamic table {table.name!r} is routed {dt.value}; raw keys are routed by "
+                    "hash_roundrobin: plan it with dist_type='hash_roundrobin' (the planner's default)."
+                )
+            seeds.setdefault(table_seed, table.name)
+            n = 0  # raw keys: the whole int64 range
+        elif dt is DistType.CONTINUOUS:
             block = continuous_block_rows(n, world_size)
             table_cut = _uneven_bounds(table, n, world_size)
             uneven = uneven or table_cut is not None
@@ -108,7 +122,9 @@ def feature_routing(
             "recpipe: hash_roundrobin tables of one sharding must share one seed, got "
             f"{ {t: s for s, t in seeds.items()} }; give them the same `recpipe_seed`."
         )
-    return FeatureRouting(dist_types, sizes, next(iter(seeds), 0), bounds if uneven else None)
+    return FeatureRouting(
+        dist_types, sizes, next(iter(seeds), 0), bounds if uneven else None, keep if any(keep) else None
+    )
 
 
 def table_routing(

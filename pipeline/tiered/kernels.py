@@ -103,13 +103,6 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
         whole table on this rank (table-wise)."""
         assert params.dynamic is not None
         whole = self._whole_tables
-        if not whole:
-            raise ValueError(
-                f"dynamic table {table.name!r}: row-wise sharding of dynamic tables is not supported yet (its input "
-                "dist does not route raw keys). Possible solutions:\n  1) shard it table-wise: "
-                "PlacementConstraints(dynamic=..., sharding_type='table_wise');"
-                "\n  2) plan the table static (without dynamic=) to shard it row-wise."
-            )
         return DynamicEmbeddingShard(
             num_embeddings=table.num_embeddings,
             embedding_dim=table.local_cols,

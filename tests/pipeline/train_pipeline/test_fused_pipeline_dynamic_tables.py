@@ -25,7 +25,7 @@ def _numpy(trace: Tuple[List[torch.Tensor], ...]) -> List[List[np.ndarray]]:
 def _body(rank: int, world: int, sharding: str, eviction: str) -> Dict[str, Any]:
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
-    from recpipe.pipeline import gather_dynamic_table
+    from recpipe.pipeline import gather_dynamic_table, route_ids
     from recpipe.pipeline.train_pipeline.fused_pipeline import TrainPipelineFusedSparseDist
 
     batches = raw_key_batches(rank, N_BATCHES, 3)
@@ -42,6 +42,10 @@ def _body(rank: int, world: int, sharding: str, eviction: str) -> Dict[str, Any]
         out[f"fused_after_opt_{after_opt}"] = _numpy(run_pipeline(pipeline, batches))
         out[f"rows_{after_opt}"] = {n: s.dynamic_rows() for n, s in dynamic_shards(dmp).items()}
     out["gathered"] = {t: gather_dynamic_table(dmp, t) for t in ("t0", "t1", "s0")}
+    if sharding == "row_wise":  # each rank holds exactly the keys the raw-key routing sends it
+        for table, (keys, *_) in out["rows_True"].items():
+            owner, _ = route_ids(keys, 0, world, "hash_roundrobin", 7)
+            assert bool((owner == rank).all()), table
     # eval lookups (model.eval(), grad enabled) insert nothing
     pipeline.detach()
     dmp.eval()
@@ -52,7 +56,7 @@ def _body(rank: int, world: int, sharding: str, eviction: str) -> Dict[str, Any]
     return out
 
 
-@pytest.mark.parametrize("sharding,eviction", [("table_wise", "lru"), ("table_wise", "lfu")])
+@pytest.mark.parametrize("sharding,eviction", [("table_wise", "lru"), ("row_wise", "lfu"), ("row_wise", "lru")])
 def test_fused_pipeline_equals_sparse_dist_on_dynamic_tables(sharding: str, eviction: str) -> None:
     results = run_gloo(2, _body, sharding, eviction)
     evicted = 0.0
