@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple, Union
 from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
 
 from recpipe.pipeline.placement import (
-    FUSED_PARAM_DYNAMIC,
     FUSED_PARAM_DIST_TYPE,
+    FUSED_PARAM_DYNAMIC,
     FUSED_PARAM_MODE,
     FUSED_PARAM_SEED,
     DistType,
