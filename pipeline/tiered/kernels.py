@@ -109,6 +109,7 @@ class TieredKernelBase(BaseEmbedding, FusedOptimizerModule):
             options=params.dynamic,
             shards=1 if whole else world,
             key_rank=0 if whole else rank,
+            key_routing_seed=params.seed,
             mode=params.mode,
             cache_load_factor=params.cache_load_factor,
             optimizer=optimizer,

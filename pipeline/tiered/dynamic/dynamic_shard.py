@@ -16,6 +16,7 @@ import torch
 
 from recpipe.pipeline.interfaces import RowOptimizer
 from recpipe.pipeline.placement import CachePolicy, DynamicTableOptions, Mode, dynamic_local_slots
+from recpipe.pipeline.routing.ops import route_ids
 from recpipe.pipeline.tiered.backends.buffers import BufferedTier
 from recpipe.pipeline.tiered.dynamic.key_hashing import init_rows, init_salt
 from recpipe.pipeline.tiered.dynamic.key_index import DYNAMIC_COUNTERS, DynamicKeyIndex, HashPlan, IndexJournal
@@ -52,6 +53,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         options (DynamicTableOptions): capacity, eviction, admission, initializer, on_full, seed.
         shards (int): shards the capacity is split over (world size row-wise, 1 table-wise).
         key_rank (int): this shard's rank among them (the keys it owns: ``hash_roundrobin`` raw-key routing).
+        key_routing_seed (int): the seed of that routing (the table's placement seed).
         mode, cache_load_factor, optimizer, pooling, cache_policy, dtype, device, table_name, backend,
             split_seed: as ``TieredEmbeddingShard``, over the shard's slots. ``backend`` must keep rows in
             buffers (``native``, ``torch``).
@@ -68,6 +70,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         options: DynamicTableOptions,
         shards: int = 1,
         key_rank: int = 0,
+        key_routing_seed: int = 0,
         mode: Union[Mode, str] = Mode.HYBRID,
         cache_load_factor: float = 1.0,
         optimizer: Optional[RowOptimizer] = None,
@@ -114,6 +117,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         self.table_num_embeddings: int = num_embeddings
         self.key_shards: int = shards
         self.key_rank: int = key_rank
+        self.key_routing_seed: int = key_routing_seed
         self.init_bounds: Tuple[float, float] = options.initializer.bounds(num_embeddings)
         self._init_salt: int = init_salt(options.seed, table_name)
         self.index: DynamicKeyIndex = DynamicKeyIndex(slots, options, table_name, self.device, _plan_for(self.backend))
@@ -131,6 +135,15 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         self.write_local_rows(
             torch.zeros((self.num_rows, self.embedding_dim), dtype=self.dtype, device=self.device), None, True
         )
+
+    def owned(self, keys: torch.Tensor) -> torch.Tensor:
+        """Which of ``keys`` this shard holds: every key table-wise, else those the raw-key ``hash_roundrobin``
+        routing sends to ``key_rank`` (what a load re-routes saved keys by)."""
+        keys = keys.to(torch.int64)
+        if self.key_shards == 1:
+            return torch.ones_like(keys, dtype=torch.bool)
+        owner, _ = route_ids(keys.cpu(), 0, self.key_shards, "hash_roundrobin", self.key_routing_seed)
+        return (owner == self.key_rank).to(keys.device)
 
     def set_custom_score(self, score: int) -> None:
         """The score ``eviction='custom'`` gives the keys of the following training lookups."""
