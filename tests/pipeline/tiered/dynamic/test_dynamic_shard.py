@@ -119,14 +119,15 @@ def _dense_ids(batches: List[torch.Tensor]) -> Dict[int, int]:
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("mode,x", [("HYBRID", 1.0), ("HYBRID", 0.5), ("CACHING", 0.25)])
-@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad"])
+@pytest.mark.parametrize("optimizer", ["sgd", "rowwise_adagrad", "adam"])
 def test_dynamic_table_equals_static_tables_over_remapped_keys(
     backend: str, mode: str, x: float, optimizer: str
 ) -> None:
     """Capacity >= distinct keys and a constant initializer: step by step the dynamic table equals a static
     tiered table of the same kernel over the keys remapped to dense ids (first sight order) bit for bit,
     and fbgemm's FUSED table over them within the tiered kernels' tolerance of fbgemm (``harness.tiered_shards``:
-    the tiered kernels sum a row's gradients in another order than fbgemm's CPU TBE)."""
+    the tiered kernels sum a row's gradients in another order than fbgemm's CPU TBE; fbgemm-gpu-cpu has no
+    CPU Adam, so Adam is compared with the static tiered table only)."""
     gen = torch.Generator().manual_seed(3)
     pool = torch.tensor(_keys(random.Random(3), 150))
     batches = [pool[torch.randint(0, pool.numel(), (60,), generator=gen)] for _ in range(6)]
@@ -144,9 +145,10 @@ def test_dynamic_table_equals_static_tables_over_remapped_keys(
         weight_init_max=0.125,
         **placement,  # type: ignore[arg-type]
     )
+    fbgemm_optim = {"sgd": OptimType.EXACT_SGD, "rowwise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD}
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(len(dense), DIM, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-        optimizer={"sgd": OptimType.EXACT_SGD, "rowwise_adagrad": OptimType.EXACT_ROWWISE_ADAGRAD}[optimizer],
+        optimizer=fbgemm_optim.get(optimizer, OptimType.EXACT_SGD),
         learning_rate=LR,
         eps=1e-8,
         pooling_mode=PoolingMode.SUM,
@@ -158,7 +160,8 @@ def test_dynamic_table_equals_static_tables_over_remapped_keys(
         ids = torch.tensor([dense[k] for k in keys.tolist()])
         out, want, fused = shard(keys, offsets), static(ids, offsets), tbe(ids, offsets)
         assert torch.equal(out, want), f"forward of step {step}"
-        torch.testing.assert_close(out, fused, atol=ATOL, rtol=RTOL)
+        if optimizer in fbgemm_optim:
+            torch.testing.assert_close(out, fused, atol=ATOL, rtol=RTOL)
         for t in (out, want, fused):
             t.backward(grad)
     keys_held, weights, state, _ = shard.dynamic_rows()
@@ -168,7 +171,9 @@ def test_dynamic_table_equals_static_tables_over_remapped_keys(
     )
     assert torch.equal(weights, static_w.index_select(0, rows))
     assert torch.equal(state, static_s.index_select(0, rows))
-    torch.testing.assert_close(weights, tbe.split_embedding_weights()[0].index_select(0, rows), atol=ATOL, rtol=RTOL)
+    if optimizer in fbgemm_optim:
+        fused_w = tbe.split_embedding_weights()[0].index_select(0, rows)
+        torch.testing.assert_close(weights, fused_w, atol=ATOL, rtol=RTOL)
     assert shard.tier_stats()["occupancy"] == len(dense) == shard.tier_stats()["inserted"]
 
 
