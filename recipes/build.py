@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 from torch import nn
@@ -25,7 +25,7 @@ from recpipe.recipes.config import ConfigError, TrainConfig
 from recpipe.recipes.models import EBC_PATH, embedding_bag_collection
 
 if TYPE_CHECKING:
-    from recpipe.planner import PlacementPlan
+    from recpipe.planner import PlacementConstraints, PlacementPlan
 
 # fp32 tables: 4 bytes per value.
 BYTES_PER_FLOAT32: int = 4
@@ -192,6 +192,38 @@ def _budget_failure(error: PlacementPlannerError) -> bool:
     return error.planner_error_type.value in _BUDGET_FAILURES
 
 
+def dynamic_constraints(config: TrainConfig, model: nn.Module) -> dict[str, PlacementConstraints]:
+    """The planner's pins of ``--dynamic-tables``: every table of ``model``'s EBC dynamic (none without the flag).
+
+    Each table's capacity is its rows (``num_embeddings`` of its config: ``min(id space, --num-embeddings)``,
+    MovieLens' id counts, or ``--virtual-rows`` for ``micro_dlrm_dram``); ``lru`` eviction (a full bucket drops
+    its least recently looked-up key), every key admitted at once, torchrec's default uniform initial rows
+    (``+-sqrt(1 / rows)``), ``on_full='warning'`` (a key that finds no slot warns and pools as nothing rather
+    than stopping the run) and the run's ``--seed``. The planner chooses each table's sharding type (table- or
+    row-wise), mode and cache load factor as for a static tiered table.
+
+    Args:
+        config: the run's config.
+        model: the unsharded model (meta tables).
+
+    Returns:
+        Table name -> its ``PlacementConstraints``; empty unless ``config.dynamic_tables``.
+    """
+    from recpipe.pipeline.placement import DynamicTableOptions
+    from recpipe.planner import PlacementConstraints
+
+    if not config.dynamic_tables:
+        return {}
+    return {
+        t.name: PlacementConstraints(
+            dynamic=DynamicTableOptions(
+                capacity=t.num_embeddings, eviction="lru", admit_after=1, on_full="warning", seed=config.seed
+            )
+        )
+        for t in embedding_bag_collection(model).embedding_bag_configs()
+    }
+
+
 class TierPlanner:
     """Plans the model's tables with recpipe's planner under tier budgets given in bytes.
 
@@ -210,6 +242,7 @@ class TierPlanner:
     ) -> None:
         self.config, self.model, self.device = config, model, device
         self.world, self.local_world = world, local_world
+        self.constraints = dynamic_constraints(config, model)
 
     def plan(self, fast: int, slow: int) -> PlacementPlan:
         """The ``PlacementPlan`` for ``fast`` bytes per rank and ``slow`` bytes per machine (PlacementPlannerError if none)."""
@@ -229,6 +262,7 @@ class TierPlanner:
             # gloo on CPU was measured (planner.communication.GLOO_CPU); CUDA uses the topology's bandwidths
             communication="gloo_cpu" if self.device.type == "cpu" else "topology",
             sharding_types=tuple(self.config.sharding_types.split(",")),
+            constraints=self.constraints,
         )
         return planner.plan(self.model)
 
@@ -303,6 +337,30 @@ class TierPlanner:
         )
 
 
+def default_fast_bytes(model: nn.Module, world: int, constraints: Mapping[str, PlacementConstraints]) -> int:
+    """The fast tier of ``--fast-tier-mb 0``: half the tables' per-rank row bytes, so placements are tiered, plus
+    the hash indexes of the dynamic tables (pinned in ``constraints``), which live in the fast tier whole.
+
+    A table's per-rank rows are those of its largest row-wise shard (``ceil(rows / world)``); a dynamic table's,
+    its shard's slots (``dynamic_local_slots(capacity, world)``).
+    """
+    from recpipe.pipeline.placement import dynamic_index_bytes, dynamic_local_slots
+    from recpipe.planner import max_local_rows, row_bytes, tables_from_module
+
+    rows_bytes, index_bytes = 0, 0
+    for t in tables_from_module(model):
+        pin = constraints.get(t.name)
+        options = pin.dynamic if pin is not None else None
+        per_row = row_bytes(t.dim, t.dtype, t.optimizer)
+        if options is None:
+            rows_bytes += max_local_rows(t.rows, world) * per_row
+            continue
+        slots = dynamic_local_slots(options.table_capacity(t.rows), world)
+        rows_bytes += slots * per_row
+        index_bytes += dynamic_index_bytes(slots, admission=options.admit_after > 1)
+    return max(1, rows_bytes // 2 + index_bytes)
+
+
 def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, device: torch.device) -> ShardedModel:
     """Planner -> ShardingPlan -> DMP; the plan is sized for the tables' fused optimizer.
 
@@ -313,16 +371,10 @@ def _shard_planned(config: TrainConfig, model: nn.Module, env: ShardingEnv, devi
         TieredEmbeddingBagCollectionSharder,
         TieredEmbeddingCollectionSharder,
     )
-    from recpipe.planner import max_local_rows, row_bytes, tables_from_module
 
     world = env.world_size
-    fast = int(config.fast_tier_mb * 2**20)
-    if fast == 0:
-        per_rank = sum(
-            max_local_rows(t.rows, world) * row_bytes(t.dim, t.dtype, t.optimizer) for t in tables_from_module(model)
-        )
-        fast = max(1, per_rank // 2)
     tiers = TierPlanner(config, model, world=world, local_world=local_world_size_from_env(world), device=device)
+    fast = int(config.fast_tier_mb * 2**20) or default_fast_bytes(model, world, tiers.constraints)
     placement = tiers.plan_or_config_error(fast, int(config.slow_tier_mb * 2**20))
     plan = placement.to_sharding_plan(compute_device=device.type)
     dmp = DistributedModelParallel(

@@ -150,3 +150,49 @@ class VirtualTableProjector:
             raise ValueError(f"VirtualTableProjector: feature={feature} must be >= 0")
         seeds = self.slot_seeds(feature + 1)[feature : feature + 1]
         return hash_ids_grid(ids.reshape(1, -1), seeds, self.num_rows)[0]
+
+
+# Tag of the salts of VirtualKeyProjector (unrelated to the dynamic tables' own bucket and init salts).
+_KEY_TAG: int = 0x6D6963726F2D6B79
+
+
+class VirtualKeyProjector:
+    """``micro_dlrm_dram``'s ids as dynamic-table keys (``--dynamic-tables``): every id of feature ``f`` becomes
+    ``k`` raw int64 keys ``mix64(id ^ salt(seed, f, j))`` (``j < k``; splitmix64's finalizer, the dynamic tables'
+    own ``recpipe.pipeline.tiered.dynamic.key_hashing.mix64``).
+
+    ``mix64`` is a bijection of the 64-bit values and XOR with a salt is one too, so for each ``(f, j)`` distinct
+    ids never share a key; keys of different slots ``j`` meet only by chance (one in 2^64 per pair). The model
+    keeps its pooling factor ``k``, as :class:`VirtualTableProjector` does, but a key's row is its own instead of
+    one of ``num_rows`` shared ones.
+    """
+
+    def __init__(self, k: int, seed: int) -> None:
+        if k <= 0:
+            raise ValueError(f"VirtualKeyProjector: k={k} must be > 0")
+        self.k, self.seed = k, seed
+        self._salts = torch.empty(0, k, dtype=torch.int64)
+
+    def slot_salts(self, num_features: int) -> torch.Tensor:
+        """int64 ``(num_features, k)`` salts: ``[f, j] = salt_of(mix_seed(seed, f, j), tag)`` as int64 bits."""
+        from recpipe.pipeline.tiered.dynamic.key_hashing import salt_of, to_int64_bits
+
+        if self._salts.shape[0] < num_features:
+            salts = [[to_int64_bits(salt_of(mix_seed(self.seed, f, j), _KEY_TAG)) for j in range(self.k)]]
+            self._salts = torch.tensor(
+                [[to_int64_bits(salt_of(mix_seed(self.seed, f, j), _KEY_TAG)) for j in range(self.k)] for f in range(num_features)],
+                dtype=torch.int64,
+            ).reshape(num_features, self.k)
+            del salts
+        return self._salts[:num_features]
+
+    def project(self, ids: torch.Tensor) -> torch.Tensor:
+        """int64 ``(F, N, k)`` keys of int64 ``(F, N)`` ids, row ``f`` those of feature ``f``."""
+        from recpipe.pipeline.tiered.dynamic.key_hashing import mix64
+
+        if ids.dtype != torch.int64 or ids.dim() != 2:
+            raise ValueError(
+                f"VirtualKeyProjector.project: ids must be an int64 (F, N) tensor, got {ids.dtype} {tuple(ids.shape)}"
+            )
+        salts = self.slot_salts(ids.shape[0]).to(ids.device)
+        return mix64(ids.unsqueeze(2) ^ salts.unsqueeze(1))

@@ -157,8 +157,12 @@ class DynamicKeyIndex:
         found, _ = self.main.plan(self._plan, uniq, None)
         miss = found < 0
         admitted, admission_write = self._admit(uniq, counts, miss)
-        _, slot = self.main.plan(self._plan, uniq, miss & admitted)
-        failed = miss & admitted & (slot < 0)
+        wanted = miss & admitted
+        if keys.device.type == "cpu" and not bool(wanted.any()):  # a host check on CPU: no second probe
+            slot = torch.full_like(found, -1)
+        else:
+            _, slot = self.main.plan(self._plan, uniq, wanted)
+        failed = wanted & (slot < 0)
         n_failed = int(failed.sum())
         if n_failed:
             self._on_full(n_failed)
