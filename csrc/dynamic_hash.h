@@ -48,4 +48,11 @@ struct DynamicBuckets {
   }
 };
 
+// u(j) in [0, 1) of a key's initial row (docs/dynamic.md "New rows"): base =
+// mix64(uint64(key) ^ init_salt); u(j) = (mix64(base + (j + 1) * golden) >> 11) * 2^-53.
+RECPIPE_HD double init_uniform(uint64_t base, int64_t j) {
+  constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;
+  return static_cast<double>(mix64(base + static_cast<uint64_t>(j + 1) * kGolden) >> 11) * 0x1.0p-53;
+}
+
 }  // namespace recpipe

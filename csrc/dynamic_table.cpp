@@ -353,8 +353,37 @@ std::tuple<at::Tensor, at::Tensor> dynamic_hash_plan_cpu(const at::Tensor& uniq,
 
 }  // namespace
 
+// Initial rows of `keys` under the uniform initializer: lower + (upper - lower) * u(c)
+// in double, cast to float32 ([n, dim]); the torch implementation computes the same
+// doubles (recpipe.pipeline.tiered.dynamic.key_hashing.init_rows).
+at::Tensor dynamic_init_uniform_cpu(const at::Tensor& keys, int64_t dim, int64_t init_salt, double lower,
+                                    double upper) {
+  TORCH_CHECK(keys.dim() == 1 && keys.scalar_type() == at::kLong && keys.device().is_cpu(),
+              "recpipe: `keys` must be a 1-D int64 CPU tensor, got ", keys.scalar_type(), " of shape ",
+              keys.sizes());
+  TORCH_CHECK(dim >= 1, "recpipe: `dim` must be >= 1, got ", dim);
+  const at::Tensor k = keys.contiguous();
+  const int64_t n = k.numel();
+  at::Tensor out = at::empty({n, dim}, keys.options().dtype(at::kFloat));
+  const int64_t* kp = k.const_data_ptr<int64_t>();
+  float* op = out.mutable_data_ptr<float>();
+  const uint64_t salt = static_cast<uint64_t>(init_salt);
+  const double span = upper - lower;
+  at::parallel_for(0, n, 1024, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const uint64_t base = mix64(static_cast<uint64_t>(kp[i]) ^ salt);
+      float* row = op + i * dim;
+      for (int64_t c = 0; c < dim; ++c) {
+        row[c] = static_cast<float>(lower + span * init_uniform(base, c));
+      }
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(recpipe, CPU, m) {
   m.impl("dynamic_hash_plan", &dynamic_hash_plan_cpu);
+  m.impl("dynamic_init_uniform", &dynamic_init_uniform_cpu);
 }
 
 }  // namespace recpipe

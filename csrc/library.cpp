@@ -5,7 +5,7 @@
 //   bucketize_cuda.cu    CUDA  the three routing ops
 //   placement_dp.cpp     CPU   placement_dp, placement_budget_prices, placement_prune_dominated (planner)
 //   tiered.cpp           CPU   tiered_lookup, tiered_backward (tiered embedding storage)
-//   dynamic_table.cpp    CPU   dynamic_hash_plan (dynamic tables' key index)
+//   dynamic_table.cpp    CPU   dynamic_hash_plan, dynamic_init_uniform (dynamic tables' key index, new rows)
 #include <torch/library.h>
 
 TORCH_LIBRARY(recpipe, m) {
@@ -73,6 +73,10 @@ TORCH_LIBRARY(recpipe, m) {
   m.def(
       "dynamic_hash_plan(Tensor uniq, Tensor? want_insert, Tensor keys, Tensor scores, Tensor sizes, "
       "int bucket_slots, int salt) -> (Tensor, Tensor)");
+  // Dynamic tables: float32 initial rows [n, dim] of int64 keys under the uniform
+  // initializer, lower + (upper - lower) * u(c) in double (docs/dynamic.md); `init_salt`
+  // is the uint64 salt's bit pattern.
+  m.def("dynamic_init_uniform(Tensor keys, int dim, int init_salt, float lower, float upper) -> Tensor");
 }
 
 // Importing recpipe._C registers the ops. The module holds the constants

@@ -167,7 +167,7 @@ def scale_rows(keys_total: int, load_factor: float, dim: int, batch: int) -> Lis
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--capacity", type=int_at_least(1024), default=1_000_000)
     p.add_argument("--dim", type=int_at_least(1), default=64)
     p.add_argument("--bags", type=int_at_least(8), default=2048)

@@ -1,8 +1,9 @@
 """uint64 hashing of raw keys in int64 torch ops (any device): buckets, salts and initial row values.
 
 torch has no uint64 arithmetic; int64 products wrap as uint64 products do, and a logical right shift is an
-arithmetic one masked. ``csrc/dynamic_hash.h`` computes the same functions for the native kernel; the
-formulas are in ``docs/dynamic.md``. Imports only ``recpipe.pipeline.placement``.
+arithmetic one masked. ``csrc/dynamic_hash.h`` computes the same functions for the native kernels (the plan,
+and float32 uniform rows on the CPU); the formulas are in ``docs/dynamic.md``. Imports
+``recpipe.pipeline.placement`` and ``native_plan``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Tuple
 import torch
 
 from recpipe.pipeline.placement import DynamicInitializer
+from recpipe.pipeline.tiered.dynamic.native_plan import native_init_uniform
 
 __all__ = [
     "ADMIT_TAG",
@@ -115,6 +117,8 @@ def init_rows(
         return torch.full((n, dim), init.value, dtype=dtype, device=keys.device)
     lo, hi = bounds
     if init.mode == "uniform":
+        if keys.device.type == "cpu" and dtype == torch.float32:  # the compiled kernel: the same doubles, faster
+            return native_init_uniform(keys.to(torch.int64), dim, salt, lo, hi)
         return (lo + (hi - lo) * _uniforms(keys, salt, dim)).to(dtype)
     u = _uniforms(keys, salt, 2 * dim)
     z = torch.sqrt(-2.0 * torch.log1p(-u[:, 0::2])) * torch.cos((2.0 * math.pi) * u[:, 1::2])

@@ -90,3 +90,26 @@ def native_hash_plan(
     salt_bits = salt - 2**64 if salt > _INT64_MAX else salt
     found, slot = torch.ops.recpipe.dynamic_hash_plan(uniq, want_insert, keys, scores, sizes, bucket_slots, salt_bits)
     return found, slot
+
+
+@torch.library.register_fake("recpipe::dynamic_init_uniform")
+def _dynamic_init_uniform_fake(
+    keys: torch.Tensor, dim: int, init_salt: int, lower: float, upper: float
+) -> torch.Tensor:
+    _fake_vector(keys, "keys", torch.int64)
+    torch._check(dim >= 1, lambda: f"recpipe: `dim` must be >= 1, got {dim}")
+    return keys.new_empty((keys.numel(), dim), dtype=torch.float32)
+
+
+def native_init_uniform(keys: torch.Tensor, dim: int, init_salt: int, lower: float, upper: float) -> torch.Tensor:
+    """float32 initial rows ``[n, dim]`` of int64 CPU ``keys`` under the uniform initializer (the compiled kernel
+    of ``key_hashing.init_rows``' uniform case, the same doubles).
+
+    Args:
+        keys (torch.Tensor): int64 keys.
+        dim (int): row width.
+        init_salt (int): the table's initial-value salt (a uint64).
+        lower, upper (float): the uniform range.
+    """
+    salt = init_salt - (1 << 64) if init_salt >= 1 << 63 else init_salt  # the uint64's int64 bit pattern
+    return torch.ops.recpipe.dynamic_init_uniform(keys, dim, salt, float(lower), float(upper))

@@ -51,3 +51,19 @@ def test_bad_input_names_the_argument() -> None:
         native_hash_plan(uniq.to(torch.int32), want, keys, scores, sizes, 16, 0)
     with pytest.raises((ValueError, RuntimeError), match="sizes|keys"):
         native_hash_plan(uniq, want, keys, scores, sizes[:-1], 16, 0)
+
+
+@pytest.mark.parametrize("dim", [1, 7, 64])
+def test_native_uniform_rows_equal_the_torch_formula(dim: int) -> None:
+    """The compiled uniform initializer computes the torch implementation's doubles (checked against the
+    pure-Python reference in test_dynamic_shard.py), cast to float32, bit for bit."""
+    from recpipe.pipeline.placement import DynamicInitializer
+    from recpipe.pipeline.tiered.dynamic.key_hashing import _uniforms, init_salt, to_int64_bits
+    from recpipe.pipeline.tiered.dynamic.native_plan import native_init_uniform
+
+    keys = torch.cat([torch.randint(-(2**63), 2**63 - 1, (300,)), torch.tensor([0, -1, 2**63 - 1, -(2**63)])])
+    salt = init_salt(9, "table")
+    lo, hi = DynamicInitializer().bounds(1000)
+    want = (lo + (hi - lo) * _uniforms(keys, salt, dim)).to(torch.float32)
+    assert torch.equal(native_init_uniform(keys, dim, salt, lo, hi), want)
+    torch.library.opcheck(torch.ops.recpipe.dynamic_init_uniform.default, (keys, dim, to_int64_bits(salt), lo, hi))
