@@ -4,8 +4,8 @@ and :func:`verify_checkpoint` of models with tiered tables, through ``torch.dist
 
 torchrec's sharded ``state_dict`` skips tiered (CUSTOMIZED_KERNEL) tables, whose routed rows
 cannot be a ShardedTensor: :func:`save` writes one DCP checkpoint of the regular state, the
-fused optimizer state, every rank's export of each tiered table and its ``extra_state``, then
-the digests record. :func:`load` verifies the files first, then loads under any world size,
+fused optimizer state, every rank's export of each tiered table, its rows of each dynamic table
+(keyed by raw key: ``dynamic_tables``) and its ``extra_state``, then the digests record. :func:`load` verifies the files first, then loads under any world size,
 routing and placement. Every failure is a ``CheckpointError``; each call takes the
 ``CheckpointStorage`` its records go through (default: the local file system). Imports the other
 modules of this package, ``interfaces``, ``routing`` and ``tiered``.
@@ -45,6 +45,12 @@ from recpipe.pipeline.checkpoint.collectives import (
     raise_refusals,
     rank_world,
     refusals,
+)
+from recpipe.pipeline.checkpoint.dynamic_tables import (
+    DynamicLoad,
+    check_dynamic_table,
+    load_dynamic_table,
+    plan_dynamic_load,
 )
 from recpipe.pipeline.checkpoint.integrity import (
     FileSystemStorage,
@@ -266,12 +272,14 @@ class _LoadPlan(NamedTuple):
     from_torchrec_shards: Dict[str, TieredEmbeddingShard]  # those tables' shards
     into_torchrec: Dict[str, TableIntoTorchrec]  # torchrec tables loaded from the checkpoint's exports
     remote: List[str]  # table-wise tiered tables other ranks hold (fqns): nothing loads here
+    dynamic: Dict[str, DynamicLoad]  # dynamic tables, loaded by raw key (checkpoint.dynamic_tables)
 
 
 def _plan_load(model: nn.Module, src: Source, strict: bool, process_group: Optional[dist.ProcessGroup]) -> _LoadPlan:
     """Checks the checkpoint against the model on every rank; reads no row."""
     state, found = regular_state_dict(model)
     tiered = tiered_tables(found)
+    dynamic = plan_dynamic_load(src, state, tiered, strict, process_group)  # takes them out of `tiered`
     absent, from_torchrec, into_fqns = check_table_kinds(src, state, tiered, strict, process_group)
     # tables tiered in the checkpoint, torchrec tables here: their exports checked first
     into_torchrec = check_into_torchrec(model, into_fqns, state, src, process_group)
@@ -291,12 +299,14 @@ def _plan_load(model: nn.Module, src: Source, strict: bool, process_group: Optio
         heads.update({fqn: layout.tiered_heads(shard, src, fqn) for fqn, shard in tiered.items()})
 
     raise_first_refusal(refusals(read_heads, process_group), process_group)
-    return _LoadPlan(src, state, tiered, heads, from_torchrec, shards, into_torchrec, remote_tiered_tables(found))
+    remote = remote_tiered_tables(found)
+    return _LoadPlan(src, state, tiered, heads, from_torchrec, shards, into_torchrec, remote, dynamic)
 
 
 def _each_table(plan: _LoadPlan, check: bool) -> None:
     """Checks (NaN / inf or missing rows, keeping none) or loads the tiered tables: from their
-    exports, then those loading from the torchrec tables (one saved chunk at a time)."""
+    exports, then those loading from the torchrec tables (one saved chunk at a time), then the
+    dynamic tables (by raw key)."""
     for fqn, shard in plan.tiered.items():
         if check:
             layout.check_tiered_rows(shard, plan.heads[fqn], plan.src, fqn)
@@ -307,6 +317,8 @@ def _each_table(plan: _LoadPlan, check: bool) -> None:
             check_rows_from_torchrec(shard, plan.from_torchrec[fqn], plan.src, fqn)
         else:
             load_table_from_torchrec(shard, plan.from_torchrec[fqn], plan.src)
+    for fqn, load in plan.dynamic.items():
+        (check_dynamic_table if check else load_dynamic_table)(load, plan.src, fqn)
 
 
 def _load_regular(model: nn.Module, plan: _LoadPlan, strict: bool, process_group: Optional[dist.ProcessGroup]) -> None:

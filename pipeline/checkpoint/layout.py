@@ -3,7 +3,9 @@
 Files: DCP's ``.metadata`` and data files (``*.distcp``), then :data:`DIGESTS_NAME`, the digests
 record ``save`` writes last. Keys: the model's regular ``state_dict()``; ``fused_optimizer.<...>``;
 each owning rank's export of every tiered table under ``tiered.<table fqn>.rank<r>.<field>``
-(:func:`tiered_dcp_key`); ``extra_state.rank<r>`` (pickled). A tiered table loads from its exports
+(:func:`tiered_dcp_key`); each key shard's rows of every dynamic table, keyed by raw key, under
+``dynamic.<table fqn>.rank<r>.<field>`` (:func:`dynamic_dcp_key`; loaded by ``checkpoint.dynamic_tables``);
+``extra_state.rank<r>`` (pickled). A tiered table loads from its exports
 by global id (:func:`tiered_heads`, :func:`check_tiered_rows`, :func:`load_tiered_table`): every
 saving rank's export is read one at a time and validated against the loading table, keeping the
 rows this rank owns under its own routing; when the saving job routed the table alike, only this
@@ -38,6 +40,8 @@ from recpipe.pipeline.checkpoint.checkpoint_errors import (
 )
 from recpipe.pipeline.routing.ops import route_ids
 from recpipe.pipeline.routing.row_order import RowOrder
+from recpipe.pipeline.tiered.dynamic.dynamic_shard import DynamicEmbeddingShard
+from recpipe.pipeline.tiered.dynamic.dynamic_state import export_dynamic_state
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.state import TieredShardState, non_finite_rows
 from recpipe.pipeline.tiered.tiered_collections import TieredTablesMixin, state_dict_without_tiered_rows
@@ -55,6 +59,10 @@ EXTRA_STATE_PREFIX: str = "extra_state"
 FIELDS: Tuple[str, ...] = ("global_ids", "weights", "optimizer_state", "step", "metadata")
 #: A tiered export's key; group 1: the table fqn.
 TIERED_KEY: "re.Pattern[str]" = re.compile(rf"^{TIERED_DCP_PREFIX}\.(.+)\.rank\d+\.(?:{'|'.join(FIELDS)})$")
+DYNAMIC_DCP_PREFIX: str = "dynamic"  # first component of every dynamic table's key
+DYNAMIC_FIELDS: Tuple[str, ...] = ("keys", "weights", "optimizer_state", "scores", "step", "metadata")
+#: A dynamic table's key; group 1: the table fqn.
+DYNAMIC_KEY: "re.Pattern[str]" = re.compile(rf"^{DYNAMIC_DCP_PREFIX}\.(.+)\.rank\d+\.(?:{'|'.join(DYNAMIC_FIELDS)})$")
 _EXTRA_KEY: "re.Pattern[str]" = re.compile(rf"^{EXTRA_STATE_PREFIX}\.rank(\d+)$")
 
 
@@ -74,9 +82,17 @@ def tiered_dcp_key(table_fqn: str, rank: int, field: str) -> str:
     return f"{TIERED_DCP_PREFIX}.{table_fqn}.rank{rank}.{field}"
 
 
+def dynamic_dcp_key(table_fqn: str, rank: int, field: str) -> str:
+    """``dynamic.<table_fqn>.rank<rank>.<field>``: one field (of :data:`DYNAMIC_FIELDS`) of key shard
+    ``rank``'s rows of a dynamic table (row-wise: the rank among the table's shards; table-wise: 0)."""
+    if field not in DYNAMIC_FIELDS:
+        raise ValueError(f"field must be one of {DYNAMIC_FIELDS}, got {field!r}.")
+    return f"{DYNAMIC_DCP_PREFIX}.{table_fqn}.rank{rank}.{field}"
+
+
 def is_recpipe_key(key: str) -> bool:
-    """Whether a checkpoint key is a tiered export's or an extra state's (not the model's)."""
-    return TIERED_KEY.match(key) is not None or _EXTRA_KEY.match(key) is not None
+    """Whether a checkpoint key is a tiered export's, a dynamic table's or an extra state's (not the model's)."""
+    return any(p.match(key) is not None for p in (TIERED_KEY, DYNAMIC_KEY, _EXTRA_KEY))
 
 
 def extra_state_entry(value: Any, rank: int) -> Tuple[str, bytes]:
@@ -118,11 +134,16 @@ def remote_tiered_tables(found: Dict[str, Tuple[TieredTablesMixin, str]]) -> Lis
 
 def dcp_state_dict(model: nn.Module) -> Dict[str, Any]:
     """The state dict to pass to ``torch.distributed.checkpoint.save``: the regular state
-    (tiered rows left out), ``fused_optimizer`` and this rank's export of every tiered table
-    (``metadata`` as a JSON string)."""
+    (tiered rows left out), ``fused_optimizer`` and this rank's export of every tiered table and
+    its rows of every dynamic table (``metadata`` as a JSON string)."""
     check_model(model, "dcp_state_dict")
     state, found = regular_state_dict(model)
     for fqn, shard in tiered_tables(found).items():
+        if isinstance(shard, DynamicEmbeddingShard):  # keyed by raw key, under its key shard's rank
+            entries = export_dynamic_state(shard).entries()
+            entries["metadata"] = json.dumps(entries.pop("_extra_state"), sort_keys=True)
+            state.update({dynamic_dcp_key(fqn, shard.key_rank, f): v for f, v in entries.items()})
+            continue
         st = shard.export_state()
         entries = st.entries()
         entries["metadata"] = json.dumps(entries.pop("_extra_state"), sort_keys=True)
@@ -221,10 +242,11 @@ def read_export(src: Source, table_fqn: str, rank: int) -> TieredShardState:
 
 
 def non_finite_tiered_rows(state: Dict[str, Any]) -> List[str]:
-    """One line per tiered export in ``state`` whose rows hold NaN / inf (load would refuse them)."""
+    """One line per tiered export (or dynamic table's rows) in ``state`` whose rows hold NaN / inf (load
+    would refuse them)."""
     problems: List[str] = []
     for key, value in state.items():
-        m = TIERED_KEY.match(key)
+        m = TIERED_KEY.match(key) or DYNAMIC_KEY.match(key)
         if m is None or not key.endswith(".weights"):
             continue
         opt = state.get(key[: -len("weights")] + "optimizer_state")
@@ -236,7 +258,7 @@ def non_finite_tiered_rows(state: Dict[str, Any]) -> List[str]:
         n = int(bad.count_nonzero())
         if n:
             problems.append(
-                f"tiered table {m.group(1)!r}: {n} of the rank's {value.shape[0]} rows hold NaN or "
+                f"{key.split('.', 1)[0]} table {m.group(1)!r}: {n} of the rank's {value.shape[0]} rows hold NaN or "
                 "inf values or optimizer state (load would refuse them)"
             )
     return problems

@@ -34,6 +34,12 @@ from recpipe.pipeline.routing.routed_collections import (
 )
 from recpipe.pipeline.routing.rw_sharding import RoutedRwPooledEmbeddingSharding, RoutedRwSequenceEmbeddingSharding
 from recpipe.pipeline.tiered.dynamic.dynamic_shard import DynamicEmbeddingShard
+from recpipe.pipeline.tiered.dynamic.dynamic_state import (
+    DYNAMIC_STATE_KEY,
+    dynamic_entries_misfit,
+    dynamic_state_entries,
+    pop_dynamic_entries,
+)
 from recpipe.pipeline.tiered.fused_params import resolve_tiered_fused_params, tiered_vbe_error
 from recpipe.pipeline.tiered.kernels import (
     TieredGroupedEmbeddingsLookup,
@@ -153,8 +159,11 @@ class TieredTablesMixin(RoutedShardedMixin):
             module._tiered_state_dict_sink[prefix] = module
             return
         for name, shard in module.tiered_tables().items():
-            base = f"{prefix}{module.TIERED_COLLECTION}.{name}.{TIERED_STATE_KEY}."
-            destination.update({base + k: v for k, v in shard.export_state().entries().items()})
+            table = f"{prefix}{module.TIERED_COLLECTION}.{name}."
+            if isinstance(shard, DynamicEmbeddingShard):  # keyed by raw key: <table>.dynamic.<field>
+                destination.update(dynamic_state_entries(shard, f"{table}{DYNAMIC_STATE_KEY}."))
+                continue
+            destination.update({f"{table}{TIERED_STATE_KEY}.{k}": v for k, v in shard.export_state().entries().items()})
 
     def _tiered_names(self) -> List[str]:
         """Tables of this module planned with the tiered (CUSTOMIZED_KERNEL) kernel."""
@@ -185,26 +194,33 @@ class TieredTablesMixin(RoutedShardedMixin):
         super(TieredTablesMixin, type(self))._pre_load_state_dict_hook(self, state_dict, prefix, *args)
 
     def _check_entries_fit_tables(self, state_dict: Dict[str, Any], prefix: str) -> None:
-        """Refuses entries of a table saved under the other kernel (FUSED <-> tiered), before any load.
+        """Refuses entries of a table saved under the other kernel (FUSED <-> tiered, static <-> dynamic),
+        before any load.
 
-        A tiered table given a sharded ``weight``, or a non-tiered one given a tiered export or the
-        empty placeholder (torchrec's hook would fail with an ``IndexError``).
+        A tiered table given a sharded ``weight``, a dynamic table given a static tiered export or the
+        reverse, or a non-tiered one given a tiered or dynamic export or the empty placeholder (torchrec's
+        hook would fail with an ``IndexError``).
         """
         tiered = set(self._tiered_names())
         plan = self.module_sharding_plan
         collection = f"{prefix}{self.TIERED_COLLECTION}."
+        shards = self.tiered_tables()
         for name in (n for n in plan if n in tiered):  # plan order: every rank names the same table
             key = f"{collection}{name}.weight"
             if isinstance(state_dict.get(key), (ShardedTensor, DTensor)):
                 raise ValueError(_sharded_weight_error(key, name, state_dict[key]))
+            dynamic = isinstance(shards[name], DynamicEmbeddingShard) if name in shards else None
+            misfit = dynamic_entries_misfit(dynamic, name, state_dict, f"{collection}{name}.")
+            if misfit is not None:
+                raise ValueError(f"{type(self).__name__}.load_state_dict: {misfit}")
         local = getattr(self, "_model_parallel_name_to_local_shards", {})
         wrappers = getattr(self, "_model_parallel_name_to_shards_wrapper", {})
         for name, ps in plan.items():
             if name in tiered:
                 continue
             key = f"{collection}{name}.weight"
-            base = f"{collection}{name}.{TIERED_STATE_KEY}."
-            exported = sorted(k for k in state_dict if k.startswith(base))
+            bases = (f"{collection}{name}.{TIERED_STATE_KEY}.", f"{collection}{name}.{DYNAMIC_STATE_KEY}.")
+            exported = sorted(k for k in state_dict if k.startswith(bases))
             value: Any = state_dict.get(key)
             has_shard = bool(local.get(name)) or bool((wrappers.get(name) or {}).get("local_tensors"))
             placeholder = (
@@ -235,9 +251,12 @@ class TieredTablesMixin(RoutedShardedMixin):
             )
 
     def _load_tiered_entries(self, state_dict: Dict[str, Any], prefix: str) -> None:
-        """Loads and removes the ``...tiered.*`` entries written by the state_dict hook."""
+        """Loads and removes the ``...tiered.*`` (``...dynamic.*``) entries written by the state_dict hook."""
         tables = self.tiered_tables()
         for name, shard in tables.items():
+            if isinstance(shard, DynamicEmbeddingShard):
+                pop_dynamic_entries(shard, state_dict, f"{prefix}{self.TIERED_COLLECTION}.{name}.{DYNAMIC_STATE_KEY}.")
+                continue
             base = f"{prefix}{self.TIERED_COLLECTION}.{name}.{TIERED_STATE_KEY}."
             present = [f for f in STATE_FIELDS if base + f in state_dict]
             if not present:

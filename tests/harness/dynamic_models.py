@@ -45,9 +45,11 @@ def build_dynamic(
     fused: str = "rowwise_adagrad",
     capacity_scale: float = 1.0,
     backend: Optional[str] = None,
+    static: bool = False,
 ) -> Tuple[Any, Any]:
     """A DMP of ``TwoModuleModel`` with every table dynamic (``sharding``: ``table_wise`` (t0, s0 on rank 0,
-    t1 on rank ``1 % world``) or ``row_wise``), and its dense Adam."""
+    t1 on rank ``1 % world``) or ``row_wise``), and its dense Adam; ``static``: the same plan with the tables
+    static tiered (ids in ``[0, num_embeddings)``)."""
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -97,7 +99,7 @@ def build_dynamic(
             cache_load_factor=x,
             dist_type="hash_roundrobin",
             seed=7,
-            dynamic=options,
+            dynamic=None if static else options,
             **where,
         )
     dmp = DistributedModelParallel(

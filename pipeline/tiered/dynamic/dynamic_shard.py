@@ -10,7 +10,7 @@ pools as nothing. Imports ``recpipe.pipeline.placement``, ``recpipe.pipeline.tie
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -18,6 +18,11 @@ from recpipe.pipeline.interfaces import RowOptimizer
 from recpipe.pipeline.placement import CachePolicy, DynamicTableOptions, Mode, dynamic_local_slots
 from recpipe.pipeline.routing.ops import route_ids
 from recpipe.pipeline.tiered.backends.buffers import BufferedTier
+from recpipe.pipeline.tiered.dynamic.dynamic_state import (
+    DYNAMIC_STATE_FIELDS,
+    dynamic_state_entries,
+    load_dynamic_entries,
+)
 from recpipe.pipeline.tiered.dynamic.key_hashing import init_rows, init_salt
 from recpipe.pipeline.tiered.dynamic.key_index import DYNAMIC_COUNTERS, DynamicKeyIndex, HashPlan, IndexJournal
 from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
@@ -262,9 +267,19 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         self, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, scores: torch.Tensor, step: int
     ) -> None:
         """Replaces the shard's keys and rows by ``keys`` with their rows, state and scores (this shard's own
-        keys: route them first); the counters restart at zero."""
-        self.reset_parameters()
+        keys: route them first), placed as ``DynamicKeyIndex.placement`` places them (a bucket's keys in the
+        order given; a bucket given more keys than its slots keeps those of highest score, the rest follow
+        ``on_full``); the counters restart at zero.
+
+        Raises:
+            ValueError: ``keys`` repeat, or ``on_full='error'`` and a key found no slot (nothing changed).
+        """
+        # the index first: a refusal leaves the shard unchanged
         slots, kept = self.index.load(keys.to(self.device, torch.int64), scores.to(self.device, torch.int64))
+        self._last_undo = None
+        self.write_local_rows(
+            torch.zeros((self.num_rows, self.embedding_dim), dtype=self.dtype, device=self.device), None, True
+        )
         sel = kept.nonzero().squeeze(1)
         self._write_slots(
             slots.index_select(0, sel),
@@ -275,22 +290,41 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         self.tiers.load_step(int(step))
 
     def export_state(self) -> TieredShardState:
-        """Refused: a dynamic table's rows are keyed by raw keys, which the id-keyed tiered export cannot carry.
+        """Refused: a dynamic table's rows are keyed by raw keys, which the id-keyed tiered export cannot carry
+        (``state_dict()`` and ``recpipe.pipeline.checkpoint`` save them keyed by raw key instead).
 
         Raises:
             TieredCheckpointError: always, with the ways to save the table.
         """
         raise self.checkpoint_error(
-            "dynamic tables are not saved by state_dict() / recpipe.pipeline.checkpoint yet (their rows are keyed "
-            "by raw keys, the tiered export by row id)",
+            "a dynamic table has no id-keyed export (its rows are keyed by raw keys, the tiered export by row id)",
             [
-                "save the table's keys, rows, optimizer state and scores with "
-                "recpipe.pipeline.gather_dynamic_table(model, table) and restore a shard's own keys with "
-                "DynamicEmbeddingShard.load_dynamic_rows",
-                "checkpoint the rest of the model with the dynamic tables planned static (PlacementConstraints "
-                "without dynamic=)",
+                "save and load the model with recpipe.pipeline.checkpoint.save / load (any world size and sharding), "
+                "or model.state_dict() / load_state_dict() (the same sharding): both carry the keys",
+                "take one shard's keys, rows, optimizer state and scores with "
+                "recpipe.pipeline.tiered.dynamic.dynamic_state.export_dynamic_state(shard) (or every rank's with "
+                "recpipe.pipeline.gather_dynamic_table) and load them with load_dynamic_states",
             ],
         )
+
+    def _save_to_state_dict(self, destination: Dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        destination.update(dynamic_state_entries(self, prefix))
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Dict[str, Any],
+        prefix: str,
+        local_metadata: Dict[str, Any],
+        strict: bool,
+        missing_keys: List[str],
+        unexpected_keys: List[str],
+        error_msgs: List[str],
+    ) -> None:
+        absent = [prefix + k for k in DYNAMIC_STATE_FIELDS if prefix + k not in state_dict]
+        if absent:
+            missing_keys.extend(absent)
+            return
+        load_dynamic_entries(self, lambda k: state_dict[prefix + k], f"the state dict under {prefix!r}")
 
     def extra_repr(self) -> str:
         return (

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from recpipe.pipeline.placement import BUCKET_SLOTS, DynamicTableOptions
-from recpipe.pipeline.tiered.dynamic.key_hashing import ADMIT_TAG, BUCKET_TAG, salt_of
+from recpipe.pipeline.tiered.dynamic.key_hashing import ADMIT_TAG, BUCKET_TAG, bucket_of, salt_of
 
 __all__ = ["DYNAMIC_COUNTERS", "DynamicKeyIndex", "HashPlan", "IndexJournal", "LookupSlots"]
 
@@ -254,21 +254,70 @@ class DynamicKeyIndex:
         slots = (lane < self.main.sizes.index_select(0, bucket)).nonzero().squeeze(1)
         return self.main.keys.index_select(0, slots), self.main.scores.index_select(0, slots), slots
 
-    def load(self, keys: torch.Tensor, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Inserts ``keys`` (distinct) with ``scores`` into an empty index, evicting none; returns
-        ``(slots, kept)``: each loaded key's slot and whether it found one (a full bucket drops the rest
-        per ``on_full``)."""
-        self.clear()
-        order = torch.argsort(keys)
-        uniq, sc = keys.index_select(0, order), scores.index_select(0, order)
-        if uniq.numel() > 1 and bool((uniq[1:] == uniq[:-1]).any()):
+    def placement(self, keys: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        """The slot each of ``keys`` (distinct) takes when loaded into an empty index (-1: none); changes
+        nothing. A bucket's keys take its slots in the order given (a shard's export, in slot order, loaded
+        into the same layout keeps every key's slot, so eviction ties still break alike); a bucket given more
+        keys than its :data:`BUCKET_SLOTS` slots keeps those of highest score (the ones its eviction keeps;
+        ties: the first given).
+
+        Raises:
+            ValueError: ``keys`` repeat.
+        """
+        keys, scores = keys.to(self.device, torch.int64), scores.to(self.device, torch.int64)
+        n = keys.numel()
+        ordered = torch.sort(keys).values
+        if n > 1 and bool((ordered[1:] == ordered[:-1]).any()):
             raise ValueError(f"dynamic table {self.table_name!r}: the loaded keys repeat; load one row per key.")
-        _, slot = self.main.plan(self._plan, uniq, torch.ones_like(uniq, dtype=torch.bool))
-        kept = slot >= 0
+        bucket = bucket_of(keys, self.main.salt, self.main.sizes.numel())
+
+        def rank_in_bucket(order: torch.Tensor) -> torch.Tensor:
+            # order: positions grouped by bucket (stable), so a position's rank is its place in its group
+            grouped = bucket.index_select(0, order)
+            rank = torch.arange(order.numel(), device=self.device) - torch.searchsorted(grouped, grouped)
+            return torch.empty_like(rank).index_copy_(0, order, rank)
+
+        by_score = torch.argsort(scores, descending=True, stable=True)
+        keep = rank_in_bucket(by_score.index_select(0, torch.argsort(bucket.index_select(0, by_score), stable=True)))
+        kept = keep < BUCKET_SLOTS
+        # lanes of the kept keys in the order given (dropped keys grouped past every bucket)
+        group = torch.where(kept, bucket, self.main.sizes.numel())
+        lane = torch.empty_like(keep)
+        order = torch.argsort(group, stable=True)
+        grouped = group.index_select(0, order)
+        lane.index_copy_(0, order, torch.arange(n, device=self.device) - torch.searchsorted(grouped, grouped))
+        return torch.where(kept, bucket * BUCKET_SLOTS + lane, -1)
+
+    def load(self, keys: torch.Tensor, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Replaces the index's keys by ``keys`` (distinct) with ``scores``, placed by :meth:`placement`;
+        returns ``(slots, kept)``: each loaded key's slot and whether it found one. Keys a full bucket
+        drops follow ``on_full``: ``error`` raises before the index changes, ``warning`` warns.
+
+        Raises:
+            ValueError: ``keys`` repeat, or ``on_full='error'`` and a key found no slot (nothing changed).
+        """
+        slots = self.placement(keys, scores)
+        kept = slots >= 0
         dropped = int((~kept).sum())
         if dropped:
-            self._on_full(dropped)
-        self.main.store(slot[kept], uniq[kept], sc[kept], None)
-        out = torch.full_like(keys, -1)
-        out[order] = slot
-        return out, out >= 0
+            self.on_full_at_load(dropped, int(keys.numel()))
+        self.clear()
+        self.main.store(
+            slots[kept], keys.to(self.device, torch.int64)[kept], scores.to(self.device, torch.int64)[kept], None
+        )
+        return slots, kept
+
+    def on_full_at_load(self, dropped: int, loaded: int) -> None:
+        """What ``on_full`` does with ``dropped`` of ``loaded`` keys that find no slot at a load."""
+        mode = self.options.on_full
+        if mode == "ignore":
+            return
+        message = (
+            f"dynamic table {self.table_name!r}: {dropped} of the {loaded} loaded keys found no slot: their buckets "
+            f"were given more than {BUCKET_SLOTS} keys ({self.num_slots} slots on this shard), so each keeps its "
+            f"{BUCKET_SLOTS} of highest score. Possible solutions:\n  1) raise DynamicTableOptions.capacity (of "
+            "the loading table) to hold every saved key;\n  2) set on_full='warning' or 'ignore' to drop them."
+        )
+        if mode == "error":
+            raise ValueError(message + " Nothing was loaded.")
+        warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -298,13 +298,16 @@ def test_rows_round_trip_through_a_load_at_another_capacity() -> None:
     assert torch.equal(dst(probe, torch.arange(6)), src(probe, torch.arange(6)))
 
 
-def test_the_id_keyed_export_is_refused_naming_the_way_to_save_keys() -> None:
-    """``state_dict()`` / DCP exports are id-keyed: a dynamic shard refuses them instead of saving slot rows
-    whose keys would be lost."""
+def test_the_id_keyed_export_is_refused_and_state_dict_carries_the_raw_keys() -> None:
+    """The id-keyed tiered export cannot carry raw keys: ``export_state`` refuses, naming the ways to save;
+    ``state_dict()`` carries the keys with their rows, state and scores, the step and the lru clock."""
     shard = _shard()
     shard(torch.tensor([3, -4]), torch.tensor([0, 2])).sum().backward()
-    with pytest.raises(TieredCheckpointError, match="gather_dynamic_table"):
+    with pytest.raises(TieredCheckpointError, match="(?s)recpipe.pipeline.checkpoint.save.*export_dynamic_state"):
         shard.export_state()
-    with pytest.raises(TieredCheckpointError, match="load_dynamic_rows"):
-        shard.state_dict()
-    assert shard.tier_stats()["occupancy"] == 2
+    state = shard.state_dict()
+    assert sorted(state["keys"].tolist()) == [-4, 3] and state["_extra_state"]["clock"] == 1
+    fresh = _shard()
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(shard.dynamic_rows(), fresh.dynamic_rows()))
+    assert (fresh.tier_stats()["occupancy"], fresh.tiers.export_step(), fresh.index.clock) == (2, 1, 1)
