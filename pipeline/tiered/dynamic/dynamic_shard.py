@@ -130,6 +130,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         # the last training lookup's undo record and its sequence number (lookup_counters / undo_lookup)
         self._lookups: int = 0
         self._last_undo: Optional[_LookupUndo] = None
+        self._journal_next: bool = False
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -177,14 +178,24 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
 
     @torch.no_grad()
     def _insert(self, keys: torch.Tensor) -> torch.Tensor:
-        """A training lookup's slots; new keys' rows initialized (what they overwrite kept for undo)."""
-        res = self.index.find_or_insert(keys, step=self.tiers.step, journal=True)
+        """A training lookup's slots; new keys' rows initialized. What it overwrites is kept for
+        :meth:`undo_lookup` when :meth:`lookup_counters` was read since the last lookup (the fused pipeline
+        reads it before every lookup it may take back); other lookups skip that copy."""
+        journal, self._journal_next = self._journal_next, False
+        res = self.index.find_or_insert(keys, step=self.tiers.step, journal=journal)
         tiers = self.tiers
-        assert isinstance(tiers, BufferedTier) and res.journal is not None
-        where = tiers.locate(res.new_slots)
-        old_w, old_s = tiers.read(*where, state=False), tiers.read(*where, state=True)
+        assert isinstance(tiers, BufferedTier)
         self._lookups += 1
-        self._last_undo = (res.journal, res.new_slots, old_w, old_s)
+        self._last_undo = None
+        zeros = torch.zeros((res.new_slots.numel(), self.state_cols), dtype=torch.float32, device=self.device)
+        if res.journal is not None:
+            where = tiers.locate(res.new_slots)
+            self._last_undo = (
+                res.journal,
+                res.new_slots,
+                tiers.read(*where, state=False),
+                tiers.read(*where, state=True),
+            )
         if res.new_slots.numel():
             rows = init_rows(
                 res.new_keys,
@@ -194,7 +205,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
                 self._init_salt,
                 self.dtype,
             )
-            self._write_slots(res.new_slots, rows, torch.zeros_like(old_s))
+            self._write_slots(res.new_slots, rows, zeros)
         return res.slots
 
     def _write_slots(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
@@ -220,6 +231,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
 
     def lookup_counters(self) -> Optional[Any]:
         """``(training lookups so far, the tiers' counters)``: a discarded lookup is taken back by :meth:`undo_lookup`."""
+        self._journal_next = True  # the next lookup may be taken back: keep what it overwrites
         return (self._lookups, super().lookup_counters())
 
     @torch.no_grad()
@@ -227,16 +239,22 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         """Takes back the last training lookup (its inserts, evictions, scores and new rows).
 
         Raises:
-            RuntimeError: a later lookup ran since (only the last one can be taken back).
+            RuntimeError: a later lookup ran since (only the last one can be taken back), or the lookup was not
+                preceded by :meth:`lookup_counters` (it kept no undo record).
         """
         assert isinstance(before, tuple) and isinstance(after, tuple)
         super().undo_lookup(before[1], after[1])
         if before[0] == after[0]:
             return
-        if after[0] != self._lookups or after[0] != before[0] + 1 or self._last_undo is None:
+        if after[0] != self._lookups or after[0] != before[0] + 1:
             raise RuntimeError(
                 f"dynamic table {self.table_name!r}: only the last training lookup can be taken back, and "
                 f"{self._lookups - after[0]} ran after the one discarded."
+            )
+        if self._last_undo is None:
+            raise RuntimeError(
+                f"dynamic table {self.table_name!r}: the lookup to take back kept no undo record: read "
+                "lookup_counters() right before a lookup that may be taken back (the fused pipeline does)."
             )
         journal, slots, old_w, old_s = self._last_undo
         self._write_slots(slots, old_w, old_s)
