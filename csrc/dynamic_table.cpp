@@ -11,12 +11,19 @@
 //                      missing keys in ascending order take its free slots in
 //                      order, then its victims = the used slots no key of the
 //                      call holds, by (score asc, slot asc); the rest get -1.
+//   dynamic_init_uniform  float32 initial rows [n, dim] of keys under the
+//                      uniform initializer (the spec's "Init of key's row").
 //
-// Cost: O(n * S) probing, parallel over keys, plus O(m) for the m keys that
-// want a slot (a hash map of their buckets, in key order so several misses of
-// one bucket are ranked deterministically). Victims are computed only for the
-// buckets whose free slots run out, with the hits' slots in a hash set of
-// O(hits) entries: no temporary scales with T.
+// Cost (n keys, m of them missing and wanting a slot; no temporary scales with T):
+//   phase 1  parallel over keys: hash, then probe the key's bucket (O(n * S)),
+//            the bucket lines prefetched kAhead keys ahead.
+//   phase 2  the buckets of the m keys in a hash map (O(m)), split into
+//            partitions run in parallel when m is large; within a partition
+//            the keys go in ascending order, so the plan does not depend on
+//            the thread count. Pass A ranks each key in its bucket and hands
+//            out free slots; only if some bucket runs out, pass B marks the
+//            slots found by the call in those buckets (a bitmask each) and
+//            pass C computes their victims, once per bucket, and hands them out.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -24,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -88,46 +96,53 @@ void atomic_min(std::atomic<int64_t>& target, int64_t value) {
 }
 
 constexpr int64_t kNone = INT64_MAX;
-constexpr int64_t kGroup = 8;  // keys whose bucket lines are prefetched together
+constexpr int64_t kAhead = 16;  // keys prefetched ahead of the one being processed (a power of two)
 
-// Phase 1 (parallel over keys): found[i], and slot[i] = bucket of key i when it
-// is missing and wants a slot (-1 otherwise), for phase 2 to rank. Checks that
-// uniq ascends strictly and that the sizes of the buckets it touches are in [0, S].
-void find_keys(const PlanArgs& a, int64_t* found, int64_t* slot) {
+// Phase 1 (parallel over keys): found[i], and want_bucket[i] = bucket of key i
+// when it is missing and wants a slot (-1 otherwise), for phase 2 to rank.
+// Checks that uniq ascends strictly and that the sizes of the buckets it touches
+// are in [0, S].
+void find_keys(const PlanArgs& a, int64_t* found, int64_t* want_bucket) {
   std::atomic<int64_t> bad_order{kNone};
   std::atomic<int64_t> bad_size{kNone};
   at::parallel_for(0, a.n, 2048, [&](int64_t begin, int64_t end) {
-    int64_t bkt[kGroup];
-    for (int64_t g0 = begin; g0 < end; g0 += kGroup) {
-      const int64_t g1 = std::min(end, g0 + kGroup);
-      for (int64_t i = g0; i < g1; ++i) {
-        const int64_t b = a.buckets.bucket(a.uniq[i]);
-        bkt[i - g0] = b;
-        __builtin_prefetch(a.sizes + b);
-        __builtin_prefetch(a.keys + b * a.S);
+    int64_t ring[kAhead];  // buckets of keys i .. i + kAhead - 1, their lines prefetched
+    auto issue = [&](int64_t i) {
+      const int64_t b = a.buckets.bucket(a.uniq[i]);
+      ring[i & (kAhead - 1)] = b;
+      __builtin_prefetch(a.sizes + b);
+      __builtin_prefetch(a.keys + b * a.S);
+      if (a.S > 8) {
+        __builtin_prefetch(a.keys + b * a.S + 8);
       }
-      for (int64_t i = g0; i < g1; ++i) {
-        const int64_t key = a.uniq[i];
-        if (i > 0 && a.uniq[i - 1] >= key) {
-          atomic_min(bad_order, i);
-        }
-        const int64_t b = bkt[i - g0];
-        const int64_t sz = a.sizes[b];
-        int64_t pos = -1;
-        if (sz < 0 || sz > a.S) {
-          atomic_min(bad_size, b);
-        } else {
-          const int64_t* kb = a.keys + b * a.S;
-          for (int64_t j = 0; j < sz; ++j) {
-            if (kb[j] == key) {
-              pos = b * a.S + j;
-              break;
-            }
+    };
+    for (int64_t i = begin; i < std::min(end, begin + kAhead); ++i) {
+      issue(i);
+    }
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = ring[i & (kAhead - 1)];
+      if (i + kAhead < end) {
+        issue(i + kAhead);
+      }
+      const int64_t key = a.uniq[i];
+      if (i > 0 && a.uniq[i - 1] >= key) {
+        atomic_min(bad_order, i);
+      }
+      const int64_t sz = a.sizes[b];
+      int64_t pos = -1;
+      if (sz < 0 || sz > a.S) {
+        atomic_min(bad_size, b);
+      } else {
+        const int64_t* kb = a.keys + b * a.S;
+        for (int64_t j = 0; j < sz; ++j) {
+          if (kb[j] == key) {
+            pos = b * a.S + j;
+            break;
           }
         }
-        found[i] = pos;
-        slot[i] = pos < 0 && a.want != nullptr && a.want[i] ? b : -1;
       }
+      found[i] = pos;
+      want_bucket[i] = pos < 0 && a.want != nullptr && a.want[i] ? b : -1;
     }
   });
   const int64_t i = bad_order.load();
@@ -138,87 +153,118 @@ void find_keys(const PlanArgs& a, int64_t* found, int64_t* slot) {
               "]; the index state is corrupt (sizes counts the used slots of each bucket).");
 }
 
-// Phase 2 state of one bucket that missing keys want slots in (32 bytes).
+// Phase 2 state of one bucket that missing keys want slots in.
 struct BucketPlan {
-  int64_t bucket = -1;   // -1: an empty cell of BucketTable
-  int32_t count = 0;     // missing keys of the bucket that want a slot (ranked so far)
-  int32_t taken = 0;     // victims handed out so far
-  int64_t aux = -1;      // offset of the protected-slot bitmask words (bit j: slot b*S + j held by
-                         // the call), then, once victim_len >= 0, of the victims in the pool
+  int32_t count = 0;        // missing keys of the bucket that want a slot (ranked so far)
+  int32_t taken = 0;        // victims handed out so far
   int32_t victim_len = -1;  // victims computed (-1: not yet)
-  int32_t pad = 0;
+  int64_t aux = -1;         // offset of the protected-slot bitmask words (bit j: slot b*S + j is held
+                            // by the call), then, once victim_len >= 0, of the victims in the pool
 };
 
 // Open-addressing map bucket -> BucketPlan (linear probing, power-of-two capacity
-// at least twice the entries): O(missing keys) memory.
+// at least twice the entries; the buckets in their own array so that probes for
+// absent buckets stay in cache): O(missing keys) memory. Buckets are already
+// uniform hashes of keys, so a Fibonacci hash (one multiply) spreads them.
 class BucketTable {
  public:
   explicit BucketTable(int64_t entries) {
-    int64_t cap = 16;
-    while (cap < 2 * entries) {
-      cap *= 2;
+    int bits = 4;
+    while ((int64_t{1} << bits) < 2 * entries) {
+      ++bits;
     }
-    mask_ = static_cast<uint64_t>(cap - 1);
-    cells_.resize(static_cast<size_t>(cap));
+    shift_ = 64 - bits;
+    mask_ = (uint64_t{1} << bits) - 1;
+    buckets_.assign(mask_ + 1, -1);
+    plans_.resize(mask_ + 1);
   }
 
-  void prefetch(int64_t b) const { __builtin_prefetch(cells_.data() + home(b)); }
+  // Whether probes stay in the L2 cache (prefetching them costs more than it saves).
+  bool small() const { return mask_ < (uint64_t{1} << 15); }
+
+  // Prefetches the home cell of bucket b (for writing: get() may claim it).
+  void prefetch(int64_t b) const {
+    const uint64_t h = home(b);
+    __builtin_prefetch(buckets_.data() + h, 1);
+    __builtin_prefetch(plans_.data() + h, 1);
+  }
 
   // The plan of bucket b (>= 0), inserted when absent.
   BucketPlan& get(int64_t b) {
     uint64_t h = home(b);
-    while (cells_[h].bucket != b) {
-      if (cells_[h].bucket < 0) {
-        cells_[h].bucket = b;
+    while (buckets_[h] != b) {
+      if (buckets_[h] < 0) {
+        buckets_[h] = b;
         break;
       }
       h = (h + 1) & mask_;
     }
-    return cells_[h];
+    return plans_[h];
   }
 
   // The plan of bucket b, nullptr when absent.
   BucketPlan* find(int64_t b) {
     for (uint64_t h = home(b);; h = (h + 1) & mask_) {
-      if (cells_[h].bucket == b) {
-        return &cells_[h];
+      if (buckets_[h] == b) {
+        return &plans_[h];
       }
-      if (cells_[h].bucket < 0) {
+      if (buckets_[h] < 0) {
         return nullptr;
       }
     }
   }
 
  private:
-  uint64_t home(int64_t b) const { return mix64(static_cast<uint64_t>(b)) & mask_; }
+  uint64_t home(int64_t b) const { return (static_cast<uint64_t>(b) * 0x9E3779B97F4A7C15ULL) >> shift_; }
 
+  int shift_ = 60;
   uint64_t mask_ = 0;
-  std::vector<BucketPlan> cells_;
+  std::vector<int64_t> buckets_;
+  std::vector<BucketPlan> plans_;
 };
 
-constexpr int64_t kAhead = 16;  // phase 2 prefetches the cells of the key this far ahead
+constexpr int64_t kPending = -2;  // slot[i] of a key that waits for a victim (pass A -> pass C)
 
-// Phase 2 scratch shared by its passes.
+// Phase 2 of one partition of the buckets: the buckets b with owner(b) == part
+// (a multiplicative hash of b onto [0, parts)). Partitions share nothing but
+// read-only inputs (want_bucket among them) and write disjoint entries of `slot`.
 struct InsertPlan {
+  const PlanArgs& a;
+  const int64_t* want_bucket;
+  int64_t part;
+  int64_t parts;
+  int64_t words;  // bitmask words per bucket: ceil(S / 64)
   BucketTable table;
-  int64_t words;                         // bitmask words per bucket: ceil(S / 64)
   std::vector<uint64_t> protected_bits;  // `words` per bucket that needs victims
   std::vector<int64_t> pool;             // victims of those buckets, concatenated
   std::vector<std::pair<int64_t, int64_t>> scratch;  // (score, slot) of one bucket
+
+  InsertPlan(const PlanArgs& args, const int64_t* wb, int64_t p, int64_t np, int64_t entries)
+      : a(args), want_bucket(wb), part(p), parts(np), words((args.S + 63) / 64), table(entries) {
+    scratch.reserve(static_cast<size_t>(args.S));
+  }
+
+  static int64_t owner(int64_t b, int64_t parts) {
+    const uint64_t h = (static_cast<uint64_t>(b) * 0x9E3779B97F4A7C15ULL) >> 32;
+    return static_cast<int64_t>((h * static_cast<uint64_t>(parts)) >> 32);
+  }
+  bool mine(int64_t b) const { return parts == 1 || owner(b, parts) == part; }
 };
 
 // Pass A (ascending keys): rank each missing key that wants a slot in its
-// bucket; free slots are assigned here, the rest are left pending as -2 - b.
+// bucket; free slots are assigned here, the rest are left kPending.
 // Returns whether any key is pending (some bucket needs victims).
-bool rank_misses(const PlanArgs& a, InsertPlan& p, int64_t* slot) {
+bool rank_misses(InsertPlan& p, int64_t* slot) {
+  const PlanArgs& a = p.a;
+  const int64_t* wb = p.want_bucket;
   bool pending = false;
   for (int64_t i = 0; i < a.n; ++i) {
-    if (i + kAhead < a.n && slot[i + kAhead] >= 0) {
-      p.table.prefetch(slot[i + kAhead]);
-      __builtin_prefetch(a.sizes + slot[i + kAhead]);
+    if (i + kAhead < a.n && wb[i + kAhead] >= 0 && p.mine(wb[i + kAhead])) {
+      p.table.prefetch(wb[i + kAhead]);
+      __builtin_prefetch(a.sizes + wb[i + kAhead]);
     }
-    const int64_t b = slot[i];
-    if (b < 0) {
+    const int64_t b = wb[i];
+    if (b < 0 || !p.mine(b)) {
       continue;
     }
     BucketPlan& e = p.table.get(b);
@@ -232,18 +278,24 @@ bool rank_misses(const PlanArgs& a, InsertPlan& p, int64_t* slot) {
       e.aux = static_cast<int64_t>(p.protected_bits.size());
       p.protected_bits.resize(p.protected_bits.size() + static_cast<size_t>(p.words), 0);
     }
-    slot[i] = -2 - b;
+    slot[i] = kPending;
     pending = true;
   }
   return pending;
 }
 
 // Pass B: marks the slots found by this call in the buckets that need victims.
-void protect_hits(const PlanArgs& a, InsertPlan& p, const int64_t* found) {
+void protect_hits(InsertPlan& p, const int64_t* found) {
+  const PlanArgs& a = p.a;
   const FastDivU64 per_bucket(static_cast<uint64_t>(a.S));
-  auto bucket_of = [&](int64_t s) { return static_cast<int64_t>(per_bucket.div(static_cast<uint64_t>(s))); };
+  const bool pow2 = (a.S & (a.S - 1)) == 0;
+  const int log2_s = bit_width_u64(static_cast<uint64_t>(a.S)) - 1;
+  auto bucket_of = [&](int64_t s) {
+    return pow2 ? s >> log2_s : static_cast<int64_t>(per_bucket.div(static_cast<uint64_t>(s)));
+  };
+  const bool ahead = !p.table.small();
   for (int64_t i = 0; i < a.n; ++i) {
-    if (i + kAhead < a.n && found[i + kAhead] >= 0) {
+    if (ahead && i + kAhead < a.n && found[i + kAhead] >= 0) {
       p.table.prefetch(bucket_of(found[i + kAhead]));
     }
     const int64_t s = found[i];
@@ -251,7 +303,7 @@ void protect_hits(const PlanArgs& a, InsertPlan& p, const int64_t* found) {
       continue;
     }
     const int64_t b = bucket_of(s);
-    const BucketPlan* e = p.table.find(b);
+    const BucketPlan* e = p.mine(b) ? p.table.find(b) : nullptr;
     if (e != nullptr && e->aux >= 0) {
       const int64_t j = s - b * a.S;
       p.protected_bits[static_cast<size_t>(e->aux + j / 64)] |= uint64_t{1} << (j % 64);
@@ -261,10 +313,27 @@ void protect_hits(const PlanArgs& a, InsertPlan& p, const int64_t* found) {
 
 // The victims bucket b's pending keys take (its unprotected used slots by
 // (score, slot), as many as it has pending keys), appended to the pool.
-void bucket_victims(const PlanArgs& a, InsertPlan& p, int64_t b, BucketPlan& e) {
+void bucket_victims(InsertPlan& p, int64_t b, BucketPlan& e) {
+  const PlanArgs& a = p.a;
   const int64_t used = a.sizes[b];
   const int64_t k = e.count - (a.S - used);
   const uint64_t* bits = p.protected_bits.data() + e.aux;
+  if (k == 1) {  // the common case: one pending key, the least (score, slot)
+    int64_t best = -1;
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t s = b * a.S + j;
+      const bool held = (bits[j / 64] >> (j % 64)) & 1;
+      if (!held && (best < 0 || a.scores[s] < a.scores[best])) {
+        best = s;
+      }
+    }
+    e.aux = static_cast<int64_t>(p.pool.size());
+    e.victim_len = best >= 0 ? 1 : 0;
+    if (best >= 0) {
+      p.pool.push_back(best);
+    }
+    return;
+  }
   p.scratch.clear();
   for (int64_t j = 0; j < used; ++j) {
     if (((bits[j / 64] >> (j % 64)) & 1) == 0) {
@@ -273,7 +342,7 @@ void bucket_victims(const PlanArgs& a, InsertPlan& p, int64_t b, BucketPlan& e) 
     }
   }
   const auto take = static_cast<std::ptrdiff_t>(std::min<int64_t>(k, static_cast<int64_t>(p.scratch.size())));
-  std::partial_sort(p.scratch.begin(), p.scratch.begin() + take, p.scratch.end());
+  std::sort(p.scratch.begin(), p.scratch.end());  // at most S entries
   e.aux = static_cast<int64_t>(p.pool.size());
   e.victim_len = static_cast<int32_t>(take);
   for (std::ptrdiff_t v = 0; v < take; ++v) {
@@ -282,46 +351,67 @@ void bucket_victims(const PlanArgs& a, InsertPlan& p, int64_t b, BucketPlan& e) 
 }
 
 // Pass C (ascending keys): each pending key takes its bucket's next victim, or -1.
-void take_victims(const PlanArgs& a, InsertPlan& p, int64_t* slot) {
+void take_victims(InsertPlan& p, int64_t* slot) {
+  const PlanArgs& a = p.a;
+  const int64_t* wb = p.want_bucket;
   for (int64_t i = 0; i < a.n; ++i) {
-    if (i + kAhead < a.n && slot[i + kAhead] <= -2) {
-      const int64_t ahead = -2 - slot[i + kAhead];
+    if (i + kAhead < a.n && wb[i + kAhead] >= 0 && p.mine(wb[i + kAhead])) {
+      const int64_t ahead = wb[i + kAhead];
       p.table.prefetch(ahead);
+      __builtin_prefetch(a.sizes + ahead);
       __builtin_prefetch(a.scores + ahead * a.S);
-      __builtin_prefetch(a.scores + ahead * a.S + 8);
+      if (a.S > 8) {
+        __builtin_prefetch(a.scores + ahead * a.S + 8);
+      }
     }
-    if (slot[i] > -2) {
+    const int64_t b = wb[i];
+    if (b < 0 || !p.mine(b) || slot[i] != kPending) {
       continue;
     }
-    const int64_t b = -2 - slot[i];
     BucketPlan& e = p.table.get(b);
     if (e.victim_len < 0) {
-      bucket_victims(a, p, b, e);
+      bucket_victims(p, b, e);
     }
     const int64_t v = e.taken++;
     slot[i] = v < e.victim_len ? p.pool[static_cast<size_t>(e.aux + v)] : -1;
   }
 }
 
-// Phase 2: the slot of each missing key that wants one. slot[i] holds its bucket
-// on entry (phase 1), -1 otherwise. Free slots go in pass A; then pending keys
-// take their bucket's victims, which exclude the slots found by the call.
-void plan_inserts(const PlanArgs& a, const int64_t* found, int64_t* slot) {
+constexpr int64_t kKeysPerPartition = 4096;  // missing keys that justify one more partition
+
+// Phase 2: the slot of each missing key that wants one (want_bucket[i] >= 0, its
+// bucket, from phase 1); slot[i] is -1 on entry. Free slots go in pass A; then
+// pending keys take their bucket's victims, which exclude the slots found by the
+// call. The buckets are split into partitions run in parallel, each bucket's keys
+// in ascending order within one partition: the result does not depend on threads.
+void plan_inserts(const PlanArgs& a, const int64_t* found, const int64_t* want_bucket, int64_t* slot) {
   int64_t m = 0;
   for (int64_t i = 0; i < a.n; ++i) {
-    m += slot[i] >= 0;
+    m += want_bucket[i] >= 0;
   }
   if (m == 0) {
     return;
   }
   TORCH_CHECK(m <= INT32_MAX, "recpipe::dynamic_hash_plan: ", m,
               " keys want a slot in one call; split the call into chunks of at most 2**31 - 1 keys.");
-  InsertPlan p{BucketTable(m), (a.S + 63) / 64, {}, {}, {}};
-  p.scratch.reserve(static_cast<size_t>(a.S));
-  if (rank_misses(a, p, slot)) {
-    protect_hits(a, p, found);
-    take_victims(a, p, slot);
-  }
+  const int64_t parts =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), m / kKeysPerPartition));
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t part = p0; part < p1; ++part) {
+      int64_t mine = m;  // the partition's keys: at least its distinct buckets, the table's size
+      if (parts > 1) {
+        mine = 0;
+        for (int64_t i = 0; i < a.n; ++i) {
+          mine += want_bucket[i] >= 0 && InsertPlan::owner(want_bucket[i], parts) == part;
+        }
+      }
+      InsertPlan p(a, want_bucket, part, parts, mine);
+      if (rank_misses(p, slot)) {
+        protect_hits(p, found);
+        take_victims(p, slot);
+      }
+    }
+  });
 }
 
 std::tuple<at::Tensor, at::Tensor> dynamic_hash_plan_cpu(const at::Tensor& uniq,
@@ -346,8 +436,14 @@ std::tuple<at::Tensor, at::Tensor> dynamic_hash_plan_cpu(const at::Tensor& uniq,
                    DynamicBuckets(static_cast<uint64_t>(salt), static_cast<uint64_t>(sizes.numel()))};
   int64_t* found_p = found.mutable_data_ptr<int64_t>();
   int64_t* slot_p = slot.mutable_data_ptr<int64_t>();
-  find_keys(a, found_p, slot_p);
-  plan_inserts(a, found_p, slot_p);
+  if (a.want == nullptr) {
+    find_keys(a, found_p, slot_p);  // no key wants a slot: want_bucket is all -1, the slots
+    return {found, slot};
+  }
+  slot.fill_(-1);
+  const std::unique_ptr<int64_t[]> want_bucket(new int64_t[static_cast<size_t>(n)]);
+  find_keys(a, found_p, want_bucket.get());
+  plan_inserts(a, found_p, want_bucket.get(), slot_p);
   return {found, slot};
 }
 
