@@ -1,9 +1,10 @@
 """Benchmark of dynamic tables (issue 50): the cost of dynamism, memory per row and insert scale.
 
 * cost: forward+backward of a dynamic shard (raw keys: Zipf(1.05) ranks scrambled over the int64 range)
-  next to the static tiered shard of the same capacity looked up by the ranks themselves (same rows,
-  same hit rates: every key fits), ``native`` backend, HYBRID x = 1 and CACHING 0.2, row-wise Adagrad,
-  in the same process. Target: dynamic <= 1.5x static.
+  next to the static tiered shard of the same capacity looked up by ids that are a fixed random
+  permutation of the ranks (a static table's ids of raw values: hot rows scattered over the table as a
+  dynamic table's slots are; same rows, same hit rates: every key fits), ``native`` backend, HYBRID x = 1
+  and CACHING 0.2, row-wise Adagrad, in the same process. Target: dynamic <= 1.5x static.
 * memory: bytes per slot measured from the allocated tensors (rows, state, index) next to the planner's
   formula (``shard_storage`` of the slots plus ``dynamic_index_bytes``), and the index metadata per slot.
   Targets: within 5% of the formula; metadata <= 24 B per row.
@@ -54,7 +55,9 @@ def _optimizer() -> TieredOptimizerConfig:
 
 def cost_rows(capacity: int, dim: int, bags: int, pooling: int, repeat: int) -> List[Sequence[object]]:
     gen = torch.Generator().manual_seed(0)
-    steps = [zipf_ranks(bags * pooling, capacity, gen) for _ in range(8)]
+    ranks = [zipf_ranks(bags * pooling, capacity, gen) for _ in range(8)]
+    perm = torch.randperm(capacity, generator=gen)
+    steps = [perm[r] for r in ranks]
     offsets = torch.arange(0, bags * pooling + 1, pooling)
     grad = torch.randn(bags, dim, generator=gen)
     rows: List[Sequence[object]] = []
@@ -66,7 +69,7 @@ def cost_rows(capacity: int, dim: int, bags: int, pooling: int, repeat: int) -> 
         static = TieredEmbeddingShard(
             num_embeddings=slots, embedding_dim=dim, routing=WholeTableRouting(slots), **place
         )
-        keys = [scramble(s) for s in steps]
+        keys = [scramble(r) for r in ranks]
         for k in keys:  # warm: insert every key once (hit rates alike afterwards)
             dynamic(k, offsets).backward(grad)
         it = {"d": 0, "s": 0}
