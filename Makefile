@@ -46,7 +46,7 @@ bench: venv
 	@for b in scripts/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 run: venv
-	$(PY) -m recpipe.recipes.launch
+	$(PY) -m recpipe.recipes.launch $(ARGS)
 
 # Development overlay: `PYTHONPATH=build/dev` imports the source folders live
 # (symlinked) with a CPU-only extension. Tests in CI use the installed package.

@@ -62,6 +62,7 @@ def shard_model(config: TrainConfig, model: nn.Module, env: ShardingEnv, device:
     one) under the tier budgets, pricing lookups and communication; ``table_wise``: torchrec's own
     sharder places whole tables greedily;
     ``torchrec_planner``: torchrec's ``EmbeddingShardingPlanner`` plans (both for comparison).
+    With ``dynamic_tables`` (``planned`` only) every table is pinned dynamic (:func:`dynamic_constraints`).
 
     Args:
         model: unsharded ``DLRMTrain`` with meta tables.
@@ -231,7 +232,8 @@ class TierPlanner:
     flags, each with the least budget the planner's messages name with which a plan is found.
 
     Args:
-        config: the run's config (batch size, seed, sharding types; the budgets come per call).
+        config: the run's config (batch size, seed, sharding types, ``dynamic_tables``: the pins of
+            :func:`dynamic_constraints`; the budgets come per call).
         model: the unsharded model (meta tables, fused optimizer applied).
         world, local_world: ranks, and ranks per machine.
         device: the device the tables train on (picks the planned backend and communication).

@@ -205,7 +205,8 @@ class TrainConfig:
     each table's capacity in rows)."""
 
     virtual_rows: int = 262_144
-    """Rows of each virtual table of ``micro_dlrm_dram`` (2**18 by default)."""
+    """Rows of each virtual table of ``micro_dlrm_dram`` (2**18 by default; with ``dynamic_tables``, each
+    table's capacity in rows)."""
 
     hash_k: int = 4
     """Rows each id is hashed to in ``micro_dlrm_dram`` (its pooling factor)."""
@@ -264,9 +265,10 @@ class TrainConfig:
 
     dynamic_tables: bool = False
     """Dynamic embedding tables: every table takes its feature's raw int64 ids as keys (Criteo's hex values,
-    MovieLens' ids, the keys of ``synthetic_raw_keys``; no modulo into ``num_embeddings`` rows) and gives a
-    key a row when training first sees it, evicting by score when the key's bucket is full. Needs
-    ``--model dlrm`` and ``--placement planned`` with ``table_wise`` or ``row_wise`` among ``sharding_types``."""
+    MovieLens' ids, the keys of ``synthetic_raw_keys``; no modulo into ``num_embeddings`` rows; ``micro_dlrm_dram``
+    takes ``hash_k`` distinct int64 keys per id) and gives a key a row when training first sees it, evicting the
+    least recently used key of its bucket when the bucket is full. Each table's capacity is its rows. Needs
+    ``--placement planned`` with ``table_wise`` or ``row_wise`` among ``sharding_types``."""
 
     num_threads: int = 1
     """``torch.set_num_threads`` per rank, at most the machine's logical CPUs."""
@@ -498,32 +500,27 @@ def _check_switches_and_checkpoints(config: TrainConfig) -> None:
 
 # What each placement other than ``planned`` shards with instead of recpipe's tiered sharders.
 _STATIC_PLACEMENTS: dict[str, str] = {
-    "table_wise": "torchrec's own sharder places FUSED tables",
-    "torchrec_planner": "torchrec's EmbeddingShardingPlanner plans FUSED tables",
+    "table_wise": "torchrec's own sharder places torchrec's FUSED tables",
+    "torchrec_planner": "torchrec's EmbeddingShardingPlanner plans torchrec's FUSED tables",
 }
 
 
 def _check_dynamic_tables(config: TrainConfig) -> None:
-    """``dynamic_tables`` goes only with the settings that build dynamic tables: ``dlrm`` (one table per
-    feature, keyed by its raw ids), ``--placement planned`` (recpipe's tiered sharders) and a table-wise or
-    row-wise sharding type (column-wise shards are torchrec's static FUSED tables)."""
+    """``dynamic_tables`` goes only with the settings that build dynamic tables: ``--placement planned``
+    (dynamic tables are recpipe's tiered tables, built by its tiered sharders; the other placements build
+    torchrec's FUSED tables, whose rows are fixed) and a table-wise or row-wise sharding type (column-wise
+    shards are FUSED tables too). Both models take them (``micro_dlrm_dram`` keys ``hash_k`` keys per id)."""
     if not config.dynamic_tables:
         return
-    if config.model != "dlrm":
-        raise _invalid(
-            config,
-            "dynamic_tables",
-            f"it contradicts model={config.model!r}, which hashes every id into hash_k rows of a fixed-size "
-            "virtual table, so no table would see a raw key",
-            "pass --model dlrm, or drop --dynamic-tables",
-        )
     if config.placement != "planned":
         raise _invalid(
             config,
             "dynamic_tables",
             f"it contradicts placement={config.placement!r}, where {_STATIC_PLACEMENTS[config.placement]}, whose "
-            "rows are fixed; dynamic tables are recpipe's tiered tables, placed by --placement planned",
-            "pass --placement planned, or drop --dynamic-tables",
+            "rows are fixed ids in [0, num_embeddings); dynamic tables are recpipe's tiered tables, placed by "
+            "--placement planned",
+            "pass --placement planned (with --sharding-types table_wise for whole tables on one rank each), "
+            "or drop --dynamic-tables",
         )
     if "table_wise" not in config.sharding_types and "row_wise" not in config.sharding_types:
         raise _invalid(

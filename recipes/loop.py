@@ -1,6 +1,6 @@
 """The training loop of one run (:class:`TrainLoop`) and what it reports (:class:`TrainResult`).
 
-May import recipes' config, data, faults and tb_logging modules.
+May import recipes' config, data, faults and tb_logging modules, and recpipe.pipeline's public names.
 """
 
 from __future__ import annotations
@@ -68,27 +68,31 @@ def _chunk_end(step: int, total: int, config: TrainConfig) -> int:
     return min([total] + [(step // every + 1) * every for every in periods if every])
 
 
-def evaluate(pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> float:
-    """Global AUROC over ``batches`` through the pipeline in eval mode (NaN without samples).
+def evaluate(pipeline: Any, eval_pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> float:
+    """Global AUROC over ``batches`` through ``eval_pipeline`` in eval mode (NaN without samples).
 
     Args:
+        pipeline: the train pipeline, detached from ``model`` while ``eval_pipeline`` evaluates
+            (its next ``progress()`` attaches it again).
+        eval_pipeline: the evaluation pipeline (``EvalPipelinePrefetch``); detached at the end.
         batches: this rank's eval batches (same count and size on every rank); samples
             labelled ``EVAL_PAD_LABEL`` are left out.
     """
     metric = BinaryAUROC()
     seen = torch.zeros(1)
     model.eval()
+    pipeline.detach()
     try:
-        with torch.no_grad():
-            while True:
-                try:
-                    _, logits, labels = pipeline.progress(batches)
-                except StopIteration:
-                    break
-                real = labels != EVAL_PAD_LABEL
-                metric.update(torch.sigmoid(logits.float())[real].cpu(), labels[real].long().cpu())
-                seen += int(real.sum())
+        while True:
+            try:
+                _, logits, labels = eval_pipeline.progress(batches)
+            except StopIteration:
+                break
+            real = labels != EVAL_PAD_LABEL
+            metric.update(torch.sigmoid(logits.float())[real].cpu(), labels[real].long().cpu())
+            seen += int(real.sum())
     finally:
+        eval_pipeline.detach()
         model.train()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(seen)
@@ -149,6 +153,7 @@ class TrainLoop:
     total: int
     eval_count: int | None  # evaluation batches every rank announced (None: unknown)
     save: Callable[[int], None]  # writes the checkpoint of a step (called on every rank)
+    eval_pipeline: Any = None  # EvalPipelinePrefetch on the model; None: built at the first evaluation
 
     def __post_init__(self) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -287,7 +292,14 @@ class TrainLoop:
         batches = self.source.eval_batches()
         if self.eval_count is not None:  # the count every rank announced at start
             batches = exactly(batches, self.eval_count, f"rank {self.rank}, evaluation at step {step}")
-        auroc = evaluate(self.pipeline, self.model, batches)
+        if self.eval_pipeline is None:
+            from recpipe.pipeline import EvalPipelinePrefetch
+
+            device = getattr(self.model, "device", None)  # DistributedModelParallel's compute device
+            if not isinstance(device, torch.device):
+                device = next(self.model.parameters()).device
+            self.eval_pipeline = EvalPipelinePrefetch(self.model, device)
+        auroc = evaluate(self.pipeline, self.eval_pipeline, self.model, batches)
         self.result.evals.append((step, auroc))
         if auroc == auroc:  # not NaN
             self.tb.scalars(step, {"eval/auroc": auroc})

@@ -200,6 +200,14 @@ def _quiet_upstream_notices() -> None:
     )
 
 
+def _quiet_raw_key_range_notices() -> None:
+    """Drops torchrec's first-batch notice that a feature's ids fall outside ``[0, num_embeddings)`` (entry point
+    only, ``--dynamic-tables``): every table is dynamic and takes raw int64 keys, which it is meant to."""
+    logging.getLogger("torchrec.sparse.jagged_tensor_validator").addFilter(
+        lambda record: "which is out of range" not in record.getMessage()
+    )
+
+
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns 0, 2 (bad config) or 1 (a failure :func:`~recpipe.recipes.faults.user_facing_error`
@@ -210,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:  # a user error: one message, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if config.dynamic_tables:
+        _quiet_raw_key_range_notices()
     try:
         result = run(config)
     except ConfigError as e:  # e.g. a data file smaller than one global batch: one line, no traceback

@@ -16,7 +16,7 @@ from torchrec.datasets.utils import Batch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recpipe.recipes.config import TrainConfig
-from recpipe.recipes.data.hashing import VirtualTableProjector
+from recpipe.recipes.data.hashing import VirtualKeyProjector, VirtualTableProjector
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,16 +55,19 @@ class IdTransform:
 
     ``dlrm``: ``id mod rows`` (pooling factor 1; Python's sign rule, so a negative id maps to a
     row ``>= 0``); ``micro_dlrm_dram``: ``k`` hashed rows in a virtual table (pooling factor ``k``).
-    With ``dynamic_tables`` (only ``dlrm``) the raw ids themselves, the keys of dynamic tables.
+    With ``dynamic_tables`` the keys of dynamic tables: ``dlrm``'s are the raw ids themselves,
+    ``micro_dlrm_dram``'s ``k`` distinct int64 keys per id (:class:`VirtualKeyProjector`).
     """
 
     def __init__(self, config: TrainConfig, spec: DatasetSpec) -> None:
         self.rows = table_rows(config, spec)
         self._rows_col = torch.tensor(self.rows, dtype=torch.int64).unsqueeze(1)  # (F, 1)
-        self.raw_keys: bool = config.dynamic_tables
+        self.raw_keys: bool = config.dynamic_tables and config.model == "dlrm"
         """The ids pass through unchanged (dynamic tables key their rows by them)."""
-        self.projector: VirtualTableProjector | None = None
-        if config.model == "micro_dlrm_dram" and not self.raw_keys:
+        self.projector: VirtualTableProjector | VirtualKeyProjector | None = None
+        if config.model == "micro_dlrm_dram" and config.dynamic_tables:
+            self.projector = VirtualKeyProjector(config.hash_k, seed=config.seed)
+        elif config.model == "micro_dlrm_dram":
             self.projector = VirtualTableProjector(config.virtual_rows, config.hash_k, seed=config.seed)
 
     @property
@@ -73,7 +76,8 @@ class IdTransform:
         return self.projector.k if self.projector is not None else 1
 
     def rows_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """int64 ``(F, N, per_sample)`` table rows of int64 ``(F, N)`` raw ids (with :attr:`raw_keys`, the ids).
+        """int64 ``(F, N, per_sample)`` table rows (dynamic tables: keys) of int64 ``(F, N)`` raw ids (with
+        :attr:`raw_keys`, the ids).
 
         A source whose ids repeat maps its whole dataset once and builds batches with
         :meth:`kjt_of_rows` (the same KJT as :meth:`to_kjt`, without hashing per batch).

@@ -152,8 +152,8 @@ class VirtualTableProjector:
         return hash_ids_grid(ids.reshape(1, -1), seeds, self.num_rows)[0]
 
 
-# Tag of the salts of VirtualKeyProjector (unrelated to the dynamic tables' own bucket and init salts).
-_KEY_TAG: int = 0x6D6963726F2D6B79
+#: Tag of the salts of VirtualKeyProjector (unrelated to the dynamic tables' own bucket and init salts).
+VIRTUAL_KEY_TAG: int = 0x6D6963726F2D6B79
 
 
 class VirtualKeyProjector:
@@ -178,12 +178,13 @@ class VirtualKeyProjector:
         from recpipe.pipeline.tiered.dynamic.key_hashing import salt_of, to_int64_bits
 
         if self._salts.shape[0] < num_features:
-            salts = [[to_int64_bits(salt_of(mix_seed(self.seed, f, j), _KEY_TAG)) for j in range(self.k)]]
-            self._salts = torch.tensor(
-                [[to_int64_bits(salt_of(mix_seed(self.seed, f, j), _KEY_TAG)) for j in range(self.k)] for f in range(num_features)],
-                dtype=torch.int64,
-            ).reshape(num_features, self.k)
-            del salts
+            salts = [
+                [salt_of(mix_seed(self.seed, f, j), VIRTUAL_KEY_TAG) for j in range(self.k)]
+                for f in range(num_features)
+            ]
+            self._salts = torch.tensor([[to_int64_bits(s) for s in row] for row in salts], dtype=torch.int64).reshape(
+                num_features, self.k
+            )
         return self._salts[:num_features]
 
     def project(self, ids: torch.Tensor) -> torch.Tensor:

@@ -38,13 +38,12 @@ def test_dynamic_tables_flag_defaults_off_and_is_documented() -> None:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ([], r"dynamic_tables=True: it contradicts model='micro_dlrm_dram', which hashes every id into hash_k rows"),
         (
             DLRM + ["--placement", "table_wise"],
-            r"dynamic_tables=True: it contradicts placement='table_wise', where torchrec's own sharder places FUSED",
+            r"dynamic_tables=True: it contradicts placement='table_wise', where torchrec's own sharder places torch",
         ),
         (
-            DLRM + ["--placement", "torchrec_planner"],
+            ["--placement", "torchrec_planner"],
             r"dynamic_tables=True: it contradicts placement='torchrec_planner', where torchrec's EmbeddingShardingPl",
         ),
         (
@@ -64,6 +63,12 @@ def test_settings_that_build_no_dynamic_table_are_refused_naming_both(argv: list
 def test_a_table_wise_or_row_wise_sharding_type_allows_dynamic_tables(sharding_types: str) -> None:
     config = parse_config(DLRM + ["--sharding-types", sharding_types, "--dynamic-tables"])
     assert config.dynamic_tables and config.sharding_types == sharding_types
+
+
+@pytest.mark.parametrize("argv", [[], ["--config", "default"]], ids=["defaults", "default_recipe"])
+def test_the_default_model_takes_dynamic_tables(argv: list[str]) -> None:
+    config = parse_config(argv + ["--dynamic-tables"])
+    assert config.model == "micro_dlrm_dram" and config.placement == "planned" and config.dynamic_tables
 
 
 def test_resume_fingerprint_tells_dynamic_from_static_tables() -> None:
