@@ -16,6 +16,11 @@ _EXPORTS: Dict[str, str] = {
     # the fused pipeline
     "TrainPipelineFusedSparseDist": "recpipe.pipeline.train_pipeline.fused_pipeline",
     "PipelinedLookupUnavailableError": "recpipe.pipeline.train_pipeline.forward",
+    # the semi-sync pipeline
+    "TrainPipelineSemiSync": "recpipe.pipeline.train_pipeline.semi_sync_pipeline",
+    "SemiSyncModelError": "recpipe.pipeline.train_pipeline.semi_sync_checks",
+    # the prefetching eval pipeline
+    "EvalPipelinePrefetch": "recpipe.pipeline.train_pipeline.eval_pipeline",
     # the plan -> runtime contract
     "CachePolicy": "recpipe.pipeline.placement.cache_policies",
     "DistType": "recpipe.pipeline.placement.values",

@@ -27,6 +27,10 @@ SAME_INTERFACE: Dict[str, str] = {
     # a drop-in: takes torchrec's own constructor arguments (emb_lookup_stream,
     # embedding_lookup_after_data_dist) with torchrec's meaning, and its progress / reset API
     "TrainPipelineFusedSparseDist": "torchrec.distributed.train_pipeline.TrainPipelineFusedSparseDist",
+    # torchrec's constructor arguments in torchrec's order (start_batch, stash_gradients, strict, ...),
+    # its staleness (tables last updated at B-2), progress / is_semi_sync / reset; recpipe's own
+    # arguments are keyword-only additions
+    "TrainPipelineSemiSync": "torchrec.distributed.train_pipeline.TrainPipelineSemiSync",
     # fbgemm's op's interface (every argument); torchrec's name is an experimental TPU dispatcher
     "block_bucketize_sparse_features": "fbgemm_gpu's torch.ops.fbgemm.block_bucketize_sparse_features",
 }

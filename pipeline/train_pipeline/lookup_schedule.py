@@ -86,12 +86,12 @@ class LookupSchedule:
         return self.issue_point is LookupIssuePoint.AFTER_DATA_DIST
 
 
-def _stream(use_emb_lookup_stream: Optional[bool], emb_lookup_stream: Optional[Any]) -> str:
+def _stream(use_emb_lookup_stream: Optional[bool], emb_lookup_stream: Optional[Any], who: str) -> str:
     if emb_lookup_stream is not None and (
         not isinstance(emb_lookup_stream, str) or emb_lookup_stream not in EMB_LOOKUP_STREAMS
     ):
         raise ValueError(
-            f"{_WHO}: emb_lookup_stream must be one of {list(EMB_LOOKUP_STREAMS)} (torchrec's values) or "
+            f"{who}: emb_lookup_stream must be one of {list(EMB_LOOKUP_STREAMS)} (torchrec's values) or "
             f"None, got {type(emb_lookup_stream).__name__} {emb_lookup_stream!r}. recpipe's "
             "use_emb_lookup_stream=True is emb_lookup_stream='new' and use_emb_lookup_stream=False is "
             "'data_dist': pass one of these values, or use_emb_lookup_stream instead."
@@ -101,7 +101,7 @@ def _stream(use_emb_lookup_stream: Optional[bool], emb_lookup_stream: Optional[A
         return mine or "data_dist"
     if mine is not None and mine != emb_lookup_stream:
         raise ValueError(
-            f"{_WHO}: use_emb_lookup_stream={use_emb_lookup_stream} (the lookup on the {mine!r} stream) "
+            f"{who}: use_emb_lookup_stream={use_emb_lookup_stream} (the lookup on the {mine!r} stream) "
             f"contradicts emb_lookup_stream={emb_lookup_stream!r}. Pass only one of them: "
             f"emb_lookup_stream={emb_lookup_stream!r} alone, or use_emb_lookup_stream={use_emb_lookup_stream} "
             f"alone (= emb_lookup_stream={mine!r})."
@@ -110,13 +110,13 @@ def _stream(use_emb_lookup_stream: Optional[bool], emb_lookup_stream: Optional[A
 
 
 def _issue_point(
-    embedding_lookup_after_opt: Optional[bool], embedding_lookup_after_data_dist: Optional[bool]
+    embedding_lookup_after_opt: Optional[bool], embedding_lookup_after_data_dist: Optional[bool], who: str
 ) -> LookupIssuePoint:
     mine = None if embedding_lookup_after_opt is None else _RECPIPE_POINT[embedding_lookup_after_opt]
     theirs = None if embedding_lookup_after_data_dist is None else _TORCHREC_POINT[embedding_lookup_after_data_dist]
     if mine is not None and theirs is not None and mine is not theirs:
         raise ValueError(
-            f"{_WHO}: embedding_lookup_after_opt={embedding_lookup_after_opt} ({_POINT_WORDS[mine]}) "
+            f"{who}: embedding_lookup_after_opt={embedding_lookup_after_opt} ({_POINT_WORDS[mine]}) "
             f"contradicts embedding_lookup_after_data_dist={embedding_lookup_after_data_dist} "
             f"({_POINT_WORDS[theirs]}). Pass only one of them: "
             f"embedding_lookup_after_data_dist={embedding_lookup_after_data_dist} alone, or "
@@ -131,6 +131,7 @@ def resolve_lookup_schedule(
     embedding_lookup_after_opt: Optional[bool],
     emb_lookup_stream: Optional[str],
     embedding_lookup_after_data_dist: Optional[bool],
+    who: str = _WHO,
 ) -> LookupSchedule:
     """The schedule recpipe's and torchrec's arguments select (None: not given).
 
@@ -138,7 +139,8 @@ def resolve_lookup_schedule(
     optimizer step: both libraries' defaults. A recpipe flag and its torchrec counterpart may
     both be given only when they agree (``use_emb_lookup_stream=True`` with ``'new'``,
     ``False`` with ``'data_dist'``; ``embedding_lookup_after_opt=True`` with
-    ``embedding_lookup_after_data_dist=False``).
+    ``embedding_lookup_after_data_dist=False``). ``who``: the pipeline class the error
+    messages name.
 
     Returns:
         LookupSchedule: the stream and issue point.
@@ -148,6 +150,6 @@ def resolve_lookup_schedule(
             contradicting its torchrec counterpart (the message names both and the fix).
     """
     return LookupSchedule(
-        emb_lookup_stream=_stream(use_emb_lookup_stream, emb_lookup_stream),
-        issue_point=_issue_point(embedding_lookup_after_opt, embedding_lookup_after_data_dist),
+        emb_lookup_stream=_stream(use_emb_lookup_stream, emb_lookup_stream, who),
+        issue_point=_issue_point(embedding_lookup_after_opt, embedding_lookup_after_data_dist, who),
     )

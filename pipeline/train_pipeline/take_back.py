@@ -43,7 +43,9 @@ def fused_tbes(module: torch.nn.Module) -> List[torch.nn.Module]:
         for m in root.modules():
             if isinstance(getattr(m, "learning_rate_tensor", None), torch.Tensor):
                 found.setdefault(id(m), m)
-            roots.extend(getattr(m, "_lookups", None) or ())
+            lookups = getattr(m, "_lookups", None)
+            if isinstance(lookups, (list, tuple, torch.nn.ModuleList)):  # not another module's counter of that name
+                roots.extend(lookups)
     return list(found.values())
 
 
