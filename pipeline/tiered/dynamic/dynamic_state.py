@@ -13,15 +13,47 @@ Imports ``recpipe.pipeline.placement`` and ``recpipe.pipeline.tiered`` modules (
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from recpipe.pipeline.placement import DynamicTableOptions
+from recpipe.pipeline.interfaces import RowOptimizer, TierBackend
+from recpipe.pipeline.placement import DynamicTableOptions, Mode
+from recpipe.pipeline.tiered.dynamic.key_index import DynamicKeyIndex
 from recpipe.pipeline.tiered.state import TieredCheckpointError, non_finite_rows
 
-if TYPE_CHECKING:
-    from recpipe.pipeline.tiered.dynamic.dynamic_shard import DynamicEmbeddingShard
+
+class DynamicShardView(Protocol):
+    """What this module reads and calls of a ``DynamicEmbeddingShard`` (a structural type, so the shard's module
+    can import this one without a cycle)."""
+
+    table_name: str
+    table_num_embeddings: int
+    embedding_dim: int
+    num_rows: int
+    state_cols: int
+    dtype: torch.dtype
+    mode: Mode
+    cache_load_factor: float
+    optimizer: RowOptimizer
+    options: DynamicTableOptions
+    key_shards: int
+    key_rank: int
+    key_routing_seed: int
+    index: DynamicKeyIndex
+    tiers: TierBackend
+
+    def dynamic_rows(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, weights, optimizer state, scores)`` of every key held."""
+
+    def load_dynamic_rows(
+        self, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, scores: torch.Tensor, step: int
+    ) -> None:
+        """Replaces the shard's keys and rows."""
+
+    def owned(self, keys: torch.Tensor) -> torch.Tensor:
+        """Which of ``keys`` this shard holds."""
+
 
 __all__ = [
     "DYNAMIC_FORMAT",
@@ -82,7 +114,7 @@ class DynamicShardState:
         return cls(**tensors, step=int(entry("step")), metadata=dict(entry("_extra_state")))
 
 
-def dynamic_metadata(shard: "DynamicEmbeddingShard") -> Dict[str, Any]:
+def dynamic_metadata(shard: DynamicShardView) -> Dict[str, Any]:
     """What an export of ``shard`` records besides its rows (JSON-serializable): the table, its dim,
     dtype and optimizer, its ``DynamicTableOptions`` (JSON), the key routing (``key_shards``,
     ``key_rank``, ``key_routing_seed``), the index's lru ``clock`` and the table's ``capacity``."""
@@ -103,18 +135,18 @@ def dynamic_metadata(shard: "DynamicEmbeddingShard") -> Dict[str, Any]:
 
 
 @torch.no_grad()
-def export_dynamic_state(shard: "DynamicEmbeddingShard") -> DynamicShardState:
+def export_dynamic_state(shard: DynamicShardView) -> DynamicShardState:
     """Every key ``shard`` holds with its row, optimizer state and score (slot order, CPU; flushes the cache)."""
     keys, weights, state, scores = shard.dynamic_rows()
     return DynamicShardState(keys, weights, state, scores, shard.tiers.export_step(), dynamic_metadata(shard))
 
 
-def dynamic_state_entries(shard: "DynamicEmbeddingShard", prefix: str) -> Dict[str, Any]:
+def dynamic_state_entries(shard: DynamicShardView, prefix: str) -> Dict[str, Any]:
     """``{prefix + field: value}`` of ``shard``'s export (:data:`DYNAMIC_STATE_FIELDS`)."""
     return {prefix + k: v for k, v in export_dynamic_state(shard).entries().items()}
 
 
-def dynamic_error(shard: "DynamicEmbeddingShard", what: str, fixes: Sequence[str]) -> TieredCheckpointError:
+def dynamic_error(shard: DynamicShardView, what: str, fixes: Sequence[str]) -> TieredCheckpointError:
     """A ``TieredCheckpointError`` naming ``shard``'s table and key shard, what failed and the numbered fixes."""
     where = "one key shard" if shard.key_shards == 1 else f"key shard {shard.key_rank} of {shard.key_shards}"
     lines = [
@@ -124,7 +156,7 @@ def dynamic_error(shard: "DynamicEmbeddingShard", what: str, fixes: Sequence[str
     return TieredCheckpointError("\n".join(lines + [f"  {i}. {fix}" for i, fix in enumerate(fixes, 1)]))
 
 
-def check_dynamic_metadata(shard: "DynamicEmbeddingShard", md: Any) -> None:
+def check_dynamic_metadata(shard: DynamicShardView, md: Any) -> None:
     """Refuses an export ``shard`` cannot load: not a dynamic export, or another embedding dim, dtype,
     optimizer or eviction (its scores mean that eviction's).
 
@@ -162,7 +194,7 @@ def check_dynamic_metadata(shard: "DynamicEmbeddingShard", md: Any) -> None:
         )
 
 
-def routes_keys_as(shard: "DynamicEmbeddingShard", md: Mapping[str, Any]) -> bool:
+def routes_keys_as(shard: DynamicShardView, md: Mapping[str, Any]) -> bool:
     """Whether an export with metadata ``md`` holds exactly the keys ``shard``'s key routing sends it."""
     if int(md["key_shards"]) != shard.key_shards:
         return False
@@ -171,7 +203,7 @@ def routes_keys_as(shard: "DynamicEmbeddingShard", md: Mapping[str, Any]) -> boo
     )
 
 
-def check_dynamic_shapes(shard: "DynamicEmbeddingShard", keys: Any, weights: Any, state: Any, scores: Any) -> None:
+def check_dynamic_shapes(shard: DynamicShardView, keys: Any, weights: Any, state: Any, scores: Any) -> None:
     """Refuses rows that are not ``[N]`` int64 keys and scores, ``[N, dim]`` weights and ``[N, state
     columns]`` state of ``shard``'s table."""
     tensors = (keys, weights, state, scores)
@@ -191,7 +223,7 @@ def check_dynamic_shapes(shard: "DynamicEmbeddingShard", keys: Any, weights: Any
 
 
 def check_dynamic_rows(
-    shard: "DynamicEmbeddingShard", keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, scores: torch.Tensor
+    shard: DynamicShardView, keys: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, scores: torch.Tensor
 ) -> None:
     """Refuses rows ``shard`` cannot load: :func:`check_dynamic_shapes`, NaN / inf values or state, or
     repeated keys."""
@@ -219,7 +251,7 @@ def repeated_keys(keys: torch.Tensor) -> torch.Tensor:
     return ordered[1:][ordered[1:] == ordered[:-1]].unique()
 
 
-def dropped_at_load(shard: "DynamicEmbeddingShard", keys: torch.Tensor, scores: torch.Tensor) -> int:
+def dropped_at_load(shard: DynamicShardView, keys: torch.Tensor, scores: torch.Tensor) -> int:
     """How many of ``keys`` its capacity cannot hold (each bucket keeps its keys of highest score); refuses
     them when the table's ``on_full`` is ``error``, before anything changes."""
     dropped = int((shard.index.placement(keys, scores) < 0).sum())
@@ -238,7 +270,7 @@ def dropped_at_load(shard: "DynamicEmbeddingShard", keys: torch.Tensor, scores: 
 
 @torch.no_grad()
 def load_owned_rows(
-    shard: "DynamicEmbeddingShard",
+    shard: DynamicShardView,
     keys: torch.Tensor,
     weights: torch.Tensor,
     state: torch.Tensor,
@@ -254,7 +286,7 @@ def load_owned_rows(
     shard.index.clock = int(clock)
 
 
-def _owned(shard: "DynamicEmbeddingShard", st: DynamicShardState) -> List[torch.Tensor]:
+def _owned(shard: DynamicShardView, st: DynamicShardState) -> List[torch.Tensor]:
     """``[keys, weights, state, scores]`` of the keys of ``st`` that ``shard`` owns."""
     check_dynamic_shapes(shard, st.keys, st.weights, st.optimizer_state, st.scores)
     sel = shard.owned(st.keys.cpu()).cpu().nonzero().squeeze(1)
@@ -270,7 +302,7 @@ def concat_rows(
 
 
 @torch.no_grad()
-def load_dynamic_states(shard: "DynamicEmbeddingShard", states: Sequence[DynamicShardState]) -> None:
+def load_dynamic_states(shard: DynamicShardView, states: Sequence[DynamicShardState]) -> None:
     """Loads into ``shard`` the keys it owns of every saving shard's export (any key routing, world size
     and capacity): their rows, state and scores, the step (all exports alike) and the clock (their
     maximum). Refuses, before anything changes, what :func:`check_dynamic_metadata` and
@@ -299,7 +331,7 @@ def load_dynamic_states(shard: "DynamicEmbeddingShard", states: Sequence[Dynamic
     load_owned_rows(shard, keys, weights, state, scores, steps[0], max(int(st.metadata["clock"]) for st in states))
 
 
-def load_dynamic_entries(shard: "DynamicEmbeddingShard", entry: Callable[[str], Any], owner: str) -> None:
+def load_dynamic_entries(shard: DynamicShardView, entry: Callable[[str], Any], owner: str) -> None:
     """Loads one export from ``state_dict`` entries ``entry(field)``; it must hold exactly this shard's keys
     (saved by the shard of the same key routing: ``owner`` names the entries in the refusal).
 
@@ -325,7 +357,7 @@ def load_dynamic_entries(shard: "DynamicEmbeddingShard", entry: Callable[[str], 
     load_dynamic_states(shard, [st])
 
 
-def pop_dynamic_entries(shard: "DynamicEmbeddingShard", state_dict: Dict[str, Any], base: str) -> None:
+def pop_dynamic_entries(shard: DynamicShardView, state_dict: Dict[str, Any], base: str) -> None:
     """Loads and removes a sharded collection's ``<base><field>`` entries of ``shard`` (``base``:
     ``<collection>.<table>.dynamic.``); none: the shard keeps its rows.
 
