@@ -412,18 +412,51 @@ def make_optimizer(config: TrainConfig, model: DistributedModelParallel) -> Comb
 def make_pipeline(
     config: TrainConfig, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
 ) -> TrainPipelineSparseDist:
-    """The train pipeline named by ``config.pipeline`` (``fused``: recpipe, ``sparse``: torchrec).
+    """The train pipeline named by ``config.pipeline``.
 
-    ``fused`` on CPU issues the next lookup before the dense optimizer step so its all-to-all
-    overlaps the optimizer; CUDA keeps the default order. Either is exact.
+    ``sparse``: torchrec's ``TrainPipelineSparseDist``; ``fused``: recpipe's
+    ``TrainPipelineFusedSparseDist``; ``semi_sync``: recpipe's ``TrainPipelineSemiSync``, synchronous
+    until step ``config.semi_sync_start_batch``. ``fused`` (and ``semi_sync``'s synchronous phase) on CPU
+    issue the next lookup before the dense optimizer step so its all-to-all overlaps the optimizer; CUDA
+    keeps the default order. ``sparse`` and ``fused`` are exact (same losses).
+
+    Args:
+        config: the run's config.
+        model: the sharded model.
+        optimizer: the combined (fused + dense) optimizer.
+        device: the device the model trains on (``semi_sync``: the recipe's loop numbers its batches by
+            global step, ``recipes.loop.number_batches_from``, so its phase starts at the same step in a
+            resumed run).
+
+    Returns:
+        The pipeline (every one is a ``TrainPipelineSparseDist``).
     """
     if config.pipeline == "sparse":
         return TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=True)
-    try:
-        from recpipe.pipeline.train_pipeline.fused_pipeline import TrainPipelineFusedSparseDist
-    except ImportError as e:
-        raise ImportError(
-            "pipeline='fused' needs recpipe.pipeline.train_pipeline.fused_pipeline.TrainPipelineFusedSparseDist, which failed "
-            f"to import ({e}). Fix: pass --pipeline sparse, or install a recpipe that includes the fused pipeline"
-        ) from e
-    return TrainPipelineFusedSparseDist(model, optimizer, device, embedding_lookup_after_opt=device.type != "cpu")
+    after_opt = device.type != "cpu"
+    if config.pipeline == "semi_sync":
+        from recpipe.pipeline import TrainPipelineSemiSync
+
+        return TrainPipelineSemiSync(
+            model,
+            optimizer,
+            device,
+            execute_all_batches=True,
+            start_batch=config.semi_sync_start_batch,
+            embedding_lookup_after_opt=after_opt,
+        )
+    from recpipe.pipeline.train_pipeline.fused_pipeline import TrainPipelineFusedSparseDist
+
+    return TrainPipelineFusedSparseDist(model, optimizer, device, embedding_lookup_after_opt=after_opt)
+
+
+def describe_pipeline(config: TrainConfig) -> str:
+    """One line naming the train pipeline of ``config`` (logged to TensorBoard and the console)."""
+    if config.pipeline == "sparse":
+        return "sparse: torchrec TrainPipelineSparseDist (exact)"
+    if config.pipeline == "fused":
+        return "fused: recpipe TrainPipelineFusedSparseDist (exact)"
+    return (
+        f"semi_sync: recpipe TrainPipelineSemiSync, synchronous for {config.semi_sync_start_batch} steps, "
+        "then each batch looked up from tables one step stale"
+    )

@@ -34,7 +34,9 @@ FINGERPRINT_FIELDS: tuple[str, ...] = tuple(
     "synthetic_id_space zipf_alpha eval_fraction dynamic_tables".split()
 )
 # Config fields a resumed run may change that make its losses differ from an uninterrupted
-# run's: each checkpoint records them and the resume line names every change.
+# run's: each checkpoint records them and the resume line names every change. ``pipeline`` and
+# ``semi_sync_start_batch`` change no state's shape (no pipeline keeps state across a checkpoint step,
+# where every pipeline has drained), but ``semi_sync`` trains from stale lookups.
 RESUME_NOTED_FIELDS: tuple[str, ...] = (
     "embedding_lr",
     "dense_lr",
@@ -42,6 +44,8 @@ RESUME_NOTED_FIELDS: tuple[str, ...] = (
     "placement",
     "sharding_types",
     "fast_tier_mb",
+    "pipeline",
+    "semi_sync_start_batch",
 )
 LATEST_NAME: str = "latest"  # the marker naming the newest committed step
 

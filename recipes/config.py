@@ -19,6 +19,9 @@ from typing import Any
 
 from recpipe.recipes.data import dataset_names
 
+# Synchronous steps of ``--pipeline semi_sync`` before its semi-synchronous phase (torchrec's start_batch
+# defaults to 900, longer than most recipe runs).
+DEFAULT_SEMI_SYNC_START_BATCH: int = 20
 # Largest id space accepted: ids below 2**31 keep the 32-bit hash arithmetic within int64.
 MAX_ID_SPACE: int = 2**31 - 1
 # Longest collective timeout accepted (7 days): far below where gloo's int64 ns deadlines overflow.
@@ -30,7 +33,7 @@ MAX_TIER_MB: float = float(2**53 // 2**20)
 # The string fields and their values (and ``dataset``: see field_choices).
 CHOICES: dict[str, tuple[str, ...]] = {
     "model": ("dlrm", "micro_dlrm_dram"),
-    "pipeline": ("fused", "sparse"),
+    "pipeline": ("fused", "sparse", "semi_sync"),
     "device": ("auto", "cpu", "cuda"),
     "placement": ("planned", "table_wise", "torchrec_planner"),
 }
@@ -240,7 +243,16 @@ class TrainConfig:
     """Zipf exponent of the synthetic streams' first feature (later features steepen)."""
 
     pipeline: str = "fused"
-    """``fused`` (recpipe) or ``sparse`` (torchrec TrainPipelineSparseDist, for comparison)."""
+    """The train pipeline: ``fused`` (recpipe's TrainPipelineFusedSparseDist: exact, the next batch's lookup
+    overlaps the dense optimizer step), ``sparse`` (torchrec's TrainPipelineSparseDist: exact, for comparison;
+    same losses as ``fused``) or ``semi_sync`` (recpipe's TrainPipelineSemiSync: from step
+    ``semi_sync_start_batch`` on, each batch is looked up before the previous batch's backward, from tables one
+    step stale, so its all-to-all overlaps that backward; faster, losses differ from the exact pipelines)."""
+
+    semi_sync_start_batch: int = DEFAULT_SEMI_SYNC_START_BATCH
+    """``--pipeline semi_sync`` only: the number of synchronous (exact) steps before the semi-synchronous phase
+    (torchrec's ``start_batch``; its default is 900, longer than most recipe runs, so the recipes start after 20
+    steps: the first steps, which move the tables most, train exactly). Counted from step 0 across a resume."""
 
     device: str = "auto"
     """``cpu``, ``cuda`` or ``auto`` (cuda when available); gloo on CPU, nccl on CUDA."""
@@ -311,6 +323,7 @@ class TrainConfig:
         _check_choices(self)
         _check_sharding_types(self)
         _check_numbers(self)
+        _check_semi_sync(self)
         _check_id_spaces(self)
         _check_architecture(self)
         _check_dataset(self)
@@ -352,7 +365,7 @@ def _is_int(value: object) -> bool:
 _POSITIVE_INTS: tuple[str, ...] = tuple(
     "batch_size epochs embedding_dim num_embeddings virtual_rows hash_k eval_batches num_threads log_every".split()
 )
-_NON_NEGATIVE_INTS: tuple[str, ...] = ("eval_every", "checkpoint_every", "seed")
+_NON_NEGATIVE_INTS: tuple[str, ...] = ("eval_every", "checkpoint_every", "seed", "semi_sync_start_batch")
 
 
 def field_choices() -> dict[str, tuple[str, ...]]:
@@ -429,6 +442,17 @@ def _check_numbers(config: TrainConfig) -> None:
     for name, rule in FLOAT_RULES.items():
         if not rule.accepts(getattr(config, name)):
             raise _invalid(config, name, rule.describe(name), f"pass e.g. --{cli_flag(name)} {rule.example}")
+
+
+def _check_semi_sync(config: TrainConfig) -> None:
+    """``semi_sync_start_batch`` is changed from its default only where ``--pipeline semi_sync`` reads it."""
+    if config.pipeline != "semi_sync" and config.semi_sync_start_batch != DEFAULT_SEMI_SYNC_START_BATCH:
+        raise _invalid(
+            config,
+            "semi_sync_start_batch",
+            f"it is read only by --pipeline semi_sync, but --pipeline is {config.pipeline}, so it would be ignored",
+            "pass --pipeline semi_sync, or drop --semi-sync-start-batch",
+        )
 
 
 def _check_id_spaces(config: TrainConfig) -> None:

@@ -62,6 +62,29 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def pipeline_staleness(pipeline: Any) -> int:
+    """Steps by which the tables the next ``pipeline.progress()`` batch was looked up from lag the exact
+    pipelines': 1 when ``TrainPipelineSemiSync`` looked it up before the previous batch's backward (its
+    context's ``semi_sync_lookup``), else 0 (every batch of the exact pipelines; the synchronous phase; the
+    first batch after an evaluation or checkpoint, looked up once the previous batch's update is done)."""
+    contexts = getattr(pipeline, "contexts", None)
+    return int(bool(contexts) and bool(getattr(contexts[0], "semi_sync_lookup", False)))
+
+
+def number_batches_from(pipeline: Any, step: int) -> None:
+    """Numbers the next batch of a drained ``TrainPipelineSemiSync`` ``step`` (its global step, 0-based).
+
+    Its ``start_batch`` compares a batch's index, which torchrec's pipelines number per context created
+    (``_next_index``); draining at an evaluation or checkpoint step skips numbers, and a resumed run starts
+    from 0. Renumbering each chunk from the global step starts the semi-sync phase at step
+    ``semi_sync_start_batch`` in every run, resumed or not. Other pipelines ignore the index.
+    """
+    from recpipe.pipeline import TrainPipelineSemiSync
+
+    if isinstance(pipeline, TrainPipelineSemiSync) and not pipeline.contexts:
+        pipeline._next_index = step
+
+
 def _chunk_end(step: int, total: int, config: TrainConfig) -> int:
     """End of the training chunk that starts at ``step``: the next eval/checkpoint step."""
     periods = (config.eval_every, config.checkpoint_every if config.checkpoint_dir else 0)
@@ -210,13 +233,16 @@ class TrainLoop:
             end - self.step,
             f"rank {self.rank}, training steps {self.step + 1}..{end}",
         )
+        number_batches_from(self.pipeline, self.step)
         while True:
+            staleness = pipeline_staleness(self.pipeline)  # of the batch the next progress() trains
             try:
                 loss, _, _ = self.pipeline.progress(batches)
             except StopIteration:
                 break
             self.pending.append(loss.detach())
             self.step += 1
+            self.tb.scalars(self.step, {"train/staleness": float(staleness)})
             self.bar.update(1)
             self.interval_n += 1
             if self.step % self.config.log_every == 0 or self.step == self.total:

@@ -1,9 +1,10 @@
 """TensorBoard logging on rank 0, including per-table tier statistics.
 
 Tags: ``train/loss``, ``train/samples_per_s``, ``train/step_ms`` (training time only),
-``eval/auroc``, ``tier/<table>/<stat>`` (from every :class:`TierStatsProvider`),
+``train/staleness`` (every step: 1 when the step's batch was looked up from tables one step stale,
+``--pipeline semi_sync``; else 0), ``eval/auroc``, ``tier/<table>/<stat>`` (from every :class:`TierStatsProvider`),
 ``dynamic/<table>/<counter>`` (the :data:`DYNAMIC_COUNTERS` of a dynamic table) and
-``placement/plan`` (text).
+``placement/plan`` and ``run/pipeline`` (text: which train pipeline ran).
 """
 
 from __future__ import annotations

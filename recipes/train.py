@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torchrec.distributed.types import ShardingEnv
 from torchrec.optim.keyed import CombinedOptimizer
 
-from recpipe.recipes.build import ShardedModel, make_optimizer, make_pipeline, shard_model
+from recpipe.recipes.build import ShardedModel, describe_pipeline, make_optimizer, make_pipeline, shard_model
 from recpipe.recipes.checkpoint_policy import (
     check_checkpoint_dir,
     load_checkpoint,
@@ -102,12 +102,14 @@ def _build(
     return sharded, optimizer, start
 
 
-def _announce_plan(tb: RunLogger, plan_text: str, start: int, rank: int, world: int) -> None:
-    """The placement table to TensorBoard and (rank 0) the console."""
+def _announce_plan(tb: RunLogger, config: TrainConfig, plan_text: str, start: int, rank: int, world: int) -> None:
+    """The placement table and the train pipeline to TensorBoard and (rank 0) the console."""
     tb.text("placement/plan", plan_text, step=start)
+    tb.text("run/pipeline", describe_pipeline(config), step=start)
     if rank == 0:
         plan_lines = "\n".join(f"[recpipe]   {line}" for line in plan_text.splitlines())
         print(f"[recpipe] placement plan ({world} ranks):\n{plan_lines}", flush=True)
+        print(f"[recpipe] pipeline {describe_pipeline(config)}", flush=True)
 
 
 def _write_metrics(config: TrainConfig, result: TrainResult, rank: int) -> None:
@@ -146,7 +148,7 @@ def run(config: TrainConfig) -> TrainResult:
             plan_text=sharded.plan_text,
             tb_dir=config.tb_dir,
         )
-        _announce_plan(tb, sharded.plan_text, start, rank, world)
+        _announce_plan(tb, config, sharded.plan_text, start, rank, world)
 
         def save(step: int) -> None:
             assert config.checkpoint_dir is not None

@@ -39,6 +39,8 @@ CASES = [
     ("bench_dynamic_vs_mch.py", ["--eviction-interval", "0"], "--eviction-interval: must be an int >= 1, got 0"),
     ("bench_eval_pipeline.py", ["--batches", "0"], "--batches: must be an int >= 1, got 0"),
     ("bench_eval_pipeline.py", ["--dense-arch", "64,32"], "--dense-arch: its last width 32 must equal --dim 64"),
+    ("bench_semi_sync.py", ["--steps", "10"], "--steps: must be an int >= 30, got 10"),
+    ("bench_semi_sync.py", ["--start-batch", "400"], "--start-batch: 400 must be below --steps 300"),
     ("profile_recipe.py", ["--rate", "0"], "--rate: must be an int >= 1, got 0"),
     ("profile_recipe.py", ["--raw", "/nonexistent/dir/raw.txt"], "--raw: /nonexistent/dir/raw.txt is not a writable"),
     ("profile_recipe.py", ["--steps", "20", "--", "--bogus-flag"], "extra (recipe flags after --): bad command line"),
