@@ -68,21 +68,23 @@ def pipeline_staleness(pipeline: Any) -> int:
     context's ``semi_sync_lookup``), else 0 (every batch of the exact pipelines; the synchronous phase; the
     first batch after an evaluation or checkpoint, looked up once the previous batch's update is done)."""
     contexts = getattr(pipeline, "contexts", None)
-    return int(bool(contexts) and bool(getattr(contexts[0], "semi_sync_lookup", False)))
+    if not contexts:
+        return 0
+    return int(bool(getattr(contexts[0], "semi_sync_lookup", False)))
 
 
 def number_batches_from(pipeline: Any, step: int) -> None:
     """Numbers the next batch of a drained ``TrainPipelineSemiSync`` ``step`` (its global step, 0-based).
 
-    Its ``start_batch`` compares a batch's index, which torchrec's pipelines number per context created
-    (``_next_index``); draining at an evaluation or checkpoint step skips numbers, and a resumed run starts
+    Its ``start_batch`` compares a batch's index, which torchrec's pipelines number per context created;
+    draining at an evaluation or checkpoint step skips numbers, and a resumed run starts
     from 0. Renumbering each chunk from the global step starts the semi-sync phase at step
     ``semi_sync_start_batch`` in every run, resumed or not. Other pipelines ignore the index.
     """
     from recpipe.pipeline import TrainPipelineSemiSync
 
     if isinstance(pipeline, TrainPipelineSemiSync) and not pipeline.contexts:
-        pipeline._next_index = step
+        pipeline.number_next_batch(step)
 
 
 def _chunk_end(step: int, total: int, config: TrainConfig) -> int:

@@ -295,6 +295,25 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
 
     # ---------------------------------------------------------------------------------- lookups
 
+    def number_next_batch(self, index: int) -> None:
+        """Numbers the next batch read ``index`` (``start_batch`` compares it), on a drained pipeline.
+
+        torchrec's pipelines number batches per context they create, so a drain (an evaluation, a
+        checkpoint) skips numbers and a resumed run starts at 0; a training loop that knows its global
+        step calls this after each drain to start the semi-sync phase at the same step in every run.
+
+        Raises:
+            ValueError: ``index`` is not an int >= 0, or batches are in flight (``reset()`` or finish them).
+        """
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise ValueError(f"TrainPipelineSemiSync.number_next_batch: index must be an int >= 0, got {index!r}.")
+        if self.contexts:
+            raise ValueError(
+                f"TrainPipelineSemiSync.number_next_batch: {len(self.contexts)} batch(es) are in flight; call it "
+                "on a drained pipeline (after progress() raised StopIteration, or after reset())."
+            )
+        self._next_index = index
+
     def _context_at(self, position: int) -> SemiSyncPipelineContext:
         context = self.contexts[position]
         if not isinstance(context, SemiSyncPipelineContext):
