@@ -3,30 +3,25 @@ embedding lookup run ahead of the current batch's dense forward.
 
 Eval reads the tables and writes nothing, so looking batch B+1 up before batch B's forward
 gives the outputs a plain ``model(batch)`` loop gives, bit for bit. Owns the eval schedule
-and ``EvalPrefetchContext``; reuses the fused pipeline's lookup collaborators (``lookup``,
-``take_back``, ``streams``, ``forward``). Imports ``recpipe.pipeline.train_pipeline`` modules.
+and ``EvalPrefetchContext``; the lookup collaborators (``lookup``, ``take_back``, ``streams``,
+``forward``) and their binding on attach come from ``lookup_pipeline``. Imports
+``recpipe.pipeline.train_pipeline`` modules.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type, cast
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, cast
 
 import torch
 from torch.profiler import record_function
 from torchrec.distributed.model_parallel import ShardedModule
-from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
-from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
-from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
 
-from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext, pipelined_name
-from recpipe.pipeline.train_pipeline.forward import FusedLookupPipelinedForward
-from recpipe.pipeline.train_pipeline.lookup import LookupIssuer
+from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext
+from recpipe.pipeline.train_pipeline.lookup_pipeline import FusedLookupPipelineBase, check_bool_flags, check_device
 from recpipe.pipeline.train_pipeline.relookup import LookupInputs
-from recpipe.pipeline.train_pipeline.stats import STAGE_LOOKUP, PipelineStageStats, StageTimer
-from recpipe.pipeline.train_pipeline.streams import LookupStreams
-from recpipe.pipeline.train_pipeline.take_back import LookupTakeBack, fused_tbes
+from recpipe.pipeline.train_pipeline.stats import STAGE_LOOKUP, StageTimer
 
 __all__ = ["EvalBatchStage", "EvalPipelinePrefetch", "EvalPrefetchContext"]
 
@@ -95,17 +90,11 @@ class _TableVersions:
 def _check_arguments(model: Any, device: Any, flags: Dict[str, Any]) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"{_WHO}: model must be a torch.nn.Module, got {type(model).__name__}.")
-    if not isinstance(device, torch.device):
-        raise TypeError(
-            f"{_WHO}: device must be a torch.device, got {type(device).__name__} {device!r}; "
-            f"pass torch.device({str(device)!r})."
-        )
-    for arg, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{_WHO}: {arg} must be a bool, got {type(value).__name__} {value!r}.")
+    check_device(_WHO, device)
+    check_bool_flags(_WHO, flags, none_allowed=False)
 
 
-class EvalPipelinePrefetch(TrainPipelineSparseDist[Any, Any]):
+class EvalPipelinePrefetch(FusedLookupPipelineBase):
     """Evaluation pipeline: batch B+1's input dist and embedding lookup overlap B's dense forward.
 
     Up to four batches are in flight (``STAGE_TARGETS``). A ``progress()`` on batch B:
@@ -159,7 +148,7 @@ class EvalPipelinePrefetch(TrainPipelineSparseDist[Any, Any]):
             or a flag that is not a bool.
     """
 
-    _pipelined_forward_type = FusedLookupPipelinedForward
+    _in_forward_label = "eval_embedding_lookup_in_forward"
     _model_attached: bool  # torchrec's, set by its __init__ / attach / detach
 
     def __init__(
@@ -193,11 +182,7 @@ class EvalPipelinePrefetch(TrainPipelineSparseDist[Any, Any]):
             custom_model_fwd=custom_model_fwd,
         )
         self._custom_model_fwd = custom_model_fwd is not None
-        self.stats = PipelineStageStats()
-        """Host seconds of the lookups issued and of the forward's output-dist waits."""
-        self._streams = LookupStreams(device, self._data_dist_stream, "new" if use_emb_lookup_stream else "data_dist")
-        self._take_back = LookupTakeBack(self._streams, self.stats)
-        self._lookups = LookupIssuer(self._streams, self._take_back, _NoLookupInputs())
+        self._init_lookup_parts(device, "new" if use_emb_lookup_stream else "data_dist", _NoLookupInputs())
         self._model_pipelined = False
         self._table_versions = _TableVersions()
         self._versions: Dict[str, int] = {}
@@ -250,7 +235,6 @@ class EvalPipelinePrefetch(TrainPipelineSparseDist[Any, Any]):
         """Gives back the model with its original forwards (torchrec); the in-flight batches
         are kept and looked up again when the model is attached. On CUDA the default stream
         first waits for the lookups, so a write to the detached model cannot race them."""
-        self._streams.main_waits_for_lookups()
         model = super().detach()
         self._model_pipelined = False
         return model
@@ -262,29 +246,11 @@ class EvalPipelinePrefetch(TrainPipelineSparseDist[Any, Any]):
         super().reset()
 
     # ------------------------------------------------------------------ torchrec hooks
-    def _pipeline_model(
-        self,
-        batch: Optional[Any],
-        context: TrainPipelineContext,
-        pipelined_forward: Type[PipelinedForward] = PipelinedForward,
-    ) -> None:
-        """Rewrites the model and starts ``batch``'s input dist (torchrec), then binds the
-        lookup collaborators to the pipelined modules."""
-        super()._pipeline_model(batch, context, pipelined_forward)
-        modules = {pipelined_name(m): m for m in self._pipelined_modules}
-        tbes = {name: fused_tbes(module) for name, module in modules.items()}
-        tiered_shards = {
-            name: list(module.tiered_tables().values())
-            for name, module in modules.items()
-            if callable(getattr(module, "tiered_tables", None))
-        }
-        self._take_back.bind(modules, tbes, tiered_shards)
+    def _on_pipelined(self, modules: Dict[str, torch.nn.Module], tiered_shards: Dict[str, List[Any]]) -> None:
+        """After torchrec rewrote the model and the lookup collaborators were bound: collects the
+        tables' version sources and the modules whose mode ``progress()`` checks."""
         self._table_versions.bind(modules, tiered_shards)
         self._mode_modules = list(self._model.modules())
-        for module in self._pipelined_modules:
-            forward = module.forward
-            if isinstance(forward, FusedLookupPipelinedForward):
-                forward.bind(self.stats, self._device, self._lookup_in_forward)
         self._model_pipelined = True
 
     # ------------------------------------------------------------------ the schedule
@@ -327,11 +293,6 @@ class EvalPipelinePrefetch(TrainPipelineSparseDist[Any, Any]):
         self.stats.steps += 1
         self.dequeue_batch()
         return output
-
-    def _lookup_in_forward(self, module: ShardedModule, context: FusedLookupPipelineContext) -> None:
-        """Looks up a module deferred to the forward (an earlier lookup of the batch raised)."""
-        with StageTimer(self.stats, STAGE_LOOKUP, f"## eval_embedding_lookup_in_forward {context.index} ##"):
-            self._lookups.issue(module, context, self._streams.main_stream_event(), defer_errors=False)
 
     def _drop_in_flight_work(self) -> None:
         """Completes and discards every in-flight batch's issued lookups (taking back their

@@ -4,8 +4,9 @@ From batch ``start_batch`` on, batch i+1's embedding lookup and output all-to-al
 after batch i's forward, before its backward: batch i+1's prediction uses tables last updated by
 batch i-1 (torchrec: "parameters which were last updated B-2"), and the all-to-all overlaps batch
 i's backward and optimizer step. Before ``start_batch`` it is synchronous and bit-identical to
-``TrainPipelineSparseDist``. Built on the fused pipeline's lookup machinery (``lookup``,
-``take_back``, ``relookup``, ``streams``, ``forward``); which module may be looked up when is
+``TrainPipelineSparseDist``. Shares its frame with the fused pipeline (``lookup_pipeline``:
+attach / reset / progress over the ``lookup``, ``take_back``, ``relookup``, ``streams`` and
+``forward`` collaborators) and owns its schedule; which module may be looked up when is
 ``semi_sync_checks``.
 """
 
@@ -15,16 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.profiler import record_function
 from torchrec.distributed.model_parallel import ShardedModule
-from torchrec.distributed.train_pipeline.pipeline_context import TrainPipelineContext
-from torchrec.distributed.train_pipeline.runtime_forwards import PipelinedForward
-from torchrec.distributed.train_pipeline.train_pipelines import TrainPipelineSparseDist
-from torchrec.distributed.train_pipeline.types import PipelineState
 
 from recpipe.pipeline.train_pipeline.context import FusedLookupPipelineContext, pipelined_name
-from recpipe.pipeline.train_pipeline.forward import FusedLookupPipelinedForward
-from recpipe.pipeline.train_pipeline.lookup import LookupIssuer
+from recpipe.pipeline.train_pipeline.lookup_pipeline import FusedLookupTrainPipelineBase, check_bool_flags, check_device
 from recpipe.pipeline.train_pipeline.lookup_schedule import LookupSchedule, resolve_lookup_schedule
 from recpipe.pipeline.train_pipeline.relookup import REASON_MODE, LookupInputs, lookup_mode
 from recpipe.pipeline.train_pipeline.semi_sync_checks import (
@@ -33,9 +28,6 @@ from recpipe.pipeline.train_pipeline.semi_sync_checks import (
     process_group_of,
     semi_sync_module_points,
 )
-from recpipe.pipeline.train_pipeline.stats import STAGE_LOOKUP, STAGE_OPTIMIZER, PipelineStageStats, StageTimer
-from recpipe.pipeline.train_pipeline.streams import LookupStreams
-from recpipe.pipeline.train_pipeline.take_back import LookupTakeBack, fused_tbes
 
 __all__ = ["SemiSyncPipelineContext", "TrainPipelineSemiSync"]
 
@@ -81,23 +73,17 @@ class GradientStash:
 
 def _check_arguments(device: Any, start_batch: Any, flags: Dict[str, Any]) -> None:
     """Type-checks the constructor's device, ``start_batch`` and bool flags (None: not given)."""
-    if not isinstance(device, torch.device):
-        raise TypeError(
-            f"{_WHO}: device must be a torch.device, got {type(device).__name__} {device!r}; "
-            f"pass torch.device({str(device)!r})."
-        )
+    check_device(_WHO, device)
     if isinstance(start_batch, bool) or not isinstance(start_batch, int) or start_batch < 0:
         raise ValueError(
             f"{_WHO}: start_batch must be an int >= 0 (the first batch whose successor is looked up "
             f"early), got {type(start_batch).__name__} {start_batch!r}; pass e.g. start_batch=900 "
             "(torchrec's default) or 0 to be semi-synchronous from the first batch."
         )
-    for arg, value in flags.items():
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(f"{_WHO}: {arg} must be a bool, got {type(value).__name__} {value!r}.")
+    check_bool_flags(_WHO, flags)
 
 
-class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
+class TrainPipelineSemiSync(FusedLookupTrainPipelineBase):
     """Semi-synchronous sparse-dist train pipeline: batch i+1's lookup overlaps batch i's backward.
 
     torchrec 1.9.2's ``TrainPipelineSemiSync`` interface and staleness, on CPU (gloo) and CUDA.
@@ -118,7 +104,8 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
     Before ``start_batch`` every step is exact (bit-identical to ``TrainPipelineSparseDist``; a
     lookup made stale between two steps is issued again, as in ``TrainPipelineFusedSparseDist``).
     On CPU gloo's worker thread carries the output all-to-all while the main thread runs the
-    backward. docs/pipeline.md compares it with torchrec's.
+    backward. ``detach()`` keeps the stashed gradients with the in-flight batches and their lookups.
+    docs/pipeline.md compares it with torchrec's.
 
     Args:
         start_batch (int): the first batch whose successor is looked up early (torchrec's).
@@ -143,7 +130,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
             ``allow_dense_tables``.
     """
 
-    _pipelined_forward_type = FusedLookupPipelinedForward
+    _refused_model_errors = (SemiSyncModelError,)
 
     def __init__(
         self,
@@ -208,67 +195,27 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
         self._allow_dense_tables = allow_dense_tables
         self._points = SemiSyncModulePoints()
         self._stash = GradientStash()
-        self.stats = PipelineStageStats()
-        """Per-stage host seconds (lookup issue, output-dist wait, optimizer)."""
-        self._streams = LookupStreams(device, self._data_dist_stream, self._schedule.emb_lookup_stream)
-        self._inputs = LookupInputs()
-        self._take_back = LookupTakeBack(self._streams, self.stats)
-        self._lookups = LookupIssuer(self._streams, self._take_back, self._inputs)
+        self._init_lookup_parts(device, self._schedule.emb_lookup_stream, LookupInputs())
 
     # ----------------------------------------------------------------------------------- attach
 
-    def _pipeline_model(
-        self,
-        batch: Optional[Any],
-        context: TrainPipelineContext,
-        pipelined_forward: type[PipelinedForward] = PipelinedForward,
-    ) -> None:
-        """Rewrites the model (torchrec), then sorts and binds the pipelined modules; the model is
-        detached before ``SemiSyncModelError`` propagates. A collective over the modules' process
-        group: the sorting gathers every rank's findings (a rank holds only its own shards)."""
-        super()._pipeline_model(batch, context, pipelined_forward)
-        modules = {pipelined_name(m): m for m in self._pipelined_modules}
-        try:
-            self._points = semi_sync_module_points(
-                modules, self._optimizer, self._allow_dense_tables, process_group_of(modules)
-            )
-        except SemiSyncModelError:
-            self.detach()
-            raise
-        tbes = {name: fused_tbes(module) for name, module in modules.items()}
-        tiered_shards = {
-            name: list(module.tiered_tables().values())
-            for name, module in modules.items()
-            if callable(getattr(module, "tiered_tables", None))
-        }
-        self._inputs.bind(tbes, tiered_shards)
-        self._take_back.bind(modules, tbes, tiered_shards)
-        for module in self._pipelined_modules:
-            forward = module.forward
-            if isinstance(forward, FusedLookupPipelinedForward):
-                forward.bind(self.stats, self._device, self._lookup_in_forward)
+    def _check_pipelined(self, modules: Dict[str, torch.nn.Module]) -> None:
+        """Sorts the pipelined modules by the point their next-batch lookup may be issued at. A
+        collective over the modules' process group: the sorting gathers every rank's findings (a
+        rank holds only its own shards).
 
-    def attach(self, model: Optional[torch.nn.Module] = None, sparse_dist: bool = True) -> None:
-        """Re-attaches the model (torchrec) and discards the lookup issued for the next batch
-        (the detached model may have changed); the next ``progress()`` issues it again from the
-        tables as they are then. ``sparse_dist`` as in ``TrainPipelineFusedSparseDist.attach``."""
-        super().attach(model, sparse_dist)
-        if self.contexts and not self._context_at(0).forward_started:
-            self._take_back.drop_issued_lookup(self._context_at(0), input_dist_restarted=sparse_dist)
-
-    def detach(self) -> torch.nn.Module:
-        """Gives back the original model (torchrec); on CUDA the default stream first waits for
-        the lookup stream. The in-flight batches, their lookups and the stashed gradients are kept."""
-        self._streams.main_waits_for_lookups()
-        return super().detach()
+        Raises:
+            SemiSyncModelError: a module holding dense-stepped weights without ``allow_dense_tables``
+                (the model is detached first).
+        """
+        self._points = semi_sync_module_points(
+            modules, self._optimizer, self._allow_dense_tables, process_group_of(modules)
+        )
 
     def reset(self) -> None:
         """Drops the in-flight batches (torchrec), taking back their unconsumed lookups, and the
         stashed gradients; the batch index restarts at 0, so the next ``start_batch`` batches are
         synchronous again (as torchrec's)."""
-        for context in self.contexts:
-            if isinstance(context, FusedLookupPipelineContext):
-                self._take_back.drop_issued_lookup(context, input_dist_restarted=False, relookup=False)
         self._stash.clear()
         super().reset()
 
@@ -315,6 +262,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
         self._next_index = index
 
     def _context_at(self, position: int) -> SemiSyncPipelineContext:
+        """``self.contexts[position]``; ``TypeError`` unless it is a ``SemiSyncPipelineContext``."""
         context = self.contexts[position]
         if not isinstance(context, SemiSyncPipelineContext):
             got = type(context)
@@ -328,16 +276,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
     def _issue(self, context: SemiSyncPipelineContext, modules: Sequence[ShardedModule], label: str) -> None:
         """Issues the lookups and output all-to-alls of ``modules`` for ``context``'s batch (its input
         dist waited); on CUDA after an event of the default stream recorded now."""
-        if not modules:
-            return
-        context.lookup_mode = lookup_mode(self._model)
-        with StageTimer(self.stats, STAGE_LOOKUP, f"## start_embedding_lookup {label} {context.index} ##"):
-            self._lookups.issue_all(modules, context, None, set())
-
-    def _lookup_in_forward(self, module: ShardedModule, context: FusedLookupPipelineContext) -> None:
-        """Looks a deferred ``module`` up inside the forward; its exceptions propagate."""
-        with StageTimer(self.stats, STAGE_LOOKUP, f"## embedding_lookup_in_forward {context.index} ##"):
-            self._lookups.issue(module, context, self._streams.main_stream_event(), defer_errors=False)
+        self._issue_lookups(context, modules, f"start_embedding_lookup {label}")
 
     def _groups(self, semi: bool) -> Tuple[List[ShardedModule], List[ShardedModule], List[ShardedModule]]:
         """Batch i+1's modules looked up (after the forward, after the backward, after the optimizer)."""
@@ -355,31 +294,20 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
             groups[point].append(m)
         return groups
 
-    def _ensure_lookup(self, current: SemiSyncPipelineContext) -> None:
-        """Issues batch i's lookup if none was issued or it is stale (a semi-sync lookup: only by a
-        train/eval or grad-mode switch); never for a batch whose forward already ran."""
-        if current.lookup_started and not current.forward_started:
-            mode = lookup_mode(self._model)
-            if current.semi_sync_lookup:
-                reason = REASON_MODE if current.lookup_mode != mode else None
-            else:
-                reason = self._inputs.stale_reason(current, self._pipelined_modules, mode)
-            if reason is not None:
-                self._take_back.drop_issued_lookup(current, input_dist_restarted=False)
-        if not current.lookup_started:
-            self._finish_input_dist(current, self.batches[0])
-            self._issue(current, self._pipelined_modules, "at_step_start")
-            current.lookup_started = True
-            current.semi_sync_lookup = False
+    def _lookup_is_stale(self, current: SemiSyncPipelineContext) -> bool:
+        """Whether batch i's lookup must be issued again: a semi-sync lookup only after a train/eval
+        or grad-mode switch, a synchronous one as in ``TrainPipelineFusedSparseDist``."""
+        mode = lookup_mode(self._model)
+        if current.semi_sync_lookup:
+            reason = REASON_MODE if current.lookup_mode != mode else None
+        else:
+            reason = self._inputs.stale_reason(current, self._pipelined_modules, mode)
+        return reason is not None
 
-    def _finish_input_dist(self, context: SemiSyncPipelineContext, batch: Any) -> None:
-        """After ``attach()`` or a failure: waits the input dist torchrec restarted, or restarts it."""
-        names = [pipelined_name(m) for m in self._pipelined_modules]
-        if all(n in context.input_dist_tensors_requests for n in names):
-            return
-        if not context.fused_splits_awaitables:
-            self.start_sparse_data_dist(batch, context)
-        self.wait_sparse_data_dist(context)
+    def _lookup_at_step_start(self, current: SemiSyncPipelineContext) -> None:
+        """Issues batch i's lookup of every pipelined module, as a synchronous (exact) lookup."""
+        self._issue(current, self._pipelined_modules, "at_step_start")
+        current.semi_sync_lookup = False
 
     # ------------------------------------------------------------------------------------- step
 
@@ -404,49 +332,17 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
         if len(self.batches) == 2:
             self.enqueue_batch(dataloader_iter)
 
-    def progress(self, dataloader_iter: Iterator[Any]) -> Any:
-        """Runs one training step of batch i; returns the model's output.
-
-        After a step that raised, the lookups issued for batches whose forward had not started are
-        taken back (TBE and tiered counters, dynamic inserts) and issued again when needed.
-
-        Raises:
-            StopIteration: when every batch has been processed.
-            TypeError: a queued context is not a ``SemiSyncPipelineContext``.
-        """
-        self._state = PipelineState.IDLE
-        if not self._model_attached:
-            self.attach(self._model)
-        self.fill_pipeline(dataloader_iter)
-        if not self.batches:
-            raise StopIteration
-        current = self._context_at(0)
-        for position in range(1, len(self.contexts)):
-            self._context_at(position)
-        try:
-            return self._step(dataloader_iter, current)
-        except Exception:
-            self._take_back.after_failure(self.contexts)
-            raise
-
     def _step(self, dataloader_iter: Iterator[Any], current: SemiSyncPipelineContext) -> Any:
         """The stages of one ``progress()`` call."""
-        self._set_module_context(current)
         training = self._model.training
         semi = (current.index or 0) >= self._start_batch
-        if training:
-            with record_function("## zero_grad ##"):
-                self._optimizer.zero_grad()
+        self._begin_step(current)
         self._ensure_lookup(current)
-        self._wait_for_batch()
-        if self._clear_data_dist_inputs:
-            self.clear_sparse_data_dist_inputs(current)
+        self._wait_for_current(current)
         if len(self.batches) >= 3:
             self.start_sparse_data_dist(self.batches[2], self.contexts[2])
         self._enqueue_before_forward(dataloader_iter, current)
-        with record_function(f"## forward {current.index} ##"):
-            self._state = PipelineState.CALL_FWD
-            losses, output = self._model_fwd(self.batches[0])
+        losses, output = self._forward(current)
         nxt = self._context_at(1) if len(self.batches) >= 2 else None
         after_forward, after_backward, after_optimizer = self._groups(semi)
         self._streams.data_dist_waits_for_forward()
@@ -459,18 +355,7 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
             self._backward_and_update(losses, current, nxt, semi, after_backward, after_optimizer)
         if nxt is not None:
             nxt.lookup_started = True
-        self.stats.steps += 1
-        self.dequeue_batch()
-        return output
-
-    def _enqueue_before_forward(self, dataloader_iter: Iterator[Any], current: SemiSyncPipelineContext) -> None:
-        """Loads batch i+3 before batch i's forward; on ``StopIteration`` (``execute_all_batches=
-        False``: the pipeline ends before this forward) takes batch i's lookup back."""
-        try:
-            self.enqueue_batch(dataloader_iter)
-        except StopIteration:
-            self._take_back.drop_issued_lookup(current, input_dist_restarted=False, relookup=False)
-            raise
+        return self._end_step(output)
 
     def _backward_and_update(
         self,
@@ -484,16 +369,13 @@ class TrainPipelineSemiSync(TrainPipelineSparseDist[Any, Any]):
         """Stages 6-8: backward, batch i+1's later lookups, the gradient swap and the optimizer step."""
         # CUDA: batch i's backward writes the rows batch i+1's lookup (on another stream) reads
         self._streams.main_waits_for_lookups()
-        self._state = PipelineState.CALL_BWD
-        self._backward(losses)
-        self.sync_embeddings(self._model, self._dmp_collection_sync_interval_batches, current)
+        self._backward_and_sync(losses, current)
         if nxt is not None:
             self._issue(nxt, after_backward, "after_backward")
         step = True
         if semi and self._stash_gradients:
             step = self._stash.swap(self._model)
         if step:
-            with StageTimer(self.stats, STAGE_OPTIMIZER, f"## optimizer {current.index} ##"):
-                self._optimizer.step()
+            self._optimizer_step()
         if nxt is not None:
             self._issue(nxt, after_optimizer, "after_optimizer")
