@@ -25,6 +25,7 @@ from recpipe.pipeline.tiered.dynamic.dynamic_state import (
 )
 from recpipe.pipeline.tiered.dynamic.key_hashing import init_rows, init_salt
 from recpipe.pipeline.tiered.dynamic.key_index import DYNAMIC_COUNTERS, DynamicKeyIndex, HashPlan, IndexJournal
+from recpipe.pipeline.tiered.dynamic.native_plan import native_hash_plan
 from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.shard_routing import WholeTableRouting
@@ -39,13 +40,7 @@ DynamicRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 def _plan_for(backend: str) -> HashPlan:
     """The native kernel's plan on the ``native`` backend (the compiled CPU kernel), else torch ops."""
-    if backend == "native":
-        try:
-            from recpipe.pipeline.tiered.dynamic.native_plan import native_hash_plan
-        except ImportError:  # an extension built without the kernel: the torch plan is the same plan
-            return torch_hash_plan
-        return native_hash_plan
-    return torch_hash_plan
+    return native_hash_plan if backend == "native" else torch_hash_plan
 
 
 class DynamicEmbeddingShard(TieredEmbeddingShard):

@@ -20,6 +20,13 @@ _UINT64_MAX = 2**64 - 1
 _INT64_MAX = 2**63 - 1
 
 
+def _uint64_bits(value: int, name: str) -> int:
+    """The int64 with the bit pattern of the uint64 ``value`` (the ops take salts as int64); refuses a value
+    outside ``[0, 2**64)``, naming ``name``."""
+    value = check_int(value, name, 0, _UINT64_MAX)
+    return value - 2**64 if value > _INT64_MAX else value
+
+
 def _fake_vector(t: torch.Tensor, name: str, dtype: torch.dtype) -> None:
     torch._check(t.dim() == 1, lambda: f"`{name}` must be 1-D, got shape {list(t.shape)}")
     torch._check(t.dtype == dtype, lambda: f"`{name}` must be {dtype}, got {t.dtype}")
@@ -85,9 +92,8 @@ def native_hash_plan(
             argument and the fix.
     """
     bucket_slots = check_int(bucket_slots, "bucket_slots", 1, _INT64_MAX)
-    salt = check_int(salt, "salt", 0, _UINT64_MAX)
+    salt_bits = _uint64_bits(salt, "salt")
     # the op's int is a signed int64: pass the salt's bit pattern
-    salt_bits = salt - 2**64 if salt > _INT64_MAX else salt
     found, slot = torch.ops.recpipe.dynamic_hash_plan(uniq, want_insert, keys, scores, sizes, bucket_slots, salt_bits)
     return found, slot
 
@@ -110,6 +116,10 @@ def native_init_uniform(keys: torch.Tensor, dim: int, init_salt: int, lower: flo
         dim (int): row width.
         init_salt (int): the table's initial-value salt (a uint64).
         lower, upper (float): the uniform range.
+
+    Raises:
+        ValueError: ``init_salt`` is not an int in ``[0, 2**64)``.
     """
-    salt = init_salt - (1 << 64) if init_salt >= 1 << 63 else init_salt  # the uint64's int64 bit pattern
-    return torch.ops.recpipe.dynamic_init_uniform(keys, dim, salt, float(lower), float(upper))
+    return torch.ops.recpipe.dynamic_init_uniform(
+        keys, dim, _uint64_bits(init_salt, "init_salt"), float(lower), float(upper)
+    )
