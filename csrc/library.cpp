@@ -77,6 +77,9 @@ TORCH_LIBRARY(recpipe, m) {
   // initializer, lower + (upper - lower) * u(c) in double (docs/dynamic.md); `init_salt`
   // is the uint64 salt's bit pattern.
   m.def("dynamic_init_uniform(Tensor keys, int dim, int init_salt, float lower, float upper) -> Tensor");
+  // Dynamic tables: a batch's keys deduplicated, as torch.unique(keys, sorted=True,
+  // return_inverse=True, return_counts=True): (uniq ascending, inverse, counts), int64.
+  m.def("dynamic_unique(Tensor keys) -> (Tensor, Tensor, Tensor)");
 }
 
 // Importing recpipe._C registers the ops. The module holds the constants

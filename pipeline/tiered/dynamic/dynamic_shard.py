@@ -24,8 +24,15 @@ from recpipe.pipeline.tiered.dynamic.dynamic_state import (
     load_dynamic_entries,
 )
 from recpipe.pipeline.tiered.dynamic.key_hashing import init_rows, init_salt
-from recpipe.pipeline.tiered.dynamic.key_index import DYNAMIC_COUNTERS, DynamicKeyIndex, HashPlan, IndexJournal
-from recpipe.pipeline.tiered.dynamic.native_plan import native_hash_plan
+from recpipe.pipeline.tiered.dynamic.key_index import (
+    DYNAMIC_COUNTERS,
+    DynamicKeyIndex,
+    HashPlan,
+    IndexJournal,
+    KeyUnique,
+    torch_unique,
+)
+from recpipe.pipeline.tiered.dynamic.native_plan import native_hash_plan, native_unique
 from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
 from recpipe.pipeline.tiered.shard_routing import WholeTableRouting
@@ -38,9 +45,9 @@ _LookupUndo = Tuple[IndexJournal, torch.Tensor, torch.Tensor, torch.Tensor]
 DynamicRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _plan_for(backend: str) -> HashPlan:
-    """The native kernel's plan on the ``native`` backend (the compiled CPU kernel), else torch ops."""
-    return native_hash_plan if backend == "native" else torch_hash_plan
+def _index_kernels(backend: str) -> Tuple[HashPlan, KeyUnique]:
+    """The index's plan and deduplication: the compiled CPU kernels on the ``native`` backend, else torch ops."""
+    return (native_hash_plan, native_unique) if backend == "native" else (torch_hash_plan, torch_unique)
 
 
 class DynamicEmbeddingShard(TieredEmbeddingShard):
@@ -120,7 +127,8 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         self.key_routing_seed: int = key_routing_seed
         self.init_bounds: Tuple[float, float] = options.initializer.bounds(num_embeddings)
         self._init_salt: int = init_salt(options.seed, table_name)
-        self.index: DynamicKeyIndex = DynamicKeyIndex(slots, options, table_name, self.device, _plan_for(self.backend))
+        plan, unique = _index_kernels(self.backend)
+        self.index: DynamicKeyIndex = DynamicKeyIndex(slots, options, table_name, self.device, plan, unique)
         self._index_ready = True
         # the last training lookup's undo record and its sequence number (lookup_counters / undo_lookup)
         self._lookups: int = 0

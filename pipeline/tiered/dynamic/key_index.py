@@ -17,7 +17,15 @@ import torch
 from recpipe.pipeline.placement import BUCKET_SLOTS, DynamicTableOptions
 from recpipe.pipeline.tiered.dynamic.key_hashing import ADMIT_TAG, BUCKET_TAG, bucket_of, salt_of
 
-__all__ = ["DYNAMIC_COUNTERS", "DynamicKeyIndex", "HashPlan", "IndexJournal", "LookupSlots"]
+__all__ = [
+    "DYNAMIC_COUNTERS",
+    "DynamicKeyIndex",
+    "HashPlan",
+    "IndexJournal",
+    "KeyUnique",
+    "LookupSlots",
+    "torch_unique",
+]
 
 #: Cumulative counters of an index, in the order of :attr:`DynamicKeyIndex.counters`.
 DYNAMIC_COUNTERS: Tuple[str, ...] = ("inserted", "evicted", "not_admitted", "failed")
@@ -27,6 +35,15 @@ HashPlan = Callable[
     [torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor, int, int],
     Tuple[torch.Tensor, torch.Tensor],
 ]
+#: ``keys -> (uniq ascending, inverse, counts)``, as ``torch.unique(sorted=True, return_inverse=True,
+#: return_counts=True)``.
+KeyUnique = Callable[[torch.Tensor], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def torch_unique(keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(uniq, inverse, counts)`` of int64 ``keys`` by ``torch.unique`` (any device)."""
+    uniq, inverse, counts = torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)
+    return uniq, inverse, counts
 
 
 @dataclass
@@ -96,10 +113,18 @@ class DynamicKeyIndex:
         table_name (str): named in errors and warnings.
         device (torch.device): where the index lives (the shard's fast tier).
         plan (HashPlan): the plan implementation (torch ops, or the native kernel on CPU).
+        unique (KeyUnique): the deduplication of a batch's keys (``torch.unique``, or the native kernel's,
+            which returns the same tensors).
     """
 
     def __init__(
-        self, slots: int, options: DynamicTableOptions, table_name: str, device: torch.device, plan: HashPlan
+        self,
+        slots: int,
+        options: DynamicTableOptions,
+        table_name: str,
+        device: torch.device,
+        plan: HashPlan,
+        unique: KeyUnique = torch_unique,
     ) -> None:
         if slots <= 0 or slots % BUCKET_SLOTS:
             raise ValueError(f"dynamic table {table_name!r}: slots must be a positive multiple of {BUCKET_SLOTS}.")
@@ -108,6 +133,7 @@ class DynamicKeyIndex:
         self.device = device
         self.num_slots = slots
         self._plan = plan
+        self._unique = unique
         buckets = slots // BUCKET_SLOTS
         self.main = _Table(buckets, device, salt_of(options.seed, BUCKET_TAG))
         self.admission: Optional[_Table] = (
@@ -138,7 +164,7 @@ class DynamicKeyIndex:
 
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key (-1: absent); changes nothing (eval lookups)."""
-        uniq, inverse = torch.unique(keys.to(torch.int64), return_inverse=True)
+        uniq, inverse, _ = self._unique(keys.to(torch.int64))
         found, _ = self.main.plan(self._plan, uniq, None)
         return found.index_select(0, inverse)
 
@@ -153,7 +179,7 @@ class DynamicKeyIndex:
         Raises:
             ValueError: ``on_full='error'`` and a key found no slot (nothing changed).
         """
-        uniq, inverse, counts = torch.unique(keys.to(torch.int64), return_inverse=True, return_counts=True)
+        uniq, inverse, counts = self._unique(keys.to(torch.int64))
         found, _ = self.main.plan(self._plan, uniq, None)
         miss = found < 0
         admitted, admission_write = self._admit(uniq, counts, miss)

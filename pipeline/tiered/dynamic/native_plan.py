@@ -1,7 +1,7 @@
 """Typed wrapper and fake kernel of ``torch.ops.recpipe.dynamic_hash_plan``, the dynamic key index's plan.
 
 Importing it loads ``recpipe._C`` (kernel in ``csrc/dynamic_table.cpp``, hashing in ``csrc/dynamic_hash.h``)
-and registers the op's fake kernel, used by ``torch.compile`` / FakeTensor. May import
+and registers the ops' fake kernels, used by ``torch.compile`` / FakeTensor. May import
 ``recpipe.pipeline.placement`` and ``recpipe._C``.
 """
 
@@ -14,7 +14,7 @@ import torch
 import recpipe._C  # noqa: F401  (registers torch.ops.recpipe.dynamic_hash_plan)
 from recpipe.pipeline.placement import check_int
 
-__all__ = ["native_hash_plan"]
+__all__ = ["native_hash_plan", "native_init_uniform", "native_unique"]
 
 _UINT64_MAX = 2**64 - 1
 _INT64_MAX = 2**63 - 1
@@ -123,3 +123,22 @@ def native_init_uniform(keys: torch.Tensor, dim: int, init_salt: int, lower: flo
     return torch.ops.recpipe.dynamic_init_uniform(
         keys, dim, _uint64_bits(init_salt, "init_salt"), float(lower), float(upper)
     )
+
+
+@torch.library.register_fake("recpipe::dynamic_unique")
+def _dynamic_unique_fake(keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _fake_vector(keys, "keys", torch.int64)
+    distinct = torch.library.get_ctx().new_dynamic_size()
+    return keys.new_empty((distinct,)), keys.new_empty(keys.shape), keys.new_empty((distinct,))
+
+
+def native_unique(keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(uniq, inverse, counts)`` of 1-D int64 CPU ``keys``: the compiled kernel of
+    ``torch.unique(keys, sorted=True, return_inverse=True, return_counts=True)``, the same tensors (a hash
+    set of the keys, then a radix sort of the distinct ones only).
+
+    Raises:
+        RuntimeError: (from the kernel) ``keys`` not a 1-D int64 CPU tensor; the message names the fix.
+    """
+    uniq, inverse, counts = torch.ops.recpipe.dynamic_unique(keys)
+    return uniq, inverse, counts
