@@ -346,7 +346,7 @@ def default_fast_bytes(model: nn.Module, world: int, constraints: Mapping[str, P
     A table's per-rank rows are those of its largest row-wise shard (``ceil(rows / world)``); a dynamic table's,
     its shard's slots (``dynamic_local_slots(capacity, world)``).
     """
-    from recpipe.pipeline.placement import dynamic_index_bytes, dynamic_local_slots
+    from recpipe.pipeline.placement import dynamic_counter_slots, dynamic_index_bytes, dynamic_local_slots
     from recpipe.planner import max_local_rows, row_bytes, tables_from_module
 
     rows_bytes, index_bytes = 0, 0
@@ -359,7 +359,7 @@ def default_fast_bytes(model: nn.Module, world: int, constraints: Mapping[str, P
             continue
         slots = dynamic_local_slots(options.table_capacity(t.rows), world)
         rows_bytes += slots * per_row
-        index_bytes += dynamic_index_bytes(slots, admission=options.admit_after > 1)
+        index_bytes += dynamic_index_bytes(slots, dynamic_counter_slots(options, t.rows, world))
     return max(1, rows_bytes // 2 + index_bytes)
 
 

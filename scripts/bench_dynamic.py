@@ -116,7 +116,9 @@ def memory_rows(capacity: int, dim: int) -> List[Sequence[object]]:
         index = sum(t.untyped_storage().nbytes() for part in shard.index.tensors().values() for _, t in part)
         measured = tiers.fast_bytes + tiers.slow_bytes + index
         formula_rows = shard_storage(slots, dim, torch.float32, "rowwise_adagrad", mode, x)
-        formula = formula_rows.fast_bytes + formula_rows.slow_bytes + dynamic_index_bytes(slots, admit > 1)
+        formula = (
+            formula_rows.fast_bytes + formula_rows.slow_bytes + dynamic_index_bytes(slots, shard.index.counter_slots)
+        )
         rows.append(
             (
                 f"{mode} {x} admit_after={admit}",

@@ -65,7 +65,7 @@ def same_memory_rows(capacity: int, dim: int) -> tuple[int, int, int, int]:
 
     per_row = row_bytes(dim, torch.float32, "rowwise_adagrad")
     slots = dynamic_local_slots(capacity, 1)
-    total = slots * per_row + dynamic_index_bytes(slots, admission=False)
+    total = slots * per_row + dynamic_index_bytes(slots)
     return slots, total, total // per_row, per_row
 
 

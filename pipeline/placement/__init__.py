@@ -18,6 +18,7 @@ from recpipe.pipeline.placement.cache_policies import (
     cache_policy_spec,
 )
 from recpipe.pipeline.placement.dynamic_options import (
+    ADMISSION_CAPACITY_DIVISOR,
     BUCKET_SLOTS,
     DYNAMIC_EVICTIONS,
     DYNAMIC_INIT_MODES,
@@ -25,6 +26,7 @@ from recpipe.pipeline.placement.dynamic_options import (
     INDEX_BYTES_PER_SLOT,
     DynamicInitializer,
     DynamicTableOptions,
+    dynamic_counter_slots,
     dynamic_index_bytes,
     dynamic_local_slots,
 )

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping, Optional, Tuple
 
 __all__ = [
+    "ADMISSION_CAPACITY_DIVISOR",
     "BUCKET_SLOTS",
     "DYNAMIC_EVICTIONS",
     "DYNAMIC_INIT_MODES",
@@ -21,6 +22,7 @@ __all__ = [
     "DynamicInitializer",
     "DynamicTableOptions",
     "INDEX_BYTES_PER_SLOT",
+    "dynamic_counter_slots",
     "dynamic_index_bytes",
     "dynamic_local_slots",
 ]
@@ -29,6 +31,9 @@ __all__ = [
 BUCKET_SLOTS: int = 16
 #: Index bytes per slot: the int64 key and the int64 score (bucket headers: 8 bytes per ``BUCKET_SLOTS``).
 INDEX_BYTES_PER_SLOT: int = 16
+#: The admission counter table's default keys: the table capacity over this (its bytes per row of the table
+#: are ``INDEX_BYTES_PER_SLOT / ADMISSION_CAPACITY_DIVISOR``).
+ADMISSION_CAPACITY_DIVISOR: int = 4
 #: Eviction scores: ``lru`` (last training lookup), ``lfu`` (occurrences), ``step`` (the table's optimizer
 #: step at the last access), ``custom`` (a score the user sets).
 DYNAMIC_EVICTIONS: Tuple[str, ...] = ("lru", "lfu", "step", "custom")
@@ -107,6 +112,10 @@ class DynamicTableOptions:
     """Score a full bucket evicts the lowest of: one of :data:`DYNAMIC_EVICTIONS`."""
     admit_after: int = 1
     """Sightings (training occurrences) before a key gets a row; 1: at once."""
+    admission_capacity: Optional[int] = None
+    """Keys over all ranks whose sightings the admission counter table holds while ``admit_after > 1``
+    (default: ``capacity / ADMISSION_CAPACITY_DIVISOR``); a key whose counter bucket is full takes the
+    counter of the key seen least (that key's count restarts)."""
     initializer: DynamicInitializer = field(default_factory=DynamicInitializer)
     """The value of a new row."""
     on_full: str = "warning"
@@ -118,6 +127,8 @@ class DynamicTableOptions:
     def __post_init__(self) -> None:
         if self.capacity is not None:
             object.__setattr__(self, "capacity", _check_int("capacity", self.capacity, 1))
+        if self.admission_capacity is not None:
+            object.__setattr__(self, "admission_capacity", _check_int("admission_capacity", self.admission_capacity, 1))
         if self.eviction not in DYNAMIC_EVICTIONS:
             raise ValueError(
                 f"DynamicTableOptions.eviction must be one of {list(DYNAMIC_EVICTIONS)}, got {self.eviction!r}."
@@ -137,6 +148,15 @@ class DynamicTableOptions:
     def table_capacity(self, num_embeddings: int) -> int:
         """Rows over all ranks: :attr:`capacity`, or ``num_embeddings``."""
         return self.capacity if self.capacity is not None else num_embeddings
+
+    def counter_capacity(self, num_embeddings: int) -> int:
+        """Keys over all ranks the admission counter table holds: 0 without admission (``admit_after == 1``),
+        else :attr:`admission_capacity`, or the table capacity over :data:`ADMISSION_CAPACITY_DIVISOR`."""
+        if self.admit_after == 1:
+            return 0
+        if self.admission_capacity is not None:
+            return self.admission_capacity
+        return max(1, self.table_capacity(num_embeddings) // ADMISSION_CAPACITY_DIVISOR)
 
     def to_fused_param(self) -> str:
         """The fused-param encoding: a JSON string (torchrec groups tables by their fused params, which must
@@ -178,8 +198,19 @@ def dynamic_local_slots(capacity: int, shards: int) -> int:
     return -(-per_shard // BUCKET_SLOTS) * BUCKET_SLOTS
 
 
-def dynamic_index_bytes(slots: int, admission: bool) -> int:
-    """Bytes of a shard's hash index of ``slots`` slots: keys and scores, one int64 bucket header per bucket,
-    doubled when admission keeps its counter table (of the same shape)."""
-    one = slots * INDEX_BYTES_PER_SLOT + (slots // BUCKET_SLOTS) * 8
-    return one * (2 if admission else 1)
+def dynamic_counter_slots(options: DynamicTableOptions, num_embeddings: int, shards: int) -> int:
+    """Slots of one shard's admission counter table (0 without admission): ``options.counter_capacity`` over
+    ``shards``, rounded up to whole buckets as :func:`dynamic_local_slots` rounds."""
+    capacity = options.counter_capacity(num_embeddings)
+    return dynamic_local_slots(capacity, shards) if capacity else 0
+
+
+def dynamic_index_bytes(slots: int, counter_slots: int = 0) -> int:
+    """Bytes of a shard's hash index of ``slots`` slots: keys and scores, one int64 bucket header per bucket;
+    plus, with admission, its counter table of ``counter_slots`` slots (:func:`dynamic_counter_slots`), laid
+    out alike."""
+
+    def table(n: int) -> int:
+        return n * INDEX_BYTES_PER_SLOT + (n // BUCKET_SLOTS) * 8
+
+    return table(slots) + table(counter_slots)

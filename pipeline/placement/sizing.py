@@ -13,7 +13,12 @@ from typing import Any, Callable, Optional, Protocol, Tuple, Union
 import torch
 
 from recpipe.pipeline.placement.cache_policies import CachePolicy, cache_policy_spec
-from recpipe.pipeline.placement.dynamic_options import DynamicTableOptions, dynamic_index_bytes, dynamic_local_slots
+from recpipe.pipeline.placement.dynamic_options import (
+    DynamicTableOptions,
+    dynamic_counter_slots,
+    dynamic_index_bytes,
+    dynamic_local_slots,
+)
 from recpipe.pipeline.placement.values import (
     SUPPORTED_OPTIMIZERS,
     FusedOptimizerKind,
@@ -142,7 +147,8 @@ def dynamic_shard_storage(
 
     Its rows are a tiered shard of ``slots = dynamic_local_slots(options.table_capacity(num_embeddings), shards)``
     rows sized by ``rows_storage`` (:func:`shard_storage`, recpipe's layout, or :func:`fbgemm_shard_storage`),
-    and its hash index, ``dynamic_index_bytes(slots, admission=options.admit_after > 1)``, is in the fast tier.
+    and its hash index, ``dynamic_index_bytes(slots, dynamic_counter_slots(options, num_embeddings, shards))``
+    (with admission, its counter table too), is in the fast tier.
 
     Args:
         options: the table's dynamic options (its capacity and admission).
@@ -159,10 +165,11 @@ def dynamic_shard_storage(
             f"options must be a DynamicTableOptions, got {type(options).__name__}; e.g. DynamicTableOptions(capacity="
             "1_000_000)."
         )
-    capacity = options.table_capacity(check_int(num_embeddings, "num_embeddings", 1))
-    slots = dynamic_local_slots(capacity, check_int(shards, "shards", 1))
+    num_embeddings = check_int(num_embeddings, "num_embeddings", 1)
+    shards = check_int(shards, "shards", 1)
+    slots = dynamic_local_slots(options.table_capacity(num_embeddings), shards)
     rows = rows_storage(slots, dim, dtype, optimizer, mode, x, cache_policy)
-    index = dynamic_index_bytes(slots, admission=options.admit_after > 1)
+    index = dynamic_index_bytes(slots, dynamic_counter_slots(options, num_embeddings, shards))
     return ShardStorage(fast_bytes=rows.fast_bytes + index, slow_bytes=rows.slow_bytes)
 
 

@@ -145,10 +145,18 @@ class ReferenceIndex:
     """One shard's key index: ``find_or_insert`` per the spec, with the stats counters."""
 
     def __init__(
-        self, num_buckets: int, slots: int, seed: int, eviction: str, admit_after: int = 1, on_full: str = "ignore"
+        self,
+        num_buckets: int,
+        slots: int,
+        seed: int,
+        eviction: str,
+        admit_after: int = 1,
+        on_full: str = "ignore",
+        counter_buckets: Optional[int] = None,
     ) -> None:
         self.main = _Table(num_buckets, slots, reference_salt(seed, BUCKET_TAG))
-        self.counter = _Table(num_buckets, slots, reference_salt(seed, ADMIT_TAG))
+        counter = num_buckets if counter_buckets is None else counter_buckets
+        self.counter = _Table(counter, slots, reference_salt(seed, ADMIT_TAG))
         self.eviction = eviction
         self.admit_after = admit_after
         self.on_full = on_full

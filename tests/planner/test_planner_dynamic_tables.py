@@ -6,7 +6,7 @@ naming the field.
 
 References are independent: the bytes are written out from the slot count (``ceil(ceil(C / shards) / 16) x 16``)
 and the bytes per row (``dim x 4`` plus the optimizer's state), the index as 16 bytes per slot plus 8 per bucket
-(doubled with admission), the costs from torchrec's bandwidth constants and the miss rate ``1 - C / K`` of
+(with admission, a counter table of a quarter of the capacity laid out alike), the costs from torchrec's bandwidth constants and the miss rate ``1 - C / K`` of
 uniform access.
 """
 
@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import pytest
+import torch
 from harness.planner_reference import planner as make_planner
 from torchrec.distributed.planner.constants import HBM_MEM_BW, HBM_TO_DDR_MEM_BW
 
@@ -56,9 +57,10 @@ def _slots(capacity: int, shards: int) -> int:
     return -(-per_shard // 16) * 16
 
 
-def _index_bytes(slots: int, admission: bool) -> int:
-    """int64 key and int64 score per slot, one int64 header per bucket of 16; twice with admission counters."""
-    return (slots * 16 + (slots // 16) * 8) * (2 if admission else 1)
+def _index_bytes(slots: int, counter_slots: int = 0) -> int:
+    """int64 key and int64 score per slot, one int64 header per bucket of 16; the admission counter table's
+    ``counter_slots`` likewise."""
+    return sum(n * 16 + (n // 16) * 8 for n in (slots, counter_slots))
 
 
 def _reference_shard(
@@ -75,7 +77,8 @@ def _reference_shard(
         fast, slow = k * rb, (s - k) * rb
     else:
         fast, slow = k * rb + s * 8 + k * 16, s * rb
-    return fast + _index_bytes(s, admission), slow
+    counter = _slots(max(1, capacity // 4), shards) if admission else 0  # a quarter of the keys, split alike
+    return fast + _index_bytes(s, counter), slow
 
 
 def _topology_planner(world: int, local: int, hbm: int, ddr_per_machine: int, **kwargs: Any) -> PlacementPlanner:
@@ -134,7 +137,7 @@ def test_capacity_defaults_to_num_embeddings_and_fbgemm_sizes_the_slots_in_its_l
     got = planner.plan([TableSpec(name="d", rows=30_001, dim=32, optimizer="adam")]).placement("d")
     slots = _slots(30_001, 2)
     rows = fbgemm_shard_storage(slots, 32, "float32", "adam", "CACHING", 0.25, "lfu")
-    assert got.hbm_bytes_per_rank == rows.fast_bytes + _index_bytes(slots, admission=False)
+    assert got.hbm_bytes_per_rank == rows.fast_bytes + _index_bytes(slots)
     assert got.ddr_bytes_per_rank == rows.slow_bytes
 
 
@@ -269,12 +272,28 @@ def test_admission_adds_a_counter_probe_per_miss_only() -> None:
     np.testing.assert_allclose(got[3, 4 * capacity] - got[1, 4 * capacity], 1000.0 * 0.75 * 144 / HBM_MEM_BW, rtol=1e-9)
 
 
+@pytest.mark.parametrize("admission_capacity, counter_keys", [(None, 250), (48, 48), (5_000, 5_000)])
+def test_the_admission_counter_table_is_sized_by_admission_capacity(
+    admission_capacity: Optional[int], counter_keys: int
+) -> None:
+    options = DynamicTableOptions(capacity=1_000, admit_after=2, admission_capacity=admission_capacity)
+    got = dynamic_shard_storage(options, 1_000, 2, 8, torch.float32, "sgd", "HYBRID", 1.0)
+    counter = _slots(counter_keys, 2)  # default: a quarter of the capacity
+    assert got.fast_bytes == _slots(1_000, 2) * _row_bytes(8, "sgd") + _index_bytes(_slots(1_000, 2), counter)
+
+
+def test_a_bad_admission_capacity_is_refused_naming_the_field() -> None:
+    with pytest.raises(ValueError, match=r"DynamicTableOptions.admission_capacity must be an int in \[1, "):
+        DynamicTableOptions(admit_after=2, admission_capacity=0)
+
+
 # ------------------------------------------------------------------ emission
 def test_the_emitted_fused_params_round_trip_to_the_same_options(tmp_path: Path) -> None:
     options = DynamicTableOptions(
         capacity=12_345,
         eviction="lfu",
         admit_after=3,
+        admission_capacity=777,
         initializer=DynamicInitializer(mode="normal", mean=0.5, std=0.01, lower=-1.0, upper=1.0),
         on_full="error",
         seed=-7,

@@ -117,7 +117,7 @@ def test_the_planner_pins_every_table_dynamic_with_its_rows_as_capacity() -> Non
     # --fast-tier-mb 0: half of every table's slot rows (row-wise Adagrad: dim + 1 floats) plus its whole index
     apply_optimizer_in_backward(RowWiseAdagrad, embedding_bag_collection(model).parameters(), {"lr": 0.1})
     slots = dynamic_local_slots(4000, 2)
-    per_table = slots * row_bytes(8, torch.float32, "rowwise_adagrad") // 2 + dynamic_index_bytes(slots, False)
+    per_table = slots * row_bytes(8, torch.float32, "rowwise_adagrad") // 2 + dynamic_index_bytes(slots)
     assert default_fast_bytes(model, 2, pins) == 26 * per_table
 
 

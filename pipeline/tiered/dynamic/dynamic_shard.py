@@ -15,7 +15,13 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from recpipe.pipeline.interfaces import RowOptimizer
-from recpipe.pipeline.placement import CachePolicy, DynamicTableOptions, Mode, dynamic_local_slots
+from recpipe.pipeline.placement import (
+    CachePolicy,
+    DynamicTableOptions,
+    Mode,
+    dynamic_counter_slots,
+    dynamic_local_slots,
+)
 from recpipe.pipeline.routing.ops import route_ids
 from recpipe.pipeline.tiered.backends.buffers import BufferedTier
 from recpipe.pipeline.tiered.dynamic.dynamic_state import (
@@ -128,7 +134,15 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         self.init_bounds: Tuple[float, float] = options.initializer.bounds(num_embeddings)
         self._init_salt: int = init_salt(options.seed, table_name)
         plan, unique = _index_kernels(self.backend)
-        self.index: DynamicKeyIndex = DynamicKeyIndex(slots, options, table_name, self.device, plan, unique)
+        self.index: DynamicKeyIndex = DynamicKeyIndex(
+            slots,
+            options,
+            table_name,
+            self.device,
+            plan,
+            unique,
+            counter_slots=dynamic_counter_slots(options, num_embeddings, shards),
+        )
         self._index_ready = True
         # the last training lookup's undo record and its sequence number (lookup_counters / undo_lookup)
         self._lookups: int = 0

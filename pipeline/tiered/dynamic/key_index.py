@@ -115,6 +115,9 @@ class DynamicKeyIndex:
         plan (HashPlan): the plan implementation (torch ops, or the native kernel on CPU).
         unique (KeyUnique): the deduplication of a batch's keys (``torch.unique``, or the native kernel's,
             which returns the same tensors).
+        counter_slots (int): slots of the admission counter table (a multiple of ``BUCKET_SLOTS``; needed
+            when ``options.admit_after > 1``, else ignored): a key not yet admitted keeps its sightings there;
+            a full counter bucket gives a new key the counter of the lowest count.
     """
 
     def __init__(
@@ -125,9 +128,15 @@ class DynamicKeyIndex:
         device: torch.device,
         plan: HashPlan,
         unique: KeyUnique = torch_unique,
+        counter_slots: int = 0,
     ) -> None:
         if slots <= 0 or slots % BUCKET_SLOTS:
             raise ValueError(f"dynamic table {table_name!r}: slots must be a positive multiple of {BUCKET_SLOTS}.")
+        if options.admit_after > 1 and (counter_slots <= 0 or counter_slots % BUCKET_SLOTS):
+            raise ValueError(
+                f"dynamic table {table_name!r}: counter_slots must be a positive multiple of {BUCKET_SLOTS} when "
+                f"admit_after > 1 (recpipe.pipeline.placement.dynamic_counter_slots gives it), got {counter_slots}."
+            )
         self.options = options
         self.table_name = table_name
         self.device = device
@@ -136,8 +145,11 @@ class DynamicKeyIndex:
         self._unique = unique
         buckets = slots // BUCKET_SLOTS
         self.main = _Table(buckets, device, salt_of(options.seed, BUCKET_TAG))
+        self.counter_slots = counter_slots if options.admit_after > 1 else 0
         self.admission: Optional[_Table] = (
-            _Table(buckets, device, salt_of(options.seed, ADMIT_TAG)) if options.admit_after > 1 else None
+            _Table(self.counter_slots // BUCKET_SLOTS, device, salt_of(options.seed, ADMIT_TAG))
+            if self.counter_slots
+            else None
         )
         self.counters = torch.zeros(len(DYNAMIC_COUNTERS), dtype=torch.int64, device=device)
         #: Training lookups so far (the ``lru`` score).

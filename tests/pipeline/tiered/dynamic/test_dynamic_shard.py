@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 import torch
@@ -92,9 +92,14 @@ def test_torch_plan_matches_the_reference_plan(eviction: str) -> None:
 @pytest.mark.parametrize("eviction", ["lru", "lfu", "step", "custom"])
 def test_index_eviction_admission_and_counters_match_the_reference(eviction: str, admit_after: int) -> None:
     rng = random.Random(2)
-    ref = ReferenceIndex(num_buckets=4, slots=BUCKET_SLOTS, seed=5, eviction=eviction, admit_after=admit_after)
+    # a counter table of 2 buckets beside 4 of rows: full counter buckets forget their lowest counts
+    ref = ReferenceIndex(
+        num_buckets=4, slots=BUCKET_SLOTS, seed=5, eviction=eviction, admit_after=admit_after, counter_buckets=2
+    )
     options = DynamicTableOptions(eviction=eviction, admit_after=admit_after, seed=5, on_full="ignore")
-    index = DynamicKeyIndex(4 * BUCKET_SLOTS, options, "t", torch.device("cpu"), torch_hash_plan)
+    index = DynamicKeyIndex(
+        4 * BUCKET_SLOTS, options, "t", torch.device("cpu"), torch_hash_plan, counter_slots=2 * BUCKET_SLOTS
+    )
     for step in range(80):
         batch = [rng.randrange(-60, 200) for _ in range(rng.randrange(1, 50))]
         if eviction == "custom":
@@ -107,6 +112,8 @@ def test_index_eviction_admission_and_counters_match_the_reference(eviction: str
         assert int(index.occupancy()) == ref.occupancy
     assert index.find(torch.tensor(batch)).tolist() == ref.find_or_insert(batch, False)[0]
     assert ref.stats["evicted"] > 0 and (admit_after == 1 or ref.stats["not_admitted"] > 0)
+    if admit_after > 1:  # the counter table filled, so the comparison covered its forgetting
+        assert sum(len(b) for b in ref.counter.buckets) == 2 * BUCKET_SLOTS
 
 
 def _dense_ids(batches: List[torch.Tensor]) -> Dict[int, int]:
@@ -311,3 +318,18 @@ def test_the_id_keyed_export_is_refused_and_state_dict_carries_the_raw_keys() ->
     fresh.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(shard.dynamic_rows(), fresh.dynamic_rows()))
     assert (fresh.tier_stats()["occupancy"], fresh.tiers.export_step(), fresh.index.clock) == (2, 1, 1)
+
+
+@pytest.mark.parametrize("admission_capacity, counter_keys", [(None, 250), (48, 48)])
+def test_the_admission_counter_table_holds_admission_capacity_keys_split_over_the_shards(
+    admission_capacity: Optional[int], counter_keys: int
+) -> None:
+    options = DynamicTableOptions(capacity=1_000, admit_after=2, admission_capacity=admission_capacity)
+    shard = DynamicEmbeddingShard(num_embeddings=1_000, embedding_dim=8, options=options, shards=2, backend="native")
+    per_shard = -(-(-(-counter_keys // 2)) // BUCKET_SLOTS) * BUCKET_SLOTS  # ceil(keys / 2), whole buckets
+    assert shard.index.counter_slots == per_shard
+    assert shard.index.admission is not None and shard.index.admission.keys.numel() == per_shard
+    no_admission = DynamicEmbeddingShard(
+        num_embeddings=1_000, embedding_dim=8, options=DynamicTableOptions(capacity=1_000), backend="native"
+    )
+    assert no_admission.index.counter_slots == 0 and no_admission.index.admission is None
