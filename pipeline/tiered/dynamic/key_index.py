@@ -192,14 +192,19 @@ class DynamicKeyIndex:
             ValueError: ``on_full='error'`` and a key found no slot (nothing changed).
         """
         uniq, inverse, counts = self._unique(keys.to(torch.int64))
-        found, _ = self.main.plan(self._plan, uniq, None)
-        miss = found < 0
-        admitted, admission_write = self._admit(uniq, counts, miss)
-        wanted = miss & admitted
-        if keys.device.type == "cpu" and not bool(wanted.any()):  # a host check on CPU: no second probe
-            slot = torch.full_like(found, -1)
-        else:
-            _, slot = self.main.plan(self._plan, uniq, wanted)
+        if self.admission is None:  # every missing key wants a slot: one plan finds and places
+            found, slot = self.main.plan(self._plan, uniq, torch.ones_like(uniq, dtype=torch.bool))
+            miss = found < 0
+            admitted, admission_write, wanted = torch.ones_like(miss), None, miss
+        else:  # the missing keys are counted first; only the admitted ones are placed
+            found, _ = self.main.plan(self._plan, uniq, None)
+            miss = found < 0
+            admitted, admission_write = self._admit(uniq, counts, miss)
+            wanted = miss & admitted
+            if keys.device.type == "cpu" and not bool(wanted.any()):  # a host check on CPU: no second probe
+                slot = torch.full_like(found, -1)
+            else:
+                _, slot = self.main.plan(self._plan, uniq, wanted)
         failed = wanted & (slot < 0)
         n_failed = int(failed.sum())
         if n_failed:
@@ -210,21 +215,23 @@ class DynamicKeyIndex:
         self.clock += 1
         if admission_write is not None:
             admission_write(rec)
-        value = self._score(step)
         hit = found >= 0
-        hit_slots = found[hit]
+        hit_at = hit.nonzero().squeeze(1)
+        hit_slots = found.index_select(0, hit_at)
+        put = slot >= 0
+        put_at = put.nonzero().squeeze(1)
+        new_slots, new_keys = slot.index_select(0, put_at), uniq.index_select(0, put_at)
         if self.options.eviction == "lfu":
-            new_hit_scores = self.main.scores.index_select(0, hit_slots) + counts[hit]
-            new_scores = counts
+            new_hit_scores = self.main.scores.index_select(0, hit_slots) + counts.index_select(0, hit_at)
+            new_scores = counts.index_select(0, put_at)
         else:
+            value = self._score(step)
             new_hit_scores = torch.full_like(hit_slots, value)
-            new_scores = torch.full_like(counts, value)
+            new_scores = torch.full_like(new_slots, value)
         if rec is not None:
             rec.record(self.main.scores, hit_slots)
         self.main.scores.index_copy_(0, hit_slots, new_hit_scores)
-        put = slot >= 0
-        new_slots, new_keys = slot[put], uniq[put]
-        evicted = self.main.store(new_slots, new_keys, new_scores[put], rec)
+        evicted = self.main.store(new_slots, new_keys, new_scores, rec)
         n_miss = miss.sum()
         self.counters += torch.stack(
             [put.sum(), evicted.sum(), n_miss - (miss & admitted).sum(), torch.tensor(n_failed, device=self.device)]
