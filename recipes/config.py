@@ -36,6 +36,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "pipeline": ("fused", "sparse", "semi_sync"),
     "device": ("auto", "cpu", "cuda"),
     "placement": ("planned", "table_wise", "torchrec_planner"),
+    "eval_pipeline": ("prefetch", "plain"),
 }
 PLACEMENTS: tuple[str, ...] = CHOICES["placement"]
 # The sharding types ``--placement planned`` chooses from, in the planner's spelling and order
@@ -235,6 +236,11 @@ class TrainConfig:
     eval_batches: int = 20
     """Batches per rank per evaluation (capped by the eval split's size)."""
 
+    eval_pipeline: str = "prefetch"
+    """How evaluation runs the batches: ``prefetch`` (recpipe's EvalPipelinePrefetch: the next batches' input
+    dist and embedding lookup run ahead of the current batch's dense forward) or ``plain`` (``model(batch)`` per
+    batch, nothing prefetched, for comparison). Both give the same AUROC bit for bit."""
+
     synthetic_id_space: int = 10_000_000
     """Largest per-feature id space of the synthetic stream (ids in ``[0, n)``); for ``synthetic_raw_keys``,
     the distinct keys of every feature."""
@@ -378,7 +384,9 @@ def _check_choices(config: TrainConfig) -> None:
     """String fields hold one of their :func:`field_choices`."""
     for name, choices in field_choices().items():
         if getattr(config, name) not in choices:
-            raise _invalid(config, name, "unknown choice", f"use one of {', '.join(choices)}")
+            raise _invalid(
+                config, name, "unknown choice", f"use one of {', '.join(choices)}, e.g. --{cli_flag(name)} {choices[0]}"
+            )
 
 
 def subset_names(value: object) -> list[str] | None:

@@ -35,6 +35,9 @@ class TrainResult:
     samples_per_s: float = float("nan")
     """Global training throughput without the first (warm-up) logging interval, unless it is the only one."""
     train_seconds: float = 0.0  # wall time of the training loop
+    eval_samples_per_s: float = float("nan")
+    """Global evaluation throughput: every evaluation's samples on all ranks (padding left out) over the wall
+    seconds spent in :func:`evaluate` (NaN: no evaluation, or none had samples)."""
     world_size: int = 1
     pipeline: str = ""
     plan_text: str = ""  # the placement table
@@ -93,15 +96,19 @@ def _chunk_end(step: int, total: int, config: TrainConfig) -> int:
     return min([total] + [(step // every + 1) * every for every in periods if every])
 
 
-def evaluate(pipeline: Any, eval_pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> float:
-    """Global AUROC over ``batches`` through ``eval_pipeline`` in eval mode (NaN without samples).
+def evaluate(pipeline: Any, eval_pipeline: Any, model: torch.nn.Module, batches: Iterator[Any]) -> tuple[float, int]:
+    """Global AUROC over ``batches`` through ``eval_pipeline`` in eval mode, and the samples it covered.
 
     Args:
         pipeline: the train pipeline, detached from ``model`` while ``eval_pipeline`` evaluates
             (its next ``progress()`` attaches it again).
-        eval_pipeline: the evaluation pipeline (``EvalPipelinePrefetch``); detached at the end.
+        eval_pipeline: ``EvalPipelinePrefetch`` or :class:`PlainEvalLoop` (:func:`make_eval_pipeline`): its
+            ``progress(batches)`` gives a batch's ``(loss, logits, labels)``; detached at the end.
         batches: this rank's eval batches (same count and size on every rank); samples
             labelled ``EVAL_PAD_LABEL`` are left out.
+
+    Returns:
+        ``(auroc, samples)``: the AUROC (NaN without samples) and the samples of all ranks it covered.
     """
     metric = BinaryAUROC()
     seen = torch.zeros(1)
@@ -121,7 +128,53 @@ def evaluate(pipeline: Any, eval_pipeline: Any, model: torch.nn.Module, batches:
         model.train()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(seen)
-    return float(metric.compute()) if seen.item() else float("nan")
+    samples = int(seen.item())
+    return (float(metric.compute()) if samples else float("nan")), samples
+
+
+class PlainEvalLoop:
+    """``--eval-pipeline plain``: ``model(batch)`` per batch under ``torch.no_grad()``, nothing prefetched.
+
+    Has the two methods :func:`evaluate` calls on an ``EvalPipelinePrefetch`` and gives the same outputs
+    bit for bit (that pipeline runs the model's own forward on lookups it issued early).
+
+    Args:
+        model: the sharded model; its forward returns ``(loss, output)`` (``DLRMTrain``'s output:
+            ``(loss, logits, labels)``).
+        device: the compute device the batches are copied to.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+
+    def progress(self, batches: Iterator[Any]) -> Any:
+        """The model's output for the next batch of ``batches``.
+
+        Raises:
+            StopIteration: ``batches`` is exhausted.
+        """
+        batch = next(batches).to(self.device, non_blocking=True)
+        with torch.no_grad():
+            _, output = self.model(batch)
+        return output
+
+    def detach(self) -> torch.nn.Module:
+        """The model (nothing was rewritten to give back)."""
+        return self.model
+
+
+def make_eval_pipeline(config: TrainConfig, model: torch.nn.Module) -> Any:
+    """The ``config.eval_pipeline`` of ``model`` on its compute device: ``EvalPipelinePrefetch`` or
+    :class:`PlainEvalLoop`."""
+    device = getattr(model, "device", None)  # DistributedModelParallel's compute device
+    if not isinstance(device, torch.device):
+        device = next(model.parameters()).device
+    if config.eval_pipeline == "plain":
+        return PlainEvalLoop(model, device)
+    from recpipe.pipeline import EvalPipelinePrefetch
+
+    return EvalPipelinePrefetch(model, device)
 
 
 class _WarningsAboveBar:
@@ -178,7 +231,7 @@ class TrainLoop:
     total: int
     eval_count: int | None  # evaluation batches every rank announced (None: unknown)
     save: Callable[[int], None]  # writes the checkpoint of a step (called on every rank)
-    eval_pipeline: Any = None  # EvalPipelinePrefetch on the model; None: built at the first evaluation
+    eval_pipeline: Any = None  # make_eval_pipeline's; None: built at the first evaluation
 
     def __post_init__(self) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -200,6 +253,8 @@ class TrainLoop:
         # throughput: every interval after the first (timed), and the first (warm-up)
         self.timed_steps, self.timed_seconds = 0, 0.0
         self.warm_steps, self.warm_seconds = 0, 0.0
+        # evaluation throughput: samples (all ranks) and wall seconds of every evaluate()
+        self.eval_samples, self.eval_seconds = 0, 0.0
 
     def run(self) -> None:
         """Trains every remaining step, then fills in the result's time and throughput."""
@@ -316,18 +371,19 @@ class TrainLoop:
             )
 
     def _evaluate(self, step: int) -> None:
-        """Evaluates at ``step`` and logs the AUROC (NaN, not logged, without eval batches)."""
+        """Evaluates at ``step``, logs the AUROC (NaN, not logged, without eval batches) and updates the
+        result's eval throughput."""
         batches = self.source.eval_batches()
         if self.eval_count is not None:  # the count every rank announced at start
             batches = exactly(batches, self.eval_count, f"rank {self.rank}, evaluation at step {step}")
         if self.eval_pipeline is None:
-            from recpipe.pipeline import EvalPipelinePrefetch
-
-            device = getattr(self.model, "device", None)  # DistributedModelParallel's compute device
-            if not isinstance(device, torch.device):
-                device = next(self.model.parameters()).device
-            self.eval_pipeline = EvalPipelinePrefetch(self.model, device)
-        auroc = evaluate(self.pipeline, self.eval_pipeline, self.model, batches)
+            self.eval_pipeline = make_eval_pipeline(self.config, self.model)
+        t0 = time.perf_counter()
+        auroc, samples = evaluate(self.pipeline, self.eval_pipeline, self.model, batches)
+        self.eval_seconds += time.perf_counter() - t0
+        self.eval_samples += samples
+        if self.eval_samples:
+            self.result.eval_samples_per_s = self.eval_samples / self.eval_seconds
         self.result.evals.append((step, auroc))
         if auroc == auroc:  # not NaN
             self.tb.scalars(step, {"eval/auroc": auroc})

@@ -1,8 +1,8 @@
 """Samples/s of recpipe's default path against what a torchrec user runs, over a workload matrix.
 
 Each workload is the recipe (``python -m recpipe.recipes.train``) on ``--nproc`` gloo ranks launched
-with torchrun (1 thread each); each is run under four configurations, interleaved ``--repeats``
-times (every run printed, then the medians):
+with torchrun (1 thread each); each is run under five configurations (the matrix's columns) and one
+more run for the eval table, interleaved ``--repeats`` times (every run printed, then the medians):
 
 * ``torchrec``: ``--placement table_wise --pipeline sparse``: torchrec's sharder (fbgemm FUSED tables
   placed whole, greedily) and ``TrainPipelineSparseDist``: the baseline of the ratios;
@@ -11,13 +11,26 @@ times (every run printed, then the medians):
 * ``recpipe default``: the recipe's defaults: recpipe's planner (table-wise FUSED or row-wise tiered
   per table, the default fast-tier budget of half the tables' bytes, which binds) and
   ``TrainPipelineFusedSparseDist``;
-* ``recpipe all-fast``: the same with a fast tier that holds every table.
+* ``recpipe all-fast``: the same with a fast tier that holds every table;
+* ``recpipe default + semi_sync``: the defaults with ``--pipeline semi_sync`` (``TrainPipelineSemiSync``,
+  synchronous for the recipe's first ``--semi-sync-start-batch`` 20 steps, then each batch looked up from
+  tables one step stale); its cell gives the ratio to torchrec and to the ``recpipe default`` (fused) cell.
+
+Every run evaluates once, after its last step (``--eval-every 0``), ``EVAL_BATCHES`` batches per rank
+(capped by the eval split: MovieLens' 10,000 held-out ratings are 10 global batches of 512 x 2 ranks). The recipe's samples/s counts
+training time only (evaluation pauses its clock and runs after the last timed interval), so the matrix
+does not see it; the metrics file's ``eval_samples_per_s`` times it. The **eval table** compares, per
+workload, the eval samples/s of recpipe default with ``--eval-pipeline plain`` (``model(batch)`` per batch,
+an extra run) and ``--eval-pipeline prefetch`` (``EvalPipelinePrefetch``, the default: the ``recpipe
+default`` runs).
 
 Workloads (``--workloads`` picks some): the default recipe (MovieLens-100k, micro-DLRM-DRAM), a
 synthetic Criteo-like DLRM with 26 tables of 200,000 rows (batch 512 and 2048 per rank), the same
 with a skewed mix of table sizes (1.6M rows down to 3,125: ids of feature f span 1.6M / 2^(f mod 10)),
 and micro-DLRM-DRAM on the synthetic Zipf stream. Targets: recpipe default >= 1.00x torchrec on every
-row, recpipe all-fast >= 1.05x on every row, >= 1.10x on the median row.
+row, recpipe all-fast >= 1.05x on every row, >= 1.10x on the median row; semi_sync >= 1.08x fused (the
+median of its ratio over the DLRM rows, printed) and >= 1.15x torchrec on the median row (of all rows
+measured); eval prefetch >= 1.15x plain on every row.
 
 ``--plans`` measures instead whether the modelled cost ranks plans as measured: per workload, at the
 default fast tier, the planner's plan and the plans it picks when restricted to one sharding type
@@ -33,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -46,7 +60,13 @@ from benchutil import hardware_line, int_at_least, positive_int, print_table, re
 LOG_EVERY: int = 10
 #: A fast tier larger than every workload's tables, MiB.
 ALL_FAST_MB: str = "1000000"
-#: name -> (extra CLI flags, label). The first is the baseline of the ratios.
+#: Eval batches per rank of every run's one evaluation (after its last step).
+EVAL_BATCHES: int = 50
+#: Targets: semi_sync / fused (median over the DLRM rows), semi_sync / torchrec (median row), eval prefetch / plain.
+SEMI_SYNC_VS_FUSED: float = 1.08
+SEMI_SYNC_VS_TORCHREC: float = 1.15
+EVAL_PREFETCH_VS_PLAIN: float = 1.15
+#: name -> (extra CLI flags, label): the matrix's columns. The first is the baseline of the ratios.
 CONFIGS: dict[str, tuple[list[str], str]] = {
     "torchrec": (["--placement", "table_wise", "--pipeline", "sparse"], "torchrec table-wise + SparseDist"),
     "torchrec_planner": (
@@ -55,6 +75,11 @@ CONFIGS: dict[str, tuple[list[str], str]] = {
     ),
     "default": ([], "recpipe default (planned, default fast tier) + fused"),
     "all_fast": (["--fast-tier-mb", ALL_FAST_MB], "recpipe planned, fast tier holds all + fused"),
+    "semi_sync": (["--pipeline", "semi_sync"], "recpipe default + semi_sync"),
+}
+#: The eval table's extra run: recpipe default evaluating without prefetch (``default`` is its prefetch run).
+EVAL_PLAIN: dict[str, tuple[list[str], str]] = {
+    "eval_plain": (["--eval-pipeline", "plain"], "recpipe default, --eval-pipeline plain")
 }
 #: ``--plans``: name -> (extra CLI flags, label); the first is the planner's own plan.
 PLANS: dict[str, tuple[list[str], str]] = {
@@ -90,17 +115,21 @@ WORKLOADS: dict[str, tuple[list[str], str]] = {
 def run_once(workload: str, flags: list[str], steps: int, workdir: Path, nproc: int) -> tuple[dict, str]:
     """One torchrun job of ``workload`` with ``flags``; returns its metrics JSON and its output."""
     metrics = workdir / f"{workload}-{len(list(workdir.iterdir()))}.json"
+    eval_flags = ["--eval-batches", str(EVAL_BATCHES)]  # one evaluation, after the last step (--eval-every 0)
     proc = run_recipe(
-        recipe_command(nproc, steps, LOG_EVERY, *WORKLOADS[workload][0], *flags, "--metrics-file", str(metrics))
+        recipe_command(
+            nproc, steps, LOG_EVERY, *WORKLOADS[workload][0], *eval_flags, *flags, "--metrics-file", str(metrics)
+        )
     )
     return json.loads(metrics.read_text()), proc.stdout + proc.stderr
 
 
 def measure(
     workload: str, runs: dict[str, tuple[list[str], str]], args: argparse.Namespace, workdir: Path
-) -> tuple[dict[str, list[float]], dict[str, str]]:
-    """samples/s of every run of ``runs`` (interleaved ``args.repeats`` times) and each one's output."""
-    sps: dict[str, list[float]] = {name: [] for name in runs}
+) -> tuple[dict[str, list[dict]], dict[str, str]]:
+    """The metrics of every run of ``runs`` (interleaved ``args.repeats`` times; a failed run has none)
+    and each one's output."""
+    metrics: dict[str, list[dict]] = {name: [] for name in runs}
     outputs: dict[str, str] = {}
     for rep in range(args.repeats):
         for name, (flags, _) in runs.items():
@@ -109,17 +138,32 @@ def measure(
             except RuntimeError as e:  # the recipe failed: its own message, not a traceback
                 print(f"run {rep + 1} {workload} {name}: failed: {e}", flush=True)
                 continue
-            sps[name].append(m["samples_per_s"])
-            print(f"run {rep + 1} {workload} {name}: {m['samples_per_s']:.0f} samples/s", flush=True)
-    return sps, outputs
+            metrics[name].append(m)
+            print(
+                f"run {rep + 1} {workload} {name}: {m['samples_per_s']:.0f} samples/s, "
+                f"eval {_number(m.get('eval_samples_per_s')):.0f} samples/s",
+                flush=True,
+            )
+    return metrics, outputs
+
+
+def _number(value: float | None) -> float:
+    """A metrics value as a float: NaN for ``None`` (not measured)."""
+    return float("nan") if value is None else float(value)
+
+
+def median_of(runs: list[dict], key: str) -> float:
+    """The median of ``key`` over the runs that measured it (NaN: none did)."""
+    values = [v for v in (_number(m.get(key)) for m in runs) if math.isfinite(v)]
+    return statistics.median(values) if values else float("nan")
 
 
 def plan_choice(args: argparse.Namespace, workdir: Path) -> bool:
     """The ``--plans`` table; True when the planner's plan is within 5% of the fastest on every workload."""
     rows, ok = [], True
     for workload in args.workloads:
-        sps, outputs = measure(workload, PLANS, args, workdir)
-        med = {name: statistics.median(v) for name, v in sps.items() if v}
+        runs, outputs = measure(workload, PLANS, args, workdir)
+        med = {name: median_of(v, "samples_per_s") for name, v in runs.items() if v}
         fastest = max(med.values())
         for name, (_, label) in PLANS.items():
             found = MODELLED_COST.search(outputs.get(name, ""))
@@ -167,18 +211,77 @@ def main() -> None:
             if not plan_choice(args, Path(d)):
                 sys.exit("the planner's plan is more than 5% slower than the fastest plan measured on some workload")
             return
-        rows = []
+        rows, eval_rows, ratios = [], [], []
         for workload in args.workloads:
-            sps, _ = measure(workload, CONFIGS, args, Path(d))
-            base = statistics.median(sps["torchrec"]) if sps["torchrec"] else float("nan")
-            row: list[object] = [WORKLOADS[workload][1]]
-            for config in CONFIGS:
-                med = statistics.median(sps[config]) if sps[config] else float("nan")
-                row.append(f"{med:.0f} ({med / base:.3f}x)" if sps[config] else "failed")
-            rows.append(row)
+            runs, _ = measure(workload, {**CONFIGS, **EVAL_PLAIN}, args, Path(d))
+            rows.append(matrix_row(workload, runs, ratios))
+            eval_rows.append(eval_row(workload, runs))
     print_table(["workload", *(label for _, label in CONFIGS.values())], rows)
-    if any("failed" in str(c) for r in rows for c in r):
+    print_semi_sync_targets(ratios)
+    print()
+    print(f"eval throughput (samples/s, median; {EVAL_BATCHES} eval batches per rank, capped by the eval split):")
+    print_table(
+        ["workload", "recpipe default, eval plain", "recpipe default, eval prefetch", "prefetch / plain", "target"],
+        eval_rows,
+    )
+    if any("failed" in str(c) for r in rows + eval_rows for c in r):
         sys.exit(1)
+
+
+def matrix_row(workload: str, runs: dict[str, list[dict]], ratios: list[tuple[str, float, float]]) -> list[object]:
+    """The matrix's row of ``workload``; appends ``(workload, semi_sync / fused, semi_sync / torchrec)`` to
+    ``ratios`` when both were measured."""
+    med = {config: median_of(runs[config], "samples_per_s") for config in CONFIGS}
+    base, fused = med["torchrec"], med["default"]
+    row: list[object] = [WORKLOADS[workload][1]]
+    for config in CONFIGS:
+        if not runs[config]:
+            row.append("failed")
+        elif config == "semi_sync":
+            row.append(f"{med[config]:.0f} ({med[config] / base:.3f}x; {med[config] / fused:.3f}x fused)")
+        else:
+            row.append(f"{med[config]:.0f} ({med[config] / base:.3f}x)")
+    if runs["semi_sync"] and runs["default"] and runs["torchrec"]:
+        ratios.append((workload, med["semi_sync"] / fused, med["semi_sync"] / base))
+    return row
+
+
+def print_semi_sync_targets(ratios: list[tuple[str, float, float]]) -> None:
+    """semi_sync / fused: the median over the DLRM rows; semi_sync / torchrec: the median row; each against its target."""
+    dlrm = [vs_fused for workload, vs_fused, _ in ratios if "dlrm" in WORKLOADS[workload][0]]  # --model dlrm
+    if dlrm:
+        median = statistics.median(dlrm)
+        print(
+            f"semi_sync / fused, median over {len(dlrm)} DLRM row(s): {median:.3f}x "
+            f"(target >= {SEMI_SYNC_VS_FUSED:.2f}x: {'met' if median >= SEMI_SYNC_VS_FUSED else 'NOT met'})"
+        )
+    else:
+        print("semi_sync / fused over the DLRM rows: no DLRM row measured")
+    if ratios:
+        median = statistics.median(vs_torchrec for _, _, vs_torchrec in ratios)
+        print(
+            f"semi_sync / torchrec, median row of {len(ratios)}: {median:.3f}x "
+            f"(target >= {SEMI_SYNC_VS_TORCHREC:.2f}x: {'met' if median >= SEMI_SYNC_VS_TORCHREC else 'NOT met'})"
+        )
+
+
+def eval_row(workload: str, runs: dict[str, list[dict]]) -> list[object]:
+    """The eval table's row of ``workload``: plain and prefetch eval samples/s, their ratio against the target."""
+    plain, prefetch = (
+        median_of(runs["eval_plain"], "eval_samples_per_s"),
+        median_of(runs["default"], "eval_samples_per_s"),
+    )
+    if not (math.isfinite(plain) and math.isfinite(prefetch)):
+        return [WORKLOADS[workload][1], "failed", "failed", "-", "-"]
+    ratio = prefetch / plain
+    met = "met" if ratio >= EVAL_PREFETCH_VS_PLAIN else "NOT met"
+    return [
+        WORKLOADS[workload][1],
+        f"{plain:.0f}",
+        f"{prefetch:.0f}",
+        f"{ratio:.3f}x",
+        f">= {EVAL_PREFETCH_VS_PLAIN:.2f}x: {met}",
+    ]
 
 
 if __name__ == "__main__":

@@ -165,7 +165,8 @@ def hardware_line(threads: Optional[int] = None) -> str:
 
 
 def recipe_command(nproc: int, steps: int, log_every: int, *extra: str) -> list[str]:
-    """torchrun command of the default recipe on ``nproc`` CPU ranks, no eval, no progress bar.
+    """torchrun command of the default recipe on ``nproc`` CPU ranks: one evaluation (after the last step;
+    the training throughput leaves it out), no progress bar.
 
     Args:
         nproc (int): ranks.

@@ -1,4 +1,4 @@
-"""The pipelined forward installed on each sharded module by the fused pipeline.
+"""The pipelined forward installed on each sharded module by the fused, semi-sync and eval pipelines.
 
 ``FusedLookupPipelinedForward`` (installed through torchrec's ``_pipelined_forward_type``)
 hands the model the output-dist awaitable the pipeline issued during the previous step,
@@ -64,18 +64,22 @@ class FusedLookupPipelinedForward(InSyncEmbeddingPipelinedForward):
         self._device = stream.device if stream is not None else torch.device("cpu")
         self._stats: Optional[PipelineStageStats] = None
         self._lookup: Optional[Callable[[ShardedModule, FusedLookupPipelineContext], None]] = None
+        self._who = type(self).__name__  # the pipeline its errors name, once bound
 
     def bind(
         self,
         stats: PipelineStageStats,
         device: torch.device,
         lookup: Callable[[ShardedModule, FusedLookupPipelineContext], None],
+        who: str,
     ) -> None:
         """Attaches the pipeline's stage stats (output-dist wait), device and lookup, run by the
-        forward for a module in the context's ``deferred_lookups`` (its exceptions propagate)."""
+        forward for a module in the context's ``deferred_lookups`` (its exceptions propagate),
+        and ``who``, the pipeline's class name, which its errors name."""
         self._stats = stats
         self._device = device
         self._lookup = lookup
+        self._who = who
 
     def __call__(self, *input: Any, **kwargs: Any) -> Any:
         context = self._context
@@ -91,7 +95,7 @@ class FusedLookupPipelinedForward(InSyncEmbeddingPipelinedForward):
                 self._lookup(self._module, context)
         if self._name not in context.embedding_a2a_requests:
             raise PipelinedLookupUnavailableError(
-                f"TrainPipelineFusedSparseDist: the embedding lookup of module {self._name!r} "
+                f"{self._who}: the embedding lookup of module {self._name!r} "
                 f"is not available for batch {context.index} (available for: "
                 f"{sorted(context.embedding_a2a_requests)}): it was consumed already. Either the "
                 "model's forward calls this module more than once (each pipelined embedding "

@@ -19,12 +19,14 @@ from recpipe.pipeline.train_pipeline.take_back import LookupTakeBack
 
 class LookupIssuer:
     """Issues a pipelined module's lookup for a batch (on the lookup stream on CUDA) and
-    records what it read (``inputs``) and how it moved its counters (``counters``)."""
+    records what it read (``inputs``) and how it moved its counters (``counters``); ``who`` is the
+    pipeline its errors name."""
 
-    def __init__(self, streams: LookupStreams, counters: LookupTakeBack, inputs: LookupInputs) -> None:
+    def __init__(self, streams: LookupStreams, counters: LookupTakeBack, inputs: LookupInputs, who: str) -> None:
         self._streams = streams
         self._counters = counters
         self._inputs = inputs
+        self._who = who
 
     def issue_all(
         self,
@@ -61,7 +63,7 @@ class LookupIssuer:
         name: str = pipelined_name(module)
         if name not in context.input_dist_tensors_requests:
             raise PipelinedLookupUnavailableError(
-                f"TrainPipelineFusedSparseDist: the input dist of module {name!r} for batch "
+                f"{self._who}: the input dist of module {name!r} for batch "
                 f"{context.index} is not available for its lookup (available: "
                 f"{sorted(context.input_dist_tensors_requests)}): it was consumed already. This "
                 f"typically means {name!r} is called more than once in the model's forward: a "

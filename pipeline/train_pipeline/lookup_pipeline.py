@@ -91,7 +91,7 @@ class FusedLookupPipelineBase(TrainPipelineSparseDist[Any, Any]):
         self._streams = LookupStreams(device, self._data_dist_stream, emb_lookup_stream)
         self._inputs = inputs
         self._take_back = LookupTakeBack(self._streams, self.stats)
-        self._lookups = LookupIssuer(self._streams, self._take_back, self._inputs)
+        self._lookups = LookupIssuer(self._streams, self._take_back, self._inputs, type(self).__name__)
 
     def _pipeline_model(
         self,
@@ -119,7 +119,7 @@ class FusedLookupPipelineBase(TrainPipelineSparseDist[Any, Any]):
         for module in self._pipelined_modules:
             forward = module.forward
             if isinstance(forward, FusedLookupPipelinedForward):
-                forward.bind(self.stats, self._device, self._lookup_in_forward)
+                forward.bind(self.stats, self._device, self._lookup_in_forward, type(self).__name__)
         self._on_pipelined(modules, tiered_shards)
 
     def _check_pipelined(self, modules: Dict[str, torch.nn.Module]) -> None:

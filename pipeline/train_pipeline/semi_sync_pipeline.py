@@ -256,7 +256,8 @@ class TrainPipelineSemiSync(FusedLookupTrainPipelineBase):
             raise ValueError(f"TrainPipelineSemiSync.number_next_batch: index must be an int >= 0, got {index!r}.")
         if self.contexts:
             raise ValueError(
-                f"TrainPipelineSemiSync.number_next_batch: {len(self.contexts)} batch(es) are in flight; call it "
+                f"TrainPipelineSemiSync.number_next_batch: index={index} cannot number the next batch read while "
+                f"{len(self.contexts)} batch(es) are in flight; call it "
                 "on a drained pipeline (after progress() raised StopIteration, or after reset())."
             )
         self._next_index = index

@@ -118,6 +118,27 @@ def test_entry_point_reports_the_real_command_line() -> None:
     assert "bad command line \"--dataset synthetic --batch-size 'x y'\"" in proc.stderr
 
 
+# ---------------------------------------------------------------- choice fields
+@pytest.mark.parametrize("name", sorted(CHOICES))
+def test_a_choice_field_refuses_an_unknown_value_naming_the_flag_and_its_choices(name: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_config([_flag(name), "bogus"], check_paths=False)
+    choices = CHOICES[name]
+    assert str(e.value) == (
+        f"invalid config value {name}='bogus': unknown choice. "
+        f"Fix: use one of {', '.join(choices)}, e.g. {_flag(name)} {choices[0]}"
+    )
+
+
+def test_eval_pipeline_flag_parses_and_defaults_to_prefetch() -> None:
+    assert parse_config([], check_paths=False).eval_pipeline == "prefetch"
+    assert parse_config(["--eval-pipeline", "plain"], check_paths=False).eval_pipeline == "plain"
+    with pytest.raises(
+        ConfigError, match=r"eval_pipeline='Plain'.*Fix: use one of prefetch, plain, e\.g\. --eval-pipeline"
+    ):
+        parse_config(["--eval-pipeline", "Plain"], check_paths=False)
+
+
 # ---------------------------------------------------------------- float fields
 def test_every_float_field_has_a_range() -> None:
     assert set(FLOAT_RULES) == set(FLOAT_FIELDS)

@@ -4,12 +4,14 @@ Pins: ``sparse`` (torchrec's TrainPipelineSparseDist) and ``fused`` give bit-ide
 AUROCs; ``semi_sync`` equals ``fused`` bit for bit through step ``semi_sync_start_batch + 1`` and
 differs from the next step on (its first stale lookup); its resume starts the semi-sync phase at
 the same global step as an uninterrupted run (same losses); TensorBoard holds ``run/pipeline``
-(text) and ``train/staleness`` (0 before the stale phase, 1 in it); bad values are refused naming
-the field.
+(text) and ``train/staleness`` (0 before the stale phase, 1 in it); ``--eval-pipeline plain`` and
+``prefetch`` give the same AUROCs bit for bit and the metrics file records their eval throughput; bad
+values are refused naming the field.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,52 @@ def test_semi_sync_resume_starts_its_stale_phase_at_the_same_global_step(tmp_pat
         assert out["resumed"] == out["whole"][6:]
 
 
+def _eval_pipelines_body(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    from recpipe.recipes.train import run
+
+    cfg = dict(SMALL_SYNTHETIC, max_steps=8, eval_every=3, eval_batches=3)  # evaluations at steps 3, 6 and 8
+    out: dict[str, Any] = {}
+    for name in ("plain", "prefetch"):
+        result = run(TrainConfig(**cfg, eval_pipeline=name, metrics_file=f"{root}/{name}.json"))
+        out[name] = result.evals
+        out[f"{name}_losses"] = result.losses
+    return out
+
+
+def test_plain_and_prefetch_eval_pipelines_give_identical_aurocs_and_record_eval_throughput(tmp_path: Path) -> None:
+    outs = run_gloo(2, _eval_pipelines_body, str(tmp_path), timeout_s=400)
+    for out in outs:
+        assert [step for step, _ in out["plain"]] == [3, 6, 8]
+        assert all(0.0 <= auroc <= 1.0 for _, auroc in out["plain"])
+        assert out["prefetch"] == out["plain"]  # bit for bit, every evaluation
+        assert out["prefetch_losses"] == out["plain_losses"]  # evaluation changes no training state
+    for name in ("plain", "prefetch"):
+        metrics = json.loads((tmp_path / f"{name}.json").read_text())
+        assert metrics["evals"] == [list(e) for e in outs[0][name]]
+        sps = metrics["eval_samples_per_s"]
+        assert isinstance(sps, float) and math.isfinite(sps) and sps > 0, sps
+
+
+def test_eval_pipeline_flag_selects_the_loop_the_evaluation_runs() -> None:
+    import torch
+
+    from recpipe.pipeline import EvalPipelinePrefetch
+    from recpipe.recipes.loop import PlainEvalLoop, make_eval_pipeline
+
+    model = torch.nn.Linear(2, 1)
+    for name, kind in (("plain", PlainEvalLoop), ("prefetch", EvalPipelinePrefetch)):
+        config = TrainConfig(**SMALL_SYNTHETIC, max_steps=4, eval_pipeline=name, check_paths=False)
+        assert type(make_eval_pipeline(config, model)) is kind
+
+
+def test_eval_samples_per_s_of_a_run_without_evaluation_is_null_in_the_metrics() -> None:
+    from recpipe.recipes.loop import TrainResult
+
+    result = TrainResult(start_step=0, steps=4)
+    assert math.isnan(result.eval_samples_per_s)
+    assert json.loads(json.dumps(result.to_json(), allow_nan=False))["eval_samples_per_s"] is None
+
+
 def test_pipeline_change_on_resume_is_noted_not_refused() -> None:
     assert {"pipeline", "semi_sync_start_batch"} <= set(RESUME_NOTED_FIELDS)
 
@@ -98,6 +146,7 @@ def test_pipeline_change_on_resume_is_noted_not_refused() -> None:
         ({"pipeline": "semi_sync", "semi_sync_start_batch": -1}, "semi_sync_start_batch", "--semi-sync-start-batch"),
         ({"pipeline": "semi_sync", "semi_sync_start_batch": 2.5}, "semi_sync_start_batch", "--semi-sync-start-batch"),
         ({"pipeline": "fused", "semi_sync_start_batch": 3}, "semi_sync_start_batch", "--pipeline semi_sync"),
+        ({"eval_pipeline": "lazy"}, "eval_pipeline", "use one of prefetch, plain, e.g. --eval-pipeline prefetch"),
     ],
 )
 def test_bad_pipeline_values_are_refused_naming_the_field(kwargs: dict[str, Any], field: str, fix: str) -> None:

@@ -8,7 +8,8 @@ out in plain torch), and every step's loss and predictions, then the final weigh
 bit for bit (torch.equal). Pinned as well: before ``start_batch`` the pipeline equals torchrec's
 ``TrainPipelineSparseDist`` and after it does not (the staleness is real); FUSED tables under
 table-, column- and row-wise sharding, tiered (HYBRID / CACHING) and dynamic tables; the models
-refused on attach; a failed step, ``reset()`` and ``detach()`` / ``attach()``.
+refused on attach; a failed step, ``reset()`` and ``detach()`` / ``attach()``; ``number_next_batch``'s
+refusals; the errors of a module called twice and of a retried step name ``TrainPipelineSemiSync``.
 """
 
 from __future__ import annotations
@@ -401,6 +402,84 @@ def test_semi_sync_arguments_are_checked() -> None:
     assert default.lookup_schedule.embedding_lookup_after_opt
 
 
+@pytest.mark.parametrize("index", [-1, 2.0, "3", True, None])
+def test_number_next_batch_refuses_an_index_that_is_not_an_int_at_least_0(index: Any) -> None:
+    """A negative, float, string, bool or None index is refused naming ``index`` and the value (no model needed)."""
+    from recpipe.pipeline import TrainPipelineSemiSync
+
+    model = torch.nn.Linear(1, 1)
+    pipe = TrainPipelineSemiSync(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    with pytest.raises(ValueError) as info:
+        pipe.number_next_batch(index)
+    assert str(info.value) == (f"TrainPipelineSemiSync.number_next_batch: index must be an int >= 0, got {index!r}.")
+
+
+def _numbering_body(rank: int, world: int) -> Dict[str, Any]:
+    device = torch.device("cpu")
+    model, opt = build_dmp("table_wise", device)
+    pipe = _semi_sync(model, opt, device, start_batch=4)
+    it = iter(make_batches(rank, n=6, seed=3))
+    pipe.progress(it)  # batches 1..3 stay queued
+    out: Dict[str, Any] = {"in flight": len(pipe.contexts)}
+    try:
+        pipe.number_next_batch(4)
+        out["refusal"] = None
+    except ValueError as e:
+        out["refusal"] = str(e)
+    out["queued after refusal"] = [c.index for c in pipe.contexts]
+    pipe.reset()
+    pipe.number_next_batch(4)  # drained: accepted
+    out["semi before"] = pipe.is_semi_sync()
+    pipe.progress(it)
+    out["queued after numbering"] = [c.index for c in pipe.contexts]
+    return out
+
+
+def test_number_next_batch_refuses_a_pipeline_with_batches_in_flight_and_numbers_a_drained_one() -> None:
+    """With batches queued the call is refused naming ``index`` and the fix (drain or ``reset()``), and the
+    queued batches keep their numbers; after ``reset()`` the next batches read are numbered from ``index``."""
+    for res in run_gloo(2, _numbering_body, timeout_s=300):
+        n = res["in flight"]
+        assert n > 0 and res["queued after refusal"] == list(range(1, n + 1))
+        msg = res["refusal"]
+        assert msg is not None, "number_next_batch was accepted with batches in flight"
+        assert msg.startswith("TrainPipelineSemiSync.number_next_batch: index=4 cannot number the next batch"), msg
+        assert f"{n} batch(es) are in flight" in msg and "reset()" in msg and "StopIteration" in msg, msg
+        assert res["semi before"] is False  # nothing queued after reset()
+        # batch 4 trained (read after the numbering); batches 5.. are queued
+        assert res["queued after numbering"][0] == 5, res["queued after numbering"]
+
+
+class _EbcTwiceModel(TwoModuleModel):
+    """``TwoModuleModel`` whose forward calls its EBC twice (a pipelined module may be called once)."""
+
+    def forward(self, batch: Any) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        again = self.ebc(batch.ebc_features).values()
+        loss, out = super().forward(batch)
+        return loss + 0.0 * again.sum(), out
+
+
+def _twice_body(rank: int, world: int) -> Optional[str]:
+    device = torch.device("cpu")
+    model, opt = build_dmp("table_wise", device)
+    model.module.__class__ = _EbcTwiceModel  # the sharded model, its forward now calling "ebc" twice
+    try:
+        _semi_sync(model, opt, device, start_batch=0).progress(iter(make_batches(rank, n=4, seed=2)))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_module_called_twice_in_forward_names_the_semi_sync_pipeline_and_the_cause() -> None:
+    """As ``TrainPipelineFusedSparseDist`` (test_fused_pipeline_refusal), but the message names the pipeline
+    that runs: ``TrainPipelineSemiSync``."""
+    for msg in run_gloo(2, _twice_body, timeout_s=300):
+        assert msg is not None, "a module called twice in the forward was accepted"
+        assert msg.startswith("TrainPipelineSemiSync: the input dist of module 'ebc'"), msg
+        assert "'ebc' is called more than once in the model's forward" in msg and "Call it once" in msg, msg
+        assert "TrainPipelineFusedSparseDist" not in msg, msg
+
+
 # -------------------------------------------------------------------------- failures, reset, detach
 
 
@@ -465,7 +544,7 @@ def _failure_body(rank: int, world: int) -> Dict[str, Any]:
         try:
             pipe.progress(it)
         except error as e:
-            out[name] = type(e).__name__
+            out[name], out[name + " message"] = type(e).__name__, str(e)
     pipe.reset()
     _steps(pipe, it, None, got)
     ref, ref_opt = build_dmp("table_wise", device)
@@ -547,6 +626,8 @@ def test_semi_sync_failed_step_reset_and_detach_match_the_reference() -> None:
     ``execute_all_batches=False`` trains all but the last 3 batches (torchrec's semi-sync too)."""
     for rank, res in enumerate(run_gloo(2, _failure_body, timeout_s=300)):
         assert res["failure"] == "InjectedFailure" and res["retry"] == "PipelinedLookupUnavailableError", res
+        # the pipelined forward's refusal names the pipeline that runs
+        assert res["retry message"].startswith("TrainPipelineSemiSync: the embedding lookup of module"), res
         for name, n_steps in (("A", 7), ("B", 9), ("D", 3)):
             got, want, weights, want_weights, counters, want_counters = res[name]
             assert len(got[0]) == n_steps, f"{name}: {len(got[0])} steps"
