@@ -1,13 +1,15 @@
 """Dynamic tables in a recpipe DCP checkpoint: their kinds checked, their rows loaded by raw key.
 
 ``save`` writes each key shard's rows of a dynamic table under its own keys
-``dynamic.<table fqn>.rank<r>.{keys,weights,optimizer_state,scores,step,metadata}``
+``dynamic.<table fqn>.rank<r>.{keys,weights,optimizer_state,scores,step,metadata}`` and its admission
+counters ``...rank<r>.{admission_keys,admission_counts}``
 (``layout.dynamic_dcp_key``; ``r`` the key shard: row-wise the rank, table-wise 0), so every rank
 writes tensors of its own row count. A load works at any world size and sharding (row-wise <->
 table-wise): every loading shard reads every saving shard's keys and scores
 (:func:`plan_dynamic_load`), keeps those its raw-key routing owns (``DynamicEmbeddingShard.owned``),
-then reads their rows and optimizer state (:func:`load_dynamic_table`), restoring the optimizer step
-and the lru clock (the saving shards' maximum). Refused on every rank, before anything is loaded: a
+then reads their rows and optimizer state (:func:`load_dynamic_table`), restoring the optimizer step,
+the lru clock (the saving shards' maximum) and the admission counters it owns (a checkpoint without
+them loads with none). Refused on every rank, before anything is loaded: a
 table dynamic on one side and static tiered or torchrec on the other, another embedding dim, dtype,
 optimizer or eviction, repeated keys, and keys the loading capacity cannot hold under
 ``on_full='error'``; NaN / inf rows are refused by :func:`check_dynamic_table` (or while loading).
@@ -29,6 +31,7 @@ from recpipe.pipeline.checkpoint.layout import (
     DYNAMIC_DCP_PREFIX,
     DYNAMIC_FIELDS,
     DYNAMIC_KEY,
+    DYNAMIC_OPTIONAL_FIELDS,
     TIERED_KEY,
     Source,
     dynamic_dcp_key,
@@ -44,6 +47,7 @@ from recpipe.pipeline.tiered.dynamic.dynamic_state import (
     dropped_at_load,
     dynamic_error,
     load_owned_rows,
+    owned_admission,
     repeated_keys,
     routes_keys_as,
 )
@@ -65,7 +69,8 @@ class DynamicLoad(NamedTuple):
     """What a load reads into one dynamic shard, checked while planning: the saving shards' ``heads``
     (key shard -> ``{"metadata", "step"}``), the saving shards it reads and, of each, the positions of
     the keys this shard owns (``owned``); those ``keys`` and ``scores`` (saving shard order, then slot
-    order), the optimizer ``step`` and the lru ``clock`` it restores."""
+    order), the optimizer ``step`` and the lru ``clock`` it restores, and the admission counters
+    (``admission_keys``, ``admission_counts``) it owns."""
 
     shard: DynamicEmbeddingShard
     heads: Dict[int, Dict[str, Any]]
@@ -74,6 +79,8 @@ class DynamicLoad(NamedTuple):
     scores: torch.Tensor
     step: int
     clock: int
+    admission_keys: torch.Tensor
+    admission_counts: torch.Tensor
 
 
 def saved_dynamic_ranks(metadata: Metadata, table_fqn: str) -> Dict[int, List[str]]:
@@ -83,7 +90,7 @@ def saved_dynamic_ranks(metadata: Metadata, table_fqn: str) -> Dict[int, List[st
     for key in metadata.state_dict_metadata:
         if key.startswith(head):
             rank, _, field = key[len(head) :].partition(".")
-            if rank.isdigit() and field in DYNAMIC_FIELDS:
+            if rank.isdigit() and field in DYNAMIC_FIELDS + DYNAMIC_OPTIONAL_FIELDS:
                 ranks.setdefault(int(rank), []).append(field)
     return ranks
 
@@ -160,7 +167,7 @@ def _check_saved_shards(src: Source, shard: DynamicEmbeddingShard, fqn: str) -> 
     """Reads and checks every saving key shard's metadata and step; returns them by key shard."""
     where = src.where
     ranks = saved_dynamic_ranks(src.metadata, fqn)
-    incomplete = {r: sorted(set(DYNAMIC_FIELDS) - set(f)) for r, f in ranks.items() if set(f) != set(DYNAMIC_FIELDS)}
+    incomplete = {r: sorted(set(DYNAMIC_FIELDS) - set(f)) for r, f in ranks.items() if set(DYNAMIC_FIELDS) - set(f)}
     if incomplete:
         raise CheckpointTableError(
             f"{where}: dynamic table {fqn!r}: key shards lack fields {incomplete} (key shard: missing fields); "
@@ -210,7 +217,22 @@ def _plan_table(src: Source, shard: DynamicEmbeddingShard, fqn: str) -> DynamicL
         )
     dropped_at_load(shard, mine, mine_scores)
     clock = max(int(h["metadata"]["clock"]) for h in heads.values())
-    return DynamicLoad(shard, heads, owned, mine, mine_scores, heads[min(heads)]["step"], clock)
+    admission = owned_admission(shard, _saved_admission(src, fqn, sorted(heads)))
+    return DynamicLoad(shard, heads, owned, mine, mine_scores, heads[min(heads)]["step"], clock, *admission)
+
+
+def _saved_admission(src: Source, fqn: str, ranks: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Every saving key shard's ``(admission_keys, admission_counts)``; empty for a shard saved without them."""
+    saved = saved_dynamic_ranks(src.metadata, fqn)
+    empty = torch.empty(0, dtype=torch.int64)
+    parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    for r in ranks:
+        if set(DYNAMIC_OPTIONAL_FIELDS) <= set(saved.get(r, [])):
+            got = _read(src, fqn, r, DYNAMIC_OPTIONAL_FIELDS)
+            parts.append((got["admission_keys"], got["admission_counts"]))
+        else:
+            parts.append((empty, empty))
+    return parts
 
 
 def plan_dynamic_load(
@@ -287,3 +309,4 @@ def load_dynamic_table(load: DynamicLoad, src: Source, fqn: str) -> None:
     """
     keys, weights, state, scores = _owned_rows(load, src, fqn)
     load_owned_rows(load.shard, keys, weights, state, scores, load.step, load.clock)
+    load.shard.index.load_admission(load.admission_keys, load.admission_counts)

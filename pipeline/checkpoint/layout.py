@@ -61,8 +61,11 @@ FIELDS: Tuple[str, ...] = ("global_ids", "weights", "optimizer_state", "step", "
 TIERED_KEY: "re.Pattern[str]" = re.compile(rf"^{TIERED_DCP_PREFIX}\.(.+)\.rank\d+\.(?:{'|'.join(FIELDS)})$")
 DYNAMIC_DCP_PREFIX: str = "dynamic"  # first component of every dynamic table's key
 DYNAMIC_FIELDS: Tuple[str, ...] = ("keys", "weights", "optimizer_state", "scores", "step", "metadata")
+#: A dynamic table's fields a checkpoint may lack (its admission counters: a table without them loads with none).
+DYNAMIC_OPTIONAL_FIELDS: Tuple[str, ...] = ("admission_keys", "admission_counts")
+_DYNAMIC_ANY = "|".join(DYNAMIC_FIELDS + DYNAMIC_OPTIONAL_FIELDS)
 #: A dynamic table's key; group 1: the table fqn.
-DYNAMIC_KEY: "re.Pattern[str]" = re.compile(rf"^{DYNAMIC_DCP_PREFIX}\.(.+)\.rank\d+\.(?:{'|'.join(DYNAMIC_FIELDS)})$")
+DYNAMIC_KEY: "re.Pattern[str]" = re.compile(rf"^{DYNAMIC_DCP_PREFIX}\.(.+)\.rank\d+\.(?:{_DYNAMIC_ANY})$")
 _EXTRA_KEY: "re.Pattern[str]" = re.compile(rf"^{EXTRA_STATE_PREFIX}\.rank(\d+)$")
 
 
@@ -83,10 +86,11 @@ def tiered_dcp_key(table_fqn: str, rank: int, field: str) -> str:
 
 
 def dynamic_dcp_key(table_fqn: str, rank: int, field: str) -> str:
-    """``dynamic.<table_fqn>.rank<rank>.<field>``: one field (of :data:`DYNAMIC_FIELDS`) of key shard
-    ``rank``'s rows of a dynamic table (row-wise: the rank among the table's shards; table-wise: 0)."""
-    if field not in DYNAMIC_FIELDS:
-        raise ValueError(f"field must be one of {DYNAMIC_FIELDS}, got {field!r}.")
+    """``dynamic.<table_fqn>.rank<rank>.<field>``: one field (of :data:`DYNAMIC_FIELDS` or
+    :data:`DYNAMIC_OPTIONAL_FIELDS`) of key shard ``rank``'s rows of a dynamic table (row-wise: the rank among
+    the table's shards; table-wise: 0)."""
+    if field not in DYNAMIC_FIELDS + DYNAMIC_OPTIONAL_FIELDS:
+        raise ValueError(f"field must be one of {DYNAMIC_FIELDS + DYNAMIC_OPTIONAL_FIELDS}, got {field!r}.")
     return f"{DYNAMIC_DCP_PREFIX}.{table_fqn}.rank{rank}.{field}"
 
 

@@ -46,9 +46,12 @@ def build_dynamic(
     capacity_scale: float = 1.0,
     backend: Optional[str] = None,
     static: bool = False,
+    admit_after: int = 1,
+    admission_capacity: Optional[int] = None,
 ) -> Tuple[Any, Any]:
     """A DMP of ``TwoModuleModel`` with every table dynamic (``sharding``: ``table_wise`` (t0, s0 on rank 0,
-    t1 on rank ``1 % world``) or ``row_wise``), and its dense Adam; ``static``: the same plan with the tables
+    t1 on rank ``1 % world``) or ``row_wise``; keys admitted after ``admit_after`` sightings, counted in ``admission_capacity`` counters), and its dense
+    Adam; ``static``: the same plan with the tables
     static tiered (ids in ``[0, num_embeddings)``)."""
     from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -78,7 +81,12 @@ def build_dynamic(
     plan: Dict[str, Dict[str, Any]] = {"ebc": {}, "ec": {}}
     for i, (table, (module, rows, mode, x, capacity)) in enumerate(DYNAMIC_TABLES.items()):
         options = DynamicTableOptions(
-            capacity=max(int(capacity * capacity_scale), 1), eviction=eviction, seed=11, on_full="ignore"
+            capacity=max(int(capacity * capacity_scale), 1),
+            eviction=eviction,
+            seed=11,
+            on_full="ignore",
+            admit_after=admit_after,
+            admission_capacity=admission_capacity,
         )
         if sharding == "row_wise":
             where: Dict[str, Any] = dict(

@@ -359,7 +359,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         if absent:
             missing_keys.extend(absent)
             return
-        load_dynamic_entries(self, lambda k: state_dict[prefix + k], f"the state dict under {prefix!r}")
+        load_dynamic_entries(self, lambda k: state_dict.get(prefix + k), f"the state dict under {prefix!r}")
 
     def extra_repr(self) -> str:
         return (

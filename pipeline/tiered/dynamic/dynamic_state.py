@@ -1,7 +1,7 @@
 """A dynamic shard's rows keyed by raw key, as ``state_dict()`` and checkpoints save and load them.
 
 :func:`export_dynamic_state` takes every key a shard holds with its row, optimizer state and score (slot
-order), the optimizer step and :func:`dynamic_metadata` (table, dim, dtype, optimizer, options, key
+order), the admission counter table's keys and sightings, the optimizer step and :func:`dynamic_metadata` (table, dim, dtype, optimizer, options, key
 routing, the lru clock, capacity). :func:`load_dynamic_states` loads into a shard the keys it owns of the
 exports of any key routing, world size and capacity (``DynamicEmbeddingShard.owned``), refusing
 exports of another dim, dtype, optimizer or eviction, non-finite rows and repeated keys before anything
@@ -56,6 +56,7 @@ class DynamicShardView(Protocol):
 
 
 __all__ = [
+    "DYNAMIC_ADMISSION_FIELDS",
     "DYNAMIC_FORMAT",
     "DYNAMIC_STATE_FIELDS",
     "DYNAMIC_STATE_KEY",
@@ -73,6 +74,7 @@ __all__ = [
     "load_dynamic_entries",
     "load_dynamic_states",
     "load_owned_rows",
+    "owned_admission",
     "pop_dynamic_entries",
     "repeated_keys",
     "routes_keys_as",
@@ -84,16 +86,24 @@ DYNAMIC_FORMAT: str = "recpipe-dynamic/1"
 DYNAMIC_STATE_KEY: str = "dynamic"
 #: The ``state_dict`` fields of a dynamic export (:meth:`DynamicShardState.entries`).
 DYNAMIC_STATE_FIELDS: Tuple[str, ...] = ("keys", "weights", "optimizer_state", "scores", "step", "_extra_state")
+#: Optional ``state_dict`` fields: the admission counter table's keys and sightings (int64 ``[M]``, empty without
+#: admission); an export without them loads as one with empty counters.
+DYNAMIC_ADMISSION_FIELDS: Tuple[str, ...] = ("admission_keys", "admission_counts")
 #: Metadata fields a load reads (every export records them).
 _REQUIRED: Tuple[str, ...] = ("format", "table", "embedding_dim", "dtype", "optimizer", "options", "key_shards")
 _REQUIRED += ("key_rank", "key_routing_seed", "clock", "capacity")
 
 
+def _no_keys() -> torch.Tensor:
+    return torch.empty(0, dtype=torch.int64)
+
+
 @dataclass
 class DynamicShardState:
     """Export of one dynamic shard: int64 ``keys`` ``[N]``, ``weights`` ``[N, dim]``, fp32 ``optimizer_state``
-    ``[N, state columns]`` and int64 ``scores`` ``[N]`` in slot order, the optimizer ``step`` and
-    :func:`dynamic_metadata`."""
+    ``[N, state columns]`` and int64 ``scores`` ``[N]`` in slot order, the optimizer ``step``,
+    :func:`dynamic_metadata`, and the admission counter table's int64 ``admission_keys`` and
+    ``admission_counts`` ``[M]`` (sightings of keys not yet admitted; empty without admission)."""
 
     keys: torch.Tensor
     weights: torch.Tensor
@@ -101,17 +111,21 @@ class DynamicShardState:
     scores: torch.Tensor
     step: int
     metadata: Dict[str, Any] = field(default_factory=dict)
+    admission_keys: torch.Tensor = field(default_factory=_no_keys)
+    admission_counts: torch.Tensor = field(default_factory=_no_keys)
 
     def entries(self) -> Dict[str, Any]:
         """The export as ``state_dict`` entries by field (``step`` a 0-dim int64, ``_extra_state`` the metadata)."""
-        tensors = {k: getattr(self, k) for k in DYNAMIC_STATE_FIELDS[:4]}
+        tensors = {k: getattr(self, k) for k in DYNAMIC_STATE_FIELDS[:4] + DYNAMIC_ADMISSION_FIELDS}
         return {**tensors, "step": torch.tensor(self.step, dtype=torch.int64), "_extra_state": self.metadata}
 
     @classmethod
     def from_entries(cls, entry: Callable[[str], Any]) -> "DynamicShardState":
-        """The export of the ``state_dict`` entries ``entry(field)`` (the inverse of :meth:`entries`)."""
+        """The export of the ``state_dict`` entries ``entry(field)`` (the inverse of :meth:`entries`); ``entry``
+        gives None for an absent field of :data:`DYNAMIC_ADMISSION_FIELDS`."""
         tensors = {k: entry(k) for k in DYNAMIC_STATE_FIELDS[:4]}
-        return cls(**tensors, step=int(entry("step")), metadata=dict(entry("_extra_state")))
+        admission = {k: v for k, v in ((k, entry(k)) for k in DYNAMIC_ADMISSION_FIELDS) if v is not None}
+        return cls(**tensors, step=int(entry("step")), metadata=dict(entry("_extra_state")), **admission)
 
 
 def dynamic_metadata(shard: DynamicShardView) -> Dict[str, Any]:
@@ -138,7 +152,17 @@ def dynamic_metadata(shard: DynamicShardView) -> Dict[str, Any]:
 def export_dynamic_state(shard: DynamicShardView) -> DynamicShardState:
     """Every key ``shard`` holds with its row, optimizer state and score (slot order, CPU; flushes the cache)."""
     keys, weights, state, scores = shard.dynamic_rows()
-    return DynamicShardState(keys, weights, state, scores, shard.tiers.export_step(), dynamic_metadata(shard))
+    admission_keys, admission_counts = (t.cpu() for t in shard.index.export_admission())
+    return DynamicShardState(
+        keys,
+        weights,
+        state,
+        scores,
+        shard.tiers.export_step(),
+        dynamic_metadata(shard),
+        admission_keys,
+        admission_counts,
+    )
 
 
 def dynamic_state_entries(shard: DynamicShardView, prefix: str) -> Dict[str, Any]:
@@ -293,6 +317,38 @@ def _owned(shard: DynamicShardView, st: DynamicShardState) -> List[torch.Tensor]
     return [t.cpu().index_select(0, sel) for t in (st.keys, st.weights, st.optimizer_state, st.scores)]
 
 
+def owned_admission(shard: DynamicShardView, parts: Sequence[Tuple[Any, Any]]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(keys, counts)`` of the admission counters ``shard`` owns among the saving shards' ``(admission_keys,
+    admission_counts)`` parts, refusing parts that are not two int64 ``[M]`` tensors or whose keys repeat.
+
+    Raises:
+        TieredCheckpointError: naming the table and the fix.
+    """
+    keys: List[torch.Tensor] = []
+    counts: List[torch.Tensor] = []
+    for k, c in parts:
+        ok = isinstance(k, torch.Tensor) and isinstance(c, torch.Tensor) and k.dim() == c.dim() == 1
+        if not ok or k.shape != c.shape or k.dtype != torch.int64 or c.dtype != torch.int64:
+            got = [(type(t).__name__, getattr(t, "dtype", None), list(getattr(t, "shape", []))) for t in (k, c)]
+            raise dynamic_error(
+                shard,
+                f"the export's admission_keys and admission_counts must be two int64 [M] tensors, got {got}",
+                ["the export is truncated or edited: re-save the table"],
+            )
+        sel = shard.owned(k.cpu()).cpu().nonzero().squeeze(1)
+        keys.append(k.cpu().index_select(0, sel))
+        counts.append(c.cpu().index_select(0, sel))
+    mine = torch.cat(keys) if keys else _no_keys()
+    repeated = repeated_keys(mine)
+    if repeated.numel():
+        raise dynamic_error(
+            shard,
+            f"{repeated.numel()} keys appear more than once among the admission counters it would load",
+            ["the exports overlap (a directory mixing saves, or one export passed twice): re-save the table"],
+        )
+    return mine, torch.cat(counts) if counts else _no_keys()
+
+
 def concat_rows(
     parts: Sequence[Sequence[torch.Tensor]],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -328,7 +384,9 @@ def load_dynamic_states(shard: DynamicShardView, states: Sequence[DynamicShardSt
     if len(steps) != 1:
         raise dynamic_error(shard, f"the exports disagree on the optimizer step {steps}", ["re-save the table"])
     keys, weights, state, scores = concat_rows([_owned(shard, st) for st in states])
+    admission = owned_admission(shard, [(st.admission_keys, st.admission_counts) for st in states])
     load_owned_rows(shard, keys, weights, state, scores, steps[0], max(int(st.metadata["clock"]) for st in states))
+    shard.index.load_admission(*admission)
 
 
 def load_dynamic_entries(shard: DynamicShardView, entry: Callable[[str], Any], owner: str) -> None:
@@ -374,7 +432,7 @@ def pop_dynamic_entries(shard: DynamicShardView, state_dict: Dict[str, Any], bas
             f"dynamic table {shard.table_name!r}: state_dict has {sorted(base + f for f in present)} but not "
             f"{absent}; pass the complete export written by state_dict()."
         )
-    load_dynamic_entries(shard, lambda k: state_dict.pop(base + k), f"the state dict's {base}*")
+    load_dynamic_entries(shard, lambda k: state_dict.pop(base + k, None), f"the state dict's {base}*")
 
 
 def dynamic_entries_misfit(

@@ -103,6 +103,47 @@ class _Table:
     def clear(self) -> None:
         self.sizes.zero_()
 
+    def export(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, scores, slots)`` of every used slot, in slot order."""
+        n = self.keys.numel()
+        lane = torch.arange(n, device=self.keys.device) % BUCKET_SLOTS
+        bucket = torch.arange(n, device=self.keys.device) // BUCKET_SLOTS
+        slots = (lane < self.sizes.index_select(0, bucket)).nonzero().squeeze(1)
+        return self.keys.index_select(0, slots), self.scores.index_select(0, slots), slots
+
+
+def _placement(table: _Table, keys: torch.Tensor, scores: torch.Tensor, table_name: str) -> torch.Tensor:
+    """The slot of ``table`` each of ``keys`` (distinct, int64, on its device) takes when loaded into it empty
+    (-1: none), as :meth:`DynamicKeyIndex.placement` describes.
+
+    Raises:
+        ValueError: ``keys`` repeat.
+    """
+    device = table.keys.device
+    n = keys.numel()
+    ordered = torch.sort(keys).values
+    if n > 1 and bool((ordered[1:] == ordered[:-1]).any()):
+        raise ValueError(f"dynamic table {table_name!r}: the loaded keys repeat; load one row per key.")
+    num_buckets = table.sizes.numel()
+    bucket = bucket_of(keys, table.salt, num_buckets)
+
+    def rank_in_bucket(order: torch.Tensor) -> torch.Tensor:
+        # order: positions grouped by bucket (stable), so a position's rank is its place in its group
+        grouped = bucket.index_select(0, order)
+        rank = torch.arange(order.numel(), device=device) - torch.searchsorted(grouped, grouped)
+        return torch.empty_like(rank).index_copy_(0, order, rank)
+
+    by_score = torch.argsort(scores, descending=True, stable=True)
+    keep = rank_in_bucket(by_score.index_select(0, torch.argsort(bucket.index_select(0, by_score), stable=True)))
+    kept = keep < BUCKET_SLOTS
+    # lanes of the kept keys in the order given (dropped keys grouped past every bucket)
+    group = torch.where(kept, bucket, num_buckets)
+    lane = torch.empty_like(keep)
+    order = torch.argsort(group, stable=True)
+    grouped = group.index_select(0, order)
+    lane.index_copy_(0, order, torch.arange(n, device=device) - torch.searchsorted(grouped, grouped))
+    return torch.where(kept, bucket * BUCKET_SLOTS + lane, -1)
+
 
 class DynamicKeyIndex:
     """The key index of one dynamic shard of ``slots`` slots (a multiple of ``BUCKET_SLOTS``).
@@ -294,10 +335,32 @@ class DynamicKeyIndex:
 
     def export(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(keys, scores, slots)`` of every held key, in slot order."""
-        lane = torch.arange(self.num_slots, device=self.device) % BUCKET_SLOTS
-        bucket = torch.arange(self.num_slots, device=self.device) // BUCKET_SLOTS
-        slots = (lane < self.main.sizes.index_select(0, bucket)).nonzero().squeeze(1)
-        return self.main.keys.index_select(0, slots), self.main.scores.index_select(0, slots), slots
+        return self.main.export()
+
+    def export_admission(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, counts)`` of the admission counter table (slot order): the sightings of keys not yet
+        admitted; empty without admission."""
+        if self.admission is None:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return empty, empty.clone()
+        keys, counts, _ = self.admission.export()
+        return keys, counts
+
+    def load_admission(self, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Replaces the admission counter table by ``keys`` (distinct) with their sightings ``counts``, placed
+        as :meth:`placement` places keys (a bucket given more keys than its slots keeps the highest counts;
+        the others start again from zero). Without admission it does nothing.
+
+        Raises:
+            ValueError: ``keys`` repeat.
+        """
+        if self.admission is None:
+            return
+        keys, counts = keys.to(self.device, torch.int64), counts.to(self.device, torch.int64)
+        slots = _placement(self.admission, keys, counts, self.table_name)
+        kept = slots >= 0
+        self.admission.clear()
+        self.admission.store(slots[kept], keys[kept], counts[kept], None)
 
     def placement(self, keys: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The slot each of ``keys`` (distinct) takes when loaded into an empty index (-1: none); changes
@@ -309,29 +372,9 @@ class DynamicKeyIndex:
         Raises:
             ValueError: ``keys`` repeat.
         """
-        keys, scores = keys.to(self.device, torch.int64), scores.to(self.device, torch.int64)
-        n = keys.numel()
-        ordered = torch.sort(keys).values
-        if n > 1 and bool((ordered[1:] == ordered[:-1]).any()):
-            raise ValueError(f"dynamic table {self.table_name!r}: the loaded keys repeat; load one row per key.")
-        bucket = bucket_of(keys, self.main.salt, self.main.sizes.numel())
-
-        def rank_in_bucket(order: torch.Tensor) -> torch.Tensor:
-            # order: positions grouped by bucket (stable), so a position's rank is its place in its group
-            grouped = bucket.index_select(0, order)
-            rank = torch.arange(order.numel(), device=self.device) - torch.searchsorted(grouped, grouped)
-            return torch.empty_like(rank).index_copy_(0, order, rank)
-
-        by_score = torch.argsort(scores, descending=True, stable=True)
-        keep = rank_in_bucket(by_score.index_select(0, torch.argsort(bucket.index_select(0, by_score), stable=True)))
-        kept = keep < BUCKET_SLOTS
-        # lanes of the kept keys in the order given (dropped keys grouped past every bucket)
-        group = torch.where(kept, bucket, self.main.sizes.numel())
-        lane = torch.empty_like(keep)
-        order = torch.argsort(group, stable=True)
-        grouped = group.index_select(0, order)
-        lane.index_copy_(0, order, torch.arange(n, device=self.device) - torch.searchsorted(grouped, grouped))
-        return torch.where(kept, bucket * BUCKET_SLOTS + lane, -1)
+        return _placement(
+            self.main, keys.to(self.device, torch.int64), scores.to(self.device, torch.int64), self.table_name
+        )
 
     def load(self, keys: torch.Tensor, scores: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Replaces the index's keys by ``keys`` (distinct) with ``scores``, placed by :meth:`placement`;

@@ -51,6 +51,14 @@ def _dump(dmp: Any) -> Dict[str, Rows]:
     return out
 
 
+def _admission_counters(dmp: Any) -> Dict[str, Dict[int, int]]:
+    """This rank's admission counters per table: key -> sightings."""
+    return {
+        table: dict(zip(*(t.tolist() for t in shard.index.export_admission())))
+        for table, shard in dynamic_shards(dmp).items()
+    }
+
+
 def _train(dmp: Any, opt: Any, batches: List[TwoSparseBatch]) -> List[float]:
     return [float(loss) for loss in run_reference(dmp, opt, batches)[0]]
 
@@ -116,6 +124,10 @@ def _save_runs(rank: int, world: int, root: str) -> Dict[str, Any]:
     out["roomy_dense"] = {k: v.clone() for k, v in dmp.state_dict().items() if k.startswith(("bottom.", "over."))}
     _train(dmp, opt, batches[K:])
     out["roomy_lost"] = _lost_keys(dmp)
+    dmp, opt = build_dynamic(world, "row_wise", admit_after=2)
+    _train(dmp, opt, batches[:K])
+    checkpoint.save(dmp, f"{root}/admit", extra_state=opt.state_dict())
+    out["admit_counters"] = _admission_counters(dmp)
     return out
 
 
@@ -186,6 +198,10 @@ def _resume_at_one_rank(rank: int, world: int, root: str, saved: Dict[str, Any])
     dmp, _ = build_dynamic(world, "row_wise", capacity_scale=LARGER)
     checkpoint.load(dmp, f"{root}/evict")
     out["evict_loaded"], out["evict_clocks"] = _dump(dmp), _clocks_and_steps(dmp)
+    # counters for every saved key (a full counter bucket would keep only its highest counts)
+    dmp, _ = build_dynamic(world, "row_wise", admit_after=2, admission_capacity=4096)
+    checkpoint.load(dmp, f"{root}/admit")
+    out["admit_counters"] = _admission_counters(dmp)
     batches = _global_batches()
     dense_opt = checkpoint.read_extra_state(f"{root}/roomy", 0).value
     resumed, opt_r = build_dynamic(world, "row_wise", eviction="lfu", capacity_scale=ROOMY)
@@ -212,7 +228,8 @@ def _resume_at_one_rank(rank: int, world: int, root: str, saved: Dict[str, Any])
 
 
 def test_two_rank_checkpoint_resumes_at_one_rank(saved: Tuple[str, List[Dict[str, Any]]]) -> None:
-    """A 2-rank checkpoint loads into 1 rank holding every saved key (row, state, score), the clock and step;
+    """A 2-rank checkpoint loads into 1 rank holding every saved key (row, state, score), the clock, the step and
+    the admission counters;
     resumed at 1 rank, training equals a 1-rank model given the saved table by hand, bit for bit; with no key
     evicted at either world size, the keys and lfu scores equal an uninterrupted 1-rank run's."""
     root, runs = saved
@@ -223,6 +240,9 @@ def test_two_rank_checkpoint_resumes_at_one_rank(saved: Tuple[str, List[Dict[str
     }
     got = run_gloo(1, _resume_at_one_rank, root, by_hand)[0]
     _assert_same(got["evict_loaded"], runs[0]["evict_saved"], "loaded at 1 rank")
+    for table in TABLES:  # every saving rank's admission counters, re-routed into the one shard
+        saved_counters = {k: c for r in runs for k, c in r["admit_counters"][table].items()}
+        assert got["admit_counters"][table] == saved_counters and len(saved_counters) > 5, table
     for table, (clock, step) in got["evict_clocks"].items():
         assert clock == max(r["evict_clocks"][table][0] for r in runs) and step == runs[0]["evict_clocks"][table][1]
     assert got["resumed_losses"] == got["by_hand_losses"]
@@ -333,14 +353,20 @@ def _trained(shard: DynamicEmbeddingShard, steps: int = 5) -> DynamicEmbeddingSh
     return shard
 
 
-def test_shard_state_dict_round_trip_keeps_slots_and_continues_alike() -> None:
-    """``shard.state_dict()`` into a fresh shard: the same keys at the same slots, rows, state, scores, step and
-    clock; the next lookups (with evictions, whose score ties break by slot) give the same rows."""
-    src = _trained(_shard())
-    dst = _shard()
+@pytest.mark.parametrize("admit_after", [1, 3])
+def test_shard_state_dict_round_trip_keeps_slots_and_continues_alike(admit_after: int) -> None:
+    """``shard.state_dict()`` into a fresh shard: the same keys at the same slots, rows, state, scores, step,
+    clock and admission counters; the next lookups (with evictions, whose score ties break by slot, and keys
+    admitted on the sightings counted before the save) give the same rows."""
+    options = DynamicTableOptions(capacity=64, seed=1, on_full="ignore", admit_after=admit_after)
+    src = _trained(_shard(options=options))
+    dst = _shard(options=options)
     dst.load_state_dict(src.state_dict())
     for a, b in zip(src.index.export() + src.dynamic_rows(), dst.index.export() + dst.dynamic_rows()):
         assert torch.equal(a, b)
+    for a, b in zip(src.index.export_admission(), dst.index.export_admission()):
+        assert torch.equal(a, b)
+    assert (src.index.export_admission()[0].numel() > 0) == (admit_after > 1)
     assert (dst.index.clock, dst.tiers.export_step()) == (src.index.clock, src.tiers.export_step()) == (5, 5)
     gen = torch.Generator().manual_seed(9)
     for _ in range(4):
@@ -349,9 +375,31 @@ def test_shard_state_dict_round_trip_keeps_slots_and_continues_alike() -> None:
         assert torch.equal(a, b)
         a.sum().backward()
         b.sum().backward()
-    assert src.tier_stats()["evicted"] > 0
+    assert src.tier_stats()["evicted" if admit_after == 1 else "not_admitted"] > 0
     for a, b in zip(src.dynamic_rows(), dst.dynamic_rows()):
         assert torch.equal(a, b)
+    src_stats, dst_stats = src.tier_stats(), dst.tier_stats()
+    assert dst_stats["inserted"] == src_stats["inserted"] - _trained_stats(options)["inserted"]
+
+
+def _trained_stats(options: DynamicTableOptions) -> Dict[str, float]:
+    return _trained(_shard(options=options)).tier_stats()
+
+
+def test_admission_counters_load_re_routed_from_two_key_shards_into_one() -> None:
+    """The admission counters of two key shards' exports load into one shard of the whole table: each key with
+    its sightings (the union of the exports'), and a key then admitted on its summed sightings."""
+    options = DynamicTableOptions(capacity=256, seed=1, on_full="ignore", admit_after=3, admission_capacity=256)
+    parts = [_trained(_shard(options=options, num_embeddings=256, shards=2, key_rank=r)) for r in (0, 1)]
+    whole = _shard(options=options, num_embeddings=256)
+    load_dynamic_states(whole, [export_dynamic_state(p) for p in parts])
+    want = {k: c for p in parts for k, c in zip(*(t.tolist() for t in p.index.export_admission()))}
+    got = dict(zip(*(t.tolist() for t in whole.index.export_admission())))
+    assert got == want and len(want) > 10
+    key, count = next((k, c) for k, c in want.items() if c == 2)  # one more sighting admits it
+    whole(torch.tensor([key]), torch.tensor([0, 1])).sum().backward()
+    assert key in whole.index.export()[0].tolist()
+    assert dict(zip(*(t.tolist() for t in whole.index.export_admission())))[key] == 0  # admitted: count reset
 
 
 @pytest.mark.parametrize(
