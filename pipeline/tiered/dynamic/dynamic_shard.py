@@ -204,7 +204,6 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
         assert isinstance(tiers, BufferedTier)
         self._lookups += 1
         self._last_undo = None
-        zeros = torch.zeros((res.new_slots.numel(), self.state_cols), dtype=torch.float32, device=self.device)
         if res.journal is not None:
             where = tiers.locate(res.new_slots)
             self._last_undo = (
@@ -222,6 +221,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
                 self._init_salt,
                 self.dtype,
             )
+            zeros = torch.zeros((res.new_slots.numel(), self.state_cols), dtype=torch.float32, device=self.device)
             self._write_slots(res.new_slots, rows, zeros)
         return res.slots
 

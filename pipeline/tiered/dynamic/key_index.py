@@ -272,11 +272,12 @@ class DynamicKeyIndex:
         if rec is not None:
             rec.record(self.main.scores, hit_slots)
         self.main.scores.index_copy_(0, hit_slots, new_hit_scores)
-        evicted = self.main.store(new_slots, new_keys, new_scores, rec)
-        n_miss = miss.sum()
-        self.counters += torch.stack(
-            [put.sum(), evicted.sum(), n_miss - (miss & admitted).sum(), torch.tensor(n_failed, device=self.device)]
-        )
+        counts_now = [new_slots.numel(), 0, 0, n_failed]  # inserted, evicted, not admitted, failed
+        if new_slots.numel():  # a shape, known without reading the device
+            counts_now[1] = self.main.store(new_slots, new_keys, new_scores, rec).sum()
+        if admission_write is not None:
+            counts_now[2] = (miss & ~admitted).sum()
+        self.counters += torch.stack([torch.as_tensor(c, dtype=torch.int64, device=self.device) for c in counts_now])
         final = torch.where(hit, found, slot)
         return LookupSlots(final.index_select(0, inverse), new_slots, new_keys, rec)
 
