@@ -184,18 +184,20 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
                 f"{getattr(ids, 'dtype', type(ids).__name__)}."
             )
         keys = ids.to(torch.int64)
+        complete = False
         if self.training and torch.is_grad_enabled():
-            slots = self._insert(keys)
+            slots, complete = self._insert(keys)
         else:
             slots = self.index.find(keys)
         valid = slots >= 0
-        if slots.numel() and not bool(valid.all()):
+        if not complete and slots.numel() and not bool(valid.all()):
             slots, offsets, per_sample_weights = self._drop_missing(slots, valid, offsets, per_sample_weights)
         return super().forward(slots, offsets, per_sample_weights)
 
     @torch.no_grad()
-    def _insert(self, keys: torch.Tensor) -> torch.Tensor:
-        """A training lookup's slots; new keys' rows initialized. What it overwrites is kept for
+    def _insert(self, keys: torch.Tensor) -> Tuple[torch.Tensor, bool]:
+        """A training lookup's slots and whether every key got one (known without a device read); new keys'
+        rows initialized. What it overwrites is kept for
         :meth:`undo_lookup` when :meth:`lookup_counters` was read since the last lookup (the fused pipeline
         reads it before every lookup it may take back); other lookups skip that copy."""
         journal, self._journal_next = self._journal_next, False
@@ -223,7 +225,7 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
             )
             zeros = torch.zeros((res.new_slots.numel(), self.state_cols), dtype=torch.float32, device=self.device)
             self._write_slots(res.new_slots, rows, zeros)
-        return res.slots
+        return res.slots, res.complete
 
     def _write_slots(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
         """Sets slot rows in whichever tier holds them; a cached slot's slow copy too (it may be clean)."""

@@ -60,12 +60,14 @@ class IndexJournal:
 @dataclass
 class LookupSlots:
     """A lookup's result: ``slots`` per input key (-1: no row) and the ``(new_slots, new_keys)`` whose rows
-    must be initialized; ``journal`` undoes it."""
+    must be initialized; ``journal`` undoes it; ``complete``: every key has a slot, known without reading
+    ``slots`` (False: some key may have none)."""
 
     slots: torch.Tensor
     new_slots: torch.Tensor
     new_keys: torch.Tensor
     journal: Optional[IndexJournal]
+    complete: bool = False
 
 
 class _Table:
@@ -279,7 +281,8 @@ class DynamicKeyIndex:
             counts_now[2] = (miss & ~admitted).sum()
         self.counters += torch.stack([torch.as_tensor(c, dtype=torch.int64, device=self.device) for c in counts_now])
         final = torch.where(hit, found, slot)
-        return LookupSlots(final.index_select(0, inverse), new_slots, new_keys, rec)
+        complete = admission_write is None and n_failed == 0  # every missing key was placed
+        return LookupSlots(final.index_select(0, inverse), new_slots, new_keys, rec, complete)
 
     def _score(self, step: int) -> int:
         eviction = self.options.eviction

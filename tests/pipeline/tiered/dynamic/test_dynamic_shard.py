@@ -104,9 +104,13 @@ def test_index_eviction_admission_and_counters_match_the_reference(eviction: str
         batch = [rng.randrange(-60, 200) for _ in range(rng.randrange(1, 50))]
         if eviction == "custom":
             ref.custom_score = index.custom_score = rng.randrange(0, 5)
+        failed_before = ref.stats["failed"]
         want, inserted = ref.find_or_insert(batch, True, step=step)
         got = index.find_or_insert(torch.tensor(batch), step=step, journal=False)
         assert got.slots.tolist() == want, step
+        # complete: every key has a slot, claimed only when no key can lack one (no admission, none failed)
+        assert got.complete == (admit_after == 1 and ref.stats["failed"] == failed_before)
+        assert not got.complete or min(want) >= 0
         assert sorted(zip(got.new_slots.tolist(), got.new_keys.tolist())) == sorted(inserted)
         assert dict(zip(ref.stats, index.counters.tolist())) == ref.stats
         assert int(index.occupancy()) == ref.occupancy
