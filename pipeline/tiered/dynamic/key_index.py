@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -274,7 +274,8 @@ class DynamicKeyIndex:
         if rec is not None:
             rec.record(self.main.scores, hit_slots)
         self.main.scores.index_copy_(0, hit_slots, new_hit_scores)
-        counts_now = [new_slots.numel(), 0, 0, n_failed]  # inserted, evicted, not admitted, failed
+        # inserted, evicted, not admitted, failed: host ints, or 0-d tensors where only the device knows
+        counts_now: List[Union[int, torch.Tensor]] = [new_slots.numel(), 0, 0, n_failed]
         if new_slots.numel():  # a shape, known without reading the device
             counts_now[1] = self.main.store(new_slots, new_keys, new_scores, rec).sum()
         if admission_write is not None:
