@@ -67,7 +67,7 @@ _KIND_FIXES: str = (
 
 class DynamicLoad(NamedTuple):
     """What a load reads into one dynamic shard, checked while planning: the saving shards' ``heads``
-    (key shard -> ``{"metadata", "step"}``), the saving shards it reads and, of each, the positions of
+    (key shard -> ``{"metadata", "step", "fields"}``), the saving shards it reads and, of each, the positions of
     the keys this shard owns (``owned``); those ``keys`` and ``scores`` (saving shard order, then slot
     order), the optimizer ``step`` and the lru ``clock`` it restores, and the admission counters
     (``admission_keys``, ``admission_counts``) it owns."""
@@ -164,7 +164,8 @@ def _kind_problems(
 
 
 def _check_saved_shards(src: Source, shard: DynamicEmbeddingShard, fqn: str) -> Dict[int, Dict[str, Any]]:
-    """Reads and checks every saving key shard's metadata and step; returns them by key shard."""
+    """Reads and checks every saving key shard's metadata and step; returns them by key shard, each with the
+    ``fields`` it saved."""
     where = src.where
     ranks = saved_dynamic_ranks(src.metadata, fqn)
     incomplete = {r: sorted(set(DYNAMIC_FIELDS) - set(f)) for r, f in ranks.items() if set(DYNAMIC_FIELDS) - set(f)}
@@ -173,7 +174,7 @@ def _check_saved_shards(src: Source, shard: DynamicEmbeddingShard, fqn: str) -> 
             f"{where}: dynamic table {fqn!r}: key shards lack fields {incomplete} (key shard: missing fields); "
             "the checkpoint is incomplete: re-save it with recpipe.pipeline.checkpoint.save."
         )
-    heads = {r: _read(src, fqn, r, ("metadata", "step")) for r in sorted(ranks)}
+    heads = {r: {**_read(src, fqn, r, ("metadata", "step")), "fields": ranks[r]} for r in sorted(ranks)}
     for head in heads.values():
         check_dynamic_metadata(shard, head["metadata"])
     shards = {int(h["metadata"]["key_shards"]) for h in heads.values()}
@@ -201,7 +202,8 @@ def _plan_table(src: Source, shard: DynamicEmbeddingShard, fqn: str) -> DynamicL
     owned: Dict[int, torch.Tensor] = {}
     keys: List[torch.Tensor] = []
     scores: List[torch.Tensor] = []
-    for r in alike[:1] or sorted(heads):
+    readers = alike[:1] or sorted(heads)
+    for r in readers:
         saved = _read(src, fqn, r, ("keys", "scores"))
         owned[r] = shard.owned(saved["keys"]).cpu().nonzero().squeeze(1)
         keys.append(saved["keys"].index_select(0, owned[r]))
@@ -217,22 +219,17 @@ def _plan_table(src: Source, shard: DynamicEmbeddingShard, fqn: str) -> DynamicL
         )
     dropped_at_load(shard, mine, mine_scores)
     clock = max(int(h["metadata"]["clock"]) for h in heads.values())
-    admission = owned_admission(shard, _saved_admission(src, fqn, sorted(heads)))
+    admission = owned_admission(shard, [_saved_admission(src, fqn, r, heads[r]["fields"]) for r in readers])
     return DynamicLoad(shard, heads, owned, mine, mine_scores, heads[min(heads)]["step"], clock, *admission)
 
 
-def _saved_admission(src: Source, fqn: str, ranks: Sequence[int]) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """Every saving key shard's ``(admission_keys, admission_counts)``; empty for a shard saved without them."""
-    saved = saved_dynamic_ranks(src.metadata, fqn)
-    empty = torch.empty(0, dtype=torch.int64)
-    parts: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    for r in ranks:
-        if set(DYNAMIC_OPTIONAL_FIELDS) <= set(saved.get(r, [])):
-            got = _read(src, fqn, r, DYNAMIC_OPTIONAL_FIELDS)
-            parts.append((got["admission_keys"], got["admission_counts"]))
-        else:
-            parts.append((empty, empty))
-    return parts
+def _saved_admission(src: Source, fqn: str, rank: int, fields: Sequence[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Saving key shard ``rank``'s ``(admission_keys, admission_counts)`` (it saved ``fields``); empty when it
+    saved none."""
+    if not set(DYNAMIC_OPTIONAL_FIELDS) <= set(fields):
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+    got = _read(src, fqn, rank, DYNAMIC_OPTIONAL_FIELDS)
+    return got["admission_keys"], got["admission_counts"]
 
 
 def plan_dynamic_load(
