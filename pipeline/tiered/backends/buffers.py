@@ -251,7 +251,9 @@ class BufferedTier(TierBackend):
     def psw_grad(
         self, grad_out: torch.Tensor, uniq: torch.Tensor, inverse: torch.Tensor, offsets: torch.Tensor
     ) -> torch.Tensor:
-        """Per-sample weights' gradient: ``<grad_out[b], row(ids[i])>`` for id ``i`` of bag ``b``."""
-        _, bags = bag_lengths_and_ids(offsets)
+        """Per-sample weights' gradient: ``<grad_out[b], row(ids[i])>`` for id ``i`` of bag ``b`` (0 for the ids
+        past the last offset, which no bag holds)."""
+        _, bags, real = bag_lengths_and_ids(offsets, inverse.numel())
         rows = self.read(*self.locate(uniq.to(torch.int64)), state=False)
-        return (grad_out.index_select(0, bags) * rows.index_select(0, inverse.to(torch.int64))).sum(1)
+        dots = (grad_out.index_select(0, bags) * rows.index_select(0, inverse.to(torch.int64))).sum(1)
+        return torch.where(real, dots, 0.0)

@@ -34,11 +34,15 @@ def check_psw_pooling(pooling: str, psw: Optional[torch.Tensor]) -> None:
         raise ValueError("per_sample_weights need pooling='sum' (as in torch.nn.EmbeddingBag).")
 
 
-def bag_lengths_and_ids(offsets: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(lengths [B], bag of each id [n])`` of ``B + 1`` bag offsets (int64, offsets' device)."""
+def bag_lengths_and_ids(offsets: torch.Tensor, n: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lengths [B], bag [n], real [n])`` of ``n`` ids in ``B + 1`` bag offsets (int64, offsets' device), in
+    fixed shapes (no host read): ``real`` marks the ids before ``offsets[-1]``; the ids past it (a lookup that
+    moved its dropped keys there) belong to no bag (``bag`` says the last; ``real`` is False)."""
     offsets = offsets.to(torch.int64)
     lengths = offsets[1:] - offsets[:-1]
-    return lengths, torch.repeat_interleave(torch.arange(lengths.numel(), device=offsets.device), lengths)
+    pos = torch.arange(n, dtype=torch.int64, device=offsets.device)
+    bags = torch.searchsorted(offsets[1:], pos, right=True).clamp(max=max(lengths.numel() - 1, 0))
+    return lengths, bags, pos < offsets[-1]
 
 
 def new_stats(device: torch.device) -> torch.Tensor:

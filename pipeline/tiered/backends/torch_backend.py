@@ -1,11 +1,14 @@
 """The ``torch`` tier backend: placement, cache and optimizer rules in device-generic torch ops.
 
 The bit-for-bit reference of the compiled kernel; its backward applies the shard's
-``RowOptimizer.update``, so any row optimizer plugs in. CACHING loads a batch's missing rows
-before the lookup (LFU: when their count beats the coldest slot; LRU: always); rows left
-without a slot are used in the slow tier directly (fbgemm's UVM-cache behaviour). Not
-sync-free. May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.interfaces`` and
-``recpipe.pipeline.tiered.native_ops``.
+``RowOptimizer.update``, so any row optimizer plugs in. An all-fast table (every row in the fast tier)
+steps in fixed shapes (``recpipe.pipeline.tiered.fixed_shape``): no host read, so a CUDA step queues
+without waiting. A layout with a host tier moves rows through the host and reads the device for it.
+CACHING loads a batch's missing rows before the lookup (LFU: when their count beats the coldest slot;
+LRU: always); rows left without a slot are used in the slow tier directly (fbgemm's UVM-cache
+behaviour). Ids past the last offset belong to no bag (the dynamic shard moves the keys it drops
+there, all-fast only). May import ``recpipe.pipeline.placement``, ``recpipe.pipeline.interfaces``,
+``recpipe.pipeline.tiered.native_ops`` and ``recpipe.pipeline.tiered.fixed_shape``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from recpipe.pipeline.interfaces import InputCheck, RowOptimizer
 from recpipe.pipeline.placement import CachePolicy
 from recpipe.pipeline.tiered.backends.buffers import BufferedTier, Lookup
 from recpipe.pipeline.tiered.backends.common import bag_lengths_and_ids
+from recpipe.pipeline.tiered.fixed_shape import device_counts, fixed_unique, last_valid
 from recpipe.pipeline.tiered.native_ops import TIERED_STATS
 
 __all__ = ["TorchBackend"]
@@ -46,12 +50,20 @@ class TorchBackend(BufferedTier):
         n = ids.numel()
         self._last["lookups"] = n
         mode = self.spec.pooling
-        if self.all_fast:
+        if self.all_fast:  # fixed shapes: nothing read back from the device
+            # mean as the sum over the bag size, which is what F.embedding_bag's mean computes, except that it
+            # counts ids past the last offset into the last bag
             out = F.embedding_bag(
-                ids, self.fast_weights, offsets, mode=mode, per_sample_weights=psw, include_last_offset=True
+                ids, self.fast_weights, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
             )
-            uniq, inverse = torch.unique(ids, return_inverse=True)
-            self._last.update(unique_rows=uniq.numel(), hits=n, fast_lookups=n)
+            if mode == "mean":
+                sizes = (offsets[1:] - offsets[:-1]).clamp(min=1)
+                out = out / sizes.to(out.dtype).unsqueeze(1)
+            uniq, inverse, _, _ = fixed_unique(ids)
+            real = torch.arange(n, device=ids.device) < offsets[-1]
+            lookups = real.sum()
+            touched = self._touched(inverse, real, uniq.numel())
+            self._last.update(unique_rows=touched.sum(), hits=lookups, fast_lookups=lookups, lookups=lookups)
         else:
             uniq, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
             self._last["unique_rows"] = uniq.numel()
@@ -65,9 +77,7 @@ class TorchBackend(BufferedTier):
                 self._last["hits"] = fast_lookups
             rows = self.read(in_fast, idx, state=False)
             out = F.embedding_bag(inverse, rows, offsets, mode=mode, per_sample_weights=psw, include_last_offset=True)
-        last = torch.stack(
-            [torch.as_tensor(self._last[k], dtype=torch.int64, device=self.spec.device) for k in TIERED_STATS]
-        )
+        last = device_counts([self._last[k] for k in TIERED_STATS], self.spec.device)
         k = len(TIERED_STATS)
         self.stats[:k] = last
         self.stats[k:] += last
@@ -83,12 +93,17 @@ class TorchBackend(BufferedTier):
         psw: Optional[torch.Tensor],
         opt: RowOptimizer,
     ) -> None:
-        lengths, bags = bag_lengths_and_ids(offsets)
+        n = inverse.numel()
+        if n == 0 or offsets.numel() < 2:
+            self.next_optimizer_step()
+            return
+        lengths, bags, real = bag_lengths_and_ids(offsets, n)
         g = grad_out.index_select(0, bags)
         if psw is not None:
             g = g * psw.unsqueeze(1)
         elif self.spec.pooling == "mean":
             g = g / lengths.clamp(min=1).to(g.dtype).index_select(0, bags).unsqueeze(1)
+        g = torch.where(real.unsqueeze(1), g, 0.0)
         grad_u = torch.zeros((uniq.numel(), self.spec.embedding_dim), dtype=g.dtype, device=g.device)
         grad_u.index_add_(0, inverse, g)
         step = self.next_optimizer_step()
@@ -96,13 +111,26 @@ class TorchBackend(BufferedTier):
         in_fast, idx = self.locate(uniq)
         w = self.read(in_fast, idx, state=False)
         s = self.read(in_fast, idx, state=True)
+        w_old, s_old = w.clone(), s.clone()
         opt.update(w, s, grad_u, step)
+        # rows no id of a bag reached (padding of the fixed-shape dedupe, or only past the last offset) keep
+        # their values; the dedupe's padding then takes its last row's result, so repeated targets write alike
+        touched = self._touched(inverse, real, uniq.numel()).unsqueeze(1)
+        valid = torch.arange(uniq.numel(), device=uniq.device) <= inverse.max()
+        w = last_valid(torch.where(touched, w, w_old), valid)
+        s = last_valid(torch.where(touched, s, s_old), valid)
         self.write(in_fast, idx, w, state=False)
         self.write(in_fast, idx, s, state=True)
         if self.caching and in_fast is not None:
             assert self.slot_score is not None
             slots = idx[in_fast]
             self.slot_score.index_copy_(0, slots, self.slot_score.index_select(0, slots) | 1)
+
+    @staticmethod
+    def _touched(inverse: torch.Tensor, real: torch.Tensor, rows: int) -> torch.Tensor:
+        """Which of the ``rows`` unique rows an id of a bag (``real``) reaches."""
+        hits = torch.zeros(rows, dtype=torch.int64, device=inverse.device)
+        return hits.index_add_(0, inverse, real.to(torch.int64)) > 0
 
     def _prefetch(self, uniq: torch.Tensor, counts: torch.Tensor) -> None:
         """Loads the batch's missing rows into slots it does not use; updates counts / recency."""

@@ -24,6 +24,7 @@ from recpipe.pipeline.placement import (
 )
 from recpipe.pipeline.routing.ops import route_ids
 from recpipe.pipeline.tiered.backends.buffers import BufferedTier
+from recpipe.pipeline.tiered.backends.common import check_psw_pooling
 from recpipe.pipeline.tiered.dynamic.dynamic_state import (
     DYNAMIC_STATE_FIELDS,
     dynamic_state_entries,
@@ -36,7 +37,6 @@ from recpipe.pipeline.tiered.dynamic.key_index import (
     HashPlan,
     IndexJournal,
     KeyUnique,
-    torch_unique,
 )
 from recpipe.pipeline.tiered.dynamic.native_plan import native_hash_plan, native_unique
 from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
@@ -51,9 +51,10 @@ _LookupUndo = Tuple[IndexJournal, torch.Tensor, torch.Tensor, torch.Tensor]
 DynamicRows = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def _index_kernels(backend: str) -> Tuple[HashPlan, KeyUnique]:
-    """The index's plan and deduplication: the compiled CPU kernels on the ``native`` backend, else torch ops."""
-    return (native_hash_plan, native_unique) if backend == "native" else (torch_hash_plan, torch_unique)
+def _index_kernels(backend: str) -> Tuple[HashPlan, Optional[KeyUnique]]:
+    """The index's plan and exact deduplication: the compiled CPU kernels on the ``native`` backend; else torch
+    ops in fixed shapes (no exact dedupe: ``DynamicKeyIndex`` pads it)."""
+    return (native_hash_plan, native_unique) if backend == "native" else (torch_hash_plan, None)
 
 
 class DynamicEmbeddingShard(TieredEmbeddingShard):
@@ -144,6 +145,8 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
             counter_slots=dynamic_counter_slots(options, num_embeddings, shards),
         )
         self._index_ready = True
+        # the torch backend over an all-fast layout steps in fixed shapes end to end: no host read per lookup
+        self._fixed_lookup: bool = self.backend == "torch" and self.tiers.all_fast
         # the last training lookup's undo record and its sequence number (lookup_counters / undo_lookup)
         self._lookups: int = 0
         self._last_undo: Optional[_LookupUndo] = None
@@ -189,10 +192,54 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
             slots, complete = self._insert(keys)
         else:
             slots = self.index.find(keys)
+        if self._fixed_lookup:
+            return self._lookup_fixed(slots, offsets, per_sample_weights)
         valid = slots >= 0
         if not complete and slots.numel() and not bool(valid.all()):
             slots, offsets, per_sample_weights = self._drop_missing(slots, valid, offsets, per_sample_weights)
         return super().forward(slots, offsets, per_sample_weights)
+
+    def _lookup_fixed(self, slots: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> torch.Tensor:
+        """The lookup in fixed shapes: keys without a row move past the last offset, where no bag holds them,
+        and the offsets count the kept ones; the checks of values run on the device (``torch._assert_async``)."""
+        if (
+            not isinstance(offsets, torch.Tensor)
+            or offsets.dim() != 1
+            or offsets.numel() < 1
+            or offsets.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError(
+                f"dynamic table {self.table_name!r}: offsets must be a 1-D int tensor of B + 1 bag offsets "
+                f"(include_last_offset), got {getattr(offsets, 'dtype', type(offsets).__name__)} of shape "
+                f"{list(getattr(offsets, 'shape', []))}."
+            )
+        if psw is not None:
+            psw = psw.float()  # as fbgemm's TBE (autograd sees the cast)
+        n = slots.numel()
+        offsets = offsets.to(torch.int64)
+        ordered = (offsets[0] == 0) & (offsets[-1] == n) & (offsets[1:] >= offsets[:-1]).all()
+        torch._assert_async(
+            ordered,
+            f"dynamic table {self.table_name!r}: offsets must start at 0, be non-decreasing and end at len(ids)={n}.",
+        )
+        if n:
+            valid = slots >= 0
+            order = torch.argsort((~valid).to(torch.int8), stable=True)  # kept keys first, in order
+            kept = valid.sum()
+            moved = slots.index_select(0, order)
+            slots = torch.where(torch.arange(n, device=slots.device) < kept, moved, moved[:1].clamp(min=0))
+            offsets = torch.cat([offsets.new_zeros(1), valid.to(torch.int64).cumsum(0)]).index_select(0, offsets)
+            psw = psw.index_select(0, order) if psw is not None else None
+        return self.tiers.lookup(slots, offsets, psw, self.optimizer, self._check_slot_lookup)
+
+    def _check_slot_lookup(self, ids: torch.Tensor, offsets: torch.Tensor, psw: Optional[torch.Tensor]) -> None:
+        """Host checks of a fixed-shape lookup (its slots are the index's, in range by construction)."""
+        check_psw_pooling(self.pooling, psw)
+        if psw is not None and psw.shape != ids.shape:
+            raise ValueError(
+                f"dynamic table {self.table_name!r}: per_sample_weights must have the shape of ids "
+                f"{list(ids.shape)}, got {list(psw.shape)}."
+            )
 
     @torch.no_grad()
     def _insert(self, keys: torch.Tensor) -> Tuple[torch.Tensor, bool]:
@@ -224,20 +271,29 @@ class DynamicEmbeddingShard(TieredEmbeddingShard):
                 self.dtype,
             )
             zeros = torch.zeros((res.new_slots.numel(), self.state_cols), dtype=torch.float32, device=self.device)
-            self._write_slots(res.new_slots, rows, zeros)
+            self._write_slots(res.new_slots, rows, zeros, res.live)
         return res.slots, res.complete
 
-    def _write_slots(self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor) -> None:
-        """Sets slot rows in whichever tier holds them; a cached slot's slow copy too (it may be clean)."""
+    def _write_slots(
+        self, slots: torch.Tensor, weights: torch.Tensor, state: torch.Tensor, live: Optional[torch.Tensor] = None
+    ) -> None:
+        """Sets slot rows in whichever tier holds them; a cached slot's slow copy too (it may be clean).
+        ``live`` (a fixed-shape selection's, ``LookupSlots.live``): where False, every write rewrites what the
+        slot holds."""
         tiers = self.tiers
         assert isinstance(tiers, BufferedTier)
         in_fast, idx = tiers.locate(slots)
-        tiers.write(in_fast, idx, weights, state=False)
-        tiers.write(in_fast, idx, state, state=True)
+        for values, is_state in ((weights, False), (state, True)):
+            if live is not None:
+                values = torch.where(live, values, tiers.read(in_fast, idx, state=is_state))
+            tiers.write(in_fast, idx, values, state=is_state)
         if tiers.caching:
             cpu = slots.to(tiers.slow_weights.device)
-            tiers.slow_weights.index_copy_(0, cpu, weights.to(tiers.slow_weights.device))
-            tiers.slow_state.index_copy_(0, cpu, state.to(tiers.slow_state.device))
+            for slow, values in ((tiers.slow_weights, weights), (tiers.slow_state, state)):
+                values = values.to(slow.device)
+                if live is not None:
+                    values = torch.where(live.to(slow.device), values, slow.index_select(0, cpu))
+                slow.index_copy_(0, cpu, values)
 
     @staticmethod
     def _drop_missing(

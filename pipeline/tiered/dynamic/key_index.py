@@ -16,6 +16,7 @@ import torch
 
 from recpipe.pipeline.placement import BUCKET_SLOTS, DynamicTableOptions
 from recpipe.pipeline.tiered.dynamic.key_hashing import ADMIT_TAG, BUCKET_TAG, bucket_of, salt_of
+from recpipe.pipeline.tiered.fixed_shape import Selection, device_counts, fixed_unique, select
 
 __all__ = [
     "DYNAMIC_COUNTERS",
@@ -61,13 +62,16 @@ class IndexJournal:
 class LookupSlots:
     """A lookup's result: ``slots`` per input key (-1: no row) and the ``(new_slots, new_keys)`` whose rows
     must be initialized; ``journal`` undoes it; ``complete``: every key has a slot, known without reading
-    ``slots`` (False: some key may have none)."""
+    ``slots`` (False: some key may have none). ``live``: None when ``new_slots`` are exactly the new ones;
+    else they are a fixed-shape selection (``recpipe.pipeline.tiered.fixed_shape``) and ``live`` a 0-d bool,
+    whether it holds any (False: the writes must rewrite what the slots hold)."""
 
     slots: torch.Tensor
     new_slots: torch.Tensor
     new_keys: torch.Tensor
     journal: Optional[IndexJournal]
     complete: bool = False
+    live: Optional[torch.Tensor] = None
 
 
 class _Table:
@@ -87,9 +91,15 @@ class _Table:
         return fn(uniq, want, self.keys, self.scores, self.sizes, BUCKET_SLOTS, self.salt)
 
     def store(
-        self, slots: torch.Tensor, keys: torch.Tensor, scores: torch.Tensor, journal: Optional[IndexJournal]
-    ) -> torch.Tensor:
-        """Writes ``keys`` / ``scores`` at ``slots`` (>= 0), growing bucket sizes; returns which were used."""
+        self,
+        sel: Optional[Selection],
+        slots: torch.Tensor,
+        keys: torch.Tensor,
+        scores: torch.Tensor,
+        journal: Optional[IndexJournal],
+    ) -> Union[int, torch.Tensor]:
+        """Writes ``keys`` / ``scores`` at ``slots`` (>= 0; taken through ``sel``, None: every entry),
+        growing bucket sizes; returns how many of the written slots held a key."""
         bucket = torch.div(slots, BUCKET_SLOTS, rounding_mode="floor")
         lane = slots - bucket * BUCKET_SLOTS
         was_used = lane < self.sizes.index_select(0, bucket)
@@ -97,10 +107,12 @@ class _Table:
             journal.record(self.keys, slots)
             journal.record(self.scores, slots)
             journal.record(self.sizes, bucket)
-        self.keys.index_copy_(0, slots, keys)
-        self.scores.index_copy_(0, slots, scores)
-        self.sizes.scatter_reduce_(0, bucket, lane + 1, reduce="amax")
-        return was_used
+        if sel is None:
+            sel = Selection.every(slots.numel(), slots.device)
+        sel.copy_(self.keys, slots, keys)
+        sel.copy_(self.scores, slots, scores)
+        self.sizes.scatter_reduce_(0, bucket, sel.keep(lane + 1, 0), reduce="amax")
+        return sel.count_of(was_used)
 
     def clear(self) -> None:
         self.sizes.zero_()
@@ -156,8 +168,11 @@ class DynamicKeyIndex:
         table_name (str): named in errors and warnings.
         device (torch.device): where the index lives (the shard's fast tier).
         plan (HashPlan): the plan implementation (torch ops, or the native kernel on CPU).
-        unique (KeyUnique): the deduplication of a batch's keys (``torch.unique``, or the native kernel's,
-            which returns the same tensors).
+        unique (Optional[KeyUnique]): the exact deduplication of a batch's keys (``torch_unique`` or the
+            native kernel's, which returns the same tensors), for the CPU kernels; None: fixed shapes
+            (``recpipe.pipeline.tiered.fixed_shape``): the padded dedupe and fixed-shape selections, so a
+            lookup reads nothing back from the device unless ``on_full`` is ``error`` or ``warning`` (one
+            count).
         counter_slots (int): slots of the admission counter table (a multiple of ``BUCKET_SLOTS``; needed
             when ``options.admit_after > 1``, else ignored): a key not yet admitted keeps its sightings there;
             a full counter bucket gives a new key the counter of the lowest count.
@@ -170,7 +185,7 @@ class DynamicKeyIndex:
         table_name: str,
         device: torch.device,
         plan: HashPlan,
-        unique: KeyUnique = torch_unique,
+        unique: Optional[KeyUnique] = None,
         counter_slots: int = 0,
     ) -> None:
         if slots <= 0 or slots % BUCKET_SLOTS:
@@ -217,9 +232,17 @@ class DynamicKeyIndex:
         if self.admission is not None:
             self.admission.clear()
 
+    def _dedupe(self, keys: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """``(uniq, inverse, counts, valid)``: exact (``valid`` None) or padded to the batch (fixed shapes)."""
+        keys = keys.to(torch.int64)
+        if self._unique is None:
+            return fixed_unique(keys)
+        uniq, inverse, counts = self._unique(keys)
+        return uniq, inverse, counts, None
+
     def find(self, keys: torch.Tensor) -> torch.Tensor:
         """Slot of each key (-1: absent); changes nothing (eval lookups)."""
-        uniq, inverse, _ = self._unique(keys.to(torch.int64))
+        uniq, inverse, _, _ = self._dedupe(keys)
         found, _ = self.main.plan(self._plan, uniq, None)
         return found.index_select(0, inverse)
 
@@ -234,56 +257,75 @@ class DynamicKeyIndex:
         Raises:
             ValueError: ``on_full='error'`` and a key found no slot (nothing changed).
         """
-        uniq, inverse, counts = self._unique(keys.to(torch.int64))
+        uniq, inverse, counts, valid = self._dedupe(keys)
+        fixed = valid is not None
         if self.admission is None:  # every missing key wants a slot: one plan finds and places
-            found, slot = self.main.plan(self._plan, uniq, torch.ones_like(uniq, dtype=torch.bool))
-            miss = found < 0
+            found, slot = self.main.plan(self._plan, uniq, valid if fixed else torch.ones_like(uniq, dtype=torch.bool))
+            miss = found < 0 if valid is None else (found < 0) & valid
             admitted, admission_write, wanted = torch.ones_like(miss), None, miss
         else:  # the missing keys are counted first; only the admitted ones are placed
             found, _ = self.main.plan(self._plan, uniq, None)
-            miss = found < 0
-            admitted, admission_write = self._admit(uniq, counts, miss)
+            miss = found < 0 if valid is None else (found < 0) & valid
+            admitted, admission_write = self._admit(uniq, counts, miss, fixed)
             wanted = miss & admitted
-            if keys.device.type == "cpu" and not bool(wanted.any()):  # a host check on CPU: no second probe
+            if not fixed and not bool(wanted.any()):  # exact shapes on the CPU: a host check, no second probe
                 slot = torch.full_like(found, -1)
             else:
                 _, slot = self.main.plan(self._plan, uniq, wanted)
         failed = wanted & (slot < 0)
-        n_failed = int(failed.sum())
-        if n_failed:
-            self._on_full(n_failed)
+        n_failed: Union[int, torch.Tensor] = failed.sum()
+        if not fixed or self.options.on_full != "ignore":  # a host read only where it costs none, or is asked
+            n_failed = int(n_failed)
+            if n_failed:
+                self._on_full(n_failed)
         rec = IndexJournal(clock=self.clock) if journal else None
         if rec is not None:
             rec.record(self.counters, torch.arange(self.counters.numel(), device=self.device))
         self.clock += 1
         if admission_write is not None:
             admission_write(rec)
-        hit = found >= 0
-        hit_at = hit.nonzero().squeeze(1)
-        hit_slots = found.index_select(0, hit_at)
-        put = slot >= 0
-        put_at = put.nonzero().squeeze(1)
-        new_slots, new_keys = slot.index_select(0, put_at), uniq.index_select(0, put_at)
+        hit = found >= 0 if valid is None else (found >= 0) & valid
+        puts, new_scores = self._write_scores(uniq, counts, hit, found, slot, step, fixed, rec)
+        new_slots, new_keys = puts.targets(slot), puts.take(uniq)
+        # inserted, evicted, not admitted, failed: host ints, or 0-d tensors where only the device knows
+        counts_now: List[Union[int, torch.Tensor]] = [puts.count, 0, 0, n_failed]
+        if new_slots.numel():  # a shape, known without reading the device
+            counts_now[1] = self.main.store(puts, new_slots, new_keys, puts.take(new_scores), rec)
+        if admission_write is not None:
+            counts_now[2] = (miss & ~admitted).sum()
+        self.counters += device_counts(counts_now, self.device)
+        final = torch.where(found >= 0, found, slot)
+        # every missing key was placed (known on the host only in exact shapes, where n_failed is an int)
+        complete = isinstance(n_failed, int) and not fixed and admission_write is None and n_failed == 0
+        return LookupSlots(final.index_select(0, inverse), new_slots, new_keys, rec, complete, puts.live)
+
+    def _write_scores(
+        self,
+        uniq: torch.Tensor,
+        counts: torch.Tensor,
+        hit: torch.Tensor,
+        found: torch.Tensor,
+        slot: torch.Tensor,
+        step: int,
+        fixed: bool,
+        rec: Optional[IndexJournal],
+    ) -> Tuple[Selection, torch.Tensor]:
+        """Writes the found keys' new scores; returns the selection of the placed keys and the scores they
+        take (per unique key), for the store."""
+        hits = select(hit, fixed)
+        hit_slots = hits.targets(found)
+        puts = select(slot >= 0, fixed)
         if self.options.eviction == "lfu":
-            new_hit_scores = self.main.scores.index_select(0, hit_slots) + counts.index_select(0, hit_at)
-            new_scores = counts.index_select(0, put_at)
+            new_hit_scores = self.main.scores.index_select(0, hit_slots) + hits.take(counts)
+            new_scores = counts
         else:
             value = self._score(step)
             new_hit_scores = torch.full_like(hit_slots, value)
-            new_scores = torch.full_like(new_slots, value)
+            new_scores = torch.full_like(uniq, value)
         if rec is not None:
             rec.record(self.main.scores, hit_slots)
-        self.main.scores.index_copy_(0, hit_slots, new_hit_scores)
-        # inserted, evicted, not admitted, failed: host ints, or 0-d tensors where only the device knows
-        counts_now: List[Union[int, torch.Tensor]] = [new_slots.numel(), 0, 0, n_failed]
-        if new_slots.numel():  # a shape, known without reading the device
-            counts_now[1] = self.main.store(new_slots, new_keys, new_scores, rec).sum()
-        if admission_write is not None:
-            counts_now[2] = (miss & ~admitted).sum()
-        self.counters += torch.stack([torch.as_tensor(c, dtype=torch.int64, device=self.device) for c in counts_now])
-        final = torch.where(hit, found, slot)
-        complete = admission_write is None and n_failed == 0  # every missing key was placed
-        return LookupSlots(final.index_select(0, inverse), new_slots, new_keys, rec, complete)
+        hits.copy_(self.main.scores, hit_slots, new_hit_scores)
+        return puts, new_scores
 
     def _score(self, step: int) -> int:
         eviction = self.options.eviction
@@ -294,27 +336,29 @@ class DynamicKeyIndex:
         return self.custom_score  # custom (lfu scores by counts)
 
     def _admit(
-        self, uniq: torch.Tensor, counts: torch.Tensor, miss: torch.Tensor
+        self, uniq: torch.Tensor, counts: torch.Tensor, miss: torch.Tensor, fixed: bool
     ) -> Tuple[torch.Tensor, Optional[Callable[[Optional[IndexJournal]], None]]]:
         """``(admitted mask over uniq, the admission table's write)`` (planned now, written after the on_full
         check so a refused lookup changes nothing)."""
         table = self.admission
         if table is None:
             return torch.ones_like(miss), None
-        pos = miss.nonzero().squeeze(1)
-        mk, mc = uniq.index_select(0, pos), counts.index_select(0, pos)
-        cf, cs = table.plan(self._plan, mk, torch.ones_like(mk, dtype=torch.bool))
+        misses = select(miss, fixed)
+        mk, mc = misses.take(uniq), misses.take(counts)
+        want = torch.ones_like(mk, dtype=torch.bool) if misses.held is None else misses.held
+        cf, cs = table.plan(self._plan, mk, want)
         prev = torch.where(cf >= 0, table.scores.index_select(0, cf.clamp(min=0)), 0)
         total = prev + mc
         ok = total >= self.options.admit_after
         stored = torch.where(ok, 0, total)
         admitted = torch.zeros_like(miss)
-        admitted[pos] = ok
+        misses.copy_(admitted, misses.at, ok)
 
         def write(rec: Optional[IndexJournal]) -> None:
             where = torch.where(cf >= 0, cf, cs)
-            keep = where >= 0
-            table.store(where[keep], mk[keep], stored[keep], rec)
+            kept = select(want & (where >= 0), fixed)
+            if kept.at.numel():
+                table.store(kept, kept.targets(where), kept.take(mk), kept.take(stored), rec)
 
         return admitted, write
 
@@ -365,7 +409,7 @@ class DynamicKeyIndex:
         slots = _placement(self.admission, keys, counts, self.table_name)
         kept = slots >= 0
         self.admission.clear()
-        self.admission.store(slots[kept], keys[kept], counts[kept], None)
+        self.admission.store(None, slots[kept], keys[kept], counts[kept], None)
 
     def placement(self, keys: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """The slot each of ``keys`` (distinct) takes when loaded into an empty index (-1: none); changes
@@ -396,7 +440,7 @@ class DynamicKeyIndex:
             self.on_full_at_load(dropped, int(keys.numel()))
         self.clear()
         self.main.store(
-            slots[kept], keys.to(self.device, torch.int64)[kept], scores.to(self.device, torch.int64)[kept], None
+            None, slots[kept], keys.to(self.device, torch.int64)[kept], scores.to(self.device, torch.int64)[kept], None
         )
         return slots, kept
 

@@ -44,3 +44,37 @@ def test_cuda_torch_backend_equals_cpu_native_backend(mode: str, x: float) -> No
     kb, _, _, sb = gpu.dynamic_rows()
     assert torch.equal(ka, kb) and torch.equal(sa, sb), "the same keys in the same slots with the same scores"
     assert cpu.tier_stats()["evicted"] == gpu.tier_stats()["evicted"] > 0
+
+
+@pytest.mark.parametrize("pooling", ["sum", "mean"])
+def test_a_cuda_step_of_an_all_fast_table_never_waits_for_the_device(pooling: str) -> None:
+    """Training lookups (inserts, admission, evictions, keys without a slot), their backward and eval lookups
+    of an all-fast table run under ``torch.cuda.set_sync_debug_mode("error")``: any host read raises."""
+    shard = DynamicEmbeddingShard(
+        num_embeddings=64,
+        embedding_dim=8,
+        options=DynamicTableOptions(capacity=64, eviction="lru", admit_after=2, on_full="ignore", seed=3),
+        pooling=pooling,
+        device="cuda",
+        backend="torch",
+        optimizer=TieredOptimizerConfig(optimizer="adam", learning_rate=0.05),
+    )
+    gen = torch.Generator().manual_seed(0)
+    offsets = torch.arange(0, 61, 5).cuda()
+    batches = [
+        ((torch.randint(-60, 60, (60,), generator=gen) * 1000003).cuda(), torch.randn(12, 8, generator=gen).cuda())
+        for _ in range(12)
+    ]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for keys, grad in batches:
+            shard.lookup_counters()
+            shard(keys, offsets).backward(grad)
+        shard.eval()
+        with torch.no_grad():
+            shard(batches[0][0], offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stats = shard.tier_stats()
+    assert stats["evicted"] > 0 and stats["not_admitted"] > 0

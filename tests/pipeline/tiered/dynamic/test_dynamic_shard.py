@@ -22,7 +22,7 @@ from harness.tiered_shards import ATOL, RTOL
 from recpipe.pipeline.placement import BUCKET_SLOTS, DynamicInitializer, DynamicTableOptions
 from recpipe.pipeline.tiered.dynamic.dynamic_shard import DynamicEmbeddingShard
 from recpipe.pipeline.tiered.dynamic.key_hashing import bucket_of, init_rows, init_salt, salt_of
-from recpipe.pipeline.tiered.dynamic.key_index import DynamicKeyIndex
+from recpipe.pipeline.tiered.dynamic.key_index import DynamicKeyIndex, torch_unique
 from recpipe.pipeline.tiered.dynamic.plan import torch_hash_plan
 from recpipe.pipeline.tiered.optim import TieredOptimizerConfig
 from recpipe.pipeline.tiered.shard import TieredEmbeddingShard
@@ -88,9 +88,14 @@ def test_torch_plan_matches_the_reference_plan(eviction: str) -> None:
         ref.find_or_insert(batch, True)
 
 
+@pytest.mark.parametrize("shapes", ["exact", "fixed"])
 @pytest.mark.parametrize("admit_after", [1, 3])
 @pytest.mark.parametrize("eviction", ["lru", "lfu", "step", "custom"])
-def test_index_eviction_admission_and_counters_match_the_reference(eviction: str, admit_after: int) -> None:
+def test_index_eviction_admission_and_counters_match_the_reference(
+    eviction: str, admit_after: int, shapes: str
+) -> None:
+    """The index in exact shapes (``torch.unique``, as the CPU kernels) and in fixed shapes (padded dedupe
+    and selections, the torch implementation) against the pure-Python reference."""
     rng = random.Random(2)
     # a counter table of 2 buckets beside 4 of rows: full counter buckets forget their lowest counts
     ref = ReferenceIndex(
@@ -98,7 +103,13 @@ def test_index_eviction_admission_and_counters_match_the_reference(eviction: str
     )
     options = DynamicTableOptions(eviction=eviction, admit_after=admit_after, seed=5, on_full="ignore")
     index = DynamicKeyIndex(
-        4 * BUCKET_SLOTS, options, "t", torch.device("cpu"), torch_hash_plan, counter_slots=2 * BUCKET_SLOTS
+        4 * BUCKET_SLOTS,
+        options,
+        "t",
+        torch.device("cpu"),
+        torch_hash_plan,
+        unique=torch_unique if shapes == "exact" else None,
+        counter_slots=2 * BUCKET_SLOTS,
     )
     for step in range(80):
         batch = [rng.randrange(-60, 200) for _ in range(rng.randrange(1, 50))]
@@ -108,10 +119,16 @@ def test_index_eviction_admission_and_counters_match_the_reference(eviction: str
         want, inserted = ref.find_or_insert(batch, True, step=step)
         got = index.find_or_insert(torch.tensor(batch), step=step, journal=False)
         assert got.slots.tolist() == want, step
-        # complete: every key has a slot, claimed only when no key can lack one (no admission, none failed)
-        assert got.complete == (admit_after == 1 and ref.stats["failed"] == failed_before)
-        assert not got.complete or min(want) >= 0
-        assert sorted(zip(got.new_slots.tolist(), got.new_keys.tolist())) == sorted(inserted)
+        new = list(zip(got.new_slots.tolist(), got.new_keys.tolist()))
+        if shapes == "exact":
+            # complete: every key has a slot, claimed only when no key can lack one (no admission, none failed)
+            assert got.complete == (admit_after == 1 and ref.stats["failed"] == failed_before)
+            assert not got.complete or min(want) >= 0
+            assert sorted(new) == sorted(inserted)
+        else:  # the new rows, then the last repeated; none when the selection holds nothing
+            assert not got.complete and got.live is not None and bool(got.live) == bool(inserted)
+            assert (sorted(set(new)) if inserted else []) == sorted(inserted)
+            assert new[: len(inserted)] == sorted(new[: len(inserted)], key=new.index) and len(new) == len(batch)
         assert dict(zip(ref.stats, index.counters.tolist())) == ref.stats
         assert int(index.occupancy()) == ref.occupancy
     assert index.find(torch.tensor(batch)).tolist() == ref.find_or_insert(batch, False)[0]
