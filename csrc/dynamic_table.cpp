@@ -137,6 +137,8 @@ void find_keys(const PlanArgs& a, int64_t* found, int64_t* want_bucket) {
         for (int64_t j = 0; j < sz; ++j) {
           if (kb[j] == key) {
             pos = b * a.S + j;
+            // the caller rewrites a found key's score next (its LRU / LFU / step score): fetch the line now
+            __builtin_prefetch(a.scores + pos, 1);
             break;
           }
         }

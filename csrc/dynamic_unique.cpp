@@ -6,16 +6,18 @@
 //                   position of keys[i] in uniq, counts[j] its repeats.
 //
 // First a hash set of the keys (open addressing, linear probing on mix64 of the
-// key, at most half full) gives each distinct key an id in order of first
-// sight; then only the distinct keys are sorted, by a least-significant-digit
-// radix sort of (key, id) pairs over the key's order-preserving unsigned image
-// (sign bit flipped; 8-bit digits, a digit every key shares skipped); a last
-// pass maps ids to sorted positions. O(n) time, O(n) scratch, one thread: a
-// batch's keys are few (one step's lookups), and the result never depends on
-// the thread count.
+// key, at most half full; the home cells of the keys kAhead positions on are
+// prefetched, since the set outgrows the L1 cache) gives each distinct key an id
+// in order of first sight; then only the distinct keys are sorted, by a
+// least-significant-digit radix sort of (key, id) pairs over the key's
+// order-preserving unsigned image (sign bit flipped; 11-bit digits, six passes
+// at most, a digit every key shares skipped); a last pass maps ids to sorted
+// positions. O(n) time, O(n) scratch, one thread: a batch's keys are few (one
+// step's lookups), and the result never depends on the thread count.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstring>
@@ -28,10 +30,11 @@
 namespace recpipe {
 namespace {
 
-constexpr int kDigitBits = 8;
-constexpr int kDigits = 64 / kDigitBits;
+constexpr int kDigitBits = 11;
+constexpr int kDigits = (64 + kDigitBits - 1) / kDigitBits;
 constexpr int kRadix = 1 << kDigitBits;
 constexpr uint64_t kSignBit = uint64_t{1} << 63;
+constexpr int64_t kAhead = 16;  // keys whose hash-set cells are prefetched ahead of the probe (a power of two)
 
 struct KeyAt {
   uint64_t key;  // order-preserving image of the int64 key
@@ -40,7 +43,7 @@ struct KeyAt {
 
 // Sorts `a` (n pairs) by key, stable; `b` is scratch of n pairs. Returns the buffer holding the result.
 KeyAt* radix_sort(KeyAt* a, KeyAt* b, int64_t n) {
-  std::vector<std::array<int64_t, kRadix>> hist(kDigits);
+  std::vector<std::array<int32_t, kRadix>> hist(kDigits);  // n < 2^31 (checked by the caller)
   for (auto& h : hist) h.fill(0);
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t k = a[i].key;
@@ -50,9 +53,9 @@ KeyAt* radix_sort(KeyAt* a, KeyAt* b, int64_t n) {
     auto& h = hist[d];
     const uint64_t digit0 = (a[0].key >> (d * kDigitBits)) & (kRadix - 1);
     if (h[digit0] == n) continue;  // every key has this digit: the pass would not move anything
-    int64_t pos = 0;
+    int32_t pos = 0;
     for (int v = 0; v < kRadix; ++v) {
-      const int64_t c = h[v];
+      const int32_t c = h[v];
       h[v] = pos;
       pos += c;
     }
@@ -91,9 +94,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dynamic_unique_cpu(const at::Tens
   std::vector<int64_t> seen_counts;
   distinct.reserve(static_cast<size_t>(n));
   seen_counts.reserve(static_cast<size_t>(n));
+  uint64_t home[kAhead];  // home cells of keys i .. i + kAhead - 1
+  auto issue = [&](int64_t i) {
+    const uint64_t cell = mix64(static_cast<uint64_t>(kp[i])) & mask;
+    home[i & (kAhead - 1)] = cell;
+    __builtin_prefetch(table.data() + cell);
+  };
+  for (int64_t i = 0; i < std::min(n, kAhead); ++i) issue(i);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t key = kp[i];
-    uint64_t cell = mix64(static_cast<uint64_t>(key)) & mask;
+    uint64_t cell = home[i & (kAhead - 1)];
+    if (i + kAhead < n) issue(i + kAhead);
     while (true) {
       const int32_t id = table[cell];
       if (id < 0) {
