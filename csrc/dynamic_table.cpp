@@ -137,7 +137,8 @@ void find_keys(const PlanArgs& a, int64_t* found, int64_t* want_bucket) {
         for (int64_t j = 0; j < sz; ++j) {
           if (kb[j] == key) {
             pos = b * a.S + j;
-            // the caller rewrites a found key's score next (its LRU / LFU / step score): fetch the line now
+            // a training lookup rewrites a found key's score right after the plan: fetch its line now
+            // (an eval lookup does not; the prefetch then costs one instruction)
             __builtin_prefetch(a.scores + pos, 1);
             break;
           }
